@@ -1,0 +1,52 @@
+"""Input validation shared by the ops: every failure is a ValueError naming the argument."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(
+    name: str,
+    x: object,
+    *,
+    ndim: int | tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    ndims = (ndim,) if isinstance(ndim, int) else ndim
+    if x.dim() not in ndims:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} dims, got shape "
+                         f"{tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        raise ValueError(f"{name} dtype must be one of {[str(d) for d in dtypes]}, got {x.dtype}")
+    return x
+
+
+def check_finite(name: str, x: torch.Tensor) -> None:
+    # One fused reduction; the .item() is the only host sync the ops make on their inputs.
+    if x.is_floating_point() and x.numel() and not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} contains NaN or Inf")
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
+
+
+def check_backend(backend: str, allowed: tuple[str, ...] = ("auto", "triton", "reference")) -> str:
+    if backend not in allowed:
+        raise ValueError(f"backend must be one of {allowed}, got {backend!r}")
+    return backend

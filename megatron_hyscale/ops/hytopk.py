@@ -1,0 +1,129 @@
+"""HyTopK: exact top-k over lightning-indexer scores, without a score table.
+
+score[b, t, s] = sum_h weights[b, t, h] * act(q[b, t, h] . k[b, s]) (fp32 accumulation),
+act = ReLU or identity. Key s is visible to query t iff k_positions[s] <= q_positions[t]
+(when causal). Each row keeps the top-k visible keys under the total order
+(score descending, then key index ascending); -0.0 and +0.0 tie.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from megatron_hyscale.ops import reference
+from megatron_hyscale.ops.checks import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    check_backend,
+    check_finite,
+    check_positive_int,
+    check_same_device,
+    check_tensor,
+)
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Warn the first time a fast path is declined, naming why; later calls stay quiet."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def normalize_positions(
+    name: str, positions: torch.Tensor | None, batch: int, length: int, default_start: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Return int64 positions of shape [batch, length] (validated; default arange + start)."""
+    if positions is None:
+        return (torch.arange(length, device=device, dtype=torch.int64) + default_start).expand(
+            batch, length
+        )
+    check_tensor(name, positions, ndim=(1, 2), dtypes=INT_DTYPES)
+    if positions.device != device:
+        raise ValueError(f"{name} is on {positions.device} but q is on {device}")
+    if positions.dim() == 1:
+        if positions.shape[0] != length:
+            raise ValueError(f"{name} must have {length} entries, got {positions.shape[0]}")
+        positions = positions.unsqueeze(0).expand(batch, length)
+    elif tuple(positions.shape) != (batch, length):
+        raise ValueError(f"{name} must be [{length}] or [{batch}, {length}], got "
+                         f"{tuple(positions.shape)}")
+    return positions.to(torch.int64)
+
+
+def validate_hytopk_inputs(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int,
+    q_positions: torch.Tensor | None, k_positions: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check shapes, dtypes, devices and values; return [B, T] / [B, S] int64 positions."""
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("weights", weights, ndim=3, dtypes=FLOAT_DTYPES)
+    check_positive_int("topk", topk)
+    B, T, H, D = q.shape
+    if k.shape[0] != B or k.shape[2] != D:
+        raise ValueError(f"k must be [B={B}, S, D={D}], got {tuple(k.shape)}")
+    if tuple(weights.shape) != (B, T, H):
+        raise ValueError(f"weights must be [B={B}, T={T}, H={H}], got {tuple(weights.shape)}")
+    if k.dtype != q.dtype:
+        raise ValueError(f"k dtype {k.dtype} must match q dtype {q.dtype}")
+    check_same_device(q=q, k=k, weights=weights)
+    for name, x in (("q", q), ("k", k), ("weights", weights)):
+        check_finite(name, x)
+    S = k.shape[1]
+    qpos = normalize_positions("q_positions", q_positions, B, T, S - T, q.device)
+    kpos = normalize_positions("k_positions", k_positions, B, S, 0, q.device)
+    return qpos, kpos
+
+
+def hytopk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    topk: int,
+    *,
+    relu: bool = True,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+    causal: bool = True,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k of indexer scores per query row.
+
+    Args:
+        q: [B, T, H, D] indexer queries (bf16, fp16 or fp32).
+        k: [B, S, D] indexer keys (same dtype as q).
+        weights: [B, T, H] per-head weights (any float dtype; used in fp32).
+        topk: keys kept per row (> 0; may exceed the number of visible keys).
+        relu: apply ReLU to each head's logit before weighting.
+        q_positions, k_positions: [T] / [S] or per batch [B, T] / [B, S] integer positions;
+            default k_positions = arange(S), q_positions = arange(T) + (S - T).
+        causal: when False every key is visible.
+        backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
+
+    Returns:
+        indices: int32 [B, T, topk], sorted by (score desc, index asc); -1 past the visible keys.
+        scores: fp32 [B, T, topk] aligned with indices; -inf at -1 slots.
+    """
+    check_backend(backend)
+    qpos, kpos = validate_hytopk_inputs(q, k, weights, topk, q_positions, k_positions)
+    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
+    if use_triton:
+        try:
+            from megatron_hyscale.ops.kernels import hytopk as hytopk_kernel
+        except ImportError as err:  # the kernel module is optional until Triton is importable
+            if backend == "triton":
+                raise
+            warn_once("hytopk-import", f"HyTopK Triton kernel unavailable ({err}); using the "
+                      "reference path")
+        else:
+            return hytopk_kernel.hytopk_triton(
+                q, k, weights, topk, relu=relu, q_positions=qpos, k_positions=kpos, causal=causal
+            )
+    return reference.hytopk_reference(
+        q, k, weights, topk, relu=relu, q_positions=qpos, k_positions=kpos, causal=causal
+    )

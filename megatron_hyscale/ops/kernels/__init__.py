@@ -1,0 +1,1 @@
+"""Triton kernels and their launch wrappers (depend on torch and triton only)."""
