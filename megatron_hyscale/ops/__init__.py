@@ -1,5 +1,7 @@
 """Pure tensor ops (no Megatron imports): HyTopK, sparse attention, the indexer KL loss."""
 
 from megatron_hyscale.ops.hytopk import hytopk
+from megatron_hyscale.ops.indexer_loss import indexer_kl_loss
+from megatron_hyscale.ops.sparse_attention import sparse_attention
 
-__all__ = ["hytopk"]
+__all__ = ["hytopk", "indexer_kl_loss", "sparse_attention"]

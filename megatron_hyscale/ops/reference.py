@@ -8,12 +8,27 @@ from __future__ import annotations
 
 import torch
 
-# Elements of fp32 work per query-row chunk (about 256 MiB): keeps 32K-token CPU runs bounded.
+# Elements of fp32 work per query-row chunk (about 256 MiB): keeps long-context runs bounded.
 CHUNK_ELEMENTS = 1 << 26
+# On a CPU, cache-sized chunks are faster (fewer page faults on fresh buffers) and keep a 32K-token
+# run well under 1 GiB; the CPU budget is min(CHUNK_ELEMENTS, CPU_CHUNK_ELEMENTS).
+CPU_CHUNK_ELEMENTS = 1 << 22
 _LOW32 = 0xFFFFFFFF
 
 
-def rows_per_chunk(per_row_elements: int, budget: int = CHUNK_ELEMENTS) -> int:
+def rows_per_chunk(
+    per_row_elements: int, budget: int | None = None, device: torch.device | None = None
+) -> int:
+    """Query rows per chunk so that one chunk holds about `budget` elements of work.
+
+    The budget is read from CHUNK_ELEMENTS (and CPU_CHUNK_ELEMENTS for CPU tensors) at call
+    time, not bound at import, so tests can shrink it to check that results do not depend on
+    the chunking.
+    """
+    if budget is None:
+        budget = CHUNK_ELEMENTS
+        if device is not None and device.type == "cpu":
+            budget = min(budget, CPU_CHUNK_ELEMENTS)
     return max(1, budget // max(1, per_row_elements))
 
 
@@ -34,9 +49,10 @@ def order_key(scores: torch.Tensor) -> torch.Tensor:
     low 32 bits: ~index, so among equal scores the smaller index has the larger key.
     """
     bits = (scores + 0.0).view(torch.int32)  # x + 0.0 turns -0.0 into +0.0
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    # In-place steps: on a CPU each fresh full-size buffer costs as much as the op itself.
+    ordered = (bits >> 31).bitwise_and_(0x7FFFFFFF).bitwise_xor_(bits)
     index = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
-    return (ordered.to(torch.int64) << 32) | (_LOW32 - index)
+    return ordered.to(torch.int64).bitwise_left_shift_(32).bitwise_or_(_LOW32 - index)
 
 
 def hytopk_reference(
@@ -56,22 +72,343 @@ def hytopk_reference(
     kk = min(topk, S)
     indices = torch.full((B, T, topk), -1, dtype=torch.int32, device=q.device)
     scores = torch.full((B, T, topk), float("-inf"), dtype=torch.float32, device=q.device)
-    step = rows_per_chunk(B * H * S)
+    step = rows_per_chunk(B * H * S, device=q.device)
     slot = torch.arange(kk, device=q.device)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
-        s = indexer_scores(q[:, t0:t1], k, weights[:, t0:t1], relu)  # [B, t, S]
+        # Keys past the last one visible to any row of the chunk cannot be selected: skip them
+        # (halves the causal work). Exact for any positions, sorted or not.
+        n_cols = S
+        if causal:
+            reach = k_positions <= q_positions[:, t0:t1].amax(dim=1, keepdim=True)  # [B, S]
+            seen = reach.any(dim=0).nonzero()
+            if seen.numel() == 0:
+                continue  # no key visible to any row: the -1 / -inf fill stands
+            n_cols = int(seen[-1]) + 1
+        kc = min(kk, n_cols)
+        s = indexer_scores(q[:, t0:t1], k[:, :n_cols], weights[:, t0:t1], relu)  # [B, t, n]
         key = order_key(s)
         if causal:
-            visible = k_positions[:, None, :] <= q_positions[:, t0:t1, None]
-            key = key.masked_fill(~visible, torch.iinfo(torch.int64).min)
+            visible = k_positions[:, None, :n_cols] <= q_positions[:, t0:t1, None]
+            key.masked_fill_(~visible, torch.iinfo(torch.int64).min)
             n_visible = visible.sum(-1, keepdim=True)
         else:
             n_visible = torch.full((B, t1 - t0, 1), S, device=q.device)
-        top = key.topk(kk, dim=-1).values
-        keep = slot < n_visible
+        top = key.topk(kc, dim=-1).values
+        keep = slot[:kc] < n_visible
         idx = torch.where(keep, _LOW32 - (top & _LOW32), 0)
         chunk_scores = s.gather(-1, idx).masked_fill(~keep, float("-inf"))
-        indices[:, t0:t1, :kk] = torch.where(keep, idx, -1).to(torch.int32)
-        scores[:, t0:t1, :kk] = chunk_scores + 0.0
+        indices[:, t0:t1, :kc] = torch.where(keep, idx, -1).to(torch.int32)
+        scores[:, t0:t1, :kc] = chunk_scores + 0.0
     return indices, scores
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse attention over selected indices
+# ---------------------------------------------------------------------------------------------
+
+INDEXER_LOSS_EPS = 1e-10  # megatron-core's INDEXER_LOSS_EPS: the clamp in every normalization
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _run_chunk(fn, needs_grad: bool, *args):
+    # Non-reentrant checkpoint keeps only the chunk's inputs (views of the full tensors) for
+    # backward and recomputes the chunk's [rows, keys] work there, so backward memory is as
+    # bounded as forward memory.
+    if needs_grad:
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+def _flat_rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, S, H, D] -> [B*S*H, D]; row (b*S + s)*H + h. A view when x is contiguous."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def _sparse_attention_chunk(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor | None,
+    indices: torch.Tensor,
+    sink: torch.Tensor | None,
+    S: int,
+    dv: int,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of query rows: q [B, t, Hq, D], indices [B, t, Hkv, K] -> out, lse."""
+    B, t, Hq, D = q.shape
+    Hkv, K = indices.shape[2], indices.shape[3]
+    G = Hq // Hkv
+    valid = indices >= 0
+    b_off = torch.arange(B, device=q.device).view(B, 1, 1, 1) * (S * Hkv)
+    h_off = torch.arange(Hkv, device=q.device).view(1, 1, Hkv, 1)
+    rows = (b_off + indices.clamp_min(0).long() * Hkv + h_off).reshape(-1)
+    k_sel = k_flat.index_select(0, rows).view(B, t, Hkv, K, D)
+    if v_flat is None:
+        v_sel = k_sel[..., :dv]  # V is the first dv channels of K (absorbed MLA / shared KV)
+    else:
+        v_sel = v_flat.index_select(0, rows).view(B, t, Hkv, K, dv)
+    qg = q.float().reshape(B, t, Hkv, G, D)  # query head h = kv * G + g reads KV head kv
+    logits = torch.einsum("btkgd,btkjd->btkgj", qg, k_sel.float()) * softmax_scale
+    logits = logits.masked_fill(~valid.unsqueeze(3), float("-inf"))
+    sink_g = None if sink is None else sink.float().view(Hkv, G)
+    with torch.no_grad():  # any finite shift gives the same softmax; detaching it is exact
+        m = logits.amax(dim=-1)
+        if sink_g is not None:
+            m = torch.maximum(m, sink_g)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(logits - m.unsqueeze(-1))  # exactly 0 (and 0 gradient) at -1 slots
+    denom = p.sum(dim=-1)
+    if sink_g is not None:
+        denom = denom + torch.exp(sink_g - m)
+    nonempty = denom > 0
+    # A row with no valid index and no sink has denom 0: divide by 1 instead so the output and
+    # every gradient stay 0 rather than NaN (where() alone would still backprop 0/0).
+    safe = torch.where(nonempty, denom, torch.ones_like(denom))
+    out = torch.einsum("btkgj,btkjd->btkgd", p, v_sel.float()) / safe.unsqueeze(-1)
+    lse = torch.where(nonempty, m + torch.log(safe), torch.full_like(m, float("-inf")))
+    return out.reshape(B, t, Hq, dv).to(q.dtype), lse.reshape(B, t, Hq)
+
+
+def sparse_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    *,
+    dv: int | None = None,
+    sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference sparse attention on validated inputs (see ops.sparse_attention for the contract).
+
+    Args:
+        q: [B, T, Hq, Dqk]; k: [B, S, Hkv, Dqk]; v: [B, S, Hkv, Dv] or None (V = K[..., :dv]).
+        indices: [B, T, Hkv, K] or [B, T, K] integer, -1 ignored (assumed distinct per row:
+            a repeated index would be counted twice).
+        sink: [Hq] logits that join each softmax denominator only.
+
+    Returns:
+        out [B, T, Hq, Dv] in q's dtype and lse fp32 [B, T, Hq] (-inf for empty rows).
+
+    Memory: query rows are processed in chunks of about CHUNK_ELEMENTS gathered elements; with
+    autograd each chunk is checkpointed, so no [T, K, D] gather outlives its chunk.
+    """
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    if indices.dim() == 3:
+        indices = indices.unsqueeze(2).expand(B, T, Hkv, indices.shape[-1])
+    if indices.shape[-1] == 0:  # no slots at all: one empty slot keeps the reductions defined
+        indices = indices.new_full((B, T, Hkv, 1), -1)
+    K = indices.shape[-1]
+    Dv = v.shape[-1] if v is not None else (D if dv is None else dv)
+    k_flat = _flat_rows(k)
+    v_flat = None if v is None else _flat_rows(v)
+    needs_grad = _needs_grad(q, k, v, sink)
+    # Per query row: the gathered K and V (fp32 copies too) and a few [Hq, K] logit buffers.
+    step = rows_per_chunk(B * (2 * Hkv * K * (D + Dv) + 4 * Hq * K), device=q.device)
+    fn = lambda qc, kf, vf, ic, sk: _sparse_attention_chunk(qc, kf, vf, ic, sk, S, Dv,
+                                                           softmax_scale)
+    outs, lses = [], []
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        out, lse = _run_chunk(fn, needs_grad, q[:, t0:t1], k_flat, v_flat, indices[:, t0:t1],
+                              sink)
+        outs.append(out)
+        lses.append(lse)
+    if not outs:  # T == 0
+        return q.new_zeros(B, 0, Hq, Dv), q.new_zeros(B, 0, Hq, dtype=torch.float32)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# DSA indexer KL loss (megatron-core 0.19.2 compute_dsa_indexer_loss / FusedDSAIndexerLoss)
+# ---------------------------------------------------------------------------------------------
+
+
+def _masked_log_softmax(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """megatron's dsa_masking.masked_log_softmax: log-probs over valid entries, 0 elsewhere."""
+    masked = logits.masked_fill(~valid, torch.finfo(logits.dtype).min)
+    has_valid = valid.any(dim=-1, keepdim=True)
+    safe = torch.where(has_valid, masked, torch.zeros_like(masked))
+    return torch.log_softmax(safe, dim=-1).masked_fill(~valid, 0.0)
+
+
+def _attention_target(
+    logits: torch.Tensor, valid: torch.Tensor, tp_group: object | None
+) -> torch.Tensor:
+    """Indexer target from main-attention logits [B, t, Hkv, G, n] and validity [B, t, n].
+
+    Per-head masked softmax (megatron's masked_softmax, denominator clamped at eps), summed
+    over heads (and over tensor-parallel ranks, which hold the other heads), L1-normalized
+    with the denominator clamped at eps. Returns [B, t, n] fp32; rows with no valid entry
+    are all zero.
+    """
+    mask = valid[:, :, None, None, :]
+    logits = logits.masked_fill(~mask, float("-inf"))
+    m = logits.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = (logits - m).exp_()
+    p = p / p.sum(dim=-1, keepdim=True).clamp_min(INDEXER_LOSS_EPS)
+    target = p.sum(dim=(2, 3))
+    if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+        torch.distributed.all_reduce(target, group=tp_group)
+    return target / target.sum(dim=-1, keepdim=True).clamp_min(INDEXER_LOSS_EPS)
+
+
+def _kl_sum(target: torch.Tensor, log_predict: torch.Tensor) -> torch.Tensor:
+    """sum of megatron's KL terms target * (log(max(target, eps)) - log_predict).
+
+    Entries outside the valid set have target 0 and log_predict 0, so they add exactly 0, as in
+    megatron (which also leaves them unmasked). Per-row sums first, then over rows, as there.
+    """
+    terms = target * (torch.log(target.clamp_min(INDEXER_LOSS_EPS)) - log_predict)
+    return terms.sum(dim=-1).sum()
+
+
+def _indexer_kl_dense_chunk(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    k_index: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    softmax_scale: float,
+    relu: bool,
+    tp_group: object | None,
+) -> torch.Tensor:
+    """KL sum over one chunk of rows, softmax over every visible key (dense warm-up loss)."""
+    B, t, Hq, D = query.shape
+    Hkv = key.shape[2]
+    valid = k_positions[:, None, :] <= q_positions[:, :, None]  # [B, t, n]
+    with torch.no_grad():
+        logits = torch.einsum(
+            "btkgd,bskd->btkgs", query.float().reshape(B, t, Hkv, Hq // Hkv, D), key.float()
+        ) * softmax_scale
+        target = _attention_target(logits, valid, tp_group)
+        del logits
+    scores = indexer_scores(q_index, k_index, weights, relu)  # [B, t, n]
+    return _kl_sum(target, _masked_log_softmax(scores, valid))
+
+
+def _indexer_kl_sparse_chunk(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    k_index: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    topk_indices: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    softmax_scale: float,
+    relu: bool,
+    tp_group: object | None,
+) -> torch.Tensor:
+    """KL sum over one chunk of rows, restricted to the selected visible keys (sparse loss).
+
+    Works on the K gathered keys only; equal to megatron's full-width masked form because
+    every other key has target 0 and log-probability 0 there.
+    """
+    B, t, Hq, D = query.shape
+    S, Hkv = key.shape[1], key.shape[2]
+    K = topk_indices.shape[-1]
+    sel = topk_indices.long()
+    valid = sel >= 0
+    sel = sel.clamp_min(0)
+    valid &= k_positions.gather(1, sel.reshape(B, -1)).view(B, t, K) <= q_positions[..., None]
+    # megatron scatters the indices into a [t, S] mask: a repeated index counts once.
+    order = sel.masked_fill(~valid, S).sort(dim=-1)
+    dup = torch.zeros_like(valid)
+    dup[..., 1:] = (order.values[..., 1:] == order.values[..., :-1]) & (order.values[..., 1:] < S)
+    valid &= ~torch.zeros_like(valid).scatter_(-1, order.indices, dup)
+    b_rows = (torch.arange(B, device=sel.device).view(B, 1, 1) * S + sel).reshape(-1)
+    with torch.no_grad():
+        key_sel = key.reshape(B * S, Hkv, D).index_select(0, b_rows).view(B, t, K, Hkv, D)
+        logits = torch.einsum(
+            "btkgd,btjkd->btkgj", query.float().reshape(B, t, Hkv, Hq // Hkv, D), key_sel.float()
+        ) * softmax_scale
+        del key_sel
+        target = _attention_target(logits, valid, tp_group)
+        del logits
+    k_sel = k_index.reshape(B * S, -1).index_select(0, b_rows).view(B, t, K, -1)
+    head_logits = torch.einsum("bthd,btjd->bthj", q_index.float(), k_sel.float())
+    if relu:
+        head_logits = head_logits.relu()
+    scores = (head_logits * weights.float().unsqueeze(-1)).sum(dim=2)  # [B, t, K]
+    return _kl_sum(target, _masked_log_softmax(scores, valid))
+
+
+def indexer_loss_reference(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    k_index: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    topk_indices: torch.Tensor | None,
+    softmax_scale: float,
+    loss_coeff: float,
+    *,
+    sparse: bool,
+    relu: bool,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    calculate_per_token_loss: bool,
+    tp_group: object | None = None,
+) -> torch.Tensor:
+    """Reference DSA indexer KL loss on validated inputs (see ops.indexer_kl_loss).
+
+    Args:
+        q_index [B, T, H_I, D_I], weights [B, T, H_I], k_index [B, S, D_I]: the indexer
+            tensors (the only ones that get gradients).
+        query [B, T, Hq, Dqk], key [B, S, Hkv, Dqk]: main attention (detached here).
+        topk_indices [B, T, K] (-1 padded), needed when sparse.
+        q_positions [B, T], k_positions [B, S] int64: key s visible to row t iff
+            k_positions[s] <= q_positions[t].
+
+    Returns:
+        fp32 scalar: loss_coeff * sum of per-row KL / (B * T) (or the plain sum when
+        calculate_per_token_loss).
+
+    Memory: query rows in chunks; the dense form only touches keys up to the last one visible
+    in the chunk; with autograd each chunk is checkpointed (its target and scores are
+    recomputed in backward), so neither pass holds a [T, S] tensor.
+    """
+    B, T, H_I, D_I = q_index.shape
+    S, Hkv = k_index.shape[1], key.shape[2]
+    Hq = query.shape[2]
+    query, key = query.detach(), key.detach()
+    needs_grad = _needs_grad(q_index, weights, k_index)
+    total = torch.zeros((), dtype=torch.float32, device=q_index.device)
+    if sparse:
+        K = topk_indices.shape[-1]
+        step = rows_per_chunk(B * K * (2 * Hkv * query.shape[-1] + 4 * Hq + 3 * H_I + 2 * D_I),
+                              device=q_index.device)
+        fn = lambda *a: _indexer_kl_sparse_chunk(*a, softmax_scale, relu, tp_group)
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            total = total + _run_chunk(
+                fn, needs_grad, q_index[:, t0:t1], weights[:, t0:t1], k_index, query[:, t0:t1],
+                key, topk_indices[:, t0:t1], q_positions[:, t0:t1], k_positions,
+            )
+    else:
+        step = rows_per_chunk(B * S * (3 * Hq + 3 * H_I + 4), device=q_index.device)
+        fn = lambda *a: _indexer_kl_dense_chunk(*a, softmax_scale, relu, tp_group)
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            # Keys past the last one any row of the chunk sees contribute exactly 0: skip them.
+            reach = k_positions <= q_positions[:, t0:t1].amax(dim=1, keepdim=True)
+            seen = reach.any(dim=0).nonzero()
+            if seen.numel() == 0:
+                continue
+            n = int(seen[-1]) + 1
+            total = total + _run_chunk(
+                fn, needs_grad, q_index[:, t0:t1], weights[:, t0:t1], k_index[:, :n],
+                query[:, t0:t1], key[:, :n], q_positions[:, t0:t1], k_positions[:, :n],
+            )
+    if not calculate_per_token_loss:
+        total = total / max(B * T, 1)
+    return total * loss_coeff

@@ -1,0 +1,1 @@
+"""Megatron modules that replace the stock learned-sparse-attention blocks."""

@@ -1,0 +1,172 @@
+"""HyScaleDSAttention: drop-in for megatron-core's DSAttention (absorbed MLA layout).
+
+Same constructor, forward signature, class flags and parameters as the stock class (it is a
+subclass), so a stock checkpoint loads with strict=True and the spec swap is one line. The
+forward replaces the stock score table + torch.topk, the unfused sparse attention and the
+table-based indexer loss with HyScale's ops:
+- selection: `ops.hytopk` (exact total order; Triton on CUDA, chunked reference on CPU);
+- attention: `ops.sparse_attention` over the selected keys (V = first kv_lora_rank channels);
+- indexer loss: `ops.indexer_kl_loss` (dense or sparse KL), attached and logged as stock does;
+- recompute: the selection is recorded in the first forward and replayed by the recompute
+  (`megatron_hyscale.replay`), also for index-sharing layers (`dsa_indexer_topk_freq` > 1),
+  whose stock implementation can read another micro-batch's indices during recompute.
+Layouts the fast path does not cover (packed THD, context parallel, sequence-parallel TP,
+non-causal masks) warn once, naming why, and run the stock forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.experimental_attention_variant import dsa_layout
+from megatron.core.transformer.experimental_attention_variant.dsa import (
+    DSAIndexerLossAutoScaler,
+    DSAIndexerLossLoggingHelper,
+    DSAttention,
+    _normalize_dsattention_output_rank,
+)
+from megatron.core.utils import get_pg_size
+
+from megatron_hyscale import replay
+from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
+from megatron_hyscale.ops.hytopk import warn_once
+
+
+class HyScaleDSAttention(DSAttention):
+    """DSA core attention with HyTopK selection, sparse-attention ops and selection replay."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.selection_replay = replay.SelectionReplay(f"DSA layer {self.layer_number}")
+
+    def _unsupported_reason(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None, packed_seq_params: Any,
+    ) -> str | None:
+        """Why the fast path cannot run these inputs (None when it can)."""
+        cfg = self.config
+        kv_lora = int(getattr(cfg, "kv_lora_rank", 0) or 0)
+        absorbed_dim = kv_lora + int(getattr(cfg, "qk_pos_emb_head_dim", 0) or 0)
+        if value is not None or key.size(2) != 1 or query.size(-1) != absorbed_dim:
+            return "only the absorbed MLA layout (one latent KV head, value=None) is fused"
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return "packed THD sequences are not supported yet"
+        if get_pg_size(getattr(self.pg_collection, "cp", None)) > 1:
+            return "context parallelism is not supported by this layer yet"
+        if cfg.sequence_parallel and get_pg_size(getattr(self.pg_collection, "tp", None)) > 1:
+            return "sequence-parallel tensor parallelism is not supported yet"
+        if attn_mask_type != AttnMaskType.causal:
+            return f"attn_mask_type={attn_mask_type} (only causal masks are supported)"
+        return None
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        attention_mask: torch.Tensor,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attn_mask_type: AttnMaskType = None,
+        attention_bias: torch.Tensor = None,
+        packed_seq_params: Any = None,
+        up_v_weight: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Sparse attention: query [sq, b, np, kv_lora+rope], key [sq, b, 1, kv_lora+rope].
+
+        Returns [sq, b, np * v_head_dim] (the V up projection applied, as stock does).
+        """
+        query, _ = dsa_layout.ensure_sbhd(query, "query")
+        key, _ = dsa_layout.ensure_sbhd(key, "key")
+        reason = self._unsupported_reason(query, key, value, attn_mask_type, packed_seq_params)
+        if reason is None and up_v_weight is None:
+            reason = "absorbed DSA needs up_v_weight"
+        if reason is not None:
+            warn_once(f"hyscale-dsa:{reason}", f"HyScaleDSAttention: {reason}; running "
+                      "megatron-core's DSAttention forward for these inputs")
+            return super().forward(
+                query, key, value, attention_mask, x, qr, position_ids=position_ids,
+                attn_mask_type=attn_mask_type, attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params, up_v_weight=up_v_weight,
+            )
+
+        cfg = self.config
+        sq, b = query.shape[:2]
+        x_in_ndim = x.ndim
+        # The indexer learns only from its KL loss: no gradient into the main model.
+        x, qr = x.detach(), qr.detach()
+        loss_coeff = cfg.dsa_indexer_loss_coeff or 0.0
+        computes_topk = not self.skip_topk
+        use_indexer_loss = (
+            self.training and torch.is_grad_enabled() and loss_coeff > 0 and computes_topk
+        )
+        query_b = query.transpose(0, 1)  # [b, sq, np, d] views: the ops take strided inputs
+        key_b = key.transpose(0, 1)
+
+        q_idx = weights = k_idx = None
+        if computes_topk and (use_indexer_loss or replay.current_phase() != "replay"):
+            with torch.enable_grad() if use_indexer_loss else torch.no_grad():
+                q_idx, k_idx, weights = self.indexer.forward_before_topk(x, qr, packed_seq_params)
+            q_idx, k_idx, weights = q_idx.transpose(0, 1), k_idx.transpose(0, 1), \
+                weights.transpose(0, 1)
+
+        indices = self._selection(q_idx, k_idx, weights, b, sq, packed_seq_params, attention_mask)
+
+        indexer_loss = None
+        if use_indexer_loss:
+            indexer_loss = indexer_kl_loss(
+                q_idx, weights, k_idx, query_b.detach(), key_b.detach(), indices,
+                self.softmax_scale, loss_coeff,
+                sparse=bool(cfg.dsa_indexer_use_sparse_loss),
+                relu=bool(cfg.dsa_indexer_scoring_relu),
+                calculate_per_token_loss=bool(cfg.calculate_per_token_loss),
+                tp_group=getattr(self.pg_collection, "tp", None),
+            )
+            DSAIndexerLossLoggingHelper.save_loss_to_tracker(
+                loss=indexer_loss, layer_number=self.layer_number, num_layers=cfg.num_layers
+            )
+
+        out = sparse_attention(query_b, key_b, None, indices, self.softmax_scale,
+                               dv=cfg.kv_lora_rank)  # [b, sq, np, kv_lora]
+        up_v_weight = up_v_weight.to(device=query.device, dtype=query.dtype)
+        output = torch.einsum("bshc,hdc->sbhd", out, up_v_weight).reshape(sq, b, -1)
+        if indexer_loss is not None:
+            output = DSAIndexerLossAutoScaler.apply(output, indexer_loss)
+        return _normalize_dsattention_output_rank(output, x_in_ndim)
+
+    def _selection(
+        self, q_idx: torch.Tensor | None, k_idx: torch.Tensor | None,
+        weights: torch.Tensor | None, b: int, sq: int, packed_seq_params: Any,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """int32 [b, sq, topk] indices: replayed, shared from the source layer, or computed."""
+        phase = replay.current_phase()
+        shape = (b, sq, self.index_topk)
+        if phase == "replay":
+            indices = self.selection_replay.replay(shape)
+        elif self.skip_topk:
+            holder = self._get_index_share_topk_holder(packed_seq_params, attention_mask)
+            if self.source_layer not in holder:
+                raise RuntimeError(
+                    f"DSA index-share layer {self.layer_number} needs the top-k of layer "
+                    f"{self.source_layer}, which did not run before it in this pipeline stage "
+                    f"(dsa_indexer_topk_freq={self.index_topk_freq}, "
+                    f"dsa_indexer_skip_topk_offset={self.index_skip_topk_offset})"
+                )
+            indices = holder[self.source_layer]
+        else:
+            with torch.no_grad():
+                indices, _ = hytopk(
+                    q_idx.detach(), k_idx.detach(), weights.detach(), self.index_topk,
+                    relu=bool(self.config.dsa_indexer_scoring_relu),
+                )
+            replay.count_computed()
+        if phase == "record":
+            self.selection_replay.record(indices)
+        if self.index_share and not self.skip_topk:
+            self._get_index_share_topk_holder(packed_seq_params, attention_mask)[
+                self.layer_number] = indices
+        return indices

@@ -1,0 +1,167 @@
+"""The DSA lightning indexer's KL loss, without a [T, S] score table.
+
+Same value and gradients as megatron-core 0.19.2's `compute_dsa_indexer_loss` /
+`FusedDSAIndexerLoss` as DSAttention calls them on a causal mask:
+
+    index score  I[t, s] = sum_j w[t, j] * act(q_index[t, j] . k_index[s])       (fp32)
+    target       P[t, s] = normalize_L1( sum_h softmax_s(scale * query[t, h] . key[s, h // G]) )
+    loss         = loss_coeff * sum_t KL(P[t] || softmax(I[t])) / (B * T)
+
+with every softmax restricted to the keys visible to t (k_pos <= q_pos) and, when `sparse`,
+further to the row's selected keys. The target is detached (the indexer learns from the main
+attention, never the reverse), so gradients reach only q_index, weights and k_index.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_hyscale.ops import reference
+from megatron_hyscale.ops.checks import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    check_backend,
+    check_finite,
+    check_same_device,
+    check_tensor,
+)
+from megatron_hyscale.ops.hytopk import normalize_positions, warn_once
+from megatron_hyscale.ops.sparse_attention import check_index_range, check_softmax_scale
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def validate_indexer_loss_inputs(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    k_index: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    topk_indices: torch.Tensor | None,
+    softmax_scale: float,
+    loss_coeff: float,
+    sparse: bool,
+    q_positions: torch.Tensor | None,
+    k_positions: torch.Tensor | None,
+) -> tuple[float, float, torch.Tensor, torch.Tensor]:
+    """Check everything; return (softmax_scale, loss_coeff, [B, T] and [B, S] int64 positions)."""
+    check_tensor("q_index", q_index, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("weights", weights, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("k_index", k_index, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("query", query, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("key", key, ndim=4, dtypes=FLOAT_DTYPES)
+    B, T, H, D = q_index.shape
+    if tuple(weights.shape) != (B, T, H):
+        raise ValueError(f"weights must be [B={B}, T={T}, H_I={H}], got {tuple(weights.shape)}")
+    if k_index.shape[0] != B or k_index.shape[2] != D:
+        raise ValueError(f"k_index must be [B={B}, S, D_I={D}], got {tuple(k_index.shape)}")
+    if k_index.dtype != q_index.dtype:
+        raise ValueError(f"k_index dtype {k_index.dtype} must match q_index dtype {q_index.dtype}")
+    S = k_index.shape[1]
+    if tuple(query.shape[:2]) != (B, T):
+        raise ValueError(f"query must be [B={B}, T={T}, Hq, Dqk], got {tuple(query.shape)}")
+    Hq, Dqk = query.shape[2], query.shape[3]
+    if tuple(key.shape[:2]) != (B, S) or key.shape[3] != Dqk:
+        raise ValueError(f"key must be [B={B}, S={S}, Hkv, Dqk={Dqk}], got {tuple(key.shape)}")
+    if key.shape[2] == 0 or Hq % key.shape[2] != 0:
+        raise ValueError(f"key has {key.shape[2]} heads, which must divide query's {Hq} heads")
+    if key.dtype != query.dtype:
+        raise ValueError(f"key dtype {key.dtype} must match query dtype {query.dtype}")
+    _check_bool("sparse", sparse)
+    if topk_indices is None:
+        if sparse:
+            raise ValueError("topk_indices is required when sparse=True")
+    else:
+        check_tensor("topk_indices", topk_indices, ndim=3, dtypes=INT_DTYPES)
+        if tuple(topk_indices.shape[:2]) != (B, T):
+            raise ValueError(f"topk_indices must be [B={B}, T={T}, K], got "
+                             f"{tuple(topk_indices.shape)}")
+    scale = check_softmax_scale(softmax_scale)
+    if isinstance(loss_coeff, bool) or not isinstance(loss_coeff, (int, float)) or not (
+        math.isfinite(loss_coeff)
+    ):
+        raise ValueError(f"loss_coeff must be a finite number, got {loss_coeff!r}")
+    check_same_device(q_index=q_index, weights=weights, k_index=k_index, query=query, key=key,
+                      topk_indices=topk_indices)
+    if topk_indices is not None:
+        check_index_range("topk_indices", topk_indices, S)
+    for name, x in (("q_index", q_index), ("weights", weights), ("k_index", k_index),
+                    ("query", query), ("key", key)):
+        check_finite(name, x)
+    qpos = normalize_positions("q_positions", q_positions, B, T, S - T, q_index.device)
+    kpos = normalize_positions("k_positions", k_positions, B, S, 0, q_index.device)
+    return scale, float(loss_coeff), qpos, kpos
+
+
+def indexer_kl_loss(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    k_index: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    topk_indices: torch.Tensor | None,
+    softmax_scale: float,
+    loss_coeff: float,
+    *,
+    sparse: bool,
+    relu: bool = True,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+    calculate_per_token_loss: bool = False,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """KL(main-attention target || indexer distribution), megatron-core's DSA indexer loss.
+
+    Args:
+        q_index: [B, T, H_I, D_I] indexer queries.
+        weights: [B, T, H_I] indexer head weights.
+        k_index: [B, S, D_I] indexer keys (same dtype as q_index).
+        query: [B, T, Hq, Dqk] main-attention queries (absorbed form for MLA); detached.
+        key: [B, S, Hkv, Dqk] main-attention keys, Hkv dividing Hq (key head h // (Hq / Hkv)
+            serves query head h); detached.
+        topk_indices: [B, T, K] int32/int64 selected keys, -1 padded; used only when sparse
+            (None allowed when dense). Selected keys that are not visible are ignored, and a
+            repeated index counts once, as in megatron.
+        softmax_scale: > 0, the main attention's scale.
+        loss_coeff: multiplies the loss.
+        sparse: False = dense warm-up (softmax over all visible keys), True = restricted to the
+            selected visible keys.
+        relu: ReLU on each indexer head's logit (megatron's dsa_indexer_scoring_relu).
+        q_positions, k_positions: [T] / [S] or [B, T] / [B, S] integer positions; key s is
+            visible to row t iff k_positions[s] <= q_positions[t]. Defaults arange(S) and
+            arange(T) + (S - T).
+        calculate_per_token_loss: return the KL sum over rows instead of its mean over the
+            B * T rows.
+        tp_group: tensor-parallel group holding the other query heads: the head-summed target
+            is all-reduced over it when its size > 1 (also when backward recomputes a chunk,
+            so every rank must call this with the same shapes).
+        backend: "auto", "triton" or "reference" (only the reference exists yet).
+
+    Returns:
+        fp32 scalar loss, differentiable in q_index, weights and k_index only.
+    """
+    check_backend(backend)
+    for name, flag in (("relu", relu), ("calculate_per_token_loss", calculate_per_token_loss)):
+        _check_bool(name, flag)
+    scale, coeff, qpos, kpos = validate_indexer_loss_inputs(
+        q_index, weights, k_index, query, key, topk_indices, softmax_scale, loss_coeff, sparse,
+        q_positions, k_positions,
+    )
+    if backend == "triton":
+        raise NotImplementedError("indexer_kl_loss: the Triton kernel is not built yet; use "
+                                  "backend='reference' or 'auto'")
+    if backend == "auto" and q_index.is_cuda:
+        warn_once("indexer-loss-triton", "indexer_kl_loss: the Triton kernel is not available "
+                  "yet; using the plain-torch reference (slow, memory-bounded)")
+    return reference.indexer_loss_reference(
+        q_index, weights, k_index, query, key, topk_indices, scale, coeff, sparse=sparse,
+        relu=relu, q_positions=qpos, k_positions=kpos,
+        calculate_per_token_loss=calculate_per_token_loss, tp_group=tp_group,
+    )

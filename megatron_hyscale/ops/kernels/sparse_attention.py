@@ -1,0 +1,564 @@
+"""Sparse attention over selected indices: Triton forward and backward kernels.
+
+Shapes: q [B, T, Hq, Dqk]; k [B, S, Hkv, Dqk]; v [B, S, Hkv, Dv] or None (V = first dv channels
+of K); indices int32/int64 [B, T, Hkv, K] or [B, T, K] (-1 = unused slot); sink fp [Hq] or None.
+Query head h reads KV head h // (Hq / Hkv). out [B, T, Hq, Dv] in q's dtype; lse fp32 [B, T, Hq]
+(natural log, the sink included in the sum; -inf for a row with no valid index and no sink).
+
+One program per (query, KV head, block of up to 64 query heads): all heads of a KV group share
+the gathered key rows, so the head dim is the MMA's M dimension (MQA: 64 heads x 576 dims times
+576 dims x keys). Head dims that are not a power of two are split into a power-of-two main part
+and a tail (576 = 512 + 64); when V is the main part of K (absorbed MLA, DeepSeek-V4's K = V) the
+gathered K tile is reused as V. fp32 accumulation, base-2 online softmax.
+
+Backward: one kernel per query computes dQ (no atomics), the row's Delta = dO . O and the sink
+gradient terms; a second kernel recomputes P and dS per query (keys as the MMA's M dimension) and
+adds dK / dV tiles into fp32 buffers with atomics. `deterministic=True` replaces the fp32 atomics
+by two passes: an order-free atomic max of each key row's contributions, then int64 fixed-point
+atomic adds on a per-row power-of-two scale (integer addition is associative, so the result does
+not depend on the order of the atomics; resolution 2^-44 of the row's largest contribution).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from megatron_hyscale.ops.kernels.hytopk import _interpreter_index_fix
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_index_fix()  # run-time loop bounds under the interpreter with numpy >= 2.4
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# The same constants inside @triton.jit bodies (globals read there must be constexpr).
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(LN2)
+
+# Query heads per program: the MMA's M. 64 is one wgmma tile height; a [64 x 512] fp32
+# accumulator already takes 128 registers a thread over 8 warps, so 128 heads use two programs.
+MAX_BLOCK_H = 64
+# tl.dot needs every dimension >= 16 (heads, keys and channels are padded up to it).
+MIN_DOT = 16
+# Shared memory budget used to rank tilings before trying them (H100/H200: 227 KiB a block).
+SMEM_BUDGET = 220 * 1024
+# (keys per step, pipeline stages), best first; a tiling that fails to compile or launch for
+# lack of shared memory or registers is skipped and the next one tried.
+FWD_TILINGS = ((64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
+BWD_TILINGS = ((32, 2), (64, 1), (32, 1), (16, 1))
+# Warps a program: 8 once the accumulator tile is large (>= 64 x 256 fp32), else 4.
+WIDE_TILE = 64 * 256
+# The dK/dV kernel reads q and dO in two MMA layouts (B of K @ q^T and of dS^T @ q), which Triton
+# keeps as two shared-memory copies; its head block is halved until both copies fit in this
+# (measured on the H200: 64 heads x (576 + 512) dims asked for 311 KiB of 227).
+DKV_RESIDENT_BUDGET = 160 * 1024
+
+# dK/dV accumulation modes of the dK/dV kernel.
+MODE_ATOMIC = 0  # fp32 atomic adds (fast; the rounding depends on the atomics' order)
+MODE_ROWMAX = 1  # deterministic pass 1: atomic max of |contribution| per key row
+MODE_FIXED = 2  # deterministic pass 2: int64 fixed-point atomic adds (order-free)
+# Bits of the int64 accumulators used by the sum of one element's contributions (63 is the
+# sign-free maximum; one bit spare for the rounding of each addend).
+FIXED_BITS = 62
+# Largest power-of-two scale (an fp32 must hold it).
+MAX_SCALE_EXP = 120
+
+
+# --------------------------------------------------------------------------- jit bodies
+
+
+@triton.jit
+def _coords(T, NHB, G, BLOCK_H: tl.constexpr):
+    """(b, t, kv head, query-head offsets within the group, head mask) of this program."""
+    pid_q = tl.program_id(0).to(tl.int64)
+    pid_g = tl.program_id(1)
+    b = pid_q // T
+    t = pid_q % T
+    kvh = pid_g // NHB
+    offs_h = (pid_g % NHB) * BLOCK_H + tl.arange(0, BLOCK_H)
+    return b, t, kvh, offs_h, offs_h < G
+
+
+@triton.jit
+def _load_rows(idx_base, sik, n0, NK, BLOCK_N: tl.constexpr):
+    """Key rows of slots n0 .. n0 + BLOCK_N (row 0 where invalid) and their validity."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    idx = tl.load(idx_base + offs_n * sik, mask=offs_n < NK, other=-1).to(tl.int64)
+    valid = idx >= 0
+    return tl.where(valid, idx, 0), valid
+
+
+@triton.jit
+def _fwd_kernel(
+    q_ptr, k_ptr, v_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr,
+    T, NK, G, NHB, qk_scale,
+    sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+    sib, sit, sih, sik, sob, sot, soh, sod, slb, slt, slh,
+    D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+    DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr, HAS_SINK: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """out[h] = softmax(q[h] . K_sel * scale (+ sink)) @ V_sel for one query's head block.
+
+    s = [heads x Dqk] @ [Dqk x keys] on gathered rows, online base-2 softmax, acc += P @ V_sel
+    in fp32; -1 slots score -inf; a row with no valid key (and no sink) writes zeros.
+    """
+    b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, BLOCK_H)
+    heads = kvh * G + offs_h
+    offs_dm = tl.arange(0, D_MAIN)
+    q_rows = q_ptr + b * sqb + t * sqt + heads[:, None] * sqh
+    q_main = tl.load(q_rows + offs_dm[None, :] * sqd, mask=h_mask[:, None], other=0.0)
+    if D_TAIL > 0:
+        offs_dt = D_MAIN + tl.arange(0, D_TAIL)
+        q_tail = tl.load(q_rows + offs_dt[None, :] * sqd,
+                         mask=h_mask[:, None] & (offs_dt[None, :] < D), other=0.0)
+    offs_v = tl.arange(0, DV_PAD)
+    k_base = k_ptr + b * skb + kvh * skh
+    v_base = v_ptr + b * svb + kvh * svh
+    idx_base = idx_ptr + b * sib + t * sit + kvh * sih
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DV_PAD], tl.float32)
+    for n0 in range(0, NK, BLOCK_N):
+        rows, valid = _load_rows(idx_base, sik, n0, NK, BLOCK_N)
+        k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
+                         mask=valid[:, None], other=0.0)
+        s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
+        if D_TAIL > 0:
+            k_tail = tl.load(k_base + rows[:, None] * sks + offs_dt[None, :] * skd,
+                             mask=valid[:, None] & (offs_dt[None, :] < D), other=0.0)
+            s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with no valid key so far keeps m = -inf; shift by 0 there so no inf - inf.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if V_IS_K_MAIN:
+            v_tile = k_main
+        else:
+            v_tile = tl.load(v_base + rows[:, None] * svs + offs_v[None, :] * svd,
+                             mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile,
+                                            input_precision=PRECISION)
+        m_i = m_new
+
+    if HAS_SINK:
+        sink2 = tl.load(sink_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * _LOG2E
+        m_f = tl.maximum(m_i, sink2)
+        rescale = tl.exp2(m_i - m_f)
+        l_f = l_i * rescale + tl.exp2(sink2 - m_f)
+        out = acc * (rescale / l_f)[:, None]
+        lse2 = m_f + tl.log2(l_f)
+    else:
+        nonempty = l_i > 0.0
+        out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+        lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    o_ptrs = out_ptr + b * sob + t * sot + heads[:, None] * soh + offs_v[None, :] * sod
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
+             mask=h_mask[:, None] & (offs_v[None, :] < DV))
+    tl.store(lse_ptr + b * slb + t * slt + heads * slh, lse2 * _LN2, mask=h_mask)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, idx_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr,
+    dq_ptr, delta_ptr, dsink_ptr,
+    T, NK, G, NHB, qk_scale, sm_scale,
+    sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+    sib, sit, sih, sik, sob, sot, soh, sod, sdob, sdot, sdoh, sdod, slb, slt, slh,
+    sdqb, sdqt, sdqh, sdqd,
+    D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+    DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr, HAS_SINK: tl.constexpr,
+    HAS_DLSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """dQ for one query's head block; also writes Delta = dO . O - dlse and sink terms.
+
+    P = exp2(s - lse2) from the saved lse, dP = dO @ V_sel^T, dS = P * (dP - Delta),
+    dQ = scale * dS @ K_sel (fp32 accumulators, no atomics: the program owns its rows).
+    Delta and the per-(query, head) sink term -p_sink * Delta go to [B, T, Hq] fp32 buffers.
+    """
+    b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, BLOCK_H)
+    heads = kvh * G + offs_h
+    offs_dm = tl.arange(0, D_MAIN)
+    offs_v = tl.arange(0, DV_PAD)
+    v_mask = offs_v[None, :] < DV
+    q_rows = q_ptr + b * sqb + t * sqt + heads[:, None] * sqh
+    q_main = tl.load(q_rows + offs_dm[None, :] * sqd, mask=h_mask[:, None], other=0.0)
+    if D_TAIL > 0:
+        offs_dt = D_MAIN + tl.arange(0, D_TAIL)
+        dt_mask = offs_dt[None, :] < D
+        q_tail = tl.load(q_rows + offs_dt[None, :] * sqd, mask=h_mask[:, None] & dt_mask,
+                         other=0.0)
+    hv_mask = h_mask[:, None] & v_mask
+    do = tl.load(dout_ptr + b * sdob + t * sdot + heads[:, None] * sdoh + offs_v[None, :] * sdod,
+                 mask=hv_mask, other=0.0)
+    o = tl.load(out_ptr + b * sob + t * sot + heads[:, None] * soh + offs_v[None, :] * sod,
+                mask=hv_mask, other=0.0)
+    stat = b * slb + t * slt + heads * slh
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        # d lse / d s_j = p_j: the lse's gradient enters dS as -dlse inside (dP - Delta).
+        delta -= tl.load(dlse_ptr + stat, mask=h_mask, other=0.0)
+    tl.store(delta_ptr + stat, delta, mask=h_mask)
+    lse2 = tl.load(lse_ptr + stat, mask=h_mask, other=0.0) * _LOG2E
+    if HAS_SINK:
+        sink2 = tl.load(sink_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * _LOG2E
+        tl.store(dsink_ptr + stat, -tl.exp2(sink2 - lse2) * delta, mask=h_mask)
+    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # empty row: every p is exp2(-inf) = 0
+
+    k_base = k_ptr + b * skb + kvh * skh
+    v_base = v_ptr + b * svb + kvh * svh
+    idx_base = idx_ptr + b * sib + t * sit + kvh * sih
+    dq_main = tl.zeros([BLOCK_H, D_MAIN], tl.float32)
+    if D_TAIL > 0:
+        dq_tail = tl.zeros([BLOCK_H, D_TAIL], tl.float32)
+    for n0 in range(0, NK, BLOCK_N):
+        rows, valid = _load_rows(idx_base, sik, n0, NK, BLOCK_N)
+        k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
+                         mask=valid[:, None], other=0.0)
+        s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
+        if D_TAIL > 0:
+            k_tail = tl.load(k_base + rows[:, None] * sks + offs_dt[None, :] * skd,
+                             mask=valid[:, None] & dt_mask, other=0.0)
+            s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+        p = tl.exp2(tl.where(valid[None, :], s * qk_scale, float("-inf")) - lse2[:, None])
+        if V_IS_K_MAIN:
+            v_tile = k_main
+        else:
+            v_tile = tl.load(v_base + rows[:, None] * svs + offs_v[None, :] * svd,
+                             mask=valid[:, None] & v_mask, other=0.0)
+        dp = tl.dot(do, tl.trans(v_tile), input_precision=PRECISION)
+        ds = (p * (dp - delta[:, None])).to(k_main.dtype)
+        dq_main += tl.dot(ds, k_main, input_precision=PRECISION)
+        if D_TAIL > 0:
+            dq_tail += tl.dot(ds, k_tail, input_precision=PRECISION)
+
+    dq_rows = dq_ptr + b * sdqb + t * sdqt + heads[:, None] * sdqh
+    tl.store(dq_rows + offs_dm[None, :] * sdqd, (dq_main * sm_scale).to(dq_ptr.dtype.element_ty),
+             mask=h_mask[:, None])
+    if D_TAIL > 0:
+        tl.store(dq_rows + offs_dt[None, :] * sdqd,
+                 (dq_tail * sm_scale).to(dq_ptr.dtype.element_ty), mask=h_mask[:, None] & dt_mask)
+
+
+@triton.jit
+def _accumulate(ptrs, tile, rows, valid, col_mask, rowmax_base, scale_base, srs,
+                MODE: tl.constexpr):
+    """Add a [keys x channels] fp32 tile into its key rows, by the given MODE."""
+    mask = valid[:, None] & col_mask
+    if MODE == 0:
+        tl.atomic_add(ptrs, tile, mask=mask, sem="relaxed")
+    elif MODE == 1:
+        tl.atomic_max(rowmax_base + rows * srs, tl.max(tl.abs(tile), axis=1), mask=valid,
+                      sem="relaxed")
+    else:
+        fx = tl.load(scale_base + rows * srs, mask=valid, other=0.0)
+        fixed = tl.floor(tile * fx[:, None] + 0.5).to(tl.int64)
+        tl.atomic_add(ptrs, fixed, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _bwd_dkv_kernel(
+    q_ptr, k_ptr, v_ptr, idx_ptr, dout_ptr, lse_ptr, delta_ptr,
+    dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr,
+    T, NK, G, NHB, qk_scale, sm_scale,
+    sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+    sib, sit, sih, sik, sdob, sdot, sdoh, sdod, slb, slt, slh,
+    sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd, srb, srs, srh,
+    D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+    DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr,
+    MODE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """dK / dV contributions of one query's head block, added into the selected key rows.
+
+    Keys are the M dimension here: sT = K_sel @ q^T, PT = exp2(sT - lse2), dPT = V_sel @ dO^T,
+    dST = PT * (dPT - Delta); dK_tile = scale * dST @ q, dV_tile = PT @ dO (merged into dK's
+    first channels when V is K's main part), accumulated per MODE (fp32 atomics or fixed point).
+    """
+    b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, BLOCK_H)
+    heads = kvh * G + offs_h
+    offs_dm = tl.arange(0, D_MAIN)
+    offs_v = tl.arange(0, DV_PAD)
+    v_mask = offs_v[None, :] < DV
+    q_rows = q_ptr + b * sqb + t * sqt + heads[:, None] * sqh
+    q_main = tl.load(q_rows + offs_dm[None, :] * sqd, mask=h_mask[:, None], other=0.0)
+    if D_TAIL > 0:
+        offs_dt = D_MAIN + tl.arange(0, D_TAIL)
+        dt_mask = offs_dt[None, :] < D
+        q_tail = tl.load(q_rows + offs_dt[None, :] * sqd, mask=h_mask[:, None] & dt_mask,
+                         other=0.0)
+    do = tl.load(dout_ptr + b * sdob + t * sdot + heads[:, None] * sdoh + offs_v[None, :] * sdod,
+                 mask=h_mask[:, None] & v_mask, other=0.0)
+    stat = b * slb + t * slt + heads * slh
+    delta = tl.load(delta_ptr + stat, mask=h_mask, other=0.0)
+    lse2 = tl.load(lse_ptr + stat, mask=h_mask, other=0.0) * _LOG2E
+    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
+
+    k_base = k_ptr + b * skb + kvh * skh
+    v_base = v_ptr + b * svb + kvh * svh
+    idx_base = idx_ptr + b * sib + t * sit + kvh * sih
+    dk_base = dk_ptr + b * sdkb + kvh * sdkh
+    dv_base = dv_ptr + b * sdvb + kvh * sdvh
+    rmk_base = rowmax_k_ptr + b * srb + kvh * srh
+    rmv_base = rowmax_v_ptr + b * srb + kvh * srh
+    fxk_base = scale_k_ptr + b * srb + kvh * srh
+    fxv_base = scale_v_ptr + b * srb + kvh * srh
+    main_cols = offs_dm[None, :] < D
+    for n0 in range(0, NK, BLOCK_N):
+        rows, valid = _load_rows(idx_base, sik, n0, NK, BLOCK_N)
+        k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
+                         mask=valid[:, None], other=0.0)
+        s_t = tl.dot(k_main, tl.trans(q_main), input_precision=PRECISION)
+        if D_TAIL > 0:
+            k_tail = tl.load(k_base + rows[:, None] * sks + offs_dt[None, :] * skd,
+                             mask=valid[:, None] & dt_mask, other=0.0)
+            s_t += tl.dot(k_tail, tl.trans(q_tail), input_precision=PRECISION)
+        p_t = tl.exp2(tl.where(valid[:, None], s_t * qk_scale, float("-inf")) - lse2[None, :])
+        if V_IS_K_MAIN:
+            v_tile = k_main
+        else:
+            v_tile = tl.load(v_base + rows[:, None] * svs + offs_v[None, :] * svd,
+                             mask=valid[:, None] & v_mask, other=0.0)
+        dp_t = tl.dot(v_tile, tl.trans(do), input_precision=PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :]) * sm_scale).to(q_main.dtype)
+        dv_t = tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+        if V_IS_K_MAIN:
+            dk_main = tl.dot(ds_t, q_main, acc=dv_t, input_precision=PRECISION)
+        else:
+            dk_main = tl.dot(ds_t, q_main, input_precision=PRECISION)
+            _accumulate(dv_base + rows[:, None] * sdvs + offs_v[None, :] * sdvd, dv_t, rows,
+                        valid, v_mask, rmv_base, fxv_base, srs, MODE)
+        _accumulate(dk_base + rows[:, None] * sdks + offs_dm[None, :] * sdkd, dk_main, rows,
+                    valid, main_cols, rmk_base, fxk_base, srs, MODE)
+        if D_TAIL > 0:
+            dk_tail = tl.dot(ds_t, q_tail, input_precision=PRECISION)
+            _accumulate(dk_base + rows[:, None] * sdks + offs_dt[None, :] * sdkd, dk_tail, rows,
+                        valid, dt_mask, rmk_base, fxk_base, srs, MODE)
+
+
+# --------------------------------------------------------------------------- launch wrappers
+
+
+class _Geometry:
+    """Static sizes of one call: head blocking, channel split, and the V source."""
+
+    def __init__(self, q, k, v, dv):
+        _, _, hq, d = q.shape
+        hkv = k.shape[2]
+        self.G = hq // hkv
+        self.block_h = min(MAX_BLOCK_H, max(MIN_DOT, triton.next_power_of_2(self.G)))
+        self.nhb = triton.cdiv(self.G, self.block_h)
+        self.D = d
+        self.d_main = max(MIN_DOT, 1 << (d.bit_length() - 1))
+        rest = d - self.d_main
+        self.d_tail = max(MIN_DOT, triton.next_power_of_2(rest)) if rest > 0 else 0
+        self.dv = v.shape[-1] if v is not None else (dv if dv is not None else d)
+        self.dv_pad = max(MIN_DOT, triton.next_power_of_2(self.dv))
+        # V read from K's already-gathered main tile (absorbed MLA: dv = 512 = main part of 576).
+        self.v_is_k_main = v is None and self.dv == self.d_main
+        wide = self.block_h * max(self.dv_pad, self.d_main) >= WIDE_TILE
+        self.num_warps = 8 if wide else 4
+        self.precision = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    def const(self):
+        return dict(D=self.D, D_MAIN=self.d_main, D_TAIL=self.d_tail, DV=self.dv,
+                    DV_PAD=self.dv_pad, V_IS_K_MAIN=self.v_is_k_main, BLOCK_H=self.block_h,
+                    PRECISION=self.precision)
+
+    def smem_bytes(self, block_n, stages, elem, resident):
+        """Rough shared memory of a tiling: resident [heads x dims] tiles + staged key tiles."""
+        dims = self.d_main + self.d_tail
+        staged = block_n * (dims + (0 if self.v_is_k_main else self.dv_pad)) * elem
+        return resident * elem + staged * max(stages, 1)
+
+
+_tiling_cache: dict[tuple, tuple[int, int]] = {}
+
+
+def _launch(kernel, grid, args, const, geo, tilings, resident, elem, key):
+    """Launch with the first tiling that fits; remember it per (kernel, geometry) key."""
+    if key in _tiling_cache:
+        block_n, stages = _tiling_cache[key]
+        kernel[grid](*args, **const, BLOCK_N=block_n, num_warps=geo.num_warps,
+                     num_stages=stages)
+        return
+    fitting = [tl_ for tl_ in tilings if geo.smem_bytes(*tl_, elem, resident) <= SMEM_BUDGET]
+    errors = []
+    for block_n, stages in fitting or tilings[-1:]:
+        try:
+            kernel[grid](*args, **const, BLOCK_N=block_n, num_warps=geo.num_warps,
+                         num_stages=stages)
+        except OutOfResources as exc:
+            errors.append(f"{block_n}x{stages}: {exc}")
+            continue
+        _tiling_cache[key] = (block_n, stages)
+        return
+    raise RuntimeError("no sparse-attention tiling fits this device: " + "; ".join(errors))
+
+
+def _strides4(x):
+    return tuple(x.stride())
+
+
+def _index_strides(indices):
+    """(b, t, kv head, slot) strides; [B, T, K] indices are shared by every KV head."""
+    if indices.dim() == 3:
+        sb, st, sk = indices.stride()
+        return sb, st, 0, sk
+    return tuple(indices.stride())
+
+
+def _v_source(k, v, geo):
+    """The tensor V is read from and its strides (K itself when v is None)."""
+    src = k if v is None else v
+    return src, _strides4(src)
+
+
+def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None):
+    """Forward launch: returns out [B, T, Hq, dv] (q's dtype) and lse fp32 [B, T, Hq]."""
+    B, T, Hq, _ = q.shape
+    geo = _Geometry(q, k, v, dv)
+    NK = indices.shape[-1]
+    out = torch.empty((B, T, Hq, geo.dv), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
+    v_src, v_str = _v_source(k, v, geo)
+    grid = (B * T, k.shape[2] * geo.nhb)
+    args = (q, k, v_src, indices, sink if sink is not None else lse, out, lse,
+            T, NK, geo.G, geo.nhb, softmax_scale * LOG2E,
+            *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices),
+            *_strides4(out), *lse.stride())
+    const = dict(geo.const(), HAS_SINK=sink is not None)
+    resident = geo.block_h * (geo.d_main + geo.d_tail)
+    _launch(_fwd_kernel, grid, args, const, geo, FWD_TILINGS, resident, q.element_size(),
+            ("fwd", q.dtype, FWD_TILINGS, tuple(sorted(const.items()))))
+    return out, lse
+
+
+def _fixed_point_scale(rowmax, n_contrib):
+    """Per-row power-of-two scales so n_contrib addends of size <= rowmax fit 2^FIXED_BITS."""
+    rm = rowmax.double()
+    exp = torch.floor(FIXED_BITS - math.log2(max(n_contrib, 1)) - torch.log2(rm))
+    exp = torch.where(rm > 0, exp, torch.zeros_like(exp)).clamp(max=MAX_SCALE_EXP)
+    return torch.ldexp(torch.ones_like(rm), exp).float(), exp
+
+
+def sparse_attention_bwd(q, k, v, indices, softmax_scale, out, lse, dout, dlse=None, dv=None,
+                         sink=None, deterministic=False):
+    """Backward launches: returns (dq, dk, dv or None, dsink or None)."""
+    B, T, Hq, _ = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    geo = _Geometry(q, k, v, dv)
+    NK = indices.shape[-1]
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    delta = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
+    dsink_part = torch.empty_like(delta) if sink is not None else delta
+    v_src, v_str = _v_source(k, v, geo)
+    grid = (B * T, Hkv * geo.nhb)
+    common = dict(geo.const())
+    elem = q.element_size()
+    resident = geo.block_h * (geo.d_main + geo.d_tail + geo.dv_pad)
+    dout_str = _strides4(dout)
+    dlse_t = dlse if dlse is not None else lse
+    args = (q, k, v_src, indices, sink if sink is not None else lse, out, dout, lse, dlse_t,
+            dq, delta, dsink_part, T, NK, geo.G, geo.nhb, softmax_scale * LOG2E, softmax_scale,
+            *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices), *_strides4(out),
+            *dout_str, *lse.stride(), *_strides4(dq))
+    const = dict(common, HAS_SINK=sink is not None, HAS_DLSE=dlse is not None)
+    _launch(_bwd_dq_kernel, grid, args, const, geo, BWD_TILINGS, resident, elem,
+            ("dq", q.dtype, BWD_TILINGS, tuple(sorted(const.items()))))
+
+    acc_dtype = torch.int64 if deterministic else torch.float32
+    dk_acc = torch.zeros((B, S, Hkv, geo.D), device=q.device, dtype=acc_dtype)
+    separate_v = v is not None
+    dv_acc = (torch.zeros((B, S, Hkv, geo.dv), device=q.device, dtype=acc_dtype)
+              if separate_v else dk_acc)
+    stat_shape = (B, S, Hkv)
+    if deterministic:
+        rowmax_k = torch.zeros(stat_shape, device=q.device, dtype=torch.float32)
+        rowmax_v = torch.zeros_like(rowmax_k) if separate_v else rowmax_k
+    else:
+        rowmax_k = rowmax_v = lse  # unused placeholders
+    scale_k, scale_v = rowmax_k, rowmax_v
+
+    dims = geo.d_main + geo.d_tail + geo.dv_pad
+    bh_dkv = geo.block_h
+    while bh_dkv > MIN_DOT and 2 * bh_dkv * dims * elem > DKV_RESIDENT_BUDGET:
+        bh_dkv //= 2
+    nhb_dkv = triton.cdiv(geo.G, bh_dkv)
+    grid_dkv = (B * T, Hkv * nhb_dkv)
+
+    def run(mode):
+        args = (q, k, v_src, indices, dout, lse, delta, dk_acc, dv_acc,
+                rowmax_k, rowmax_v, scale_k, scale_v,
+                T, NK, geo.G, nhb_dkv, softmax_scale * LOG2E, softmax_scale,
+                *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices), *dout_str,
+                *lse.stride(), *_strides4(dk_acc), *_strides4(dv_acc), *rowmax_k.stride())
+        const = dict(common, MODE=mode, BLOCK_H=bh_dkv)
+        _launch(_bwd_dkv_kernel, grid_dkv, args, const, geo, BWD_TILINGS, 2 * bh_dkv * dims, elem,
+                ("dkv", q.dtype, BWD_TILINGS, tuple(sorted(const.items()))))
+
+    if not deterministic:
+        run(MODE_ATOMIC)
+        dk = dk_acc.to(k.dtype)
+        dvv = dv_acc.to(v.dtype) if separate_v else None
+    else:
+        run(MODE_ROWMAX)
+        # Each element gets at most one dK and one dV addend per (query, head block).
+        n_contrib = 2 * T * nhb_dkv
+        scale_k, exp_k = _fixed_point_scale(rowmax_k, n_contrib)
+        scale_v, exp_v = (_fixed_point_scale(rowmax_v, n_contrib) if separate_v
+                          else (scale_k, exp_k))
+        run(MODE_FIXED)
+        dk = torch.ldexp(dk_acc.double(), -exp_k.unsqueeze(-1)).to(k.dtype)
+        dvv = torch.ldexp(dv_acc.double(), -exp_v.unsqueeze(-1)).to(v.dtype) if separate_v \
+            else None
+    dsink = None
+    if sink is not None:
+        dsink = dsink_part.sum(dim=(0, 1)).to(sink.dtype)
+    return dq, dk, dvv, dsink
+
+
+class SparseAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: saves q, k, v, indices, sink, out and lse; backward runs two kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, indices, sink, softmax_scale, dv, deterministic):
+        ctx.set_materialize_grads(False)  # an unused lse gets no zero-filled gradient
+        out, lse = sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=dv, sink=sink)
+        ctx.save_for_backward(q, k, v, indices, sink, out, lse)
+        ctx.softmax_scale = softmax_scale
+        ctx.dv = dv
+        ctx.deterministic = deterministic
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, indices, sink, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dvv, dsink = sparse_attention_bwd(
+            q, k, v, indices, ctx.softmax_scale, out, lse, dout, dlse=dlse, dv=ctx.dv,
+            sink=sink, deterministic=ctx.deterministic)
+        return dq, dk, dvv, None, dsink, None, None, None
+
+
+def sparse_attention_triton(q, k, v, indices, softmax_scale, *, dv=None, sink=None,
+                            return_lse=False, deterministic=False):
+    """Sparse attention over selected indices on validated inputs (see the module docstring).
+
+    Differentiable in q, k, v and sink. `deterministic=True` makes dK / dV bitwise repeatable
+    (fixed-point accumulation, one extra pass of the dK/dV kernel).
+    """
+    out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, float(softmax_scale), dv,
+                                             bool(deterministic))
+    return (out, lse) if return_lse else out

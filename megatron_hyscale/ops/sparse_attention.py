@@ -1,0 +1,140 @@
+"""Sparse attention over selected key indices (DSA / CSA / QSA attention core).
+
+out[b, t, h] = sum_j softmax_j(scale * q[b, t, h] . k[b, i_j, g]) * v[b, i_j, g] over the valid
+(non -1) indices i_j of row (b, t, g), where g = h // (Hq / Hkv) is the KV head query head h
+reads. An optional per-head sink logit joins each softmax denominator only. All arithmetic is
+fp32; the output comes back in q's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_hyscale.ops import reference
+from megatron_hyscale.ops.checks import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    check_backend,
+    check_finite,
+    check_same_device,
+    check_tensor,
+)
+from megatron_hyscale.ops.hytopk import warn_once
+
+
+def check_softmax_scale(value: object) -> float:
+    """softmax_scale must be a finite real number > 0 (bool is refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        math.isfinite(value) and value > 0
+    ):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def check_index_range(name: str, indices: torch.Tensor, num_keys: int) -> None:
+    """Every entry must be -1 (ignored) or a key index in [0, num_keys)."""
+    if indices.numel() == 0:
+        return
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < -1 or hi >= num_keys:
+        raise ValueError(f"{name} must lie in [-1, {num_keys}) (-1 = no key), got values in "
+                         f"[{lo}, {hi}]")
+
+
+def validate_sparse_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    dv: int | None,
+    sink: torch.Tensor | None,
+) -> tuple[float, int | None]:
+    """Check shapes, dtypes, devices and values; return (softmax_scale, dv) normalized."""
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("k", k, ndim=4, dtypes=FLOAT_DTYPES)
+    B, T, Hq, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k must be [B={B}, S, Hkv, Dqk={D}], got {tuple(k.shape)}")
+    S, Hkv = k.shape[1], k.shape[2]
+    if S == 0:
+        raise ValueError("k must hold at least one key (S >= 1)")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"k has {Hkv} heads, which must divide q's {Hq} heads")
+    if k.dtype != q.dtype:
+        raise ValueError(f"k dtype {k.dtype} must match q dtype {q.dtype}")
+    if v is not None:
+        check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES)
+        if tuple(v.shape[:3]) != (B, S, Hkv):
+            raise ValueError(f"v must be [B={B}, S={S}, Hkv={Hkv}, Dv], got {tuple(v.shape)}")
+        if v.dtype != q.dtype:
+            raise ValueError(f"v dtype {v.dtype} must match q dtype {q.dtype}")
+        if dv is not None and dv != v.shape[3]:
+            raise ValueError(f"dv={dv!r} contradicts v's last dim {v.shape[3]} (leave dv None)")
+    elif dv is not None and (isinstance(dv, bool) or not isinstance(dv, int) or not 0 < dv <= D):
+        raise ValueError(f"dv must be an int in [1, Dqk={D}] when v is None, got {dv!r}")
+    check_tensor("indices", indices, ndim=(3, 4), dtypes=INT_DTYPES)
+    if tuple(indices.shape[:2]) != (B, T) or (indices.dim() == 4 and indices.shape[2] != Hkv):
+        raise ValueError(f"indices must be [B={B}, T={T}, K] or [B, T, Hkv={Hkv}, K], got "
+                         f"{tuple(indices.shape)}")
+    if sink is not None:
+        check_tensor("sink", sink, ndim=1, dtypes=FLOAT_DTYPES)
+        if sink.shape[0] != Hq:
+            raise ValueError(f"sink must be [Hq={Hq}], got {tuple(sink.shape)}")
+    scale = check_softmax_scale(softmax_scale)
+    check_same_device(q=q, k=k, v=v, indices=indices, sink=sink)
+    check_index_range("indices", indices, S)
+    for name, x in (("q", q), ("k", k), ("v", v), ("sink", sink)):
+        if x is not None:
+            check_finite(name, x)
+    return scale, dv
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    *,
+    dv: int | None = None,
+    sink: torch.Tensor | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query over its selected keys only.
+
+    Args:
+        q: [B, T, Hq, Dqk] queries (bf16, fp16 or fp32).
+        k: [B, S, Hkv, Dqk] keys, Hkv dividing Hq (MQA: Hkv = 1); same dtype as q.
+        v: [B, S, Hkv, Dv] values, or None: V is then the first `dv` channels of K (absorbed
+            MLA, where K is the [latent | rope] cache) or all of K when dv is None (shared
+            K = V as in DeepSeek-V4).
+        indices: int32/int64 [B, T, Hkv, K] per KV head, or [B, T, K] shared by all KV heads;
+            key indices in [0, S), distinct within a row, -1 = empty slot. Causality is the
+            caller's business: whatever is listed is attended.
+        softmax_scale: > 0, multiplies q . k.
+        dv: value width when v is None (1 <= dv <= Dqk).
+        sink: [Hq] per-head logit added to each softmax denominator only (no value).
+        return_lse: also return the log-sum-exp.
+        backend: "auto", "triton" or "reference" (only the reference exists yet).
+
+    Returns:
+        out [B, T, Hq, Dv] in q's dtype (zeros for a row with no valid index), and with
+        return_lse the fp32 [B, T, Hq] natural log of each softmax denominator including the
+        sink (-inf for a row with no valid index and no sink).
+
+    Differentiable in q, k, v and sink; an empty row has zero (not NaN) gradients.
+    """
+    check_backend(backend)
+    scale, dv = validate_sparse_attention_inputs(q, k, v, indices, softmax_scale, dv, sink)
+    if backend == "triton":
+        raise NotImplementedError("sparse_attention: the Triton kernel is not built yet; use "
+                                  "backend='reference' or 'auto'")
+    if backend == "auto" and q.is_cuda:
+        warn_once("sparse-attention-triton", "sparse_attention: the Triton kernel is not "
+                  "available yet; using the plain-torch reference (slow, memory-bounded)")
+    out, lse = reference.sparse_attention_reference(q, k, v, indices, scale, dv=dv, sink=sink)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,165 @@
+"""Layer-spec builders that put HyScale's modules into megatron-core GPT models.
+
+`get_dsa_block_spec(config)` returns a decoder block spec with MLA + HyScale DSA in every
+layer; `stock=True` gives megatron-core's own `DSAttention` on the same linears, so one process
+can compare the two on identical weights. Linears come from Transformer Engine when it imports
+(and `config.transformer_impl == "transformer_engine"`), from megatron's local (torch) modules
+otherwise. HyScale keeps the stock parameter names: a stock checkpoint loads into it.
+
+Megatron-LM's training scripts import `--spec MODULE NAME` and pass the object to GPTModel
+as it is: `--spec megatron_hyscale.specs hyscale_dsa_layer_spec` (HyScale) or
+`stock_dsa_layer_spec` (the stock modules on the same linears, for side-by-side runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+    _validate_dsa_index_share_pipeline_split,
+    get_transformer_layer_with_experimental_attention_variant_spec,
+)
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.enums import LayerType
+from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
+    AbsorbedMLASelfAttention,
+)
+from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    get_transformer_layer_offset,
+)
+
+from megatron_hyscale.layers.dsa import HyScaleDSAttention
+from megatron_hyscale.layers.linear import LocalLinear
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # TE raises more than ImportError when its CUDA libraries are missing
+        return False
+    return True
+
+
+class LocalDSASpecProvider(LocalSpecProvider):
+    """megatron's local provider plus the `linear()` the DSA spec asks for (TELinear in TE)."""
+
+    def linear(self) -> type:
+        return LocalLinear
+
+
+def get_backend(config: TransformerConfig) -> BackendSpecProvider:
+    """TE linears when TE imports and the config asks for it; local (torch) linears otherwise."""
+    if config.transformer_impl == "transformer_engine" and te_available():
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        return TESpecProvider()
+    return LocalDSASpecProvider()
+
+
+def _use_core_attention(attention: ModuleSpec, core_cls: type, local: bool) -> None:
+    """Point an AbsorbedMLA spec at `core_cls`; fix the local down projections."""
+    subs = attention.submodules
+    subs.core_attention = dataclasses.replace(subs.core_attention, module=core_cls)
+    if local:
+        # AbsorbedMLA accepts TELinear or a column-parallel linear for its down projections; the
+        # local stand-in is ColumnParallelLinear (exact at tensor-parallel size 1).
+        subs.linear_q_down_proj = ColumnParallelLinear
+        subs.linear_kv_down_proj = ColumnParallelLinear
+
+
+def get_dsa_layer_specs(
+    config: TransformerConfig, *, stock: bool = False, backend: BackendSpecProvider | None = None
+) -> list[ModuleSpec]:
+    """One TransformerLayer spec per layer of the model: MLA + (HyScale | stock) DSA.
+
+    Args:
+        config: an MLATransformerConfig with `experimental_attention_variant="dsa"`.
+        stock: build megatron-core's `DSAttention` instead of `HyScaleDSAttention`.
+        backend: the linear/norm provider; default `get_backend(config)`.
+    """
+    if config.experimental_attention_variant != "dsa":
+        raise ValueError(
+            "config.experimental_attention_variant must be 'dsa' for the DSA spec, got "
+            f"{config.experimental_attention_variant!r}"
+        )
+    backend = backend or get_backend(config)
+    local = isinstance(backend, LocalDSASpecProvider)
+    layer_specs = get_transformer_layer_with_experimental_attention_variant_spec(
+        config=config, backend=backend
+    )
+    core_cls = DSAttention if stock else HyScaleDSAttention
+    # The attention spec object is shared by the layers: rebuild it once, then reassign.
+    rebuilt: dict[int, ModuleSpec] = {}
+    for layer in layer_specs:
+        attention = layer.submodules.self_attention
+        if attention.module is not AbsorbedMLASelfAttention:
+            continue
+        if id(attention) not in rebuilt:
+            fresh = dataclasses.replace(
+                attention, submodules=dataclasses.replace(attention.submodules)
+            )
+            _use_core_attention(fresh, core_cls, local)
+            rebuilt[id(attention)] = fresh
+        layer.submodules.self_attention = rebuilt[id(attention)]
+    return layer_specs
+
+
+def get_dsa_block_spec(
+    config: TransformerConfig,
+    *,
+    stock: bool = False,
+    vp_stage: int | None = None,
+    pp_rank: int | None = None,
+) -> TransformerBlockSubmodules:
+    """Decoder block spec (this pipeline stage's layers) with MLA + HyScale (or stock) DSA.
+
+    Mirrors megatron-core's `get_transformer_block_with_experimental_attention_variant_spec`,
+    which only accepts Transformer Engine; this one also builds with local linears.
+    """
+    backend = get_backend(config)
+    layer_specs = get_dsa_layer_specs(config, stock=stock, backend=backend)
+    if config.pipeline_model_parallel_layout is not None:
+        local_ids = config.pipeline_model_parallel_layout.get_layer_id_list(
+            layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank
+        )
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        local_ids = range(offset, offset + count)
+    local_ids = list(local_ids)
+    _validate_dsa_index_share_pipeline_split(config, local_ids)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_specs[i] for i in local_ids],
+        layer_norm=backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False),
+    )
+
+
+class DSATransformerLayer(TransformerLayer):
+    """A TransformerLayer that builds the submodules of its own layer number's DSA spec.
+
+    Megatron-LM's `--spec MODULE NAME` hands GPTModel a ready object (it does not call it), so
+    the entry point must not depend on the pipeline stage: one ModuleSpec of this class serves
+    every layer, each instance resolving its dense/MoE MLP and attention from
+    `get_dsa_layer_specs(config)` by its global layer number (any PP / VPP layout works).
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: object = None,
+                 layer_number: int = 1, *, stock: bool = False, **kwargs: object) -> None:
+        spec = get_dsa_layer_specs(config, stock=stock)[layer_number - 1]
+        super().__init__(config, spec.submodules, layer_number=layer_number,
+                         **{**spec.params, **kwargs})
+
+
+# Entry points for Megatron-LM: `--spec megatron_hyscale.specs hyscale_dsa_layer_spec` (HyScale)
+# and `--spec megatron_hyscale.specs stock_dsa_layer_spec` (stock DSA on the same linears).
+hyscale_dsa_layer_spec = ModuleSpec(module=DSATransformerLayer, params={"stock": False})
+stock_dsa_layer_spec = ModuleSpec(module=DSATransformerLayer, params={"stock": True})

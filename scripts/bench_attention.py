@@ -1,0 +1,277 @@
+"""Benchmark HyScale's Triton sparse attention (forward, backward, deterministic backward).
+
+Shapes (issue 4): GLM-5.1 / DeepSeek-V3.2 absorbed MLA (1 KV head, Dqk 576, V = first 512
+channels of K, 64 / 128 heads, top-2048), DeepSeek-V4 CSA (K = V of 512, sink, 640 keys) and
+QSA (GQA 24 / 2 heads of 256, per-KV-head indices, 2052 keys), T queries over S = T keys, bf16.
+Indices: distinct pseudo-random keys per row ((a + j * step) mod S, step odd), all valid: the
+worst case for the gather (no reuse between neighbouring queries).
+
+Rates are ratios to the bf16 matmul rate measured in the same run (8192^3 torch.matmul on random
+data). FLOP counts: forward 2 * T * Hq * K * (Dqk + Dv); backward 2 * T * Hq * K * (3 Dqk + 2 Dv)
+(QK^T recomputed once, dP, dQ, dK, dV; the kernels' extra recompute is not counted as work).
+Baseline: megatron-core 0.19.2's stock unfused path (`_unfused_absorbed_dsa_fn` for absorbed MLA,
+`unfused_dsa_fn` otherwise), run where it fits (OOM printed) and T <= --stock-max-t.
+
+  python scripts/bench_attention.py                 # T in 16K, 64K, 128K, all shapes
+  python scripts/bench_attention.py --quick         # T = 16K, fewer repeats
+  python scripts/bench_attention.py --shapes glm51 v32 --t 131072 --out /tmp/res
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from megatron_hyscale.ops.kernels import sparse_attention as kern  # noqa: E402
+from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_triton  # noqa: E402
+
+# name: (Hq, Hkv, Dqk, separate v width or None, dv, sink, per-KV-head indices, K)
+SHAPES = {
+    "glm51": (64, 1, 576, None, 512, False, False, 2048),
+    "v32": (128, 1, 576, None, 512, False, False, 2048),
+    "csa": (64, 1, 512, None, None, True, False, 640),
+    "qsa": (24, 2, 256, 256, None, False, True, 2052),
+}
+MATMUL_N = 8192
+COPY_BYTES = 4 << 30
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def time_ms(fn, warmup, reps):
+    """Median of CUDA-event timings after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def floors():
+    a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, 3, 10)
+    mm = 2 * MATMUL_N ** 3 / ms / 1e9
+    x = torch.randn(COPY_BYTES // 4, device="cuda")
+    y = torch.empty_like(x)
+    ms = time_ms(lambda: y.copy_(x), 3, 10)
+    bw = 2 * COPY_BYTES / ms / 1e9
+    return mm, bw
+
+
+def make_inputs(shape, T, seed=0):
+    Hq, Hkv, D, vdim, dv, has_sink, per_head, K = SHAPES[shape]
+    S = T
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, T, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, S, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = (torch.randn(1, S, Hkv, vdim, device="cuda", dtype=torch.bfloat16, generator=g)
+         if vdim else None)
+    sink = torch.randn(Hq, device="cuda", generator=g) if has_sink else None
+    rows = T * (Hkv if per_head else 1)
+    start = torch.randint(0, S, (rows, 1), device="cuda", generator=g)
+    step = 2 * torch.randint(0, S // 2, (rows, 1), device="cuda", generator=g) + 1
+    # S is a power of two and step odd, so the K entries of a row are distinct.
+    idx = (start + torch.arange(K, device="cuda") * step) % S
+    idx = idx.to(torch.int32).view(1, T, Hkv, K) if per_head else idx.to(torch.int32).view(
+        1, T, K)
+    width = dv or (vdim if vdim else D)
+    return dict(q=q, k=k, v=v, idx=idx, sink=sink, dv=dv, scale=D ** -0.5, width=width,
+                flop_fwd=2 * T * Hq * K * (D + width),
+                flop_bwd=2 * T * Hq * K * (3 * D + 2 * width))
+
+
+def bench_ours(inp, warmup, reps, deterministic_too):
+    q, k, v, sink = inp["q"], inp["k"], inp["v"], inp["sink"]
+    leaves = [x.requires_grad_() for x in (q, k, v, sink) if x is not None]
+
+    def fwd():
+        with torch.no_grad():
+            return sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"],
+                                           sink=sink)
+
+    res = {"fwd_ms": time_ms(fwd, warmup, reps)}
+    out = sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"], sink=sink)
+    grad = torch.randn_like(out)
+    res["peak_fwd_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+
+    def bwd():
+        torch.autograd.grad(out, leaves, grad, retain_graph=True)
+
+    res["bwd_ms"] = time_ms(bwd, warmup, reps)
+    if deterministic_too:
+        out_d = sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"],
+                                        sink=sink, deterministic=True)
+        res["bwd_det_ms"] = time_ms(
+            lambda: torch.autograd.grad(out_d, leaves, grad, retain_graph=True), warmup, reps)
+    res["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    return res
+
+
+def bench_stock(shape, inp, warmup, reps):
+    """megatron-core 0.19.2's unfused sparse path, [S, B, H, D] layout; fwd and fwd+bwd times."""
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    Hq, Hkv, D, vdim, dv, has_sink, per_head, K = SHAPES[shape]
+    q = inp["q"].detach().transpose(0, 1).contiguous()
+    k = inp["k"].detach().transpose(0, 1).contiguous()
+    idx = inp["idx"].long()
+    if per_head:  # the stock path shares one index list across heads: use KV head 0's
+        idx = idx[:, :, 0]
+    if inp["v"] is None and dv is not None:  # absorbed MLA
+        fn = lambda q, k, v: dsa._unfused_absorbed_dsa_fn(q, k, idx, inp["scale"], dv)
+        v = None
+    else:
+        v = (k if inp["v"] is None else inp["v"].detach().transpose(0, 1).contiguous())
+        if Hkv > 1:  # stock accepts 1 or Hq KV heads: expand GQA
+            k = k.repeat_interleave(Hq // Hkv, dim=2)
+            v = v.repeat_interleave(Hq // Hkv, dim=2)
+        fn = lambda q, k, v: dsa.unfused_dsa_fn(q, k, v, idx, inp["scale"])
+    res = {}
+    try:
+        with torch.no_grad():
+            res["fwd_ms"] = time_ms(lambda: fn(q, k, v), warmup, reps)
+    except torch.OutOfMemoryError:
+        res["fwd_ms"] = "OOM"
+    torch.cuda.empty_cache()
+    try:
+        qq, kk = q.requires_grad_(), k.requires_grad_()
+        vv = v.requires_grad_() if v is not None and v is not k else v
+
+        def fwd_bwd():
+            out = fn(qq, kk, vv)
+            out.backward(torch.ones_like(out))
+
+        res["fwd_bwd_ms"] = time_ms(fwd_bwd, warmup, reps)
+    except torch.OutOfMemoryError:
+        res["fwd_bwd_ms"] = "OOM"
+    except Exception as exc:  # noqa: BLE001 - report what the stock path refuses
+        res["fwd_bwd_ms"] = f"error: {type(exc).__name__}"
+    torch.cuda.empty_cache()
+    return res
+
+
+def fmt(x, spec=".1f"):
+    return format(x, spec) if isinstance(x, float) else str(x)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--t", type=int, nargs="+", default=[16384, 65536, 131072])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--quick", action="store_true", help="T = 16K only, fewer repeats")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-deterministic", action="store_true")
+    ap.add_argument("--no-stock", action="store_true")
+    ap.add_argument("--stock-max-t", type=int, default=16384,
+                    help="run the stock path only up to this T (its time grows fast)")
+    ap.add_argument("--out", default="bench_attention_out")
+    args = ap.parse_args()
+    if args.quick:
+        args.t, args.reps = [16384], 3
+    os.makedirs(args.out, exist_ok=True)
+    dev = torch.cuda.get_device_name()
+    log(f"# {dev}, torch {torch.__version__}, {datetime.datetime.now().isoformat()}")
+    mm, bw = floors()
+    log(f"# bf16 matmul {mm:.0f} TFLOP/s, copy {bw:.2f} TB/s (measured now)")
+    meta = dict(device=dev, date=datetime.date.today().isoformat(), command=" ".join(sys.argv),
+                matmul_tflops=mm, copy_tbps=bw, rows=[])
+    json_path = os.path.join(args.out, "bench_attention.json")
+    for T in args.t:
+        for shape in args.shapes:
+            t0 = time.time()
+            torch.cuda.reset_peak_memory_stats()
+            inp = make_inputs(shape, T)
+            row = dict(shape=shape, T=T, K=SHAPES[shape][-1])
+            try:
+                row.update(bench_ours(inp, 1, args.reps, not args.no_deterministic))
+            except torch.OutOfMemoryError:
+                row["fwd_ms"] = "OOM"
+            if isinstance(row.get("fwd_ms"), float):
+                row["fwd_tflops"] = inp["flop_fwd"] / row["fwd_ms"] / 1e9
+                row["bwd_tflops"] = inp["flop_bwd"] / row["bwd_ms"] / 1e9
+                row["fwd_frac"] = row["fwd_tflops"] / mm
+                row["bwd_frac"] = row["bwd_tflops"] / mm
+                if "bwd_det_ms" in row:
+                    row["det_cost"] = row["bwd_det_ms"] / row["bwd_ms"]
+            if not args.no_stock and T <= args.stock_max_t:
+                stock = bench_stock(shape, inp, 0, 1)  # one run: the stock path is slow
+                row["stock_fwd_ms"], row["stock_fwd_bwd_ms"] = stock["fwd_ms"], stock[
+                    "fwd_bwd_ms"]
+            elif not args.no_stock:
+                row["stock_fwd_ms"] = row["stock_fwd_bwd_ms"] = "skipped (T)"
+            del inp
+            torch.cuda.empty_cache()
+            meta["rows"].append(row)
+            meta["tilings"] = {str(key[0]) + str(dict(key[3])): val
+                               for key, val in kern._tiling_cache.items()}
+            with open(json_path, "w") as f:
+                json.dump(meta, f, indent=1)
+            g = lambda key, spec=".2f", row=row: fmt(row.get(key, "-"), spec)
+            log(f"{shape:6s} T={T:6d} fwd {g('fwd_ms')} ms ({g('fwd_frac', '.0%')}) "
+                f"bwd {g('bwd_ms')} ms ({g('bwd_frac', '.0%')}) det x{g('det_cost')} "
+                f"stock fwd {g('stock_fwd_ms', '.1f')} fwd+bwd {g('stock_fwd_bwd_ms', '.1f')} "
+                f"peak {g('peak_gib', '.1f')} GiB [{time.time() - t0:.0f}s]")
+
+    head = ("| shape | T | K | fwd ms | fwd TFLOP/s | fwd / matmul | bwd ms | bwd TFLOP/s | "
+            "bwd / matmul | det bwd ms (x) | stock fwd ms | stock fwd+bwd ms | peak GiB |")
+    lines = [head, "|" + "---|" * 13]
+    for r in meta["rows"]:
+        det = (f"{r['bwd_det_ms']:.1f} (x{r['det_cost']:.2f})" if "bwd_det_ms" in r else "-")
+        lines.append(
+            f"| {r['shape']} | {r['T']} | {r['K']} | {fmt(r.get('fwd_ms'), '.2f')} | "
+            f"{fmt(r.get('fwd_tflops', '-'), '.0f')} | {fmt(r.get('fwd_frac', '-'), '.0%')} | "
+            f"{fmt(r.get('bwd_ms', '-'), '.2f')} | {fmt(r.get('bwd_tflops', '-'), '.0f')} | "
+            f"{fmt(r.get('bwd_frac', '-'), '.0%')} | {det} | "
+            f"{fmt(r.get('stock_fwd_ms', '-'), '.1f')} | "
+            f"{fmt(r.get('stock_fwd_bwd_ms', '-'), '.1f')} | {fmt(r.get('peak_gib', '-'))} |")
+    table = "\n".join(lines)
+    with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
+        f.write(f"{meta['device']}, {meta['date']}, bf16 matmul {mm:.0f} TFLOP/s, copy "
+                f"{bw:.2f} TB/s\n\n`{meta['command']}`\n\n{table}\n")
+    log(table)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for shape in args.shapes:
+            rs = [r for r in meta["rows"] if r["shape"] == shape and "fwd_frac" in r]
+            ax.plot([r["T"] for r in rs], [r["fwd_frac"] for r in rs], "o-", label=f"{shape} fwd")
+            ax.plot([r["T"] for r in rs], [r["bwd_frac"] for r in rs], "s--",
+                    label=f"{shape} bwd")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("T (queries = keys)")
+        ax.set_ylabel("fraction of measured bf16 matmul rate")
+        ax.axhline(0.5, color="gray", lw=0.5)
+        ax.axhline(0.3, color="gray", lw=0.5, ls="--")
+        ax.legend(fontsize=7)
+        ax.set_title(f"HyScale sparse attention, {dev}")
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "bench_attention.png"), dpi=120)
+    except ImportError:
+        log("# matplotlib missing: no plot")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,416 @@
+"""Benchmark exact top-k selection over lightning-indexer scores (HyTopK, issue 3).
+
+For each config and sequence length T (B = 1, S = T, causal) it times, in one run:
+  hytopk     HyTopK Triton kernel (exact, streaming, no score table)
+  scoreonly  the same kernel with the top-k maintenance removed (GEMM + ReLU/weight/head-sum
+             epilogue, each row's max written): splits GEMM from selection
+  naive      megatron-core 0.19.2 `fused_qk_topk_naive` (full [T, H, S] fp32 logits); OOM shown
+  chunked    the common chunked path: per-head bf16 logits for a row block, ReLU, head sum as a
+             batched product with the weights, causal mask, torch.topk
+  table      table-then-select: HyTopK's fused scoring pass writes an fp32 [rows, S] score block,
+             then torch.topk on it
+and reports time (median of CUDA-event timings), peak extra memory (max_memory_allocated over
+the inputs) and the ratio to the indexer GEMM floor: causal FLOPs T(T+1)/2 * H * D * 2 over the
+bf16 matmul rate measured in the same run (an 8192^3 bf16 matmul).
+
+Inputs: "random" (bf16 normal; the worst case for pruning) or "structured", which mimics a
+trained indexer: each query favours recent keys (a rotary-like recency component: q_t . k_s
+contains sum_i cos((t - s) f_i) over 16 low frequencies) plus a few heavy-hitter keys (64 keys
+with a large component along a direction every query has positive weight on), over small noise.
+
+Writes a table to stdout, JSON and a PNG (time and memory against T, log scales) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_hyscale.ops import hytopk  # noqa: E402
+from megatron_hyscale.ops.kernels import hytopk as hk  # noqa: E402
+
+GiB = 1 << 30
+TAG = ""
+CONFIGS = {
+    # name: (H, D, topk, relu)
+    "dsv32": (64, 128, 2048, True),  # DeepSeek-V3.2 / GLM-5 DSA indexer
+    "glm51": (32, 128, 2048, True),  # GLM-5.1
+    "v4flash": (64, 128, 512, True),  # DeepSeek-V4-Flash CSA top-512
+    "norelu": (32, 128, 2048, False),  # GLM-5 configs with ReLU disabled
+}
+ALL_T = [16384, 32768, 65536, 131072, 262144, 1048576]
+# Baselines that would take minutes per call beyond these lengths are not run (shown as "-").
+MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072}
+# Score-table bytes per row block for the chunked and table baselines.
+TABLE_BYTES = 4 * GiB
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def time_cuda(fn, reps, warmup=1):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def peak_extra(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak
+
+
+def matmul_rate():
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_cuda(lambda: a @ b, reps=20, warmup=3)
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def copy_bandwidth():
+    x = torch.empty(1 << 30, device="cuda", dtype=torch.uint8)
+    y = torch.empty_like(x)
+    ms = time_cuda(lambda: y.copy_(x), reps=10, warmup=2)
+    return 2 * x.numel() / (ms * 1e-3)
+
+
+def make_inputs(T, H, D, kind, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if kind == "random":
+        q = torch.randn(1, T, H, D, device="cuda", generator=g, dtype=torch.bfloat16)
+        k = torch.randn(1, T, D, device="cuda", generator=g, dtype=torch.bfloat16)
+        w = torch.randn(1, T, H, device="cuda", generator=g) * (H * D) ** -0.5
+        return q, k, w
+    # Structured: recency (rotary-like, dims 0..31) + heavy hitters (dim 32) + noise.
+    n_freq, n_hitters = 16, 64
+    pos = torch.arange(T, device="cuda", dtype=torch.float32)
+    freq = 1.0 / (4.0 * 4.0 ** torch.arange(n_freq, device="cuda", dtype=torch.float32))
+    ang = pos[:, None] * freq[None, :]
+    rot = torch.cat([ang.cos(), ang.sin()], dim=-1)  # [T, 32]: rot_t . rot_s = sum cos((t-s)f)
+    k = 0.3 * torch.randn(1, T, D, device="cuda", generator=g)
+    k[0, :, :2 * n_freq] += rot
+    hitters = torch.randperm(T, device="cuda", generator=g)[:n_hitters]
+    k[0, hitters, 2 * n_freq] += 6.0
+    q = 0.3 * torch.randn(1, T, H, D, device="cuda", generator=g)
+    q[0, :, :, :2 * n_freq] += rot[:, None, :]
+    q[0, :, :, 2 * n_freq] += 1.0
+    w = torch.rand(1, T, H, device="cuda", generator=g) * (H * D) ** -0.5
+    return q.to(torch.bfloat16), k.to(torch.bfloat16), w
+
+
+def positions(T, S):
+    return (torch.arange(T, device="cuda") + S - T)[None], torch.arange(S, device="cuda")[None]
+
+
+def run_hytopk(q, k, w, topk, relu):
+    # The kernel entry that hytopk(..., backend="triton") calls after validating its inputs:
+    # the validation's isfinite pass allocates a bool copy of q (8 GiB at 1M tokens), which is
+    # not part of the selection and would hide the kernel's own peak memory.
+    qpos, kpos = positions(q.shape[1], k.shape[1])
+    return hk.hytopk_triton(q, k, w, topk, relu=relu, q_positions=qpos, k_positions=kpos,
+                            causal=True)
+
+
+def run_scoreonly(q, k, w, topk, relu):
+    T, S = q.shape[1], k.shape[1]
+    qpos = (torch.arange(T, device="cuda") + S - T)[None]
+    kpos = torch.arange(S, device="cuda")[None]
+    return hk._launch(q, k, w, 1, relu=relu, q_positions=qpos, k_positions=kpos, causal=True,
+                      mode=hk.MODE_SCORES_ONLY)
+
+
+def run_naive(q, k, w, topk, relu):
+    from megatron.core.transformer.experimental_attention_variant.dsa import fused_qk_topk_naive
+
+    T, S = q.shape[1], k.shape[1]
+    mask = torch.full((T, S), float("-inf"), device="cuda").triu_(1 + S - T)
+    _, idx = fused_qk_topk_naive(q.transpose(0, 1), k.transpose(0, 1), w.transpose(0, 1),
+                                 topk, mask=mask, use_relu=relu)
+    return idx
+
+
+def run_chunked(q, k, w, topk, relu):
+    T, H, D = q.shape[1:]
+    S = k.shape[1]
+    rows = max(1, TABLE_BYTES // (H * S * 2))
+    kk = min(topk, S)
+    out = torch.empty(T, kk, dtype=torch.int64, device="cuda")
+    kt = k[0].t()
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        logits = (q[0, t0:t1].reshape(-1, D) @ kt).view(t1 - t0, H, S)
+        if relu:
+            logits.relu_()
+        s = torch.bmm(w[0, t0:t1, None, :].to(logits.dtype), logits).squeeze(1).float()
+        del logits
+        t = torch.arange(t0, t1, device="cuda") + S - T
+        s.masked_fill_(torch.arange(S, device="cuda")[None, :] > t[:, None], float("-inf"))
+        out[t0:t1] = s.topk(kk, dim=-1).indices
+    return out
+
+
+def run_table(q, k, w, topk, relu):
+    T = q.shape[1]
+    S = k.shape[1]
+    r = hk._prepare(q, k, w, relu, None)[4]
+    rows = max(r, (TABLE_BYTES // (S * 4)) // r * r)
+    kk = min(topk, S)
+    qpos = (torch.arange(T, device="cuda") + S - T)[None]
+    kpos = torch.arange(S, device="cuda")[None]
+    table = torch.empty(rows, S, device="cuda")
+    out = torch.empty(T, kk, dtype=torch.int64, device="cuda")
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        hk.score_table(q, k, w, relu=relu, q_positions=qpos, k_positions=kpos, causal=True,
+                       t0=t0, t1=t1, table=table)
+        out[t0:t1] = table[: t1 - t0].topk(kk, dim=-1).indices
+    return out
+
+
+METHODS = {
+    "hytopk": run_hytopk,
+    "scoreonly": run_scoreonly,
+    "naive": run_naive,
+    "chunked": run_chunked,
+    "table": run_table,
+}
+
+
+def bench_one(method, T, cfg, kind, rate, reps):
+    H, D, topk, relu = CONFIGS[cfg]
+    q, k, w = make_inputs(T, H, D, kind)
+    fn = METHODS[method]
+    floor_ms = T * (T + 1) / 2 * H * D * 2 / rate * 1e3
+    rec = {"method": method, "config": cfg, "T": T, "inputs": kind, "floor_ms": floor_ms}
+    try:
+        # First call: peak memory and one event-timed run (the kernel binary is shared by all T
+        # of a config, so only the first T of a config pays the compile). Long runs stop there.
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def timed():
+            a.record()
+            out = fn(q, k, w, topk, relu)
+            b.record()
+            return out
+
+        mem = peak_extra(timed)
+        first_ms = a.elapsed_time(b)
+        if first_ms > 2000:
+            ms, n = first_ms, 1
+        else:
+            n = reps
+            ms = time_cuda(lambda: fn(q, k, w, topk, relu), reps=n, warmup=1)
+        rec.update(ms=ms, mem_gib=mem / GiB, x_floor=ms / floor_ms, reps=n)
+    except torch.OutOfMemoryError:
+        rec.update(ms=None, mem_gib=None, x_floor=None, status="OOM")
+    torch.cuda.empty_cache()
+    return rec
+
+
+def check_structured_exact(T, cfg):
+    """HyTopK on structured inputs must equal the reference (checked at the smallest T)."""
+    H, D, topk, relu = CONFIGS[cfg]
+    q, k, w = make_inputs(T, H, D, "structured")
+    a = hytopk(q, k, w, topk, relu=relu, backend="triton")
+    b = hytopk(q, k, w, topk, relu=relu, backend="reference")
+    # bf16 inputs: the order of fp32 sums differs; report the share of identical rows.
+    return (a[0] == b[0]).all(-1).float().mean().item()
+
+
+def sweep(T, cfg, reps):
+    """Time kernel launch variants (warps, pipeline stages, programs per SM, tile) for tuning."""
+    H, D, topk, relu = CONFIGS[cfg]
+    q, k, w = make_inputs(T, H, D, "random")
+    qpos = torch.arange(T, device="cuda")[None]
+    kpos = torch.arange(T, device="cuda")[None]
+    rate = matmul_rate()
+    floor_ms = T * (T + 1) / 2 * H * D * 2 / rate * 1e3
+    variants = ((8, 2, 2, 128), (8, 3, 1, 128), (4, 2, 2, 64), (8, 2, 2, 64), (8, 3, 2, 64),
+                (4, 3, 2, 128), (8, 1, 2, 128))
+    for mode in (hk.MODE_SCORES_ONLY, hk.MODE_SELECT):
+        for nw, ns, pps, bn in variants:
+            hk.PROGRAMS_PER_SM = pps
+            launch = dict(relu=relu, q_positions=qpos, k_positions=kpos, causal=True,
+                          mode=mode, block_n=bn, num_warps=nw, num_stages=ns)
+            try:
+                ms = time_cuda(lambda kw=launch: hk._launch(q, k, w, topk, **kw), reps=reps)
+                log(f"sweep {cfg} T={T} mode={mode} warps={nw} stages={ns} per_sm={pps} "
+                    f"bn={bn}: {ms:.2f} ms  x{ms / floor_ms:.2f} floor")
+            except Exception as err:  # a variant may not fit in shared memory
+                log(f"sweep variant warps={nw} stages={ns} bn={bn} failed: {err!r:.200}")
+    hk.PROGRAMS_PER_SM = 2
+
+
+def write_json(records, dev, rate, bw, out):
+    meta = {"device": dev, "matmul_tflops": rate / 1e12, "copy_tbps": bw / 1e12,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv,
+            "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                  text=True).stdout.strip()}
+    with open(os.path.join(out, f"bench_selection{TAG}.json"), "w") as f:
+        json.dump({"meta": meta, "records": records}, f, indent=1)
+
+
+def summary(records, kinds, configs, Ts):
+    """Markdown table: one row per (inputs, config, T); baselines as 'ms (GiB)'."""
+    by = {(r["inputs"], r["config"], r["T"], r["method"]): r for r in records}
+
+    def cell(key):
+        r = by.get(key)
+        if r is None:
+            return "-"
+        if r.get("status") == "OOM":
+            return "OOM"
+        return f"{r['ms']:.1f} ({r['mem_gib']:.2f})"
+
+    def ratio(key, h):
+        r = by.get(key)
+        if r is None or r.get("ms") is None or h.get("ms") is None:
+            return "-"
+        return f"{r['ms'] / h['ms']:.1f}x"
+
+    head = ("| inputs | config | T | floor ms | HyTopK ms | x floor | HyTopK GiB | score-only ms"
+            " | naive ms (GiB) | chunked ms (GiB) | table ms (GiB) | chunked/HyTopK"
+            " | table/HyTopK |")
+    log("")
+    log(head)
+    log("|" + "---|" * (head.count("|") - 1))
+    for kind in kinds:
+        for cfg in configs:
+            for T in Ts:
+                h = by.get((kind, cfg, T, "hytopk"))
+                if h is None:
+                    continue
+                so = by.get((kind, cfg, T, "scoreonly"))
+                key = (kind, cfg, T)
+                log(f"| {kind} | {cfg} | {T} | {h['floor_ms']:.1f} | {fmt(h.get('ms'), '.1f')} "
+                    f"| {fmt(h.get('x_floor'), '.2f')} | {fmt(h.get('mem_gib'), '.2f')} "
+                    f"| {fmt(so.get('ms') if so else None, '.1f')} | {cell(key + ('naive',))} "
+                    f"| {cell(key + ('chunked',))} | {cell(key + ('table',))} "
+                    f"| {ratio(key + ('chunked',), h)} | {ratio(key + ('table',), h)} |")
+
+
+def fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def plot(records, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    series = {}
+    for r in records:
+        if r.get("ms") is None:
+            continue
+        series.setdefault((r["config"], r["inputs"], r["method"]), []).append(r)
+    for (cfg, kind, method), rs in sorted(series.items()):
+        rs = sorted(rs, key=lambda r: r["T"])
+        label = f"{method} {cfg} {kind}"
+        axes[0].plot([r["T"] for r in rs], [r["ms"] for r in rs], "o-", label=label)
+        axes[1].plot([r["T"] for r in rs], [max(r["mem_gib"], 1e-3) for r in rs], "o-",
+                     label=label)
+    floors = sorted({(r["T"], r["floor_ms"]) for r in records if r["config"] == "dsv32"})
+    if floors:
+        axes[0].plot(*zip(*floors), "k--", label="GEMM floor dsv32")
+    for ax, yl in zip(axes, ["time (ms)", "peak extra memory (GiB)"]):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("T (tokens)")
+        ax.set_ylabel(yl)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--T", type=int, nargs="*", default=None, help="sequence lengths")
+    p.add_argument("--configs", nargs="*", default=["dsv32", "glm51", "v4flash", "norelu"],
+                   choices=list(CONFIGS))
+    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--inputs", nargs="*", default=["random"], choices=["random", "structured"])
+    p.add_argument("--secondary-max-T", type=int, default=131072,
+                   help="configs other than dsv32 run only up to this T")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="T in {16K, 32K}, 2 reps")
+    p.add_argument("--sweep", action="store_true", help="time kernel variants and exit")
+    p.add_argument("--tag", default="", help="suffix for the JSON and PNG names")
+    p.add_argument("--out", default=os.environ.get("OUT", "outputs"))
+    args = p.parse_args()
+    global TAG
+    TAG = args.tag
+    Ts = args.T or ([16384, 32768] if args.quick else ALL_T)
+    reps = 2 if args.quick else args.reps
+    os.makedirs(args.out, exist_ok=True)
+
+    if args.sweep:
+        for T in Ts:
+            for cfg in args.configs:
+                sweep(T, cfg, reps)
+        return
+    dev = torch.cuda.get_device_name()
+    rate = matmul_rate()
+    bw = copy_bandwidth()
+    log(f"device {dev}; bf16 matmul {rate / 1e12:.0f} TFLOP/s; copy {bw / 1e12:.2f} TB/s")
+    records = []
+    for kind in args.inputs:
+        for cfg in args.configs:
+            for T in Ts:
+                if cfg != "dsv32" and T > args.secondary_max_T:
+                    continue
+                for method in args.methods:
+                    if T > MAX_T.get(method, 1 << 40):
+                        continue
+                    if kind == "structured" and method in ("naive", "chunked"):
+                        continue  # dense paths: their time does not depend on the inputs
+                    rec = bench_one(method, T, cfg, kind, rate, reps)
+                    records.append(rec)
+                    write_json(records, dev, rate, bw, args.out)
+                    log(f"{kind:10s} {cfg:8s} T={T:8d} {method:10s} "
+                        f"{fmt(rec.get('ms'), '10.2f')} ms  {fmt(rec.get('mem_gib'), '7.2f')} GiB"
+                        f"  x{fmt(rec.get('x_floor'), '.2f')} floor {rec.get('status', '')}")
+    if "structured" in args.inputs:
+        share = check_structured_exact(16384, "dsv32")
+        log(f"structured T=16384: share of rows identical to the reference {share:.4f}")
+
+    summary(records, args.inputs, args.configs, Ts)
+    write_json(records, dev, rate, bw, args.out)
+    try:
+        plot(records, os.path.join(args.out, f"bench_selection{TAG}.png"))
+    except Exception as err:  # the table and JSON matter more than the plot
+        log(f"plot failed: {err}")
+    if math.isnan(rate):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""HyTopK Triton kernel on a GPU at realistic sizes, against the plain-torch reference.
+
+Integer-valued inputs: every product and partial sum is an integer below 2^24, so any fp32
+summation order gives the same scores and the output must equal the reference bit for bit.
+
+Random bf16 inputs: the kernel and the reference sum the same fp32 products in different orders
+(tensor-core tiles versus einsum). For one (t, s), the standard bound on a length-n fp32 sum
+gives |fl(score) - score| <= n * eps * sum_h |w_h| * sum_d |q_hd k_d| with n = D + H + 1 and
+eps = 2^-24 (unit roundoff) for either side, so the two computed scores differ by at most
+2 * (D + H + 1) * eps * A(t, s) with A(t, s) = sum_h |w_h| * sum_d |q_hd| |k_sd|. By
+Cauchy-Schwarz A(t, s) <= A_t = sum_h |w_h| * ||q_h|| * max_s ||k_s||. The rule tested: each
+returned score is within E_t = 2 * (D + H + 1) * eps * A_t of the exact (fp64) score of that
+key, rows are sorted by (score desc, index asc), and the selected set equals the reference's
+except for keys whose exact score is within 2 * E_t of the reference's k-th score.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_hyscale.ops import hytopk
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+EPS32 = 2.0**-24
+
+
+def int_inputs(B, T, S, H, D, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randint(-3, 4, (B, T, H, D), device="cuda", generator=g).to(dtype)
+    k = torch.randint(-3, 4, (B, S, D), device="cuda", generator=g).to(dtype)
+    w = torch.randint(-2, 3, (B, T, H), device="cuda", generator=g).to(torch.float32)
+    return q, k, w
+
+
+def assert_exact(q, k, w, topk, **kw):
+    ref_i, ref_s = hytopk(q, k, w, topk, backend="reference", **kw)
+    out_i, out_s = hytopk(q, k, w, topk, backend="triton", **kw)
+    torch.cuda.synchronize()
+    assert out_i.dtype == torch.int32 and out_s.dtype == torch.float32
+    mism = (out_i != ref_i).any(-1).sum().item()
+    assert mism == 0, f"{mism} rows differ in indices"
+    assert torch.equal(out_s, ref_s)
+
+
+@pytest.mark.parametrize(
+    "T,H,D,topk,relu",
+    [
+        (16384, 64, 128, 2048, True),
+        (8192, 64, 128, 4096, True),
+        (8192, 32, 128, 1000, True),
+        (8192, 32, 64, 1024, False),
+        (8192, 4, 128, 512, True),
+        (4096, 64, 64, 2048, False),
+    ],
+)
+def test_integer_inputs_exact(T, H, D, topk, relu):
+    q, k, w = int_inputs(1, T, T, H, D, torch.bfloat16, seed=T + H + topk)
+    assert_exact(q, k, w, topk, relu=relu)
+
+
+def test_integer_inputs_batch_shard_positions_fp16():
+    # B = 2, a context-parallel style shard: queries are two non-contiguous chunks of the
+    # sequence, keys are the whole sequence, per-batch positions.
+    B, S, H, D, topk, c = 2, 8192, 64, 128, 2048, 1024
+    q, k, w = int_inputs(B, 2 * c, S, H, D, torch.float16, seed=7)
+    qpos = torch.cat([torch.arange(c, 2 * c), torch.arange(S - 2 * c, S - c)]).cuda()
+    qpos = torch.stack([qpos, qpos + 5])
+    assert_exact(q, k, w, topk, relu=True, q_positions=qpos)
+
+
+def test_integer_inputs_noncausal_noncontiguous():
+    q, k, w = int_inputs(1, 4096, 8192, 32, 128, torch.bfloat16, seed=11)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous [B, T, H, D]
+    assert not q.is_contiguous()
+    assert_exact(q, k, w, 2048, relu=True, causal=False)
+
+
+def exact_scores(q, k, w, idx, relu, rows=64):
+    """fp64 scores of the keys idx [B, T, K] (-1 gives -inf), in row chunks."""
+    B, T, H, D = q.shape
+    out = torch.empty(idx.shape, dtype=torch.float64, device=q.device)
+    for t0 in range(0, T, rows):
+        ii = idx[:, t0:t0 + rows].long()
+        kk = torch.gather(k.double(), 1, ii.clamp(min=0).flatten(1)[..., None].expand(-1, -1, D))
+        kk = kk.view(B, ii.shape[1], ii.shape[2], D)
+        logits = torch.einsum("bthd,btkd->btkh", q[:, t0:t0 + rows].double(), kk)
+        if relu:
+            logits = logits.relu()
+        s = (logits * w[:, t0:t0 + rows, None, :].double()).sum(-1)
+        out[:, t0:t0 + rows] = s.masked_fill(ii < 0, float("-inf"))
+    return out
+
+
+@pytest.mark.parametrize(
+    "T,H,D,topk,relu",
+    [(16384, 64, 128, 2048, True), (8192, 32, 128, 1000, True), (8192, 4, 64, 512, True),
+     (8192, 32, 128, 2048, False)],
+)
+def test_random_bf16_rule(T, H, D, topk, relu):
+    g = torch.Generator(device="cuda").manual_seed(T + H + D + topk)
+    q = torch.randn(1, T, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(1, T, D, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(1, T, H, device="cuda", generator=g) * (H * D) ** -0.5
+    ref_i, ref_s = hytopk(q, k, w, topk, relu=relu, backend="reference")
+    out_i, out_s = hytopk(q, k, w, topk, relu=relu, backend="triton")
+
+    k_norm_max = k.double().norm(dim=-1).amax(-1)  # [B]
+    a_t = (w.double().abs() * q.double().norm(dim=-1)).sum(-1) * k_norm_max[:, None]  # [B, T]
+    e_t = 2 * (D + H + 1) * EPS32 * a_t
+
+    # Structure: -1 exactly where the reference has -1, no duplicates, sorted by the total order.
+    assert torch.equal(out_i < 0, ref_i < 0)
+    valid = out_i >= 0
+    srt = out_i.sort(-1).values
+    assert not ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any()
+    s0, s1, i0, i1 = out_s[..., :-1], out_s[..., 1:], out_i[..., :-1], out_i[..., 1:]
+    ordered = (s0 > s1) | ((s0 == s1) & (i0 < i1)) | (i1 < 0)
+    assert ordered.all()
+
+    # Returned scores are within E_t of the exact score of their key.
+    exact_out = exact_scores(q, k, w, out_i, relu)
+    err = (out_s.double() - exact_out).abs().masked_fill(~valid, 0)
+    assert (err <= e_t[..., None]).all(), f"max score error {err.max().item()}"
+
+    # Selected set equals the reference's except near the k-th score.
+    B, T = out_i.shape[:2]
+    S = k.shape[1]
+    row = torch.arange(B * T, device="cuda").view(B, T, 1) * S
+    ours = (row + out_i)[valid]
+    refs = (row + ref_i)[ref_i >= 0]
+    only_ours = ~torch.isin(ours, refs)
+    only_ref = ~torch.isin(refs, ours)
+    kth = ref_s.gather(-1, (ref_i >= 0).sum(-1, keepdim=True).clamp(min=1) - 1).double()
+    band = 2 * e_t.view(-1)
+    rows_of = torch.arange(B * T, device="cuda").view(B, T, 1)
+    for idx, sel, ok in ((out_i, only_ours, valid), (ref_i, only_ref, ref_i >= 0)):
+        rows = rows_of.expand_as(idx)[ok][sel]
+        keys = idx[ok][sel].long()
+        if rows.numel() == 0:
+            continue
+        logits = torch.einsum("nhd,nd->nh", q.reshape(B * T, H, D)[rows].double(),
+                              k.reshape(B * S, D)[keys].double())
+        if relu:
+            logits = logits.relu()
+        exact = (logits * w.reshape(B * T, H)[rows].double()).sum(-1)
+        dist = (exact - kth.view(-1)[rows]).abs()
+        assert (dist <= band[rows]).all(), (
+            f"{rows.numel()} keys differ from the reference; max distance to the k-th score "
+            f"{dist.max().item()} exceeds the band {band[rows].max().item()}")
+    # Mismatches must be rare: they need a score tie within rounding at the k-th place.
+    assert only_ours.sum().item() <= 0.001 * ours.numel() + 16

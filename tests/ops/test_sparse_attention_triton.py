@@ -1,0 +1,216 @@
+"""Sparse-attention Triton kernels under the interpreter (CPU), against a dense fp64 oracle.
+
+Tiny fp32 cases (the interpreter's bf16 arithmetic is wrong): MQA with V = K's first dv channels
+(absorbed MLA), K = V with a per-head sink, GQA with per-KV-head indices and a separate V, two
+head blocks per query, -1 slots, rows with no valid index, B > 1, non-contiguous inputs, the lse
+and its gradient, and the deterministic (fixed-point) dK / dV mode. Key tiles of 16 make every
+row span several tiles with a ragged tail.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from megatron_hyscale.ops.kernels import sparse_attention as kern  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 2e-5  # fp32 kernels vs the fp64 oracle, relative to the reference's largest entry
+
+
+def dense_oracle(q, k, v, indices, scale, dv=None, sink=None):
+    """fp64 out [B, T, Hq, dv] and lse [B, T, Hq] (sink included; -inf for an empty row)."""
+    q, k = q.double(), k.double()
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    v = (k[..., : (dv or D)] if v is None else v).double()
+    if indices.dim() == 3:
+        indices = indices.unsqueeze(2).expand(B, T, Hkv, indices.shape[-1])
+    valid = indices >= 0
+    safe = indices.clamp(min=0).long()
+    bi = torch.arange(B, device=q.device)[:, None, None, None]
+    gi = torch.arange(Hkv, device=q.device)[None, None, :, None]
+    ks, vs = k[bi, safe, gi], v[bi, safe, gi]  # [B, T, Hkv, K, D]
+    s = torch.einsum("btgxd,btgjd->btgxj", q.reshape(B, T, Hkv, G, D), ks) * scale
+    s = s.masked_fill(~valid[:, :, :, None, :], float("-inf"))
+    if sink is not None:
+        s = torch.cat([s, sink.double().view(1, 1, Hkv, G, 1).expand(B, T, Hkv, G, 1)], -1)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    if sink is not None:
+        p = p[..., :-1]
+    out = torch.einsum("btgxj,btgjd->btgxd", p, vs)
+    return out.reshape(B, T, Hq, -1), lse.reshape(B, T, Hq)
+
+
+def make_indices(B, T, Hkv, S, NK, gen, per_head, dtype):
+    """Distinct indices per row, some -1 slots, row (0, 1) partly empty, row (B-1, T-1) empty."""
+    rows = B * T * (Hkv if per_head else 1)
+    idx = torch.stack([torch.randperm(S, generator=gen)[:NK] for _ in range(rows)])
+    idx = idx.view(B, T, Hkv, NK) if per_head else idx.view(B, T, NK)
+    idx[0, 1, ..., NK // 3:] = -1
+    idx[..., 2::5] = -1  # scattered holes
+    idx[B - 1, T - 1] = -1
+    return idx.to(dtype).to(DEVICE)
+
+
+def close(name, got, ref):
+    assert got is not None and not torch.isnan(got).any(), f"{name}: NaN or missing"
+    err = (got.double() - ref.double()).abs().max().item()
+    assert err <= TOL * (1.0 + ref.abs().max().item()), f"{name}: max error {err}"
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    """Key tiles of 16 so rows span several tiles; fresh tiling cache per test."""
+    monkeypatch.setattr(kern, "FWD_TILINGS", ((16, 1),))
+    monkeypatch.setattr(kern, "BWD_TILINGS", ((16, 1),))
+    monkeypatch.setattr(kern, "_tiling_cache", {})
+
+
+CASES = {
+    # name: (B, T, S, Hq, Hkv, D, v_dim or None, dv, sink, per-head indices, NK, index dtype)
+    "mqa_absorbed_dv": (2, 3, 40, 4, 1, 24, None, 16, False, False, 37, torch.int32),
+    "kv_shared_sink": (2, 2, 48, 4, 1, 32, None, None, True, True, 40, torch.int64),
+    "absorbed_dv_not_main": (1, 3, 30, 3, 1, 24, None, 20, True, False, 21, torch.int64),
+    "gqa_per_head": (2, 2, 36, 6, 2, 16, 16, None, True, True, 33, torch.int64),
+    "gqa_wide_v": (1, 3, 24, 4, 2, 16, 24, None, False, False, 18, torch.int32),
+    "two_head_blocks": (1, 2, 20, 80, 1, 16, None, None, True, False, 17, torch.int32),
+}
+
+
+def build(case, seed):
+    B, T, S, Hq, Hkv, D, vdim, dv, has_sink, per_head, NK, idt = CASES[case]
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, Hq, D, generator=g).to(DEVICE)
+    k = torch.randn(B, S, Hkv, D, generator=g).to(DEVICE)
+    v = torch.randn(B, S, Hkv, vdim, generator=g).to(DEVICE) if vdim else None
+    sink = torch.randn(Hq, generator=g).to(DEVICE) if has_sink else None
+    idx = make_indices(B, T, Hkv, S, NK, g, per_head, idt)
+    return q, k, v, idx, sink, dv, D ** -0.5
+
+
+def run_both(q, k, v, idx, sink, dv, scale, deterministic, lse_weight=None, seed=0):
+    """Kernel and oracle forward + backward of sum(out * g) (+ sum(lse * w)); returns both."""
+    leaves = [x for x in (q, k, v, sink) if x is not None]
+    results = []
+    for use_kernel in (True, False):
+        xs = [x.detach().clone().requires_grad_() for x in leaves]
+        it = iter(xs)
+        qq, kk = next(it), next(it)
+        vv = next(it) if v is not None else None
+        ss = next(it) if sink is not None else None
+        if use_kernel:
+            out, lse = kern.sparse_attention_triton(qq, kk, vv, idx, scale, dv=dv, sink=ss,
+                                                    return_lse=True, deterministic=deterministic)
+        else:
+            out, lse = dense_oracle(qq, kk, vv, idx, scale, dv=dv, sink=ss)
+        gen = torch.Generator().manual_seed(seed + 1)
+        go = torch.randn(out.shape, generator=gen).to(DEVICE)
+        loss = (out * go.to(out.dtype)).sum()
+        if lse_weight is not None:
+            finite = torch.isfinite(lse)
+            loss = loss + (torch.where(finite, lse, 0.0) * lse_weight.to(lse.dtype)).sum()
+        loss.backward()
+        results.append((out.detach(), lse.detach(), [x.grad for x in xs]))
+    return results
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_values_and_gradients(case, deterministic):
+    q, k, v, idx, sink, dv, scale = build(case, seed=len(case))
+    (out, lse, grads), (rout, rlse, rgrads) = run_both(q, k, v, idx, sink, dv, scale,
+                                                       deterministic)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert out.shape == rout.shape and lse.shape == rlse.shape
+    close("out", out, rout)
+    assert torch.equal(torch.isinf(lse), torch.isinf(rlse))
+    close("lse", torch.where(torch.isinf(lse), 0.0, lse), torch.where(torch.isinf(rlse), 0, rlse))
+    names = ["dq", "dk"] + (["dv"] if v is not None else []) + (["dsink"] if sink is not None
+                                                                 else [])
+    for name, got, ref in zip(names, grads, rgrads, strict=True):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        close(name, got, ref)
+    # The row with no valid index: zeros out, lse -inf without a sink and = sink with one.
+    B, T = q.shape[:2]
+    assert torch.equal(out[B - 1, T - 1], torch.zeros_like(out[B - 1, T - 1]))
+    if sink is None:
+        assert torch.isinf(lse[B - 1, T - 1]).all()
+    else:
+        close("empty-row lse", lse[B - 1, T - 1], sink)
+
+
+def test_lse_gradient():
+    q, k, v, idx, sink, dv, scale = build("kv_shared_sink", seed=3)
+    w = torch.randn(q.shape[:3], generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    (_, _, grads), (_, _, rgrads) = run_both(q, k, v, idx, sink, dv, scale, False, lse_weight=w)
+    for name, got, ref in zip(["dq", "dk", "dsink"], grads, rgrads, strict=True):
+        close(name, got, ref)
+
+
+def test_non_contiguous_inputs():
+    g = torch.Generator().manual_seed(5)
+    B, T, S, Hq, Hkv, D, NK = 2, 3, 48, 4, 2, 16, 20
+    q = torch.randn(B, Hq, T, D + 8, generator=g).to(DEVICE).transpose(1, 2)[..., 4:4 + D]
+    k = torch.randn(S, B, Hkv, D, generator=g).to(DEVICE).transpose(0, 1)
+    v = torch.randn(B, S, Hkv, 2 * D, generator=g).to(DEVICE)[..., ::2]
+    idx = make_indices(B, T, Hkv, S, 2 * NK, g, True, torch.int64)[..., ::2]
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous()
+                or idx.is_contiguous())
+    (out, lse, grads), (rout, rlse, rgrads) = run_both(q, k, v, idx, None, None, D ** -0.5,
+                                                       False)
+    close("out", out, rout)
+    for name, got, ref in zip(["dq", "dk", "dv"], grads, rgrads, strict=True):
+        close(name, got, ref)
+
+
+def test_deterministic_repeatable_and_close_to_atomic():
+    q, k, v, idx, sink, dv, scale = build("gqa_per_head", seed=11)
+    runs = [run_both(q, k, v, idx, sink, dv, scale, True)[0][2] for _ in range(2)]
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+    atomic = run_both(q, k, v, idx, sink, dv, scale, False)[0][2]
+    for a, b in zip(runs[0], atomic, strict=True):
+        close("deterministic vs atomic", a, b)
+
+
+def test_fixed_point_scale_bounds_sum():
+    """n addends of size <= rowmax, scaled, fit in 2^FIXED_BITS; zero rows get scale 1."""
+    rowmax = torch.tensor([0.0, 1e-30, 3.0, 1e20])
+    scale, exp = kern._fixed_point_scale(rowmax, 1000)
+    assert scale[0] == 1.0 and exp[0] == 0
+    assert (rowmax.double() * scale.double() * 1000 <= 2.0 ** kern.FIXED_BITS).all()
+    # At least 2^(FIXED_BITS - 1) of headroom is used (the scale is the largest safe one),
+    # except where it is capped.
+    ok = rowmax.double() * scale.double() * 1000 * 2 > 2.0 ** kern.FIXED_BITS
+    assert ok[2:].all()
+
+
+def test_matches_project_reference_when_present():
+    api = pytest.importorskip("megatron_hyscale.ops.sparse_attention")
+    q, k, v, idx, sink, dv, scale = build("kv_shared_sink", seed=2)
+    ref_out, ref_lse = api.sparse_attention(q, k, v, idx, scale, dv=dv, sink=sink,
+                                            return_lse=True, backend="reference")
+    out, lse = kern.sparse_attention_triton(q, k, v, idx, scale, dv=dv, sink=sink,
+                                            return_lse=True)
+    close("out", out, ref_out)
+    close("lse", lse, ref_lse)
+
+
+@pytest.mark.parametrize("case", ["two_head_blocks", "mqa_absorbed_dv"])
+def test_dkv_head_block_smaller_than_forward(case, monkeypatch):
+    """The dK/dV kernel halves its head block when q and dO would overflow shared memory."""
+    monkeypatch.setattr(kern, "DKV_RESIDENT_BUDGET", 1024)
+    q, k, v, idx, sink, dv, scale = build(case, seed=4)
+    for deterministic in (False, True):
+        (_, _, grads), (_, _, rgrads) = run_both(q, k, v, idx, sink, dv, scale, deterministic)
+        for got, ref in zip(grads, rgrads, strict=True):
+            close("grad", got, ref)
