@@ -1,0 +1,1 @@
+"""Helpers for tests and the demo: megatron-core on CPU, tiny DSA models."""
