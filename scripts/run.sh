@@ -42,6 +42,9 @@ case "$cmd" in
   demo)
     exec "$py" -m megatron_hyscale.demo "$@" ;;
   test)
+    # One intra-op thread: the tests are many small ops, and on a 2-core box two threads
+    # per op oversubscribe (the suite ran 3x slower). Override by setting it yourself.
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     # pytest exits 5 when a selection matches no test: that is a failure here too.
     exec "$py" -m pytest "$@" ;;
   *)

@@ -119,7 +119,9 @@ def _run_chunk(fn, needs_grad: bool, *args):
     # backward and recomputes the chunk's [rows, keys] work there, so backward memory is as
     # bounded as forward memory.
     if needs_grad:
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+        # No RNG is drawn inside a chunk, so there is no RNG state to stash and restore.
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
+                                                 preserve_rng_state=False)
     return fn(*args)
 
 
@@ -384,6 +386,8 @@ def indexer_loss_reference(
     needs_grad = _needs_grad(q_index, weights, k_index)
     total = torch.zeros((), dtype=torch.float32, device=q_index.device)
     if sparse:
+        if topk_indices.shape[-1] == 0:  # one empty slot keeps the reductions defined
+            topk_indices = topk_indices.new_full((B, T, 1), -1)
         K = topk_indices.shape[-1]
         step = rows_per_chunk(B * K * (2 * Hkv * query.shape[-1] + 4 * Hq + 3 * H_I + 2 * D_I),
                               device=q_index.device)

@@ -21,7 +21,6 @@ from megatron_hyscale.ops.checks import (
     check_same_device,
     check_tensor,
 )
-from megatron_hyscale.ops.hytopk import warn_once
 
 
 def check_softmax_scale(value: object) -> float:
@@ -102,6 +101,7 @@ def sparse_attention(
     dv: int | None = None,
     sink: torch.Tensor | None = None,
     return_lse: bool = False,
+    deterministic: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over its selected keys only.
@@ -119,7 +119,10 @@ def sparse_attention(
         dv: value width when v is None (1 <= dv <= Dqk).
         sink: [Hq] per-head logit added to each softmax denominator only (no value).
         return_lse: also return the log-sum-exp.
-        backend: "auto", "triton" or "reference" (only the reference exists yet).
+        deterministic: Triton backward without fp32 atomics (bitwise repeatable; about 2-3x
+            the backward time). The reference is always deterministic.
+        backend: "auto" (Triton on CUDA tensors, the reference elsewhere), "triton" (CPU
+            tensors need TRITON_INTERPRET=1) or "reference".
 
     Returns:
         out [B, T, Hq, Dv] in q's dtype (zeros for a row with no valid index), and with
@@ -130,11 +133,10 @@ def sparse_attention(
     """
     check_backend(backend)
     scale, dv = validate_sparse_attention_inputs(q, k, v, indices, softmax_scale, dv, sink)
-    if backend == "triton":
-        raise NotImplementedError("sparse_attention: the Triton kernel is not built yet; use "
-                                  "backend='reference' or 'auto'")
-    if backend == "auto" and q.is_cuda:
-        warn_once("sparse-attention-triton", "sparse_attention: the Triton kernel is not "
-                  "available yet; using the plain-torch reference (slow, memory-bounded)")
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_triton
+
+        return sparse_attention_triton(q, k, v, indices, scale, dv=dv, sink=sink,
+                                       return_lse=return_lse, deterministic=deterministic)
     out, lse = reference.sparse_attention_reference(q, k, v, indices, scale, dv=dv, sink=sink)
     return (out, lse) if return_lse else out

@@ -52,10 +52,19 @@ def tiny_dsa_config(**overrides: Any) -> MLATransformerConfig:
     return MLATransformerConfig(**fields)
 
 
+def default_device() -> torch.device:
+    """The GPU when there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def build_gpt(config: MLATransformerConfig, *, stock: bool, vocab_size: int,
-              max_sequence_length: int) -> GPTModel:
-    """GPTModel whose every layer is MLA + HyScale DSA (or megatron-core's DSA if `stock`)."""
-    return GPTModel(
+              max_sequence_length: int, device: torch.device | str | None = None) -> GPTModel:
+    """GPTModel whose every layer is MLA + HyScale DSA (or megatron-core's DSA if `stock`).
+
+    Parameters are created on the CPU (reproducible from the CPU seed) and moved to `device`
+    (default: `default_device()`).
+    """
+    model = GPTModel(
         config=config,
         transformer_layer_spec=get_dsa_block_spec(config, stock=stock),
         vocab_size=vocab_size,
@@ -65,3 +74,4 @@ def build_gpt(config: MLATransformerConfig, *, stock: bool, vocab_size: int,
         share_embeddings_and_output_weights=False,
         position_embedding_type="none",
     )
+    return model.to(device or default_device())

@@ -25,8 +25,9 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 
 from megatron_hyscale import replay
 from megatron_hyscale.layers.dsa import HyScaleDSAttention
-from megatron_hyscale.testing.cpu import init_single_process, megatron_on_cpu
-from megatron_hyscale.testing.models import build_gpt, tiny_dsa_config
+from megatron_hyscale.testing.models import build_gpt, default_device, tiny_dsa_config
+
+DEVICE = default_device()
 
 VOCAB, T, B = 97, 256, 2
 RTOL, ATOL = 1e-5, 1e-6
@@ -40,12 +41,6 @@ RECOMPUTE = {
     "selective-core_attn": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
 }
 
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_cpu():
-    with megatron_on_cpu():
-        init_single_process()
-        yield
 
 
 @pytest.fixture(autouse=True)
@@ -73,9 +68,9 @@ def make_pair(**overrides):
 
 def batch(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (B, T), generator=g)
-    labels = torch.randint(0, VOCAB, (B, T), generator=g)
-    return ids, torch.arange(T).expand(B, T), labels
+    ids = torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE)
+    labels = torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE)
+    return ids, torch.arange(T, device=DEVICE).expand(B, T), labels
 
 
 def indexer_losses() -> torch.Tensor:
@@ -137,7 +132,8 @@ def test_model_matches_stock(recompute, variant):
     stock_res = run_step(stock)
     replay.reset_stats()
     with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a fallback to stock would warn
+        # A fallback to the stock forward would warn: make it fail the test.
+        warnings.filterwarnings("error", message="HyScaleDSAttention", category=RuntimeWarning)
         hyscale_res = run_step(hyscale)
     assert_same_step(stock_res, hyscale_res)
     stats = replay.get_stats()

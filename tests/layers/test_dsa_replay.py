@@ -9,26 +9,21 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 )
 
 from megatron_hyscale import replay
-from megatron_hyscale.testing.cpu import init_single_process, megatron_on_cpu
-from megatron_hyscale.testing.models import build_gpt, tiny_dsa_config
+from megatron_hyscale.testing.models import build_gpt, default_device, tiny_dsa_config
+
+DEVICE = default_device()
 
 VOCAB, T, B = 97, 256, 1
 FULL_UNIFORM = dict(recompute_granularity="full", recompute_method="uniform",
                     recompute_num_layers=1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def megatron_cpu():
-    with megatron_on_cpu():
-        init_single_process()
-        yield
-
 
 def micro_batches(n: int):
     g = torch.Generator().manual_seed(11)
-    pos = torch.arange(T).expand(B, T)
-    return [(torch.randint(0, VOCAB, (B, T), generator=g), pos,
-             torch.randint(0, VOCAB, (B, T), generator=g)) for _ in range(n)]
+    pos = torch.arange(T, device=DEVICE).expand(B, T)
+    return [(torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE), pos,
+             torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE)) for _ in range(n)]
 
 
 def pipelined_grads(model, mbs) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ def int_inputs(B, T, S, H, D, seed, lo=-2, hi=3, wlo=-2, whi=3):
     return q.to(DEVICE), k.to(DEVICE), w.to(DEVICE)
 
 
-def check(q, k, w, topk, block_n=16, rows=None, num_programs=None, **kw):
+def check(q, k, w, topk, block_n=16, rows=None, num_programs=None, group_slack_div=4, **kw):
     """Kernel (with the given tiling) against the reference; exact equality."""
     ref_i, ref_s = hytopk(q, k, w, topk, backend="reference", **kw)
     qpos, kpos = validate_hytopk_inputs(q, k, w, topk, kw.get("q_positions"),
@@ -40,7 +40,7 @@ def check(q, k, w, topk, block_n=16, rows=None, num_programs=None, **kw):
     out_i, out_s = kernel._launch(
         q, k, w, topk, relu=kw.get("relu", True), causal=kw.get("causal", True),
         q_positions=qpos, k_positions=kpos, block_n=block_n, rows=rows,
-        num_programs=num_programs)
+        num_programs=num_programs, group_slack_div=group_slack_div)
     assert out_i.dtype == torch.int32 and out_s.dtype == torch.float32
     assert out_i.shape == ref_i.shape and out_s.shape == ref_s.shape
     assert torch.equal(out_i, ref_i), (out_i, ref_i)
@@ -119,6 +119,12 @@ def test_unsorted_key_positions():
 def test_head_padding_and_tilings(H, D, rows):
     q, k, w = int_inputs(1, 21, 33, H, D, seed=8 + H)
     check(q, k, w, 10, rows=rows, num_programs=2)
+
+
+def test_tile_groups_and_compaction():
+    # topk 70 with 16-key tiles: buffer 128, groups of 3 tiles, compaction past 80 entries.
+    q, k, w = int_inputs(1, 6, 300, 2, 16, seed=12, lo=-1, hi=2)
+    check(q, k, w, 70, group_slack_div=1)
 
 
 def test_default_tile_size():

@@ -211,14 +211,34 @@ def test_bf16_inputs_follow_fp32_math():
 
 
 def test_long_sequence_runs_chunked():
-    # 4K tokens, small heads: the dense path never builds a [T, S] tensor (chunked rows).
-    T = 4096
+    # 2K tokens dense: the dense path never builds a [T, S] tensor (chunked rows).
+    T = 2048
     x = make_inputs(B=1, T=T, H_I=1, D_I=4, Hq=1, Dqk=4, seed=29)
     loss = indexer_kl_loss(x["q_index"], x["weights"], x["k_index"], x["query"], x["key"], None,
                            0.5, 1.0, sparse=False)
     loss.backward()
     assert math.isfinite(loss.item()) and loss.item() > 0
     assert torch.isfinite(x["k_index"].grad).all()
+
+
+def test_32k_tokens_sparse_is_additive_over_row_shards():
+    # 32K tokens, sparse loss over a causal sliding selection: the per-token KL sum of the
+    # whole sequence equals the sums over two row shards (given their positions).
+    T, K = 32768, 16
+    x = make_inputs(B=1, T=T, H_I=2, D_I=4, Hq=2, Dqk=4, seed=37)
+    idx = torch.arange(T)[:, None] - torch.arange(K) * 37
+    idx = idx.masked_fill(idx < 0, -1).unsqueeze(0)
+    args = lambda r: (x["q_index"][:, r], x["weights"][:, r], x["k_index"], x["query"][:, r],
+                      x["key"], idx[:, r], 0.5, 1.0)
+    whole = indexer_kl_loss(*args(slice(None)), sparse=True, calculate_per_token_loss=True)
+    whole.backward()
+    assert torch.isfinite(x["k_index"].grad).all()
+    pos = torch.arange(T)
+    half = T // 2
+    parts = [indexer_kl_loss(*args(slice(a, b)), sparse=True, calculate_per_token_loss=True,
+                             q_positions=pos[a:b]) for a, b in ((0, half), (half, T))]
+    assert_close(parts[0] + parts[1], whole.detach())
+    assert parts[0] > 0 and parts[1] > 0
 
 
 def _args(**over):
@@ -279,3 +299,19 @@ def test_triton_backend_not_built_yet():
     a, kw = _args()
     with pytest.raises(NotImplementedError, match="not built yet"):
         indexer_kl_loss(*a.values(), **kw, backend="triton")
+
+
+def test_large_logits_stay_finite_and_match_megatron():
+    # Attention logits in the hundreds (and indexer scores too): both softmaxes must shift by
+    # the row max; target entries underflow to 0 and hit megatron's eps clamp in the KL.
+    x = make_inputs(seed=31)
+    x["query"] = x["query"] * 40
+    with torch.no_grad():
+        x["q_index"].mul_(10)
+    for sparse in (False, True):
+        idx, m_loss, m_grads, _ = megatron_fused(x, 8, 0.5, 1.0, sparse, False, False)
+        loss, grads = ours(x, idx, 0.5, 1.0, sparse, False, False)
+        assert torch.isfinite(loss)
+        assert_close(loss, m_loss)
+        for g, mg in zip(grads, m_grads):
+            assert_close(g, mg)

@@ -280,8 +280,6 @@ def test_nan_inf_rejected(name, bad):
         sparse_attention(*a.values(), sink=sink)
 
 
-def test_triton_backend_not_built_yet_and_auto_uses_reference():
-    with pytest.raises(NotImplementedError, match="not built yet"):
-        sparse_attention(*ARGS.values(), backend="triton")
+def test_auto_on_cpu_is_the_reference():
     out = sparse_attention(*ARGS.values(), backend="auto")
     torch.testing.assert_close(out, sparse_attention(*ARGS.values(), backend="reference"))

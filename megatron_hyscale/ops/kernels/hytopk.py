@@ -33,6 +33,8 @@ NUM_STAGES = 2
 # Programs used under TRITON_INTERPRET=1 (any count is correct; few keep the scratch small).
 INTERPRET_PROGRAMS = 3
 
+# A tile group may fill at most 1/GROUP_SLACK_DIV of the buffer slack (see _launch).
+GROUP_SLACK_DIV = 4
 # Temporary bytes per row chunk of the final sort-and-decode pass.
 FINISH_CHUNK_BYTES = 256 << 20
 _LOW32 = 0xFFFFFFFF
@@ -113,12 +115,12 @@ def _compact_row(row_ptr, offs_c, n, k):
 def _hytopk_kernel(
     q_ptr, k_ptr, w_ptr, qpos_ptr, kpos_ptr, hi_ptr, order_ptr,
     out_idx_ptr, out_score_ptr, scratch_ptr, table_ptr,
-    T, S, H, D, n_blocks, blocks_per_batch, table_t0,
+    T, S, H, n_blocks, blocks_per_batch, table_t0,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kd,
     stride_wb, stride_wt, stride_wh,
-    TOPK: tl.constexpr, OUT_K: tl.constexpr, CAP: tl.constexpr,
-    R: tl.constexpr, HP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+    D: tl.constexpr, TOPK: tl.constexpr, OUT_K: tl.constexpr, CAP: tl.constexpr,
+    R: tl.constexpr, HP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr,
     RELU: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MODE: tl.constexpr,
     NPROG: tl.constexpr,
 ):
@@ -131,6 +133,8 @@ def _hytopk_kernel(
     offs_d = tl.arange(0, BD)
     offs_n = tl.arange(0, BN)
     offs_c = tl.arange(0, CAP)
+    # A compile-time-true mask when D is a power of two: a run-time mask along the contiguous
+    # head dim would stop 16-byte async copies, and with them Triton's software pipelining.
     d_ok = offs_d < D
     scratch = scratch_ptr + pid.to(tl.int64) * (R * CAP)
     key_min = tl.full([], -9223372036854775807 - 1, tl.int64)
@@ -160,55 +164,59 @@ def _hytopk_kernel(
         best = tl.full([R], float("-inf"), tl.float32)
         k_base = k_ptr + b.to(tl.int64) * stride_kb
         # Diagonal first: under causal masking the nearest keys tend to score highest, so the
-        # threshold rises early and later tiles are rejected by one compare.
-        for i in range(n_tiles):
-            s = (n_tiles - 1 - i) * BN + offs_n
-            s_ok = s < S
-            kt = tl.load(k_base + s[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
-                         mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-            if IEEE:
-                logits = tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)),
-                                input_precision="ieee")
-            else:
-                logits = tl.dot(qt, tl.trans(kt))
-            if RELU:
-                logits = tl.maximum(logits, 0.0)
-            logits = logits * w[:, None]
-            if HP == 1:
-                scores = logits
-            else:
-                scores = tl.sum(tl.reshape(logits, [R, HP, BN]), axis=1)
-            vis = row_ok[:, None] & s_ok[None, :]
-            if CAUSAL:
-                kpos = tl.load(kpos_ptr + b * S + s, mask=s_ok, other=0)
-                vis = vis & (s[None, :] < hi[:, None]) & (kpos[None, :] <= qpos[:, None])
+        # threshold rises early and later tiles are rejected by one compare. Tiles come in
+        # groups of NT: the inner loop has no nested loop, so Triton pipelines its loads, and
+        # the buffer (count <= CAP - NT * BN at a group's start) cannot overflow inside it.
+        for g in range(tl.cdiv(n_tiles, NT)):
+            for i in range(g * NT, tl.minimum(n_tiles, g * NT + NT)):
+                s = (n_tiles - 1 - i) * BN + offs_n
+                s_ok = s < S
+                kt = tl.load(k_base + s[:, None].to(tl.int64) * stride_ks
+                             + offs_d[None, :] * stride_kd,
+                             mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+                if IEEE:
+                    logits = tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)),
+                                    input_precision="ieee")
+                else:
+                    logits = tl.dot(qt, tl.trans(kt))
+                if RELU:
+                    logits = tl.maximum(logits, 0.0)
+                logits = logits * w[:, None]
+                if HP == 1:
+                    scores = logits
+                else:
+                    scores = tl.sum(tl.reshape(logits, [R, HP, BN]), axis=1)
+                vis = row_ok[:, None] & s_ok[None, :]
+                if CAUSAL:
+                    kpos = tl.load(kpos_ptr + b * S + s, mask=s_ok, other=0)
+                    vis = vis & (s[None, :] < hi[:, None]) & (kpos[None, :] <= qpos[:, None])
+                if MODE == 0:
+                    # Cheap fp32 pre-filter; the exact int64 comparison runs only on tiles with
+                    # a candidate (a score equal to the threshold's can still win on its index).
+                    cand = vis & (scores >= thr_score[:, None])
+                    if tl.max(cand.to(tl.int32)) > 0:
+                        keys = _pack(scores, s)
+                        surv = cand & (keys > thr[:, None])
+                        slot = count[:, None] + tl.cumsum(surv.to(tl.int32), axis=1) - 1
+                        tl.store(scratch + offs_r[:, None] * CAP + slot, keys, mask=surv)
+                        count += tl.sum(surv.to(tl.int32), axis=1)
+                elif MODE == 1:
+                    best = tl.maximum(best, tl.max(tl.where(vis, scores, float("-inf")), axis=1))
+                else:
+                    t_row = (rows - table_t0).to(tl.int64)
+                    tl.store(table_ptr + t_row[:, None] * S + s[None, :],
+                             tl.where(vis, scores, float("-inf")),
+                             mask=row_ok[:, None] & s_ok[None, :])
             if MODE == 0:
-                # Cheap fp32 pre-filter; the exact int64 comparison runs only on tiles with a
-                # candidate (a score equal to the threshold's can still win on its index).
-                cand = vis & (scores >= thr_score[:, None])
-                if tl.max(cand.to(tl.int32)) > 0:
-                    keys = _pack(scores, s)
-                    surv = cand & (keys > thr[:, None])
-                    slot = count[:, None] + tl.cumsum(surv.to(tl.int32), axis=1) - 1
-                    tl.store(scratch + offs_r[:, None] * CAP + slot, keys, mask=surv)
-                    count += tl.sum(surv.to(tl.int32), axis=1)
-                    if tl.max(count) > CAP - BN:
-                        # Some row might overflow on the next tile: keep its top TOPK.
-                        for r in range(R):
-                            c_r = _pick(count, offs_r, r)
-                            if c_r > CAP - BN:
-                                thr_r = _compact_row(scratch + r * CAP, offs_c, c_r, TOPK)
-                                thr = tl.where(offs_r == r, thr_r, thr)
-                                thr_score = tl.where(offs_r == r, _unpack_score(thr_r),
-                                                     thr_score)
-                                count = tl.where(offs_r == r, TOPK, count)
-            elif MODE == 1:
-                best = tl.maximum(best, tl.max(tl.where(vis, scores, float("-inf")), axis=1))
-            else:
-                t_row = (rows - table_t0).to(tl.int64)
-                tl.store(table_ptr + t_row[:, None] * S + s[None, :],
-                         tl.where(vis, scores, float("-inf")),
-                         mask=row_ok[:, None] & s_ok[None, :])
+                if tl.max(count) > CAP - NT * BN:
+                    # A row might overflow in the next group: keep its top TOPK.
+                    for r in range(R):
+                        c_r = _pick(count, offs_r, r)
+                        if c_r > CAP - NT * BN:
+                            thr_r = _compact_row(scratch + r * CAP, offs_c, c_r, TOPK)
+                            thr = tl.where(offs_r == r, thr_r, thr)
+                            thr_score = tl.where(offs_r == r, _unpack_score(thr_r), thr_score)
+                            count = tl.where(offs_r == r, TOPK, count)
 
         out_row = (b * T + rows).to(tl.int64) * OUT_K
         if MODE == 0:
@@ -291,6 +299,7 @@ def _prepare(q, k, weights, relu, rows):
 
 def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode=MODE_SELECT,
             block_n=None, rows=None, num_programs=None, table=None, table_rows=None,
+            group_slack_div=GROUP_SLACK_DIV,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES):
     B, T, _, D = q.shape
     S = k.shape[1]
@@ -299,6 +308,9 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
     bn = block_n or BLOCK_N
     kk = min(topk, S)
     cap = triton.next_power_of_2(kk + bn)
+    # Tiles per group: a quarter of the buffer's slack, so a row compacts only after about
+    # 3/4 of the slack has filled (compactions stay rare) while a group can never overflow.
+    nt = max(1, (cap - kk) // (group_slack_div * bn))
     hi = _visible_hi(q_positions, k_positions, causal, T, S)
     qpos = q_positions.contiguous()
     kpos = k_positions.contiguous()
@@ -329,11 +341,11 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
     out_scores = scores.view(torch.int32) if mode == MODE_SELECT else scores
     _hytopk_kernel[(nprog,)](
         qk, kk_, w, qpos, kpos, hi, order, indices, out_scores, scratch, table,
-        T, S, H, D, n_blocks, blocks_per_batch, t_lo,
+        T, S, H, n_blocks, blocks_per_batch, t_lo,
         qk.stride(0), qk.stride(1), qk.stride(2), qk.stride(3),
         kk_.stride(0), kk_.stride(1), kk_.stride(2),
         w.stride(0), w.stride(1), w.stride(2),
-        TOPK=kk, OUT_K=topk, CAP=cap, R=r, HP=hp, BD=triton.next_power_of_2(D), BN=bn,
+        D=D, TOPK=kk, OUT_K=topk, CAP=cap, R=r, HP=hp, BD=triton.next_power_of_2(D), BN=bn, NT=nt,
         RELU=relu, CAUSAL=causal, IEEE=ieee, MODE=mode, NPROG=nprog,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -1,0 +1,18 @@
+"""Megatron-core set-up for layer tests: on the GPU where there is one, else on the CPU."""
+
+import contextlib
+
+import pytest
+
+from megatron_hyscale.testing.cpu import init_single_process, megatron_on_cpu
+from megatron_hyscale.testing.models import default_device
+
+DEVICE = default_device()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def megatron_env():
+    # The CPU patches must not be active on a CUDA machine (they point megatron at the CPU).
+    with megatron_on_cpu() if DEVICE.type == "cpu" else contextlib.nullcontext():
+        init_single_process()
+        yield
