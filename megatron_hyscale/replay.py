@@ -11,6 +11,11 @@ Phases, read from megatron's own state:
 - "record": inside a checkpointed forward (`is_checkpointing()`) outside backward;
 - "replay": inside backward (`torch._C._current_graph_task_id() != -1`) while checkpointing;
 - "off": anything else (no recompute: nothing is stored).
+
+`configure(offload=True)` keeps the recorded indices in pinned host memory between a forward
+and its recompute (int32 T x k per layer: 8 GiB at 1M tokens and k = 2048): the device-to-host
+copy runs on a side stream, and each replay starts the host-to-device copy of the entry most
+recently recorded, which is the next one the usual recompute order (layers in reverse) asks for.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import torch
 # backward, e.g. a no_grad forward under recompute): fail loudly rather than grow forever.
 MAX_PENDING_PER_LAYER = 64
 
-_stats = {"selections_computed": 0, "selections_replayed": 0}
+_stats = {"selections_computed": 0, "selections_replayed": 0, "selections_offloaded": 0}
+_config = {"offload": False}
 _stores: weakref.WeakSet[SelectionReplay] = weakref.WeakSet()
 
 
@@ -52,6 +58,14 @@ def reset_stats() -> None:
         _stats[key] = 0
 
 
+def configure(*, offload: bool | None = None) -> None:
+    """Set replay options; `offload`: keep recorded indices in (pinned) host memory."""
+    if offload is not None:
+        if not isinstance(offload, bool):
+            raise ValueError(f"offload must be a bool, got {offload!r}")
+        _config["offload"] = offload
+
+
 def count_computed() -> None:
     _stats["selections_computed"] += 1
 
@@ -76,11 +90,93 @@ def clear() -> None:
     """Drop every pending entry (after a forward-only pass that ran under recompute)."""
     for store in _stores:
         store.queue.clear()
+    _offloaded.clear()
+
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+# Offloaded entries not yet replayed, in record order (the prefetch takes the newest).
+_offloaded: list[_Entry] = []
+# One host copy per recorded tensor (index-sharing layers record the source layer's tensor):
+# id -> (weak reference to the device tensor, host copy, its copy event).
+_host_copies: dict[int, tuple[weakref.ref, torch.Tensor, object]] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _copy_streams:
+        _copy_streams[device] = torch.cuda.Stream(device)
+    return _copy_streams[device]
+
+
+class _Entry:
+    """A recorded selection: on its device, or in host memory with its copy events."""
+
+    __slots__ = ("tensor", "device", "host", "host_ready", "back", "back_ready")
+
+    def __init__(self, indices: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = indices
+        self.device = indices.device
+        self.host = self.host_ready = self.back = self.back_ready = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        t = self.tensor if self.tensor is not None else self.host
+        return tuple(t.shape)
+
+    def offload(self) -> None:
+        indices = self.tensor
+        cached = _host_copies.get(id(indices))
+        if cached is not None and cached[0]() is indices:
+            _, self.host, self.host_ready = cached
+        elif indices.is_cuda:
+            stream = _copy_stream(indices.device)
+            stream.wait_stream(torch.cuda.current_stream(indices.device))
+            self.host = torch.empty(indices.shape, dtype=indices.dtype, pin_memory=True)
+            with torch.cuda.stream(stream):
+                self.host.copy_(indices, non_blocking=True)
+                self.host_ready = torch.cuda.Event()
+                self.host_ready.record(stream)
+            indices.record_stream(stream)  # keep its memory until the copy is done
+        else:
+            self.host = indices.clone()
+        for key in [k for k, (ref, _, _) in _host_copies.items() if ref() is None]:
+            del _host_copies[key]
+        _host_copies[id(indices)] = (weakref.ref(indices), self.host, self.host_ready)
+        self.tensor = None
+        _offloaded.append(self)
+        _stats["selections_offloaded"] += 1
+
+    def prefetch(self) -> None:
+        """Start the copy back to the device (no-op if already started)."""
+        if self.back is not None or self.tensor is not None:
+            return
+        if self.device.type != "cuda":
+            self.back = self.host.clone()
+            return
+        current = torch.cuda.current_stream(self.device)
+        stream = _copy_stream(self.device)
+        self.back = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+        stream.wait_stream(current)  # the allocation above belongs to the current stream
+        with torch.cuda.stream(stream):
+            stream.wait_event(self.host_ready)
+            self.back.copy_(self.host, non_blocking=True)
+            self.back_ready = torch.cuda.Event()
+            self.back_ready.record(stream)
+        self.back.record_stream(stream)
+
+    def take(self) -> torch.Tensor:
+        """The indices on their device, ready for the current stream."""
+        if self.tensor is not None:
+            return self.tensor
+        _offloaded.remove(self)
+        self.prefetch()
+        if self.back_ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.back_ready)
+        return self.back
 
 
 @dataclass(eq=False)
 class SelectionReplay:
-    """FIFO of one layer's recorded selections (indices, and the tensors the loss reuses)."""
+    """FIFO of one layer's recorded selections (int32 top-k indices)."""
 
     name: str
     queue: deque = field(default_factory=deque)
@@ -97,7 +193,10 @@ class SelectionReplay:
                 f"{self.name}: {len(self.queue)} selections recorded and none replayed; "
                 "checkpointed forwards are not followed by their backward"
             )
-        self.queue.append(indices)
+        entry = _Entry(indices)
+        if _config["offload"]:
+            entry.offload()
+        self.queue.append(entry)
 
     def replay(self, expected_shape: tuple[int, ...]) -> torch.Tensor:
         if not self.queue:
@@ -105,11 +204,14 @@ class SelectionReplay:
                 f"{self.name}: recompute asked for a recorded selection but none was recorded "
                 "(the first forward did not run under checkpointing?)"
             )
-        indices = self.queue.popleft()
-        if tuple(indices.shape) != tuple(expected_shape):
+        entry = self.queue.popleft()
+        if entry.shape != tuple(expected_shape):
             raise ReplayError(
-                f"{self.name}: recorded selection has shape {tuple(indices.shape)} but the "
+                f"{self.name}: recorded selection has shape {entry.shape} but the "
                 f"recompute expects {tuple(expected_shape)}"
             )
+        indices = entry.take()
+        if _offloaded:
+            _offloaded[-1].prefetch()  # the next recompute, in the usual reverse order
         _stats["selections_replayed"] += 1
         return indices

@@ -104,3 +104,34 @@ def test_repeated_steps_leave_no_growth():
     for _ in range(5):
         pipelined_grads(model, mbs)
         assert replay.pending_entries() == 0
+
+
+def test_offload_keeps_entries_on_host_and_changes_nothing():
+    mbs = micro_batches(2)
+    model = build(stock=False, **FULL_UNIFORM)
+    expected = pipelined_grads(model, mbs)
+    replay.configure(offload=True)
+    try:
+        replay.reset_stats()
+        model.train()
+        model.zero_grad(set_to_none=True)
+        losses = [model(ids, pos, None, labels=labels).mean() for ids, pos, labels in mbs]
+        stores = [s for s in replay._stores if len(s)]
+        entries = [e for s in stores for e in s.queue]
+        assert len(entries) == 2 * 4
+        assert all(e.tensor is None and e.host.device.type == "cpu" for e in entries)
+        for loss in losses:
+            loss.backward()
+        got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        replay.configure(offload=False)
+    for name, grad in expected.items():
+        assert torch.equal(got[name], grad), name
+    stats = replay.get_stats()
+    assert stats["selections_offloaded"] == 8 and stats["selections_replayed"] == 8
+    assert replay.pending_entries() == 0 and not replay._offloaded
+
+
+def test_configure_rejects_bad_values():
+    with pytest.raises(ValueError, match="offload"):
+        replay.configure(offload="yes")
