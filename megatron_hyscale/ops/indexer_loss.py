@@ -30,6 +30,10 @@ from megatron_hyscale.ops.checks import (
 from megatron_hyscale.ops.hytopk import normalize_positions, warn_once
 from megatron_hyscale.ops.sparse_attention import check_index_range, check_softmax_scale
 
+# "auto" picks the Triton kernel on CUDA only once it has passed the GPU tests
+# (tests/ops/test_indexer_loss_gpu.py) on real hardware; until then it is opt-in.
+TRITON_KERNEL_GPU_VERIFIED = False
+
 
 def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
@@ -115,6 +119,7 @@ def indexer_kl_loss(
     k_positions: torch.Tensor | None = None,
     calculate_per_token_loss: bool = False,
     tp_group: torch.distributed.ProcessGroup | None = None,
+    deterministic: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
     """KL(main-attention target || indexer distribution), megatron-core's DSA indexer loss.
@@ -142,24 +147,45 @@ def indexer_kl_loss(
         tp_group: tensor-parallel group holding the other query heads: the head-summed target
             is all-reduced over it when its size > 1 (also when backward recomputes a chunk,
             so every rank must call this with the same shapes).
-        backend: "auto", "triton" or "reference" (only the reference exists yet).
+        deterministic: Triton backward without fp32 atomics for k_index's gradient (bitwise
+            repeatable; one extra backward pass). The reference is always deterministic.
+        backend: "auto" (Triton on CUDA tensors when sparse, the reference elsewhere),
+            "triton" (sparse only; CPU tensors need TRITON_INTERPRET=1) or "reference".
 
     Returns:
         fp32 scalar loss, differentiable in q_index, weights and k_index only.
     """
     check_backend(backend)
-    for name, flag in (("relu", relu), ("calculate_per_token_loss", calculate_per_token_loss)):
+    for name, flag in (("relu", relu), ("calculate_per_token_loss", calculate_per_token_loss),
+                       ("deterministic", deterministic)):
         _check_bool(name, flag)
     scale, coeff, qpos, kpos = validate_indexer_loss_inputs(
         q_index, weights, k_index, query, key, topk_indices, softmax_scale, loss_coeff, sparse,
         q_positions, k_positions,
     )
-    if backend == "triton":
-        raise NotImplementedError("indexer_kl_loss: the Triton kernel is not built yet; use "
-                                  "backend='reference' or 'auto'")
-    if backend == "auto" and q_index.is_cuda:
-        warn_once("indexer-loss-triton", "indexer_kl_loss: the Triton kernel is not available "
-                  "yet; using the plain-torch reference (slow, memory-bounded)")
+    if backend == "triton" and not sparse:
+        raise ValueError("indexer_kl_loss: backend='triton' needs sparse=True; the dense "
+                         "warm-up loss (sparse=False) has no Triton kernel, use backend="
+                         "'reference' or 'auto'")
+    auto_triton = backend == "auto" and q_index.is_cuda and sparse
+    if auto_triton and not TRITON_KERNEL_GPU_VERIFIED:
+        warn_once("indexer-loss-unverified", "indexer_kl_loss: the Triton kernel has passed "
+                  "the CPU interpreter tests but has not been verified on a GPU yet; 'auto' "
+                  "uses the plain-torch reference (pass backend='triton' to opt in)")
+        auto_triton = False
+    if backend == "triton" or auto_triton:
+        from megatron_hyscale.ops.kernels.indexer_loss import indexer_kl_loss_triton
+
+        return indexer_kl_loss_triton(
+            q_index, weights, k_index, query, key, topk_indices, scale, coeff, relu=relu,
+            q_positions=qpos, k_positions=kpos,
+            calculate_per_token_loss=calculate_per_token_loss, tp_group=tp_group,
+            deterministic=deterministic,
+        )
+    if backend == "auto" and q_index.is_cuda and not sparse:
+        warn_once("indexer-loss-dense", "indexer_kl_loss: the Triton kernel covers the sparse "
+                  "loss only; the dense warm-up loss (sparse=False) uses the plain-torch "
+                  "reference (slow, memory-bounded)")
     return reference.indexer_loss_reference(
         q_index, weights, k_index, query, key, topk_indices, scale, coeff, sparse=sparse,
         relu=relu, q_positions=qpos, k_positions=kpos,

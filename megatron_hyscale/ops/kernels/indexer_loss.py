@@ -1,0 +1,525 @@
+"""DSA indexer KL loss over the selected keys (sparse form): Triton forward and backward.
+
+Shapes: q_index [B, T, H_I, D_I], weights [B, T, H_I], k_index [B, S, D_I] (bf16, fp16 or fp32;
+with relu=False the caller folds the weights into an fp32 q, see `indexer_kl_loss_triton`);
+query [B, T, Hq, Dqk], key [B, S, Hkv, Dqk] (detached); topk_indices int32/int64 [B, T, K], -1
+padded; positions int64 [B, T] / [B, S]. Returns the fp32 scalar loss; the gradients reach
+q_index, weights and k_index. No [T, S] tensor: all work is per query row over its K slots.
+
+Algorithm, one program per query row, in four launches:
+1. select: sort the row's (index, slot) keys, drop -1, invisible and repeated indices (a
+   repeated index counts once, as megatron's scatter into a mask does); flags in p (0 / -1).
+2. target: per block of query heads, pass 1 gets each head's softmax max and sum over the
+   valid slots ([heads x Dqk] @ [Dqk x keys], Dqk = 512 + 64 for MLA), pass 2 recomputes the
+   logits and adds sum_h softmax_h into p (unnormalized; all-reduced over tp ranks in torch).
+3. loss: pass 1 gets the index scores' log-sum-exp and the target's sum, pass 2 recomputes
+   the scores, writes the L1-normalized target back into p and sums the row's KL terms.
+Backward (one launch, scores recomputed): g = (softmax(s) * sum(p) - p) * grad * coeff / rows,
+dq = (g w act') @ K_sel, dw = act(L) @ g, dk rows += (g w act')^T @ q with fp32 atomics (or the
+sparse-attention kernel's order-free fixed-point mode when deterministic).
+
+Saved for backward: p (fp32 [B, T, K], the normalized target; < 0 at invalid slots) and two
+fp32 [B, T] row statistics, besides the inputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from megatron_hyscale.ops.kernels.hytopk import _interpreter_index_fix
+from megatron_hyscale.ops.kernels.sparse_attention import (
+    MODE_ATOMIC,
+    MODE_FIXED,
+    MODE_ROWMAX,
+    _accumulate,
+    _fixed_point_scale,
+)
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_index_fix()  # run-time loop bounds under the interpreter with numpy >= 2.4
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(LN2)
+# megatron-core's INDEXER_LOSS_EPS: the clamp of the target's normalization and of its log.
+EPS = 1e-10
+_EPS = tl.constexpr(EPS)
+# p holds this at slots that take no part in the loss (-1, invisible, or a repeated index);
+# valid slots hold a target value >= 0, so the sign alone is the validity (also after a tp
+# all-reduce, which sums the sentinels to -tp).
+INVALID = -1.0
+_INVALID = tl.constexpr(INVALID)
+
+# Query heads per program in the target kernel (the MMA's M), as in the sparse-attention
+# forward: a [64 x 576] bf16 query block stays resident; more heads loop over head blocks.
+MAX_BLOCK_H = 64
+# tl.dot needs every dimension >= 16 (heads, keys and channels are padded up to it).
+MIN_DOT = 16
+# (keys per step, pipeline stages), best first; a tiling that fails to compile or launch for
+# lack of shared memory or registers is skipped and the next one tried.
+TARGET_TILINGS = ((32, 2), (64, 1), (32, 1), (16, 1))
+INDEX_TILINGS = ((64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
+# Warps a program: 8 once the resident [heads x dims] tile is large (>= 64 x 256), else 4.
+WIDE_TILE = 64 * 256
+
+
+# --------------------------------------------------------------------------- jit bodies
+
+
+@triton.jit
+def _dup_combine(last_l, flag_l, last_r, flag_r):
+    """Scan over sorted indices: flag = 1 where an element equals its predecessor.
+
+    A segment is (its last index, flag of its last element); flag -1 marks a one-element
+    segment whose predecessor is not known yet, resolved against the left segment's last.
+    """
+    flag = tl.where(flag_r >= 0, flag_r, (last_r == last_l).to(tl.int32))
+    return last_r, flag
+
+
+@triton.jit
+def _select_kernel(
+    idx_ptr, qpos_ptr, kpos_ptr, p_ptr, T, S, NK,
+    sib, sit, sik, sqpb, sqpt, skpb, skps, spb, spt, spk,
+    KP: tl.constexpr,
+):
+    """p[b, t, slot] = 0 where the slot's key is selected, visible and first of its value; else -1.
+
+    Sorting (index * KP + slot) puts repeats of an index next to each other, smallest slot first.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // T
+    t = pid % T
+    slots = tl.arange(0, KP)
+    idx = tl.load(idx_ptr + b * sib + t * sit + slots * sik, mask=slots < NK, other=-1)
+    idx = idx.to(tl.int64)
+    sel = idx >= 0
+    kp = tl.load(kpos_ptr + b * skpb + tl.where(sel, idx, 0) * skps, mask=sel, other=0)
+    qp = tl.load(qpos_ptr + b * sqpb + t * sqpt)
+    visible = sel & (kp <= qp)
+    keys = tl.sort(tl.where(visible, idx, S) * KP + slots)
+    key_idx = keys // KP
+    slot = keys % KP
+    _, repeat = tl.associative_scan((key_idx, tl.full([KP], -1, tl.int32)), 0, _dup_combine)
+    keep = (key_idx < S) & (repeat != 1)
+    tl.store(p_ptr + b * spb + t * spt + slot * spk, tl.where(keep, 0.0, _INVALID),
+             mask=slot < NK)
+
+
+@triton.jit
+def _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N: tl.constexpr):
+    """Slots n0 .. n0 + BLOCK_N: key rows (0 where invalid), validity, p values and p pointers."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    inside = offs < NK
+    idx = tl.load(idx_base + offs * sik, mask=inside, other=0).to(tl.int64)
+    p_ptrs = p_base + offs * spk
+    p = tl.load(p_ptrs, mask=inside, other=_INVALID)
+    valid = p >= 0.0
+    return tl.where(valid, idx, 0), valid, p, p_ptrs
+
+
+@triton.jit
+def _attn_logits(q_main, q_tail, k_base, sks, skd, rows, valid, offs_dm, offs_dt, D,
+                 qk_scale2, D_TAIL: tl.constexpr, PRECISION: tl.constexpr):
+    """Base-2 attention logits [heads x keys] of gathered key rows; -inf at invalid slots."""
+    k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
+                     mask=valid[:, None] & (offs_dm[None, :] < D), other=0.0)
+    s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
+    if D_TAIL > 0:
+        k_tail = tl.load(k_base + rows[:, None] * sks + offs_dt[None, :] * skd,
+                         mask=valid[:, None] & (offs_dt[None, :] < D), other=0.0)
+        s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+    return tl.where(valid[None, :], s * qk_scale2, float("-inf"))
+
+
+@triton.jit
+def _target_kernel(
+    q_ptr, k_ptr, idx_ptr, p_ptr,
+    T, NK, G, NHB, NGRP, D, qk_scale2,
+    sqb, sqt, sqh, sqd, skb, sks, skh, skd, sib, sit, sik, spb, spt, spk,
+    D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """p[b, t, j] += sum_h softmax_j(scale * query[t, h] . key[idx_j, h // G]) at valid slots j.
+
+    The NGRP = Hkv * NHB head blocks run in turn in this program, so the head sum needs no
+    atomics. A head whose row has no valid slot adds 0 (megatron's eps-clamped denominator).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // T
+    t = pid % T
+    offs_dm = tl.arange(0, D_MAIN)
+    if D_TAIL > 0:
+        offs_dt = D_MAIN + tl.arange(0, D_TAIL)
+    else:
+        offs_dt = offs_dm  # unused
+    idx_base = idx_ptr + b * sib + t * sit
+    p_base = p_ptr + b * spb + t * spt
+    for grp in range(0, NGRP):
+        kvh = grp // NHB
+        offs_h = (grp % NHB) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_mask = offs_h < G
+        q_rows = q_ptr + b * sqb + t * sqt + (kvh * G + offs_h)[:, None] * sqh
+        q_main = tl.load(q_rows + offs_dm[None, :] * sqd,
+                         mask=h_mask[:, None] & (offs_dm[None, :] < D), other=0.0)
+        if D_TAIL > 0:
+            q_tail = tl.load(q_rows + offs_dt[None, :] * sqd,
+                             mask=h_mask[:, None] & (offs_dt[None, :] < D), other=0.0)
+        else:
+            q_tail = q_main  # unused
+        k_base = k_ptr + b * skb + kvh * skh
+
+        # Pass 1: each head's running max and sum over the valid slots (base 2).
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        for n0 in range(0, NK, BLOCK_N):
+            rows, valid, _, _ = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
+            s = _attn_logits(q_main, q_tail, k_base, sks, skd, rows, valid, offs_dm, offs_dt, D,
+                             qk_scale2, D_TAIL, PRECISION)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # No valid slot yet: m stays -inf; shift by 0 there so no inf - inf.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(s - m_use[:, None]), axis=1)
+            m_i = m_new
+
+        # Pass 2: recompute the logits; add the head sum of the probabilities into p.
+        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+        # Padded heads (their q is 0, so they would spread 1 / n) and empty rows add nothing.
+        inv_l = tl.where(h_mask & (l_i > 0.0), 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
+        for n0 in range(0, NK, BLOCK_N):
+            rows, valid, p_old, p_ptrs = _load_slots(idx_base, sik, p_base, spk, n0, NK,
+                                                     BLOCK_N)
+            s = _attn_logits(q_main, q_tail, k_base, sks, skd, rows, valid, offs_dm, offs_dt, D,
+                             qk_scale2, D_TAIL, PRECISION)
+            add = tl.sum(tl.exp2(s - m_use[:, None]) * inv_l[:, None], axis=0)
+            tl.store(p_ptrs, p_old + add, mask=valid)
+        # The next head block reads back p, possibly in other threads than wrote it.
+        tl.debug_barrier()
+
+
+@triton.jit
+def _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Gathered k_index tile [keys x D], head logits L [heads x keys], act(L), scores [keys]."""
+    kt = tl.load(k_base + rows[:, None] * sks + offs_d[None, :] * skd,
+                 mask=valid[:, None] & (offs_d[None, :] < D), other=0.0).to(q.dtype)
+    logits = tl.dot(q, tl.trans(kt), input_precision=PRECISION)
+    if RELU:
+        act = tl.maximum(logits, 0.0)
+    else:
+        act = logits
+    return kt, logits, act, tl.sum(act * w[:, None], axis=0)
+
+
+@triton.jit
+def _load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd, swb, swt, swh,
+                      BLOCK_H: tl.constexpr, D_PAD: tl.constexpr):
+    """The row's indexer query [heads x D] (zero padded) and fp32 head weights [heads]."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D_PAD)
+    q = tl.load(qi_ptr + b * sqb + t * sqt + offs_h[:, None] * sqh + offs_d[None, :] * sqd,
+                mask=(offs_h[:, None] < H) & (offs_d[None, :] < D), other=0.0)
+    w = tl.load(w_ptr + b * swb + t * swt + offs_h * swh, mask=offs_h < H, other=0.0)
+    return q, w.to(tl.float32), offs_h, offs_d
+
+
+@triton.jit
+def _loss_kernel(
+    qi_ptr, w_ptr, ki_ptr, idx_ptr, p_ptr, kl_ptr, lse_ptr, psum_ptr,
+    T, NK, H, D,
+    sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, sib, sit, sik, spb, spt, spk, srb, srt,
+    RELU: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Row KL(p / sum p || softmax(s)) over the valid slots; p normalized in place.
+
+    s_j = sum_h w_h act(q_h . k_index[idx_j]). Pass 1: log-sum-exp of s and sum of p; pass 2:
+    recompute s (cheaper than keeping it) and sum pn * (log max(pn, eps) - (s - lse)).
+    Writes the row's KL, lse (0 for an empty row) and sum of the normalized target.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // T
+    t = pid % T
+    q, w, offs_h, offs_d = _load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd,
+                                             swb, swt, swh, BLOCK_H, D_PAD)
+    k_base = ki_ptr + b * skb
+    idx_base = idx_ptr + b * sib + t * sit
+    p_base = p_ptr + b * spb + t * spt
+
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.zeros([], tl.float32)
+    total = tl.zeros([], tl.float32)
+    for n0 in range(0, NK, BLOCK_N):
+        rows, valid, p, _ = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
+        _, _, _, s = _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
+                                   PRECISION)
+        s2 = tl.where(valid, s * _LOG2E, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s2, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(s2 - m_use), axis=0)
+        m_i = m_new
+        total += tl.sum(tl.where(valid, p, 0.0), axis=0)
+    nonempty = l_i > 0.0
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * _LN2, 0.0)
+    den = tl.maximum(total, _EPS)
+
+    kl = tl.zeros([], tl.float32)
+    psum = tl.zeros([], tl.float32)
+    for n0 in range(0, NK, BLOCK_N):
+        rows, valid, p, p_ptrs = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
+        _, _, _, s = _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
+                                   PRECISION)
+        pn = tl.where(valid, p / den, 0.0)
+        term = pn * (tl.log(tl.maximum(pn, _EPS)) - (s - lse))
+        kl += tl.sum(tl.where(valid, term, 0.0), axis=0)
+        psum += tl.sum(pn, axis=0)
+        tl.store(p_ptrs, pn, mask=valid)
+    row = b * srb + t * srt
+    tl.store(kl_ptr + row, kl)
+    tl.store(lse_ptr + row, lse)
+    tl.store(psum_ptr + row, psum)
+
+
+@triton.jit
+def _bwd_kernel(
+    qi_ptr, w_ptr, ki_ptr, idx_ptr, p_ptr, lse_ptr, psum_ptr, grad_ptr, coeff,
+    dq_ptr, dw_ptr, dk_ptr, rowmax_ptr, scale_ptr,
+    T, NK, H, D,
+    sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, sib, sit, sik, spb, spt, spk, srb, srt,
+    sdqb, sdqt, sdqh, sdqd, sdwb, sdwt, sdwh, sdkb, sdks, sdkd, srmb, srms,
+    RELU: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, MODE: tl.constexpr,
+):
+    """dq_index, dweights of one row (owned, no atomics) and its dk_index contributions.
+
+    d loss / d s_j = g_j = (softmax(s)_j * sum(pn) - pn_j) * grad * coeff at valid slots;
+    dw_h = sum_j g_j act(L_hj); with G_hj = g_j w_h act'(L_hj): dq = G @ K_sel, and the
+    [keys x D] tile G^T @ q goes into dk's selected rows by MODE (fp32 atomics or fixed point).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // T
+    t = pid % T
+    q, w, offs_h, offs_d = _load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd,
+                                             swb, swt, swh, BLOCK_H, D_PAD)
+    row = b * srb + t * srt
+    lse = tl.load(lse_ptr + row)
+    psum = tl.load(psum_ptr + row)
+    g_scale = tl.load(grad_ptr).to(tl.float32) * coeff
+    k_base = ki_ptr + b * skb
+    idx_base = idx_ptr + b * sib + t * sit
+    p_base = p_ptr + b * spb + t * spt
+    dk_base = dk_ptr + b * sdkb
+    rm_base = rowmax_ptr + b * srmb
+    fx_base = scale_ptr + b * srmb
+    d_mask = offs_d[None, :] < D
+
+    dq = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+    dw = tl.zeros([BLOCK_H], tl.float32)
+    for n0 in range(0, NK, BLOCK_N):
+        rows, valid, pn, _ = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
+        kt, logits, act, s = _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D,
+                                           RELU, PRECISION)
+        # -inf at invalid slots: their s is from a zeroed key row and exp(s - lse) could overflow.
+        prob = tl.exp(tl.where(valid, s - lse, float("-inf")))
+        g = tl.where(valid, (prob * psum - pn) * g_scale, 0.0)
+        dw += tl.sum(act * g[None, :], axis=1)
+        g_l = w[:, None] * g[None, :]
+        if RELU:
+            g_l = tl.where(logits > 0.0, g_l, 0.0)  # ReLU'(0) = 0, as torch's
+        dq += tl.dot(g_l.to(kt.dtype), kt, input_precision=PRECISION)
+        dk_t = tl.dot(tl.trans(g_l).to(q.dtype), q, input_precision=PRECISION)
+        _accumulate(dk_base + rows[:, None] * sdks + offs_d[None, :] * sdkd, dk_t, rows, valid,
+                    d_mask, rm_base, fx_base, srms, MODE)
+    if MODE != 1:  # the row-max pass of the deterministic mode writes only its maxima
+        h_mask = offs_h < H
+        tl.store(dq_ptr + b * sdqb + t * sdqt + offs_h[:, None] * sdqh + offs_d[None, :] * sdqd,
+                 dq.to(dq_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask)
+        tl.store(dw_ptr + b * sdwb + t * sdwt + offs_h * sdwh, dw.to(dw_ptr.dtype.element_ty),
+                 mask=h_mask)
+
+
+# --------------------------------------------------------------------------- launch wrappers
+
+
+_tiling_cache: dict[tuple, tuple[int, int]] = {}
+
+
+def _launch(kernel, grid, args, const, tilings, num_warps, key, block_n=None):
+    """Launch with the first tiling that fits (or the given block_n); remember it per key."""
+    if block_n is not None:
+        kernel[grid](*args, **const, BLOCK_N=block_n, num_warps=num_warps, num_stages=1)
+        return
+    if key in _tiling_cache:
+        bn, stages = _tiling_cache[key]
+        kernel[grid](*args, **const, BLOCK_N=bn, num_warps=num_warps, num_stages=stages)
+        return
+    errors = []
+    for bn, stages in tilings:
+        try:
+            kernel[grid](*args, **const, BLOCK_N=bn, num_warps=num_warps, num_stages=stages)
+        except OutOfResources as exc:
+            errors.append(f"{bn}x{stages}: {exc}")
+            continue
+        _tiling_cache[key] = (bn, stages)
+        return
+    raise RuntimeError("no indexer-loss tiling fits this device: " + "; ".join(errors))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get exact fp32 products (the interpreter and the CPU tests); bf16 / fp16
+    # products are exact in the MMA anyway, accumulated in fp32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _index_geometry(q_index):
+    H, D = q_index.shape[2], q_index.shape[3]
+    block_h = max(MIN_DOT, triton.next_power_of_2(H))
+    d_pad = max(MIN_DOT, triton.next_power_of_2(D))
+    num_warps = 8 if block_h * d_pad >= WIDE_TILE else 4
+    return dict(BLOCK_H=block_h, D_PAD=d_pad, PRECISION=_precision(q_index.dtype)), num_warps
+
+
+def _target_geometry(query, key):
+    Hq, D = query.shape[2], query.shape[3]
+    G = Hq // key.shape[2]
+    block_h = min(MAX_BLOCK_H, max(MIN_DOT, triton.next_power_of_2(G)))
+    d_main = max(MIN_DOT, 1 << (D.bit_length() - 1))
+    rest = D - d_main
+    d_tail = max(MIN_DOT, triton.next_power_of_2(rest)) if rest > 0 else 0
+    num_warps = 8 if block_h * d_main >= WIDE_TILE else 4
+    const = dict(D_MAIN=d_main, D_TAIL=d_tail, BLOCK_H=block_h,
+                 PRECISION=_precision(query.dtype))
+    return G, triton.cdiv(G, block_h), const, num_warps
+
+
+def attention_target(query, key, indices, q_positions, k_positions, softmax_scale, block_n=None):
+    """fp32 [B, T, K]: head-summed main-attention probabilities at the valid slots, -1 elsewhere.
+
+    Not yet normalized (a tp all-reduce may add other ranks' heads first).
+    """
+    B, T = query.shape[:2]
+    S, Hkv = key.shape[1], key.shape[2]
+    NK = indices.shape[-1]
+    p = torch.empty((B, T, NK), device=query.device, dtype=torch.float32)
+    grid = (B * T,)
+    _select_kernel[grid](
+        indices, q_positions, k_positions, p, T, S, NK, *indices.stride(),
+        *q_positions.stride(), *k_positions.stride(), *p.stride(),
+        KP=max(MIN_DOT, triton.next_power_of_2(NK)), num_warps=4,
+    )
+    G, nhb, const, num_warps = _target_geometry(query, key)
+    args = (query, key, indices, p, T, NK, G, nhb, Hkv * nhb, query.shape[3],
+            softmax_scale * LOG2E, *query.stride(), *key.stride(), *indices.stride(),
+            *p.stride())
+    _launch(_target_kernel, grid, args, const, TARGET_TILINGS, num_warps,
+            ("target", query.dtype, tuple(sorted(const.items()))), block_n)
+    return p
+
+
+def indexer_loss_rows(q_index, weights, k_index, indices, p, relu, block_n=None):
+    """Per-row KL fp32 [B, T] from the head-summed target p (normalized in place), plus the
+    rows' index-score log-sum-exp and normalized-target sum (fp32 [B, T] each) for backward."""
+    B, T, H, D = q_index.shape
+    NK = indices.shape[-1]
+    kl, lse, psum = (torch.empty((B, T), device=q_index.device, dtype=torch.float32)
+                     for _ in range(3))
+    const, num_warps = _index_geometry(q_index)
+    const["RELU"] = relu
+    args = (q_index, weights, k_index, indices, p, kl, lse, psum, T, NK, H, D,
+            *q_index.stride(), *weights.stride(), *k_index.stride(), *indices.stride(),
+            *p.stride(), *kl.stride())
+    _launch(_loss_kernel, (B * T,), args, const, INDEX_TILINGS, num_warps,
+            ("loss", q_index.dtype, k_index.dtype, tuple(sorted(const.items()))), block_n)
+    return kl, lse, psum
+
+
+def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coeff, relu,
+                     deterministic=False, block_n=None):
+    """Gradients (dq_index, dweights, dk_index) in their inputs' dtypes."""
+    B, T, H, D = q_index.shape
+    S = k_index.shape[1]
+    NK = indices.shape[-1]
+    dev = q_index.device
+    dq = torch.empty(q_index.shape, device=dev, dtype=q_index.dtype)
+    dw = torch.empty(weights.shape, device=dev, dtype=weights.dtype)
+    dk_acc = torch.zeros((B, S, D), device=dev,
+                         dtype=torch.int64 if deterministic else torch.float32)
+    rowmax = torch.zeros((B, S), device=dev, dtype=torch.float32) if deterministic else lse
+    grad = grad.detach().reshape(1).to(device=dev, dtype=torch.float32)
+    const, num_warps = _index_geometry(q_index)
+    const["RELU"] = relu
+
+    def run(mode, scale):
+        args = (q_index, weights, k_index, indices, p, lse, psum, grad, coeff, dq, dw, dk_acc,
+                rowmax, scale, T, NK, H, D, *q_index.stride(), *weights.stride(),
+                *k_index.stride(), *indices.stride(), *p.stride(), *lse.stride(), *dq.stride(),
+                *dw.stride(), *dk_acc.stride(), *rowmax.stride())
+        c = dict(const, MODE=mode)
+        _launch(_bwd_kernel, (B * T,), args, c, INDEX_TILINGS, num_warps,
+                ("bwd", q_index.dtype, k_index.dtype, tuple(sorted(c.items()))), block_n)
+
+    if not deterministic:
+        run(MODE_ATOMIC, rowmax)
+        return dq, dw, dk_acc.to(k_index.dtype)
+    run(MODE_ROWMAX, rowmax)
+    # Repeated indices are dropped, so a dk element gets at most one addend per query row.
+    scale, exp = _fixed_point_scale(rowmax, T)
+    run(MODE_FIXED, scale)
+    dk = torch.ldexp(dk_acc.double(), -exp.unsqueeze(-1)).to(k_index.dtype)
+    return dq, dw, dk
+
+
+class IndexerKLLossFunction(torch.autograd.Function):
+    """Autograd wrapper: saves the indexer inputs, the normalized target p and row stats."""
+
+    @staticmethod
+    def forward(ctx, q_index, weights, k_index, query, key, indices, q_positions, k_positions,
+                softmax_scale, coeff, relu, tp_group, deterministic, block_n):
+        p = attention_target(query, key, indices, q_positions, k_positions, softmax_scale,
+                             block_n)
+        if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+            torch.distributed.all_reduce(p, group=tp_group)  # the other ranks' query heads
+        kl, lse, psum = indexer_loss_rows(q_index, weights, k_index, indices, p, relu, block_n)
+        ctx.save_for_backward(q_index, weights, k_index, indices, p, lse, psum)
+        ctx.coeff, ctx.relu, ctx.deterministic, ctx.block_n = coeff, relu, deterministic, block_n
+        return kl.sum() * coeff
+
+    @staticmethod
+    def backward(ctx, grad):
+        q_index, weights, k_index, indices, p, lse, psum = ctx.saved_tensors
+        dq, dw, dk = indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad,
+                                      ctx.coeff, ctx.relu, ctx.deterministic, ctx.block_n)
+        return (dq, dw, dk) + (None,) * 11
+
+
+def indexer_kl_loss_triton(q_index, weights, k_index, query, key, topk_indices, softmax_scale,
+                           loss_coeff, *, relu, q_positions, k_positions,
+                           calculate_per_token_loss, tp_group=None, deterministic=False,
+                           block_n=None):
+    """Sparse DSA indexer KL loss on validated inputs (see ops.indexer_kl_loss).
+
+    q_positions / k_positions: int64 [B, T] / [B, S]. `deterministic=True` makes dk_index
+    bitwise repeatable (fixed-point accumulation, one extra backward pass). `block_n` forces
+    the keys per step (tests); None picks the first tiling that fits.
+    """
+    B, T = q_index.shape[:2]
+    rows = B * T
+    if rows == 0:  # nothing to launch; keep the graph so backward gives zero gradients
+        return (q_index.sum() + weights.sum() + k_index.sum()).float() * 0.0
+    if topk_indices.shape[-1] == 0:  # one empty slot keeps the kernels' tiles non-empty
+        topk_indices = topk_indices.new_full((B, T, 1), -1)
+    coeff = float(loss_coeff) if calculate_per_token_loss else float(loss_coeff) / rows
+    if not relu:
+        # sum_h w_h (q_h . k) = (sum_h w_h q_h) . k: one fp32 query a row, 1/H_I of the work;
+        # autograd carries the gradient back through the fold to q_index and weights.
+        q_index = torch.einsum("bthd,bth->btd", q_index.float(), weights.float()).unsqueeze(2)
+        weights = torch.ones((B, T, 1), device=q_index.device, dtype=torch.float32)
+    return IndexerKLLossFunction.apply(
+        q_index, weights, k_index, query.detach(), key.detach(), topk_indices, q_positions,
+        k_positions, float(softmax_scale), coeff, relu, tp_group, bool(deterministic), block_n)

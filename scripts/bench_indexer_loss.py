@@ -1,0 +1,215 @@
+"""Benchmark HyScale's Triton sparse indexer KL loss (forward, backward) against the reference.
+
+Shape: GLM-5.1 DSA (main attention 64 query heads over 1 absorbed KV head of 576 = 512 + 64;
+indexer 32 heads x 128; top-2048), optionally DeepSeek-V3.2 (128 heads, indexer 64 x 128);
+T queries over S = T keys, B = 1, bf16. Indices: one random visible key per stratum of K
+equal strata of the row's visible keys (distinct, causal, spread over the whole prefix).
+
+Rates are ratios to the bf16 matmul rate measured in the same run (8192^3 torch.matmul).
+FLOP counts are what the kernels execute over the valid slots n (summed over rows):
+target 2 passes x 2 n Hq Dqk (per-head softmax statistics, then probabilities), loss
+2 passes x 2 n H_I D_I, backward 3 x 2 n H_I D_I (scores recomputed, dq, dk). "useful" counts
+one pass of each forward product and the two backward products. Baseline: the plain-torch
+reference (`backend="reference"`, chunked, checkpointed) where T <= --ref-max-t.
+
+  python scripts/bench_indexer_loss.py                   # T in 16K, 64K, 128K, GLM-5.1
+  python scripts/bench_indexer_loss.py --quick           # T = 16K, fewer repeats
+  python scripts/bench_indexer_loss.py --shapes glm51 v32 --t 131072 --deterministic
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from megatron_hyscale.ops.indexer_loss import indexer_kl_loss  # noqa: E402
+from megatron_hyscale.ops.kernels import indexer_loss as kern  # noqa: E402
+
+# name: (Hq, Hkv, Dqk, H_I, D_I, K)
+SHAPES = {"glm51": (64, 1, 576, 32, 128, 2048), "v32": (128, 1, 576, 64, 128, 2048)}
+MATMUL_N = 8192
+INDEX_ROWS_PER_CHUNK = 16384  # rows of index generation at a time (bounds its temporaries)
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def time_ms(fn, warmup, reps):
+    """Median of CUDA-event timings after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def matmul_rate():
+    a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, 3, 10)
+    return 2 * MATMUL_N ** 3 / ms / 1e9  # TFLOP/s
+
+
+def spread_indices(T, K, seed=0):
+    """int32 [1, T, K]: distinct visible keys, one random key per stratum (see docstring)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = torch.empty((1, T, K), device="cuda", dtype=torch.int32)
+    j = torch.arange(K, device="cuda")[None, :]
+    for t0 in range(0, T, INDEX_ROWS_PER_CHUNK):
+        t1 = min(T, t0 + INDEX_ROWS_PER_CHUNK)
+        n = torch.arange(t0, t1, device="cuda")[:, None] + 1
+        lo, hi = (j * n) // K, ((j + 1) * n) // K
+        u = torch.rand((t1 - t0, K), generator=g, device="cuda")
+        strat = torch.minimum(lo + (u * (hi - lo)).long(), hi - 1)
+        out[0, t0:t1] = torch.where(n >= K, strat, torch.where(j < n, j, -1)).to(torch.int32)
+    return out
+
+
+def make_inputs(shape, T, seed=0):
+    Hq, Hkv, Dqk, H_I, D_I, K = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s, sc=1.0: (torch.randn(*s, generator=g, device="cuda") * sc).to(torch.bfloat16)
+    x = dict(q_index=r(1, T, H_I, D_I, sc=0.3).requires_grad_(),
+             weights=r(1, T, H_I, sc=H_I ** -0.5).requires_grad_(),
+             k_index=r(1, T, D_I, sc=0.3).requires_grad_(),
+             query=r(1, T, Hq, Dqk), key=r(1, T, Hkv, Dqk))
+    return x, spread_indices(T, K, seed)
+
+
+def flops(shape, n_valid):
+    Hq, _, Dqk, H_I, D_I, _ = SHAPES[shape]
+    target, index = 2 * n_valid * Hq * Dqk, 2 * n_valid * H_I * D_I
+    return dict(fwd=2 * target + 2 * index, bwd=3 * index, fwd_useful=target + index,
+                bwd_useful=2 * index)
+
+
+def bench(x, idx, backend, warmup, reps, deterministic=False):
+    """Median forward, backward and forward+backward ms and peak memory (GiB) of one backend."""
+    scale = x["query"].shape[-1] ** -0.5
+    params = (x["q_index"], x["weights"], x["k_index"])
+    kw = dict(deterministic=deterministic) if backend == "triton" else {}
+
+    def fwd():
+        return indexer_kl_loss(*params, x["query"], x["key"], idx, scale, 0.1, sparse=True,
+                               backend=backend, **kw)
+
+    def fwd_bwd():
+        torch.autograd.grad(fwd(), params)
+
+    with torch.no_grad():
+        fwd_ms = time_ms(fwd, warmup, reps)
+    loss = fwd()
+    bwd_ms = time_ms(lambda: torch.autograd.grad(loss, params, retain_graph=True), warmup, reps)
+    loss = None  # frees the graph before the memory measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, total_ms=fwd_ms + bwd_ms, extra_peak_gib=peak)
+
+
+def bench_parts(x, idx, warmup, reps):
+    """Each Triton launch on its own: target (select + target), loss, backward."""
+    scale = x["query"].shape[-1] ** -0.5
+    T = idx.shape[1]
+    qpos = torch.arange(T, device="cuda")[None]
+    kpos = qpos
+    q, w, k = (x[n].detach() for n in ("q_index", "weights", "k_index"))
+    target = lambda: kern.attention_target(x["query"], x["key"], idx, qpos, kpos, scale)
+    p = target()
+    ms_target = time_ms(target, warmup, reps)
+    p_norm = p.clone()
+    # The loss pass normalizes p in place; normalizing a normalized p repeats the same work.
+    _, lse, psum = kern.indexer_loss_rows(q, w, k, idx, p_norm, True)
+    ms_loss = time_ms(lambda: kern.indexer_loss_rows(q, w, k, idx, p_norm, True), warmup, reps)
+    grad = torch.ones((), device="cuda")
+    ms_bwd = time_ms(lambda: kern.indexer_loss_bwd(q, w, k, idx, p_norm, lse, psum, grad,
+                                                   1.0 / T, True), warmup, reps)
+    return dict(target_ms=ms_target, loss_ms=ms_loss, bwd_kernel_ms=ms_bwd)
+
+
+def fmt(x, spec=".1f"):
+    return "-" if x is None else format(x, spec)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--t", type=int, nargs="+", default=[16384, 65536, 131072])
+    ap.add_argument("--shapes", nargs="+", default=["glm51"], choices=sorted(SHAPES))
+    ap.add_argument("--ref-max-t", type=int, default=16384)
+    ap.add_argument("--deterministic", action="store_true", help="also time deterministic dK")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default="results")
+    args = ap.parse_args()
+    if args.quick:
+        args.t, args.reps, args.warmup = [16384], 3, 1
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, "bench_indexer_loss.json")
+    mm = matmul_rate()
+    meta = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                command=" ".join(sys.argv), torch=torch.__version__, matmul_tflops=mm,
+                results=[])
+    log(f"{meta['device']}  bf16 matmul {mm:.0f} TFLOP/s  ({meta['date']})")
+    header = (f"{'shape':6} {'T':>7} {'fwd ms':>8} {'bwd ms':>8} {'fwd TF/s':>9} {'%mm':>5} "
+              f"{'bwd TF/s':>9} {'%mm':>5} {'target':>7} {'loss':>6} {'bwdk':>6} {'GiB':>6} "
+              f"{'det bwd':>8} {'ref ms':>9} {'x ref':>6}")
+    log(header)
+    for shape in args.shapes:
+        for T in args.t:
+            x, idx = make_inputs(shape, T)
+            n_valid = int((idx >= 0).sum())
+            f = flops(shape, n_valid)
+            row = dict(shape=shape, T=T, n_valid=n_valid, flops=f)
+            row["triton"] = bench(x, idx, "triton", args.warmup, args.reps)
+            row.update(bench_parts(x, idx, args.warmup, args.reps))
+            if args.deterministic:
+                row["triton_det"] = bench(x, idx, "triton", args.warmup, args.reps, True)
+            if T <= args.ref_max_t:
+                try:
+                    row["reference"] = bench(x, idx, "reference", 1, 2)
+                except torch.OutOfMemoryError:
+                    row["reference"] = "OOM"
+            tr = row["triton"]
+            fwd_tf = f["fwd"] / tr["fwd_ms"] / 1e9
+            bwd_tf = f["bwd"] / tr["bwd_ms"] / 1e9
+            row.update(fwd_tflops=fwd_tf, bwd_tflops=bwd_tf, fwd_frac=fwd_tf / mm,
+                       bwd_frac=bwd_tf / mm)
+            ref = row.get("reference")
+            ref_ms = ref["total_ms"] if isinstance(ref, dict) else None
+            det = row.get("triton_det")
+            log(f"{shape:6} {T:>7} {tr['fwd_ms']:>8.2f} {tr['bwd_ms']:>8.2f} {fwd_tf:>9.0f} "
+                f"{100 * fwd_tf / mm:>5.1f} {bwd_tf:>9.0f} {100 * bwd_tf / mm:>5.1f} "
+                f"{row['target_ms']:>7.2f} {row['loss_ms']:>6.2f} {row['bwd_kernel_ms']:>6.2f} "
+                f"{tr['extra_peak_gib']:>6.2f} {fmt(det and det['bwd_ms'], '.2f'):>8} "
+                f"{'OOM' if ref == 'OOM' else fmt(ref_ms, '.1f'):>9} "
+                f"{fmt(ref_ms and ref_ms / tr['total_ms'], '.1f'):>6}")
+            meta["results"].append(row)
+            with open(json_path, "w") as fh:
+                json.dump(meta, fh, indent=1)
+            del x, idx
+            torch.cuda.empty_cache()
+    log(f"wrote {json_path}")
+
+
+if __name__ == "__main__":
+    main()

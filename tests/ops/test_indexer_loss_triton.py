@@ -1,0 +1,202 @@
+"""Sparse indexer KL loss Triton kernels under the interpreter (CPU), against the reference.
+
+Tiny fp32 cases (the interpreter's bf16 arithmetic is wrong): value and the gradients of
+q_index, weights and k_index, ReLU on and off (off folds the weights into the query), -1 slots,
+repeated indices, selected-but-invisible keys, rows with no valid slot, B > 1, non-contiguous
+(sbhd transposed) inputs, GQA and MQA key heads, several query-head blocks, per-token loss, the
+deterministic dK mode and the tensor-parallel split (target, all-reduce, loss). Key tiles of 16
+make rows span two tiles with a ragged tail.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from megatron_hyscale.ops import reference  # noqa: E402
+from megatron_hyscale.ops.indexer_loss import indexer_kl_loss  # noqa: E402
+from megatron_hyscale.ops.kernels import indexer_loss as kern  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK_N = 16
+SCALE, COEFF = 0.3, 0.7
+
+
+def make_case(B=2, T=10, S=12, H_I=3, D_I=8, Hq=4, Hkv=1, Dqk=24, K=20, seed=0):
+    """Inputs, indices and default positions (query t at position S - T + t, key s at s)."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)
+    idx = torch.randint(-1, S, (B, T, K), generator=g)
+    idx[:, :, K - 1] = idx[:, :, 2]  # a repeated index counts once (in any slot order)
+    idx[:, :, K // 2] = idx[:, :, 2]
+    idx[0, 3] = -1  # a row with no slot at all
+    if B > 1:
+        idx[1, 0, :4] = torch.tensor([S - 1, S - 2, S - 1, 0])  # invisible to the first row
+    x = dict(
+        q_index=r(B, T, H_I, D_I).requires_grad_(),
+        weights=(r(B, T, H_I) * 0.5).requires_grad_(),
+        k_index=r(B, S, D_I).requires_grad_(),
+        query=r(B, T, Hq, Dqk) * 0.7,
+        key=r(B, S, Hkv, Dqk) * 0.7,
+    )
+    qpos = (torch.arange(T, device=DEVICE) + (S - T)).expand(B, T)
+    kpos = torch.arange(S, device=DEVICE).expand(B, S)
+    return x, idx.to(DEVICE), qpos, kpos
+
+
+def ref_loss(x, idx, qpos, kpos, relu=True, per_token=False, query=None):
+    loss = reference.indexer_loss_reference(
+        x["q_index"], x["weights"], x["k_index"], x["query"] if query is None else query,
+        x["key"], idx, SCALE, COEFF, sparse=True, relu=relu, q_positions=qpos,
+        k_positions=kpos, calculate_per_token_loss=per_token)
+    return loss.detach(), torch.autograd.grad(loss, (x["q_index"], x["weights"], x["k_index"]))
+
+
+def tri_loss(x, idx, qpos, kpos, relu=True, per_token=False, query=None, **kw):
+    loss = kern.indexer_kl_loss_triton(
+        x["q_index"], x["weights"], x["k_index"], x["query"] if query is None else query,
+        x["key"], idx, SCALE, COEFF, relu=relu, q_positions=qpos, k_positions=kpos,
+        calculate_per_token_loss=per_token, block_n=BLOCK_N, **kw)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    return loss.detach(), torch.autograd.grad(loss, (x["q_index"], x["weights"], x["k_index"]))
+
+
+def assert_close(a, b, rtol=2e-5):
+    # Gradients are sums of (softmax - target) terms that cancel: the absolute tolerance is
+    # taken relative to the tensor's largest entry.
+    atol = max(1e-7, rtol * float(b.abs().max()))
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+def check_against_reference(x, idx, qpos, kpos, **kw):
+    r_loss, r_grads = ref_loss(x, idx, qpos, kpos, **{k: v for k, v in kw.items()
+                                                      if k in ("relu", "per_token", "query")})
+    t_loss, t_grads = tri_loss(x, idx, qpos, kpos, **kw)
+    assert r_loss > 0
+    assert_close(t_loss, r_loss)
+    for name, g, rg in zip(("q_index", "weights", "k_index"), t_grads, r_grads):
+        assert g.dtype == x[name].dtype and g.shape == x[name].shape
+        assert rg.abs().max() > 0, name
+        assert_close(g, rg)
+    return t_loss, t_grads
+
+
+@pytest.mark.parametrize("relu,Hkv", [(True, 1), (True, 2), (False, 1), (False, 2)])
+def test_matches_reference(relu, Hkv):
+    x, idx, qpos, kpos = make_case(Hkv=Hkv, seed=int(relu) + 2 * Hkv)
+    _, grads = check_against_reference(x, idx, qpos, kpos, relu=relu)
+    assert (grads[0][0, 3] == 0).all() and (grads[1][0, 3] == 0).all()  # the empty row
+
+
+def test_per_token_loss_is_the_sum():
+    x, idx, qpos, kpos = make_case(seed=5)
+    check_against_reference(x, idx, qpos, kpos, per_token=True)
+
+
+def test_several_query_head_blocks(monkeypatch):
+    # 40 query heads over 16-head blocks: three blocks (the last one ragged) add into the
+    # target one after another; Dqk 20 = 16 + a 4-wide tail.
+    monkeypatch.setattr(kern, "MAX_BLOCK_H", 16)
+    x, idx, qpos, kpos = make_case(B=1, T=6, S=8, Hq=40, Dqk=20, K=9, seed=7)
+    check_against_reference(x, idx, qpos, kpos)
+
+
+def test_rows_without_visible_keys_and_shard_positions():
+    # Keys start at position 4: rows at positions 0..3 see nothing (zero KL and gradient, still
+    # counted in the mean); the rows are a context-parallel shard's two zigzag chunks.
+    T, S = 8, 12
+    x, idx, _, _ = make_case(B=2, T=T, S=S, K=10, seed=9)
+    qpos = torch.cat([torch.arange(0, 4), torch.arange(12, 16)]).to(DEVICE)
+    kpos = (torch.arange(S) + 4).to(DEVICE).expand(2, S)
+    qpos = qpos.expand(2, T)
+    _, grads = check_against_reference(x, idx, qpos, kpos)
+    assert (grads[0][:, :4] == 0).all() and (grads[1][:, :4] == 0).all()
+
+
+def test_non_contiguous_sbhd_inputs():
+    # megatron holds [T, B, ...] tensors and passes them transposed; indices too.
+    x, idx, qpos, kpos = make_case(seed=11)
+    sb = {n: t.detach().transpose(0, 1).contiguous().transpose(0, 1) for n, t in x.items()}
+    for n in ("q_index", "weights", "k_index"):
+        sb[n].requires_grad_()
+        assert not sb[n].is_contiguous()
+    idx_sb = idx.transpose(0, 1).contiguous().transpose(0, 1).to(torch.int32)
+    check_against_reference(sb, idx_sb, qpos, kpos)
+
+
+def test_large_logits_stay_finite():
+    # Attention logits in the hundreds: both softmaxes shift by their row max; target entries
+    # underflow to 0 and meet the eps clamp in the KL.
+    x, idx, qpos, kpos = make_case(seed=13)
+    x["query"] = x["query"] * 40
+    with torch.no_grad():
+        x["q_index"].mul_(10)
+    loss, grads = check_against_reference(x, idx, qpos, kpos)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_deterministic_dk_is_repeatable_and_matches():
+    x, idx, qpos, kpos = make_case(seed=15)
+    _, g1 = check_against_reference(x, idx, qpos, kpos, deterministic=True)
+    _, g2 = tri_loss(x, idx, qpos, kpos, deterministic=True)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
+def test_tensor_parallel_split_adds_the_other_ranks_heads(monkeypatch):
+    # Rank 0 holds query heads 0..1, rank 1 heads 2..3: the target pass, an all-reduce that adds
+    # rank 1's head sums, then the loss pass must give the loss over all four heads.
+    x, idx, qpos, kpos = make_case(seed=17)
+    other = kern.attention_target(x["query"][:, :, 2:], x["key"], idx, qpos, kpos, SCALE,
+                                  block_n=BLOCK_N)
+    calls = []
+
+    def fake_all_reduce(t, group=None):
+        calls.append(group)
+        t.add_(other)  # invalid slots: -1 + -1 stays negative
+
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "all_reduce", fake_all_reduce)
+    group = object()
+    r_loss, r_grads = ref_loss(x, idx, qpos, kpos)
+    t_loss, t_grads = tri_loss(x, idx, qpos, kpos, query=x["query"][:, :, :2], tp_group=group)
+    assert calls == [group]
+    assert_close(t_loss, r_loss)
+    for g, rg in zip(t_grads, r_grads):
+        assert_close(g, rg)
+    # Without the other heads the loss differs: the test can fail.
+    half, _ = ref_loss(x, idx, qpos, kpos, query=x["query"][:, :, :2])
+    assert not torch.allclose(half, r_loss)
+
+
+def test_select_flags_valid_slots_once():
+    # Row positions 5 (keys 0..5 visible): -1, invisible 7, repeated 3 (first kept), 0, 5.
+    idx = torch.tensor([[[3, -1, 7, 3, 0, 5, 3, 6]]], device=DEVICE)
+    p = kern.attention_target(torch.zeros(1, 1, 2, 16, device=DEVICE),
+                              torch.zeros(1, 8, 1, 16, device=DEVICE), idx,
+                              torch.tensor([[5]], device=DEVICE),
+                              torch.arange(8, device=DEVICE)[None], 1.0, block_n=BLOCK_N)
+    # Equal logits: each of the 3 kept keys gets 1/3 from each of the 2 heads.
+    expect = torch.tensor([[[2 / 3, -1, -1, -1, 2 / 3, 2 / 3, -1, -1]]], device=DEVICE)
+    torch.testing.assert_close(p, expect)
+
+
+def test_public_entry_point_and_empty_inputs():
+    x, idx, qpos, kpos = make_case(B=1, T=5, S=6, K=4, seed=19)
+    args = (x["q_index"], x["weights"], x["k_index"], x["query"], x["key"])
+    t = indexer_kl_loss(*args, idx, SCALE, COEFF, sparse=True, backend="triton")
+    r = indexer_kl_loss(*args, idx, SCALE, COEFF, sparse=True, backend="reference")
+    assert_close(t.detach(), r.detach())
+    with pytest.raises(ValueError, match="sparse"):
+        indexer_kl_loss(*args, idx, SCALE, COEFF, sparse=False, backend="triton")
+    # No slots at all: loss 0 and zero gradients, as the reference.
+    empty = idx[..., :0]
+    loss = indexer_kl_loss(*args, empty, SCALE, COEFF, sparse=True, backend="triton")
+    grads = torch.autograd.grad(loss, (x["q_index"], x["weights"], x["k_index"]))
+    assert loss.item() == 0.0 and all((g == 0).all() for g in grads)
