@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from megatron_hyscale.ops.kernels import sparse_attention as kern  # noqa: E402
 from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_triton  # noqa: E402
+from megatron_hyscale.testing.bench import copy_tbps, log, matmul_tflops, time_ms  # noqa: E402
 
 # name: (Hq, Hkv, Dqk, separate v width or None, dv, sink, per-KV-head indices, K)
 SHAPES = {
@@ -41,40 +41,6 @@ SHAPES = {
     "csa": (64, 1, 512, None, None, True, False, 640),
     "qsa": (24, 2, 256, 256, None, False, True, 2052),
 }
-MATMUL_N = 8192
-COPY_BYTES = 4 << 30
-
-
-def log(msg):
-    print(msg, flush=True)
-
-
-def time_ms(fn, warmup, reps):
-    """Median of CUDA-event timings after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def floors():
-    a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
-    ms = time_ms(lambda: a @ b, 3, 10)
-    mm = 2 * MATMUL_N ** 3 / ms / 1e9
-    x = torch.randn(COPY_BYTES // 4, device="cuda")
-    y = torch.empty_like(x)
-    ms = time_ms(lambda: y.copy_(x), 3, 10)
-    bw = 2 * COPY_BYTES / ms / 1e9
-    return mm, bw
 
 
 def make_inputs(shape, T, seed=0):
@@ -108,7 +74,7 @@ def bench_ours(inp, warmup, reps, deterministic_too):
             return sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"],
                                            sink=sink)
 
-    res = {"fwd_ms": time_ms(fwd, warmup, reps)}
+    res = {"fwd_ms": time_ms(fwd, reps=reps, warmup=warmup)}
     out = sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"], sink=sink)
     grad = torch.randn_like(out)
     res["peak_fwd_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
@@ -116,12 +82,13 @@ def bench_ours(inp, warmup, reps, deterministic_too):
     def bwd():
         torch.autograd.grad(out, leaves, grad, retain_graph=True)
 
-    res["bwd_ms"] = time_ms(bwd, warmup, reps)
+    res["bwd_ms"] = time_ms(bwd, reps=reps, warmup=warmup)
     if deterministic_too:
         out_d = sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"],
                                         sink=sink, deterministic=True)
         res["bwd_det_ms"] = time_ms(
-            lambda: torch.autograd.grad(out_d, leaves, grad, retain_graph=True), warmup, reps)
+            lambda: torch.autograd.grad(out_d, leaves, grad, retain_graph=True),
+            reps=reps, warmup=warmup)
     res["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
     return res
 
@@ -148,7 +115,7 @@ def bench_stock(shape, inp, warmup, reps):
     res = {}
     try:
         with torch.no_grad():
-            res["fwd_ms"] = time_ms(lambda: fn(q, k, v), warmup, reps)
+            res["fwd_ms"] = time_ms(lambda: fn(q, k, v), reps=reps, warmup=warmup)
     except torch.OutOfMemoryError:
         res["fwd_ms"] = "OOM"
     torch.cuda.empty_cache()
@@ -160,7 +127,7 @@ def bench_stock(shape, inp, warmup, reps):
             out = fn(qq, kk, vv)
             out.backward(torch.ones_like(out))
 
-        res["fwd_bwd_ms"] = time_ms(fwd_bwd, warmup, reps)
+        res["fwd_bwd_ms"] = time_ms(fwd_bwd, reps=reps, warmup=warmup)
     except torch.OutOfMemoryError:
         res["fwd_bwd_ms"] = "OOM"
     except Exception as exc:  # noqa: BLE001 - report what the stock path refuses
@@ -190,7 +157,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     dev = torch.cuda.get_device_name()
     log(f"# {dev}, torch {torch.__version__}, {datetime.datetime.now().isoformat()}")
-    mm, bw = floors()
+    mm, bw = matmul_tflops(), copy_tbps()
     log(f"# bf16 matmul {mm:.0f} TFLOP/s, copy {bw:.2f} TB/s (measured now)")
     meta = dict(device=dev, date=datetime.date.today().isoformat(), command=" ".join(sys.argv),
                 matmul_tflops=mm, copy_tbps=bw, rows=[])

@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -32,38 +31,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from megatron_hyscale.ops.indexer_loss import indexer_kl_loss  # noqa: E402
 from megatron_hyscale.ops.kernels import indexer_loss as kern  # noqa: E402
+from megatron_hyscale.testing.bench import log, matmul_tflops, time_ms  # noqa: E402
 
 # name: (Hq, Hkv, Dqk, H_I, D_I, K)
 SHAPES = {"glm51": (64, 1, 576, 32, 128, 2048), "v32": (128, 1, 576, 64, 128, 2048)}
 MATMUL_N = 8192
 INDEX_ROWS_PER_CHUNK = 16384  # rows of index generation at a time (bounds its temporaries)
-
-
-def log(msg):
-    print(msg, flush=True)
-
-
-def time_ms(fn, warmup, reps):
-    """Median of CUDA-event timings after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def matmul_rate():
-    a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
-    ms = time_ms(lambda: a @ b, 3, 10)
-    return 2 * MATMUL_N ** 3 / ms / 1e9  # TFLOP/s
 
 
 def spread_indices(T, K, seed=0):
@@ -113,9 +86,10 @@ def bench(x, idx, backend, warmup, reps, deterministic=False):
         torch.autograd.grad(fwd(), params)
 
     with torch.no_grad():
-        fwd_ms = time_ms(fwd, warmup, reps)
+        fwd_ms = time_ms(fwd, reps=reps, warmup=warmup)
     loss = fwd()
-    bwd_ms = time_ms(lambda: torch.autograd.grad(loss, params, retain_graph=True), warmup, reps)
+    bwd_ms = time_ms(lambda: torch.autograd.grad(loss, params, retain_graph=True),
+                     reps=reps, warmup=warmup)
     loss = None  # frees the graph before the memory measurement
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -135,14 +109,15 @@ def bench_parts(x, idx, warmup, reps):
     q, w, k = (x[n].detach() for n in ("q_index", "weights", "k_index"))
     target = lambda: kern.attention_target(x["query"], x["key"], idx, qpos, kpos, scale)
     p = target()
-    ms_target = time_ms(target, warmup, reps)
+    ms_target = time_ms(target, reps=reps, warmup=warmup)
     p_norm = p.clone()
     # The loss pass normalizes p in place; normalizing a normalized p repeats the same work.
     _, lse, psum = kern.indexer_loss_rows(q, w, k, idx, p_norm, True)
-    ms_loss = time_ms(lambda: kern.indexer_loss_rows(q, w, k, idx, p_norm, True), warmup, reps)
+    ms_loss = time_ms(lambda: kern.indexer_loss_rows(q, w, k, idx, p_norm, True),
+                      reps=reps, warmup=warmup)
     grad = torch.ones((), device="cuda")
     ms_bwd = time_ms(lambda: kern.indexer_loss_bwd(q, w, k, idx, p_norm, lse, psum, grad,
-                                                   1.0 / T, True), warmup, reps)
+                                                   1.0 / T, True), reps=reps, warmup=warmup)
     return dict(target_ms=ms_target, loss_ms=ms_loss, bwd_kernel_ms=ms_bwd)
 
 
@@ -165,7 +140,7 @@ def main():
         args.t, args.reps, args.warmup = [16384], 3, 1
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "bench_indexer_loss.json")
-    mm = matmul_rate()
+    mm = matmul_tflops()
     meta = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
                 command=" ".join(sys.argv), torch=torch.__version__, matmul_tflops=mm,
                 results=[])

@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_hyscale.testing.bench import matmul_tflops, time_ms  # noqa: E402
 
 GLM51 = dict(
     hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512,
@@ -50,29 +53,6 @@ def parse_args() -> argparse.Namespace:
     if any(t < 1 for t in args.seq):
         p.error("--seq values must be positive")
     return args
-
-
-def cuda_time(fn: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of `fn` over `repeats` runs after one warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def matmul_tflops() -> float:
-    """Measured bf16 matmul rate (8192^3, median of 10) for floors in the same run."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = cuda_time(lambda: a @ b, 10)
-    return 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
 def build_attention(args: argparse.Namespace, stock: bool):
@@ -116,7 +96,7 @@ def component_times(attn, hidden: torch.Tensor, args: argparse.Namespace) -> dic
     relu = not args.no_relu
     sel = lambda: hytopk(qi, ki, wi, core.index_topk, relu=relu)  # noqa: E731
     indices, _ = sel()
-    times = {"selection_ms": cuda_time(sel, args.repeats)}
+    times = {"selection_ms": time_ms(sel, reps=args.repeats)}
     q_req = query.detach().requires_grad_()
     k_req = key.detach().requires_grad_()
     dv = attn.config.kv_lora_rank
@@ -129,8 +109,8 @@ def component_times(attn, hidden: torch.Tensor, args: argparse.Namespace) -> dic
         out = sparse_attention(q_req, k_req, None, indices, core.softmax_scale, dv=dv)
         out.backward(torch.ones_like(out))
 
-    times["attention_fwd_ms"] = cuda_time(attn_fwd, args.repeats)
-    times["attention_fwd_bwd_ms"] = cuda_time(attn_fwd_bwd, args.repeats)
+    times["attention_fwd_ms"] = time_ms(attn_fwd, reps=args.repeats)
+    times["attention_fwd_bwd_ms"] = time_ms(attn_fwd_bwd, reps=args.repeats)
     qi_r, wi_r, ki_r = (t.detach().requires_grad_() for t in (qi, wi, ki))
 
     def loss_fwd_bwd():
@@ -138,7 +118,7 @@ def component_times(attn, hidden: torch.Tensor, args: argparse.Namespace) -> dic
                                args.loss_coeff, sparse=not args.dense_loss, relu=relu)
         loss.backward()
 
-    times["indexer_loss_fwd_bwd_ms"] = cuda_time(loss_fwd_bwd, args.repeats)
+    times["indexer_loss_fwd_bwd_ms"] = time_ms(loss_fwd_bwd, reps=args.repeats)
     return times
 
 
@@ -150,7 +130,7 @@ def measure(attn, T: int, args: argparse.Namespace, hidden_size: int) -> dict[st
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    ms = cuda_time(lambda: layer_step(attn, hidden, grad), args.repeats)
+    ms = time_ms(lambda: layer_step(attn, hidden, grad), reps=args.repeats)
     peak = torch.cuda.max_memory_allocated() - base
     return {"fwd_bwd_ms": ms, "peak_extra_gib": peak / 2**30}
 

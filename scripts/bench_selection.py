@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_hyscale.ops import hytopk  # noqa: E402
 from megatron_hyscale.ops.kernels import hytopk as hk  # noqa: E402
+from megatron_hyscale.testing.bench import copy_tbps, log, matmul_tflops, time_ms  # noqa: E402
 
 GiB = 1 << 30
 TAG = ""
@@ -57,25 +57,6 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
 TABLE_BYTES = 4 * GiB
 
 
-def log(msg):
-    print(msg, flush=True)
-
-
-def time_cuda(fn, reps, warmup=1):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def peak_extra(fn):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -85,21 +66,6 @@ def peak_extra(fn):
     peak = torch.cuda.max_memory_allocated() - base
     del out
     return peak
-
-
-def matmul_rate():
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = time_cuda(lambda: a @ b, reps=20, warmup=3)
-    return 2 * n**3 / (ms * 1e-3)
-
-
-def copy_bandwidth():
-    x = torch.empty(1 << 30, device="cuda", dtype=torch.uint8)
-    y = torch.empty_like(x)
-    ms = time_cuda(lambda: y.copy_(x), reps=10, warmup=2)
-    return 2 * x.numel() / (ms * 1e-3)
 
 
 def make_inputs(T, H, D, kind, seed=0):
@@ -227,7 +193,7 @@ def bench_one(method, T, cfg, kind, rate, reps):
             ms, n = first_ms, 1
         else:
             n = reps
-            ms = time_cuda(lambda: fn(q, k, w, topk, relu), reps=n, warmup=1)
+            ms = time_ms(lambda: fn(q, k, w, topk, relu), reps=n, warmup=1)
         rec.update(ms=ms, mem_gib=mem / GiB, x_floor=ms / floor_ms, reps=n)
     except torch.OutOfMemoryError:
         rec.update(ms=None, mem_gib=None, x_floor=None, status="OOM")
@@ -251,7 +217,7 @@ def sweep(T, cfg, reps):
     q, k, w = make_inputs(T, H, D, "random")
     qpos = torch.arange(T, device="cuda")[None]
     kpos = torch.arange(T, device="cuda")[None]
-    rate = matmul_rate()
+    rate = matmul_tflops() * 1e12
     floor_ms = T * (T + 1) / 2 * H * D * 2 / rate * 1e3
     variants = ((8, 2, 2, 128), (8, 3, 1, 128), (4, 2, 2, 64), (8, 2, 2, 64), (8, 3, 2, 64),
                 (4, 3, 2, 128), (8, 1, 2, 128))
@@ -261,7 +227,7 @@ def sweep(T, cfg, reps):
             launch = dict(relu=relu, q_positions=qpos, k_positions=kpos, causal=True,
                           mode=mode, block_n=bn, num_warps=nw, num_stages=ns)
             try:
-                ms = time_cuda(lambda kw=launch: hk._launch(q, k, w, topk, **kw), reps=reps)
+                ms = time_ms(lambda kw=launch: hk._launch(q, k, w, topk, **kw), reps=reps)
                 log(f"sweep {cfg} T={T} mode={mode} warps={nw} stages={ns} per_sm={pps} "
                     f"bn={bn}: {ms:.2f} ms  x{ms / floor_ms:.2f} floor")
             except Exception as err:  # a variant may not fit in shared memory
@@ -380,8 +346,8 @@ def main():
                 sweep(T, cfg, reps)
         return
     dev = torch.cuda.get_device_name()
-    rate = matmul_rate()
-    bw = copy_bandwidth()
+    rate = matmul_tflops() * 1e12
+    bw = copy_tbps() * 1e12
     log(f"device {dev}; bf16 matmul {rate / 1e12:.0f} TFLOP/s; copy {bw / 1e12:.2f} TB/s")
     records = []
     warmed = set()

@@ -10,8 +10,15 @@ table-based indexer loss with HyScale's ops:
 - recompute: the selection is recorded in the first forward and replayed by the recompute
   (`megatron_hyscale.replay`), also for index-sharing layers (`dsa_indexer_topk_freq` > 1),
   whose stock implementation can read another micro-batch's indices during recompute.
-Layouts the fast path does not cover (packed THD, context parallel, sequence-parallel TP,
-non-causal masks) warn once, naming why, and run the stock forward.
+- context parallelism (`cp_comm_type="allgather"`, megatron's zigzag 2 x cp chunk layout):
+  the absorbed KV and the indexer keys are all-gathered over the CP group into global order
+  (`megatron_hyscale.parallel.all_gather_to_global`, whose backward reduce-scatters the KV
+  gradients to their owners); HyTopK, the sparse attention and the indexer loss run for the
+  local query rows against the gathered keys, with the local rows' global positions. Indices
+  are [local rows, gathered keys], so replay and index sharing are unchanged.
+Layouts the fast path does not cover (packed THD, sequence-parallel TP, non-causal masks) warn
+once, naming why, and run the stock forward; a CP communication type other than allgather
+raises (the stock layer does not support it either).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from megatron.core.utils import get_pg_size
 from megatron_hyscale import replay
 from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
 from megatron_hyscale.ops.hytopk import warn_once
+from megatron_hyscale.parallel import all_gather_to_global, zigzag_positions
 
 
 class HyScaleDSAttention(DSAttention):
@@ -53,13 +61,38 @@ class HyScaleDSAttention(DSAttention):
             return "only the absorbed MLA layout (one latent KV head, value=None) is fused"
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return "packed THD sequences are not supported yet"
-        if get_pg_size(getattr(self.pg_collection, "cp", None)) > 1:
-            return "context parallelism is not supported by this layer yet"
         if cfg.sequence_parallel and get_pg_size(getattr(self.pg_collection, "tp", None)) > 1:
             return "sequence-parallel tensor parallelism is not supported yet"
         if attn_mask_type != AttnMaskType.causal:
             return f"attn_mask_type={attn_mask_type} (only causal masks are supported)"
         return None
+
+    def _cp_layout(
+        self, sq: int, skv: int, device: torch.device
+    ) -> tuple[torch.distributed.ProcessGroup | None, torch.Tensor | None]:
+        """(CP group, int64 [sq] global positions of the local query rows); (None, None) at CP 1.
+
+        Non-packed allgather CP: megatron's data loader gave this rank zigzag chunks r and
+        2cp-1-r of the sequence (`get_batch_on_this_cp_rank`), and RoPE was applied with those
+        positions. The positions come from that layout, not from `position_ids`, so that a
+        data set with reset position ids masks exactly as at CP = 1 (which ignores them).
+        """
+        cp_group = getattr(self.pg_collection, "cp", None)
+        cp_size = get_pg_size(cp_group)
+        if cp_size <= 1:
+            return None, None
+        if self.cp_comm_type != "allgather":
+            raise NotImplementedError(
+                f"HyScaleDSAttention supports context parallelism with cp_comm_type='allgather' "
+                f"only (got {self.cp_comm_type!r}); megatron-core's DSAttention has the same "
+                "restriction"
+            )
+        if skv != sq or sq % 2 != 0:
+            raise ValueError(
+                f"HyScaleDSAttention under context parallelism expects local key rows == local "
+                f"query rows (got {skv} and {sq}), an even count (two zigzag chunks)"
+            )
+        return cp_group, zigzag_positions(sq, cp_size, cp_group.rank(), device)
 
     def forward(
         self,
@@ -76,6 +109,9 @@ class HyScaleDSAttention(DSAttention):
         up_v_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Sparse attention: query [sq, b, np, kv_lora+rope], key [sq, b, 1, kv_lora+rope].
+
+        Under context parallelism sq is this rank's share (its two zigzag chunks) of a sequence
+        of cp * sq tokens; x, qr and the output hold the same local rows.
 
         Returns [sq, b, np * v_head_dim] (the V up projection applied, as stock does).
         """
@@ -96,6 +132,13 @@ class HyScaleDSAttention(DSAttention):
         cfg = self.config
         sq, b = query.shape[:2]
         x_in_ndim = x.ndim
+        cp_group, q_positions = self._cp_layout(sq, key.size(0), query.device)
+        if cp_group is not None:
+            # [sq, b, 1, d] local -> [cp * sq, b, 1, d] in global order; backward reduce-scatters
+            # the key gradient (sum over the ranks whose queries read it) back to this rank.
+            # GPU follow-up: start this all-gather asynchronously and overlap it with the
+            # indexer projections below (wait before HyTopK); not needed for correctness.
+            key = all_gather_to_global(key, cp_group)
         # The indexer learns only from its KL loss: no gradient into the main model.
         x, qr = x.detach(), qr.detach()
         loss_coeff = cfg.dsa_indexer_loss_coeff or 0.0
@@ -110,10 +153,15 @@ class HyScaleDSAttention(DSAttention):
         if computes_topk and (use_indexer_loss or replay.current_phase() != "replay"):
             with torch.enable_grad() if use_indexer_loss else torch.no_grad():
                 q_idx, k_idx, weights = self.indexer.forward_before_topk(x, qr, packed_seq_params)
+                if cp_group is not None:
+                    # Indexer keys [sq, b, d] -> [cp * sq, b, d]; their gradient (indexer loss
+                    # only) also goes back to the owner rank.
+                    k_idx = all_gather_to_global(k_idx, cp_group)
             q_idx, k_idx, weights = q_idx.transpose(0, 1), k_idx.transpose(0, 1), \
                 weights.transpose(0, 1)
 
-        indices = self._selection(q_idx, k_idx, weights, b, sq, packed_seq_params, attention_mask)
+        indices = self._selection(q_idx, k_idx, weights, b, sq, packed_seq_params, attention_mask,
+                                  q_positions)
 
         indexer_loss = None
         if use_indexer_loss:
@@ -122,13 +170,20 @@ class HyScaleDSAttention(DSAttention):
                 self.softmax_scale, loss_coeff,
                 sparse=bool(cfg.dsa_indexer_use_sparse_loss),
                 relu=bool(cfg.dsa_indexer_scoring_relu),
+                q_positions=q_positions,
                 calculate_per_token_loss=bool(cfg.calculate_per_token_loss),
                 tp_group=getattr(self.pg_collection, "tp", None),
             )
+            # Under CP each rank's loss covers its own rows (a mean over them, or a sum when
+            # per-token): the logged value is averaged (or summed) over the CP group, as stock.
+            per_token = bool(cfg.calculate_per_token_loss)
             DSAIndexerLossLoggingHelper.save_loss_to_tracker(
-                loss=indexer_loss, layer_number=self.layer_number, num_layers=cfg.num_layers
+                loss=indexer_loss, layer_number=self.layer_number, num_layers=cfg.num_layers,
+                reduce_group=cp_group if per_token else None,
+                avg_group=None if per_token else cp_group,
             )
 
+        # Indices address the (gathered) key sequence; causality is already in them.
         out = sparse_attention(query_b, key_b, None, indices, self.softmax_scale,
                                dv=cfg.kv_lora_rank)  # [b, sq, np, kv_lora]
         up_v_weight = up_v_weight.to(device=query.device, dtype=query.dtype)
@@ -140,9 +195,13 @@ class HyScaleDSAttention(DSAttention):
     def _selection(
         self, q_idx: torch.Tensor | None, k_idx: torch.Tensor | None,
         weights: torch.Tensor | None, b: int, sq: int, packed_seq_params: Any,
-        attention_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | None, q_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """int32 [b, sq, topk] indices: replayed, shared from the source layer, or computed."""
+        """int32 [b, sq, topk] indices into the (gathered) keys: replayed, shared or computed.
+
+        `q_positions` ([sq] int64, CP only) are the local rows' global positions; the keys are
+        the whole sequence in global order, so their positions are arange (HyTopK's default).
+        """
         phase = replay.current_phase()
         shape = (b, sq, self.index_topk)
         if phase == "replay":
@@ -161,7 +220,7 @@ class HyScaleDSAttention(DSAttention):
             with torch.no_grad():
                 indices, _ = hytopk(
                     q_idx.detach(), k_idx.detach(), weights.detach(), self.index_topk,
-                    relu=bool(self.config.dsa_indexer_scoring_relu),
+                    relu=bool(self.config.dsa_indexer_scoring_relu), q_positions=q_positions,
                 )
             replay.count_computed()
         if phase == "record":

@@ -30,3 +30,20 @@ def test_megatron_rng_fork_is_reproducible_on_cpu():
         init_single_process(seed=7)  # reseeding restarts the forked stream
         with mrandom.get_cuda_rng_tracker().fork():
             assert torch.equal(torch.rand(4), a)
+
+
+def test_context_parallel_rope_slice_on_cpu():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    class Group:
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 1
+
+    emb = torch.arange(16.0).view(8, 1, 1, 2)  # 8 positions = 2 * cp chunks of 2
+    with megatron_on_cpu():
+        got = rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, Group())
+    # rank 1 of cp 2 holds chunks 1 and 2 (positions 2, 3, 4, 5)
+    assert torch.equal(got.flatten(), torch.arange(4.0, 12.0))

@@ -1,0 +1,158 @@
+"""Build, print and run Megatron-LM launch commands (torchrun locally, srun + torchrun on Slurm).
+
+A `Command` is an argv plus the environment variables it needs; `render` prints it as a shell
+line a user can copy, and `run` executes it with its output teed to a log file. Nothing here
+imports torch or Megatron: dry runs work on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MEGATRON_ENV = "MEGATRON_LM_DIR"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class LaunchError(RuntimeError):
+    """A launch cannot start (missing checkout, missing Slurm allocation, bad layout)."""
+
+
+@dataclass
+class Command:
+    """One process launch: argv plus the environment variables set on top of the caller's."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    label: str = ""
+
+    def render(self) -> str:
+        """The command as a copyable shell line (`env K=V ... argv`), wrapped for reading."""
+        parts = [f"{k}={_quote(v)}" for k, v in self.env.items()]
+        words = [_quote(w) for w in self.argv]
+        lines, current = [], ("env " + " ".join(parts)) if parts else ""
+        for word in words:
+            # one option per line: a 100-argument command stays readable and diffable
+            if current and word.startswith("--"):
+                lines.append(current)
+                current = "  " + word
+            else:
+                current = f"{current} {word}" if current else word
+        lines.append(current)
+        return " \\\n".join(lines)
+
+    def run(self, log_path: Path | None = None) -> int:
+        """Run it (environment merged over os.environ); stream and tee the output to log_path."""
+        env = {**os.environ, **self.env}
+        if log_path is None:
+            return subprocess.call(self.argv, env=env)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "w", encoding="utf-8") as log:
+            proc = subprocess.Popen(self.argv, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, bufsize=1)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+            return proc.wait()
+
+
+def _quote(word: str) -> str:
+    """shlex.quote, except that dry-run placeholders (`$VAR`, `$(...)`) stay expandable."""
+    if "$" in word and not any(c in word for c in '"`\\'):
+        return f'"{word}"'
+    return shlex.quote(word)
+
+
+def megatron_lm_dir(*, required: bool) -> Path | None:
+    """The Megatron-LM checkout named by MEGATRON_LM_DIR (must hold pretrain_gpt.py).
+
+    In a dry run (`required=False`) a missing variable gives None and the printed commands
+    show `$MEGATRON_LM_DIR` literally.
+    """
+    value = os.environ.get(MEGATRON_ENV, "").strip()
+    if not value:
+        if not required:
+            return None
+        raise LaunchError(
+            f"{MEGATRON_ENV} is not set. Point it at a Megatron-LM checkout (the directory that "
+            f"holds pretrain_gpt.py), e.g. `export {MEGATRON_ENV}=$HOME/Megatron-LM`, or pass "
+            "--dry-run to print the commands without running them."
+        )
+    path = Path(value).expanduser()
+    if required and not (path / "pretrain_gpt.py").is_file():
+        raise LaunchError(
+            f"{MEGATRON_ENV}={value} does not contain pretrain_gpt.py; it must point at the root "
+            "of a Megatron-LM checkout."
+        )
+    return path
+
+
+def pretrain_script(checkout: Path | None) -> str:
+    return str(checkout / "pretrain_gpt.py") if checkout else f"${MEGATRON_ENV}/pretrain_gpt.py"
+
+
+def training_env(checkout: Path | None) -> dict[str, str]:
+    """Environment for the training processes.
+
+    PYTHONPATH puts HyScale (for `--spec megatron_hyscale.specs ...`) and the Megatron-LM
+    checkout ahead of site-packages; the rest are what Megatron-LM's own examples set.
+    """
+    paths = [str(REPO_ROOT), str(checkout) if checkout else f"${MEGATRON_ENV}"]
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return {
+        "PYTHONPATH": ":".join(paths),
+        # Megatron orders its TP/CP communication kernels assuming one hardware queue.
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        # 1M-token activations are allocated and freed in large, varying sizes.
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
+    }
+
+
+def torchrun(python: str, nproc: int, script: str, args: list[str], *, nnodes: int = 1,
+             rdzv_endpoint: str | None = None, rdzv_id: str = "hyscale") -> list[str]:
+    """`python -m torch.distributed.run ...` (same interpreter as the caller by default)."""
+    argv = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    if nnodes == 1 and rdzv_endpoint is None:
+        argv += ["--standalone", "--nnodes", "1"]
+    else:
+        argv += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", str(rdzv_endpoint), "--rdzv-id", rdzv_id]
+    return argv + [script, *args]
+
+
+def slurm_master_addr(*, required: bool) -> str:
+    """First host of the Slurm allocation (the torchrun rendezvous host)."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if nodelist and shutil.which("scontrol"):
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                             capture_output=True, text=True).stdout.split()
+        if out:
+            return out[0]
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    if required:
+        raise LaunchError(
+            "no Slurm allocation found (SLURM_JOB_NODELIST is unset or scontrol is missing): "
+            "submit with sbatch, run inside salloc, or set MASTER_ADDR; --dry-run prints the "
+            "commands anywhere."
+        )
+    return "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)"
+
+
+def srun_torchrun(python: str, nodes: int, gpus_per_node: int, script: str, args: list[str],
+                  *, master_addr: str, port: int = 29500) -> list[str]:
+    """One torchrun per node through srun; torchrun starts the node's GPU workers."""
+    job = os.environ.get("SLURM_JOB_ID", "hyscale")
+    srun = ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", f"--gpus-per-node={gpus_per_node}",
+            "--kill-on-bad-exit=1", "--export=ALL"]
+    return srun + torchrun(python, gpus_per_node, script, args, nnodes=nodes,
+                           rdzv_endpoint=f"{master_addr}:{port}", rdzv_id=job)

@@ -1,0 +1,155 @@
+"""Read Megatron-LM training logs: per-iteration time and losses, and a side-by-side summary.
+
+Megatron-LM (`megatron/training/training.py`, `training_log`) prints one line per logged
+iteration, fields separated by ' | ', e.g.
+
+    [2026-01-01 12:00:00.000000] iteration        3/      10 | consumed samples:    12 |
+    elapsed time per iteration (ms): 5123.4 | learning rate: 1.000000E-05 |
+    global batch size:     4 | lm loss: 1.052341E+01 | indexer loss: 3.120000E-01 | ...
+
+(on one line). `elapsed time per iteration (ms)` is averaged over the log interval; losses are
+averaged over the interval too. Lines from other ranks or tools are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+_ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
+_FIELD = re.compile(r"^\s*([A-Za-z][A-Za-z0-9 _()/\-]*?)\s*:\s*([-+0-9.eEnaNinf]+)\s*$")
+
+
+@dataclass
+class IterationRecord:
+    """One logged iteration; `fields` holds every numeric 'name: value' pair of the line."""
+
+    iteration: int
+    elapsed_ms: float
+    lm_loss: float | None = None
+    indexer_loss: float | None = None
+    global_batch_size: int | None = None
+    fields: dict[str, float] = field(default_factory=dict)
+
+
+def parse_megatron_log(text: str) -> list[IterationRecord]:
+    """Every training-iteration line of a Megatron-LM log, in order (skips evaluation lines)."""
+    records = []
+    for line in text.splitlines():
+        match = _ITERATION.search(line)
+        if match is None or "elapsed time per iteration (ms)" not in line:
+            continue
+        fields: dict[str, float] = {}
+        for part in line[match.end():].split("|"):
+            kv = _FIELD.match(part)
+            if kv:
+                try:
+                    fields[kv.group(1).strip()] = float(kv.group(2))
+                except ValueError:
+                    continue
+        gbs = fields.get("global batch size")
+        records.append(IterationRecord(
+            iteration=int(match.group(1)),
+            elapsed_ms=fields["elapsed time per iteration (ms)"],
+            lm_loss=fields.get("lm loss"),
+            indexer_loss=fields.get("indexer loss"),
+            global_batch_size=int(gbs) if gbs is not None else None,
+            fields=fields,
+        ))
+    return records
+
+
+@dataclass
+class RunSummary:
+    """Throughput and losses of one run, warm-up iterations excluded from the timing."""
+
+    name: str
+    iterations: int
+    timed_iterations: int
+    mean_iteration_ms: float | None
+    tokens_per_s: float | None
+    tokens_per_s_per_gpu: float | None
+    first_lm_loss: float | None
+    last_lm_loss: float | None
+    last_indexer_loss: float | None
+    note: str = ""
+
+
+def summarize(name: str, records: list[IterationRecord], *, seq_length: int, gpus: int,
+              skip: int = 2, exit_code: int | None = 0) -> RunSummary:
+    """Mean time over the iterations after the first `skip` (compile, allocator warm-up).
+
+    tokens/s = global batch size x seq_length / mean iteration time. If every iteration falls
+    in the warm-up window, the last one is timed rather than none.
+    """
+    note = "" if exit_code in (0, None) else f"exited with code {exit_code}"
+    if not records:
+        note = note or "no iterations logged"
+        return RunSummary(name, 0, 0, None, None, None, None, None, None,
+                          note=f"{note} (see its log)")
+    timed = records[skip:] or records[-1:]
+    mean_ms = sum(r.elapsed_ms for r in timed) / len(timed)
+    gbs = timed[-1].global_batch_size
+    tokens_per_s = gbs * seq_length / (mean_ms / 1000.0) if gbs and mean_ms > 0 else None
+    losses = [r.lm_loss for r in records if r.lm_loss is not None]
+    indexer = [r.indexer_loss for r in records if r.indexer_loss is not None]
+    return RunSummary(
+        name=name,
+        iterations=len(records),
+        timed_iterations=len(timed),
+        mean_iteration_ms=mean_ms,
+        tokens_per_s=tokens_per_s,
+        tokens_per_s_per_gpu=tokens_per_s / gpus if tokens_per_s else None,
+        first_lm_loss=losses[0] if losses else None,
+        last_lm_loss=losses[-1] if losses else None,
+        last_indexer_loss=indexer[-1] if indexer else None,
+        note=note,
+    )
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def side_by_side(a: RunSummary, b: RunSummary, records_a: list[IterationRecord],
+                 records_b: list[IterationRecord]) -> str:
+    """Throughput and losses of two runs beside each other, then the per-iteration losses."""
+    rows = [
+        ("iterations logged (timed)", f"{a.iterations} ({a.timed_iterations})",
+         f"{b.iterations} ({b.timed_iterations})"),
+        ("mean iteration time (ms)", _fmt(a.mean_iteration_ms, ".1f"),
+         _fmt(b.mean_iteration_ms, ".1f")),
+        ("tokens/s", _fmt(a.tokens_per_s, ",.0f"), _fmt(b.tokens_per_s, ",.0f")),
+        ("tokens/s per GPU", _fmt(a.tokens_per_s_per_gpu, ",.1f"),
+         _fmt(b.tokens_per_s_per_gpu, ",.1f")),
+        ("lm loss (first -> last)",
+         f"{_fmt(a.first_lm_loss, '.4f')} -> {_fmt(a.last_lm_loss, '.4f')}",
+         f"{_fmt(b.first_lm_loss, '.4f')} -> {_fmt(b.last_lm_loss, '.4f')}"),
+        ("indexer loss (last)", _fmt(a.last_indexer_loss, ".4g"), _fmt(b.last_indexer_loss, ".4g")),
+        ("note", a.note or "-", b.note or "-"),
+    ]
+    w0 = max(len(r[0]) for r in rows) + 2
+    w1 = max(len(a.name), *(len(r[1]) for r in rows)) + 2
+    w2 = max(len(b.name), *(len(r[2]) for r in rows)) + 2
+    lines = ["".ljust(w0) + a.name.rjust(w1) + b.name.rjust(w2)]
+    lines += [r[0].ljust(w0) + r[1].rjust(w1) + r[2].rjust(w2) for r in rows]
+    if a.tokens_per_s and b.tokens_per_s:
+        lines.append(f"speed-up {b.name} / {a.name}: {b.tokens_per_s / a.tokens_per_s:.2f}x")
+    by_iter_a = {r.iteration: r for r in records_a}
+    by_iter_b = {r.iteration: r for r in records_b}
+    iterations = sorted(set(by_iter_a) | set(by_iter_b))
+    if iterations:
+        lines += ["", f"{'iteration':>9}  {'lm loss ' + a.name:>22}  {'lm loss ' + b.name:>22}"
+                  f"  {'ms ' + a.name:>14}  {'ms ' + b.name:>14}"]
+        for it in iterations:
+            ra, rb = by_iter_a.get(it), by_iter_b.get(it)
+            lines.append(
+                f"{it:>9}  {_fmt(ra.lm_loss if ra else None, '.6f'):>22}"
+                f"  {_fmt(rb.lm_loss if rb else None, '.6f'):>22}"
+                f"  {_fmt(ra.elapsed_ms if ra else None, '.1f'):>14}"
+                f"  {_fmt(rb.elapsed_ms if rb else None, '.1f'):>14}"
+            )
+    return "\n".join(lines)

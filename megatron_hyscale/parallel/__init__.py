@@ -1,0 +1,26 @@
+"""Context-parallel helpers: megatron's zigzag sequence layout and a KV all-gather.
+
+- `layout`: where this rank's tokens sit in the global sequence (2 x cp chunks, rank r holds
+  chunks r and 2cp-1-r), splitting a full sequence the way megatron's data loader does, and
+  the permutations between the gathered (rank-major) order and the global order.
+- `gather`: `all_gather_to_global(x, group)`, an all-gather over the CP group that returns the
+  global sequence order and whose backward reduce-scatters the gradient to the owners.
+"""
+
+from megatron_hyscale.parallel.gather import all_gather_to_global
+from megatron_hyscale.parallel.layout import (
+    global_to_rank_major,
+    rank_major_to_global,
+    zigzag_merge,
+    zigzag_positions,
+    zigzag_split,
+)
+
+__all__ = [
+    "all_gather_to_global",
+    "global_to_rank_major",
+    "rank_major_to_global",
+    "zigzag_merge",
+    "zigzag_positions",
+    "zigzag_split",
+]

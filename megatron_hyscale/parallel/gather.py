@@ -1,0 +1,57 @@
+"""All-gather over the context-parallel group into global sequence order, with its backward.
+
+Forward: every rank contributes its local [L, ...] tensor (zigzag chunks r and 2cp-1-r); the
+result is the whole [cp * L, ...] sequence in global token order. Backward: each rank holds the
+gradient of *its own* loss with respect to the whole sequence; the owners' gradient is the sum
+over ranks, so the gradient is put back in rank-major order and reduce-scattered (sum) - the
+same contract as megatron's `gather_from_sequence_parallel_region` (whose backward is a
+reduce-scatter), plus the zigzag reorder folded in.
+
+Overlap: this is a blocking collective. On GPUs the key all-gather can be started
+asynchronously before the indexer projections and waited on just before HyTopK; that is a
+later optimisation (see HyScaleDSAttention).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_hyscale.parallel.layout import global_to_rank_major, rank_major_to_global
+
+
+class _AllGatherToGlobal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        x = x.contiguous()
+        out = x.new_empty((size * x.size(0), *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return rank_major_to_global(out, size, dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        size = dist.get_world_size(ctx.group)
+        grad = global_to_rank_major(grad, size, dim=0).contiguous()
+        out = grad.new_empty((grad.size(0) // size, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None
+
+
+def all_gather_to_global(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """[L, ...] local zigzag shard -> [cp * L, ...] global order; gradients reduce to owners.
+
+    Args:
+        x: this rank's tokens along dim 0 (sequence-first, megatron's [s, b, ...] layout);
+            L must be even (two zigzag chunks).
+        group: the context-parallel group; None or size 1 returns `x` unchanged.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    if x.size(0) % 2 != 0:
+        raise ValueError(f"all_gather_to_global: local length {x.size(0)} must be even "
+                         "(two zigzag chunks per rank)")
+    return _AllGatherToGlobal.apply(x, group)

@@ -1,0 +1,333 @@
+"""CI checks of the GLM-5.1 launch material (examples/glm5_1): fast, CPU only, no Slurm.
+
+- every launch script's --dry-run exits 0 and prints commands whose pretrain_gpt.py arguments
+  parse with megatron's own argument parser (a renamed or removed flag fails here), pass
+  megatron's validate_args at the script's world size, build a TransformerConfig, and build
+  HyScale's DSA layer specs (dense first layers, MoE after);
+- the memory estimator's numbers are consistent and the 512-GPU layout fits 96 GB;
+- the Megatron-LM log parser reads a sample log and the side-by-side summary is right;
+- without --dry-run, a missing MEGATRON_LM_DIR stops every script with a message naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "glm5_1"
+sys.path.insert(0, str(EXAMPLE))
+
+import glm5_1_config as cfg  # noqa: E402
+
+from megatron_hyscale.launch import logparse  # noqa: E402
+from megatron_hyscale.launch.memory import (  # noqa: E402
+    GIB,
+    Layout,
+    estimate,
+    peak_gib,
+    selection_bytes,
+)
+
+# (script, arguments, world size of the emitted commands, number of commands)
+DRY_RUNS = [
+    ("train_1m_512gpu.sbatch", [], 512, 1),
+    ("train_1m_512gpu.sbatch", ["--spec", "stock"], 512, 1),
+    ("train_small.sh", ["--gpus", "1"], 1, 1),
+    ("train_small.sh", ["--gpus", "2", "--seq-length", "131072"], 2, 1),
+    ("side_by_side.sh", [], 2, 2),
+    ("side_by_side.sh", ["--config", "full"], 512, 2),
+]
+
+# Megatron-LM arguments that need Transformer Engine when the config is built (not parsed).
+TE_ONLY = {"moe_permute_fusion": False, "moe_grouped_gemm": False}
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The caller's environment without Megatron-LM or Slurm, so dry runs see a bare machine."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "MEGATRON_LM_DIR" and not k.startswith("SLURM_") and k != "MASTER_ADDR"}
+    env["HYSCALE_PYTHON"] = sys.executable
+    env.update(extra)
+    return env
+
+
+def run_script(script: str, *args: str, env: dict[str, str] | None = None
+               ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(EXAMPLE / script), *args], capture_output=True, text=True,
+                          env=env or clean_env(), cwd=ROOT, timeout=120)
+
+
+def commands(stdout: str) -> list[tuple[str, dict[str, str], list[str]]]:
+    """(label, env, pretrain_gpt.py arguments) of every command block a dry run printed."""
+    found = []
+    for block in stdout.split("# --- command: ")[1:]:
+        label, rest = block.split(" ---\n", 1)
+        text = rest.split("# --- end of command ---")[0]
+        words = shlex.split(text.replace("\\\n", " "))
+        assert words[0] == "env"
+        env = {}
+        i = 1
+        while "=" in words[i] and not words[i].startswith("-"):
+            key, value = words[i].split("=", 1)
+            env[key] = value
+            i += 1
+        script = next(j for j, w in enumerate(words) if w.endswith("pretrain_gpt.py"))
+        found.append((label, env, words[script + 1:]))
+    return found
+
+
+@pytest.fixture(scope="module")
+def megatron_parser() -> argparse.ArgumentParser:
+    from megatron.training.arguments import add_megatron_arguments
+
+    return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+
+
+def validate_with_megatron(argv: list[str], world: int, parser: argparse.ArgumentParser,
+                           monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> object:
+    """Megatron-LM's own checks on the arguments; returns the TransformerConfig they build."""
+    import megatron.training.arguments as margs
+    import torch
+
+    args = parser.parse_args(argv)  # argparse exits on an unknown or malformed flag
+    args.rank, args.world_size = 0, world
+    # validate_args asks the GPU for its architecture: answer as a Hopper (H20/H800/H200).
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    monkeypatch.setattr(margs, "get_device_arch_version", lambda: 9)
+    for key, value in env.items():
+        if "$" not in value:
+            monkeypatch.setenv(key, value)
+    margs.validate_args(args)
+    for key, value in TE_ONLY.items():
+        setattr(args, key, value)
+    return margs.core_transformer_config_from_args(args)
+
+
+@pytest.mark.parametrize("script,extra,world,count", DRY_RUNS,
+                         ids=[f"{s}{' ' + ' '.join(a) if a else ''}" for s, a, _, _ in DRY_RUNS])
+def test_dry_run_emits_valid_megatron_arguments(
+    script: str, extra: list[str], world: int, count: int,
+    megatron_parser: argparse.ArgumentParser, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    result = run_script(script, "--dry-run", *extra)
+    assert result.returncode == 0, result.stderr
+    assert "total, HyScale DSA" in result.stdout  # the memory estimate is printed
+    assert "dry run: nothing was started" in result.stdout
+    cmds = commands(result.stdout)
+    assert len(cmds) == count
+    for label, env, argv in cmds:
+        assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+        assert str(ROOT) in env["PYTHONPATH"].split(":")
+        spec = argv[argv.index("--spec") + 1: argv.index("--spec") + 3]
+        assert spec == list(cfg.SPECS[label])
+        config = validate_with_megatron(argv, world, megatron_parser, monkeypatch, env)
+        assert config.experimental_attention_variant == "dsa"
+        assert config.recompute_granularity == "full"
+        if config.context_parallel_size > 1:
+            assert config.cp_comm_type == "allgather"
+    if count == 2:  # side by side: stock first, then HyScale, identical except the spec
+        (la, _, a), (lb, _, b) = cmds
+        assert (la, lb) == ("stock", "hyscale")
+        strip = lambda v: [w for w in v if w not in ("hyscale_dsa_layer_spec",
+                                                     "stock_dsa_layer_spec")]
+        assert strip(a) == strip(b)
+
+
+def test_full_configuration_is_glm5_1(
+    megatron_parser: argparse.ArgumentParser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 512-GPU arguments describe GLM-5.1 and build HyScale's layer specs."""
+    argv = cfg.megatron_args(cfg.GLM5_1, cfg.FULL_LAYOUT)
+    config = validate_with_megatron(argv, 512, megatron_parser, monkeypatch,
+                                    {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    expected = dict(num_layers=78, hidden_size=6144, num_attention_heads=64, q_lora_rank=2048,
+                    kv_lora_rank=512, qk_head_dim=192, qk_pos_emb_head_dim=64, v_head_dim=256,
+                    dsa_indexer_n_heads=32, dsa_indexer_head_dim=128, dsa_indexer_topk=2048,
+                    num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+                    moe_shared_expert_intermediate_size=2048, tensor_model_parallel_size=1,
+                    context_parallel_size=64, pipeline_model_parallel_size=8,
+                    expert_model_parallel_size=64, dsa_indexer_rotate_activation=False,
+                    dsa_indexer_use_sparse_loss=True, apply_rope_fusion=False)
+    assert {k: getattr(config, k) for k in expected} == expected
+    assert config.moe_layer_freq == [0] * 3 + [1] * 75
+
+    from megatron_hyscale.specs import get_dsa_layer_specs
+
+    specs = get_dsa_layer_specs(config)
+    assert len(specs) == 78
+    # a layer's MLP is a ModuleSpec or a functools.partial over the module class
+    mlp_classes = [getattr(s.submodules.mlp, "module", None) or s.submodules.mlp.func
+                   for s in specs]
+    is_moe = [getattr(c, "__name__", "") == "MoELayer" for c in mlp_classes]
+    assert is_moe == [False] * 3 + [True] * 75
+
+
+def test_renamed_flag_is_rejected(megatron_parser: argparse.ArgumentParser) -> None:
+    """The parse check can fail: a flag megatron does not know exits the parser."""
+    argv = cfg.megatron_args(cfg.GLM5_1, cfg.FULL_LAYOUT)
+    argv[argv.index("--dsa-indexer-topk")] = "--dsa-indexer-top-k"
+    with pytest.raises(SystemExit):
+        megatron_parser.parse_args(argv)
+
+
+# ---------------------------------------------------------------- memory estimator
+
+
+def test_parameter_counts_match_glm5_1() -> None:
+    model = cfg.GLM5_1
+    assert 735e9 < model.total_params() < 755e9  # GLM-5: 744B total
+    assert 38e9 < model.active_params() < 46e9  # about 40B active
+    # MLA + indexer of one layer, by hand: q 12.6M + 33.6M, kv 3.5M + 14.7M, o 100.7M, idx 9.4M
+    assert model.attention_params() == 174_391_296
+
+
+def test_full_layout_fits_96gb_and_stock_does_not() -> None:
+    stages = estimate(cfg.GLM5_1, cfg.FULL_LAYOUT)
+    assert len(stages) == 8 and [s.layers for s in stages] == [9] + [10] * 6 + [9]
+    peak = peak_gib(stages, "hyscale")
+    assert 40 < peak <= 96, peak  # sane, and within an H20
+    assert peak_gib(stages, "stock") > 96  # the [T_local, H_I, T] table alone is ~2 TiB
+    tilelang = estimate(cfg.GLM5_1, cfg.FULL_LAYOUT, stock_backend="tilelang")
+    assert peak_gib(tilelang, "stock") > peak_gib(tilelang, "hyscale")
+    # every stage of the pipeline, not only the first, stays within 96 GiB
+    assert all(s.total("hyscale") <= 96 * GIB for s in stages)
+
+
+def test_estimator_components_are_consistent() -> None:
+    model, layout = cfg.GLM5_1, cfg.FULL_LAYOUT
+    stages = estimate(model, layout)
+    # weights: each non-expert parameter on one stage (TP 1), experts split over EP 64
+    nonexpert = model.total_params() - (model.num_layers - 3) * model.expert_params()
+    expert = (model.num_layers - 3) * model.expert_params()
+    weights = sum(s.rows["weights (bf16)"] for s in stages)
+    assert weights == pytest.approx(2 * (nonexpert + expert / layout.ep), rel=1e-9)
+    # selection: HyScale keeps int32 + fp32 per (local row, k); stock a per-head fp32 table
+    t = layout.seq_length // layout.cp
+    sel = selection_bytes(model, layout)
+    assert sel["hyscale"] == t * model.topk * 8
+    assert sel["stock_reference"] == 4 * t * layout.seq_length * (model.indexer_heads + 1)
+    # 1F1B: stage r holds PP - r micro-batches; replay store = layers x in-flight x [t, k] int32
+    assert [layout.in_flight(r) for r in range(8)] == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert stages[1].rows["selection replay store"] == 10 * 7 * t * model.topk * 4
+    # doubling CP halves the per-rank stored activations
+    half = estimate(model, Layout(**{**layout.__dict__, "cp": 32, "ep": 32,
+                                     "gpus": 256}))
+    assert half[0].rows["layer inputs (full recompute)"] == pytest.approx(
+        2 * stages[0].rows["layer inputs (full recompute)"])
+
+
+def test_interleaved_pipeline_holds_more() -> None:
+    base = cfg.FULL_LAYOUT
+    vpp = Layout(**{**base.__dict__, "vpp": 2, "first_stage_layers": 8,
+                    "last_stage_layers": 10})
+    assert vpp.in_flight(0) > base.in_flight(0)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"cp": 48}, "multiple"),
+    ({"gpus": 256}, "gpus=256"),
+    ({"ep": 3}, "EP"),
+    ({"global_batch": 63, "cp": 32, "gpus": 512, "ep": 64}, "global batch"),
+    ({"first_stage_layers": 10}, "split evenly"),
+])
+def test_bad_layouts_are_rejected(change: dict, message: str) -> None:
+    layout = Layout(**{**cfg.FULL_LAYOUT.__dict__, **change})
+    with pytest.raises(ValueError, match=message):
+        layout.validate(cfg.GLM5_1)
+
+
+# ---------------------------------------------------------------- log parsing
+
+SAMPLE_LOG = """\
+using world size: 2, data-parallel size: 1, context-parallel size: 2
+[after training is done] datetime: 2026-05-01 10:00:00
+ [2026-05-01 10:00:31.000001] iteration        1/       4 | consumed samples:            4 | \
+elapsed time per iteration (ms): 31000.0 | learning rate: 1.000000E-05 | global batch size:     4 \
+| lm loss: 1.195000E+01 | indexer loss: 2.500000E-01 | seq_load_balancing_loss: 1.020000E+00 | \
+loss scale: 1.0 | grad norm: 12.345 | number of skipped iterations:   0 | number of nan \
+iterations:   0 |
+ [2026-05-01 10:00:41.000001] iteration        2/       4 | consumed samples:            8 | \
+elapsed time per iteration (ms): 10000.0 | learning rate: 1.000000E-05 | global batch size:     4 \
+| lm loss: 1.180000E+01 | indexer loss: 2.000000E-01 | loss scale: 1.0 | grad norm: 9.000 | \
+number of skipped iterations:   0 | number of nan iterations:   0 |
+(min, max) time across ranks (ms):
+    forward-backward ...............................: (9000.00, 9100.00)
+ [2026-05-01 10:00:49.000001] iteration        3/       4 | consumed samples:           12 | \
+elapsed time per iteration (ms): 8000.0 | learning rate: 1.000000E-05 | global batch size:     4 \
+| lm loss: 1.160000E+01 | indexer loss: 1.500000E-01 | loss scale: 1.0 | grad norm: 8.000 | \
+number of skipped iterations:   0 | number of nan iterations:   0 |
+ [2026-05-01 10:00:55.000001] iteration        4/       4 | consumed samples:           16 | \
+elapsed time per iteration (ms): 6000.0 | learning rate: 1.000000E-05 | global batch size:     4 \
+| lm loss: 1.150000E+01 | indexer loss: 1.000000E-01 | loss scale: 1.0 | grad norm: 7.000 | \
+number of skipped iterations:   0 | number of nan iterations:   0 |
+validation loss at iteration 4 | lm loss value: 1.149000E+01 | lm loss PPL: 9.8E+04 |
+"""
+
+
+def test_parse_megatron_log() -> None:
+    records = logparse.parse_megatron_log(SAMPLE_LOG)
+    assert [r.iteration for r in records] == [1, 2, 3, 4]
+    assert [r.elapsed_ms for r in records] == [31000.0, 10000.0, 8000.0, 6000.0]
+    assert [r.lm_loss for r in records] == [11.95, 11.8, 11.6, 11.5]
+    assert [r.indexer_loss for r in records] == [0.25, 0.2, 0.15, 0.1]
+    assert records[0].global_batch_size == 4
+    assert records[0].fields["grad norm"] == 12.345
+    assert records[0].fields["seq_load_balancing_loss"] == 1.02
+
+
+def test_summary_and_side_by_side() -> None:
+    records = logparse.parse_megatron_log(SAMPLE_LOG)
+    s = logparse.summarize("hyscale", records, seq_length=32768, gpus=2, skip=2)
+    assert s.timed_iterations == 2 and s.mean_iteration_ms == 7000.0
+    assert s.tokens_per_s == pytest.approx(4 * 32768 / 7.0)
+    assert s.tokens_per_s_per_gpu == pytest.approx(4 * 32768 / 7.0 / 2)
+    assert (s.first_lm_loss, s.last_lm_loss, s.last_indexer_loss) == (11.95, 11.5, 0.1)
+    slow = [logparse.IterationRecord(r.iteration, r.elapsed_ms * 2, r.lm_loss, r.indexer_loss,
+                                     r.global_batch_size) for r in records]
+    stock = logparse.summarize("stock", slow, seq_length=32768, gpus=2, skip=2)
+    table = logparse.side_by_side(stock, s, slow, records)
+    assert "speed-up hyscale / stock: 2.00x" in table
+    assert "11.500000" in table and "12000.0" in table
+    crashed = logparse.summarize("stock", [], seq_length=32768, gpus=2, exit_code=1)
+    assert crashed.tokens_per_s is None and "exited with code 1" in crashed.note
+    assert "speed-up" not in logparse.side_by_side(crashed, s, [], records)
+
+
+def test_side_by_side_parse_only(tmp_path: Path) -> None:
+    (tmp_path / "stock.log").write_text(SAMPLE_LOG.replace("6000.0", "12000.0"))
+    (tmp_path / "hyscale.log").write_text(SAMPLE_LOG)
+    result = run_script("side_by_side.sh", "--parse-only", str(tmp_path / "stock.log"),
+                        str(tmp_path / "hyscale.log"), "--skip-iters", "3")
+    assert result.returncode == 0, result.stderr
+    assert "speed-up hyscale / stock: 2.00x" in result.stdout
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("script,args", [
+    ("train_1m_512gpu.sbatch", []),
+    ("train_small.sh", []),
+    ("side_by_side.sh", []),
+])
+def test_missing_megatron_lm_dir_is_a_clear_error(script: str, args: list[str]) -> None:
+    result = run_script(script, *args)
+    assert result.returncode == 2
+    assert "MEGATRON_LM_DIR is not set" in result.stderr
+    assert "pretrain_gpt.py" in result.stderr
+    assert "# --- command" not in result.stdout  # nothing was about to start
+
+
+def test_full_run_outside_slurm_says_so(tmp_path: Path) -> None:
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    result = run_script("train_1m_512gpu.sbatch",
+                        env=clean_env(MEGATRON_LM_DIR=str(tmp_path)))
+    assert result.returncode == 2
+    assert "Slurm" in result.stderr
