@@ -101,7 +101,10 @@ def assert_same_step(stock_res, hyscale_res):
     h_loss, h_logits, h_idx, h_grads = hyscale_res
     torch.testing.assert_close(h_logits, s_logits, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(h_loss, s_loss, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(h_idx, s_idx, rtol=RTOL, atol=ATOL)
+    # The KL is a difference of near-equal O(1) terms and is ~1e-5 here, so fp32 rounding in
+    # the layer below (logits agree to ~1e-7) shows up as up to ~1.4e-4 relative (measured;
+    # layer 1 agrees to 1e-7). Compare relatively: an absolute 1e-6 would accept anything.
+    torch.testing.assert_close(h_idx, s_idx, rtol=1e-3, atol=0.0)
     assert s_idx.abs().sum() > 0, "the indexer loss never ran: the test would prove nothing"
     assert set(h_grads) == set(s_grads)
     indexer_grads = [n for n in s_grads if ".indexer." in n]
