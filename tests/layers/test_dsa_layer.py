@@ -4,11 +4,8 @@ A tiny GPTModel (MLA + DSA, 2+ layers, T=256 > topk) is built twice from the sam
 once with the HyScale spec and once with the stock spec; logits, LM loss, indexer loss and every
 parameter gradient must match, with and without activation recompute and index sharing.
 
-Stock selects with `torch.topk`, whose choice among tied scores is unspecified; with ReLU many
-scores are exactly 0, so ties at the k-th score are common and the two layers would pick
-different (equally valid) keys. The stock run therefore gets a top-k that breaks ties by the
-smaller key index (a stable sort of its own score table) - HyScale's documented total order.
-Everything else in the stock path is unchanged.
+The stock run breaks top-k ties by the smaller key index, as HyScale does (see
+`megatron_hyscale.testing.stock`): `torch.topk`'s choice among tied scores is unspecified.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ import warnings
 
 import pytest
 import torch
-from megatron.core.transformer.experimental_attention_variant import dsa as megatron_dsa
 from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexerLossLoggingHelper,
     DSAttention,
@@ -26,6 +22,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 from megatron_hyscale import replay
 from megatron_hyscale.layers.dsa import HyScaleDSAttention
 from megatron_hyscale.testing.models import build_gpt, default_device, tiny_dsa_config
+from megatron_hyscale.testing.stock import stock_topk_breaks_ties_by_index
 
 DEVICE = default_device()
 
@@ -44,17 +41,9 @@ RECOMPUTE = {
 
 
 @pytest.fixture(autouse=True)
-def stock_topk_breaks_ties_by_index(monkeypatch):
-    original = megatron_dsa.fused_qk_topk_naive
-
-    def tie_deterministic(q, k, weights, index_topk, *args, **kwargs):
-        index_scores, _ = original(q, k, weights, index_topk, *args, **kwargs)
-        top = min(index_topk, index_scores.shape[-1])
-        scores, order = torch.sort(index_scores + 0.0, dim=-1, descending=True, stable=True)
-        indices = order[..., :top].masked_fill(scores[..., :top] == float("-inf"), -1)
-        return index_scores, indices
-
-    monkeypatch.setattr(megatron_dsa, "fused_qk_topk_naive", tie_deterministic)
+def stock_ties_by_index():
+    with stock_topk_breaks_ties_by_index():
+        yield
 
 
 def make_pair(**overrides):

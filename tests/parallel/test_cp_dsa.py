@@ -106,23 +106,12 @@ def test_layout_rejects_uneven_lengths():
 @contextlib.contextmanager
 def _cpu_cp_patches() -> Iterator[None]:
     """megatron on CPU (its CP RoPE slice included) and the tie-deterministic stock top-k."""
-    from megatron.core.transformer.experimental_attention_variant import dsa as megatron_dsa
-
     from megatron_hyscale.testing.cpu import megatron_on_cpu
-
-    original = megatron_dsa.fused_qk_topk_naive
-
-    def tie_deterministic(q, k, weights, index_topk, *args, **kwargs):
-        index_scores, _ = original(q, k, weights, index_topk, *args, **kwargs)
-        top = min(index_topk, index_scores.shape[-1])
-        scores, order = torch.sort(index_scores + 0.0, dim=-1, descending=True, stable=True)
-        indices = order[..., :top].masked_fill(scores[..., :top] == float("-inf"), -1)
-        return index_scores, indices
+    from megatron_hyscale.testing.stock import stock_topk_breaks_ties_by_index
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(megatron_on_cpu())
-        stack.enter_context(mock.patch.object(megatron_dsa, "fused_qk_topk_naive",
-                                              tie_deterministic))
+        stack.enter_context(stock_topk_breaks_ties_by_index())
         yield
 
 
