@@ -1,0 +1,460 @@
+"""DeepSeek-V4 attention (sliding window, CSA, HCA) as Megatron modules on HyScale's ops.
+
+One class, `HyScaleV4Attention`, covers V4's three layer kinds, chosen per layer by the
+compress ratio (`DeepseekV4TransformerConfig.v4_compress_ratios[layer_number - 1]`, or the
+`compress_ratio` spec parameter):
+- 0: sliding window only (the last `v4_sliding_window` tokens, the query's own included);
+- 4 (CSA; the ratio `v4_csa_ratio`): KV compressed 4:1 with overlapping windows
+  (`ops.compress.compress_overlapping`); a lightning indexer over its own compressed keys picks
+  the top `v4_index_topk` visible entries per query through `ops.hytopk`; plus the window;
+- 128 (HCA; any other positive ratio too): KV compressed 128:1 (`ops.compress.compress`),
+  every visible entry plus the window.
+Each query runs one `ops.sparse_attention` call over [compressed entries ; raw tokens] with
+indices [selected (or all visible) compressed entries, window tokens]: one shared K = V head of
+`v4_head_dim`, RoPE (V4's interleaved variant) on its last `v4_rope_head_dim` channels, a
+per-head sink logit, and afterwards the inverse rotation of the output at the query position
+(V4: values carry RoPE because K = V) and the grouped output projection.
+
+Semantics are those of transformers' `DeepseekV4Attention` (stateless training mode); see
+`megatron_hyscale.ops.compress` for the compressors and the visibility rule: compressed entry s
+is visible to query t iff s < floor((t + 1) / m). HyTopK expresses that with key positions
+(s + 1) * m - 1 and query positions t (`compressed_key_positions`).
+
+Selection replay: under megatron's recompute (`tensor_parallel.checkpoint`) the CSA selection
+is recorded in the first forward and replayed by the recompute (`megatron_hyscale.replay`), as
+in `HyScaleDSAttention`; HCA and window layers select nothing (their indices are a fixed
+function of T). `baseline=True` is the side-by-side stand-in for a stock implementation: the
+indexer scores are materialized per row block (`v4_baseline_row_block` rows), `torch.topk`
+selects, and the recompute selects again (no replay).
+
+Indexer training: the signal DeepSeek used for V4's indexer is not public. With
+`v4_indexer_loss_coeff > 0` the DSA recipe is applied: the indexer's inputs are detached and a
+KL loss (`ops.indexer_kl_loss`) to the main attention's head-summed distribution over the
+compressed entries (over the selected ones with `v4_indexer_use_sparse_loss`, over all visible
+ones otherwise) is attached to the output like megatron's DSA loss. Off by default, in which
+case the indexer's parameters get no gradient (as in transformers, where top-k cuts it).
+
+Parameter names (transformers' names in brackets; `testing.deepseek_v4` maps them):
+  linear_q_a.weight [q_a_proj], q_a_norm.weight [q_a_norm], linear_q_b.weight [q_b_proj],
+  linear_kv.weight [kv_proj], kv_norm.weight [kv_norm], linear_o_a.weight [o_a_proj],
+  linear_o_b.weight [o_b_proj], sinks [sinks];
+  compressor.{linear_kv, linear_gate}.weight, compressor.position_bias,
+  compressor.kv_norm.weight [compressor.{kv_proj, gate_proj, position_bias, kv_norm}];
+  indexer.linear_q_b.weight [compressor.indexer.q_b_proj],
+  indexer.linear_weights.weight [compressor.indexer.scorer.weights_proj],
+  indexer.compressor.* [compressor.indexer.{kv_proj, gate_proj, position_bias, kv_norm}].
+
+RoPE: window-only layers use `v4_rope_theta`; CSA / HCA layers (attention, compressors and
+indexer alike) `v4_compress_rope_theta`, with YaRN frequencies when `v4_compress_rope_scaling`
+is set (V4-Flash's checkpoint config asks for YaRN there; copy its values).
+
+Not covered yet (they raise): tensor / sequence / context parallelism, packed sequences,
+inference caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.transformer.experimental_attention_variant.dsa import (
+    DSAIndexerLossAutoScaler,
+    DSAIndexerLossLoggingHelper,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_hyscale import replay
+from megatron_hyscale.layers.linear import LocalLinear
+from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
+from megatron_hyscale.ops.compress import (
+    apply_interleaved_rope,
+    compress,
+    compress_overlapping,
+    compressed_key_positions,
+    compressed_visible_count,
+    default_inv_freq,
+    rms_norm,
+    rope_cos_sin,
+    yarn_inv_freq,
+)
+
+CSA_RATIO = 4
+HCA_RATIO = 128
+
+
+@dataclass
+class DeepseekV4TransformerConfig(TransformerConfig):
+    """TransformerConfig plus V4's attention geometry (defaults: DeepSeek-V4-Flash).
+
+    Uses the base fields hidden_size, num_attention_heads, layernorm_epsilon (V4: 1e-6),
+    normalization ("RMSNorm"), init_method / output_layer_init_method, params_dtype.
+    """
+
+    v4_head_dim: int = 512
+    v4_rope_head_dim: int = 64
+    v4_q_lora_rank: int = 1024
+    v4_o_groups: int = 8
+    v4_o_lora_rank: int = 1024
+    v4_sliding_window: int = 128
+    # One ratio per layer: 0 window only, 4 CSA, 128 HCA (None: all CSA).
+    v4_compress_ratios: list[int] | None = None
+    v4_csa_ratio: int = CSA_RATIO  # the ratio that means CSA; any other positive ratio is HCA
+    v4_index_n_heads: int = 64
+    v4_index_head_dim: int = 128
+    v4_index_topk: int = 512
+    v4_rope_theta: float = 10000.0  # window-only layers
+    v4_compress_rope_theta: float = 160000.0  # CSA / HCA layers (attention and compressors)
+    # YaRN for the compress RoPE, as in V4's checkpoint config: {"type": "yarn", "factor": 16,
+    # "original_max_position_embeddings": ..., "beta_fast": 32, "beta_slow": 1}; None = plain.
+    v4_compress_rope_scaling: dict | None = None
+    v4_indexer_loss_coeff: float = 0.0  # > 0: DSA-style KL loss for the CSA indexer
+    v4_indexer_use_sparse_loss: bool = True
+    v4_baseline: bool = False  # materialized scores + torch.topk, no replay
+    v4_baseline_row_block: int = 4096
+
+
+def _linear(submodule: Any, n_in: int, n_out: int, config: TransformerConfig,
+            init_method: Any) -> torch.nn.Module:
+    """A replicated, bias-free linear from its spec (LocalLinear / TELinear signature)."""
+    return build_module(submodule, n_in, n_out, config=config, init_method=init_method,
+                        bias=False, skip_bias_add=False, parallel_mode="duplicated",
+                        skip_weight_param_allocation=False)
+
+
+def _norm(submodule: Any, size: int, config: TransformerConfig) -> torch.nn.Module:
+    return build_module(submodule, config=config, hidden_size=size, eps=config.layernorm_epsilon)
+
+
+class GroupedLinear(MegatronModule):
+    """Block-diagonal linear: group g of the input maps through its own [R, I] block.
+
+    weight [G * R, I] (the same layout as transformers' `DeepseekV4GroupedLinear`: rows
+    g*R..(g+1)*R-1 are group g's block). Input [..., G, I], output [..., G * R].
+    """
+
+    def __init__(self, input_size_per_group: int, output_size: int, groups: int, *,
+                 config: TransformerConfig, init_method: Any) -> None:
+        super().__init__(config)
+        if output_size % groups:
+            raise ValueError(f"output_size {output_size} is not divisible by groups {groups}")
+        self.groups = groups
+        self.weight = torch.nn.Parameter(
+            torch.empty(output_size, input_size_per_group, dtype=config.params_dtype))
+        if config.perform_initialization:
+            init_method(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.view(self.groups, -1, self.weight.shape[-1])  # [G, R, I]
+        return torch.einsum("...gi,gri->...gr", x, w).flatten(-2)
+
+
+@dataclass
+class V4CompressorSubmodules:
+    linear_kv: ModuleSpec | type = LocalLinear
+    linear_gate: ModuleSpec | type = LocalLinear
+    kv_norm: ModuleSpec | type = WrappedTorchNorm
+
+
+class V4Compressor(MegatronModule):
+    """Softmax-gated KV compressor: hidden [B, T, h] -> entries [B, T // ratio, dim].
+
+    overlap=True is CSA's (projections to 2 * dim, windows of width 2 * ratio), False HCA's.
+    Parameters: linear_kv.weight, linear_gate.weight, position_bias [ratio, (2 *) dim],
+    kv_norm.weight [dim].
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: V4CompressorSubmodules, *,
+                 dim: int, ratio: int, overlap: bool) -> None:
+        super().__init__(config)
+        self.ratio, self.overlap, self.dim = ratio, overlap, dim
+        width = 2 * dim if overlap else dim
+        self.linear_kv = _linear(submodules.linear_kv, config.hidden_size, width, config,
+                                 config.init_method)
+        self.linear_gate = _linear(submodules.linear_gate, config.hidden_size, width, config,
+                                   config.init_method)
+        # V4 initializes the bias to zero (uniform softmax within a window at start).
+        self.position_bias = torch.nn.Parameter(
+            torch.zeros(ratio, width, dtype=config.params_dtype))
+        self.kv_norm = _norm(submodules.kv_norm, dim, config)
+
+    def forward(self, x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T // ratio, dim] (RMSNorm'd, RoPE'd at i * ratio)."""
+        kv, _ = self.linear_kv(x)
+        gate, _ = self.linear_gate(x)
+        fn = compress_overlapping if self.overlap else compress
+        return fn(kv, gate, self.position_bias, self.ratio, norm_weight=self.kv_norm.weight,
+                  eps=self.config.layernorm_epsilon, inv_freq=inv_freq)
+
+
+@dataclass
+class V4IndexerSubmodules:
+    linear_q_b: ModuleSpec | type = LocalLinear
+    linear_weights: ModuleSpec | type = LocalLinear
+    compressor: V4CompressorSubmodules = dataclasses.field(default_factory=V4CompressorSubmodules)
+
+
+class V4Indexer(MegatronModule):
+    """CSA lightning indexer: queries from the q latent, keys from its own CSA compressor.
+
+    score[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) with w = linear_weights(x) * H^-0.5 and
+    the logit scale D^-0.5 folded into w (positive, so ReLU commutes with it).
+    """
+
+    def __init__(self, config: DeepseekV4TransformerConfig, submodules: V4IndexerSubmodules,
+                 *, ratio: int) -> None:
+        super().__init__(config)
+        self.n_heads, self.head_dim = config.v4_index_n_heads, config.v4_index_head_dim
+        self.linear_q_b = _linear(submodules.linear_q_b, config.v4_q_lora_rank,
+                                  self.n_heads * self.head_dim, config, config.init_method)
+        self.linear_weights = _linear(submodules.linear_weights, config.hidden_size,
+                                      self.n_heads, config, config.init_method)
+        self.compressor = V4Compressor(config, submodules.compressor, dim=self.head_dim,
+                                       ratio=ratio, overlap=True)
+
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, inv_freq: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [B, T, H_I, D_I], k [B, N, D_I], weights [B, T, H_I]) for HyTopK."""
+        B, T = x.shape[:2]
+        q, _ = self.linear_q_b(q_latent)
+        q = apply_interleaved_rope(q.view(B, T, self.n_heads, self.head_dim), cos, sin,
+                                   heads=True)
+        k = self.compressor(x, inv_freq)
+        w, _ = self.linear_weights(x)
+        return q, k, w * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+
+
+@dataclass
+class V4AttentionSubmodules:
+    linear_q_a: ModuleSpec | type = LocalLinear
+    q_a_norm: ModuleSpec | type = WrappedTorchNorm
+    linear_q_b: ModuleSpec | type = LocalLinear
+    linear_kv: ModuleSpec | type = LocalLinear
+    kv_norm: ModuleSpec | type = WrappedTorchNorm
+    linear_o_a: ModuleSpec | type = GroupedLinear
+    linear_o_b: ModuleSpec | type = LocalLinear
+    compressor: V4CompressorSubmodules = dataclasses.field(default_factory=V4CompressorSubmodules)
+    indexer: V4IndexerSubmodules = dataclasses.field(default_factory=V4IndexerSubmodules)
+
+
+def v4_inv_freq(config: DeepseekV4TransformerConfig, *, compressed: bool) -> torch.Tensor:
+    """fp32 [v4_rope_head_dim / 2] inverse frequencies of a window-only or a CSA / HCA layer."""
+    if not compressed:
+        return default_inv_freq(config.v4_rope_head_dim, config.v4_rope_theta)
+    scaling = config.v4_compress_rope_scaling
+    if scaling is None:
+        return default_inv_freq(config.v4_rope_head_dim, config.v4_compress_rope_theta)
+    scaling = dict(scaling)
+    kind = scaling.pop("type", scaling.pop("rope_type", "yarn"))
+    if kind != "yarn":
+        raise ValueError(f"v4_compress_rope_scaling: only YaRN is supported, got {kind!r}")
+    # V4 fixes YaRN's attention factor to 1 (cos / sin unscaled): mscale keys only feed it.
+    if scaling.pop("attention_factor", None) not in (None, 1.0):
+        raise ValueError("v4_compress_rope_scaling: V4 uses attention_factor = 1")
+    for ignored in ("mscale", "mscale_all_dim"):
+        scaling.pop(ignored, None)
+    try:
+        return yarn_inv_freq(config.v4_rope_head_dim, config.v4_compress_rope_theta, **scaling)
+    except TypeError as err:
+        raise ValueError(f"v4_compress_rope_scaling: {err}") from err
+
+
+def window_indices(T: int, window: int, offset: int, device: torch.device) -> torch.Tensor:
+    """int32 [T, window]: keys t - window + 1 .. t (+ offset into the key tensor), -1 below 0."""
+    keys = torch.arange(T, device=device).unsqueeze(1) + torch.arange(1 - window, 1, device=device)
+    return torch.where(keys >= 0, keys + offset, -1).to(torch.int32)
+
+
+def dense_compressed_indices(T: int, num_entries: int, ratio: int, device: torch.device
+                             ) -> torch.Tensor:
+    """int32 [T, N]: every compressed entry s visible to t (s < floor((t+1)/ratio)), else -1."""
+    entries = torch.arange(num_entries, device=device)
+    visible = compressed_visible_count(torch.arange(T, device=device), ratio).unsqueeze(1)
+    return torch.where(entries < visible, entries, -1).to(torch.int32)
+
+
+def baseline_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int,
+                    ratio: int, row_block: int) -> torch.Tensor:
+    """Stock-style selection: fp32 score table per block of query rows, then torch.topk.
+
+    q [B, T, H, D], k [B, N, D], weights [B, T, H]; returns int32 [B, T, topk] with -1 where
+    the pick is not visible (the rows with fewer than topk visible entries), as transformers'
+    V4 indexer does. Ties are broken however torch.topk breaks them.
+    """
+    B, T = q.shape[:2]
+    N = k.shape[1]
+    entries = torch.arange(N, device=q.device)
+    visible = compressed_visible_count(torch.arange(T, device=q.device), ratio)
+    blocks = []
+    for r0 in range(0, T, row_block):
+        r1 = min(T, r0 + row_block)
+        logits = torch.einsum("bthd,bsd->bths", q[:, r0:r1].float(), k.float()).relu()
+        scores = (logits * weights[:, r0:r1, :, None].float()).sum(2)  # [B, R, N]
+        limit = visible[r0:r1].view(1, -1, 1)
+        scores = scores.masked_fill(entries.view(1, 1, -1) >= limit, float("-inf"))
+        picked = scores.topk(topk, dim=-1).indices
+        blocks.append(torch.where(picked >= limit, -1, picked))
+    return torch.cat(blocks, dim=1).to(torch.int32)
+
+
+class HyScaleV4Attention(MegatronModule):
+    """DeepSeek-V4 self-attention (window / CSA / HCA by compress ratio) on HyScale's ops.
+
+    Input and output are megatron's [s, b, hidden]; forward returns (output, None) like
+    megatron's attention modules. Positions are 0..s-1 (no packing, no context parallelism).
+    """
+
+    def __init__(self, config: DeepseekV4TransformerConfig,
+                 submodules: V4AttentionSubmodules | None = None, layer_number: int = 1,
+                 *, compress_ratio: int | None = None, baseline: bool | None = None,
+                 **unused: Any) -> None:
+        super().__init__(config)
+        submodules = submodules or V4AttentionSubmodules()
+        if config.tensor_model_parallel_size != 1 or config.context_parallel_size != 1:
+            raise NotImplementedError("HyScaleV4Attention supports TP = CP = 1 only for now")
+        if compress_ratio is None:
+            ratios = config.v4_compress_ratios
+            compress_ratio = config.v4_csa_ratio if ratios is None else ratios[layer_number - 1]
+        if not isinstance(compress_ratio, int) or compress_ratio < 0:
+            raise ValueError(f"compress_ratio must be an int >= 0, got {compress_ratio!r}")
+        self.layer_number = layer_number
+        self.compress_ratio = compress_ratio
+        self.is_csa = compress_ratio == config.v4_csa_ratio
+        self.baseline = config.v4_baseline if baseline is None else baseline
+        H, D = config.num_attention_heads, config.v4_head_dim
+        G = config.v4_o_groups
+        if (H * D) % G:
+            raise ValueError(f"heads x head_dim = {H * D} is not divisible by o_groups {G}")
+        self.n_heads, self.head_dim = H, D
+        self.softmax_scale = D ** -0.5
+        # CSA / HCA layers rotate with the compress theta (attention and compressors alike);
+        # window-only layers with the main theta, as in transformers' V4. A plain fp32
+        # attribute, not a buffer: a bf16 cast of the model must not round the frequencies.
+        self.inv_freq = v4_inv_freq(config, compressed=compress_ratio > 0)
+
+        init, out_init = config.init_method, config.output_layer_init_method
+        hidden, q_rank = config.hidden_size, config.v4_q_lora_rank
+        self.linear_q_a = _linear(submodules.linear_q_a, hidden, q_rank, config, init)
+        self.q_a_norm = _norm(submodules.q_a_norm, q_rank, config)
+        self.linear_q_b = _linear(submodules.linear_q_b, q_rank, H * D, config, init)
+        self.linear_kv = _linear(submodules.linear_kv, hidden, D, config, init)
+        self.kv_norm = _norm(submodules.kv_norm, D, config)
+        self.linear_o_a = build_module(submodules.linear_o_a, H * D // G,
+                                       G * config.v4_o_lora_rank, G, config=config,
+                                       init_method=init)
+        self.linear_o_b = _linear(submodules.linear_o_b, G * config.v4_o_lora_rank, hidden,
+                                  config, out_init)
+        self.sinks = torch.nn.Parameter(torch.zeros(H, dtype=config.params_dtype))
+        self.compressor = self.indexer = None
+        if compress_ratio:
+            self.compressor = V4Compressor(config, submodules.compressor, dim=D,
+                                           ratio=compress_ratio, overlap=self.is_csa)
+        if self.is_csa:
+            self.indexer = V4Indexer(config, submodules.indexer, ratio=compress_ratio)
+            self.selection_replay = replay.SelectionReplay(f"V4 CSA layer {layer_number}")
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                key_value_states: torch.Tensor | None = None, inference_context: Any = None,
+                packed_seq_params: Any = None, **unused: Any) -> tuple[torch.Tensor, None]:
+        """hidden_states [s, b, hidden] -> ([s, b, hidden], None); causal, mask ignored."""
+        if key_value_states is not None or inference_context is not None:
+            raise NotImplementedError("HyScaleV4Attention: self-attention training only")
+        if packed_seq_params is not None:
+            raise NotImplementedError("HyScaleV4Attention: packed sequences are not supported")
+        cfg = self.config
+        T, B, _ = hidden_states.shape
+        H, D = self.n_heads, self.head_dim
+        device = hidden_states.device
+        x = hidden_states.transpose(0, 1)  # [B, T, hidden]
+        positions = torch.arange(T, device=device)
+        if self.inv_freq.device != device:
+            self.inv_freq = self.inv_freq.to(device)
+        inv_freq = self.inv_freq
+        cos, sin = rope_cos_sin(positions, inv_freq)  # [T, R/2]
+
+        q_latent = self.q_a_norm(self.linear_q_a(x)[0])  # [B, T, q_lora]
+        q = self.linear_q_b(q_latent)[0].view(B, T, H, D)
+        q = apply_interleaved_rope(rms_norm(q, None, cfg.layernorm_epsilon), cos, sin,
+                                   heads=True)
+        kv = apply_interleaved_rope(self.kv_norm(self.linear_kv(x)[0]), cos, sin)  # [B, T, D]
+
+        indexer_loss = None
+        if self.compressor is None:
+            keys, num_entries, parts = kv, 0, []
+        else:
+            entries = self.compressor(x, inv_freq)  # [B, N, D]
+            num_entries = entries.shape[1]
+            keys = torch.cat([entries, kv], dim=1)  # [compressed ; raw tokens]
+            if self.is_csa:
+                selected, indexer_loss = self._csa_selection(x, q_latent, q, entries, cos, sin,
+                                                             inv_freq)
+                parts = [selected]
+            else:
+                parts = [dense_compressed_indices(T, num_entries, self.compress_ratio, device)
+                         .expand(B, -1, -1)]
+        window = window_indices(T, cfg.v4_sliding_window, num_entries, device)
+        indices = torch.cat(parts + [window.expand(B, -1, -1)], dim=-1)
+
+        out = sparse_attention(q, keys.unsqueeze(2), None, indices, self.softmax_scale,
+                               sink=self.sinks)  # [B, T, H, D]
+        # K = V carries RoPE: undo it at the query position so the output depends on
+        # relative positions only (V4's conjugate rotation), then the grouped projection.
+        out = apply_interleaved_rope(out, cos, sin, heads=True, inverse=True)
+        out = self.linear_o_a(out.reshape(B, T, cfg.v4_o_groups, H * D // cfg.v4_o_groups))
+        out = self.linear_o_b(out)[0].transpose(0, 1).contiguous()  # [s, b, hidden]
+        if indexer_loss is not None:
+            out = DSAIndexerLossAutoScaler.apply(out, indexer_loss)
+        return out, None
+
+    def _csa_selection(self, x: torch.Tensor, q_latent: torch.Tensor, q: torch.Tensor,
+                       entries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(int32 [B, T, k] compressed-entry indices, -1 padded; the indexer loss or None)."""
+        cfg = self.config
+        B, T = x.shape[:2]
+        N = entries.shape[1]
+        topk = min(cfg.v4_index_topk, N)
+        if topk == 0:  # T < ratio: nothing compressed yet
+            return torch.empty(B, T, 0, dtype=torch.int32, device=x.device), None
+        coeff = cfg.v4_indexer_loss_coeff or 0.0
+        use_loss = self.training and torch.is_grad_enabled() and coeff > 0
+        phase = "off" if self.baseline else replay.current_phase()
+        q_positions = torch.arange(T, device=x.device)
+        k_positions = compressed_key_positions(N, self.compress_ratio, x.device)
+        q_idx = k_idx = weights = None
+        if use_loss or phase != "replay":
+            # The indexer learns from its own loss only (DSA recipe): detached inputs.
+            with torch.enable_grad() if use_loss else torch.no_grad():
+                q_idx, k_idx, weights = self.indexer(x.detach(), q_latent.detach(), cos, sin,
+                                                     inv_freq)
+        if phase == "replay":
+            indices = self.selection_replay.replay((B, T, topk))
+        else:
+            with torch.no_grad():
+                if self.baseline:
+                    indices = baseline_select(q_idx, k_idx, weights, topk, self.compress_ratio,
+                                              cfg.v4_baseline_row_block)
+                else:
+                    # k_positions (s+1)*m - 1 <= t  <=>  s < floor((t+1)/m): V4's rule.
+                    indices, _ = hytopk(q_idx.detach(), k_idx.detach(), weights.detach(), topk,
+                                        relu=True, q_positions=q_positions,
+                                        k_positions=k_positions)
+            replay.count_computed()
+            if phase == "record":
+                self.selection_replay.record(indices)
+        loss = None
+        if use_loss:
+            loss = indexer_kl_loss(
+                q_idx, weights, k_idx, q.detach(), entries.detach().unsqueeze(2), indices,
+                self.softmax_scale, coeff, sparse=bool(cfg.v4_indexer_use_sparse_loss),
+                relu=True, q_positions=q_positions, k_positions=k_positions,
+                calculate_per_token_loss=bool(cfg.calculate_per_token_loss),
+            )
+            DSAIndexerLossLoggingHelper.save_loss_to_tracker(
+                loss=loss, layer_number=self.layer_number, num_layers=cfg.num_layers)
+        return indices, loss
