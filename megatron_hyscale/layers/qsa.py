@@ -1,0 +1,536 @@
+"""QSA (Qwen3.8-Flash-Next sparse attention) as Megatron modules, on HyScale's ops.
+
+Semantics: those of transformers' `Qwen4ExpTextAttention` / `Qwen4ExpTextQSAIndexer` (the
+independent oracle, `tests/layers/test_qsa.py`) on a causal mask without padding:
+- main attention: GQA (24 query / 2 KV heads of 256 in the released model), q/k RMSNorm per head,
+  RoPE (partial when `rotary_percent` < 1) after the norm, sigmoid output gate (one gate value per
+  query channel, from the same projection as the query), output projection;
+- indexer: one projection to H_I query heads + one key head of D_I (4 x 128); RMSNorm on the
+  queries per head, RoPE on the queries at their own positions; keys are mean-pooled over
+  complete blocks of 4 tokens, then RMSNorm'd, then rotated at the block's first position;
+  score[t, b] = D_I^-0.5 * sum_h ReLU(q[t, h] . k_block[b]) (no learned head weights); block b is
+  visible to query t iff b < (t + 1) // 4; the top budget // 4 visible blocks (512 for a budget
+  of 2048 tokens) are kept;
+- each query attends to the tokens of its selected blocks plus its causal tail (the 0 to 3
+  tokens of its own incomplete block). One indexer key head serves all query heads, so the
+  selection is shared by the KV heads: `sparse_attention` gets [B, T, K] indices.
+- no gradient reaches the indexer through the selection (it is a top-k), and the reference
+  defines no indexer loss (the indexer is frozen in public recipes): the indexer's input is
+  detached, and its parameters get no gradient unless `qsa_indexer_loss_coeff` > 0 turns on a
+  KL loss (an option, see `HyScaleQSAttention`).
+
+Modules and parameter names (under a TransformerLayer: `self_attention.` + these):
+- `HyScaleQSASelfAttention` (a megatron `SelfAttention` with `attention_output_gate=True`; its
+  projections, norms and parameter names are megatron's own):
+  `linear_qkv.weight` [ng * (2 * np/ng + 2) * hn, h]: per KV group g the rows of its np/ng query
+  heads, then their np/ng gate heads, then key head g, then value head g (megatron's gated
+  layout); `q_layernorm.weight`, `k_layernorm.weight` [hn]; `linear_proj.weight` [h, np * hn].
+- `HyScaleQSAttention` (the core attention: selection + sparse attention), no parameters of its
+  own besides `core_attention.indexer.*`.
+- `QSAIndexer`: `core_attention.indexer.linear_qk.weight` [(H_I + 1) * D_I, h] (rows: H_I query
+  heads, then the key head), `core_attention.indexer.q_layernorm.weight` [D_I],
+  `core_attention.indexer.k_layernorm.weight` [D_I].
+`megatron_hyscale.testing.qwen_qsa.hf_to_megatron_qsa_state_dict` maps transformers' weights.
+
+Selection: HyTopK over the pooled blocks with block positions b * 4 + 3 (see
+`ops.block_pool`), expanded to token ids + tail. Under megatron recompute (full, or selective
+`core_attn`) the block selection is recorded in the first forward and replayed by the recompute
+(`megatron_hyscale.replay`; the block ids are stored, 1/4 of the token ids, and re-expanded), so
+the indexer runs once per layer per micro-batch. `baseline=True`
+(a spec parameter) is the stock-style path to compare against: the block score table is
+materialized and `torch.topk` selects, and the recompute selects again (no replay).
+
+Ties: with 4 indexer heads a block scores exactly 0 whenever its 4 ReLU'd logits are all
+negative (about 1 block in 16 for random inputs), so queries with fewer than budget positive
+blocks have ties at the cut-off. HyTopK keeps the smaller block index (a total order, bitwise
+reproducible); transformers' torch.topk picks an unspecified one; both are valid QSA.
+
+Memory at long context: the expanded token indices are int32 [b, sq, 4 * 512 + 3] (8 GiB per
+1M tokens, transient: built from the block ids in each pass). A sparse-attention kernel that
+reads block ids + tail directly (4-token contiguous loads) would not need them.
+
+Context parallelism (megatron's zigzag layout, 2 x cp chunks): K, V and the indexer's raw keys
+are all-gathered into global order (`parallel.all_gather_to_global`, whose backward
+reduce-scatters to the owners), blocks are pooled over the global sequence, and the local
+query rows select and attend with their global positions (allgather CP, as the DSA layer).
+
+Not covered yet (raise NotImplementedError naming it): inference / KV cache, packed THD
+sequences, tensor parallelism > 1 with a sequence-parallel layout (the indexer projection is
+duplicated on every TP rank, so plain TP works), padding or document masks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.experimental_attention_variant.dsa import (
+    DSAIndexerLossAutoScaler,
+    DSAIndexerLossLoggingHelper,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_size
+
+from megatron_hyscale import replay
+from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
+from megatron_hyscale.ops.block_pool import (
+    block_first_positions,
+    block_visibility_positions,
+    expand_blocks,
+    pool_blocks,
+    select_blocks_reference,
+)
+from megatron_hyscale.parallel import all_gather_to_global, zigzag_positions
+
+# Baseline selection: fp32 per-head logits materialized per chunk of query rows (1 GiB).
+BASELINE_CHUNK_ELEMENTS = 1 << 28
+
+
+@dataclass
+class QSATransformerConfig(TransformerConfig):
+    """TransformerConfig plus QSA's indexer fields (defaults: Qwen3.8-Flash-Next).
+
+    The QSA attention always has the sigmoid output gate and q/k norms, so those default on.
+    """
+
+    attention_output_gate: bool = True
+    qk_layernorm: bool = True
+    attention_dropout: float = 0.0  # the sparse attention has no dropout (Qwen uses none)
+
+    qsa_indexer_n_heads: int = 4
+    """Indexer query heads H_I."""
+
+    qsa_indexer_head_dim: int = 128
+    """Indexer head dim D_I (query heads and the single key head)."""
+
+    qsa_indexer_budget: int = 2048
+    """Token budget of the selected blocks (a multiple of qsa_block_size): budget / block_size
+    blocks are kept per query, plus its causal tail."""
+
+    qsa_block_size: int = 4
+    """Tokens per pooled key block (transformers' `indexer_compress_ratio`)."""
+
+    qsa_indexer_loss_coeff: float = 0.0
+    """KL indexer loss coefficient; 0 (the default, as the reference) trains no indexer."""
+
+    qsa_indexer_use_sparse_loss: bool = False
+    """KL restricted to the selected blocks (else over every visible block)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("qsa_indexer_n_heads", "qsa_indexer_head_dim", "qsa_indexer_budget",
+                     "qsa_block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.qsa_indexer_budget % self.qsa_block_size:
+            raise ValueError(
+                f"qsa_indexer_budget ({self.qsa_indexer_budget}) must be a multiple of "
+                f"qsa_block_size ({self.qsa_block_size})"
+            )
+        if not self.attention_output_gate:
+            raise ValueError("QSA attention has a sigmoid output gate: attention_output_gate "
+                             "must be True")
+        if self.attention_dropout:
+            raise ValueError(f"QSA's sparse attention has no dropout: attention_dropout must be "
+                             f"0, got {self.attention_dropout!r}")
+        if self.qsa_indexer_loss_coeff < 0:
+            raise ValueError(f"qsa_indexer_loss_coeff must be >= 0, got "
+                             f"{self.qsa_indexer_loss_coeff!r}")
+
+
+@dataclass
+class QSAIndexerSubmodules:
+    """Builders of the indexer's projection (duplicated on every TP rank) and its two norms."""
+
+    linear_qk: ModuleSpec | type | None = None
+    q_layernorm: ModuleSpec | type | None = None
+    k_layernorm: ModuleSpec | type | None = None
+
+
+@dataclass
+class QSAttentionSubmodules:
+    """The core attention's only submodule: the indexer."""
+
+    indexer: ModuleSpec | type | None = None
+
+
+@dataclass
+class QSASelfAttentionSubmodules(SelfAttentionSubmodules):
+    """megatron's SelfAttentionSubmodules; core_attention is a HyScaleQSAttention spec."""
+
+
+class QSAIndexer(MegatronModule):
+    """QSA indexer: H_I query heads and one key head of D_I, keys pooled over blocks.
+
+    Parameters: `linear_qk.weight` [(H_I + 1) * D_I, hidden] (the first H_I * D_I rows are the
+    query heads, the last D_I rows the key head), `q_layernorm.weight` and
+    `k_layernorm.weight` [D_I] (per-head RMSNorm of the queries; RMSNorm of the pooled keys).
+    """
+
+    def __init__(
+        self,
+        config: QSATransformerConfig,
+        submodules: QSAIndexerSubmodules,
+        layer_number: int = 1,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.pg_collection = pg_collection
+        self.n_heads = config.qsa_indexer_n_heads
+        self.head_dim = config.qsa_indexer_head_dim
+        self.block_size = config.qsa_block_size
+        self.linear_qk = build_module(
+            submodules.linear_qk,
+            config.hidden_size,
+            (self.n_heads + 1) * self.head_dim,
+            config=config,
+            init_method=config.init_method,
+            bias=False,
+            skip_bias_add=False,
+            skip_weight_param_allocation=False,
+            parallel_mode="duplicated",
+        )
+        self.q_layernorm = build_module(
+            submodules.q_layernorm, config=config, hidden_size=self.head_dim,
+            eps=config.layernorm_epsilon,
+        )
+        self.k_layernorm = build_module(
+            submodules.k_layernorm, config=config, hidden_size=self.head_dim,
+            eps=config.layernorm_epsilon,
+        )
+
+    def forward(
+        self, x: torch.Tensor, rotary_pos_emb: torch.Tensor | None,
+        cp_group: torch.distributed.ProcessGroup | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indexer queries (this rank's rows) and block keys (the whole sequence).
+
+        Args:
+            x: [sq, b, hidden] the attention layer's input (under context parallelism this
+                rank's two zigzag chunks).
+            rotary_pos_emb: [sq, 1, 1, rot] megatron RoPE frequencies of these rows (the main
+                attention's; rot <= D_I), or None for no RoPE.
+            cp_group: the context-parallel group (None or size 1: no CP). The raw keys and the
+                frequencies are all-gathered into global order before pooling, since blocks
+                are global (they straddle the zigzag chunk borders).
+
+        Returns:
+            q: [b, sq, H_I, D_I] normalized, rotated queries;
+            block_keys: [b, S // block_size, D_I] pooled, normalized, rotated block keys, S the
+                global sequence length.
+        """
+        sq, b = x.shape[:2]
+        qk, _ = self.linear_qk(x)
+        q, k = qk.split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
+        q = self.q_layernorm(q.reshape(sq, b, self.n_heads, self.head_dim))
+        # [S, b, D_I] raw keys in global order; the backward (indexer loss only) reduce-scatters
+        # their gradient to the owner ranks.
+        k = all_gather_to_global(k, cp_group)
+        keys = pool_blocks(k.transpose(0, 1), self.block_size)  # [b, nb, D_I], raw keys' mean
+        keys = self.k_layernorm(keys)
+        if rotary_pos_emb is not None:
+            q = apply_rotary_pos_emb(q, rotary_pos_emb, config=self.config, cp_group=cp_group)
+            # Each block is rotated at its first token's position (transformers' group_starts),
+            # a global position: take it from the gathered frequencies.
+            global_emb = all_gather_to_global(rotary_pos_emb.detach(), cp_group)
+            first = block_first_positions(keys.shape[1], self.block_size, x.device)
+            block_emb = global_emb.index_select(0, first)  # [nb, 1, 1, rot]
+            keys = apply_rotary_pos_emb(keys.transpose(0, 1).unsqueeze(2), block_emb,
+                                        config=self.config, cp_group=cp_group)
+            keys = keys.squeeze(2).transpose(0, 1)
+        return q.transpose(0, 1), keys
+
+
+class HyScaleQSAttention(MegatronModule):
+    """QSA core attention: block selection (HyTopK + replay, or the baseline) + sparse attention.
+
+    Built by megatron's `Attention` like any core attention; `baseline=True` (spec param) selects
+    with a materialized block-score table and torch.topk and re-selects during recompute.
+    With `config.qsa_indexer_loss_coeff` > 0 (training only) a KL loss trains the indexer: the
+    target is the main attention (detached, summed over heads) over block-mean main keys, the
+    prediction the softmax of the indexer's block scores (`ops.indexer_kl_loss` with blocks as
+    keys); it is attached to the output like megatron's DSA indexer loss. This is a HyScale
+    option, not part of the reference model.
+    """
+
+    def __init__(
+        self,
+        config: QSATransformerConfig,
+        submodules: QSAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        attention_type: str = "self",
+        cp_comm_type: str | None = None,
+        softmax_scale: float | None = None,
+        pg_collection: Any = None,
+        baseline: bool = False,
+    ) -> None:
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.pg_collection = pg_collection
+        self.baseline = bool(baseline)
+        self.block_size = config.qsa_block_size
+        self.block_topk = config.qsa_indexer_budget // config.qsa_block_size
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
+        self.index_scale = config.qsa_indexer_head_dim ** -0.5
+        self.indexer = build_module(submodules.indexer, config=config, layer_number=layer_number,
+                                    pg_collection=pg_collection)
+        self.selection_replay = replay.SelectionReplay(f"QSA layer {layer_number}")
+
+    def _check_supported(self, attn_mask_type: AttnMaskType | None, packed_seq_params: Any,
+                         x: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
+        if x is None:
+            raise ValueError("HyScaleQSAttention needs the layer input x (use "
+                             "HyScaleQSASelfAttention)")
+        if packed_seq_params is not None:
+            raise NotImplementedError("HyScaleQSAttention: packed (THD) sequences are not "
+                                      "supported yet")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type != AttnMaskType.causal:
+            raise NotImplementedError(f"HyScaleQSAttention supports causal masks only, got "
+                                      f"{mask_type}")
+        tp_size = get_pg_size(getattr(self.pg_collection, "tp", None))
+        if self.config.sequence_parallel and tp_size > 1:
+            # x holds this rank's sequence shard; the indexer needs every token.
+            raise NotImplementedError("HyScaleQSAttention: sequence parallelism is not "
+                                      "supported yet")
+        if attention_mask is not None:
+            # Causality is in the selection and the mask is not read: refuse any other mask
+            # (padding, reset document masks), whose QSA blocks would start elsewhere.
+            # megatron's convention: True = masked.
+            sq = x.shape[0]
+            causal = torch.ones(sq, sq, dtype=torch.bool, device=x.device).triu(1)
+            mask = attention_mask.bool()
+            if get_pg_size(getattr(self.pg_collection, "cp", None)) > 1:
+                raise NotImplementedError(
+                    "HyScaleQSAttention under context parallelism takes no attention mask "
+                    "(causal is implied): run with --no-create-attention-mask-in-dataloader")
+            if mask.shape[-2:] != (sq, sq) or not bool((mask == causal).all()):
+                raise NotImplementedError(
+                    "HyScaleQSAttention supports the plain causal mask only (got a padding or "
+                    "document mask; --reset-attention-mask is not supported)")
+
+    def _cp_layout(
+        self, sq: int, skv: int, device: torch.device
+    ) -> tuple[torch.distributed.ProcessGroup | None, torch.Tensor]:
+        """(CP group or None, int64 [sq] global positions of the local query rows).
+
+        Under CP megatron's loader gives rank r the zigzag chunks r and 2cp-1-r (RoPE was
+        applied at those positions). Whatever `cp_comm_type` says, QSA gathers K, V and the
+        indexer keys (allgather CP): every query's selection reaches anywhere before it.
+        """
+        cp_group = getattr(self.pg_collection, "cp", None)
+        cp_size = get_pg_size(cp_group)
+        if cp_size <= 1:
+            return None, torch.arange(sq, device=device)
+        if skv != sq or sq % 2:
+            raise ValueError(f"HyScaleQSAttention under context parallelism expects as many "
+                             f"local key rows as query rows, an even count (got {sq}, {skv})")
+        return cp_group, zigzag_positions(sq, cp_size, cp_group.rank(), device)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+        x: torch.Tensor | None = None,
+        pos_emb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query [sq, b, np, hn], key / value [sq, b, ng, hn] (normalized, rotated), x [sq, b, h],
+        pos_emb [sq, 1, 1, rot] (RoPE frequencies for the indexer) -> [sq, b, np * hn].
+
+        `attention_mask` (None, or megatron's plain causal mask, True = masked: checked) is not
+        read otherwise: causality is in the selected indices.
+        """
+        self._check_supported(attn_mask_type, packed_seq_params, x, attention_mask)
+        cfg = self.config
+        sq, b = query.shape[:2]
+        # The indexer learns only from its own loss (if any): no gradient into the main model.
+        x = x.detach()
+        pos_emb = pos_emb.detach() if pos_emb is not None else None
+        loss_coeff = float(cfg.qsa_indexer_loss_coeff or 0.0)
+        use_loss = self.training and torch.is_grad_enabled() and loss_coeff > 0
+        phase = replay.current_phase()
+
+        cp_group, q_positions = self._cp_layout(sq, key.size(0), query.device)
+        if cp_group is not None:
+            # [sq, b, ng, hn] local -> [S, b, ng, hn] global order; backward reduce-scatters
+            # the gradients to the owner ranks. Indices below address this global sequence.
+            key = all_gather_to_global(key, cp_group)
+            value = all_gather_to_global(value, cp_group)
+        seq_len = key.size(0)
+
+        q_idx = block_keys = None
+        if use_loss or self.baseline or phase != "replay":
+            with torch.enable_grad() if use_loss else torch.no_grad():
+                q_idx, block_keys = self.indexer(x, pos_emb, cp_group)
+        blocks = self._select_blocks(q_idx, block_keys, b, sq, seq_len, q_positions, phase)
+        indices = expand_blocks(blocks, q_positions, self.block_size)  # [b, sq, 4 Kb + 3]
+
+        query_b, key_b, value_b = (t.transpose(0, 1) for t in (query, key, value))
+        out = sparse_attention(query_b, key_b, value_b, indices, self.softmax_scale)
+        output = out.transpose(0, 1).reshape(sq, b, -1)
+        if use_loss and blocks.shape[-1] > 0:
+            loss = self._indexer_loss(q_idx, block_keys, query_b, key_b, blocks, q_positions)
+            # Logged and back-propagated the way megatron's DSA indexer loss is; under CP each
+            # rank's loss covers its rows (mean, or sum when per-token) and the logged value is
+            # averaged (or summed) over the CP group.
+            per_token = bool(cfg.calculate_per_token_loss)
+            DSAIndexerLossLoggingHelper.save_loss_to_tracker(
+                loss=loss, layer_number=self.layer_number, num_layers=cfg.num_layers,
+                reduce_group=cp_group if per_token else None,
+                avg_group=None if per_token else cp_group)
+            output = DSAIndexerLossAutoScaler.apply(output, loss)
+        return output
+
+    def _select_blocks(
+        self, q_idx: torch.Tensor | None, block_keys: torch.Tensor | None, b: int, sq: int,
+        seq_len: int, q_positions: torch.Tensor, phase: str,
+    ) -> torch.Tensor:
+        """int32 [b, sq, min(block_topk, seq_len // block_size)] selected blocks (-1 padded)
+        for the sq local query rows at global `q_positions`, over a sequence of seq_len."""
+        nb = seq_len // self.block_size
+        kb = min(self.block_topk, nb)
+        if kb == 0:  # no complete block anywhere: every query attends to its tail only
+            return torch.empty((b, sq, 0), dtype=torch.int32, device=q_positions.device)
+        if self.baseline:
+            # The usual chunked selection: per-head logits of a chunk of query rows (about
+            # BASELINE_CHUNK_ELEMENTS fp32 values), ReLU, head sum, masked torch.topk.
+            rows = max(1, BASELINE_CHUNK_ELEMENTS // (b * q_idx.shape[2] * nb))
+            blocks = select_blocks_reference(
+                q_idx, block_keys, kb, scale=self.index_scale, q_positions=q_positions,
+                block_size=self.block_size, rows_per_chunk=rows,
+            )
+            replay.count_computed()
+            return blocks
+        if phase == "replay":
+            return self.selection_replay.replay((b, sq, kb))
+        weights = torch.full((b, sq, q_idx.shape[2]), self.index_scale, dtype=torch.float32,
+                             device=q_idx.device)
+        with torch.no_grad():
+            blocks, _ = hytopk(
+                q_idx.detach(), block_keys.detach(), weights, kb, relu=True,
+                q_positions=q_positions,
+                k_positions=block_visibility_positions(nb, self.block_size, q_idx.device),
+            )
+        replay.count_computed()
+        if phase == "record":
+            self.selection_replay.record(blocks)
+        return blocks
+
+    def _indexer_loss(
+        self, q_idx: torch.Tensor, block_keys: torch.Tensor, query_b: torch.Tensor,
+        key_b: torch.Tensor, blocks: torch.Tensor, q_positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """Optional KL indexer loss over blocks (see the class docstring)."""
+        cfg = self.config
+        nb = block_keys.shape[1]
+        bs = self.block_size
+        b, sq, hkv, hn = key_b.shape
+        # Main keys averaged per block: [b, nb, hkv, hn] (fp32 mean, as the indexer's pooling).
+        main_blocks = key_b[:, : nb * bs].detach().reshape(b, nb, bs, hkv, hn)
+        main_blocks = main_blocks.float().mean(dim=2).to(key_b.dtype)
+        weights = torch.full(q_idx.shape[:3], self.index_scale, dtype=torch.float32,
+                             device=q_idx.device)
+        return indexer_kl_loss(
+            q_idx, weights, block_keys, query_b.detach(), main_blocks, blocks,
+            self.softmax_scale, float(cfg.qsa_indexer_loss_coeff),
+            sparse=bool(cfg.qsa_indexer_use_sparse_loss), relu=True,
+            q_positions=q_positions,
+            k_positions=block_visibility_positions(nb, bs, q_idx.device),
+            calculate_per_token_loss=bool(cfg.calculate_per_token_loss),
+            tp_group=getattr(self.pg_collection, "tp", None),
+        )
+
+
+class HyScaleQSASelfAttention(SelfAttention):
+    """megatron's gated SelfAttention whose core attention (HyScaleQSAttention) also receives
+    the layer input (for the indexer) and the RoPE frequencies.
+
+    Same constructor, parameters and TransformerLayer call signature as `SelfAttention`; the
+    forward covers training and evaluation without a KV cache (see the module docstring).
+    """
+
+    def __init__(self, config: QSATransformerConfig, submodules: SelfAttentionSubmodules,
+                 layer_number: int, attn_mask_type: AttnMaskType = AttnMaskType.causal,
+                 **kwargs: Any) -> None:
+        if not config.attention_output_gate:
+            raise ValueError("HyScaleQSASelfAttention needs config.attention_output_gate=True")
+        super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type,
+                         **kwargs)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        key_value_states: torch.Tensor | None = None,
+        inference_context: Any = None,
+        rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        rotary_pos_cos: torch.Tensor | None = None,
+        rotary_pos_sin: torch.Tensor | None = None,
+        rotary_pos_cos_sin: torch.Tensor | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+        sequence_len_offset: int | None = None,
+        *,
+        inference_params: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [sq, b, h] -> (output [sq, b, h], bias or None), as SelfAttention."""
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError("HyScaleQSASelfAttention: inference (KV cache) is not "
+                                      "supported yet")
+        if key_value_states is not None:
+            raise ValueError("HyScaleQSASelfAttention is self-attention only")
+        if rotary_pos_cos is not None or rotary_pos_sin is not None:
+            raise NotImplementedError("HyScaleQSASelfAttention takes RoPE as rotary_pos_emb")
+        if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
+            rotary_pos_emb = None
+        if isinstance(rotary_pos_emb, tuple):
+            q_emb, k_emb = rotary_pos_emb
+        else:
+            q_emb = k_emb = rotary_pos_emb
+
+        query, key, value, gate = self.get_query_key_value_tensors(
+            hidden_states, output_gate=True
+        )  # query / gate [sq, b, np, hn], key / value [sq, b, ng, hn]; q/k normalized
+        if q_emb is not None:
+            query = apply_rotary_pos_emb(query, q_emb, config=self.config,
+                                         mscale=self._yarn_concentration_factor,
+                                         cp_group=self.pg_collection.cp)
+        if k_emb is not None:
+            key = apply_rotary_pos_emb(key, k_emb, config=self.config,
+                                       mscale=self._yarn_concentration_factor,
+                                       cp_group=self.pg_collection.cp)
+
+        extra = {"x": hidden_states, "pos_emb": q_emb}
+        if self.checkpoint_core_attention and self.training:
+            core_out = self._checkpointed_attention_forward(
+                query, key, value, attention_mask, attn_mask_type=self.attn_mask_type,
+                attention_bias=attention_bias, packed_seq_params=packed_seq_params,
+                core_attention_extra_kwargs=extra,
+            )
+        else:
+            core_out = self.core_attention(
+                query, key, value, attention_mask, attn_mask_type=self.attn_mask_type,
+                attention_bias=attention_bias, packed_seq_params=packed_seq_params, **extra,
+            )
+        # Sigmoid output gate per channel, in fp32 (megatron's _apply_output_gate, unscripted).
+        core_out = (core_out * torch.sigmoid(gate.reshape(core_out.shape).float())).to(
+            core_out.dtype)
+        output, bias = self.linear_proj(core_out)
+        return output, bias
+
