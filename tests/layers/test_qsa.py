@@ -29,7 +29,7 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextAttenti
 from megatron_hyscale import replay
 from megatron_hyscale.layers.qsa import HyScaleQSAttention
 from megatron_hyscale.ops.block_pool import block_scores
-from megatron_hyscale.specs_qsa import get_qsa_attention_spec
+from megatron_hyscale.specs.qsa import get_qsa_attention_spec
 from megatron_hyscale.testing.qwen_qsa import (
     hf_causal_mask,
     hf_position_embeddings,

@@ -1,4 +1,4 @@
-"""QSA layers in a megatron-core GPTModel (specs_qsa): recompute + replay, baseline, hybrid spec.
+"""QSA layers in a megatron-core GPTModel (specs.qsa): recompute + replay, baseline, hybrid spec.
 
 Gated DeltaNet cannot be instantiated here (megatron-core's GatedDeltaNet needs the `fla`
 package and a Transformer Engine fused norm + linear): the hybrid 3 GDN : 1 QSA spec is checked
@@ -16,7 +16,7 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
 from megatron_hyscale import replay
 from megatron_hyscale.layers.qsa import HyScaleQSASelfAttention, HyScaleQSAttention
-from megatron_hyscale.specs_qsa import get_qsa_block_spec, get_qsa_layer_specs
+from megatron_hyscale.specs.qsa import get_qsa_block_spec, get_qsa_layer_specs
 from megatron_hyscale.testing.qwen_qsa import tiny_qsa_configs
 
 VOCAB, T, B = 97, 70, 2
@@ -111,7 +111,7 @@ def test_hybrid_spec_is_three_gated_deltanet_to_one_qsa():
 def test_qsa_spec_rejects_a_config_without_the_output_gate():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_hyscale.specs_qsa import get_qsa_attention_spec
+    from megatron_hyscale.specs.qsa import get_qsa_attention_spec
 
     cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
                             qk_layernorm=True, use_cpu_initialization=True)
@@ -121,7 +121,7 @@ def test_qsa_spec_rejects_a_config_without_the_output_gate():
 
 @pytest.mark.parametrize("baseline", [False, True], ids=["hyscale", "baseline"])
 def test_spec_entry_points_build_the_same_model(baseline):
-    from megatron_hyscale.specs_qsa import baseline_qsa_layer_spec, hyscale_qsa_layer_spec
+    from megatron_hyscale.specs.qsa import baseline_qsa_layer_spec, hyscale_qsa_layer_spec
 
     reference = build(baseline=baseline)
     cfg = reference.config

@@ -8,7 +8,7 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_hyscale import replay
 from megatron_hyscale.layers.csa import HyScaleV4Attention
-from megatron_hyscale.specs_v4 import get_v4_block_spec
+from megatron_hyscale.specs.deepseek_v4 import get_v4_block_spec
 from megatron_hyscale.testing.models import default_device
 
 pytest.importorskip("transformers.models.deepseek_v4")

@@ -53,7 +53,7 @@ def _init_megatron(cp: int) -> None:
 def _build(cp: int, overrides: dict):
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_hyscale.specs_qsa import get_qsa_block_spec
+    from megatron_hyscale.specs.qsa import get_qsa_block_spec
     from megatron_hyscale.testing.qwen_qsa import tiny_qsa_configs
 
     overrides = dict(overrides)

@@ -199,7 +199,7 @@ class QSATransformerLayer(TransformerLayer):
                          **{**spec.params, **kwargs})
 
 
-# Entry points: `--spec megatron_hyscale.specs_qsa hyscale_qsa_layer_spec` (HyScale selection)
+# Entry points: `--spec megatron_hyscale.specs.qsa hyscale_qsa_layer_spec` (HyScale selection)
 # and `baseline_qsa_layer_spec` (materialized block scores + torch.topk, no replay).
 hyscale_qsa_layer_spec = ModuleSpec(module=QSATransformerLayer, params={"baseline": False})
 baseline_qsa_layer_spec = ModuleSpec(module=QSATransformerLayer, params={"baseline": True})

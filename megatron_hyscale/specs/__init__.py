@@ -1,5 +1,9 @@
 """Layer-spec builders that put HyScale's modules into megatron-core GPT models.
 
+This package's top level holds the DSA (MLA + lightning indexer) builders; `specs.deepseek_v4`
+holds DeepSeek-V4-Flash's window / CSA / HCA layer pattern and `specs.qsa` the Qwen3.8-Flash-Next
+QSA and hybrid (Gated DeltaNet : QSA) patterns.
+
 `get_dsa_block_spec(config)` returns a decoder block spec with MLA + HyScale DSA in every
 layer; `stock=True` gives megatron-core's own `DSAttention` on the same linears, so one process
 can compare the two on identical weights. Linears come from Transformer Engine when it imports
