@@ -154,3 +154,81 @@ def test_random_bf16_rule(T, H, D, topk, relu):
             f"{dist.max().item()} exceeds the band {band[rows].max().item()}")
     # Mismatches must be rare: they need a score tie within rounding at the k-th place.
     assert only_ours.sum().item() <= 0.001 * ours.numel() + 16
+
+
+def structured_int_inputs(T, H, D, dtype, seed, ramp_every=64, n_hitters=16):
+    """Integer-valued inputs shaped like a trained indexer's (as in test_hytopk_triton.py):
+    dim 0 of k a ramp in the key position (every query weights it positively: recent keys
+    score highest), a few heavy hitters (dim 1), sparse {-1, 0, 1} noise elsewhere; head 0
+    weighs 3 and the last head -1. All values are exact in bf16 (ramp and hitters <= 256 at
+    T = 16384) and every partial score an integer below 2^24."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def noise(*shape):
+        vals = torch.randint(-1, 2, shape, device="cuda", generator=g)
+        return (vals * (torch.rand(shape, device="cuda", generator=g) < 0.25)).float()
+
+    k = noise(1, T, D)
+    k[..., 0] = (torch.arange(T, device="cuda") // ramp_every).float()
+    k[..., 1] = 0.0
+    hitters = torch.randperm(T, device="cuda", generator=g)[:n_hitters]
+    k[0, hitters, 1] = float(T // ramp_every)
+    q = noise(1, T, H, D)
+    q[..., 0] = torch.randint(1, 3, (1, T, H), device="cuda", generator=g).float()
+    q[..., 1] = 1.0
+    w = torch.randint(0, 4, (1, T, H), device="cuda", generator=g).float()
+    w[..., 0], w[..., -1] = 3.0, -1.0
+    return q.to(dtype), k.to(dtype), w
+
+
+@pytest.mark.parametrize("relu", [True, False])
+def test_structured_pruning_exact(relu):
+    from megatron_hyscale.ops.kernels import hytopk as kernel
+
+    T, H, D, topk = 16384, 64, 128, 2048
+    q, k, w = structured_int_inputs(T, H, D, torch.bfloat16, seed=3)
+    assert float(k.float().abs().max()) <= 256  # exact in bf16
+    ref_i, ref_s = hytopk(q, k, w, topk, relu=relu, backend="reference")
+    qpos = torch.arange(T, device="cuda")[None]
+    outs = {}
+    for prune in (False, True):
+        stats = torch.zeros(2, dtype=torch.int64, device="cuda")
+        outs[prune] = kernel.hytopk_triton(q, k, w, topk, relu=relu, q_positions=qpos,
+                                           k_positions=qpos, causal=True, prune=prune,
+                                           prune_stats=stats)
+        torch.cuda.synchronize()
+        assert torch.equal(outs[prune][0], ref_i), f"prune={prune}: indices differ"
+        assert torch.equal(outs[prune][1], ref_s), f"prune={prune}: scores differ"
+    pruned, considered = stats.tolist()
+    print(f"relu={relu}: pruned {pruned} of {considered} key tiles "
+          f"({pruned / considered:.1%})")
+    assert 0 < pruned < considered
+
+
+@pytest.mark.parametrize("relu", [True, False])
+def test_recency_bf16_pruning_identical_to_unpruned(relu):
+    # Continuous bf16 inputs with a linear recency bias (scripts/bench_selection.py "recency"):
+    # pruning must fire, and since a pruned tile only holds keys the kernel would have rejected
+    # anyway, the outputs equal the unpruned kernel's bit for bit (not just within rounding).
+    from megatron_hyscale.ops.kernels import hytopk as kernel
+
+    T, H, D, topk = 16384, 64, 128, 2048
+    g = torch.Generator(device="cuda").manual_seed(5)
+    k = 0.1 * torch.randn(1, T, D, device="cuda", generator=g)
+    k[0, :, 0] = torch.arange(T, device="cuda") / 256.0
+    k[0, torch.randperm(T, device="cuda", generator=g)[:64], 1] += 6.0
+    q = 0.1 * torch.randn(1, T, H, D, device="cuda", generator=g)
+    q[..., 0] = 0.5 + torch.rand(1, T, H, device="cuda", generator=g)
+    q[..., 1] += 1.0
+    w = torch.rand(1, T, H, device="cuda", generator=g) * (H * D) ** -0.5
+    q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
+    qpos = torch.arange(T, device="cuda")[None]
+    stats = torch.zeros(2, dtype=torch.int64, device="cuda")
+    kw = dict(relu=relu, q_positions=qpos, k_positions=qpos, causal=True)
+    on = kernel.hytopk_triton(q, k, w, topk, prune=True, prune_stats=stats, **kw)
+    off = kernel.hytopk_triton(q, k, w, topk, prune=False, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
+    pruned, considered = stats.tolist()
+    print(f"relu={relu}: pruned {pruned} of {considered} key tiles ({pruned / considered:.1%})")
+    assert pruned > 0

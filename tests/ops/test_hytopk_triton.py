@@ -32,22 +32,29 @@ def int_inputs(B, T, S, H, D, seed, lo=-2, hi=3, wlo=-2, whi=3):
     return q.to(DEVICE), k.to(DEVICE), w.to(DEVICE)
 
 
-def check(q, k, w, topk, block_n=16, rows=None, num_programs=None, group_slack_div=4, **kw):
-    """Kernel (with the given tiling) against the reference; exact equality."""
+def check(q, k, w, topk, block_n=16, rows=None, num_programs=None, group_slack_div=4,
+          prunes=(False, True), **kw):
+    """Kernel (with the given tiling), with key-tile pruning off and on, against the reference;
+    exact equality. Returns the last run's outputs and its (tiles pruned, tiles considered)."""
     ref_i, ref_s = hytopk(q, k, w, topk, backend="reference", **kw)
     qpos, kpos = validate_hytopk_inputs(q, k, w, topk, kw.get("q_positions"),
                                         kw.get("k_positions"))
-    out_i, out_s = kernel._launch(
-        q, k, w, topk, relu=kw.get("relu", True), causal=kw.get("causal", True),
-        q_positions=qpos, k_positions=kpos, block_n=block_n, rows=rows,
-        num_programs=num_programs, group_slack_div=group_slack_div)
-    assert out_i.dtype == torch.int32 and out_s.dtype == torch.float32
-    assert out_i.shape == ref_i.shape and out_s.shape == ref_s.shape
-    assert torch.equal(out_i, ref_i), (out_i, ref_i)
-    assert torch.equal(out_s, ref_s), (out_s, ref_s)
-    # -0.0 and +0.0 tie, and the output holds +0.0 like the reference.
-    assert not torch.signbit(out_s[out_s == 0]).any()
-    return out_i, out_s
+    for prune in prunes:
+        stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+        out_i, out_s = kernel._launch(
+            q, k, w, topk, relu=kw.get("relu", True), causal=kw.get("causal", True),
+            q_positions=qpos, k_positions=kpos, block_n=block_n, rows=rows,
+            num_programs=num_programs, group_slack_div=group_slack_div, prune=prune,
+            prune_stats=stats)
+        assert out_i.dtype == torch.int32 and out_s.dtype == torch.float32
+        assert out_i.shape == ref_i.shape and out_s.shape == ref_s.shape
+        assert torch.equal(out_i, ref_i), (prune, out_i, ref_i)
+        assert torch.equal(out_s, ref_s), (prune, out_s, ref_s)
+        # -0.0 and +0.0 tie, and the output holds +0.0 like the reference.
+        assert not torch.signbit(out_s[out_s == 0]).any()
+        if not prune:
+            assert stats.tolist() == [0, 0]
+    return out_i, out_s, stats.tolist()
 
 
 def test_public_api_triton_backend():
@@ -71,13 +78,13 @@ def test_all_zero_relu_rows_and_negative_zero():
     k = k.abs()
     q[0, :8] = -q[0, :8].abs()
     w[0, :8] = -1.0
-    out_i, out_s = check(q, k, w, 7)
+    out_i, out_s, _ = check(q, k, w, 7)
     assert torch.equal(out_i[0, 0, :1], torch.tensor([0], dtype=torch.int32, device=DEVICE))
 
 
 def test_fewer_visible_than_k_and_topk_above_s():
     q, k, w = int_inputs(1, 10, 10, 4, 16, seed=3)
-    out_i, _ = check(q, k, w, 16)  # topk > S: -1 / -inf beyond the visible keys
+    out_i, _, _ = check(q, k, w, 16)  # topk > S: -1 / -inf beyond the visible keys
     assert (out_i[0, 0, 1:] == -1).all()
 
 
@@ -135,6 +142,119 @@ def test_default_tile_size():
 def test_kernel_would_fail_on_wrong_order():
     # Guard that the comparison can fail: a reversed row is not equal to the reference.
     q, k, w = int_inputs(1, 6, 20, 2, 16, seed=10)
-    out_i, _ = check(q, k, w, 4)
+    out_i, _, _ = check(q, k, w, 4)
     ref_i, _ = hytopk(q, k, w, 4, backend="reference")
     assert not torch.equal(out_i.flip(-1), ref_i)
+
+
+# ---------------------------------------------------------------------------------------------
+# Key-tile pruning (prune=True): exact, and it must fire on structured inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def structured_int_inputs(B, T, S, H, D, seed, ramp_every=4, n_hitters=3):
+    """Integer-valued inputs shaped like a trained indexer's: recent keys score highest (dim 0
+    of k is a ramp in the key position, every query weights it positively), a few heavy-hitter
+    keys (a large dim-1 component every query weights positively), sparse {-1, 0, 1} noise on
+    the other dims, head weights in {0, 1, 2, 3} with one negative head."""
+    g = torch.Generator().manual_seed(seed)
+    noise_k = torch.randint(-1, 2, (B, S, D), generator=g) * (torch.rand(B, S, D, generator=g)
+                                                              < 0.25)
+    noise_q = torch.randint(-1, 2, (B, T, H, D), generator=g) * (
+        torch.rand(B, T, H, D, generator=g) < 0.25)
+    k = noise_k.float()
+    k[..., 0] = (torch.arange(S) // ramp_every).float()
+    k[..., 1] = 0.0
+    for b in range(B):
+        k[b, torch.randperm(S, generator=g)[:n_hitters], 1] = float(S // ramp_every)
+    q = noise_q.float()
+    q[..., 0] = torch.randint(1, 3, (B, T, H), generator=g).float()
+    q[..., 1] = 1.0
+    # Head 0 weighs 3 and the last head -1 (a head ReLU must drop from the bound), so every
+    # row favours recent keys, also with ReLU off (folded query: dim 0 >= 3 - 2).
+    w = torch.randint(0, 4, (B, T, H), generator=g).float()
+    w[..., 0], w[..., -1] = 3.0, -1.0
+    return q.to(DEVICE), k.to(DEVICE), w.to(DEVICE)
+
+
+@pytest.mark.parametrize("relu", [True, False])
+def test_pruning_fires_on_structured_inputs(relu):
+    q, k, w = structured_int_inputs(2, 24, 192, 4, 16, seed=20)
+    _, _, (pruned, considered) = check(q, k, w, 6, relu=relu)
+    assert 0 < pruned < considered, (pruned, considered)
+
+
+def test_pruning_structured_shard_noncontiguous():
+    # Context-parallel shard positions, per batch, non-contiguous q / k / weights views.
+    B, S, H, D = 2, 160, 4, 16
+    qb, kb, wb = structured_int_inputs(B, 16, S, H, 2 * D, seed=21)
+    q, k = qb[..., ::2], kb[..., ::2]
+    w = wb.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not (q.is_contiguous() or k.is_contiguous() or w.is_contiguous())
+    pos = torch.cat([torch.arange(60, 68), torch.arange(140, 148)])
+    qpos = torch.stack([pos, pos + 5]).to(DEVICE)
+    _, _, (pruned, _) = check(q, k, w, 5, q_positions=qpos)
+    assert pruned > 0
+
+
+def test_pruning_topk_above_visible_keys():
+    # Rows that see fewer keys than topk never get a threshold: nothing may be skipped for them.
+    q, k, w = structured_int_inputs(1, 40, 40, 2, 16, seed=22)
+    check(q, k, w, 12, rows=8)
+
+
+def equal_key_tiles(S, D, tile_scores, block_n):
+    """Keys constant within each tile (radius 0: the bound is tight up to its slack):
+    k[s] = tile_scores[s // block_n] * e_0 (+ e_1 for the last tile, unused by the query)."""
+    k = torch.zeros(1, S, D)
+    k[0, :, 0] = torch.tensor(tile_scores, dtype=torch.float32).repeat_interleave(block_n)[:S]
+    return k
+
+
+def test_pruning_tight_bound_ties_at_threshold():
+    # The diagonal tiles score 10 per key; some far tiles score exactly 10 too (they tie with
+    # the threshold and win on their smaller index, so they must not be skipped), the others
+    # score 9 (just below: skipped). One query head with weight 1: score = 10 or 9 exactly.
+    bn, D = 16, 16
+    tile_scores = [9, 10, 9, 9, 10, 9, 10, 10, 10, 10]
+    S = bn * len(tile_scores)
+    k = equal_key_tiles(S, D, tile_scores, bn).to(DEVICE)
+    T = 8
+    q = torch.zeros(1, T, 1, D, device=DEVICE)
+    q[..., 0] = 1.0
+    w = torch.ones(1, T, 1, device=DEVICE)
+    topk = 20  # 64 keys score 10: the top 20 are the 16 of tile 1 and the first 4 of tile 4
+    out_i, out_s, (pruned, considered) = check(q, k, w, topk, block_n=bn)
+    assert torch.equal(out_i[0, -1, :16].cpu(), torch.arange(16, 32, dtype=torch.int32))
+    assert (out_s == 10).all()
+    assert pruned > 0  # the 9-tiles behind the first compaction are skipped
+
+
+def test_pruning_tight_bound_negative_zero_and_zero_threshold():
+    # ReLU rows whose every logit is <= 0 have threshold 0 and bound 0: ties at 0, nothing
+    # skipped; negative weights make -0.0 scores that must tie with +0.0.
+    bn, D, S, T = 16, 16, 96, 6
+    k = equal_key_tiles(S, D, [-1, -2, -1, -3, -1, -1], bn).to(DEVICE)
+    q = torch.zeros(1, T, 2, D, device=DEVICE)
+    q[..., 0] = 1.0
+    w = torch.tensor([[[1.0, -1.0]]], device=DEVICE).expand(1, T, 2).contiguous()
+    out_i, out_s, (pruned, _) = check(q, k, w, 5, block_n=bn)
+    assert pruned == 0
+    assert torch.equal(out_i[0, 0].cpu(), torch.arange(5, dtype=torch.int32))
+
+
+def test_tile_bound_covers_fp32_dot_products():
+    # The bound of _key_tile_bounds against fp32 dot products in several summation orders, on
+    # continuous inputs with a large common offset (centroid products far from zero).
+    g = torch.Generator().manual_seed(30)
+    D, bn = 64, 16
+    k = torch.randn(1, 256, D, generator=g) * 0.01 + torch.randn(1, 1, D, generator=g) * 100
+    q = torch.randn(64, D, generator=g)
+    cent, rho = kernel._key_tile_bounds(k, bn, D)
+    qn = q.square().sum(-1).sqrt()
+    bound = (q @ cent[0].t()) + qn[:, None] * rho[0][None, :]  # [64, tiles]
+    for logits in (q @ k[0].t(), (q[:, None, :] * k[0][None]).flip(-1).cumsum(-1)[..., -1]):
+        tight = logits.view(64, -1, bn).amax(-1)
+        assert (tight <= bound).all()
+    exact = (q.double() @ k[0].double().t()).view(64, -1, bn).amax(-1)
+    assert (bound.double() - exact).min() >= 0

@@ -8,6 +8,14 @@ running threshold, appends survivors as packed int64 keys (order-preserving scor
 ~index) to a per-row buffer of CAP >= topk + BLOCK_N entries, and when the buffer may overflow
 keeps its top-k, found by a bitwise radix select (the k-th key becomes the new threshold). The
 row's top-k set is written unsorted; a row-chunked torch sort then orders and decodes it.
+
+Key-tile pruning (prune=True): a pre-pass (_key_tile_bounds) stores, per key tile j of BN keys,
+a centroid c_j and a radius rho_j that covers the rounding of the kernel's own dot products.
+Before a group of tiles, each program computes an upper bound U[t, j] on every score the
+kernel could compute in tile j for its rows t (one [R * HP, D] x [D, G] product against the
+group's centroids), and skips the tiles whose bound lies strictly below the running threshold
+of every row that can see them. The kept tiles' keys are the same as without pruning (a
+skipped key could never have entered the buffer), so the outputs are bit-identical.
 """
 
 from __future__ import annotations
@@ -44,6 +52,22 @@ _KEY_MIN = -(1 << 63)
 MODE_SELECT = 0  # exact top-k
 MODE_SCORES_ONLY = 1  # GEMM + ReLU/weight/head-sum epilogue, no top-k (writes each row's max)
 MODE_TABLE = 2  # write the row block's scores to a [rows, S] table (table-then-select baseline)
+
+# Key-tile pruning by a centroid / radius score bound (MODE_SELECT only). Off by default: on
+# inputs without structure (random) no tile is ever pruned and the bound only costs time; the
+# GPU benchmark measures both settings (scripts/bench_selection.py --prune both).
+PRUNE = False
+# Upper bound on the relative error of one fp32 operation anywhere in the score computation
+# (a product, an addition of the tensor-core or CUDA-core accumulation, a square root): 4x the
+# unit roundoff 2^-24 of round-to-nearest. Tensor cores may truncate instead of rounding when
+# they accumulate (Fasi et al., "Numerical behavior of NVIDIA tensor cores", 2021: error up to
+# 2^-23 per addition), so 2^-22 keeps a factor of 2 of margin over that too.
+EPS_OP = 2.0**-22
+# Padding of the bound's slack coefficient over the (2 H + 5) EPS_OP the proof needs (see
+# _slack_coef): room for one or two extra roundings the compiler might introduce.
+SLACK_EXTRA_OPS = 16
+# fp64 elements per chunk of the bound pre-pass (bounds its temporaries to ~64 MiB each).
+BOUND_CHUNK_ELEMS = 8 << 20
 
 
 @triton.jit
@@ -114,16 +138,29 @@ def _compact_row(row_ptr, offs_c, n, k):
 @triton.jit
 def _hytopk_kernel(
     q_ptr, k_ptr, w_ptr, qpos_ptr, kpos_ptr, hi_ptr, order_ptr,
-    out_idx_ptr, out_score_ptr, scratch_ptr, table_ptr,
-    T, S, H, n_blocks, blocks_per_batch, table_t0,
+    out_idx_ptr, out_score_ptr, scratch_ptr, table_ptr, cent_ptr, rho_ptr, stats_ptr,
+    T, S, H, n_blocks, blocks_per_batch, table_t0, n_key_tiles, slack,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kd,
     stride_wb, stride_wt, stride_wh,
     D: tl.constexpr, TOPK: tl.constexpr, OUT_K: tl.constexpr, CAP: tl.constexpr,
     R: tl.constexpr, HP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr,
     RELU: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MODE: tl.constexpr,
-    NPROG: tl.constexpr,
+    NPROG: tl.constexpr, PRUNE: tl.constexpr, G: tl.constexpr,
 ):
+    """One persistent program: blocks of R query rows (R * HP GEMM rows), key tiles of BN.
+
+    With PRUNE (MODE_SELECT only), cent_ptr [B, n_key_tiles, D] (k's dtype) and rho_ptr
+    [B, n_key_tiles] fp32 come from _key_tile_bounds, slack from _slack_coef, and stats_ptr
+    int64 [NPROG, 2] receives each program's (tiles pruned, tiles considered). Each group of
+    NT tiles (padded to G >= 16 for tl.dot) gets its bound before its first tile:
+      A[m, j] = q_m . c_j (computed like the main GEMM), n_m = ||q_m|| (fp32),
+      B[m, j] = A[m, j] + n_m * rho_j          >= every logit the kernel computes in tile j,
+      U[t, j] = sum_h w+[t, h] act(B[t h, j]) (w+ = max(w, 0) under ReLU; w == 1 otherwise),
+      X[t, j] = U[t, j] + slack * sum_h |w[t, h]| (|A| + n * rho)   >= every score of tile j,
+    and tile j is skipped when X[t, j] < thr_score[t] for every row t that sees it. The
+    threshold only changes between groups, so one decision per group is exact.
+    """
     M: tl.constexpr = R * HP
     pid = tl.program_id(0)
     offs_m = tl.arange(0, M)
@@ -138,6 +175,9 @@ def _hytopk_kernel(
     d_ok = offs_d < D
     scratch = scratch_ptr + pid.to(tl.int64) * (R * CAP)
     key_min = tl.full([], -9223372036854775807 - 1, tl.int64)
+    offs_g = tl.arange(0, G)
+    n_pruned = tl.zeros([], dtype=tl.int64)
+    n_considered = tl.zeros([], dtype=tl.int64)
 
     # Blocks come sorted by decreasing work; striding them over programs balances the load.
     for it in range(pid, n_blocks, NPROG):
@@ -157,6 +197,18 @@ def _hytopk_kernel(
                      mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         w_off = b.to(tl.int64) * stride_wb + (t0 + m_row).to(tl.int64) * stride_wt
         w = tl.load(w_ptr + w_off + m_head * stride_wh, mask=m_ok, other=0.0).to(tl.float32)
+        if PRUNE:
+            # Per GEMM row: ||q_m|| in fp32, and the weight of its bound (heads with w <= 0
+            # add at most 0 to a ReLU score; without ReLU the single folded head has w == 1).
+            q_f32 = qt.to(tl.float32)
+            q_norm = tl.sqrt_rn(tl.sum(q_f32 * q_f32, axis=1))
+            if RELU:
+                w_pos = tl.where(w > 0.0, w, 0.0)
+            else:
+                w_pos = w
+            w_abs = tl.abs(w)
+            cent_base = cent_ptr + b.to(tl.int64) * n_key_tiles * D
+            n_considered += n_tiles
 
         count = tl.zeros([R], dtype=tl.int32)
         thr = tl.full([R], -9223372036854775807 - 1, tl.int64)
@@ -168,8 +220,49 @@ def _hytopk_kernel(
         # groups of NT: the inner loop has no nested loop, so Triton pipelines its loads, and
         # the buffer (count <= CAP - NT * BN at a group's start) cannot overflow inside it.
         for g in range(tl.cdiv(n_tiles, NT)):
-            for i in range(g * NT, tl.minimum(n_tiles, g * NT + NT)):
-                s = (n_tiles - 1 - i) * BN + offs_n
+            if PRUNE:
+                # Tiles of this group (the g * NT + jj-th from the diagonal, jj < NT).
+                tile_g = n_tiles - 1 - (g * NT + offs_g)
+                in_g = (offs_g < NT) & (tile_g >= 0)
+                cent = tl.load(cent_base + tile_g[:, None].to(tl.int64) * D + offs_d[None, :],
+                               mask=in_g[:, None] & d_ok[None, :], other=0.0)
+                rho = tl.load(rho_ptr + b.to(tl.int64) * n_key_tiles + tile_g, mask=in_g,
+                              other=0.0)
+                if IEEE:
+                    a_c = tl.dot(q_f32, tl.trans(cent.to(tl.float32)), input_precision="ieee")
+                else:
+                    a_c = tl.dot(qt, tl.trans(cent))
+                reach = q_norm[:, None] * rho[None, :]
+                bnd = a_c + reach
+                if RELU:
+                    bnd = tl.maximum(bnd, 0.0)
+                u_m = bnd * w_pos[:, None]
+                mag_m = (tl.abs(a_c) + reach) * w_abs[:, None]
+                if HP == 1:
+                    u_t = u_m
+                    mag_t = mag_m
+                else:
+                    u_t = tl.sum(tl.reshape(u_m, [R, HP, G]), axis=1)
+                    mag_t = tl.sum(tl.reshape(mag_m, [R, HP, G]), axis=1)
+                x_t = u_t + slack * mag_t  # [R, G]: >= every score of the tile (see _slack_coef)
+                # A row sees a tile if one of its keys lies below the row's end (hi); keys at
+                # or past hi are masked, so rows that see nothing never block a skip.
+                sees = row_ok[:, None] & ((tile_g * BN)[None, :] < hi[:, None])
+                blocked = sees & ~(x_t < thr_score[:, None])
+                keep = in_g & (tl.max(blocked.to(tl.int32), axis=0) > 0)
+                n_pruned += tl.sum((in_g & ~keep).to(tl.int64), axis=0)
+                keep_rank = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+                i_lo = 0
+                i_hi = tl.sum(keep.to(tl.int32), axis=0)
+            else:
+                i_lo = g * NT
+                i_hi = tl.minimum(n_tiles, g * NT + NT)
+            for i in range(i_lo, i_hi):
+                if PRUNE:  # the i-th kept tile of the group
+                    tile = tl.sum(tl.where(keep & (keep_rank == i), tile_g, 0), axis=0)
+                else:
+                    tile = n_tiles - 1 - i
+                s = tile * BN + offs_n
                 s_ok = s < S
                 kt = tl.load(k_base + s[:, None].to(tl.int64) * stride_ks
                              + offs_d[None, :] * stride_kd,
@@ -236,6 +329,9 @@ def _hytopk_kernel(
             tl.debug_barrier()  # the next block reuses this scratch
         elif MODE == 1:
             tl.store(out_score_ptr + out_row, best, mask=row_ok)
+    if PRUNE:
+        tl.store(stats_ptr + pid * 2, n_pruned)
+        tl.store(stats_ptr + pid * 2 + 1, n_considered)
 
 
 def _interpreter_index_fix() -> None:
@@ -297,10 +393,94 @@ def _prepare(q, k, weights, relu, rows):
     return q_eff, k, ones, 1, rows or ROWS_NO_RELU, True
 
 
+def _gamma(n: int) -> float:
+    """gamma_n = n e / (1 - n e), e = EPS_OP: the relative error bound of n fp32 operations.
+
+    Standard (Higham, Accuracy and Stability, 3.1): for any summation order,
+    |fl(sum_i x_i y_i) - sum_i x_i y_i| <= gamma_n sum_i |x_i y_i| (n = terms, products
+    included), and a sum of n non-negative terms is computed with relative error <= gamma_n.
+    """
+    return n * EPS_OP / (1.0 - n * EPS_OP)
+
+
+# Relative margin on the fp64 evaluation of the radii in _key_tile_bounds: each radius is a
+# norm of at most 2 * 128 + few operations in fp64 (relative error < 1e-13), far below this.
+FP64_MARGIN = 2.0**-30
+
+
+def _key_tile_bounds(k, bn, d_dot):
+    """Per key tile of bn keys: centroid c_j (k's dtype, [B, n_tiles, D]) and radius rho_j
+    (fp32 [B, n_tiles]) such that, for every key s of tile j and every query row m,
+        fl_kernel(q_m . k_s) <= fl_kernel(q_m . c_j) + fl(||q_m||) * rho_j,
+    where fl_kernel is the kernel's fp32 dot product (any order, d_dot terms, per-operation
+    error <= EPS_OP) and fl(||q_m||) the kernel's fp32 norm. Proof, exact arithmetic on the
+    stored values: q.k_s = q.c + q.(k_s - c) <= q.c + ||q|| r_j with r_j = max_s ||k_s - c||;
+    the kernel's dots err by at most gamma_D ||q|| ||k_s|| and gamma_D ||q|| ||c||, so
+        fl(q.k_s) <= fl(q.c) + ||q|| (r_j + gamma_D (max_s ||k_s|| + ||c||));
+    and ||q|| <= fl(||q||) (1 + gamma_{2D+2}) (a non-negative sum of D squares loses at most
+    gamma_D, the square root one more operation). rho_j is that product, evaluated in fp64,
+    raised by FP64_MARGIN and rounded up to fp32. c_j may be any vector: it is the tile mean
+    rounded to k's dtype, so the kernel's centroid product runs exactly like its key product.
+
+    O(S * D) work in fp64, in key chunks of about BOUND_CHUNK_ELEMS elements; a partial last
+    tile is padded by repeating its last key (the padding changes neither bound's validity).
+    """
+    B, S, D = k.shape
+    n_tiles = triton.cdiv(S, bn)
+    cent = torch.empty(B, n_tiles, D, dtype=k.dtype, device=k.device)
+    rho = torch.empty(B, n_tiles, dtype=torch.float32, device=k.device)
+    g_dot, g_norm = _gamma(d_dot), _gamma(2 * d_dot + 2)
+    step = max(1, BOUND_CHUNK_ELEMS // (B * bn * D)) * bn
+    for s0 in range(0, S, step):
+        s1 = min(S, s0 + step)
+        kc = k[:, s0:s1].double()
+        pad = -(s1 - s0) % bn
+        if pad:
+            kc = torch.cat([kc, kc[:, -1:].expand(B, pad, D)], dim=1)
+        kc = kc.view(B, -1, bn, D)
+        c = kc.mean(dim=2).to(k.dtype)
+        c64 = c.double()
+        radius = (kc - c64[:, :, None]).norm(dim=-1).amax(-1)
+        k_norm = kc.norm(dim=-1).amax(-1)
+        rho64 = (radius + g_dot * (k_norm + c64.norm(dim=-1))) * (1 + g_norm) * (1 + FP64_MARGIN)
+        rho32 = rho64.float()
+        rho32 = torch.where(rho32.double() < rho64,
+                            torch.nextafter(rho32, torch.full_like(rho32, float("inf"))), rho32)
+        j0 = s0 // bn
+        cent[:, j0:j0 + kc.shape[1]] = c
+        rho[:, j0:j0 + kc.shape[1]] = rho32
+    return cent, rho
+
+
+def _slack_coef(hp: int) -> float:
+    """Coefficient of the bound's slack: X = U + coef * Mag >= every score the kernel computes.
+
+    With B_m = A_m + n_m rho_j >= fl(logit_m) (_key_tile_bounds), m_m = |A_m| + n_m rho_j,
+    Mag = sum_h |w_h| m_h and e = EPS_OP (hats: the fp32 values the kernel computes):
+    - the score: under ReLU, s^ = fl(sum_h fl(w_h relu(L^_h))) <= sum_h w_h relu(L^_h)
+      + gamma_H Mag' with Mag' = sum_h |w_h| relu(L^_h) <= Mag (relu(L^) <= relu(B) <= m), and
+      heads with w <= 0 add at most 0, so sum_h w_h relu(L^_h) <= sum_h w+_h relu(B_h).
+      Without ReLU, H = 1 and w = 1 (the folded query): s^ = L^ <= B exactly.
+    - B^_h = fl(A_h + fl(n_h rho)) (2 roundings): act(B_h) <= act(B^_h) + gamma_2 m_h.
+    - U^ = fl(sum_h fl(w+_h act(B^_h))) >= sum_h w+_h act(B^_h) - gamma_H (1 + gamma_2) Mag.
+    - Mag^ (computed) >= (1 - gamma_{H+2}) Mag (non-negative terms, H + 2 operations).
+    So s^ <= U^ + (gamma_2 + 2 gamma_H (1 + gamma_2)) Mag <= U^ + (2H + 3) e Mag^ (1 + O(He)).
+    The kernel computes X^ = fl(U^ + fl(coef Mag^)) >= U^ + coef Mag^ - e (|U^| + 2 coef Mag^),
+    and |U^| <= (1 + O(He)) Mag^, so coef = (2H + 5) e suffices up to O(H^2 e^2); SLACK_EXTRA_OPS
+    more operations keep a wide margin. A tile is skipped only if X^ < thr_score strictly, so
+    every key of it has s^ < thr_score: none could enter the buffer (a key equal to the
+    threshold's score might still win on its index, hence strict).
+    """
+    return (2 * hp + 5 + SLACK_EXTRA_OPS) * EPS_OP
+
+
 def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode=MODE_SELECT,
             block_n=None, rows=None, num_programs=None, table=None, table_rows=None,
-            group_slack_div=GROUP_SLACK_DIV,
+            group_slack_div=GROUP_SLACK_DIV, prune=None, prune_stats=None,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES):
+    """Run the kernel. prune: skip key tiles by their score bound (default PRUNE; MODE_SELECT
+    only). prune_stats: optional int64 tensor [2] that receives (key tiles pruned, key tiles
+    considered), each counted once per row block."""
     B, T, _, D = q.shape
     S = k.shape[1]
     qk, kk_, w, hp, r, ieee = _prepare(q, k, weights, relu, rows)
@@ -339,16 +519,26 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
     if table is None:
         table = scratch
     out_scores = scores.view(torch.int32) if mode == MODE_SELECT else scores
+    prune = (PRUNE if prune is None else prune) and mode == MODE_SELECT
+    bd = triton.next_power_of_2(D)
+    if prune:
+        cent, rho = _key_tile_bounds(kk_, bn, bd)
+        stats = torch.zeros(nprog, 2, dtype=torch.int64, device=q.device)
+    else:
+        cent = rho = stats = scratch
     _hytopk_kernel[(nprog,)](
-        qk, kk_, w, qpos, kpos, hi, order, indices, out_scores, scratch, table,
-        T, S, H, n_blocks, blocks_per_batch, t_lo,
+        qk, kk_, w, qpos, kpos, hi, order, indices, out_scores, scratch, table, cent, rho, stats,
+        T, S, H, n_blocks, blocks_per_batch, t_lo, triton.cdiv(S, bn), _slack_coef(hp),
         qk.stride(0), qk.stride(1), qk.stride(2), qk.stride(3),
         kk_.stride(0), kk_.stride(1), kk_.stride(2),
         w.stride(0), w.stride(1), w.stride(2),
-        D=D, TOPK=kk, OUT_K=topk, CAP=cap, R=r, HP=hp, BD=triton.next_power_of_2(D), BN=bn, NT=nt,
+        D=D, TOPK=kk, OUT_K=topk, CAP=cap, R=r, HP=hp, BD=bd, BN=bn, NT=nt,
         RELU=relu, CAUSAL=causal, IEEE=ieee, MODE=mode, NPROG=nprog,
+        PRUNE=prune, G=max(16, triton.next_power_of_2(nt)),
         num_warps=num_warps, num_stages=num_stages,
     )
+    if prune_stats is not None:
+        prune_stats.copy_(stats.sum(0) if prune else torch.zeros_like(prune_stats))
     if mode == MODE_SELECT:
         _finish(indices[..., :kk], scores[..., :kk])
     return indices, scores
@@ -377,10 +567,15 @@ def _finish(indices, scores):
             indices[b, t0:t0 + step] = index
 
 
-def hytopk_triton(q, k, weights, topk, *, relu, q_positions, k_positions, causal):
-    """Exact HyTopK on validated inputs (positions int64 [B, T] / [B, S]); see module doc."""
+def hytopk_triton(q, k, weights, topk, *, relu, q_positions, k_positions, causal, prune=None,
+                  prune_stats=None):
+    """Exact HyTopK on validated inputs (positions int64 [B, T] / [B, S]); see module doc.
+
+    prune: skip key tiles whose score bound is below every row's running threshold (default
+    PRUNE; the outputs are identical either way). prune_stats: optional int64 [2] tensor that
+    receives (key tiles pruned, key tiles considered)."""
     return _launch(q, k, weights, topk, relu=relu, q_positions=q_positions,
-                   k_positions=k_positions, causal=causal)
+                   k_positions=k_positions, causal=causal, prune=prune, prune_stats=prune_stats)
 
 
 def score_table(q, k, weights, *, relu, q_positions, k_positions, causal, t0, t1, table):
