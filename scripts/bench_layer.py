@@ -1,13 +1,37 @@
-"""One DSA attention layer (GLM-5.1 geometry), forward + backward under full recompute.
+"""One sparse-attention layer, forward + backward under full recompute: HyScale vs its baseline.
 
-HyScale's layer against megatron-core 0.19.2's stock DSAttention (kernel backend "none") on
-the same weights in the same process, for each sequence length: time (median of CUDA-event
-timings after a warm-up), peak extra memory, and for HyScale a breakdown (selection, sparse
-attention, indexer loss, the rest) with the share of the step that selection replay saves.
-Prints a table, writes JSON (and a PNG plot when matplotlib is there) under --out.
+Models (`--model`):
+- dsa: GLM-5.1's MLA + DSA layer; baseline = megatron-core 0.19.2's stock DSAttention (kernel
+  backend "none") on the same weights. For dsa at CP 1 the step is also broken down (selection,
+  sparse attention, indexer loss) as before.
+- csa / hca: DeepSeek-V4-Flash's attention with compress ratio 4 (CSA: indexer 64 x 128 picks
+  the top 512 compressed entries + 128-token window) / 128 (HCA: dense over compressed entries +
+  window); hidden 4096, 64 heads, shared K = V of 512. Baseline = the module's `baseline=True`
+  (materialized scores per row block + torch.topk, recompute selects again).
+- qsa: Qwen3.8-Flash-Next's QSA layer (hidden 2560, GQA 24 / 2 heads of 256, indexer 4 x 128
+  over blocks of 4, budget 2048); baseline = the module's `baseline=True`.
 
-    python scripts/bench_layer.py                      # T = 8K .. 256K
-    python scripts/bench_layer.py --seq 8192 16384 --repeats 3
+For each sequence length: time (median after a warm-up; CUDA events on a GPU, perf_counter on
+the CPU), peak extra memory, the time spent in selection inside one step (and its share of the
+step), and the selection-replay counters of one step. Prints a table, writes JSON (and a PNG
+when matplotlib is there) under --out.
+
+Context parallelism: launched by torchrun with `--cp N` and WORLD_SIZE = N (x D, below), megatron is
+initialised with context_parallel_size = N (NCCL on GPUs, gloo with --device cpu), the layer
+is built with cp_comm_type="allgather", and each rank gets its zigzag share (chunks r and
+2N-1-r of 2N) of the same global input; time and peak memory are reported per rank (the JSON
+keeps every rank; the table shows the slowest rank and the largest peak). With `--dp D` the
+world is CP x D ranks: D replicas of the CP group (consecutive ranks, megatron's default order)
+run the same input side by side, so a 4 x 8 GPU job keeps every CP all-gather inside a node;
+the replicas' gradient all-reduce (one layer's weights) is not part of the step. dsa and qsa
+support CP; csa / hca do not yet (HyScaleV4Attention raises), and the script says so and
+exits 2.
+
+    python scripts/bench_layer.py                                  # dsa, T = 8K .. 256K
+    python scripts/bench_layer.py --model csa --seq 65536 131072
+    torchrun --nproc-per-node 2 scripts/bench_layer.py --model qsa --cp 2 --seq 1048576 \
+        --skip-baseline
+    python scripts/bench_layer.py --model qsa --device cpu --tiny  # CPU smoke (seconds)
 """
 
 from __future__ import annotations
@@ -15,76 +39,449 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import statistics
 import sys
 import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_hyscale.testing.bench import matmul_tflops, time_ms  # noqa: E402
+MODELS = ("dsa", "csa", "hca", "qsa")
+CP_MODELS = ("dsa", "qsa")
 
 GLM51 = dict(
     hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512,
     qk_head_dim=192, qk_pos_emb_head_dim=64, v_head_dim=256,
     dsa_indexer_n_heads=32, dsa_indexer_head_dim=128, dsa_indexer_topk=2048,
 )
+# DeepSeek-V4-Flash attention (DESIGN.md "Model geometries"); the rest are the config defaults
+# of DeepseekV4TransformerConfig (head 512, rope 64, q_lora 1024, 8 x 1024 output groups,
+# window 128, indexer 64 x 128 top-512).
+V4_FLASH = dict(hidden_size=4096, num_attention_heads=64, v4_head_dim=512, v4_rope_head_dim=64,
+                v4_q_lora_rank=1024, v4_o_groups=8, v4_o_lora_rank=1024, v4_sliding_window=128,
+                v4_index_n_heads=64, v4_index_head_dim=128, v4_index_topk=512)
+V4_RATIOS = {"csa": 4, "hca": 128}
+# Qwen3.8-Flash-Next QSA layer. rotary_percent 0.25 is Qwen3-Next's partial RoPE (an
+# assumption for 3.8; it changes the RoPE cost only, not the selection or the attention).
+QSA_REAL = dict(hidden_size=2560, num_attention_heads=24, num_query_groups=2, kv_channels=256,
+                qsa_indexer_n_heads=4, qsa_indexer_head_dim=128, qsa_indexer_budget=2048,
+                qsa_block_size=4)
+QSA_ROTARY_PERCENT = 0.25
+
+# --tiny: the same code paths at sizes a CPU runs in well under a second per step. The selection
+# sizes stay below the number of visible keys so that the top-k really selects.
+TINY = {
+    "dsa": dict(hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, dsa_indexer_n_heads=4,
+                dsa_indexer_head_dim=16, dsa_indexer_topk=32),
+    "v4": dict(hidden_size=32, num_attention_heads=4, v4_head_dim=16, v4_rope_head_dim=8,
+               v4_q_lora_rank=24, v4_o_groups=2, v4_o_lora_rank=8, v4_sliding_window=8,
+               v4_index_n_heads=8, v4_index_head_dim=16, v4_index_topk=8),
+    "qsa": dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                qsa_indexer_n_heads=4, qsa_indexer_head_dim=16, qsa_indexer_budget=32,
+                qsa_block_size=4),
+}
+TINY_V4_RATIOS = {"csa": 4, "hca": 8}  # HCA's 128 would compress nothing at tiny T
+TINY_SEQ = [128]
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq", type=int, nargs="+",
-                   default=[8192, 16384, 32768, 65536, 131072, 262144],
-                   help="sequence lengths (tokens, batch 1)")
+def build_parser() -> argparse.ArgumentParser:
+    """The script's argument parser (the launch examples' tests parse their commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=MODELS, default="dsa",
+                   help="layer: dsa (GLM-5.1), csa / hca (DeepSeek-V4-Flash), qsa (Qwen3.8)")
+    p.add_argument("--seq", type=int, nargs="+", default=None,
+                   help="global sequence lengths (tokens, batch 1); default 8K .. 256K "
+                        f"({TINY_SEQ} with --tiny)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median is reported)")
-    p.add_argument("--skip-stock", action="store_true", help="measure HyScale only")
-    p.add_argument("--stock-max-seq", type=int, default=65536,
-                   help="do not try stock above this length (it runs out of memory earlier)")
-    p.add_argument("--no-relu", action="store_true", help="dsa_indexer_scoring_relu=False")
+    p.add_argument("--skip-stock", "--skip-baseline", dest="skip_baseline",
+                   action="store_true", help="measure HyScale only")
+    p.add_argument("--stock-max-seq", "--baseline-max-seq", dest="baseline_max_seq", type=int,
+                   default=65536, help="do not try the baseline above this global length")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size; > 1 needs torchrun with WORLD_SIZE = CP x DP")
+    p.add_argument("--dp", type=int, default=1,
+                   help="independent replicas of the CP group (megatron's data-parallel "
+                        "dimension): WORLD_SIZE = CP x DP; each replica runs the same input")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: smoke runs (fp32, perf_counter timing, RSS as peak memory)")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny geometry (for --device cpu smoke tests of every code path)")
+    p.add_argument("--no-relu", action="store_true", help="dsa: dsa_indexer_scoring_relu=False")
     p.add_argument("--dense-loss", action="store_true",
-                   help="dense indexer KL (warm-up stage) instead of the sparse one")
+                   help="dsa: dense indexer KL (warm-up stage) instead of the sparse one")
     p.add_argument("--loss-coeff", type=float, default=0.01, help="dsa_indexer_loss_coeff")
     p.add_argument("--out", default="outputs/bench_layer", help="output folder")
-    args = p.parse_args()
-    for name in ("repeats",):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if args.cp < 1 or args.dp < 1:
+        p.error("--cp and --dp must be >= 1")
+    if args.seq is None:
+        args.seq = list(TINY_SEQ) if args.tiny else [8192, 16384, 32768, 65536, 131072, 262144]
     if any(t < 1 for t in args.seq):
         p.error("--seq values must be positive")
+    bad = [t for t in args.seq if t % (2 * args.cp)]
+    if bad:
+        p.error(f"--seq values must be divisible by 2 x cp = {2 * args.cp} (zigzag layout): {bad}")
     return args
 
 
-def build_attention(args: argparse.Namespace, stock: bool):
+# ---------------------------------------------------------------------------------------------
+# Process setup
+# ---------------------------------------------------------------------------------------------
+
+def check_request(args: argparse.Namespace) -> None:
+    """Refuse what cannot run (exit 2 with the reason) before importing megatron."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.cp > 1 and args.model not in CP_MODELS:
+        # exit 2, not a traceback and not a silent CP-1 run: the caller asked for something
+        # the layer cannot do yet
+        fail(
+            f"bench_layer.py: --model {args.model} does not support context parallelism yet "
+            "(HyScaleV4Attention raises for context_parallel_size > 1: its compressor, indexer "
+            "and window are not CP-aware). Run it with --cp 1 on one GPU, or use --model qsa / "
+            "dsa for CP runs.")
+    if world != args.cp * args.dp:
+        fail(f"bench_layer.py: WORLD_SIZE is {world} but --cp {args.cp} x --dp {args.dp} is "
+             f"{args.cp * args.dp}; launch with `torchrun --nproc-per-node "
+             f"{args.cp * args.dp} scripts/bench_layer.py --cp {args.cp} --dp {args.dp} ...` "
+             "(CP and DP are the only parallelism here)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("bench_layer.py: no CUDA device (use --device cpu --tiny for a smoke run)")
+
+
+def init_distributed(args: argparse.Namespace) -> Any:
+    """Megatron's groups for CP = args.cp (x DP = args.dp); returns the CP group (None at 1)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_hyscale.testing.cpu import init_single_process
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        init_single_process()
+        return None
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    # megatron's default order (tp-cp-ep-dp-pp) makes each CP group consecutive ranks: with
+    # 8 GPUs a node and CP 8, every CP all-gather stays on the node's NVLink.
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=args.cp)
+    model_parallel_cuda_manual_seed(1234)
+    return parallel_state.get_context_parallel_group()
+
+
+def fail(message: str) -> None:
+    """Print the reason to stderr (rank 0 only under torchrun) and exit 2."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def log(msg: str) -> None:
+    if rank() == 0:
+        print(msg, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
+
+class Layer:
+    """One attention module and how to call it on [s, b, h] hidden states."""
+
+    def __init__(self, module: torch.nn.Module, call: Callable[[torch.Tensor], torch.Tensor],
+                 hidden_size: int, selection_hooks: list[tuple[Any, str]]) -> None:
+        self.module = module
+        self.call = call
+        self.hidden_size = hidden_size
+        # (object, method name) pairs whose time counts as selection (indexer + top-k)
+        self.selection_hooks = selection_hooks
+
+
+def _common_fields(args: argparse.Namespace) -> dict[str, Any]:
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    return dict(
+        num_layers=1, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+        context_parallel_size=args.cp, cp_comm_type="allgather" if args.cp > 1 else None,
+    )
+
+
+def _dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if args.device == "cuda" else torch.float32
+
+
+def build_dsa(args: argparse.Namespace, baseline: bool) -> Layer:
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_hyscale.specs import get_dsa_layer_specs
     from megatron_hyscale.testing.models import tiny_dsa_config
 
+    geometry = TINY["dsa"] if args.tiny else GLM51
     cfg = tiny_dsa_config(
-        num_layers=1, ffn_hidden_size=4 * GLM51["hidden_size"], params_dtype=torch.bfloat16,
-        bf16=True, recompute_granularity="full", recompute_method="uniform",
-        recompute_num_layers=1, dsa_indexer_loss_coeff=args.loss_coeff,
+        ffn_hidden_size=4 * geometry["hidden_size"], dsa_indexer_loss_coeff=args.loss_coeff,
         dsa_indexer_use_sparse_loss=not args.dense_loss,
-        dsa_indexer_scoring_relu=not args.no_relu, **GLM51,
+        dsa_indexer_scoring_relu=not args.no_relu, **_common_fields(args), **geometry,
     )
-    spec = get_dsa_layer_specs(cfg, stock=stock)[0].submodules.self_attention
+    spec = get_dsa_layer_specs(cfg, stock=baseline)[0].submodules.self_attention
     torch.manual_seed(0)
     # Megatron wraps models in Float16Module; the local norms are created in fp32.
-    return build_module(spec, config=cfg, layer_number=1).to("cuda", torch.bfloat16)
+    # TransformerLayer passes the config's cp_comm_type to its attention; built alone, the
+    # attention would default to "p2p", which DSA under CP refuses.
+    attn = build_module(spec, config=cfg, layer_number=1, cp_comm_type=cfg.cp_comm_type
+                        ).to(args.device, _dtype(args))
+    core = attn.core_attention
+    if baseline:
+        # stock: the indexer projections, then the module-level score table + torch.topk
+        from megatron.core.transformer.experimental_attention_variant import dsa as stock_dsa
+
+        hooks = [(core.indexer, "forward_before_topk"), (stock_dsa, "fused_qk_topk_naive")]
+    else:
+        hooks = [(core.indexer, "forward_before_topk"), (core, "_selection")]
+    return Layer(attn, lambda h: attn(h, None)[0], geometry["hidden_size"], hooks)
 
 
-def layer_step(attn, hidden: torch.Tensor, grad: torch.Tensor) -> None:
+def build_v4(args: argparse.Namespace, baseline: bool) -> Layer:
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_hyscale.layers.csa import DeepseekV4TransformerConfig
+    from megatron_hyscale.specs.deepseek_v4 import get_v4_layer_specs
+
+    geometry = TINY["v4"] if args.tiny else V4_FLASH
+    ratio = (TINY_V4_RATIOS if args.tiny else V4_RATIOS)[args.model]
+    fields = dict(
+        ffn_hidden_size=2 * geometry["hidden_size"], v4_compress_ratios=[ratio], v4_csa_ratio=4,
+        normalization="RMSNorm", layernorm_epsilon=1e-6, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, transformer_impl="local",
+        use_cpu_initialization=True, gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, **_common_fields(args), **geometry,
+    )
+    fields.pop("cp_comm_type")  # CP is refused before building (init_distributed)
+    cfg = DeepseekV4TransformerConfig(**fields)
+    spec = get_v4_layer_specs(cfg, baseline=baseline)[0].submodules.self_attention
+    torch.manual_seed(0)
+    attn = build_module(spec, config=cfg, layer_number=1).to(args.device, _dtype(args))
+    hooks = [(attn, "_csa_selection")] if attn.is_csa else []
+    return Layer(attn, lambda h: attn(h)[0], geometry["hidden_size"], hooks)
+
+
+def build_qsa(args: argparse.Namespace, baseline: bool) -> Layer:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_hyscale.layers.qsa import QSATransformerConfig
+    from megatron_hyscale.specs.qsa import get_qsa_attention_spec
+
+    geometry = TINY["qsa"] if args.tiny else QSA_REAL
+    cfg = QSATransformerConfig(
+        ffn_hidden_size=2 * geometry["hidden_size"], normalization="RMSNorm",
+        layernorm_epsilon=1e-6, add_bias_linear=False, hidden_dropout=0.0,
+        transformer_impl="local", use_cpu_initialization=True,
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, **_common_fields(args),
+        **geometry,
+    )
+    spec = get_qsa_attention_spec(cfg, baseline=baseline)
+    torch.manual_seed(0)
+    attn = build_module(spec, config=cfg, layer_number=1, cp_comm_type=cfg.cp_comm_type
+                        ).to(args.device, _dtype(args))
+    rope = RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=QSA_ROTARY_PERCENT,
+                           rotary_base=10000, use_cpu_initialization=True)
+    rope.inv_freq = rope.inv_freq.to(args.device)  # a plain attribute, not a buffer
+
+    def call(h: torch.Tensor) -> torch.Tensor:
+        # As GPTModel: frequencies for the global length, sliced to this CP rank's zigzag rows.
+        emb = rope(h.shape[0] * args.cp)
+        return attn(h, None, rotary_pos_emb=emb)[0]
+
+    core = attn.core_attention
+    return Layer(attn, call, geometry["hidden_size"],
+                 [(core.indexer, "forward"), (core, "_select_blocks")])
+
+
+BUILDERS = {"dsa": build_dsa, "csa": build_v4, "hca": build_v4, "qsa": build_qsa}
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------------------------
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_step_ms(fn: Callable[[], object], device: str, reps: int) -> float:
+    """Median ms over `reps` runs after one warm-up (CUDA events on a GPU, perf_counter on CPU)."""
+    if device == "cuda":
+        from megatron_hyscale.testing.bench import time_ms
+
+        return time_ms(fn, reps=reps)
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def matmul_rate(device: str) -> float:
+    """bf16 matmul TFLOP/s on a GPU (the floor's rate); a small fp32 matmul's on the CPU."""
+    if device == "cuda":
+        from megatron_hyscale.testing.bench import matmul_tflops
+
+        return matmul_tflops()
+    n = 256
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    ms = time_step_ms(lambda: a @ b, "cpu", 5)
+    return 2 * n**3 / max(ms, 1e-6) / 1e9
+
+
+def layer_step(layer: Layer, hidden: torch.Tensor, grad: torch.Tensor) -> None:
     """Forward + backward with the layer's forward checkpointed (full recompute)."""
     from megatron.core import tensor_parallel
 
     hidden.grad = None
-    out = tensor_parallel.checkpoint(lambda h: attn(h, None)[0], False, hidden)
+    out = tensor_parallel.checkpoint(layer.call, False, hidden)
     out.backward(grad)
 
 
-def component_times(attn, hidden: torch.Tensor, args: argparse.Namespace) -> dict[str, float]:
-    """HyScale's pieces on the layer's own tensors: selection, attention, loss (ms)."""
+class SelectionTimer:
+    """Wraps the layer's selection methods and adds up their time within one step.
+
+    CUDA events are recorded around each call and read after the step (no sync inside it).
+    """
+
+    def __init__(self, layer: Layer, device: str) -> None:
+        self.layer, self.device = layer, device
+        self.spans: list[tuple[Any, Any]] = []
+        self.calls = 0
+        self.saved: list[tuple[Any, str, Any, bool]] = []
+
+    def __enter__(self) -> SelectionTimer:
+        for obj, name in self.layer.selection_hooks:
+            original = getattr(obj, name)
+            # a module function is replaced and put back; a method is shadowed by an
+            # instance attribute and un-shadowed afterwards
+            self.saved.append((obj, name, original, name in vars(obj)))
+
+            def wrapped(*a: Any, _orig: Callable = original, **kw: Any) -> Any:
+                self.calls += 1
+                if self.device == "cuda":
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    result = _orig(*a, **kw)
+                    end.record()
+                else:
+                    start = time.perf_counter()
+                    result = _orig(*a, **kw)
+                    end = time.perf_counter()
+                self.spans.append((start, end))
+                return result
+
+            setattr(obj, name, wrapped)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for obj, name, original, own in reversed(self.saved):
+            if own:
+                setattr(obj, name, original)
+            else:
+                delattr(obj, name)
+        self.saved.clear()
+
+    def total_ms(self) -> float:
+        sync(self.device)
+        if self.device == "cuda":
+            return sum(s.elapsed_time(e) for s, e in self.spans)
+        return sum((e - s) * 1e3 for s, e in self.spans)
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
+
+
+def make_input(T: int, layer: Layer, args: argparse.Namespace) -> tuple[torch.Tensor,
+                                                                         torch.Tensor]:
+    """This rank's zigzag share of one global [T, 1, h] input and output gradient."""
+    from megatron_hyscale.parallel import zigzag_split
+
+    g = torch.Generator(device=args.device).manual_seed(1)
+    shape = (T, 1, layer.hidden_size)
+    hidden = torch.randn(shape, generator=g, device=args.device, dtype=_dtype(args)) * 0.5
+    grad = torch.randn(shape, generator=g, device=args.device, dtype=_dtype(args))
+    if args.cp > 1:  # every rank drew the same global tensors: keep chunks r and 2cp-1-r
+        from megatron.core import parallel_state
+
+        cp_rank = parallel_state.get_context_parallel_rank()
+        hidden = zigzag_split(hidden, args.cp, cp_rank, dim=0).contiguous()
+        grad = zigzag_split(grad, args.cp, cp_rank, dim=0).contiguous()
+    return hidden.requires_grad_(), grad
+
+
+def measure(layer: Layer, T: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Time, peak memory, in-step selection time and replay counters of one layer at length T."""
+    from megatron_hyscale import replay
+
+    hidden, grad = make_input(T, layer, args)
+    sync(args.device)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        rss0 = peak_rss_gib()
+    replay.reset_stats()
+    ms = time_step_ms(lambda: layer_step(layer, hidden, grad), args.device, args.repeats)
+    if args.device == "cuda":
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    else:  # process RSS high-water growth: coarse, but a number the smoke test can check
+        peak = max(0.0, peak_rss_gib() - rss0)
+    result: dict[str, Any] = {"fwd_bwd_ms": ms, "peak_extra_gib": peak,
+                              "steps_timed": args.repeats + 1}
+    # One more, instrumented step: selection time inside it and its replay counters.
+    replay.reset_stats()
+    with SelectionTimer(layer, args.device) as timer:
+        layer_step(layer, hidden, grad)
+    stats = replay.get_stats()
+    result["selections_computed"] = int(stats["selections_computed"])
+    result["selections_replayed"] = int(stats["selections_replayed"])
+    if layer.selection_hooks:
+        sel = timer.total_ms()
+        result["selection_in_step_ms"] = sel
+        result["selection_share"] = sel / ms if ms > 0 else 0.0
+        result["selection_calls"] = timer.calls
+    else:  # HCA selects nothing (dense over its compressed entries + window)
+        result["selection_in_step_ms"] = None
+        result["selection_share"] = None
+    replay.clear()
+    return result
+
+
+def component_times(attn: torch.nn.Module, hidden: torch.Tensor,
+                    args: argparse.Namespace) -> dict[str, float]:
+    """dsa at CP 1: HyScale's pieces on the layer's own tensors: selection, attention, loss."""
     from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
 
     core = attn.core_attention
@@ -96,124 +493,200 @@ def component_times(attn, hidden: torch.Tensor, args: argparse.Namespace) -> dic
     relu = not args.no_relu
     sel = lambda: hytopk(qi, ki, wi, core.index_topk, relu=relu)  # noqa: E731
     indices, _ = sel()
-    times = {"selection_ms": time_ms(sel, reps=args.repeats)}
+    reps, dev = args.repeats, args.device
+    times = {"selection_ms": time_step_ms(sel, dev, reps)}
     q_req = query.detach().requires_grad_()
     k_req = key.detach().requires_grad_()
     dv = attn.config.kv_lora_rank
 
-    def attn_fwd():
+    def attn_fwd() -> None:
         with torch.no_grad():
             sparse_attention(query, key, None, indices, core.softmax_scale, dv=dv)
 
-    def attn_fwd_bwd():
+    def attn_fwd_bwd() -> None:
         out = sparse_attention(q_req, k_req, None, indices, core.softmax_scale, dv=dv)
         out.backward(torch.ones_like(out))
 
-    times["attention_fwd_ms"] = time_ms(attn_fwd, reps=args.repeats)
-    times["attention_fwd_bwd_ms"] = time_ms(attn_fwd_bwd, reps=args.repeats)
+    times["attention_fwd_ms"] = time_step_ms(attn_fwd, dev, reps)
+    times["attention_fwd_bwd_ms"] = time_step_ms(attn_fwd_bwd, dev, reps)
     qi_r, wi_r, ki_r = (t.detach().requires_grad_() for t in (qi, wi, ki))
 
-    def loss_fwd_bwd():
+    def loss_fwd_bwd() -> None:
         loss = indexer_kl_loss(qi_r, wi_r, ki_r, query, key, indices, core.softmax_scale,
                                args.loss_coeff, sparse=not args.dense_loss, relu=relu)
         loss.backward()
 
-    times["indexer_loss_fwd_bwd_ms"] = time_ms(loss_fwd_bwd, reps=args.repeats)
+    times["indexer_loss_fwd_bwd_ms"] = time_step_ms(loss_fwd_bwd, dev, reps)
     return times
 
 
-def measure(attn, T: int, args: argparse.Namespace, hidden_size: int) -> dict[str, float]:
-    torch.manual_seed(1)
-    hidden = torch.randn(T, 1, hidden_size, device="cuda", dtype=torch.bfloat16) * 0.5
-    hidden.requires_grad_()
-    grad = torch.randn_like(hidden)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    ms = time_ms(lambda: layer_step(attn, hidden, grad), reps=args.repeats)
-    peak = torch.cuda.max_memory_allocated() - base
-    return {"fwd_bwd_ms": ms, "peak_extra_gib": peak / 2**30}
+def selection_floor_ms(model: str, T: int, args: argparse.Namespace, rate_tflops: float,
+                       layer: Layer) -> float | None:
+    """The indexer GEMM of this rank's rows at the measured matmul rate (causal half)."""
+    cfg = layer.module.config
+    if model == "dsa":
+        keys, heads, dim = T, cfg.dsa_indexer_n_heads, cfg.dsa_indexer_head_dim
+    elif model == "csa":
+        keys, heads, dim = T // 4, cfg.v4_index_n_heads, cfg.v4_index_head_dim
+    elif model == "qsa":
+        keys, heads, dim = T // cfg.qsa_block_size, cfg.qsa_indexer_n_heads, \
+            cfg.qsa_indexer_head_dim
+    else:
+        return None
+    flop = T / args.cp * keys / 2 * heads * dim * 2
+    return flop / (rate_tflops * 1e12) * 1e3
 
 
-def main() -> None:
-    args = parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_layer.py needs a CUDA device")
-    from megatron_hyscale import replay
-    from megatron_hyscale.testing.cpu import init_single_process
+def gather_ranks(value: Any) -> list[Any]:
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, value)
+    return out
 
-    init_single_process()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rate = matmul_tflops()
-    print(f"device: {torch.cuda.get_device_name()}  bf16 matmul: {rate:.0f} TFLOP/s", flush=True)
-    hyscale = build_attention(args, stock=False)
-    stock = None if args.skip_stock else build_attention(args, stock=True)
-    if stock is not None:
-        stock.load_state_dict(hyscale.state_dict())
-    H, D = GLM51["dsa_indexer_n_heads"], GLM51["dsa_indexer_head_dim"]
-    rows = []
-    for T in args.seq:
-        row: dict[str, object] = {"T": T}
-        # Indexer GEMM floor (causal half) at the measured matmul rate.
-        row["selection_floor_ms"] = T * T / 2 * H * D * 2 / (rate * 1e12) * 1e3
-        t0 = time.time()
-        print(f"[T={T}] HyScale ...", flush=True)
-        replay.reset_stats()
-        try:
-            row["hyscale"] = measure(hyscale, T, args, GLM51["hidden_size"])
-            row["hyscale"].update(replay.get_stats())
-            row["hyscale"].update(component_times(hyscale, torch.randn(
-                T, 1, GLM51["hidden_size"], device="cuda", dtype=torch.bfloat16) * 0.5, args))
-        except torch.OutOfMemoryError:
-            row["hyscale"] = "OOM"
-        replay.clear()
-        torch.cuda.empty_cache()
-        if stock is not None and T <= args.stock_max_seq:
-            print(f"[T={T}] stock ...", flush=True)
-            try:
-                row["stock"] = measure(stock, T, args, GLM51["hidden_size"])
-            except torch.OutOfMemoryError:
-                row["stock"] = "OOM"
+
+def combine(per_rank: list[Any]) -> Any:
+    """Rank 0's record with the slowest time and the largest peak over ranks, plus all ranks."""
+    if len(per_rank) == 1 or not isinstance(per_rank[0], dict):
+        return per_rank[0]
+    first = dict(per_rank[0])
+    first["fwd_bwd_ms"] = max(r["fwd_bwd_ms"] for r in per_rank)
+    first["peak_extra_gib"] = max(r["peak_extra_gib"] for r in per_rank)
+    first["per_rank"] = [{k: r.get(k) for k in ("fwd_bwd_ms", "peak_extra_gib",
+                                                 "selection_in_step_ms")} for r in per_rank]
+    return first
+
+
+def guarded(fn: Callable[[], dict[str, Any]], device: str) -> Any:
+    try:
+        return fn()
+    except torch.OutOfMemoryError:
+        return "OOM"
+    finally:
+        if device == "cuda":
             torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    check_request(args)
+    import contextlib
+
+    from megatron_hyscale.testing.cpu import megatron_on_cpu
+
+    ctx = megatron_on_cpu() if args.device == "cpu" else contextlib.nullcontext()
+    with ctx:
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_hyscale import replay
+
+    init_distributed(args)
+    out_dir = Path(args.out)
+    if rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    rate = matmul_rate(args.device)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    base_name = "stock" if args.model == "dsa" else "baseline"
+    tiny = " (tiny)" if args.tiny else ""
+    log(f"device: {device_name} x {args.cp * args.dp} (CP {args.cp}, DP {args.dp})  "
+        f"model: {args.model}{tiny}  matmul: {rate:.1f} TFLOP/s")
+    build = BUILDERS[args.model]
+    hyscale = build(args, baseline=False)
+    base = None if args.skip_baseline else build(args, baseline=True)
+    if base is not None:
+        base.module.load_state_dict(hyscale.module.state_dict())
+    rows: list[dict[str, Any]] = []
+    for T in args.seq:
+        row: dict[str, Any] = {"T": T, "cp": args.cp, "T_local": T // args.cp,
+                               "selection_floor_ms": selection_floor_ms(args.model, T, args,
+                                                                        rate, hyscale)}
+        t0 = time.time()
+        log(f"[T={T}] HyScale ...")
+        rec = guarded(partial(measure, hyscale, T, args), args.device)
+        if isinstance(rec, dict) and args.model == "dsa" and args.cp == 1:
+            hidden, _ = make_input(T, hyscale, args)
+            parts = guarded(partial(component_times, hyscale.module, hidden.detach(), args),
+                            args.device)
+            if isinstance(parts, dict):
+                rec.update(parts)
+        row["hyscale"] = combine(gather_ranks(rec))
+        replay.clear()
+        if base is not None and T <= args.baseline_max_seq:
+            log(f"[T={T}] {base_name} ...")
+            row[base_name] = combine(gather_ranks(guarded(partial(measure, base, T, args),
+                                                          args.device)))
         else:
-            row["stock"] = "skipped"
-        print(f"[T={T}] done in {time.time() - t0:.0f} s: {row}", flush=True)
+            row[base_name] = "skipped"
+        log(f"[T={T}] done in {time.time() - t0:.0f} s: {row}")
         rows.append(row)
-        (out_dir / "bench_layer.json").write_text(json.dumps(
-            {"device": torch.cuda.get_device_name(), "matmul_tflops": rate,
-             "args": vars(args), "rows": rows}, indent=1))
-    print_table(rows)
-    plot(rows, out_dir)
+        if rank() == 0:
+            write_json(out_dir, args, device_name, rate, base_name, rows)
+    if rank() == 0:
+        print_table(rows, base_name)
+        plot(rows, out_dir, args, base_name)
+    if torch.distributed.is_initialized() and args.cp * args.dp > 1:
+        torch.distributed.barrier()
+    return 0
 
 
-def fmt(v: object, key: str, digits: int = 1) -> str:
+def write_json(out_dir: Path, args: argparse.Namespace, device: str, rate: float,
+               base_name: str, rows: list[dict[str, Any]]) -> None:
+    payload = {
+        "model": args.model, "tiny": args.tiny, "device": device, "cp": args.cp, "dp": args.dp,
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")), "matmul_tflops": rate,
+        "baseline_name": base_name, "date": datetime.now(UTC).isoformat(),
+        "command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "rows": rows,
+    }
+    (out_dir / f"bench_layer_{args.model}.json").write_text(json.dumps(payload, indent=1))
+    if args.model == "dsa":  # the name earlier runs (and BENCHMARKS.md) used
+        (out_dir / "bench_layer.json").write_text(json.dumps(payload, indent=1))
+
+
+def _f(v: Any, key: str, digits: int = 1) -> str:
     if isinstance(v, dict):
-        return f"{v[key]:.{digits}f}"
+        x = v.get(key)
+        return "-" if x is None else f"{x:.{digits}f}"
     return str(v)
 
 
-def print_table(rows: list[dict]) -> None:
-    print("\n| T | HyScale fwd+bwd ms | peak GiB | selection ms (floor) | attention fwd+bwd ms |"
-          " indexer loss ms | replay saves | stock fwd+bwd ms | stock peak GiB | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+def print_table(rows: list[dict[str, Any]], base_name: str) -> None:
+    print(f"\n| T | CP | HyScale fwd+bwd ms | peak GiB/GPU | selection in step ms (share) |"
+          f" selection floor ms | computed / replayed | {base_name} fwd+bwd ms |"
+          f" {base_name} peak GiB/GPU | {base_name} selection ms (share) | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        h, s = r["hyscale"], r["stock"]
-        if isinstance(h, dict):
-            saved = h["selection_ms"] / (h["fwd_bwd_ms"] + h["selection_ms"])
-            hs = (f"{h['fwd_bwd_ms']:.1f} | {h['peak_extra_gib']:.2f} | "
-                  f"{h['selection_ms']:.1f} ({r['selection_floor_ms']:.1f}) | "
-                  f"{h['attention_fwd_bwd_ms']:.1f} | {h['indexer_loss_fwd_bwd_ms']:.1f} | "
-                  f"{saved:.0%}")
-        else:
-            hs = " | ".join([str(h)] * 6)
-        speed = (f"{s['fwd_bwd_ms'] / h['fwd_bwd_ms']:.1f}x"
-                 if isinstance(s, dict) and isinstance(h, dict) else "-")
-        print(f"| {r['T']} | {hs} | {fmt(s, 'fwd_bwd_ms')} | {fmt(s, 'peak_extra_gib', 2)} |"
-              f" {speed} |")
+        cells = [str(r["T"]), str(r["cp"])]
+        for name in ("hyscale", base_name):
+            v = r[name]
+            cells += [_f(v, "fwd_bwd_ms"), _f(v, "peak_extra_gib", 2)]
+            if isinstance(v, dict) and v.get("selection_in_step_ms") is not None:
+                cells.append(f"{v['selection_in_step_ms']:.1f} ({v['selection_share']:.0%})")
+            else:
+                cells.append("-")
+            if name == "hyscale":
+                floor = r["selection_floor_ms"]
+                cells.append("-" if floor is None else f"{floor:.2f}")
+                cells.append(f"{v['selections_computed']} / {v['selections_replayed']}"
+                             if isinstance(v, dict) else "-")
+        h, s = r["hyscale"], r[base_name]
+        cells.append(f"{s['fwd_bwd_ms'] / h['fwd_bwd_ms']:.2f}x"
+                     if isinstance(h, dict) and isinstance(s, dict) else "-")
+        print("| " + " | ".join(cells) + " |")
+    dsa = [r for r in rows if isinstance(r["hyscale"], dict) and "selection_ms" in r["hyscale"]]
+    if dsa:
+        print("\n| T | selection ms (isolated) | attention fwd ms | attention fwd+bwd ms |"
+              " indexer loss fwd+bwd ms |")
+        print("|---|---|---|---|---|")
+        for r in dsa:
+            h = r["hyscale"]
+            print(f"| {r['T']} | {h['selection_ms']:.1f} | {h['attention_fwd_ms']:.1f} | "
+                  f"{h['attention_fwd_bwd_ms']:.1f} | {h['indexer_loss_fwd_bwd_ms']:.1f} |")
 
 
-def plot(rows: list[dict], out_dir: Path) -> None:
+def plot(rows: list[dict[str, Any]], out_dir: Path, args: argparse.Namespace,
+         base_name: str) -> None:
     try:
         import matplotlib
 
@@ -223,23 +696,28 @@ def plot(rows: list[dict], out_dir: Path) -> None:
         print("matplotlib not installed: no plot")
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for name in ("hyscale", "stock"):
+    for name in ("hyscale", base_name):
         pts = [(r["T"], r[name]) for r in rows if isinstance(r[name], dict)]
         if pts:
             axes[0].plot([t for t, _ in pts], [m["fwd_bwd_ms"] for _, m in pts], "o-", label=name)
-            axes[1].plot([t for t, _ in pts], [m["peak_extra_gib"] for _, m in pts], "o-",
-                         label=name)
-    for ax, label in zip(axes, ("fwd+bwd ms (full recompute)", "peak extra GiB")):
+            axes[1].plot([t for t, _ in pts], [max(m["peak_extra_gib"], 1e-6) for _, m in pts],
+                         "o-", label=name)
+    for ax, label in zip(axes, ("fwd+bwd ms (full recompute)", "peak extra GiB per GPU")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("T (tokens)")
+        ax.set_xlabel("T (tokens, global)")
         ax.set_ylabel(label)
         ax.legend()
-    fig.suptitle("DSA layer, GLM-5.1 geometry")
+    titles = {"dsa": "DSA layer, GLM-5.1", "csa": "CSA layer, DeepSeek-V4-Flash",
+              "hca": "HCA layer, DeepSeek-V4-Flash", "qsa": "QSA layer, Qwen3.8-Flash-Next"}
+    fig.suptitle(f"{titles[args.model]} geometry{' (tiny)' if args.tiny else ''}, CP {args.cp}")
     fig.tight_layout()
-    fig.savefig(out_dir / "bench_layer.png", dpi=120)
+    fig.savefig(out_dir / f"bench_layer_{args.model}.png", dpi=120)
+    if args.model == "dsa":  # the name earlier runs used
+        fig.savefig(out_dir / "bench_layer.png", dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    main()
+    sys.exit(main())
