@@ -8,5 +8,5 @@
 #   bash examples/deepseek_v4_flash/layer_small.sh --model hca
 #   bash examples/deepseek_v4_flash/layer_small.sh --gpus 2        # DSA, CP 2
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/../_common.sh"
 exec "$hyscale_python" "$hyscale_root/examples/deepseek_v4_flash/launch.py" small "$@"

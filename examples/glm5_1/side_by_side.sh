@@ -7,5 +7,5 @@
 #   inside a 64-node allocation: bash examples/glm5_1/side_by_side.sh --config full
 #   compare two existing logs:   bash examples/glm5_1/side_by_side.sh --parse-only A.log B.log
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/../_common.sh"
 exec "$hyscale_python" "$hyscale_root/examples/glm5_1/launch.py" side-by-side "$@"

@@ -6,5 +6,5 @@
 #   MEGATRON_LM_DIR=/path/to/Megatron-LM bash examples/glm5_1/train_small.sh --gpus 2
 #   longer sequences: --seq-length 131072; stock DSA instead: --spec stock
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/../_common.sh"
 exec "$hyscale_python" "$hyscale_root/examples/glm5_1/launch.py" small "$@"

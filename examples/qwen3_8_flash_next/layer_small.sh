@@ -6,5 +6,5 @@
 #   bash examples/qwen3_8_flash_next/layer_small.sh                # 1 GPU
 #   bash examples/qwen3_8_flash_next/layer_small.sh --gpus 2       # CP 2, up to 1M
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/../_common.sh"
 exec "$hyscale_python" "$hyscale_root/examples/qwen3_8_flash_next/launch.py" small "$@"
