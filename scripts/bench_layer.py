@@ -23,9 +23,8 @@ is built with cp_comm_type="allgather", and each rank gets its zigzag share (chu
 keeps every rank; the table shows the slowest rank and the largest peak). With `--dp D` the
 world is CP x D ranks: D replicas of the CP group (consecutive ranks, megatron's default order)
 run the same input side by side, so a 4 x 8 GPU job keeps every CP all-gather inside a node;
-the replicas' gradient all-reduce (one layer's weights) is not part of the step. dsa and qsa
-support CP; csa / hca do not yet (HyScaleV4Attention raises), and the script says so and
-exits 2.
+the replicas' gradient all-reduce (one layer's weights) is not part of the step. All four
+layers support CP (allgather).
 
     python scripts/bench_layer.py                                  # dsa, T = 8K .. 256K
     python scripts/bench_layer.py --model csa --seq 65536 131072
@@ -54,7 +53,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MODELS = ("dsa", "csa", "hca", "qsa")
-CP_MODELS = ("dsa", "qsa")
 
 GLM51 = dict(
     hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512,
@@ -147,14 +145,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_request(args: argparse.Namespace) -> None:
     """Refuse what cannot run (exit 2 with the reason) before importing megatron."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.cp > 1 and args.model not in CP_MODELS:
-        # exit 2, not a traceback and not a silent CP-1 run: the caller asked for something
-        # the layer cannot do yet
-        fail(
-            f"bench_layer.py: --model {args.model} does not support context parallelism yet "
-            "(HyScaleV4Attention raises for context_parallel_size > 1: its compressor, indexer "
-            "and window are not CP-aware). Run it with --cp 1 on one GPU, or use --model qsa / "
-            "dsa for CP runs.")
     if world != args.cp * args.dp:
         fail(f"bench_layer.py: WORLD_SIZE is {world} but --cp {args.cp} x --dp {args.dp} is "
              f"{args.cp * args.dp}; launch with `torchrun --nproc-per-node "
@@ -276,7 +266,6 @@ def build_v4(args: argparse.Namespace, baseline: bool) -> Layer:
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, **_common_fields(args), **geometry,
     )
-    fields.pop("cp_comm_type")  # CP is refused before building (init_distributed)
     cfg = DeepseekV4TransformerConfig(**fields)
     spec = get_v4_layer_specs(cfg, baseline=baseline)[0].submodules.self_attention
     torch.manual_seed(0)

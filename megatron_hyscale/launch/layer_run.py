@@ -12,8 +12,6 @@ Every subcommand takes --dry-run: print the memory estimate and the exact comman
 nothing, exit 0 (no GPU, Slurm or torch needed). Without it the prerequisites are checked first
 (a Slurm allocation of enough nodes for `full`, enough NVIDIA GPUs for `small`, an interpreter
 with torch and megatron-core) and a missing one stops the launch with a message naming it.
-A model the layout cannot run (V4's CSA / HCA under context parallelism) is refused with the
-reason, never launched in a form that would fail later or silently run something else.
 Standard library only.
 """
 
@@ -39,7 +37,6 @@ from megatron_hyscale.launch.layer_memory import GIB, estimate_layer, format_lay
 BENCH_SCRIPT = REPO_ROOT / "scripts" / "bench_layer.py"
 COMMAND_BEGIN = "# --- command: {label} ---"
 COMMAND_END = "# --- end of command ---"
-CP_MODELS = ("dsa", "qsa")  # what bench_layer.py (and the layers) run under CP today
 # Bytes per token that allgather CP gathers from the other ranks (bf16): the keys / values the
 # sparse attention reads and the indexer's raw keys.
 CP_GATHER_BYTES_PER_TOKEN = {
@@ -86,15 +83,6 @@ class LayerRun:
         if self.cp > 1 and self.gpus_per_node % self.cp and self.cp % self.gpus_per_node:
             raise LaunchError(f"CP {self.cp} neither divides nor is a multiple of the "
                               f"{self.gpus_per_node} GPUs per node")
-
-    def cp_unsupported(self) -> str | None:
-        """Why bench_layer.py cannot run this (None when it can)."""
-        if self.cp > 1 and self.model not in CP_MODELS:
-            return (f"--model {self.model} under context parallelism (CP {self.cp}) is not "
-                    "supported yet: HyScaleV4Attention raises for context_parallel_size > 1 "
-                    "(its compressor, CSA indexer and sliding window are not CP-aware). "
-                    "Run the single-GPU lengths (`small --gpus 1`), or --model dsa / qsa here.")
-        return None
 
     def bench_args(self, gpu_gib: float) -> list[str]:
         """bench_layer.py's arguments (the baseline limit from the memory estimate)."""
@@ -323,9 +311,6 @@ def main(example: Example, argv: list[str] | None = None) -> int:
                 print(format_layer_table(model, t, args.cp, gpu) + "\n")
             return 0
         run, gpu = resolve(example, args)
-        unsupported = run.cp_unsupported()
-        if unsupported and not args.dry_run:
-            raise LaunchError(unsupported)
         if not args.dry_run:
             if args.command == "full":
                 check_slurm_nodes(run.nodes)
@@ -343,8 +328,6 @@ def main(example: Example, argv: list[str] | None = None) -> int:
         cmd = build_command(run, args.python, gpu, dry_run=args.dry_run,
                             port=getattr(args, "port", 29500))
         print()
-        if unsupported:
-            print(f"# NOT RUNNABLE YET: {unsupported}")
         print_command(cmd)
         if args.dry_run:
             print("# dry run: nothing was started")

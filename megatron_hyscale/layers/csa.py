@@ -48,8 +48,20 @@ RoPE: window-only layers use `v4_rope_theta`; CSA / HCA layers (attention, compr
 indexer alike) `v4_compress_rope_theta`, with YaRN frequencies when `v4_compress_rope_scaling`
 is set (V4-Flash's checkpoint config asks for YaRN there; copy its values).
 
-Not covered yet (they raise): tensor / sequence / context parallelism, packed sequences,
-inference caches.
+Context parallelism (megatron's zigzag layout: rank r holds chunks r and 2cp-1-r of 2cp; any
+`cp_comm_type`, the layer always all-gathers): the compressors' overlapping windows and the
+sliding window straddle the chunk borders, so the per-token inputs they need are all-gathered
+into global order (`parallel.all_gather_to_global`, whose backward reduce-scatters the
+gradients to the owner ranks) and the compressed entries are pooled over the whole sequence on
+every rank (cheap next to the attention); the local query rows then select (HyTopK with their
+global positions) and attend over [compressed entries ; gathered raw tokens] with the same
+indices as at CP = 1. Selection replay is unchanged (indices are [local rows, gathered keys]).
+What is gathered, per token, per layer (see `HyScaleV4Attention.forward` for the volumes at
+1M tokens): the RoPE'd K = V (D), the compressor's kv and gate projections (CSA 4D, HCA 2D),
+and, when the indexer runs, the indexer compressor's (4 D_I).
+
+Not covered yet (they raise): tensor / sequence parallelism, packed sequences, inference
+caches.
 """
 
 from __future__ import annotations
@@ -59,6 +71,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexerLossAutoScaler,
     DSAIndexerLossLoggingHelper,
@@ -67,6 +80,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_size
 
 from megatron_hyscale import replay
 from megatron_hyscale.layers.linear import LocalLinear
@@ -82,6 +96,7 @@ from megatron_hyscale.ops.compress import (
     rope_cos_sin,
     yarn_inv_freq,
 )
+from megatron_hyscale.parallel import all_gather_to_global, zigzag_positions
 
 CSA_RATIO = 4
 HCA_RATIO = 128
@@ -128,6 +143,18 @@ def _linear(submodule: Any, n_in: int, n_out: int, config: TransformerConfig,
 
 def _norm(submodule: Any, size: int, config: TransformerConfig) -> torch.nn.Module:
     return build_module(submodule, config=config, hidden_size=size, eps=config.layernorm_epsilon)
+
+
+def _gather_tokens(x: torch.Tensor, cp_group: Any) -> torch.Tensor:
+    """[B, L, C] this rank's zigzag rows -> [B, cp * L, C] the whole sequence in global order.
+
+    A private wrapper of `parallel.all_gather_to_global` (sequence-first) for batch-first
+    tensors; the backward reduce-scatters (sums) the gradient to the rows' owners. None or a
+    size-1 group returns x unchanged.
+    """
+    if cp_group is None:
+        return x
+    return all_gather_to_global(x.transpose(0, 1), cp_group).transpose(0, 1)
 
 
 class GroupedLinear(MegatronModule):
@@ -182,10 +209,20 @@ class V4Compressor(MegatronModule):
             torch.zeros(ratio, width, dtype=config.params_dtype))
         self.kv_norm = _norm(submodules.kv_norm, dim, config)
 
-    def forward(self, x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        """x [B, T, hidden] -> [B, T // ratio, dim] (RMSNorm'd, RoPE'd at i * ratio)."""
+    def forward(self, x: torch.Tensor, inv_freq: torch.Tensor, cp_group: Any = None
+                ) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T // ratio, dim] (RMSNorm'd, RoPE'd at i * ratio).
+
+        Under context parallelism (`cp_group` of size cp > 1) x holds this rank's L zigzag rows
+        and the result is [B, cp * L // ratio, dim], the entries of the whole sequence: the
+        windows straddle the chunk borders, so the projections are all-gathered (one
+        collective for kv and gate) and pooled in global order on every rank.
+        """
         kv, _ = self.linear_kv(x)
         gate, _ = self.linear_gate(x)
+        if cp_group is not None:
+            width = kv.shape[-1]
+            kv, gate = _gather_tokens(torch.cat([kv, gate], dim=-1), cp_group).split(width, -1)
         fn = compress_overlapping if self.overlap else compress
         return fn(kv, gate, self.position_bias, self.ratio, norm_weight=self.kv_norm.weight,
                   eps=self.config.layernorm_epsilon, inv_freq=inv_freq)
@@ -217,14 +254,18 @@ class V4Indexer(MegatronModule):
                                        ratio=ratio, overlap=True)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, inv_freq: torch.Tensor
+                sin: torch.Tensor, inv_freq: torch.Tensor, cp_group: Any = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q [B, T, H_I, D_I], k [B, N, D_I], weights [B, T, H_I]) for HyTopK."""
+        """(q [B, T, H_I, D_I], k [B, N, D_I], weights [B, T, H_I]) for HyTopK.
+
+        cos / sin [T, R/2] are at the rows' (global) positions; with a CP group the keys are
+        the whole sequence's entries (N = cp * T // ratio), the queries this rank's rows.
+        """
         B, T = x.shape[:2]
         q, _ = self.linear_q_b(q_latent)
         q = apply_interleaved_rope(q.view(B, T, self.n_heads, self.head_dim), cos, sin,
                                    heads=True)
-        k = self.compressor(x, inv_freq)
+        k = self.compressor(x, inv_freq, cp_group)
         w, _ = self.linear_weights(x)
         return q, k, w * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
 
@@ -264,32 +305,52 @@ def v4_inv_freq(config: DeepseekV4TransformerConfig, *, compressed: bool) -> tor
         raise ValueError(f"v4_compress_rope_scaling: {err}") from err
 
 
-def window_indices(T: int, window: int, offset: int, device: torch.device) -> torch.Tensor:
-    """int32 [T, window]: keys t - window + 1 .. t (+ offset into the key tensor), -1 below 0."""
-    keys = torch.arange(T, device=device).unsqueeze(1) + torch.arange(1 - window, 1, device=device)
+def _rows(T: int, positions: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The rows' positions: `positions` ([T], global positions under CP) or 0..T-1."""
+    if positions is None:
+        return torch.arange(T, device=device)
+    if positions.shape != (T,):
+        raise ValueError(f"positions {tuple(positions.shape)} do not match {T} rows")
+    return positions.to(device)
+
+
+def window_indices(T: int, window: int, offset: int, device: torch.device,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 [T, window]: keys p - window + 1 .. p (+ offset into the key tensor), -1 below 0.
+
+    p is row t's position: t, or positions[t] ([T] int, the global positions of this rank's
+    rows under context parallelism, where the raw keys are the whole gathered sequence).
+    """
+    rows = _rows(T, positions, device)
+    keys = rows.unsqueeze(1) + torch.arange(1 - window, 1, device=device)
     return torch.where(keys >= 0, keys + offset, -1).to(torch.int32)
 
 
-def dense_compressed_indices(T: int, num_entries: int, ratio: int, device: torch.device
-                             ) -> torch.Tensor:
-    """int32 [T, N]: every compressed entry s visible to t (s < floor((t+1)/ratio)), else -1."""
+def dense_compressed_indices(T: int, num_entries: int, ratio: int, device: torch.device,
+                             positions: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 [T, N]: every compressed entry s visible to p (s < floor((p+1)/ratio)), else -1.
+
+    p is row t's position (t, or positions[t] [T] under context parallelism).
+    """
     entries = torch.arange(num_entries, device=device)
-    visible = compressed_visible_count(torch.arange(T, device=device), ratio).unsqueeze(1)
+    visible = compressed_visible_count(_rows(T, positions, device), ratio).unsqueeze(1)
     return torch.where(entries < visible, entries, -1).to(torch.int32)
 
 
 def baseline_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int,
-                    ratio: int, row_block: int) -> torch.Tensor:
+                    ratio: int, row_block: int, q_positions: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Stock-style selection: fp32 score table per block of query rows, then torch.topk.
 
-    q [B, T, H, D], k [B, N, D], weights [B, T, H]; returns int32 [B, T, topk] with -1 where
-    the pick is not visible (the rows with fewer than topk visible entries), as transformers'
-    V4 indexer does. Ties are broken however torch.topk breaks them.
+    q [B, T, H, D], k [B, N, D], weights [B, T, H]; q_positions [T] the rows' positions
+    (None: 0..T-1; the global positions under context parallelism). Returns int32
+    [B, T, topk] with -1 where the pick is not visible (the rows with fewer than topk visible
+    entries), as transformers' V4 indexer does. Ties are broken however torch.topk does.
     """
     B, T = q.shape[:2]
     N = k.shape[1]
     entries = torch.arange(N, device=q.device)
-    visible = compressed_visible_count(torch.arange(T, device=q.device), ratio)
+    visible = compressed_visible_count(_rows(T, q_positions, q.device), ratio)
     blocks = []
     for r0 in range(0, T, row_block):
         r1 = min(T, r0 + row_block)
@@ -306,17 +367,25 @@ class HyScaleV4Attention(MegatronModule):
     """DeepSeek-V4 self-attention (window / CSA / HCA by compress ratio) on HyScale's ops.
 
     Input and output are megatron's [s, b, hidden]; forward returns (output, None) like
-    megatron's attention modules. Positions are 0..s-1 (no packing, no context parallelism).
+    megatron's attention modules. Positions are 0..s-1, or under context parallelism the global
+    positions of this rank's zigzag rows (no packing). The CP group is `pg_collection.cp`
+    (TransformerLayer passes it), else megatron's global CP group when the config asks for
+    context_parallel_size > 1 (a layer built on its own, as in the benchmarks).
     """
 
     def __init__(self, config: DeepseekV4TransformerConfig,
                  submodules: V4AttentionSubmodules | None = None, layer_number: int = 1,
                  *, compress_ratio: int | None = None, baseline: bool | None = None,
+                 pg_collection: Any = None, cp_comm_type: str | None = None,
                  **unused: Any) -> None:
         super().__init__(config)
         submodules = submodules or V4AttentionSubmodules()
-        if config.tensor_model_parallel_size != 1 or config.context_parallel_size != 1:
-            raise NotImplementedError("HyScaleV4Attention supports TP = CP = 1 only for now")
+        if config.tensor_model_parallel_size != 1:
+            raise NotImplementedError("HyScaleV4Attention supports TP = 1 only for now")
+        # Any cp_comm_type runs the all-gather design (module docstring): the compressors and
+        # the window need neighbours' tokens, which ring (p2p) attention does not provide.
+        self.pg_collection = pg_collection
+        self.cp_comm_type = cp_comm_type
         if compress_ratio is None:
             ratios = config.v4_compress_ratios
             compress_ratio = config.v4_csa_ratio if ratios is None else ratios[layer_number - 1]
@@ -358,10 +427,53 @@ class HyScaleV4Attention(MegatronModule):
             self.indexer = V4Indexer(config, submodules.indexer, ratio=compress_ratio)
             self.selection_replay = replay.SelectionReplay(f"V4 CSA layer {layer_number}")
 
+    def _cp_layout(self, T: int, device: torch.device) -> tuple[Any, torch.Tensor]:
+        """(CP group or None, int64 [T] global positions of the local rows).
+
+        Megatron's loader gave rank r the zigzag chunks r and 2cp-1-r
+        (`get_batch_on_this_cp_rank`); the positions come from that layout, not from position
+        ids, as in `HyScaleDSAttention._cp_layout`.
+        """
+        if self.pg_collection is not None:
+            cp_group = getattr(self.pg_collection, "cp", None)
+        elif self.config.context_parallel_size > 1:
+            cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+        else:
+            cp_group = None
+        cp_size = get_pg_size(cp_group)
+        if cp_size <= 1:
+            return None, torch.arange(T, device=device)
+        if T % 2:
+            raise ValueError(f"HyScaleV4Attention under context parallelism expects an even "
+                             f"local length (two zigzag chunks), got {T}")
+        return cp_group, zigzag_positions(T, cp_size, cp_group.rank(), device)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 key_value_states: torch.Tensor | None = None, inference_context: Any = None,
                 packed_seq_params: Any = None, **unused: Any) -> tuple[torch.Tensor, None]:
-        """hidden_states [s, b, hidden] -> ([s, b, hidden], None); causal, mask ignored."""
+        """hidden_states [s, b, hidden] -> ([s, b, hidden], None); causal, mask ignored.
+
+        Under context parallelism s is this rank's share (its two zigzag chunks) of a sequence
+        of S = cp * s tokens, and so is the output.
+
+        Communication under CP (all-gather forward, reduce-scatter of the same tensors'
+        gradients in the backward; each rank receives (cp-1)/cp of every gathered tensor).
+        Per layer and sequence, V4-Flash (D = 512, D_I = 128), bf16, S = 1M tokens, size of
+        the gathered [S, ...] tensor:
+          raw K = V for the sliding window            S x D         = 1 GiB (every layer)
+          CSA compressor kv | gate                    S x 4D        = 4 GiB
+          HCA compressor kv | gate                    S x 2D        = 2 GiB
+          CSA indexer compressor kv | gate            S x 4 D_I     = 1 GiB (forward only
+              unless the indexer loss is on; skipped by a replayed recompute)
+        So a CSA layer gathers 6 GiB per forward (3 GiB received per rank at CP = 2), an HCA
+        layer 3 GiB, a window layer 1 GiB; full recompute repeats the forward gathers (minus
+        the replayed indexer's). The compressed entries (S / m x D) are computed redundantly on
+        every rank, as is the compressor's memory (it is not sharded by CP). A cheaper exact
+        variant (follow-up): each rank pools the entries of its own chunks, fetching the one
+        border window (m tokens) per chunk from its neighbour, all-gathers the entries
+        (S / m x D) and fetches only the window - 1 raw tokens before each chunk: about 20x
+        less traffic for CSA.
+        """
         if key_value_states is not None or inference_context is not None:
             raise NotImplementedError("HyScaleV4Attention: self-attention training only")
         if packed_seq_params is not None:
@@ -371,7 +483,9 @@ class HyScaleV4Attention(MegatronModule):
         H, D = self.n_heads, self.head_dim
         device = hidden_states.device
         x = hidden_states.transpose(0, 1)  # [B, T, hidden]
-        positions = torch.arange(T, device=device)
+        # positions: the local rows' global positions (0..T-1 without CP): RoPE, the window
+        # and the compressed entries' visibility all use them.
+        cp_group, positions = self._cp_layout(T, device)
         if self.inv_freq.device != device:
             self.inv_freq = self.inv_freq.to(device)
         inv_freq = self.inv_freq
@@ -382,22 +496,25 @@ class HyScaleV4Attention(MegatronModule):
         q = apply_interleaved_rope(rms_norm(q, None, cfg.layernorm_epsilon), cos, sin,
                                    heads=True)
         kv = apply_interleaved_rope(self.kv_norm(self.linear_kv(x)[0]), cos, sin)  # [B, T, D]
+        # Under CP the window reads raw tokens of other chunks: [B, S, D] in global order, the
+        # rotation already applied at each token's own (global) position.
+        kv = _gather_tokens(kv, cp_group)
 
         indexer_loss = None
         if self.compressor is None:
             keys, num_entries, parts = kv, 0, []
         else:
-            entries = self.compressor(x, inv_freq)  # [B, N, D]
+            entries = self.compressor(x, inv_freq, cp_group)  # [B, N, D] (whole sequence)
             num_entries = entries.shape[1]
             keys = torch.cat([entries, kv], dim=1)  # [compressed ; raw tokens]
             if self.is_csa:
                 selected, indexer_loss = self._csa_selection(x, q_latent, q, entries, cos, sin,
-                                                             inv_freq)
+                                                             inv_freq, positions, cp_group)
                 parts = [selected]
             else:
-                parts = [dense_compressed_indices(T, num_entries, self.compress_ratio, device)
-                         .expand(B, -1, -1)]
-        window = window_indices(T, cfg.v4_sliding_window, num_entries, device)
+                parts = [dense_compressed_indices(T, num_entries, self.compress_ratio, device,
+                                                  positions).expand(B, -1, -1)]
+        window = window_indices(T, cfg.v4_sliding_window, num_entries, device, positions)
         indices = torch.cat(parts + [window.expand(B, -1, -1)], dim=-1)
 
         out = sparse_attention(q, keys.unsqueeze(2), None, indices, self.softmax_scale,
@@ -413,8 +530,13 @@ class HyScaleV4Attention(MegatronModule):
 
     def _csa_selection(self, x: torch.Tensor, q_latent: torch.Tensor, q: torch.Tensor,
                        entries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(int32 [B, T, k] compressed-entry indices, -1 padded; the indexer loss or None)."""
+                       inv_freq: torch.Tensor, q_positions: torch.Tensor | None = None,
+                       cp_group: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(int32 [B, T, k] compressed-entry indices, -1 padded; the indexer loss or None).
+
+        x [B, T, hidden], q_latent [B, T, q_lora], q [B, T, H, D] are this rank's rows at
+        positions q_positions [T] (None: 0..T-1); entries [B, N, D] cover the whole sequence.
+        """
         cfg = self.config
         B, T = x.shape[:2]
         N = entries.shape[1]
@@ -424,21 +546,21 @@ class HyScaleV4Attention(MegatronModule):
         coeff = cfg.v4_indexer_loss_coeff or 0.0
         use_loss = self.training and torch.is_grad_enabled() and coeff > 0
         phase = "off" if self.baseline else replay.current_phase()
-        q_positions = torch.arange(T, device=x.device)
+        q_positions = _rows(T, q_positions, x.device)
         k_positions = compressed_key_positions(N, self.compress_ratio, x.device)
         q_idx = k_idx = weights = None
         if use_loss or phase != "replay":
             # The indexer learns from its own loss only (DSA recipe): detached inputs.
             with torch.enable_grad() if use_loss else torch.no_grad():
                 q_idx, k_idx, weights = self.indexer(x.detach(), q_latent.detach(), cos, sin,
-                                                     inv_freq)
+                                                     inv_freq, cp_group)
         if phase == "replay":
             indices = self.selection_replay.replay((B, T, topk))
         else:
             with torch.no_grad():
                 if self.baseline:
                     indices = baseline_select(q_idx, k_idx, weights, topk, self.compress_ratio,
-                                              cfg.v4_baseline_row_block)
+                                              cfg.v4_baseline_row_block, q_positions)
                 else:
                     # k_positions (s+1)*m - 1 <= t  <=>  s < floor((t+1)/m): V4's rule.
                     indices, _ = hytopk(q_idx.detach(), k_idx.detach(), weights.detach(), topk,
@@ -455,6 +577,11 @@ class HyScaleV4Attention(MegatronModule):
                 relu=True, q_positions=q_positions, k_positions=k_positions,
                 calculate_per_token_loss=bool(cfg.calculate_per_token_loss),
             )
+            # Under CP each rank's loss covers its own rows (a mean over them, or a sum when
+            # per-token): the logged value is averaged (or summed) over the CP group, as DSA.
+            per_token = bool(cfg.calculate_per_token_loss)
             DSAIndexerLossLoggingHelper.save_loss_to_tracker(
-                loss=loss, layer_number=self.layer_number, num_layers=cfg.num_layers)
+                loss=loss, layer_number=self.layer_number, num_layers=cfg.num_layers,
+                reduce_group=cp_group if per_token else None,
+                avg_group=None if per_token else cp_group)
         return indices, loss

@@ -3,7 +3,6 @@
 - every script's --dry-run exits 0 and prints the memory estimate and one command whose
   bench_layer.py arguments parse with bench_layer.py's own parser (a renamed flag fails here),
   and whose process count (torchrun nodes x processes) equals that parser's CP x DP;
-- V4's CSA / HCA under CP are marked not runnable in dry runs and refused otherwise;
 - missing prerequisites (Slurm allocation, GPUs, a bench interpreter with megatron-core) stop
   the launch with exit code 2 and a message naming what is missing;
 - the layer memory estimator is consistent with the measured DSA layer peaks.
@@ -32,20 +31,20 @@ from megatron_hyscale.launch.layer_run import LayerRun, check_python  # noqa: E4
 V4 = ROOT / "examples" / "deepseek_v4_flash"
 QSA = ROOT / "examples" / "qwen3_8_flash_next"
 
-# (folder, script, arguments, expected model, CP, DP, runnable)
+# (folder, script, arguments, expected model, CP, DP)
 DRY_RUNS = [
-    (V4, "layer_1m_32gpu.sbatch", [], "csa", 8, 4, False),
-    (V4, "layer_1m_32gpu.sbatch", ["--model", "hca"], "hca", 8, 4, False),
-    (V4, "layer_1m_32gpu.sbatch", ["--model", "dsa"], "dsa", 8, 4, True),
-    (V4, "layer_small.sh", [], "csa", 1, 1, True),
-    (V4, "layer_small.sh", ["--model", "hca", "--seq", "65536"], "hca", 1, 1, True),
-    (V4, "layer_small.sh", ["--gpus", "2"], "dsa", 2, 1, True),
-    (V4, "layer_small.sh", ["--gpus", "2", "--model", "csa"], "csa", 2, 1, False),
-    (QSA, "layer_1m_32gpu.sbatch", [], "qsa", 8, 4, True),
-    (QSA, "layer_1m_32gpu.sbatch", ["--cp", "32"], "qsa", 32, 1, True),
-    (QSA, "layer_1m_32gpu.sbatch", ["--model", "dsa"], "dsa", 8, 4, True),
-    (QSA, "layer_small.sh", [], "qsa", 1, 1, True),
-    (QSA, "layer_small.sh", ["--gpus", "2"], "qsa", 2, 1, True),
+    (V4, "layer_1m_32gpu.sbatch", [], "csa", 8, 4),
+    (V4, "layer_1m_32gpu.sbatch", ["--model", "hca"], "hca", 8, 4),
+    (V4, "layer_1m_32gpu.sbatch", ["--model", "dsa"], "dsa", 8, 4),
+    (V4, "layer_small.sh", [], "csa", 1, 1),
+    (V4, "layer_small.sh", ["--model", "hca", "--seq", "65536"], "hca", 1, 1),
+    (V4, "layer_small.sh", ["--gpus", "2"], "csa", 2, 1),
+    (V4, "layer_small.sh", ["--gpus", "2", "--model", "dsa"], "dsa", 2, 1),
+    (QSA, "layer_1m_32gpu.sbatch", [], "qsa", 8, 4),
+    (QSA, "layer_1m_32gpu.sbatch", ["--cp", "32"], "qsa", 32, 1),
+    (QSA, "layer_1m_32gpu.sbatch", ["--model", "dsa"], "dsa", 8, 4),
+    (QSA, "layer_small.sh", [], "qsa", 1, 1),
+    (QSA, "layer_small.sh", ["--gpus", "2"], "qsa", 2, 1),
 ]
 
 
@@ -91,9 +90,9 @@ def process_count(argv: list[str]) -> int:
     return int(argv[argv.index("--nproc-per-node") + 1]) * int(argv[argv.index("--nnodes") + 1])
 
 
-@pytest.mark.parametrize("folder,script,args,model,cp,dp,runnable", DRY_RUNS)
+@pytest.mark.parametrize("folder,script,args,model,cp,dp", DRY_RUNS)
 def test_dry_run_prints_estimate_and_valid_bench_command(
-    folder: Path, script: str, args: list[str], model: str, cp: int, dp: int, runnable: bool
+    folder: Path, script: str, args: list[str], model: str, cp: int, dp: int
 ) -> None:
     proc = run_script(folder, script, *args, "--dry-run")
     assert proc.returncode == 0, proc.stderr
@@ -106,9 +105,6 @@ def test_dry_run_prints_estimate_and_valid_bench_command(
     assert process_count(cmd[1]) == cp * dp
     if cp * dp == 32:  # the 4 x 8 layout: srun starts one torchrun per node
         assert cmd[1][0] == "srun" and "--nodes=4" in cmd[1] and "--gpus-per-node=8" in cmd[1]
-    assert ("# NOT RUNNABLE YET" in out) == (not runnable)
-    if not runnable:
-        assert "not supported yet" in out and "context parallelism" in out
 
 
 def test_baseline_limit_follows_the_estimate() -> None:
@@ -130,15 +126,6 @@ def test_renamed_bench_flag_is_rejected() -> None:
     renamed = ["--context-parallel" if a == "--cp" else a for a in args]
     with pytest.raises(SystemExit):
         bench_layer.parse_args(renamed)
-
-
-def test_v4_csa_under_cp_is_refused_with_the_reason() -> None:
-    proc = run_script(V4, "layer_1m_32gpu.sbatch")  # default --model csa, not a dry run
-    assert proc.returncode == 2
-    assert "not supported yet" in proc.stderr and "HyScaleV4Attention" in proc.stderr
-    assert "# --- command:" not in proc.stdout  # nothing was launched or half-printed
-    proc = run_script(V4, "layer_small.sh", "--gpus", "2", "--model", "csa")
-    assert proc.returncode == 2 and "context parallelism" in proc.stderr
 
 
 @pytest.mark.parametrize("folder", [V4, QSA])
