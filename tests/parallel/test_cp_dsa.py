@@ -25,9 +25,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import socket
-import tempfile
-import time
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -36,7 +33,6 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_hyscale.parallel import (
     all_gather_to_global,
@@ -46,6 +42,7 @@ from megatron_hyscale.parallel import (
     zigzag_positions,
     zigzag_split,
 )
+from megatron_hyscale.testing.distributed import run_workers
 
 WORLD = 2
 VOCAB, T, B = 97, 256, 2
@@ -286,33 +283,9 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results() -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result")
-        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
-            context = mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD, join=False)
-        # A rank stuck in a collective its peer never joins must not hang the test session.
-        deadline = time.monotonic() + WORKER_TIMEOUT_S
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                for proc in context.processes:
-                    proc.kill()
-                pytest.fail(f"CP workers did not finish in {WORKER_TIMEOUT_S} s", pytrace=False)
-        found = {}
-        for rank in range(WORLD):
-            if os.path.exists(f"{out}.{rank}"):
-                found[rank] = torch.load(f"{out}.{rank}", weights_only=False)
-    errors = [r["worker_error"] for r in found.values() if "worker_error" in r]
-    if errors:
-        pytest.fail("\n".join(errors), pytrace=False)
-    return found[0]
+    return run_workers(_worker, WORLD, WORKER_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------------------------
