@@ -255,16 +255,15 @@ def build_v4(args: argparse.Namespace, baseline: bool) -> Layer:
 
     from megatron_hyscale.layers.csa import DeepseekV4TransformerConfig
     from megatron_hyscale.specs.deepseek_v4 import get_v4_layer_specs
+    from megatron_hyscale.testing.models import LOCAL_UNFUSED_FIELDS
 
     geometry = TINY["v4"] if args.tiny else V4_FLASH
     ratio = (TINY_V4_RATIOS if args.tiny else V4_RATIOS)[args.model]
     fields = dict(
         ffn_hidden_size=2 * geometry["hidden_size"], v4_compress_ratios=[ratio], v4_csa_ratio=4,
         normalization="RMSNorm", layernorm_epsilon=1e-6, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, transformer_impl="local",
-        use_cpu_initialization=True, gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, **_common_fields(args), **geometry,
+        hidden_dropout=0.0, attention_dropout=0.0, **LOCAL_UNFUSED_FIELDS,
+        **_common_fields(args), **geometry,
     )
     cfg = DeepseekV4TransformerConfig(**fields)
     spec = get_v4_layer_specs(cfg, baseline=baseline)[0].submodules.self_attention
@@ -280,15 +279,13 @@ def build_qsa(args: argparse.Namespace, baseline: bool) -> Layer:
 
     from megatron_hyscale.layers.qsa import QSATransformerConfig
     from megatron_hyscale.specs.qsa import get_qsa_attention_spec
+    from megatron_hyscale.testing.models import LOCAL_UNFUSED_FIELDS
 
     geometry = TINY["qsa"] if args.tiny else QSA_REAL
     cfg = QSATransformerConfig(
         ffn_hidden_size=2 * geometry["hidden_size"], normalization="RMSNorm",
         layernorm_epsilon=1e-6, add_bias_linear=False, hidden_dropout=0.0,
-        transformer_impl="local", use_cpu_initialization=True,
-        gradient_accumulation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, **_common_fields(args),
-        **geometry,
+        **LOCAL_UNFUSED_FIELDS, **_common_fields(args), **geometry,
     )
     spec = get_qsa_attention_spec(cfg, baseline=baseline)
     torch.manual_seed(0)

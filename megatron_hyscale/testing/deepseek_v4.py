@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from megatron_hyscale.layers.csa import DeepseekV4TransformerConfig, HyScaleV4Attention
+from megatron_hyscale.testing.models import LOCAL_UNFUSED_FIELDS
 
 _PREFIXES = (  # longest first: the indexer lives inside transformers' compressor
     ("compressor.indexer.scorer.weights_proj.", "indexer.linear_weights."),
@@ -89,9 +90,7 @@ def tiny_v4_configs(*, csa_ratio: int = 4, hca_ratio: int = 8, window: int = 5,
         v4_index_n_heads=g["index_n_heads"], v4_index_head_dim=g["index_head_dim"],
         v4_index_topk=index_topk, normalization="RMSNorm", layernorm_epsilon=1e-6,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        transformer_impl="local", params_dtype=torch.float32, use_cpu_initialization=True,
-        gradient_accumulation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False,
+        params_dtype=torch.float32, **LOCAL_UNFUSED_FIELDS,
         v4_compress_rope_scaling=None if yarn is None else {"type": "yarn", **yarn},
     )
     fields.update(overrides)

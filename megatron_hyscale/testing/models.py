@@ -10,6 +10,18 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron_hyscale.specs import get_dsa_block_spec
 
+# Local (torch) modules and no fused kernels: what megatron-core needs to run on a CPU (and
+# what makes its results comparable to the references). Shared by every test/bench config.
+LOCAL_UNFUSED_FIELDS: dict[str, Any] = dict(
+    transformer_impl="local",
+    use_cpu_initialization=True,
+    gradient_accumulation_fusion=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+)
+
 
 def tiny_dsa_config(**overrides: Any) -> MLATransformerConfig:
     """A small MLA + DSA configuration with local (torch) linears; keyword overrides win."""
@@ -39,14 +51,8 @@ def tiny_dsa_config(**overrides: Any) -> MLATransformerConfig:
         dsa_indexer_use_sparse_loss=False,
         # The Hadamard rotation needs bf16 and the fast_hadamard_transform package.
         dsa_indexer_rotate_activation=False,
-        transformer_impl="local",
         params_dtype=torch.float32,
-        use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
+        **LOCAL_UNFUSED_FIELDS,
     )
     fields.update(overrides)
     return MLATransformerConfig(**fields)

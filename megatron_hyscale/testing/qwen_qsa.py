@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from megatron_hyscale.layers.qsa import QSATransformerConfig
+from megatron_hyscale.testing.models import LOCAL_UNFUSED_FIELDS
 
 _NORMS = {
     "q_norm.weight": "q_layernorm.weight",
@@ -85,14 +86,8 @@ def tiny_qsa_configs(
         qsa_indexer_head_dim=indexer_head_dim,
         qsa_indexer_budget=budget,
         qsa_block_size=block_size,
-        transformer_impl="local",
         params_dtype=torch.float32,
-        use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
+        **LOCAL_UNFUSED_FIELDS,
     )
     fields.update(megatron_overrides)
     mcfg = QSATransformerConfig(**fields)
