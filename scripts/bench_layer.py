@@ -562,7 +562,20 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = megatron_on_cpu() if args.device == "cpu" else contextlib.nullcontext()
     with ctx:
-        return run(args)
+        try:
+            return run(args)
+        finally:
+            shutdown_distributed()
+
+
+def shutdown_distributed() -> None:
+    """Tear the process groups down before exit: a gloo group left alive at interpreter exit
+    can abort the process ("terminate called without an active exception") after the run."""
+    from megatron.core import parallel_state
+
+    if torch.distributed.is_initialized():
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
 
 
 def run(args: argparse.Namespace) -> int:
