@@ -7,6 +7,11 @@ For each config and sequence length T (B = 1, S = T, causal) it times, in one ru
              of key tiles pruned (tiles skipped / tiles a row block would visit)
   scoreonly  the same kernel with the top-k maintenance removed (GEMM + ReLU/weight/head-sum
              epilogue, each row's max written): splits GEMM from selection
+  hytopk_heads_on_m, scoreonly_heads_on_m  the same two with the other GEMM orientation
+             (Q @ K_tile^T, heads on the MMA's M: the head sum crosses warps), for comparison
+             with the default (K_tile @ Q^T, KEYS_ON_M in the kernel module) in the same run
+  hytopk_scan_slots  HyTopK with the other candidate append (a CTA-wide test and prefix sum per
+             tile instead of a slot per survivor from an atomic counter, ATOMIC_SLOTS)
   naive      megatron-core 0.19.2 `fused_qk_topk_naive` (full [T, H, S] fp32 logits); OOM shown
   chunked    the common chunked path: per-head bf16 logits for a row block, ReLU, head sum as a
              batched product with the weights, causal mask, torch.topk
@@ -65,7 +70,8 @@ CONFIGS = {
 ALL_T = [16384, 32768, 65536, 131072, 262144, 1048576]
 # Baselines that would take minutes per call beyond these lengths are not run (shown as "-").
 MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072,
-         "hytopk_prune": 131072}
+         "hytopk_prune": 131072, "hytopk_heads_on_m": 131072, "scoreonly_heads_on_m": 131072,
+         "hytopk_scan_slots": 131072}
 # Score-table bytes per row block for the chunked and table baselines.
 TABLE_BYTES = 4 * GiB
 # "recency" inputs: tokens of distance per unit of the linear recency bias.
@@ -118,13 +124,23 @@ def positions(T, S):
     return (torch.arange(T, device="cuda") + S - T)[None], torch.arange(S, device="cuda")[None]
 
 
-def run_hytopk(q, k, w, topk, relu, prune=False, prune_stats=None):
+def run_hytopk(q, k, w, topk, relu, prune=False, prune_stats=None, keys_on_m=None,
+               atomic_slots=None):
     # The kernel entry that hytopk(..., backend="triton") calls after validating its inputs:
     # the validation's isfinite pass allocates a bool copy of q (8 GiB at 1M tokens), which is
     # not part of the selection and would hide the kernel's own peak memory.
     qpos, kpos = positions(q.shape[1], k.shape[1])
     return hk.hytopk_triton(q, k, w, topk, relu=relu, q_positions=qpos, k_positions=kpos,
-                            causal=True, prune=prune, prune_stats=prune_stats)
+                            causal=True, prune=prune, prune_stats=prune_stats,
+                            keys_on_m=keys_on_m, atomic_slots=atomic_slots)
+
+
+def run_hytopk_scan_slots(q, k, w, topk, relu):
+    return run_hytopk(q, k, w, topk, relu, atomic_slots=False)
+
+
+def run_hytopk_heads_on_m(q, k, w, topk, relu):
+    return run_hytopk(q, k, w, topk, relu, keys_on_m=False)
 
 
 def run_hytopk_prune(q, k, w, topk, relu):
@@ -142,12 +158,14 @@ def pruned_share(q, k, w, topk, relu):
     return pruned / max(considered, 1), same
 
 
-def run_scoreonly(q, k, w, topk, relu):
-    T, S = q.shape[1], k.shape[1]
-    qpos = (torch.arange(T, device="cuda") + S - T)[None]
-    kpos = torch.arange(S, device="cuda")[None]
+def run_scoreonly(q, k, w, topk, relu, keys_on_m=None):
+    qpos, kpos = positions(q.shape[1], k.shape[1])
     return hk._launch(q, k, w, 1, relu=relu, q_positions=qpos, k_positions=kpos, causal=True,
-                      mode=hk.MODE_SCORES_ONLY)
+                      mode=hk.MODE_SCORES_ONLY, keys_on_m=keys_on_m)
+
+
+def run_scoreonly_heads_on_m(q, k, w, topk, relu):
+    return run_scoreonly(q, k, w, topk, relu, keys_on_m=False)
 
 
 def run_naive(q, k, w, topk, relu):
@@ -201,7 +219,10 @@ def run_table(q, k, w, topk, relu):
 METHODS = {
     "hytopk": run_hytopk,
     "hytopk_prune": run_hytopk_prune,
+    "hytopk_heads_on_m": run_hytopk_heads_on_m,
+    "hytopk_scan_slots": run_hytopk_scan_slots,
     "scoreonly": run_scoreonly,
+    "scoreonly_heads_on_m": run_scoreonly_heads_on_m,
     "naive": run_naive,
     "chunked": run_chunked,
     "table": run_table,
@@ -260,19 +281,22 @@ def sweep(T, cfg, reps):
     kpos = torch.arange(T, device="cuda")[None]
     rate = matmul_tflops() * 1e12
     floor_ms = T * (T + 1) / 2 * H * D * 2 / rate * 1e3
-    variants = ((8, 2, 2, 128), (8, 3, 1, 128), (4, 2, 2, 64), (8, 2, 2, 64), (8, 3, 2, 64),
-                (4, 3, 2, 128), (8, 1, 2, 128))
+    # (warps, stages, programs per SM, keys per tile, keys on M)
+    variants = ((4, 2, 2, 64, True), (4, 2, 2, 64, False), (8, 2, 2, 128, True),
+                (4, 3, 2, 64, True), (4, 2, 3, 64, True), (8, 2, 1, 128, True),
+                (8, 3, 1, 128, True), (4, 2, 2, 128, True), (8, 2, 2, 64, False))
     for mode in (hk.MODE_SCORES_ONLY, hk.MODE_SELECT):
-        for nw, ns, pps, bn in variants:
+        for nw, ns, pps, bn, kom in variants:
             hk.PROGRAMS_PER_SM = pps
             launch = dict(relu=relu, q_positions=qpos, k_positions=kpos, causal=True,
-                          mode=mode, block_n=bn, num_warps=nw, num_stages=ns)
+                          mode=mode, block_n=bn, num_warps=nw, num_stages=ns, keys_on_m=kom)
             try:
                 ms = time_ms(lambda kw=launch: hk._launch(q, k, w, topk, **kw), reps=reps)
                 log(f"sweep {cfg} T={T} mode={mode} warps={nw} stages={ns} per_sm={pps} "
-                    f"bn={bn}: {ms:.2f} ms  x{ms / floor_ms:.2f} floor")
+                    f"bn={bn} keys_on_m={kom}: {ms:.2f} ms  x{ms / floor_ms:.2f} floor")
             except Exception as err:  # a variant may not fit in shared memory
-                log(f"sweep variant warps={nw} stages={ns} bn={bn} failed: {err!r:.200}")
+                log(f"sweep variant warps={nw} stages={ns} bn={bn} keys_on_m={kom} failed: "
+                    f"{err!r:.200}")
     hk.PROGRAMS_PER_SM = 2
 
 
@@ -306,7 +330,8 @@ def summary(records, kinds, configs, Ts):
     head = ("| inputs | config | T | floor ms | HyTopK ms | x floor | HyTopK GiB | score-only ms"
             " | naive ms (GiB) | chunked ms (GiB) | table ms (GiB) | chunked/HyTopK"
             " | table/HyTopK | pruned HyTopK ms | pruned share | prune speed-up"
-            " | table/pruned |")
+            " | table/pruned | heads-on-M HyTopK ms | heads-on-M score-only ms"
+            " | scan-slots HyTopK ms |")
     log("")
     log(head)
     log("|" + "---|" * (head.count("|") - 1))
@@ -317,6 +342,9 @@ def summary(records, kinds, configs, Ts):
                 if h is None:
                     continue
                 so = by.get((kind, cfg, T, "scoreonly"))
+                hm = by.get((kind, cfg, T, "hytopk_heads_on_m")) or {}
+                sm = by.get((kind, cfg, T, "scoreonly_heads_on_m")) or {}
+                ss = by.get((kind, cfg, T, "hytopk_scan_slots")) or {}
                 hp = by.get((kind, cfg, T, "hytopk_prune")) or {}
                 key = (kind, cfg, T)
                 share = hp.get("pruned_share")
@@ -329,7 +357,9 @@ def summary(records, kinds, configs, Ts):
                     f"| {ratio(key + ('chunked',), h)} | {ratio(key + ('table',), h)} "
                     f"| {fmt(hp.get('ms'), '.1f')} | {share} "
                     f"| {ratio(key + ('hytopk',), hp) if hp else '-'} "
-                    f"| {ratio(key + ('table',), hp) if hp else '-'} |")
+                    f"| {ratio(key + ('table',), hp) if hp else '-'} "
+                    f"| {fmt(hm.get('ms'), '.1f')} | {fmt(sm.get('ms'), '.1f')} "
+                    f"| {fmt(ss.get('ms'), '.1f')} |")
 
 
 def fmt(x, spec):

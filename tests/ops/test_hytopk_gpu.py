@@ -80,6 +80,21 @@ def test_integer_inputs_noncausal_noncontiguous():
     assert_exact(q, k, w, 2048, relu=True, causal=False)
 
 
+@pytest.mark.parametrize("H", [64, 32])
+def test_integer_inputs_exact_heads_on_m(H):
+    # The non-default GEMM orientation (heads on the MMA's M; bench_selection compares both).
+    from megatron_hyscale.ops.kernels.hytopk import hytopk_triton
+
+    T, topk = 8192, 2048
+    q, k, w = int_inputs(1, T, T, H, 128, torch.bfloat16, seed=H + 1)
+    pos = torch.arange(T, device="cuda")[None]
+    ref_i, ref_s = hytopk(q, k, w, topk, backend="reference")
+    for keys_on_m in (False, True):
+        out_i, out_s = hytopk_triton(q, k, w, topk, relu=True, q_positions=pos, k_positions=pos,
+                                     causal=True, keys_on_m=keys_on_m)
+        assert torch.equal(out_i, ref_i) and torch.equal(out_s, ref_s), keys_on_m
+
+
 def exact_scores(q, k, w, idx, relu, rows=64):
     """fp64 scores of the keys idx [B, T, K] (-1 gives -inf), in row chunks."""
     B, T, H, D = q.shape

@@ -33,7 +33,7 @@ def int_inputs(B, T, S, H, D, seed, lo=-2, hi=3, wlo=-2, whi=3):
 
 
 def check(q, k, w, topk, block_n=16, rows=None, num_programs=None, group_slack_div=4,
-          prunes=(False, True), **kw):
+          prunes=(False, True), keys_on_m=None, atomic_slots=None, **kw):
     """Kernel (with the given tiling), with key-tile pruning off and on, against the reference;
     exact equality. Returns the last run's outputs and its (tiles pruned, tiles considered)."""
     ref_i, ref_s = hytopk(q, k, w, topk, backend="reference", **kw)
@@ -45,7 +45,7 @@ def check(q, k, w, topk, block_n=16, rows=None, num_programs=None, group_slack_d
             q, k, w, topk, relu=kw.get("relu", True), causal=kw.get("causal", True),
             q_positions=qpos, k_positions=kpos, block_n=block_n, rows=rows,
             num_programs=num_programs, group_slack_div=group_slack_div, prune=prune,
-            prune_stats=stats)
+            prune_stats=stats, keys_on_m=keys_on_m, atomic_slots=atomic_slots)
         assert out_i.dtype == torch.int32 and out_s.dtype == torch.float32
         assert out_i.shape == ref_i.shape and out_s.shape == ref_s.shape
         assert torch.equal(out_i, ref_i), (prune, out_i, ref_i)
@@ -86,6 +86,28 @@ def test_fewer_visible_than_k_and_topk_above_s():
     q, k, w = int_inputs(1, 10, 10, 4, 16, seed=3)
     out_i, _, _ = check(q, k, w, 16)  # topk > S: -1 / -inf beyond the visible keys
     assert (out_i[0, 0, 1:] == -1).all()
+
+
+@pytest.mark.parametrize("keys_on_m,atomic_slots",
+                         [(False, False), (True, False), (False, True), (True, True)])
+def test_kernel_variants(keys_on_m, atomic_slots):
+    # Both GEMM orientations (heads on the MMA's M, the head sum across warps, or on its N,
+    # within a thread's quad) and both candidate appends (a prefix sum per tile, or a slot per
+    # survivor from an atomic counter): the same ties-heavy, compacting, -0.0, batch-2,
+    # shard-position and tile-group cases, exact in all four.
+    v = dict(keys_on_m=keys_on_m, atomic_slots=atomic_slots)
+    q, k, w = int_inputs(2, 20, 48, 4, 16, seed=1, lo=-1, hi=2)
+    check(q, k, w, 6, **v)
+    q, k, w = int_inputs(1, 16, 40, 2, 16, seed=2)
+    k, w = k.abs(), w.clone()
+    q[0, :8] = -q[0, :8].abs()
+    w[0, :8] = -1.0
+    check(q, k, w, 7, prunes=(False,), **v)
+    q, k, w = int_inputs(1, 21, 33, 5, 8, seed=13)  # 5 heads padded to 8
+    pos = torch.cat([torch.arange(4, 12), torch.arange(36, 49)]).view(1, -1).to(DEVICE)
+    check(q, k, w, 10, q_positions=pos, prunes=(False,), **v)
+    q, k, w = int_inputs(1, 6, 300, 2, 16, seed=12, lo=-1, hi=2)  # groups of 3 tiles
+    check(q, k, w, 70, group_slack_div=1, prunes=(False,), **v)
 
 
 def test_relu_false_and_noncausal():

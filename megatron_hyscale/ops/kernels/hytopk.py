@@ -48,6 +48,26 @@ FINISH_CHUNK_BYTES = 256 << 20
 _LOW32 = 0xFFFFFFFF
 _KEY_MIN = -(1 << 63)
 
+# GEMM orientation under ReLU with many heads: K_tile @ Q^T puts the (row, head) pairs on the
+# MMA's N, where the accumulator keeps a row's heads in one thread and its quad, so the weighted
+# head sum is register FMAs plus two shuffles; Q @ K_tile^T puts the heads on M, and once a row
+# has more heads than one warp's 16 accumulator rows its head sum crosses warps, through shared
+# memory. Compiled for sm_90a here (2026-11-30, Triton 3.6, `scripts/inspect_sm90.py`, 64 heads,
+# 64-key tiles), the scores-only tile loop has 397 SASS instructions a thread against 931 (104
+# SHFL, 78 shared-memory accesses against 16 and 12); with 4 heads (QSA) heads-on-M stays
+# better (152 registers against 255). Not yet timed on a GPU (bench_selection.py compares both).
+KEYS_ON_M = True
+# Heads a row (padded) from which KEYS_ON_M applies: more than one warp's 16 rows.
+KEYS_ON_M_MIN_HEADS = 32
+
+# Candidate append: each survivor takes its buffer slot with an atomic add on its row's counter
+# (global memory; only lanes holding a survivor issue it) and is stored one tile later, so the
+# next tile's GEMM hides the atomic's round trip. The alternative is a CTA-wide test and prefix
+# sum on every tile with a candidate, which on random inputs at 128K is nearly every tile.
+# Compiled for sm_90a (64 heads, keys on M), the select loop has 456 SASS instructions and 3
+# barriers a tile against 554 and 16. Not yet timed on a GPU (bench_selection.py compares both).
+ATOMIC_SLOTS = True
+
 # Modes: the real kernel, and two measurement variants that share the same GEMM loop.
 MODE_SELECT = 0  # exact top-k
 MODE_SCORES_ONLY = 1  # GEMM + ReLU/weight/head-sum epilogue, no top-k (writes each row's max)
@@ -138,7 +158,7 @@ def _compact_row(row_ptr, offs_c, n, k):
 @triton.jit
 def _hytopk_kernel(
     q_ptr, k_ptr, w_ptr, qpos_ptr, kpos_ptr, hi_ptr, order_ptr,
-    out_idx_ptr, out_score_ptr, scratch_ptr, table_ptr, cent_ptr, rho_ptr, stats_ptr,
+    out_idx_ptr, out_score_ptr, scratch_ptr, count_ptr, table_ptr, cent_ptr, rho_ptr, stats_ptr,
     T, S, H, n_blocks, blocks_per_batch, table_t0, n_key_tiles, slack,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kd,
@@ -146,7 +166,8 @@ def _hytopk_kernel(
     D: tl.constexpr, TOPK: tl.constexpr, OUT_K: tl.constexpr, CAP: tl.constexpr,
     R: tl.constexpr, HP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr,
     RELU: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MODE: tl.constexpr,
-    NPROG: tl.constexpr, PRUNE: tl.constexpr, G: tl.constexpr,
+    NPROG: tl.constexpr, PRUNE: tl.constexpr, G: tl.constexpr, KEYS_ON_M: tl.constexpr,
+    ATOMIC_SLOTS: tl.constexpr,
 ):
     """One persistent program: blocks of R query rows (R * HP GEMM rows), key tiles of BN.
 
@@ -174,6 +195,7 @@ def _hytopk_kernel(
     # head dim would stop 16-byte async copies, and with them Triton's software pipelining.
     d_ok = offs_d < D
     scratch = scratch_ptr + pid.to(tl.int64) * (R * CAP)
+    counts = count_ptr + pid * R  # ATOMIC_SLOTS: each row's fill, in global memory
     key_min = tl.full([], -9223372036854775807 - 1, tl.int64)
     offs_g = tl.arange(0, G)
     n_pruned = tl.zeros([], dtype=tl.int64)
@@ -211,6 +233,9 @@ def _hytopk_kernel(
             n_considered += n_tiles
 
         count = tl.zeros([R], dtype=tl.int32)
+        if MODE == 0 and ATOMIC_SLOTS:
+            tl.store(counts + offs_r, count)
+            tl.debug_barrier()
         thr = tl.full([R], -9223372036854775807 - 1, tl.int64)
         thr_score = tl.full([R], float("-inf"), tl.float32)
         best = tl.full([R], float("-inf"), tl.float32)
@@ -257,6 +282,10 @@ def _hytopk_kernel(
             else:
                 i_lo = g * NT
                 i_hi = tl.minimum(n_tiles, g * NT + NT)
+            if MODE == 0 and ATOMIC_SLOTS:  # survivors of the last tile, not yet stored
+                p_keys = tl.zeros([R, BN], dtype=tl.int64)
+                p_slot = tl.zeros([R, BN], dtype=tl.int32)
+                p_surv = tl.zeros([R, BN], dtype=tl.int1)
             for i in range(i_lo, i_hi):
                 if PRUNE:  # the i-th kept tile of the group
                     tile = tl.sum(tl.where(keep & (keep_rank == i), tile_g, 0), axis=0)
@@ -267,23 +296,50 @@ def _hytopk_kernel(
                 kt = tl.load(k_base + s[:, None].to(tl.int64) * stride_ks
                              + offs_d[None, :] * stride_kd,
                              mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-                if IEEE:
-                    logits = tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)),
-                                    input_precision="ieee")
+                if KEYS_ON_M:
+                    # K_tile @ Q^T: the (row, head) pairs are the MMA's N, so the head sum
+                    # below reduces within each thread and its quad (no shared memory).
+                    if IEEE:
+                        logits_t = tl.dot(kt.to(tl.float32), tl.trans(qt.to(tl.float32)),
+                                          input_precision="ieee")
+                    else:
+                        logits_t = tl.dot(kt, tl.trans(qt))
+                    if RELU:
+                        logits_t = tl.maximum(logits_t, 0.0)
+                    logits_t = logits_t * w[None, :]
+                    scores = tl.trans(tl.sum(tl.reshape(logits_t, [BN, R, HP]), axis=2))
                 else:
-                    logits = tl.dot(qt, tl.trans(kt))
-                if RELU:
-                    logits = tl.maximum(logits, 0.0)
-                logits = logits * w[:, None]
-                if HP == 1:
-                    scores = logits
-                else:
-                    scores = tl.sum(tl.reshape(logits, [R, HP, BN]), axis=1)
+                    if IEEE:
+                        logits = tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)),
+                                        input_precision="ieee")
+                    else:
+                        logits = tl.dot(qt, tl.trans(kt))
+                    if RELU:
+                        logits = tl.maximum(logits, 0.0)
+                    logits = logits * w[:, None]
+                    if HP == 1:
+                        scores = logits
+                    else:
+                        scores = tl.sum(tl.reshape(logits, [R, HP, BN]), axis=1)
                 vis = row_ok[:, None] & s_ok[None, :]
                 if CAUSAL:
                     kpos = tl.load(kpos_ptr + b * S + s, mask=s_ok, other=0)
                     vis = vis & (s[None, :] < hi[:, None]) & (kpos[None, :] <= qpos[:, None])
-                if MODE == 0:
+                if MODE == 0 and ATOMIC_SLOTS:
+                    # Each survivor takes its slot from its row's counter (an atomic add in
+                    # L2, predicated off for the other lanes): no scan and no barrier per tile.
+                    # Slots come in any order; the buffer is a set, compacted by value.
+                    cand = vis & (scores >= thr_score[:, None])
+                    keys = _pack(scores, s)
+                    surv = cand & (keys > thr[:, None])
+                    # The previous tile's survivors are stored now, a tile after their atomics
+                    # were issued: the GEMM in between hides the atomics' L2 round trip.
+                    tl.store(scratch + offs_r[:, None] * CAP + p_slot, p_keys, mask=p_surv)
+                    p_slot = tl.atomic_add(counts + offs_r[:, None] + 0 * s[None, :], 1,
+                                           mask=surv, sem="relaxed")
+                    p_keys = keys
+                    p_surv = surv
+                elif MODE == 0:
                     # Cheap fp32 pre-filter; the exact int64 comparison runs only on tiles with
                     # a candidate (a score equal to the threshold's can still win on its index).
                     cand = vis & (scores >= thr_score[:, None])
@@ -301,6 +357,10 @@ def _hytopk_kernel(
                              tl.where(vis, scores, float("-inf")),
                              mask=row_ok[:, None] & s_ok[None, :])
             if MODE == 0:
+                if ATOMIC_SLOTS:
+                    tl.store(scratch + offs_r[:, None] * CAP + p_slot, p_keys, mask=p_surv)
+                    tl.debug_barrier()  # every append of the group has its slot and is stored
+                    count = tl.load(counts + offs_r, volatile=True)
                 if tl.max(count) > CAP - NT * BN:
                     # A row might overflow in the next group: keep its top TOPK.
                     for r in range(R):
@@ -310,6 +370,10 @@ def _hytopk_kernel(
                             thr = tl.where(offs_r == r, thr_r, thr)
                             thr_score = tl.where(offs_r == r, _unpack_score(thr_r), thr_score)
                             count = tl.where(offs_r == r, TOPK, count)
+                    if ATOMIC_SLOTS:
+                        tl.debug_barrier()  # every thread has read the counters
+                        tl.store(counts + offs_r, count)
+                        tl.debug_barrier()
 
         out_row = (b * T + rows).to(tl.int64) * OUT_K
         if MODE == 0:
@@ -477,10 +541,12 @@ def _slack_coef(hp: int) -> float:
 def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode=MODE_SELECT,
             block_n=None, rows=None, num_programs=None, table=None, table_rows=None,
             group_slack_div=GROUP_SLACK_DIV, prune=None, prune_stats=None,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES):
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES, keys_on_m=None, atomic_slots=None):
     """Run the kernel. prune: skip key tiles by their score bound (default PRUNE; MODE_SELECT
     only). prune_stats: optional int64 tensor [2] that receives (key tiles pruned, key tiles
-    considered), each counted once per row block."""
+    considered), each counted once per row block. keys_on_m: the GEMM orientation (default
+    KEYS_ON_M from KEYS_ON_M_MIN_HEADS heads; never with one head a row). atomic_slots: how
+    candidates are appended (default ATOMIC_SLOTS)."""
     B, T, _, D = q.shape
     S = k.shape[1]
     qk, kk_, w, hp, r, ieee = _prepare(q, k, weights, relu, rows)
@@ -516,6 +582,8 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
         scores[..., kk:] = float("-inf")
     scratch_elems = nprog * r * cap if mode == MODE_SELECT else 1
     scratch = torch.empty(scratch_elems, dtype=torch.int64, device=q.device)
+    counts = torch.empty(nprog * r if mode == MODE_SELECT else 1, dtype=torch.int32,
+                         device=q.device)
     if table is None:
         table = scratch
     out_scores = scores.view(torch.int32) if mode == MODE_SELECT else scores
@@ -527,7 +595,8 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
     else:
         cent = rho = stats = scratch
     _hytopk_kernel[(nprog,)](
-        qk, kk_, w, qpos, kpos, hi, order, indices, out_scores, scratch, table, cent, rho, stats,
+        qk, kk_, w, qpos, kpos, hi, order, indices, out_scores, scratch, counts, table, cent, rho,
+        stats,
         T, S, H, n_blocks, blocks_per_batch, t_lo, triton.cdiv(S, bn), _slack_coef(hp),
         qk.stride(0), qk.stride(1), qk.stride(2), qk.stride(3),
         kk_.stride(0), kk_.stride(1), kk_.stride(2),
@@ -535,6 +604,9 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
         D=D, TOPK=kk, OUT_K=topk, CAP=cap, R=r, HP=hp, BD=bd, BN=bn, NT=nt,
         RELU=relu, CAUSAL=causal, IEEE=ieee, MODE=mode, NPROG=nprog,
         PRUNE=prune, G=max(16, triton.next_power_of_2(nt)),
+        KEYS_ON_M=(KEYS_ON_M and hp >= KEYS_ON_M_MIN_HEADS) if keys_on_m is None
+        else keys_on_m and hp > 1,
+        ATOMIC_SLOTS=ATOMIC_SLOTS if atomic_slots is None else atomic_slots,
         num_warps=num_warps, num_stages=num_stages,
     )
     if prune_stats is not None:
@@ -568,14 +640,17 @@ def _finish(indices, scores):
 
 
 def hytopk_triton(q, k, weights, topk, *, relu, q_positions, k_positions, causal, prune=None,
-                  prune_stats=None):
+                  prune_stats=None, keys_on_m=None, atomic_slots=None):
     """Exact HyTopK on validated inputs (positions int64 [B, T] / [B, S]); see module doc.
 
     prune: skip key tiles whose score bound is below every row's running threshold (default
     PRUNE; the outputs are identical either way). prune_stats: optional int64 [2] tensor that
-    receives (key tiles pruned, key tiles considered)."""
+    receives (key tiles pruned, key tiles considered). keys_on_m: the GEMM orientation (default
+    from KEYS_ON_M) and atomic_slots: how candidates are appended (default ATOMIC_SLOTS); the
+    outputs are identical either way."""
     return _launch(q, k, weights, topk, relu=relu, q_positions=q_positions,
-                   k_positions=k_positions, causal=causal, prune=prune, prune_stats=prune_stats)
+                   k_positions=k_positions, causal=causal, prune=prune, prune_stats=prune_stats,
+                   keys_on_m=keys_on_m, atomic_slots=atomic_slots)
 
 
 def score_table(q, k, weights, *, relu, q_positions, k_positions, causal, t0, t1, table):

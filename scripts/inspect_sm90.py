@@ -1,0 +1,257 @@
+"""Compile HyScale's Triton kernels for the H200 (sm_90a) on a machine without a GPU, and report
+what the compiler made of them: registers, spills, shared memory, and the instruction mix of the
+hot loop.
+
+Each kernel is compiled exactly as its launch wrapper would launch it: the wrapper runs on CPU
+tensors of the real shapes and dtypes, the `kernel[grid](...)` call is intercepted, and its
+arguments are specialized with Triton's own rules (ints equal to 1 become constants, 16-byte
+alignment and divisibility by 16 become attributes). ptxas and cuobjdump come with the Triton
+wheel. The hot loop is the smallest loop that holds the kernel's first tensor-core instruction
+(HGMMA / HMMA). Use it to compare kernel variants before spending GPU time: instruction counts
+and spills are facts about the binary; time still has to be measured on the GPU.
+
+    python scripts/inspect_sm90.py --preset hytopk-dsv32 [--sass-out DIR]
+    python scripts/inspect_sm90.py --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+TARGET = GPUTarget("cuda", 90, 32)
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+# Instructions shown in the loop summary, by opcode (the rest are counted in the total).
+SHOWN_OPS = ("HGMMA", "HMMA", "BAR", "SHFL", "STS", "LDS", "LDG", "STG", "LDGSTS", "RED", "ATOM",
+             "FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "LDL", "STL")
+
+
+@dataclass
+class Launch:
+    """One intercepted `kernel[grid](*args, **kwargs)` call."""
+
+    fn: JITFunction
+    grid: Any
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class Report:
+    name: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+    shared_bytes: int
+    loop_instructions: int
+    loop_ops: dict[str, int] = field(default_factory=dict)
+    sass: str = ""
+
+    def line(self) -> str:
+        ops = " ".join(f"{k}={v}" for k, v in self.loop_ops.items() if v)
+        return (f"{self.name}: {self.registers} regs, spills {self.spill_stores}/"
+                f"{self.spill_loads} B st/ld, stack {self.stack_bytes} B, smem "
+                f"{self.shared_bytes} B | hot loop {self.loop_instructions} instrs: {ops}")
+
+
+class _Recorder:
+    """Stands in for a JITFunction: `rec[grid](...)` records the call instead of launching."""
+
+    def __init__(self, fn: JITFunction, calls: list[Launch]):
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.calls.append(Launch(self.fn, grid, args, kwargs))
+
+        return launch
+
+
+@contextlib.contextmanager
+def intercept(module: Any, *names: str) -> Iterator[list[Launch]]:
+    """Replace the named @triton.jit kernels of `module` by recorders for the duration."""
+    calls: list[Launch] = []
+    saved = {n: getattr(module, n) for n in names}
+    try:
+        for n, fn in saved.items():
+            setattr(module, n, _Recorder(fn, calls))
+        yield calls
+    finally:
+        for n, fn in saved.items():
+            setattr(module, n, fn)
+
+
+def compile_launch(launch: Launch) -> Any:
+    """Compile one recorded launch for sm_90a with Triton's launch-time specialization."""
+    fn = launch.fn
+    if not isinstance(fn, JITFunction):
+        raise RuntimeError(f"{fn!r} is not a compiled Triton kernel: run without TRITON_INTERPRET")
+    backend = CUDABackend(TARGET)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, options, bound,
+                                                          specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
+                          options=options.__dict__)
+
+
+def _ptxas(ptx: str, workdir: str) -> tuple[str, str]:
+    src, cubin = os.path.join(workdir, "k.ptx"), os.path.join(workdir, "k.cubin")
+    with open(src, "w") as f:
+        f.write(ptx)
+    info = subprocess.run([os.path.join(_BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", src, "-o",
+                           cubin], capture_output=True, text=True, check=True).stderr
+    sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "--dump-sass", cubin],
+                          capture_output=True, text=True, check=True).stdout
+    return info, sass
+
+
+def hot_loop(sass: str) -> list[str]:
+    """Instructions of the smallest loop (a backward branch) around the first MMA."""
+    ins = [(int(m.group(1), 16), m.group(2).strip())
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    mma = [a for a, t in ins if "HGMMA" in t or "HMMA" in t]
+    if not mma:
+        return []
+    best = None
+    for a, t in ins:
+        m = re.search(r"BRA\b.*?(0x[0-9a-f]+)", t)
+        if m and a > mma[0] and int(m.group(1), 16) <= mma[0]:
+            span = (int(m.group(1), 16), a)
+            if best is None or span[1] - span[0] < best[1] - best[0]:
+                best = span
+    if best is None:
+        return []
+    return [t for a, t in ins if best[0] <= a <= best[1]]
+
+
+def report(name: str, launch: Launch) -> Report:
+    compiled = compile_launch(launch)
+    with tempfile.TemporaryDirectory() as d:
+        info, sass = _ptxas(compiled.asm["ptx"], d)
+
+    def num(pattern: str) -> int:
+        m = re.search(pattern, info)
+        return int(m.group(1)) if m else 0
+
+    loop = hot_loop(sass)
+    counts: collections.Counter[str] = collections.Counter()
+    for t in loop:
+        op = re.sub(r"^@!?U?P[T\d]+\s+", "", t).split()[0].split(".")[0]
+        counts[op] += 1
+    return Report(name, num(r"Used (\d+) registers"), num(r"(\d+) bytes spill stores"),
+                  num(r"(\d+) bytes spill loads"), num(r"(\d+) bytes stack frame"),
+                  compiled.metadata.shared, len(loop), {k: counts[k] for k in SHOWN_OPS}, sass)
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def _hytopk(H: int, D: int, topk: int, relu: bool, T: int = 8192, **launch: Any
+            ) -> list[Launch]:
+    from megatron_hyscale.ops.kernels import hytopk as hk
+
+    q = torch.zeros(1, T, H, D, dtype=torch.bfloat16)
+    k = torch.zeros(1, T, D, dtype=torch.bfloat16)
+    w = torch.zeros(1, T, H, dtype=torch.float32)
+    pos = torch.arange(T)[None]
+    hk_programs = hk.INTERPRET_PROGRAMS
+    hk.INTERPRET_PROGRAMS = 132 * hk.PROGRAMS_PER_SM  # the H200's persistent grid
+    try:
+        with intercept(hk, "_hytopk_kernel") as calls:
+            hk._launch(q, k, w, topk, relu=relu, q_positions=pos, k_positions=pos, causal=True,
+                       **launch)
+    finally:
+        hk.INTERPRET_PROGRAMS = hk_programs
+    return calls
+
+
+def _sparse_attention(hq: int, hkv: int, d: int, dv: int | None, topk: int, T: int = 256
+                      ) -> list[Launch]:
+    from megatron_hyscale.ops.kernels import sparse_attention as sa
+
+    q = torch.zeros(1, T, hq, d, dtype=torch.bfloat16)
+    k = torch.zeros(1, T, hkv, d, dtype=torch.bfloat16)
+    v = None if dv is None else torch.zeros(1, T, hkv, dv, dtype=torch.bfloat16)
+    idx = torch.zeros(1, T, hkv, topk, dtype=torch.int32)
+    names = [n for n in dir(sa) if n.startswith("_") and n.endswith("_kernel")]
+    with intercept(sa, *names) as calls:
+        out, lse = sa.sparse_attention_fwd(q, k, v, idx, d ** -0.5, dv=512 if dv is None else None)
+        sa.sparse_attention_bwd(q, k, v, idx, d ** -0.5, out, lse, torch.zeros_like(out),
+                                dv=512 if dv is None else None)
+    return calls
+
+
+PRESETS: dict[str, Callable[[], list[Launch]]] = {
+    "hytopk-dsv32": lambda: _hytopk(64, 128, 2048, True),
+    "hytopk-dsv32-heads-on-m": lambda: _hytopk(64, 128, 2048, True, keys_on_m=False),
+    "hytopk-dsv32-scoreonly": lambda: _hytopk(64, 128, 1, True, mode=1),
+    "hytopk-dsv32-scoreonly-heads-on-m": lambda: _hytopk(64, 128, 1, True, mode=1,
+                                                         keys_on_m=False),
+    "hytopk-dsv32-scan-slots": lambda: _hytopk(64, 128, 2048, True, atomic_slots=False),
+    "hytopk-glm51": lambda: _hytopk(32, 128, 2048, True),
+    "hytopk-qsa": lambda: _hytopk(4, 128, 2048, True),
+    "hytopk-norelu": lambda: _hytopk(32, 128, 2048, False),
+    "sparse-attention-glm51": lambda: _sparse_attention(64, 1, 576, None, 2048),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", nargs="*", default=["hytopk-dsv32", "hytopk-dsv32-heads-on-m"],
+                   help="which kernels to compile (see --list)")
+    p.add_argument("--list", action="store_true", help="print the presets and exit")
+    p.add_argument("--sass-out", default=None, help="also write each kernel's SASS here")
+    p.add_argument("--json", default=None, help="also write the reports (without SASS) here")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        p.error("TRITON_INTERPRET=1 is set: the kernels would be interpreted, not compiled")
+    if args.list:
+        print("\n".join(PRESETS))
+        return 0
+    unknown = [n for n in args.preset if n not in PRESETS]
+    if unknown:
+        p.error(f"--preset: unknown {unknown}; choose from {list(PRESETS)}")
+    reports = []
+    for name in args.preset:
+        for i, launch in enumerate(PRESETS[name]()):
+            label = f"{name}[{i}] {launch.fn.__name__}"
+            rep = report(label, launch)
+            reports.append({k: v for k, v in vars(rep).items() if k != "sass"}
+                           | {"preset": name, "constexprs": {k: v for k, v in
+                                                             launch.kwargs.items()
+                                                             if isinstance(v, int | bool)}})
+            print(rep.line(), flush=True)
+            if args.sass_out:
+                os.makedirs(args.sass_out, exist_ok=True)
+                path = os.path.join(args.sass_out, f"{name}_{i}_{launch.fn.__name__}.sass")
+                with open(path, "w") as f:
+                    f.write(rep.sass)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""scripts/inspect_sm90.py: compiles a kernel's real launch for sm_90a without a GPU.
+
+Run as a subprocess: other test modules import the kernels under TRITON_INTERPRET=1, and the
+tool needs them compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "inspect_sm90.py"
+
+
+def _run(*args: str, interpret: bool = False) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+
+
+def test_hytopk_launch_compiles_for_sm90(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "hytopk-dsv32-scoreonly", "hytopk-qsa", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    scores, qsa = json.loads(out.read_text())
+    # The recorded launch is the real one: the wrapper's choices reach the compiler.
+    assert scores["constexprs"]["KEYS_ON_M"] is True and scores["constexprs"]["MODE"] == 1
+    assert qsa["constexprs"]["KEYS_ON_M"] is False  # 4 heads: below KEYS_ON_M_MIN_HEADS
+    for rep in (scores, qsa):
+        assert 0 < rep["registers"] <= 255 and rep["shared_bytes"] > 0
+        assert rep["loop_ops"]["HGMMA"] > 0 and rep["loop_instructions"] > 0
+    assert "hot loop" in proc.stdout
+
+
+def test_bad_requests_are_named() -> None:
+    proc = _run("--preset", "no-such-kernel")
+    assert proc.returncode == 2 and "--preset" in proc.stderr
+    proc = _run("--preset", "hytopk-qsa", interpret=True)
+    assert proc.returncode == 2 and "TRITON_INTERPRET" in proc.stderr
