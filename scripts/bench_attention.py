@@ -15,6 +15,12 @@ Baseline: megatron-core 0.19.2's stock unfused path (`_unfused_absorbed_dsa_fn` 
   python scripts/bench_attention.py                 # T in 16K, 64K, 128K, all shapes
   python scripts/bench_attention.py --quick         # T = 16K, fewer repeats
   python scripts/bench_attention.py --shapes glm51 v32 --t 131072 --out /tmp/res
+  python scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768
+
+--bwd-sweep times the two backward kernels apart, for each (keys per step, stages) tiling that
+fits: dQ, dK/dV with its fp32 atomics, and dK/dV in the measurement-only discard mode (the same
+products, no accumulation), whose difference is the cost of the atomics. Table and JSON
+(bench_attention_bwd_sweep.json).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -136,6 +143,60 @@ def bench_stock(shape, inp, warmup, reps):
     return res
 
 
+SWEEP_TILINGS = ((16, 1), (16, 2), (32, 1), (32, 2), (64, 1), (64, 2))
+
+
+def bwd_sweep(shapes, Ts, reps, out_dir, mm):
+    """Time dQ, dK/dV and dK/dV without atomics per tiling; returns the rows."""
+    rows = []
+    for T in Ts:
+        for shape in shapes:
+            inp = make_inputs(shape, T)
+            q, k, v, idx, sink, dv, scale = (inp[n] for n in ("q", "k", "v", "idx", "sink",
+                                                               "dv", "scale"))
+            out, lse = kern.sparse_attention_fwd(q, k, v, idx, scale, dv=dv, sink=sink)
+            dout = torch.randn_like(out)
+            _, delta, _ = kern.sparse_attention_bwd_dq(q, k, v, idx, scale, out, lse, dout,
+                                                       dv=dv, sink=sink)
+            for tiling in SWEEP_TILINGS:
+                row = dict(shape=shape, T=T, block_n=tiling[0], stages=tiling[1])
+                kern.DQ_TILINGS = kern.DKV_TILINGS = (tiling,)
+                kern._tiling_cache.clear()
+                dq_args = (q, k, v, idx, scale, out, lse, dout)
+                dkv_args = (q, k, v, idx, scale, lse, dout, delta)
+                parts = {
+                    "dq_ms": partial(kern.sparse_attention_bwd_dq, *dq_args, dv=dv, sink=sink),
+                    "dkv_ms": partial(kern.sparse_attention_bwd_dkv, *dkv_args, dv=dv),
+                    "dkv_no_atomics_ms": partial(kern.sparse_attention_bwd_dkv, *dkv_args, dv=dv,
+                                                 mode=kern.MODE_DISCARD),
+                }
+                for name, fn in parts.items():
+                    try:
+                        row[name] = time_ms(fn, reps=reps, warmup=1)
+                    except Exception as err:  # a tiling that does not fit is reported, not fatal
+                        row[name] = f"failed: {type(err).__name__}"
+                if all(isinstance(row[n], float) for n in ("dq_ms", "dkv_ms")):
+                    row["bwd_frac"] = inp["flop_bwd"] / (row["dq_ms"] + row["dkv_ms"]) / 1e9 / mm
+                rows.append(row)
+                log(f"sweep {shape} T={T} tiling {tiling}: " + ", ".join(
+                    f"{n} {fmt(row[n], '.2f')}" for n in parts) + f", bwd/matmul "
+                    f"{fmt(row.get('bwd_frac', '-'), '.1%')}")
+                with open(os.path.join(out_dir, "bench_attention_bwd_sweep.json"), "w") as f:
+                    json.dump(dict(matmul_tflops=mm, command=" ".join(sys.argv), rows=rows), f,
+                              indent=1)
+            del inp, out, lse, dout, delta
+            torch.cuda.empty_cache()
+    kern.DQ_TILINGS = kern.DKV_TILINGS = kern.BWD_TILINGS
+    kern._tiling_cache.clear()
+    log("\n| shape | T | keys x stages | dQ ms | dK/dV ms | dK/dV without atomics ms |"
+        " bwd / matmul |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        log(f"| {r['shape']} | {r['T']} | {r['block_n']} x {r['stages']} | "
+            f"{fmt(r['dq_ms'], '.1f')} | {fmt(r['dkv_ms'], '.1f')} | "
+            f"{fmt(r['dkv_no_atomics_ms'], '.1f')} | {fmt(r.get('bwd_frac', '-'), '.1%')} |")
+    return rows
+
+
 def fmt(x, spec=".1f"):
     return format(x, spec) if isinstance(x, float) else str(x)
 
@@ -151,6 +212,8 @@ def main():
     ap.add_argument("--stock-max-t", type=int, default=16384,
                     help="run the stock path only up to this T (its time grows fast)")
     ap.add_argument("--out", default="bench_attention_out")
+    ap.add_argument("--bwd-sweep", action="store_true",
+                    help="time dQ, dK/dV and dK/dV without atomics per tiling, then exit")
     args = ap.parse_args()
     if args.quick:
         args.t, args.reps = [16384], 3
@@ -159,6 +222,9 @@ def main():
     log(f"# {dev}, torch {torch.__version__}, {datetime.datetime.now().isoformat()}")
     mm, bw = matmul_tflops(), copy_tbps()
     log(f"# bf16 matmul {mm:.0f} TFLOP/s, copy {bw:.2f} TB/s (measured now)")
+    if args.bwd_sweep:
+        bwd_sweep(args.shapes, args.t, args.reps, args.out, mm)
+        return
     meta = dict(device=dev, date=datetime.date.today().isoformat(), command=" ".join(sys.argv),
                 matmul_tflops=mm, copy_tbps=bw, rows=[])
     json_path = os.path.join(args.out, "bench_attention.json")

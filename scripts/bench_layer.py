@@ -3,7 +3,11 @@
 Models (`--model`):
 - dsa: GLM-5.1's MLA + DSA layer; baseline = megatron-core 0.19.2's stock DSAttention (kernel
   backend "none") on the same weights. For dsa at CP 1 the step is also broken down (selection,
-  sparse attention, indexer loss) as before.
+  sparse attention, indexer loss) as before. `--stock-kernel-backend tilelang` adds a second
+  stock row, `stock_tilelang`: the same DSAttention with dsa_kernel_backend="tilelang" (its
+  TileLang indexer fwd/bwd, sparse-MLA fwd/bwd and sparse indexer-loss kernels; shapes they
+  decline fall back to the PyTorch path, and the row's `fused_kernels` counts which ran).
+  It needs CUDA and the tilelang package (scripts/tilelang_carry.sh, scripts/gpu_tilelang.sh).
 - csa / hca: DeepSeek-V4-Flash's attention with compress ratio 4 (CSA: indexer 64 x 128 picks
   the top 512 compressed entries + 128-token window) / 128 (HCA: dense over compressed entries +
   window); hidden 4096, 64 heads, shared K = V of 512. Baseline = the module's `baseline=True`
@@ -31,6 +35,8 @@ layers support CP (allgather).
     torchrun --nproc-per-node 2 scripts/bench_layer.py --model qsa --cp 2 --seq 1048576 \
         --skip-baseline
     python scripts/bench_layer.py --model qsa --device cpu --tiny  # CPU smoke (seconds)
+    PYTHONPATH=.carry/site:$PYTHONPATH python3 scripts/bench_layer.py --stock-kernel-backend \
+        tilelang                                    # + stock DSA on megatron's TileLang kernels
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MODELS = ("dsa", "csa", "hca", "qsa")
+STOCK_KERNEL_BACKENDS = ("none", "tilelang")
+TILELANG_FLAG = "--stock-kernel-backend tilelang"
 
 GLM51 = dict(
     hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512,
@@ -117,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-loss", action="store_true",
                    help="dsa: dense indexer KL (warm-up stage) instead of the sparse one")
     p.add_argument("--loss-coeff", type=float, default=0.01, help="dsa_indexer_loss_coeff")
+    p.add_argument("--stock-kernel-backend", choices=STOCK_KERNEL_BACKENDS, default="none",
+                   help="dsa: tilelang also times the stock DSAttention with megatron-core's "
+                        "TileLang kernels (dsa_kernel_backend='tilelang') as a second stock row, "
+                        "stock_tilelang, next to the PyTorch one (needs CUDA and the tilelang "
+                        "package: scripts/tilelang_carry.sh, scripts/gpu_tilelang.sh); "
+                        "default none: the PyTorch stock row only")
     p.add_argument("--out", default="outputs/bench_layer", help="output folder")
     return p
 
@@ -135,6 +149,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [t for t in args.seq if t % (2 * args.cp)]
     if bad:
         p.error(f"--seq values must be divisible by 2 x cp = {2 * args.cp} (zigzag layout): {bad}")
+    if args.stock_kernel_backend != "none":
+        if args.model != "dsa":
+            p.error("--stock-kernel-backend applies to --model dsa only (the stock DSAttention)")
+        if args.skip_baseline:
+            p.error("--stock-kernel-backend times a stock layer: drop --skip-stock")
     return args
 
 
@@ -152,6 +171,33 @@ def check_request(args: argparse.Namespace) -> None:
              "(CP and DP are the only parallelism here)")
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("bench_layer.py: no CUDA device (use --device cpu --tiny for a smoke run)")
+    if args.stock_kernel_backend == "tilelang":
+        check_tilelang(args)
+
+
+def check_tilelang(args: argparse.Namespace) -> None:
+    """Refuse --stock-kernel-backend tilelang (exit 2) where megatron's TileLang DSA cannot run.
+
+    Checked before anything is built or written: a run that measured HyScale and then died
+    building the TileLang stock layer would leave a half-written JSON behind.
+    """
+    try:
+        import tilelang  # noqa: F401
+    except Exception as exc:  # a missing dependency or library raises more than ImportError
+        fail(f"bench_layer.py: {TILELANG_FLAG} needs the tilelang package, which does not "
+             f"import here ({type(exc).__name__}: {exc}); install it (scripts/tilelang_carry.sh "
+             "here, scripts/gpu_tilelang.sh on the GPU machine) or leave the flag out")
+    if args.device != "cuda":
+        fail(f"bench_layer.py: {TILELANG_FLAG} needs --device cuda (TileLang builds CUDA "
+             "kernels; megatron-core refuses the backend without a GPU)")
+    # megatron imports its kernel modules behind try/except and turns the backend down at config
+    # time when any is missing (e.g. a TileLang API it needs is absent): ask it up front.
+    from megatron.core.utils import _missing_tilelang_dsa_kernel_dependencies
+
+    missing = _missing_tilelang_dsa_kernel_dependencies()
+    if missing:
+        fail(f"bench_layer.py: {TILELANG_FLAG}: megatron-core cannot load its TileLang DSA "
+             f"kernels ({', '.join(missing)} missing) although tilelang imports")
 
 
 def init_distributed(args: argparse.Namespace) -> Any:
@@ -199,12 +245,16 @@ class Layer:
     """One attention module and how to call it on [s, b, h] hidden states."""
 
     def __init__(self, module: torch.nn.Module, call: Callable[[torch.Tensor], torch.Tensor],
-                 hidden_size: int, selection_hooks: list[tuple[Any, str]]) -> None:
+                 hidden_size: int, selection_hooks: list[tuple[Any, str]],
+                 fused_hooks: list[tuple[Any, str]] | None = None) -> None:
         self.module = module
         self.call = call
         self.hidden_size = hidden_size
         # (object, method name) pairs whose time counts as selection (indexer + top-k)
         self.selection_hooks = selection_hooks
+        # (object, function name) pairs of optional fused kernels that return None when they
+        # decline a shape: counted, so a row can tell kernels that ran from a silent fallback
+        self.fused_hooks = fused_hooks or []
 
 
 def _common_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -220,7 +270,8 @@ def _dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.device == "cuda" else torch.float32
 
 
-def build_dsa(args: argparse.Namespace, baseline: bool) -> Layer:
+def build_dsa(args: argparse.Namespace, baseline: bool, kernel_backend: str = "none") -> Layer:
+    """GLM-5.1's attention: HyScale, or (`baseline`) the stock DSAttention on `kernel_backend`."""
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_hyscale.specs import get_dsa_layer_specs
@@ -230,7 +281,8 @@ def build_dsa(args: argparse.Namespace, baseline: bool) -> Layer:
     cfg = tiny_dsa_config(
         ffn_hidden_size=4 * geometry["hidden_size"], dsa_indexer_loss_coeff=args.loss_coeff,
         dsa_indexer_use_sparse_loss=not args.dense_loss,
-        dsa_indexer_scoring_relu=not args.no_relu, **_common_fields(args), **geometry,
+        dsa_indexer_scoring_relu=not args.no_relu, dsa_kernel_backend=kernel_backend,
+        **_common_fields(args), **geometry,
     )
     spec = get_dsa_layer_specs(cfg, stock=baseline)[0].submodules.self_attention
     torch.manual_seed(0)
@@ -247,7 +299,21 @@ def build_dsa(args: argparse.Namespace, baseline: bool) -> Layer:
         hooks = [(core.indexer, "forward_before_topk"), (stock_dsa, "fused_qk_topk_naive")]
     else:
         hooks = [(core.indexer, "forward_before_topk"), (core, "_selection")]
-    return Layer(attn, lambda h: attn(h, None)[0], geometry["hidden_size"], hooks)
+    fused: list[tuple[Any, str]] = []
+    if kernel_backend == "tilelang":
+        from megatron.core.transformer.experimental_attention_variant import dsa_kernels
+        from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+
+        # TileLang's indexer kernels (scores + top-k; with and without the loss's scores) are
+        # its selection; the naive one above stays for the shapes they decline.
+        hooks += [(tilelang_dsa, "lighting_indexer"), (tilelang_dsa, "lighting_indexer_indices")]
+        fused = [(dsa_kernels, name) for name in FUSED_DSA_HOOKS]
+    return Layer(attn, lambda h: attn(h, None)[0], geometry["hidden_size"], hooks, fused)
+
+
+# megatron's backend-neutral hooks (dsa_kernels), each returning None when its backend declines.
+FUSED_DSA_HOOKS = ("run_fused_qk_topk", "run_fused_qk_topk_with_loss",
+                   "run_fused_absorbed_sparse_attention")
 
 
 def build_v4(args: argparse.Namespace, baseline: bool) -> Layer:
@@ -405,6 +471,33 @@ class SelectionTimer:
         return sum((e - s) * 1e3 for s, e in self.spans)
 
 
+class FusedHookCounter:
+    """Counts, per fused-kernel hook, the calls that ran (a result) and those declined (None)."""
+
+    def __init__(self, hooks: list[tuple[Any, str]]) -> None:
+        self.hooks = hooks
+        self.counts = {name: {"used": 0, "declined": 0} for _, name in hooks}
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> FusedHookCounter:
+        for obj, name in self.hooks:
+            original = getattr(obj, name)
+            self.saved.append((obj, name, original))
+
+            def counted(*a: Any, _orig: Callable = original, _name: str = name, **kw: Any) -> Any:
+                result = _orig(*a, **kw)
+                self.counts[_name]["declined" if result is None else "used"] += 1
+                return result
+
+            setattr(obj, name, counted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for obj, name, original in reversed(self.saved):
+            setattr(obj, name, original)
+        self.saved.clear()
+
+
 def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
 
@@ -448,7 +541,7 @@ def measure(layer: Layer, T: int, args: argparse.Namespace) -> dict[str, Any]:
                               "steps_timed": args.repeats + 1}
     # One more, instrumented step: selection time inside it and its replay counters.
     replay.reset_stats()
-    with SelectionTimer(layer, args.device) as timer:
+    with SelectionTimer(layer, args.device) as timer, FusedHookCounter(layer.fused_hooks) as fused:
         layer_step(layer, hidden, grad)
     stats = replay.get_stats()
     result["selections_computed"] = int(stats["selections_computed"])
@@ -461,6 +554,8 @@ def measure(layer: Layer, T: int, args: argparse.Namespace) -> dict[str, Any]:
     else:  # HCA selects nothing (dense over its compressed entries + window)
         result["selection_in_step_ms"] = None
         result["selection_share"] = None
+    if layer.fused_hooks:
+        result["fused_kernels"] = fused.counts
     replay.clear()
     return result
 
@@ -535,6 +630,9 @@ def combine(per_rank: list[Any]) -> Any:
     """Rank 0's record with the slowest time and the largest peak over ranks, plus all ranks."""
     if len(per_rank) == 1 or not isinstance(per_rank[0], dict):
         return per_rank[0]
+    failed = [r for r in per_rank if not isinstance(r, dict)]
+    if failed:  # one rank's "OOM" / "error: ..." is the step's outcome
+        return failed[0]
     first = dict(per_rank[0])
     first["fwd_bwd_ms"] = max(r["fwd_bwd_ms"] for r in per_rank)
     first["peak_extra_gib"] = max(r["peak_extra_gib"] for r in per_rank)
@@ -543,11 +641,23 @@ def combine(per_rank: list[Any]) -> Any:
     return first
 
 
-def guarded(fn: Callable[[], dict[str, Any]], device: str) -> Any:
+def guarded(fn: Callable[[], dict[str, Any]], device: str, *, keep_going: bool = False) -> Any:
+    """fn's record, or "OOM"; with `keep_going` any other error becomes an "error: ..." record.
+
+    keep_going is for the TileLang stock row: a kernel that fails to JIT-compile on the
+    GPU should cost that row, not the HyScale and stock numbers of the whole run.
+    """
     try:
         return fn()
     except torch.OutOfMemoryError:
         return "OOM"
+    except Exception as exc:
+        if not keep_going:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        return f"error: {type(exc).__name__}: {str(exc)[:300]}"
     finally:
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -593,9 +703,15 @@ def run(args: argparse.Namespace) -> int:
         f"model: {args.model}{tiny}  matmul: {rate:.1f} TFLOP/s")
     build = BUILDERS[args.model]
     hyscale = build(args, baseline=False)
-    base = None if args.skip_baseline else build(args, baseline=True)
-    if base is not None:
+    bases: list[tuple[str, Layer]] = []  # (row key, layer), each on HyScale's weights
+    if not args.skip_baseline:
+        bases.append((base_name, build(args, baseline=True)))
+    if args.stock_kernel_backend == "tilelang":
+        bases.append((f"{base_name}_tilelang",
+                      build_dsa(args, baseline=True, kernel_backend="tilelang")))
+    for _, base in bases:
         base.module.load_state_dict(hyscale.module.state_dict())
+    base_names = [name for name, _ in bases] or [base_name]
     rows: list[dict[str, Any]] = []
     for T in args.seq:
         row: dict[str, Any] = {"T": T, "cp": args.cp, "T_local": T // args.cp,
@@ -612,32 +728,40 @@ def run(args: argparse.Namespace) -> int:
                 rec.update(parts)
         row["hyscale"] = combine(gather_ranks(rec))
         replay.clear()
-        if base is not None and T <= args.baseline_max_seq:
-            log(f"[T={T}] {base_name} ...")
-            row[base_name] = combine(gather_ranks(guarded(partial(measure, base, T, args),
-                                                          args.device)))
-        else:
+        for name, base in bases:
+            if T > args.baseline_max_seq:
+                row[name] = "skipped"
+                continue
+            log(f"[T={T}] {name} ...")
+            row[name] = combine(gather_ranks(guarded(partial(measure, base, T, args),
+                                                     args.device, keep_going=name != base_name)))
+        if not bases:
             row[base_name] = "skipped"
+        if len(base_names) > 1:  # the single-stock JSON keeps its earlier keys
+            row["speedup"] = {name: _speedup(row["hyscale"], row[name]) for name in base_names}
         log(f"[T={T}] done in {time.time() - t0:.0f} s: {row}")
         rows.append(row)
         if rank() == 0:
-            write_json(out_dir, args, device_name, rate, base_name, rows)
+            write_json(out_dir, args, device_name, rate, base_names, rows)
     if rank() == 0:
-        print_table(rows, base_name)
-        plot(rows, out_dir, args, base_name)
+        print_table(rows, base_names)
+        plot(rows, out_dir, args, base_names)
     if torch.distributed.is_initialized() and args.cp * args.dp > 1:
         torch.distributed.barrier()
     return 0
 
 
 def write_json(out_dir: Path, args: argparse.Namespace, device: str, rate: float,
-               base_name: str, rows: list[dict[str, Any]]) -> None:
+               base_names: list[str], rows: list[dict[str, Any]]) -> None:
     payload = {
         "model": args.model, "tiny": args.tiny, "device": device, "cp": args.cp, "dp": args.dp,
         "world_size": int(os.environ.get("WORLD_SIZE", "1")), "matmul_tflops": rate,
-        "baseline_name": base_name, "date": datetime.now(UTC).isoformat(),
+        "baseline_name": base_names[0], "date": datetime.now(UTC).isoformat(),
         "command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "rows": rows,
     }
+    if len(base_names) > 1:
+        payload["baseline_names"] = base_names
+        payload["stock_kernel_backend"] = args.stock_kernel_backend
     (out_dir / f"bench_layer_{args.model}.json").write_text(json.dumps(payload, indent=1))
     if args.model == "dsa":  # the name earlier runs (and BENCHMARKS.md) used
         (out_dir / "bench_layer.json").write_text(json.dumps(payload, indent=1))
@@ -647,17 +771,30 @@ def _f(v: Any, key: str, digits: int = 1) -> str:
     if isinstance(v, dict):
         x = v.get(key)
         return "-" if x is None else f"{x:.{digits}f}"
-    return str(v)
+    return "error" if str(v).startswith("error") else str(v)  # the JSON keeps the message
 
 
-def print_table(rows: list[dict[str, Any]], base_name: str) -> None:
-    print(f"\n| T | CP | HyScale fwd+bwd ms | peak GiB/GPU | selection in step ms (share) |"
-          f" selection floor ms | computed / replayed | {base_name} fwd+bwd ms |"
-          f" {base_name} peak GiB/GPU | {base_name} selection ms (share) | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+def _speedup(hyscale: Any, stock: Any) -> float | None:
+    """How many times faster HyScale's step is than the stock one (None without both)."""
+    if isinstance(hyscale, dict) and isinstance(stock, dict):
+        return stock["fwd_bwd_ms"] / hyscale["fwd_bwd_ms"]
+    return None
+
+
+def print_table(rows: list[dict[str, Any]], base_names: list[str]) -> None:
+    # With one stock row the table is the one earlier runs printed; each further stock row
+    # adds its own four columns, speed-up included.
+    head = ("| T | CP | HyScale fwd+bwd ms | peak GiB/GPU | selection in step ms (share) |"
+            " selection floor ms | computed / replayed |")
+    for name in base_names:
+        speedup = f"speed-up vs {name}" if len(base_names) > 1 else "speed-up"
+        head += (f" {name} fwd+bwd ms | {name} peak GiB/GPU | {name} selection ms (share) |"
+                 f" {speedup} |")
+    print("\n" + head)
+    print("|---" * (7 + 4 * len(base_names)) + "|")
     for r in rows:
         cells = [str(r["T"]), str(r["cp"])]
-        for name in ("hyscale", base_name):
+        for name in ("hyscale", *base_names):
             v = r[name]
             cells += [_f(v, "fwd_bwd_ms"), _f(v, "peak_extra_gib", 2)]
             if isinstance(v, dict) and v.get("selection_in_step_ms") is not None:
@@ -669,10 +806,17 @@ def print_table(rows: list[dict[str, Any]], base_name: str) -> None:
                 cells.append("-" if floor is None else f"{floor:.2f}")
                 cells.append(f"{v['selections_computed']} / {v['selections_replayed']}"
                              if isinstance(v, dict) else "-")
-        h, s = r["hyscale"], r[base_name]
-        cells.append(f"{s['fwd_bwd_ms'] / h['fwd_bwd_ms']:.2f}x"
-                     if isinstance(h, dict) and isinstance(s, dict) else "-")
+            else:
+                ratio = _speedup(r["hyscale"], v)
+                cells.append("-" if ratio is None else f"{ratio:.2f}x")
         print("| " + " | ".join(cells) + " |")
+    for r in rows:  # which of megatron's fused kernels ran in the instrumented step
+        for name in base_names:
+            v = r[name]
+            if isinstance(v, dict) and "fused_kernels" in v:
+                counts = ", ".join(f"{hook} {c['used']}/{c['declined']}"
+                                   for hook, c in v["fused_kernels"].items())
+                print(f"{name} at T={r['T']}: fused kernels used/declined: {counts}")
     dsa = [r for r in rows if isinstance(r["hyscale"], dict) and "selection_ms" in r["hyscale"]]
     if dsa:
         print("\n| T | selection ms (isolated) | attention fwd ms | attention fwd+bwd ms |"
@@ -685,7 +829,7 @@ def print_table(rows: list[dict[str, Any]], base_name: str) -> None:
 
 
 def plot(rows: list[dict[str, Any]], out_dir: Path, args: argparse.Namespace,
-         base_name: str) -> None:
+         base_names: list[str]) -> None:
     try:
         import matplotlib
 
@@ -695,7 +839,7 @@ def plot(rows: list[dict[str, Any]], out_dir: Path, args: argparse.Namespace,
         print("matplotlib not installed: no plot")
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for name in ("hyscale", base_name):
+    for name in ("hyscale", *base_names):
         pts = [(r["T"], r[name]) for r in rows if isinstance(r[name], dict)]
         if pts:
             axes[0].plot([t for t, _ in pts], [m["fwd_bwd_ms"] for _, m in pts], "o-", label=name)

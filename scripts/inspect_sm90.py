@@ -186,9 +186,34 @@ def _hytopk(H: int, D: int, topk: int, relu: bool, T: int = 8192, **launch: Any
     return calls
 
 
-def _sparse_attention(hq: int, hkv: int, d: int, dv: int | None, topk: int, T: int = 256
-                      ) -> list[Launch]:
+@contextlib.contextmanager
+def overridden(module: Any, **values: Any) -> Iterator[None]:
+    """Set module-level constants (tilings, budgets) for the duration."""
+    saved = {n: getattr(module, n) for n in values}
+    try:
+        for n, v in values.items():
+            setattr(module, n, v)
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(module, n, v)
+
+
+def _sparse_attention(hq: int, hkv: int, d: int, dv: int | None, topk: int, T: int = 256,
+                      **overrides: Any) -> list[Launch]:
+    """Forward, dQ and dK/dV launches; overrides: module constants such as DQ_TILINGS."""
     from megatron_hyscale.ops.kernels import sparse_attention as sa
+
+    with overridden(sa, **overrides):
+        sa._tiling_cache.clear()
+        try:
+            return _sparse_attention_calls(sa, hq, hkv, d, dv, topk, T)
+        finally:
+            sa._tiling_cache.clear()
+
+
+def _sparse_attention_calls(sa: Any, hq: int, hkv: int, d: int, dv: int | None, topk: int,
+                            T: int) -> list[Launch]:
 
     q = torch.zeros(1, T, hq, d, dtype=torch.bfloat16)
     k = torch.zeros(1, T, hkv, d, dtype=torch.bfloat16)

@@ -71,7 +71,8 @@ def close(name, got, ref):
 def small_tiles(monkeypatch):
     """Key tiles of 16 so rows span several tiles; fresh tiling cache per test."""
     monkeypatch.setattr(kern, "FWD_TILINGS", ((16, 1),))
-    monkeypatch.setattr(kern, "BWD_TILINGS", ((16, 1),))
+    monkeypatch.setattr(kern, "DQ_TILINGS", ((16, 1),))
+    monkeypatch.setattr(kern, "DKV_TILINGS", ((16, 1),))
     monkeypatch.setattr(kern, "_tiling_cache", {})
 
 
@@ -214,3 +215,26 @@ def test_dkv_head_block_smaller_than_forward(case, monkeypatch):
         (_, _, grads), (_, _, rgrads) = run_both(q, k, v, idx, sink, dv, scale, deterministic)
         for got, ref in zip(grads, rgrads, strict=True):
             close("grad", got, ref)
+
+
+def test_split_backward_and_discard_mode():
+    """sparse_attention_bwd = the dQ launch then the dK/dV launch; the measurement-only discard
+    mode runs the dK/dV kernel without accumulating: keys nobody selected stay 0, dk untouched."""
+    q, k, v, idx, sink, dv, scale = build("mqa_absorbed_dv", seed=5)
+    out, lse = kern.sparse_attention_fwd(q, k, v, idx, scale, dv=dv, sink=sink)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    full = kern.sparse_attention_bwd(q, k, v, idx, scale, out, lse, dout, dv=dv, sink=sink)
+    dq, delta, dsink = kern.sparse_attention_bwd_dq(q, k, v, idx, scale, out, lse, dout, dv=dv,
+                                                    sink=sink)
+    dk, dvv = kern.sparse_attention_bwd_dkv(q, k, v, idx, scale, lse, dout, delta, dv=dv)
+    assert torch.equal(dq, full[0]) and dvv is None and full[2] is None
+    close("dk", dk, full[1])
+    buf, none = kern.sparse_attention_bwd_dkv(q, k, v, idx, scale, lse, dout, delta, dv=dv,
+                                              mode=kern.MODE_DISCARD)
+    B, S, Hkv = k.shape[:3]
+    assert none is None and buf.shape == (B, S, Hkv) and torch.isfinite(buf).all()
+    picked = torch.zeros(B, S, dtype=torch.bool, device=DEVICE)
+    for b in range(B):
+        flat = idx[b].reshape(-1).long()
+        picked[b, flat[flat >= 0]] = True
+    assert (buf[..., 0][~picked] == 0).all() and (buf[..., 0][picked] != 0).any()

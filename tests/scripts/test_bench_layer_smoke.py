@@ -10,11 +10,13 @@ Each subprocess takes about 5 s (megatron import), the two CP runs about 8 s.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +129,116 @@ def test_parser_checks() -> None:
     for bad in (["--seq", "100", "--cp", "3"], ["--model", "mla"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):
             bench_layer.parse_args(bad)
+
+
+def _import_bench_layer() -> Any:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_layer
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return bench_layer
+
+
+def test_stock_kernel_backend_flag_parses() -> None:
+    bench_layer = _import_bench_layer()
+    assert bench_layer.parse_args([]).stock_kernel_backend == "none"  # default: PyTorch stock
+    args = bench_layer.parse_args(["--stock-kernel-backend", "tilelang", "--seq", "8192"])
+    assert (args.model, args.stock_kernel_backend, args.seq) == ("dsa", "tilelang", [8192])
+    assert "--stock-kernel-backend" in bench_layer.build_parser().format_help()
+    # an unknown backend, a model without a stock DSAttention, or no stock row at all
+    for bad in (["--stock-kernel-backend", "cudnn"],
+                ["--stock-kernel-backend", "tilelang", "--model", "qsa"],
+                ["--stock-kernel-backend", "tilelang", "--skip-stock"]):
+        with pytest.raises(SystemExit) as exc:
+            bench_layer.parse_args(bad)
+        assert exc.value.code == 2, bad
+
+
+def test_stock_kernel_backend_tilelang_refused_here(tmp_path: Path) -> None:
+    """No tilelang (or no GPU): exit 2 naming the flag, before any output is written."""
+    out = tmp_path / "out"
+    proc = _run(["--model", "dsa", "--stock-kernel-backend", "tilelang"], out)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "--stock-kernel-backend tilelang" in proc.stderr
+    if importlib.util.find_spec("tilelang") is None:  # the CPU CI venv
+        assert "needs the tilelang package" in proc.stderr
+    else:  # installed, but this run asks for the CPU
+        assert "needs --device cuda" in proc.stderr
+    assert not out.exists()
+    assert "HyScale" not in proc.stdout  # nothing was built or measured
+
+
+def test_single_stock_json_and_table_unchanged(tmp_path: Path) -> None:
+    """Without the flag the dsa JSON and table keep their earlier keys and columns."""
+    proc = _run(["--model", "dsa"], tmp_path)
+    data = _load(tmp_path, "dsa", proc)
+    assert "baseline_names" not in data and "stock_kernel_backend" not in data
+    (row,) = data["rows"]
+    assert set(row) == {"T", "cp", "T_local", "selection_floor_ms", "hyscale", "stock"}
+    assert "fused_kernels" not in row["stock"]
+    assert ("| T | CP | HyScale fwd+bwd ms | peak GiB/GPU | selection in step ms (share) |"
+            " selection floor ms | computed / replayed | stock fwd+bwd ms |"
+            " stock peak GiB/GPU | stock selection ms (share) | speed-up |\n"
+            + "|---" * 11 + "|\n") in proc.stdout
+    assert "stock_tilelang" not in proc.stdout
+
+
+def test_two_stock_rows_table_and_json(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The stock + stock_tilelang layout (the GPU run's) on made-up records."""
+    bench_layer = _import_bench_layer()
+
+    def rec(ms: float) -> dict[str, Any]:
+        return {"fwd_bwd_ms": ms, "peak_extra_gib": 1.0, "selection_in_step_ms": 1.0,
+                "selection_share": 0.1, "selections_computed": 1, "selections_replayed": 1}
+
+    tl = rec(5.0) | {"fused_kernels": {"run_fused_qk_topk": {"used": 1, "declined": 0}}}
+    rows = [{"T": 8192, "cp": 1, "selection_floor_ms": 0.5, "hyscale": rec(2.0),
+             "stock": rec(8.0), "stock_tilelang": tl},
+            {"T": 16384, "cp": 1, "selection_floor_ms": 1.0, "hyscale": rec(4.0),
+             "stock": "skipped", "stock_tilelang": "error: RuntimeError: nvcc | failed"}]
+    names = ["stock", "stock_tilelang"]
+    bench_layer.print_table(rows, names)
+    lines = capsys.readouterr().out.splitlines()
+    head = next(line for line in lines if line.startswith("| T | CP |"))
+    assert "speed-up vs stock |" in head and head.endswith("speed-up vs stock_tilelang |")
+    first = next(line for line in lines if line.startswith("| 8192 |"))
+    cells = [c.strip() for c in first.strip("|").split("|")]
+    assert len(cells) == head.count("|") - 1 == 15
+    assert (cells[10], cells[14]) == ("4.00x", "2.50x")
+    second = next(line for line in lines if line.startswith("| 16384 |"))
+    assert second.count("|") == head.count("|")  # an error message does not break the row
+    assert any("fused kernels used/declined: run_fused_qk_topk 1/0" in line for line in lines)
+    assert bench_layer._speedup(rec(2.0), rec(5.0)) == 2.5
+    assert bench_layer._speedup(rec(2.0), "OOM") is None
+
+    args = bench_layer.parse_args(["--stock-kernel-backend", "tilelang", "--seq", "8192"])
+    bench_layer.write_json(tmp_path, args, "cpu", 1.0, names, rows)
+    data = json.loads((tmp_path / "bench_layer_dsa.json").read_text())
+    assert data["baseline_name"] == "stock" and data["baseline_names"] == names
+    assert data["stock_kernel_backend"] == "tilelang"
+
+
+def test_fused_hook_counter_counts_and_restores() -> None:
+    bench_layer = _import_bench_layer()
+    hooks = types.SimpleNamespace(ran=lambda x: x * 2, declines=lambda x: None)
+    originals = (hooks.ran, hooks.declines)
+    with bench_layer.FusedHookCounter([(hooks, "ran"), (hooks, "declines")]) as counter:
+        assert hooks.ran(3) == 6 and hooks.ran(1) == 2 and hooks.declines(3) is None
+    assert counter.counts == {"ran": {"used": 2, "declined": 0},
+                              "declines": {"used": 0, "declined": 1}}
+    assert (hooks.ran, hooks.declines) == originals
+
+
+def test_guarded_keeps_going_only_when_asked() -> None:
+    bench_layer = _import_bench_layer()
+
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("kernel compile failed")
+
+    assert bench_layer.guarded(broken, "cpu", keep_going=True).startswith(
+        "error: RuntimeError: kernel compile failed")
+    with pytest.raises(RuntimeError):
+        bench_layer.guarded(broken, "cpu")
+    assert bench_layer.combine([{"fwd_bwd_ms": 1.0, "peak_extra_gib": 0.0}, "OOM"]) == "OOM"

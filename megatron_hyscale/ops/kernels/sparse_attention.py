@@ -51,8 +51,17 @@ SMEM_BUDGET = 220 * 1024
 # lack of shared memory or registers is skipped and the next one tried.
 FWD_TILINGS = ((64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
 BWD_TILINGS = ((32, 2), (64, 1), (32, 1), (16, 1))
-# Warps a program: 8 once the accumulator tile is large (>= 64 x 256 fp32), else 4.
+# Per backward kernel (both start as BWD_TILINGS). Compiled for sm_90a (2026-11-30, GLM-5.1
+# shape, `scripts/inspect_sm90.py`): dQ at 32 x 2 spills 564 bytes a thread with 132 spill
+# instructions in its key loop, at 32 x 1 72 bytes and 5 (but no cp.async prefetch of the
+# gathered rows); dK/dV at 32 x 2 does not spill, at 32 x 1 it spills 436 bytes. Which is
+# faster is for `bench_attention.py --bwd-sweep` on the GPU to say.
+DQ_TILINGS = BWD_TILINGS
+DKV_TILINGS = BWD_TILINGS
+# Warps a program: WIDE_WARPS once the accumulator tile is large (>= 64 x 256 fp32), else 4;
+# per kernel, since the backward kernels hold a second [heads x dims] fp32 accumulator's worth.
 WIDE_TILE = 64 * 256
+WIDE_WARPS = {"fwd": 8, "dq": 8, "dkv": 8}
 # The dK/dV kernel reads q and dO in two MMA layouts (B of K @ q^T and of dS^T @ q), which Triton
 # keeps as two shared-memory copies; its head block is halved until both copies fit in this
 # (measured on the H200: 64 heads x (576 + 512) dims asked for 311 KiB of 227).
@@ -62,6 +71,10 @@ DKV_RESIDENT_BUDGET = 160 * 1024
 MODE_ATOMIC = 0  # fp32 atomic adds (fast; the rounding depends on the atomics' order)
 MODE_ROWMAX = 1  # deterministic pass 1: atomic max of |contribution| per key row
 MODE_FIXED = 2  # deterministic pass 2: int64 fixed-point atomic adds (order-free)
+# Measurement only: the same products, each tile reduced to one number and stored to a per-key-row
+# slot with a plain store (no atomics), so `bench_attention.py --bwd-sweep` can time the kernel
+# without its accumulation. Its output is not a gradient.
+MODE_DISCARD = 3
 # Bits of the int64 accumulators used by the sum of one element's contributions (63 is the
 # sign-free maximum; one bit spare for the rounding of each addend).
 FIXED_BITS = 62
@@ -260,6 +273,8 @@ def _accumulate(ptrs, tile, rows, valid, col_mask, rowmax_base, scale_base, srs,
     elif MODE == 1:
         tl.atomic_max(rowmax_base + rows * srs, tl.max(tl.abs(tile), axis=1), mask=valid,
                       sem="relaxed")
+    elif MODE == 3:
+        tl.store(rowmax_base + rows * srs, tl.sum(tl.where(mask, tile, 0.0), axis=1), mask=valid)
     else:
         fx = tl.load(scale_base + rows * srs, mask=valid, other=0.0)
         fixed = tl.floor(tile * fx[:, None] + 0.5).to(tl.int64)
@@ -366,9 +381,11 @@ class _Geometry:
         self.dv_pad = max(MIN_DOT, triton.next_power_of_2(self.dv))
         # V read from K's already-gathered main tile (absorbed MLA: dv = 512 = main part of 576).
         self.v_is_k_main = v is None and self.dv == self.d_main
-        wide = self.block_h * max(self.dv_pad, self.d_main) >= WIDE_TILE
-        self.num_warps = 8 if wide else 4
+        self.wide = self.block_h * max(self.dv_pad, self.d_main) >= WIDE_TILE
         self.precision = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    def num_warps(self, kernel: str) -> int:
+        return WIDE_WARPS[kernel] if self.wide else 4
 
     def const(self):
         return dict(D=self.D, D_MAIN=self.d_main, D_TAIL=self.d_tail, DV=self.dv,
@@ -387,17 +404,17 @@ _tiling_cache: dict[tuple, tuple[int, int]] = {}
 
 def _launch(kernel, grid, args, const, geo, tilings, resident, elem, key):
     """Launch with the first tiling that fits; remember it per (kernel, geometry) key."""
+    warps = geo.num_warps(key[0])
+    key = key + (warps,)
     if key in _tiling_cache:
         block_n, stages = _tiling_cache[key]
-        kernel[grid](*args, **const, BLOCK_N=block_n, num_warps=geo.num_warps,
-                     num_stages=stages)
+        kernel[grid](*args, **const, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
         return
     fitting = [tl_ for tl_ in tilings if geo.smem_bytes(*tl_, elem, resident) <= SMEM_BUDGET]
     errors = []
     for block_n, stages in fitting or tilings[-1:]:
         try:
-            kernel[grid](*args, **const, BLOCK_N=block_n, num_warps=geo.num_warps,
-                         num_stages=stages)
+            kernel[grid](*args, **const, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
         except OutOfResources as exc:
             errors.append(f"{block_n}x{stages}: {exc}")
             continue
@@ -452,38 +469,49 @@ def _fixed_point_scale(rowmax, n_contrib):
     return torch.ldexp(torch.ones_like(rm), exp).float(), exp
 
 
-def sparse_attention_bwd(q, k, v, indices, softmax_scale, out, lse, dout, dlse=None, dv=None,
-                         sink=None, deterministic=False):
-    """Backward launches: returns (dq, dk, dv or None, dsink or None)."""
+def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dlse=None,
+                            dv=None, sink=None):
+    """dQ launch: returns (dq, delta fp32 [B, T, Hq], dsink or None)."""
     B, T, Hq, _ = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
     geo = _Geometry(q, k, v, dv)
     NK = indices.shape[-1]
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     delta = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
     dsink_part = torch.empty_like(delta) if sink is not None else delta
     v_src, v_str = _v_source(k, v, geo)
-    grid = (B * T, Hkv * geo.nhb)
-    common = dict(geo.const())
-    elem = q.element_size()
+    grid = (B * T, k.shape[2] * geo.nhb)
     resident = geo.block_h * (geo.d_main + geo.d_tail + geo.dv_pad)
-    dout_str = _strides4(dout)
     dlse_t = dlse if dlse is not None else lse
     args = (q, k, v_src, indices, sink if sink is not None else lse, out, dout, lse, dlse_t,
             dq, delta, dsink_part, T, NK, geo.G, geo.nhb, softmax_scale * LOG2E, softmax_scale,
             *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices), *_strides4(out),
-            *dout_str, *lse.stride(), *_strides4(dq))
-    const = dict(common, HAS_SINK=sink is not None, HAS_DLSE=dlse is not None)
-    _launch(_bwd_dq_kernel, grid, args, const, geo, BWD_TILINGS, resident, elem,
-            ("dq", q.dtype, BWD_TILINGS, tuple(sorted(const.items()))))
+            *_strides4(dout), *lse.stride(), *_strides4(dq))
+    const = dict(geo.const(), HAS_SINK=sink is not None, HAS_DLSE=dlse is not None)
+    _launch(_bwd_dq_kernel, grid, args, const, geo, DQ_TILINGS, resident, q.element_size(),
+            ("dq", q.dtype, DQ_TILINGS, tuple(sorted(const.items()))))
+    dsink = dsink_part.sum(dim=(0, 1)).to(sink.dtype) if sink is not None else None
+    return dq, delta, dsink
 
+
+def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, dv=None,
+                             deterministic=False, mode=None):
+    """dK / dV launches (delta from sparse_attention_bwd_dq): returns (dk, dv or None).
+
+    mode=MODE_DISCARD (measurement only) runs the kernel once without accumulating and returns
+    the fp32 [B, S, Hkv] discard buffer in place of dk."""
+    B, T, Hq, _ = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    geo = _Geometry(q, k, v, dv)
+    NK = indices.shape[-1]
+    elem = q.element_size()
+    v_src, v_str = _v_source(k, v, geo)
     acc_dtype = torch.int64 if deterministic else torch.float32
     dk_acc = torch.zeros((B, S, Hkv, geo.D), device=q.device, dtype=acc_dtype)
     separate_v = v is not None
     dv_acc = (torch.zeros((B, S, Hkv, geo.dv), device=q.device, dtype=acc_dtype)
               if separate_v else dk_acc)
     stat_shape = (B, S, Hkv)
-    if deterministic:
+    if deterministic or mode == MODE_DISCARD:
         rowmax_k = torch.zeros(stat_shape, device=q.device, dtype=torch.float32)
         rowmax_v = torch.zeros_like(rowmax_k) if separate_v else rowmax_k
     else:
@@ -501,30 +529,38 @@ def sparse_attention_bwd(q, k, v, indices, softmax_scale, out, lse, dout, dlse=N
         args = (q, k, v_src, indices, dout, lse, delta, dk_acc, dv_acc,
                 rowmax_k, rowmax_v, scale_k, scale_v,
                 T, NK, geo.G, nhb_dkv, softmax_scale * LOG2E, softmax_scale,
-                *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices), *dout_str,
-                *lse.stride(), *_strides4(dk_acc), *_strides4(dv_acc), *rowmax_k.stride())
-        const = dict(common, MODE=mode, BLOCK_H=bh_dkv)
-        _launch(_bwd_dkv_kernel, grid_dkv, args, const, geo, BWD_TILINGS, 2 * bh_dkv * dims, elem,
-                ("dkv", q.dtype, BWD_TILINGS, tuple(sorted(const.items()))))
+                *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices),
+                *_strides4(dout), *lse.stride(), *_strides4(dk_acc), *_strides4(dv_acc),
+                *rowmax_k.stride())
+        const = dict(geo.const(), MODE=mode, BLOCK_H=bh_dkv)
+        _launch(_bwd_dkv_kernel, grid_dkv, args, const, geo, DKV_TILINGS, 2 * bh_dkv * dims,
+                elem, ("dkv", q.dtype, DKV_TILINGS, tuple(sorted(const.items()))))
 
+    if mode == MODE_DISCARD:
+        run(MODE_DISCARD)
+        return rowmax_k, None
     if not deterministic:
         run(MODE_ATOMIC)
-        dk = dk_acc.to(k.dtype)
-        dvv = dv_acc.to(v.dtype) if separate_v else None
-    else:
-        run(MODE_ROWMAX)
-        # Each element gets at most one dK and one dV addend per (query, head block).
-        n_contrib = 2 * T * nhb_dkv
-        scale_k, exp_k = _fixed_point_scale(rowmax_k, n_contrib)
-        scale_v, exp_v = (_fixed_point_scale(rowmax_v, n_contrib) if separate_v
-                          else (scale_k, exp_k))
-        run(MODE_FIXED)
-        dk = torch.ldexp(dk_acc.double(), -exp_k.unsqueeze(-1)).to(k.dtype)
-        dvv = torch.ldexp(dv_acc.double(), -exp_v.unsqueeze(-1)).to(v.dtype) if separate_v \
-            else None
-    dsink = None
-    if sink is not None:
-        dsink = dsink_part.sum(dim=(0, 1)).to(sink.dtype)
+        return dk_acc.to(k.dtype), dv_acc.to(v.dtype) if separate_v else None
+    run(MODE_ROWMAX)
+    # Each element gets at most one dK and one dV addend per (query, head block).
+    n_contrib = 2 * T * nhb_dkv
+    scale_k, exp_k = _fixed_point_scale(rowmax_k, n_contrib)
+    scale_v, exp_v = (_fixed_point_scale(rowmax_v, n_contrib) if separate_v
+                      else (scale_k, exp_k))
+    run(MODE_FIXED)
+    dk = torch.ldexp(dk_acc.double(), -exp_k.unsqueeze(-1)).to(k.dtype)
+    dvv = torch.ldexp(dv_acc.double(), -exp_v.unsqueeze(-1)).to(v.dtype) if separate_v else None
+    return dk, dvv
+
+
+def sparse_attention_bwd(q, k, v, indices, softmax_scale, out, lse, dout, dlse=None, dv=None,
+                         sink=None, deterministic=False):
+    """Backward launches: returns (dq, dk, dv or None, dsink or None)."""
+    dq, delta, dsink = sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout,
+                                               dlse=dlse, dv=dv, sink=sink)
+    dk, dvv = sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, dv=dv,
+                                       deterministic=deterministic)
     return dq, dk, dvv, dsink
 
 
