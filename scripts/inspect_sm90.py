@@ -227,6 +227,28 @@ def _sparse_attention_calls(sa: Any, hq: int, hkv: int, d: int, dv: int | None, 
     return calls
 
 
+def _indexer_loss(hi: int, di: int, hq: int, d: int, topk: int, T: int = 256, **overrides: Any
+                  ) -> list[Launch]:
+    """select, target, loss and backward launches of the sparse indexer KL loss."""
+    from megatron_hyscale.ops.kernels import indexer_loss as il
+
+    qi = torch.zeros(1, T, hi, di, dtype=torch.bfloat16)
+    w = torch.zeros(1, T, hi, dtype=torch.float32)
+    ki = torch.zeros(1, T, di, dtype=torch.bfloat16)
+    query = torch.zeros(1, T, hq, d, dtype=torch.bfloat16)
+    key = torch.zeros(1, T, 1, d, dtype=torch.bfloat16)
+    idx = torch.zeros(1, T, topk, dtype=torch.int32)
+    pos = torch.arange(T)[None]
+    names = [n for n in dir(il) if n.startswith("_") and n.endswith("_kernel")]
+    with overridden(il, **overrides), intercept(il, *names) as calls:
+        il._tiling_cache.clear()
+        p = il.attention_target(query, key, idx, pos, pos, d ** -0.5)
+        kl, lse, psum = il.indexer_loss_rows(qi, w, ki, idx, p, True)
+        il.indexer_loss_bwd(qi, w, ki, idx, p, lse, psum, torch.ones(()), 0.01, True)
+        il._tiling_cache.clear()
+    return calls
+
+
 PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-dsv32": lambda: _hytopk(64, 128, 2048, True),
     "hytopk-dsv32-heads-on-m": lambda: _hytopk(64, 128, 2048, True, keys_on_m=False),
@@ -238,6 +260,7 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-qsa": lambda: _hytopk(4, 128, 2048, True),
     "hytopk-norelu": lambda: _hytopk(32, 128, 2048, False),
     "sparse-attention-glm51": lambda: _sparse_attention(64, 1, 576, None, 2048),
+    "indexer-loss-glm51": lambda: _indexer_loss(32, 128, 64, 576, 2048),
 }
 
 

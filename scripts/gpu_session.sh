@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One lent-GPU session in a few full calls (each under the device tool's 10-minute limit), run
+# from the repository root on the H200 with `carry: [".whl"]`:
+#   bash scripts/gpu_session.sh verify    # GPU op tests (HyTopK, sparse attention, indexer
+#                                         # loss) + the layer tests on CUDA            (~4 min)
+#   bash scripts/gpu_session.sh kernels   # HyTopK variants at 128K, the backward tiling sweep,
+#                                         # the indexer-loss benchmark                 (~6 min)
+#   bash scripts/gpu_session.sh layer [T...]  # bench_layer.py, DSA, GLM-5.1 geometry   (~8 min)
+# Logs and JSON go under ${OUT:-outputs/gpu_session}/<stage>. TileLang's stock backend needs
+# two more calls (scripts/gpu_tilelang.sh). Flip indexer_loss.TRITON_KERNEL_GPU_VERIFIED only
+# after `verify` passed, before `layer`, so the layer uses the fused loss.
+set -uo pipefail
+stage=${1:-}
+shift || true
+case "$stage" in
+  verify|kernels|layer) ;;
+  *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|layer} [T...]" >&2; exit 2 ;;
+esac
+out=${OUT:-outputs/gpu_session}/$stage
+mkdir -p "$out"
+if ! python3 -c "import megatron.core" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$(pwd):${PYTHONPATH:-} PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u;
+  git log -1 --format='%h %s' 2>/dev/null; } | tee "$out/device.txt"
+
+case "$stage" in
+  verify)
+    timeout 300 python3 -m pytest -q -m gpu tests/ops -p no:cacheprovider 2>&1 \
+      | tail -30 | tee "$out/gpu_ops.log"
+    timeout 200 python3 -m pytest -q tests/layers -p no:cacheprovider 2>&1 \
+      | tail -15 | tee "$out/layers.log"
+    ;;
+  kernels)
+    timeout 240 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
+      --methods hytopk hytopk_heads_on_m hytopk_scan_slots scoreonly scoreonly_heads_on_m \
+      table chunked --out "$out" 2>&1 | tee "$out/bench_selection.log"
+    timeout 150 python3 scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768 \
+      --reps 2 --out "$out" 2>&1 | tee "$out/bench_attention_sweep.log"
+    timeout 120 python3 scripts/bench_indexer_loss.py --out "$out" 2>&1 \
+      | tee "$out/bench_indexer_loss.log"
+    ;;
+  layer)
+    seqs=${*:-8192 16384 32768 65536 131072 262144}
+    timeout 560 python3 scripts/bench_layer.py --seq $seqs --repeats 1 --out "$out" 2>&1 \
+      | tee "$out/bench_layer.log"
+    ;;
+esac
