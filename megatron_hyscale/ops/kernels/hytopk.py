@@ -117,6 +117,18 @@ def _unpack_index(key):
 
 
 @triton.jit
+def _logits(a, b, RELU: tl.constexpr, IEEE: tl.constexpr):
+    """a @ b^T in fp32 (tensor cores, or IEEE fp32 for fp32 inputs), ReLU'd when RELU."""
+    if IEEE:
+        out = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+    else:
+        out = tl.dot(a, tl.trans(b))
+    if RELU:
+        out = tl.maximum(out, 0.0)
+    return out
+
+
+@triton.jit
 def _pick(vec, offs, i):
     """vec[i] as a scalar (i may be a run-time value)."""
     return tl.sum(tl.where(offs == i, vec, 0), axis=0)
@@ -253,10 +265,7 @@ def _hytopk_kernel(
                                mask=in_g[:, None] & d_ok[None, :], other=0.0)
                 rho = tl.load(rho_ptr + b.to(tl.int64) * n_key_tiles + tile_g, mask=in_g,
                               other=0.0)
-                if IEEE:
-                    a_c = tl.dot(q_f32, tl.trans(cent.to(tl.float32)), input_precision="ieee")
-                else:
-                    a_c = tl.dot(qt, tl.trans(cent))
+                a_c = _logits(qt, cent, False, IEEE)  # computed like the key tiles' logits
                 reach = q_norm[:, None] * rho[None, :]
                 bnd = a_c + reach
                 if RELU:
@@ -299,24 +308,10 @@ def _hytopk_kernel(
                 if KEYS_ON_M:
                     # K_tile @ Q^T: the (row, head) pairs are the MMA's N, so the head sum
                     # below reduces within each thread and its quad (no shared memory).
-                    if IEEE:
-                        logits_t = tl.dot(kt.to(tl.float32), tl.trans(qt.to(tl.float32)),
-                                          input_precision="ieee")
-                    else:
-                        logits_t = tl.dot(kt, tl.trans(qt))
-                    if RELU:
-                        logits_t = tl.maximum(logits_t, 0.0)
-                    logits_t = logits_t * w[None, :]
+                    logits_t = _logits(kt, qt, RELU, IEEE) * w[None, :]
                     scores = tl.trans(tl.sum(tl.reshape(logits_t, [BN, R, HP]), axis=2))
                 else:
-                    if IEEE:
-                        logits = tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)),
-                                        input_precision="ieee")
-                    else:
-                        logits = tl.dot(qt, tl.trans(kt))
-                    if RELU:
-                        logits = tl.maximum(logits, 0.0)
-                    logits = logits * w[:, None]
+                    logits = _logits(qt, kt, RELU, IEEE) * w[:, None]
                     if HP == 1:
                         scores = logits
                     else:
