@@ -209,23 +209,67 @@ class V4Compressor(MegatronModule):
             torch.zeros(ratio, width, dtype=config.params_dtype))
         self.kv_norm = _norm(submodules.kv_norm, dim, config)
 
-    def forward(self, x: torch.Tensor, inv_freq: torch.Tensor, cp_group: Any = None
+    def forward(self, x: torch.Tensor, inv_freq: torch.Tensor | None, cp_group: Any = None
                 ) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T // ratio, dim] (RMSNorm'd, RoPE'd at i * ratio).
 
         Under context parallelism (`cp_group` of size cp > 1) x holds this rank's L zigzag rows
-        and the result is [B, cp * L // ratio, dim], the entries of the whole sequence: the
-        windows straddle the chunk borders, so the projections are all-gathered (one
-        collective for kv and gate) and pooled in global order on every rank.
+        and the result is [B, cp * L // ratio, dim], the entries of the whole sequence. When
+        each zigzag chunk (L / 2 tokens) is a whole number of windows, every rank pools its own
+        chunks' entries (CSA's first window of a chunk also reads the previous chunk's last
+        window, all-gathered: 2 * ratio tokens a rank) and the entries are all-gathered:
+        [S / ratio, dim] instead of the [S, 2 (2) dim] projections. Otherwise the projections
+        are all-gathered (one collective for kv and gate) and pooled in global order on every
+        rank. Both give the same entries. `cp_mode` records which ran ("chunks" / "gather").
         """
         kv, _ = self.linear_kv(x)
         gate, _ = self.linear_gate(x)
+        self.cp_mode = None
         if cp_group is not None:
+            chunk = x.shape[1] // 2
+            if x.shape[1] % 2 == 0 and chunk >= self.ratio and chunk % self.ratio == 0:
+                self.cp_mode = "chunks"
+                return self._pool_own_chunks(kv, gate, inv_freq, cp_group, chunk)
+            self.cp_mode = "gather"
             width = kv.shape[-1]
             kv, gate = _gather_tokens(torch.cat([kv, gate], dim=-1), cp_group).split(width, -1)
+        return self._pool(kv, gate, inv_freq)
+
+    def _pool(self, kv: torch.Tensor, gate: torch.Tensor, inv_freq: torch.Tensor | None
+              ) -> torch.Tensor:
         fn = compress_overlapping if self.overlap else compress
         return fn(kv, gate, self.position_bias, self.ratio, norm_weight=self.kv_norm.weight,
                   eps=self.config.layernorm_epsilon, inv_freq=inv_freq)
+
+    def _pool_own_chunks(self, kv: torch.Tensor, gate: torch.Tensor,
+                         inv_freq: torch.Tensor | None, cp_group: Any, chunk: int
+                         ) -> torch.Tensor:
+        """Entries of this rank's two zigzag chunks (global chunks r and 2 cp - 1 - r), pooled
+        locally, then all-gathered into global order; see forward."""
+        m, width = self.ratio, kv.shape[-1]
+        cp, rank = cp_group.size(), cp_group.rank()
+        proj = torch.cat([kv, gate], dim=-1)
+        if self.overlap:
+            # The last window of every chunk, global chunk order: [B, 2 cp * m, 2 width].
+            tails = _gather_tokens(torch.cat([proj[:, chunk - m:chunk], proj[:, -m:]], dim=1),
+                                   cp_group)
+        parts = []
+        for half, c in enumerate((rank, 2 * cp - 1 - rank)):
+            part = proj[:, half * chunk:(half + 1) * chunk]
+            drop = 0
+            if self.overlap and c > 0:
+                # Prepend the previous chunk's last window; the entry pooled from it alone
+                # (against a virtual empty window) is dropped.
+                part = torch.cat([tails[:, (c - 1) * m:c * m], part], dim=1)
+                drop = 1
+            entries = self._pool(*part.split(width, dim=-1), None)[:, drop:]
+            if inv_freq is not None:  # RoPE at the entries' global positions i * m
+                positions = (torch.arange(entries.shape[1], device=entries.device)
+                             + c * chunk // m) * m
+                cos, sin = rope_cos_sin(positions, inv_freq.to(entries.device))
+                entries = apply_interleaved_rope(entries, cos, sin)
+            parts.append(entries)
+        return _gather_tokens(torch.cat(parts, dim=1), cp_group)
 
 
 @dataclass
@@ -458,21 +502,21 @@ class HyScaleV4Attention(MegatronModule):
 
         Communication under CP (all-gather forward, reduce-scatter of the same tensors'
         gradients in the backward; each rank receives (cp-1)/cp of every gathered tensor).
-        Per layer and sequence, V4-Flash (D = 512, D_I = 128), bf16, S = 1M tokens, size of
-        the gathered [S, ...] tensor:
-          raw K = V for the sliding window            S x D         = 1 GiB (every layer)
-          CSA compressor kv | gate                    S x 4D        = 4 GiB
-          HCA compressor kv | gate                    S x 2D        = 2 GiB
-          CSA indexer compressor kv | gate            S x 4 D_I     = 1 GiB (forward only
+        Per layer and sequence, V4-Flash (D = 512, D_I = 128, m = 4 / 128), bf16, S = 1M
+        tokens, size of the gathered [S, ...] tensor:
+          raw K = V for the sliding window            S x D            = 1 GiB (every layer)
+          CSA compressor entries (+ 2 m tokens' kv | gate a rank)
+                                                      S / 4 x D        = 256 MiB
+          HCA compressor entries                      S / 128 x D      = 8 MiB
+          CSA indexer compressor entries              S / 4 x D_I      = 64 MiB (forward only
               unless the indexer loss is on; skipped by a replayed recompute)
-        So a CSA layer gathers 6 GiB per forward (3 GiB received per rank at CP = 2), an HCA
-        layer 3 GiB, a window layer 1 GiB; full recompute repeats the forward gathers (minus
-        the replayed indexer's). The compressed entries (S / m x D) are computed redundantly on
-        every rank, as is the compressor's memory (it is not sharded by CP). A cheaper exact
-        variant (follow-up): each rank pools the entries of its own chunks, fetching the one
-        border window (m tokens) per chunk from its neighbour, all-gathers the entries
-        (S / m x D) and fetches only the window - 1 raw tokens before each chunk: about 20x
-        less traffic for CSA.
+        That is when each zigzag chunk (S / (2 cp) tokens) holds whole windows (V4Compressor
+        pools its own chunks); otherwise each compressor gathers its kv | gate projections
+        instead, S x 4D = 4 GiB for CSA (S x 4 D_I = 1 GiB for its indexer), S x 2D = 2 GiB
+        for HCA. So with whole windows a CSA layer gathers 1.3 GiB per forward, an HCA layer
+        1 GiB, a window layer 1 GiB; full recompute repeats the forward gathers (minus the
+        replayed indexer's). What remains is the raw window: a follow-up can fetch only the
+        window - 1 tokens before each chunk instead of the whole S x D.
         """
         if key_value_states is not None or inference_context is not None:
             raise NotImplementedError("HyScaleV4Attention: self-attention training only")

@@ -45,7 +45,16 @@ SCENARIOS: dict[str, tuple[int, int, dict, bool, bool]] = {
                                                    calculate_per_token_loss=True), True, True),
     "hca": (8, 3, {}, False, True),
     "hca-full-recompute": (8, 3, {}, True, True),
+    # Chunks of 12 tokens, whole windows of ratio 3, 4 and 6: the compressors pool their own
+    # chunks (cp_mode "chunks") instead of gathering the projections.
+    "csa-chunks": (3, 3, {}, False, True),
+    "csa-ratio4-chunks-indexer-loss-full-recompute": (
+        4, 4, dict(v4_indexer_loss_coeff=0.5, calculate_per_token_loss=True), True, True),
+    "hca-chunks-full-recompute": (6, 3, {}, True, True),
 }
+# Sequence length per scenario (default T); 48 = 4 chunks of 12 at CP = 2.
+SEQ = {"csa-chunks": 48, "csa-ratio4-chunks-indexer-loss-full-recompute": 48,
+       "hca-chunks-full-recompute": 48}
 
 
 def _config(cp: int, ratio: int, csa_ratio: int, overrides: dict):
@@ -139,9 +148,10 @@ def _run(name: str, cp_group) -> dict:
     )
 
     from megatron_hyscale import replay
-    from megatron_hyscale.layers.csa import HyScaleV4Attention
+    from megatron_hyscale.layers.csa import HyScaleV4Attention, V4Compressor
 
     ratio, csa_ratio, overrides, recompute, pass_pg = SCENARIOS[name]
+    seq = SEQ.get(name, T)
     cp = cp_group.size() if cp_group is not None else 1
     rank = cp_group.rank() if cp_group is not None else 0
     cfg = _config(cp, ratio, csa_ratio, overrides)
@@ -152,8 +162,8 @@ def _run(name: str, cp_group) -> dict:
     _randomize(layer, seed=ratio + 10 * csa_ratio)
     layer.train()
     g = torch.Generator().manual_seed(1)
-    x_full = torch.randn(T, B, cfg.hidden_size, generator=g)
-    r_full = torch.randn(T, B, cfg.hidden_size, generator=g)
+    x_full = torch.randn(seq, B, cfg.hidden_size, generator=g)
+    r_full = torch.randn(seq, B, cfg.hidden_size, generator=g)
     x = zigzag_split(x_full, cp, rank, dim=0).clone().requires_grad_(True)
     r = zigzag_split(r_full, cp, rank, dim=0)
 
@@ -176,8 +186,10 @@ def _run(name: str, cp_group) -> dict:
             dist.all_reduce(grad, group=cp_group)  # the rank losses sum to the CP = 1 loss
         dist.all_reduce(idx_loss, group=cp_group)  # per-token: each rank's share of the sum
         out, x_grad = _gather_seq(out, cp_group, 0), _gather_seq(x_grad, cp_group, 0)
+    cp_modes = sorted({m.cp_mode for m in layer.modules() if isinstance(m, V4Compressor)},
+                      key=str)
     return dict(out=out, x_grad=x_grad, grads=grads, stats=stats, indexer_loss=idx_loss,
-                names=[n for n, _ in layer.named_parameters()])
+                names=[n for n, _ in layer.named_parameters()], cp_modes=cp_modes)
 
 
 def _worker(rank: int, port: int, out_path: str) -> None:
@@ -259,6 +271,10 @@ def test_cp2_matches_cp1(results, name):
     for res in (one, two):
         stats = res["stats"]
         assert (stats["selections_computed"], stats["selections_replayed"]) == computed_replayed
+    # Which CP path the compressors took (window layers have none).
+    mode = "chunks" if name in SEQ else "gather"
+    assert one["cp_modes"] == ([] if ratio == 0 else [None])
+    assert two["cp_modes"] == ([] if ratio == 0 else [mode])
 
 
 def test_gpt_v4_pattern_cp2_matches_cp1(results):
