@@ -1,8 +1,10 @@
 """Benchmark HyScale's Triton sparse attention (forward, backward, deterministic backward).
 
 Shapes (issue 4): GLM-5.1 / DeepSeek-V3.2 absorbed MLA (1 KV head, Dqk 576, V = first 512
-channels of K, 64 / 128 heads, top-2048), DeepSeek-V4 CSA (K = V of 512, sink, 640 keys) and
-QSA (GQA 24 / 2 heads of 256, per-KV-head indices, 2052 keys), T queries over S = T keys, bf16.
+channels of K, 64 / 128 heads, top-2048), DeepSeek-V4 CSA (K = V of 512, sink, 640 keys),
+QSA (GQA 24 / 2 heads of 256, per-KV-head indices, 2052 keys), T queries over S = T keys, bf16,
+and DeepSeek-V4 HCA (every visible entry of T / 128 as a generated prefix + a 128-token window;
+FLOPs counted over each row's own keys).
 Indices: distinct pseudo-random keys per row ((a + j * step) mod S, step odd), all valid: the
 worst case for the gather (no reuse between neighbouring queries).
 
@@ -47,11 +49,17 @@ SHAPES = {
     "v32": (128, 1, 576, None, 512, False, False, 2048),
     "csa": (64, 1, 512, None, None, True, False, 640),
     "qsa": (24, 2, 256, 256, None, False, True, 2052),
+    # DeepSeek-V4 HCA: every visible entry of T / 128 (a generated prefix) + a 128-token window
+    "hca": (64, 1, 512, None, None, True, False, 128),
 }
+# Shapes whose rows attend to a dense prefix of compressed entries (the compress ratio).
+PREFIX_RATIO = {"hca": 128}
 
 
 def make_inputs(shape, T, seed=0):
     Hq, Hkv, D, vdim, dv, has_sink, per_head, K = SHAPES[shape]
+    if shape in PREFIX_RATIO:
+        return make_prefix_inputs(shape, T, seed)
     S = T
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(1, T, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -68,8 +76,37 @@ def make_inputs(shape, T, seed=0):
         1, T, K)
     width = dv or (vdim if vdim else D)
     return dict(q=q, k=k, v=v, idx=idx, sink=sink, dv=dv, scale=D ** -0.5, width=width,
+                prefix=None,
                 flop_fwd=2 * T * Hq * K * (D + width),
                 flop_bwd=2 * T * Hq * K * (3 * D + 2 * width))
+
+
+def make_prefix_inputs(shape, T, seed=0):
+    """HCA: keys [T / m compressed entries ; T raw tokens]; row t attends to its visible entries
+    (floor((t + 1) / m), generated from prefix_lengths) and its window of raw tokens."""
+    Hq, _, D, _, _, _, _, W = SHAPES[shape]
+    m = PREFIX_RATIO[shape]
+    N = T // m
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, T, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, N + T, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    sink = torch.randn(Hq, device="cuda", generator=g)
+    pos = torch.arange(T, device="cuda")
+    prefix = ((pos + 1) // m).clamp(max=N).to(torch.int32)[None]
+    win = pos[:, None] - torch.arange(W - 1, -1, -1, device="cuda")[None]
+    idx = torch.where(win >= 0, N + win, -1).to(torch.int32)[None]
+    keys_per_row = prefix.sum().item() + (idx >= 0).sum().item()
+    return dict(q=q, k=k, v=None, idx=idx, sink=sink, dv=None, scale=D ** -0.5, width=D,
+                prefix=prefix, flop_fwd=2 * Hq * keys_per_row * 2 * D,
+                flop_bwd=2 * Hq * keys_per_row * 5 * D)
+
+
+def explicit_indices(inp):
+    """The same keys listed: [B, T, max prefix + K] (stock path; a prefix shape only)."""
+    n = inp["prefix"].long()
+    slots = torch.arange(int(n.max()), device=n.device)
+    pre = torch.where(slots < n[..., None], slots, -1)
+    return torch.cat([pre, inp["idx"].long()], dim=-1)
 
 
 def bench_ours(inp, warmup, reps, deterministic_too):
@@ -79,10 +116,11 @@ def bench_ours(inp, warmup, reps, deterministic_too):
     def fwd():
         with torch.no_grad():
             return sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"],
-                                           sink=sink)
+                                           sink=sink, prefix_lengths=inp["prefix"])
 
     res = {"fwd_ms": time_ms(fwd, reps=reps, warmup=warmup)}
-    out = sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"], sink=sink)
+    out = sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"], sink=sink,
+                                  prefix_lengths=inp["prefix"])
     grad = torch.randn_like(out)
     res["peak_fwd_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
 
@@ -92,7 +130,8 @@ def bench_ours(inp, warmup, reps, deterministic_too):
     res["bwd_ms"] = time_ms(bwd, reps=reps, warmup=warmup)
     if deterministic_too:
         out_d = sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"],
-                                        sink=sink, deterministic=True)
+                                        sink=sink, deterministic=True,
+                                        prefix_lengths=inp["prefix"])
         res["bwd_det_ms"] = time_ms(
             lambda: torch.autograd.grad(out_d, leaves, grad, retain_graph=True),
             reps=reps, warmup=warmup)
@@ -107,7 +146,7 @@ def bench_stock(shape, inp, warmup, reps):
     Hq, Hkv, D, vdim, dv, has_sink, per_head, K = SHAPES[shape]
     q = inp["q"].detach().transpose(0, 1).contiguous()
     k = inp["k"].detach().transpose(0, 1).contiguous()
-    idx = inp["idx"].long()
+    idx = inp["idx"].long() if inp["prefix"] is None else explicit_indices(inp)
     if per_head:  # the stock path shares one index list across heads: use KV head 0's
         idx = idx[:, :, 0]
     if inp["v"] is None and dv is not None:  # absorbed MLA
@@ -154,10 +193,12 @@ def bwd_sweep(shapes, Ts, reps, out_dir, mm):
             inp = make_inputs(shape, T)
             q, k, v, idx, sink, dv, scale = (inp[n] for n in ("q", "k", "v", "idx", "sink",
                                                                "dv", "scale"))
-            out, lse = kern.sparse_attention_fwd(q, k, v, idx, scale, dv=dv, sink=sink)
+            pre = inp["prefix"]
+            out, lse = kern.sparse_attention_fwd(q, k, v, idx, scale, dv=dv, sink=sink,
+                                                 prefix_lengths=pre)
             dout = torch.randn_like(out)
             _, delta, _ = kern.sparse_attention_bwd_dq(q, k, v, idx, scale, out, lse, dout,
-                                                       dv=dv, sink=sink)
+                                                       dv=dv, sink=sink, prefix_lengths=pre)
             for tiling in SWEEP_TILINGS:
                 row = dict(shape=shape, T=T, block_n=tiling[0], stages=tiling[1])
                 kern.DQ_TILINGS = kern.DKV_TILINGS = (tiling,)
@@ -165,10 +206,12 @@ def bwd_sweep(shapes, Ts, reps, out_dir, mm):
                 dq_args = (q, k, v, idx, scale, out, lse, dout)
                 dkv_args = (q, k, v, idx, scale, lse, dout, delta)
                 parts = {
-                    "dq_ms": partial(kern.sparse_attention_bwd_dq, *dq_args, dv=dv, sink=sink),
-                    "dkv_ms": partial(kern.sparse_attention_bwd_dkv, *dkv_args, dv=dv),
+                    "dq_ms": partial(kern.sparse_attention_bwd_dq, *dq_args, dv=dv, sink=sink,
+                                     prefix_lengths=pre),
+                    "dkv_ms": partial(kern.sparse_attention_bwd_dkv, *dkv_args, dv=dv,
+                                      prefix_lengths=pre),
                     "dkv_no_atomics_ms": partial(kern.sparse_attention_bwd_dkv, *dkv_args, dv=dv,
-                                                 mode=kern.MODE_DISCARD),
+                                                 mode=kern.MODE_DISCARD, prefix_lengths=pre),
                 }
                 for name, fn in parts.items():
                     try:

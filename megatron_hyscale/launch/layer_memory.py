@@ -126,8 +126,8 @@ def _attention_working(g: LayerGeometry, T: int, n: int, cp: int) -> dict[str, f
             items["indexer q / weights / compressor"] = n * bf * g.indexer_heads * g.indexer_dim \
                 + n * g.indexer_heads * f32 + n * 2 * g.indexer_dim * (2 * bf + f32)
             idx_cols = g.topk + g.window
-        else:  # HCA attends to every visible compressed entry: an [n, N] index tensor
-            idx_cols = N + g.window
+        else:  # HCA: every visible entry as a generated prefix (one int32 a row) + the window
+            idx_cols = 1 + g.window
         out_dim = g.head_dim
     elif g.kind == "qsa":
         kv = g.kv_heads * g.head_dim

@@ -10,7 +10,9 @@ compress ratio (`DeepseekV4TransformerConfig.v4_compress_ratios[layer_number - 1
 - 128 (HCA; any other positive ratio too): KV compressed 128:1 (`ops.compress.compress`),
   every visible entry plus the window.
 Each query runs one `ops.sparse_attention` call over [compressed entries ; raw tokens] with
-indices [selected (or all visible) compressed entries, window tokens]: one shared K = V head of
+indices [selected compressed entries, window tokens] (CSA) or the window tokens after a dense
+prefix of every visible entry (HCA: `prefix_lengths`, generated in the kernels, so there is no
+[T, T / m] index tensor and each row runs only its visible entries): one shared K = V head of
 `v4_head_dim`, RoPE (V4's interleaved variant) on its last `v4_rope_head_dim` channels, a
 per-head sink logit, and afterwards the inverse rotation of the output at the query position
 (V4: values carry RoPE because K = V) and the grouped output projection.
@@ -49,16 +51,15 @@ indexer alike) `v4_compress_rope_theta`, with YaRN frequencies when `v4_compress
 is set (V4-Flash's checkpoint config asks for YaRN there; copy its values).
 
 Context parallelism (megatron's zigzag layout: rank r holds chunks r and 2cp-1-r of 2cp; any
-`cp_comm_type`, the layer always all-gathers): the compressors' overlapping windows and the
-sliding window straddle the chunk borders, so the per-token inputs they need are all-gathered
-into global order (`parallel.all_gather_to_global`, whose backward reduce-scatters the
-gradients to the owner ranks) and the compressed entries are pooled over the whole sequence on
-every rank (cheap next to the attention); the local query rows then select (HyTopK with their
-global positions) and attend over [compressed entries ; gathered raw tokens] with the same
-indices as at CP = 1. Selection replay is unchanged (indices are [local rows, gathered keys]).
-What is gathered, per token, per layer (see `HyScaleV4Attention.forward` for the volumes at
-1M tokens): the RoPE'd K = V (D), the compressor's kv and gate projections (CSA 4D, HCA 2D),
-and, when the indexer runs, the indexer compressor's (4 D_I).
+`cp_comm_type`, the layer always all-gathers): the sliding window straddles the chunk borders,
+so the RoPE'd raw K = V is all-gathered into global order (`parallel.all_gather_to_global`,
+whose backward reduce-scatters the gradients to the owner ranks). Each compressor pools the
+entries of its own chunks (CSA's first window of a chunk also reads the previous chunk's last
+window) and all-gathers them, or, when a chunk is not a whole number of windows, all-gathers
+its kv and gate projections and pools the whole sequence. The local query rows then select
+(HyTopK with their global positions) and attend over [compressed entries ; gathered raw tokens]
+with the same indices as at CP = 1. Selection replay is unchanged (indices are [local rows,
+gathered keys]). `HyScaleV4Attention.forward` lists the volumes at 1M tokens.
 
 Not covered yet (they raise): tensor / sequence parallelism, packed sequences, inference
 caches.
@@ -370,17 +371,6 @@ def window_indices(T: int, window: int, offset: int, device: torch.device,
     return torch.where(keys >= 0, keys + offset, -1).to(torch.int32)
 
 
-def dense_compressed_indices(T: int, num_entries: int, ratio: int, device: torch.device,
-                             positions: torch.Tensor | None = None) -> torch.Tensor:
-    """int32 [T, N]: every compressed entry s visible to p (s < floor((p+1)/ratio)), else -1.
-
-    p is row t's position (t, or positions[t] [T] under context parallelism).
-    """
-    entries = torch.arange(num_entries, device=device)
-    visible = compressed_visible_count(_rows(T, positions, device), ratio).unsqueeze(1)
-    return torch.where(entries < visible, entries, -1).to(torch.int32)
-
-
 def baseline_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int,
                     ratio: int, row_block: int, q_positions: torch.Tensor | None = None
                     ) -> torch.Tensor:
@@ -544,7 +534,7 @@ class HyScaleV4Attention(MegatronModule):
         # rotation already applied at each token's own (global) position.
         kv = _gather_tokens(kv, cp_group)
 
-        indexer_loss = None
+        indexer_loss = prefix = None
         if self.compressor is None:
             keys, num_entries, parts = kv, 0, []
         else:
@@ -555,14 +545,16 @@ class HyScaleV4Attention(MegatronModule):
                 selected, indexer_loss = self._csa_selection(x, q_latent, q, entries, cos, sin,
                                                              inv_freq, positions, cp_group)
                 parts = [selected]
-            else:
-                parts = [dense_compressed_indices(T, num_entries, self.compress_ratio, device,
-                                                  positions).expand(B, -1, -1)]
+            else:  # every visible entry: a dense prefix of the keys, generated in-kernel
+                parts = []
+                prefix = compressed_visible_count(_rows(T, positions, device),
+                                                  self.compress_ratio).clamp(max=num_entries)
+                prefix = prefix.to(torch.int32).expand(B, -1)
         window = window_indices(T, cfg.v4_sliding_window, num_entries, device, positions)
         indices = torch.cat(parts + [window.expand(B, -1, -1)], dim=-1)
 
         out = sparse_attention(q, keys.unsqueeze(2), None, indices, self.softmax_scale,
-                               sink=self.sinks)  # [B, T, H, D]
+                               sink=self.sinks, prefix_lengths=prefix)  # [B, T, H, D]
         # K = V carries RoPE: undo it at the query position so the output depends on
         # relative positions only (V4's conjugate rotation), then the grouped projection.
         out = apply_interleaved_rope(out, cos, sin, heads=True, inverse=True)

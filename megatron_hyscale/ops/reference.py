@@ -184,6 +184,7 @@ def sparse_attention_reference(
     *,
     dv: int | None = None,
     sink: torch.Tensor | None = None,
+    prefix_lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference sparse attention on validated inputs (see ops.sparse_attention for the contract).
 
@@ -192,6 +193,8 @@ def sparse_attention_reference(
         indices: [B, T, Hkv, K] or [B, T, K] integer, -1 ignored (assumed distinct per row:
             a repeated index would be counted twice).
         sink: [Hq] logits that join each softmax denominator only.
+        prefix_lengths: int [B, T] or None; row t also attends to keys 0 .. n_t - 1 (listed
+            before its indices, chunk by chunk, as -1-padded slots).
 
     Returns:
         out [B, T, Hq, Dv] in q's dtype and lse fp32 [B, T, Hq] (-inf for empty rows).
@@ -203,9 +206,10 @@ def sparse_attention_reference(
     S, Hkv = k.shape[1], k.shape[2]
     if indices.dim() == 3:
         indices = indices.unsqueeze(2).expand(B, T, Hkv, indices.shape[-1])
-    if indices.shape[-1] == 0:  # no slots at all: one empty slot keeps the reductions defined
+    n_pre = 0 if prefix_lengths is None or T == 0 else int(prefix_lengths.max())
+    if indices.shape[-1] + n_pre == 0:  # no slots at all: one empty slot keeps reductions defined
         indices = indices.new_full((B, T, Hkv, 1), -1)
-    K = indices.shape[-1]
+    K = indices.shape[-1] + n_pre
     Dv = v.shape[-1] if v is not None else (D if dv is None else dv)
     k_flat = _flat_rows(k)
     v_flat = None if v is None else _flat_rows(v)
@@ -217,8 +221,12 @@ def sparse_attention_reference(
     outs, lses = [], []
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
-        out, lse = _run_chunk(fn, needs_grad, q[:, t0:t1], k_flat, v_flat, indices[:, t0:t1],
-                              sink)
+        ic = indices[:, t0:t1]
+        if n_pre:
+            slots = torch.arange(n_pre, device=ic.device)
+            pre = torch.where(slots < prefix_lengths[:, t0:t1, None], slots, -1)
+            ic = torch.cat([pre[:, :, None].expand(-1, -1, Hkv, -1).to(ic.dtype), ic], dim=-1)
+        out, lse = _run_chunk(fn, needs_grad, q[:, t0:t1], k_flat, v_flat, ic, sink)
         outs.append(out)
         lses.append(lse)
     if not outs:  # T == 0

@@ -42,6 +42,25 @@ def check_index_range(name: str, indices: torch.Tensor, num_keys: int) -> None:
                          f"[{lo}, {hi}]")
 
 
+def check_prefix_lengths(prefix_lengths: torch.Tensor, indices: torch.Tensor, B: int, T: int,
+                         S: int) -> None:
+    """prefix_lengths int [B, T] in [0, S]; listed indices must not repeat a prefix key."""
+    check_tensor("prefix_lengths", prefix_lengths, ndim=2, dtypes=INT_DTYPES)
+    if tuple(prefix_lengths.shape) != (B, T):
+        raise ValueError(f"prefix_lengths must be [B={B}, T={T}], got "
+                         f"{tuple(prefix_lengths.shape)}")
+    if prefix_lengths.numel() == 0:
+        return
+    lo, hi = int(prefix_lengths.min()), int(prefix_lengths.max())
+    if lo < 0 or hi > S:
+        raise ValueError(f"prefix_lengths must lie in [0, S={S}], got values in [{lo}, {hi}]")
+    n = prefix_lengths.view(B, T, *([1] * (indices.dim() - 2)))
+    if ((indices >= 0) & (indices < n)).any():
+        raise ValueError("indices must not list a key of the row's prefix (keys 0 .. "
+                         "prefix_lengths - 1 are attended already): a repeated key would count "
+                         "twice")
+
+
 def validate_sparse_attention_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -50,6 +69,7 @@ def validate_sparse_attention_inputs(
     softmax_scale: float,
     dv: int | None,
     sink: torch.Tensor | None,
+    prefix_lengths: torch.Tensor | None = None,
 ) -> tuple[float, int | None]:
     """Check shapes, dtypes, devices and values; return (softmax_scale, dv) normalized."""
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
@@ -83,8 +103,10 @@ def validate_sparse_attention_inputs(
         if sink.shape[0] != Hq:
             raise ValueError(f"sink must be [Hq={Hq}], got {tuple(sink.shape)}")
     scale = check_softmax_scale(softmax_scale)
-    check_same_device(q=q, k=k, v=v, indices=indices, sink=sink)
+    check_same_device(q=q, k=k, v=v, indices=indices, sink=sink, prefix_lengths=prefix_lengths)
     check_index_range("indices", indices, S)
+    if prefix_lengths is not None:
+        check_prefix_lengths(prefix_lengths, indices, B, T, S)
     for name, x in (("q", q), ("k", k), ("v", v), ("sink", sink)):
         if x is not None:
             check_finite(name, x)
@@ -102,6 +124,7 @@ def sparse_attention(
     sink: torch.Tensor | None = None,
     return_lse: bool = False,
     deterministic: bool = False,
+    prefix_lengths: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over its selected keys only.
@@ -121,6 +144,11 @@ def sparse_attention(
         return_lse: also return the log-sum-exp.
         deterministic: Triton backward without fp32 atomics (bitwise repeatable; about 2-3x
             the backward time). The reference is always deterministic.
+        prefix_lengths: int [B, T] or None. Row (b, t) also attends to the keys
+            0 .. prefix_lengths[b, t] - 1 (shared by all KV heads), before its listed indices,
+            which must not repeat them. The Triton kernels generate these slots instead of
+            reading them (DeepSeek-V4's HCA: every visible compressed entry, then the window),
+            so no [T, S] index tensor exists and each row runs only its own slots.
         backend: "auto" (Triton on CUDA tensors, the reference elsewhere), "triton" (CPU
             tensors need TRITON_INTERPRET=1) or "reference".
 
@@ -132,11 +160,14 @@ def sparse_attention(
     Differentiable in q, k, v and sink; an empty row has zero (not NaN) gradients.
     """
     check_backend(backend)
-    scale, dv = validate_sparse_attention_inputs(q, k, v, indices, softmax_scale, dv, sink)
+    scale, dv = validate_sparse_attention_inputs(q, k, v, indices, softmax_scale, dv, sink,
+                                                 prefix_lengths)
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_triton
 
         return sparse_attention_triton(q, k, v, indices, scale, dv=dv, sink=sink,
-                                       return_lse=return_lse, deterministic=deterministic)
-    out, lse = reference.sparse_attention_reference(q, k, v, indices, scale, dv=dv, sink=sink)
+                                       return_lse=return_lse, deterministic=deterministic,
+                                       prefix_lengths=prefix_lengths)
+    out, lse = reference.sparse_attention_reference(q, k, v, indices, scale, dv=dv, sink=sink,
+                                                    prefix_lengths=prefix_lengths)
     return (out, lse) if return_lse else out

@@ -3,6 +3,7 @@ megatron-core 0.19.2's unfused DSA attention (absorbed MLA and explicit-value fo
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -260,10 +261,15 @@ ARGS = dict(
     (dict(sink=torch.zeros(3)), "sink"),
     (dict(sink=torch.zeros(4, dtype=torch.int32)), "sink"),
     (dict(backend="cuda"), "backend"),
+    (dict(prefix_lengths=torch.zeros(1, 3, dtype=torch.float32)), "prefix_lengths"),
+    (dict(prefix_lengths=torch.zeros(1, 4, dtype=torch.int64)), "prefix_lengths"),
+    (dict(prefix_lengths=torch.full((1, 3), 6)), "prefix_lengths"),
+    (dict(prefix_lengths=torch.full((1, 3), -1)), "prefix_lengths"),
+    (dict(prefix_lengths=torch.full((1, 3), 1)), "prefix"),  # index 0 listed again
 ])
 def test_validation_errors(over, match):
     a = {**ARGS, **over}
-    kw = {n: a.pop(n) for n in ("dv", "sink", "backend") if n in a}
+    kw = {n: a.pop(n) for n in ("dv", "sink", "backend", "prefix_lengths") if n in a}
     with pytest.raises(ValueError, match=match):
         sparse_attention(*a.values(), **kw)
 
@@ -283,3 +289,33 @@ def test_nan_inf_rejected(name, bad):
 def test_auto_on_cpu_is_the_reference():
     out = sparse_attention(*ARGS.values(), backend="auto")
     torch.testing.assert_close(out, sparse_attention(*ARGS.values(), backend="reference"))
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_dense_prefix_equals_explicit_indices(per_head, monkeypatch):
+    """prefix_lengths n: keys 0 .. n - 1 before the listed indices, as if listed (tiny chunks,
+    so the prefix is expanded chunk by chunk); values, lse and gradients."""
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 64)
+    B, T, S, Hq, Hkv, D, split, NK = 2, 7, 30, 4, 2, 8, 12, 5
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, T, Hq, D, generator=g, requires_grad=True)
+    k = torch.randn(B, S, Hkv, D, generator=g, requires_grad=True)
+    n = torch.randint(0, split + 1, (B, T), generator=g)
+    n[0, 0] = 0
+    shape = (B, T, Hkv, NK) if per_head else (B, T, NK)
+    idx = split + torch.stack([torch.randperm(S - split, generator=g)[:NK]
+                               for _ in range(math.prod(shape[:-1]))]).view(shape)
+    idx[0, 0] = -1
+    slots = torch.arange(split)
+    pre = torch.where(slots < n[..., None], slots, -1)
+    if per_head:
+        pre = pre[:, :, None].expand(B, T, Hkv, split)
+    full = torch.cat([pre, idx], dim=-1)
+    out, lse = sparse_attention(q, k, None, idx, 0.3, return_lse=True, prefix_lengths=n)
+    ref, ref_lse = dense_oracle(q.detach(), k.detach(), None, full, 0.3)
+    close(out, ref)
+    close(lse, ref_lse)
+    grads = torch.autograd.grad(out.sum(), (q, k))
+    out2 = sparse_attention(q, k, None, full, 0.3)
+    for a, b in zip(grads, torch.autograd.grad(out2.sum(), (q, k)), strict=True):
+        torch.testing.assert_close(a, b)

@@ -238,3 +238,59 @@ def test_split_backward_and_discard_mode():
         flat = idx[b].reshape(-1).long()
         picked[b, flat[flat >= 0]] = True
     assert (buf[..., 0][~picked] == 0).all() and (buf[..., 0][picked] != 0).any()
+
+
+def prefix_case(B, T, S, Hkv, NK, per_head, seed, split=20):
+    """Rows with a dense prefix 0 .. n - 1 (n random in [0, split], some 0, one = split) and
+    listed indices >= split (distinct, some -1); the oracle's explicit form of the same."""
+    g = torch.Generator().manual_seed(seed)
+    n = torch.randint(0, split + 1, (B, T), generator=g)
+    n[0, 0], n[-1, -1] = 0, split
+    rows = B * T * (Hkv if per_head else 1)
+    idx = torch.stack([split + torch.randperm(S - split, generator=g)[:NK] for _ in range(rows)])
+    idx = idx.view(B, T, Hkv, NK) if per_head else idx.view(B, T, NK)
+    idx[0, 0] = -1  # prefix 0 and nothing listed: an empty row
+    idx[-1, 0, ..., ::2] = -1
+    slots = torch.arange(split)
+    pre = torch.where(slots < n[..., None], slots, -1)
+    if per_head:
+        pre = pre[:, :, None].expand(B, T, Hkv, split)
+    full = torch.cat([pre, idx], dim=-1)
+    return n.to(DEVICE), idx.to(DEVICE), full.to(DEVICE)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-kv-head"])
+def test_dense_prefix_equals_explicit_indices(per_head, deterministic):
+    """prefix_lengths (generated slots 0 .. n - 1, HCA's visible entries) + listed indices give
+    the values and every gradient of the same keys listed explicitly, with a sink, GQA or MQA,
+    rows whose prefix is 0, empty rows, and prefixes crossing the 16-key tiles."""
+    B, T, S, NK = 2, 3, 40, 9
+    Hq, Hkv, D = (4, 2, 16) if per_head else (4, 1, 24)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, T, Hq, D, generator=g).to(DEVICE)
+    k = torch.randn(B, S, Hkv, D, generator=g).to(DEVICE)
+    v = torch.randn(B, S, Hkv, D, generator=g).to(DEVICE) if per_head else None
+    sink = torch.randn(Hq, generator=g).to(DEVICE)
+    n, idx, full = prefix_case(B, T, S, Hkv, NK, per_head, seed=8)
+    dv = None if per_head else 16
+    leaves = [x for x in (q, k, v, sink) if x is not None]
+    grads = []
+    for use_prefix in (True, False):
+        xs = [x.detach().clone().requires_grad_() for x in leaves]
+        qq, kk = xs[0], xs[1]
+        vv, ss = (xs[2], xs[3]) if per_head else (None, xs[2])
+        if use_prefix:
+            out, lse = kern.sparse_attention_triton(qq, kk, vv, idx, D ** -0.5, dv=dv, sink=ss,
+                                                    return_lse=True, deterministic=deterministic,
+                                                    prefix_lengths=n)
+        else:
+            out, lse = dense_oracle(qq, kk, vv, full, D ** -0.5, dv=dv, sink=ss)
+        go = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+        (out * go.to(out.dtype)).sum().backward()
+        grads.append((out.detach(), lse.detach(), [x.grad for x in xs]))
+    (out, lse, gk), (ref_out, ref_lse, gr) = grads
+    close("out", out, ref_out)
+    close("lse", lse, ref_lse)
+    for name, a, b in zip(("q", "k", "v/sink", "sink"), gk, gr):
+        close(f"grad {name}", a, b)

@@ -1,7 +1,8 @@
 """Sparse attention over selected indices: Triton forward and backward kernels.
 
 Shapes: q [B, T, Hq, Dqk]; k [B, S, Hkv, Dqk]; v [B, S, Hkv, Dv] or None (V = first dv channels
-of K); indices int32/int64 [B, T, Hkv, K] or [B, T, K] (-1 = unused slot); sink fp [Hq] or None.
+of K); indices int32/int64 [B, T, Hkv, K] or [B, T, K] (-1 = unused slot); sink fp [Hq] or None;
+prefix_lengths int [B, T] or None (row t also attends to keys 0 .. n_t - 1, generated in-kernel).
 Query head h reads KV head h // (Hq / Hkv). out [B, T, Hq, Dv] in q's dtype; lse fp32 [B, T, Hq]
 (natural log, the sink included in the sum; -inf for a row with no valid index and no sink).
 
@@ -98,21 +99,40 @@ def _coords(T, NHB, G, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(idx_base, sik, n0, NK, BLOCK_N: tl.constexpr):
-    """Key rows of slots n0 .. n0 + BLOCK_N (row 0 where invalid) and their validity."""
+def _prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX: tl.constexpr):
+    """Keys 0 .. n - 1 this row attends before its listed indices (0 without a prefix)."""
+    if HAS_PREFIX:
+        n = tl.load(pre_ptr + b * spb + t * spt).to(tl.int32)
+    else:
+        n = tl.zeros([], dtype=tl.int32)
+    return n
+
+
+@triton.jit
+def _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N: tl.constexpr, HAS_PREFIX: tl.constexpr):
+    """Key rows of slots n0 .. n0 + BLOCK_N (row 0 where invalid) and their validity.
+
+    With HAS_PREFIX, slot j < n_pre is key j (the row's dense prefix) and slot j >= n_pre is
+    listed index j - n_pre; without, slot j is listed index j (the same code as before the
+    prefix existed: sm_90a SASS of the GLM-5.1 forward loop, 1087 against 1279 instructions)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    idx = tl.load(idx_base + offs_n * sik, mask=offs_n < NK, other=-1).to(tl.int64)
+    if HAS_PREFIX:
+        e = offs_n - n_pre
+        idx = tl.load(idx_base + e * sik, mask=(e >= 0) & (e < NK), other=-1).to(tl.int64)
+        idx = tl.where(offs_n < n_pre, offs_n.to(tl.int64), idx)
+    else:
+        idx = tl.load(idx_base + offs_n * sik, mask=offs_n < NK, other=-1).to(tl.int64)
     valid = idx >= 0
     return tl.where(valid, idx, 0), valid
 
 
 @triton.jit
 def _fwd_kernel(
-    q_ptr, k_ptr, v_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, sink_ptr, out_ptr, lse_ptr,
     T, NK, G, NHB, qk_scale,
     sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
-    sib, sit, sih, sik, sob, sot, soh, sod, slb, slt, slh,
-    D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+    sib, sit, sih, sik, spb, spt, sob, sot, soh, sod, slb, slt, slh,
+    D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -134,12 +154,13 @@ def _fwd_kernel(
     k_base = k_ptr + b * skb + kvh * skh
     v_base = v_ptr + b * svb + kvh * svh
     idx_base = idx_ptr + b * sib + t * sit + kvh * sih
+    n_pre = _prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, DV_PAD], tl.float32)
-    for n0 in range(0, NK, BLOCK_N):
-        rows, valid = _load_rows(idx_base, sik, n0, NK, BLOCK_N)
+    for n0 in range(0, n_pre + NK, BLOCK_N):
+        rows, valid = _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N, HAS_PREFIX)
         k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
                          mask=valid[:, None], other=0.0)
         s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
@@ -182,13 +203,13 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, idx_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr,
+    q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr,
     dq_ptr, delta_ptr, dsink_ptr,
     T, NK, G, NHB, qk_scale, sm_scale,
     sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
-    sib, sit, sih, sik, sob, sot, soh, sod, sdob, sdot, sdoh, sdod, slb, slt, slh,
+    sib, sit, sih, sik, spb, spt, sob, sot, soh, sod, sdob, sdot, sdoh, sdod, slb, slt, slh,
     sdqb, sdqt, sdqh, sdqd,
-    D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+    D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_DLSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -231,11 +252,12 @@ def _bwd_dq_kernel(
     k_base = k_ptr + b * skb + kvh * skh
     v_base = v_ptr + b * svb + kvh * svh
     idx_base = idx_ptr + b * sib + t * sit + kvh * sih
+    n_pre = _prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX)
     dq_main = tl.zeros([BLOCK_H, D_MAIN], tl.float32)
     if D_TAIL > 0:
         dq_tail = tl.zeros([BLOCK_H, D_TAIL], tl.float32)
-    for n0 in range(0, NK, BLOCK_N):
-        rows, valid = _load_rows(idx_base, sik, n0, NK, BLOCK_N)
+    for n0 in range(0, n_pre + NK, BLOCK_N):
+        rows, valid = _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N, HAS_PREFIX)
         k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
                          mask=valid[:, None], other=0.0)
         s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
@@ -283,13 +305,13 @@ def _accumulate(ptrs, tile, rows, valid, col_mask, rowmax_base, scale_base, srs,
 
 @triton.jit
 def _bwd_dkv_kernel(
-    q_ptr, k_ptr, v_ptr, idx_ptr, dout_ptr, lse_ptr, delta_ptr,
+    q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, dout_ptr, lse_ptr, delta_ptr,
     dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr,
     T, NK, G, NHB, qk_scale, sm_scale,
     sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
-    sib, sit, sih, sik, sdob, sdot, sdoh, sdod, slb, slt, slh,
+    sib, sit, sih, sik, spb, spt, sdob, sdot, sdoh, sdod, slb, slt, slh,
     sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd, srb, srs, srh,
-    D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+    D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr,
     MODE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -322,6 +344,7 @@ def _bwd_dkv_kernel(
     k_base = k_ptr + b * skb + kvh * skh
     v_base = v_ptr + b * svb + kvh * svh
     idx_base = idx_ptr + b * sib + t * sit + kvh * sih
+    n_pre = _prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX)
     dk_base = dk_ptr + b * sdkb + kvh * sdkh
     dv_base = dv_ptr + b * sdvb + kvh * sdvh
     rmk_base = rowmax_k_ptr + b * srb + kvh * srh
@@ -329,8 +352,8 @@ def _bwd_dkv_kernel(
     fxk_base = scale_k_ptr + b * srb + kvh * srh
     fxv_base = scale_v_ptr + b * srb + kvh * srh
     main_cols = offs_dm[None, :] < D
-    for n0 in range(0, NK, BLOCK_N):
-        rows, valid = _load_rows(idx_base, sik, n0, NK, BLOCK_N)
+    for n0 in range(0, n_pre + NK, BLOCK_N):
+        rows, valid = _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N, HAS_PREFIX)
         k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
                          mask=valid[:, None], other=0.0)
         s_t = tl.dot(k_main, tl.trans(q_main), input_precision=PRECISION)
@@ -435,14 +458,25 @@ def _index_strides(indices):
     return tuple(indices.stride())
 
 
+def _prefix_args(prefix_lengths, placeholder):
+    """(tensor, its (b, t) strides) of the rows' dense-prefix lengths; a placeholder if none."""
+    if prefix_lengths is None:
+        return placeholder, (0, 0)
+    return prefix_lengths, tuple(prefix_lengths.stride())
+
+
 def _v_source(k, v, geo):
     """The tensor V is read from and its strides (K itself when v is None)."""
     src = k if v is None else v
     return src, _strides4(src)
 
 
-def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None):
-    """Forward launch: returns out [B, T, Hq, dv] (q's dtype) and lse fp32 [B, T, Hq]."""
+def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None,
+                         prefix_lengths=None):
+    """Forward launch: returns out [B, T, Hq, dv] (q's dtype) and lse fp32 [B, T, Hq].
+
+    prefix_lengths: optional int [B, T]; row (b, t) also attends to keys 0 .. n - 1 before its
+    listed indices (which must not repeat them)."""
     B, T, Hq, _ = q.shape
     geo = _Geometry(q, k, v, dv)
     NK = indices.shape[-1]
@@ -450,11 +484,12 @@ def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None):
     lse = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
     v_src, v_str = _v_source(k, v, geo)
     grid = (B * T, k.shape[2] * geo.nhb)
-    args = (q, k, v_src, indices, sink if sink is not None else lse, out, lse,
+    pre, pre_str = _prefix_args(prefix_lengths, lse)
+    args = (q, k, v_src, indices, pre, sink if sink is not None else lse, out, lse,
             T, NK, geo.G, geo.nhb, softmax_scale * LOG2E,
-            *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices),
+            *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices), *pre_str,
             *_strides4(out), *lse.stride())
-    const = dict(geo.const(), HAS_SINK=sink is not None)
+    const = dict(geo.const(), HAS_SINK=sink is not None, HAS_PREFIX=prefix_lengths is not None)
     resident = geo.block_h * (geo.d_main + geo.d_tail)
     _launch(_fwd_kernel, grid, args, const, geo, FWD_TILINGS, resident, q.element_size(),
             ("fwd", q.dtype, FWD_TILINGS, tuple(sorted(const.items()))))
@@ -470,7 +505,7 @@ def _fixed_point_scale(rowmax, n_contrib):
 
 
 def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dlse=None,
-                            dv=None, sink=None):
+                            dv=None, sink=None, prefix_lengths=None):
     """dQ launch: returns (dq, delta fp32 [B, T, Hq], dsink or None)."""
     B, T, Hq, _ = q.shape
     geo = _Geometry(q, k, v, dv)
@@ -482,11 +517,13 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
     grid = (B * T, k.shape[2] * geo.nhb)
     resident = geo.block_h * (geo.d_main + geo.d_tail + geo.dv_pad)
     dlse_t = dlse if dlse is not None else lse
-    args = (q, k, v_src, indices, sink if sink is not None else lse, out, dout, lse, dlse_t,
-            dq, delta, dsink_part, T, NK, geo.G, geo.nhb, softmax_scale * LOG2E, softmax_scale,
-            *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices), *_strides4(out),
-            *_strides4(dout), *lse.stride(), *_strides4(dq))
-    const = dict(geo.const(), HAS_SINK=sink is not None, HAS_DLSE=dlse is not None)
+    pre, pre_str = _prefix_args(prefix_lengths, lse)
+    args = (q, k, v_src, indices, pre, sink if sink is not None else lse, out, dout, lse,
+            dlse_t, dq, delta, dsink_part, T, NK, geo.G, geo.nhb, softmax_scale * LOG2E,
+            softmax_scale, *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices),
+            *pre_str, *_strides4(out), *_strides4(dout), *lse.stride(), *_strides4(dq))
+    const = dict(geo.const(), HAS_SINK=sink is not None, HAS_DLSE=dlse is not None,
+                 HAS_PREFIX=prefix_lengths is not None)
     _launch(_bwd_dq_kernel, grid, args, const, geo, DQ_TILINGS, resident, q.element_size(),
             ("dq", q.dtype, DQ_TILINGS, tuple(sorted(const.items()))))
     dsink = dsink_part.sum(dim=(0, 1)).to(sink.dtype) if sink is not None else None
@@ -494,7 +531,7 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
 
 
 def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, dv=None,
-                             deterministic=False, mode=None):
+                             deterministic=False, mode=None, prefix_lengths=None):
     """dK / dV launches (delta from sparse_attention_bwd_dq): returns (dk, dv or None).
 
     mode=MODE_DISCARD (measurement only) runs the kernel once without accumulating and returns
@@ -525,14 +562,17 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
     nhb_dkv = triton.cdiv(geo.G, bh_dkv)
     grid_dkv = (B * T, Hkv * nhb_dkv)
 
+    pre, pre_str = _prefix_args(prefix_lengths, lse)
+
     def run(mode):
-        args = (q, k, v_src, indices, dout, lse, delta, dk_acc, dv_acc,
+        args = (q, k, v_src, indices, pre, dout, lse, delta, dk_acc, dv_acc,
                 rowmax_k, rowmax_v, scale_k, scale_v,
                 T, NK, geo.G, nhb_dkv, softmax_scale * LOG2E, softmax_scale,
-                *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices),
+                *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices), *pre_str,
                 *_strides4(dout), *lse.stride(), *_strides4(dk_acc), *_strides4(dv_acc),
                 *rowmax_k.stride())
-        const = dict(geo.const(), MODE=mode, BLOCK_H=bh_dkv)
+        const = dict(geo.const(), MODE=mode, BLOCK_H=bh_dkv,
+                     HAS_PREFIX=prefix_lengths is not None)
         _launch(_bwd_dkv_kernel, grid_dkv, args, const, geo, DKV_TILINGS, 2 * bh_dkv * dims,
                 elem, ("dkv", q.dtype, DKV_TILINGS, tuple(sorted(const.items()))))
 
@@ -555,23 +595,27 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
 
 
 def sparse_attention_bwd(q, k, v, indices, softmax_scale, out, lse, dout, dlse=None, dv=None,
-                         sink=None, deterministic=False):
+                         sink=None, deterministic=False, prefix_lengths=None):
     """Backward launches: returns (dq, dk, dv or None, dsink or None)."""
     dq, delta, dsink = sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout,
-                                               dlse=dlse, dv=dv, sink=sink)
+                                               dlse=dlse, dv=dv, sink=sink,
+                                               prefix_lengths=prefix_lengths)
     dk, dvv = sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, dv=dv,
-                                       deterministic=deterministic)
+                                       deterministic=deterministic,
+                                       prefix_lengths=prefix_lengths)
     return dq, dk, dvv, dsink
 
 
 class SparseAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: saves q, k, v, indices, sink, out and lse; backward runs two kernels."""
+    """Autograd wrapper: saves q, k, v, indices, sink, prefix lengths, out and lse; backward runs
+    two kernels."""
 
     @staticmethod
-    def forward(ctx, q, k, v, indices, sink, softmax_scale, dv, deterministic):
+    def forward(ctx, q, k, v, indices, sink, softmax_scale, dv, deterministic, prefix_lengths):
         ctx.set_materialize_grads(False)  # an unused lse gets no zero-filled gradient
-        out, lse = sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=dv, sink=sink)
-        ctx.save_for_backward(q, k, v, indices, sink, out, lse)
+        out, lse = sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=dv, sink=sink,
+                                        prefix_lengths=prefix_lengths)
+        ctx.save_for_backward(q, k, v, indices, sink, prefix_lengths, out, lse)
         ctx.softmax_scale = softmax_scale
         ctx.dv = dv
         ctx.deterministic = deterministic
@@ -579,22 +623,24 @@ class SparseAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, indices, sink, out, lse = ctx.saved_tensors
+        q, k, v, indices, sink, prefix_lengths, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dvv, dsink = sparse_attention_bwd(
             q, k, v, indices, ctx.softmax_scale, out, lse, dout, dlse=dlse, dv=ctx.dv,
-            sink=sink, deterministic=ctx.deterministic)
-        return dq, dk, dvv, None, dsink, None, None, None
+            sink=sink, deterministic=ctx.deterministic, prefix_lengths=prefix_lengths)
+        return dq, dk, dvv, None, dsink, None, None, None, None
 
 
 def sparse_attention_triton(q, k, v, indices, softmax_scale, *, dv=None, sink=None,
-                            return_lse=False, deterministic=False):
+                            return_lse=False, deterministic=False, prefix_lengths=None):
     """Sparse attention over selected indices on validated inputs (see the module docstring).
 
     Differentiable in q, k, v and sink. `deterministic=True` makes dK / dV bitwise repeatable
-    (fixed-point accumulation, one extra pass of the dK/dV kernel).
+    (fixed-point accumulation, one extra pass of the dK/dV kernel). `prefix_lengths` int
+    [B, T]: each row also attends to keys 0 .. n - 1 before its listed indices (generated in
+    the kernels, never materialized; the loops run n + K slots a row).
     """
     out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, float(softmax_scale), dv,
-                                             bool(deterministic))
+                                             bool(deterministic), prefix_lengths)
     return (out, lse) if return_lse else out
