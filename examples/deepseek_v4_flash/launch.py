@@ -3,14 +3,12 @@
 
     launch.py full [--model csa|hca|dsa]   32 GPUs (4 x 8), 1M tokens, CP 8 x DP 4 (Slurm)
     launch.py small [--gpus 1|2]           1 GPU: CSA (or --model hca) at 16K .. 256K;
-                                           2 GPUs: the GLM-5.1 DSA layer at CP 2
+                                           2 GPUs: CSA at CP 2, 128K and 256K
     launch.py memory --model csa --seq 131072 [--cp 1]
 
 --dry-run prints the per-GPU memory estimate and the exact commands and starts nothing.
-V4's CSA / HCA layers do not support context parallelism yet (HyScaleV4Attention raises for
-CP > 1), so `full` with --model csa or hca (the default is csa, the layer the paper reports)
-is refused with that reason when not a dry run; `full --model dsa` runs the DSA comparison
-layer at the same layout. See README.md.
+The default model is csa, the layer the paper reports; `full --model dsa` runs the GLM-5.1 DSA
+layer at the same layout for comparison. See README.md.
 """
 
 from __future__ import annotations

@@ -121,7 +121,9 @@ def _attention_working(g: LayerGeometry, T: int, n: int, cp: int) -> dict[str, f
             g.q_lora * 2 + H * g.head_dim * 3 + g.head_dim * 3)
         overlap = 2 if g.kind == "csa" else 1
         items["compressor (kv, gate, fp32 softmax)"] = n * overlap * g.head_dim * (2 * bf + f32)
-        items["keys [compressed ; raw] + fp32 grad"] = (N + gathered) * g.head_dim * (bf + f32)
+        # Raw keys: the local rows plus a halo of window - 1 tokens per zigzag chunk under CP.
+        raw = n + (2 * (g.window - 1) if cp > 1 else 0)
+        items["keys [compressed ; raw] + fp32 grad"] = (N + raw) * g.head_dim * (bf + f32)
         if g.kind == "csa":
             items["indexer q / weights / compressor"] = n * bf * g.indexer_heads * g.indexer_dim \
                 + n * g.indexer_heads * f32 + n * 2 * g.indexer_dim * (2 * bf + f32)

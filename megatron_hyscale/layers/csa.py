@@ -51,15 +51,17 @@ indexer alike) `v4_compress_rope_theta`, with YaRN frequencies when `v4_compress
 is set (V4-Flash's checkpoint config asks for YaRN there; copy its values).
 
 Context parallelism (megatron's zigzag layout: rank r holds chunks r and 2cp-1-r of 2cp; any
-`cp_comm_type`, the layer always all-gathers): the sliding window straddles the chunk borders,
-so the RoPE'd raw K = V is all-gathered into global order (`parallel.all_gather_to_global`,
-whose backward reduce-scatters the gradients to the owner ranks). Each compressor pools the
-entries of its own chunks (CSA's first window of a chunk also reads the previous chunk's last
-window) and all-gathers them, or, when a chunk is not a whole number of windows, all-gathers
-its kv and gate projections and pools the whole sequence. The local query rows then select
-(HyTopK with their global positions) and attend over [compressed entries ; gathered raw tokens]
-with the same indices as at CP = 1. Selection replay is unchanged (indices are [local rows,
-gathered keys]). `HyScaleV4Attention.forward` lists the volumes at 1M tokens.
+`cp_comm_type`, the layer always all-gathers, `parallel.all_gather_to_global`, whose backward
+reduce-scatters the gradients to the owner ranks): the sliding window straddles the chunk
+borders, so each chunk gets a halo of the W - 1 RoPE'd raw tokens before it (the last W - 1
+tokens of every chunk are all-gathered), or, when W - 1 exceeds a chunk, the whole raw K = V is
+all-gathered. Each compressor pools the entries of its own chunks (CSA's first window of a
+chunk also reads the previous chunk's last window) and all-gathers them, or, when a chunk is
+not a whole number of windows, all-gathers its kv and gate projections and pools the whole
+sequence. The local query rows then select (HyTopK with their global positions) among the
+whole sequence's entries and attend over [compressed entries ; raw keys]. Selection replay is
+unchanged (the selected indices point into the entries). `HyScaleV4Attention.forward` lists
+the volumes at 1M tokens.
 
 Not covered yet (they raise): tensor / sequence parallelism, packed sequences, inference
 caches.
@@ -492,21 +494,20 @@ class HyScaleV4Attention(MegatronModule):
 
         Communication under CP (all-gather forward, reduce-scatter of the same tensors'
         gradients in the backward; each rank receives (cp-1)/cp of every gathered tensor).
-        Per layer and sequence, V4-Flash (D = 512, D_I = 128, m = 4 / 128), bf16, S = 1M
-        tokens, size of the gathered [S, ...] tensor:
-          raw K = V for the sliding window            S x D            = 1 GiB (every layer)
-          CSA compressor entries (+ 2 m tokens' kv | gate a rank)
-                                                      S / 4 x D        = 256 MiB
-          HCA compressor entries                      S / 128 x D      = 8 MiB
-          CSA indexer compressor entries              S / 4 x D_I      = 64 MiB (forward only
-              unless the indexer loss is on; skipped by a replayed recompute)
-        That is when each zigzag chunk (S / (2 cp) tokens) holds whole windows (V4Compressor
-        pools its own chunks); otherwise each compressor gathers its kv | gate projections
-        instead, S x 4D = 4 GiB for CSA (S x 4 D_I = 1 GiB for its indexer), S x 2D = 2 GiB
-        for HCA. So with whole windows a CSA layer gathers 1.3 GiB per forward, an HCA layer
-        1 GiB, a window layer 1 GiB; full recompute repeats the forward gathers (minus the
-        replayed indexer's). What remains is the raw window: a follow-up can fetch only the
-        window - 1 tokens before each chunk instead of the whole S x D.
+        Per layer and sequence, V4-Flash (D = 512, D_I = 128, m = 4 / 128, W = 128), bf16,
+        S = 1M tokens, CP 8, what every rank receives:
+          window halos: the last W - 1 tokens of each chunk  2 cp (W - 1) x D  = 2 MiB
+          CSA compressor entries (+ its last window a chunk) S / 4 x D      = 256 MiB
+          HCA compressor entries                             S / 128 x D    = 8 MiB
+          CSA indexer compressor entries                     S / 4 x D_I    = 64 MiB (forward
+              only unless the indexer loss is on; skipped by a replayed recompute)
+        That is when W - 1 <= S / (2 cp) and each chunk holds whole compression windows (any
+        power-of-two S and CP of these runs). Otherwise the fallbacks gather the raw K = V of
+        the whole sequence (S x D = 1 GiB) and the compressors' kv | gate projections (S x 4D
+        = 4 GiB for CSA, S x 4 D_I = 1 GiB for its indexer, S x 2D = 2 GiB for HCA); the
+        results are the same. Full recompute repeats the forward gathers (minus the replayed
+        indexer's). The compressed entries of the whole sequence stay on every rank (the
+        indexer selects among all of them).
         """
         if key_value_states is not None or inference_context is not None:
             raise NotImplementedError("HyScaleV4Attention: self-attention training only")
@@ -530,9 +531,9 @@ class HyScaleV4Attention(MegatronModule):
         q = apply_interleaved_rope(rms_norm(q, None, cfg.layernorm_epsilon), cos, sin,
                                    heads=True)
         kv = apply_interleaved_rope(self.kv_norm(self.linear_kv(x)[0]), cos, sin)  # [B, T, D]
-        # Under CP the window reads raw tokens of other chunks: [B, S, D] in global order, the
-        # rotation already applied at each token's own (global) position.
-        kv = _gather_tokens(kv, cp_group)
+        # The raw keys the window reads (under CP, other chunks' tokens too, each rotated at
+        # its own global position) and each row's window into them.
+        kv, window = self._window_keys(kv, positions, cp_group)
 
         indexer_loss = prefix = None
         if self.compressor is None:
@@ -550,7 +551,7 @@ class HyScaleV4Attention(MegatronModule):
                 prefix = compressed_visible_count(_rows(T, positions, device),
                                                   self.compress_ratio).clamp(max=num_entries)
                 prefix = prefix.to(torch.int32).expand(B, -1)
-        window = window_indices(T, cfg.v4_sliding_window, num_entries, device, positions)
+        window = torch.where(window >= 0, window + num_entries, -1)  # past the entries
         indices = torch.cat(parts + [window.expand(B, -1, -1)], dim=-1)
 
         out = sparse_attention(q, keys.unsqueeze(2), None, indices, self.softmax_scale,
@@ -563,6 +564,46 @@ class HyScaleV4Attention(MegatronModule):
         if indexer_loss is not None:
             out = DSAIndexerLossAutoScaler.apply(out, indexer_loss)
         return out, None
+
+    def _window_keys(self, kv: torch.Tensor, positions: torch.Tensor, cp_group: Any
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(raw keys [B, R, D], int32 [T, window] indices into them, -1 before position 0).
+
+        Without CP the raw keys are kv itself. Under CP, when the window's W - 1 earlier tokens
+        fit in one zigzag chunk (W - 1 <= T / 2), each chunk gets a halo: the last W - 1
+        tokens of every chunk are all-gathered (2 (W - 1) tokens a rank) and the raw keys are
+        [halo, chunk r, halo, chunk 2 cp - 1 - r]; otherwise the whole sequence is
+        all-gathered ([B, S, D]). `window_cp_mode` records which ran ("halo" / "gather").
+        """
+        T = kv.shape[1]
+        W = self.config.v4_sliding_window
+        self.window_cp_mode = None
+        if cp_group is None:
+            return kv, window_indices(T, W, 0, kv.device, positions)
+        chunk, halo = T // 2, W - 1
+        if halo == 0:  # each row reads only itself
+            self.window_cp_mode = "halo"
+            return kv, torch.arange(T, device=kv.device, dtype=torch.int32)[:, None]
+        if halo > chunk:
+            self.window_cp_mode = "gather"
+            return _gather_tokens(kv, cp_group), window_indices(T, W, 0, kv.device, positions)
+        self.window_cp_mode = "halo"
+        cp, rank = cp_group.size(), cp_group.rank()
+        tails = _gather_tokens(torch.cat([kv[:, chunk - halo:chunk], kv[:, T - halo:]], dim=1),
+                               cp_group)  # the last W - 1 tokens of every chunk, global order
+        parts = []
+        for half, c in enumerate((rank, 2 * cp - 1 - rank)):
+            prev = tails[:, (c - 1) * halo:c * halo] if c > 0 else kv.new_zeros(
+                kv.shape[0], halo, kv.shape[2])  # before position 0: never read
+            parts += [prev, kv[:, half * chunk:(half + 1) * chunk]]
+        # Row i of half h reads raw rows h (W - 1 + chunk) + i + j, j = 0 .. W - 1: positions
+        # p - W + 1 .. p, the window's order (ascending), as window_indices lists them.
+        rows = torch.arange(T, device=kv.device)
+        base = (rows // chunk) * (halo + chunk) + rows % chunk
+        offs = torch.arange(W, device=kv.device)
+        index = base[:, None] + offs[None, :]
+        seen = (positions[:, None] - halo + offs[None, :]) >= 0
+        return torch.cat(parts, dim=1), torch.where(seen, index, -1).to(torch.int32)
 
     def _csa_selection(self, x: torch.Tensor, q_latent: torch.Tensor, q: torch.Tensor,
                        entries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

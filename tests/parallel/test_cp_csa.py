@@ -51,6 +51,10 @@ SCENARIOS: dict[str, tuple[int, int, dict, bool, bool]] = {
     "csa-ratio4-chunks-indexer-loss-full-recompute": (
         4, 4, dict(v4_indexer_loss_coeff=0.5, calculate_per_token_loss=True), True, True),
     "hca-chunks-full-recompute": (6, 3, {}, True, True),
+    # A 16-token window: its 15 earlier tokens reach past the 11-token chunk before, so the
+    # raw keys are all-gathered instead of a halo per chunk.
+    "window-wide-gather": (0, 3, dict(v4_sliding_window=16), False, True),
+    "hca-wide-window-gather": (8, 3, dict(v4_sliding_window=16), True, True),
 }
 # Sequence length per scenario (default T); 48 = 4 chunks of 12 at CP = 2.
 SEQ = {"csa-chunks": 48, "csa-ratio4-chunks-indexer-loss-full-recompute": 48,
@@ -189,7 +193,8 @@ def _run(name: str, cp_group) -> dict:
     cp_modes = sorted({m.cp_mode for m in layer.modules() if isinstance(m, V4Compressor)},
                       key=str)
     return dict(out=out, x_grad=x_grad, grads=grads, stats=stats, indexer_loss=idx_loss,
-                names=[n for n, _ in layer.named_parameters()], cp_modes=cp_modes)
+                names=[n for n, _ in layer.named_parameters()], cp_modes=cp_modes,
+                window_mode=layer.window_cp_mode)
 
 
 def _worker(rank: int, port: int, out_path: str) -> None:
@@ -275,6 +280,8 @@ def test_cp2_matches_cp1(results, name):
     mode = "chunks" if name in SEQ else "gather"
     assert one["cp_modes"] == ([] if ratio == 0 else [None])
     assert two["cp_modes"] == ([] if ratio == 0 else [mode])
+    assert one["window_mode"] is None
+    assert two["window_mode"] == ("gather" if "gather" in name else "halo")
 
 
 def test_gpt_v4_pattern_cp2_matches_cp1(results):
