@@ -12,6 +12,7 @@ For each config and sequence length T (B = 1, S = T, causal) it times, in one ru
              with the default (K_tile @ Q^T, KEYS_ON_M in the kernel module) in the same run
   hytopk_scan_slots  HyTopK with the other candidate append (a CTA-wide test and prefix sum per
              tile instead of a slot per survivor from an atomic counter, ATOMIC_SLOTS)
+  finish     HyTopK's last pass alone (the torch sort that orders and decodes each row)
   naive      megatron-core 0.19.2 `fused_qk_topk_naive` (full [T, H, S] fp32 logits); OOM shown
   chunked    the common chunked path: per-head bf16 logits for a row block, ReLU, head sum as a
              batched product with the weights, causal mask, torch.topk
@@ -71,7 +72,7 @@ ALL_T = [16384, 32768, 65536, 131072, 262144, 1048576]
 # Baselines that would take minutes per call beyond these lengths are not run (shown as "-").
 MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072,
          "hytopk_prune": 131072, "hytopk_heads_on_m": 131072, "scoreonly_heads_on_m": 131072,
-         "hytopk_scan_slots": 131072}
+         "hytopk_scan_slots": 131072, "finish": 1048576}
 # Score-table bytes per row block for the chunked and table baselines.
 TABLE_BYTES = 4 * GiB
 # "recency" inputs: tokens of distance per unit of the linear recency bias.
@@ -168,6 +169,22 @@ def run_scoreonly_heads_on_m(q, k, w, topk, relu):
     return run_scoreonly(q, k, w, topk, relu, keys_on_m=False)
 
 
+_FINISH_BUFFERS: dict = {}
+
+
+def run_finish(q, k, w, topk, relu):
+    """HyTopK's last pass alone: the row-chunked torch sort that orders and decodes the kernel's
+    unsorted packed keys (timed on buffers of the output's shape, reused across calls)."""
+    shape = (q.shape[0], q.shape[1], min(topk, k.shape[1]))
+    if shape not in _FINISH_BUFFERS:
+        _FINISH_BUFFERS.clear()
+        hi = torch.randint(-2**31, 2**31 - 1, shape, device="cuda", dtype=torch.int32)
+        _FINISH_BUFFERS[shape] = (torch.randint_like(hi, 0, 2**31 - 1), hi.view(torch.float32))
+    idx, scores = _FINISH_BUFFERS[shape]
+    hk._finish(idx, scores)
+    return idx
+
+
 def run_naive(q, k, w, topk, relu):
     from megatron.core.transformer.experimental_attention_variant.dsa import fused_qk_topk_naive
 
@@ -223,6 +240,7 @@ METHODS = {
     "hytopk_scan_slots": run_hytopk_scan_slots,
     "scoreonly": run_scoreonly,
     "scoreonly_heads_on_m": run_scoreonly_heads_on_m,
+    "finish": run_finish,
     "naive": run_naive,
     "chunked": run_chunked,
     "table": run_table,
@@ -281,22 +299,27 @@ def sweep(T, cfg, reps):
     kpos = torch.arange(T, device="cuda")[None]
     rate = matmul_tflops() * 1e12
     floor_ms = T * (T + 1) / 2 * H * D * 2 / rate * 1e3
-    # (warps, stages, programs per SM, keys per tile, keys on M)
-    variants = ((4, 2, 2, 64, True), (4, 2, 2, 64, False), (8, 2, 2, 128, True),
-                (4, 3, 2, 64, True), (4, 2, 3, 64, True), (8, 2, 1, 128, True),
-                (8, 3, 1, 128, True), (4, 2, 2, 128, True), (8, 2, 2, 64, False))
+    # (warps, stages, programs per SM, keys per tile, keys on M, query rows a program or None
+    # for GEMM_ROWS // heads). Rows 4 with 64 heads makes the GEMM's N 256: half the L2 reads
+    # of each key tile per FLOP (compiled for sm_90a: 249 registers, no spills, 1 program/SM).
+    variants = ((4, 2, 2, 64, True, None), (4, 2, 2, 64, False, None),
+                (8, 2, 1, 64, True, 4), (8, 3, 1, 64, True, 4), (8, 2, 2, 128, True, None),
+                (4, 3, 2, 64, True, None), (4, 2, 3, 64, True, None),
+                (8, 2, 1, 128, True, None), (8, 2, 2, 64, False, None))
     for mode in (hk.MODE_SCORES_ONLY, hk.MODE_SELECT):
-        for nw, ns, pps, bn, kom in variants:
+        for nw, ns, pps, bn, kom, rows in variants:
             hk.PROGRAMS_PER_SM = pps
             launch = dict(relu=relu, q_positions=qpos, k_positions=kpos, causal=True,
-                          mode=mode, block_n=bn, num_warps=nw, num_stages=ns, keys_on_m=kom)
+                          mode=mode, block_n=bn, num_warps=nw, num_stages=ns, keys_on_m=kom,
+                          rows=rows)
+            name = (f"warps={nw} stages={ns} per_sm={pps} bn={bn} keys_on_m={kom} "
+                    f"rows={rows or 'default'}")
             try:
                 ms = time_ms(lambda kw=launch: hk._launch(q, k, w, topk, **kw), reps=reps)
-                log(f"sweep {cfg} T={T} mode={mode} warps={nw} stages={ns} per_sm={pps} "
-                    f"bn={bn} keys_on_m={kom}: {ms:.2f} ms  x{ms / floor_ms:.2f} floor")
+                log(f"sweep {cfg} T={T} mode={mode} {name}: {ms:.2f} ms  "
+                    f"x{ms / floor_ms:.2f} floor")
             except Exception as err:  # a variant may not fit in shared memory
-                log(f"sweep variant warps={nw} stages={ns} bn={bn} keys_on_m={kom} failed: "
-                    f"{err!r:.200}")
+                log(f"sweep {cfg} T={T} mode={mode} {name} failed: {err!r:.200}")
     hk.PROGRAMS_PER_SM = 2
 
 
@@ -331,7 +354,7 @@ def summary(records, kinds, configs, Ts):
             " | naive ms (GiB) | chunked ms (GiB) | table ms (GiB) | chunked/HyTopK"
             " | table/HyTopK | pruned HyTopK ms | pruned share | prune speed-up"
             " | table/pruned | heads-on-M HyTopK ms | heads-on-M score-only ms"
-            " | scan-slots HyTopK ms |")
+            " | scan-slots HyTopK ms | finish ms |")
     log("")
     log(head)
     log("|" + "---|" * (head.count("|") - 1))
@@ -345,6 +368,7 @@ def summary(records, kinds, configs, Ts):
                 hm = by.get((kind, cfg, T, "hytopk_heads_on_m")) or {}
                 sm = by.get((kind, cfg, T, "scoreonly_heads_on_m")) or {}
                 ss = by.get((kind, cfg, T, "hytopk_scan_slots")) or {}
+                fi = by.get((kind, cfg, T, "finish")) or {}
                 hp = by.get((kind, cfg, T, "hytopk_prune")) or {}
                 key = (kind, cfg, T)
                 share = hp.get("pruned_share")
@@ -359,7 +383,7 @@ def summary(records, kinds, configs, Ts):
                     f"| {ratio(key + ('hytopk',), hp) if hp else '-'} "
                     f"| {ratio(key + ('table',), hp) if hp else '-'} "
                     f"| {fmt(hm.get('ms'), '.1f')} | {fmt(sm.get('ms'), '.1f')} "
-                    f"| {fmt(ss.get('ms'), '.1f')} |")
+                    f"| {fmt(ss.get('ms'), '.1f')} | {fmt(fi.get('ms'), '.1f')} |")
 
 
 def fmt(x, spec):

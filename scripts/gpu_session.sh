@@ -36,7 +36,7 @@ case "$stage" in
     ;;
   kernels)
     timeout 240 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
-      --methods hytopk hytopk_heads_on_m hytopk_scan_slots scoreonly scoreonly_heads_on_m \
+      --methods hytopk hytopk_heads_on_m hytopk_scan_slots scoreonly scoreonly_heads_on_m finish \
       table chunked --out "$out" 2>&1 | tee "$out/bench_selection.log"
     timeout 150 python3 scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768 \
       --reps 2 --out "$out" 2>&1 | tee "$out/bench_attention_sweep.log"
