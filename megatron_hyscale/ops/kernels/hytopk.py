@@ -68,6 +68,15 @@ KEYS_ON_M_MIN_HEADS = 32
 # barriers a tile against 554 and 16. Not yet timed on a GPU (bench_selection.py compares both).
 ATOMIC_SLOTS = True
 
+# Dot products of fp32 operands: "tf32x3" runs three TF32 tensor-core products (hi * hi +
+# hi * lo + lo * hi), dropping only lo * lo (relative 2^-22 of each product, far inside the
+# fp32 rounding bound the GPU tests allow, and exact for integer values below 2^11 such as the
+# exactness tests'). "ieee" is exact fp32 on CUDA cores: compiled for sm_90a the relu=False
+# kernel then spills 3688 bytes a thread, against 568 with "tf32x3" (not yet timed).
+FP32_DOT_PRECISION = tl.constexpr("tf32x3")
+# fp32 operations per product term that the pruning bound counts for such a dot (see _launch).
+TF32X3_OPS_PER_TERM = 4
+
 # Modes: the real kernel, and two measurement variants that share the same GEMM loop.
 MODE_SELECT = 0  # exact top-k
 MODE_SCORES_ONLY = 1  # GEMM + ReLU/weight/head-sum epilogue, no top-k (writes each row's max)
@@ -118,9 +127,11 @@ def _unpack_index(key):
 
 @triton.jit
 def _logits(a, b, RELU: tl.constexpr, IEEE: tl.constexpr):
-    """a @ b^T in fp32 (tensor cores, or IEEE fp32 for fp32 inputs), ReLU'd when RELU."""
+    """a @ b^T with fp32 accumulation, ReLU'd when RELU; fp32 operands (IEEE: fp32 inputs or
+    the folded relu=False query) go through FP32_DOT_PRECISION."""
     if IEEE:
-        out = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+        out = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)),
+                     input_precision=FP32_DOT_PRECISION)
     else:
         out = tl.dot(a, tl.trans(b))
     if RELU:
@@ -585,7 +596,9 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
     prune = (PRUNE if prune is None else prune) and mode == MODE_SELECT
     bd = triton.next_power_of_2(D)
     if prune:
-        cent, rho = _key_tile_bounds(kk_, bn, bd)
+        # fp32 operands run as three TF32 products: 3 D accumulations plus the split's
+        # rounding (< 3 more operations), so the dot-product bound counts 4 D operations.
+        cent, rho = _key_tile_bounds(kk_, bn, bd * (TF32X3_OPS_PER_TERM if ieee else 1))
         stats = torch.zeros(nprog, 2, dtype=torch.int64, device=q.device)
     else:
         cent = rho = stats = scratch
