@@ -30,7 +30,7 @@ def test_hytopk_launch_compiles_for_sm90(tmp_path: Path) -> None:
     scores, qsa = json.loads(out.read_text())
     # The recorded launch is the real one: the wrapper's choices reach the compiler.
     assert scores["constexprs"]["KEYS_ON_M"] is True and scores["constexprs"]["MODE"] == 1
-    assert qsa["constexprs"]["KEYS_ON_M"] is False  # 4 heads: below KEYS_ON_M_MIN_HEADS
+    assert qsa["constexprs"]["KEYS_ON_M"] is True and qsa["constexprs"]["R"] == 16  # 4 heads
     for rep in (scores, qsa):
         assert 0 < rep["registers"] <= 255 and rep["shared_bytes"] > 0
         assert rep["loop_ops"]["HGMMA"] > 0 and rep["loop_instructions"] > 0

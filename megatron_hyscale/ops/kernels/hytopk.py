@@ -32,6 +32,12 @@ import triton.language as tl
 BLOCK_N = 64
 # GEMM rows per program (R query rows x padded heads): 128 feeds wgmma a full-height tile.
 GEMM_ROWS = 128
+# The same with fewer than SMALL_HEADS (padded) heads a row, e.g. QSA's 4: 16 rows of 4 heads.
+# The per-row selection work then dominates the tiny GEMM, and 32 rows (128 // 4) kept too much
+# of it in registers: compiled for sm_90a (keys on M), 16 rows run a 939-instruction tile loop
+# without spills where 32 rows ran 3686 (heads on M) with 129 spill loads / stores.
+SMALL_HEADS = 32
+SMALL_HEADS_GEMM_ROWS = 64
 # Query rows per program when relu=False (one folded query per row, so the GEMM is R tall).
 ROWS_NO_RELU = 32
 # Persistent programs per SM; scratch is (programs x R x CAP) int64, independent of T.
@@ -48,17 +54,16 @@ FINISH_CHUNK_BYTES = 256 << 20
 _LOW32 = 0xFFFFFFFF
 _KEY_MIN = -(1 << 63)
 
-# GEMM orientation under ReLU with many heads: K_tile @ Q^T puts the (row, head) pairs on the
-# MMA's N, where the accumulator keeps a row's heads in one thread and its quad, so the weighted
-# head sum is register FMAs plus two shuffles; Q @ K_tile^T puts the heads on M, and once a row
-# has more heads than one warp's 16 accumulator rows its head sum crosses warps, through shared
-# memory. Compiled for sm_90a here (2026-11-30, Triton 3.6, `scripts/inspect_sm90.py`, 64 heads,
-# 64-key tiles), the scores-only tile loop has 397 SASS instructions a thread against 931 (104
-# SHFL, 78 shared-memory accesses against 16 and 12); with 4 heads (QSA) heads-on-M stays
-# better (152 registers against 255). Not yet timed on a GPU (bench_selection.py compares both).
+# GEMM orientation under ReLU: K_tile @ Q^T puts the (row, head) pairs on the MMA's N, where the
+# accumulator keeps a row's heads in one thread and its quad, so the weighted head sum is
+# register FMAs plus a shuffle or two; Q @ K_tile^T puts the heads on M, and once a row has more
+# heads than one warp's 16 accumulator rows its head sum crosses warps, through shared memory.
+# Compiled for sm_90a here (2026-11-30, Triton 3.6, `scripts/inspect_sm90.py`, 64 heads, 64-key
+# tiles), the scores-only tile loop has 397 SASS instructions a thread against 931 (104 SHFL,
+# 78 shared-memory accesses against 16 and 12), the select loop 456 against 1851. Not yet
+# timed on a GPU (bench_selection.py compares both). With one head a row (relu=False's folded
+# query) there is no head sum, and the rows stay on M.
 KEYS_ON_M = True
-# Heads a row (padded) from which KEYS_ON_M applies: more than one warp's 16 rows.
-KEYS_ON_M_MIN_HEADS = 32
 
 # Candidate append: each survivor takes its buffer slot with an atomic add on its row's counter
 # (global memory; only lanes holding a survivor issue it) and is stored one tile later, so the
@@ -454,7 +459,8 @@ def _prepare(q, k, weights, relu, rows):
     if relu:
         H = q.shape[2]
         hp = triton.next_power_of_2(H)
-        r = rows or max(1, GEMM_ROWS // hp)
+        gemm_rows = SMALL_HEADS_GEMM_ROWS if 1 < hp < SMALL_HEADS else GEMM_ROWS
+        r = rows or max(1, gemm_rows // hp)
         return q, k, weights, hp, r, q.dtype == torch.float32
     # sum_h w[t,h] * (q[t,h] . k[s]) == (sum_h w[t,h] q[t,h]) . k[s]: an fp32 query, so the dot
     # runs in fp32 (ieee) to stay within fp32 rounding of the reference.
@@ -551,7 +557,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
     """Run the kernel. prune: skip key tiles by their score bound (default PRUNE; MODE_SELECT
     only). prune_stats: optional int64 tensor [2] that receives (key tiles pruned, key tiles
     considered), each counted once per row block. keys_on_m: the GEMM orientation (default
-    KEYS_ON_M from KEYS_ON_M_MIN_HEADS heads; never with one head a row). atomic_slots: how
+    KEYS_ON_M with several heads a row; never with one). atomic_slots: how
     candidates are appended (default ATOMIC_SLOTS)."""
     B, T, _, D = q.shape
     S = k.shape[1]
@@ -612,8 +618,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
         D=D, TOPK=kk, OUT_K=topk, CAP=cap, R=r, HP=hp, BD=bd, BN=bn, NT=nt,
         RELU=relu, CAUSAL=causal, IEEE=ieee, MODE=mode, NPROG=nprog,
         PRUNE=prune, G=max(16, triton.next_power_of_2(nt)),
-        KEYS_ON_M=(KEYS_ON_M and hp >= KEYS_ON_M_MIN_HEADS) if keys_on_m is None
-        else keys_on_m and hp > 1,
+        KEYS_ON_M=(KEYS_ON_M if keys_on_m is None else keys_on_m) and hp > 1,
         ATOMIC_SLOTS=ATOMIC_SLOTS if atomic_slots is None else atomic_slots,
         num_warps=num_warps, num_stages=num_stages,
     )
