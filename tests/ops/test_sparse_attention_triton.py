@@ -124,9 +124,13 @@ def run_both(q, k, v, idx, sink, dv, scale, deterministic, lse_weight=None, seed
     return results
 
 
+@pytest.mark.parametrize("channels_on_m", [True, False], ids=["dkv-channels-on-m",
+                                                              "dkv-keys-on-m"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_values_and_gradients(case, deterministic):
+def test_values_and_gradients(case, deterministic, channels_on_m, monkeypatch):
+    # Both dK/dV kernel orientations (DKV_CHANNELS_ON_M) against the oracle.
+    monkeypatch.setattr(kern, "DKV_CHANNELS_ON_M", channels_on_m)
     q, k, v, idx, sink, dv, scale = build(case, seed=len(case))
     (out, lse, grads), (rout, rlse, rgrads) = run_both(q, k, v, idx, sink, dv, scale,
                                                        deterministic)

@@ -52,21 +52,26 @@ SMEM_BUDGET = 220 * 1024
 # lack of shared memory or registers is skipped and the next one tried.
 FWD_TILINGS = ((64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
 BWD_TILINGS = ((32, 2), (64, 1), (32, 1), (16, 1))
-# Per backward kernel (both start as BWD_TILINGS). Compiled for sm_90a (2026-11-30, GLM-5.1
-# shape, `scripts/inspect_sm90.py`): dQ at 32 x 2 spills 564 bytes a thread with 132 spill
+# Per backward kernel. Compiled for sm_90a (2026-11-30, GLM-5.1 shape,
+# `scripts/inspect_sm90.py`): dQ at 32 x 2 spills 564 bytes a thread with 132 spill
 # instructions in its key loop, at 32 x 1 72 bytes and 5 (but no cp.async prefetch of the
-# gathered rows); dK/dV at 32 x 2 does not spill, at 32 x 1 it spills 436 bytes. Which is
-# faster is for `bench_attention.py --bwd-sweep` on the GPU to say.
+# gathered rows). Which is faster is for `bench_attention.py --bwd-sweep` on the GPU to say.
 DQ_TILINGS = BWD_TILINGS
-DKV_TILINGS = BWD_TILINGS
+# With the channels on M (DKV_CHANNELS_ON_M), 64 keys x 1 stage spills 864 bytes and 16 x 2
+# none (GLM-5.1, sm_90a): 16 x 2 comes before it.
+DKV_TILINGS = ((32, 2), (16, 2), (32, 1), (16, 1))
 # Warps a program: WIDE_WARPS once the accumulator tile is large (>= 64 x 256 fp32), else 4;
 # per kernel, since the backward kernels hold a second [heads x dims] fp32 accumulator's worth.
 WIDE_TILE = 64 * 256
 WIDE_WARPS = {"fwd": 8, "dq": 8, "dkv": 8}
-# The dK/dV kernel reads q and dO in two MMA layouts (B of K @ q^T and of dS^T @ q), which Triton
-# keeps as two shared-memory copies; its head block is halved until both copies fit in this
-# (measured on the H200: 64 heads x (576 + 512) dims asked for 311 KiB of 227).
+# The dK/dV kernel with the keys on M reads q and dO in two MMA layouts (B of K @ q^T and of
+# dS^T @ q), which Triton keeps as two shared-memory copies; its head block is halved until both
+# copies fit in this (measured on the H200: 64 heads x (576 + 512) dims asked for 311 KiB).
 DKV_RESIDENT_BUDGET = 160 * 1024
+# dK/dV kernel orientation: keys on M (dK_tile = dS^T @ q with M = the key tile, which at 32 keys
+# is below wgmma's 64 and compiles to mma.sync) or the channels on M (dK^T = q^T @ dS: M = 512
+# / 576, every product wgmma-sized; q and dO in one layout each, so no head-block halving).
+DKV_CHANNELS_ON_M = True
 
 # dK/dV accumulation modes of the dK/dV kernel.
 MODE_ATOMIC = 0  # fp32 atomic adds (fast; the rounding depends on the atomics' order)
@@ -314,7 +319,7 @@ def _bwd_dkv_kernel(
     D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr,
     MODE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, CHANNELS_ON_M: tl.constexpr,
 ):
     """dK / dV contributions of one query's head block, added into the selected key rows.
 
@@ -356,30 +361,54 @@ def _bwd_dkv_kernel(
         rows, valid = _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N, HAS_PREFIX)
         k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
                          mask=valid[:, None], other=0.0)
-        s_t = tl.dot(k_main, tl.trans(q_main), input_precision=PRECISION)
         if D_TAIL > 0:
             k_tail = tl.load(k_base + rows[:, None] * sks + offs_dt[None, :] * skd,
                              mask=valid[:, None] & dt_mask, other=0.0)
-            s_t += tl.dot(k_tail, tl.trans(q_tail), input_precision=PRECISION)
-        p_t = tl.exp2(tl.where(valid[:, None], s_t * qk_scale, float("-inf")) - lse2[None, :])
         if V_IS_K_MAIN:
             v_tile = k_main
         else:
             v_tile = tl.load(v_base + rows[:, None] * svs + offs_v[None, :] * svd,
                              mask=valid[:, None] & v_mask, other=0.0)
-        dp_t = tl.dot(v_tile, tl.trans(do), input_precision=PRECISION)
-        ds_t = (p_t * (dp_t - delta[None, :]) * sm_scale).to(q_main.dtype)
-        dv_t = tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
-        if V_IS_K_MAIN:
-            dk_main = tl.dot(ds_t, q_main, acc=dv_t, input_precision=PRECISION)
+        if CHANNELS_ON_M:
+            # Heads on M for S and dP, channels on M for dK^T = q^T dS and dV^T = dO^T P: every
+            # product is wgmma-sized (M >= 64) whatever the key tile; the tiles are transposed
+            # back (a layout change) for the row-wise accumulation.
+            s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
+            if D_TAIL > 0:
+                s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+            p = tl.exp2(tl.where(valid[None, :], s * qk_scale, float("-inf")) - lse2[:, None])
+            dp = tl.dot(do, tl.trans(v_tile), input_precision=PRECISION)
+            ds = (p * (dp - delta[:, None]) * sm_scale).to(q_main.dtype)
+            dv_tt = tl.dot(tl.trans(do), p.to(do.dtype), input_precision=PRECISION)
+            if V_IS_K_MAIN:
+                dk_main = tl.trans(tl.dot(tl.trans(q_main), ds, acc=dv_tt,
+                                          input_precision=PRECISION))
+            else:
+                dk_main = tl.trans(tl.dot(tl.trans(q_main), ds, input_precision=PRECISION))
+            dv_t = tl.trans(dv_tt)
+            if D_TAIL > 0:
+                dk_tail = tl.trans(tl.dot(tl.trans(q_tail), ds, input_precision=PRECISION))
         else:
-            dk_main = tl.dot(ds_t, q_main, input_precision=PRECISION)
+            s_t = tl.dot(k_main, tl.trans(q_main), input_precision=PRECISION)
+            if D_TAIL > 0:
+                s_t += tl.dot(k_tail, tl.trans(q_tail), input_precision=PRECISION)
+            p_t = tl.exp2(tl.where(valid[:, None], s_t * qk_scale, float("-inf"))
+                          - lse2[None, :])
+            dp_t = tl.dot(v_tile, tl.trans(do), input_precision=PRECISION)
+            ds_t = (p_t * (dp_t - delta[None, :]) * sm_scale).to(q_main.dtype)
+            dv_t = tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+            if V_IS_K_MAIN:
+                dk_main = tl.dot(ds_t, q_main, acc=dv_t, input_precision=PRECISION)
+            else:
+                dk_main = tl.dot(ds_t, q_main, input_precision=PRECISION)
+            if D_TAIL > 0:
+                dk_tail = tl.dot(ds_t, q_tail, input_precision=PRECISION)
+        if not V_IS_K_MAIN:
             _accumulate(dv_base + rows[:, None] * sdvs + offs_v[None, :] * sdvd, dv_t, rows,
                         valid, v_mask, rmv_base, fxv_base, srs, MODE)
         _accumulate(dk_base + rows[:, None] * sdks + offs_dm[None, :] * sdkd, dk_main, rows,
                     valid, main_cols, rmk_base, fxk_base, srs, MODE)
         if D_TAIL > 0:
-            dk_tail = tl.dot(ds_t, q_tail, input_precision=PRECISION)
             _accumulate(dk_base + rows[:, None] * sdks + offs_dt[None, :] * sdkd, dk_tail, rows,
                         valid, dt_mask, rmk_base, fxk_base, srs, MODE)
 
@@ -557,7 +586,8 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
 
     dims = geo.d_main + geo.d_tail + geo.dv_pad
     bh_dkv = geo.block_h
-    while bh_dkv > MIN_DOT and 2 * bh_dkv * dims * elem > DKV_RESIDENT_BUDGET:
+    copies = 1 if DKV_CHANNELS_ON_M else 2  # q and dO held in one or two MMA layouts
+    while bh_dkv > MIN_DOT and copies * bh_dkv * dims * elem > DKV_RESIDENT_BUDGET:
         bh_dkv //= 2
     nhb_dkv = triton.cdiv(geo.G, bh_dkv)
     grid_dkv = (B * T, Hkv * nhb_dkv)
@@ -572,9 +602,10 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
                 *_strides4(dout), *lse.stride(), *_strides4(dk_acc), *_strides4(dv_acc),
                 *rowmax_k.stride())
         const = dict(geo.const(), MODE=mode, BLOCK_H=bh_dkv,
-                     HAS_PREFIX=prefix_lengths is not None)
-        _launch(_bwd_dkv_kernel, grid_dkv, args, const, geo, DKV_TILINGS, 2 * bh_dkv * dims,
-                elem, ("dkv", q.dtype, DKV_TILINGS, tuple(sorted(const.items()))))
+                     HAS_PREFIX=prefix_lengths is not None, CHANNELS_ON_M=DKV_CHANNELS_ON_M)
+        _launch(_bwd_dkv_kernel, grid_dkv, args, const, geo, DKV_TILINGS,
+                copies * bh_dkv * dims, elem,
+                ("dkv", q.dtype, DKV_TILINGS, tuple(sorted(const.items()))))
 
     if mode == MODE_DISCARD:
         run(MODE_DISCARD)
