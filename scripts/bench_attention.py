@@ -21,9 +21,9 @@ Baseline: megatron-core 0.19.2's stock unfused path (`_unfused_absorbed_dsa_fn` 
 
 --bwd-sweep times the two backward kernels apart, for each (keys per step, stages) tiling that
 fits: dQ, dK/dV with its fp32 atomics, dK/dV in the measurement-only discard mode (the same
-products, no accumulation; the difference is the cost of the atomics), and dK/dV in its
-previous orientation (keys on the MMA's M, DKV_CHANNELS_ON_M = False). Table and JSON
-(bench_attention_bwd_sweep.json).
+products, no accumulation; the difference is the cost of the atomics), dK/dV in its
+previous orientation (keys on the MMA's M, DKV_CHANNELS_ON_M = False), and the single fused
+backward pass (BWD_FUSED). Table and JSON (bench_attention_bwd_sweep.json).
 """
 
 from __future__ import annotations
@@ -186,6 +186,16 @@ def bench_stock(shape, inp, warmup, reps):
 SWEEP_TILINGS = ((16, 1), (16, 2), (32, 1), (32, 2), (64, 1), (64, 2))
 
 
+def _fused(fn, *args, **kwargs):
+    """fn with the single-pass backward (BWD_FUSED, at the sweep's tiling)."""
+    fused, tilings = kern.BWD_FUSED, kern.BWD_FUSED_TILINGS
+    kern.BWD_FUSED, kern.BWD_FUSED_TILINGS = True, kern.DQ_TILINGS
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        kern.BWD_FUSED, kern.BWD_FUSED_TILINGS = fused, tilings
+
+
 def _with_dkv_keys_on_m(fn, *args, **kwargs):
     """fn with the dK/dV kernel's previous orientation (keys on the MMA's M)."""
     kern.DKV_CHANNELS_ON_M = False
@@ -225,6 +235,8 @@ def bwd_sweep(shapes, Ts, reps, out_dir, mm):
                                                  mode=kern.MODE_DISCARD, prefix_lengths=pre),
                     "dkv_keys_on_m_ms": partial(_with_dkv_keys_on_m, kern.sparse_attention_bwd_dkv,
                                                 *dkv_args, dv=dv, prefix_lengths=pre),
+                    "fused_ms": partial(_fused, kern.sparse_attention_bwd, *dq_args, dv=dv,
+                                        sink=sink, prefix_lengths=pre),
                 }
                 for name, fn in parts.items():
                     try:
@@ -245,12 +257,13 @@ def bwd_sweep(shapes, Ts, reps, out_dir, mm):
     kern.DQ_TILINGS, kern.DKV_TILINGS = defaults
     kern._tiling_cache.clear()
     log("\n| shape | T | keys x stages | dQ ms | dK/dV ms | dK/dV without atomics ms |"
-        " dK/dV keys on M ms | bwd / matmul |\n|---|---|---|---|---|---|---|---|")
+        " dK/dV keys on M ms | fused bwd ms | bwd / matmul (dQ + dK/dV) |"
+        "\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         log(f"| {r['shape']} | {r['T']} | {r['block_n']} x {r['stages']} | "
             f"{fmt(r['dq_ms'], '.1f')} | {fmt(r['dkv_ms'], '.1f')} | "
             f"{fmt(r['dkv_no_atomics_ms'], '.1f')} | {fmt(r['dkv_keys_on_m_ms'], '.1f')} | "
-            f"{fmt(r.get('bwd_frac', '-'), '.1%')} |")
+            f"{fmt(r['fused_ms'], '.1f')} | {fmt(r.get('bwd_frac', '-'), '.1%')} |")
     return rows
 
 

@@ -86,8 +86,15 @@ def test_forward_4k_by_8k(shape):
     assert torch.equal(out[0, 11], torch.zeros_like(out[0, 11]))
 
 
+@pytest.mark.parametrize("variant", ["split", "split-keys-on-m", "fused"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_backward_1k_by_8k(shape):
+def test_backward_1k_by_8k(shape, variant, monkeypatch):
+    # The default (dQ pass, then dK/dV with the channels on M), the previous dK/dV orientation,
+    # and the single fused pass.
+    from megatron_hyscale.ops.kernels import sparse_attention as kern
+
+    monkeypatch.setattr(kern, "DKV_CHANNELS_ON_M", variant != "split-keys-on-m")
+    monkeypatch.setattr(kern, "BWD_FUSED", variant == "fused")
     q, k, v, idx, sink, dv, scale = inputs(shape, 1024, 8192, seed=2)
     g = torch.randn(q.shape[:3] + (dv or (v.shape[-1] if v is not None else q.shape[-1]),),
                     device="cuda").to(q.dtype)
@@ -101,8 +108,12 @@ def test_backward_1k_by_8k(shape):
         assert rel(got, ref) < GRAD_TOL, (name, rel(got, ref))
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("shape", ["glm51", "qsa"])
-def test_deterministic_bitwise(shape):
+def test_deterministic_bitwise(shape, fused, monkeypatch):
+    from megatron_hyscale.ops.kernels import sparse_attention as kern
+
+    monkeypatch.setattr(kern, "BWD_FUSED", fused)
     # S barely above K: each key row gets addends from most queries, so atomic order would show.
     q, k, v, idx, sink, dv, scale = inputs(shape, 1024, 2560, seed=3)
     width = dv or (v.shape[-1] if v is not None else q.shape[-1])

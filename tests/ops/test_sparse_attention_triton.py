@@ -124,13 +124,15 @@ def run_both(q, k, v, idx, sink, dv, scale, deterministic, lse_weight=None, seed
     return results
 
 
-@pytest.mark.parametrize("channels_on_m", [True, False], ids=["dkv-channels-on-m",
-                                                              "dkv-keys-on-m"])
+@pytest.mark.parametrize("variant", ["dkv-channels-on-m", "dkv-keys-on-m", "fused"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_values_and_gradients(case, deterministic, channels_on_m, monkeypatch):
-    # Both dK/dV kernel orientations (DKV_CHANNELS_ON_M) against the oracle.
-    monkeypatch.setattr(kern, "DKV_CHANNELS_ON_M", channels_on_m)
+def test_values_and_gradients(case, deterministic, variant, monkeypatch):
+    # Every backward layout against the oracle: the separate dK/dV kernel in both orientations
+    # (DKV_CHANNELS_ON_M), and the single pass that fuses it into the dQ kernel (BWD_FUSED).
+    monkeypatch.setattr(kern, "DKV_CHANNELS_ON_M", variant != "dkv-keys-on-m")
+    monkeypatch.setattr(kern, "BWD_FUSED", variant == "fused")
+    monkeypatch.setattr(kern, "BWD_FUSED_TILINGS", ((16, 1),))
     q, k, v, idx, sink, dv, scale = build(case, seed=len(case))
     (out, lse, grads), (rout, rlse, rgrads) = run_both(q, k, v, idx, sink, dv, scale,
                                                        deterministic)

@@ -57,9 +57,10 @@ BWD_TILINGS = ((32, 2), (64, 1), (32, 1), (16, 1))
 # instructions in its key loop, at 32 x 1 72 bytes and 5 (but no cp.async prefetch of the
 # gathered rows). Which is faster is for `bench_attention.py --bwd-sweep` on the GPU to say.
 DQ_TILINGS = BWD_TILINGS
-# With the channels on M (DKV_CHANNELS_ON_M), 64 keys x 1 stage spills 864 bytes and 16 x 2
-# none (GLM-5.1, sm_90a): 16 x 2 comes before it.
-DKV_TILINGS = ((32, 2), (16, 2), (32, 1), (16, 1))
+# With the channels on M (DKV_CHANNELS_ON_M; GLM-5.1, sm_90a): 16 x 2, 32 x 1 and 16 x 1 do
+# not spill, 64 x 1 spills 132 bytes, and 32 x 2 asks for 233600 bytes of shared memory (the
+# H200 allows 232448).
+DKV_TILINGS = ((16, 2), (32, 1), (16, 1))
 # Warps a program: WIDE_WARPS once the accumulator tile is large (>= 64 x 256 fp32), else 4;
 # per kernel, since the backward kernels hold a second [heads x dims] fp32 accumulator's worth.
 WIDE_TILE = 64 * 256
@@ -72,6 +73,13 @@ DKV_RESIDENT_BUDGET = 160 * 1024
 # is below wgmma's 64 and compiles to mma.sync) or the channels on M (dK^T = q^T @ dS: M = 512
 # / 576, every product wgmma-sized; q and dO in one layout each, so no head-block halving).
 DKV_CHANNELS_ON_M = True
+# One backward pass (the dQ kernel with FUSE_DKV: S, P, dP and dS computed once, the key rows
+# gathered once) instead of a dQ pass and a dK/dV pass. Off until timed: compiled for sm_90a
+# (GLM-5.1, 16 keys x 1 stage) its key loop has 1388 SASS instructions a thread (34 of them
+# spill loads / stores) where the two passes have about 2020 per 16 keys (dQ 32 x 2: 1315 per
+# 32; dK/dV 16 x 2: 1366); `bench_attention.py --bwd-sweep` times both.
+BWD_FUSED = False
+BWD_FUSED_TILINGS = ((16, 2), (16, 1), (32, 1))
 
 # dK/dV accumulation modes of the dK/dV kernel.
 MODE_ATOMIC = 0  # fp32 atomic adds (fast; the rounding depends on the atomics' order)
@@ -207,23 +215,61 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _dkv_bases(dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr, b, kvh,
+               sdkb, sdkh, sdvb, sdvh, srb, srh):
+    """Bases of batch b, KV head kvh in the dK / dV accumulators and their row statistics."""
+    rows = b * srb + kvh * srh
+    return (dk_ptr + b * sdkb + kvh * sdkh, dv_ptr + b * sdvb + kvh * sdvh,
+            rowmax_k_ptr + rows, rowmax_v_ptr + rows, scale_k_ptr + rows, scale_v_ptr + rows)
+
+
+@triton.jit
+def _dkv_tiles_channels_on_m(q_main, do, p, ds, V_IS_K_MAIN: tl.constexpr,
+                             PRECISION: tl.constexpr):
+    """(dK main [keys x D_MAIN], dV^T [DV_PAD x keys]) of one key tile with the channels on the
+    MMA's M: dK^T = q^T dS (+ dV^T = dO^T P when V is K's main part, then merged)."""
+    dv_tt = tl.dot(tl.trans(do), p.to(do.dtype), input_precision=PRECISION)
+    if V_IS_K_MAIN:
+        dk_tt = tl.dot(tl.trans(q_main), ds, acc=dv_tt, input_precision=PRECISION)
+    else:
+        dk_tt = tl.dot(tl.trans(q_main), ds, input_precision=PRECISION)
+    return tl.trans(dk_tt), dv_tt
+
+
+@triton.jit
+def _dkv_add(base, stat_base, scale_base, rows, valid, tile, offs, s_row, s_col, n_cols, srs,
+             MODE: tl.constexpr):
+    """Add a [keys x channels] tile (channels offs, < n_cols real) into its key rows of one
+    dK or dV accumulator (see _accumulate). Callers add the main dK tile before computing the
+    tail's, so that two such fp32 tiles are never live together (sm_90a, fused backward
+    16 x 1: 212 bytes of spills against 696 when they were)."""
+    _accumulate(base + rows[:, None] * s_row + offs[None, :] * s_col, tile, rows, valid,
+                offs[None, :] < n_cols, stat_base, scale_base, srs, MODE)
+
+
+@triton.jit
 def _bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr,
     dq_ptr, delta_ptr, dsink_ptr,
+    dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr,
     T, NK, G, NHB, qk_scale, sm_scale,
     sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
     sib, sit, sih, sik, spb, spt, sob, sot, soh, sod, sdob, sdot, sdoh, sdod, slb, slt, slh,
     sdqb, sdqt, sdqh, sdqd,
+    sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd, srb, srs, srh,
     D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_DLSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FUSE_DKV: tl.constexpr, MODE: tl.constexpr,
 ):
     """dQ for one query's head block; also writes Delta = dO . O - dlse and sink terms.
 
     P = exp2(s - lse2) from the saved lse, dP = dO @ V_sel^T, dS = P * (dP - Delta),
     dQ = scale * dS @ K_sel (fp32 accumulators, no atomics: the program owns its rows).
     Delta and the per-(query, head) sink term -p_sink * Delta go to [B, T, Hq] fp32 buffers.
+    FUSE_DKV: the same pass also adds this head block's dK / dV tiles into the key rows (the
+    channels on M: dK^T = scale * q^T dS + dV^T, dV^T = dO^T P, per MODE, as _bwd_dkv_kernel),
+    so S and dP are computed and the key rows gathered once for the whole backward.
     """
     b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, BLOCK_H)
     heads = kvh * G + offs_h
@@ -258,6 +304,10 @@ def _bwd_dq_kernel(
     v_base = v_ptr + b * svb + kvh * svh
     idx_base = idx_ptr + b * sib + t * sit + kvh * sih
     n_pre = _prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX)
+    if FUSE_DKV:
+        dk_base, dv_base, rmk_base, rmv_base, fxk_base, fxv_base = _dkv_bases(
+            dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr, b, kvh, sdkb,
+            sdkh, sdvb, sdvh, srb, srh)
     dq_main = tl.zeros([BLOCK_H, D_MAIN], tl.float32)
     if D_TAIL > 0:
         dq_tail = tl.zeros([BLOCK_H, D_TAIL], tl.float32)
@@ -277,17 +327,36 @@ def _bwd_dq_kernel(
             v_tile = tl.load(v_base + rows[:, None] * svs + offs_v[None, :] * svd,
                              mask=valid[:, None] & v_mask, other=0.0)
         dp = tl.dot(do, tl.trans(v_tile), input_precision=PRECISION)
-        ds = (p * (dp - delta[:, None])).to(k_main.dtype)
+        if FUSE_DKV:
+            # dS carries the scale here (dK needs it inside the product; dQ then needs none).
+            ds = (p * (dp - delta[:, None]) * sm_scale).to(k_main.dtype)
+        else:
+            ds = (p * (dp - delta[:, None])).to(k_main.dtype)
         dq_main += tl.dot(ds, k_main, input_precision=PRECISION)
         if D_TAIL > 0:
             dq_tail += tl.dot(ds, k_tail, input_precision=PRECISION)
+        if FUSE_DKV:
+            dk_main, dv_tt = _dkv_tiles_channels_on_m(q_main, do, p, ds, V_IS_K_MAIN, PRECISION)
+            if not V_IS_K_MAIN:
+                _dkv_add(dv_base, rmv_base, fxv_base, rows, valid, tl.trans(dv_tt), offs_v,
+                         sdvs, sdvd, DV, srs, MODE)
+            _dkv_add(dk_base, rmk_base, fxk_base, rows, valid, dk_main, offs_dm, sdks, sdkd, D,
+                     srs, MODE)
+            if D_TAIL > 0:
+                dk_tail = tl.trans(tl.dot(tl.trans(q_tail), ds, input_precision=PRECISION))
+                _dkv_add(dk_base, rmk_base, fxk_base, rows, valid, dk_tail, offs_dt, sdks, sdkd,
+                         D, srs, MODE)
 
+    if FUSE_DKV:
+        dq_scale = 1.0
+    else:
+        dq_scale = sm_scale
     dq_rows = dq_ptr + b * sdqb + t * sdqt + heads[:, None] * sdqh
-    tl.store(dq_rows + offs_dm[None, :] * sdqd, (dq_main * sm_scale).to(dq_ptr.dtype.element_ty),
+    tl.store(dq_rows + offs_dm[None, :] * sdqd, (dq_main * dq_scale).to(dq_ptr.dtype.element_ty),
              mask=h_mask[:, None])
     if D_TAIL > 0:
         tl.store(dq_rows + offs_dt[None, :] * sdqd,
-                 (dq_tail * sm_scale).to(dq_ptr.dtype.element_ty), mask=h_mask[:, None] & dt_mask)
+                 (dq_tail * dq_scale).to(dq_ptr.dtype.element_ty), mask=h_mask[:, None] & dt_mask)
 
 
 @triton.jit
@@ -350,13 +419,9 @@ def _bwd_dkv_kernel(
     v_base = v_ptr + b * svb + kvh * svh
     idx_base = idx_ptr + b * sib + t * sit + kvh * sih
     n_pre = _prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX)
-    dk_base = dk_ptr + b * sdkb + kvh * sdkh
-    dv_base = dv_ptr + b * sdvb + kvh * sdvh
-    rmk_base = rowmax_k_ptr + b * srb + kvh * srh
-    rmv_base = rowmax_v_ptr + b * srb + kvh * srh
-    fxk_base = scale_k_ptr + b * srb + kvh * srh
-    fxv_base = scale_v_ptr + b * srb + kvh * srh
-    main_cols = offs_dm[None, :] < D
+    dk_base, dv_base, rmk_base, rmv_base, fxk_base, fxv_base = _dkv_bases(
+        dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr, b, kvh, sdkb, sdkh,
+        sdvb, sdvh, srb, srh)
     for n0 in range(0, n_pre + NK, BLOCK_N):
         rows, valid = _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N, HAS_PREFIX)
         k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
@@ -379,15 +444,8 @@ def _bwd_dkv_kernel(
             p = tl.exp2(tl.where(valid[None, :], s * qk_scale, float("-inf")) - lse2[:, None])
             dp = tl.dot(do, tl.trans(v_tile), input_precision=PRECISION)
             ds = (p * (dp - delta[:, None]) * sm_scale).to(q_main.dtype)
-            dv_tt = tl.dot(tl.trans(do), p.to(do.dtype), input_precision=PRECISION)
-            if V_IS_K_MAIN:
-                dk_main = tl.trans(tl.dot(tl.trans(q_main), ds, acc=dv_tt,
-                                          input_precision=PRECISION))
-            else:
-                dk_main = tl.trans(tl.dot(tl.trans(q_main), ds, input_precision=PRECISION))
+            dk_main, dv_tt = _dkv_tiles_channels_on_m(q_main, do, p, ds, V_IS_K_MAIN, PRECISION)
             dv_t = tl.trans(dv_tt)
-            if D_TAIL > 0:
-                dk_tail = tl.trans(tl.dot(tl.trans(q_tail), ds, input_precision=PRECISION))
         else:
             s_t = tl.dot(k_main, tl.trans(q_main), input_precision=PRECISION)
             if D_TAIL > 0:
@@ -401,16 +459,18 @@ def _bwd_dkv_kernel(
                 dk_main = tl.dot(ds_t, q_main, acc=dv_t, input_precision=PRECISION)
             else:
                 dk_main = tl.dot(ds_t, q_main, input_precision=PRECISION)
-            if D_TAIL > 0:
-                dk_tail = tl.dot(ds_t, q_tail, input_precision=PRECISION)
         if not V_IS_K_MAIN:
-            _accumulate(dv_base + rows[:, None] * sdvs + offs_v[None, :] * sdvd, dv_t, rows,
-                        valid, v_mask, rmv_base, fxv_base, srs, MODE)
-        _accumulate(dk_base + rows[:, None] * sdks + offs_dm[None, :] * sdkd, dk_main, rows,
-                    valid, main_cols, rmk_base, fxk_base, srs, MODE)
+            _dkv_add(dv_base, rmv_base, fxv_base, rows, valid, dv_t, offs_v, sdvs, sdvd, DV, srs,
+                     MODE)
+        _dkv_add(dk_base, rmk_base, fxk_base, rows, valid, dk_main, offs_dm, sdks, sdkd, D, srs,
+                 MODE)
         if D_TAIL > 0:
-            _accumulate(dk_base + rows[:, None] * sdks + offs_dt[None, :] * sdkd, dk_tail, rows,
-                        valid, dt_mask, rmk_base, fxk_base, srs, MODE)
+            if CHANNELS_ON_M:
+                dk_tail = tl.trans(tl.dot(tl.trans(q_tail), ds, input_precision=PRECISION))
+            else:
+                dk_tail = tl.dot(ds_t, q_tail, input_precision=PRECISION)
+            _dkv_add(dk_base, rmk_base, fxk_base, rows, valid, dk_tail, offs_dt, sdks, sdkd, D,
+                     srs, MODE)
 
 
 # --------------------------------------------------------------------------- launch wrappers
@@ -533,9 +593,53 @@ def _fixed_point_scale(rowmax, n_contrib):
     return torch.ldexp(torch.ones_like(rm), exp).float(), exp
 
 
+class _DkvAccumulators:
+    """dK / dV accumulation buffers of one backward and their per-key-row statistics: fp32
+    (atomic adds) or int64 fixed point (deterministic), rowmax / scale rows when needed."""
+
+    def __init__(self, q, k, v, geo, lse, deterministic, with_rowmax):
+        B, S, Hkv = k.shape[:3]
+        acc_dtype = torch.int64 if deterministic else torch.float32
+        self.dk = torch.zeros((B, S, Hkv, geo.D), device=q.device, dtype=acc_dtype)
+        self.separate_v = v is not None
+        self.dv = (torch.zeros((B, S, Hkv, geo.dv), device=q.device, dtype=acc_dtype)
+                   if self.separate_v else self.dk)
+        if deterministic or with_rowmax:
+            self.rowmax_k = torch.zeros((B, S, Hkv), device=q.device, dtype=torch.float32)
+            self.rowmax_v = torch.zeros_like(self.rowmax_k) if self.separate_v else self.rowmax_k
+        else:
+            self.rowmax_k = self.rowmax_v = lse  # unused placeholders
+        self.scale_k, self.scale_v = self.rowmax_k, self.rowmax_v
+        self.exp_k = self.exp_v = None
+
+    def ptrs(self):
+        return (self.dk, self.dv, self.rowmax_k, self.rowmax_v, self.scale_k, self.scale_v)
+
+    def strides(self):
+        return (*_strides4(self.dk), *_strides4(self.dv), *self.rowmax_k.stride())
+
+    def set_scales(self, n_contrib):
+        """After the MODE_ROWMAX pass: power-of-two scales for the MODE_FIXED pass."""
+        self.scale_k, self.exp_k = _fixed_point_scale(self.rowmax_k, n_contrib)
+        self.scale_v, self.exp_v = (_fixed_point_scale(self.rowmax_v, n_contrib)
+                                    if self.separate_v else (self.scale_k, self.exp_k))
+
+    def result(self, k, v):
+        """(dk, dv or None) in k's / v's dtype."""
+        if self.exp_k is None:
+            return self.dk.to(k.dtype), self.dv.to(v.dtype) if self.separate_v else None
+        dk = torch.ldexp(self.dk.double(), -self.exp_k.unsqueeze(-1)).to(k.dtype)
+        dv = (torch.ldexp(self.dv.double(), -self.exp_v.unsqueeze(-1)).to(v.dtype)
+              if self.separate_v else None)
+        return dk, dv
+
+
 def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dlse=None,
-                            dv=None, sink=None, prefix_lengths=None):
-    """dQ launch: returns (dq, delta fp32 [B, T, Hq], dsink or None)."""
+                            dv=None, sink=None, prefix_lengths=None, dkv=None,
+                            mode=MODE_ATOMIC):
+    """dQ launch: returns (dq, delta fp32 [B, T, Hq], dsink or None).
+
+    dkv: a _DkvAccumulators to fuse the dK / dV accumulation (per `mode`) into this pass."""
     B, T, Hq, _ = q.shape
     geo = _Geometry(q, k, v, dv)
     NK = indices.shape[-1]
@@ -547,14 +651,20 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
     resident = geo.block_h * (geo.d_main + geo.d_tail + geo.dv_pad)
     dlse_t = dlse if dlse is not None else lse
     pre, pre_str = _prefix_args(prefix_lengths, lse)
+    fused = dkv is not None
+    dkv_ptrs = dkv.ptrs() if fused else (lse,) * 6
+    dkv_strides = dkv.strides() if fused else (0,) * 11
     args = (q, k, v_src, indices, pre, sink if sink is not None else lse, out, dout, lse,
-            dlse_t, dq, delta, dsink_part, T, NK, geo.G, geo.nhb, softmax_scale * LOG2E,
-            softmax_scale, *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices),
-            *pre_str, *_strides4(out), *_strides4(dout), *lse.stride(), *_strides4(dq))
+            dlse_t, dq, delta, dsink_part, *dkv_ptrs, T, NK, geo.G, geo.nhb,
+            softmax_scale * LOG2E, softmax_scale, *_strides4(q), *_strides4(k), *v_str,
+            *_index_strides(indices), *pre_str, *_strides4(out), *_strides4(dout),
+            *lse.stride(), *_strides4(dq), *dkv_strides)
     const = dict(geo.const(), HAS_SINK=sink is not None, HAS_DLSE=dlse is not None,
-                 HAS_PREFIX=prefix_lengths is not None)
-    _launch(_bwd_dq_kernel, grid, args, const, geo, DQ_TILINGS, resident, q.element_size(),
-            ("dq", q.dtype, DQ_TILINGS, tuple(sorted(const.items()))))
+                 HAS_PREFIX=prefix_lengths is not None, FUSE_DKV=fused,
+                 MODE=mode if fused else MODE_ATOMIC)
+    tilings = BWD_FUSED_TILINGS if fused else DQ_TILINGS
+    _launch(_bwd_dq_kernel, grid, args, const, geo, tilings, resident, q.element_size(),
+            ("dq", q.dtype, tilings, tuple(sorted(const.items()))))
     dsink = dsink_part.sum(dim=(0, 1)).to(sink.dtype) if sink is not None else None
     return dq, delta, dsink
 
@@ -566,23 +676,12 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
     mode=MODE_DISCARD (measurement only) runs the kernel once without accumulating and returns
     the fp32 [B, S, Hkv] discard buffer in place of dk."""
     B, T, Hq, _ = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
+    Hkv = k.shape[2]
     geo = _Geometry(q, k, v, dv)
     NK = indices.shape[-1]
     elem = q.element_size()
     v_src, v_str = _v_source(k, v, geo)
-    acc_dtype = torch.int64 if deterministic else torch.float32
-    dk_acc = torch.zeros((B, S, Hkv, geo.D), device=q.device, dtype=acc_dtype)
-    separate_v = v is not None
-    dv_acc = (torch.zeros((B, S, Hkv, geo.dv), device=q.device, dtype=acc_dtype)
-              if separate_v else dk_acc)
-    stat_shape = (B, S, Hkv)
-    if deterministic or mode == MODE_DISCARD:
-        rowmax_k = torch.zeros(stat_shape, device=q.device, dtype=torch.float32)
-        rowmax_v = torch.zeros_like(rowmax_k) if separate_v else rowmax_k
-    else:
-        rowmax_k = rowmax_v = lse  # unused placeholders
-    scale_k, scale_v = rowmax_k, rowmax_v
+    acc = _DkvAccumulators(q, k, v, geo, lse, deterministic, mode == MODE_DISCARD)
 
     dims = geo.d_main + geo.d_tail + geo.dv_pad
     bh_dkv = geo.block_h
@@ -595,12 +694,10 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
     pre, pre_str = _prefix_args(prefix_lengths, lse)
 
     def run(mode):
-        args = (q, k, v_src, indices, pre, dout, lse, delta, dk_acc, dv_acc,
-                rowmax_k, rowmax_v, scale_k, scale_v,
+        args = (q, k, v_src, indices, pre, dout, lse, delta, *acc.ptrs(),
                 T, NK, geo.G, nhb_dkv, softmax_scale * LOG2E, softmax_scale,
                 *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices), *pre_str,
-                *_strides4(dout), *lse.stride(), *_strides4(dk_acc), *_strides4(dv_acc),
-                *rowmax_k.stride())
+                *_strides4(dout), *lse.stride(), *acc.strides())
         const = dict(geo.const(), MODE=mode, BLOCK_H=bh_dkv,
                      HAS_PREFIX=prefix_lengths is not None, CHANNELS_ON_M=DKV_CHANNELS_ON_M)
         _launch(_bwd_dkv_kernel, grid_dkv, args, const, geo, DKV_TILINGS,
@@ -609,31 +706,42 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
 
     if mode == MODE_DISCARD:
         run(MODE_DISCARD)
-        return rowmax_k, None
+        return acc.rowmax_k, None
     if not deterministic:
         run(MODE_ATOMIC)
-        return dk_acc.to(k.dtype), dv_acc.to(v.dtype) if separate_v else None
+        return acc.result(k, v)
     run(MODE_ROWMAX)
-    # Each element gets at most one dK and one dV addend per (query, head block).
-    n_contrib = 2 * T * nhb_dkv
-    scale_k, exp_k = _fixed_point_scale(rowmax_k, n_contrib)
-    scale_v, exp_v = (_fixed_point_scale(rowmax_v, n_contrib) if separate_v
-                      else (scale_k, exp_k))
+    acc.set_scales(2 * T * nhb_dkv)  # <= one dK and one dV addend per (query, head block)
     run(MODE_FIXED)
-    dk = torch.ldexp(dk_acc.double(), -exp_k.unsqueeze(-1)).to(k.dtype)
-    dvv = torch.ldexp(dv_acc.double(), -exp_v.unsqueeze(-1)).to(v.dtype) if separate_v else None
-    return dk, dvv
+    return acc.result(k, v)
 
 
 def sparse_attention_bwd(q, k, v, indices, softmax_scale, out, lse, dout, dlse=None, dv=None,
                          sink=None, deterministic=False, prefix_lengths=None):
-    """Backward launches: returns (dq, dk, dv or None, dsink or None)."""
-    dq, delta, dsink = sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout,
-                                               dlse=dlse, dv=dv, sink=sink,
-                                               prefix_lengths=prefix_lengths)
-    dk, dvv = sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, dv=dv,
-                                       deterministic=deterministic,
-                                       prefix_lengths=prefix_lengths)
+    """Backward launches: returns (dq, dk, dv or None, dsink or None).
+
+    BWD_FUSED: one pass computes dQ and adds dK / dV (two passes when deterministic); else the
+    dQ launch, then the dK / dV launch."""
+    kw = dict(dlse=dlse, dv=dv, sink=sink, prefix_lengths=prefix_lengths)
+    if not BWD_FUSED:
+        dq, delta, dsink = sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse,
+                                                   dout, **kw)
+        dk, dvv = sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta,
+                                           dv=dv, deterministic=deterministic,
+                                           prefix_lengths=prefix_lengths)
+        return dq, dk, dvv, dsink
+    geo = _Geometry(q, k, v, dv)
+    acc = _DkvAccumulators(q, k, v, geo, lse, deterministic, False)
+    if deterministic:
+        sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, **kw, dkv=acc,
+                                mode=MODE_ROWMAX)
+        acc.set_scales(2 * q.shape[1] * geo.nhb)
+        mode = MODE_FIXED
+    else:
+        mode = MODE_ATOMIC
+    dq, _, dsink = sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, **kw,
+                                           dkv=acc, mode=mode)
+    dk, dvv = acc.result(k, v)
     return dq, dk, dvv, dsink
 
 
