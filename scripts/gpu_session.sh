@@ -6,6 +6,10 @@
 #   bash scripts/gpu_session.sh kernels   # HyTopK variants at 128K, the backward tiling sweep,
 #                                         # the indexer-loss benchmark                 (~6 min)
 #   bash scripts/gpu_session.sh layer [T...]  # bench_layer.py, DSA, GLM-5.1 geometry   (~8 min)
+#   bash scripts/gpu_session.sh cp2 [T...]  # on nvidia-h200-x2: CP 2 against CP 1 (NCCL,
+#                                         # GLM-5.1 layer at 32K), then the DSA layer at CP 2
+#                                         # at 128K / 256K / 512K (1M: 249 GiB a GPU by the
+#                                         # estimate, launch/layer_memory.py)          (~9 min)
 # Logs and JSON go under ${OUT:-outputs/gpu_session}/<stage>. TileLang's stock backend needs
 # two more calls (scripts/gpu_tilelang.sh). Flip indexer_loss.TRITON_KERNEL_GPU_VERIFIED only
 # after `verify` passed, before `layer`, so the layer uses the fused loss.
@@ -13,8 +17,8 @@ set -uo pipefail
 stage=${1:-}
 shift || true
 case "$stage" in
-  verify|kernels|layer) ;;
-  *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|layer} [T...]" >&2; exit 2 ;;
+  verify|kernels|layer|cp2) ;;
+  *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|layer|cp2} [T...]" >&2; exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
 mkdir -p "$out"
@@ -47,5 +51,13 @@ case "$stage" in
     seqs=${*:-8192 16384 32768 65536 131072 262144}
     timeout 560 python3 scripts/bench_layer.py --seq $seqs --repeats 1 --out "$out" 2>&1 \
       | tee "$out/bench_layer.log"
+    ;;
+  cp2)
+    run2=(python3 -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2)
+    timeout 150 "${run2[@]}" scripts/check_cp.py --seq 32768 --out "$out" 2>&1 \
+      | grep -v Warning | tail -20 | tee "$out/check_cp.log"
+    seqs=${*:-131072 262144 524288}
+    timeout 380 "${run2[@]}" scripts/bench_layer.py --model dsa --cp 2 --seq $seqs \
+      --skip-stock --repeats 1 --out "$out" 2>&1 | grep -v Warning | tee "$out/bench_layer_cp2.log"
     ;;
 esac
