@@ -200,30 +200,31 @@ def overridden(module: Any, **values: Any) -> Iterator[None]:
 
 
 def _sparse_attention(hq: int, hkv: int, d: int, dv: int | None, topk: int, T: int = 256,
-                      **overrides: Any) -> list[Launch]:
-    """Forward, dQ and dK/dV launches; overrides: module constants such as DQ_TILINGS."""
+                      prefix: bool = False, **overrides: Any) -> list[Launch]:
+    """Forward, dQ and dK/dV launches; overrides: module constants such as DQ_TILINGS.
+    prefix: rows also attend to a generated dense key prefix (HCA)."""
     from megatron_hyscale.ops.kernels import sparse_attention as sa
 
     with overridden(sa, **overrides):
         sa._tiling_cache.clear()
         try:
-            return _sparse_attention_calls(sa, hq, hkv, d, dv, topk, T)
+            return _sparse_attention_calls(sa, hq, hkv, d, dv, topk, T, prefix)
         finally:
             sa._tiling_cache.clear()
 
 
 def _sparse_attention_calls(sa: Any, hq: int, hkv: int, d: int, dv: int | None, topk: int,
-                            T: int) -> list[Launch]:
-
+                            T: int, prefix: bool) -> list[Launch]:
     q = torch.zeros(1, T, hq, d, dtype=torch.bfloat16)
     k = torch.zeros(1, T, hkv, d, dtype=torch.bfloat16)
     v = None if dv is None else torch.zeros(1, T, hkv, dv, dtype=torch.bfloat16)
     idx = torch.zeros(1, T, hkv, topk, dtype=torch.int32)
+    kw = dict(dv=min(d, 512) if dv is None else None,
+              prefix_lengths=torch.zeros(1, T, dtype=torch.int32) if prefix else None)
     names = [n for n in dir(sa) if n.startswith("_") and n.endswith("_kernel")]
     with intercept(sa, *names) as calls:
-        out, lse = sa.sparse_attention_fwd(q, k, v, idx, d ** -0.5, dv=512 if dv is None else None)
-        sa.sparse_attention_bwd(q, k, v, idx, d ** -0.5, out, lse, torch.zeros_like(out),
-                                dv=512 if dv is None else None)
+        out, lse = sa.sparse_attention_fwd(q, k, v, idx, d ** -0.5, **kw)
+        sa.sparse_attention_bwd(q, k, v, idx, d ** -0.5, out, lse, torch.zeros_like(out), **kw)
     return calls
 
 
@@ -260,6 +261,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-qsa": lambda: _hytopk(4, 128, 2048, True),
     "hytopk-norelu": lambda: _hytopk(32, 128, 2048, False),
     "sparse-attention-glm51": lambda: _sparse_attention(64, 1, 576, None, 2048),
+    "sparse-attention-hca": lambda: _sparse_attention(64, 1, 512, None, 128, prefix=True),
+    "sparse-attention-qsa": lambda: _sparse_attention(24, 2, 256, 256, 2052),
     "indexer-loss-glm51": lambda: _indexer_loss(32, 128, 64, 576, 2048),
 }
 
