@@ -9,7 +9,10 @@ Indices: distinct pseudo-random keys per row ((a + j * step) mod S, step odd), a
 worst case for the gather (no reuse between neighbouring queries).
 
 Rates are ratios to the bf16 matmul rate measured in the same run (8192^3 torch.matmul on random
-data). FLOP counts: forward 2 * T * Hq * K * (Dqk + Dv); backward 2 * T * Hq * K * (3 Dqk + 2 Dv)
+data). Memory floors: the bytes the kernels must move (gathered bf16 key / value rows; in the
+backward, two gathers and the fp32 dK / dV atomics' read and write) over the copy bandwidth
+measured in the same run; with random indices a pass cannot beat it by much (L2 reuse only).
+FLOP counts: forward 2 * T * Hq * K * (Dqk + Dv); backward 2 * T * Hq * K * (3 Dqk + 2 Dv)
 (QK^T recomputed once, dP, dQ, dK, dV; the kernels' extra recompute is not counted as work).
 Baseline: megatron-core 0.19.2's stock unfused path (`_unfused_absorbed_dsa_fn` for absorbed MLA,
 `unfused_dsa_fn` otherwise), run where it fits (OOM printed) and T <= --stock-max-t.
@@ -79,7 +82,18 @@ def make_inputs(shape, T, seed=0):
     return dict(q=q, k=k, v=v, idx=idx, sink=sink, dv=dv, scale=D ** -0.5, width=width,
                 prefix=None,
                 flop_fwd=2 * T * Hq * K * (D + width),
-                flop_bwd=2 * T * Hq * K * (3 * D + 2 * width))
+                flop_bwd=2 * T * Hq * K * (3 * D + 2 * width),
+                **gather_bytes(T * Hkv * K, D, vdim))
+
+
+def gather_bytes(slots, D, vdim):
+    """Bytes the kernels must move at least, for `slots` (query, KV head, key) triples: the
+    forward reads each selected bf16 key row (and value row when V is separate); the backward
+    reads them again in each of its two kernels and adds fp32 dK (dV) rows with atomics (a read
+    and a write each). Over the copy bandwidth this is each pass's memory floor: random indices
+    (this benchmark's) give the gathers no reuse beyond what the L2 cache happens to hold."""
+    row = D + (vdim or 0)
+    return dict(bytes_fwd=slots * row * 2, bytes_bwd=slots * row * (2 * 2 + 2 * 4))
 
 
 def make_prefix_inputs(shape, T, seed=0):
@@ -99,7 +113,7 @@ def make_prefix_inputs(shape, T, seed=0):
     keys_per_row = prefix.sum().item() + (idx >= 0).sum().item()
     return dict(q=q, k=k, v=None, idx=idx, sink=sink, dv=None, scale=D ** -0.5, width=D,
                 prefix=prefix, flop_fwd=2 * Hq * keys_per_row * 2 * D,
-                flop_bwd=2 * Hq * keys_per_row * 5 * D)
+                flop_bwd=2 * Hq * keys_per_row * 5 * D, **gather_bytes(keys_per_row, D, None))
 
 
 def explicit_indices(inp):
@@ -303,7 +317,11 @@ def main():
             t0 = time.time()
             torch.cuda.reset_peak_memory_stats()
             inp = make_inputs(shape, T)
-            row = dict(shape=shape, T=T, K=SHAPES[shape][-1])
+            row = dict(shape=shape, T=T, K=SHAPES[shape][-1],
+                       fwd_floor_ms=max(inp["flop_fwd"] / mm / 1e9,
+                                        inp["bytes_fwd"] / bw / 1e9),
+                       fwd_mem_floor_ms=inp["bytes_fwd"] / bw / 1e9,
+                       bwd_mem_floor_ms=inp["bytes_bwd"] / bw / 1e9)
             try:
                 row.update(bench_ours(inp, 1, args.reps, not args.no_deterministic))
             except torch.OutOfMemoryError:
@@ -334,17 +352,19 @@ def main():
                 f"stock fwd {g('stock_fwd_ms', '.1f')} fwd+bwd {g('stock_fwd_bwd_ms', '.1f')} "
                 f"peak {g('peak_gib', '.1f')} GiB [{time.time() - t0:.0f}s]")
 
-    head = ("| shape | T | K | fwd ms | fwd TFLOP/s | fwd / matmul | bwd ms | bwd TFLOP/s | "
-            "bwd / matmul | det bwd ms (x) | stock fwd ms | stock fwd+bwd ms | peak GiB |")
-    lines = [head, "|" + "---|" * 13]
+    head = ("| shape | T | K | fwd ms | fwd TFLOP/s | fwd / matmul | fwd gather floor ms | "
+            "bwd ms | bwd TFLOP/s | bwd / matmul | bwd memory floor ms | det bwd ms (x) | "
+            "stock fwd ms | stock fwd+bwd ms | peak GiB |")
+    lines = [head, "|" + "---|" * 15]
     for r in meta["rows"]:
         det = (f"{r['bwd_det_ms']:.1f} (x{r['det_cost']:.2f})" if "bwd_det_ms" in r else "-")
         lines.append(
             f"| {r['shape']} | {r['T']} | {r['K']} | {fmt(r.get('fwd_ms'), '.2f')} | "
             f"{fmt(r.get('fwd_tflops', '-'), '.0f')} | {fmt(r.get('fwd_frac', '-'), '.0%')} | "
+            f"{fmt(r['fwd_mem_floor_ms'], '.1f')} | "
             f"{fmt(r.get('bwd_ms', '-'), '.2f')} | {fmt(r.get('bwd_tflops', '-'), '.0f')} | "
-            f"{fmt(r.get('bwd_frac', '-'), '.0%')} | {det} | "
-            f"{fmt(r.get('stock_fwd_ms', '-'), '.1f')} | "
+            f"{fmt(r.get('bwd_frac', '-'), '.0%')} | {fmt(r['bwd_mem_floor_ms'], '.1f')} | "
+            f"{det} | {fmt(r.get('stock_fwd_ms', '-'), '.1f')} | "
             f"{fmt(r.get('stock_fwd_bwd_ms', '-'), '.1f')} | {fmt(r.get('peak_gib', '-'))} |")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
