@@ -33,9 +33,9 @@ export PYTHONPATH=$(pwd):${PYTHONPATH:-} PYTHONUNBUFFERED=1
 
 case "$stage" in
   verify)
-    timeout 300 python3 -m pytest -q -m gpu tests/ops -p no:cacheprovider 2>&1 \
+    timeout 400 python3 -m pytest -q -m gpu tests/ops -p no:cacheprovider 2>&1 \
       | tail -30 | tee "$out/gpu_ops.log"
-    timeout 200 python3 -m pytest -q tests/layers -p no:cacheprovider 2>&1 \
+    timeout 150 python3 -m pytest -q tests/layers -p no:cacheprovider 2>&1 \
       | tail -15 | tee "$out/layers.log"
     ;;
   kernels)
