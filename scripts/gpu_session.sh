@@ -33,10 +33,13 @@ export PYTHONPATH=$(pwd):${PYTHONPATH:-} PYTHONUNBUFFERED=1
 
 case "$stage" in
   verify)
-    timeout 400 python3 -m pytest -q -m gpu tests/ops -p no:cacheprovider 2>&1 \
-      | tail -30 | tee "$out/gpu_ops.log"
-    timeout 150 python3 -m pytest -q tests/layers -p no:cacheprovider 2>&1 \
-      | tail -15 | tee "$out/layers.log"
+    # Full logs under $out; the call's output keeps the tails.
+    timeout 400 python3 -m pytest -q -rfE -m gpu tests/ops -p no:cacheprovider \
+      > "$out/gpu_ops.log" 2>&1
+    tail -40 "$out/gpu_ops.log"
+    timeout 150 python3 -m pytest -q -rfE tests/layers -p no:cacheprovider \
+      > "$out/layers.log" 2>&1
+    tail -15 "$out/layers.log"
     ;;
   kernels)
     timeout 200 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
