@@ -10,6 +10,10 @@
 #                                         # GLM-5.1 layer at 32K), then the DSA layer at CP 2
 #                                         # at 128K / 256K / 512K (1M: 249 GiB a GPU by the
 #                                         # estimate, launch/layer_memory.py)          (~9 min)
+#   bash scripts/gpu_session.sh side2     # on nvidia-h200-x2 with carry [".whl",
+#                                         # ".carry/megatron_lm"] (scripts/megatron_lm_carry.sh):
+#                                         # stock Megatron-LM DSA then HyScale, the small
+#                                         # GLM-5.1 at 32K, CP 2, tokens/s and losses    (~9 min)
 # Logs and JSON go under ${OUT:-outputs/gpu_session}/<stage>. TileLang's stock backend needs
 # two more calls (scripts/gpu_tilelang.sh). Flip indexer_loss.TRITON_KERNEL_GPU_VERIFIED only
 # after `verify` passed, before `layer`, so the layer uses the fused loss.
@@ -17,8 +21,9 @@ set -uo pipefail
 stage=${1:-}
 shift || true
 case "$stage" in
-  verify|kernels|layer|cp2) ;;
-  *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|layer|cp2} [T...]" >&2; exit 2 ;;
+  verify|kernels|layer|cp2|side2) ;;
+  *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|layer|cp2|side2} [T...]" >&2
+     exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
 mkdir -p "$out"
@@ -62,5 +67,13 @@ case "$stage" in
     seqs=${*:-131072 262144 524288}
     timeout 380 "${run2[@]}" scripts/bench_layer.py --model dsa --cp 2 --seq $seqs \
       --skip-stock --repeats 1 --out "$out" 2>&1 | grep -v Warning | tee "$out/bench_layer_cp2.log"
+    ;;
+  side2)
+    [ -f .carry/megatron_lm/pretrain_gpt.py ] || {
+      echo "gpu_session.sh side2: carry .carry/megatron_lm (scripts/megatron_lm_carry.sh)" >&2
+      exit 2; }
+    MEGATRON_LM_DIR=$(pwd)/.carry/megatron_lm HYSCALE_PYTHON=python3 timeout 560 \
+      bash examples/glm5_1/side_by_side.sh --gpus 2 --output-dir "$out" 2>&1 \
+      | grep -v Warning | tail -60 | tee "$out/side_by_side.log"
     ;;
 esac
