@@ -265,12 +265,16 @@ def prefix_case(B, T, S, Hkv, NK, per_head, seed, split=20):
     return n.to(DEVICE), idx.to(DEVICE), full.to(DEVICE)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["split-bwd", "fused-bwd"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-kv-head"])
-def test_dense_prefix_equals_explicit_indices(per_head, deterministic):
+def test_dense_prefix_equals_explicit_indices(per_head, deterministic, fused, monkeypatch):
     """prefix_lengths (generated slots 0 .. n - 1, HCA's visible entries) + listed indices give
     the values and every gradient of the same keys listed explicitly, with a sink, GQA or MQA,
-    rows whose prefix is 0, empty rows, and prefixes crossing the 16-key tiles."""
+    rows whose prefix is 0, empty rows, and prefixes crossing the 16-key tiles; both backward
+    layouts."""
+    monkeypatch.setattr(kern, "BWD_FUSED", fused)
+    monkeypatch.setattr(kern, "BWD_FUSED_TILINGS", ((16, 1),))
     B, T, S, NK = 2, 3, 40, 9
     Hq, Hkv, D = (4, 2, 16) if per_head else (4, 1, 24)
     g = torch.Generator().manual_seed(7)
