@@ -42,3 +42,20 @@ def test_bad_requests_are_named() -> None:
     assert proc.returncode == 2 and "--preset" in proc.stderr
     proc = _run("--preset", "hytopk-qsa", interpret=True)
     assert proc.returncode == 2 and "TRITON_INTERPRET" in proc.stderr
+
+
+def test_default_kernels_keep_their_compiled_shape(tmp_path: Path) -> None:
+    """Guards on the defaults chosen from compiled code (Triton pinned at 3.6): HyTopK's select
+    kernel (keys on M) and the dK/dV kernel (channels on M) run wgmma in their hot loops
+    without spilling. A change that silently drops them to mma.sync or into local memory
+    fails here before it costs GPU time."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "hytopk-dsv32", "sparse-attention-glm51", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reports = {r["name"].split("] ")[1]: r for r in json.loads(out.read_text())}
+    select = reports["_hytopk_kernel"]
+    assert select["spill_stores"] == 0 and select["loop_ops"]["HGMMA"] > 0
+    assert select["loop_ops"]["SHFL"] < 32  # the head sum stays in registers (heads on N)
+    dkv = reports["_bwd_dkv_kernel"]
+    assert dkv["spill_stores"] == 0 and dkv["loop_ops"]["HMMA"] == 0
+    assert dkv["loop_ops"]["HGMMA"] > 0
