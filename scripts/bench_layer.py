@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-loss", action="store_true",
                    help="dsa: dense indexer KL (warm-up stage) instead of the sparse one")
     p.add_argument("--loss-coeff", type=float, default=0.01, help="dsa_indexer_loss_coeff")
+    p.add_argument("--attention-bwd", choices=("split", "fused"), default="split",
+                   help="HyScale's sparse-attention backward: a dQ pass then a dK/dV pass "
+                        "(split, the default) or one fused pass (BWD_FUSED)")
     p.add_argument("--stock-kernel-backend", choices=STOCK_KERNEL_BACKENDS, default="none",
                    help="dsa: tilelang also times the stock DSAttention with megatron-core's "
                         "TileLang kernels (dsa_kernel_backend='tilelang') as a second stock row, "
@@ -692,6 +695,9 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hyscale import replay
 
     init_distributed(args)
+    from megatron_hyscale.ops.kernels import sparse_attention as sparse_attention_kernels
+
+    sparse_attention_kernels.BWD_FUSED = args.attention_bwd == "fused"
     out_dir = Path(args.out)
     if rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)

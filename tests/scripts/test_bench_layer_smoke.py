@@ -126,9 +126,12 @@ def test_parser_checks() -> None:
     assert (args.model, args.cp, args.seq, args.skip_baseline) == ("qsa", 2, [1048576], True)
     assert bench_layer.parse_args([]).model == "dsa"  # default unchanged
     assert bench_layer.parse_args(["--skip-stock"]).skip_baseline  # the old spelling works
-    for bad in (["--seq", "100", "--cp", "3"], ["--model", "mla"], ["--repeats", "0"]):
+    for bad in (["--seq", "100", "--cp", "3"], ["--model", "mla"], ["--repeats", "0"],
+                ["--attention-bwd", "single"]):
         with pytest.raises(SystemExit):
             bench_layer.parse_args(bad)
+    assert bench_layer.parse_args([]).attention_bwd == "split"
+    assert bench_layer.parse_args(["--attention-bwd", "fused"]).attention_bwd == "fused"
 
 
 def _import_bench_layer() -> Any:
