@@ -12,10 +12,12 @@ table-based indexer loss with HyScale's ops:
   whose stock implementation can read another micro-batch's indices during recompute.
 - context parallelism (`cp_comm_type="allgather"`, megatron's zigzag 2 x cp chunk layout):
   the absorbed KV and the indexer keys are all-gathered over the CP group into global order
-  (`megatron_hyscale.parallel.all_gather_to_global`, whose backward reduce-scatters the KV
-  gradients to their owners); HyTopK, the sparse attention and the indexer loss run for the
-  local query rows against the gathered keys, with the local rows' global positions. Indices
-  are [local rows, gathered keys], so replay and index sharing are unchanged.
+  (`megatron_hyscale.parallel.start_all_gather_to_global`, whose backward reduce-scatters the
+  gradients to their owners); the KV gather is queued behind the indexer keys' and waited on
+  after HyTopK, so it transfers while the selection runs. HyTopK, the sparse attention and the
+  indexer loss run for the local query rows against the gathered keys, with the local rows'
+  global positions. Indices are [local rows, gathered keys], so replay and index sharing are
+  unchanged.
 Layouts the fast path does not cover (packed THD, sequence-parallel TP, non-causal masks) warn
 once, naming why, and run the stock forward; a CP communication type other than allgather
 raises (the stock layer does not support it either).
@@ -39,7 +41,7 @@ from megatron.core.utils import get_pg_size
 from megatron_hyscale import replay
 from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
 from megatron_hyscale.ops.hytopk import warn_once
-from megatron_hyscale.parallel import all_gather_to_global, zigzag_positions
+from megatron_hyscale.parallel import start_all_gather_to_global, zigzag_positions
 
 
 class HyScaleDSAttention(DSAttention):
@@ -133,12 +135,6 @@ class HyScaleDSAttention(DSAttention):
         sq, b = query.shape[:2]
         x_in_ndim = x.ndim
         cp_group, q_positions = self._cp_layout(sq, key.size(0), query.device)
-        if cp_group is not None:
-            # [sq, b, 1, d] local -> [cp * sq, b, 1, d] in global order; backward reduce-scatters
-            # the key gradient (sum over the ranks whose queries read it) back to this rank.
-            # GPU follow-up: start this all-gather asynchronously and overlap it with the
-            # indexer projections below (wait before HyTopK); not needed for correctness.
-            key = all_gather_to_global(key, cp_group)
         # The indexer learns only from its KL loss: no gradient into the main model.
         x, qr = x.detach(), qr.detach()
         loss_coeff = cfg.dsa_indexer_loss_coeff or 0.0
@@ -147,21 +143,28 @@ class HyScaleDSAttention(DSAttention):
             self.training and torch.is_grad_enabled() and loss_coeff > 0 and computes_topk
         )
         query_b = query.transpose(0, 1)  # [b, sq, np, d] views: the ops take strided inputs
-        key_b = key.transpose(0, 1)
 
-        q_idx = weights = k_idx = None
+        q_idx = weights = k_idx = pending_k_idx = None
         if computes_topk and (use_indexer_loss or replay.current_phase() != "replay"):
             with torch.enable_grad() if use_indexer_loss else torch.no_grad():
                 q_idx, k_idx, weights = self.indexer.forward_before_topk(x, qr, packed_seq_params)
-                if cp_group is not None:
-                    # Indexer keys [sq, b, d] -> [cp * sq, b, d]; their gradient (indexer loss
-                    # only) also goes back to the owner rank.
-                    k_idx = all_gather_to_global(k_idx, cp_group)
+                # Indexer keys [sq, b, d] -> [cp * sq, b, d]; their gradient (indexer loss
+                # only) also goes back to the owner rank.
+                pending_k_idx = start_all_gather_to_global(k_idx, cp_group)
+        # The main KV [sq, b, 1, d] -> [cp * sq, b, 1, d] in global order (no-op without CP),
+        # queued behind the indexer keys on the CP group and waited on only after the
+        # selection: HyTopK runs while it transfers. Backward reduce-scatters the key gradient
+        # (the sum over the ranks whose queries read it) back to this rank.
+        pending_key = start_all_gather_to_global(key, cp_group)
+        if pending_k_idx is not None:
+            with torch.enable_grad() if use_indexer_loss else torch.no_grad():
+                k_idx = pending_k_idx.wait()
             q_idx, k_idx, weights = q_idx.transpose(0, 1), k_idx.transpose(0, 1), \
                 weights.transpose(0, 1)
 
         indices = self._selection(q_idx, k_idx, weights, b, sq, packed_seq_params, attention_mask,
                                   q_positions)
+        key_b = pending_key.wait().transpose(0, 1)
 
         indexer_loss = None
         if use_indexer_loss:

@@ -4,10 +4,11 @@
   chunks r and 2cp-1-r), splitting a full sequence the way megatron's data loader does, and
   the permutations between the gathered (rank-major) order and the global order.
 - `gather`: `all_gather_to_global(x, group)`, an all-gather over the CP group that returns the
-  global sequence order and whose backward reduce-scatters the gradient to the owners.
+  global sequence order and whose backward reduce-scatters the gradient to the owners, and
+  `start_all_gather_to_global`, the same started asynchronously (`.wait()` for the result).
 """
 
-from megatron_hyscale.parallel.gather import all_gather_to_global
+from megatron_hyscale.parallel.gather import all_gather_to_global, start_all_gather_to_global
 from megatron_hyscale.parallel.layout import (
     global_to_rank_major,
     rank_major_to_global,
@@ -20,6 +21,7 @@ __all__ = [
     "all_gather_to_global",
     "global_to_rank_major",
     "rank_major_to_global",
+    "start_all_gather_to_global",
     "zigzag_merge",
     "zigzag_positions",
     "zigzag_split",

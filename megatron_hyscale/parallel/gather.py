@@ -7,9 +7,10 @@ over ranks, so the gradient is put back in rank-major order and reduce-scattered
 same contract as megatron's `gather_from_sequence_parallel_region` (whose backward is a
 reduce-scatter), plus the zigzag reorder folded in.
 
-Overlap: this is a blocking collective. On GPUs the key all-gather can be started
-asynchronously before the indexer projections and waited on just before HyTopK; that is a
-later optimisation (see HyScaleDSAttention).
+`start_all_gather_to_global` is the same all-gather started asynchronously: the caller keeps
+computing (HyScaleDSAttention runs the indexer projections, gathers the indexer keys and runs
+HyTopK, which need none of the main KV) and calls `.wait()` where it needs the result; the
+backward is the same reduce-scatter.
 """
 
 from __future__ import annotations
@@ -55,3 +56,50 @@ def all_gather_to_global(x: torch.Tensor, group: dist.ProcessGroup | None) -> to
         raise ValueError(f"all_gather_to_global: local length {x.size(0)} must be even "
                          "(two zigzag chunks per rank)")
     return _AllGatherToGlobal.apply(x, group)
+
+
+class _FinishGather(torch.autograd.Function):
+    """Autograd node of an asynchronous all-gather: forward returns the (already gathered)
+    rank-major buffer in global order; backward reduce-scatters like _AllGatherToGlobal."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, gathered: torch.Tensor,
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return rank_major_to_global(gathered, dist.get_world_size(group), dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _AllGatherToGlobal.backward(ctx, grad)[0], None, None
+
+
+class PendingGather:
+    """An all-gather in flight (from start_all_gather_to_global); `wait()` gives the result."""
+
+    def __init__(self, x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        self.x, self.group, self.work, self.out = x, group, None, None
+        if group is not None and dist.get_world_size(group) > 1:
+            size = dist.get_world_size(group)
+            self.out = x.new_empty((size * x.size(0), *x.shape[1:]))
+            # The input is read by the collective while the caller computes on: keep it alive
+            # and unchanged (it is this rank's key shard, which nothing writes).
+            self.send = x.detach().contiguous()
+            self.work = dist.all_gather_into_tensor(self.out, self.send, group=group,
+                                                    async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        """[cp * L, ...] in global order, differentiable in x (gradients reduce to owners)."""
+        if self.work is None:
+            return self.x
+        self.work.wait()
+        self.work = None
+        return _FinishGather.apply(self.x, self.out, self.group)
+
+
+def start_all_gather_to_global(x: torch.Tensor, group: dist.ProcessGroup | None
+                               ) -> PendingGather:
+    """Start `all_gather_to_global(x, group)` asynchronously; see PendingGather.wait."""
+    if group is not None and dist.get_world_size(group) > 1 and x.size(0) % 2 != 0:
+        raise ValueError(f"start_all_gather_to_global: local length {x.size(0)} must be even "
+                         "(two zigzag chunks per rank)")
+    return PendingGather(x, group)
