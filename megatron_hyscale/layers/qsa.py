@@ -51,8 +51,9 @@ reads block ids + tail directly (4-token contiguous loads) would not need them.
 
 Context parallelism (megatron's zigzag layout, 2 x cp chunks): K, V and the indexer's raw keys
 are all-gathered into global order (`parallel.all_gather_to_global`, whose backward
-reduce-scatters to the owners), blocks are pooled over the global sequence, and the local
-query rows select and attend with their global positions (allgather CP, as the DSA layer).
+reduce-scatters to the owners; K and V asynchronously, transferring while HyTopK selects),
+blocks are pooled over the global sequence, and the local query rows select and attend with
+their global positions (allgather CP, as the DSA layer).
 
 Not covered yet (raise NotImplementedError naming it): inference / KV cache, packed THD
 sequences, tensor parallelism > 1 with a sequence-parallel layout (the indexer projection is
@@ -86,7 +87,11 @@ from megatron_hyscale.ops.block_pool import (
     pool_blocks,
     select_blocks_reference,
 )
-from megatron_hyscale.parallel import all_gather_to_global, zigzag_positions
+from megatron_hyscale.parallel import (
+    all_gather_to_global,
+    start_all_gather_to_global,
+    zigzag_positions,
+)
 
 # Baseline selection: fp32 per-head logits materialized per chunk of query rows (1 GiB).
 BASELINE_CHUNK_ELEMENTS = 1 << 28
@@ -367,19 +372,20 @@ class HyScaleQSAttention(MegatronModule):
         phase = replay.current_phase()
 
         cp_group, q_positions = self._cp_layout(sq, key.size(0), query.device)
-        if cp_group is not None:
-            # [sq, b, ng, hn] local -> [S, b, ng, hn] global order; backward reduce-scatters
-            # the gradients to the owner ranks. Indices below address this global sequence.
-            key = all_gather_to_global(key, cp_group)
-            value = all_gather_to_global(value, cp_group)
-        seq_len = key.size(0)
+        seq_len = key.size(0) * (get_pg_size(cp_group) if cp_group is not None else 1)
 
         q_idx = block_keys = None
         if use_loss or self.baseline or phase != "replay":
             with torch.enable_grad() if use_loss else torch.no_grad():
                 q_idx, block_keys = self.indexer(x, pos_emb, cp_group)
+        # [sq, b, ng, hn] local -> [S, b, ng, hn] global order (no-op without CP), started after
+        # the indexer's own gather and waited on after the selection, so K and V transfer while
+        # HyTopK runs; backward reduce-scatters the gradients to the owner ranks. Indices below
+        # address this global sequence.
+        pending = [start_all_gather_to_global(t, cp_group) for t in (key, value)]
         blocks = self._select_blocks(q_idx, block_keys, b, sq, seq_len, q_positions, phase)
         indices = expand_blocks(blocks, q_positions, self.block_size)  # [b, sq, 4 Kb + 3]
+        key, value = (p.wait() for p in pending)
 
         query_b, key_b, value_b = (t.transpose(0, 1) for t in (query, key, value))
         out = sparse_attention(query_b, key_b, value_b, indices, self.softmax_scale)
