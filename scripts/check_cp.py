@@ -43,8 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="bench_layer.py's tiny DSA geometry")
     p.add_argument("--out-tol", type=float, default=1e-2, help="output relative error bound")
     p.add_argument("--grad-tol", type=float, default=3e-2, help="gradient relative error bound")
-    p.add_argument("--min-same-rows", type=float, default=0.999,
-                   help="share of rows whose selected index set must equal CP = 1's")
+    p.add_argument("--min-same-rows", type=float, default=0.99,
+                   help="share of rows whose selected index set must equal CP = 1's (bf16: "
+                        "a row whose indexer projections round differently at half the "
+                        "batch may swap a near-tie at the top-k boundary)")
     p.add_argument("--out", default="outputs/check_cp", help="output folder")
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
