@@ -2,12 +2,14 @@
 
 Shapes: q [B, T, H, D], k [B, S, D] (bf16, fp16 or fp32), weights [B, T, H] (any float),
 positions int64 [B, T] / [B, S]. Returns indices int32 [B, T, topk] and scores fp32 [B, T, topk].
-Algorithm: a persistent grid; each program takes blocks of R query rows (R * H rows of GEMM),
-streams key tiles from the diagonal backwards, computes fp32 scores, drops those under the row's
-running threshold, appends survivors as packed int64 keys (order-preserving score bits << 32 |
-~index) to a per-row buffer of CAP >= topk + BLOCK_N entries, and when the buffer may overflow
-keeps its top-k, found by a bitwise radix select (the k-th key becomes the new threshold). The
-row's top-k set is written unsorted; a row-chunked torch sort then orders and decodes it.
+Algorithm: a persistent grid; each program takes blocks of R query rows (R x H (row, head)
+pairs: the GEMM's N with the key tile as M, KEYS_ON_M), streams key tiles from the diagonal
+backwards, computes fp32 scores, drops those under the row's running threshold, appends
+survivors as packed int64 keys (order-preserving score bits << 32 | ~index) to a per-row buffer
+of CAP >= topk + BLOCK_N entries (each at a slot from the row's atomic counter, ATOMIC_SLOTS),
+and when the buffer may overflow keeps its top-k, found by a bitwise radix select (the k-th key
+becomes the new threshold). The row's top-k set is written unsorted; a row-chunked torch sort
+then orders and decodes it.
 
 Key-tile pruning (prune=True): a pre-pass (_key_tile_bounds) stores, per key tile j of BN keys,
 a centroid c_j and a radius rho_j that covers the rounding of the kernel's own dot products.
