@@ -15,10 +15,11 @@ gathered K tile is reused as V. fp32 accumulation, base-2 online softmax.
 Backward: one kernel per query computes dQ (no atomics), the row's Delta = dO . O and the sink
 gradient terms; a second kernel recomputes P and dS per query and adds dK / dV tiles into fp32
 buffers with atomics, computing dK^T = q^T dS and dV^T = dO^T P with the channels as the MMA's M
-(DKV_CHANNELS_ON_M; the keys as M before). BWD_FUSED does both in the dQ kernel's single pass. `deterministic=True` replaces the fp32 atomics
-by two passes: an order-free atomic max of each key row's contributions, then int64 fixed-point
-atomic adds on a per-row power-of-two scale (integer addition is associative, so the result does
-not depend on the order of the atomics; resolution 2^-44 of the row's largest contribution).
+(DKV_CHANNELS_ON_M; the keys as M before). BWD_FUSED does both in the dQ kernel's single pass.
+`deterministic=True` replaces the fp32 atomics by two passes: an order-free atomic max of each
+key row's contributions, then int64 fixed-point atomic adds on a per-row power-of-two scale
+(integer addition is associative, so the result does not depend on the order of the atomics;
+resolution 2^-44 of the row's largest contribution).
 """
 
 from __future__ import annotations
