@@ -366,6 +366,51 @@ def train_step(
 
 
 @torch.no_grad()
+def _core_attention_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                           task: RecallTask, device: torch.device
+                           ) -> dict[int, inspect.BoundArguments]:
+    """Each layer's core-attention call arguments on `batch` (an eval-mode forward, captured by
+    forward pre-hooks, so whatever the module does inside)."""
+    captured: dict[int, inspect.BoundArguments] = {}
+
+    def hook(index: int, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        captured[index] = inspect.signature(module.forward).bind(*args, **kwargs)
+
+    handles = [
+        m.register_forward_pre_hook(
+            lambda mod, a, kw, i=i: hook(i, mod, a, kw), with_kwargs=True
+        )
+        for i, m in enumerate(core_attentions(model))
+    ]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            ids = batch["ids"].to(device)
+            model(ids, torch.arange(task.seq_len, device=device).expand_as(ids), None)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def capture_indexer(model: torch.nn.Module, batch: dict[str, torch.Tensor], task: RecallTask,
+                    topk: int, device: torch.device) -> dict[str, Any]:
+    """The trained first layer's lightning-indexer tensors on `batch`, for
+    scripts/bench_selection.py (`--captured`): q fp32 [B, T, H, D], k [B, T, D], weights
+    [B, T, H] (batch-first, as `ops.hytopk` takes them), its ReLU setting and the top-k."""
+    module = core_attentions(model)[0]
+    a = _core_attention_inputs(model, batch, task, device)[0].arguments
+    with torch.no_grad():
+        q, k, w = module.indexer.forward_before_topk(a["x"], a["qr"])
+    return {"q": q.transpose(0, 1).float().cpu().contiguous(),
+            "k": k.transpose(0, 1).float().cpu().contiguous(),
+            "weights": w.transpose(0, 1).float().cpu().contiguous(),
+            "relu": bool(module.config.dsa_indexer_scoring_relu), "topk": topk,
+            "source": "megatron_hyscale.demo (recall task), layer 1, held-out batch"}
+
+
 def measure_recall(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], task: RecallTask, topk: int,
     device: torch.device, mass: float = 0.9,
@@ -380,26 +425,7 @@ def measure_recall(
     from megatron_hyscale.testing.recall import head_mean_attention, selection_recall
 
     modules = core_attentions(model)
-    captured: dict[int, inspect.BoundArguments] = {}
-
-    def hook(index: int, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        captured[index] = inspect.signature(module.forward).bind(*args, **kwargs)
-
-    handles = [
-        m.register_forward_pre_hook(
-            lambda mod, a, kw, i=i: hook(i, mod, a, kw), with_kwargs=True
-        )
-        for i, m in enumerate(modules)
-    ]
-    was_training = model.training
-    model.eval()
-    try:
-        ids = batch["ids"].to(device)
-        model(ids, torch.arange(task.seq_len, device=device).expand_as(ids), None)
-    finally:
-        model.train(was_training)
-        for h in handles:
-            h.remove()
+    captured = _core_attention_inputs(model, batch, task, device)
 
     # Far rows only: near rows see fewer keys than the top-k, so their recall is always 1.
     rows = task.answer_rows()[task.far_slice()].to(device)
@@ -583,6 +609,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 window = {n: [] for n in models}
                 bar.write(table_lines(rows[-1:], both, header=False)[0])
         bar.close()
+        capture = capture_indexer(models["hyscale"], eval_batch, task, args.topk, device)
 
     final = recall_log[-1]
     agree_until, agree_max = 0, 0.0
@@ -626,6 +653,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "history": history,
         "recall_log": recall_log,
     }
+    capture_path = out / "indexer_capture.pt"
+    torch.save(capture, capture_path)
+    metrics["indexer_capture"] = str(capture_path)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     plot_curves(history, recall_log, out / "curves.png", 1 / task.n_values)
 
@@ -651,7 +681,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print("  (then the independent runs drift apart: fp32 rounding differences between "
                   "the implementations flip near-tied choices and Adam amplifies them; their "
                   "final accuracies differ by chance, not by method)")
-    print(f"wrote {out / 'metrics.json'} and {out / 'curves.png'}")
+    print(f"wrote {out / 'metrics.json'}, {out / 'curves.png'} and {capture_path} (the trained "
+          "indexer's q, k and weights: scripts/bench_selection.py --captured)")
     return metrics
 
 

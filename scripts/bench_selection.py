@@ -36,6 +36,11 @@ A CPU estimate (2026-11-30; T = 16K, 8 heads, 2048 kept, 64-key tiles, 8-row blo
 row's final threshold, so an upper estimate) found 0% of the tiles prunable for "structured"
 and 64% for "recency"; the GPU run measures the real share.
 
+--captured PATH runs on a trained indexer's tensors instead: the demo (`bash scripts/run.sh
+demo`) writes its first layer's q, k and weights on a held-out batch to
+outputs/demo/indexer_capture.pt (256 tokens: it shows what the bound prunes on a trained
+indexer, not speed).
+
 Writes a table to stdout, JSON and a PNG (time and memory against T, log scales) to --out.
 """
 
@@ -90,7 +95,22 @@ def peak_extra(fn):
     return peak
 
 
+# --captured: a trained indexer's tensors (megatron_hyscale.demo writes indexer_capture.pt).
+CAPTURED: dict = {}
+
+
+def load_captured(path):
+    """Register the capture as config "captured" (its heads, dim, top-k, ReLU); returns T."""
+    cap = torch.load(path)
+    q = cap["q"][:1]  # one sequence, as every other input here
+    CAPTURED.update(q=q, k=cap["k"][:1], w=cap["weights"][:1])
+    CONFIGS["captured"] = (q.shape[2], q.shape[3], int(cap["topk"]), bool(cap["relu"]))
+    return q.shape[1]
+
+
 def make_inputs(T, H, D, kind, seed=0):
+    if kind == "captured":  # fp32 as captured; T, H and D are the capture's
+        return tuple(CAPTURED[n].to("cuda") for n in ("q", "k", "w"))
     g = torch.Generator(device="cuda").manual_seed(seed)
     if kind == "random":
         q = torch.randn(1, T, H, D, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -430,6 +450,9 @@ def main():
     p.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--inputs", nargs="*", default=["random"],
                    choices=["random", "structured", "recency"])
+    p.add_argument("--captured", default=None,
+                   help="a trained indexer's q / k / weights (the demo's indexer_capture.pt): "
+                        "runs at the capture's own length, heads, top-k and ReLU setting")
     p.add_argument("--secondary-max-T", type=int, default=131072,
                    help="configs other than dsv32 run only up to this T")
     p.add_argument("--reps", type=int, default=5)
@@ -441,6 +464,8 @@ def main():
     global TAG
     TAG = args.tag
     Ts = args.T or ([16384, 32768] if args.quick else ALL_T)
+    if args.captured:
+        Ts, args.configs, args.inputs = [load_captured(args.captured)], ["captured"], ["captured"]
     reps = 2 if args.quick else args.reps
     os.makedirs(args.out, exist_ok=True)
 
@@ -465,7 +490,9 @@ def main():
                         continue
                     if (cfg, method) not in warmed:  # compile / import outside the timings
                         H, D, topk, relu = CONFIGS[cfg]
-                        METHODS[method](*make_inputs(WARM_T, H, D, "random"), topk, relu)
+                        warm = make_inputs(WARM_T, H, D, "captured" if args.captured
+                                           else "random")
+                        METHODS[method](*warm, topk, relu)
                         warmed.add((cfg, method))
                     if kind != "random" and method in ("naive", "chunked"):
                         continue  # dense paths: their time does not depend on the inputs

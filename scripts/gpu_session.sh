@@ -54,6 +54,13 @@ case "$stage" in
       --reps 2 --out "$out" 2>&1 | tee "$out/bench_attention_sweep.log"
     timeout 120 python3 scripts/bench_indexer_loss.py --out "$out" 2>&1 \
       | tee "$out/bench_indexer_loss.log"
+    # The demo's trained indexer (carry "outputs/demo/indexer_capture.pt" when it exists):
+    # what the pruning bound skips on a trained indexer, exactness against the reference.
+    if [ -f outputs/demo/indexer_capture.pt ]; then
+      timeout 60 python3 scripts/bench_selection.py --captured outputs/demo/indexer_capture.pt \
+        --methods hytopk hytopk_prune table --reps 2 --tag _captured --out "$out" 2>&1 \
+        | tail -8 | tee "$out/bench_selection_captured.log"
+    fi
     ;;
   layer)
     seqs=${*:-8192 16384 32768 65536 131072 262144}

@@ -32,6 +32,24 @@ def test_writes_plot_and_json(tiny_run: tuple[dict, Path]) -> None:
     assert [r["step"] for r in on_disk["history"]["hyscale"]] == [1, 2, 3, 4]
 
 
+def test_indexer_capture_is_the_trained_selection(tiny_run: tuple[dict, Path]) -> None:
+    """indexer_capture.pt holds layer 1's indexer tensors on the held-out batch, batch-first,
+    with the demo's ReLU setting and top-k, in the form `ops.hytopk` (and bench_selection.py
+    --captured) takes."""
+    from megatron_hyscale.ops import hytopk
+
+    metrics, out = tiny_run
+    cap = torch.load(out / "indexer_capture.pt")
+    assert metrics["indexer_capture"] == str(out / "indexer_capture.pt")
+    B, T, H, D = cap["q"].shape
+    assert (B, T) == (2, 96) and cap["k"].shape == (B, T, D) and cap["weights"].shape == (B, T, H)
+    assert cap["topk"] == 20 and cap["relu"] is False  # the demo's default: ReLU off
+    idx, scores = hytopk(cap["q"], cap["k"], cap["weights"], cap["topk"], relu=cap["relu"])
+    assert idx.shape == (B, T, 20) and torch.isfinite(scores[:, -1]).all()
+    # Causal: row t selects only keys <= t, and the last row sees enough keys to fill its top-k.
+    assert (idx <= torch.arange(T)[None, :, None]).all() and (idx[:, -1] >= 0).all()
+
+
 def test_losses_finite_and_hyscale_matches_stock(tiny_run: tuple[dict, Path]) -> None:
     metrics, _ = tiny_run
     hy, st = metrics["history"]["hyscale"], metrics["history"]["stock"]
