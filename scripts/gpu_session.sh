@@ -47,10 +47,10 @@ case "$stage" in
     tail -15 "$out/layers.log"
     ;;
   kernels)
-    timeout 200 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
+    timeout 180 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
       --methods hytopk hytopk_heads_on_m hytopk_scan_slots scoreonly scoreonly_heads_on_m finish \
       table chunked --out "$out" 2>&1 | tee "$out/bench_selection.log"
-    timeout 200 python3 scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768 \
+    timeout 180 python3 scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768 \
       --reps 2 --out "$out" 2>&1 | tee "$out/bench_attention_sweep.log"
     timeout 120 python3 scripts/bench_indexer_loss.py --out "$out" 2>&1 \
       | tee "$out/bench_indexer_loss.log"
