@@ -1,21 +1,24 @@
-"""Context-parallel check on real devices: one HyScale DSA layer at CP = world size against
+"""Context-parallel check on real devices: one HyScale attention layer at CP = world size against
 CP = 1, on the same weights and input, under torchrun.
 
     torchrun --nproc-per-node 2 scripts/check_cp.py --seq 32768          # two H200s, NCCL
+    torchrun --nproc-per-node 2 scripts/check_cp.py --model csa --seq 32768
     torchrun --nproc-per-node 2 scripts/check_cp.py --device cpu --tiny  # gloo smoke (CI)
 
-GLM-5.1's attention geometry (bench_layer.py's `--model dsa`; `--tiny` for the small one). Every
+The layer and its geometry are bench_layer.py's `--model` (dsa: GLM-5.1's attention; csa / hca:
+DeepSeek-V4-Flash's; qsa: Qwen3.8-Flash-Next's; `--tiny` for the small ones). Every
 rank first runs the whole sequence at CP = 1, then megatron is re-initialized with
 context_parallel_size = world size and each rank runs its zigzag share (chunks r and
 2 cp - 1 - r). Compared on every rank, after gathering the shares: the layer output and the
 input gradient (relative Frobenius error), each parameter's gradient (summed over the CP group:
 the loss is a sum over tokens, so the shares' gradients add up), and the selected indices of
 each local row against the CP = 1 row at the same global position (the share of rows whose
-index set is identical). The indexer loss is off (its per-rank mean would need megatron's DDP
-averaging; the CPU tests in tests/parallel/test_cp_dsa.py cover it). bf16 on CUDA: the indexer
-projections of a half-length batch may round differently, so a few rows may select differently
-at near-ties; the check passes when at least --min-same-rows of the rows are identical and the
-errors are below the tolerances. Prints a table, writes check_cp.json, exits 1 on failure.
+index set is identical; HCA selects nothing). The indexer loss is off (its per-rank mean
+would need megatron's DDP averaging; the CPU tests in tests/parallel cover it). bf16 on CUDA:
+the indexer projections of a half-length batch may round differently, so a few rows may select
+differently at near-ties; the check passes when at least --min-same-rows of the rows are
+identical and the errors are below the tolerances. Prints a table, writes check_cp.json, exits
+1 on failure.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import bench_layer  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=bench_layer.MODELS, default="dsa",
+                   help="the layer (bench_layer.py's --model)")
     p.add_argument("--seq", type=int, default=32768, help="global sequence length")
     p.add_argument("--device", choices=("cuda", "cpu"),
                    default="cuda" if torch.cuda.is_available() else "cpu")
@@ -58,26 +63,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_layer(bargs: argparse.Namespace, T: int) -> dict[str, Any]:
-    """One forward + backward of a fresh HyScale DSA layer at bargs.cp; outputs on this rank."""
-    layer = bench_layer.build_dsa(bargs, baseline=False)
-    core = layer.module.core_attention
+    """One forward + backward of a fresh HyScale layer at bargs.cp; outputs on this rank."""
+    layer = bench_layer.BUILDERS[bargs.model](bargs, baseline=False)
     picked: list[torch.Tensor] = []
-    original = core._selection
+    hook = None
+    if layer.selection_hooks:  # the last hook is the layer's selection (indices or blocks)
+        obj, name = layer.selection_hooks[-1]
+        original = getattr(obj, name)
 
-    def selection(*a: Any, **kw: Any) -> torch.Tensor:
-        indices = original(*a, **kw)
-        picked.append(indices.detach().clone())
-        return indices
+        def selection(*a: Any, **kw: Any) -> Any:
+            result = original(*a, **kw)
+            indices = result[0] if isinstance(result, tuple) else result
+            picked.append(indices.detach().clone())
+            return result
 
-    core._selection = selection
+        setattr(obj, name, selection)
+        hook = (obj, name)
     hidden, grad = bench_layer.make_input(T, layer, bargs)
     out = layer.call(hidden)
     out.backward(grad)
-    del core._selection
+    if hook is not None:
+        delattr(*hook)
     grads = {n: p.grad.detach().float().clone() for n, p in layer.module.named_parameters()
              if p.grad is not None}
     return dict(out=out.detach().float(), x_grad=hidden.grad.detach().float(), grads=grads,
-                indices=picked[0][0])  # [T_local, topk] of batch 0
+                indices=picked[0][0] if picked else None)  # [T_local, ...] of batch 0
 
 
 def gather_shares(x: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
@@ -109,7 +119,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     from megatron_hyscale.parallel import zigzag_positions
 
     world = int(os.environ["WORLD_SIZE"])
-    base = ["--model", "dsa", "--device", args.device, "--seq", str(args.seq),
+    base = ["--model", args.model, "--device", args.device, "--seq", str(args.seq),
             "--loss-coeff", "0"] + (["--tiny"] if args.tiny else [])
     results = {}
     for cp in (1, world):
@@ -124,14 +134,18 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     x_grad = gather_shares(many["x_grad"], group, world)
     for g in many["grads"].values():
         torch.distributed.all_reduce(g, group=group)
-    rows = zigzag_positions(args.seq // world, world, rank, device=one["indices"].device)
-    same = (one["indices"][rows].sort(-1).values == many["indices"].sort(-1).values).all(-1)
-    same_rows = torch.tensor([same.sum().item(), same.numel()], dtype=torch.float64,
-                             device=out.device)
+    if one["indices"] is not None:
+        rows = zigzag_positions(args.seq // world, world, rank, device=one["indices"].device)
+        same = (one["indices"][rows].sort(-1).values == many["indices"].sort(-1).values)
+        same = same.flatten(1).all(-1)  # a row: every KV head's (QSA) indices
+        same_rows = torch.tensor([same.sum().item(), same.numel()], dtype=torch.float64,
+                                 device=out.device)
+    else:  # a layer that selects nothing (HCA)
+        same_rows = torch.ones(2, dtype=torch.float64, device=out.device)
     torch.distributed.all_reduce(same_rows, group=group)
     grad_err = {n: rel(many["grads"][n], g) for n, g in one["grads"].items()}
     report = dict(
-        seq=args.seq, cp=world, device=args.device, tiny=args.tiny,
+        model=args.model, seq=args.seq, cp=world, device=args.device, tiny=args.tiny,
         out_rel_err=rel(out, one["out"]), x_grad_rel_err=rel(x_grad, one["x_grad"]),
         max_param_grad_rel_err=max(grad_err.values()),
         worst_param=max(grad_err, key=grad_err.get),
@@ -163,10 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "check_cp.json").write_text(json.dumps(report, indent=1))
-        print("| T | CP | output rel err | input grad rel err | max param grad rel err "
+        print("| model | T | CP | output rel err | input grad rel err | max param grad rel err "
               "(param) | rows with the same indices | passed |")
-        print("|---|---|---|---|---|---|---|")
-        print(f"| {report['seq']} | {report['cp']} | {report['out_rel_err']:.2e} | "
+        print("|---|---|---|---|---|---|---|---|")
+        print(f"| {report['model']} | {report['seq']} | {report['cp']} | "
+              f"{report['out_rel_err']:.2e} | "
               f"{report['x_grad_rel_err']:.2e} | {report['max_param_grad_rel_err']:.2e} "
               f"({report['worst_param']}) | {report['same_index_rows']:.4%} | "
               f"{report['passed']} |", flush=True)

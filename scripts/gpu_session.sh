@@ -7,7 +7,7 @@
 #                                         # the indexer-loss benchmark                 (~6 min)
 #   bash scripts/gpu_session.sh layer [T...]  # bench_layer.py, DSA, GLM-5.1 geometry   (~8 min)
 #   bash scripts/gpu_session.sh cp2 [T...]  # on nvidia-h200-x2: CP 2 against CP 1 (NCCL,
-#                                         # GLM-5.1 layer at 32K), then the DSA layer at CP 2
+#                                         # DSA / CSA / QSA layers at 32K), then DSA at CP 2
 #                                         # at 128K / 256K / 512K (1M: 249 GiB a GPU by the
 #                                         # estimate, launch/layer_memory.py)          (~9 min)
 #   bash scripts/gpu_session.sh side2     # on nvidia-h200-x2 with carry [".whl",
@@ -69,10 +69,12 @@ case "$stage" in
     ;;
   cp2)
     run2=(python3 -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2)
-    timeout 150 "${run2[@]}" scripts/check_cp.py --seq 32768 --out "$out" 2>&1 \
-      | grep -v Warning | tail -20 | tee "$out/check_cp.log"
+    for model in dsa csa qsa; do
+      timeout 100 "${run2[@]}" scripts/check_cp.py --model $model --seq 32768 \
+        --out "$out/check_cp_$model" 2>&1 | grep -v Warning | tail -4 | tee -a "$out/check_cp.log"
+    done
     seqs=${*:-131072 262144 524288}
-    timeout 380 "${run2[@]}" scripts/bench_layer.py --model dsa --cp 2 --seq $seqs \
+    timeout 250 "${run2[@]}" scripts/bench_layer.py --model dsa --cp 2 --seq $seqs \
       --skip-stock --repeats 1 --out "$out" 2>&1 | grep -v Warning | tee "$out/bench_layer_cp2.log"
     ;;
   side2)

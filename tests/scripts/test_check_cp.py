@@ -27,7 +27,18 @@ def test_cp2_equals_cp1_on_cpu(tmp_path: Path) -> None:
     assert report["passed"] and report["cp"] == 2 and report["same_param_set"]
     assert report["same_index_rows"] == 1.0  # fp32: every row selects the same keys
     assert report["out_rel_err"] < 1e-5 and report["max_param_grad_rel_err"] < 1e-5
-    assert "| 128 | 2 |" in proc.stdout
+    assert "| dsa | 128 | 2 |" in proc.stdout
+
+
+def test_v4_and_qsa_layers(tmp_path: Path) -> None:
+    # CSA (selects compressed entries) and QSA (selects blocks per KV head) under CP 2.
+    for model in ("csa", "qsa"):
+        out = tmp_path / model
+        proc = _run(out, "--model", model)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        report = json.loads((out / "check_cp.json").read_text())
+        assert report["model"] == model and report["passed"]
+        assert report["same_index_rows"] == 1.0 and report["out_rel_err"] < 1e-5
 
 
 def test_fails_beyond_its_tolerance(tmp_path: Path) -> None:
