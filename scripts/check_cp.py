@@ -103,27 +103,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def init_megatron(cp: int) -> Any:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=cp)
-    model_parallel_cuda_manual_seed(1234)
-    return parallel_state.get_context_parallel_group() if cp > 1 else None
-
-
 def check(args: argparse.Namespace) -> dict[str, Any]:
     from megatron_hyscale import replay
     from megatron_hyscale.parallel import zigzag_positions
+    from megatron_hyscale.testing.distributed import init_model_parallel
 
     world = int(os.environ["WORLD_SIZE"])
     base = ["--model", args.model, "--device", args.device, "--seq", str(args.seq),
             "--loss-coeff", "0"] + (["--tiny"] if args.tiny else [])
     results = {}
     for cp in (1, world):
-        group = init_megatron(cp)
+        group = init_model_parallel(cp)
         bargs = bench_layer.parse_args(base + ["--cp", str(cp)])
         replay.clear()
         results[cp] = run_layer(bargs, args.seq)

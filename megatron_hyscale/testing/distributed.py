@@ -1,8 +1,10 @@
 """Multi-process tests on one machine: spawn ranks, bound their run time, collect a result.
 
-A worker is `worker(rank, port, out_path)`: it joins a process group on 127.0.0.1:`port`,
-does its work and saves a dict with `torch.save` to f"{out_path}.{rank}" (rank 0 always; other
-ranks when they fail, under the key "worker_error" holding the traceback).
+A test gives `run_workers` a module-level `body(rank, result)`: each spawned rank joins a gloo
+process group on 127.0.0.1 (one intra-op thread), runs the body, which fills the dict `result`,
+and saves it with `torch.save` (rank 0 always; another rank when it fails, under the key
+"worker_error" holding the traceback). `init_model_parallel(cp)` (re)builds megatron's groups
+for context parallelism `cp` inside a body, or under torchrun.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ import os
 import socket
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
+from typing import Any
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -25,9 +30,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(worker: Callable[[int, int, str], None], nprocs: int,
-                timeout_s: float) -> dict:
-    """Spawn `nprocs` ranks of `worker` (one intra-op thread each) and return rank 0's dict.
+def init_model_parallel(cp: int, seed: int = 1234) -> Any:
+    """megatron's groups for TP 1, PP 1 and context parallelism `cp` over the current world (torn
+    down first if they exist), its RNG tracker seeded; returns the CP group (None at 1)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=cp)
+    model_parallel_cuda_manual_seed(seed)
+    return parallel_state.get_context_parallel_group() if cp > 1 else None
+
+
+def _rank_main(rank: int, port: int, out_path: str, nprocs: int,
+               body: Callable[[int, dict], None]) -> None:
+    """One spawned rank: the process group, the body, the saved result (see the module doc)."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=nprocs)
+    result: dict = {}
+    try:
+        body(rank, result)
+    except BaseException:
+        result = {"worker_error": f"rank {rank}:\n{traceback.format_exc()}"}
+    finally:
+        if rank == 0 or "worker_error" in result:
+            torch.save(result, f"{out_path}.{rank}")
+        dist.destroy_process_group()
+
+
+def run_workers(body: Callable[[int, dict], None], nprocs: int, timeout_s: float) -> dict:
+    """Run `body` on `nprocs` spawned gloo ranks and return rank 0's result dict.
 
     A rank stuck in a collective its peer never joins must not hang the test session: after
     `timeout_s` every rank is killed and RuntimeError raised; any rank's saved
@@ -36,7 +71,8 @@ def run_workers(worker: Callable[[int, int, str], None], nprocs: int,
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result")
         with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
-            context = mp.spawn(worker, args=(free_port(), out), nprocs=nprocs, join=False)
+            context = mp.spawn(_rank_main, args=(free_port(), out, nprocs, body),
+                               nprocs=nprocs, join=False)
         deadline = time.monotonic() + timeout_s
         while not context.join(timeout=5):
             if time.monotonic() > deadline:

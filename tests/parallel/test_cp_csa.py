@@ -18,7 +18,6 @@ cp_comm_type come through megatron's TransformerLayer and the batch split is meg
 
 from __future__ import annotations
 
-import os
 import traceback
 
 import pytest
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hyscale.parallel import zigzag_merge, zigzag_split
-from megatron_hyscale.testing.distributed import run_workers
+from megatron_hyscale.testing.distributed import init_model_parallel, run_workers
 
 WORLD = 2
 T, B = 44, 2
@@ -197,42 +196,23 @@ def _run(name: str, cp_group) -> dict:
                 window_mode=layer.window_cp_mode)
 
 
-def _worker(rank: int, port: int, out_path: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    result: dict = {}
-    try:
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+def _body(rank: int, result: dict) -> None:
+    from megatron_hyscale.testing.cpu import megatron_on_cpu
 
-        from megatron_hyscale.testing.cpu import megatron_on_cpu
-
-        with megatron_on_cpu():
-            for cp in (1, WORLD):
-                if parallel_state.model_parallel_is_initialized():
-                    parallel_state.destroy_model_parallel()
-                parallel_state.initialize_model_parallel(1, 1, context_parallel_size=cp)
-                model_parallel_cuda_manual_seed(1234)
-                cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
-                for name in [*SCENARIOS, "gpt"]:
-                    try:
-                        run = _run_gpt(cp_group) if name == "gpt" else _run(name, cp_group)
-                        result[(name, cp)] = run
-                    except Exception:
-                        result[(name, cp)] = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
-    except BaseException:
-        result = {"worker_error": f"rank {rank}:\n{traceback.format_exc()}"}
-    finally:
-        if rank == 0 or "worker_error" in result:
-            torch.save(result, f"{out_path}.{rank}")
-        dist.destroy_process_group()
+    with megatron_on_cpu():
+        for cp in (1, WORLD):
+            cp_group = init_model_parallel(cp)
+            for name in [*SCENARIOS, "gpt"]:
+                try:
+                    run = _run_gpt(cp_group) if name == "gpt" else _run(name, cp_group)
+                    result[(name, cp)] = run
+                except Exception:
+                    result[(name, cp)] = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_workers(_worker, WORLD, WORKER_TIMEOUT_S)
+    return run_workers(_body, WORLD, WORKER_TIMEOUT_S)
 
 
 def _get(results: dict, name: str, cp: int) -> dict:

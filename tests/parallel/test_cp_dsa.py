@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -42,7 +41,7 @@ from megatron_hyscale.parallel import (
     zigzag_positions,
     zigzag_split,
 )
-from megatron_hyscale.testing.distributed import run_workers
+from megatron_hyscale.testing.distributed import init_model_parallel, run_workers
 
 WORLD = 2
 VOCAB, T, B = 97, 256, 2
@@ -110,16 +109,6 @@ def _cpu_cp_patches() -> Iterator[None]:
         stack.enter_context(megatron_on_cpu())
         stack.enter_context(stock_topk_breaks_ties_by_index())
         yield
-
-
-def _init_megatron(cp: int) -> None:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=cp)
-    model_parallel_cuda_manual_seed(1234)
 
 
 def _full_batch(seed: int = 0):
@@ -221,71 +210,56 @@ def _check_cp_comm_type_error(cfg) -> None:
         raise AssertionError("cp_comm_type='p2p' did not raise")
 
 
-def _worker(rank: int, port: int, out_path: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    result: dict = {}
-    try:
-        from megatron.core import parallel_state
+def _body(rank: int, result: dict) -> None:
+    from megatron_hyscale.layers import dsa as hyscale_dsa
+    from megatron_hyscale.testing.models import build_gpt, tiny_dsa_config
 
-        from megatron_hyscale.layers import dsa as hyscale_dsa
-        from megatron_hyscale.testing.models import build_gpt, tiny_dsa_config
+    record: list = []
+    real_hytopk = hyscale_dsa.hytopk
 
-        record: list = []
-        real_hytopk = hyscale_dsa.hytopk
+    def recording_hytopk(*args, **kwargs):
+        indices, scores = real_hytopk(*args, **kwargs)
+        record.append(indices.clone())
+        return indices, scores
 
-        def recording_hytopk(*args, **kwargs):
-            indices, scores = real_hytopk(*args, **kwargs)
-            record.append(indices.clone())
-            return indices, scores
-
-        with _cpu_cp_patches(), mock.patch.object(hyscale_dsa, "hytopk", recording_hytopk), \
-                warnings.catch_warnings():
-            # A fallback to the stock forward would warn: make it an error.
-            warnings.filterwarnings("error", message="HyScaleDSAttention", category=RuntimeWarning)
-            states = {}
-            for cp in (1, WORLD):
-                _init_megatron(cp)
-                cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
-                if cp > 1:
-                    _check_gather(cp_group)
-                for name, overrides in SCENARIOS.items():
-                    cfg = tiny_dsa_config(context_parallel_size=cp,
-                                          cp_comm_type="allgather" if cp > 1 else None,
-                                          **overrides)
-                    for kind in ("stock", "hyscale"):
-                        torch.manual_seed(1234)
-                        model = build_gpt(cfg, stock=kind == "stock", vocab_size=VOCAB,
-                                          max_sequence_length=T, device="cpu")
-                        if name in states:
-                            model.load_state_dict(states[name], strict=True)
-                        else:
-                            states[name] = copy.deepcopy(model.state_dict())
-                        key = (name, kind, cp)
-                        try:
-                            result[key] = _run(model, cp_group=cp_group,
-                                               record=record if kind == "hyscale" else None)
-                        except Exception:
-                            # Failures stay with their scenario (both ranks fail alike: the
-                            # checks in _run are symmetric). Stock CP is compared where it
-                            # runs; the tests say why where it does not.
-                            result[key] = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
-                if cp > 1:
-                    _check_cp_comm_type_error(tiny_dsa_config(
-                        context_parallel_size=cp, cp_comm_type="allgather"))
-    except BaseException:
-        result = {"worker_error": f"rank {rank}:\n{traceback.format_exc()}"}
-    finally:
-        if rank == 0 or "worker_error" in result:
-            torch.save(result, f"{out_path}.{rank}")
-        dist.destroy_process_group()
+    with _cpu_cp_patches(), mock.patch.object(hyscale_dsa, "hytopk", recording_hytopk), \
+            warnings.catch_warnings():
+        # A fallback to the stock forward would warn: make it an error.
+        warnings.filterwarnings("error", message="HyScaleDSAttention", category=RuntimeWarning)
+        states = {}
+        for cp in (1, WORLD):
+            cp_group = init_model_parallel(cp)
+            if cp > 1:
+                _check_gather(cp_group)
+            for name, overrides in SCENARIOS.items():
+                cfg = tiny_dsa_config(context_parallel_size=cp,
+                                      cp_comm_type="allgather" if cp > 1 else None,
+                                      **overrides)
+                for kind in ("stock", "hyscale"):
+                    torch.manual_seed(1234)
+                    model = build_gpt(cfg, stock=kind == "stock", vocab_size=VOCAB,
+                                      max_sequence_length=T, device="cpu")
+                    if name in states:
+                        model.load_state_dict(states[name], strict=True)
+                    else:
+                        states[name] = copy.deepcopy(model.state_dict())
+                    key = (name, kind, cp)
+                    try:
+                        result[key] = _run(model, cp_group=cp_group,
+                                           record=record if kind == "hyscale" else None)
+                    except Exception:
+                        # Failures stay with their scenario (both ranks fail alike: the
+                        # checks in _run are symmetric). Stock CP is compared where it
+                        # runs; the tests say why where it does not.
+                        result[key] = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
+            if cp > 1:
+                _check_cp_comm_type_error(tiny_dsa_config(
+                    context_parallel_size=cp, cp_comm_type="allgather"))
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_workers(_worker, WORLD, WORKER_TIMEOUT_S)
+    return run_workers(_body, WORLD, WORKER_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------------------------

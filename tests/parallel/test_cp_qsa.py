@@ -12,7 +12,6 @@ the dp x cp group does), logits (reassembled), replay counters, the optional ind
 from __future__ import annotations
 
 import copy
-import os
 import traceback
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hyscale.parallel import zigzag_merge, zigzag_split
-from megatron_hyscale.testing.distributed import run_workers
+from megatron_hyscale.testing.distributed import init_model_parallel, run_workers
 
 WORLD = 2
 VOCAB, T, B = 97, 72, 2
@@ -34,16 +33,6 @@ SCENARIOS: dict[str, dict] = {
                                              qsa_indexer_loss_coeff=0.5),
     "baseline-full-recompute": dict(FULL, baseline=True),
 }
-
-
-def _init_megatron(cp: int) -> None:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=cp)
-    model_parallel_cuda_manual_seed(1234)
 
 
 def _build(cp: int, overrides: dict):
@@ -106,43 +95,28 @@ def _run(model, cp_group) -> dict:
     return dict(loss=loss, logits=logits, grads=grads, stats=stats, indexer_loss=idx_loss)
 
 
-def _worker(rank: int, port: int, out_path: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    result: dict = {}
-    try:
-        from megatron.core import parallel_state
+def _body(rank: int, result: dict) -> None:
+    from megatron_hyscale.testing.cpu import megatron_on_cpu
 
-        from megatron_hyscale.testing.cpu import megatron_on_cpu
-
-        with megatron_on_cpu():
-            states = {}
-            for cp in (1, WORLD):
-                _init_megatron(cp)
-                cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
-                for name, overrides in SCENARIOS.items():
-                    model = _build(cp, overrides)
-                    if name in states:
-                        model.load_state_dict(states[name], strict=True)
-                    else:
-                        states[name] = copy.deepcopy(model.state_dict())
-                    try:
-                        result[(name, cp)] = _run(model, cp_group)
-                    except Exception:
-                        result[(name, cp)] = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
-    except BaseException:
-        result = {"worker_error": f"rank {rank}:\n{traceback.format_exc()}"}
-    finally:
-        if rank == 0 or "worker_error" in result:
-            torch.save(result, f"{out_path}.{rank}")
-        dist.destroy_process_group()
+    with megatron_on_cpu():
+        states = {}
+        for cp in (1, WORLD):
+            cp_group = init_model_parallel(cp)
+            for name, overrides in SCENARIOS.items():
+                model = _build(cp, overrides)
+                if name in states:
+                    model.load_state_dict(states[name], strict=True)
+                else:
+                    states[name] = copy.deepcopy(model.state_dict())
+                try:
+                    result[(name, cp)] = _run(model, cp_group)
+                except Exception:
+                    result[(name, cp)] = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_workers(_worker, WORLD, WORKER_TIMEOUT_S)
+    return run_workers(_body, WORLD, WORKER_TIMEOUT_S)
 
 
 def _get(results: dict, name: str, cp: int) -> dict:
