@@ -29,7 +29,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from megatron_hyscale.ops.kernels.hytopk import _interpreter_index_fix
 from megatron_hyscale.ops.kernels.sparse_attention import (
@@ -39,6 +38,7 @@ from megatron_hyscale.ops.kernels.sparse_attention import (
     _accumulate,
     _fixed_point_scale,
 )
+from megatron_hyscale.ops.kernels.tiling import launch_first_fitting
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_index_fix()  # run-time loop bounds under the interpreter with numpy >= 2.4
@@ -355,20 +355,8 @@ def _launch(kernel, grid, args, const, tilings, num_warps, key, block_n=None):
     if block_n is not None:
         kernel[grid](*args, **const, BLOCK_N=block_n, num_warps=num_warps, num_stages=1)
         return
-    if key in _tiling_cache:
-        bn, stages = _tiling_cache[key]
-        kernel[grid](*args, **const, BLOCK_N=bn, num_warps=num_warps, num_stages=stages)
-        return
-    errors = []
-    for bn, stages in tilings:
-        try:
-            kernel[grid](*args, **const, BLOCK_N=bn, num_warps=num_warps, num_stages=stages)
-        except OutOfResources as exc:
-            errors.append(f"{bn}x{stages}: {exc}")
-            continue
-        _tiling_cache[key] = (bn, stages)
-        return
-    raise RuntimeError("no indexer-loss tiling fits this device: " + "; ".join(errors))
+    launch_first_fitting(kernel, grid, args, const, tilings, num_warps, _tiling_cache, key,
+                         "indexer-loss")
 
 
 def _precision(dtype: torch.dtype) -> str:

@@ -30,9 +30,9 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from megatron_hyscale.ops.kernels.hytopk import _interpreter_index_fix
+from megatron_hyscale.ops.kernels.tiling import launch_first_fitting
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_index_fix()  # run-time loop bounds under the interpreter with numpy >= 2.4
@@ -517,24 +517,12 @@ _tiling_cache: dict[tuple, tuple[int, int]] = {}
 
 
 def _launch(kernel, grid, args, const, geo, tilings, resident, elem, key):
-    """Launch with the first tiling that fits; remember it per (kernel, geometry) key."""
+    """Launch with the first tiling whose estimated shared memory fits (the last one if none
+    does) that runs; remember it per (kernel, geometry) key."""
     warps = geo.num_warps(key[0])
-    key = key + (warps,)
-    if key in _tiling_cache:
-        block_n, stages = _tiling_cache[key]
-        kernel[grid](*args, **const, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-        return
     fitting = [tl_ for tl_ in tilings if geo.smem_bytes(*tl_, elem, resident) <= SMEM_BUDGET]
-    errors = []
-    for block_n, stages in fitting or tilings[-1:]:
-        try:
-            kernel[grid](*args, **const, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-        except OutOfResources as exc:
-            errors.append(f"{block_n}x{stages}: {exc}")
-            continue
-        _tiling_cache[key] = (block_n, stages)
-        return
-    raise RuntimeError("no sparse-attention tiling fits this device: " + "; ".join(errors))
+    launch_first_fitting(kernel, grid, args, const, fitting or tilings[-1:], warps,
+                         _tiling_cache, key + (warps,), "sparse-attention")
 
 
 def _strides4(x):
