@@ -114,6 +114,22 @@ def _coords(T, NHB, G, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
+def _load_q(q_ptr, b, t, heads, h_mask, sqb, sqt, sqh, sqd, D: tl.constexpr,
+            D_MAIN: tl.constexpr, D_TAIL: tl.constexpr):
+    """This query's [heads x D_MAIN] main channels and [heads x D_TAIL] tail channels (the main
+    part again when there is no tail: unused then)."""
+    q_rows = q_ptr + b * sqb + t * sqt + heads[:, None] * sqh
+    q_main = tl.load(q_rows + tl.arange(0, D_MAIN)[None, :] * sqd, mask=h_mask[:, None],
+                     other=0.0)
+    q_tail = q_main
+    if D_TAIL > 0:
+        offs_dt = D_MAIN + tl.arange(0, D_TAIL)
+        q_tail = tl.load(q_rows + offs_dt[None, :] * sqd,
+                         mask=h_mask[:, None] & (offs_dt[None, :] < D), other=0.0)
+    return q_main, q_tail
+
+
+@triton.jit
 def _prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX: tl.constexpr):
     """Keys 0 .. n - 1 this row attends before its listed indices (0 without a prefix)."""
     if HAS_PREFIX:
@@ -159,12 +175,9 @@ def _fwd_kernel(
     b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, BLOCK_H)
     heads = kvh * G + offs_h
     offs_dm = tl.arange(0, D_MAIN)
-    q_rows = q_ptr + b * sqb + t * sqt + heads[:, None] * sqh
-    q_main = tl.load(q_rows + offs_dm[None, :] * sqd, mask=h_mask[:, None], other=0.0)
+    q_main, q_tail = _load_q(q_ptr, b, t, heads, h_mask, sqb, sqt, sqh, sqd, D, D_MAIN, D_TAIL)
     if D_TAIL > 0:
         offs_dt = D_MAIN + tl.arange(0, D_TAIL)
-        q_tail = tl.load(q_rows + offs_dt[None, :] * sqd,
-                         mask=h_mask[:, None] & (offs_dt[None, :] < D), other=0.0)
     offs_v = tl.arange(0, DV_PAD)
     k_base = k_ptr + b * skb + kvh * skh
     v_base = v_ptr + b * svb + kvh * svh
@@ -278,13 +291,10 @@ def _bwd_dq_kernel(
     offs_dm = tl.arange(0, D_MAIN)
     offs_v = tl.arange(0, DV_PAD)
     v_mask = offs_v[None, :] < DV
-    q_rows = q_ptr + b * sqb + t * sqt + heads[:, None] * sqh
-    q_main = tl.load(q_rows + offs_dm[None, :] * sqd, mask=h_mask[:, None], other=0.0)
+    q_main, q_tail = _load_q(q_ptr, b, t, heads, h_mask, sqb, sqt, sqh, sqd, D, D_MAIN, D_TAIL)
     if D_TAIL > 0:
         offs_dt = D_MAIN + tl.arange(0, D_TAIL)
         dt_mask = offs_dt[None, :] < D
-        q_tail = tl.load(q_rows + offs_dt[None, :] * sqd, mask=h_mask[:, None] & dt_mask,
-                         other=0.0)
     hv_mask = h_mask[:, None] & v_mask
     do = tl.load(dout_ptr + b * sdob + t * sdot + heads[:, None] * sdoh + offs_v[None, :] * sdod,
                  mask=hv_mask, other=0.0)
@@ -394,22 +404,21 @@ def _bwd_dkv_kernel(
 ):
     """dK / dV contributions of one query's head block, added into the selected key rows.
 
-    Keys are the M dimension here: sT = K_sel @ q^T, PT = exp2(sT - lse2), dPT = V_sel @ dO^T,
-    dST = PT * (dPT - Delta); dK_tile = scale * dST @ q, dV_tile = PT @ dO (merged into dK's
-    first channels when V is K's main part), accumulated per MODE (fp32 atomics or fixed point).
+    S = q @ K_sel^T, P = exp2(S - lse2), dP = dO @ V_sel^T, dS = P * (dP - Delta); then
+    CHANNELS_ON_M: dK^T = scale * q^T @ dS and dV^T = dO^T @ P (the channels as the MMA's M);
+    else the same with the keys as M (dK_tile = scale * dS^T @ q, dV_tile = P^T @ dO). dV is
+    merged into dK's first channels when V is K's main part; tiles are accumulated per MODE
+    (fp32 atomics or fixed point).
     """
     b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, BLOCK_H)
     heads = kvh * G + offs_h
     offs_dm = tl.arange(0, D_MAIN)
     offs_v = tl.arange(0, DV_PAD)
     v_mask = offs_v[None, :] < DV
-    q_rows = q_ptr + b * sqb + t * sqt + heads[:, None] * sqh
-    q_main = tl.load(q_rows + offs_dm[None, :] * sqd, mask=h_mask[:, None], other=0.0)
+    q_main, q_tail = _load_q(q_ptr, b, t, heads, h_mask, sqb, sqt, sqh, sqd, D, D_MAIN, D_TAIL)
     if D_TAIL > 0:
         offs_dt = D_MAIN + tl.arange(0, D_TAIL)
         dt_mask = offs_dt[None, :] < D
-        q_tail = tl.load(q_rows + offs_dt[None, :] * sqd, mask=h_mask[:, None] & dt_mask,
-                         other=0.0)
     do = tl.load(dout_ptr + b * sdob + t * sdot + heads[:, None] * sdoh + offs_v[None, :] * sdod,
                  mask=h_mask[:, None] & v_mask, other=0.0)
     stat = b * slb + t * slt + heads * slh
