@@ -116,10 +116,11 @@ def tiny_v4_configs(*, csa_ratio: int = 4, hca_ratio: int = 8, window: int = 5,
 
 
 @torch.no_grad()
-def randomize_(hf_attention: torch.nn.Module, seed: int = 0) -> None:
-    """Random, well-scaled values for every parameter (1 / sqrt(fan_in) for projections)."""
+def randomize_(module: torch.nn.Module, seed: int = 0) -> None:
+    """Random, well-scaled values for every parameter (1 / sqrt(fan_in) for projections, norms
+    near 1; biases and sinks nonzero, since zeros would hide bugs)."""
     g = torch.Generator().manual_seed(seed)
-    for name, p in sorted(hf_attention.named_parameters()):
+    for name, p in sorted(module.named_parameters()):
         noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
         if name.endswith("norm.weight"):
             p.copy_(1.0 + 0.2 * noise)

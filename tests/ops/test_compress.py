@@ -16,18 +16,9 @@ from megatron_hyscale.ops.compress import (
 )
 
 dsv4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-from megatron_hyscale.testing.deepseek_v4 import tiny_v4_configs  # noqa: E402
+from megatron_hyscale.testing.deepseek_v4 import randomize_, tiny_v4_configs  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-6)
-
-
-def _randomize(module: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(module.named_parameters()):
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else
-                    noise if name.endswith("position_bias") else noise / p.shape[-1] ** 0.5)
 
 
 def _ours(hf: torch.nn.Module, x: torch.Tensor, eps: float, overlap: bool) -> torch.Tensor:
@@ -42,7 +33,7 @@ def _ours(hf: torch.nn.Module, x: torch.Tensor, eps: float, overlap: bool) -> to
 def test_csa_compressor_matches_transformers_forward_and_backward(T):
     _, cfg = tiny_v4_configs(csa_ratio=4)
     hf = dsv4.DeepseekV4CSACompressor(cfg)
-    _randomize(hf, seed=T)
+    randomize_(hf, seed=T)
     x = torch.randn(2, T, cfg.hidden_size, requires_grad=True)
     q_residual = torch.randn(2, T, cfg.q_lora_rank)
     pos = torch.arange(T).expand(2, T)
@@ -65,7 +56,7 @@ def test_csa_compressor_matches_transformers_forward_and_backward(T):
 def test_hca_compressor_matches_transformers_forward_and_backward(T, ratio):
     _, cfg = tiny_v4_configs(hca_ratio=ratio)
     hf = dsv4.DeepseekV4HCACompressor(cfg)
-    _randomize(hf, seed=T)
+    randomize_(hf, seed=T)
     x = torch.randn(2, T, cfg.hidden_size, requires_grad=True)
     pos = torch.arange(T).expand(2, T)
     ref = hf(x, None, pos, None, 0)[0].squeeze(1)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hyscale.parallel import zigzag_merge, zigzag_split
+from megatron_hyscale.testing.deepseek_v4 import randomize_
 from megatron_hyscale.testing.distributed import init_model_parallel, run_workers
 
 WORLD = 2
@@ -79,20 +80,6 @@ def _config(cp: int, ratio: int, csa_ratio: int, overrides: dict):
     return DeepseekV4TransformerConfig(**fields)
 
 
-@torch.no_grad()
-def _randomize(module: torch.nn.Module, seed: int) -> None:
-    """Well-scaled random values for every parameter (zero biases / sinks would hide bugs)."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in sorted(module.named_parameters()):
-        noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
-        if name.endswith("norm.weight"):
-            p.copy_(1.0 + 0.2 * noise)
-        elif name.endswith("position_bias") or name == "sinks":
-            p.copy_(noise)
-        else:
-            p.copy_(noise / p.shape[-1] ** 0.5)
-
-
 def _run_gpt(cp_group) -> dict:
     """A 3-layer GPT (window, CSA, HCA) train step with full recompute, reduced over CP."""
     from megatron.core.models.gpt import GPTModel
@@ -110,7 +97,7 @@ def _run_gpt(cp_group) -> dict:
                      max_sequence_length=T, share_embeddings_and_output_weights=False,
                      position_embedding_type="none")
     for i, layer in enumerate(model.decoder.layers):
-        _randomize(layer.self_attention, seed=100 + i)
+        randomize_(layer.self_attention, seed=100 + i)
     g = torch.Generator().manual_seed(0)
     full = (torch.randint(0, VOCAB, (B, T), generator=g), torch.arange(T).expand(B, T),
             torch.randint(0, VOCAB, (B, T), generator=g))
@@ -162,7 +149,7 @@ def _run(name: str, cp_group) -> dict:
         if pass_pg else None
     layer = HyScaleV4Attention(cfg, layer_number=1, pg_collection=pg,
                                cp_comm_type=cfg.cp_comm_type)
-    _randomize(layer, seed=ratio + 10 * csa_ratio)
+    randomize_(layer, seed=ratio + 10 * csa_ratio)
     layer.train()
     g = torch.Generator().manual_seed(1)
     x_full = torch.randn(seq, B, cfg.hidden_size, generator=g)
