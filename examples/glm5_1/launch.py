@@ -31,15 +31,13 @@ from megatron_hyscale.launch.command import (  # noqa: E402
     LaunchError,
     megatron_lm_dir,
     pretrain_script,
+    print_command,
     slurm_master_addr,
     srun_torchrun,
     torchrun,
     training_env,
 )
 from megatron_hyscale.launch.memory import Layout, ModelGeometry, estimate, format_table  # noqa: E402
-
-COMMAND_BEGIN = "# --- command: {label} ---"
-COMMAND_END = "# --- end of command ---"
 
 
 def _add_layout_options(p: argparse.ArgumentParser, *, full: bool) -> None:
@@ -169,12 +167,6 @@ def make_command(model: ModelGeometry, layout: Layout, is_full: bool, args: argp
     else:
         argv = torchrun(args.python, layout.gpus, script, margs)
     return Command(argv=argv, env=env, label=spec)
-
-
-def print_command(cmd: Command) -> None:
-    print(COMMAND_BEGIN.format(label=cmd.label))
-    print(cmd.render())
-    print(COMMAND_END)
 
 
 def run_single(args: argparse.Namespace, extra: list[str]) -> int:

@@ -23,6 +23,10 @@ class LaunchError(RuntimeError):
     """A launch cannot start (missing checkout, missing Slurm allocation, bad layout)."""
 
 
+COMMAND_BEGIN = "# --- command: {label} ---"
+COMMAND_END = "# --- end of command ---"
+
+
 @dataclass
 class Command:
     """One process launch: argv plus the environment variables set on top of the caller's."""
@@ -103,9 +107,15 @@ def training_env(checkout: Path | None) -> dict[str, str]:
     PYTHONPATH puts HyScale (for `--spec megatron_hyscale.specs ...`) and the Megatron-LM
     checkout ahead of site-packages; the rest are what Megatron-LM's own examples set.
     """
-    paths = [str(REPO_ROOT), str(checkout) if checkout else f"${MEGATRON_ENV}"]
+    return launch_env(str(checkout) if checkout else f"${MEGATRON_ENV}")
+
+
+def launch_env(*paths: str) -> dict[str, str]:
+    """Environment of a launched process: HyScale and `paths` ahead of the caller's PYTHONPATH,
+    and Megatron's usual settings."""
+    paths = (str(REPO_ROOT), *paths)
     if os.environ.get("PYTHONPATH"):
-        paths.append(os.environ["PYTHONPATH"])
+        paths = (*paths, os.environ["PYTHONPATH"])
     return {
         "PYTHONPATH": ":".join(paths),
         # Megatron orders its TP/CP communication kernels assuming one hardware queue.
@@ -156,3 +166,10 @@ def srun_torchrun(python: str, nodes: int, gpus_per_node: int, script: str, args
             "--kill-on-bad-exit=1", "--export=ALL"]
     return srun + torchrun(python, gpus_per_node, script, args, nnodes=nodes,
                            rdzv_endpoint=f"{master_addr}:{port}", rdzv_id=job)
+
+
+def print_command(cmd: Command) -> None:
+    """The command between the markers the dry-run tests and users read."""
+    print(COMMAND_BEGIN.format(label=cmd.label))
+    print(cmd.render())
+    print(COMMAND_END)

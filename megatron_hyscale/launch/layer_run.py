@@ -28,6 +28,8 @@ from megatron_hyscale.launch.command import (
     REPO_ROOT,
     Command,
     LaunchError,
+    launch_env,
+    print_command,
     slurm_master_addr,
     srun_torchrun,
     torchrun,
@@ -35,8 +37,6 @@ from megatron_hyscale.launch.command import (
 from megatron_hyscale.launch.layer_memory import GIB, estimate_layer, format_layer_table
 
 BENCH_SCRIPT = REPO_ROOT / "scripts" / "bench_layer.py"
-COMMAND_BEGIN = "# --- command: {label} ---"
-COMMAND_END = "# --- end of command ---"
 # Bytes per token that allgather CP gathers from the other ranks (bf16): the keys / values the
 # sparse attention reads and the indexer's raw keys.
 CP_GATHER_BYTES_PER_TOKEN = {
@@ -116,21 +116,6 @@ class Example:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
-def layer_env() -> dict[str, str]:
-    """Environment of the bench processes: HyScale on the path, Megatron's usual settings."""
-    paths = [str(REPO_ROOT)]
-    if os.environ.get("PYTHONPATH"):
-        paths.append(os.environ["PYTHONPATH"])
-    return {
-        "PYTHONPATH": ":".join(paths),
-        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-        # 1M-token activations are allocated and freed in large, varying sizes.
-        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-        "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
-        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
-    }
-
-
 def build_command(run: LayerRun, python: str, gpu_gib: float, *, dry_run: bool,
                   port: int = 29500) -> Command:
     """python (1 GPU), torchrun (one node) or srun + torchrun (several nodes)."""
@@ -144,7 +129,7 @@ def build_command(run: LayerRun, python: str, gpu_gib: float, *, dry_run: bool,
         argv = torchrun(python, run.world, script, args)
     else:
         argv = [python, script, *args]
-    return Command(argv=argv, env=layer_env(), label=f"{run.label}: {run.model}")
+    return Command(argv=argv, env=launch_env(), label=f"{run.label}: {run.model}")
 
 
 def cp_traffic(model: str, T: int, cp: int, gbps: float) -> tuple[float, float]:
@@ -223,12 +208,6 @@ def check_slurm_nodes(needed: int) -> None:
                           "prints the commands anywhere.")
     if allocated < needed:
         raise LaunchError(f"the allocation has {allocated} nodes; the run needs {needed}")
-
-
-def print_command(cmd: Command) -> None:
-    print(COMMAND_BEGIN.format(label=cmd.label))
-    print(cmd.render())
-    print(COMMAND_END)
 
 
 def build_parser(example: Example) -> argparse.ArgumentParser:
