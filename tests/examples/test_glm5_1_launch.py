@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +23,8 @@ EXAMPLE = ROOT / "examples" / "glm5_1"
 sys.path.insert(0, str(EXAMPLE))
 
 import glm5_1_config as cfg  # noqa: E402
+import launch_dryrun  # noqa: E402
+from launch_dryrun import clean_env  # noqa: E402
 
 from megatron_hyscale.launch import logparse  # noqa: E402
 from megatron_hyscale.launch.memory import (  # noqa: E402
@@ -49,37 +49,17 @@ DRY_RUNS = [
 TE_ONLY = {"moe_permute_fusion": False, "moe_grouped_gemm": False}
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    """The caller's environment without Megatron-LM or Slurm, so dry runs see a bare machine."""
-    env = {k: v for k, v in os.environ.items()
-           if k != "MEGATRON_LM_DIR" and not k.startswith("SLURM_") and k != "MASTER_ADDR"}
-    env["HYSCALE_PYTHON"] = sys.executable
-    env.update(extra)
-    return env
-
-
 def run_script(script: str, *args: str, env: dict[str, str] | None = None
                ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(EXAMPLE / script), *args], capture_output=True, text=True,
-                          env=env or clean_env(), cwd=ROOT, timeout=120)
+    return launch_dryrun.run_script(EXAMPLE / script, *args, env=env)
 
 
 def commands(stdout: str) -> list[tuple[str, dict[str, str], list[str]]]:
     """(label, env, pretrain_gpt.py arguments) of every command block a dry run printed."""
     found = []
-    for block in stdout.split("# --- command: ")[1:]:
-        label, rest = block.split(" ---\n", 1)
-        text = rest.split("# --- end of command ---")[0]
-        words = shlex.split(text.replace("\\\n", " "))
-        assert words[0] == "env"
-        env = {}
-        i = 1
-        while "=" in words[i] and not words[i].startswith("-"):
-            key, value = words[i].split("=", 1)
-            env[key] = value
-            i += 1
-        script = next(j for j, w in enumerate(words) if w.endswith("pretrain_gpt.py"))
-        found.append((label, env, words[script + 1:]))
+    for label, env, argv in launch_dryrun.printed_commands(stdout):
+        script = next(j for j, w in enumerate(argv) if w.endswith("pretrain_gpt.py"))
+        found.append((label, env, argv[script + 1:]))
     return found
 
 

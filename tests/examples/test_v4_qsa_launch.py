@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -23,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_layer  # noqa: E402
+import launch_dryrun  # noqa: E402
+from launch_dryrun import clean_env  # noqa: E402
 
 from megatron_hyscale.launch.command import LaunchError  # noqa: E402
 from megatron_hyscale.launch.layer_memory import GIB, estimate_layer  # noqa: E402
@@ -48,34 +48,14 @@ DRY_RUNS = [
 ]
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    """The caller's environment without Slurm or torchrun variables: a bare machine."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("SLURM_") and k not in ("MASTER_ADDR", "WORLD_SIZE", "RANK")}
-    env["HYSCALE_PYTHON"] = sys.executable
-    env.update(extra)
-    return env
-
-
 def run_script(folder: Path, script: str, *args: str, env: dict[str, str] | None = None
                ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(folder / script), *args], capture_output=True, text=True,
-                          env=env or clean_env(), cwd=ROOT, timeout=120)
+    return launch_dryrun.run_script(folder / script, *args, env=env)
 
 
 def commands(stdout: str) -> list[tuple[str, list[str]]]:
     """(label, argv after `env K=V ...`) of every command block a dry run printed."""
-    found = []
-    for block in stdout.split("# --- command: ")[1:]:
-        label, rest = block.split(" ---\n", 1)
-        text = rest.split("# --- end of command ---")[0]
-        words = shlex.split(text.replace("\\\n", " "))
-        assert words[0] == "env"
-        i = 1
-        while "=" in words[i] and not words[i].startswith("-"):
-            i += 1
-        found.append((label, words[i:]))
-    return found
+    return [(label, argv) for label, _, argv in launch_dryrun.printed_commands(stdout)]
 
 
 def bench_args(argv: list[str]) -> list[str]:
