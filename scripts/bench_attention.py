@@ -219,10 +219,20 @@ def _with_dkv_keys_on_m(fn, *args, **kwargs):
         kern.DKV_CHANNELS_ON_M = True
 
 
-def bwd_sweep(shapes, Ts, reps, out_dir, mm):
+def parse_tiling(text: str) -> tuple[int, int]:
+    """"16x2" -> (16, 2)."""
+    try:
+        block_n, stages = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tilings: {text!r} is not N x S, e.g. 16x2") from None
+    return block_n, stages
+
+
+def bwd_sweep(shapes, Ts, reps, out_dir, mm, tilings=SWEEP_TILINGS):
     """Time dQ, dK/dV and dK/dV without atomics per tiling; returns the rows."""
     rows = []
-    defaults = kern.DQ_TILINGS, kern.DKV_TILINGS
+    names = ("DQ_TILINGS", "DKV_TILINGS", "NARROW_DQ_TILINGS", "NARROW_DKV_TILINGS")
+    defaults = {n: getattr(kern, n) for n in names}
     for T in Ts:
         for shape in shapes:
             inp = make_inputs(shape, T)
@@ -234,9 +244,10 @@ def bwd_sweep(shapes, Ts, reps, out_dir, mm):
             dout = torch.randn_like(out)
             _, delta, _ = kern.sparse_attention_bwd_dq(q, k, v, idx, scale, out, lse, dout,
                                                        dv=dv, sink=sink, prefix_lengths=pre)
-            for tiling in SWEEP_TILINGS:
+            for tiling in tilings:
                 row = dict(shape=shape, T=T, block_n=tiling[0], stages=tiling[1])
-                kern.DQ_TILINGS = kern.DKV_TILINGS = (tiling,)
+                for n in names:
+                    setattr(kern, n, (tiling,))
                 kern._tiling_cache.clear()
                 dq_args = (q, k, v, idx, scale, out, lse, dout)
                 dkv_args = (q, k, v, idx, scale, lse, dout, delta)
@@ -268,7 +279,8 @@ def bwd_sweep(shapes, Ts, reps, out_dir, mm):
                               indent=1)
             del inp, out, lse, dout, delta
             torch.cuda.empty_cache()
-    kern.DQ_TILINGS, kern.DKV_TILINGS = defaults
+    for n, value in defaults.items():
+        setattr(kern, n, value)
     kern._tiling_cache.clear()
     log("\n| shape | T | keys x stages | dQ ms | dK/dV ms | dK/dV without atomics ms |"
         " dK/dV keys on M ms | fused bwd ms | bwd / matmul (dQ + dK/dV) |"
@@ -298,6 +310,9 @@ def main():
     ap.add_argument("--out", default="bench_attention_out")
     ap.add_argument("--bwd-sweep", action="store_true",
                     help="time dQ, dK/dV and dK/dV without atomics per tiling, then exit")
+    ap.add_argument("--tilings", nargs="+", type=parse_tiling, default=list(SWEEP_TILINGS),
+                    metavar="NxS", help="--bwd-sweep's tilings, keys per step x stages (a "
+                    "tiling that faults ends the process: give one a run to isolate it)")
     args = ap.parse_args()
     if args.quick:
         args.t, args.reps = [16384], 3
@@ -307,7 +322,7 @@ def main():
     mm, bw = matmul_tflops(), copy_tbps()
     log(f"# bf16 matmul {mm:.0f} TFLOP/s, copy {bw:.2f} TB/s (measured now)")
     if args.bwd_sweep:
-        bwd_sweep(args.shapes, args.t, args.reps, args.out, mm)
+        bwd_sweep(args.shapes, args.t, args.reps, args.out, mm, args.tilings)
         return
     meta = dict(device=dev, date=datetime.date.today().isoformat(), command=" ".join(sys.argv),
                 matmul_tflops=mm, copy_tbps=bw, rows=[])

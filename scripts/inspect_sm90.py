@@ -260,6 +260,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-glm51": lambda: _hytopk(32, 128, 2048, True),
     "hytopk-qsa": lambda: _hytopk(4, 128, 2048, True),
     "hytopk-norelu": lambda: _hytopk(32, 128, 2048, False),
+    # A head dim below tl.dot's 16 (tests' tiny geometries): must still compile.
+    "hytopk-tiny-head-dim": lambda: _hytopk(4, 8, 16, True, T=256),
     "sparse-attention-glm51": lambda: _sparse_attention(64, 1, 576, None, 2048),
     "sparse-attention-hca": lambda: _sparse_attention(64, 1, 512, None, 128, prefix=True),
     "sparse-attention-qsa": lambda: _sparse_attention(24, 2, 256, 256, 2052),

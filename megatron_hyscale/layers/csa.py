@@ -555,7 +555,8 @@ class HyScaleV4Attention(MegatronModule):
         indices = torch.cat(parts + [window.expand(B, -1, -1)], dim=-1)
 
         out = sparse_attention(q, keys.unsqueeze(2), None, indices, self.softmax_scale,
-                               sink=self.sinks, prefix_lengths=prefix)  # [B, T, H, D]
+                               sink=self.sinks, prefix_lengths=prefix,
+                               deterministic=bool(cfg.deterministic_mode))  # [B, T, H, D]
         # K = V carries RoPE: undo it at the query position so the output depends on
         # relative positions only (V4's conjugate rotation), then the grouped projection.
         out = apply_interleaved_rope(out, cos, sin, heads=True, inverse=True)
@@ -653,6 +654,7 @@ class HyScaleV4Attention(MegatronModule):
                 self.softmax_scale, coeff, sparse=bool(cfg.v4_indexer_use_sparse_loss),
                 relu=True, q_positions=q_positions, k_positions=k_positions,
                 calculate_per_token_loss=bool(cfg.calculate_per_token_loss),
+                deterministic=bool(cfg.deterministic_mode),
             )
             # Under CP each rank's loss covers its own rows (a mean over them, or a sum when
             # per-token): the logged value is averaged (or summed) over the CP group, as DSA.

@@ -176,6 +176,7 @@ class HyScaleDSAttention(DSAttention):
                 q_positions=q_positions,
                 calculate_per_token_loss=bool(cfg.calculate_per_token_loss),
                 tp_group=getattr(self.pg_collection, "tp", None),
+                deterministic=bool(cfg.deterministic_mode),
             )
             # Under CP each rank's loss covers its own rows (a mean over them, or a sum when
             # per-token): the logged value is averaged (or summed) over the CP group, as stock.
@@ -188,7 +189,8 @@ class HyScaleDSAttention(DSAttention):
 
         # Indices address the (gathered) key sequence; causality is already in them.
         out = sparse_attention(query_b, key_b, None, indices, self.softmax_scale,
-                               dv=cfg.kv_lora_rank)  # [b, sq, np, kv_lora]
+                               dv=cfg.kv_lora_rank,
+                               deterministic=bool(cfg.deterministic_mode))  # [b, sq, np, kv_lora]
         up_v_weight = up_v_weight.to(device=query.device, dtype=query.dtype)
         output = torch.einsum("bshc,hdc->sbhd", out, up_v_weight).reshape(sq, b, -1)
         if indexer_loss is not None:

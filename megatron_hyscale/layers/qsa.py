@@ -388,7 +388,8 @@ class HyScaleQSAttention(MegatronModule):
         key, value = (p.wait() for p in pending)
 
         query_b, key_b, value_b = (t.transpose(0, 1) for t in (query, key, value))
-        out = sparse_attention(query_b, key_b, value_b, indices, self.softmax_scale)
+        out = sparse_attention(query_b, key_b, value_b, indices, self.softmax_scale,
+                               deterministic=bool(cfg.deterministic_mode))
         output = out.transpose(0, 1).reshape(sq, b, -1)
         if use_loss and blocks.shape[-1] > 0:
             loss = self._indexer_loss(q_idx, block_keys, query_b, key_b, blocks, q_positions)
@@ -460,6 +461,7 @@ class HyScaleQSAttention(MegatronModule):
             k_positions=block_visibility_positions(nb, bs, q_idx.device),
             calculate_per_token_loss=bool(cfg.calculate_per_token_loss),
             tp_group=getattr(self.pg_collection, "tp", None),
+            deterministic=bool(cfg.deterministic_mode),
         )
 
 

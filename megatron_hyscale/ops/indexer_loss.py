@@ -30,10 +30,6 @@ from megatron_hyscale.ops.checks import (
 from megatron_hyscale.ops.hytopk import normalize_positions, warn_once
 from megatron_hyscale.ops.sparse_attention import check_index_range, check_softmax_scale
 
-# "auto" picks the Triton kernel on CUDA only once it has passed the GPU tests
-# (tests/ops/test_indexer_loss_gpu.py) on real hardware; until then it is opt-in.
-TRITON_KERNEL_GPU_VERIFIED = False
-
 
 def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
@@ -168,11 +164,6 @@ def indexer_kl_loss(
                          "warm-up loss (sparse=False) has no Triton kernel, use backend="
                          "'reference' or 'auto'")
     auto_triton = backend == "auto" and q_index.is_cuda and sparse
-    if auto_triton and not TRITON_KERNEL_GPU_VERIFIED:
-        warn_once("indexer-loss-unverified", "indexer_kl_loss: the Triton kernel has passed "
-                  "the CPU interpreter tests but has not been verified on a GPU yet; 'auto' "
-                  "uses the plain-torch reference (pass backend='triton' to opt in)")
-        auto_triton = False
     if backend == "triton" or auto_triton:
         from megatron_hyscale.ops.kernels.indexer_loss import indexer_kl_loss_triton
 

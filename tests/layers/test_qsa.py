@@ -2,7 +2,8 @@
 
 transformers (`qwen4_exp`, the independent oracle) and HyScaleQSASelfAttention get identical
 weights through `testing.qwen_qsa.hf_to_megatron_qsa_state_dict`; outputs, the input gradient
-and every parameter gradient must match in fp32 on CPU, for sequences that are not a multiple of
+and every parameter gradient must match in fp32 (on the GPU where there is one, with HyScale's
+kernels; else on CPU with the references), for sequences that are not a multiple of
 the block size and for queries that see fewer complete blocks than the budget (T = 70, budget 8
 blocks: queries t < 31 attend to every complete block).
 
@@ -12,6 +13,10 @@ indexer's ReLU makes a block's score exactly 0 whenever all 4 heads' logits are 
 and the two implementations may pick different (equally valid) zero blocks. The inputs are
 continuous random values and the seed is one where no query has such a tie; `no_ties_at_cutoff`
 checks it, so a change of seed or sizes cannot silently weaken the comparison.
+
+The layers run with `deterministic_mode` (no fp32 atomics in the kernels' backward), so the
+bitwise comparisons (replay against no replay, the loss leaving the main gradients) hold on
+the GPU too.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from megatron_hyscale import replay
 from megatron_hyscale.layers.qsa import HyScaleQSAttention
 from megatron_hyscale.ops.block_pool import block_scores
 from megatron_hyscale.specs.qsa import get_qsa_attention_spec
+from megatron_hyscale.testing.models import default_device
 from megatron_hyscale.testing.qwen_qsa import (
     hf_causal_mask,
     hf_position_embeddings,
@@ -38,6 +44,7 @@ from megatron_hyscale.testing.qwen_qsa import (
     tiny_qsa_configs,
 )
 
+DEVICE = default_device()
 B, HIDDEN = 2, 64
 
 
@@ -53,7 +60,7 @@ RTOL, ATOL = 1e-5, 1e-5
 
 def build_pair(*, baseline: bool = False, seed: int = SEED, **overrides):
     """(transformers attention with random weights, HyScale attention with the same weights)."""
-    mcfg, hcfg = tiny_qsa_configs(**overrides)
+    mcfg, hcfg = tiny_qsa_configs(**{"deterministic_mode": True, **overrides})
     torch.manual_seed(seed)
     hf = Qwen4ExpTextAttention(hcfg, layer_idx=0)
     with torch.no_grad():
@@ -65,12 +72,13 @@ def build_pair(*, baseline: bool = False, seed: int = SEED, **overrides):
     missing, unexpected = ours.load_state_dict(
         hf_to_megatron_qsa_state_dict(hf.state_dict(), mcfg), strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
-    return hf, ours, mcfg, hcfg
+    return hf.to(DEVICE), ours.to(DEVICE), mcfg, hcfg
 
 
 def inputs(T: int, seed: int = SEED, hidden: int = HIDDEN) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + seed)
-    return torch.randn(B, T, hidden, generator=g), torch.randn(B, T, hidden, generator=g)
+    return (torch.randn(B, T, hidden, generator=g).to(DEVICE),
+            torch.randn(B, T, hidden, generator=g).to(DEVICE))
 
 
 def rope(hcfg, T: int) -> torch.Tensor:
@@ -78,14 +86,21 @@ def rope(hcfg, T: int) -> torch.Tensor:
     params = hcfg.rope_parameters
     return RotaryEmbedding(kv_channels=hcfg.head_dim,
                            rotary_percent=params["partial_rotary_factor"],
-                           rotary_base=params["rope_theta"])(T)
+                           rotary_base=params["rope_theta"],
+                           use_cpu_initialization=True)(T).to(DEVICE)
+
+
+def hf_extras(hcfg, T: int):
+    """transformers' (cos, sin) position embeddings and causal mask, on DEVICE."""
+    cos, sin = hf_position_embeddings(hcfg, B, T)
+    return (cos.to(DEVICE), sin.to(DEVICE)), hf_causal_mask(B, T).to(DEVICE)
 
 
 def run_hf(hf, hcfg, x, dy):
     x = x.clone().requires_grad_(True)
     hf.zero_grad(set_to_none=True)
     T = x.shape[1]
-    out, _ = hf(x, hf_position_embeddings(hcfg, B, T), hf_causal_mask(B, T))
+    out, _ = hf(x, *hf_extras(hcfg, T))
     out.backward(dy)
     grads = {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
     return out.detach(), x.grad, grads
@@ -138,7 +153,7 @@ def test_selection_matches_transformers(T, baseline):
     x, _ = inputs(T)
     assert no_ties_at_cutoff(ours, hcfg, x), "seed has a tie at the top-k cut-off"
     with torch.no_grad():
-        hf_mask = hf.indexer(x, hf_position_embeddings(hcfg, B, T), hf_causal_mask(B, T), None)
+        hf_mask = hf.indexer(x, *hf_extras(hcfg, T), None)
         expected = hf_mask[:, 0] == 0  # [B, T, T] True where attended
         core = ours.core_attention
         freqs = rope(hcfg, T)
@@ -153,8 +168,8 @@ def test_selection_matches_transformers(T, baseline):
         ours(x.transpose(0, 1), None, rotary_pos_emb=freqs)
     from megatron_hyscale.ops.block_pool import expand_blocks
 
-    tokens = expand_blocks(captured["blocks"], torch.arange(T), 4).long()
-    got = torch.zeros(B, T, T + 1, dtype=torch.bool)
+    tokens = expand_blocks(captured["blocks"], torch.arange(T, device=DEVICE), 4).long()
+    got = torch.zeros(B, T, T + 1, dtype=torch.bool, device=DEVICE)
     got.scatter_(-1, torch.where(tokens >= 0, tokens, T), True)
     assert torch.equal(got[..., :T], expected)
     if T == 70:  # the budget binds for late queries and not for early ones
@@ -369,9 +384,9 @@ def test_indexer_loss_value_is_the_block_kl(sparse):
     nb, hkv = keys.shape[1], key.shape[2]
     kbar = key[:, : nb * 4].reshape(Bn, nb, 4, hkv, hn).mean(2)
     kbar = kbar.repeat_interleave(Hq // hkv, dim=2)  # [B, nb, Hq, hn]
-    visible = (torch.arange(nb) * 4 + 3)[None, :] <= qpos[:, None]  # [T, nb]
+    visible = (torch.arange(nb, device=DEVICE) * 4 + 3)[None, :] <= qpos[:, None]  # [T, nb]
     if sparse:
-        chosen = torch.zeros(Bn, T, nb + 1, dtype=torch.bool)
+        chosen = torch.zeros(Bn, T, nb + 1, dtype=torch.bool, device=DEVICE)
         chosen.scatter_(-1, torch.where(blocks >= 0, blocks, nb).long(), True)
         visible = visible & chosen[..., :nb]
     else:
@@ -397,7 +412,8 @@ def test_a_causal_mask_is_accepted_and_other_masks_are_refused():
     xs, freqs = x.transpose(0, 1), rope(hcfg, 21)
     with torch.no_grad():
         expected = ours(xs, None, rotary_pos_emb=freqs)[0]
-        causal = torch.ones(21, 21, dtype=torch.bool).triu(1).expand(B, 1, 21, 21)
+        causal = torch.ones(21, 21, dtype=torch.bool, device=DEVICE).triu(1)
+        causal = causal.expand(B, 1, 21, 21)
         assert torch.equal(ours(xs, causal, rotary_pos_emb=freqs)[0], expected)
         padded = causal.clone()
         padded[0, :, :, :2] = True  # left padding in the first sequence

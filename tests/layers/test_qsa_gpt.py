@@ -17,20 +17,24 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron_hyscale import replay
 from megatron_hyscale.layers.qsa import HyScaleQSASelfAttention, HyScaleQSAttention
 from megatron_hyscale.specs.qsa import get_qsa_block_spec, get_qsa_layer_specs
+from megatron_hyscale.testing.models import default_device
 from megatron_hyscale.testing.qwen_qsa import tiny_qsa_configs
 
+DEVICE = default_device()
 VOCAB, T, B = 97, 70, 2
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
 def build(*, baseline: bool = False, **overrides) -> GPTModel:
-    cfg, _ = tiny_qsa_configs(num_layers=2, **overrides)
+    """On the GPU where there is one; deterministic_mode (no fp32 atomics in the kernels'
+    backward) so that the bitwise comparisons below hold there too."""
+    cfg, _ = tiny_qsa_configs(num_layers=2, deterministic_mode=True, **overrides)
     torch.manual_seed(7)
     return GPTModel(
         config=cfg, transformer_layer_spec=get_qsa_block_spec(cfg, baseline=baseline),
         vocab_size=VOCAB, max_sequence_length=T, position_embedding_type="rope",
         rotary_percent=0.5, rotary_base=10000, share_embeddings_and_output_weights=False,
-    )
+    ).to(DEVICE)
 
 
 def step(model: GPTModel, n_micro: int = 1):
@@ -38,11 +42,11 @@ def step(model: GPTModel, n_micro: int = 1):
     model.train()
     model.zero_grad(set_to_none=True)
     g = torch.Generator().manual_seed(3)
-    pos = torch.arange(T).expand(B, T)
+    pos = torch.arange(T, device=DEVICE).expand(B, T)
     losses = []
     for _ in range(n_micro):
-        ids = torch.randint(0, VOCAB, (B, T), generator=g)
-        labels = torch.randint(0, VOCAB, (B, T), generator=g)
+        ids = torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE)
+        labels = torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE)
         losses.append(model(ids, pos, None, labels=labels).mean())
     for loss in losses:
         loss.backward()
@@ -131,7 +135,7 @@ def test_spec_entry_points_build_the_same_model(baseline):
         transformer_layer_spec=baseline_qsa_layer_spec if baseline else hyscale_qsa_layer_spec,
         vocab_size=VOCAB, max_sequence_length=T, position_embedding_type="rope",
         rotary_percent=0.5, rotary_base=10000, share_embeddings_and_output_weights=False,
-    )
+    ).to(DEVICE)
     assert list(model.state_dict()) == list(reference.state_dict())
     model.load_state_dict(reference.state_dict())
     cores = [m for m in model.modules() if isinstance(m, HyScaleQSAttention)]

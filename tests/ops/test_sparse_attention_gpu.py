@@ -9,6 +9,8 @@ bitwise repeatable.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -164,3 +166,90 @@ def test_hca_dense_prefix_matches_reference():
     for name, got, ref in zip(("out", "dq", "dkeys", "dsink"), *results, strict=True):
         assert not got.isnan().any(), name
         assert rel(got, ref) < (OUT_TOL if name == "out" else GRAD_TOL), (name, rel(got, ref))
+
+
+# Every tiling a launcher may fall back to, one fresh process per (shape, tiling): a tiling that
+# faults (an illegal address poisons the CUDA context) fails its own case, not the others.
+ALL_TILINGS = ((64, 2), (32, 2), (16, 2), (64, 1), (32, 1), (16, 1))
+TILING_SHAPES = ("glm51", "csa", "qsa")
+TILING_JOBS = 6
+
+
+def tiling_errors(shape: str, tiling: tuple[int, int]) -> dict[str, float | str]:
+    """Relative errors against the reference of the forward and of the backward's three forms
+    (dQ + dK/dV with the channels or the keys on M, fused), every kernel whose tiling list holds
+    `tiling` forced to it (the others at their defaults); "no fit" where it does not fit."""
+    from megatron_hyscale.ops.kernels import sparse_attention as kern
+
+    q, k, v, idx, sink, dv, scale = inputs(shape, 256, 4096, seed=4)
+    width = dv or (v.shape[-1] if v is not None else q.shape[-1])
+    g = torch.randn(q.shape[:3] + (width,), device="cuda").to(q.dtype)
+    ref_out, _, ref_grads = reference(q, k, v, idx, sink, dv, scale, grad_out=g)
+    forced = [n for n in ("FWD_TILINGS", "DQ_TILINGS", "DKV_TILINGS", "NARROW_DQ_TILINGS",
+                          "NARROW_DKV_TILINGS", "BWD_FUSED_TILINGS")
+              if tiling in getattr(kern, n)]
+    for name in forced:
+        setattr(kern, name, (tiling,))
+    forms = {"split": (False, True, bool(forced)),
+             "split-keys-on-m": (False, False, bool({"DKV_TILINGS", "NARROW_DKV_TILINGS"}
+                                                    & set(forced))),
+             "fused": (True, True, "BWD_FUSED_TILINGS" in forced)}
+    errors: dict[str, float | str] = {"forced": " ".join(forced) or "none"}
+    for form, (fused, channels_on_m, wanted) in forms.items():
+        if not wanted:
+            continue
+        kern.BWD_FUSED, kern.DKV_CHANNELS_ON_M = fused, channels_on_m
+        kern._tiling_cache.clear()
+        print(json.dumps({"running": form}), flush=True)  # the last line a fault leaves behind
+        try:
+            out, _, grads = kernel(q, k, v, idx, sink, dv, scale, grad_out=g)
+            torch.cuda.synchronize()
+        except RuntimeError as exc:
+            if "tiling fits" not in str(exc):
+                raise
+            errors[form] = "no fit"
+            continue
+        errors[f"{form}:out"] = rel(out, ref_out)
+        for name, got, ref in zip(("dq", "dk", "dv", "dsink"), grads, ref_grads, strict=True):
+            if ref is not None:
+                errors[f"{form}:{name}"] = rel(got, ref) if not got.isnan().any() else "nan"
+    return errors
+
+
+def test_every_tiling_in_a_fresh_process():
+    import concurrent.futures
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import json, sys; sys.path.insert(0, {here!r}); "
+            "import test_sparse_attention_gpu as t; "
+            "print('RESULT ' + json.dumps(t.tiling_errors({shape!r}, {tiling!r})))")
+
+    def run(case):
+        shape, tiling = case
+        proc = subprocess.run([sys.executable, "-c", code.format(here=here, shape=shape,
+                                                                 tiling=tiling)],
+                              capture_output=True, text=True, timeout=600)
+        return case, proc
+
+    cases = [(s, t) for s in TILING_SHAPES for t in ALL_TILINGS]
+    failures, table = [], []
+    with concurrent.futures.ThreadPoolExecutor(TILING_JOBS) as pool:
+        for (shape, tiling), proc in pool.map(run, cases):
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                last = proc.stdout.strip().splitlines()[-1:] or ["nothing"]
+                failures.append(f"{shape} {tiling}: exit {proc.returncode} after {last[0]}: "
+                                f"{proc.stderr.strip().splitlines()[-1:]}")
+                continue
+            errors = json.loads(lines[0][len("RESULT "):])
+            table.append(f"{shape} {tiling}: {errors}")
+            bad = {n: e for n, e in errors.items()
+                   if e == "nan" or (isinstance(e, float)
+                                     and e >= (OUT_TOL if n.endswith(":out") else GRAD_TOL))}
+            if bad:
+                failures.append(f"{shape} {tiling}: {bad}")
+    print("\n".join(table))
+    assert not failures, "\n".join(failures)

@@ -73,6 +73,8 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(kern, "FWD_TILINGS", ((16, 1),))
     monkeypatch.setattr(kern, "DQ_TILINGS", ((16, 1),))
     monkeypatch.setattr(kern, "DKV_TILINGS", ((16, 1),))
+    monkeypatch.setattr(kern, "NARROW_DQ_TILINGS", ((16, 1),))
+    monkeypatch.setattr(kern, "NARROW_DKV_TILINGS", ((16, 1),))
     monkeypatch.setattr(kern, "_tiling_cache", {})
 
 

@@ -25,9 +25,11 @@ def _run(*args: str, interpret: bool = False) -> subprocess.CompletedProcess[str
 
 def test_hytopk_launch_compiles_for_sm90(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    proc = _run("--preset", "hytopk-dsv32-scoreonly", "hytopk-qsa", "--json", str(out))
+    proc = _run("--preset", "hytopk-dsv32-scoreonly", "hytopk-qsa", "hytopk-tiny-head-dim",
+                "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    scores, qsa = json.loads(out.read_text())
+    scores, qsa, tiny = json.loads(out.read_text())
+    assert tiny["constexprs"]["BD"] == 16  # head dim 8, zero-padded to tl.dot's minimum
     # The recorded launch is the real one: the wrapper's choices reach the compiler.
     assert scores["constexprs"]["KEYS_ON_M"] is True and scores["constexprs"]["MODE"] == 1
     assert qsa["constexprs"]["KEYS_ON_M"] is True and qsa["constexprs"]["R"] == 16  # 4 heads
@@ -45,10 +47,12 @@ def test_bad_requests_are_named() -> None:
 
 
 def test_default_kernels_keep_their_compiled_shape(tmp_path: Path) -> None:
-    """Guards on the defaults chosen from compiled code (Triton pinned at 3.6): HyTopK's select
-    kernel (keys on M) and the dK/dV kernel (channels on M) run wgmma in their hot loops
-    without spilling. A change that silently drops them to mma.sync or into local memory
-    fails here before it costs GPU time."""
+    """Guards on the defaults chosen from compiled code and GPU timings (Triton pinned at 3.6):
+    HyTopK's select kernel (keys on M) runs wgmma in its hot loop without spilling; the dK/dV
+    kernel (channels on M) runs wgmma and spills no more than the 132 bytes a thread of its
+    default 64 x 1 tiling, the fastest on the H200 all the same (sparse_attention.DKV_TILINGS).
+    A change that silently drops them to mma.sync or further into local memory fails here
+    before it costs GPU time."""
     out = tmp_path / "r.json"
     proc = _run("--preset", "hytopk-dsv32", "sparse-attention-glm51", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -57,5 +61,5 @@ def test_default_kernels_keep_their_compiled_shape(tmp_path: Path) -> None:
     assert select["spill_stores"] == 0 and select["loop_ops"]["HGMMA"] > 0
     assert select["loop_ops"]["SHFL"] < 32  # the head sum stays in registers (heads on N)
     dkv = reports["_bwd_dkv_kernel"]
-    assert dkv["spill_stores"] == 0 and dkv["loop_ops"]["HMMA"] == 0
+    assert dkv["spill_stores"] <= 132 and dkv["loop_ops"]["HMMA"] == 0
     assert dkv["loop_ops"]["HGMMA"] > 0

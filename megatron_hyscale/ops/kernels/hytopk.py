@@ -39,6 +39,8 @@ GEMM_ROWS = 128
 # of it in registers: compiled for sm_90a (keys on M), 16 rows run a 939-instruction tile loop
 # without spills where 32 rows ran 3686 (heads on M) with 129 spill loads / stores.
 SMALL_HEADS = 32
+# tl.dot's smallest reduction width: narrower head dims are zero-padded by the masked loads.
+MIN_DOT = 16
 SMALL_HEADS_GEMM_ROWS = 64
 # Query rows per program when relu=False (one folded query per row, so the GEMM is R tall).
 ROWS_NO_RELU = 32
@@ -602,7 +604,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
         table = scratch
     out_scores = scores.view(torch.int32) if mode == MODE_SELECT else scores
     prune = (PRUNE if prune is None else prune) and mode == MODE_SELECT
-    bd = triton.next_power_of_2(D)
+    bd = max(MIN_DOT, triton.next_power_of_2(D))
     if prune:
         # fp32 operands run as three TF32 products: 3 D accumulations plus the split's
         # rounding (< 3 more operations), so the dot-product bound counts 4 D operations.

@@ -54,15 +54,20 @@ SMEM_BUDGET = 220 * 1024
 # lack of shared memory or registers is skipped and the next one tried.
 FWD_TILINGS = ((64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
 BWD_TILINGS = ((32, 2), (64, 1), (32, 1), (16, 1))
-# Per backward kernel. Compiled for sm_90a (2026-11-30, GLM-5.1 shape,
-# `scripts/inspect_sm90.py`): dQ at 32 x 2 spills 564 bytes a thread with 132 spill
-# instructions in its key loop, at 32 x 1 72 bytes and 5 (but no cp.async prefetch of the
-# gathered rows). Which is faster is for `bench_attention.py --bwd-sweep` on the GPU to say.
-DQ_TILINGS = BWD_TILINGS
-# With the channels on M (DKV_CHANNELS_ON_M; GLM-5.1, sm_90a): 16 x 2, 32 x 1 and 16 x 1 do
-# not spill, 64 x 1 spills 132 bytes, and 32 x 2 asks for 233600 bytes of shared memory (the
-# H200 allows 232448).
-DKV_TILINGS = ((16, 2), (32, 1), (16, 1))
+# Per backward kernel, for programs of MAX_BLOCK_H heads (GLM-5.1, V3.2, V4 CSA / HCA). Timed
+# on the H200 (2026-11-30, `bench_attention.py --bwd-sweep --shapes glm51 --t 32768`, one
+# process per tiling): dQ 65 ms at 64 x 1 against 106 at 32 x 2; dK/dV 153 ms at 64 x 1
+# against 214 at 16 x 2 (64 x 1 spills 132 bytes a thread and is still the fastest); the
+# GLM-5.1 backward at 128K went from 1377 to 944 ms. dK/dV with the channels on M faults
+# (illegal address) at 32 x 1 and 16 x 1 for the 512 / 576-dim shapes (GLM-5.1, CSA; QSA
+# runs them): not in the list until that is understood. 32 x 2 does not fit (233600 bytes of
+# shared memory against the H200's 232448).
+DQ_TILINGS = ((64, 1), (32, 2), (32, 1), (16, 1))
+DKV_TILINGS = ((64, 1), (16, 2))
+# Programs of fewer heads (QSA: 12 query heads a KV head, 16-row blocks): the orders above made
+# the QSA backward at 128K slower (1296 against 904 ms), so they keep the earlier ones.
+NARROW_DQ_TILINGS = BWD_TILINGS
+NARROW_DKV_TILINGS = ((16, 2), (32, 1), (16, 1))
 # Warps a program: WIDE_WARPS once the accumulator tile is large (>= 64 x 256 fp32), else 4;
 # per kernel, since the backward kernels hold a second [heads x dims] fp32 accumulator's worth.
 WIDE_TILE = 64 * 256
@@ -661,11 +666,16 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
     const = dict(geo.const(), HAS_SINK=sink is not None, HAS_DLSE=dlse is not None,
                  HAS_PREFIX=prefix_lengths is not None, FUSE_DKV=fused,
                  MODE=mode if fused else MODE_ATOMIC)
-    tilings = BWD_FUSED_TILINGS if fused else DQ_TILINGS
+    tilings = BWD_FUSED_TILINGS if fused else _bwd_tilings(geo, DQ_TILINGS, NARROW_DQ_TILINGS)
     _launch(_bwd_dq_kernel, grid, args, const, geo, tilings, resident, q.element_size(),
             ("dq", q.dtype, tilings, tuple(sorted(const.items()))))
     dsink = dsink_part.sum(dim=(0, 1)).to(sink.dtype) if sink is not None else None
     return dq, delta, dsink
+
+
+def _bwd_tilings(geo, wide, narrow):
+    """The backward tiling order for this geometry's head block (see DQ_TILINGS)."""
+    return wide if geo.block_h >= MAX_BLOCK_H else narrow
 
 
 def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, dv=None,
@@ -699,9 +709,9 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
                 *_strides4(dout), *lse.stride(), *acc.strides())
         const = dict(geo.const(), MODE=mode, BLOCK_H=bh_dkv,
                      HAS_PREFIX=prefix_lengths is not None, CHANNELS_ON_M=DKV_CHANNELS_ON_M)
-        _launch(_bwd_dkv_kernel, grid_dkv, args, const, geo, DKV_TILINGS,
-                copies * bh_dkv * dims, elem,
-                ("dkv", q.dtype, DKV_TILINGS, tuple(sorted(const.items()))))
+        tilings = _bwd_tilings(geo, DKV_TILINGS, NARROW_DKV_TILINGS)
+        _launch(_bwd_dkv_kernel, grid_dkv, args, const, geo, tilings, copies * bh_dkv * dims,
+                elem, ("dkv", q.dtype, tilings, tuple(sorted(const.items()))))
 
     if mode == MODE_DISCARD:
         run(MODE_DISCARD)
