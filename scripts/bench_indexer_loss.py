@@ -15,6 +15,10 @@ reference (`backend="reference"`, chunked, checkpointed) where T <= --ref-max-t.
   python scripts/bench_indexer_loss.py                   # T in 16K, 64K, 128K, GLM-5.1
   python scripts/bench_indexer_loss.py --quick           # T = 16K, fewer repeats
   python scripts/bench_indexer_loss.py --shapes glm51 v32 --t 131072 --deterministic
+  python scripts/bench_indexer_loss.py --t 32768 --target-tilings 32x2 64x2 64x1
+
+--target-tilings times the target pass (the heaviest launch) at each (keys per step x stages)
+tiling and exits; a tiling that does not fit is reported.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import datetime
 import json
 import os
 import sys
+from functools import partial
 
 import torch
 
@@ -121,6 +126,42 @@ def bench_parts(x, idx, warmup, reps):
     return dict(target_ms=ms_target, loss_ms=ms_loss, bwd_kernel_ms=ms_bwd)
 
 
+def parse_tiling(text: str) -> tuple[int, int]:
+    """"32x2" -> (32, 2)."""
+    try:
+        block_n, stages = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--target-tilings: {text!r} is not N x S, e.g. "
+                                         "32x2") from None
+    return block_n, stages
+
+
+def target_sweep(shapes, Ts, tilings, warmup, reps, out_dir):
+    """ms of the target pass per tiling (kern.TARGET_TILINGS forced to it); writes JSON."""
+    rows, default = [], kern.TARGET_TILINGS
+    for shape in shapes:
+        for T in Ts:
+            x, idx = make_inputs(shape, T)
+            pos = torch.arange(T, device="cuda")[None]
+            target = partial(kern.attention_target, x["query"], x["key"], idx, pos, pos,
+                             x["query"].shape[-1] ** -0.5)
+            for tiling in tilings:
+                kern.TARGET_TILINGS = (tiling,)
+                kern._tiling_cache.clear()
+                try:
+                    ms = time_ms(target, reps=reps, warmup=warmup)
+                except RuntimeError as err:  # no fit is reported, not fatal
+                    ms = f"failed: {str(err)[:80]}"
+                rows.append(dict(shape=shape, T=T, block_n=tiling[0], stages=tiling[1],
+                                 target_ms=ms))
+                log(f"target {shape} T={T} tiling {tiling[0]}x{tiling[1]}: "
+                    + (f"{ms:.2f} ms" if isinstance(ms, float) else ms))
+    kern.TARGET_TILINGS = default
+    kern._tiling_cache.clear()
+    with open(os.path.join(out_dir, "bench_indexer_loss_target_sweep.json"), "w") as f:
+        json.dump(dict(command=" ".join(sys.argv), default=default, rows=rows), f, indent=1)
+
+
 def fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
 
@@ -135,10 +176,15 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="results")
+    ap.add_argument("--target-tilings", nargs="+", type=parse_tiling, default=None,
+                    metavar="NxS", help="time the target pass per tiling, then exit")
     args = ap.parse_args()
     if args.quick:
         args.t, args.reps, args.warmup = [16384], 3, 1
     os.makedirs(args.out, exist_ok=True)
+    if args.target_tilings:
+        target_sweep(args.shapes, args.t, args.target_tilings, args.warmup, args.reps, args.out)
+        return
     json_path = os.path.join(args.out, "bench_indexer_loss.json")
     mm = matmul_tflops()
     meta = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),

@@ -67,6 +67,10 @@ case "$stage" in
     done
     timeout 120 python3 scripts/bench_indexer_loss.py --out "$out" 2>&1 \
       | tee "$out/bench_indexer_loss.log"
+    # The target pass (3x the attention forward on 2026-11-30) per tiling.
+    timeout 60 python3 scripts/bench_indexer_loss.py --t 32768 --reps 3 \
+      --target-tilings 32x2 64x2 64x1 32x1 16x2 --out "$out" 2>&1 | grep "^target" \
+      | tee "$out/bench_indexer_loss_target.log"
     # The demo's trained indexer (carry "outputs/demo/indexer_capture.pt" when it exists):
     # what the pruning bound skips on a trained indexer, exactness against the reference.
     if [ -f outputs/demo/indexer_capture.pt ]; then
