@@ -9,7 +9,9 @@ Rates are ratios to the bf16 matmul rate measured in the same run (8192^3 torch.
 FLOP counts are what the kernels execute over the valid slots n (summed over rows):
 target 2 passes x 2 n Hq Dqk (per-head softmax statistics, then probabilities), loss
 2 passes x 2 n H_I D_I, backward 3 x 2 n H_I D_I (scores recomputed, dq, dk). "useful" counts
-one pass of each forward product and the two backward products. Baseline: the plain-torch
+one pass of each forward product and the two backward products. "w/ lse": the target pass
+given the attention forward's log-sum-exp (one pass instead of two: the DSA layer's path; the
+fwd column times the op without it). Baseline: the plain-torch
 reference (`backend="reference"`, chunked, checkpointed) where T <= --ref-max-t.
 
   python scripts/bench_indexer_loss.py                   # T in 16K, 64K, 128K, GLM-5.1
@@ -36,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from megatron_hyscale.ops.indexer_loss import indexer_kl_loss  # noqa: E402
 from megatron_hyscale.ops.kernels import indexer_loss as kern  # noqa: E402
+from megatron_hyscale.ops.sparse_attention import sparse_attention  # noqa: E402
 from megatron_hyscale.testing.bench import log, matmul_tflops, time_ms  # noqa: E402
 
 # name: (Hq, Hkv, Dqk, H_I, D_I, K)
@@ -123,7 +126,14 @@ def bench_parts(x, idx, warmup, reps):
     grad = torch.ones((), device="cuda")
     ms_bwd = time_ms(lambda: kern.indexer_loss_bwd(q, w, k, idx, p_norm, lse, psum, grad,
                                                    1.0 / T, True), reps=reps, warmup=warmup)
-    return dict(target_ms=ms_target, loss_ms=ms_loss, bwd_kernel_ms=ms_bwd)
+    # The layer's path: the attention forward's log-sum-exp replaces the target's first pass.
+    _, attn_lse = sparse_attention(x["query"], x["key"], None, idx, scale,
+                                   dv=min(512, x["query"].shape[-1]), return_lse=True)
+    ms_target_lse = time_ms(lambda: kern.attention_target(
+        x["query"], x["key"], idx, qpos, kpos, scale, attention_lse=attn_lse),
+        reps=reps, warmup=warmup)
+    return dict(target_ms=ms_target, target_with_lse_ms=ms_target_lse, loss_ms=ms_loss,
+                bwd_kernel_ms=ms_bwd)
 
 
 def parse_tiling(text: str) -> tuple[int, int]:
@@ -192,7 +202,8 @@ def main():
                 results=[])
     log(f"{meta['device']}  bf16 matmul {mm:.0f} TFLOP/s  ({meta['date']})")
     header = (f"{'shape':6} {'T':>7} {'fwd ms':>8} {'bwd ms':>8} {'fwd TF/s':>9} {'%mm':>5} "
-              f"{'bwd TF/s':>9} {'%mm':>5} {'target':>7} {'loss':>6} {'bwdk':>6} {'GiB':>6} "
+              f"{'bwd TF/s':>9} {'%mm':>5} {'target':>7} {'w/ lse':>7} {'loss':>6} {'bwdk':>6} "
+              f"{'GiB':>6} "
               f"{'det bwd':>8} {'ref ms':>9} {'x ref':>6}")
     log(header)
     for shape in args.shapes:
@@ -220,7 +231,8 @@ def main():
             det = row.get("triton_det")
             log(f"{shape:6} {T:>7} {tr['fwd_ms']:>8.2f} {tr['bwd_ms']:>8.2f} {fwd_tf:>9.0f} "
                 f"{100 * fwd_tf / mm:>5.1f} {bwd_tf:>9.0f} {100 * bwd_tf / mm:>5.1f} "
-                f"{row['target_ms']:>7.2f} {row['loss_ms']:>6.2f} {row['bwd_kernel_ms']:>6.2f} "
+                f"{row['target_ms']:>7.2f} {row['target_with_lse_ms']:>7.2f} "
+                f"{row['loss_ms']:>6.2f} {row['bwd_kernel_ms']:>6.2f} "
                 f"{tr['extra_peak_gib']:>6.2f} {fmt(det and det['bwd_ms'], '.2f'):>8} "
                 f"{'OOM' if ref == 'OOM' else fmt(ref_ms, '.1f'):>9} "
                 f"{fmt(ref_ms and ref_ms / tr['total_ms'], '.1f'):>6}")

@@ -11,7 +11,7 @@
 #                                         # modes, 32K / 64K / 128K                    (~9 min)
 #   bash scripts/gpu_session.sh cp2 [T...]  # on nvidia-h200-x2: CP 2 against CP 1 (NCCL,
 #                                         # DSA / CSA / QSA layers at 32K), then DSA at CP 2
-#                                         # at 128K / 256K / 512K (1M: 249 GiB a GPU by the
+#                                         # at 128K / 256K / 512K (1M: 213 GiB a GPU by the
 #                                         # estimate, launch/layer_memory.py)          (~9 min)
 #   bash scripts/gpu_session.sh side2     # on nvidia-h200-x2 with carry [".whl",
 #                                         # ".carry/megatron_lm"] (scripts/megatron_lm_carry.sh):

@@ -244,6 +244,9 @@ def _indexer_loss(hi: int, di: int, hq: int, d: int, topk: int, T: int = 256, **
     with overridden(il, **overrides), intercept(il, *names) as calls:
         il._tiling_cache.clear()
         p = il.attention_target(query, key, idx, pos, pos, d ** -0.5)
+        # The DSA layer's path: the attention's log-sum-exp replaces the first pass.
+        il.attention_target(query, key, idx, pos, pos, d ** -0.5,
+                            attention_lse=torch.zeros(1, T, hq))
         kl, lse, psum = il.indexer_loss_rows(qi, w, ki, idx, p, True)
         il.indexer_loss_bwd(qi, w, ki, idx, p, lse, psum, torch.ones(()), 0.01, True)
         il._tiling_cache.clear()

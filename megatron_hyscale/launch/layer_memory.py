@@ -13,8 +13,9 @@ What is counted (bytes; 1 GiB = 2**30; activations bf16 unless said):
 - the working set of the recomputed forward plus the backward of the layer: the projections'
   outputs the backward reads, the keys / values all-gathered over the whole sequence under CP
   (allgather CP: every rank holds the global K / V and accumulates their gradients in fp32
-  before the reduce-scatter), the sparse-attention output, its log-sum-exp and the fp32 query
-  gradient, the index tensor fed to the sparse attention;
+  before the reduce-scatter), the sparse-attention output, its log-sum-exp and the query
+  gradient (in the query's dtype), the index tensor fed to the sparse attention, and a fixed
+  WORKSPACE_GIB (kernel and library workspaces, allocator rounding; measured);
 - selection: HyScale keeps O(T/CP x k) (HyTopK's int32 indices + fp32 scores, and the replay
   store's int32 indices held from the first forward to the recompute); the baseline
   materializes a score table: DSA stock [T/CP, H_I, T] fp32 logits + the head sum; V4's
@@ -22,11 +23,12 @@ What is counted (bytes; 1 GiB = 2**30; activations bf16 unless said):
   2**28 fp32 logits (+ ReLU'd copy and head sum);
 - a fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation.
 
-Calibration (BENCHMARKS.md, "DSA attention layer", one H200): HyScale's measured peak extra
-was 3.2 / 5.6 / 11.3 / 22.5 / 45.0 GiB at T = 8K .. 128K; this model says 3.5 / 7.0 / 14.1 /
-28.1 / 56.3 (10 to 25 % high: on the safe side). Stock's score-table factor is fitted to its
-one measured point (below). CSA / HCA / QSA have no measurement yet: the next GPU session's
-bench_layer.py runs print the measured peak beside these numbers.
+Calibration (BENCHMARKS.md, "DSA layer", one H200, 2026-11-30): HyScale's measured peak extra
+was 3.25 / 5.77 / 11.52 / 23.03 / 46.40 / 92.07 GiB at T = 8K .. 256K; this model says 3.3 /
+6.3 / 12.2 / 24.0 / 47.6 / 94.9 (2 to 9 % high). Until 2026-11-30 it counted the query
+gradient in fp32 (the dQ kernel writes bf16) and was 10 to 25 % high. Stock's score-table
+factor is fitted to its one measured point (below). CSA / HCA / QSA have no measurement yet:
+the next GPU session's bench_layer.py runs print the measured peak beside these numbers.
 
 Simplifications (each shifts the total by well under 10 %): norms, biases and RoPE tables are
 ignored; temporaries of a single elementwise op are not counted unless they are [T, ...] sized;
@@ -40,6 +42,9 @@ from dataclasses import dataclass
 
 GIB = 2**30
 RESERVE_GIB = 3.0  # CUDA context + NCCL + fragmentation (measured order on H100/H200 runs)
+# Above the counted tensors at every T (kernel / cuBLAS workspaces, allocator rounding): the
+# 2026-11-30 H200 DSA peak at 8K was 0.3 GiB above them.
+WORKSPACE_GIB = 0.35
 V4_BASELINE_ROW_BLOCK = 4096  # DeepseekV4TransformerConfig.v4_baseline_row_block
 QSA_BASELINE_CHUNK_ELEMENTS = 1 << 28  # megatron_hyscale.layers.qsa.BASELINE_CHUNK_ELEMENTS
 # Stock DSA keeps many [T, H_I, T]-sized fp32 tensors alive at once (logits, ReLU, weighted
@@ -144,8 +149,10 @@ def _attention_working(g: LayerGeometry, T: int, n: int, cp: int) -> dict[str, f
     else:
         raise ValueError(f"unknown layer kind {g.kind!r}")
     items["sparse-attention indices (int32)"] = n * idx_cols * i32
-    items["attention out + lse + fp32 dq"] = n * H * (out_dim * bf + f32 + g.head_dim * f32)
+    # dq leaves the dQ kernel in the query's dtype (each row's is one program's registers).
+    items["attention out + lse + dq"] = n * H * (out_dim * bf + f32 + g.head_dim * bf)
     items["output projection in/out"] = n * (H * g.v_dim + h) * bf
+    items["kernel workspaces, allocator rounding"] = WORKSPACE_GIB * GIB
     return items
 
 

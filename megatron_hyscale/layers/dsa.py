@@ -166,17 +166,25 @@ class HyScaleDSAttention(DSAttention):
                                   q_positions)
         key_b = pending_key.wait().transpose(0, 1)
 
+        # Indices address the (gathered) key sequence; causality is already in them.
+        out, lse = sparse_attention(query_b, key_b, None, indices, self.softmax_scale,
+                                    dv=cfg.kv_lora_rank, return_lse=True,
+                                    deterministic=bool(cfg.deterministic_mode))
         indexer_loss = None
         if use_indexer_loss:
+            sparse_loss = bool(cfg.dsa_indexer_use_sparse_loss)
             indexer_loss = indexer_kl_loss(
                 q_idx, weights, k_idx, query_b.detach(), key_b.detach(), indices,
                 self.softmax_scale, loss_coeff,
-                sparse=bool(cfg.dsa_indexer_use_sparse_loss),
+                sparse=sparse_loss,
                 relu=bool(cfg.dsa_indexer_scoring_relu),
                 q_positions=q_positions,
                 calculate_per_token_loss=bool(cfg.calculate_per_token_loss),
                 tp_group=getattr(self.pg_collection, "tp", None),
                 deterministic=bool(cfg.deterministic_mode),
+                # The selection's indices are distinct and visible, so the attention ran over
+                # exactly the loss's slots: its log-sum-exp is the target's denominator.
+                attention_lse=lse.detach() if sparse_loss else None,
             )
             # Under CP each rank's loss covers its own rows (a mean over them, or a sum when
             # per-token): the logged value is averaged (or summed) over the CP group, as stock.
@@ -187,10 +195,6 @@ class HyScaleDSAttention(DSAttention):
                 avg_group=None if per_token else cp_group,
             )
 
-        # Indices address the (gathered) key sequence; causality is already in them.
-        out = sparse_attention(query_b, key_b, None, indices, self.softmax_scale,
-                               dv=cfg.kv_lora_rank,
-                               deterministic=bool(cfg.deterministic_mode))  # [b, sq, np, kv_lora]
         up_v_weight = up_v_weight.to(device=query.device, dtype=query.dtype)
         output = torch.einsum("bshc,hdc->sbhd", out, up_v_weight).reshape(sq, b, -1)
         if indexer_loss is not None:

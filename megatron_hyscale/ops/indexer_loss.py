@@ -116,6 +116,7 @@ def indexer_kl_loss(
     calculate_per_token_loss: bool = False,
     tp_group: torch.distributed.ProcessGroup | None = None,
     deterministic: bool = False,
+    attention_lse: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """KL(main-attention target || indexer distribution), megatron-core's DSA indexer loss.
@@ -145,6 +146,12 @@ def indexer_kl_loss(
             so every rank must call this with the same shapes).
         deterministic: Triton backward without fp32 atomics for k_index's gradient (bitwise
             repeatable; one extra backward pass). The reference is always deterministic.
+        attention_lse: fp32 [B, T, Hq] or None, sparse only: the main attention's log-sum-exp
+            (`sparse_attention(query, key, ..., topk_indices, softmax_scale, return_lse=True)`
+            without sink or prefix). The target's per-head softmax then takes it as its
+            denominator instead of a pass of its own over the keys. Valid only when the
+            attention ran over exactly the loss's slots: topk_indices distinct and visible
+            (HyTopK's output is); detached.
         backend: "auto" (Triton on CUDA tensors when sparse, the reference elsewhere),
             "triton" (sparse only; CPU tensors need TRITON_INTERPRET=1) or "reference".
 
@@ -159,6 +166,16 @@ def indexer_kl_loss(
         q_index, weights, k_index, query, key, topk_indices, softmax_scale, loss_coeff, sparse,
         q_positions, k_positions,
     )
+    if attention_lse is not None:
+        if not sparse:
+            raise ValueError("indexer_kl_loss: attention_lse needs sparse=True (the dense loss "
+                             "normalizes over every visible key, not the selected ones)")
+        check_tensor("attention_lse", attention_lse, dtypes=(torch.float32,), ndim=3)
+        check_same_device(q_index=q_index, attention_lse=attention_lse)
+        if tuple(attention_lse.shape) != tuple(query.shape[:3]):
+            raise ValueError(f"indexer_kl_loss: attention_lse must be [B, T, Hq] = "
+                             f"{tuple(query.shape[:3])}, got {tuple(attention_lse.shape)}")
+        attention_lse = attention_lse.detach()
     if backend == "triton" and not sparse:
         raise ValueError("indexer_kl_loss: backend='triton' needs sparse=True; the dense "
                          "warm-up loss (sparse=False) has no Triton kernel, use backend="
@@ -171,7 +188,7 @@ def indexer_kl_loss(
             q_index, weights, k_index, query, key, topk_indices, scale, coeff, relu=relu,
             q_positions=qpos, k_positions=kpos,
             calculate_per_token_loss=calculate_per_token_loss, tp_group=tp_group,
-            deterministic=deterministic,
+            deterministic=deterministic, attention_lse=attention_lse,
         )
     if backend == "auto" and q_index.is_cuda and not sparse:
         warn_once("indexer-loss-dense", "indexer_kl_loss: the Triton kernel covers the sparse "
@@ -181,4 +198,5 @@ def indexer_kl_loss(
         q_index, weights, k_index, query, key, topk_indices, scale, coeff, sparse=sparse,
         relu=relu, q_positions=qpos, k_positions=kpos,
         calculate_per_token_loss=calculate_per_token_loss, tp_group=tp_group,
+        attention_lse=attention_lse,
     )

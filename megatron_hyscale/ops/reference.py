@@ -6,6 +6,8 @@ are processed in chunks so that no [T, S] tensor is ever built for the whole seq
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 # Elements of fp32 work per query-row chunk (about 256 MiB): keeps long-context runs bounded.
@@ -248,21 +250,28 @@ def _masked_log_softmax(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tens
 
 
 def _attention_target(
-    logits: torch.Tensor, valid: torch.Tensor, tp_group: object | None
+    logits: torch.Tensor, valid: torch.Tensor, tp_group: object | None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Indexer target from main-attention logits [B, t, Hkv, G, n] and validity [B, t, n].
 
     Per-head masked softmax (megatron's masked_softmax, denominator clamped at eps), summed
     over heads (and over tensor-parallel ranks, which hold the other heads), L1-normalized
     with the denominator clamped at eps. Returns [B, t, n] fp32; rows with no valid entry
-    are all zero.
+    are all zero. lse [B, t, Hkv, G]: the attention's log-sum-exp over the same entries,
+    used as each head's log-denominator instead of computing it here.
     """
     mask = valid[:, :, None, None, :]
     logits = logits.masked_fill(~mask, float("-inf"))
-    m = logits.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = (logits - m).exp_()
-    p = p / p.sum(dim=-1, keepdim=True).clamp_min(INDEXER_LOSS_EPS)
+    if lse is not None:
+        finite = torch.isfinite(lse)[..., None]
+        shift = torch.where(finite, lse[..., None], torch.zeros_like(lse[..., None]))
+        p = (logits - shift).exp_().masked_fill_(~finite, 0.0)
+    else:
+        m = logits.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = (logits - m).exp_()
+        p = p / p.sum(dim=-1, keepdim=True).clamp_min(INDEXER_LOSS_EPS)
     target = p.sum(dim=(2, 3))
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
         torch.distributed.all_reduce(target, group=tp_group)
@@ -317,6 +326,7 @@ def _indexer_kl_sparse_chunk(
     softmax_scale: float,
     relu: bool,
     tp_group: object | None,
+    attention_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KL sum over one chunk of rows, restricted to the selected visible keys (sparse loss).
 
@@ -342,7 +352,8 @@ def _indexer_kl_sparse_chunk(
             "btkgd,btjkd->btkgj", query.float().reshape(B, t, Hkv, Hq // Hkv, D), key_sel.float()
         ) * softmax_scale
         del key_sel
-        target = _attention_target(logits, valid, tp_group)
+        lse = None if attention_lse is None else attention_lse.float().view(B, t, Hkv, Hq // Hkv)
+        target = _attention_target(logits, valid, tp_group, lse)
         del logits
     k_sel = k_index.reshape(B * S, -1).index_select(0, b_rows).view(B, t, K, -1)
     head_logits = torch.einsum("bthd,btjd->bthj", q_index.float(), k_sel.float())
@@ -368,6 +379,7 @@ def indexer_loss_reference(
     k_positions: torch.Tensor,
     calculate_per_token_loss: bool,
     tp_group: object | None = None,
+    attention_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference DSA indexer KL loss on validated inputs (see ops.indexer_kl_loss).
 
@@ -399,12 +411,14 @@ def indexer_loss_reference(
         K = topk_indices.shape[-1]
         step = rows_per_chunk(B * K * (2 * Hkv * query.shape[-1] + 4 * Hq + 3 * H_I + 2 * D_I),
                               device=q_index.device)
-        fn = lambda *a: _indexer_kl_sparse_chunk(*a, softmax_scale, relu, tp_group)
+        fn = lambda *a, lse=None: _indexer_kl_sparse_chunk(*a, softmax_scale, relu, tp_group,
+                                                           lse)
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
+            chunk_fn = fn if attention_lse is None else partial(fn, lse=attention_lse[:, t0:t1])
             total = total + _run_chunk(
-                fn, needs_grad, q_index[:, t0:t1], weights[:, t0:t1], k_index, query[:, t0:t1],
-                key, topk_indices[:, t0:t1], q_positions[:, t0:t1], k_positions,
+                chunk_fn, needs_grad, q_index[:, t0:t1], weights[:, t0:t1], k_index,
+                query[:, t0:t1], key, topk_indices[:, t0:t1], q_positions[:, t0:t1], k_positions,
             )
     else:
         step = rows_per_chunk(B * S * (3 * Hq + 3 * H_I + 4), device=q_index.device)

@@ -148,12 +148,13 @@ def test_memory_subcommand() -> None:
 
 
 def test_estimator_matches_measured_dsa_peaks() -> None:
-    """BENCHMARKS.md, DSA layer on one H200: HyScale's measured peak extra (GiB) by T. The
-    estimate must stay on the safe side and within 30 % of it."""
-    measured = {8192: 3.2, 16384: 5.6, 32768: 11.3, 65536: 22.5, 131072: 45.0}
+    """BENCHMARKS.md, DSA layer on one H200 (2026-11-30): HyScale's measured peak extra (GiB)
+    by T. The estimate must stay on the safe side and within 10 % of it."""
+    measured = {8192: 3.25, 16384: 5.77, 32768: 11.52, 65536: 23.03, 131072: 46.40,
+                262144: 92.07}
     for T, gib in measured.items():
         ratio = estimate_layer("dsa", T).peak_extra() / GIB / gib
-        assert 1.0 <= ratio <= 1.3, (T, ratio)
+        assert 1.0 <= ratio <= 1.1, (T, ratio)
     # stock's one measured point (8K: 122.8 GiB) is what its score-table factor is fitted to
     stock = estimate_layer("dsa", 8192, variant="baseline").peak_extra() / GIB
     assert 0.9 * 122.8 <= stock <= 1.2 * 122.8
@@ -162,9 +163,11 @@ def test_estimator_matches_measured_dsa_peaks() -> None:
 def test_estimator_layouts() -> None:
     gib = {(m, T, cp): estimate_layer(m, T, cp).total() / GIB
            for m in ("dsa", "csa", "hca", "qsa") for T in (1 << 17, 1 << 20) for cp in (1, 2, 8)}
-    # the chosen 32-GPU layouts fit 80 GB H800s; one GPU cannot hold any 1M layer
+    # the chosen 32-GPU layouts fit 80 GB H800s; one GPU cannot hold a 1M DSA / V4 layer (QSA
+    # comes within 7 GiB of an H200: not launched)
     assert gib[("qsa", 1 << 20, 8)] < 80 and gib[("dsa", 1 << 20, 8)] < 80
-    assert all(gib[(m, 1 << 20, 1)] > 139 for m in ("dsa", "csa", "hca", "qsa"))
+    assert all(gib[(m, 1 << 20, 1)] > 139 for m in ("dsa", "csa", "hca"))
+    assert 125 < gib[("qsa", 1 << 20, 1)] < 139
     # the QSA 1M CP-2 run of issue 9 fits two H200s
     assert gib[("qsa", 1 << 20, 2)] < 139
     for m in ("dsa", "csa", "hca", "qsa"):  # more CP, less memory; longer, more

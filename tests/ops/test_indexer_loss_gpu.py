@@ -47,19 +47,21 @@ def make(B=1, T=4096, S=None, Hq=64, Hkv=1, Dqk=576, H_I=32, D_I=128, K=2048,
     return x, spread_indices(B, T, S, K, seed)
 
 
-def run(x, idx, backend, relu=True, deterministic=False, fp32=False):
+def run(x, idx, backend, relu=True, deterministic=False, fp32=False, attention_lse=None):
     t = {n: v.detach().float().requires_grad_(v.requires_grad) if fp32 else v
          for n, v in x.items()}
     scale = x["query"].shape[-1] ** -0.5
     kw = dict(deterministic=deterministic) if backend == "triton" else {}
+    if attention_lse is not None:
+        kw["attention_lse"] = attention_lse
     loss = indexer_kl_loss(t["q_index"], t["weights"], t["k_index"], t["query"], t["key"], idx,
                            scale, 0.1, sparse=True, relu=relu, backend=backend, **kw)
     grads = torch.autograd.grad(loss, (t["q_index"], t["weights"], t["k_index"]))
     return loss.detach(), grads
 
 
-def check(x, idx, relu=True, grad_l2=1e-2, grad_max=2e-2, loss_rtol=1e-4):
-    loss, grads = run(x, idx, "triton", relu=relu)
+def check(x, idx, relu=True, grad_l2=1e-2, grad_max=2e-2, loss_rtol=1e-4, attention_lse=None):
+    loss, grads = run(x, idx, "triton", relu=relu, attention_lse=attention_lse)
     r_loss, r_grads = run(x, idx, "reference", relu=relu, fp32=True)
     assert torch.isfinite(loss) and r_loss > 0
     torch.testing.assert_close(loss, r_loss, rtol=loss_rtol, atol=0)
@@ -76,6 +78,17 @@ def check(x, idx, relu=True, grad_l2=1e-2, grad_max=2e-2, loss_rtol=1e-4):
 def test_glm_shape_bf16():
     x, idx = make()
     check(x, idx)
+
+
+def test_glm_shape_with_the_attention_kernels_lse():
+    """The layer's path: the sparse-attention kernel's log-sum-exp over the same slots replaces
+    the target's first pass; the result stays within the same bounds of the reference."""
+    from megatron_hyscale.ops.sparse_attention import sparse_attention
+
+    x, idx = make(seed=4)
+    _, lse = sparse_attention(x["query"], x["key"], None, idx, x["query"].shape[-1] ** -0.5,
+                              dv=512, return_lse=True)
+    check(x, idx, attention_lse=lse)
 
 
 def test_v32_shape_two_head_blocks_relu_off():

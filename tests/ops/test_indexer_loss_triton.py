@@ -200,3 +200,61 @@ def test_public_entry_point_and_empty_inputs():
     loss = indexer_kl_loss(*args, empty, SCALE, COEFF, sparse=True, backend="triton")
     grads = torch.autograd.grad(loss, (x["q_index"], x["weights"], x["k_index"]))
     assert loss.item() == 0.0 and all((g == 0).all() for g in grads)
+
+
+def distinct_visible_indices(B, T, S, K, qpos, seed):
+    """[B, T, K]: each row's distinct visible keys in random order, -1 padded (as HyTopK's
+    output: the precondition of attention_lse)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.full((B, T, K), -1, dtype=torch.int64)
+    for b in range(B):
+        for t in range(T):
+            visible = torch.randperm(int(qpos[b, t]) + 1, generator=g)[:K]
+            idx[b, t, : visible.numel()] = visible
+    return idx.to(DEVICE)
+
+
+@pytest.mark.parametrize("Hkv,block_h", [(1, 64), (2, 16)])
+def test_attention_lse_replaces_the_first_pass(Hkv, block_h, monkeypatch):
+    """With the main attention's log-sum-exp over the same (distinct, visible) slots, the
+    kernel skips its max / sum pass: value and gradients unchanged, kernel and reference. An
+    lse skewed across heads changes the loss, so the kernel does read it."""
+    from megatron_hyscale.ops.sparse_attention import sparse_attention
+
+    monkeypatch.setattr(kern, "MAX_BLOCK_H", block_h)  # 2 head blocks of 16 when 16
+    x, _, qpos, kpos = make_case(B=2, T=7, S=12, Hq=32, Hkv=Hkv, K=6, seed=23)
+    idx = distinct_visible_indices(2, 7, 12, 6, qpos.cpu(), seed=23)
+    idx[0, 2] = -1  # an empty row: lse -inf, adds nothing
+    _, lse = sparse_attention(x["query"], x["key"], None, idx, SCALE, return_lse=True,
+                              backend="reference")
+    assert torch.isinf(lse[0, 2]).all() and torch.isfinite(lse[1]).all()
+    r_loss, r_grads = ref_loss(x, idx, qpos, kpos)
+    # One shift for every head would cancel in the target's normalization: skew per head.
+    skew = torch.linspace(0.0, 2.0, lse.shape[-1], device=DEVICE)
+    for loss_fn in (tri_loss, ref_lse_loss):
+        loss, grads = loss_fn(x, idx, qpos, kpos, attention_lse=lse)
+        assert_close(loss, r_loss)
+        for g, rg in zip(grads, r_grads):
+            assert_close(g, rg)
+        skewed, _ = loss_fn(x, idx, qpos, kpos, attention_lse=lse + skew)
+        assert (skewed - r_loss).abs() > 1e-3 * r_loss.abs()
+
+
+def ref_lse_loss(x, idx, qpos, kpos, attention_lse):
+    loss = reference.indexer_loss_reference(
+        x["q_index"], x["weights"], x["k_index"], x["query"], x["key"], idx, SCALE, COEFF,
+        sparse=True, relu=True, q_positions=qpos, k_positions=kpos,
+        calculate_per_token_loss=False, attention_lse=attention_lse)
+    return loss.detach(), torch.autograd.grad(loss, (x["q_index"], x["weights"], x["k_index"]))
+
+
+def test_attention_lse_is_validated():
+    x, idx, qpos, kpos = make_case(B=1, T=5, S=6, Hq=4, K=4, seed=29)
+    args = (x["q_index"], x["weights"], x["k_index"], x["query"], x["key"], idx, SCALE, COEFF)
+    lse = torch.zeros(1, 5, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="attention_lse needs sparse=True"):
+        indexer_kl_loss(*args, sparse=False, attention_lse=lse, backend="reference")
+    with pytest.raises(ValueError, match=r"attention_lse must be \[B, T, Hq\]"):
+        indexer_kl_loss(*args, sparse=True, attention_lse=lse[:, :, :3], backend="reference")
+    with pytest.raises(ValueError, match="attention_lse"):
+        indexer_kl_loss(*args, sparse=True, attention_lse=lse.double(), backend="reference")

@@ -12,6 +12,8 @@ Algorithm, one program per query row, in four launches:
 2. target: per block of query heads, pass 1 gets each head's softmax max and sum over the
    valid slots ([heads x Dqk] @ [Dqk x keys], Dqk = 512 + 64 for MLA), pass 2 recomputes the
    logits and adds sum_h softmax_h into p (unnormalized; all-reduced over tp ranks in torch).
+   Given the main attention's log-sum-exp over the same slots (its forward computes it
+   anyway), pass 1 is skipped: softmax_h = exp(logit - lse_h).
 3. loss: pass 1 gets the index scores' log-sum-exp and the target's sum, pass 2 recomputes
    the scores, writes the L1-normalized target back into p and sums the row's KL terms.
 Backward (one launch, scores recomputed): g = (softmax(s) * sum(p) - p) * grad * coeff / rows,
@@ -140,16 +142,17 @@ def _attn_logits(q_main, q_tail, k_base, sks, skd, rows, valid, offs_dm, offs_dt
 
 @triton.jit
 def _target_kernel(
-    q_ptr, k_ptr, idx_ptr, p_ptr,
+    q_ptr, k_ptr, idx_ptr, p_ptr, lse_ptr,
     T, NK, G, NHB, NGRP, D, qk_scale2,
-    sqb, sqt, sqh, sqd, skb, sks, skh, skd, sib, sit, sik, spb, spt, spk,
+    sqb, sqt, sqh, sqd, skb, sks, skh, skd, sib, sit, sik, spb, spt, spk, slb, slt, slh,
     D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_LSE: tl.constexpr,
 ):
     """p[b, t, j] += sum_h softmax_j(scale * query[t, h] . key[idx_j, h // G]) at valid slots j.
 
     The NGRP = Hkv * NHB head blocks run in turn in this program, so the head sum needs no
     atomics. A head whose row has no valid slot adds 0 (megatron's eps-clamped denominator).
+    HAS_LSE: lse [B, T, Hq] (natural log, -inf for an empty row) replaces pass 1.
     """
     pid = tl.program_id(0).to(tl.int64)
     b = pid // T
@@ -175,23 +178,30 @@ def _target_kernel(
             q_tail = q_main  # unused
         k_base = k_ptr + b * skb + kvh * skh
 
-        # Pass 1: each head's running max and sum over the valid slots (base 2).
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        for n0 in range(0, NK, BLOCK_N):
-            rows, valid, _, _ = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
-            s = _attn_logits(q_main, q_tail, k_base, sks, skd, rows, valid, offs_dm, offs_dt, D,
-                             qk_scale2, D_TAIL, PRECISION)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # No valid slot yet: m stays -inf; shift by 0 there so no inf - inf.
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(s - m_use[:, None]), axis=1)
-            m_i = m_new
+        if HAS_LSE:
+            lse = tl.load(lse_ptr + b * slb + t * slt + (kvh * G + offs_h) * slh, mask=h_mask,
+                          other=float("-inf")) * _LOG2E
+            m_use = tl.where(lse == float("-inf"), 0.0, lse)
+            inv_l = tl.where(h_mask & (lse > float("-inf")), 1.0, 0.0)
+        else:
+            # Pass 1: each head's running max and sum over the valid slots (base 2).
+            m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_H], tl.float32)
+            for n0 in range(0, NK, BLOCK_N):
+                rows, valid, _, _ = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
+                s = _attn_logits(q_main, q_tail, k_base, sks, skd, rows, valid, offs_dm,
+                                 offs_dt, D, qk_scale2, D_TAIL, PRECISION)
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                # No valid slot yet: m stays -inf; shift by 0 there so no inf - inf.
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(s - m_use[:, None]), axis=1)
+                m_i = m_new
+            m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+            # Padded heads (their q is 0, so they would spread 1 / n) and empty rows add
+            # nothing.
+            inv_l = tl.where(h_mask & (l_i > 0.0), 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
 
         # Pass 2: recompute the logits; add the head sum of the probabilities into p.
-        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
-        # Padded heads (their q is 0, so they would spread 1 / n) and empty rows add nothing.
-        inv_l = tl.where(h_mask & (l_i > 0.0), 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
         for n0 in range(0, NK, BLOCK_N):
             rows, valid, p_old, p_ptrs = _load_slots(idx_base, sik, p_base, spk, n0, NK,
                                                      BLOCK_N)
@@ -386,10 +396,12 @@ def _target_geometry(query, key):
     return G, triton.cdiv(G, block_h), const, num_warps
 
 
-def attention_target(query, key, indices, q_positions, k_positions, softmax_scale, block_n=None):
+def attention_target(query, key, indices, q_positions, k_positions, softmax_scale, block_n=None,
+                     attention_lse=None):
     """fp32 [B, T, K]: head-summed main-attention probabilities at the valid slots, -1 elsewhere.
 
-    Not yet normalized (a tp all-reduce may add other ranks' heads first).
+    Not yet normalized (a tp all-reduce may add other ranks' heads first). attention_lse: fp32
+    [B, T, Hq], the attention's log-sum-exp over exactly the valid slots (one pass, not two).
     """
     B, T = query.shape[:2]
     S, Hkv = key.shape[1], key.shape[2]
@@ -402,9 +414,12 @@ def attention_target(query, key, indices, q_positions, k_positions, softmax_scal
         KP=max(MIN_DOT, triton.next_power_of_2(NK)), num_warps=4,
     )
     G, nhb, const, num_warps = _target_geometry(query, key)
-    args = (query, key, indices, p, T, NK, G, nhb, Hkv * nhb, query.shape[3],
+    has_lse = attention_lse is not None
+    lse = attention_lse if has_lse else p
+    args = (query, key, indices, p, lse, T, NK, G, nhb, Hkv * nhb, query.shape[3],
             softmax_scale * LOG2E, *query.stride(), *key.stride(), *indices.stride(),
-            *p.stride())
+            *p.stride(), *(lse.stride() if has_lse else (0, 0, 0)))
+    const = dict(const, HAS_LSE=has_lse)
     _launch(_target_kernel, grid, args, const, TARGET_TILINGS, num_warps,
             ("target", query.dtype, tuple(sorted(const.items()))), block_n)
     return p
@@ -468,9 +483,9 @@ class IndexerKLLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_index, weights, k_index, query, key, indices, q_positions, k_positions,
-                softmax_scale, coeff, relu, tp_group, deterministic, block_n):
+                softmax_scale, coeff, relu, tp_group, deterministic, block_n, attention_lse):
         p = attention_target(query, key, indices, q_positions, k_positions, softmax_scale,
-                             block_n)
+                             block_n, attention_lse)
         if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
             torch.distributed.all_reduce(p, group=tp_group)  # the other ranks' query heads
         kl, lse, psum = indexer_loss_rows(q_index, weights, k_index, indices, p, relu, block_n)
@@ -483,18 +498,19 @@ class IndexerKLLossFunction(torch.autograd.Function):
         q_index, weights, k_index, indices, p, lse, psum = ctx.saved_tensors
         dq, dw, dk = indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad,
                                       ctx.coeff, ctx.relu, ctx.deterministic, ctx.block_n)
-        return (dq, dw, dk) + (None,) * 11
+        return (dq, dw, dk) + (None,) * 12
 
 
 def indexer_kl_loss_triton(q_index, weights, k_index, query, key, topk_indices, softmax_scale,
                            loss_coeff, *, relu, q_positions, k_positions,
                            calculate_per_token_loss, tp_group=None, deterministic=False,
-                           block_n=None):
+                           block_n=None, attention_lse=None):
     """Sparse DSA indexer KL loss on validated inputs (see ops.indexer_kl_loss).
 
     q_positions / k_positions: int64 [B, T] / [B, S]. `deterministic=True` makes dk_index
     bitwise repeatable (fixed-point accumulation, one extra backward pass). `block_n` forces
-    the keys per step (tests); None picks the first tiling that fits.
+    the keys per step (tests); None picks the first tiling that fits. attention_lse: see
+    ops.indexer_kl_loss.
     """
     B, T = q_index.shape[:2]
     rows = B * T
@@ -510,4 +526,5 @@ def indexer_kl_loss_triton(q_index, weights, k_index, query, key, topk_indices, 
         weights = torch.ones((B, T, 1), device=q_index.device, dtype=torch.float32)
     return IndexerKLLossFunction.apply(
         q_index, weights, k_index, query.detach(), key.detach(), topk_indices, q_positions,
-        k_positions, float(softmax_scale), coeff, relu, tp_group, bool(deterministic), block_n)
+        k_positions, float(softmax_scale), coeff, relu, tp_group, bool(deterministic), block_n,
+        None if attention_lse is None else attention_lse.detach())
