@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "stock_tilelang, next to the PyTorch one (needs CUDA and the tilelang "
                         "package: scripts/tilelang_carry.sh, scripts/gpu_tilelang.sh); "
                         "default none: the PyTorch stock row only")
+    p.add_argument("--row-chunk", type=int, default=None, metavar="ROWS",
+                   help="dsa: HyScale's attention runs its local query rows ROWS at a time, "
+                        "each part checkpointed (HyScaleMLASelfAttention; for 1M tokens at CP 2)")
     p.add_argument("--out", default="outputs/bench_layer", help="output folder")
     return p
 
@@ -157,6 +160,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--stock-kernel-backend applies to --model dsa only (the stock DSAttention)")
         if args.skip_baseline:
             p.error("--stock-kernel-backend times a stock layer: drop --skip-stock")
+    if args.row_chunk is not None:
+        if args.model != "dsa":
+            p.error("--row-chunk applies to --model dsa only (HyScaleMLASelfAttention)")
+        if args.row_chunk < 1:
+            p.error("--row-chunk must be >= 1")
     return args
 
 
@@ -287,7 +295,9 @@ def build_dsa(args: argparse.Namespace, baseline: bool, kernel_backend: str = "n
         dsa_indexer_scoring_relu=not args.no_relu, dsa_kernel_backend=kernel_backend,
         **_common_fields(args), **geometry,
     )
-    spec = get_dsa_layer_specs(cfg, stock=baseline)[0].submodules.self_attention
+    row_chunk = None if baseline else args.row_chunk
+    spec = get_dsa_layer_specs(cfg, stock=baseline, row_chunk=row_chunk)[0].submodules \
+        .self_attention
     torch.manual_seed(0)
     # Megatron wraps models in Float16Module; the local norms are created in fp32.
     # TransformerLayer passes the config's cp_comm_type to its attention; built alone, the

@@ -11,8 +11,10 @@
 #                                         # modes, 32K / 64K / 128K                    (~9 min)
 #   bash scripts/gpu_session.sh cp2 [T...]  # on nvidia-h200-x2: CP 2 against CP 1 (NCCL,
 #                                         # DSA / CSA / QSA layers at 32K), then DSA at CP 2
-#                                         # at 128K / 256K / 512K (1M: 213 GiB a GPU by the
-#                                         # estimate, launch/layer_memory.py)          (~9 min)
+#                                         # at 128K / 256K / 512K                      (~9 min)
+#   bash scripts/gpu_session.sh cp2-1m    # on nvidia-h200-x2: the DSA layer at 1M tokens, CP 2,
+#                                         # attention rows in parts of 128K (96 GiB a GPU by
+#                                         # launch/layer_memory.py; 213 GiB unchunked) (~5 min)
 #   bash scripts/gpu_session.sh side2     # on nvidia-h200-x2 with carry [".whl",
 #                                         # ".carry/megatron_lm"] (scripts/megatron_lm_carry.sh):
 #                                         # stock Megatron-LM DSA then HyScale, the small
@@ -23,8 +25,9 @@ set -uo pipefail
 stage=${1:-}
 shift || true
 case "$stage" in
-  verify|kernels|layer|models|cp2|side2) ;;
-  *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|layer|models|cp2|side2} [T...]" >&2
+  verify|kernels|layer|models|cp2|cp2-1m|side2) ;;
+  *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|layer|models|cp2|cp2-1m|side2}" \
+       "[T...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -101,6 +104,11 @@ case "$stage" in
     seqs=${*:-131072 262144 524288}
     timeout 250 "${run2[@]}" scripts/bench_layer.py --model dsa --cp 2 --seq $seqs \
       --skip-stock --repeats 1 --out "$out" 2>&1 | grep -v Warning | tee "$out/bench_layer_cp2.log"
+    ;;
+  cp2-1m)
+    timeout 560 python3 -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2 \
+      scripts/bench_layer.py --model dsa --cp 2 --seq 1048576 --row-chunk 131072 --skip-stock \
+      --repeats 1 --out "$out" 2>&1 | grep -v Warning | tee "$out/bench_layer_cp2_1m.log"
     ;;
   side2)
     [ -f .carry/megatron_lm/pretrain_gpt.py ] || {

@@ -106,15 +106,19 @@ QSA_LAYER = LayerGeometry(
 GEOMETRIES = {"dsa": GLM51_DSA, "csa": V4_CSA, "hca": V4_HCA, "qsa": QSA_LAYER}
 
 
-def _attention_working(g: LayerGeometry, T: int, n: int, cp: int) -> dict[str, float]:
-    """Bytes of the working set shared by HyScale and the baseline (everything but selection)."""
+def _attention_working(g: LayerGeometry, T: int, n: int, cp: int, c: int
+                       ) -> dict[str, float]:
+    """Bytes of the working set shared by HyScale and the baseline (everything but selection).
+
+    c: rows whose per-row activations live at once (n, or DSA's row_chunk: the absorbed query,
+    the attention output and their gradients, the output projection's input)."""
     bf, f32, i32 = 2, 4, 4
     h, H = g.hidden, g.heads
     items: dict[str, float] = {}
     gathered = T if cp > 1 else n  # allgather CP: the whole sequence's keys on every rank
     if g.kind == "dsa":
-        items["projections (q latent, absorbed q, kv latent)"] = n * bf * (
-            g.q_lora * 2 + H * g.head_dim * 2 + 576 * 2)
+        items["projections (q latent, absorbed q, kv latent)"] = bf * (
+            n * g.q_lora * 2 + c * H * g.head_dim * 2 + n * 576 * 2)
         items["gathered kv latent + fp32 grad"] = gathered * 576 * (bf + f32)
         items["indexer q / k / weights"] = n * bf * g.indexer_heads * g.indexer_dim \
             + gathered * g.indexer_dim * bf + n * g.indexer_heads * f32
@@ -150,8 +154,8 @@ def _attention_working(g: LayerGeometry, T: int, n: int, cp: int) -> dict[str, f
         raise ValueError(f"unknown layer kind {g.kind!r}")
     items["sparse-attention indices (int32)"] = n * idx_cols * i32
     # dq leaves the dQ kernel in the query's dtype (each row's is one program's registers).
-    items["attention out + lse + dq"] = n * H * (out_dim * bf + f32 + g.head_dim * bf)
-    items["output projection in/out"] = n * (H * g.v_dim + h) * bf
+    items["attention out + lse + dq"] = c * H * (out_dim * bf + f32 + g.head_dim * bf)
+    items["output projection in/out"] = (c * H * g.v_dim + n * h) * bf
     items["kernel workspaces, allocator rounding"] = WORKSPACE_GIB * GIB
     return items
 
@@ -197,10 +201,14 @@ class LayerMemory:
         return sum(self.working.values()) + sum(self.selection.values())
 
 
-def estimate_layer(model: str, T: int, cp: int = 1, variant: str = "hyscale") -> LayerMemory:
-    """Per-GPU memory of bench_layer.py's `--model model --seq T --cp cp` step."""
+def estimate_layer(model: str, T: int, cp: int = 1, variant: str = "hyscale",
+                   row_chunk: int | None = None) -> LayerMemory:
+    """Per-GPU memory of bench_layer.py's `--model model --seq T --cp cp [--row-chunk]` step."""
     if model not in GEOMETRIES:
         raise ValueError(f"model must be one of {sorted(GEOMETRIES)}, got {model!r}")
+    if row_chunk is not None and (model != "dsa" or variant != "hyscale" or row_chunk < 1):
+        raise ValueError(f"row_chunk applies to HyScale's dsa layer, a positive row count; got "
+                         f"{row_chunk!r} for {model} / {variant}")
     if variant not in ("hyscale", "baseline"):
         raise ValueError(f"variant must be hyscale or baseline, got {variant!r}")
     if cp < 1 or T < 1 or T % (2 * cp):
@@ -209,7 +217,8 @@ def estimate_layer(model: str, T: int, cp: int = 1, variant: str = "hyscale") ->
     n = T // cp
     static = {"weights + grads (bf16)": g.params * 4.0, "input, its grad, output grad":
               3.0 * n * g.hidden * 2}
-    return LayerMemory(variant, static, _attention_working(g, T, n, cp),
+    c = n if row_chunk is None else min(n, row_chunk)
+    return LayerMemory(variant, static, _attention_working(g, T, n, cp, c),
                        _selection(g, T, n, cp, variant))
 
 

@@ -25,6 +25,7 @@ raises (the stock layer does not support it either).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -42,6 +43,21 @@ from megatron_hyscale import replay
 from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
 from megatron_hyscale.ops.hytopk import warn_once
 from megatron_hyscale.parallel import start_all_gather_to_global, zigzag_positions
+
+
+@dataclasses.dataclass
+class DSARowState:
+    """What `HyScaleDSAttention.prepare` hands to `attend_rows` (tensors [b, rows, ...])."""
+
+    key_b: torch.Tensor  # [b, S, 1, d] the (gathered) absorbed keys
+    indices: torch.Tensor  # int32 [b, rows, topk] into key_b
+    q_idx: torch.Tensor | None  # indexer queries [b, rows, H_I, D_I] (None when replayed)
+    k_idx: torch.Tensor | None  # indexer keys [b, S, D_I]
+    weights: torch.Tensor | None  # indexer head weights [b, rows, H_I]
+    q_positions: torch.Tensor | None  # int64 [rows] global positions (CP only)
+    cp_group: Any
+    rows: int
+    loss_coeff: float  # 0: no indexer loss this forward
 
 
 class HyScaleDSAttention(DSAttention):
@@ -131,10 +147,23 @@ class HyScaleDSAttention(DSAttention):
                 packed_seq_params=packed_seq_params, up_v_weight=up_v_weight,
             )
 
+        state = self.prepare(key, attention_mask, x, qr, sq=query.size(0), b=query.size(1),
+                             packed_seq_params=packed_seq_params)
+        output, indexer_loss = self.attend_rows(query, state, 0, query.size(0), up_v_weight)
+        if indexer_loss is not None:
+            self.log_indexer_loss(indexer_loss, state)
+        return _normalize_dsattention_output_rank(output, x.ndim)
+
+    def prepare(
+        self, key: torch.Tensor, attention_mask: torch.Tensor | None, x: torch.Tensor,
+        qr: torch.Tensor, *, sq: int, b: int, packed_seq_params: Any = None,
+    ) -> DSARowState:
+        """Everything the rows' attention needs besides their queries: the indexer's tensors,
+        the keys gathered over the CP group, the selection (replayed, shared or computed), the
+        rows' positions. key [sq, b, 1, d], x [sq, b, h], qr [sq, b, q_lora]: all local rows.
+        """
         cfg = self.config
-        sq, b = query.shape[:2]
-        x_in_ndim = x.ndim
-        cp_group, q_positions = self._cp_layout(sq, key.size(0), query.device)
+        cp_group, q_positions = self._cp_layout(sq, key.size(0), key.device)
         # The indexer learns only from its KL loss: no gradient into the main model.
         x, qr = x.detach(), qr.detach()
         loss_coeff = cfg.dsa_indexer_loss_coeff or 0.0
@@ -142,7 +171,6 @@ class HyScaleDSAttention(DSAttention):
         use_indexer_loss = (
             self.training and torch.is_grad_enabled() and loss_coeff > 0 and computes_topk
         )
-        query_b = query.transpose(0, 1)  # [b, sq, np, d] views: the ops take strided inputs
 
         q_idx = weights = k_idx = pending_k_idx = None
         if computes_topk and (use_indexer_loss or replay.current_phase() != "replay"):
@@ -164,42 +192,75 @@ class HyScaleDSAttention(DSAttention):
 
         indices = self._selection(q_idx, k_idx, weights, b, sq, packed_seq_params, attention_mask,
                                   q_positions)
-        key_b = pending_key.wait().transpose(0, 1)
+        return DSARowState(
+            key_b=pending_key.wait().transpose(0, 1), indices=indices, q_idx=q_idx,
+            k_idx=k_idx, weights=weights, q_positions=q_positions, cp_group=cp_group,
+            rows=sq, loss_coeff=loss_coeff if use_indexer_loss else 0.0,
+        )
 
+    def attend_rows(
+        self, query: torch.Tensor, state: DSARowState, r0: int, r1: int,
+        up_v_weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sparse attention and indexer loss of the local rows r0 .. r1 - 1 (query holds just
+        those rows, [r1 - r0, b, np, d]): their [r1 - r0, b, np * v_head_dim] output (the loss
+        attached to it for backward, as stock) and the detached loss (None without one), which
+        the caller logs once per layer (`log_indexer_loss`).
+
+        A part of the rows gets the share (r1 - r0) / rows of the rows-mean indexer loss (all
+        of it when per-token), so the parts' losses and gradients add up to the whole's.
+        """
+        cfg = self.config
+        rows, b = query.shape[:2]
+        whole = r0 == 0 and r1 == state.rows
+        query_b = query.transpose(0, 1)  # [b, rows, np, d] views: the ops take strided inputs
+        indices = state.indices if whole else state.indices[:, r0:r1]
         # Indices address the (gathered) key sequence; causality is already in them.
-        out, lse = sparse_attention(query_b, key_b, None, indices, self.softmax_scale,
+        out, lse = sparse_attention(query_b, state.key_b, None, indices, self.softmax_scale,
                                     dv=cfg.kv_lora_rank, return_lse=True,
                                     deterministic=bool(cfg.deterministic_mode))
         indexer_loss = None
-        if use_indexer_loss:
+        if state.loss_coeff > 0:
+            per_token = bool(cfg.calculate_per_token_loss)
+            share = 1.0 if whole or per_token else rows / state.rows
+            part = (lambda t: t) if whole else (lambda t: t[:, r0:r1])
+            if whole:
+                q_positions = state.q_positions
+            elif state.q_positions is not None:
+                q_positions = state.q_positions[r0:r1]
+            else:  # a part of the rows of a CP = 1 sequence: their own positions
+                q_positions = torch.arange(r0, r1, device=query.device)
             sparse_loss = bool(cfg.dsa_indexer_use_sparse_loss)
             indexer_loss = indexer_kl_loss(
-                q_idx, weights, k_idx, query_b.detach(), key_b.detach(), indices,
-                self.softmax_scale, loss_coeff,
+                part(state.q_idx), part(state.weights), state.k_idx, query_b.detach(),
+                state.key_b.detach(), indices, self.softmax_scale, state.loss_coeff * share,
                 sparse=sparse_loss,
                 relu=bool(cfg.dsa_indexer_scoring_relu),
                 q_positions=q_positions,
-                calculate_per_token_loss=bool(cfg.calculate_per_token_loss),
+                calculate_per_token_loss=per_token,
                 tp_group=getattr(self.pg_collection, "tp", None),
                 deterministic=bool(cfg.deterministic_mode),
                 # The selection's indices are distinct and visible, so the attention ran over
                 # exactly the loss's slots: its log-sum-exp is the target's denominator.
                 attention_lse=lse.detach() if sparse_loss else None,
             )
-            # Under CP each rank's loss covers its own rows (a mean over them, or a sum when
-            # per-token): the logged value is averaged (or summed) over the CP group, as stock.
-            per_token = bool(cfg.calculate_per_token_loss)
-            DSAIndexerLossLoggingHelper.save_loss_to_tracker(
-                loss=indexer_loss, layer_number=self.layer_number, num_layers=cfg.num_layers,
-                reduce_group=cp_group if per_token else None,
-                avg_group=None if per_token else cp_group,
-            )
 
         up_v_weight = up_v_weight.to(device=query.device, dtype=query.dtype)
-        output = torch.einsum("bshc,hdc->sbhd", out, up_v_weight).reshape(sq, b, -1)
-        if indexer_loss is not None:
-            output = DSAIndexerLossAutoScaler.apply(output, indexer_loss)
-        return _normalize_dsattention_output_rank(output, x_in_ndim)
+        output = torch.einsum("bshc,hdc->sbhd", out, up_v_weight).reshape(rows, b, -1)
+        if indexer_loss is None:
+            return output, None
+        return DSAIndexerLossAutoScaler.apply(output, indexer_loss), indexer_loss.detach()
+
+    def log_indexer_loss(self, loss: torch.Tensor, state: DSARowState) -> None:
+        """Log the layer's indexer loss (the sum of its parts') as stock does: under CP each
+        rank's loss covers its own rows (a mean over them, or a sum when per-token), so the
+        logged value is averaged (or summed) over the CP group."""
+        per_token = bool(self.config.calculate_per_token_loss)
+        DSAIndexerLossLoggingHelper.save_loss_to_tracker(
+            loss=loss, layer_number=self.layer_number, num_layers=self.config.num_layers,
+            reduce_group=state.cp_group if per_token else None,
+            avg_group=None if per_token else state.cp_group,
+        )
 
     def _selection(
         self, q_idx: torch.Tensor | None, k_idx: torch.Tensor | None,

@@ -12,12 +12,15 @@ otherwise. HyScale keeps the stock parameter names: a stock checkpoint loads int
 
 Megatron-LM's training scripts import `--spec MODULE NAME` and pass the object to GPTModel
 as it is: `--spec megatron_hyscale.specs hyscale_dsa_layer_spec` (HyScale) or
-`stock_dsa_layer_spec` (the stock modules on the same linears, for side-by-side runs).
+`stock_dsa_layer_spec` (the stock modules on the same linears, for side-by-side runs). HyScale's
+attention module is `HyScaleMLASelfAttention` (AbsorbedMLASelfAttention's forward unless row
+chunks are asked for: `row_chunk=` here, HYSCALE_ROW_CHUNK for the `--spec` entry points).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
@@ -43,6 +46,10 @@ from megatron.core.transformer.transformer_layer import (
 
 from megatron_hyscale.layers.dsa import HyScaleDSAttention
 from megatron_hyscale.layers.linear import LocalLinear
+from megatron_hyscale.layers.mla import HyScaleMLASelfAttention, check_row_chunk
+
+# Megatron-LM's `--spec` entry points read the row-chunk size from here (HyScaleMLASelfAttention).
+ROW_CHUNK_ENV = "HYSCALE_ROW_CHUNK"
 
 
 def te_available() -> bool:
@@ -80,8 +87,21 @@ def _use_core_attention(attention: ModuleSpec, core_cls: type, local: bool) -> N
         subs.linear_kv_down_proj = ColumnParallelLinear
 
 
+def row_chunk_from_env() -> int | None:
+    """HYSCALE_ROW_CHUNK (rows per part, see layers.mla) for Megatron-LM's `--spec` entry
+    points, which take no arguments; unset or empty: None (no chunking)."""
+    text = os.environ.get(ROW_CHUNK_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return check_row_chunk(int(text))
+    except ValueError:
+        raise ValueError(f"{ROW_CHUNK_ENV} must be a positive integer, got {text!r}") from None
+
+
 def get_dsa_layer_specs(
-    config: TransformerConfig, *, stock: bool = False, backend: BackendSpecProvider | None = None
+    config: TransformerConfig, *, stock: bool = False, backend: BackendSpecProvider | None = None,
+    row_chunk: int | None = None,
 ) -> list[ModuleSpec]:
     """One TransformerLayer spec per layer of the model: MLA + (HyScale | stock) DSA.
 
@@ -89,7 +109,12 @@ def get_dsa_layer_specs(
         config: an MLATransformerConfig with `experimental_attention_variant="dsa"`.
         stock: build megatron-core's `DSAttention` instead of `HyScaleDSAttention`.
         backend: the linear/norm provider; default `get_backend(config)`.
+        row_chunk: HyScale only: run each attention layer's query rows this many at a time,
+            each part checkpointed (`HyScaleMLASelfAttention`; for 1M tokens at low CP).
     """
+    row_chunk = check_row_chunk(row_chunk)
+    if stock and row_chunk is not None:
+        raise ValueError("row_chunk is a HyScale option: the stock spec has no row chunks")
     if config.experimental_attention_variant != "dsa":
         raise ValueError(
             "config.experimental_attention_variant must be 'dsa' for the DSA spec, got "
@@ -111,6 +136,9 @@ def get_dsa_layer_specs(
             fresh = dataclasses.replace(
                 attention, submodules=dataclasses.replace(attention.submodules)
             )
+            if not stock:
+                fresh = dataclasses.replace(fresh, module=HyScaleMLASelfAttention,
+                                            params={**fresh.params, "row_chunk": row_chunk})
             _use_core_attention(fresh, core_cls, local)
             rebuilt[id(attention)] = fresh
         layer.submodules.self_attention = rebuilt[id(attention)]
@@ -123,6 +151,7 @@ def get_dsa_block_spec(
     stock: bool = False,
     vp_stage: int | None = None,
     pp_rank: int | None = None,
+    row_chunk: int | None = None,
 ) -> TransformerBlockSubmodules:
     """Decoder block spec (this pipeline stage's layers) with MLA + HyScale (or stock) DSA.
 
@@ -130,7 +159,7 @@ def get_dsa_block_spec(
     which only accepts Transformer Engine; this one also builds with local linears.
     """
     backend = get_backend(config)
-    layer_specs = get_dsa_layer_specs(config, stock=stock, backend=backend)
+    layer_specs = get_dsa_layer_specs(config, stock=stock, backend=backend, row_chunk=row_chunk)
     if config.pipeline_model_parallel_layout is not None:
         local_ids = config.pipeline_model_parallel_layout.get_layer_id_list(
             layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank
@@ -158,7 +187,8 @@ class DSATransformerLayer(TransformerLayer):
 
     def __init__(self, config: TransformerConfig, submodules: object = None,
                  layer_number: int = 1, *, stock: bool = False, **kwargs: object) -> None:
-        spec = get_dsa_layer_specs(config, stock=stock)[layer_number - 1]
+        row_chunk = None if stock else row_chunk_from_env()
+        spec = get_dsa_layer_specs(config, stock=stock, row_chunk=row_chunk)[layer_number - 1]
         super().__init__(config, spec.submodules, layer_number=layer_number,
                          **{**spec.params, **kwargs})
 

@@ -64,15 +64,16 @@ def default_device() -> torch.device:
 
 
 def build_gpt(config: MLATransformerConfig, *, stock: bool, vocab_size: int,
-              max_sequence_length: int, device: torch.device | str | None = None) -> GPTModel:
+              max_sequence_length: int, device: torch.device | str | None = None,
+              row_chunk: int | None = None) -> GPTModel:
     """GPTModel whose every layer is MLA + HyScale DSA (or megatron-core's DSA if `stock`).
 
     Parameters are created on the CPU (reproducible from the CPU seed) and moved to `device`
-    (default: `default_device()`).
+    (default: `default_device()`). row_chunk: HyScale's attention rows per part (layers.mla).
     """
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_dsa_block_spec(config, stock=stock),
+        transformer_layer_spec=get_dsa_block_spec(config, stock=stock, row_chunk=row_chunk),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=True,

@@ -176,8 +176,17 @@ def test_estimator_layouts() -> None:
     for m in ("dsa", "csa"):  # a materialized score table costs more than HyTopK's O(T k)
         assert (estimate_layer(m, 1 << 17, variant="baseline").total()
                 > estimate_layer(m, 1 << 17).total())
+    # issue 6's 1M-token DSA layer at CP 2: only with its attention rows in parts
+    whole = estimate_layer("dsa", 1 << 20, 2).total() / GIB
+    parts = estimate_layer("dsa", 1 << 20, 2, row_chunk=1 << 17).total() / GIB
+    assert parts < 139 < whole
+    assert estimate_layer("dsa", 1 << 17, row_chunk=1 << 17).total() / GIB == pytest.approx(
+        gib[("dsa", 1 << 17, 1)])  # one part: the unchunked layer
     for bad in (dict(model="mla", T=1024), dict(model="qsa", T=1000, cp=8),
-                dict(model="qsa", T=1024, variant="stock")):
+                dict(model="qsa", T=1024, variant="stock"),
+                dict(model="qsa", T=1024, row_chunk=64),
+                dict(model="dsa", T=1024, variant="baseline", row_chunk=64),
+                dict(model="dsa", T=1024, row_chunk=0)):
         with pytest.raises(ValueError):
             estimate_layer(**bad)
 

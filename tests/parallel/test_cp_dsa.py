@@ -12,7 +12,9 @@ Rank 0 writes what it saw; the tests below compare:
 - HyScale's selected indices: CP = 2 local rows must equal the CP = 1 rows at their global
   positions exactly (indices address the gathered key sequence in global order);
 - selection replay counters under full recompute, and index sharing;
-- stock megatron-core CP = 2 against stock CP = 1, and HyScale against stock at CP = 1.
+- stock megatron-core CP = 2 against stock CP = 1, and HyScale against stock at CP = 1;
+- HyScale with row chunks (HyScaleMLASelfAttention, ROW_CHUNK local rows a part) against the
+  unchunked HyScale model, at CP = 1 and CP = 2 (the parts' positions are their global ones).
 
 Stock selects with `torch.topk` (ties unspecified); it gets a top-k that breaks ties by the
 smaller key index, HyScale's documented order, as in tests/layers/test_dsa_layer.py.
@@ -47,6 +49,7 @@ WORLD = 2
 VOCAB, T, B = 97, 256, 2
 RTOL, ATOL = 1e-5, 1e-6
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
+ROW_CHUNK = 48  # 128 local rows at CP = 2: parts of 48, 48, 32
 WORKER_TIMEOUT_S = 300
 FULL_UNIFORM = dict(recompute_granularity="full", recompute_method="uniform",
                     recompute_num_layers=1)
@@ -235,10 +238,11 @@ def _body(rank: int, result: dict) -> None:
                 cfg = tiny_dsa_config(context_parallel_size=cp,
                                       cp_comm_type="allgather" if cp > 1 else None,
                                       **overrides)
-                for kind in ("stock", "hyscale"):
+                for kind in ("stock", "hyscale", "chunked"):
                     torch.manual_seed(1234)
                     model = build_gpt(cfg, stock=kind == "stock", vocab_size=VOCAB,
-                                      max_sequence_length=T, device="cpu")
+                                      max_sequence_length=T, device="cpu",
+                                      row_chunk=ROW_CHUNK if kind == "chunked" else None)
                     if name in states:
                         model.load_state_dict(states[name], strict=True)
                     else:
@@ -294,6 +298,19 @@ def test_hyscale_cp2_matches_cp1(results, scenario):
     for layer, (a, b) in enumerate(zip(cp2["indices"], cp1["indices"], strict=True)):
         assert torch.equal(a, b), f"{scenario}: selection of computing layer {layer} differs"
     assert cp2["stats"] == cp1["stats"]
+
+
+@pytest.mark.parametrize("cp", [1, WORLD])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_row_chunks_match_the_whole_layer(results, scenario, cp):
+    chunked, whole = results[(scenario, "chunked", cp)], results[(scenario, "hyscale", cp)]
+    assert_same_step(chunked, whole, f"{scenario} CP={cp} row chunks vs whole", loss_atol=ATOL)
+    expected = dict(whole["stats"])
+    if "selective" in scenario:
+        # The parts are checkpointed in place of megatron's core_attn recompute, and their
+        # recompute never selects: nothing to record, nothing replayed.
+        expected["selections_replayed"] = 0
+    assert chunked["stats"] == expected
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

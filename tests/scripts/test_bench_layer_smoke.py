@@ -109,6 +109,24 @@ def test_tiny_cpu_context_parallel(model: str, dp: int, tmp_path: Path) -> None:
         assert rec["fwd_bwd_ms"] == max(r["fwd_bwd_ms"] for r in rec["per_rank"])
 
 
+def test_tiny_cpu_row_chunks_under_context_parallelism(tmp_path: Path) -> None:
+    """DSA at CP 2 with the attention's 64 local rows in parts of 24 (24, 24, 16)."""
+    args = ["--model", "dsa", "--cp", "2", "--row-chunk", "24", "--skip-stock"]
+    data = _load(tmp_path, "dsa", _run(args, tmp_path, nproc=2))
+    assert data["args"]["row_chunk"] == 24
+    (row,) = data["rows"]
+    _check_record(row["hyscale"], selects=True, replays=True)
+
+
+def test_row_chunk_flag_checks() -> None:
+    bench_layer = _import_bench_layer()
+    assert bench_layer.parse_args([]).row_chunk is None
+    assert bench_layer.parse_args(["--row-chunk", "131072"]).row_chunk == 131072
+    for bad in (["--row-chunk", "0"], ["--model", "qsa", "--row-chunk", "64"]):
+        with pytest.raises(SystemExit):
+            bench_layer.parse_args(bad)
+
+
 def test_cp_must_equal_world_size(tmp_path: Path) -> None:
     proc = _run(["--model", "qsa", "--cp", "2"], tmp_path)  # no torchrun: WORLD_SIZE 1
     assert proc.returncode == 2

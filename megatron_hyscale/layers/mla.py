@@ -1,0 +1,177 @@
+"""HyScaleMLASelfAttention: megatron-core's AbsorbedMLASelfAttention, optionally row-chunked.
+
+Same constructor (plus `row_chunk`), forward signature and parameters as the stock class (it is
+a subclass). With `row_chunk=None`, or a sequence of at most `row_chunk` local rows, it is the
+stock forward. Otherwise the per-row work runs `row_chunk` rows at a time, each part under its
+own activation checkpoint, so that a 1M-token layer fits a GPU at CP = 2:
+
+- once for all local rows: the q and kv down projections and norms, RoPE on the key, and the
+  core attention's `prepare` (HyScaleDSAttention: indexer, keys gathered over the CP group,
+  the selection, recorded or replayed as usual);
+- per part of the rows, checkpointed: the q up projection, the K absorption and RoPE on the
+  query, `attend_rows` (sparse attention and the part's share of the indexer loss), the V up
+  projection and the output projection.
+
+A part's query ([rows, b, heads, 576]), its attention output, their gradients and the output
+projection's input exist for one part at a time (in backward as in forward), and the
+selection runs once per layer forward, never inside a part's recompute. The result equals the
+unchunked layer's up to floating-point summation order (the indexer loss is a sum of the parts'
+row-weighted means). Covered: the HyScale DSA core (absorbed MLA), tensor-parallel size 1,
+non-packed sequences, RoPE without fusion, context parallelism (allgather); other settings
+raise, naming the setting (chunking was asked for, so it is never silently skipped).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
+    AbsorbedMLASelfAttention,
+)
+from megatron.core.utils import get_pg_size
+
+from megatron_hyscale.layers.dsa import DSARowState, HyScaleDSAttention
+
+
+def check_row_chunk(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"row_chunk must be a positive int or None, got {value!r}")
+    return value
+
+
+class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
+    """AbsorbedMLASelfAttention whose forward can run its query rows in checkpointed parts."""
+
+    def __init__(self, *args: Any, row_chunk: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.row_chunk = check_row_chunk(row_chunk)
+
+    def _chunking_unsupported(self, packed_seq_params: Any) -> str | None:
+        cfg = self.config
+        if not isinstance(self.core_attention, HyScaleDSAttention):
+            return f"the core attention is {type(self.core_attention).__name__}, not HyScale's"
+        if packed_seq_params is not None:
+            return "packed sequences"
+        if get_pg_size(self.tp_group) > 1:
+            return "tensor parallelism (size > 1)"
+        if cfg.apply_rope_fusion:
+            return "apply_rope_fusion=True"
+        if self.recompute_up_proj:
+            return "selective recompute of mla_up_proj (the parts are checkpointed already)"
+        return None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        inference_context: Any = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+        rotary_pos_cos: torch.Tensor | None = None,
+        rotary_pos_sin: torch.Tensor | None = None,
+        rotary_pos_cos_sin: torch.Tensor | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+        position_ids: torch.Tensor | None = None,
+        sequence_len_offset: int | None = None,
+        *,
+        inference_params: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[sq, b, h] -> ([sq, b, h], None), as AbsorbedMLASelfAttention."""
+        if self.row_chunk is None or hidden_states.size(0) <= self.row_chunk:
+            return super().forward(
+                hidden_states, attention_mask, key_value_states=key_value_states,
+                inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
+                rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params, position_ids=position_ids,
+                sequence_len_offset=sequence_len_offset, inference_params=inference_params,
+            )
+        reason = self._chunking_unsupported(packed_seq_params)
+        if reason is None and (inference_context is not None or inference_params is not None):
+            reason = "inference"
+        if reason is not None:
+            raise NotImplementedError(f"HyScaleMLASelfAttention(row_chunk={self.row_chunk}): "
+                                      f"{reason} is not supported with row chunks")
+        return self._chunked_forward(hidden_states, attention_mask), None
+
+    def _latents(self, hidden_states: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        """q_compressed [sq, b, q_lora], key [sq, b, 1, kv_lora + rope] (RoPE applied), the
+        RoPE frequencies of the local rows and mscale: AbsorbedMLA's projections without the
+        q up projection (tensor-parallel size 1, no packing, no fusion)."""
+        cfg = self.config
+        rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states, cfg,
+                                                                None)
+        if cfg.rope_type == "rope":
+            freqs, mscale = self.rotary_pos_emb(rotary_seq_len, packed_seq=False), 1.0
+        else:
+            freqs, mscale = self.rotary_pos_emb(rotary_seq_len, packed_seq=False)
+        freqs = freqs[: hidden_states.size(0)]
+        if cfg.q_lora_rank is not None:
+            q_compressed = self.q_layernorm(self.linear_q_down_proj(hidden_states)[0])
+        else:
+            q_compressed = hidden_states
+        kv_combined, _ = self.linear_kv_down_proj(hidden_states)
+        kv_compressed, k_pos_emb = torch.split(
+            kv_combined, [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
+        kv_compressed = self.kv_layernorm(kv_compressed)
+        k_pos_emb = apply_rotary_pos_emb(
+            k_pos_emb.unsqueeze(-2), freqs, config=cfg, cu_seqlens=None, mscale=mscale,
+            cp_group=self.pg_collection.cp, mla_rotary_interleaved=True)
+        key = torch.cat([kv_compressed.unsqueeze(-2), k_pos_emb], dim=-1).contiguous()
+        return q_compressed, key, freqs, mscale
+
+    def _query_rows(self, q_compressed: torch.Tensor, freqs: torch.Tensor, mscale: float
+                    ) -> torch.Tensor:
+        """Absorbed queries [rows, b, heads, kv_lora + rope] of some rows (as AbsorbedMLA)."""
+        cfg = self.config
+        up = self.linear_q_up_proj if cfg.q_lora_rank is not None else self.linear_q_proj
+        q, _ = up(q_compressed)
+        q = q.view(*q.shape[:-1], self.num_attention_heads_per_partition, self.q_head_dim)
+        q_no_pe, q_pos_emb = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
+        k_up_weight, _ = self._get_kv_up_weights()
+        q_absorbed = torch.einsum("...nd,ndk->...nk", q_no_pe, k_up_weight)
+        q_pos_emb = apply_rotary_pos_emb(
+            q_pos_emb, freqs, config=cfg, cu_seqlens=None, mscale=mscale,
+            cp_group=self.pg_collection.cp, mla_rotary_interleaved=True)
+        return torch.cat([q_absorbed, q_pos_emb], dim=-1).contiguous()
+
+    def _chunked_forward(self, hidden_states: torch.Tensor,
+                         attention_mask: torch.Tensor | None) -> torch.Tensor:
+        core: HyScaleDSAttention = self.core_attention
+        sq, b = hidden_states.shape[:2]
+        q_compressed, key, freqs, mscale = self._latents(hidden_states)
+        # (The key stands in for the query: the check reads only its width.)
+        reason = core._unsupported_reason(key, key, None, self.attn_mask_type, None)
+        if reason is not None:
+            raise NotImplementedError(f"HyScaleMLASelfAttention(row_chunk={self.row_chunk}): "
+                                      f"{reason}")
+        state = core.prepare(key, attention_mask, hidden_states, q_compressed, sq=sq, b=b)
+        v_up_weight = self._get_v_up_weight()
+        outputs, losses = [], []
+        for r0 in range(0, sq, self.row_chunk):
+            r1 = min(sq, r0 + self.row_chunk)
+            output, loss = torch.utils.checkpoint.checkpoint(
+                self._rows_forward, q_compressed[r0:r1], freqs[r0:r1], state, r0, r1,
+                v_up_weight, mscale, use_reentrant=False, preserve_rng_state=False)
+            outputs.append(output)
+            losses.append(loss)
+        if state.loss_coeff > 0:
+            # Logged here, outside the parts: their recompute in backward must not log again.
+            core.log_indexer_loss(torch.stack(losses).sum(), state)
+        return torch.cat(outputs, dim=0)
+
+    def _rows_forward(self, q_compressed: torch.Tensor, freqs: torch.Tensor,
+                      state: DSARowState, r0: int, r1: int, v_up_weight: torch.Tensor,
+                      mscale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """[r1 - r0, b, h] output of rows r0 .. r1 - 1 (recomputed in backward) and their
+        detached indexer loss (0 without one)."""
+        query = self._query_rows(q_compressed, freqs, mscale)
+        out, loss = self.core_attention.attend_rows(query, state, r0, r1, v_up_weight)
+        output, _ = self.linear_proj(out)
+        return output, loss if loss is not None else output.new_zeros((), dtype=torch.float32)

@@ -1,0 +1,141 @@
+"""HyScaleMLASelfAttention with row chunks equals the unchunked HyScale layer.
+
+Same weights, fp32: the GPT's loss, logits, indexer losses and every gradient agree (the parts
+only change summation order: the indexer loss is a sum of row-weighted means), with and
+without full recompute (the selection still runs once per layer per forward), with index
+sharing, the sparse and the dense indexer loss, and a ragged last part. On the GPU with
+`deterministic_mode`, as the kernels' fp32 atomics would otherwise differ in the last bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.transformer.experimental_attention_variant.dsa import (
+    DSAIndexerLossLoggingHelper,
+)
+
+from megatron_hyscale import replay
+from megatron_hyscale.layers.mla import HyScaleMLASelfAttention
+from megatron_hyscale.specs import ROW_CHUNK_ENV, get_dsa_layer_specs, row_chunk_from_env
+from megatron_hyscale.testing.models import build_gpt, default_device, tiny_dsa_config
+
+DEVICE = default_device()
+VOCAB, T, B = 97, 100, 2
+CHUNK = 36  # parts of 36, 36 and 28 rows
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+VARIANTS = {
+    "dense-loss": {},
+    "sparse-loss": dict(dsa_indexer_use_sparse_loss=True),
+    "index-share": dict(num_layers=4, dsa_indexer_topk_freq=2,
+                        dsa_indexer_use_sparse_loss=True),
+}
+
+
+def build(row_chunk: int | None, **overrides):
+    cfg = tiny_dsa_config(deterministic_mode=True, **overrides)
+    torch.manual_seed(21)
+    return build_gpt(cfg, stock=False, vocab_size=VOCAB, max_sequence_length=T,
+                     row_chunk=row_chunk)
+
+
+def step(model):
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE)
+    labels = torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE)
+    pos = torch.arange(T, device=DEVICE).expand(B, T)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    DSAIndexerLossLoggingHelper.tracker.clear()
+    loss = model(ids, pos, None, labels=labels).mean()
+    loss.backward()
+    logged = DSAIndexerLossLoggingHelper.tracker["values"].clone()
+    DSAIndexerLossLoggingHelper.tracker.clear()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    with torch.no_grad():
+        model.eval()
+        logits = model(ids, pos, None)
+    return loss.detach(), logits, logged, grads
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "full-recompute"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_row_chunks_match_the_whole_layer(variant, recompute):
+    overrides = dict(VARIANTS[variant], **(FULL if recompute else {}))
+    whole = build(None, **overrides)
+    chunked = build(CHUNK, **overrides)
+    chunked.load_state_dict(whole.state_dict())
+    assert all(isinstance(m, HyScaleMLASelfAttention) and m.row_chunk == CHUNK
+               for m in chunked.modules() if isinstance(m, HyScaleMLASelfAttention))
+    expected = step(whole)
+    replay.reset_stats()
+    got = step(chunked)
+    stats = replay.get_stats()
+    n_layers = chunked.config.num_layers
+    computing = n_layers // 2 if variant == "index-share" else n_layers
+    # train step + eval logits: one selection per computing layer per forward; the recompute
+    # replays it, the parts' own recompute in backward does not select at all.
+    assert stats["selections_computed"] == 2 * computing
+    assert stats["selections_replayed"] == (n_layers if recompute else 0)
+    assert replay.pending_entries() == 0
+    loss, logits, logged, grads = got
+    e_loss, e_logits, e_logged, e_grads = expected
+    torch.testing.assert_close(loss, e_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, e_logits, rtol=1e-5, atol=1e-5)
+    assert e_logged.abs().sum() > 0
+    torch.testing.assert_close(logged, e_logged, rtol=1e-4, atol=1e-9)
+    assert set(grads) == set(e_grads) and any(".indexer." in n for n in grads)
+    for name, grad in e_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-7,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_wrong_part_is_caught(monkeypatch):
+    """The comparison can fail: a part that skips its last row changes the output."""
+    whole, chunked = build(None), build(CHUNK)
+    chunked.load_state_dict(whole.state_dict())
+    original = HyScaleMLASelfAttention._rows_forward
+
+    def drop_last_row(self, q_compressed, freqs, state, r0, r1, *args):
+        out, loss = original(self, q_compressed, freqs, state, r0, r1, *args)
+        return torch.cat([out[:-1], torch.zeros_like(out[-1:])]), loss
+
+    monkeypatch.setattr(HyScaleMLASelfAttention, "_rows_forward", drop_last_row)
+    assert (step(chunked)[1] - step(whole)[1]).abs().max() > 1e-3
+
+
+def test_short_sequences_take_the_stock_forward(monkeypatch):
+    """At most row_chunk rows: AbsorbedMLASelfAttention's own forward, unchanged."""
+    model = build(T)
+    calls = []
+    monkeypatch.setattr(HyScaleMLASelfAttention, "_chunked_forward",
+                        lambda self, *a: calls.append(1))
+    step(model)
+    assert not calls
+
+
+def test_row_chunk_is_validated(monkeypatch):
+    cfg = tiny_dsa_config()
+    for bad in (0, -3, 2.5, True, "64"):
+        with pytest.raises(ValueError, match="row_chunk"):
+            get_dsa_layer_specs(cfg, row_chunk=bad)
+    with pytest.raises(ValueError, match="stock"):
+        get_dsa_layer_specs(cfg, stock=True, row_chunk=64)
+    monkeypatch.setenv(ROW_CHUNK_ENV, "4096")
+    assert row_chunk_from_env() == 4096
+    monkeypatch.setenv(ROW_CHUNK_ENV, "many")
+    with pytest.raises(ValueError, match=ROW_CHUNK_ENV):
+        row_chunk_from_env()
+    monkeypatch.setenv(ROW_CHUNK_ENV, "")
+    assert row_chunk_from_env() is None
+
+
+def test_unsupported_settings_raise_naming_them():
+    model = build(CHUNK, apply_rope_fusion=False)
+    attn = next(m for m in model.modules() if isinstance(m, HyScaleMLASelfAttention))
+    attn.config.apply_rope_fusion = True  # after construction: only the forward's check sees it
+    try:
+        with pytest.raises(NotImplementedError, match="apply_rope_fusion"):
+            step(model)
+    finally:
+        attn.config.apply_rope_fusion = False
