@@ -135,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "package: scripts/tilelang_carry.sh, scripts/gpu_tilelang.sh); "
                         "default none: the PyTorch stock row only")
     p.add_argument("--row-chunk", type=int, default=None, metavar="ROWS",
-                   help="dsa: HyScale's attention runs its local query rows ROWS at a time, "
-                        "each part checkpointed (HyScaleMLASelfAttention; for 1M tokens at CP 2)")
+                   help="dsa / csa / hca: HyScale's attention runs its local query rows ROWS "
+                        "at a time, each part checkpointed (HyScaleMLASelfAttention, "
+                        "v4_row_chunk; for 1M tokens at CP 2)")
     p.add_argument("--out", default="outputs/bench_layer", help="output folder")
     return p
 
@@ -161,8 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.skip_baseline:
             p.error("--stock-kernel-backend times a stock layer: drop --skip-stock")
     if args.row_chunk is not None:
-        if args.model != "dsa":
-            p.error("--row-chunk applies to --model dsa only (HyScaleMLASelfAttention)")
+        if args.model == "qsa":
+            p.error("--row-chunk applies to --model dsa, csa and hca")
         if args.row_chunk < 1:
             p.error("--row-chunk must be >= 1")
     return args
@@ -343,12 +344,13 @@ def build_v4(args: argparse.Namespace, baseline: bool) -> Layer:
         normalization="RMSNorm", layernorm_epsilon=1e-6, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, **LOCAL_UNFUSED_FIELDS,
         **_common_fields(args), **geometry,
+        v4_row_chunk=None if baseline else args.row_chunk,
     )
     cfg = DeepseekV4TransformerConfig(**fields)
     spec = get_v4_layer_specs(cfg, baseline=baseline)[0].submodules.self_attention
     torch.manual_seed(0)
     attn = build_module(spec, config=cfg, layer_number=1).to(args.device, _dtype(args))
-    hooks = [(attn, "_csa_selection")] if attn.is_csa else []
+    hooks = [(attn, "_csa_select")] if attn.is_csa else []
     return Layer(attn, lambda h: attn(h)[0], geometry["hidden_size"], hooks)
 
 

@@ -73,7 +73,11 @@ def run_layer(bargs: argparse.Namespace, T: int) -> dict[str, Any]:
 
         def selection(*a: Any, **kw: Any) -> Any:
             result = original(*a, **kw)
-            indices = result[0] if isinstance(result, tuple) else result
+            # the indices, (indices, ...), or a selection record with .indices (V4 CSA)
+            if isinstance(result, torch.Tensor):
+                indices = result
+            else:
+                indices = result[0] if isinstance(result, tuple) else result.indices
             picked.append(indices.detach().clone())
             return result
 

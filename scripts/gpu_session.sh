@@ -12,9 +12,10 @@
 #   bash scripts/gpu_session.sh cp2 [T...]  # on nvidia-h200-x2: CP 2 against CP 1 (NCCL,
 #                                         # DSA / CSA / QSA layers at 32K), then DSA at CP 2
 #                                         # at 128K / 256K / 512K                      (~9 min)
-#   bash scripts/gpu_session.sh cp2-1m    # on nvidia-h200-x2: the DSA layer at 1M tokens, CP 2,
-#                                         # attention rows in parts of 128K (96 GiB a GPU by
-#                                         # launch/layer_memory.py; 213 GiB unchunked) (~5 min)
+#   bash scripts/gpu_session.sh cp2-1m [dsa|csa|hca]  # on nvidia-h200-x2: the layer at 1M
+#                                         # tokens, CP 2, attention rows in parts of 128K (DSA
+#                                         # 98 GiB a GPU by launch/layer_memory.py, 213 GiB
+#                                         # unchunked; CSA 92 / 235)                   (~5 min)
 #   bash scripts/gpu_session.sh side2     # on nvidia-h200-x2 with carry [".whl",
 #                                         # ".carry/megatron_lm"] (scripts/megatron_lm_carry.sh):
 #                                         # stock Megatron-LM DSA then HyScale, the small
@@ -106,9 +107,11 @@ case "$stage" in
       --skip-stock --repeats 1 --out "$out" 2>&1 | grep -v Warning | tee "$out/bench_layer_cp2.log"
     ;;
   cp2-1m)
+    model=${1:-dsa}
     timeout 560 python3 -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2 \
-      scripts/bench_layer.py --model dsa --cp 2 --seq 1048576 --row-chunk 131072 --skip-stock \
-      --repeats 1 --out "$out" 2>&1 | grep -v Warning | tee "$out/bench_layer_cp2_1m.log"
+      scripts/bench_layer.py --model "$model" --cp 2 --seq 1048576 --row-chunk 131072 \
+      --skip-stock --repeats 1 --out "$out" 2>&1 | grep -v Warning \
+      | tee "$out/bench_layer_cp2_1m_$model.log"
     ;;
   side2)
     [ -f .carry/megatron_lm/pretrain_gpt.py ] || {

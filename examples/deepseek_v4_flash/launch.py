@@ -3,7 +3,8 @@
 
     launch.py full [--model csa|hca|dsa]   32 GPUs (4 x 8), 1M tokens, CP 8 x DP 4 (Slurm)
     launch.py small [--gpus 1|2]           1 GPU: CSA (or --model hca) at 16K .. 256K;
-                                           2 GPUs: CSA at CP 2, 128K, 256K and 512K
+                                           2 GPUs: CSA at CP 2, 128K to 1M (rows in
+                                           parts of 128K)
     launch.py memory --model csa --seq 131072 [--cp 1]
 
 --dry-run prints the per-GPU memory estimate and the exact commands and starts nothing.
@@ -32,12 +33,13 @@ EXAMPLE = Example(
                     seq=(16384, 32768, 65536, 131072, 262144),
                     out="outputs/bench_layer/v4_flash_1gpu"),
         2: LayerRun(label="v4-flash CSA, 2 GPUs (CP 2)", model="csa",
-                    seq=(131072, 262144, 524288), gpus_per_node=2, cp=2,
+                    seq=(131072, 262144, 524288, MILLION), gpus_per_node=2, cp=2,
+                    row_chunk=131072,
                     out="outputs/bench_layer/v4_flash_csa_cp2"),
     },
-    notes=("A 1M-token CSA layer needs CP 8 or more by the estimate (CP 2: about 235 GiB per "
-           "GPU, mostly the 64 x 512 query and attention activations of 512K local rows), so "
-           "the 2-GPU run stops at 512K (119 GiB); the 32-GPU run is the 1M one.",),
+    notes=("At 1M tokens on 2 GPUs (CP 2) the CSA layer needs about 235 GiB per GPU by the "
+           "estimate, mostly the 64 x 512 query and attention activations of 512K local rows; "
+           "in parts of 128K rows (--row-chunk, each part checkpointed) 92 GiB.",),
 )
 
 if __name__ == "__main__":

@@ -110,8 +110,8 @@ def _attention_working(g: LayerGeometry, T: int, n: int, cp: int, c: int
                        ) -> dict[str, float]:
     """Bytes of the working set shared by HyScale and the baseline (everything but selection).
 
-    c: rows whose per-row activations live at once (n, or DSA's row_chunk: the absorbed query,
-    the attention output and their gradients, the output projection's input)."""
+    c: rows whose per-row activations live at once (n, or the row_chunk of DSA / CSA / HCA:
+    the queries, the attention output and their gradients, the output projection's input)."""
     bf, f32, i32 = 2, 4, 4
     h, H = g.hidden, g.heads
     items: dict[str, float] = {}
@@ -124,15 +124,17 @@ def _attention_working(g: LayerGeometry, T: int, n: int, cp: int, c: int
             + gathered * g.indexer_dim * bf + n * g.indexer_heads * f32
         idx_cols = g.topk
         out_dim = 512  # absorbed attention output per head (kv_lora), then V up-projection
+        shared_keys = gathered * (576 + g.indexer_dim)  # the keys every part reads
     elif g.kind in ("csa", "hca"):
         N = gathered // g.ratio
-        items["projections (q latent, q raw / normed / rotated, kv)"] = n * bf * (
-            g.q_lora * 2 + H * g.head_dim * 3 + g.head_dim * 3)
+        items["projections (q latent, q raw / normed / rotated, kv)"] = bf * (
+            n * g.q_lora * 2 + c * H * g.head_dim * 3 + n * g.head_dim * 3)
         overlap = 2 if g.kind == "csa" else 1
         items["compressor (kv, gate, fp32 softmax)"] = n * overlap * g.head_dim * (2 * bf + f32)
         # Raw keys: the local rows plus a halo of window - 1 tokens per zigzag chunk under CP.
         raw = n + (2 * (g.window - 1) if cp > 1 else 0)
         items["keys [compressed ; raw] + fp32 grad"] = (N + raw) * g.head_dim * (bf + f32)
+        shared_keys = (N + raw) * g.head_dim + (N * g.indexer_dim if g.kind == "csa" else 0)
         if g.kind == "csa":
             items["indexer q / weights / compressor"] = n * bf * g.indexer_heads * g.indexer_dim \
                 + n * g.indexer_heads * f32 + n * 2 * g.indexer_dim * (2 * bf + f32)
@@ -157,6 +159,11 @@ def _attention_working(g: LayerGeometry, T: int, n: int, cp: int, c: int
     items["attention out + lse + dq"] = c * H * (out_dim * bf + f32 + g.head_dim * bf)
     items["output projection in/out"] = (c * H * g.v_dim + n * h) * bf
     items["kernel workspaces, allocator rounding"] = WORKSPACE_GIB * GIB
+    if c < n:
+        # Autograd sums the parts' gradients of the keys they all read into one more buffer,
+        # and a part's indexer loss holds its fp32 [rows, topk] target.
+        items["row parts: shared-key gradient sums, a part's loss target"] = \
+            shared_keys * bf + c * g.topk * f32
     return items
 
 
@@ -206,9 +213,9 @@ def estimate_layer(model: str, T: int, cp: int = 1, variant: str = "hyscale",
     """Per-GPU memory of bench_layer.py's `--model model --seq T --cp cp [--row-chunk]` step."""
     if model not in GEOMETRIES:
         raise ValueError(f"model must be one of {sorted(GEOMETRIES)}, got {model!r}")
-    if row_chunk is not None and (model != "dsa" or variant != "hyscale" or row_chunk < 1):
-        raise ValueError(f"row_chunk applies to HyScale's dsa layer, a positive row count; got "
-                         f"{row_chunk!r} for {model} / {variant}")
+    if row_chunk is not None and (model == "qsa" or variant != "hyscale" or row_chunk < 1):
+        raise ValueError(f"row_chunk applies to HyScale's dsa / csa / hca layers, a positive "
+                         f"row count; got {row_chunk!r} for {model} / {variant}")
     if variant not in ("hyscale", "baseline"):
         raise ValueError(f"variant must be hyscale or baseline, got {variant!r}")
     if cp < 1 or T < 1 or T % (2 * cp):
@@ -223,14 +230,19 @@ def estimate_layer(model: str, T: int, cp: int = 1, variant: str = "hyscale",
 
 
 def format_layer_table(model: str, T: int, cp: int, gpu_gib: float,
-                       variants: tuple[str, ...] = ("hyscale", "baseline")) -> str:
-    """A Markdown table of the estimate's items per variant, with totals against gpu_gib."""
-    ests = [estimate_layer(model, T, cp, v) for v in variants]
+                       variants: tuple[str, ...] = ("hyscale", "baseline"),
+                       row_chunk: int | None = None) -> str:
+    """A Markdown table of the estimate's items per variant, with totals against gpu_gib
+    (row_chunk: HyScale's rows per part, the baseline has none)."""
+    ests = [estimate_layer(model, T, cp, v, row_chunk if v == "hyscale" else None)
+            for v in variants]
     names: list[str] = []
     for e in ests:
         for part in (e.static, e.working, e.selection):
             names += [k for k in part if k not in names]
     head = f"Per-GPU memory estimate, {model} layer, T = {T}, CP = {cp} (T/CP = {T // cp}), GiB"
+    if row_chunk is not None:
+        head += f", HyScale's attention rows in parts of {row_chunk}"
     lines = [head, "", "| item | " + " | ".join(variants) + " |",
              "|---|" + "---|" * len(variants)]
     for name in names:

@@ -67,6 +67,7 @@ class LayerRun:
     out: str = "outputs/bench_layer"
     baseline_max_seq: int | None = None  # None: the largest length the estimate fits
     skip_baseline: bool = False
+    row_chunk: int | None = None  # HyScale's attention rows per checkpointed part (dsa/csa/hca)
 
     @property
     def world(self) -> int:
@@ -83,6 +84,13 @@ class LayerRun:
         if self.cp > 1 and self.gpus_per_node % self.cp and self.cp % self.gpus_per_node:
             raise LaunchError(f"CP {self.cp} neither divides nor is a multiple of the "
                               f"{self.gpus_per_node} GPUs per node")
+        if self.row_chunk is not None and (self.model == "qsa" or self.row_chunk < 1):
+            raise LaunchError(f"row chunks ({self.row_chunk}) need a positive row count and a "
+                              f"dsa / csa / hca layer, not {self.model}")
+
+    def hyscale_gib(self, T: int) -> float:
+        """HyScale's estimated GiB per GPU at T (with this run's row chunks)."""
+        return estimate_layer(self.model, T, self.cp, "hyscale", self.row_chunk).total() / GIB
 
     def bench_args(self, gpu_gib: float) -> list[str]:
         """bench_layer.py's arguments (the baseline limit from the memory estimate)."""
@@ -90,6 +98,8 @@ class LayerRun:
                 str(self.repeats), "--out", self.out]
         if self.cp > 1 or self.dp > 1:
             args += ["--cp", str(self.cp), "--dp", str(self.dp)]
+        if self.row_chunk is not None:
+            args += ["--row-chunk", str(self.row_chunk)]
         limit = self.baseline_max_seq
         if limit is None:
             fitting = [t for t in self.seq
@@ -165,10 +175,11 @@ def report(run: LayerRun, gpu_gib: float) -> str:
     lines = [f"# {run.label}: bench_layer.py --model {run.model}, {run.nodes} node(s) x "
              f"{run.gpus_per_node} GPU(s), CP {run.cp} x DP {run.dp}, checked against "
              f"{gpu_gib:.0f} GiB per GPU", ""]
-    lines.append(format_layer_table(run.model, max(run.seq), run.cp, gpu_gib))
+    lines.append(format_layer_table(run.model, max(run.seq), run.cp, gpu_gib,
+                                    row_chunk=run.row_chunk))
     lines += ["", "| T | HyScale GiB/GPU | baseline GiB/GPU |", "|---|---|---|"]
     for t in run.seq:
-        h = estimate_layer(run.model, t, run.cp, "hyscale").total() / GIB
+        h = run.hyscale_gib(t)
         b = estimate_layer(run.model, t, run.cp, "baseline").total() / GIB
         lines.append(f"| {t} | {h:.1f} | {b:.1f}{'' if b <= gpu_gib else ' (skipped)'} |")
     lines += ["", *traffic_lines(run, max(run.seq))]
@@ -226,6 +237,9 @@ def build_parser(example: Example) -> argparse.ArgumentParser:
                        help=f"GPU memory the estimate is checked against (default "
                             f"{example.full_gpu_gib:.0f} for full, {example.small_gpu_gib:.0f} "
                             "for small / memory)")
+        p.add_argument("--row-chunk", type=int, default=None, metavar="ROWS",
+                       help="HyScale's attention rows per checkpointed part (dsa / csa / hca; "
+                            "default: the run's own, none for memory)")
         if name == "memory":
             p.add_argument("--cp", type=int, default=1)
             continue
@@ -275,6 +289,8 @@ def resolve(example: Example, args: argparse.Namespace) -> tuple[LayerRun, float
         changes["baseline_max_seq"] = args.baseline_max_seq
     if getattr(args, "skip_baseline", False):
         changes["skip_baseline"] = True
+    if args.row_chunk is not None:
+        changes["row_chunk"] = args.row_chunk
     run = replace(run, **changes)
     run.validate()
     return run, gpu
@@ -287,7 +303,8 @@ def main(example: Example, argv: list[str] | None = None) -> int:
             model = args.model or example.full.model
             gpu = args.gpu_mem_gib or example.small_gpu_gib
             for t in args.seq or list(example.full.seq):
-                print(format_layer_table(model, t, args.cp, gpu) + "\n")
+                print(format_layer_table(model, t, args.cp, gpu, row_chunk=args.row_chunk)
+                      + "\n")
             return 0
         run, gpu = resolve(example, args)
         if not args.dry_run:
@@ -299,7 +316,7 @@ def main(example: Example, argv: list[str] | None = None) -> int:
         print(report(run, gpu))
         for note in example.notes:
             print(f"# note: {note}")
-        worst = max(estimate_layer(run.model, t, run.cp).total() / GIB for t in run.seq)
+        worst = max(run.hyscale_gib(t) for t in run.seq)
         if worst > gpu:
             print(f"WARNING: HyScale's estimate reaches {worst:.1f} GiB per GPU, above "
                   f"{gpu:.0f} GiB: the longest lengths will likely run out of memory "

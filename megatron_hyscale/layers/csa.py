@@ -87,6 +87,7 @@ from megatron.core.utils import get_pg_size
 
 from megatron_hyscale import replay
 from megatron_hyscale.layers.linear import LocalLinear
+from megatron_hyscale.layers.row_chunks import check_row_chunk, row_chunk_conflict
 from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
 from megatron_hyscale.ops.compress import (
     apply_interleaved_rope,
@@ -134,6 +135,10 @@ class DeepseekV4TransformerConfig(TransformerConfig):
     v4_indexer_use_sparse_loss: bool = True
     v4_baseline: bool = False  # materialized scores + torch.topk, no replay
     v4_baseline_row_block: int = 4096
+    # Rows per part (None: no parts): the per-row work (q up projection, sparse attention,
+    # output projection, the part's indexer loss) runs this many local rows at a time, each
+    # part under its own activation checkpoint; for 1M tokens at low CP.
+    v4_row_chunk: int | None = None
 
 
 def _linear(submodule: Any, n_in: int, n_out: int, config: TransformerConfig,
@@ -399,6 +404,34 @@ def baseline_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, top
     return torch.cat(blocks, dim=1).to(torch.int32)
 
 
+@dataclass
+class _CSASelection:
+    """A CSA layer's selection and its indexer-loss inputs ([B, T, ...] tensors, T local)."""
+
+    indices: torch.Tensor  # int32 [B, T, k] compressed entries
+    use_loss: bool
+    coeff: float
+    q_idx: torch.Tensor | None
+    k_idx: torch.Tensor | None
+    weights: torch.Tensor | None
+    entries: torch.Tensor  # [B, N, D] the compressed keys
+    q_positions: torch.Tensor  # int64 [T]
+    k_positions: torch.Tensor  # int64 [N]
+
+
+@dataclass
+class _RowInputs:
+    """What the per-row work of `HyScaleV4Attention` reads (all local rows)."""
+
+    q_latent: torch.Tensor  # [B, T, q_lora]
+    cos: torch.Tensor  # [T, R/2]
+    sin: torch.Tensor
+    keys: torch.Tensor  # [B, S_keys, D]: [compressed entries ; raw tokens]
+    indices: torch.Tensor  # int32 [B, T, slots] into keys
+    prefix: torch.Tensor | None  # int32 [B, T] HCA's visible entries
+    selection: _CSASelection | None
+
+
 class HyScaleV4Attention(MegatronModule):
     """DeepSeek-V4 self-attention (window / CSA / HCA by compress ratio) on HyScale's ops.
 
@@ -515,7 +548,6 @@ class HyScaleV4Attention(MegatronModule):
             raise NotImplementedError("HyScaleV4Attention: packed sequences are not supported")
         cfg = self.config
         T, B, _ = hidden_states.shape
-        H, D = self.n_heads, self.head_dim
         device = hidden_states.device
         x = hidden_states.transpose(0, 1)  # [B, T, hidden]
         # positions: the local rows' global positions (0..T-1 without CP): RoPE, the window
@@ -527,15 +559,12 @@ class HyScaleV4Attention(MegatronModule):
         cos, sin = rope_cos_sin(positions, inv_freq)  # [T, R/2]
 
         q_latent = self.q_a_norm(self.linear_q_a(x)[0])  # [B, T, q_lora]
-        q = self.linear_q_b(q_latent)[0].view(B, T, H, D)
-        q = apply_interleaved_rope(rms_norm(q, None, cfg.layernorm_epsilon), cos, sin,
-                                   heads=True)
         kv = apply_interleaved_rope(self.kv_norm(self.linear_kv(x)[0]), cos, sin)  # [B, T, D]
         # The raw keys the window reads (under CP, other chunks' tokens too, each rotated at
         # its own global position) and each row's window into them.
         kv, window = self._window_keys(kv, positions, cp_group)
 
-        indexer_loss = prefix = None
+        prefix = selection = None
         if self.compressor is None:
             keys, num_entries, parts = kv, 0, []
         else:
@@ -543,9 +572,9 @@ class HyScaleV4Attention(MegatronModule):
             num_entries = entries.shape[1]
             keys = torch.cat([entries, kv], dim=1)  # [compressed ; raw tokens]
             if self.is_csa:
-                selected, indexer_loss = self._csa_selection(x, q_latent, q, entries, cos, sin,
-                                                             inv_freq, positions, cp_group)
-                parts = [selected]
+                selection = self._csa_select(x, q_latent, entries, cos, sin, inv_freq,
+                                             positions, cp_group)
+                parts = [selection.indices]
             else:  # every visible entry: a dense prefix of the keys, generated in-kernel
                 parts = []
                 prefix = compressed_visible_count(_rows(T, positions, device),
@@ -554,17 +583,74 @@ class HyScaleV4Attention(MegatronModule):
         window = torch.where(window >= 0, window + num_entries, -1)  # past the entries
         indices = torch.cat(parts + [window.expand(B, -1, -1)], dim=-1)
 
-        out = sparse_attention(q, keys.unsqueeze(2), None, indices, self.softmax_scale,
-                               sink=self.sinks, prefix_lengths=prefix,
-                               deterministic=bool(cfg.deterministic_mode))  # [B, T, H, D]
+        chunk = check_row_chunk(cfg.v4_row_chunk, "v4_row_chunk")
+        rows = _RowInputs(q_latent, cos, sin, keys, indices, prefix, selection)
+        if chunk is not None and T > chunk and (conflict := row_chunk_conflict(cfg)):
+            raise NotImplementedError(f"HyScaleV4Attention(v4_row_chunk={chunk}): {conflict} "
+                                      "is not supported with row chunks")
+        if chunk is None or T <= chunk:
+            out, loss = self._rows_forward(rows, 0, T)
+        else:
+            # Parts of `chunk` rows, each checkpointed: one part's queries, attention output
+            # and their gradients at a time. The selection above ran once; the parts' own
+            # recompute in backward only repeats the per-row work.
+            outs, losses = [], []
+            for r0 in range(0, T, chunk):
+                r1 = min(T, r0 + chunk)
+                o, part_loss = torch.utils.checkpoint.checkpoint(
+                    self._rows_forward, rows, r0, r1, use_reentrant=False,
+                    preserve_rng_state=False)
+                outs.append(o)
+                losses.append(part_loss)
+            out, loss = torch.cat(outs, dim=1), torch.stack(losses).sum()
+        if selection is not None and selection.use_loss:
+            # Logged here, outside the parts: their recompute in backward must not log again.
+            # Under CP each rank's loss covers its own rows (a mean over them, or a sum when
+            # per-token): the logged value is averaged (or summed) over the CP group, as DSA.
+            per_token = bool(cfg.calculate_per_token_loss)
+            DSAIndexerLossLoggingHelper.save_loss_to_tracker(
+                loss=loss, layer_number=self.layer_number, num_layers=cfg.num_layers,
+                reduce_group=cp_group if per_token else None,
+                avg_group=None if per_token else cp_group)
+        return out.transpose(0, 1).contiguous(), None  # [s, b, hidden]
+
+    def _rows_forward(self, rows: _RowInputs, r0: int, r1: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output [B, r1 - r0, hidden] of the local rows r0 .. r1 - 1 (the indexer loss of
+        those rows attached for backward) and that loss, detached (0 without one)."""
+        cfg = self.config
+        H, D = self.n_heads, self.head_dim
+        whole = r0 == 0 and r1 == rows.indices.shape[1]
+        part = (lambda t: t) if whole else (lambda t: t[:, r0:r1])
+        cos, sin = (rows.cos, rows.sin) if whole else (rows.cos[r0:r1], rows.sin[r0:r1])
+        q_latent = part(rows.q_latent)
+        B, n = q_latent.shape[:2]
+        q = self.linear_q_b(q_latent)[0].view(B, n, H, D)
+        q = apply_interleaved_rope(rms_norm(q, None, cfg.layernorm_epsilon), cos, sin,
+                                   heads=True)
+        out = sparse_attention(q, rows.keys.unsqueeze(2), None, part(rows.indices),
+                               self.softmax_scale, sink=self.sinks,
+                               prefix_lengths=None if rows.prefix is None else part(rows.prefix),
+                               deterministic=bool(cfg.deterministic_mode))  # [B, n, H, D]
         # K = V carries RoPE: undo it at the query position so the output depends on
         # relative positions only (V4's conjugate rotation), then the grouped projection.
         out = apply_interleaved_rope(out, cos, sin, heads=True, inverse=True)
-        out = self.linear_o_a(out.reshape(B, T, cfg.v4_o_groups, H * D // cfg.v4_o_groups))
-        out = self.linear_o_b(out)[0].transpose(0, 1).contiguous()  # [s, b, hidden]
-        if indexer_loss is not None:
-            out = DSAIndexerLossAutoScaler.apply(out, indexer_loss)
-        return out, None
+        out = self.linear_o_a(out.reshape(B, n, cfg.v4_o_groups, H * D // cfg.v4_o_groups))
+        out = self.linear_o_b(out)[0]  # [B, n, hidden]
+        sel = rows.selection
+        if sel is None or not sel.use_loss:
+            return out, out.new_zeros((), dtype=torch.float32)
+        T = rows.indices.shape[1]
+        per_token = bool(cfg.calculate_per_token_loss)
+        share = 1.0 if whole or per_token else n / T
+        loss = indexer_kl_loss(
+            part(sel.q_idx), part(sel.weights), sel.k_idx, q.detach(),
+            sel.entries.detach().unsqueeze(2), part(sel.indices), self.softmax_scale,
+            sel.coeff * share, sparse=bool(cfg.v4_indexer_use_sparse_loss), relu=True,
+            q_positions=sel.q_positions[r0:r1], k_positions=sel.k_positions,
+            calculate_per_token_loss=per_token, deterministic=bool(cfg.deterministic_mode),
+        )
+        return DSAIndexerLossAutoScaler.apply(out, loss), loss.detach()
 
     def _window_keys(self, kv: torch.Tensor, positions: torch.Tensor, cp_group: Any
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -606,26 +692,29 @@ class HyScaleV4Attention(MegatronModule):
         seen = (positions[:, None] - halo + offs[None, :]) >= 0
         return torch.cat(parts, dim=1), torch.where(seen, index, -1).to(torch.int32)
 
-    def _csa_selection(self, x: torch.Tensor, q_latent: torch.Tensor, q: torch.Tensor,
-                       entries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       inv_freq: torch.Tensor, q_positions: torch.Tensor | None = None,
-                       cp_group: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(int32 [B, T, k] compressed-entry indices, -1 padded; the indexer loss or None).
+    def _csa_select(self, x: torch.Tensor, q_latent: torch.Tensor, entries: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, inv_freq: torch.Tensor,
+                    q_positions: torch.Tensor | None = None, cp_group: Any = None
+                    ) -> _CSASelection:
+        """The rows' selection: int32 [B, T, k] compressed-entry indices, -1 padded (recorded
+        or replayed under recompute), and what the indexer loss of any of the rows needs.
 
-        x [B, T, hidden], q_latent [B, T, q_lora], q [B, T, H, D] are this rank's rows at
-        positions q_positions [T] (None: 0..T-1); entries [B, N, D] cover the whole sequence.
+        x [B, T, hidden], q_latent [B, T, q_lora] are this rank's rows at positions
+        q_positions [T] (None: 0..T-1); entries [B, N, D] cover the whole sequence.
         """
         cfg = self.config
         B, T = x.shape[:2]
         N = entries.shape[1]
         topk = min(cfg.v4_index_topk, N)
+        q_positions = _rows(T, q_positions, x.device)
+        k_positions = compressed_key_positions(N, self.compress_ratio, x.device)
         if topk == 0:  # T < ratio: nothing compressed yet
-            return torch.empty(B, T, 0, dtype=torch.int32, device=x.device), None
+            return _CSASelection(torch.empty(B, T, 0, dtype=torch.int32, device=x.device),
+                                 False, 0.0, None, None, None, entries, q_positions,
+                                 k_positions)
         coeff = cfg.v4_indexer_loss_coeff or 0.0
         use_loss = self.training and torch.is_grad_enabled() and coeff > 0
         phase = "off" if self.baseline else replay.current_phase()
-        q_positions = _rows(T, q_positions, x.device)
-        k_positions = compressed_key_positions(N, self.compress_ratio, x.device)
         q_idx = k_idx = weights = None
         if use_loss or phase != "replay":
             # The indexer learns from its own loss only (DSA recipe): detached inputs.
@@ -647,20 +736,5 @@ class HyScaleV4Attention(MegatronModule):
             replay.count_computed()
             if phase == "record":
                 self.selection_replay.record(indices)
-        loss = None
-        if use_loss:
-            loss = indexer_kl_loss(
-                q_idx, weights, k_idx, q.detach(), entries.detach().unsqueeze(2), indices,
-                self.softmax_scale, coeff, sparse=bool(cfg.v4_indexer_use_sparse_loss),
-                relu=True, q_positions=q_positions, k_positions=k_positions,
-                calculate_per_token_loss=bool(cfg.calculate_per_token_loss),
-                deterministic=bool(cfg.deterministic_mode),
-            )
-            # Under CP each rank's loss covers its own rows (a mean over them, or a sum when
-            # per-token): the logged value is averaged (or summed) over the CP group, as DSA.
-            per_token = bool(cfg.calculate_per_token_loss)
-            DSAIndexerLossLoggingHelper.save_loss_to_tracker(
-                loss=loss, layer_number=self.layer_number, num_layers=cfg.num_layers,
-                reduce_group=cp_group if per_token else None,
-                avg_group=None if per_token else cp_group)
-        return indices, loss
+        return _CSASelection(indices, use_loss, coeff, q_idx, k_idx, weights, entries,
+                             q_positions, k_positions)

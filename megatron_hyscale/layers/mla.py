@@ -18,7 +18,10 @@ selection runs once per layer forward, never inside a part's recompute. The resu
 unchunked layer's up to floating-point summation order (the indexer loss is a sum of the parts'
 row-weighted means). Covered: the HyScale DSA core (absorbed MLA), tensor-parallel size 1,
 non-packed sequences, RoPE without fusion, context parallelism (allgather); other settings
-raise, naming the setting (chunking was asked for, so it is never silently skipped).
+raise, naming the setting (chunking was asked for, so it is never silently skipped; see
+`layers.row_chunks` for FP8 / FP4, CUDA graphs and delayed weight gradients). Selective
+recompute of `core_attn` is subsumed: the parts are checkpointed (more than the core
+attention), and megatron's core_attn checkpoint is not applied on top.
 """
 
 from __future__ import annotations
@@ -33,14 +36,7 @@ from megatron.core.transformer.experimental_attention_variant.absorbed_mla impor
 from megatron.core.utils import get_pg_size
 
 from megatron_hyscale.layers.dsa import DSARowState, HyScaleDSAttention
-
-
-def check_row_chunk(value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"row_chunk must be a positive int or None, got {value!r}")
-    return value
+from megatron_hyscale.layers.row_chunks import check_row_chunk, row_chunk_conflict
 
 
 class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
@@ -62,7 +58,7 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
             return "apply_rope_fusion=True"
         if self.recompute_up_proj:
             return "selective recompute of mla_up_proj (the parts are checkpointed already)"
-        return None
+        return row_chunk_conflict(cfg)
 
     def forward(
         self,
@@ -91,7 +87,16 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
                 packed_seq_params=packed_seq_params, position_ids=position_ids,
                 sequence_len_offset=sequence_len_offset, inference_params=inference_params,
             )
+        # The stock forward's argument checks (MLA makes its own RoPE, takes no bias).
+        if rotary_pos_emb is not None or attention_bias is not None:
+            raise ValueError("HyScaleMLASelfAttention: rotary_pos_emb and attention_bias must "
+                             "be None (MLA applies its own RoPE and has no attention bias)")
+        if rotary_pos_cos is not None or rotary_pos_sin is not None or rotary_pos_cos_sin:
+            raise ValueError("HyScaleMLASelfAttention: rotary_pos_cos / rotary_pos_sin / "
+                             "rotary_pos_cos_sin are for flash decoding, not supported by MLA")
         reason = self._chunking_unsupported(packed_seq_params)
+        if reason is None and key_value_states is not None:
+            reason = "key_value_states (cross attention)"
         if reason is None and (inference_context is not None or inference_params is not None):
             reason = "inference"
         if reason is not None:

@@ -46,7 +46,8 @@ from megatron.core.transformer.transformer_layer import (
 
 from megatron_hyscale.layers.dsa import HyScaleDSAttention
 from megatron_hyscale.layers.linear import LocalLinear
-from megatron_hyscale.layers.mla import HyScaleMLASelfAttention, check_row_chunk
+from megatron_hyscale.layers.mla import HyScaleMLASelfAttention
+from megatron_hyscale.layers.row_chunks import check_row_chunk
 
 # Megatron-LM's `--spec` entry points read the row-chunk size from here (HyScaleMLASelfAttention).
 ROW_CHUNK_ENV = "HYSCALE_ROW_CHUNK"

@@ -203,3 +203,19 @@ def test_launch_parsers_know_every_bench_model() -> None:
         spec.loader.exec_module(module)
         for model in module.EXAMPLE.models:
             assert bench_layer.parse_args(["--model", model]).model == model
+
+
+def test_two_gpu_v4_run_reaches_1m_in_row_chunks() -> None:
+    """The 2-GPU CSA run goes to 1M with the attention rows in checkpointed parts of 128K
+    (92 GiB a GPU by the estimate, 235 GiB without); --row-chunk overrides the part size."""
+    proc = run_script(V4, "layer_small.sh", "--gpus", "2", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    (cmd,) = commands(proc.stdout)
+    parsed = bench_layer.parse_args(bench_args(cmd[1]))
+    assert parsed.row_chunk == 131072 and max(parsed.seq) == 1 << 20 and parsed.cp == 2
+    assert "HyScale's attention rows in parts of 131072" in proc.stdout
+    proc = run_script(V4, "layer_small.sh", "--gpus", "2", "--row-chunk", "65536", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert bench_layer.parse_args(bench_args(commands(proc.stdout)[0][1])).row_chunk == 65536
+    proc = run_script(QSA, "layer_small.sh", "--row-chunk", "65536", "--dry-run")
+    assert proc.returncode != 0 and "row chunks" in proc.stderr

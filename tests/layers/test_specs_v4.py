@@ -9,6 +9,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_hyscale import replay
 from megatron_hyscale.layers.csa import HyScaleV4Attention
 from megatron_hyscale.specs.deepseek_v4 import get_v4_block_spec
+from megatron_hyscale.testing.compare import assert_grads_close
 from megatron_hyscale.testing.models import default_device
 
 pytest.importorskip("transformers.models.deepseek_v4")
@@ -68,3 +69,49 @@ def test_full_recompute_replays_and_baseline_matches():
     for name, grad in expected.items():
         torch.testing.assert_close(got[name], grad, rtol=0, atol=0)
         torch.testing.assert_close(base[name], grad, rtol=1e-5, atol=1e-6)
+
+
+def _step_with_logged_loss(model: GPTModel):
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexerLossLoggingHelper,
+    )
+
+    DSAIndexerLossLoggingHelper.tracker.clear()
+    got = grads(model)
+    logged = DSAIndexerLossLoggingHelper.tracker["values"].clone()
+    DSAIndexerLossLoggingHelper.tracker.clear()
+    return got, logged
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse-loss", "dense-loss"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "full-recompute"])
+def test_row_chunks_match_the_whole_layer(recompute, sparse):
+    """v4_row_chunk = 48: the 140 local rows in parts of 48, 48 and 44, each checkpointed, on
+    every layer kind (window, CSA with its indexer loss on, HCA): gradients and the logged
+    indexer loss equal the unchunked model's (up to summation order); the CSA selection still
+    runs once per forward."""
+    kw = dict(deterministic_mode=True, v4_indexer_loss_coeff=0.1,
+              v4_indexer_use_sparse_loss=sparse, **(FULL if recompute else {}))
+    whole, chunked = build(**kw), build(v4_row_chunk=48, **kw)
+    chunked.load_state_dict(whole.state_dict())
+    expected, expected_logged = _step_with_logged_loss(whole)
+    replay.reset_stats()
+    got, logged = _step_with_logged_loss(chunked)
+    stats = replay.get_stats()
+    assert stats["selections_computed"] == 1
+    assert stats["selections_replayed"] == (1 if recompute else 0)
+    assert replay.pending_entries() == 0
+    assert expected_logged.abs().sum() > 0
+    torch.testing.assert_close(logged, expected_logged, rtol=1e-4, atol=1e-9)
+    assert any(".indexer." in n for n in expected)
+    assert_grads_close(got, expected, rtol=1e-4, atol=1e-7)
+
+
+def test_row_chunks_refuse_fp8():
+    model = build(v4_row_chunk=48)
+    model.config.fp8 = "e4m3"  # after construction: only the forward's check sees it
+    try:
+        with pytest.raises(NotImplementedError, match="fp8"):
+            grads(model)
+    finally:
+        model.config.fp8 = None

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hyscale.parallel import zigzag_merge, zigzag_split
+from megatron_hyscale.testing.compare import assert_grads_close
 from megatron_hyscale.testing.deepseek_v4 import randomize_
 from megatron_hyscale.testing.distributed import init_model_parallel, run_workers
 
@@ -55,7 +56,15 @@ SCENARIOS: dict[str, tuple[int, int, dict, bool, bool]] = {
     # raw keys are all-gathered instead of a halo per chunk.
     "window-wide-gather": (0, 3, dict(v4_sliding_window=16), False, True),
     "hca-wide-window-gather": (8, 3, dict(v4_sliding_window=16), True, True),
+    # v4_row_chunk: the local rows in checkpointed parts of 8 (22 rows at CP 2: 8, 8, 6).
+    "csa-indexer-loss-full-recompute-row-chunks": (
+        3, 3, dict(v4_indexer_loss_coeff=0.5, calculate_per_token_loss=True, v4_row_chunk=8),
+        True, True),
+    "hca-full-recompute-row-chunks": (8, 3, dict(v4_row_chunk=8), True, True),
 }
+# Row-chunked scenario -> the same scenario without row chunks.
+ROW_CHUNK_TWINS = {"csa-indexer-loss-full-recompute-row-chunks": "csa-indexer-loss-full-recompute",
+                   "hca-full-recompute-row-chunks": "hca-full-recompute"}
 # Sequence length per scenario (default T); 48 = 4 chunks of 12 at CP = 2.
 SEQ = {"csa-chunks": 48, "csa-ratio4-chunks-indexer-loss-full-recompute": 48,
        "hca-chunks-full-recompute": 48}
@@ -249,6 +258,18 @@ def test_cp2_matches_cp1(results, name):
     assert two["cp_modes"] == ([] if ratio == 0 else [mode])
     assert one["window_mode"] is None
     assert two["window_mode"] == ("gather" if "gather" in name else "halo")
+
+
+@pytest.mark.parametrize("cp", [1, WORLD])
+@pytest.mark.parametrize("name", list(ROW_CHUNK_TWINS))
+def test_row_chunks_match_the_whole_layer(results, name, cp):
+    parts, whole = _get(results, name, cp), _get(results, ROW_CHUNK_TWINS[name], cp)
+    torch.testing.assert_close(parts["out"], whole["out"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(parts["x_grad"], whole["x_grad"], rtol=1e-5, atol=1e-5)
+    assert_grads_close(parts["grads"], whole["grads"], rtol=1e-4, atol=1e-5, what=name)
+    torch.testing.assert_close(parts["indexer_loss"], whole["indexer_loss"], rtol=1e-5,
+                               atol=1e-7)
+    assert parts["stats"] == whole["stats"]
 
 
 def test_gpt_v4_pattern_cp2_matches_cp1(results):

@@ -109,10 +109,11 @@ def test_tiny_cpu_context_parallel(model: str, dp: int, tmp_path: Path) -> None:
         assert rec["fwd_bwd_ms"] == max(r["fwd_bwd_ms"] for r in rec["per_rank"])
 
 
-def test_tiny_cpu_row_chunks_under_context_parallelism(tmp_path: Path) -> None:
-    """DSA at CP 2 with the attention's 64 local rows in parts of 24 (24, 24, 16)."""
-    args = ["--model", "dsa", "--cp", "2", "--row-chunk", "24", "--skip-stock"]
-    data = _load(tmp_path, "dsa", _run(args, tmp_path, nproc=2))
+@pytest.mark.parametrize("model", ["dsa", "csa"])
+def test_tiny_cpu_row_chunks_under_context_parallelism(model: str, tmp_path: Path) -> None:
+    """CP 2 with the attention's 64 local rows in parts of 24 (24, 24, 16)."""
+    args = ["--model", model, "--cp", "2", "--row-chunk", "24", "--skip-stock"]
+    data = _load(tmp_path, model, _run(args, tmp_path, nproc=2))
     assert data["args"]["row_chunk"] == 24
     (row,) = data["rows"]
     _check_record(row["hyscale"], selects=True, replays=True)
