@@ -3,8 +3,10 @@
 # from the repository root on the H200 with `carry: [".whl"]`:
 #   bash scripts/gpu_session.sh verify    # GPU op tests (HyTopK, sparse attention, indexer
 #                                         # loss) + the layer tests on CUDA            (~4 min)
-#   bash scripts/gpu_session.sh kernels   # HyTopK variants at 128K, the backward tiling sweep,
-#                                         # the indexer-loss benchmark                 (~6 min)
+#   bash scripts/gpu_session.sh kernels   # HyTopK variants at 128K, pruning on structured
+#                                         # inputs, the demo's captured indexer        (~5 min)
+#   bash scripts/gpu_session.sh attention # the backward tiling sweep, the indexer-loss
+#                                         # benchmark and its target-pass tilings      (~6 min)
 #   bash scripts/gpu_session.sh layer [T...]  # bench_layer.py, DSA, GLM-5.1 geometry   (~3 min)
 #   bash scripts/gpu_session.sh models [T...] # bench_layer.py for DeepSeek-V4's CSA and HCA
 #                                         # layers and the QSA layer against their baseline
@@ -12,8 +14,8 @@
 #   bash scripts/gpu_session.sh cp2 [T...]  # on nvidia-h200-x2: CP 2 against CP 1 (NCCL,
 #                                         # DSA / CSA / QSA layers at 32K), then DSA at CP 2
 #                                         # at 128K / 256K / 512K                      (~9 min)
-#   bash scripts/gpu_session.sh cp2-1m [dsa|csa|hca]  # on nvidia-h200-x2: the layer at 1M
-#                                         # tokens, CP 2, attention rows in parts of 128K (DSA
+#   bash scripts/gpu_session.sh cp2-1m [dsa|csa|hca|qsa]  # on nvidia-h200-x2: the layer at
+#                                         # 1M tokens, CP 2, attention rows in parts of 128K (DSA
 #                                         # 98 GiB a GPU by launch/layer_memory.py, 213 GiB
 #                                         # unchunked; CSA 92 / 235)                   (~5 min)
 #   bash scripts/gpu_session.sh side2     # on nvidia-h200-x2 with carry [".whl",
@@ -26,9 +28,9 @@ set -uo pipefail
 stage=${1:-}
 shift || true
 case "$stage" in
-  verify|kernels|layer|models|cp2|cp2-1m|side2) ;;
-  *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|layer|models|cp2|cp2-1m|side2}" \
-       "[T...]" >&2
+  verify|kernels|attention|layer|models|cp2|cp2-1m|side2) ;;
+  *) echo "usage: bash scripts/gpu_session.sh" \
+       "{verify|kernels|attention|layer|models|cp2|cp2-1m|side2} [T...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -62,6 +64,20 @@ case "$stage" in
     timeout 180 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
       --methods hytopk hytopk_heads_on_m hytopk_scan_slots scoreonly scoreonly_heads_on_m finish \
       table chunked --out "$out" 2>&1 | tee "$out/bench_selection.log"
+    # Issue 3's structured inputs: exact key-tile pruning (share pruned, speed-up, identical
+    # selection) on the recency + heavy-hitter generator.
+    timeout 120 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
+      --inputs recency --methods hytopk hytopk_prune table --tag _recency --out "$out" 2>&1 \
+      | tail -6 | tee "$out/bench_selection_recency.log"
+    # The demo's trained indexer (carry "outputs/demo/indexer_capture.pt" when it exists):
+    # what the pruning bound skips on a trained indexer, exactness against the reference.
+    if [ -f outputs/demo/indexer_capture.pt ]; then
+      timeout 60 python3 scripts/bench_selection.py --captured outputs/demo/indexer_capture.pt \
+        --methods hytopk hytopk_prune table --reps 2 --tag _captured --out "$out" 2>&1 \
+        | tail -8 | tee "$out/bench_selection_captured.log"
+    fi
+    ;;
+  attention)
     # One process per tiling: dK/dV at 32 x 1 and 16 x 1 faults for the 576-dim shape (an
     # illegal address poisons the process), see sparse_attention.DKV_TILINGS.
     for t in 16x2 32x2 64x1 64x2; do
@@ -75,13 +91,6 @@ case "$stage" in
     timeout 60 python3 scripts/bench_indexer_loss.py --t 32768 --reps 3 \
       --target-tilings 32x2 64x2 64x1 32x1 16x2 --out "$out" 2>&1 | grep "^target" \
       | tee "$out/bench_indexer_loss_target.log"
-    # The demo's trained indexer (carry "outputs/demo/indexer_capture.pt" when it exists):
-    # what the pruning bound skips on a trained indexer, exactness against the reference.
-    if [ -f outputs/demo/indexer_capture.pt ]; then
-      timeout 60 python3 scripts/bench_selection.py --captured outputs/demo/indexer_capture.pt \
-        --methods hytopk hytopk_prune table --reps 2 --tag _captured --out "$out" 2>&1 \
-        | tail -8 | tee "$out/bench_selection_captured.log"
-    fi
     ;;
   layer)
     seqs=${*:-8192 16384 32768 65536 131072 262144}
@@ -108,8 +117,10 @@ case "$stage" in
     ;;
   cp2-1m)
     model=${1:-dsa}
+    chunks=(--row-chunk 131072)
+    [ "$model" = qsa ] && chunks=()  # QSA fits whole (71 GiB a GPU by the estimate)
     timeout 560 python3 -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2 \
-      scripts/bench_layer.py --model "$model" --cp 2 --seq 1048576 --row-chunk 131072 \
+      scripts/bench_layer.py --model "$model" --cp 2 --seq 1048576 "${chunks[@]}" \
       --skip-stock --repeats 1 --out "$out" 2>&1 | grep -v Warning \
       | tee "$out/bench_layer_cp2_1m_$model.log"
     ;;
