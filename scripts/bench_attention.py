@@ -5,8 +5,11 @@ channels of K, 64 / 128 heads, top-2048), DeepSeek-V4 CSA (K = V of 512, sink, 6
 QSA (GQA 24 / 2 heads of 256, per-KV-head indices, 2052 keys), T queries over S = T keys, bf16,
 and DeepSeek-V4 HCA (every visible entry of T / 128 as a generated prefix + a 128-token window;
 FLOPs counted over each row's own keys).
-Indices: distinct pseudo-random keys per row ((a + j * step) mod S, step odd), all valid: the
-worst case for the gather (no reuse between neighbouring queries).
+Indices (`--indices`): "random" (default), distinct pseudo-random keys per row
+((a + j * step) mod S, step odd), all valid: the worst case for the gather (no reuse between
+neighbouring queries); "window", the K keys ending at the row ((t - j) mod S): neighbouring
+rows share all but one key, the best case (the L2 cache serves the gathers), which bounds
+what the kernels reach when the gathers cost nothing. The two bracket a trained selection.
 
 Rates are ratios to the bf16 matmul rate measured in the same run (8192^3 torch.matmul on random
 data). Memory floors: the bytes the kernels must move (gathered bf16 key / value rows; in the
@@ -60,7 +63,7 @@ SHAPES = {
 PREFIX_RATIO = {"hca": 128}
 
 
-def make_inputs(shape, T, seed=0):
+def make_inputs(shape, T, seed=0, indices="random"):
     Hq, Hkv, D, vdim, dv, has_sink, per_head, K = SHAPES[shape]
     if shape in PREFIX_RATIO:
         return make_prefix_inputs(shape, T, seed)
@@ -72,10 +75,14 @@ def make_inputs(shape, T, seed=0):
          if vdim else None)
     sink = torch.randn(Hq, device="cuda", generator=g) if has_sink else None
     rows = T * (Hkv if per_head else 1)
-    start = torch.randint(0, S, (rows, 1), device="cuda", generator=g)
-    step = 2 * torch.randint(0, S // 2, (rows, 1), device="cuda", generator=g) + 1
-    # S is a power of two and step odd, so the K entries of a row are distinct.
-    idx = (start + torch.arange(K, device="cuda") * step) % S
+    if indices == "window":  # row t: keys t, t - 1, ..., t - K + 1 (mod S), distinct
+        t = torch.arange(rows, device="cuda")[:, None] // (Hkv if per_head else 1)
+        idx = (t - torch.arange(K, device="cuda")) % S
+    else:
+        start = torch.randint(0, S, (rows, 1), device="cuda", generator=g)
+        step = 2 * torch.randint(0, S // 2, (rows, 1), device="cuda", generator=g) + 1
+        # S is a power of two and step odd, so the K entries of a row are distinct.
+        idx = (start + torch.arange(K, device="cuda") * step) % S
     idx = idx.to(torch.int32).view(1, T, Hkv, K) if per_head else idx.to(torch.int32).view(
         1, T, K)
     width = dv or (vdim if vdim else D)
@@ -305,6 +312,9 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-deterministic", action="store_true")
     ap.add_argument("--no-stock", action="store_true")
+    ap.add_argument("--indices", choices=("random", "window"), default="random",
+                    help="random keys per row (worst case for the gathers) or each row's last "
+                         "K keys (best case: neighbouring rows share them)")
     ap.add_argument("--stock-max-t", type=int, default=16384,
                     help="run the stock path only up to this T (its time grows fast)")
     ap.add_argument("--out", default="bench_attention_out")
@@ -331,8 +341,8 @@ def main():
         for shape in args.shapes:
             t0 = time.time()
             torch.cuda.reset_peak_memory_stats()
-            inp = make_inputs(shape, T)
-            row = dict(shape=shape, T=T, K=SHAPES[shape][-1],
+            inp = make_inputs(shape, T, indices=args.indices)
+            row = dict(shape=shape, T=T, K=SHAPES[shape][-1], indices=args.indices,
                        fwd_floor_ms=max(inp["flop_fwd"] / mm / 1e9,
                                         inp["bytes_fwd"] / bw / 1e9),
                        fwd_mem_floor_ms=inp["bytes_fwd"] / bw / 1e9,

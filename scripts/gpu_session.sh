@@ -5,8 +5,9 @@
 #                                         # loss) + the layer tests on CUDA            (~4 min)
 #   bash scripts/gpu_session.sh kernels   # HyTopK variants at 128K, pruning on structured
 #                                         # inputs, the demo's captured indexer        (~5 min)
-#   bash scripts/gpu_session.sh attention # the backward tiling sweep, the indexer-loss
-#                                         # benchmark and its target-pass tilings      (~6 min)
+#   bash scripts/gpu_session.sh attention # the backward tiling sweep, L2-resident gathers
+#                                         # (--indices window), the indexer-loss benchmark
+#                                         # and its target-pass tilings                (~7 min)
 #   bash scripts/gpu_session.sh layer [T...]  # bench_layer.py, DSA, GLM-5.1 geometry   (~3 min)
 #   bash scripts/gpu_session.sh models [T...] # bench_layer.py for DeepSeek-V4's CSA and HCA
 #                                         # layers and the QSA layer against their baseline
@@ -85,6 +86,11 @@ case "$stage" in
         --reps 2 --tilings $t --out "$out/sweep_$t" 2>&1 | grep "^sweep" \
         | tee -a "$out/bench_attention_sweep.log"
     done
+    # Issue 4's gap, measured: the same kernels at 128K when the gathers hit the L2 cache
+    # (each row's last K keys) against the random-index table.
+    timeout 90 python3 scripts/bench_attention.py --t 131072 --shapes glm51 csa --reps 2 \
+      --indices window --no-stock --no-deterministic --out "$out/window" 2>&1 \
+      | grep "T=" | tee "$out/bench_attention_window.log"
     timeout 120 python3 scripts/bench_indexer_loss.py --out "$out" 2>&1 \
       | tee "$out/bench_indexer_loss.log"
     # The target pass (3x the attention forward on 2026-11-30) per tiling.
