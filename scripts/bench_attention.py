@@ -48,7 +48,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from megatron_hyscale.ops.kernels import sparse_attention as kern  # noqa: E402
 from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_triton  # noqa: E402
-from megatron_hyscale.testing.bench import copy_tbps, log, matmul_tflops, time_ms  # noqa: E402
+from megatron_hyscale.testing.bench import (  # noqa: E402
+    copy_tbps,
+    log,
+    matmul_tflops,
+    parse_tiling,
+    time_ms,
+)
 
 # name: (Hq, Hkv, Dqk, separate v width or None, dv, sink, per-KV-head indices, K)
 SHAPES = {
@@ -224,15 +230,6 @@ def _with_dkv_keys_on_m(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     finally:
         kern.DKV_CHANNELS_ON_M = True
-
-
-def parse_tiling(text: str) -> tuple[int, int]:
-    """"16x2" -> (16, 2)."""
-    try:
-        block_n, stages = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--tilings: {text!r} is not N x S, e.g. 16x2") from None
-    return block_n, stages
 
 
 def bwd_sweep(shapes, Ts, reps, out_dir, mm, tilings=SWEEP_TILINGS):

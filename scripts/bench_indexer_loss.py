@@ -39,7 +39,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from megatron_hyscale.ops.indexer_loss import indexer_kl_loss  # noqa: E402
 from megatron_hyscale.ops.kernels import indexer_loss as kern  # noqa: E402
 from megatron_hyscale.ops.sparse_attention import sparse_attention  # noqa: E402
-from megatron_hyscale.testing.bench import log, matmul_tflops, time_ms  # noqa: E402
+from megatron_hyscale.testing.bench import (  # noqa: E402
+    log,
+    matmul_tflops,
+    parse_tiling,
+    time_ms,
+)
 
 # name: (Hq, Hkv, Dqk, H_I, D_I, K)
 SHAPES = {"glm51": (64, 1, 576, 32, 128, 2048), "v32": (128, 1, 576, 64, 128, 2048)}
@@ -134,16 +139,6 @@ def bench_parts(x, idx, warmup, reps):
         reps=reps, warmup=warmup)
     return dict(target_ms=ms_target, target_with_lse_ms=ms_target_lse, loss_ms=ms_loss,
                 bwd_kernel_ms=ms_bwd)
-
-
-def parse_tiling(text: str) -> tuple[int, int]:
-    """"32x2" -> (32, 2)."""
-    try:
-        block_n, stages = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--target-tilings: {text!r} is not N x S, e.g. "
-                                         "32x2") from None
-    return block_n, stages
 
 
 def target_sweep(shapes, Ts, tilings, warmup, reps, out_dir):

@@ -66,24 +66,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def rotary(t: torch.Tensor, freqs: torch.Tensor, config: object = None, cu_seqlens: object = None,
            mscale: float = 1.0, cp_group: object = None, mla_rotary_interleaved: bool = False,
            inverse: bool = False, mla_output_remove_interleaving: bool = False) -> torch.Tensor:
-    """megatron's bshd rotary embedding with the dev branch's two options: `inverse` rotates
-    back, `mla_output_remove_interleaving` restores the interleaved channel order."""
+    """megatron-core 0.19.2's bshd rotary embedding plus the dev branch's two options:
+    `inverse` rotates back (the angles negated), `mla_output_remove_interleaving` restores the
+    interleaved channel order of the rotated part."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
     if freqs.dim() == t.dim() + 1 and freqs.size(-2) == 1:
         freqs = freqs.squeeze(-2)
+    out = _apply_rotary_pos_emb_bshd(t, -freqs if inverse else freqs, mscale=mscale,
+                                     mla_rotary_interleaved=mla_rotary_interleaved)
+    if not (mla_rotary_interleaved and mla_output_remove_interleaving):
+        return out
     rot = freqs.shape[-1]
-    x, rest = t[..., :rot], t[..., rot:]
-    if mla_rotary_interleaved:
-        x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-    cos = (torch.cos(freqs) * mscale).to(x.dtype)
-    sin = (torch.sin(freqs) * mscale).to(x.dtype)
-    if inverse:
-        sin = -sin
-    x1, x2 = x.chunk(2, dim=-1)
-    x = x * cos + torch.cat((-x2, x1), dim=-1) * sin
-    if mla_rotary_interleaved and mla_output_remove_interleaving:
-        a, b = x.chunk(2, dim=-1)
-        x = torch.stack((a, b), dim=-1).flatten(-2)
-    return torch.cat((x, rest), dim=-1)
+    a, b = out[..., :rot].chunk(2, dim=-1)
+    return torch.cat((torch.stack((a, b), dim=-1).flatten(-2), out[..., rot:]), dim=-1)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:

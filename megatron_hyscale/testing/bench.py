@@ -6,6 +6,7 @@ large bf16 matmul) and `copy_tbps()` (a device-to-device copy, bytes read plus w
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections.abc import Callable
 
@@ -49,3 +50,12 @@ def copy_tbps(nbytes: int = COPY_BYTES, reps: int = 10) -> float:
     y = torch.empty_like(x)
     ms = time_ms(lambda: y.copy_(x), reps=reps, warmup=2)
     return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+def parse_tiling(text: str) -> tuple[int, int]:
+    """An argparse type: "16x2" -> (16, 2), keys per step x pipeline stages."""
+    try:
+        block_n, stages = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not keys x stages, e.g. 16x2") from None
+    return block_n, stages
