@@ -23,6 +23,7 @@
 #                                         # ".carry/megatron_lm"] (scripts/megatron_lm_carry.sh):
 #                                         # stock Megatron-LM DSA then HyScale, the small
 #                                         # GLM-5.1 at 32K, CP 2, tokens/s and losses    (~9 min)
+#                                         # (side2 ARGS...: more side_by_side.sh options)
 # Logs and JSON go under ${OUT:-outputs/gpu_session}/<stage>. TileLang's stock backend needs
 # two more calls (scripts/gpu_tilelang.sh).
 set -uo pipefail
@@ -134,8 +135,13 @@ case "$stage" in
     [ -f .carry/megatron_lm/pretrain_gpt.py ] || {
       echo "gpu_session.sh side2: carry .carry/megatron_lm (scripts/megatron_lm_carry.sh)" >&2
       exit 2; }
+    # The lent H200s have no Transformer Engine: megatron's torch modules (--transformer-impl
+    # local). Further arguments go to side_by_side.sh (a smoke run: --train-iters 3
+    # --seq-length 8192 --skip-iters 1).
+    impl=transformer_engine
+    python3 -c "import transformer_engine" 2>/dev/null || impl=local
     MEGATRON_LM_DIR=$(pwd)/.carry/megatron_lm HYSCALE_PYTHON=python3 timeout 560 \
-      bash examples/glm5_1/side_by_side.sh --gpus 2 --output-dir "$out" 2>&1 \
-      | grep -v Warning | tail -60 | tee "$out/side_by_side.log"
+      bash examples/glm5_1/side_by_side.sh --gpus 2 --transformer-impl $impl \
+      --output-dir "$out" "$@" 2>&1 | grep -v Warning | tail -60 | tee "$out/side_by_side.log"
     ;;
 esac

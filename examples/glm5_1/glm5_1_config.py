@@ -172,9 +172,23 @@ def model_args(model: ModelGeometry) -> list[str]:
         "--moe-aux-loss-coeff", "1e-4",
         "--moe-router-dtype", "fp32",
         "--moe-token-dispatcher-type", "alltoall",
-        "--moe-grouped-gemm",
-        "--moe-permute-fusion",
     ]
+
+
+# Transformer Engine implementations: "transformer_engine" (the default; grouped expert GEMMs and
+# fused token permutation) or "local" (megatron's torch modules, for machines without TE).
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+
+
+def impl_args(transformer_impl: str = "transformer_engine") -> list[str]:
+    """The module implementation and the MoE fusions that need Transformer Engine."""
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"transformer_impl must be one of {TRANSFORMER_IMPLS}, "
+                         f"got {transformer_impl!r}")
+    if transformer_impl == "local":
+        return ["--transformer-impl", "local"]
+    return ["--transformer-impl", "transformer_engine", "--moe-grouped-gemm",
+            "--moe-permute-fusion"]
 
 
 def parallel_args(layout: Layout) -> list[str]:
@@ -238,9 +252,11 @@ def training_args(train_iters: int) -> list[str]:
 
 
 def megatron_args(model: ModelGeometry, layout: Layout, *, spec: str = "hyscale",
-                  train_iters: int = 10, extra: list[str] | None = None) -> list[str]:
-    """The full Megatron-LM argument list for `pretrain_gpt.py` (`spec`: hyscale | stock)."""
+                  train_iters: int = 10, extra: list[str] | None = None,
+                  transformer_impl: str = "transformer_engine") -> list[str]:
+    """The full Megatron-LM argument list for `pretrain_gpt.py` (`spec`: hyscale | stock;
+    `transformer_impl`: transformer_engine | local, see `impl_args`)."""
     layout.validate(model)
     module, name = SPECS[spec]
-    return (model_args(model) + parallel_args(layout) + training_args(train_iters)
-            + ["--spec", module, name] + list(extra or []))
+    return (model_args(model) + impl_args(transformer_impl) + parallel_args(layout)
+            + training_args(train_iters) + ["--spec", module, name] + list(extra or []))

@@ -48,6 +48,11 @@ def _add_layout_options(p: argparse.ArgumentParser, *, full: bool) -> None:
     p.add_argument("--train-iters", type=int, help="iterations to run")
     p.add_argument("--python", default=sys.executable,
                    help="interpreter of the training processes (torch, megatron, HyScale)")
+    p.add_argument("--transformer-impl", choices=cfg.TRANSFORMER_IMPLS,
+                   default="transformer_engine",
+                   help="transformer_engine (default: TE modules, grouped expert GEMMs, fused "
+                        "permutation) or local (megatron's torch modules, for a machine "
+                        "without Transformer Engine)")
     p.add_argument("--gpu-mem-gib", type=float,
                    help="GPU memory the estimate is checked against (default: 96 for the full "
                         "configuration (H20), 80 for the small one)")
@@ -157,7 +162,8 @@ def make_command(model: ModelGeometry, layout: Layout, is_full: bool, args: argp
     iters = args.train_iters or (10 if is_full else 50)
     if args.command == "side-by-side" and not args.train_iters:
         iters = 6 if is_full else 30
-    margs = cfg.megatron_args(model, layout, spec=spec, train_iters=iters, extra=extra)
+    margs = cfg.megatron_args(model, layout, spec=spec, train_iters=iters, extra=extra,
+                              transformer_impl=args.transformer_impl)
     script = pretrain_script(checkout)
     env = training_env(checkout)
     if is_full:

@@ -43,6 +43,9 @@ DRY_RUNS = [
     ("train_small.sh", ["--gpus", "2", "--seq-length", "131072"], 2, 1),
     ("side_by_side.sh", [], 2, 2),
     ("side_by_side.sh", ["--config", "full"], 512, 2),
+    # a machine without Transformer Engine (the lent H200s): megatron's torch modules
+    ("side_by_side.sh", ["--transformer-impl", "local"], 2, 2),
+    ("train_small.sh", ["--gpus", "2", "--transformer-impl", "local"], 2, 1),
 ]
 
 # Megatron-LM arguments that need Transformer Engine when the config is built (not parsed).
@@ -85,8 +88,9 @@ def validate_with_megatron(argv: list[str], world: int, parser: argparse.Argumen
         if "$" not in value:
             monkeypatch.setenv(key, value)
     margs.validate_args(args)
-    for key, value in TE_ONLY.items():
-        setattr(args, key, value)
+    if args.transformer_impl == "transformer_engine":
+        for key, value in TE_ONLY.items():
+            setattr(args, key, value)
     return margs.core_transformer_config_from_args(args)
 
 
@@ -108,6 +112,10 @@ def test_dry_run_emits_valid_megatron_arguments(
         spec = argv[argv.index("--spec") + 1: argv.index("--spec") + 3]
         assert spec == list(cfg.SPECS[label])
         config = validate_with_megatron(argv, world, megatron_parser, monkeypatch, env)
+        impl = "local" if "local" in extra else "transformer_engine"
+        assert config.transformer_impl == impl
+        if impl == "local":  # nothing that needs Transformer Engine is asked for
+            assert not {"--moe-grouped-gemm", "--moe-permute-fusion"} & set(argv)
         assert config.experimental_attention_variant == "dsa"
         assert config.recompute_granularity == "full"
         if config.context_parallel_size > 1:
