@@ -138,6 +138,11 @@ case "$stage" in
     # The lent H200s have no Transformer Engine: megatron's torch modules (--transformer-impl
     # local). Further arguments go to side_by_side.sh (a smoke run: --train-iters 3
     # --seq-length 8192 --skip-iters 1).
+    # Megatron-LM's training runs `make` in megatron/core/datasets at start-up; the wheel ships
+    # the helpers compiled (helpers_cpp*.so) but no Makefile, so make would fail: give it one
+    # with nothing to do.
+    ds=$(python3 -c "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))")
+    [ -f "$ds/Makefile" ] || printf 'default:\n\t@true\n' > "$ds/Makefile"
     impl=transformer_engine
     python3 -c "import transformer_engine" 2>/dev/null || impl=local
     MEGATRON_LM_DIR=$(pwd)/.carry/megatron_lm HYSCALE_PYTHON=python3 timeout 560 \

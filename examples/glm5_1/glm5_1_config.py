@@ -186,7 +186,10 @@ def impl_args(transformer_impl: str = "transformer_engine") -> list[str]:
         raise ValueError(f"transformer_impl must be one of {TRANSFORMER_IMPLS}, "
                          f"got {transformer_impl!r}")
     if transformer_impl == "local":
-        return ["--transformer-impl", "local"]
+        # Megatron defaults to kernels that come with TE or apex: the persistent layer norm and
+        # the fused weight-gradient accumulation of its local linears.
+        return ["--transformer-impl", "local", "--no-persist-layer-norm",
+                "--no-gradient-accumulation-fusion"]
     return ["--transformer-impl", "transformer_engine", "--moe-grouped-gemm",
             "--moe-permute-fusion"]
 

@@ -319,3 +319,61 @@ def test_full_run_outside_slurm_says_so(tmp_path: Path) -> None:
                         env=clean_env(MEGATRON_LM_DIR=str(tmp_path)))
     assert result.returncode == 2
     assert "Slurm" in result.stderr
+
+
+# ---------------------------------------------------------------- the arguments build a model
+
+# Overrides after the launcher's arguments (as a user's `-- ...` would be) that shrink the small
+# configuration to a CPU-sized model: one dense and one MoE layer, and the allgather token
+# dispatcher (alltoall's constructor makes a CUDA stream); every other flag as launched.
+SHRINK = ["--num-layers", "2", "--moe-layer-freq", "([0]*1+[1]*1)", "--hidden-size", "128",
+          "--ffn-hidden-size", "256", "--num-attention-heads", "4", "--q-lora-rank", "64",
+          "--kv-lora-rank", "32", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "16",
+          "--v-head-dim", "16", "--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim", "32",
+          "--dsa-indexer-topk", "64", "--num-experts", "4", "--moe-ffn-hidden-size", "64",
+          "--moe-shared-expert-intermediate-size", "64", "--moe-router-topk", "2",
+          "--vocab-size", "512", "--seq-length", "256", "--max-position-embeddings", "256",
+          "--moe-token-dispatcher-type", "allgather"]
+
+
+@pytest.mark.parametrize("spec", ["stock", "hyscale"])
+def test_local_arguments_build_a_model_that_trains(
+    spec: str, megatron_parser: argparse.ArgumentParser, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What pretrain_gpt.py builds from the launcher's --transformer-impl local arguments (the
+    GPTModel call of Megatron-LM's gpt_builders, `--spec` imported) runs a forward and backward
+    on the CPU: catches a flag that parses and validates but breaks a module's constructor."""
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.spec_utils import import_module
+
+    from megatron_hyscale.testing.cpu import init_single_process, megatron_on_cpu
+
+    layout = cfg.small_layout(1, cfg.SMALL_SEQ_LENGTH, 4)
+    argv = cfg.megatron_args(cfg.GLM5_1_SMALL, layout, spec=spec, transformer_impl="local",
+                             extra=SHRINK)
+    config = validate_with_megatron(argv, 1, megatron_parser, monkeypatch,
+                                    {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    args = megatron_parser.parse_args(argv)
+    config.bf16, config.params_dtype = False, torch.float32  # CPU arithmetic
+    with megatron_on_cpu():
+        init_single_process()
+        torch.manual_seed(0)
+        model = GPTModel(
+            config=config, transformer_layer_spec=import_module(args.spec),
+            vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings,
+            pre_process=True, post_process=True, parallel_output=True,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+        )
+        tokens = torch.randint(0, args.vocab_size, (1, args.seq_length))
+        positions = torch.arange(args.seq_length)[None]
+        loss = model(tokens, positions, None, labels=tokens.roll(-1, 1))
+        loss.mean().backward()
+    assert torch.isfinite(loss).all()
+    attention = model.decoder.layers[0].self_attention
+    assert type(attention.core_attention).__name__ == ("DSAttention" if spec == "stock"
+                                                       else "HyScaleDSAttention")
+    grads = [p.grad for p in attention.parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)

@@ -2,9 +2,9 @@
 
 Tiny fp32 cases (the interpreter's bf16 arithmetic is wrong): MQA with V = K's first dv channels
 (absorbed MLA), K = V with a per-head sink, GQA with per-KV-head indices and a separate V, two
-head blocks per query, -1 slots, rows with no valid index, B > 1, non-contiguous inputs, the lse
-and its gradient, and the deterministic (fixed-point) dK / dV mode. Key tiles of 16 make every
-row span several tiles with a ragged tail.
+head blocks per query, head dims under 16, -1 slots, rows with no valid index, B > 1,
+non-contiguous inputs, the lse and its gradient, and the deterministic (fixed-point) dK / dV
+mode. Key tiles of 16 make every row span several tiles with a ragged tail.
 """
 
 from __future__ import annotations
@@ -86,6 +86,9 @@ CASES = {
     "gqa_per_head": (2, 2, 36, 6, 2, 16, 16, None, True, True, 33, torch.int64),
     "gqa_wide_v": (1, 3, 24, 4, 2, 16, 24, None, False, False, 18, torch.int32),
     "two_head_blocks": (1, 2, 20, 80, 1, 16, None, None, True, False, 17, torch.int32),
+    # head dims under tl.dot's 16 (zero-padded channels): GQA 3 with a V of 8, and K = V
+    "tiny_head_dim_gqa3": (2, 3, 30, 6, 2, 8, 8, None, False, False, 13, torch.int32),
+    "tiny_head_dim_kv_shared": (1, 3, 20, 4, 1, 12, None, None, True, True, 11, torch.int64),
 }
 
 

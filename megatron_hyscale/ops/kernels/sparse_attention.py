@@ -10,7 +10,8 @@ One program per (query, KV head, block of up to 64 query heads): all heads of a 
 the gathered key rows, so the head dim is the MMA's M dimension (MQA: 64 heads x 576 dims times
 576 dims x keys). Head dims that are not a power of two are split into a power-of-two main part
 and a tail (576 = 512 + 64); when V is the main part of K (absorbed MLA, DeepSeek-V4's K = V) the
-gathered K tile is reused as V. fp32 accumulation, base-2 online softmax.
+gathered K tile is reused as V. Head dims under MIN_DOT are zero-padded to it by the wrapper.
+fp32 accumulation, base-2 online softmax.
 
 Backward: one kernel per query computes dQ (no atomics), the row's Delta = dO . O and the sink
 gradient terms; a second kernel recomputes P and dS per query and adds dK / dV tiles into fp32
@@ -789,6 +790,13 @@ def sparse_attention_triton(q, k, v, indices, softmax_scale, *, dv=None, sink=No
     [B, T]: each row also attends to keys 0 .. n - 1 before its listed indices (generated in
     the kernels, never materialized; the loops run n + K slots a row).
     """
+    if q.shape[-1] < MIN_DOT:
+        # The kernels read channels in tiles of at least MIN_DOT (tl.dot's smallest K): zero
+        # channels leave every q . k unchanged, and F.pad's backward slices the gradients.
+        if v is None:
+            dv = q.shape[-1] if dv is None else dv
+        pad = (0, MIN_DOT - q.shape[-1])
+        q, k = torch.nn.functional.pad(q, pad), torch.nn.functional.pad(k, pad)
     out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, float(softmax_scale), dv,
                                              bool(deterministic), prefix_lengths)
     return (out, lse) if return_lse else out
