@@ -633,6 +633,33 @@ def selection_floor_ms(model: str, T: int, args: argparse.Namespace, rate_tflops
     return flop / (rate_tflops * 1e12) * 1e3
 
 
+def layer_floor_ms(model: str, T: int, args: argparse.Namespace, rate_tflops: float,
+                   layer: Layer) -> float | None:
+    """DSA: the matmul FLOP this rank's step cannot avoid, at the measured matmul rate.
+
+    Per row: the linears (down / up projections, the absorbed MLA products, the output
+    projection, the indexer's projections) 4x their forward (forward, recompute, backward 2x);
+    sparse attention over topk keys (QK on kv_lora + rope, PV on kv_lora) 4.5x (backward 2.5x);
+    the indexer loss (target scores and indexer logits on the selected keys) forward twice plus
+    the logits' backward; the selection scan once (replayed in the recompute).
+    """
+    if model != "dsa":
+        return None
+    c = layer.module.config
+    h, H, nope, rope, dv = (c.hidden_size, c.num_attention_heads, c.qk_head_dim,
+                            c.qk_pos_emb_head_dim, c.v_head_dim)
+    ql, kl, HI, DI, k = (c.q_lora_rank, c.kv_lora_rank, c.dsa_indexer_n_heads,
+                         c.dsa_indexer_head_dim, c.dsa_indexer_topk)
+    linear = (h * ql + ql * H * (nope + rope) + h * (kl + rope) + H * nope * kl + H * kl * dv
+              + H * dv * h + ql * HI * DI + h * DI + h * HI)
+    attention = H * k * ((kl + rope) + kl)
+    target, logits = H * k * (kl + rope), HI * DI * k
+    per_row = 4 * linear + 4.5 * attention + 2 * (target + logits) + 2 * logits
+    rows = T / args.cp
+    flop = 2 * rows * per_row + 2 * rows * T / 2 * HI * DI
+    return flop / (rate_tflops * 1e12) * 1e3
+
+
 def gather_ranks(value: Any) -> list[Any]:
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         return [value]
@@ -734,7 +761,9 @@ def run(args: argparse.Namespace) -> int:
     for T in args.seq:
         row: dict[str, Any] = {"T": T, "cp": args.cp, "T_local": T // args.cp,
                                "selection_floor_ms": selection_floor_ms(args.model, T, args,
-                                                                        rate, hyscale)}
+                                                                        rate, hyscale),
+                               "layer_floor_ms": layer_floor_ms(args.model, T, args, rate,
+                                                                hyscale)}
         t0 = time.time()
         log(f"[T={T}] HyScale ...")
         rec = guarded(partial(measure, hyscale, T, args), args.device)
@@ -828,6 +857,11 @@ def print_table(rows: list[dict[str, Any]], base_names: list[str]) -> None:
                 ratio = _speedup(r["hyscale"], v)
                 cells.append("-" if ratio is None else f"{ratio:.2f}x")
         print("| " + " | ".join(cells) + " |")
+    for r in rows:
+        floor, v = r.get("layer_floor_ms"), r["hyscale"]
+        if floor and isinstance(v, dict):
+            print(f"T={r['T']}: layer matmul floor {floor:.1f} ms; HyScale's step "
+                  f"{v['fwd_bwd_ms'] / floor:.2f}x the floor")
     for r in rows:  # which of megatron's fused kernels ran in the instrumented step
         for name in base_names:
             v = r[name]

@@ -22,8 +22,9 @@
 #   bash scripts/gpu_session.sh side2     # on nvidia-h200-x2 with carry [".whl",
 #                                         # ".carry/megatron_lm"] (scripts/megatron_lm_carry.sh):
 #                                         # stock Megatron-LM DSA then HyScale, the small
-#                                         # GLM-5.1 at 32K, CP 2, tokens/s and losses    (~9 min)
-#                                         # (side2 ARGS...: more side_by_side.sh options)
+#                                         # GLM-5.1 at 16K, CP 2, 10 iterations, tokens/s and
+#                                         # losses (~5.5 min; side2 ARGS...: side_by_side.sh
+#                                         # options instead of those three)
 # Logs and JSON go under ${OUT:-outputs/gpu_session}/<stage>. TileLang's stock backend needs
 # two more calls (scripts/gpu_tilelang.sh).
 set -uo pipefail
@@ -135,18 +136,19 @@ case "$stage" in
     [ -f .carry/megatron_lm/pretrain_gpt.py ] || {
       echo "gpu_session.sh side2: carry .carry/megatron_lm (scripts/megatron_lm_carry.sh)" >&2
       exit 2; }
-    # The lent H200s have no Transformer Engine: megatron's torch modules (--transformer-impl
-    # local). Further arguments go to side_by_side.sh (a smoke run: --train-iters 3
-    # --seq-length 8192 --skip-iters 1).
     # Megatron-LM's training runs `make` in megatron/core/datasets at start-up; the wheel ships
     # the helpers compiled (helpers_cpp*.so) but no Makefile, so make would fail: give it one
     # with nothing to do.
     ds=$(python3 -c "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))")
     [ -f "$ds/Makefile" ] || printf 'default:\n\t@true\n' > "$ds/Makefile"
+    # Arguments replace these side_by_side.sh options (stock takes 19 s an iteration at 16K).
+    opts=("$@")
+    [ $# -gt 0 ] || opts=(--seq-length 16384 --train-iters 10 --skip-iters 2)
+    # The lent H200s have no Transformer Engine: megatron's torch modules.
     impl=transformer_engine
     python3 -c "import transformer_engine" 2>/dev/null || impl=local
     MEGATRON_LM_DIR=$(pwd)/.carry/megatron_lm HYSCALE_PYTHON=python3 timeout 560 \
       bash examples/glm5_1/side_by_side.sh --gpus 2 --transformer-impl $impl \
-      --output-dir "$out" "$@" 2>&1 | grep -v Warning | tail -60 | tee "$out/side_by_side.log"
+      --output-dir "$out" "${opts[@]}" 2>&1 | grep -v Warning | tail -60 | tee "$out/side_by_side.log"
     ;;
 esac

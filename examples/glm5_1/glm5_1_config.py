@@ -244,6 +244,8 @@ def training_args(train_iters: int) -> list[str]:
         "--clip-grad", "1.0",
         "--train-iters", str(train_iters),
         "--eval-iters", "0",
+        # no evaluation, but Megatron-LM divides by the interval when it sizes the datasets
+        "--eval-interval", str(train_iters),
         "--log-interval", "1",
         "--distributed-timeout-minutes", "60",  # a 1M-token iteration takes minutes
         # a [T, T] mask at 1M tokens would be 1 TiB; DSA builds its causal selection itself

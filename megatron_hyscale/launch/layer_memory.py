@@ -26,9 +26,11 @@ What is counted (bytes; 1 GiB = 2**30; activations bf16 unless said):
 Calibration (BENCHMARKS.md, "DSA layer", one H200, 2026-11-30): HyScale's measured peak extra
 was 3.25 / 5.77 / 11.52 / 23.03 / 46.40 / 92.07 GiB at T = 8K .. 256K; this model says 3.3 /
 6.3 / 12.2 / 24.0 / 47.6 / 94.9 (2 to 9 % high). Until 2026-11-30 it counted the query
-gradient in fp32 (the dQ kernel writes bf16) and was 10 to 25 % high. Stock's score-table
-factor is fitted to its one measured point (below). CSA / HCA / QSA have no measurement yet:
-the next GPU session's bench_layer.py runs print the measured peak beside these numbers.
+gradient in fp32 (the dQ kernel writes bf16) and was 10 to 25 % high. At 1M tokens, CP 2,
+rows in parts of 128K (two H200s, the same day) it says 76.57 GiB, measured 76.25. Stock's
+score-table factor is fitted to its one measured point (below). CSA / HCA / QSA have no
+measurement yet: the next GPU session's bench_layer.py runs print the measured peak beside
+these numbers.
 
 Simplifications (each shifts the total by well under 10 %): norms, biases and RoPE tables are
 ignored; temporaries of a single elementwise op are not counted unless they are [T, ...] sized;

@@ -140,6 +140,10 @@ class DeepseekV4TransformerConfig(TransformerConfig):
     # part under its own activation checkpoint; for 1M tokens at low CP.
     v4_row_chunk: int | None = None
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_row_chunk(self.v4_row_chunk, "v4_row_chunk")  # at construction, not first forward
+
 
 def _linear(submodule: Any, n_in: int, n_out: int, config: TransformerConfig,
             init_method: Any) -> torch.nn.Module:

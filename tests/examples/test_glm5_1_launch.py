@@ -12,8 +12,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,12 @@ def validate_with_megatron(argv: list[str], world: int, parser: argparse.Argumen
         if "$" not in value:
             monkeypatch.setenv(key, value)
     margs.validate_args(args)
+    # pretrain_gpt.py's dataset sizing, the first thing after the model is built
+    import megatron.training.training as mtraining
+
+    monkeypatch.setattr(mtraining, "get_args", lambda: args)
+    train_samples, _, _ = mtraining.get_train_valid_test_num_samples()
+    assert train_samples == args.train_iters * args.global_batch_size
     if args.transformer_impl == "transformer_engine":
         for key, value in TE_ONLY.items():
             setattr(args, key, value)
@@ -336,6 +344,22 @@ SHRINK = ["--num-layers", "2", "--moe-layer-freq", "([0]*1+[1]*1)", "--hidden-si
           "--moe-token-dispatcher-type", "allgather"]
 
 
+@contextlib.contextmanager
+def fresh_loss_trackers() -> Iterator[None]:
+    """megatron's per-layer loss trackers (indexer, MoE) are process globals sized by the first
+    model that logs: empty them after this model, so later tests' models size their own."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexerLossLoggingHelper,
+    )
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    try:
+        yield
+    finally:
+        DSAIndexerLossLoggingHelper.tracker.clear()
+        get_moe_layer_wise_logging_tracker().clear()
+
+
 @pytest.mark.parametrize("spec", ["stock", "hyscale"])
 def test_local_arguments_build_a_model_that_trains(
     spec: str, megatron_parser: argparse.ArgumentParser, monkeypatch: pytest.MonkeyPatch,
@@ -356,7 +380,7 @@ def test_local_arguments_build_a_model_that_trains(
                                     {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     args = megatron_parser.parse_args(argv)
     config.bf16, config.params_dtype = False, torch.float32  # CPU arithmetic
-    with megatron_on_cpu():
+    with megatron_on_cpu(), fresh_loss_trackers():
         init_single_process()
         torch.manual_seed(0)
         model = GPTModel(

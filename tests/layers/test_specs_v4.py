@@ -107,6 +107,12 @@ def test_row_chunks_match_the_whole_layer(recompute, sparse):
     assert_grads_close(got, expected, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True])
+def test_bad_row_chunk_is_refused_by_the_config(bad):
+    with pytest.raises(ValueError, match="v4_row_chunk must be a positive int"):
+        tiny_v4_configs(compress_ratios=[0, 4, 128], hca_ratio=128, v4_row_chunk=bad)
+
+
 def test_row_chunks_refuse_fp8():
     model = build(v4_row_chunk=48)
     model.config.fp8 = "e4m3"  # after construction: only the forward's check sees it

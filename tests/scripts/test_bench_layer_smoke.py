@@ -197,7 +197,8 @@ def test_single_stock_json_and_table_unchanged(tmp_path: Path) -> None:
     data = _load(tmp_path, "dsa", proc)
     assert "baseline_names" not in data and "stock_kernel_backend" not in data
     (row,) = data["rows"]
-    assert set(row) == {"T", "cp", "T_local", "selection_floor_ms", "hyscale", "stock"}
+    assert set(row) == {"T", "cp", "T_local", "selection_floor_ms", "layer_floor_ms", "hyscale",
+                        "stock"}
     assert "fused_kernels" not in row["stock"]
     assert ("| T | CP | HyScale fwd+bwd ms | peak GiB/GPU | selection in step ms (share) |"
             " selection floor ms | computed / replayed | stock fwd+bwd ms |"
@@ -264,3 +265,25 @@ def test_guarded_keeps_going_only_when_asked() -> None:
     with pytest.raises(RuntimeError):
         bench_layer.guarded(broken, "cpu")
     assert bench_layer.combine([{"fwd_bwd_ms": 1.0, "peak_extra_gib": 0.0}, "OOM"]) == "OOM"
+
+
+def test_layer_floor_at_glm5_1_geometry() -> None:
+    """The DSA layer floor at 1M tokens, CP 2, counted by hand: linears 174.4M MACs a row (x4),
+    attention 142.6M (x4.5), loss target 75.5M and logits 8.4M (x2, logits' backward x2 more),
+    and the causal indexer scan 524288 x 524288 x 4096 once: 3.85e15 FLOP, the scan being
+    exactly the selection floor."""
+    import types
+
+    bench_layer = _import_bench_layer()
+    layer = types.SimpleNamespace(module=types.SimpleNamespace(
+        config=types.SimpleNamespace(**bench_layer.GLM51)))
+    args = types.SimpleNamespace(cp=2)
+    T, rate = 1 << 20, 1000.0  # TFLOP/s: ms = FLOP / 1e12
+    floor = bench_layer.layer_floor_ms("dsa", T, args, rate, layer)
+    rows = T / 2
+    by_hand = 2 * rows * (4 * 174_391_296 + 4.5 * 142_606_336 + 2 * (75_497_472 + 8_388_608)
+                          + 2 * 8_388_608) + 2 * rows * rows * 4096
+    assert floor == pytest.approx(by_hand / 1e12)
+    scan = bench_layer.selection_floor_ms("dsa", T, args, rate, layer)
+    assert scan == pytest.approx(2 * rows * rows * 4096 / 1e12)
+    assert bench_layer.layer_floor_ms("csa", T, args, rate, layer) is None

@@ -85,9 +85,12 @@ DKV_CHANNELS_ON_M = True
 # gathered once) instead of a dQ pass and a dK/dV pass. Off until timed: compiled for sm_90a
 # (GLM-5.1, 16 keys x 1 stage) its key loop has 1388 SASS instructions a thread (34 of them
 # spill loads / stores) where the two passes have about 2020 per 16 keys (dQ 32 x 2: 1315 per
-# 32; dK/dV 16 x 2: 1366); `bench_attention.py --bwd-sweep` times both.
+# 32; dK/dV 16 x 2: 1366); `bench_attention.py --bwd-sweep` times both. Only 16 x 2: on the
+# H200 (2026-11-30, tests/ops/test_sparse_attention_gpu.py) 32 x 1 gave a wrong dK for the
+# 512/576-dim shapes (relative error 239 and 761) and 16 x 1 an illegal address, as the
+# channels-on-M dK/dV kernel does at one stage.
 BWD_FUSED = False
-BWD_FUSED_TILINGS = ((16, 2), (16, 1), (32, 1))
+BWD_FUSED_TILINGS = ((16, 2),)
 
 # dK/dV accumulation modes of the dK/dV kernel.
 MODE_ATOMIC = 0  # fp32 atomic adds (fast; the rounding depends on the atomics' order)
