@@ -49,19 +49,25 @@ export PYTHONPATH=$(pwd):${PYTHONPATH:-} PYTHONUNBUFFERED=1
 
 case "$stage" in
   verify)
-    # One pytest per file so each has its own verdict ($out/<file>.rc, 0 = passed); full logs
-    # under $out, the call's output keeps the tails.
+    # One pytest per file so each has its own verdict; the full logs go into one file
+    # ($out/tests.log: the device tool brings back only a few files a call), the verdicts into
+    # $out/summary.txt and the call's output.
     for spec in indexer_loss:100 sparse_attention:170 hytopk:150; do
       f=tests/ops/test_${spec%%:*}_gpu.py name=test_${spec%%:*}_gpu
-      timeout ${spec##*:} python3 -m pytest -q -rfE -m gpu "$f" -p no:cacheprovider > "$out/$name.log" 2>&1
-      echo $? > "$out/$name.rc"
-      echo "$name rc=$(cat "$out/$name.rc"): $(tail -1 "$out/$name.log")"
+      echo "=== $name" >> "$out/tests.log"
+      timeout ${spec##*:} python3 -m pytest -q -rfE -m gpu "$f" -p no:cacheprovider \
+        > "$out/current.log" 2>&1
+      rc=$?
+      cat "$out/current.log" >> "$out/tests.log"
+      echo "$name rc=$rc: $(tail -1 "$out/current.log")" | tee -a "$out/summary.txt"
     done
-    timeout 160 python3 -m pytest -q -rfE tests/layers -p no:cacheprovider \
-      > "$out/layers.log" 2>&1
-    echo "layers rc=$?"
-    grep -h -E "^(FAILED|ERROR)" "$out"/*.log | head -30
-    tail -3 "$out/layers.log"
+    echo "=== layers" >> "$out/tests.log"
+    timeout 160 python3 -m pytest -q -rfE tests/layers -p no:cacheprovider > "$out/current.log" 2>&1
+    rc=$?
+    cat "$out/current.log" >> "$out/tests.log"
+    echo "layers rc=$rc: $(tail -1 "$out/current.log")" | tee -a "$out/summary.txt"
+    rm -f "$out/current.log"
+    grep -h -E "^(FAILED|ERROR|E  )" "$out/tests.log" | cut -c1-400 | head -30
     ;;
   kernels)
     timeout 180 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
