@@ -6,8 +6,9 @@
 #   bash scripts/gpu_session.sh kernels   # HyTopK variants at 128K, pruning on structured
 #                                         # inputs, the demo's captured indexer        (~5 min)
 #   bash scripts/gpu_session.sh attention # the backward tiling sweep, L2-resident gathers
-#                                         # (--indices window), the indexer-loss benchmark
-#                                         # and its target-pass tilings                (~7 min)
+#                                         # (--indices window), V3.2's head-block launch order,
+#                                         # the indexer-loss benchmark and its target-pass
+#                                         # tilings                                    (~9 min)
 #   bash scripts/gpu_session.sh layer [T...]  # bench_layer.py, DSA, GLM-5.1 geometry   (~3 min)
 #   bash scripts/gpu_session.sh models [T...] # bench_layer.py for DeepSeek-V4's CSA and HCA
 #                                         # layers and the QSA layer against their baseline
@@ -99,6 +100,14 @@ case "$stage" in
     timeout 90 python3 scripts/bench_attention.py --t 131072 --shapes glm51 csa --reps 2 \
       --indices window --no-stock --no-deterministic --out "$out/window" 2>&1 \
       | grep "T=" | tee "$out/bench_attention_window.log"
+    # V3.2's 128 heads run as two programs a query: their launch order (HEAD_BLOCKS_ADJACENT,
+    # off until this run) decides whether the second one's gathers can hit L2.
+    for order in split adjacent; do
+      flag=(); [ $order = adjacent ] && flag=(--adjacent-head-blocks)
+      timeout 90 python3 scripts/bench_attention.py --t 131072 --shapes v32 --reps 2 \
+        --no-stock --no-deterministic "${flag[@]}" --out "$out/heads_$order" 2>&1 \
+        | grep "T=" | sed "s/^/$order: /" | tee -a "$out/bench_attention_head_blocks.log"
+    done
     timeout 120 python3 scripts/bench_indexer_loss.py --out "$out" 2>&1 \
       | tee "$out/bench_indexer_loss.log"
     # The target pass (3x the attention forward on 2026-11-30) per tiling.

@@ -160,6 +160,21 @@ def test_values_and_gradients(case, deterministic, variant, monkeypatch):
         close("empty-row lse", lse[B - 1, T - 1], sink)
 
 
+@pytest.mark.parametrize("case", ["two_head_blocks", "gqa_per_head", "tiny_head_dim_gqa3"])
+def test_adjacent_head_blocks_give_the_same_results(case, monkeypatch):
+    """HEAD_BLOCKS_ADJACENT changes only the launch order (a 1-D grid, a query's programs next
+    to each other): every output and gradient is bitwise the default's."""
+    q, k, v, idx, sink, dv, scale = build(case, seed=7)
+    runs = []
+    for adjacent in (False, True):
+        monkeypatch.setattr(kern, "HEAD_BLOCKS_ADJACENT", adjacent)
+        monkeypatch.setattr(kern, "_tiling_cache", {})
+        (out, lse, grads), _ = run_both(q, k, v, idx, sink, dv, scale, deterministic=True)
+        runs.append([out, lse, *grads])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_lse_gradient():
     q, k, v, idx, sink, dv, scale = build("kv_shared_sink", seed=3)
     w = torch.randn(q.shape[:3], generator=torch.Generator().manual_seed(9)).to(DEVICE)

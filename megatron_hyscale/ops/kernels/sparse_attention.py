@@ -44,6 +44,13 @@ LN2 = 0.6931471805599453
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(LN2)
 
+# Launch order of a query's programs (KV heads x head blocks). False: a (B x T, programs) grid,
+# so a query's second head block runs about B x T programs after its first. True: a 1-D grid
+# with a query's programs adjacent, running at about the same time, so the second head block's
+# gathers of the same key rows (V3.2's 128 heads in two blocks of 64, the dK/dV kernel's halved
+# blocks) can hit L2. Off until timed (`bench_attention.py --adjacent-head-blocks`); exact
+# either way (only the order changes). GLM-5.1 / CSA run one program a query: no difference.
+HEAD_BLOCKS_ADJACENT = False
 # Query heads per program: the MMA's M. 64 is one wgmma tile height; a [64 x 512] fp32
 # accumulator already takes 128 registers a thread over 8 warps, so 128 heads use two programs.
 MAX_BLOCK_H = 64
@@ -111,10 +118,19 @@ MAX_SCALE_EXP = 120
 
 
 @triton.jit
-def _coords(T, NHB, G, BLOCK_H: tl.constexpr):
-    """(b, t, kv head, query-head offsets within the group, head mask) of this program."""
-    pid_q = tl.program_id(0).to(tl.int64)
-    pid_g = tl.program_id(1)
+def _coords(T, NHB, G, NG: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(b, t, kv head, query-head offsets within the group, head mask) of this program.
+
+    NG = 0: a (B x T, KV heads x head blocks) grid. NG > 0 (HEAD_BLOCKS_ADJACENT): a 1-D grid
+    of B x T x NG programs, NG = KV heads x head blocks, a query's programs adjacent.
+    """
+    if NG > 0:
+        pid = tl.program_id(0).to(tl.int64)
+        pid_q = pid // NG
+        pid_g = (pid % NG).to(tl.int32)
+    else:
+        pid_q = tl.program_id(0).to(tl.int64)
+        pid_g = tl.program_id(1)
     b = pid_q // T
     t = pid_q % T
     kvh = pid_g // NHB
@@ -174,14 +190,14 @@ def _fwd_kernel(
     sib, sit, sih, sik, spb, spt, sob, sot, soh, sod, slb, slt, slh,
     D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr, HAS_SINK: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NG: tl.constexpr,
 ):
     """out[h] = softmax(q[h] . K_sel * scale (+ sink)) @ V_sel for one query's head block.
 
     s = [heads x Dqk] @ [Dqk x keys] on gathered rows, online base-2 softmax, acc += P @ V_sel
     in fp32; -1 slots score -inf; a row with no valid key (and no sink) writes zeros.
     """
-    b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, BLOCK_H)
+    b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
     heads = kvh * G + offs_h
     offs_dm = tl.arange(0, D_MAIN)
     q_main, q_tail = _load_q(q_ptr, b, t, heads, h_mask, sqb, sqt, sqh, sqd, D, D_MAIN, D_TAIL)
@@ -284,7 +300,7 @@ def _bwd_dq_kernel(
     D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_DLSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, FUSE_DKV: tl.constexpr, MODE: tl.constexpr,
+    PRECISION: tl.constexpr, FUSE_DKV: tl.constexpr, MODE: tl.constexpr, NG: tl.constexpr,
 ):
     """dQ for one query's head block; also writes Delta = dO . O - dlse and sink terms.
 
@@ -295,7 +311,7 @@ def _bwd_dq_kernel(
     channels on M: dK^T = scale * q^T dS + dV^T, dV^T = dO^T P, per MODE, as _bwd_dkv_kernel),
     so S and dP are computed and the key rows gathered once for the whole backward.
     """
-    b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, BLOCK_H)
+    b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
     heads = kvh * G + offs_h
     offs_dm = tl.arange(0, D_MAIN)
     offs_v = tl.arange(0, DV_PAD)
@@ -409,7 +425,7 @@ def _bwd_dkv_kernel(
     D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr,
     MODE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, CHANNELS_ON_M: tl.constexpr,
+    PRECISION: tl.constexpr, CHANNELS_ON_M: tl.constexpr, NG: tl.constexpr,
 ):
     """dK / dV contributions of one query's head block, added into the selected key rows.
 
@@ -419,7 +435,7 @@ def _bwd_dkv_kernel(
     merged into dK's first channels when V is K's main part; tiles are accumulated per MODE
     (fp32 atomics or fixed point).
     """
-    b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, BLOCK_H)
+    b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
     heads = kvh * G + offs_h
     offs_dm = tl.arange(0, D_MAIN)
     offs_v = tl.arange(0, DV_PAD)
@@ -580,17 +596,25 @@ def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None,
     out = torch.empty((B, T, Hq, geo.dv), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
     v_src, v_str = _v_source(k, v, geo)
-    grid = (B * T, k.shape[2] * geo.nhb)
+    grid, ng = _grid(B * T, k.shape[2] * geo.nhb)
     pre, pre_str = _prefix_args(prefix_lengths, lse)
     args = (q, k, v_src, indices, pre, sink if sink is not None else lse, out, lse,
             T, NK, geo.G, geo.nhb, softmax_scale * LOG2E,
             *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices), *pre_str,
             *_strides4(out), *lse.stride())
-    const = dict(geo.const(), HAS_SINK=sink is not None, HAS_PREFIX=prefix_lengths is not None)
+    const = dict(geo.const(), HAS_SINK=sink is not None, HAS_PREFIX=prefix_lengths is not None,
+                 NG=ng)
     resident = geo.block_h * (geo.d_main + geo.d_tail)
     _launch(_fwd_kernel, grid, args, const, geo, FWD_TILINGS, resident, q.element_size(),
             ("fwd", q.dtype, FWD_TILINGS, tuple(sorted(const.items()))))
     return out, lse
+
+
+def _grid(queries: int, programs: int) -> tuple[tuple[int, ...], int]:
+    """(launch grid, the kernels' NG) for `programs` programs a query (HEAD_BLOCKS_ADJACENT)."""
+    if HEAD_BLOCKS_ADJACENT:
+        return (queries * programs,), programs
+    return (queries, programs), 0
 
 
 def _fixed_point_scale(rowmax, n_contrib):
@@ -655,7 +679,7 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
     delta = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
     dsink_part = torch.empty_like(delta) if sink is not None else delta
     v_src, v_str = _v_source(k, v, geo)
-    grid = (B * T, k.shape[2] * geo.nhb)
+    grid, ng = _grid(B * T, k.shape[2] * geo.nhb)
     resident = geo.block_h * (geo.d_main + geo.d_tail + geo.dv_pad)
     dlse_t = dlse if dlse is not None else lse
     pre, pre_str = _prefix_args(prefix_lengths, lse)
@@ -669,7 +693,7 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
             *lse.stride(), *_strides4(dq), *dkv_strides)
     const = dict(geo.const(), HAS_SINK=sink is not None, HAS_DLSE=dlse is not None,
                  HAS_PREFIX=prefix_lengths is not None, FUSE_DKV=fused,
-                 MODE=mode if fused else MODE_ATOMIC)
+                 MODE=mode if fused else MODE_ATOMIC, NG=ng)
     tilings = BWD_FUSED_TILINGS if fused else _bwd_tilings(geo, DQ_TILINGS, NARROW_DQ_TILINGS)
     _launch(_bwd_dq_kernel, grid, args, const, geo, tilings, resident, q.element_size(),
             ("dq", q.dtype, tilings, tuple(sorted(const.items()))))
@@ -702,7 +726,7 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
     while bh_dkv > MIN_DOT and copies * bh_dkv * dims * elem > DKV_RESIDENT_BUDGET:
         bh_dkv //= 2
     nhb_dkv = triton.cdiv(geo.G, bh_dkv)
-    grid_dkv = (B * T, Hkv * nhb_dkv)
+    grid_dkv, ng_dkv = _grid(B * T, Hkv * nhb_dkv)
 
     pre, pre_str = _prefix_args(prefix_lengths, lse)
 
@@ -712,7 +736,8 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
                 *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices), *pre_str,
                 *_strides4(dout), *lse.stride(), *acc.strides())
         const = dict(geo.const(), MODE=mode, BLOCK_H=bh_dkv,
-                     HAS_PREFIX=prefix_lengths is not None, CHANNELS_ON_M=DKV_CHANNELS_ON_M)
+                     HAS_PREFIX=prefix_lengths is not None, CHANNELS_ON_M=DKV_CHANNELS_ON_M,
+                     NG=ng_dkv)
         tilings = _bwd_tilings(geo, DKV_TILINGS, NARROW_DKV_TILINGS)
         _launch(_bwd_dkv_kernel, grid_dkv, args, const, geo, tilings, copies * bh_dkv * dims,
                 elem, ("dkv", q.dtype, tilings, tuple(sorted(const.items()))))
