@@ -98,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--gpus", type=int, choices=(1, 2), default=None,
                        help="GPUs of the small configuration (default 2)")
         p.add_argument("--stock-backend", choices=("reference", "tilelang"),
-                       default="reference", help="stock DSA backend the estimate assumes")
+                       default="reference",
+                       help="stock DSA's kernels: reference (megatron's torch path) or "
+                            "tilelang (side-by-side passes --dsa-kernel-backend tilelang to "
+                            "the stock run; TileLang must import there); the estimate follows")
         if name == "side-by-side":
             p.add_argument("--output-dir", type=Path, default=Path("glm5_1_side_by_side"),
                            help="where stock.log, hyscale.log and summary.txt go")
@@ -213,7 +216,12 @@ def run_side_by_side(args: argparse.Namespace, extra: list[str]) -> int:
             if warning:
                 print(warning)
         # stock first, then HyScale: identical arguments except --spec (same seed, same data)
-        cmds = [make_command(model, layout, is_full, args, spec, extra, dry_run=args.dry_run)
+        # and, for stock, its kernel backend (HyScale's layer has its own kernels)
+        stock_extra = (["--dsa-kernel-backend", "tilelang"]
+                       if args.stock_backend == "tilelang" else [])
+        cmds = [make_command(model, layout, is_full, args, spec,
+                             (stock_extra if spec == "stock" else []) + extra,
+                             dry_run=args.dry_run)
                 for spec in ("stock", "hyscale")]
         print()
         for cmd in cmds:
