@@ -3,8 +3,8 @@
 # from the repository root on the H200 with `carry: [".whl"]`:
 #   bash scripts/gpu_session.sh verify    # GPU op tests (HyTopK, sparse attention, indexer
 #                                         # loss) + the layer tests on CUDA            (~4 min)
-#   bash scripts/gpu_session.sh kernels   # HyTopK variants at 128K, pruning on structured
-#                                         # inputs, the demo's captured indexer        (~5 min)
+#   bash scripts/gpu_session.sh kernels   # HyTopK variants and launch sweep at 128K, pruning
+#                                         # on structured inputs, the captured indexer (~7 min)
 #   bash scripts/gpu_session.sh attention # the backward tiling sweep, L2-resident gathers
 #                                         # (--indices window), V3.2's head-block launch order,
 #                                         # the indexer-loss benchmark and its target-pass
@@ -74,6 +74,10 @@ case "$stage" in
     timeout 180 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
       --methods hytopk hytopk_heads_on_m hytopk_scan_slots scoreonly scoreonly_heads_on_m finish \
       table chunked --out "$out" 2>&1 | tee "$out/bench_selection.log"
+    # Launch variants of the keys-on-M kernel (never timed since it became the default),
+    # among them 4 query rows a program (the GEMM's N 256: half the key-tile reads per FLOP).
+    timeout 150 python3 scripts/bench_selection.py --sweep --T 131072 --configs dsv32 \
+      --reps 2 --out "$out" 2>&1 | grep "^sweep" | tee "$out/bench_selection_sweep.log"
     # Issue 3's structured inputs: exact key-tile pruning (share pruned, speed-up, identical
     # selection) on the recency + heavy-hitter generator.
     timeout 120 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
