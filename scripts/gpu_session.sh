@@ -52,23 +52,28 @@ case "$stage" in
   verify)
     # One pytest per file so each has its own verdict; the full logs go into one file
     # ($out/tests.log: the device tool brings back only a few files a call), the verdicts into
-    # $out/summary.txt and the call's output.
+    # $out/summary.txt and the call's output. Exit status: 1 if any file failed.
+    : > "$out/tests.log"; : > "$out/summary.txt"
+    fail=0
     for spec in indexer_loss:100 sparse_attention:170 hytopk:150; do
       f=tests/ops/test_${spec%%:*}_gpu.py name=test_${spec%%:*}_gpu
       echo "=== $name" >> "$out/tests.log"
       timeout ${spec##*:} python3 -m pytest -q -rfE -m gpu "$f" -p no:cacheprovider \
         > "$out/current.log" 2>&1
       rc=$?
+      [ $rc -eq 0 ] || fail=1
       cat "$out/current.log" >> "$out/tests.log"
       echo "$name rc=$rc: $(tail -1 "$out/current.log")" | tee -a "$out/summary.txt"
     done
     echo "=== layers" >> "$out/tests.log"
     timeout 160 python3 -m pytest -q -rfE tests/layers -p no:cacheprovider > "$out/current.log" 2>&1
     rc=$?
+    [ $rc -eq 0 ] || fail=1
     cat "$out/current.log" >> "$out/tests.log"
     echo "layers rc=$rc: $(tail -1 "$out/current.log")" | tee -a "$out/summary.txt"
     rm -f "$out/current.log"
-    grep -h -E "^(FAILED|ERROR|E  )" "$out/tests.log" | cut -c1-400 | head -30
+    grep -h -E "^(FAILED|ERROR|E  )" "$out/tests.log" | cut -c1-400 | head -30 || true
+    exit $fail
     ;;
   kernels)
     timeout 180 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
@@ -77,7 +82,8 @@ case "$stage" in
     # Launch variants of the keys-on-M kernel (never timed since it became the default),
     # among them 4 query rows a program (the GEMM's N 256: half the key-tile reads per FLOP).
     timeout 150 python3 scripts/bench_selection.py --sweep --T 131072 --configs dsv32 \
-      --reps 2 --out "$out" 2>&1 | grep "^sweep" | tee "$out/bench_selection_sweep.log"
+      --reps 2 --out "$out" 2>&1 | grep -E "^sweep|Error|Timeout" \
+      | tee "$out/bench_selection_sweep.log"
     # Issue 3's structured inputs: exact key-tile pruning (share pruned, speed-up, identical
     # selection) on the recency + heavy-hitter generator.
     timeout 120 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
@@ -110,7 +116,7 @@ case "$stage" in
       flag=(); [ $order = adjacent ] && flag=(--adjacent-head-blocks)
       timeout 90 python3 scripts/bench_attention.py --t 131072 --shapes v32 --reps 2 \
         --no-stock --no-deterministic "${flag[@]}" --out "$out/heads_$order" 2>&1 \
-        | grep "T=" | sed "s/^/$order: /" | tee -a "$out/bench_attention_head_blocks.log"
+        | grep -E "T=|Error" | sed "s/^/$order: /" | tee -a "$out/bench_attention_head_blocks.log"
     done
     timeout 120 python3 scripts/bench_indexer_loss.py --out "$out" 2>&1 \
       | tee "$out/bench_indexer_loss.log"
@@ -159,6 +165,7 @@ case "$stage" in
     # the helpers compiled (helpers_cpp*.so) but no Makefile, so make would fail: give it one
     # with nothing to do.
     ds=$(python3 -c "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))")
+    [ -n "$ds" ] || { echo "gpu_session.sh side2: megatron.core does not import" >&2; exit 1; }
     [ -f "$ds/Makefile" ] || printf 'default:\n\t@true\n' > "$ds/Makefile"
     # Arguments replace these side_by_side.sh options (stock takes 19 s an iteration at 16K).
     opts=("$@")

@@ -160,19 +160,46 @@ def test_values_and_gradients(case, deterministic, variant, monkeypatch):
         close("empty-row lse", lse[B - 1, T - 1], sink)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["split-bwd", "fused-bwd"])
 @pytest.mark.parametrize("case", ["two_head_blocks", "gqa_per_head", "tiny_head_dim_gqa3"])
-def test_adjacent_head_blocks_give_the_same_results(case, monkeypatch):
+def test_adjacent_head_blocks_give_the_same_results(case, fused, monkeypatch):
     """HEAD_BLOCKS_ADJACENT changes only the launch order (a 1-D grid, a query's programs next
-    to each other): every output and gradient is bitwise the default's."""
+    to each other): every output and gradient is bitwise the default's. A small dK/dV budget
+    gives that kernel more head blocks than the forward's (3 against 2 for two_head_blocks)."""
+    monkeypatch.setattr(kern, "DKV_RESIDENT_BUDGET", 4096)
+    monkeypatch.setattr(kern, "BWD_FUSED", fused)
+    monkeypatch.setattr(kern, "BWD_FUSED_TILINGS", ((16, 1),))
     q, k, v, idx, sink, dv, scale = build(case, seed=7)
-    runs = []
+    real_grid, grids, runs = kern._grid, [], []
+    monkeypatch.setattr(kern, "_grid", lambda *a: grids.append(real_grid(*a)) or grids[-1])
     for adjacent in (False, True):
         monkeypatch.setattr(kern, "HEAD_BLOCKS_ADJACENT", adjacent)
         monkeypatch.setattr(kern, "_tiling_cache", {})
+        grids.clear()
         (out, lse, grads), _ = run_both(q, k, v, idx, sink, dv, scale, deterministic=True)
         runs.append([out, lse, *grads])
+        # every launch used the grid this order asks for (1-D with NG > 0 when adjacent)
+        assert grids and all((len(g) == 1 and ng > 0) == adjacent for g, ng in grids)
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_gradient_of_a_summed_lse():
+    """lse.sum()'s gradient is an expanded (stride-0) tensor: the kernels must not read it with
+    lse's strides."""
+    q, k, v, idx, sink, dv, scale = build("gqa_per_head", seed=3)
+    grads = []
+    for use_kernel in (True, False):
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        if use_kernel:
+            _, lse = kern.sparse_attention_triton(qq, kk, vv, idx, scale, sink=sink,
+                                                  return_lse=True)
+        else:
+            _, lse = dense_oracle(qq, kk, vv, idx, scale, sink=sink)
+        lse.sum().backward()
+        grads.append((qq.grad, kk.grad))
+    for got, ref in zip(*grads, strict=True):
+        close("d(lse.sum())", got, ref)
 
 
 def test_lse_gradient():

@@ -521,6 +521,9 @@ class _Geometry:
         self.G = hq // hkv
         self.block_h = min(MAX_BLOCK_H, max(MIN_DOT, triton.next_power_of_2(self.G)))
         self.nhb = triton.cdiv(self.G, self.block_h)
+        if d < MIN_DOT:  # sparse_attention_triton pads; the launchers below read whole tiles
+            raise ValueError(f"the kernels need a head dim of at least {MIN_DOT}, got {d} "
+                             "(sparse_attention_triton zero-pads narrower heads)")
         self.D = d
         self.d_main = max(MIN_DOT, 1 << (d.bit_length() - 1))
         rest = d - self.d_main
@@ -803,6 +806,10 @@ class SparseAttentionFunction(torch.autograd.Function):
         q, k, v, indices, sink, prefix_lengths, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
+        if dlse is not None:
+            # The dQ kernel reads dlse with lse's strides; the gradient of lse.sum() is an
+            # expanded (stride-0) tensor.
+            dlse = dlse.contiguous()
         dq, dk, dvv, dsink = sparse_attention_bwd(
             q, k, v, indices, ctx.softmax_scale, out, lse, dout, dlse=dlse, dv=ctx.dv,
             sink=sink, deterministic=ctx.deterministic, prefix_lengths=prefix_lengths)
