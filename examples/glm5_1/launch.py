@@ -240,7 +240,8 @@ def run_side_by_side(args: argparse.Namespace, extra: list[str]) -> int:
         records.append(recs)
         summaries.append(logparse.summarize(
             variant, recs, seq_length=layout.seq_length, gpus=layout.gpus,
-            skip=args.skip_iters, exit_code=codes[variant]))
+            skip=args.skip_iters, exit_code=codes[variant],
+            peak_allocated_mib=logparse.peak_allocated_mib(text)))
     table = logparse.side_by_side(summaries[0], summaries[1], records[0], records[1])
     print("\n" + table)
     if not args.parse_only:

@@ -8,7 +8,13 @@ iteration, fields separated by ' | ', e.g.
     global batch size:     4 | lm loss: 1.052341E+01 | indexer loss: 3.120000E-01 | ...
 
 (on one line). `elapsed time per iteration (ms)` is averaged over the log interval; losses are
-averaged over the interval too. Lines from other ranks or tools are ignored.
+averaged over the interval too. Lines from other ranks or tools are ignored. Each rank also
+reports its CUDA allocator after the first logged iterations:
+
+    [Rank 0] (after 2 iterations) memory (MB) | allocated: 11842.11 | max allocated: 74207.15 |
+    reserved: 86016.00 | max reserved: 86016.00
+
+of which `peak_allocated_mib` keeps the largest `max allocated` over ranks and iterations.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import re
 from dataclasses import dataclass, field
 
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
+_MAX_ALLOCATED = re.compile(r"memory \(MB\).*?\|\s*max allocated:\s*([0-9.]+)")
 _FIELD = re.compile(r"^\s*([A-Za-z][A-Za-z0-9 _()/\-]*?)\s*:\s*([-+0-9.eEnaNinf]+)\s*$")
 
 
@@ -60,6 +67,12 @@ def parse_megatron_log(text: str) -> list[IterationRecord]:
     return records
 
 
+def peak_allocated_mib(text: str) -> float | None:
+    """The largest `max allocated` (MiB, torch.cuda.max_memory_allocated) any rank reported."""
+    values = [float(m.group(1)) for m in _MAX_ALLOCATED.finditer(text)]
+    return max(values) if values else None
+
+
 @dataclass
 class RunSummary:
     """Throughput and losses of one run, warm-up iterations excluded from the timing."""
@@ -74,20 +87,23 @@ class RunSummary:
     last_lm_loss: float | None
     last_indexer_loss: float | None
     note: str = ""
+    peak_allocated_mib: float | None = None
 
 
 def summarize(name: str, records: list[IterationRecord], *, seq_length: int, gpus: int,
-              skip: int = 2, exit_code: int | None = 0) -> RunSummary:
+              skip: int = 2, exit_code: int | None = 0,
+              peak_allocated_mib: float | None = None) -> RunSummary:
     """Mean time over the iterations after the first `skip` (compile, allocator warm-up).
 
     tokens/s = global batch size x seq_length / mean iteration time. If every iteration falls
-    in the warm-up window, the last one is timed rather than none.
+    in the warm-up window, the last one is timed rather than none. `peak_allocated_mib`: what
+    `peak_allocated_mib(log text)` found, carried into the summary.
     """
     note = "" if exit_code in (0, None) else f"exited with code {exit_code}"
     if not records:
         note = note or "no iterations logged"
         return RunSummary(name, 0, 0, None, None, None, None, None, None,
-                          note=f"{note} (see its log)")
+                          note=f"{note} (see its log)", peak_allocated_mib=peak_allocated_mib)
     timed = records[skip:] or records[-1:]
     mean_ms = sum(r.elapsed_ms for r in timed) / len(timed)
     gbs = timed[-1].global_batch_size
@@ -105,6 +121,7 @@ def summarize(name: str, records: list[IterationRecord], *, seq_length: int, gpu
         last_lm_loss=losses[-1] if losses else None,
         last_indexer_loss=indexer[-1] if indexer else None,
         note=note,
+        peak_allocated_mib=peak_allocated_mib,
     )
 
 
@@ -112,6 +129,10 @@ def _fmt(value: float | None, spec: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return format(value, spec)
+
+
+def _gib(mib: float | None) -> float | None:
+    return None if mib is None else mib / 1024.0
 
 
 def side_by_side(a: RunSummary, b: RunSummary, records_a: list[IterationRecord],
@@ -129,6 +150,8 @@ def side_by_side(a: RunSummary, b: RunSummary, records_a: list[IterationRecord],
          f"{_fmt(a.first_lm_loss, '.4f')} -> {_fmt(a.last_lm_loss, '.4f')}",
          f"{_fmt(b.first_lm_loss, '.4f')} -> {_fmt(b.last_lm_loss, '.4f')}"),
         ("indexer loss (last)", _fmt(a.last_indexer_loss, ".4g"), _fmt(b.last_indexer_loss, ".4g")),
+        ("max allocated per GPU (GiB)", _fmt(_gib(a.peak_allocated_mib), ".1f"),
+         _fmt(_gib(b.peak_allocated_mib), ".1f")),
         ("note", a.note or "-", b.note or "-"),
     ]
     w0 = max(len(r[0]) for r in rows) + 2

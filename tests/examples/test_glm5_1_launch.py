@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -273,6 +274,10 @@ elapsed time per iteration (ms): 6000.0 | learning rate: 1.000000E-05 | global b
 | lm loss: 1.150000E+01 | indexer loss: 1.000000E-01 | loss scale: 1.0 | grad norm: 7.000 | \
 number of skipped iterations:   0 | number of nan iterations:   0 |
 validation loss at iteration 4 | lm loss value: 1.149000E+01 | lm loss PPL: 9.8E+04 |
+[Rank 1] (after 1 iterations) memory (MB) | allocated: 11842.11 | max allocated: 70063.70 | \
+reserved: 77804.00 | max reserved: 77804.00
+[Rank 0] (after 2 iterations) memory (MB) | allocated: 11842.11 | max allocated: 74207.15 | \
+reserved: 86016.00 | max reserved: 86016.00
 """
 
 
@@ -285,11 +290,14 @@ def test_parse_megatron_log() -> None:
     assert records[0].global_batch_size == 4
     assert records[0].fields["grad norm"] == 12.345
     assert records[0].fields["seq_load_balancing_loss"] == 1.02
+    assert logparse.peak_allocated_mib(SAMPLE_LOG) == 74207.15  # the largest over ranks
+    assert logparse.peak_allocated_mib("no memory report") is None
 
 
 def test_summary_and_side_by_side() -> None:
     records = logparse.parse_megatron_log(SAMPLE_LOG)
-    s = logparse.summarize("hyscale", records, seq_length=32768, gpus=2, skip=2)
+    s = logparse.summarize("hyscale", records, seq_length=32768, gpus=2, skip=2,
+                           peak_allocated_mib=24198.15)
     assert s.timed_iterations == 2 and s.mean_iteration_ms == 7000.0
     assert s.tokens_per_s == pytest.approx(4 * 32768 / 7.0)
     assert s.tokens_per_s_per_gpu == pytest.approx(4 * 32768 / 7.0 / 2)
@@ -300,6 +308,7 @@ def test_summary_and_side_by_side() -> None:
     table = logparse.side_by_side(stock, s, slow, records)
     assert "speed-up hyscale / stock: 2.00x" in table
     assert "11.500000" in table and "12000.0" in table
+    assert re.search(r"max allocated per GPU \(GiB\)\s+-\s+23\.6\b", table)
     crashed = logparse.summarize("stock", [], seq_length=32768, gpus=2, exit_code=1)
     assert crashed.tokens_per_s is None and "exited with code 1" in crashed.note
     assert "speed-up" not in logparse.side_by_side(crashed, s, [], records)
@@ -312,6 +321,7 @@ def test_side_by_side_parse_only(tmp_path: Path) -> None:
                         str(tmp_path / "hyscale.log"), "--skip-iters", "3")
     assert result.returncode == 0, result.stderr
     assert "speed-up hyscale / stock: 2.00x" in result.stdout
+    assert re.search(r"max allocated per GPU \(GiB\)\s+72\.5\s+72\.5", result.stdout)
 
 
 # ---------------------------------------------------------------- errors
