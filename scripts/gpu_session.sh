@@ -26,6 +26,10 @@
 #                                         # GLM-5.1 at 16K, CP 2, 10 iterations, tokens/s and
 #                                         # losses (~5.5 min; side2 ARGS...: side_by_side.sh
 #                                         # options instead of those three)
+#                                         # Stock on TileLang: gpu_tilelang.sh 1 and 2 first,
+#                                         # then PYTHONPATH=$PWD/.carry/site:$PYTHONPATH
+#                                         # bash scripts/gpu_session.sh side2 --stock-backend
+#                                         # tilelang --seq-length 16384 --train-iters 10
 # Logs and JSON go under ${OUT:-outputs/gpu_session}/<stage>. TileLang's stock backend needs
 # two more calls (scripts/gpu_tilelang.sh).
 set -uo pipefail
