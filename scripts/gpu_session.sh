@@ -10,9 +10,14 @@
 #                                         # the indexer-loss benchmark and its target-pass
 #                                         # tilings                                    (~9 min)
 #   bash scripts/gpu_session.sh layer [T...]  # bench_layer.py, DSA, GLM-5.1 geometry   (~3 min)
-#   bash scripts/gpu_session.sh models [T...] # bench_layer.py for DeepSeek-V4's CSA and HCA
-#                                         # layers and the QSA layer against their baseline
-#                                         # modes, 32K / 64K / 128K                    (~9 min)
+#   bash scripts/gpu_session.sh models [csa|hca|qsa...] [T...] # bench_layer.py for
+#                                         # DeepSeek-V4's CSA and HCA layers and the QSA layer
+#                                         # against their baseline modes, 32K / 64K / 128K
+#                                         # (all three ~9 min)
+#   bash scripts/gpu_session.sh pair 'STAGE [ARGS]' 'STAGE [ARGS]'  # on nvidia-h200-x2: two
+#                                         # one-GPU stages at once, one a GPU, e.g.
+#                                         # pair 'models csa hca' 'models qsa' or
+#                                         # pair kernels attention; files in results.tgz
 #   bash scripts/gpu_session.sh cp2 [T...]  # on nvidia-h200-x2: CP 2 against CP 1 (NCCL,
 #                                         # DSA / CSA / QSA layers at 32K), then DSA at CP 2
 #                                         # at 128K / 256K / 512K                      (~9 min)
@@ -36,9 +41,9 @@ set -uo pipefail
 stage=${1:-}
 shift || true
 case "$stage" in
-  verify|kernels|attention|layer|models|cp2|cp2-1m|side2) ;;
+  verify|kernels|attention|layer|models|cp2|cp2-1m|side2|pair) ;;
   *) echo "usage: bash scripts/gpu_session.sh" \
-       "{verify|kernels|attention|layer|models|cp2|cp2-1m|side2} [T...]" >&2
+       "{verify|kernels|attention|layer|models|cp2|cp2-1m|side2|pair} [T...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -135,12 +140,33 @@ case "$stage" in
       | tee "$out/bench_layer.log"
     ;;
   models)
-    seqs=${*:-32768 65536 131072}
-    for model in csa hca qsa; do
-      timeout 180 python3 scripts/bench_layer.py --model $model --seq $seqs --repeats 1 \
+    models=(); seqs=()
+    for a in "$@"; do case $a in csa|hca|qsa) models+=("$a") ;; *) seqs+=("$a") ;; esac; done
+    [ ${#models[@]} -gt 0 ] || models=(csa hca qsa)
+    [ ${#seqs[@]} -gt 0 ] || seqs=(32768 65536 131072)
+    for model in "${models[@]}"; do
+      timeout 180 python3 scripts/bench_layer.py --model $model --seq "${seqs[@]}" --repeats 1 \
         --stock-max-seq 131072 --out "$out" 2>&1 | grep -v Warning | grep -A12 "^| T" \
         | tee "$out/bench_layer_$model.log"
     done
+    ;;
+  pair)
+    # Two one-GPU stages at once on nvidia-h200-x2, one a GPU; their files packed into
+    # $out/results.tgz (the device tool brings back at most 8 files a call).
+    [ $# -eq 2 ] || { echo "usage: bash scripts/gpu_session.sh pair 'STAGE [ARGS]'" \
+                        "'STAGE [ARGS]'" >&2; exit 2; }
+    specs=("$1" "$2") pids=()
+    for i in 0 1; do
+      # shellcheck disable=SC2086  # a stage and its arguments, split on purpose
+      OUT=$out/gpu$i CUDA_VISIBLE_DEVICES=$i bash "$0" ${specs[$i]} > "$out/gpu$i.log" 2>&1 &
+      pids+=($!)
+    done
+    rc=0
+    for p in "${pids[@]}"; do wait "$p" || rc=1; done
+    for i in 0 1; do echo "=== GPU $i: ${specs[$i]}"; grep -v Warning "$out/gpu$i.log" | tail -40; done
+    tar -czf "$out/results.tgz" -C "$out" gpu0 gpu1 gpu0.log gpu1.log \
+      && rm -rf "$out/gpu0" "$out/gpu1"
+    exit $rc
     ;;
   cp2)
     run2=(python3 -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2)
