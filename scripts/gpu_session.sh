@@ -12,8 +12,8 @@
 #   bash scripts/gpu_session.sh layer [T...]  # bench_layer.py, DSA, GLM-5.1 geometry   (~3 min)
 #   bash scripts/gpu_session.sh models [csa|hca|qsa...] [T...] # bench_layer.py for
 #                                         # DeepSeek-V4's CSA and HCA layers and the QSA layer
-#                                         # against their baseline modes, 32K-128K (QSA
-#                                         # 128K-512K)          (all three ~11 min at most)
+#                                         # against their baseline modes, 32K-256K (QSA
+#                                         # 128K-512K)          (all three ~13 min at most)
 #   bash scripts/gpu_session.sh pair 'STAGE [ARGS]' 'STAGE [ARGS]'  # on nvidia-h200-x2: two
 #                                         # one-GPU stages at once, one a GPU, e.g.
 #                                         # pair 'models csa hca' 'models qsa' or
@@ -144,11 +144,12 @@ case "$stage" in
     for a in "$@"; do case $a in csa|hca|qsa) models+=("$a") ;; *) seqs+=("$a") ;; esac; done
     [ ${#models[@]} -gt 0 ] || models=(csa hca qsa)
     for model in "${models[@]}"; do
-      # Default lengths: up to the longest the baseline fits on one H200 by
-      # launch/layer_memory.py (CSA's baseline 93 GiB at 128K, 183 at 256K; QSA's 67 at 512K).
-      run=("${seqs[@]}") limit=131072 budget=180
+      # Default lengths, by launch/layer_memory.py on one H200: CSA / HCA to 256K (HyScale 119
+      # / 112 GiB), their baseline to 128K (CSA's 93 GiB; 183 at 256K); QSA and its baseline
+      # to 512K (68 / 67 GiB).
+      run=("${seqs[@]}") limit=131072 budget=240
       if [ ${#run[@]} -eq 0 ]; then
-        run=(32768 65536 131072)
+        run=(32768 65536 131072 262144)
         [ "$model" = qsa ] && run=(131072 262144 524288) limit=524288 budget=300
       fi
       timeout $budget python3 scripts/bench_layer.py --model $model --seq "${run[@]}" \
