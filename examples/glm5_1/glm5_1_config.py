@@ -72,6 +72,20 @@ GLM5_1_SMALL = replace(
     first_dense_layers=1,
 )
 
+# GLM-5.1 at its full attention width for 1 to 8 GPUs (issue 7's run): every attention and
+# indexer dimension and the routing are GLM's; depth, expert count and vocabulary are cut (4
+# layers, the first dense; 16 experts; 32K tokens, since 128K tokens a GPU of GLM's 154880-way
+# fp32 logits alone would take 74 GiB) so that one host holds it with 128K tokens a GPU.
+GLM5_1_SCALED = replace(
+    GLM5_1,
+    name="GLM-5.1-scaled",
+    num_layers=4,
+    num_experts=16,
+    first_dense_layers=1,
+    vocab_size=32768,
+)
+SCALED_TOKENS_PER_GPU = 131072  # 1M tokens on 8 GPUs at CP 8; 256K on 2
+
 ROPE_BASE = 1_000_000  # assumption, see the module docstring
 INDEXER_LOSS_COEFF = 0.01
 
@@ -101,6 +115,9 @@ FULL_LAYOUT = Layout(
 )
 
 SMALL_SEQ_LENGTH = 32768
+# The side-by-side default: stock's score tables at 32K on 2 GPUs (about 190 GiB a GPU by the
+# calibrated estimate) do not fit an H200; at 16K they ran (72.5 GiB, 2026-11-30).
+SIDE_BY_SIDE_SEQ_LENGTH = 16384
 
 
 def small_layout(gpus: int = 1, seq_length: int = SMALL_SEQ_LENGTH, global_batch: int = 4
@@ -109,6 +126,16 @@ def small_layout(gpus: int = 1, seq_length: int = SMALL_SEQ_LENGTH, global_batch
     if gpus not in (1, 2):
         raise ValueError(f"the small configuration runs on 1 or 2 GPUs, not {gpus}")
     return Layout(gpus=gpus, seq_length=seq_length, global_batch=global_batch, cp=gpus, ep=gpus)
+
+
+def scaled_layout(gpus: int = 8, seq_length: int | None = None, global_batch: int = 2
+                  ) -> Layout:
+    """The scaled model on one host: CP = EP = gpus (1, 2, 4 or 8), SCALED_TOKENS_PER_GPU tokens
+    a GPU unless seq_length says otherwise; two sequences a step (replay with 2 in flight)."""
+    if gpus not in (1, 2, 4, 8):
+        raise ValueError(f"the scaled configuration runs on 1, 2, 4 or 8 GPUs, not {gpus}")
+    seq = seq_length or SCALED_TOKENS_PER_GPU * gpus
+    return Layout(gpus=gpus, seq_length=seq, global_batch=global_batch, cp=gpus, ep=gpus)
 
 
 # GPU classes the layouts are checked against (GiB the estimate may use, whole device).

@@ -55,7 +55,8 @@ def _add_layout_options(p: argparse.ArgumentParser, *, full: bool) -> None:
                         "without Transformer Engine)")
     p.add_argument("--gpu-mem-gib", type=float,
                    help="GPU memory the estimate is checked against (default: 96 for the full "
-                        "configuration (H20), 80 for the small one)")
+                        "configuration (H20), 140 for the scaled one (H200), 80 for the small "
+                        "one)")
     if full:
         p.add_argument("--nodes", type=int, default=64, help="Slurm nodes (default 64)")
         p.add_argument("--gpus-per-node", type=int, default=8)
@@ -93,10 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (("side-by-side", "stock then HyScale, same configuration"),
                             ("memory", "print the per-GPU memory estimate")):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--config", choices=("small", "full"), default="small")
+        p.add_argument("--config", choices=("small", "full", "scaled"), default="small",
+                       help="small: the 1-2 GPU model; full: GLM-5.1 on 512 GPUs; scaled: "
+                            "GLM-5.1's full attention width, 4 layers, on 1-8 GPUs of one "
+                            "host at 128K tokens a GPU (CP = EP = GPUs)")
         _add_layout_options(p, full=True)
-        p.add_argument("--gpus", type=int, choices=(1, 2), default=None,
-                       help="GPUs of the small configuration (default 2)")
+        p.add_argument("--gpus", type=int, choices=(1, 2, 4, 8), default=None,
+                       help="GPUs of the small (1 or 2, default 2) or scaled (1, 2, 4 or 8, "
+                            "default 8) configuration")
         p.add_argument("--stock-backend", choices=("reference", "tilelang"),
                        default="reference",
                        help="stock DSA's kernels: reference (megatron's torch path) or "
@@ -132,9 +137,14 @@ def resolve(args: argparse.Namespace) -> tuple[ModelGeometry, Layout, bool]:
             overrides["grad_bytes"] = 2
         layout = replace(layout, **overrides)
         model = cfg.GLM5_1
+    elif getattr(args, "config", "small") == "scaled":
+        layout = cfg.scaled_layout(args.gpus or 8, args.seq_length, args.global_batch_size or 2)
+        model = cfg.GLM5_1_SCALED
     else:
         gpus = args.gpus or (2 if args.command == "side-by-side" else 1)
-        layout = cfg.small_layout(gpus, args.seq_length or cfg.SMALL_SEQ_LENGTH,
+        default_seq = (cfg.SIDE_BY_SIDE_SEQ_LENGTH if args.command == "side-by-side"
+                       else cfg.SMALL_SEQ_LENGTH)
+        layout = cfg.small_layout(gpus, args.seq_length or default_seq,
                                   args.global_batch_size or 4)
         model = cfg.GLM5_1_SMALL
     layout.validate(model)
@@ -146,6 +156,16 @@ def memory_report(model: ModelGeometry, layout: Layout, is_full: bool,
     gpu = cfg.GPU_GIB if is_full else cfg.SMALL_GPU_GIB
     stages = estimate(model, layout, stock_backend=stock_backend)
     return format_table(model, layout, stages, stock_backend=stock_backend, gpu_gib=gpu)
+
+
+def gpu_capacity(args: argparse.Namespace, is_full: bool) -> float:
+    """GiB a GPU the estimate is checked against: --gpu-mem-gib, else 96 for the full layout
+    (H20), 140 for the scaled one (an H200 host), 80 for the small one."""
+    if args.gpu_mem_gib:
+        return args.gpu_mem_gib
+    if is_full:
+        return 96.0
+    return 140.0 if getattr(args, "config", "small") == "scaled" else 80.0
 
 
 def check_fit(model: ModelGeometry, layout: Layout, capacity: float, variant: str,
@@ -182,7 +202,7 @@ def run_single(args: argparse.Namespace, extra: list[str]) -> int:
     megatron_lm_dir(required=not args.dry_run)  # fail before printing anything
     model, layout, is_full = resolve(args)
     print(memory_report(model, layout, is_full))
-    capacity = args.gpu_mem_gib or (96.0 if is_full else 80.0)
+    capacity = gpu_capacity(args, is_full)
     warning = check_fit(model, layout, capacity, "hyscale" if args.spec == "hyscale" else "stock")
     if warning:
         print(warning)
@@ -210,7 +230,7 @@ def run_side_by_side(args: argparse.Namespace, extra: list[str]) -> int:
         logs = {"stock": args.parse_only[0], "hyscale": args.parse_only[1]}
     else:
         print(memory_report(model, layout, is_full, args.stock_backend))
-        capacity = args.gpu_mem_gib or (96.0 if is_full else 80.0)
+        capacity = gpu_capacity(args, is_full)
         for variant in ("stock", "hyscale"):
             warning = check_fit(model, layout, capacity, variant, args.stock_backend)
             if warning:

@@ -2,8 +2,8 @@
 # Vanilla Megatron-LM DSA (stock spec) then HyScale, same GLM-5.1 configuration, one after the
 # other; prints tokens/s and lm / indexer loss beside each other (and writes summary.txt).
 #
-#   bash examples/glm5_1/side_by_side.sh --dry-run                # small model, 2 GPUs, 32K
-#   MEGATRON_LM_DIR=... bash examples/glm5_1/side_by_side.sh --gpus 1 --seq-length 16384
+#   bash examples/glm5_1/side_by_side.sh --dry-run                # small model, 2 GPUs, 16K
+#   MEGATRON_LM_DIR=... bash examples/glm5_1/side_by_side.sh --gpus 1 --seq-length 8192
 #   inside a 64-node allocation: bash examples/glm5_1/side_by_side.sh --config full
 #   compare two existing logs:   bash examples/glm5_1/side_by_side.sh --parse-only A.log B.log
 set -euo pipefail

@@ -20,8 +20,17 @@ checked on paper before a 512-GPU job is submitted. What it counts (bytes; 1 GiB
 - DSA selection buffers: HyScale keeps O(T_local x k) (indices + scores); stock megatron-core
   writes a score table, [T_local, H_I, T] fp32 logits plus the head sum with its reference
   backend, or [8192, T] fp32 per query block with the TileLang backend;
-- the logits of the output layer on the last stage ([T/CP, V/TP] bf16 + fp32 for the loss);
+- the logits of the output layer on the last stage ([T/CP, V/TP]: bf16 logits, the fp32
+  softmax the loss keeps and the fp32 gradient before its cast, LOGITS_BYTES per entry);
 - a fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation.
+
+Calibration: one measured training run (BENCHMARKS.md, "Side by side with vanilla
+Megatron-LM", two H200s, 2026-11-30; the small model at 16K, CP 2, EP 2; Megatron's `max
+allocated`, which leaves out the reserve): HyScale 23.6 GiB, stock 72.5. Before it this model
+said 18.9 and 35.0. Two terms were fitted to it, the logits (6 to 10 bytes an entry) and the
+stock score table (STOCK_TABLE_COPIES copies of [T_local, H_I + 1, T] fp32 live at once, 1
+before): it now says 23.6 and 72.7. One point fits two numbers, so treat other layouts'
+figures as estimates to a few GiB; `tests/examples/test_glm5_1_launch.py` keeps this point.
 
 Known simplifications (kept because they shift totals by a few GiB at most): norms and biases
 are ignored, MoE tokens are assumed evenly spread over experts (no capacity factor: a hot
@@ -37,6 +46,11 @@ from dataclasses import dataclass, field
 GIB = 2**30
 # Rows per query block of megatron-core's TileLang DSA backend (DESIGN.md).
 STOCK_TILELANG_BLOCK_ROWS = 8192
+# Bytes per logits entry at the loss: bf16 logits + fp32 softmax + fp32 gradient (calibrated,
+# see the module docstring).
+LOGITS_BYTES = 10
+# Score tables of stock's reference backend alive at once (calibrated, see the docstring).
+STOCK_TABLE_COPIES = 3
 
 
 @dataclass(frozen=True)
@@ -275,8 +289,9 @@ def selection_bytes(model: ModelGeometry, layout: Layout) -> dict[str, float]:
     return {
         # int32 indices + fp32 scores: O(T_local x k), never a table.
         "hyscale": float(t * model.topk * 8),
-        # reference backend: fp32 [T_local, b, H_I, T] logits, then the head sum [T_local, T].
-        "stock_reference": float(4 * t * full * (model.indexer_heads + 1)),
+        # reference backend: fp32 [T_local, b, H_I, T] logits, then the head sum [T_local, T],
+        # with their ReLU / weighted copies (STOCK_TABLE_COPIES).
+        "stock_reference": float(STOCK_TABLE_COPIES * 4 * t * full * (model.indexer_heads + 1)),
         # TileLang backend: one [8192, T] fp32 block (plus torch.topk over it).
         "stock_tilelang": float(4 * min(t, STOCK_TILELANG_BLOCK_ROWS) * full),
     }
@@ -329,7 +344,7 @@ def estimate(
         working = saved + transient + sel["hyscale"]
         logits = 0.0
         if stage == len(stages) - 1:
-            logits = t * padded_vocab / layout.tp * (2 + 4)
+            logits = t * padded_vocab / layout.tp * LOGITS_BYTES
         stock_table = sel["stock_reference" if stock_backend == "reference" else "stock_tilelang"]
         rows = {
             "weights (bf16)": 2 * (nonexpert + expert),
