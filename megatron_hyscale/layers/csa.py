@@ -71,13 +71,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexerLossAutoScaler,
-    DSAIndexerLossLoggingHelper,
 )
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -87,7 +87,12 @@ from megatron.core.utils import get_pg_size
 
 from megatron_hyscale import replay
 from megatron_hyscale.layers.linear import LocalLinear
-from megatron_hyscale.layers.row_chunks import check_row_chunk, row_chunk_conflict
+from megatron_hyscale.layers.loss_logging import log_indexer_loss
+from megatron_hyscale.layers.row_chunks import (
+    check_row_chunk,
+    row_chunk_conflict,
+    run_in_row_parts,
+)
 from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
 from megatron_hyscale.ops.compress import (
     apply_interleaved_rope,
@@ -598,24 +603,10 @@ class HyScaleV4Attention(MegatronModule):
             # Parts of `chunk` rows, each checkpointed: one part's queries, attention output
             # and their gradients at a time. The selection above ran once; the parts' own
             # recompute in backward only repeats the per-row work.
-            outs, losses = [], []
-            for r0 in range(0, T, chunk):
-                r1 = min(T, r0 + chunk)
-                o, part_loss = torch.utils.checkpoint.checkpoint(
-                    self._rows_forward, rows, r0, r1, use_reentrant=False,
-                    preserve_rng_state=False)
-                outs.append(o)
-                losses.append(part_loss)
-            out, loss = torch.cat(outs, dim=1), torch.stack(losses).sum()
+            out, loss = run_in_row_parts(partial(self._rows_forward, rows), T, chunk, dim=1)
         if selection is not None and selection.use_loss:
             # Logged here, outside the parts: their recompute in backward must not log again.
-            # Under CP each rank's loss covers its own rows (a mean over them, or a sum when
-            # per-token): the logged value is averaged (or summed) over the CP group, as DSA.
-            per_token = bool(cfg.calculate_per_token_loss)
-            DSAIndexerLossLoggingHelper.save_loss_to_tracker(
-                loss=loss, layer_number=self.layer_number, num_layers=cfg.num_layers,
-                reduce_group=cp_group if per_token else None,
-                avg_group=None if per_token else cp_group)
+            log_indexer_loss(loss, cfg, self.layer_number, cp_group)
         return out.transpose(0, 1).contiguous(), None  # [s, b, hidden]
 
     def _rows_forward(self, rows: _RowInputs, r0: int, r1: int

@@ -33,13 +33,13 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant import dsa_layout
 from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexerLossAutoScaler,
-    DSAIndexerLossLoggingHelper,
     DSAttention,
     _normalize_dsattention_output_rank,
 )
 from megatron.core.utils import get_pg_size
 
 from megatron_hyscale import replay
+from megatron_hyscale.layers.loss_logging import log_indexer_loss
 from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
 from megatron_hyscale.ops.hytopk import warn_once
 from megatron_hyscale.parallel import start_all_gather_to_global, zigzag_positions
@@ -252,15 +252,8 @@ class HyScaleDSAttention(DSAttention):
         return DSAIndexerLossAutoScaler.apply(output, indexer_loss), indexer_loss.detach()
 
     def log_indexer_loss(self, loss: torch.Tensor, state: DSARowState) -> None:
-        """Log the layer's indexer loss (the sum of its parts') as stock does: under CP each
-        rank's loss covers its own rows (a mean over them, or a sum when per-token), so the
-        logged value is averaged (or summed) over the CP group."""
-        per_token = bool(self.config.calculate_per_token_loss)
-        DSAIndexerLossLoggingHelper.save_loss_to_tracker(
-            loss=loss, layer_number=self.layer_number, num_layers=self.config.num_layers,
-            reduce_group=state.cp_group if per_token else None,
-            avg_group=None if per_token else state.cp_group,
-        )
+        """Log the layer's indexer loss (the sum of its parts') as stock does."""
+        log_indexer_loss(loss, self.config, self.layer_number, state.cp_group)
 
     def _selection(
         self, q_idx: torch.Tensor | None, k_idx: torch.Tensor | None,

@@ -26,6 +26,7 @@ attention), and megatron's core_attn checkpoint is not applied on top.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,7 +37,11 @@ from megatron.core.transformer.experimental_attention_variant.absorbed_mla impor
 from megatron.core.utils import get_pg_size
 
 from megatron_hyscale.layers.dsa import DSARowState, HyScaleDSAttention
-from megatron_hyscale.layers.row_chunks import check_row_chunk, row_chunk_conflict
+from megatron_hyscale.layers.row_chunks import (
+    check_row_chunk,
+    row_chunk_conflict,
+    run_in_row_parts,
+)
 
 
 class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
@@ -157,26 +162,20 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
             raise NotImplementedError(f"HyScaleMLASelfAttention(row_chunk={self.row_chunk}): "
                                       f"{reason}")
         state = core.prepare(key, attention_mask, hidden_states, q_compressed, sq=sq, b=b)
-        v_up_weight = self._get_v_up_weight()
-        outputs, losses = [], []
-        for r0 in range(0, sq, self.row_chunk):
-            r1 = min(sq, r0 + self.row_chunk)
-            output, loss = torch.utils.checkpoint.checkpoint(
-                self._rows_forward, q_compressed[r0:r1], freqs[r0:r1], state, r0, r1,
-                v_up_weight, mscale, use_reentrant=False, preserve_rng_state=False)
-            outputs.append(output)
-            losses.append(loss)
+        rows_forward = partial(self._rows_forward, q_compressed, freqs, state,
+                               self._get_v_up_weight(), mscale)
+        output, loss = run_in_row_parts(rows_forward, sq, self.row_chunk, dim=0)
         if state.loss_coeff > 0:
             # Logged here, outside the parts: their recompute in backward must not log again.
-            core.log_indexer_loss(torch.stack(losses).sum(), state)
-        return torch.cat(outputs, dim=0)
+            core.log_indexer_loss(loss, state)
+        return output
 
     def _rows_forward(self, q_compressed: torch.Tensor, freqs: torch.Tensor,
-                      state: DSARowState, r0: int, r1: int, v_up_weight: torch.Tensor,
-                      mscale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      state: DSARowState, v_up_weight: torch.Tensor, mscale: float, r0: int,
+                      r1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[r1 - r0, b, h] output of rows r0 .. r1 - 1 (recomputed in backward) and their
-        detached indexer loss (0 without one)."""
-        query = self._query_rows(q_compressed, freqs, mscale)
+        detached indexer loss (0 without one); q_compressed and freqs cover all local rows."""
+        query = self._query_rows(q_compressed[r0:r1], freqs[r0:r1], mscale)
         out, loss = self.core_attention.attend_rows(query, state, r0, r1, v_up_weight)
         output, _ = self.linear_proj(out)
         return output, loss if loss is not None else output.new_zeros((), dtype=torch.float32)

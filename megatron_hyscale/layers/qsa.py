@@ -71,7 +71,6 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexerLossAutoScaler,
-    DSAIndexerLossLoggingHelper,
 )
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -79,6 +78,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size
 
 from megatron_hyscale import replay
+from megatron_hyscale.layers.loss_logging import log_indexer_loss
 from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
 from megatron_hyscale.ops.block_pool import (
     block_first_positions,
@@ -393,14 +393,8 @@ class HyScaleQSAttention(MegatronModule):
         output = out.transpose(0, 1).reshape(sq, b, -1)
         if use_loss and blocks.shape[-1] > 0:
             loss = self._indexer_loss(q_idx, block_keys, query_b, key_b, blocks, q_positions)
-            # Logged and back-propagated the way megatron's DSA indexer loss is; under CP each
-            # rank's loss covers its rows (mean, or sum when per-token) and the logged value is
-            # averaged (or summed) over the CP group.
-            per_token = bool(cfg.calculate_per_token_loss)
-            DSAIndexerLossLoggingHelper.save_loss_to_tracker(
-                loss=loss, layer_number=self.layer_number, num_layers=cfg.num_layers,
-                reduce_group=cp_group if per_token else None,
-                avg_group=None if per_token else cp_group)
+            # Logged and back-propagated the way megatron's DSA indexer loss is.
+            log_indexer_loss(loss, cfg, self.layer_number, cp_group)
             output = DSAIndexerLossAutoScaler.apply(output, loss)
         return output
 

@@ -9,7 +9,10 @@ CUDA graphs; delayed weight-gradient computation splits the backward the parts r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 
 def check_row_chunk(value: object, name: str = "row_chunk") -> int | None:
@@ -35,3 +38,18 @@ def row_chunk_conflict(config: Any) -> str | None:
     if getattr(config, "delay_wgrad_compute", False):
         return "delay_wgrad_compute=True"
     return None
+
+
+def run_in_row_parts(rows_forward: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+                     rows: int, chunk: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows_forward(r0, r1)` -> (the output of rows r0 .. r1 - 1, their detached loss) for each
+    part of `chunk` rows, each under its own activation checkpoint (recomputed in backward);
+    returns the outputs concatenated along `dim` and the losses summed."""
+    outputs, losses = [], []
+    for r0 in range(0, rows, chunk):
+        output, loss = torch.utils.checkpoint.checkpoint(
+            rows_forward, r0, min(rows, r0 + chunk), use_reentrant=False,
+            preserve_rng_state=False)
+        outputs.append(output)
+        losses.append(loss)
+    return torch.cat(outputs, dim=dim), torch.stack(losses).sum()

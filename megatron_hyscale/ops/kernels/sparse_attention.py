@@ -557,9 +557,12 @@ def _launch(kernel, grid, args, const, geo, tilings, resident, elem, key):
     """Launch with the first tiling whose estimated shared memory fits (the last one if none
     does) that runs; remember it per (kernel, geometry) key."""
     warps = geo.num_warps(key[0])
-    fitting = [tl_ for tl_ in tilings if geo.smem_bytes(*tl_, elem, resident) <= SMEM_BUDGET]
-    launch_first_fitting(kernel, grid, args, const, fitting or tilings[-1:], warps,
-                         _tiling_cache, key + (warps,), "sparse-attention")
+    key = key + (warps,)
+    if key not in _tiling_cache:  # the shared-memory filter matters only for the first launch
+        fitting = [tl_ for tl_ in tilings if geo.smem_bytes(*tl_, elem, resident) <= SMEM_BUDGET]
+        tilings = fitting or tilings[-1:]
+    launch_first_fitting(kernel, grid, args, const, tilings, warps, _tiling_cache, key,
+                         "sparse-attention")
 
 
 def _strides4(x):
