@@ -1,6 +1,7 @@
 """Benchmark exact top-k selection over lightning-indexer scores (HyTopK, issue 3).
 
-For each config and sequence length T (B = 1, S = T, causal) it times, in one run:
+For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T / 4 blocks,
+4 heads, constant weights, as the QSA layer calls it) it times, in one run:
   hytopk     HyTopK Triton kernel (exact, streaming, no score table), key-tile pruning off
   hytopk_prune  the same with exact key-tile pruning on (tiles whose centroid / radius score
              bound is below every row's running threshold are skipped); also reports the share
@@ -72,9 +73,18 @@ CONFIGS = {
     "glm51": (32, 128, 2048, True),  # GLM-5.1
     "v4flash": (64, 128, 512, True),  # DeepSeek-V4-Flash CSA top-512
     "norelu": (32, 128, 2048, False),  # GLM-5 configs with ReLU disabled
+    "qsa": (4, 128, 512, True),  # Qwen3.8-Flash-Next QSA: 4 heads over blocks of 4 tokens
 }
+# Tokens per selectable key (QSA scores mean-pooled blocks of 4): S = T // ratio keys, key s
+# visible from the query at position 4 s + 3 on (its block complete), as the QSA layer runs it.
+KEY_RATIO = {"qsa": 4}
+# Configs without learned head weights (QSA sums its heads with one scale): w is constant.
+NO_HEAD_WEIGHTS = ("qsa",)
+# Methods built for S = T token keys only (their masks assume it).
+TOKEN_KEY_METHODS = ("naive", "chunked", "table")
 ALL_T = [16384, 32768, 65536, 131072, 262144, 1048576]
-# Baselines that would take minutes per call beyond these lengths are not run (shown as "-").
+# Baselines that would take minutes per call beyond these lengths are not run (shown as "-"):
+# lengths for S = T and 64 heads, other configs compared by their work T x S x H.
 MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072,
          "hytopk_prune": 131072, "hytopk_heads_on_m": 131072, "scoreonly_heads_on_m": 131072,
          "hytopk_scan_slots": 131072, "finish": 1048576}
@@ -108,13 +118,23 @@ def load_captured(path):
     return q.shape[1]
 
 
-def make_inputs(T, H, D, kind, seed=0):
+def config_inputs(T, cfg, kind):
+    """make_inputs for a config: its key ratio, and constant weights where it has none."""
+    H, D = CONFIGS[cfg][:2]
+    q, k, w = make_inputs(T, H, D, kind, ratio=KEY_RATIO.get(cfg, 1))
+    if cfg in NO_HEAD_WEIGHTS:
+        w = torch.full_like(w, (H * D) ** -0.5)
+    return q, k, w
+
+
+def make_inputs(T, H, D, kind, seed=0, ratio=1):
+    """q [1, T, H, D], k [1, T // ratio, D], w [1, T, H] (ratio > 1: random inputs only)."""
     if kind == "captured":  # fp32 as captured; T, H and D are the capture's
         return tuple(CAPTURED[n].to("cuda") for n in ("q", "k", "w"))
     g = torch.Generator(device="cuda").manual_seed(seed)
     if kind == "random":
         q = torch.randn(1, T, H, D, device="cuda", generator=g, dtype=torch.bfloat16)
-        k = torch.randn(1, T, D, device="cuda", generator=g, dtype=torch.bfloat16)
+        k = torch.randn(1, T // ratio, D, device="cuda", generator=g, dtype=torch.bfloat16)
         w = torch.randn(1, T, H, device="cuda", generator=g) * (H * D) ** -0.5
         return q, k, w
     # Structured: recency (rotary-like, dims 0..31) + heavy hitters (dim 32) + noise.
@@ -142,7 +162,24 @@ def make_inputs(T, H, D, kind, seed=0):
 
 
 def positions(T, S):
+    """Query and key positions: S = T tokens (the last T of S when S > T), or S = T // r
+    blocks of r tokens, key s at its block's last token (visible once the block is complete)."""
+    if S < T:
+        r = T // S
+        return (torch.arange(T, device="cuda")[None],
+                (torch.arange(S, device="cuda") * r + r - 1)[None])
     return (torch.arange(T, device="cuda") + S - T)[None], torch.arange(S, device="cuda")[None]
+
+
+def floor_ms(T, S, H, D, rate):
+    """Indexer GEMM floor: every visible (query, key) pair's H dot products of D, at `rate`."""
+    if S < T:
+        r = T // S
+        t = torch.arange(T, dtype=torch.float64)
+        pairs = float(torch.clamp(torch.floor((t + 1) / r), max=S).sum())
+    else:
+        pairs = T * (T + 1) / 2
+    return pairs * H * D * 2 / rate * 1e3
 
 
 def run_hytopk(q, k, w, topk, relu, prune=False, prune_stats=None, keys_on_m=None,
@@ -269,10 +306,11 @@ METHODS = {
 
 def bench_one(method, T, cfg, kind, rate, reps):
     H, D, topk, relu = CONFIGS[cfg]
-    q, k, w = make_inputs(T, H, D, kind)
+    q, k, w = config_inputs(T, cfg, kind)
     fn = METHODS[method]
-    floor_ms = T * (T + 1) / 2 * H * D * 2 / rate * 1e3
-    rec = {"method": method, "config": cfg, "T": T, "inputs": kind, "floor_ms": floor_ms}
+    floor = floor_ms(T, k.shape[1], H, D, rate)
+    rec = {"method": method, "config": cfg, "T": T, "S": k.shape[1], "inputs": kind,
+           "floor_ms": floor}
     try:
         # First call: peak memory and one event-timed run (the kernel binary is shared by all T
         # of a config, so only the first T of a config pays the compile). Long runs stop there.
@@ -291,7 +329,7 @@ def bench_one(method, T, cfg, kind, rate, reps):
         else:
             n = reps
             ms = time_ms(lambda: fn(q, k, w, topk, relu), reps=n, warmup=1)
-        rec.update(ms=ms, mem_gib=mem / GiB, x_floor=ms / floor_ms, reps=n)
+        rec.update(ms=ms, mem_gib=mem / GiB, x_floor=ms / floor, reps=n)
         if method == "hytopk_prune":
             share, same = pruned_share(q, k, w, topk, relu)
             rec.update(pruned_share=share, same_as_unpruned=same)
@@ -311,21 +349,31 @@ def check_structured_exact(T, cfg):
     return (a[0] == b[0]).all(-1).float().mean().item()
 
 
+# Launch variants the sweep times: (warps, stages, programs per SM, keys per tile, keys on M,
+# query rows a program or None for the default). Rows 4 with 64 heads makes the GEMM's N 256:
+# half the L2 reads of each key tile per FLOP (compiled for sm_90a: 249 registers, no spills,
+# 1 program/SM).
+SWEEP_VARIANTS = ((4, 2, 2, 64, True, None), (4, 2, 2, 64, False, None),
+                  (8, 2, 1, 64, True, 4), (8, 3, 1, 64, True, 4), (8, 2, 2, 128, True, None),
+                  (4, 3, 2, 64, True, None), (4, 2, 3, 64, True, None),
+                  (8, 2, 1, 128, True, None), (8, 2, 2, 64, False, None))
+# With few heads (QSA's 4) the (row, head) pairs of a program decide the GEMM's N and the
+# per-row selection work: rows 8 to 64, wider key tiles, more programs per SM.
+SWEEP_VARIANTS_SMALL_HEADS = ((4, 2, 2, 64, True, None), (4, 2, 2, 64, True, 8),
+                              (4, 2, 2, 64, True, 32), (8, 2, 2, 64, True, 32),
+                              (4, 2, 2, 128, True, None), (8, 2, 2, 128, True, 32),
+                              (4, 2, 2, 64, False, None), (4, 2, 3, 64, True, None),
+                              (4, 2, 4, 64, True, 8), (8, 2, 1, 128, True, 64))
+
+
 def sweep(T, cfg, reps):
     """Time kernel launch variants (warps, pipeline stages, programs per SM, tile) for tuning."""
     H, D, topk, relu = CONFIGS[cfg]
-    q, k, w = make_inputs(T, H, D, "random")
-    qpos = torch.arange(T, device="cuda")[None]
-    kpos = torch.arange(T, device="cuda")[None]
+    q, k, w = config_inputs(T, cfg, "random")
+    qpos, kpos = positions(T, k.shape[1])
     rate = matmul_tflops() * 1e12
-    floor_ms = T * (T + 1) / 2 * H * D * 2 / rate * 1e3
-    # (warps, stages, programs per SM, keys per tile, keys on M, query rows a program or None
-    # for GEMM_ROWS // heads). Rows 4 with 64 heads makes the GEMM's N 256: half the L2 reads
-    # of each key tile per FLOP (compiled for sm_90a: 249 registers, no spills, 1 program/SM).
-    variants = ((4, 2, 2, 64, True, None), (4, 2, 2, 64, False, None),
-                (8, 2, 1, 64, True, 4), (8, 3, 1, 64, True, 4), (8, 2, 2, 128, True, None),
-                (4, 3, 2, 64, True, None), (4, 2, 3, 64, True, None),
-                (8, 2, 1, 128, True, None), (8, 2, 2, 64, False, None))
+    floor = floor_ms(T, k.shape[1], H, D, rate)
+    variants = SWEEP_VARIANTS_SMALL_HEADS if H < hk.SMALL_HEADS else SWEEP_VARIANTS
     for mode in (hk.MODE_SCORES_ONLY, hk.MODE_SELECT):
         for nw, ns, pps, bn, kom, rows in variants:
             hk.PROGRAMS_PER_SM = pps
@@ -337,7 +385,7 @@ def sweep(T, cfg, reps):
             try:
                 ms = time_ms(lambda kw=launch: hk._launch(q, k, w, topk, **kw), reps=reps)
                 log(f"sweep {cfg} T={T} mode={mode} {name}: {ms:.2f} ms  "
-                    f"x{ms / floor_ms:.2f} floor")
+                    f"x{ms / floor:.2f} floor")
             except Exception as err:  # a variant may not fit in shared memory
                 log(f"sweep {cfg} T={T} mode={mode} {name} failed: {err!r:.200}")
     hk.PROGRAMS_PER_SM = 2
@@ -486,12 +534,16 @@ def main():
                 if cfg != "dsv32" and T > args.secondary_max_T:
                     continue
                 for method in args.methods:
-                    if T > MAX_T.get(method, 1 << 40):
+                    # the limits are for S = T and 64 heads: compare the work, T x S x H
+                    work = T * (T // KEY_RATIO.get(cfg, 1)) * CONFIGS[cfg][0]
+                    if work > MAX_T.get(method, 1 << 40) ** 2 * 64:
                         continue
+                    if cfg in KEY_RATIO and method in TOKEN_KEY_METHODS:
+                        continue  # their masks assume one key per token
                     if (cfg, method) not in warmed:  # compile / import outside the timings
                         H, D, topk, relu = CONFIGS[cfg]
-                        warm = make_inputs(WARM_T, H, D, "captured" if args.captured
-                                           else "random")
+                        warm = (make_inputs(WARM_T, H, D, "captured") if args.captured
+                                else config_inputs(WARM_T, cfg, "random"))
                         METHODS[method](*warm, topk, relu)
                         warmed.add((cfg, method))
                     if kind != "random" and method in ("naive", "chunked"):

@@ -14,6 +14,12 @@
 #                                         # DeepSeek-V4's CSA and HCA layers and the QSA layer
 #                                         # against their baseline modes, 32K-256K (QSA
 #                                         # 128K-512K)          (all three ~13 min at most)
+#   bash scripts/gpu_session.sh memory [MODEL:T[:baseline] ...]  # where a layer step's peak
+#                                         # memory goes (profile_layer_memory.py), default
+#                                         # csa:32768 hca:32768 qsa:131072    (~1 min each)
+#   bash scripts/gpu_session.sh qsa-selection [T]  # HyTopK on QSA's shape (4 heads over
+#                                         # T / 4 blocks, top 512): launch sweep, score-only
+#                                         # split, the finishing sort; default T 524288 (~3 min)
 #   bash scripts/gpu_session.sh pair 'STAGE [ARGS]' 'STAGE [ARGS]'  # on nvidia-h200-x2: two
 #                                         # one-GPU stages at once, one a GPU, e.g.
 #                                         # pair 'models csa hca' 'models qsa' or
@@ -41,9 +47,9 @@ set -uo pipefail
 stage=${1:-}
 shift || true
 case "$stage" in
-  verify|kernels|attention|layer|models|cp2|cp2-1m|side2|pair) ;;
-  *) echo "usage: bash scripts/gpu_session.sh" \
-       "{verify|kernels|attention|layer|models|cp2|cp2-1m|side2|pair} [T...]" >&2
+  verify|kernels|attention|layer|models|memory|qsa-selection|cp2|cp2-1m|side2|pair) ;;
+  *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|layer|models|memory" \
+       "|qsa-selection|cp2|cp2-1m|side2|pair} [ARGS...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -156,6 +162,23 @@ case "$stage" in
         --repeats 1 --stock-max-seq $limit --out "$out" 2>&1 | grep -v Warning \
         | grep -E -A12 "^\| T|Error" | tee "$out/bench_layer_$model.log"
     done
+    ;;
+  memory)
+    for spec in ${*:-csa:32768 hca:32768 qsa:131072}; do
+      IFS=: read -r model seq variant <<< "$spec"
+      flag=(); [ "${variant:-}" = baseline ] && flag=(--baseline)
+      timeout 150 python3 scripts/profile_layer_memory.py --model "$model" --seq "$seq" \
+        "${flag[@]}" --top 20 --out "$out" 2>&1 | grep -v Warning \
+        | tee -a "$out/profile_layer_memory.log"
+    done
+    ;;
+  qsa-selection)
+    seq=${1:-524288}
+    timeout 200 python3 scripts/bench_selection.py --sweep --T "$seq" --configs qsa --reps 2 \
+      --out "$out" 2>&1 | grep -E "^sweep|Error" | tee "$out/bench_selection_qsa_sweep.log"
+    timeout 150 python3 scripts/bench_selection.py --T "$seq" --configs qsa --reps 2 \
+      --secondary-max-T "$seq" --methods hytopk scoreonly finish --tag _qsa --out "$out" 2>&1 \
+      | tail -5 | tee "$out/bench_selection_qsa.log"
     ;;
   pair)
     # Two one-GPU stages at once on nvidia-h200-x2, one a GPU; their files packed into
