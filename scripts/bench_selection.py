@@ -350,20 +350,21 @@ def check_structured_exact(T, cfg):
 
 
 # Launch variants the sweep times: (warps, stages, programs per SM, keys per tile, keys on M,
-# query rows a program or None for the default). Rows 4 with 64 heads makes the GEMM's N 256:
-# half the L2 reads of each key tile per FLOP (compiled for sm_90a: 249 registers, no spills,
-# 1 program/SM).
-SWEEP_VARIANTS = ((4, 2, 2, 64, True, None), (4, 2, 2, 64, False, None),
-                  (8, 2, 1, 64, True, 4), (8, 3, 1, 64, True, 4), (8, 2, 2, 128, True, None),
-                  (4, 3, 2, 64, True, None), (4, 2, 3, 64, True, None),
-                  (8, 2, 1, 128, True, None), (8, 2, 2, 64, False, None))
-# With few heads (QSA's 4) the (row, head) pairs of a program decide the GEMM's N and the
-# per-row selection work: rows 8 to 64, wider key tiles, more programs per SM.
-SWEEP_VARIANTS_SMALL_HEADS = ((4, 2, 2, 64, True, None), (4, 2, 2, 64, True, 8),
-                              (4, 2, 2, 64, True, 32), (8, 2, 2, 64, True, 32),
-                              (4, 2, 2, 128, True, None), (8, 2, 2, 128, True, 32),
-                              (4, 2, 2, 64, False, None), (4, 2, 3, 64, True, None),
-                              (4, 2, 4, 64, True, 8), (8, 2, 1, 128, True, 64))
+# query rows a program or None for the default, smallest candidate buffer a row or None for
+# MIN_CAP). Rows 4 with 64 heads makes the GEMM's N 256: half the L2 reads of each key tile
+# per FLOP (compiled for sm_90a: 249 registers, no spills, 1 program/SM).
+SWEEP_VARIANTS = ((4, 2, 2, 64, True, None, None), (4, 2, 2, 64, False, None, None),
+                  (8, 2, 1, 64, True, 4, None), (8, 3, 1, 64, True, 4, None),
+                  (8, 2, 2, 128, True, None, None), (4, 3, 2, 64, True, None, None),
+                  (4, 2, 3, 64, True, None, None), (8, 2, 1, 128, True, None, None),
+                  (8, 2, 2, 64, False, None, None), (4, 2, 2, 64, True, None, 8192))
+# With few heads (QSA's 4) every score costs little GEMM, and the per-row work (candidate
+# appends, buffer compactions) dominates: rows a program, tile width, and a larger buffer
+# (fewer compactions: QSA's top 512 in a 1024-entry buffer compacts every ~384 candidates).
+SWEEP_VARIANTS_SMALL_HEADS = ((4, 2, 2, 64, True, None, None), (4, 2, 2, 64, True, None, 2048),
+                              (4, 2, 2, 64, True, None, 4096), (4, 2, 2, 64, True, 8, 2048),
+                              (4, 2, 2, 128, True, None, 2048), (4, 2, 3, 64, True, None, 2048),
+                              (4, 2, 2, 64, True, 32, 2048), (4, 2, 2, 64, True, None, 1024))
 
 
 def sweep(T, cfg, reps):
@@ -375,13 +376,15 @@ def sweep(T, cfg, reps):
     floor = floor_ms(T, k.shape[1], H, D, rate)
     variants = SWEEP_VARIANTS_SMALL_HEADS if H < hk.SMALL_HEADS else SWEEP_VARIANTS
     for mode in (hk.MODE_SCORES_ONLY, hk.MODE_SELECT):
-        for nw, ns, pps, bn, kom, rows in variants:
+        for nw, ns, pps, bn, kom, rows, cap in variants:
+            if mode == hk.MODE_SCORES_ONLY and cap is not None:
+                continue  # the buffer does not exist without the top-k
             hk.PROGRAMS_PER_SM = pps
             launch = dict(relu=relu, q_positions=qpos, k_positions=kpos, causal=True,
                           mode=mode, block_n=bn, num_warps=nw, num_stages=ns, keys_on_m=kom,
-                          rows=rows)
+                          rows=rows, min_cap=cap)
             name = (f"warps={nw} stages={ns} per_sm={pps} bn={bn} keys_on_m={kom} "
-                    f"rows={rows or 'default'}")
+                    f"rows={rows or 'default'} min_cap={cap or 'default'}")
             try:
                 ms = time_ms(lambda kw=launch: hk._launch(q, k, w, topk, **kw), reps=reps)
                 log(f"sweep {cfg} T={T} mode={mode} {name}: {ms:.2f} ms  "

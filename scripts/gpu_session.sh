@@ -23,7 +23,8 @@
 #   bash scripts/gpu_session.sh pair 'STAGE [ARGS]' 'STAGE [ARGS]'  # on nvidia-h200-x2: two
 #                                         # one-GPU stages at once, one a GPU, e.g.
 #                                         # pair 'models csa hca' 'models qsa' or
-#                                         # pair kernels attention; files in results.tgz
+#                                         # pair kernels attention; files in results.tgz;
+#                                         # 'STAGE A; STAGE B' runs two stages in turn
 #   bash scripts/gpu_session.sh cp2 [T...]  # on nvidia-h200-x2: CP 2 against CP 1 (NCCL,
 #                                         # DSA / CSA / QSA layers at 32K), then DSA at CP 2
 #                                         # at 128K / 256K / 512K                      (~9 min)
@@ -187,13 +188,21 @@ case "$stage" in
                         "'STAGE [ARGS]'" >&2; exit 2; }
     specs=("$1" "$2") pids=()
     for i in 0 1; do
-      # shellcheck disable=SC2086  # a stage and its arguments, split on purpose
-      OUT=$out/gpu$i CUDA_VISIBLE_DEVICES=$i bash "$0" ${specs[$i]} > "$out/gpu$i.log" 2>&1 &
+      # Stages separated by ';' run one after the other on the same GPU.
+      (
+        rc_i=0
+        IFS=';' read -ra stages <<< "${specs[$i]}"
+        for st in "${stages[@]}"; do
+          # shellcheck disable=SC2086  # a stage and its arguments, split on purpose
+          OUT=$out/gpu$i CUDA_VISIBLE_DEVICES=$i bash "$0" $st || rc_i=1
+        done
+        exit $rc_i
+      ) > "$out/gpu$i.log" 2>&1 &
       pids+=($!)
     done
     rc=0
     for p in "${pids[@]}"; do wait "$p" || rc=1; done
-    for i in 0 1; do echo "=== GPU $i: ${specs[$i]}"; grep -v Warning "$out/gpu$i.log" | tail -40; done
+    for i in 0 1; do echo "=== GPU $i: ${specs[$i]}"; grep -v -i "warn" "$out/gpu$i.log" | tail -60; done
     tar -czf "$out/results.tgz" -C "$out" gpu0 gpu1 gpu0.log gpu1.log \
       && rm -rf "$out/gpu0" "$out/gpu1"
     exit $rc

@@ -261,7 +261,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
                                                          keys_on_m=False),
     "hytopk-dsv32-scan-slots": lambda: _hytopk(64, 128, 2048, True, atomic_slots=False),
     "hytopk-glm51": lambda: _hytopk(32, 128, 2048, True),
-    "hytopk-qsa": lambda: _hytopk(4, 128, 2048, True),
+    "hytopk-qsa": lambda: _hytopk(4, 128, 512, True),
+    "hytopk-qsa-scoreonly": lambda: _hytopk(4, 128, 1, True, mode=1),
     "hytopk-norelu": lambda: _hytopk(32, 128, 2048, False),
     # A head dim below tl.dot's 16 (tests' tiny geometries): must still compile.
     "hytopk-tiny-head-dim": lambda: _hytopk(4, 8, 16, True, T=256),

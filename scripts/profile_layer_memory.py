@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -36,16 +37,23 @@ GiB = 2**30
 # Frames from these files say nothing about who asked for the memory.
 LIBRARY_MARKERS = ("/torch/", "<frozen", "/contextlib.py", "/functools.py")
 ALLOC, FREE = "alloc", "free_requested"
+# An autograd node in a C++ frame (stacks="all"): which backward formula allocated a gradient.
+BACKWARD_NODE = re.compile(r"(\w+Backward\w*)")
 
 
 def site_of(frames: list[dict[str, Any]]) -> str:
-    """'file:line function' of the innermost frame outside torch (frames: innermost first)."""
+    """'file:line function' of the innermost frame outside torch (frames: innermost first),
+    with the innermost autograd node (e.g. 'MulBackward0') when a backward formula allocated
+    the block: inside backward the Python stack only shows who called backward."""
+    node = next((m.group(1) for f in frames
+                 if (m := BACKWARD_NODE.search(str(f.get("name", ""))))), None)
+    suffix = f" <- {node}" if node else ""
     for f in frames:
         name = f.get("filename", "")
-        if not any(m in name for m in LIBRARY_MARKERS):
+        if not any(m in name for m in LIBRARY_MARKERS) and name != "??":
             short = "/".join(name.split("/")[-2:])
-            return f"{short}:{f.get('line')} {f.get('name')}"
-    return "(torch internal)" if frames else "(no stack)"
+            return f"{short}:{f.get('line')} {f.get('name')}{suffix}"
+    return ("(torch internal)" if frames else "(no stack)") + suffix
 
 
 def user_stack(frames: list[dict[str, Any]], depth: int = 12) -> list[str]:
@@ -53,7 +61,7 @@ def user_stack(frames: list[dict[str, Any]], depth: int = 12) -> list[str]:
     out = []
     for f in frames:
         name = f.get("filename", "")
-        if not any(m in name for m in LIBRARY_MARKERS):
+        if not any(m in name for m in LIBRARY_MARKERS) and name != "??":
             out.append(f"{'/'.join(name.split('/')[-2:])}:{f.get('line')} {f.get('name')}")
         if len(out) == depth:
             break
@@ -132,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     replay.clear()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
+    torch.cuda.memory._record_memory_history(stacks="all", max_entries=2_000_000)
     bl.layer_step(layer, hidden, grad)
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()

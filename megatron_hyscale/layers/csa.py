@@ -101,10 +101,10 @@ from megatron_hyscale.ops.compress import (
     compressed_key_positions,
     compressed_visible_count,
     default_inv_freq,
-    rms_norm,
     rope_cos_sin,
     yarn_inv_freq,
 )
+from megatron_hyscale.ops.rms_norm import rms_norm
 from megatron_hyscale.parallel import all_gather_to_global, zigzag_positions
 
 CSA_RATIO = 4

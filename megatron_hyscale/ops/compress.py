@@ -32,6 +32,8 @@ import math
 
 import torch
 
+from megatron_hyscale.ops.rms_norm import rms_norm
+
 
 def default_inv_freq(rope_dim: int, theta: float, device: torch.device | str | None = None
                      ) -> torch.Tensor:
@@ -107,17 +109,6 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     # (even, odd) -> (even cos - odd sin, odd cos + even sin), re-interleaved.
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
     return torch.cat([nope, rotated.flatten(-2).to(x.dtype)], dim=-1)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) times weight (if given), in fp32, returned in x's dtype.
-
-    (transformers' V4 rounds to x's dtype before the weight and keeps the weight's dtype,
-    fp32 there, in the output; identical in fp32, and here the output dtype never changes.)
-    """
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (out if weight is None else out * weight.float()).to(x.dtype)
 
 
 def compressed_visible_count(q_positions: torch.Tensor, ratio: int) -> torch.Tensor:

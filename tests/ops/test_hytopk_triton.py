@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from megatron_hyscale.ops import hytopk  # noqa: E402
 from megatron_hyscale.ops.hytopk import validate_hytopk_inputs  # noqa: E402
@@ -33,7 +35,7 @@ def int_inputs(B, T, S, H, D, seed, lo=-2, hi=3, wlo=-2, whi=3):
 
 
 def check(q, k, w, topk, block_n=16, rows=None, num_programs=None, group_slack_div=4,
-          prunes=(False, True), keys_on_m=None, atomic_slots=None, **kw):
+          prunes=(False, True), keys_on_m=None, atomic_slots=None, min_cap=None, **kw):
     """Kernel (with the given tiling), with key-tile pruning off and on, against the reference;
     exact equality. Returns the last run's outputs and its (tiles pruned, tiles considered)."""
     ref_i, ref_s = hytopk(q, k, w, topk, backend="reference", **kw)
@@ -45,7 +47,7 @@ def check(q, k, w, topk, block_n=16, rows=None, num_programs=None, group_slack_d
             q, k, w, topk, relu=kw.get("relu", True), causal=kw.get("causal", True),
             q_positions=qpos, k_positions=kpos, block_n=block_n, rows=rows,
             num_programs=num_programs, group_slack_div=group_slack_div, prune=prune,
-            prune_stats=stats, keys_on_m=keys_on_m, atomic_slots=atomic_slots)
+            prune_stats=stats, keys_on_m=keys_on_m, atomic_slots=atomic_slots, min_cap=min_cap)
         assert out_i.dtype == torch.int32 and out_s.dtype == torch.float32
         assert out_i.shape == ref_i.shape and out_s.shape == ref_s.shape
         assert torch.equal(out_i, ref_i), (prune, out_i, ref_i)
@@ -88,14 +90,15 @@ def test_fewer_visible_than_k_and_topk_above_s():
     assert (out_i[0, 0, 1:] == -1).all()
 
 
-@pytest.mark.parametrize("keys_on_m,atomic_slots",
-                         [(False, False), (True, False), (False, True), (True, True)])
-def test_kernel_variants(keys_on_m, atomic_slots):
+@pytest.mark.parametrize("keys_on_m,atomic_slots,min_cap",
+                         [(False, False, None), (True, False, None), (False, True, None),
+                          (True, True, None), (True, True, 64)])
+def test_kernel_variants(keys_on_m, atomic_slots, min_cap):
     # Both GEMM orientations (heads on the MMA's M, the head sum across warps, or on its N,
-    # within a thread's quad) and both candidate appends (a prefix sum per tile, or a slot per
-    # survivor from an atomic counter): the same ties-heavy, compacting, -0.0, batch-2,
-    # shard-position and tile-group cases, exact in all four.
-    v = dict(keys_on_m=keys_on_m, atomic_slots=atomic_slots)
+    # within a thread's quad), both candidate appends (a prefix sum per tile, or a slot per
+    # survivor from an atomic counter) and a larger candidate buffer (fewer compactions): the
+    # same ties-heavy, compacting, -0.0, batch-2, shard-position and tile-group cases, exact.
+    v = dict(keys_on_m=keys_on_m, atomic_slots=atomic_slots, min_cap=min_cap)
     q, k, w = int_inputs(2, 20, 48, 4, 16, seed=1, lo=-1, hi=2)
     check(q, k, w, 6, **v)
     q, k, w = int_inputs(1, 16, 40, 2, 16, seed=2)
@@ -280,3 +283,35 @@ def test_tile_bound_covers_fp32_dot_products():
         assert (tight <= bound).all()
     exact = (q.double() @ k[0].double().t()).view(64, -1, bn).amax(-1)
     assert (bound.double() - exact).min() >= 0
+
+
+@triton.jit
+def _kth_probe(buf_ptr, k_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    buf = tl.load(buf_ptr + offs)
+    tl.store(out_ptr, kernel._kth_largest(buf, tl.load(k_ptr)))
+
+
+@pytest.mark.parametrize("ties", ["none", "score", "all_equal_scores"])
+def test_kth_largest_radix_select(ties):
+    """The compaction's k-th largest packed key: exact with and without tied scores (the index
+    half decides), with key_min padding, for every k."""
+    g = torch.Generator().manual_seed(3)
+    n_real, N = 40, 64
+    if ties == "none":
+        scores = torch.randperm(1000, generator=g)[:n_real].float() - 500.0
+    elif ties == "score":
+        scores = torch.randint(-3, 3, (n_real,), generator=g).float()
+    else:
+        scores = torch.zeros(n_real)
+    idx = torch.randperm(5000, generator=g)[:n_real]
+    bits = scores.view(torch.int32).to(torch.int64)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    keys = (ordered << 32) | (0xFFFFFFFF - idx)
+    buf = torch.full((N,), -(1 << 63), dtype=torch.int64)
+    buf[torch.randperm(N, generator=g)[:n_real]] = keys
+    expected = keys.sort(descending=True).values
+    for k in (1, 2, n_real // 2, n_real - 1, n_real):
+        out = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+        _kth_probe[(1,)](buf.to(DEVICE), torch.tensor([k], device=DEVICE), out, N=N)
+        assert out.item() == expected[k - 1].item(), (ties, k)

@@ -50,6 +50,9 @@ def test_peak_is_the_largest_live_sum_and_its_blocks() -> None:
 
 def test_site_skips_torch_frames() -> None:
     assert plm.site_of(TORCH + HERE) == "layers/csa.py:10 forward"
+    node = [{"filename": "??", "line": 0,
+             "name": "torch::autograd::generated::MulBackward0::apply(std::vector<at::Tensor>)"}]
+    assert plm.site_of(node + TORCH + HERE) == "layers/csa.py:10 forward <- MulBackward0"
     assert plm.site_of(TORCH) == "(torch internal)"
     assert plm.user_stack(TORCH + HERE + HERE, depth=1) == ["layers/csa.py:10 forward"]
 

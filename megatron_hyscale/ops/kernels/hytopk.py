@@ -51,6 +51,9 @@ NUM_STAGES = 2
 # Programs used under TRITON_INTERPRET=1 (any count is correct; few keep the scratch small).
 INTERPRET_PROGRAMS = 3
 
+# Smallest candidate buffer a row (entries, rounded up to a power of two): the slack above
+# topk sets how often a row is compacted. 0: just topk + one tile (see _launch).
+MIN_CAP = 0
 # A tile group may fill at most 1/GROUP_SLACK_DIV of the buffer slack (see _launch).
 GROUP_SLACK_DIV = 4
 # Temporary bytes per row chunk of the final sort-and-decode pass.
@@ -149,6 +152,24 @@ def _logits(a, b, RELU: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _per_row(v, KEYS_ON_M: tl.constexpr):
+    """A per-row vector [R] broadcast against a tile of scores ([BN, R] or [R, BN])."""
+    if KEYS_ON_M:
+        return v[None, :]
+    else:
+        return v[:, None]
+
+
+@triton.jit
+def _per_key(v, KEYS_ON_M: tl.constexpr):
+    """A per-key vector [BN] broadcast against a tile of scores ([BN, R] or [R, BN])."""
+    if KEYS_ON_M:
+        return v[:, None]
+    else:
+        return v[None, :]
+
+
+@triton.jit
 def _pick(vec, offs, i):
     """vec[i] as a scalar (i may be a run-time value)."""
     return tl.sum(tl.where(offs == i, vec, 0), axis=0)
@@ -159,17 +180,35 @@ def _kth_largest(buf, k):
     """Exact k-th largest int64 of buf (k <= number of real entries): bitwise radix select.
 
     Builds the answer from the top bit down, keeping a bit when at least k keys lie at or above
-    the prefix; 64 count-reductions over registers instead of a sort.
+    the prefix: 32 count-reductions over registers for the score half of the keys, and 32 more
+    for the index half only when the k-th score is tied (packed keys are distinct, so without
+    a tie the one key with that score is the answer).
     """
     sign = tl.full([], -9223372036854775807 - 1, tl.int64)
     ukey = (buf ^ sign).to(tl.uint64, bitcast=True)  # signed order -> unsigned order
-    prefix = tl.zeros([], dtype=tl.uint64)
-    one = tl.full([], 1, tl.uint64)
-    for i in range(64):
-        trial = prefix | (one << (prefix * 0 + (63 - i)))
-        if tl.sum((ukey >= trial).to(tl.int32), axis=0) >= k:
-            prefix = trial
-    return prefix.to(tl.int64, bitcast=True) ^ sign
+    hi = (ukey >> 32).to(tl.uint32)
+    lo = (ukey & 0xFFFFFFFF).to(tl.uint32)
+    one = tl.full([], 1, tl.uint32)
+    p_hi = tl.zeros([], dtype=tl.uint32)
+    for i in range(32):
+        trial = p_hi | (one << (p_hi * 0 + (31 - i)))
+        if tl.sum((hi >= trial).to(tl.int32), axis=0) >= k:
+            p_hi = trial
+    # p_hi is the k-th largest score half; the answer is the (k - n_gt)-th largest index half
+    # among the keys whose score half equals it.
+    tie = hi == p_hi
+    n_tie = tl.sum(tie.to(tl.int32), axis=0)
+    if n_tie == 1:
+        p_lo = tl.max(tl.where(tie, lo, 0), axis=0)
+    else:
+        rank = k - tl.sum((hi > p_hi).to(tl.int32), axis=0)
+        p_lo = tl.zeros([], dtype=tl.uint32)
+        for i in range(32):
+            trial = p_lo | (one << (p_lo * 0 + (31 - i)))
+            if tl.sum((tie & (lo >= trial)).to(tl.int32), axis=0) >= rank:
+                p_lo = trial
+    kth = (p_hi.to(tl.uint64) << 32) | p_lo.to(tl.uint64)
+    return kth.to(tl.int64, bitcast=True) ^ sign
 
 
 @triton.jit
@@ -312,9 +351,14 @@ def _hytopk_kernel(
                 i_lo = g * NT
                 i_hi = tl.minimum(n_tiles, g * NT + NT)
             if MODE == 0 and ATOMIC_SLOTS:  # survivors of the last tile, not yet stored
-                p_keys = tl.zeros([R, BN], dtype=tl.int64)
-                p_slot = tl.zeros([R, BN], dtype=tl.int32)
-                p_surv = tl.zeros([R, BN], dtype=tl.int1)
+                if KEYS_ON_M:
+                    p_keys = tl.zeros([BN, R], dtype=tl.int64)
+                    p_slot = tl.zeros([BN, R], dtype=tl.int32)
+                    p_surv = tl.zeros([BN, R], dtype=tl.int1)
+                else:
+                    p_keys = tl.zeros([R, BN], dtype=tl.int64)
+                    p_slot = tl.zeros([R, BN], dtype=tl.int32)
+                    p_surv = tl.zeros([R, BN], dtype=tl.int1)
             for i in range(i_lo, i_hi):
                 if PRUNE:  # the i-th kept tile of the group
                     tile = tl.sum(tl.where(keep & (keep_rank == i), tile_g, 0), axis=0)
@@ -325,55 +369,73 @@ def _hytopk_kernel(
                 kt = tl.load(k_base + s[:, None].to(tl.int64) * stride_ks
                              + offs_d[None, :] * stride_kd,
                              mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+                # The tile's scores stay in the GEMM's orientation: [BN, R] (keys x rows) with
+                # KEYS_ON_M, [R, BN] otherwise. Transposing them to one orientation costs a
+                # shared-memory round trip and barriers on every tile (compiled for sm_90a with
+                # QSA's 4 heads: 8 barriers a tile).
                 if KEYS_ON_M:
                     # K_tile @ Q^T: the (row, head) pairs are the MMA's N, so the head sum
-                    # below reduces within each thread and its quad (no shared memory).
+                    # reduces within each thread and its quad (no shared memory).
                     logits_t = _logits(kt, qt, RELU, IEEE) * w[None, :]
-                    scores = tl.trans(tl.sum(tl.reshape(logits_t, [BN, R, HP]), axis=2))
+                    scores = tl.sum(tl.reshape(logits_t, [BN, R, HP]), axis=2)
                 else:
                     logits = _logits(qt, kt, RELU, IEEE) * w[:, None]
                     if HP == 1:
                         scores = logits
                     else:
                         scores = tl.sum(tl.reshape(logits, [R, HP, BN]), axis=1)
-                vis = row_ok[:, None] & s_ok[None, :]
+                vis = _per_row(row_ok, KEYS_ON_M) & _per_key(s_ok, KEYS_ON_M)
                 if CAUSAL:
                     kpos = tl.load(kpos_ptr + b * S + s, mask=s_ok, other=0)
-                    vis = vis & (s[None, :] < hi[:, None]) & (kpos[None, :] <= qpos[:, None])
+                    vis = (vis & (_per_key(s, KEYS_ON_M) < _per_row(hi, KEYS_ON_M))
+                           & (_per_key(kpos, KEYS_ON_M) <= _per_row(qpos, KEYS_ON_M)))
                 if MODE == 0 and ATOMIC_SLOTS:
                     # Each survivor takes its slot from its row's counter (an atomic add in
                     # L2, predicated off for the other lanes): no scan and no barrier per tile.
                     # Slots come in any order; the buffer is a set, compacted by value.
-                    cand = vis & (scores >= thr_score[:, None])
-                    keys = _pack(scores, s)
-                    surv = cand & (keys > thr[:, None])
+                    cand = vis & (scores >= _per_row(thr_score, KEYS_ON_M))
+                    keys = _pack(scores, _per_key(s, KEYS_ON_M))
+                    surv = cand & (keys > _per_row(thr, KEYS_ON_M))
                     # The previous tile's survivors are stored now, a tile after their atomics
                     # were issued: the GEMM in between hides the atomics' L2 round trip.
-                    tl.store(scratch + offs_r[:, None] * CAP + p_slot, p_keys, mask=p_surv)
-                    p_slot = tl.atomic_add(counts + offs_r[:, None] + 0 * s[None, :], 1,
-                                           mask=surv, sem="relaxed")
+                    tl.store(scratch + _per_row(offs_r, KEYS_ON_M) * CAP + p_slot, p_keys,
+                             mask=p_surv)
+                    p_slot = tl.atomic_add(
+                        counts + _per_row(offs_r, KEYS_ON_M) + 0 * _per_key(s, KEYS_ON_M), 1,
+                        mask=surv, sem="relaxed")
                     p_keys = keys
                     p_surv = surv
                 elif MODE == 0:
                     # Cheap fp32 pre-filter; the exact int64 comparison runs only on tiles with
                     # a candidate (a score equal to the threshold's can still win on its index).
-                    cand = vis & (scores >= thr_score[:, None])
+                    cand = vis & (scores >= _per_row(thr_score, KEYS_ON_M))
                     if tl.max(cand.to(tl.int32)) > 0:
-                        keys = _pack(scores, s)
-                        surv = cand & (keys > thr[:, None])
-                        slot = count[:, None] + tl.cumsum(surv.to(tl.int32), axis=1) - 1
-                        tl.store(scratch + offs_r[:, None] * CAP + slot, keys, mask=surv)
-                        count += tl.sum(surv.to(tl.int32), axis=1)
+                        keys = _pack(scores, _per_key(s, KEYS_ON_M))
+                        surv = (cand & (keys > _per_row(thr, KEYS_ON_M))).to(tl.int32)
+                        if KEYS_ON_M:
+                            slot = count[None, :] + tl.cumsum(surv, axis=0) - 1
+                            count += tl.sum(surv, axis=0)
+                        else:
+                            slot = count[:, None] + tl.cumsum(surv, axis=1) - 1
+                            count += tl.sum(surv, axis=1)
+                        tl.store(scratch + _per_row(offs_r, KEYS_ON_M) * CAP + slot, keys,
+                                 mask=surv > 0)
                 elif MODE == 1:
-                    best = tl.maximum(best, tl.max(tl.where(vis, scores, float("-inf")), axis=1))
+                    masked = tl.where(vis, scores, float("-inf"))
+                    if KEYS_ON_M:
+                        best = tl.maximum(best, tl.max(masked, axis=0))
+                    else:
+                        best = tl.maximum(best, tl.max(masked, axis=1))
                 else:
                     t_row = (rows - table_t0).to(tl.int64)
-                    tl.store(table_ptr + t_row[:, None] * S + s[None, :],
+                    tl.store(table_ptr + _per_row(t_row, KEYS_ON_M) * S
+                             + _per_key(s, KEYS_ON_M),
                              tl.where(vis, scores, float("-inf")),
-                             mask=row_ok[:, None] & s_ok[None, :])
+                             mask=_per_row(row_ok, KEYS_ON_M) & _per_key(s_ok, KEYS_ON_M))
             if MODE == 0:
                 if ATOMIC_SLOTS:
-                    tl.store(scratch + offs_r[:, None] * CAP + p_slot, p_keys, mask=p_surv)
+                    tl.store(scratch + _per_row(offs_r, KEYS_ON_M) * CAP + p_slot, p_keys,
+                             mask=p_surv)
                     tl.debug_barrier()  # every append of the group has its slot and is stored
                     count = tl.load(counts + offs_r, volatile=True)
                 if tl.max(count) > CAP - NT * BN:
@@ -557,19 +619,21 @@ def _slack_coef(hp: int) -> float:
 def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode=MODE_SELECT,
             block_n=None, rows=None, num_programs=None, table=None, table_rows=None,
             group_slack_div=GROUP_SLACK_DIV, prune=None, prune_stats=None,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES, keys_on_m=None, atomic_slots=None):
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES, keys_on_m=None, atomic_slots=None,
+            min_cap=None):
     """Run the kernel. prune: skip key tiles by their score bound (default PRUNE; MODE_SELECT
     only). prune_stats: optional int64 tensor [2] that receives (key tiles pruned, key tiles
     considered), each counted once per row block. keys_on_m: the GEMM orientation (default
     KEYS_ON_M with several heads a row; never with one). atomic_slots: how
-    candidates are appended (default ATOMIC_SLOTS)."""
+    candidates are appended (default ATOMIC_SLOTS). min_cap: the smallest per-row candidate
+    buffer (default MIN_CAP)."""
     B, T, _, D = q.shape
     S = k.shape[1]
     qk, kk_, w, hp, r, ieee = _prepare(q, k, weights, relu, rows)
     H = qk.shape[2]
     bn = block_n or BLOCK_N
     kk = min(topk, S)
-    cap = triton.next_power_of_2(kk + bn)
+    cap = triton.next_power_of_2(max(kk + bn, MIN_CAP if min_cap is None else min_cap))
     # Tiles per group: a quarter of the buffer's slack, so a row compacts only after about
     # 3/4 of the slack has filled (compactions stay rare) while a group can never overflow.
     nt = max(1, (cap - kk) // (group_slack_div * bn))

@@ -1,0 +1,81 @@
+"""RMSNorm over the last dim, computed in fp32 and returned in the input's dtype, whose autograd
+keeps only the input and one fp32 scale a row.
+
+DeepSeek-V4 normalizes every query head (and each compressed entry) this way. Written as plain
+torch ops, autograd keeps the fp32 upcast of the input for backward and builds several fp32
+gradients of the same size: for V4-Flash's queries ([T, 64, 512]) that is 4 GiB each at 32K
+tokens, and five of them were alive at once at the peak of a layer's backward (measured with
+scripts/profile_layer_memory.py on the H200, 2026-11-30: 20 of the step's 25 GiB). Here the
+forward and the backward run in row chunks of about CHUNK_BYTES of fp32, and what is saved is
+the input (bf16 for the layer) and rstd [rows] in fp32.
+
+Values: per row, y = x * rsqrt(mean(x^2) + eps) [* weight], all in fp32, rounded once to x's
+dtype; the same ops in the same order as the plain-torch form, row by row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# fp32 bytes of one chunk's temporaries (a few of them live at once).
+CHUNK_BYTES = 256 << 20
+
+
+def _rows_per_chunk(width: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * width))
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        out = torch.empty_like(x2)
+        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+        wf = None if weight is None else weight.float()
+        step = _rows_per_chunk(shape[-1])
+        for r0 in range(0, x2.shape[0], step):
+            xf = x2[r0:r0 + step].float()
+            r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+            y = xf * r
+            out[r0:r0 + step] = y if wf is None else y * wf
+            rstd[r0:r0 + step] = r.squeeze(-1)
+        ctx.save_for_backward(x, weight, rstd)
+        return out.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, rstd = ctx.saved_tensors
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        g2 = grad.reshape(-1, shape[-1])
+        need_x, need_w = ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]
+        dx = torch.empty_like(x2) if need_x else None
+        dw = torch.zeros(shape[-1], dtype=torch.float32, device=x.device) if need_w else None
+        wf = None if weight is None else weight.float()
+        step = _rows_per_chunk(shape[-1])
+        for r0 in range(0, x2.shape[0], step):
+            r = rstd[r0:r0 + step, None]
+            xhat = x2[r0:r0 + step].float() * r
+            g = g2[r0:r0 + step].float()
+            if need_w:
+                dw += (g * xhat).sum(0)
+            if need_x:
+                gw = g if wf is None else g * wf
+                # d/dx of x * r(x): r * (gw - xhat * mean(gw * xhat))
+                dx[r0:r0 + step] = r * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        return (None if dx is None else dx.view(shape),
+                None if dw is None else dw.to(weight.dtype), None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) times weight (if given), in fp32, returned in x's dtype.
+
+    x: [..., C] (any float dtype); weight: [C] or None. (transformers' V4 rounds to x's dtype
+    before the weight and keeps the weight's dtype, fp32 there, in the output; identical in
+    fp32, and here the output dtype never changes.)
+    """
+    if weight is not None and weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected "
+                         f"({x.shape[-1]},) for x of shape {tuple(x.shape)}")
+    return _RMSNorm.apply(x, weight, eps)
