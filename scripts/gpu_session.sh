@@ -20,6 +20,9 @@
 #   bash scripts/gpu_session.sh qsa-selection [T]  # HyTopK on QSA's shape (4 heads over
 #                                         # T / 4 blocks, top 512): launch sweep, score-only
 #                                         # split, the finishing sort; default T 524288 (~3 min)
+#   bash scripts/gpu_session.sh selection # HyTopK and its score-only split at 128K for
+#                                         # DeepSeek-V3.2 and V4-Flash's CSA, at 512K for QSA,
+#                                         # each kernel default as it stands         (~2 min)
 #   bash scripts/gpu_session.sh pair 'STAGE [ARGS]' 'STAGE [ARGS]'  # on nvidia-h200-x2: two
 #                                         # one-GPU stages at once, one a GPU, e.g.
 #                                         # pair 'models csa hca' 'models qsa' or
@@ -48,9 +51,9 @@ set -uo pipefail
 stage=${1:-}
 shift || true
 case "$stage" in
-  verify|kernels|attention|layer|models|memory|qsa-selection|cp2|cp2-1m|side2|pair) ;;
+  verify|kernels|attention|layer|models|memory|qsa-selection|selection|cp2|cp2-1m|side2|pair) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|layer|models|memory" \
-       "|qsa-selection|cp2|cp2-1m|side2|pair} [ARGS...]" >&2
+       "|qsa-selection|selection|cp2|cp2-1m|side2|pair} [ARGS...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -180,6 +183,13 @@ case "$stage" in
     timeout 150 python3 scripts/bench_selection.py --T "$seq" --configs qsa --reps 2 \
       --secondary-max-T "$seq" --methods hytopk scoreonly finish --tag _qsa --out "$out" 2>&1 \
       | tail -5 | tee "$out/bench_selection_qsa.log"
+    ;;
+  selection)
+    timeout 150 python3 scripts/bench_selection.py --T 131072 --configs dsv32 v4flash --reps 2 \
+      --methods hytopk scoreonly --out "$out" 2>&1 | tail -4 | tee "$out/bench_selection.log"
+    timeout 100 python3 scripts/bench_selection.py --T 524288 --configs qsa --reps 2 \
+      --secondary-max-T 524288 --methods hytopk finish --tag _qsa --out "$out" 2>&1 \
+      | tail -3 | tee "$out/bench_selection_qsa.log"
     ;;
   pair)
     # Two one-GPU stages at once on nvidia-h200-x2, one a GPU; their files packed into

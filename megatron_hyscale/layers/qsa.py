@@ -423,10 +423,13 @@ class HyScaleQSAttention(MegatronModule):
         weights = torch.full((b, sq, q_idx.shape[2]), self.index_scale, dtype=torch.float32,
                              device=q_idx.device)
         with torch.no_grad():
+            # The attention needs each row's set only; the kernel's order depends on its
+            # atomics, so deterministic_mode keeps the sorted rows (a fixed summation order).
             blocks, _ = hytopk(
                 q_idx.detach(), block_keys.detach(), weights, kb, relu=True,
                 q_positions=q_positions,
                 k_positions=block_visibility_positions(nb, self.block_size, q_idx.device),
+                ordered=bool(self.config.deterministic_mode),
             )
         replay.count_computed()
         if phase == "record":

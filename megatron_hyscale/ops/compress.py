@@ -82,6 +82,39 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor
     return angles.cos(), angles.sin()
 
 
+def _rotate_pairs(rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """fp32 rotation of channel pairs (2j, 2j+1) by the angles of cos / sin, re-interleaved."""
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    # (even, odd) -> (even cos - odd sin, odd cos + even sin)
+    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+
+
+class _InterleavedRope(torch.autograd.Function):
+    """The rotation of x's trailing channels, whose backward writes one gradient tensor.
+
+    As plain ops (slice, rotate, cat), autograd's backward builds a zero-filled full-size
+    gradient for each slice and adds them: three [..., D] tensors for one rotation (V4's
+    queries: 2 GiB each at 32K tokens). The gradient of a rotation is the opposite rotation,
+    computed here the same way (fp32, then x's dtype).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rope_dim = 2 * cos.shape[-1]
+        out = x.clone(memory_format=torch.contiguous_format)
+        out[..., -rope_dim:] = _rotate_pairs(x[..., -rope_dim:].float(), cos, sin)
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        rope_dim = 2 * cos.shape[-1]
+        dx = grad.clone(memory_format=torch.contiguous_format)
+        dx[..., -rope_dim:] = _rotate_pairs(grad[..., -rope_dim:].float(), cos, -sin)
+        return dx, None, None
+
+
 def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                            heads: bool = False, inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing 2 * cos.shape[-1] channels of x, pairing channels (2j, 2j+1).
@@ -95,7 +128,7 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         inverse: rotate by the opposite angle (V4 undoes the values' rotation on the output).
 
     Returns:
-        x's dtype and shape; the rotation itself is computed in fp32 (as V4 does).
+        x's dtype and shape (contiguous); the rotation itself is computed in fp32 (as V4 does).
     """
     rope_dim = 2 * cos.shape[-1]
     if x.shape[-1] < rope_dim:
@@ -104,11 +137,7 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     if inverse:
         sin = -sin
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    # (even, odd) -> (even cos - odd sin, odd cos + even sin), re-interleaved.
-    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
-    return torch.cat([nope, rotated.flatten(-2).to(x.dtype)], dim=-1)
+    return _InterleavedRope.apply(x, cos.float(), sin.float())
 
 
 def compressed_visible_count(q_positions: torch.Tensor, ratio: int) -> torch.Tensor:

