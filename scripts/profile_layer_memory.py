@@ -50,7 +50,7 @@ def site_of(frames: list[dict[str, Any]]) -> str:
     suffix = f" <- {node}" if node else ""
     for f in frames:
         name = f.get("filename", "")
-        if not any(m in name for m in LIBRARY_MARKERS) and name != "??":
+        if name.endswith(".py") and not any(m in name for m in LIBRARY_MARKERS):
             short = "/".join(name.split("/")[-2:])
             return f"{short}:{f.get('line')} {f.get('name')}{suffix}"
     return ("(torch internal)" if frames else "(no stack)") + suffix
@@ -61,7 +61,7 @@ def user_stack(frames: list[dict[str, Any]], depth: int = 12) -> list[str]:
     out = []
     for f in frames:
         name = f.get("filename", "")
-        if not any(m in name for m in LIBRARY_MARKERS) and name != "??":
+        if name.endswith(".py") and not any(m in name for m in LIBRARY_MARKERS):
             out.append(f"{'/'.join(name.split('/')[-2:])}:{f.get('line')} {f.get('name')}")
         if len(out) == depth:
             break
