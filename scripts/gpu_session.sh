@@ -158,9 +158,10 @@ case "$stage" in
       # / 112 GiB), their baseline to 128K (CSA's 93 GiB; 183 at 256K); QSA and its baseline
       # to 512K (68 / 67 GiB).
       run=("${seqs[@]}") limit=131072 budget=240
+      [ "$model" = qsa ] && limit=524288 budget=300
       if [ ${#run[@]} -eq 0 ]; then
         run=(32768 65536 131072 262144)
-        [ "$model" = qsa ] && run=(131072 262144 524288) limit=524288 budget=300
+        [ "$model" = qsa ] && run=(131072 262144 524288)
       fi
       timeout $budget python3 scripts/bench_layer.py --model $model --seq "${run[@]}" \
         --repeats 1 --stock-max-seq $limit --out "$out" 2>&1 | grep -v Warning \
