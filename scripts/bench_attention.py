@@ -24,7 +24,7 @@ Baseline: megatron-core 0.19.2's stock unfused path (`_unfused_absorbed_dsa_fn` 
   python scripts/bench_attention.py --quick         # T = 16K, fewer repeats
   python scripts/bench_attention.py --shapes glm51 v32 --t 131072 --out /tmp/res
   python scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768
-  python scripts/bench_attention.py --shapes v32 --t 131072 --adjacent-head-blocks
+  python scripts/bench_attention.py --shapes v32 --t 131072 --head-blocks split
 
 --bwd-sweep times the two backward kernels apart, for each (keys per step, stages) tiling that
 fits: dQ, dK/dV with its fp32 atomics, dK/dV in the measurement-only discard mode (the same
@@ -321,11 +321,12 @@ def main():
     ap.add_argument("--tilings", nargs="+", type=parse_tiling, default=list(SWEEP_TILINGS),
                     metavar="NxS", help="--bwd-sweep's tilings, keys per step x stages (a "
                     "tiling that faults ends the process: give one a run to isolate it)")
-    ap.add_argument("--adjacent-head-blocks", action="store_true",
-                    help="launch a query's head-block programs next to each other "
-                         "(sparse_attention.HEAD_BLOCKS_ADJACENT; matters with 128 heads)")
+    ap.add_argument("--head-blocks", choices=("adjacent", "split"), default="adjacent",
+                    help="launch order of a query's head-block programs: next to each other "
+                         "(the default, sparse_attention.HEAD_BLOCKS_ADJACENT) or a (queries, "
+                         "blocks) grid; matters with 128 heads (V3.2)")
     args = ap.parse_args()
-    kern.HEAD_BLOCKS_ADJACENT = args.adjacent_head_blocks
+    kern.HEAD_BLOCKS_ADJACENT = args.head_blocks == "adjacent"
     if args.quick:
         args.t, args.reps = [16384], 3
     os.makedirs(args.out, exist_ok=True)
@@ -337,7 +338,7 @@ def main():
         bwd_sweep(args.shapes, args.t, args.reps, args.out, mm, args.tilings)
         return
     meta = dict(device=dev, date=datetime.date.today().isoformat(), command=" ".join(sys.argv),
-                matmul_tflops=mm, copy_tbps=bw, adjacent_head_blocks=args.adjacent_head_blocks,
+                matmul_tflops=mm, copy_tbps=bw, head_blocks=args.head_blocks,
                 rows=[])
     json_path = os.path.join(args.out, "bench_attention.json")
     for T in args.t:

@@ -129,12 +129,11 @@ case "$stage" in
     timeout 90 python3 scripts/bench_attention.py --t 131072 --shapes glm51 csa --reps 2 \
       --indices window --no-stock --no-deterministic --out "$out/window" 2>&1 \
       | grep "T=" | tee "$out/bench_attention_window.log"
-    # V3.2's 128 heads run as two programs a query: their launch order (HEAD_BLOCKS_ADJACENT,
-    # off until this run) decides whether the second one's gathers can hit L2.
+    # V3.2's 128 heads run as two programs a query: their launch order (HEAD_BLOCKS_ADJACENT)
+    # decides whether the second one's gathers can hit L2.
     for order in split adjacent; do
-      flag=(); [ $order = adjacent ] && flag=(--adjacent-head-blocks)
       timeout 90 python3 scripts/bench_attention.py --t 131072 --shapes v32 --reps 2 \
-        --no-stock --no-deterministic "${flag[@]}" --out "$out/heads_$order" 2>&1 \
+        --no-stock --no-deterministic --head-blocks $order --out "$out/heads_$order" 2>&1 \
         | grep -E "T=|Error" | sed "s/^/$order: /" | tee -a "$out/bench_attention_head_blocks.log"
     done
     timeout 120 python3 scripts/bench_indexer_loss.py --out "$out" 2>&1 \
