@@ -51,14 +51,13 @@ NUM_STAGES = 2
 # Programs used under TRITON_INTERPRET=1 (any count is correct; few keep the scratch small).
 INTERPRET_PROGRAMS = 3
 
-# Smallest candidate buffer a row (entries, rounded up to a power of two): the slack above
-# topk sets how often a row is compacted. 0: just topk + one tile (see _launch).
-MIN_CAP = 0
-# The same under SMALL_HEADS heads, where a row's compactions cost more than its tiny GEMM:
-# QSA (4 heads, top 512 of T / 4 blocks) at 512K tokens on the H200 (2026-11-30,
-# bench_selection.py --sweep --configs qsa): 460 ms with 2048 entries, 473 with 4096, 549
-# with topk + one tile (1024).
-MIN_CAP_SMALL_HEADS = 2048
+# Smallest candidate buffer a row (entries, rounded up to a power of two; at least topk + one
+# tile): the slack above topk sets how often a row is compacted. Measured on the H200
+# (2026-11-30) for the top-512 configurations, whose buffer was 1024 before: QSA (4 heads over
+# T / 4 blocks) at 512K tokens 549 ms with 1024, 460 with 2048, 473 with 4096; V4-Flash's CSA
+# indexer (64 heads) at 128K 500 ms with 1024, 453 with 2048, 473 with 4096. Top-2048 rows
+# already have 4096 (8192 was slower: 608 against 497 ms at 128K).
+MIN_CAP = 2048
 # A tile group may fill at most 1/GROUP_SLACK_DIV of the buffer slack (see _launch).
 GROUP_SLACK_DIV = 4
 # Temporary bytes per row chunk of the final sort-and-decode pass.
@@ -631,7 +630,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
     considered), each counted once per row block. keys_on_m: the GEMM orientation (default
     KEYS_ON_M with several heads a row; never with one). atomic_slots: how
     candidates are appended (default ATOMIC_SLOTS). min_cap: the smallest per-row candidate
-    buffer (default MIN_CAP, or MIN_CAP_SMALL_HEADS under SMALL_HEADS heads). ordered: sort
+    buffer (default MIN_CAP). ordered: sort
     each row (else the set in kernel order, -1 slots last)."""
     B, T, _, D = q.shape
     S = k.shape[1]
@@ -639,9 +638,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
     H = qk.shape[2]
     bn = block_n or BLOCK_N
     kk = min(topk, S)
-    if min_cap is None:
-        min_cap = MIN_CAP_SMALL_HEADS if relu and hp < SMALL_HEADS else MIN_CAP
-    cap = triton.next_power_of_2(max(kk + bn, min_cap))
+    cap = triton.next_power_of_2(max(kk + bn, MIN_CAP if min_cap is None else min_cap))
     # Tiles per group: a quarter of the buffer's slack, so a row compacts only after about
     # 3/4 of the slack has filled (compactions stay rare) while a group can never overflow.
     nt = max(1, (cap - kk) // (group_slack_div * bn))
