@@ -28,9 +28,12 @@ was 3.25 / 5.77 / 11.52 / 23.03 / 46.40 / 92.07 GiB at T = 8K .. 256K; this mode
 6.3 / 12.2 / 24.0 / 47.6 / 94.9 (2 to 9 % high). Until 2026-11-30 it counted the query
 gradient in fp32 (the dQ kernel writes bf16) and was 10 to 25 % high. At 1M tokens, CP 2,
 rows in parts of 128K (two H200s, the same day) it says 76.57 GiB, measured 76.25. Stock's
-score-table factor is fitted to its one measured point (below). CSA / HCA / QSA have no
-measurement yet: the next GPU session's bench_layer.py runs print the measured peak beside
-these numbers.
+score-table factor is fitted to its one measured point (below). CSA / HCA / QSA (H200, third
+GPU session of 2026-11-30, after V4's query norm and RoPE stopped keeping fp32 copies):
+CSA 50.5 / 100.5 GiB at 128K / 256K (model 55.1 / 109.8), at 1M CP 2 in parts of 128K 66.3
+(76.6); HCA 49.7 / 98.9 (51.2 / 102.0); QSA 23.9 / 95.1 at 128K / 512K (23.6 / 93.2: 1 to 2 %
+low), at 1M CP 2 96.6 (96.4). QSA's item for megatron's unfused q / k norm backward was added
+from scripts/profile_layer_memory.py; V4's baseline factor is fitted.
 
 Simplifications (each shifts the total by well under 10 %): norms, biases and RoPE tables are
 ignored; temporaries of a single elementwise op are not counted unless they are [T, ...] sized;
@@ -49,6 +52,16 @@ RESERVE_GIB = 3.0  # CUDA context + NCCL + fragmentation (measured order on H100
 WORKSPACE_GIB = 0.35
 V4_BASELINE_ROW_BLOCK = 4096  # DeepseekV4TransformerConfig.v4_baseline_row_block
 QSA_BASELINE_CHUNK_ELEMENTS = 1 << 28  # megatron_hyscale.layers.qsa.BASELINE_CHUNK_ELEMENTS
+# V4's baseline: [4096-row block, H_I, N] fp32 score blocks (the logits, their ReLU, the weighted
+# product before the head sum) on top of the layer's working set. Its peak comes in a forward
+# (the selection), when the backward's gradients are not alive, so the sum of the two items
+# overcounts; the factor is fitted to the total measured on the H200 (2026-11-30): CSA at 32K /
+# 128K, 25.8 / 102.3 GiB (this model: 26.2 / 103.7).
+V4_BASELINE_BLOCK_COPIES = 1.5
+# megatron's unfused q / k RMSNorm (the local spec, torch ops) leaves three fp32 [n, H, d]
+# gradients alive in QSA's backward (scripts/profile_layer_memory.py, H200, 2026-11-30: two
+# MulBackward0 and one ToCopyBackward0 of 3 GiB each at 128K).
+QSA_NORM_FP32_GRADS = 3
 # Stock DSA keeps many [T, H_I, T]-sized fp32 tensors alive at once (logits, ReLU, weighted
 # product, the dense KL's attention scores and their gradients). Calibrated on the one stock
 # point measured on the H200 (BENCHMARKS.md, GLM-5.1 layer, T = 8192: 122.8 GiB peak extra):
@@ -154,6 +167,8 @@ def _attention_working(g: LayerGeometry, T: int, n: int, cp: int, c: int
             + gathered // g.ratio * g.indexer_dim * f32
         idx_cols = g.topk * g.ratio + g.ratio - 1  # tokens of the selected blocks + the tail
         out_dim = g.head_dim
+        items["q / k RMSNorm backward (fp32 [n, H, d] grads)"] = \
+            QSA_NORM_FP32_GRADS * n * H * g.head_dim * f32
     else:
         raise ValueError(f"unknown layer kind {g.kind!r}")
     items["sparse-attention indices (int32)"] = n * idx_cols * i32
@@ -183,8 +198,8 @@ def _selection(g: LayerGeometry, T: int, n: int, cp: int, variant: str) -> dict[
                 n * S * f32 * g.indexer_heads * STOCK_DSA_TABLE_COPIES}
     if g.kind == "csa":
         rows = min(n, V4_BASELINE_ROW_BLOCK)
-        return {"baseline score block [4096, H_I, N] fp32 + scores + fp32 q/k copies":
-                rows * S * f32 * (g.indexer_heads + 1)
+        return {f"baseline score blocks ({V4_BASELINE_BLOCK_COPIES} x [4096, H_I, N] fp32) + "
+                "fp32 q/k copies": rows * S * f32 * g.indexer_heads * V4_BASELINE_BLOCK_COPIES
                 + (rows * g.indexer_heads + S) * g.indexer_dim * f32}
     # QSA baseline: chunks of 2**28 fp32 per-head logits, their ReLU and the head sum
     chunk = min(QSA_BASELINE_CHUNK_ELEMENTS, n * g.indexer_heads * S)
