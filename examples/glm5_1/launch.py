@@ -189,6 +189,10 @@ def make_command(model: ModelGeometry, layout: Layout, is_full: bool, args: argp
                               transformer_impl=args.transformer_impl)
     script = pretrain_script(checkout)
     env = training_env(checkout)
+    if args.command == "side-by-side":
+        # per-iteration selection / attention / indexer-loss / communication times in both
+        # logs (megatron_hyscale.phase_times; the summary reads them back)
+        env[logparse.PHASE_TIMES_ENV] = "1"
     if is_full:
         master = slurm_master_addr(required=not dry_run)
         argv = srun_torchrun(args.python, args.nodes, args.gpus_per_node, script, margs,
@@ -261,7 +265,8 @@ def run_side_by_side(args: argparse.Namespace, extra: list[str]) -> int:
         summaries.append(logparse.summarize(
             variant, recs, seq_length=layout.seq_length, gpus=layout.gpus,
             skip=args.skip_iters, exit_code=codes[variant],
-            peak_allocated_mib=logparse.peak_allocated_mib(text)))
+            peak_allocated_mib=logparse.peak_allocated_mib(text),
+            phase_ms=logparse.phase_times(text, skip=args.skip_iters)))
     table = logparse.side_by_side(summaries[0], summaries[1], records[0], records[1])
     print("\n" + table)
     if not args.parse_only:

@@ -23,6 +23,13 @@ import math
 import re
 from dataclasses import dataclass, field
 
+# megatron_hyscale.phase_times (HYSCALE_PHASE_TIMES=1) prints one line per rank and step:
+#   [hyscale phases] rank 0 step 3: selection 812.4 ms (8), attention 301.2 ms (16), ...
+PHASE_TIMES_ENV = "HYSCALE_PHASE_TIMES"
+PHASE_LINE_PREFIX = "[hyscale phases]"
+PHASES = ("selection", "attention", "indexer_loss", "communication")
+_PHASE_LINE = re.compile(r"\[hyscale phases\] rank (\d+) step (\d+): (.*)$")
+_PHASE_ITEM = re.compile(r"(\w+) ([0-9.]+) ms \((\d+)\)")
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
 _MAX_ALLOCATED = re.compile(r"memory \(MB\).*?\|\s*max allocated:\s*([0-9.]+)")
 _FIELD = re.compile(r"^\s*([A-Za-z][A-Za-z0-9 _()/\-]*?)\s*:\s*([-+0-9.eEnaNinf]+)\s*$")
@@ -88,22 +95,55 @@ class RunSummary:
     last_indexer_loss: float | None
     note: str = ""
     peak_allocated_mib: float | None = None
+    phase_ms: dict[str, float] = field(default_factory=dict)  # phase_times(log text)
+
+
+def parse_phase_line(line: str) -> tuple[int, int, dict[str, float]] | None:
+    """(rank, step, {phase: ms}) of one phase-times line, or None."""
+    m = _PHASE_LINE.search(line)
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), {p: float(ms) for p, ms, _ in
+                                               _PHASE_ITEM.findall(m.group(3))}
+
+
+def phase_times(text: str, skip: int = 2) -> dict[str, float]:
+    """Mean ms per step of each phase over the steps after the first `skip`, each step taken
+    at its slowest rank ({} when the log has no phase-times lines). As `summarize`, if every
+    step falls in the warm-up window the last one counts."""
+    per_step: dict[int, dict[str, float]] = {}
+    for line in text.splitlines():
+        parsed = parse_phase_line(line)
+        if parsed is None:
+            continue
+        _, step, phases = parsed
+        slot = per_step.setdefault(step, {})
+        for p, ms in phases.items():
+            slot[p] = max(slot.get(p, 0.0), ms)
+    steps = sorted(per_step)
+    timed = [s for s in steps if s > skip] or steps[-1:]
+    if not timed:
+        return {}
+    return {p: sum(per_step[s].get(p, 0.0) for s in timed) / len(timed) for p in PHASES}
 
 
 def summarize(name: str, records: list[IterationRecord], *, seq_length: int, gpus: int,
               skip: int = 2, exit_code: int | None = 0,
-              peak_allocated_mib: float | None = None) -> RunSummary:
+              peak_allocated_mib: float | None = None,
+              phase_ms: dict[str, float] | None = None) -> RunSummary:
     """Mean time over the iterations after the first `skip` (compile, allocator warm-up).
 
     tokens/s = global batch size x seq_length / mean iteration time. If every iteration falls
     in the warm-up window, the last one is timed rather than none. `peak_allocated_mib`: what
-    `peak_allocated_mib(log text)` found, carried into the summary.
+    `peak_allocated_mib(log text)` found, and `phase_ms` what `phase_times(log text)` found,
+    carried into the summary.
     """
     note = "" if exit_code in (0, None) else f"exited with code {exit_code}"
     if not records:
         note = note or "no iterations logged"
         return RunSummary(name, 0, 0, None, None, None, None, None, None,
-                          note=f"{note} (see its log)", peak_allocated_mib=peak_allocated_mib)
+                          note=f"{note} (see its log)", peak_allocated_mib=peak_allocated_mib,
+                          phase_ms=dict(phase_ms or {}))
     timed = records[skip:] or records[-1:]
     mean_ms = sum(r.elapsed_ms for r in timed) / len(timed)
     gbs = timed[-1].global_batch_size
@@ -122,6 +162,7 @@ def summarize(name: str, records: list[IterationRecord], *, seq_length: int, gpu
         last_indexer_loss=indexer[-1] if indexer else None,
         note=note,
         peak_allocated_mib=peak_allocated_mib,
+        phase_ms=dict(phase_ms or {}),
     )
 
 
@@ -152,8 +193,12 @@ def side_by_side(a: RunSummary, b: RunSummary, records_a: list[IterationRecord],
         ("indexer loss (last)", _fmt(a.last_indexer_loss, ".4g"), _fmt(b.last_indexer_loss, ".4g")),
         ("max allocated per GPU (GiB)", _fmt(_gib(a.peak_allocated_mib), ".1f"),
          _fmt(_gib(b.peak_allocated_mib), ".1f")),
-        ("note", a.note or "-", b.note or "-"),
     ]
+    if a.phase_ms or b.phase_ms:
+        # inclusive times on the compute stream, slowest GPU of each iteration
+        rows += [(f"{p.replace('_', ' ')} ms / iteration", _fmt(a.phase_ms.get(p), ".1f"),
+                  _fmt(b.phase_ms.get(p), ".1f")) for p in PHASES]
+    rows.append(("note", a.note or "-", b.note or "-"))
     w0 = max(len(r[0]) for r in rows) + 2
     w1 = max(len(a.name), *(len(r[1]) for r in rows)) + 2
     w2 = max(len(b.name), *(len(r[2]) for r in rows)) + 2

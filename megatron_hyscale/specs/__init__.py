@@ -48,6 +48,7 @@ from megatron_hyscale.layers.dsa import HyScaleDSAttention
 from megatron_hyscale.layers.linear import LocalLinear
 from megatron_hyscale.layers.mla import HyScaleMLASelfAttention
 from megatron_hyscale.layers.row_chunks import check_row_chunk
+from megatron_hyscale.phase_times import enable_from_env as enable_phase_times
 
 # Megatron-LM's `--spec` entry points read the row-chunk size from here (HyScaleMLASelfAttention).
 ROW_CHUNK_ENV = "HYSCALE_ROW_CHUNK"
@@ -189,6 +190,9 @@ class DSATransformerLayer(TransformerLayer):
     def __init__(self, config: TransformerConfig, submodules: object = None,
                  layer_number: int = 1, *, stock: bool = False, **kwargs: object) -> None:
         row_chunk = None if stock else row_chunk_from_env()
+        # HYSCALE_PHASE_TIMES=1: per-iteration selection / attention / indexer-loss /
+        # communication times in the log (megatron_hyscale.phase_times)
+        enable_phase_times("stock" if stock else "hyscale")
         spec = get_dsa_layer_specs(config, stock=stock, row_chunk=row_chunk)[layer_number - 1]
         super().__init__(config, spec.submodules, layer_number=layer_number,
                          **{**spec.params, **kwargs})

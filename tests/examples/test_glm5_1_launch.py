@@ -359,6 +359,43 @@ def test_side_by_side_parse_only(tmp_path: Path) -> None:
     assert re.search(r"max allocated per GPU \(GiB\)\s+72\.5\s+72\.5", result.stdout)
 
 
+PHASE_LINES = """\
+[hyscale phases] rank 0 step 1: selection 900.0 ms (4), attention 50.0 ms (8), \
+indexer_loss 9.0 ms (4), communication 1.0 ms (8)
+[hyscale phases] rank 1 step 1: selection 950.0 ms (4), attention 40.0 ms (8), \
+indexer_loss 9.0 ms (4), communication 1.0 ms (8)
+[hyscale phases] rank 0 step 2: selection 100.0 ms (4), attention 30.0 ms (8), \
+indexer_loss 8.0 ms (4), communication 2.0 ms (8)
+[hyscale phases] rank 1 step 2: selection 120.0 ms (4), attention 20.0 ms (8), \
+indexer_loss 7.0 ms (4), communication 4.0 ms (8)
+[hyscale phases] rank 0 step 3: selection 80.0 ms (4), attention 30.0 ms (8), \
+indexer_loss 8.0 ms (4), communication 2.0 ms (8)
+""".replace("\\\n", "")
+
+
+def test_phase_times_from_the_log() -> None:
+    """megatron_hyscale.phase_times' lines: after the warm-up steps, each step at its slowest
+    rank, averaged; the side-by-side table shows them."""
+    phases = logparse.phase_times(SAMPLE_LOG + PHASE_LINES, skip=1)
+    assert phases == {"selection": 100.0, "attention": 30.0, "indexer_loss": 8.0,
+                      "communication": 3.0}
+    assert logparse.phase_times(PHASE_LINES, skip=5)["selection"] == 80.0  # the last step
+    assert logparse.phase_times(SAMPLE_LOG) == {}
+    records = logparse.parse_megatron_log(SAMPLE_LOG)
+    a = logparse.summarize("stock", records, seq_length=32768, gpus=2)
+    b = logparse.summarize("hyscale", records, seq_length=32768, gpus=2, phase_ms=phases)
+    table = logparse.side_by_side(a, b, records, records)
+    assert re.search(r"selection ms / iteration\s+-\s+100\.0", table)
+    assert re.search(r"indexer loss ms / iteration\s+-\s+8\.0", table)
+    assert "selection ms" not in logparse.side_by_side(a, a, records, records)
+
+
+def test_side_by_side_turns_phase_times_on() -> None:
+    result = run_script("side_by_side.sh", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("HYSCALE_PHASE_TIMES=1") == 2  # stock and HyScale
+
+
 # ---------------------------------------------------------------- errors
 
 

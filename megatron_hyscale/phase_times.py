@@ -1,0 +1,314 @@
+"""Per-iteration time of a DSA model's attention phases: selection, sparse attention, indexer
+loss and exposed communication, for HyScale's layers and for stock megatron-core's.
+
+Enabled by HYSCALE_PHASE_TIMES=1 in a Megatron-LM run that uses HyScale's `--spec` entry points
+(`hyscale_dsa_layer_spec` or `stock_dsa_layer_spec`; `examples/glm5_1/launch.py side-by-side`
+sets it). The functions that make up each phase are wrapped where the layers look them up (a
+module attribute), so the timing needs no change to either implementation:
+
+  phase          HyScale (megatron_hyscale.layers.dsa)  stock (megatron-core's dsa module)
+  selection      hytopk                                 fused_qk_topk_naive, TileLang's
+                                                        run_fused_qk_topk
+  attention      sparse_attention                       _run_sparse_attention
+  indexer_loss   indexer_kl_loss                        compute_dsa_indexer_loss,
+                                                        bwd_fused_indexer_loss_naive
+  communication  start_all_gather_to_global (until      gather_from_sequence_parallel_region
+                 its wait returns)
+
+Each call's forward is timed between two CUDA events on the current stream (perf_counter on
+the CPU); for a call whose tensor inputs require gradients, identity autograd nodes around it
+time its backward too (from its outputs' gradients arriving to its inputs' gradients leaving).
+Times are inclusive and on the compute stream: communication is what the stream waits for,
+not the NCCL kernels' own time (HyScale overlaps its K / V gather with HyTopK). A call nested
+in another timed call counts once, for the outer phase.
+
+Megatron-LM's `train_step` is wrapped to close a step: after each one, every rank synchronizes
+and prints one line per step to its log,
+
+    [hyscale phases] rank 0 step 3: selection 812.4 ms (8), attention 301.2 ms (16), ...
+
+(ms, then the number of timed spans), which `launch.logparse.phase_times` reads back.
+Every rank prints its own line; the summary takes the slowest rank per step.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_hyscale.launch.logparse import PHASE_LINE_PREFIX as LINE_PREFIX
+from megatron_hyscale.launch.logparse import PHASE_TIMES_ENV as ENV
+from megatron_hyscale.launch.logparse import PHASES, parse_phase_line
+
+_STOCK_DSA = "megatron.core.transformer.experimental_attention_variant.dsa"
+_STOCK_KERNELS = "megatron.core.transformer.experimental_attention_variant.dsa_kernels"
+_HYSCALE_DSA = "megatron_hyscale.layers.dsa"
+# (module, attribute, phase, kind): kind "call" times a function, "pending" a started gather
+# whose .wait() ends the span. Missing attributes are skipped (megatron versions differ).
+TARGETS: dict[str, tuple[tuple[str, str, str, str], ...]] = {
+    "hyscale": (
+        (_HYSCALE_DSA, "hytopk", "selection", "call"),
+        (_HYSCALE_DSA, "sparse_attention", "attention", "call"),
+        (_HYSCALE_DSA, "indexer_kl_loss", "indexer_loss", "call"),
+        (_HYSCALE_DSA, "start_all_gather_to_global", "communication", "pending"),
+    ),
+    "stock": (
+        (_STOCK_DSA, "fused_qk_topk_naive", "selection", "call"),
+        (_STOCK_KERNELS, "run_fused_qk_topk", "selection", "call"),
+        (_STOCK_DSA, "_run_sparse_attention", "attention", "call"),
+        (_STOCK_DSA, "compute_dsa_indexer_loss", "indexer_loss", "call"),
+        (_STOCK_DSA, "bwd_fused_indexer_loss_naive", "indexer_loss", "call"),
+        (_STOCK_DSA, "gather_from_sequence_parallel_region", "communication", "call"),
+    ),
+}
+
+
+class _Clock:
+    """A point on the compute stream: a recorded CUDA event, or perf_counter on the CPU."""
+
+    def __init__(self) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.event: Any = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+        else:
+            self.event = time.perf_counter()
+
+    def ms_until(self, end: _Clock) -> float:
+        if isinstance(self.event, float):
+            return (end.event - self.event) * 1e3
+        return self.event.elapsed_time(end.event)
+
+
+class _Span:
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
+        self.start: _Clock | None = None
+        self.end: _Clock | None = None
+
+    def open(self) -> None:
+        self.start = _Clock()
+
+    def close(self) -> None:
+        self.end = _Clock()
+
+
+class _BackwardMark(torch.autograd.Function):
+    """Identity whose backward calls `hook` (when the gradients reach this point)."""
+
+    @staticmethod
+    def forward(ctx, hook: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.hook = hook
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.hook()
+        return (None, *grads)
+
+
+def _mark(tensors: list[torch.Tensor], hook: Callable[[], None]) -> list[torch.Tensor]:
+    return list(_BackwardMark.apply(hook, *tensors))
+
+
+def _grad_positions(args: tuple, kwargs: dict) -> tuple[list[int], list[str]]:
+    pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    keys = [k for k, a in kwargs.items() if isinstance(a, torch.Tensor) and a.requires_grad]
+    return pos, keys
+
+
+class PhaseTimer:
+    """Wraps the target functions and collects their spans per step (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.spans: list[_Span] = []
+        self.depth = 0
+        self.step = 0
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    # -- installation ---------------------------------------------------------------------
+    def install(self, variant: str,
+                targets: tuple[tuple[str, str, str, str], ...] | None = None) -> list[str]:
+        """Wrap `variant`'s targets (hyscale | stock; or the given (module, attribute, phase,
+        kind) targets); returns 'module.attribute' of each function wrapped."""
+        if targets is None:
+            if variant not in TARGETS:
+                raise ValueError(f"variant must be one of {sorted(TARGETS)}, got {variant!r}")
+            targets = TARGETS[variant]
+        done = []
+        for module_name, attr, phase, kind in targets:
+            if phase not in PHASES:
+                raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            fn = getattr(module, attr, None)
+            if fn is None or getattr(fn, "_hyscale_phase", None):
+                continue
+            wrapped = self._wrap_pending(fn, phase) if kind == "pending" else self._wrap(fn, phase)
+            wrapped._hyscale_phase = phase
+            self._saved.append((module, attr, fn))
+            setattr(module, attr, wrapped)
+            done.append(f"{module_name}.{attr}")
+        return done
+
+    def uninstall(self) -> None:
+        for module, attr, fn in reversed(self._saved):
+            setattr(module, attr, fn)
+        self._saved.clear()
+
+    # -- wrappers -------------------------------------------------------------------------
+    def _backward_span(self, phase: str, args: tuple, kwargs: dict
+                       ) -> tuple[tuple, dict, _Span | None]:
+        """Mark the inputs that require grad: their gradients leaving closes the backward."""
+        if not torch.is_grad_enabled():
+            return args, kwargs, None
+        pos, keys = _grad_positions(args, kwargs)
+        if not pos and not keys:
+            return args, kwargs, None
+        span = _Span(phase)
+        marked = _mark([args[i] for i in pos] + [kwargs[k] for k in keys], span.close)
+        args = tuple(marked[pos.index(i)] if i in pos else a for i, a in enumerate(args))
+        kwargs = {k: (marked[len(pos) + keys.index(k)] if k in keys else a)
+                  for k, a in kwargs.items()}
+        self.spans.append(span)
+        return args, kwargs, span
+
+    @staticmethod
+    def _mark_outputs(out: Any, span: _Span | None) -> Any:
+        """Mark the outputs that require grad: their gradients arriving opens the backward."""
+        if span is None:
+            return out
+        items = list(out) if isinstance(out, (tuple, list)) else [out]
+        idx = [i for i, t in enumerate(items) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            span.start = span.end = None  # nothing flows back through this call
+            return out
+        marked = _mark([items[i] for i in idx], span.open)
+        for j, i in enumerate(idx):
+            items[i] = marked[j]
+        if isinstance(out, tuple):
+            return type(out)(items) if not hasattr(out, "_fields") else type(out)(*items)
+        return items if isinstance(out, list) else items[0]
+
+    def _wrap(self, fn: Callable, phase: str) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.depth:
+                return fn(*args, **kwargs)
+            args, kwargs, back = self._backward_span(phase, args, kwargs)
+            span = _Span(phase)
+            self.spans.append(span)
+            self.depth += 1
+            try:
+                span.open()
+                out = fn(*args, **kwargs)
+                span.close()
+            finally:
+                self.depth -= 1
+            return self._mark_outputs(out, back)
+
+        return timed
+
+    def _wrap_pending(self, fn: Callable, phase: str) -> Callable:
+        timer = self
+
+        @functools.wraps(fn)
+        def started(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs, back = timer._backward_span(phase, args, kwargs)
+            span = _Span(phase)
+            timer.spans.append(span)
+            span.open()
+            pending = fn(*args, **kwargs)
+
+            class _TimedPending:
+                def wait(self) -> Any:
+                    out = pending.wait()
+                    span.close()
+                    return timer._mark_outputs(out, back)
+
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(pending, name)
+
+            return _TimedPending()
+
+        return started
+
+    # -- steps ----------------------------------------------------------------------------
+    def end_step(self) -> dict[str, tuple[float, int]]:
+        """Close the step: synchronize, sum each phase's finished spans (ms, count), reset."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        totals = {p: (0.0, 0) for p in PHASES}
+        for s in self.spans:
+            if s.start is not None and s.end is not None:
+                ms, n = totals[s.phase]
+                totals[s.phase] = (ms + s.start.ms_until(s.end), n + 1)
+        self.spans = [s for s in self.spans if s.start is not None and s.end is None]
+        self.step += 1
+        return totals
+
+    def log_step(self, rank: int) -> str:
+        totals = self.end_step()
+        items = ", ".join(f"{p} {ms:.1f} ms ({n})" for p, (ms, n) in totals.items())
+        line = f"{LINE_PREFIX} rank {rank} step {self.step}: {items}"
+        print(line, flush=True)
+        return line
+
+
+def parse_line(line: str) -> tuple[int, int, dict[str, float]] | None:
+    """(rank, step, {phase: ms}) of one printed step line, or None (launch.logparse's)."""
+    return parse_phase_line(line)
+
+
+_TIMER: PhaseTimer | None = None
+
+
+def enable_from_env(variant: str) -> PhaseTimer | None:
+    """With HYSCALE_PHASE_TIMES=1: wrap `variant`'s targets (once a process) and Megatron-LM's
+    train_step, so each step prints its line. Returns the timer, or None when off."""
+    global _TIMER
+    if os.environ.get(ENV, "") not in ("1", "true", "yes"):
+        return None
+    if _TIMER is None:
+        _TIMER = PhaseTimer()
+        _wrap_train_step(_TIMER)
+    _TIMER.install(variant)
+    return _TIMER
+
+
+def disable() -> None:
+    """Undo enable_from_env: put every wrapped function back (train_step stays wrapped, a no-op
+    without spans)."""
+    global _TIMER
+    if _TIMER is not None:
+        _TIMER.uninstall()
+        _TIMER = None
+
+
+def _wrap_train_step(timer: PhaseTimer) -> bool:
+    """Close a step after Megatron-LM's train_step (training.py looks it up at call time)."""
+    try:
+        training = importlib.import_module("megatron.training.training")
+    except Exception:  # not a Megatron-LM run (megatron-core alone)
+        return False
+    step = getattr(training, "train_step", None)
+    if step is None or getattr(step, "_hyscale_phase", None):
+        return False
+
+    @functools.wraps(step)
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        timer.log_step(rank)
+        return out
+
+    train_step._hyscale_phase = "step"
+    training.train_step = train_step
+    return True

@@ -1,0 +1,99 @@
+"""megatron_hyscale.phase_times: per-phase spans (forward and backward), steps, the log line."""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from megatron_hyscale import phase_times
+from megatron_hyscale.phase_times import PhaseTimer, parse_line
+
+SLEEP = 0.02
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(2 * SLEEP)
+        return g * 2
+
+
+@pytest.fixture
+def fake_module():
+    mod = types.ModuleType("hyscale_fake_ops")
+
+    def select(x):
+        time.sleep(SLEEP)
+        return x.argmax(-1)
+
+    def attend(q, *, scale=1.0):
+        time.sleep(SLEEP)
+        return _SlowBackward.apply(q) * scale, mod.select(q)  # nested: counts once
+
+    class _Pending:
+        def __init__(self, t):
+            self.t = t
+
+        def wait(self):
+            time.sleep(SLEEP)
+            return self.t * 1
+
+    def gather(t):
+        return _Pending(t)
+
+    mod.select, mod.attend, mod.gather = select, attend, gather
+    sys.modules[mod.__name__] = mod
+    yield mod
+    del sys.modules[mod.__name__]
+
+
+TARGETS = (("hyscale_fake_ops", "select", "selection", "call"),
+           ("hyscale_fake_ops", "attend", "attention", "call"),
+           ("hyscale_fake_ops", "gather", "communication", "pending"),
+           ("hyscale_fake_ops", "missing", "selection", "call"))
+
+
+def test_spans_forward_backward_nesting_and_steps(fake_module, capsys):
+    timer = PhaseTimer()
+    assert timer.install("hyscale", TARGETS) == [
+        "hyscale_fake_ops.select", "hyscale_fake_ops.attend", "hyscale_fake_ops.gather"]
+    x = torch.randn(4, 8, requires_grad=True)
+    fake_module.select(x.detach())
+    y = fake_module.gather(x).wait()  # requires grad: its backward is timed as well
+    out, _ = fake_module.attend(y, scale=3.0)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 6.0))  # the marks are identities
+    totals = timer.end_step()
+    # select: its own call only (the call inside attend is attention's)
+    assert totals["selection"][1] == 1 and totals["selection"][0] >= SLEEP * 1e3
+    # attention: forward and backward spans; the backward holds the 2 x SLEEP sleep
+    assert totals["attention"][1] == 2 and totals["attention"][0] >= 3 * SLEEP * 1e3
+    assert totals["communication"][1] == 2  # the wait, and its (instant) backward
+    assert totals["indexer_loss"] == (0.0, 0)
+    line = timer.log_step(rank=3)
+    assert capsys.readouterr().out.strip() == line
+    rank, step, phases = parse_line("some prefix " + line)
+    assert (rank, step) == (3, 2) and phases["selection"] == 0.0 and set(phases) == set(
+        phase_times.PHASES)
+    timer.uninstall()
+    assert not hasattr(fake_module.select, "_hyscale_phase")
+
+
+def test_unknown_variant_or_phase_is_refused(fake_module):
+    with pytest.raises(ValueError, match="variant"):
+        PhaseTimer().install("mla")
+    with pytest.raises(ValueError, match="phase"):
+        PhaseTimer().install("hyscale", (("hyscale_fake_ops", "select", "topk", "call"),))
+
+
+def test_off_without_the_environment_variable(monkeypatch):
+    monkeypatch.delenv(phase_times.ENV, raising=False)
+    assert phase_times.enable_from_env("hyscale") is None
