@@ -8,19 +8,24 @@ module attribute), so the timing needs no change to either implementation:
 
   phase          HyScale (megatron_hyscale.layers.dsa)  stock (megatron-core's dsa module)
   selection      hytopk                                 fused_qk_topk_naive, TileLang's
-                                                        run_fused_qk_topk
-  attention      sparse_attention                       _run_sparse_attention
+                                                        run_fused_qk_topk and
+                                                        run_fused_qk_topk_with_loss (with
+                                                        its indexer loss)
+  attention      sparse_attention                       _run_sparse_attention, TileLang's
+                                                        run_fused_dsa_attention and
+                                                        run_fused_absorbed_sparse_attention
   indexer_loss   indexer_kl_loss                        compute_dsa_indexer_loss,
                                                         bwd_fused_indexer_loss_naive
-  communication  start_all_gather_to_global (until      gather_from_sequence_parallel_region
-                 its wait returns)
+  communication  the wait of start_all_gather_to_global  gather_from_sequence_parallel_region
 
 Each call's forward is timed between two CUDA events on the current stream (perf_counter on
 the CPU); for a call whose tensor inputs require gradients, identity autograd nodes around it
 time its backward too (from its outputs' gradients arriving to its inputs' gradients leaving).
 Times are inclusive and on the compute stream: communication is what the stream waits for,
-not the NCCL kernels' own time (HyScale overlaps its K / V gather with HyTopK). A call nested
-in another timed call counts once, for the outer phase.
+not the NCCL kernels' own time (HyScale starts its K / V gather before HyTopK and times only
+the wait after it; stock's gather blocks). A call nested in another timed call counts once,
+for the outer phase. The identity marks return views of their tensors: a target that modified
+a marked input in place would make autograd refuse it (none of these does).
 
 Megatron-LM's `train_step` is wrapped to close a step: after each one, every rank synchronizes
 and prints one line per step to its log,
@@ -61,7 +66,11 @@ TARGETS: dict[str, tuple[tuple[str, str, str, str], ...]] = {
     "stock": (
         (_STOCK_DSA, "fused_qk_topk_naive", "selection", "call"),
         (_STOCK_KERNELS, "run_fused_qk_topk", "selection", "call"),
+        # TileLang's fused selection + indexer loss: counted as selection (one kernel chain)
+        (_STOCK_KERNELS, "run_fused_qk_topk_with_loss", "selection", "call"),
         (_STOCK_DSA, "_run_sparse_attention", "attention", "call"),
+        (_STOCK_KERNELS, "run_fused_dsa_attention", "attention", "call"),
+        (_STOCK_KERNELS, "run_fused_absorbed_sparse_attention", "attention", "call"),
         (_STOCK_DSA, "compute_dsa_indexer_loss", "indexer_loss", "call"),
         (_STOCK_DSA, "bwd_fused_indexer_loss_naive", "indexer_loss", "call"),
         (_STOCK_DSA, "gather_from_sequence_parallel_region", "communication", "call"),
@@ -222,13 +231,14 @@ class PhaseTimer:
         @functools.wraps(fn)
         def started(*args: Any, **kwargs: Any) -> Any:
             args, kwargs, back = timer._backward_span(phase, args, kwargs)
-            span = _Span(phase)
-            timer.spans.append(span)
-            span.open()
             pending = fn(*args, **kwargs)
 
             class _TimedPending:
                 def wait(self) -> Any:
+                    # only the wait: the work between start and wait (HyTopK) is not waiting
+                    span = _Span(phase)
+                    timer.spans.append(span)
+                    span.open()
                     out = pending.wait()
                     span.close()
                     return timer._mark_outputs(out, back)
@@ -304,6 +314,7 @@ def _wrap_train_step(timer: PhaseTimer) -> bool:
 
     @functools.wraps(step)
     def train_step(*args: Any, **kwargs: Any) -> Any:
+        timer.spans.clear()  # spans from outside a step (evaluation) are not this step's
         out = step(*args, **kwargs)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         timer.log_step(rank)

@@ -37,6 +37,8 @@ GiB = 2**30
 # Frames from these files say nothing about who asked for the memory.
 LIBRARY_MARKERS = ("/torch/", "<frozen", "/contextlib.py", "/functools.py")
 ALLOC, FREE = "alloc", "free_requested"
+# Allocator events kept (a 1M-token step stays far below; a full history would hide the peak).
+MAX_ENTRIES = 2_000_000
 # An autograd node in a C++ frame (stacks="all"): which backward formula allocated a gradient.
 BACKWARD_NODE = re.compile(r"(\w+Backward\w*)")
 
@@ -140,13 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     replay.clear()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(stacks="all", max_entries=2_000_000)
+    torch.cuda.memory._record_memory_history(stacks="all", max_entries=MAX_ENTRIES)
     bl.layer_step(layer, hidden, grad)
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     measured = (torch.cuda.max_memory_allocated() - base) / GiB
     trace = snap["device_traces"][torch.cuda.current_device()]
+    if len(trace) >= MAX_ENTRIES:
+        print(f"profile_layer_memory.py: the allocator history filled its {MAX_ENTRIES} "
+              "entries; the step's first events are lost and the peak below may be wrong",
+              file=sys.stderr)
     peak, blocks, at = peak_live_blocks(trace)
     rows = by_site(blocks)
     name = "baseline" if args.baseline else "hyscale"

@@ -67,7 +67,9 @@ def test_spans_forward_backward_nesting_and_steps(fake_module, capsys):
         "hyscale_fake_ops.select", "hyscale_fake_ops.attend", "hyscale_fake_ops.gather"]
     x = torch.randn(4, 8, requires_grad=True)
     fake_module.select(x.detach())
-    y = fake_module.gather(x).wait()  # requires grad: its backward is timed as well
+    pending = fake_module.gather(x)
+    time.sleep(3 * SLEEP)  # work between start and wait (HyTopK's place) is not communication
+    y = pending.wait()  # requires grad: its backward is timed as well
     out, _ = fake_module.attend(y, scale=3.0)
     out.sum().backward()
     torch.testing.assert_close(x.grad, torch.full_like(x, 6.0))  # the marks are identities
@@ -77,6 +79,7 @@ def test_spans_forward_backward_nesting_and_steps(fake_module, capsys):
     # attention: forward and backward spans; the backward holds the 2 x SLEEP sleep
     assert totals["attention"][1] == 2 and totals["attention"][0] >= 3 * SLEEP * 1e3
     assert totals["communication"][1] == 2  # the wait, and its (instant) backward
+    assert SLEEP * 1e3 <= totals["communication"][0] < 2.5 * SLEEP * 1e3
     assert totals["indexer_loss"] == (0.0, 0)
     line = timer.log_step(rank=3)
     assert capsys.readouterr().out.strip() == line

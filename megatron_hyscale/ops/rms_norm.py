@@ -16,6 +16,7 @@ dtype; the same ops in the same order as the plain-torch form, row by row.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 # fp32 bytes of one chunk's temporaries (a few of them live at once).
 CHUNK_BYTES = 256 << 20
@@ -44,6 +45,7 @@ class _RMSNorm(torch.autograd.Function):
         return out.view(shape)
 
     @staticmethod
+    @once_differentiable  # the saved rstd is used as a constant: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, rstd = ctx.saved_tensors
         shape = x.shape

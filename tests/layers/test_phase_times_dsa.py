@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -16,6 +18,16 @@ def test_dsa_models_report_every_phase(variant, monkeypatch):
     """The real targets on a tiny DSA model, HyScale's and stock megatron-core's: selection,
     attention (forward and backward) and the indexer loss are all seen."""
     monkeypatch.setenv(phase_times.ENV, "1")
+    import megatron_hyscale.layers.dsa as dsa_layers
+
+    if variant == "hyscale":  # a slow selection must not show up as communication
+        fast = dsa_layers.hytopk
+
+        def slow_hytopk(*args, **kwargs):
+            time.sleep(0.05)
+            return fast(*args, **kwargs)
+
+        monkeypatch.setattr(dsa_layers, "hytopk", slow_hytopk)
     try:
         timer = phase_times.enable_from_env(variant)
         assert timer is not None
@@ -32,6 +44,7 @@ def test_dsa_models_report_every_phase(variant, monkeypatch):
     assert totals["selection"][1] >= 1, totals
     assert totals["attention"][1] >= 2, totals  # forward + backward
     assert totals["indexer_loss"][1] >= 1, totals
-    import megatron_hyscale.layers.dsa as dsa_layers
-
+    if variant == "hyscale":
+        assert totals["selection"][0] >= 50.0
+        assert totals["communication"][0] < 25.0, totals  # one process: no gather to wait on
     assert not hasattr(dsa_layers.hytopk, "_hyscale_phase")  # disable() put it back

@@ -247,3 +247,23 @@ def test_recency_bf16_pruning_identical_to_unpruned(relu):
     pruned, considered = stats.tolist()
     print(f"relu={relu}: pruned {pruned} of {considered} key tiles ({pruned / considered:.1%})")
     assert pruned > 0
+
+
+@pytest.mark.parametrize("H,topk,ratio", [(4, 512, 4), (64, 512, 1)])
+def test_unordered_rows_are_the_ordered_sets(H, topk, ratio):
+    """ordered=False (QSA's layer outside deterministic_mode) on the compiled kernel: each row
+    holds the sorted output's set, -1 slots last; QSA's and CSA's shapes, integer inputs."""
+    T = 8192
+    q, k, w = int_inputs(1, T, T // ratio, H, 128, torch.bfloat16, seed=7)
+    kpos = torch.arange(T // ratio, device="cuda") * ratio + ratio - 1
+    kw = dict(q_positions=torch.arange(T, device="cuda"), k_positions=kpos)
+    ord_i, ord_s = hytopk(q, k, w, topk, backend="triton", **kw)
+    un_i, un_s = hytopk(q, k, w, topk, backend="triton", ordered=False, **kw)
+    assert (ord_i == -1).any()
+    key = torch.where(un_i >= 0, un_i, torch.iinfo(torch.int32).max).argsort(dim=-1)
+    i1, s1 = un_i.gather(-1, key), un_s.gather(-1, key)
+    by_score = s1.argsort(dim=-1, descending=True, stable=True)
+    assert torch.equal(i1.gather(-1, by_score), ord_i)
+    assert torch.equal(s1.gather(-1, by_score), ord_s)
+    n_valid = (un_i >= 0).sum(-1, keepdim=True)
+    assert torch.equal(un_i >= 0, torch.arange(topk, device="cuda") < n_valid)

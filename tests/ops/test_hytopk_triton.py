@@ -319,17 +319,28 @@ def test_kth_largest_radix_select(ties):
         assert out.item() == expected[k - 1].item(), (ties, k)
 
 
-def test_unordered_rows_hold_the_same_set():
+@pytest.mark.parametrize("keys_on_m,atomic_slots",
+                         [(False, False), (True, False), (False, True), (True, True)])
+def test_unordered_rows_hold_the_same_set(keys_on_m, atomic_slots):
     """ordered=False skips the final sort: per row the reference's set (indices with their
-    scores), -1 / -inf slots last."""
-    q, k, w = int_inputs(2, 24, 40, 4, 16, seed=5, lo=-1, hi=2)
-    ref_i, ref_s = hytopk(q, k, w, 12, backend="reference")
-    out_i, out_s = hytopk(q, k, w, 12, backend="triton", ordered=False)
-    # (score desc, index asc), -1 slots last: index ascending, then a stable score sort
-    by_index = torch.where(out_i >= 0, out_i, torch.iinfo(torch.int32).max).argsort(dim=-1)
-    i1, s1 = out_i.gather(-1, by_index), out_s.gather(-1, by_index)
-    by_score = s1.argsort(dim=-1, descending=True, stable=True)
-    assert torch.equal(i1.gather(-1, by_score), ref_i)
-    assert torch.equal(s1.gather(-1, by_score), ref_s)
-    n_valid = (out_i >= 0).sum(-1, keepdim=True)
-    assert torch.equal(out_i >= 0, torch.arange(12, device=DEVICE) < n_valid)
+    scores), -1 / -inf slots last; S = T causal (early rows see fewer than topk keys) and
+    topk + one tile buffers (rows compact), in every kernel variant; the public API too."""
+    q, k, w = int_inputs(2, 40, 40, 4, 16, seed=5, lo=-1, hi=2)
+    topk = 12
+    ref_i, ref_s = hytopk(q, k, w, topk, backend="reference")
+    qpos, kpos = validate_hytopk_inputs(q, k, w, topk, None, None)
+    runs = [kernel._launch(q, k, w, topk, relu=True, causal=True, q_positions=qpos,
+                           k_positions=kpos, block_n=16, min_cap=0, ordered=False,
+                           keys_on_m=keys_on_m, atomic_slots=atomic_slots)]
+    if keys_on_m and atomic_slots:
+        runs.append(hytopk(q, k, w, topk, backend="triton", ordered=False))
+    assert (ref_i == -1).any()  # the case is there
+    for out_i, out_s in runs:
+        # (score desc, index asc), -1 slots last: index ascending, then a stable score sort
+        by_index = torch.where(out_i >= 0, out_i, torch.iinfo(torch.int32).max).argsort(dim=-1)
+        i1, s1 = out_i.gather(-1, by_index), out_s.gather(-1, by_index)
+        by_score = s1.argsort(dim=-1, descending=True, stable=True)
+        assert torch.equal(i1.gather(-1, by_score), ref_i)
+        assert torch.equal(s1.gather(-1, by_score), ref_s)
+        n_valid = (out_i >= 0).sum(-1, keepdim=True)
+        assert torch.equal(out_i >= 0, torch.arange(topk, device=DEVICE) < n_valid)

@@ -6,10 +6,10 @@ Algorithm: a persistent grid; each program takes blocks of R query rows (R x H (
 pairs: the GEMM's N with the key tile as M, KEYS_ON_M), streams key tiles from the diagonal
 backwards, computes fp32 scores, drops those under the row's running threshold, appends
 survivors as packed int64 keys (order-preserving score bits << 32 | ~index) to a per-row buffer
-of CAP >= topk + BLOCK_N entries (each at a slot from the row's atomic counter, ATOMIC_SLOTS),
-and when the buffer may overflow keeps its top-k, found by a bitwise radix select (the k-th key
-becomes the new threshold). The row's top-k set is written unsorted; a row-chunked torch sort
-then orders and decodes it.
+of CAP >= max(topk + BLOCK_N, MIN_CAP) entries (each at a slot from the row's atomic counter,
+ATOMIC_SLOTS), and when the buffer may overflow keeps its top-k, found by a bitwise radix
+select (the k-th key becomes the new threshold). The row's top-k set is written unsorted; a
+row-chunked torch pass decodes it, sorted unless the caller asks for the set only.
 
 Key-tile pruning (prune=True): a pre-pass (_key_tile_bounds) stores, per key tile j of BN keys,
 a centroid c_j and a radius rho_j that covers the rounding of the kernel's own dot products.

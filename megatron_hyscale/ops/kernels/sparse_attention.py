@@ -50,7 +50,7 @@ _LN2 = tl.constexpr(LN2)
 # gathers of the same key rows (V3.2's 128 heads in two blocks of 64, the dK/dV kernel's halved
 # blocks) can hit L2. Exact either way (only the order changes). GLM-5.1 / CSA run one program
 # a query: no difference. Timed on the H200 (2026-11-30, `bench_attention.py --t 131072
-# --shapes v32 [--adjacent-head-blocks]`, random indices): V3.2 forward 325.5 -> 307.6 ms,
+# --shapes v32 --head-blocks {split,adjacent}`, random indices): V3.2 forward 325.5 -> 307.6 ms,
 # backward 1901.9 -> 1663.4 ms.
 HEAD_BLOCKS_ADJACENT = True
 # Query heads per program: the MMA's M. 64 is one wgmma tile height; a [64 x 512] fp32
