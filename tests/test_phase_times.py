@@ -100,3 +100,22 @@ def test_unknown_variant_or_phase_is_refused(fake_module):
 def test_off_without_the_environment_variable(monkeypatch):
     monkeypatch.delenv(phase_times.ENV, raising=False)
     assert phase_times.enable_from_env("hyscale") is None
+
+
+def test_megatron_lm_train_step_closes_a_step(monkeypatch, capsys):
+    """The wrap Megatron-LM's training loop goes through (`train()` looks `train_step` up in
+    megatron.training.training at call time): each step prints its line; spans recorded
+    outside a step (evaluation) are dropped."""
+    training = pytest.importorskip("megatron.training.training")
+    calls = []
+    monkeypatch.setattr(training, "train_step", lambda *a, **k: calls.append(a) or "out")
+    timer = PhaseTimer()
+    assert phase_times._wrap_train_step(timer)
+    assert not phase_times._wrap_train_step(timer)  # once
+    stale = phase_times._Span("selection")
+    stale.open()
+    stale.close()
+    timer.spans.append(stale)  # e.g. an evaluation's forward before the step
+    assert training.train_step(1, 2) == "out" and calls == [(1, 2)]
+    rank, step, phases = parse_line(capsys.readouterr().out)
+    assert (rank, step) == (0, 1) and phases["selection"] == 0.0
