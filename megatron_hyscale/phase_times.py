@@ -49,7 +49,7 @@ import torch
 
 from megatron_hyscale.launch.logparse import PHASE_LINE_PREFIX as LINE_PREFIX
 from megatron_hyscale.launch.logparse import PHASE_TIMES_ENV as ENV
-from megatron_hyscale.launch.logparse import PHASES, parse_phase_line
+from megatron_hyscale.launch.logparse import PHASES
 
 _STOCK_DSA = "megatron.core.transformer.experimental_attention_variant.dsa"
 _STOCK_KERNELS = "megatron.core.transformer.experimental_attention_variant.dsa_kernels"
@@ -129,6 +129,25 @@ def _grad_positions(args: tuple, kwargs: dict) -> tuple[list[int], list[str]]:
     pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
     keys = [k for k, a in kwargs.items() if isinstance(a, torch.Tensor) and a.requires_grad]
     return pos, keys
+
+
+class _TimedPending:
+    """A started gather whose wait() is timed: only the wait, since the work between start and
+    wait (HyTopK) is not waiting; its output marked for the backward span."""
+
+    def __init__(self, pending: Any, timer: PhaseTimer, phase: str, back: _Span | None) -> None:
+        self._pending, self._timer, self._phase, self._back = pending, timer, phase, back
+
+    def wait(self) -> Any:
+        span = _Span(self._phase)
+        self._timer.spans.append(span)
+        span.open()
+        out = self._pending.wait()
+        span.close()
+        return self._timer._mark_outputs(out, self._back)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pending, name)
 
 
 class PhaseTimer:
@@ -231,22 +250,7 @@ class PhaseTimer:
         @functools.wraps(fn)
         def started(*args: Any, **kwargs: Any) -> Any:
             args, kwargs, back = timer._backward_span(phase, args, kwargs)
-            pending = fn(*args, **kwargs)
-
-            class _TimedPending:
-                def wait(self) -> Any:
-                    # only the wait: the work between start and wait (HyTopK) is not waiting
-                    span = _Span(phase)
-                    timer.spans.append(span)
-                    span.open()
-                    out = pending.wait()
-                    span.close()
-                    return timer._mark_outputs(out, back)
-
-                def __getattr__(self, name: str) -> Any:
-                    return getattr(pending, name)
-
-            return _TimedPending()
+            return _TimedPending(fn(*args, **kwargs), timer, phase, back)
 
         return started
 
@@ -270,11 +274,6 @@ class PhaseTimer:
         line = f"{LINE_PREFIX} rank {rank} step {self.step}: {items}"
         print(line, flush=True)
         return line
-
-
-def parse_line(line: str) -> tuple[int, int, dict[str, float]] | None:
-    """(rank, step, {phase: ms}) of one printed step line, or None (launch.logparse's)."""
-    return parse_phase_line(line)
 
 
 _TIMER: PhaseTimer | None = None

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_hyscale import phase_times
-from megatron_hyscale.phase_times import PhaseTimer, parse_line
+from megatron_hyscale.launch.logparse import parse_phase_line as parse_line
+from megatron_hyscale.phase_times import PhaseTimer
 
 SLEEP = 0.02
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megatron_hyscale.ops import hytopk
+from megatron_hyscale.testing.compare import assert_rows_hold_sorted_sets
 
 pytestmark = [
     pytest.mark.gpu,
@@ -260,10 +261,4 @@ def test_unordered_rows_are_the_ordered_sets(H, topk, ratio):
     ord_i, ord_s = hytopk(q, k, w, topk, backend="triton", **kw)
     un_i, un_s = hytopk(q, k, w, topk, backend="triton", ordered=False, **kw)
     assert (ord_i == -1).any()
-    key = torch.where(un_i >= 0, un_i, torch.iinfo(torch.int32).max).argsort(dim=-1)
-    i1, s1 = un_i.gather(-1, key), un_s.gather(-1, key)
-    by_score = s1.argsort(dim=-1, descending=True, stable=True)
-    assert torch.equal(i1.gather(-1, by_score), ord_i)
-    assert torch.equal(s1.gather(-1, by_score), ord_s)
-    n_valid = (un_i >= 0).sum(-1, keepdim=True)
-    assert torch.equal(un_i >= 0, torch.arange(topk, device="cuda") < n_valid)
+    assert_rows_hold_sorted_sets(un_i, un_s, ord_i, ord_s)

@@ -22,6 +22,7 @@ import triton.language as tl  # noqa: E402
 from megatron_hyscale.ops import hytopk  # noqa: E402
 from megatron_hyscale.ops.hytopk import validate_hytopk_inputs  # noqa: E402
 from megatron_hyscale.ops.kernels import hytopk as kernel  # noqa: E402
+from megatron_hyscale.testing.compare import assert_rows_hold_sorted_sets  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -336,11 +337,4 @@ def test_unordered_rows_hold_the_same_set(keys_on_m, atomic_slots):
         runs.append(hytopk(q, k, w, topk, backend="triton", ordered=False))
     assert (ref_i == -1).any()  # the case is there
     for out_i, out_s in runs:
-        # (score desc, index asc), -1 slots last: index ascending, then a stable score sort
-        by_index = torch.where(out_i >= 0, out_i, torch.iinfo(torch.int32).max).argsort(dim=-1)
-        i1, s1 = out_i.gather(-1, by_index), out_s.gather(-1, by_index)
-        by_score = s1.argsort(dim=-1, descending=True, stable=True)
-        assert torch.equal(i1.gather(-1, by_score), ref_i)
-        assert torch.equal(s1.gather(-1, by_score), ref_s)
-        n_valid = (out_i >= 0).sum(-1, keepdim=True)
-        assert torch.equal(out_i >= 0, torch.arange(topk, device=DEVICE) < n_valid)
+        assert_rows_hold_sorted_sets(out_i, out_s, ref_i, ref_s)
