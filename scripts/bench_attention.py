@@ -324,9 +324,15 @@ def main():
     ap.add_argument("--head-blocks", choices=("adjacent", "split"), default="adjacent",
                     help="launch order of a query's head-block programs: next to each other "
                          "(the default, sparse_attention.HEAD_BLOCKS_ADJACENT) or a (queries, "
-                         "blocks) grid; matters with 128 heads (V3.2)")
+                         "blocks) grid; matters with 128 heads (V3.2); several KV heads (QSA) "
+                         "always run split")
+    ap.add_argument("--fwd-no-softmax", action="store_true",
+                    help="measurement only: the forward without its online softmax (raw scores "
+                         "as P; sparse_attention.FWD_SOFTMAX), to split the softmax's time from "
+                         "the gathers and MMAs; outputs and the backward are not attention")
     args = ap.parse_args()
     kern.HEAD_BLOCKS_ADJACENT = args.head_blocks == "adjacent"
+    kern.FWD_SOFTMAX = not args.fwd_no_softmax
     if args.quick:
         args.t, args.reps = [16384], 3
     os.makedirs(args.out, exist_ok=True)
@@ -339,6 +345,7 @@ def main():
         return
     meta = dict(device=dev, date=datetime.date.today().isoformat(), command=" ".join(sys.argv),
                 matmul_tflops=mm, copy_tbps=bw, head_blocks=args.head_blocks,
+                fwd_softmax=not args.fwd_no_softmax,
                 rows=[])
     json_path = os.path.join(args.out, "bench_attention.json")
     for T in args.t:

@@ -3,8 +3,9 @@
 # from the repository root on the H200 with `carry: [".whl"]`:
 #   bash scripts/gpu_session.sh verify    # GPU op tests (HyTopK, sparse attention, indexer
 #                                         # loss) + the layer tests on CUDA            (~4 min)
-#   bash scripts/gpu_session.sh kernels   # HyTopK variants and launch sweep at 128K, pruning
-#                                         # on structured inputs, the captured indexer (~7 min)
+#   bash scripts/gpu_session.sh kernels   # HyTopK variants, launch and tile-group sweeps at
+#                                         # 128K, pruning on structured inputs, the captured
+#                                         # indexer                                    (~9 min)
 #   bash scripts/gpu_session.sh attention # the backward tiling sweep, L2-resident gathers
 #                                         # (--indices window), V3.2's head-block launch order,
 #                                         # the indexer-loss benchmark and its target-pass
@@ -103,6 +104,9 @@ case "$stage" in
     timeout 150 python3 scripts/bench_selection.py --sweep --T 131072 --configs dsv32 \
       --reps 2 --out "$out" 2>&1 | grep -E "^sweep|Error|Timeout" \
       | tee "$out/bench_selection_sweep.log"
+    # Tile-group size and pipeline depth (GROUP_SWEEP_VARIANTS), scoring alone and select.
+    timeout 150 python3 scripts/bench_selection.py --group-sweep --T 131072 --configs dsv32 \
+      --reps 2 --out "$out" 2>&1 | grep -E "^groups|Error" | tee "$out/bench_selection_groups.log"
     # Issue 3's structured inputs: exact key-tile pruning (share pruned, speed-up, identical
     # selection) on the recency + heavy-hitter generator.
     timeout 120 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \

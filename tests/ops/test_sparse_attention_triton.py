@@ -163,23 +163,29 @@ def test_values_and_gradients(case, deterministic, variant, monkeypatch):
 @pytest.mark.parametrize("fused", [False, True], ids=["split-bwd", "fused-bwd"])
 @pytest.mark.parametrize("case", ["two_head_blocks", "gqa_per_head", "tiny_head_dim_gqa3"])
 def test_adjacent_head_blocks_give_the_same_results(case, fused, monkeypatch):
-    """HEAD_BLOCKS_ADJACENT changes only the launch order (a 1-D grid, a query's programs next
-    to each other): every output and gradient is bitwise the default's. A small dK/dV budget
+    """HEAD_BLOCKS_ADJACENT changes only the launch order (a 1-D grid, a query's head blocks next
+    to each other; several KV heads keep the split grid): every output and gradient is bitwise
+    the split grid's. A small dK/dV budget
     gives that kernel more head blocks than the forward's (3 against 2 for two_head_blocks)."""
     monkeypatch.setattr(kern, "DKV_RESIDENT_BUDGET", 4096)
     monkeypatch.setattr(kern, "BWD_FUSED", fused)
     monkeypatch.setattr(kern, "BWD_FUSED_TILINGS", ((16, 1),))
     q, k, v, idx, sink, dv, scale = build(case, seed=7)
     real_grid, grids, runs = kern._grid, [], []
-    monkeypatch.setattr(kern, "_grid", lambda *a: grids.append(real_grid(*a)) or grids[-1])
+    monkeypatch.setattr(kern, "_grid",
+                        lambda *a: grids.append((a, real_grid(*a))) or grids[-1][1])
     for adjacent in (False, True):
         monkeypatch.setattr(kern, "HEAD_BLOCKS_ADJACENT", adjacent)
         monkeypatch.setattr(kern, "_tiling_cache", {})
         grids.clear()
         (out, lse, grads), _ = run_both(q, k, v, idx, sink, dv, scale, deterministic=True)
         runs.append([out, lse, *grads])
-        # every launch used the grid this order asks for (1-D with NG > 0 when adjacent)
-        assert grids and all((len(g) == 1 and ng > 0) == adjacent for g, ng in grids)
+        # every launch used the grid this order asks for: 1-D (NG > 0) when adjacent and the
+        # query's programs are head blocks of one KV head (they share its indices)
+        assert grids and all((len(g) == 1 and ng > 0) == (adjacent and kv == 1 and nhb > 1)
+                             for (_, kv, nhb), (g, ng) in grids)
+        if adjacent and case == "two_head_blocks":
+            assert any(len(g) == 1 for _, (g, _) in grids)
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
 
@@ -351,3 +357,24 @@ def test_dense_prefix_equals_explicit_indices(per_head, deterministic, fused, mo
     close("lse", lse, ref_lse)
     for name, a, b in zip(("q", "k", "v/sink", "sink"), gk, gr):
         close(f"grad {name}", a, b)
+
+
+@pytest.mark.parametrize("case", ["mqa_absorbed_dv", "gqa_per_head"])
+def test_forward_without_softmax_is_raw_scores_times_v(case, monkeypatch):
+    """FWD_SOFTMAX=False (bench_attention.py --fwd-no-softmax, measurement only) still gathers
+    every valid key and runs both products: out = sum over valid slots of (q . k) v, unscaled."""
+    monkeypatch.setattr(kern, "FWD_SOFTMAX", False)
+    q, k, v, idx, sink, dv, scale = build(case, seed=11)
+    out, _ = kern.sparse_attention_fwd(q, k, v, idx, scale, dv=dv)
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    vv = (k[..., : (dv or D)] if v is None else v).double()
+    full = idx if idx.dim() == 4 else idx.unsqueeze(2).expand(B, T, Hkv, idx.shape[-1])
+    safe = full.clamp(min=0).long()
+    bi = torch.arange(B)[:, None, None, None]
+    gi = torch.arange(Hkv)[None, None, :, None]
+    s = torch.einsum("btgxd,btgjd->btgxj", q.double().reshape(B, T, Hkv, Hq // Hkv, D),
+                     k.double()[bi, safe, gi])
+    s = s.masked_fill(~(full >= 0)[:, :, :, None, :], 0.0)
+    ref = torch.einsum("btgxj,btgjd->btgxd", s, vv[bi, safe, gi]).reshape(B, T, Hq, -1)
+    close("raw-score forward", out, ref)

@@ -47,7 +47,10 @@ ROWS_NO_RELU = 32
 # Persistent programs per SM; scratch is (programs x R x CAP) int64, independent of T.
 PROGRAMS_PER_SM = 2
 NUM_WARPS = 4
-NUM_STAGES = 2
+# Three stages measured faster than two on the H200 (2026-11-30, `bench_selection.py
+# --group-sweep`, 128K, select mode): DeepSeek-V3.2 496 -> 482 ms with GROUP_SLACK_DIV 2,
+# V4-Flash's CSA indexer 439 -> 389, QSA (512K) 457 -> 436; scoring alone 361 -> 308 ms.
+NUM_STAGES = 3
 # Programs used under TRITON_INTERPRET=1 (any count is correct; few keep the scratch small).
 INTERPRET_PROGRAMS = 3
 
@@ -59,7 +62,8 @@ INTERPRET_PROGRAMS = 3
 # already have 4096 (8192 was slower: 608 against 497 ms at 128K).
 MIN_CAP = 2048
 # A tile group may fill at most 1/GROUP_SLACK_DIV of the buffer slack (see _launch).
-GROUP_SLACK_DIV = 4
+# (2 measured best of 1, 2 and 4 with three stages; 1 compacts at nearly every group: +35%.)
+GROUP_SLACK_DIV = 2
 # Temporary bytes per row chunk of the final sort-and-decode pass.
 FINISH_CHUNK_BYTES = 256 << 20
 _LOW32 = 0xFFFFFFFF
@@ -639,8 +643,8 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
     bn = block_n or BLOCK_N
     kk = min(topk, S)
     cap = triton.next_power_of_2(max(kk + bn, MIN_CAP if min_cap is None else min_cap))
-    # Tiles per group: a quarter of the buffer's slack, so a row compacts only after about
-    # 3/4 of the slack has filled (compactions stay rare) while a group can never overflow.
+    # Tiles per group: 1/group_slack_div of the buffer's slack, so a row compacts only after
+    # the rest of the slack has filled (compactions stay rare) while a group cannot overflow.
     nt = max(1, (cap - kk) // (group_slack_div * bn))
     hi = _visible_hi(q_positions, k_positions, causal, T, S)
     qpos = q_positions.contiguous()

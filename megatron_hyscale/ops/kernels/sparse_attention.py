@@ -51,8 +51,16 @@ _LN2 = tl.constexpr(LN2)
 # blocks) can hit L2. Exact either way (only the order changes). GLM-5.1 / CSA run one program
 # a query: no difference. Timed on the H200 (2026-11-30, `bench_attention.py --t 131072
 # --shapes v32 --head-blocks {split,adjacent}`, random indices): V3.2 forward 325.5 -> 307.6 ms,
-# backward 1901.9 -> 1663.4 ms.
+# backward 1901.9 -> 1663.4 ms. Only with one KV head: several KV heads have their own
+# indices, so adjacent programs gather different rows, and the split grid keeps a KV head's
+# neighbouring queries (which share their sliding-window keys) together. QSA's 2 KV heads: its
+# 512K layer step outside the selection (mostly this kernel) took 5088 ms split and 5279-5287
+# adjacent (H200, 2026-11-30, `bench_layer.py --model qsa --seq 524288`).
 HEAD_BLOCKS_ADJACENT = True
+# Measurement only (`bench_attention.py --fwd-no-softmax`): False makes the forward use the raw
+# scores as P (no running max, exp2 or rescale) to time the gathers and the two MMAs without
+# the softmax's CUDA-core work. Its outputs are not attention.
+FWD_SOFTMAX = True
 # Query heads per program: the MMA's M. 64 is one wgmma tile height; a [64 x 512] fp32
 # accumulator already takes 128 registers a thread over 8 warps, so 128 heads use two programs.
 MAX_BLOCK_H = 64
@@ -193,11 +201,13 @@ def _fwd_kernel(
     D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NG: tl.constexpr,
+    SOFTMAX: tl.constexpr = True,
 ):
     """out[h] = softmax(q[h] . K_sel * scale (+ sink)) @ V_sel for one query's head block.
 
     s = [heads x Dqk] @ [Dqk x keys] on gathered rows, online base-2 softmax, acc += P @ V_sel
     in fp32; -1 slots score -inf; a row with no valid key (and no sink) writes zeros.
+    SOFTMAX=False (measurement only, FWD_SOFTMAX): P is the masked raw scores.
     """
     b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
     heads = kvh * G + offs_h
@@ -223,13 +233,19 @@ def _fwd_kernel(
             k_tail = tl.load(k_base + rows[:, None] * sks + offs_dt[None, :] * skd,
                              mask=valid[:, None] & (offs_dt[None, :] < D), other=0.0)
             s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row with no valid key so far keeps m = -inf; shift by 0 there so no inf - inf.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if SOFTMAX:
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # A row with no valid key so far keeps m = -inf; shift by 0 there so no inf - inf.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+        else:
+            p = tl.where(valid[None, :], s, 0.0)
+            m_new = m_i
+            alpha = tl.full([BLOCK_H], 1.0, tl.float32)
+            l_i = tl.full([BLOCK_H], 1.0, tl.float32)
         if V_IS_K_MAIN:
             v_tile = k_main
         else:
@@ -604,23 +620,25 @@ def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None,
     out = torch.empty((B, T, Hq, geo.dv), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
     v_src, v_str = _v_source(k, v, geo)
-    grid, ng = _grid(B * T, k.shape[2] * geo.nhb)
+    grid, ng = _grid(B * T, k.shape[2], geo.nhb)
     pre, pre_str = _prefix_args(prefix_lengths, lse)
     args = (q, k, v_src, indices, pre, sink if sink is not None else lse, out, lse,
             T, NK, geo.G, geo.nhb, softmax_scale * LOG2E,
             *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices), *pre_str,
             *_strides4(out), *lse.stride())
     const = dict(geo.const(), HAS_SINK=sink is not None, HAS_PREFIX=prefix_lengths is not None,
-                 NG=ng)
+                 NG=ng, SOFTMAX=FWD_SOFTMAX)
     resident = geo.block_h * (geo.d_main + geo.d_tail)
     _launch(_fwd_kernel, grid, args, const, geo, FWD_TILINGS, resident, q.element_size(),
             ("fwd", q.dtype, FWD_TILINGS, tuple(sorted(const.items()))))
     return out, lse
 
 
-def _grid(queries: int, programs: int) -> tuple[tuple[int, ...], int]:
-    """(launch grid, the kernels' NG) for `programs` programs a query (HEAD_BLOCKS_ADJACENT)."""
-    if HEAD_BLOCKS_ADJACENT:
+def _grid(queries: int, kv_heads: int, head_blocks: int) -> tuple[tuple[int, ...], int]:
+    """(launch grid, the kernels' NG) for kv_heads x head_blocks programs a query: adjacent
+    (1-D) under HEAD_BLOCKS_ADJACENT when they share one KV head's indices, else split."""
+    programs = kv_heads * head_blocks
+    if HEAD_BLOCKS_ADJACENT and kv_heads == 1 and head_blocks > 1:
         return (queries * programs,), programs
     return (queries, programs), 0
 
@@ -687,7 +705,7 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
     delta = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
     dsink_part = torch.empty_like(delta) if sink is not None else delta
     v_src, v_str = _v_source(k, v, geo)
-    grid, ng = _grid(B * T, k.shape[2] * geo.nhb)
+    grid, ng = _grid(B * T, k.shape[2], geo.nhb)
     resident = geo.block_h * (geo.d_main + geo.d_tail + geo.dv_pad)
     dlse_t = dlse if dlse is not None else lse
     pre, pre_str = _prefix_args(prefix_lengths, lse)
@@ -734,7 +752,7 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
     while bh_dkv > MIN_DOT and copies * bh_dkv * dims * elem > DKV_RESIDENT_BUDGET:
         bh_dkv //= 2
     nhb_dkv = triton.cdiv(geo.G, bh_dkv)
-    grid_dkv, ng_dkv = _grid(B * T, Hkv * nhb_dkv)
+    grid_dkv, ng_dkv = _grid(B * T, Hkv, nhb_dkv)
 
     pre, pre_str = _prefix_args(prefix_lengths, lse)
 
