@@ -25,6 +25,7 @@ Baseline: megatron-core 0.19.2's stock unfused path (`_unfused_absorbed_dsa_fn` 
   python scripts/bench_attention.py --shapes glm51 v32 --t 131072 --out /tmp/res
   python scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768
   python scripts/bench_attention.py --shapes v32 --t 131072 --head-blocks split
+  python scripts/bench_attention.py --shapes glm51 --t 131072 --fwd-no-softmax  # forward split
 
 --bwd-sweep times the two backward kernels apart, for each (keys per step, stages) tiling that
 fits: dQ, dK/dV with its fp32 atomics, dK/dV in the measurement-only discard mode (the same
@@ -329,7 +330,8 @@ def main():
     ap.add_argument("--fwd-no-softmax", action="store_true",
                     help="measurement only: the forward without its online softmax (raw scores "
                          "as P; sparse_attention.FWD_SOFTMAX), to split the softmax's time from "
-                         "the gathers and MMAs; outputs and the backward are not attention")
+                         "the gathers and MMAs; only the forward time means anything (the "
+                         "backward then runs on an lse of -inf)")
     args = ap.parse_args()
     kern.HEAD_BLOCKS_ADJACENT = args.head_blocks == "adjacent"
     kern.FWD_SOFTMAX = not args.fwd_no_softmax

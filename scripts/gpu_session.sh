@@ -10,6 +10,9 @@
 #                                         # (--indices window), V3.2's head-block launch order,
 #                                         # the indexer-loss benchmark and its target-pass
 #                                         # tilings                                    (~9 min)
+#   bash scripts/gpu_session.sh fwd-split # issue 4's forward gap: GLM-5.1 at 128K with and
+#                                         # without the online softmax (measurement only),
+#                                         # random and L2-resident indices            (~3 min)
 #   bash scripts/gpu_session.sh layer [T...]  # bench_layer.py, DSA, GLM-5.1 geometry   (~3 min)
 #   bash scripts/gpu_session.sh models [csa|hca|qsa...] [T...] # bench_layer.py for
 #                                         # DeepSeek-V4's CSA and HCA layers and the QSA layer
@@ -52,9 +55,10 @@ set -uo pipefail
 stage=${1:-}
 shift || true
 case "$stage" in
-  verify|kernels|attention|layer|models|memory|qsa-selection|selection|cp2|cp2-1m|side2|pair) ;;
-  *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|layer|models|memory" \
-       "|qsa-selection|selection|cp2|cp2-1m|side2|pair} [ARGS...]" >&2
+  verify|kernels|attention|fwd-split|layer|models|memory|qsa-selection|selection|cp2|cp2-1m|side2\
+  |pair) ;;
+  *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|fwd-split|layer" \
+       "|models|memory|qsa-selection|selection|cp2|cp2-1m|side2|pair} [ARGS...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -105,11 +109,12 @@ case "$stage" in
       --reps 2 --out "$out" 2>&1 | grep -E "^sweep|Error|Timeout" \
       | tee "$out/bench_selection_sweep.log"
     # Tile-group size and pipeline depth (GROUP_SWEEP_VARIANTS), scoring alone and select.
-    timeout 150 python3 scripts/bench_selection.py --group-sweep --T 131072 --configs dsv32 \
-      --reps 2 --out "$out" 2>&1 | grep -E "^groups|Error" | tee "$out/bench_selection_groups.log"
+    timeout 100 python3 scripts/bench_selection.py --group-sweep --T 131072 --configs dsv32 \
+      --reps 2 --out "$out" 2>&1 | grep -E "^groups|Error|Timeout" \
+      | tee "$out/bench_selection_groups.log"
     # Issue 3's structured inputs: exact key-tile pruning (share pruned, speed-up, identical
     # selection) on the recency + heavy-hitter generator.
-    timeout 120 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
+    timeout 90 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
       --inputs recency --methods hytopk hytopk_prune table --tag _recency --out "$out" 2>&1 \
       | tail -6 | tee "$out/bench_selection_recency.log"
     # The demo's trained indexer (carry "outputs/demo/indexer_capture.pt" when it exists):
@@ -146,6 +151,18 @@ case "$stage" in
     timeout 60 python3 scripts/bench_indexer_loss.py --t 32768 --reps 3 \
       --target-tilings 32x2 64x2 64x1 32x1 16x2 --out "$out" 2>&1 | grep "^target" \
       | tee "$out/bench_indexer_loss_target.log"
+    ;;
+  fwd-split)
+    # Issue 4's forward gap split: the same forward without its online softmax (measurement
+    # only, FWD_SOFTMAX = False) against the real one, random and L2-resident indices.
+    for ind in random window; do
+      for sm in "" --fwd-no-softmax; do
+        timeout 60 python3 scripts/bench_attention.py --t 131072 --shapes glm51 --reps 2 \
+          --no-stock --no-deterministic --indices $ind $sm --out "$out/fwd_${ind}${sm}" 2>&1 \
+          | grep -E "T=|Error" | sed "s/^/$ind ${sm:-softmax}: /" \
+          | tee -a "$out/bench_attention_fwd_split.log"
+      done
+    done
     ;;
   layer)
     seqs=${*:-8192 16384 32768 65536 131072 262144}

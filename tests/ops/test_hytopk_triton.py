@@ -35,7 +35,7 @@ def int_inputs(B, T, S, H, D, seed, lo=-2, hi=3, wlo=-2, whi=3):
     return q.to(DEVICE), k.to(DEVICE), w.to(DEVICE)
 
 
-def check(q, k, w, topk, block_n=16, rows=None, num_programs=None, group_slack_div=4,
+def check(q, k, w, topk, block_n=16, rows=None, num_programs=None, group_slack_div=None,
           prunes=(False, True), keys_on_m=None, atomic_slots=None, min_cap=None, **kw):
     """Kernel (with the given tiling), with key-tile pruning off and on, against the reference;
     exact equality. Returns the last run's outputs and its (tiles pruned, tiles considered)."""

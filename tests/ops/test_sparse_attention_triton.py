@@ -164,8 +164,8 @@ def test_values_and_gradients(case, deterministic, variant, monkeypatch):
 @pytest.mark.parametrize("case", ["two_head_blocks", "gqa_per_head", "tiny_head_dim_gqa3"])
 def test_adjacent_head_blocks_give_the_same_results(case, fused, monkeypatch):
     """HEAD_BLOCKS_ADJACENT changes only the launch order (a 1-D grid, a query's head blocks next
-    to each other; several KV heads keep the split grid): every output and gradient is bitwise
-    the split grid's. A small dK/dV budget
+    to each other): every output and gradient is bitwise the split grid's. Cases with several
+    KV heads check that they keep the split grid with the flag on. A small dK/dV budget
     gives that kernel more head blocks than the forward's (3 against 2 for two_head_blocks)."""
     monkeypatch.setattr(kern, "DKV_RESIDENT_BUDGET", 4096)
     monkeypatch.setattr(kern, "BWD_FUSED", fused)

@@ -62,7 +62,8 @@ INTERPRET_PROGRAMS = 3
 # already have 4096 (8192 was slower: 608 against 497 ms at 128K).
 MIN_CAP = 2048
 # A tile group may fill at most 1/GROUP_SLACK_DIV of the buffer slack (see _launch).
-# (2 measured best of 1, 2 and 4 with three stages; 1 compacts at nearly every group: +35%.)
+# 2 with three stages measured best or tied of 1, 2 and 4 (QSA: 436.5 against 436.2 ms with 4);
+# 1 compacts at nearly every group (+35% to +180%).
 GROUP_SLACK_DIV = 2
 # Temporary bytes per row chunk of the final sort-and-decode pass.
 FINISH_CHUNK_BYTES = 256 << 20
@@ -626,15 +627,16 @@ def _slack_coef(hp: int) -> float:
 
 def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode=MODE_SELECT,
             block_n=None, rows=None, num_programs=None, table=None, table_rows=None,
-            group_slack_div=GROUP_SLACK_DIV, prune=None, prune_stats=None,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES, keys_on_m=None, atomic_slots=None,
+            group_slack_div=None, prune=None, prune_stats=None,
+            num_warps=NUM_WARPS, num_stages=None, keys_on_m=None, atomic_slots=None,
             min_cap=None, ordered=True):
     """Run the kernel. prune: skip key tiles by their score bound (default PRUNE; MODE_SELECT
     only). prune_stats: optional int64 tensor [2] that receives (key tiles pruned, key tiles
     considered), each counted once per row block. keys_on_m: the GEMM orientation (default
     KEYS_ON_M with several heads a row; never with one). atomic_slots: how
     candidates are appended (default ATOMIC_SLOTS). min_cap: the smallest per-row candidate
-    buffer (default MIN_CAP). ordered: sort
+    buffer (default MIN_CAP). group_slack_div, num_stages: default GROUP_SLACK_DIV and
+    NUM_STAGES (read at each call, like the other module defaults). ordered: sort
     each row (else the set in kernel order, -1 slots last)."""
     B, T, _, D = q.shape
     S = k.shape[1]
@@ -645,7 +647,8 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
     cap = triton.next_power_of_2(max(kk + bn, MIN_CAP if min_cap is None else min_cap))
     # Tiles per group: 1/group_slack_div of the buffer's slack, so a row compacts only after
     # the rest of the slack has filled (compactions stay rare) while a group cannot overflow.
-    nt = max(1, (cap - kk) // (group_slack_div * bn))
+    div = GROUP_SLACK_DIV if group_slack_div is None else group_slack_div
+    nt = max(1, (cap - kk) // (div * bn))
     hi = _visible_hi(q_positions, k_positions, causal, T, S)
     qpos = q_positions.contiguous()
     kpos = k_positions.contiguous()
@@ -697,7 +700,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
         PRUNE=prune, G=max(16, triton.next_power_of_2(nt)),
         KEYS_ON_M=(KEYS_ON_M if keys_on_m is None else keys_on_m) and hp > 1,
         ATOMIC_SLOTS=ATOMIC_SLOTS if atomic_slots is None else atomic_slots,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=NUM_STAGES if num_stages is None else num_stages,
     )
     if prune_stats is not None:
         prune_stats.copy_(stats.sum(0) if prune else torch.zeros_like(prune_stats))

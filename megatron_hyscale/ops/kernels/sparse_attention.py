@@ -44,22 +44,24 @@ LN2 = 0.6931471805599453
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(LN2)
 
-# Launch order of a query's programs (KV heads x head blocks). False: a (B x T, programs) grid,
-# so a query's second head block runs about B x T programs after its first. True: a 1-D grid
-# with a query's programs adjacent, running at about the same time, so the second head block's
-# gathers of the same key rows (V3.2's 128 heads in two blocks of 64, the dK/dV kernel's halved
-# blocks) can hit L2. Exact either way (only the order changes). GLM-5.1 / CSA run one program
-# a query: no difference. Timed on the H200 (2026-11-30, `bench_attention.py --t 131072
-# --shapes v32 --head-blocks {split,adjacent}`, random indices): V3.2 forward 325.5 -> 307.6 ms,
-# backward 1901.9 -> 1663.4 ms. Only with one KV head: several KV heads have their own
-# indices, so adjacent programs gather different rows, and the split grid keeps a KV head's
-# neighbouring queries (which share their sliding-window keys) together. QSA's 2 KV heads: its
-# 512K layer step outside the selection (mostly this kernel) took 5088 ms split and 5279-5287
-# adjacent (H200, 2026-11-30, `bench_layer.py --model qsa --seq 524288`).
+# Launch order of a query's head-block programs when it has one KV head (the heads of one KV
+# head split over several programs: V3.2's 128 heads in two blocks of 64, the dK/dV kernel's
+# halved blocks). False: a (B x T, programs) grid, so a query's second head block runs about
+# B x T programs after its first. True: a 1-D grid with a query's head blocks adjacent, running
+# at about the same time, so the second one's gathers of the same key rows can hit L2. Exact
+# either way (only the order changes). One program a query (GLM-5.1, CSA): no difference.
+# Timed on the H200 (2026-11-30, `bench_attention.py --t 131072 --shapes v32 --head-blocks
+# {split,adjacent}`, random indices): V3.2 forward 325.5 -> 307.6 ms, backward 1901.9 ->
+# 1663.4 ms. Several KV heads always run split (_grid): their indices differ, so adjacent
+# programs gather different rows, and the split grid keeps a KV head's neighbouring queries
+# (which share their sliding-window keys) together. QSA's 2 KV heads: its 512K layer step
+# outside the selection (mostly this kernel) took 5088 ms split and 5279-5287 adjacent (H200,
+# 2026-11-30, `bench_layer.py --model qsa --seq 524288`).
 HEAD_BLOCKS_ADJACENT = True
 # Measurement only (`bench_attention.py --fwd-no-softmax`): False makes the forward use the raw
 # scores as P (no running max, exp2 or rescale) to time the gathers and the two MMAs without
-# the softmax's CUDA-core work. Its outputs are not attention.
+# the softmax's CUDA-core work. Only the forward's time means anything: its outputs are not
+# attention (zeros with a sink), its lse is -inf, and a backward from it runs on inf / NaN.
 FWD_SOFTMAX = True
 # Query heads per program: the MMA's M. 64 is one wgmma tile height; a [64 x 512] fp32
 # accumulator already takes 128 registers a thread over 8 warps, so 128 heads use two programs.
@@ -131,8 +133,8 @@ MAX_SCALE_EXP = 120
 def _coords(T, NHB, G, NG: tl.constexpr, BLOCK_H: tl.constexpr):
     """(b, t, kv head, query-head offsets within the group, head mask) of this program.
 
-    NG = 0: a (B x T, KV heads x head blocks) grid. NG > 0 (HEAD_BLOCKS_ADJACENT): a 1-D grid
-    of B x T x NG programs, NG = KV heads x head blocks, a query's programs adjacent.
+    NG = 0: a (B x T, KV heads x head blocks) grid. NG > 0 (HEAD_BLOCKS_ADJACENT, one KV
+    head): a 1-D grid of B x T x NG programs, NG = its head blocks, a query's programs adjacent.
     """
     if NG > 0:
         pid = tl.program_id(0).to(tl.int64)
@@ -207,7 +209,7 @@ def _fwd_kernel(
 
     s = [heads x Dqk] @ [Dqk x keys] on gathered rows, online base-2 softmax, acc += P @ V_sel
     in fp32; -1 slots score -inf; a row with no valid key (and no sink) writes zeros.
-    SOFTMAX=False (measurement only, FWD_SOFTMAX): P is the masked raw scores.
+    SOFTMAX=False (measurement only, FWD_SOFTMAX): P is the masked raw scores; lse is -inf.
     """
     b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
     heads = kvh * G + offs_h
