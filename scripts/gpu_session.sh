@@ -45,6 +45,9 @@
 #                                         # GLM-5.1 at 16K, CP 2, 10 iterations, tokens/s and
 #                                         # losses (~5.5 min; side2 ARGS...: side_by_side.sh
 #                                         # options instead of those three)
+#                                         # HyScale alone at the scaled configuration's own
+#                                         # 256K: side2 --config scaled --only hyscale
+#                                         # --train-iters 6 (129 GiB a GPU by the estimate)
 #                                         # Stock on TileLang: gpu_tilelang.sh 1 and 2 first,
 #                                         # then PYTHONPATH=$PWD/.carry/site:$PYTHONPATH
 #                                         # bash scripts/gpu_session.sh side2 --stock-backend

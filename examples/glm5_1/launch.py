@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="where stock.log, hyscale.log and summary.txt go")
             p.add_argument("--skip-iters", type=int, default=2,
                            help="warm-up iterations left out of the timing (default 2)")
+            p.add_argument("--only", choices=("stock", "hyscale"),
+                           help="run one side only, e.g. HyScale at a length stock's score "
+                                "tables cannot fit (the scaled configuration's default); the "
+                                "other column stays empty")
             p.add_argument("--parse-only", nargs=2, type=Path, metavar=("STOCK_LOG", "HYSCALE_LOG"),
                            help="run nothing: compare two existing Megatron-LM logs")
     return parser
@@ -230,12 +234,14 @@ def run_side_by_side(args: argparse.Namespace, extra: list[str]) -> int:
     out: Path = args.output_dir
     logs = {"stock": out / "stock.log", "hyscale": out / "hyscale.log"}
     codes: dict[str, int | None] = {"stock": None, "hyscale": None}
+    variants = (args.only,) if getattr(args, "only", None) else ("stock", "hyscale")
     if args.parse_only:
         logs = {"stock": args.parse_only[0], "hyscale": args.parse_only[1]}
+        variants = ("stock", "hyscale")
     else:
         print(memory_report(model, layout, is_full, args.stock_backend))
         capacity = gpu_capacity(args, is_full)
-        for variant in ("stock", "hyscale"):
+        for variant in variants:
             warning = check_fit(model, layout, capacity, variant, args.stock_backend)
             if warning:
                 print(warning)
@@ -246,7 +252,7 @@ def run_side_by_side(args: argparse.Namespace, extra: list[str]) -> int:
         cmds = [make_command(model, layout, is_full, args, spec,
                              (stock_extra if spec == "stock" else []) + extra,
                              dry_run=args.dry_run)
-                for spec in ("stock", "hyscale")]
+                for spec in variants]
         print()
         for cmd in cmds:
             print(f"# log: {logs[cmd.label]}")
@@ -259,7 +265,9 @@ def run_side_by_side(args: argparse.Namespace, extra: list[str]) -> int:
             codes[cmd.label] = cmd.run(logs[cmd.label])
     summaries, records = [], []
     for variant in ("stock", "hyscale"):
-        text = logs[variant].read_text(errors="replace") if logs[variant].is_file() else ""
+        # a side not run this time stays empty (its log may be an earlier run's)
+        ran = variant in variants and logs[variant].is_file()
+        text = logs[variant].read_text(errors="replace") if ran else ""
         recs = logparse.parse_megatron_log(text)
         records.append(recs)
         summaries.append(logparse.summarize(

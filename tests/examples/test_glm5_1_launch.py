@@ -396,6 +396,37 @@ def test_side_by_side_turns_phase_times_on() -> None:
     assert result.stdout.count("HYSCALE_PHASE_TIMES=1") == 2  # stock and HyScale
 
 
+def test_side_by_side_only_one_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--only hyscale prints and runs HyScale's command alone, and the summary leaves stock's
+    column empty even when an earlier stock.log sits in the output directory."""
+    result = run_script("side_by_side.sh", "--dry-run", "--config", "scaled", "--gpus", "2",
+                        "--only", "hyscale")
+    assert result.returncode == 0, result.stderr
+    assert [label for label, _, _ in commands(result.stdout)] == ["hyscale"]
+    assert "stock run is estimated" not in result.stdout  # stock's 12 TiB is not checked
+
+    sys.path.insert(0, str(EXAMPLE))
+    import launch  # examples/glm5_1/launch.py
+
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    (tmp_path / "stock.log").write_text(SAMPLE_LOG.replace("6000.0", "12000.0"))
+    ran = []
+
+    def fake_run(cmd: object, log: Path | None = None) -> int:  # instead of torchrun
+        ran.append((cmd.label, log.name))
+        log.write_text(SAMPLE_LOG)
+        return 0
+
+    monkeypatch.setenv("MEGATRON_LM_DIR", str(tmp_path))
+    monkeypatch.setattr(launch.Command, "run", fake_run)
+    code = launch.main(["side-by-side", "--only", "hyscale", "--output-dir", str(tmp_path),
+                        "--skip-iters", "3"])
+    assert code == 0 and ran == [("hyscale", "hyscale.log")]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "speed-up" not in summary  # no stock figures from the old stock.log
+    assert re.search(r"max allocated per GPU \(GiB\)\s+-\s+72\.5", summary), summary
+
+
 # ---------------------------------------------------------------- errors
 
 
