@@ -293,8 +293,7 @@ def enable_from_env(variant: str) -> PhaseTimer | None:
 
 
 def disable() -> None:
-    """Undo enable_from_env: put every wrapped function back (train_step stays wrapped, a no-op
-    without spans)."""
+    """Undo enable_from_env: put every wrapped function back, train_step included."""
     global _TIMER
     if _TIMER is not None:
         _TIMER.uninstall()
@@ -320,5 +319,6 @@ def _wrap_train_step(timer: PhaseTimer) -> bool:
         return out
 
     train_step._hyscale_phase = "step"
+    timer._saved.append((training, "train_step", step))  # uninstall() puts it back
     training.train_step = train_step
     return True

@@ -60,6 +60,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_hyscale.ops import hytopk  # noqa: E402
+from megatron_hyscale.ops.block_pool import block_visibility_positions  # noqa: E402
 from megatron_hyscale.ops.kernels import hytopk as hk  # noqa: E402
 from megatron_hyscale.testing.bench import copy_tbps, log, matmul_tflops, time_ms  # noqa: E402
 
@@ -174,9 +175,8 @@ def positions(T, S):
     """Query and key positions: S = T tokens (the last T of S when S > T), or S = T // r
     blocks of r tokens, key s at its block's last token (visible once the block is complete)."""
     if S < T:
-        r = T // S
         return (torch.arange(T, device="cuda")[None],
-                (torch.arange(S, device="cuda") * r + r - 1)[None])
+                block_visibility_positions(S, T // S, "cuda")[None])
     return (torch.arange(T, device="cuda") + S - T)[None], torch.arange(S, device="cuda")[None]
 
 
@@ -394,37 +394,51 @@ SWEEP_VARIANTS_SMALL_HEADS = ((4, 3, 2, 64, True, None, None), (4, 2, 2, 64, Tru
                               (4, 2, 2, 64, True, 32, 2048), (4, 2, 2, 64, True, None, 1024))
 
 
-def sweep(T, cfg, reps):
-    """Time kernel launch variants (warps, pipeline stages, programs per SM, tile) for tuning."""
-    H, D, topk, relu = CONFIGS[cfg]
+def _sweep_setup(T, cfg):
+    """Random inputs of config `cfg` at length T, their positions, and the GEMM floor (ms)."""
+    H, D, _, _ = CONFIGS[cfg]
     q, k, w = config_inputs(T, cfg, "random")
     qpos, kpos = positions(T, k.shape[1])
-    rate = matmul_tflops() * 1e12
-    floor = floor_ms(T, k.shape[1], H, D, rate)
-    variants = SWEEP_VARIANTS_SMALL_HEADS if H < hk.SMALL_HEADS else SWEEP_VARIANTS
+    return (q, k, w), qpos, kpos, floor_ms(T, k.shape[1], H, D, matmul_tflops() * 1e12)
+
+
+def _time_variant(tag, cfg, T, name, programs_per_sm, inputs, launch, floor, reps):
+    """Time hk._launch(*inputs, top-k, **launch) with `programs_per_sm` and log one line; a
+    variant that fails (e.g. does not fit in shared memory) is logged as such."""
+    q, k, w = inputs
+    topk = CONFIGS[cfg][2]
+    saved = hk.PROGRAMS_PER_SM
+    hk.PROGRAMS_PER_SM = programs_per_sm
+    label = f"{tag} {cfg} T={T} mode={launch['mode']} {name}"
+    try:
+        ms = time_ms(lambda: hk._launch(q, k, w, topk, **launch), reps=reps)
+        log(f"{label}: {ms:.2f} ms  x{ms / floor:.2f} floor")
+    except Exception as err:
+        log(f"{label} failed: {err!r:.200}")
+    finally:
+        hk.PROGRAMS_PER_SM = saved
+
+
+def sweep(T, cfg, reps):
+    """Time kernel launch variants (warps, pipeline stages, programs per SM, tile) for tuning."""
+    inputs, qpos, kpos, floor = _sweep_setup(T, cfg)
+    relu = CONFIGS[cfg][3]
+    variants = SWEEP_VARIANTS_SMALL_HEADS if CONFIGS[cfg][0] < hk.SMALL_HEADS else SWEEP_VARIANTS
     for mode in (hk.MODE_SCORES_ONLY, hk.MODE_SELECT):
         for nw, ns, pps, bn, kom, rows, cap in variants:
             if mode == hk.MODE_SCORES_ONLY and cap is not None:
                 continue  # the buffer does not exist without the top-k
-            hk.PROGRAMS_PER_SM = pps
             launch = dict(relu=relu, q_positions=qpos, k_positions=kpos, causal=True,
                           mode=mode, block_n=bn, num_warps=nw, num_stages=ns, keys_on_m=kom,
                           rows=rows, min_cap=cap)
             name = (f"warps={nw} stages={ns} per_sm={pps} bn={bn} keys_on_m={kom} "
                     f"rows={rows or 'default'} min_cap={cap or 'default'}")
-            try:
-                ms = time_ms(lambda kw=launch: hk._launch(q, k, w, topk, **kw), reps=reps)
-                log(f"sweep {cfg} T={T} mode={mode} {name}: {ms:.2f} ms  "
-                    f"x{ms / floor:.2f} floor")
-            except Exception as err:  # a variant may not fit in shared memory
-                log(f"sweep {cfg} T={T} mode={mode} {name} failed: {err!r:.200}")
-    hk.PROGRAMS_PER_SM = 2
+            _time_variant("sweep", cfg, T, name, pps, inputs, launch, floor, reps)
 
 
 # Tile-group variants (buffer slack divisor, pipeline stages, programs per SM, smallest buffer
 # or None for MIN_CAP). The kernel streams key tiles in groups of NT = slack / (divisor x BN)
-# and checks its buffers between groups; Triton software-pipelines only within a group, so
-# each group starts with an exposed key-tile load. Larger groups mean fewer drains but earlier
+# and checks its buffers between groups: larger groups mean fewer checks but earlier
 # compactions.
 GROUP_SWEEP_VARIANTS = ((4, 2, 2, None), (2, 2, 2, None), (1, 2, 2, None), (4, 3, 2, None),
                         (2, 3, 2, None), (1, 3, 2, None), (4, 2, 2, 8192), (2, 2, 2, 8192),
@@ -436,22 +450,13 @@ def group_sweep(T, cfg, reps):
     launch with the config's top-k, so score-only has the select mode's groups (the
     `scoreonly` method launches top-1, whose larger slack makes longer groups; the group size
     did not change the score-only time on the H200, 2026-11-30)."""
-    H, D, topk, relu = CONFIGS[cfg]
-    q, k, w = config_inputs(T, cfg, "random")
-    qpos, kpos = positions(T, k.shape[1])
-    floor = floor_ms(T, k.shape[1], H, D, matmul_tflops() * 1e12)
+    inputs, qpos, kpos, floor = _sweep_setup(T, cfg)
     for div, ns, pps, cap in GROUP_SWEEP_VARIANTS:
-        hk.PROGRAMS_PER_SM = pps
         for mode in (hk.MODE_SCORES_ONLY, hk.MODE_SELECT):
-            launch = dict(relu=relu, q_positions=qpos, k_positions=kpos, causal=True,
+            launch = dict(relu=CONFIGS[cfg][3], q_positions=qpos, k_positions=kpos, causal=True,
                           mode=mode, num_stages=ns, group_slack_div=div, min_cap=cap)
             name = f"div={div} stages={ns} per_sm={pps} min_cap={cap or 'default'}"
-            try:
-                ms = time_ms(lambda kw=launch: hk._launch(q, k, w, topk, **kw), reps=reps)
-                log(f"groups {cfg} T={T} mode={mode} {name}: {ms:.2f} ms  x{ms / floor:.2f} floor")
-            except Exception as err:  # a variant may not fit in shared memory
-                log(f"groups {cfg} T={T} mode={mode} {name} failed: {err!r:.200}")
-    hk.PROGRAMS_PER_SM = 2
+            _time_variant("groups", cfg, T, name, pps, inputs, launch, floor, reps)
 
 
 def write_json(records, dev, rate, bw, out):

@@ -177,9 +177,9 @@ case "$stage" in
     for a in "$@"; do case $a in csa|hca|qsa) models+=("$a") ;; *) seqs+=("$a") ;; esac; done
     [ ${#models[@]} -gt 0 ] || models=(csa hca qsa)
     for model in "${models[@]}"; do
-      # Default lengths, by launch/layer_memory.py on one H200: CSA / HCA to 256K (HyScale 119
-      # / 112 GiB), their baseline to 128K (CSA's 93 GiB; 183 at 256K); QSA and its baseline
-      # to 512K (68 / 67 GiB).
+      # Default lengths, measured on one H200 (2026-11-30): CSA / HCA to 256K (HyScale 100.5 /
+      # 98.9 GiB), their baseline to 128K (CSA's 102.3 GiB; ~214 at 256K by
+      # launch/layer_memory.py); QSA and its baseline to 512K (95.1 / 95.1 GiB).
       run=("${seqs[@]}") limit=131072 budget=240
       [ "$model" = qsa ] && limit=524288 budget=300
       if [ ${#run[@]} -eq 0 ]; then

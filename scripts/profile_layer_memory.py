@@ -21,6 +21,7 @@ CUDA.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import sys
@@ -43,6 +44,14 @@ MAX_ENTRIES = 2_000_000
 BACKWARD_NODE = re.compile(r"(\w+Backward\w*)")
 
 
+def _user_frames(frames: list[dict[str, Any]]) -> Iterable[str]:
+    """'file:line function' of each frame outside torch's own files, innermost first."""
+    for f in frames:
+        name = f.get("filename", "")
+        if name.endswith(".py") and not any(m in name for m in LIBRARY_MARKERS):
+            yield f"{'/'.join(name.split('/')[-2:])}:{f.get('line')} {f.get('name')}"
+
+
 def site_of(frames: list[dict[str, Any]]) -> str:
     """'file:line function' of the innermost frame outside torch (frames: innermost first),
     with the innermost autograd node (e.g. 'MulBackward0') when a backward formula allocated
@@ -50,24 +59,15 @@ def site_of(frames: list[dict[str, Any]]) -> str:
     node = next((m.group(1) for f in frames
                  if (m := BACKWARD_NODE.search(str(f.get("name", ""))))), None)
     suffix = f" <- {node}" if node else ""
-    for f in frames:
-        name = f.get("filename", "")
-        if name.endswith(".py") and not any(m in name for m in LIBRARY_MARKERS):
-            short = "/".join(name.split("/")[-2:])
-            return f"{short}:{f.get('line')} {f.get('name')}{suffix}"
+    site = next(iter(_user_frames(frames)), None)
+    if site is not None:
+        return site + suffix
     return ("(torch internal)" if frames else "(no stack)") + suffix
 
 
 def user_stack(frames: list[dict[str, Any]], depth: int = 12) -> list[str]:
     """The innermost `depth` frames outside torch, innermost first."""
-    out = []
-    for f in frames:
-        name = f.get("filename", "")
-        if name.endswith(".py") and not any(m in name for m in LIBRARY_MARKERS):
-            out.append(f"{'/'.join(name.split('/')[-2:])}:{f.get('line')} {f.get('name')}")
-        if len(out) == depth:
-            break
-    return out
+    return list(itertools.islice(_user_frames(frames), depth))
 
 
 def peak_live_blocks(trace: Iterable[dict[str, Any]]) -> tuple[int, list[dict[str, Any]], int]:

@@ -120,3 +120,7 @@ def test_megatron_lm_train_step_closes_a_step(monkeypatch, capsys):
     assert training.train_step(1, 2) == "out" and calls == [(1, 2)]
     rank, step, phases = parse_line(capsys.readouterr().out)
     assert (rank, step) == (0, 1) and phases["selection"] == 0.0
+    timer.uninstall()  # the original train_step is back: no more lines
+    assert training.train_step(3) == "out" and calls[-1] == (3,)
+    assert not getattr(training.train_step, "_hyscale_phase", None)
+    assert capsys.readouterr().out == ""

@@ -168,8 +168,9 @@ def gpu_capacity(args: argparse.Namespace, is_full: bool) -> float:
     if args.gpu_mem_gib:
         return args.gpu_mem_gib
     if is_full:
-        return 96.0
-    return 140.0 if getattr(args, "config", "small") == "scaled" else 80.0
+        return cfg.GPU_GIB["H20"]
+    scaled = getattr(args, "config", "small") == "scaled"
+    return cfg.SMALL_GPU_GIB["H200" if scaled else "H800"]
 
 
 def check_fit(model: ModelGeometry, layout: Layout, capacity: float, variant: str,
@@ -234,7 +235,7 @@ def run_side_by_side(args: argparse.Namespace, extra: list[str]) -> int:
     out: Path = args.output_dir
     logs = {"stock": out / "stock.log", "hyscale": out / "hyscale.log"}
     codes: dict[str, int | None] = {"stock": None, "hyscale": None}
-    variants = (args.only,) if getattr(args, "only", None) else ("stock", "hyscale")
+    variants = (args.only,) if args.only else ("stock", "hyscale")
     if args.parse_only:
         logs = {"stock": args.parse_only[0], "hyscale": args.parse_only[1]}
         variants = ("stock", "hyscale")

@@ -22,6 +22,7 @@ import triton.language as tl  # noqa: E402
 from megatron_hyscale.ops import hytopk  # noqa: E402
 from megatron_hyscale.ops.hytopk import validate_hytopk_inputs  # noqa: E402
 from megatron_hyscale.ops.kernels import hytopk as kernel  # noqa: E402
+from megatron_hyscale.ops.reference import order_key  # noqa: E402
 from megatron_hyscale.testing.compare import assert_rows_hold_sorted_sets  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -308,9 +309,9 @@ def test_kth_largest_radix_select(ties):
     else:
         scores = torch.zeros(n_real)
     idx = torch.randperm(5000, generator=g)[:n_real]
-    bits = scores.view(torch.int32).to(torch.int64)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    keys = (ordered << 32) | (0xFFFFFFFF - idx)
+    row = torch.zeros(5000)
+    row[idx] = scores
+    keys = order_key(row)[idx]  # the packed (score, index) keys the kernel compacts
     buf = torch.full((N,), -(1 << 63), dtype=torch.int64)
     buf[torch.randperm(N, generator=g)[:n_real]] = keys
     expected = keys.sort(descending=True).values
