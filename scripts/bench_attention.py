@@ -1,4 +1,8 @@
-"""Benchmark HyScale's Triton sparse attention (forward, backward, deterministic backward).
+"""Benchmark HyScale's sparse attention kernels (forward, backward, deterministic backward).
+
+The forward of absorbed MLA (GLM-5.1, V3.2) runs the Hopper Gluon kernel on an H100 / H200
+(`ops/kernels/sparse_mla_fwd_sm90.py`; the table's "fwd kernel" column), the other shapes and
+the backward the Triton kernels; `--fwd-kernel triton` times the Triton forward there instead.
 
 Shapes (issue 4): GLM-5.1 / DeepSeek-V3.2 absorbed MLA (1 KV head, Dqk 576, V = first 512
 channels of K, 64 / 128 heads, top-2048), DeepSeek-V4 CSA (K = V of 512, sink, 640 keys),
@@ -26,6 +30,7 @@ Baseline: megatron-core 0.19.2's stock unfused path (`_unfused_absorbed_dsa_fn` 
   python scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768
   python scripts/bench_attention.py --shapes v32 --t 131072 --head-blocks split
   python scripts/bench_attention.py --shapes glm51 --t 131072 --fwd-no-softmax  # forward split
+  python scripts/bench_attention.py --shapes glm51 v32 --fwd-only --fwd-kernel triton
 
 --bwd-sweep times the two backward kernels apart, for each (keys per step, stages) tiling that
 fits: dQ, dK/dV with its fp32 atomics, dK/dV in the measurement-only discard mode (the same
@@ -139,7 +144,20 @@ def explicit_indices(inp):
     return torch.cat([pre, inp["idx"].long()], dim=-1)
 
 
-def bench_ours(inp, warmup, reps, deterministic_too):
+def forward_kernel(inp):
+    """Which forward `sparse_attention` runs on these inputs: "gluon-sm90" (the Hopper
+    absorbed-MLA kernel) or "triton"."""
+    from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90
+
+    q, k, v = inp["q"], inp["k"], inp["v"]
+    dv = kern._Geometry(q, k, v, inp["dv"]).dv
+    if (kern.FWD_SM90 and sm90.applies(q, k, v, dv, inp["sink"], inp["prefix"])
+            and sm90.layout_problem(q, k) is None):
+        return "gluon-sm90"
+    return "triton"
+
+
+def bench_ours(inp, warmup, reps, deterministic_too, fwd_only=False):
     q, k, v, sink = inp["q"], inp["k"], inp["v"], inp["sink"]
     leaves = [x.requires_grad_() for x in (q, k, v, sink) if x is not None]
 
@@ -149,7 +167,8 @@ def bench_ours(inp, warmup, reps, deterministic_too):
                                            sink=sink, prefix_lengths=inp["prefix"])
 
     res = {"fwd_ms": time_ms(fwd, reps=reps, warmup=warmup)}
-    if not kern.FWD_SOFTMAX:  # measurement-only forward: a backward from it means nothing
+    # Forward only: when asked, and for the measurement-only forward (no meaningful backward).
+    if fwd_only or not kern.FWD_SOFTMAX:
         res["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
         return res
     out = sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"], sink=sink,
@@ -334,9 +353,16 @@ def main():
                     help="measurement only: the forward without its online softmax (raw scores "
                          "as P; sparse_attention.FWD_SOFTMAX), to split the softmax's time from "
                          "the gathers and MMAs; only the forward is timed")
+    ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
+    ap.add_argument("--fwd-kernel", choices=("auto", "triton"), default="auto",
+                    help="auto: the Hopper (Gluon) forward for absorbed MLA where it applies "
+                         "(sparse_attention.FWD_SM90), Triton elsewhere; triton: always the "
+                         "Triton forward")
     args = ap.parse_args()
     kern.HEAD_BLOCKS_ADJACENT = args.head_blocks == "adjacent"
     kern.FWD_SOFTMAX = not args.fwd_no_softmax
+    # The measurement-only no-softmax variant exists in the Triton forward only.
+    kern.FWD_SM90 = args.fwd_kernel == "auto" and not args.fwd_no_softmax
     if args.quick:
         args.t, args.reps = [16384], 3
     os.makedirs(args.out, exist_ok=True)
@@ -349,7 +375,7 @@ def main():
         return
     meta = dict(device=dev, date=datetime.date.today().isoformat(), command=" ".join(sys.argv),
                 matmul_tflops=mm, copy_tbps=bw, head_blocks=args.head_blocks,
-                fwd_softmax=not args.fwd_no_softmax,
+                fwd_softmax=not args.fwd_no_softmax, fwd_kernel=args.fwd_kernel,
                 rows=[])
     json_path = os.path.join(args.out, "bench_attention.json")
     for T in args.t:
@@ -358,12 +384,14 @@ def main():
             torch.cuda.reset_peak_memory_stats()
             inp = make_inputs(shape, T, indices=args.indices)
             row = dict(shape=shape, T=T, K=SHAPES[shape][-1], indices=args.indices,
+                       fwd_kernel=forward_kernel(inp),
                        fwd_floor_ms=max(inp["flop_fwd"] / mm / 1e9,
                                         inp["bytes_fwd"] / bw / 1e9),
                        fwd_mem_floor_ms=inp["bytes_fwd"] / bw / 1e9,
                        bwd_mem_floor_ms=inp["bytes_bwd"] / bw / 1e9)
             try:
-                row.update(bench_ours(inp, 1, args.reps, not args.no_deterministic))
+                row.update(bench_ours(inp, 1, args.reps, not args.no_deterministic,
+                                      args.fwd_only))
             except torch.OutOfMemoryError:
                 row["fwd_ms"] = "OOM"
             if isinstance(row.get("fwd_ms"), float):
@@ -393,14 +421,15 @@ def main():
                 f"stock fwd {g('stock_fwd_ms', '.1f')} fwd+bwd {g('stock_fwd_bwd_ms', '.1f')} "
                 f"peak {g('peak_gib', '.1f')} GiB [{time.time() - t0:.0f}s]")
 
-    head = ("| shape | T | K | fwd ms | fwd TFLOP/s | fwd / matmul | fwd gather floor ms | "
-            "bwd ms | bwd TFLOP/s | bwd / matmul | bwd memory floor ms | det bwd ms (x) | "
-            "stock fwd ms | stock fwd+bwd ms | peak GiB |")
-    lines = [head, "|" + "---|" * 15]
+    head = ("| shape | T | K | fwd kernel | fwd ms | fwd TFLOP/s | fwd / matmul | "
+            "fwd gather floor ms | bwd ms | bwd TFLOP/s | bwd / matmul | bwd memory floor ms | "
+            "det bwd ms (x) | stock fwd ms | stock fwd+bwd ms | peak GiB |")
+    lines = [head, "|" + "---|" * 16]
     for r in meta["rows"]:
         det = (f"{r['bwd_det_ms']:.1f} (x{r['det_cost']:.2f})" if "bwd_det_ms" in r else "-")
         lines.append(
-            f"| {r['shape']} | {r['T']} | {r['K']} | {fmt(r.get('fwd_ms'), '.2f')} | "
+            f"| {r['shape']} | {r['T']} | {r['K']} | {r['fwd_kernel']} | "
+            f"{fmt(r.get('fwd_ms'), '.2f')} | "
             f"{fmt(r.get('fwd_tflops', '-'), '.0f')} | {fmt(r.get('fwd_frac', '-'), '.0%')} | "
             f"{fmt(r['fwd_mem_floor_ms'], '.1f')} | "
             f"{fmt(r.get('bwd_ms', '-'), '.2f')} | {fmt(r.get('bwd_tflops', '-'), '.0f')} | "
@@ -422,8 +451,10 @@ def main():
         for shape in args.shapes:
             rs = [r for r in meta["rows"] if r["shape"] == shape and "fwd_frac" in r]
             ax.plot([r["T"] for r in rs], [r["fwd_frac"] for r in rs], "o-", label=f"{shape} fwd")
-            ax.plot([r["T"] for r in rs], [r["bwd_frac"] for r in rs], "s--",
-                    label=f"{shape} bwd")
+            rb = [r for r in rs if "bwd_frac" in r]  # none for a forward-only variant
+            if rb:
+                ax.plot([r["T"] for r in rb], [r["bwd_frac"] for r in rb], "s--",
+                        label=f"{shape} bwd")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("T (queries = keys)")
         ax.set_ylabel("fraction of measured bf16 matmul rate")

@@ -13,6 +13,9 @@
 #   bash scripts/gpu_session.sh fwd-split # issue 4's forward gap: GLM-5.1 at 128K with and
 #                                         # without the online softmax (measurement only),
 #                                         # random and L2-resident indices            (~3 min)
+#   bash scripts/gpu_session.sh attention-table  # bench_attention.py: every shape at 16K,
+#                                         # 64K and 128K (stock at 16K), then the Triton forward
+#                                         # alone at the DSA shapes                  (~5 min)
 #   bash scripts/gpu_session.sh layer [T...]  # bench_layer.py, DSA, GLM-5.1 geometry   (~3 min)
 #   bash scripts/gpu_session.sh models [csa|hca|qsa...] [T...] # bench_layer.py for
 #                                         # DeepSeek-V4's CSA and HCA layers and the QSA layer
@@ -58,9 +61,10 @@ set -uo pipefail
 stage=${1:-}
 shift || true
 case "$stage" in
-  verify|kernels|attention|fwd-split|layer|models|memory|qsa-selection|selection|cp2|cp2-1m|side2\
+  verify|kernels|attention|attention-table|fwd-split|layer|models|memory|qsa-selection|selection|cp2|cp2-1m|side2\
   |pair) ;;
-  *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|fwd-split|layer" \
+  *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
+       "|fwd-split|layer" \
        "|models|memory|qsa-selection|selection|cp2|cp2-1m|side2|pair} [ARGS...]" >&2
      exit 2 ;;
 esac
@@ -82,7 +86,7 @@ case "$stage" in
     # $out/summary.txt and the call's output. Exit status: 1 if any file failed.
     : > "$out/tests.log"; : > "$out/summary.txt"
     fail=0
-    for spec in indexer_loss:100 sparse_attention:170 hytopk:150; do
+    for spec in indexer_loss:100 sparse_attention:170 sparse_mla_fwd_sm90:60 hytopk:150; do
       f=tests/ops/test_${spec%%:*}_gpu.py name=test_${spec%%:*}_gpu
       echo "=== $name" >> "$out/tests.log"
       timeout ${spec##*:} python3 -m pytest -q -rfE -m gpu "$f" -p no:cacheprovider \
@@ -166,6 +170,15 @@ case "$stage" in
           | tee -a "$out/bench_attention_fwd_split.log"
       done
     done
+    ;;
+  attention-table)
+    # Issue 4's table: every shape at 16K / 64K / 128K (stock at 16K), the deterministic
+    # backward's cost, then the Triton forward alone at the DSA shapes, same GPU.
+    timeout 330 python3 scripts/bench_attention.py --reps 2 --out "$out/default" 2>&1 \
+      | grep -E "matmul|T=|Error" | tee "$out/bench_attention.log"
+    timeout 90 python3 scripts/bench_attention.py --reps 3 --shapes glm51 v32 --fwd-only \
+      --fwd-kernel triton --no-stock --out "$out/triton_fwd" 2>&1 \
+      | grep -E "matmul|T=|Error" | sed "s/^/triton fwd: /" | tee -a "$out/bench_attention.log"
     ;;
   layer)
     seqs=${*:-8192 16384 32768 65536 131072 262144}

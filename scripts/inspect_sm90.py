@@ -34,6 +34,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -41,8 +42,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 TARGET = GPUTarget("cuda", 90, 32)
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 # Instructions shown in the loop summary, by opcode (the rest are counted in the total).
-SHOWN_OPS = ("HGMMA", "HMMA", "BAR", "SHFL", "STS", "LDS", "LDG", "STG", "LDGSTS", "RED", "ATOM",
-             "FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "LDL", "STL")
+SHOWN_OPS = ("HGMMA", "WARPGROUP", "HMMA", "BAR", "SHFL", "STS", "LDS", "LDG", "STG", "LDGSTS",
+             "RED", "ATOM", "FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "LDL", "STL")
 
 
 @dataclass
@@ -65,13 +66,16 @@ class Report:
     shared_bytes: int
     loop_instructions: int
     loop_ops: dict[str, int] = field(default_factory=dict)
+    # ptxas's "Potential Performance Loss" notes (e.g. C7514: every wgmma serialized).
+    perf_warnings: list[str] = field(default_factory=list)
     sass: str = ""
 
     def line(self) -> str:
         ops = " ".join(f"{k}={v}" for k, v in self.loop_ops.items() if v)
+        notes = "".join(f"\n  ptxas: {w}" for w in self.perf_warnings)
         return (f"{self.name}: {self.registers} regs, spills {self.spill_stores}/"
                 f"{self.spill_loads} B st/ld, stack {self.stack_bytes} B, smem "
-                f"{self.shared_bytes} B | hot loop {self.loop_instructions} instrs: {ops}")
+                f"{self.shared_bytes} B | hot loop {self.loop_instructions} instrs: {ops}{notes}")
 
 
 class _Recorder:
@@ -111,7 +115,8 @@ def compile_launch(launch: Launch) -> Any:
     bound, specialization, options = binder(*launch.args, **launch.kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, options, bound,
                                                           specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
+    source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+    return triton.compile(source(fn, signature, constexprs, attrs), target=TARGET,
                           options=options.__dict__)
 
 
@@ -161,7 +166,8 @@ def report(name: str, launch: Launch) -> Report:
         counts[op] += 1
     return Report(name, num(r"Used (\d+) registers"), num(r"(\d+) bytes spill stores"),
                   num(r"(\d+) bytes spill loads"), num(r"(\d+) bytes stack frame"),
-                  compiled.metadata.shared, len(loop), {k: counts[k] for k in SHOWN_OPS}, sass)
+                  compiled.metadata.shared, len(loop), {k: counts[k] for k in SHOWN_OPS},
+                  re.findall(r"Potential Performance Loss[^\n]*", info), sass)
 
 
 # --------------------------------------------------------------------------- presets
@@ -228,6 +234,18 @@ def _sparse_attention_calls(sa: Any, hq: int, hkv: int, d: int, dv: int | None, 
     return calls
 
 
+def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256) -> list[Launch]:
+    """The Gluon sparse-MLA forward (Hopper only; absorbed MLA, one KV head)."""
+    from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as fwd
+
+    q = torch.zeros(1, T, hq, d, dtype=torch.bfloat16)
+    k = torch.zeros(1, T, 1, d, dtype=torch.bfloat16)
+    idx = torch.zeros(1, T, topk, dtype=torch.int32)
+    with intercept(fwd, "_sparse_mla_fwd_kernel") as calls:
+        fwd.sparse_mla_fwd_sm90(q, k, idx, d ** -0.5)
+    return calls
+
+
 def _indexer_loss(hi: int, di: int, hq: int, d: int, topk: int, T: int = 256, **overrides: Any
                   ) -> list[Launch]:
     """select, target, loss and backward launches of the sparse indexer KL loss."""
@@ -269,6 +287,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "sparse-attention-glm51": lambda: _sparse_attention(64, 1, 576, None, 2048),
     "sparse-attention-glm51-no-softmax": lambda: _sparse_attention(64, 1, 576, None, 2048,
                                                                    FWD_SOFTMAX=False),
+    "sparse-mla-fwd-sm90-glm51": lambda: _sparse_mla_fwd_sm90(64, 576, 2048),
+    "sparse-mla-fwd-sm90-v32": lambda: _sparse_mla_fwd_sm90(128, 576, 2048),
     "sparse-attention-hca": lambda: _sparse_attention(64, 1, 512, None, 128, prefix=True),
     "sparse-attention-qsa": lambda: _sparse_attention(24, 2, 256, 256, 2052),
     "indexer-loss-glm51": lambda: _indexer_loss(32, 128, 64, 576, 2048),

@@ -150,7 +150,9 @@ def sparse_attention(
             reading them (DeepSeek-V4's HCA: every visible compressed entry, then the window),
             so no [T, S] index tensor exists and each row runs only its own slots.
         backend: "auto" (Triton on CUDA tensors, the reference elsewhere), "triton" (CPU
-            tensors need TRITON_INTERPRET=1) or "reference".
+            tensors need TRITON_INTERPRET=1) or "reference". On Hopper the forward of absorbed
+            MLA (GLM-5.1, V3.2) runs a Gluon kernel under either GPU choice
+            (`kernels.sparse_attention.FWD_SM90`).
 
     Returns:
         out [B, T, Hq, Dv] in q's dtype (zeros for a row with no valid index), and with

@@ -66,3 +66,25 @@ def test_default_kernels_keep_their_compiled_shape(tmp_path: Path) -> None:
     dkv = reports["_bwd_dkv_kernel"]
     assert dkv["spill_stores"] <= 132 and dkv["loop_ops"]["HMMA"] == 0
     assert dkv["loop_ops"]["HGMMA"] > 0
+
+
+def test_hopper_sparse_mla_forward_keeps_its_wgmma_pipeline(tmp_path: Path) -> None:
+    """The Gluon forward (ops/kernels/sparse_mla_fwd_sm90.py) compiles for sm_90a without spills
+    and without ptxas serializing its wgmma: any accumulator read while a product is in flight
+    makes ptxas wait after every HGMMA (note C7514), which would turn Q K^T's 36 k-steps into
+    36 round trips. Per key tile the loop issues 36 + 4 HGMMA (Q K^T over 512 + 64 channels at
+    16 a step, P V over 64 keys) and waits twice (after Q K^T, after P V)."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "sparse-mla-fwd-sm90-glm51", "sparse-mla-fwd-sm90-v32",
+                "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    glm, v32 = json.loads(out.read_text())
+    assert glm["constexprs"]["NG"] == 0 and v32["constexprs"]["NG"] == 2  # V3.2: 2 blocks
+    for rep in (glm, v32):
+        assert rep["perf_warnings"] == []
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0
+        assert rep["loop_ops"]["HGMMA"] == 40
+        # WARPGROUP.ARRIVE before each of the three products, WARPGROUP.DEPBAR after two.
+        assert rep["loop_ops"]["WARPGROUP"] <= 6
+        assert rep["loop_ops"]["LDGSTS"] > 0  # the next tile's gather is in the loop
+        assert rep["shared_bytes"] <= 232448  # the H200's shared memory a block

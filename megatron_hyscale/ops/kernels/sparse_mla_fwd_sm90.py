@@ -1,0 +1,282 @@
+"""Sparse attention forward for absorbed MLA on Hopper (sm_90), in Gluon.
+
+Shapes: q [B, T, Hq, D_MAIN + D_TAIL] bf16 / fp16 (576 = 512 + 64 for DSA), k [B, S, 1, same],
+V = k[..., :D_MAIN]; indices int32 / int64 [B, T, K] or [B, T, 1, K] (-1 = unused slot).
+out [B, T, Hq, D_MAIN] in q's dtype, lse fp32 [B, T, Hq] (natural log; -inf for a row with no
+valid index). The same results as the Triton forward (`sparse_attention._fwd_kernel`).
+
+Algorithm: one program per (query, block of 64 heads), two warpgroups. The selected key rows are
+gathered with cp.async into two shared tiles; tile j + 1's gather is issued before tile j's
+S = Q K^T, so it overlaps tile j's two products and its softmax. Triton's pipeliner issued it
+after the P V product instead, leaving only that product to hide it behind: its compiled loop
+waits for every outstanding copy at the top (`DEPBAR.LE SB0, 0x0`). Products are async wgmma
+(each warpgroup: S for half the keys, O for half the value channels), online base-2 softmax.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_LN2 = gl.constexpr(LN2)
+# Query heads a program (the products' M: one wgmma tile height per warpgroup).
+BLOCK_H = 64
+# Keys a step. Two [64 x 576] bf16 tiles and the [64 x 576] query fill 216 of the H200's 227
+# KiB of shared memory; 32 keys would leave room for a third buffer but halve each warpgroup's
+# S product (64 x 16: its shared-memory operand reads then bound the tensor core).
+BLOCK_N = 64
+NUM_WARPS = 8
+# Elements a cp.async moves (16 bytes of bf16 / fp16).
+COPY_VEC = 8
+# The tail channels after the power-of-two main part (576 = 512 + 64): the gathers' layout
+# covers 64 channels a row, so narrower tails are left to the Triton forward.
+TAIL = 64
+
+
+@gluon.jit
+def _gather_rows(dst, base, rows, cols, stride_row):
+    """cp.async the [rows x cols] block base[rows[:, None] * stride_row + cols[None, :]]."""
+    cp.async_copy_global_to_shared(dst, base + rows[:, None] * stride_row + cols[None, :])
+
+
+@gluon.jit
+def _tile_rows(idx_base, sik, n0, NK, layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key rows of slots n0 .. n0 + BLOCK_N in `layout` (row 0 for -1 and past NK: those
+    slots are masked out of the scores, so any in-range row will do)."""
+    offs = n0 + gl.arange(0, BLOCK_N, layout=layout)
+    idx = gl.load(idx_base + offs * sik, mask=offs < NK, other=-1).to(gl.int64)
+    return gl.where(idx >= 0, idx, 0)
+
+
+@gluon.jit
+def _tile_valid(idx_base, sik, n0, NK, layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Which slots n0 .. n0 + BLOCK_N hold a key, in `layout`."""
+    offs = n0 + gl.arange(0, BLOCK_N, layout=layout)
+    return gl.load(idx_base + offs * sik, mask=offs < NK, other=-1) >= 0
+
+
+@gluon.jit
+def _sparse_mla_fwd_kernel(
+    q_ptr, k_ptr, idx_ptr, out_ptr, lse_ptr,
+    T, NK, qk_scale,
+    sqb, sqt, sqh, skb, sks, sib, sit, sik, sob, sot, soh, slb, slt, slh,
+    D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    NG: gl.constexpr, q_main_sl: gl.constexpr, q_tail_sl: gl.constexpr,
+    k_main_sl: gl.constexpr, k_tail_sl: gl.constexpr, p_sl: gl.constexpr,
+):
+    """out[h] = softmax(q[h] . K_sel * scale) @ K_sel[:, :D_MAIN] for one query's head block.
+
+    Every channel stride is 1 and every row stride a multiple of COPY_VEC (the wrapper checks).
+    NG > 0: a 1-D grid with a query's NG head blocks adjacent; NG = 0: a (B x T, blocks) grid
+    (decoded as `sparse_attention._coords` does: a Gluon kernel cannot call a Triton one).
+    """
+    if NG > 0:
+        pid = gl.program_id(0).to(gl.int64)
+        pid_q = pid // NG
+        hb = (pid % NG).to(gl.int32)
+    else:
+        pid_q = gl.program_id(0).to(gl.int64)
+        hb = gl.program_id(1)
+    b = pid_q // T
+    t = pid_q % T
+
+    # S [heads x keys] and O [heads x channels]: warps 4 x 2, so each warpgroup holds S for half
+    # the keys and O for half the channels; P V reads P from shared memory (both halves).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_MAIN // 2, 16])
+    # Gathers: 16-byte vectors, a warp covering 4 rows x 64 channels.
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    row_l: gl.constexpr = gl.SliceLayout(1, ld_layout)
+    col_l: gl.constexpr = gl.SliceLayout(0, ld_layout)
+
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    q_main_s = gl.allocate_shared_memory(dtype, [BLOCK_H, D_MAIN], q_main_sl)
+    q_tail_s = gl.allocate_shared_memory(dtype, [BLOCK_H, D_TAIL], q_tail_sl)
+    k_main_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_MAIN], k_main_sl)
+    k_tail_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_TAIL], k_tail_sl)
+    p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_sl)
+
+    cols_m = gl.arange(0, D_MAIN, layout=col_l)
+    cols_t = D_MAIN + gl.arange(0, D_TAIL, layout=col_l)
+    heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_l)).to(gl.int64)
+    q_base = q_ptr + b * sqb + t * sqt
+    k_base = k_ptr + b * skb
+    idx_base = idx_ptr + b * sib + t * sit
+
+    # Prologue: the query and tile 0 in one copy group; tile 1's rows into registers.
+    _gather_rows(q_main_s, q_base, heads, cols_m, sqh)
+    _gather_rows(q_tail_s, q_base, heads, cols_t, sqh)
+    rows = _tile_rows(idx_base, sik, 0, NK, row_l, BLOCK_N)
+    _gather_rows(k_main_s.index(0), k_base, rows, cols_m, sks)
+    _gather_rows(k_tail_s.index(0), k_base, rows, cols_t, sks)
+    cp.commit_group()
+    rows_next = _tile_rows(idx_base, sik, BLOCK_N, NK, row_l, BLOCK_N)
+    valid = _tile_valid(idx_base, sik, 0, NK, gl.SliceLayout(0, s_layout), BLOCK_N)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    # Each thread's share of the row sums, reduced over the keys once after the loop (a
+    # reduction a tile would cost three barriers).
+    l_part = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+    o = gl.zeros([BLOCK_H, D_MAIN], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+
+    n_tiles = gl.cdiv(NK, BLOCK_N)
+    for j in range(n_tiles):
+        buf = j % 2
+        # Tile j landed (this thread's copies), visible to the tensor cores (async proxy) and
+        # from every thread (the barrier). Both warpgroups finished tile j - 1's P V before the
+        # barrier, so its buffer takes tile j + 1 now, while tile j is computed. (Issuing it
+        # before this wait, two tiles in flight, measured no faster: BENCHMARKS.md.)
+        cp.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
+        if j + 1 < n_tiles:
+            _gather_rows(k_main_s.index(1 - buf), k_base, rows_next, cols_m, sks)
+            _gather_rows(k_tail_s.index(1 - buf), k_base, rows_next, cols_t, sks)
+        cp.commit_group()
+        rows_next = _tile_rows(idx_base, sik, (j + 2) * BLOCK_N, NK, row_l, BLOCK_N)
+        valid_next = _tile_valid(idx_base, sik, (j + 1) * BLOCK_N, NK,
+                                 gl.SliceLayout(0, s_layout), BLOCK_N)
+
+        # Each product is waited for before any register of its accumulator is touched: an
+        # accumulator read while a wgmma is in flight makes ptxas serialize every wgmma of the
+        # kernel (C7514), the 36 k-steps of Q K^T included.
+        s = warpgroup_mma(q_main_s, k_main_s.index(buf).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma(q_tail_s, k_tail_s.index(buf).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        # A row with no valid key so far keeps m = -inf; shift by 0 there so no inf - inf.
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_part = l_part * alpha[:, None] + p
+        m_i = m_new
+        # Every tile rescales O (128 multiplies a thread): skipping it while the max stays put
+        # (a branch around the rescale) compiled with 148 bytes of spills in this loop.
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        # P's two halves meet in shared memory. The previous tile's P V (its reader) was
+        # waited for in both warpgroups before this tile's first barrier.
+        p_s.store(p.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        o = warpgroup_mma(p_s, k_main_s.index(buf), o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        valid = valid_next
+
+    l_i = gl.sum(l_part, axis=1)
+    nonempty = l_i > 0.0
+    lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
+    inv_l = gl.convert_layout(1.0 / gl.where(nonempty, l_i, 1.0), gl.SliceLayout(1, o_layout))
+    out = (o * inv_l[:, None]).to(dtype)
+    o_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + b * sob + t * sot + o_heads[:, None] * soh + o_cols[None, :], out)
+    l_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
+    gl.store(lse_ptr + b * slb + t * slt + l_heads * slh, lse2 * _LN2)
+
+
+# --------------------------------------------------------------------------- launch
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
+            sink: torch.Tensor | None, prefix_lengths: torch.Tensor | None) -> bool:
+    """Whether these inputs are this kernel's case: absorbed MLA on Hopper, in bf16 / fp16, one
+    KV head, query heads a multiple of BLOCK_H, no sink or dense prefix (and not disabled).
+    Channels: a main part of 128 / 256 / 512 (V) and a tail of TAIL, the gathers' row width."""
+    if _disabled or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    d = q.shape[-1]
+    d_main = 1 << (d.bit_length() - 1)
+    return (q.dtype in (torch.bfloat16, torch.float16) and v is None and dv == d_main
+            and d_main in (128, 256, 512) and d - d_main == TAIL and k.shape[2] == 1
+            and q.shape[2] % BLOCK_H == 0 and sink is None and prefix_lengths is None)
+
+
+def layout_problem(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """What keeps q / k from the kernel's 16-byte cp.async copies (None if nothing)."""
+    for name, x in (("q", q), ("k", k)):
+        if x.stride(-1) != 1 or any(st % COPY_VEC for st in x.stride()[:-1]):
+            return (f"{name}'s strides {tuple(x.stride())} are not 16-byte rows of unit-stride "
+                    "channels")
+        if x.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
+    return None
+
+
+_layouts: dict[tuple, tuple] = {}
+
+
+def _shared_layouts(dtype: torch.dtype, d_main: int, d_tail: int) -> tuple:
+    key = (dtype, d_main, d_tail)
+    if key not in _layouts:
+        gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+        nv = gl.NVMMASharedLayout.get_default_for
+        _layouts[key] = (nv([BLOCK_H, d_main], gdt), nv([BLOCK_H, d_tail], gdt),
+                         nv([BLOCK_N, d_main], gdt), nv([BLOCK_N, d_tail], gdt),
+                         nv([BLOCK_H, BLOCK_N], gdt))
+    return _layouts[key]
+
+
+def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
+                        softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, T, Hq, D_MAIN], lse fp32 [B, T, Hq]) on inputs that `applies` and
+    `layout_problem` accept. A query's head blocks (V3.2: two) launch as the Triton kernels'
+    do (`sparse_attention._grid`, HEAD_BLOCKS_ADJACENT)."""
+    from megatron_hyscale.ops.kernels.sparse_attention import _grid
+
+    B, T, Hq, d = q.shape
+    d_main = 1 << (d.bit_length() - 1)
+    out = torch.empty((B, T, Hq, d_main), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
+    if B * T == 0:
+        return out, lse
+    if indices.dim() == 4:
+        indices = indices[:, :, 0]
+    grid, ng = _grid(B * T, 1, Hq // BLOCK_H)
+    sqb, sqt, sqh, _ = q.stride()
+    skb, sks, _, _ = k.stride()
+    sib, sit, sik = indices.stride()
+    sob, sot, soh, _ = out.stride()
+    layouts = _shared_layouts(q.dtype, d_main, d - d_main)
+    _sparse_mla_fwd_kernel[grid](
+        q, k, indices, out, lse, T, indices.shape[-1], softmax_scale * LOG2E,
+        sqb, sqt, sqh, skb, sks, sib, sit, sik, sob, sot, soh, *lse.stride(),
+        D_MAIN=d_main, D_TAIL=d - d_main, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, NG=ng,
+        q_main_sl=layouts[0], q_tail_sl=layouts[1], k_main_sl=layouts[2], k_tail_sl=layouts[3],
+        p_sl=layouts[4], num_warps=NUM_WARPS,
+    )
+    return out, lse
+
+
+_warned: set[str] = set()
+_disabled = False
+
+
+def warn_once(reason: str) -> None:
+    """One warning per distinct reason the Hopper forward could not run."""
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"HyScale: the Hopper sparse-MLA forward cannot run ({reason}); using the "
+                      "Triton forward", RuntimeWarning, stacklevel=4)
+
+
+def disable(reason: str) -> None:
+    """Stop using the kernel in this process after a failure, with one warning."""
+    global _disabled
+    _disabled = True
+    warn_once(reason)

@@ -1,0 +1,180 @@
+"""The Hopper (Gluon) sparse-MLA forward on the GPU against the fp32 reference and the Triton
+forward: GLM-5.1 and DeepSeek-V3.2 shapes, both launch orders, key counts off the 64-key tile,
+empty and half-empty rows, int64 and per-KV-head index layouts, batch 2, strided queries, fp16,
+and the dispatch of `sparse_attention` (which kernel runs, the warning when it cannot).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+OUT_TOL = 1e-2  # bf16 operands, fp32 accumulation, as tests/ops/test_sparse_attention_gpu.py
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+
+
+def inputs(hq, T, S, K, seed, B=1, dtype=torch.bfloat16, d=576):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, T, hq, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(B, S, 1, d, device="cuda", generator=g).to(dtype)
+    idx = torch.rand(B * T, S, device="cuda", generator=g).topk(K, dim=-1).indices
+    idx = idx.view(B, T, K).to(torch.int32)
+    idx[:, min(7, T - 1), K // 2:] = -1  # a half-empty row
+    idx[:, min(11, T - 1)] = -1  # a row with no valid index
+    if K > 3:
+        idx[:, 0, 1::3] = -1  # holes in the middle of a row
+    return q, k, idx, d ** -0.5
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def reference(q, k, idx, scale):
+    from megatron_hyscale.ops.sparse_attention import sparse_attention
+
+    return sparse_attention(q.float(), k.float(), None, idx, scale, dv=512, return_lse=True,
+                            backend="reference")
+
+
+def run(q, k, idx, scale, adjacent=True):
+    from megatron_hyscale.ops.kernels import sparse_attention as sa
+    from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import sparse_mla_fwd_sm90
+
+    saved = sa.HEAD_BLOCKS_ADJACENT
+    sa.HEAD_BLOCKS_ADJACENT = adjacent  # the launch order the Triton kernels share
+    try:
+        return sparse_mla_fwd_sm90(q, k, idx, scale)
+    finally:
+        sa.HEAD_BLOCKS_ADJACENT = saved
+
+
+def check(out, lse, ref_out, ref_lse):
+    assert torch.isfinite(out).all()
+    assert rel(out, ref_out) < OUT_TOL
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)  # -inf exactly where the row is empty
+    assert (lse[fin] - ref_lse[fin]).abs().max().item() < 1e-2
+    empty = ~fin
+    if empty.any():
+        assert (out.float().abs().amax(-1)[empty] == 0).all()
+
+
+@needs_hopper
+@pytest.mark.parametrize("hq,K,adjacent", [(64, 2048, True), (128, 2048, True),
+                                           (128, 2048, False), (64, 2000, True),
+                                           (64, 100, True), (64, 5, True)])
+def test_matches_reference(hq, K, adjacent):
+    q, k, idx, scale = inputs(hq, 64, 4096, K, seed=hq + K)
+    out, lse = run(q, k, idx, scale, adjacent)
+    ref_out, ref_lse = reference(q, k, idx, scale)
+    check(out, lse, ref_out, ref_lse)
+
+
+@needs_hopper
+def test_agrees_with_the_triton_forward():
+    from megatron_hyscale.ops.kernels import sparse_attention as sa
+
+    q, k, idx, scale = inputs(64, 256, 8192, 2048, seed=3)
+    out, lse = run(q, k, idx, scale)
+    saved = sa.FWD_SM90
+    sa.FWD_SM90 = False
+    try:
+        t_out, t_lse = sa.sparse_attention_fwd(q, k, None, idx, scale, dv=512)
+    finally:
+        sa.FWD_SM90 = saved
+    assert rel(out, t_out) < 2e-3
+    fin = torch.isfinite(t_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert (lse[fin] - t_lse[fin]).abs().max().item() < 1e-3
+
+
+@needs_hopper
+def test_batch_int64_per_head_indices_strided_q_and_fp16():
+    q, k, idx, scale = inputs(64, 48, 2048, 300, seed=5, B=2, dtype=torch.float16)
+    # Strided queries: a view into wider rows (row stride 640, still 16-byte aligned).
+    wide = torch.zeros(*q.shape[:-1], 640, device="cuda", dtype=q.dtype)
+    wide[..., :576] = q
+    qs = wide[..., :576]
+    out, lse = run(qs, k, idx.long()[:, :, None, :], scale)
+    ref_out, ref_lse = reference(q, k, idx, scale)
+    check(out, lse, ref_out, ref_lse)
+
+
+@needs_hopper
+def test_integer_valued_inputs_give_the_reference_scores():
+    """Small integers make every q . k exact in fp32: the log-sum-exp then depends only on the
+    softmax's own rounding, so it must match the reference to fp32 accuracy."""
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.randint(-2, 3, (1, 32, 64, 576), device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randint(-2, 3, (1, 1024, 1, 576), device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.rand(32, 1024, device="cuda", generator=g).topk(640, dim=-1).indices
+    idx = idx.view(1, 32, 640).to(torch.int32)
+    scale = 1 / 64  # a power of two: the scaled scores stay exact
+    out, lse = run(q, k, idx, scale)
+    ref_out, ref_lse = reference(q, k, idx, scale)
+    assert (lse - ref_lse).abs().max().item() < 1e-4
+    assert rel(out, ref_out) < OUT_TOL
+
+
+@needs_hopper
+def test_sparse_attention_dispatches_to_it_and_differentiates():
+    from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90
+    from megatron_hyscale.ops.sparse_attention import sparse_attention
+
+    calls = []
+    real = sm90.sparse_mla_fwd_sm90
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    q, k, idx, scale = inputs(64, 32, 1024, 256, seed=11)
+    q.requires_grad_(True)
+    sm90.sparse_mla_fwd_sm90 = counting
+    try:
+        out = sparse_attention(q, k, None, idx, scale, dv=512)
+    finally:
+        sm90.sparse_mla_fwd_sm90 = real
+    assert calls == [1]
+    out.float().square().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    # Another shape (a sink: DeepSeek-V4) is not this kernel's: no call, no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sm90.sparse_mla_fwd_sm90 = counting
+        try:
+            sparse_attention(q.detach(), k, None, idx, scale, dv=512,
+                             sink=torch.zeros(64, device="cuda"))
+        finally:
+            sm90.sparse_mla_fwd_sm90 = real
+    assert calls == [1]
+
+
+@needs_hopper
+def test_misaligned_rows_warn_once_and_use_the_triton_forward():
+    from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90
+    from megatron_hyscale.ops.sparse_attention import sparse_attention
+
+    q, k, idx, scale = inputs(64, 16, 512, 128, seed=13)
+    wide = torch.zeros(1, 16, 64, 579, device="cuda", dtype=q.dtype)  # odd row stride
+    wide[..., :576] = q
+    qs = wide[..., :576]
+    sm90._warned.clear()
+    with pytest.warns(RuntimeWarning, match="q's strides"):
+        out = sparse_attention(qs, k, None, idx, scale, dv=512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call is silent
+        sparse_attention(qs, k, None, idx, scale, dv=512)
+    ref_out, _ = reference(q, k, idx, scale)
+    assert rel(out, ref_out) < OUT_TOL
