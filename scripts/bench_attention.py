@@ -145,13 +145,14 @@ def explicit_indices(inp):
 
 
 def forward_kernel(inp):
-    """Which forward `sparse_attention` runs on these inputs: "gluon-sm90" (the Hopper
-    absorbed-MLA kernel) or "triton"."""
+    """Which forward `sparse_attention` ran on these inputs: "gluon-sm90" (the Hopper
+    absorbed-MLA kernel) or "triton" (asked after the run: a variant that failed is disabled)."""
     from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90
 
     q, k, v = inp["q"], inp["k"], inp["v"]
     dv = kern._Geometry(q, k, v, inp["dv"]).dv
-    if (kern.FWD_SM90 and sm90.applies(q, k, v, dv, inp["sink"], inp["prefix"])
+    if (kern.FWD_SM90 and kern.FWD_SOFTMAX and sm90.applies(q, k, v, dv, inp["sink"],
+                                                           inp["prefix"])
             and sm90.layout_problem(q, k) is None):
         return "gluon-sm90"
     return "triton"
@@ -361,8 +362,7 @@ def main():
     args = ap.parse_args()
     kern.HEAD_BLOCKS_ADJACENT = args.head_blocks == "adjacent"
     kern.FWD_SOFTMAX = not args.fwd_no_softmax
-    # The measurement-only no-softmax variant exists in the Triton forward only.
-    kern.FWD_SM90 = args.fwd_kernel == "auto" and not args.fwd_no_softmax
+    kern.FWD_SM90 = args.fwd_kernel == "auto"  # (the no-softmax variant is Triton's only)
     if args.quick:
         args.t, args.reps = [16384], 3
     os.makedirs(args.out, exist_ok=True)
@@ -384,7 +384,6 @@ def main():
             torch.cuda.reset_peak_memory_stats()
             inp = make_inputs(shape, T, indices=args.indices)
             row = dict(shape=shape, T=T, K=SHAPES[shape][-1], indices=args.indices,
-                       fwd_kernel=forward_kernel(inp),
                        fwd_floor_ms=max(inp["flop_fwd"] / mm / 1e9,
                                         inp["bytes_fwd"] / bw / 1e9),
                        fwd_mem_floor_ms=inp["bytes_fwd"] / bw / 1e9,
@@ -392,6 +391,7 @@ def main():
             try:
                 row.update(bench_ours(inp, 1, args.reps, not args.no_deterministic,
                                       args.fwd_only))
+                row["fwd_kernel"] = forward_kernel(inp)
             except torch.OutOfMemoryError:
                 row["fwd_ms"] = "OOM"
             if isinstance(row.get("fwd_ms"), float):
@@ -428,7 +428,7 @@ def main():
     for r in meta["rows"]:
         det = (f"{r['bwd_det_ms']:.1f} (x{r['det_cost']:.2f})" if "bwd_det_ms" in r else "-")
         lines.append(
-            f"| {r['shape']} | {r['T']} | {r['K']} | {r['fwd_kernel']} | "
+            f"| {r['shape']} | {r['T']} | {r['K']} | {r.get('fwd_kernel', '-')} | "
             f"{fmt(r.get('fwd_ms'), '.2f')} | "
             f"{fmt(r.get('fwd_tflops', '-'), '.0f')} | {fmt(r.get('fwd_frac', '-'), '.0%')} | "
             f"{fmt(r['fwd_mem_floor_ms'], '.1f')} | "

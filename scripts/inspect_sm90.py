@@ -34,8 +34,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
-from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import JITFunction, create_function_from_signature
+
+try:  # Gluon (tested with Triton 3.6): the Hopper sparse-MLA forward presets need it
+    from triton.experimental.gluon._runtime import GluonASTSource
+except ImportError:
+    GluonASTSource = None
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -116,6 +120,8 @@ def compile_launch(launch: Launch) -> Any:
     options, signature, constexprs, attrs = fn._pack_args(backend, options, bound,
                                                           specialization, options)
     source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+    if source is None:
+        raise RuntimeError(f"{fn!r} is a Gluon kernel: this Triton has no Gluon")
     return triton.compile(source(fn, signature, constexprs, attrs), target=TARGET,
                           options=options.__dict__)
 

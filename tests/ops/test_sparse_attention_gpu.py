@@ -1,4 +1,6 @@
-"""Sparse-attention Triton kernels on the GPU at model shapes, bf16, against the fp32 reference.
+"""Sparse-attention kernels on the GPU at model shapes, bf16, against the fp32 reference: the
+Triton kernels, and on Hopper the Gluon forward for the absorbed-MLA shapes (GLM-5.1, V3.2),
+which `sparse_attention` dispatches to (the tiling tests force the Triton forward).
 
 GLM-5.1 / DeepSeek-V3.2 absorbed MLA (1 KV head, Dqk 576, V = first 512 channels, 64 / 128
 heads, top-2048), DeepSeek-V4 CSA (K = V of 512, per-head sink, 512 + 128 keys) and QSA (GQA
@@ -181,6 +183,7 @@ def tiling_errors(shape: str, tiling: tuple[int, int]) -> dict[str, float | str]
     `tiling` forced to it (the others at their defaults); "no fit" where it does not fit."""
     from megatron_hyscale.ops.kernels import sparse_attention as kern
 
+    kern.FWD_SM90 = False  # the Triton forward's tilings (a fresh process: nothing to restore)
     q, k, v, idx, sink, dv, scale = inputs(shape, 256, 4096, seed=4)
     width = dv or (v.shape[-1] if v is not None else q.shape[-1])
     g = torch.randn(q.shape[:3] + (width,), device="cuda").to(q.dtype)

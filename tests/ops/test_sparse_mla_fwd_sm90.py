@@ -3,29 +3,67 @@ tests/ops/test_sparse_mla_fwd_sm90_gpu.py; its compiled form in tests/scripts)."
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
+                    reason="Gluon's Hopper API (tested with Triton 3.6)")
+from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90  # noqa: E402
+
+
+def _qk(d=576, q_width=None, k_width=None):
+    q = torch.zeros(1, 4, 64, q_width or d, dtype=torch.bfloat16)[..., :d]
+    k = torch.zeros(1, 8, 1, k_width or d, dtype=torch.bfloat16)[..., :d]
+    return q, k
 
 
 def test_contiguous_absorbed_mla_inputs_have_no_layout_problem():
-    q = torch.zeros(1, 4, 64, 576, dtype=torch.bfloat16)
-    k = torch.zeros(1, 8, 1, 576, dtype=torch.bfloat16)
-    assert sm90.layout_problem(q, k) is None
+    assert sm90.layout_problem(*_qk()) is None
+    assert sm90.layout_problem(*_qk(q_width=640)) is None  # rows of 640: a multiple of 16
 
 
 def test_layout_problems_name_the_tensor_and_the_cause():
-    k = torch.zeros(1, 8, 1, 576, dtype=torch.bfloat16)
-    odd_rows = torch.zeros(1, 4, 64, 579, dtype=torch.bfloat16)[..., :576]
-    assert "q's strides" in sm90.layout_problem(odd_rows, k)
-    channels_strided = torch.zeros(1, 8, 1, 1152, dtype=torch.bfloat16)[..., ::2]
-    q = torch.zeros(1, 4, 64, 576, dtype=torch.bfloat16)
-    assert "k's strides" in sm90.layout_problem(q, channels_strided)
-    shifted = torch.zeros(1 * 4 * 64 * 576 + 1, dtype=torch.bfloat16)[1:].view(1, 4, 64, 576)
-    assert sm90.layout_problem(shifted, k) == "q is not 16-byte aligned"
+    cause, detail = sm90.layout_problem(*_qk(q_width=584))  # 8 x 73: 16-byte rows, still not
+    assert cause.startswith("q's rows") and "584" in detail  # provably aligned to Triton
+    cause, _ = sm90.layout_problem(*_qk(k_width=579))
+    assert cause.startswith("k's rows")
+    q, _ = _qk()
+    strided = torch.zeros(1, 8, 1, 1152, dtype=torch.bfloat16)[..., ::2]
+    assert sm90.layout_problem(q, strided)[0].startswith("k's rows")
+    _, k = _qk()
+    shifted = torch.zeros(4 * 64 * 576 + 1, dtype=torch.bfloat16)[1:].view(1, 4, 64, 576)
+    assert sm90.layout_problem(shifted, k) == ("q is not 16-byte aligned", "")
+
+
+def test_k_head_stride_is_not_checked():
+    """k has one head; its stride is never used, so an odd one is no problem."""
+    q, _ = _qk()
+    k = torch.zeros(1, 8, 1, 576, dtype=torch.bfloat16).as_strided((1, 8, 1, 576),
+                                                                   (8 * 576, 576, 3, 1))
+    assert sm90.layout_problem(q, k) is None
 
 
 def test_cpu_tensors_are_never_its_case():
-    q = torch.zeros(1, 4, 64, 576, dtype=torch.bfloat16)
-    k = torch.zeros(1, 8, 1, 576, dtype=torch.bfloat16)
+    q, k = _qk()
     assert not sm90.applies(q, k, None, 512, None, None)
+
+
+def test_warnings_are_once_per_cause_and_disable_is_per_variant():
+    sm90._warned.clear()
+    with pytest.warns(RuntimeWarning, match="q's rows.*strides \\(1"):
+        sm90.warn_once("q's rows are not aligned", "strides (1, 2)")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sm90.warn_once("q's rows are not aligned", "strides (3, 4)")  # same cause: silent
+    q, _ = _qk()
+    key = sm90.variant(q)
+    try:
+        with pytest.warns(RuntimeWarning, match="CompilationError"):
+            sm90.disable(key, "CompilationError: at 1:2\nlong MLIR dump ...")
+        assert key in sm90._disabled
+        assert sm90.variant(_qk(d=320)[0]) not in sm90._disabled  # other variants unaffected
+    finally:
+        sm90._disabled.discard(key)
+        sm90._warned.clear()

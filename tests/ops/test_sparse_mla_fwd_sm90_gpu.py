@@ -1,7 +1,8 @@
 """The Hopper (Gluon) sparse-MLA forward on the GPU against the fp32 reference and the Triton
-forward: GLM-5.1 and DeepSeek-V3.2 shapes, both launch orders, key counts off the 64-key tile,
-empty and half-empty rows, int64 and per-KV-head index layouts, batch 2, strided queries, fp16,
-and the dispatch of `sparse_attention` (which kernel runs, the warning when it cannot).
+forward: GLM-5.1 and DeepSeek-V3.2 shapes, both launch orders, key counts off the 64-key tile
+and none at all, empty and half-empty rows, int64 and per-KV-head index layouts, batch 2,
+strided queries, fp16, the 128 / 256-channel variants, and the dispatch of `sparse_attention`
+(which kernel runs, the warning when it cannot).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def rel(a, b):
 def reference(q, k, idx, scale):
     from megatron_hyscale.ops.sparse_attention import sparse_attention
 
-    return sparse_attention(q.float(), k.float(), None, idx, scale, dv=512, return_lse=True,
+    dv = 1 << (q.shape[-1].bit_length() - 1)  # V = K's power-of-two main part
+    return sparse_attention(q.float(), k.float(), None, idx, scale, dv=dv, return_lse=True,
                             backend="reference")
 
 
@@ -79,6 +81,21 @@ def test_matches_reference(hq, K, adjacent):
     out, lse = run(q, k, idx, scale, adjacent)
     ref_out, ref_lse = reference(q, k, idx, scale)
     check(out, lse, ref_out, ref_lse)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [192, 320])
+def test_narrower_variants_match_reference(d):
+    q, k, idx, scale = inputs(64, 64, 2048, 700, seed=d, d=d)
+    check(*run(q, k, idx, scale), *reference(q, k, idx, scale))
+
+
+@needs_hopper
+def test_no_slot_at_all_gives_empty_rows():
+    q, k, _, scale = inputs(64, 8, 256, 4, seed=1)
+    idx = torch.empty(1, 8, 0, device="cuda", dtype=torch.int32)
+    out, lse = run(q, k, idx, scale)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
 
 
 @needs_hopper
@@ -132,49 +149,51 @@ def test_sparse_attention_dispatches_to_it_and_differentiates():
     from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90
     from megatron_hyscale.ops.sparse_attention import sparse_attention
 
-    calls = []
+    finished = []
     real = sm90.sparse_mla_fwd_sm90
 
     def counting(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
+        res = real(*a, **kw)
+        finished.append(1)  # only a call that returned counts (a failure falls back)
+        return res
 
     q, k, idx, scale = inputs(64, 32, 1024, 256, seed=11)
     q.requires_grad_(True)
     sm90.sparse_mla_fwd_sm90 = counting
     try:
-        out = sparse_attention(q, k, None, idx, scale, dv=512)
-    finally:
-        sm90.sparse_mla_fwd_sm90 = real
-    assert calls == [1]
-    out.float().square().sum().backward()
-    assert q.grad is not None and torch.isfinite(q.grad).all()
-    # Another shape (a sink: DeepSeek-V4) is not this kernel's: no call, no warning.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        sm90.sparse_mla_fwd_sm90 = counting
-        try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback warning either
+            out = sparse_attention(q, k, None, idx, scale, dv=512)
+        # Another shape (a sink: DeepSeek-V4) is not this kernel's: no call, no warning.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
             sparse_attention(q.detach(), k, None, idx, scale, dv=512,
                              sink=torch.zeros(64, device="cuda"))
-        finally:
-            sm90.sparse_mla_fwd_sm90 = real
-    assert calls == [1]
+    finally:
+        sm90.sparse_mla_fwd_sm90 = real
+    assert finished == [1] and not sm90._disabled
+    ref_out, _ = reference(q.detach(), k, idx, scale)
+    assert rel(out, ref_out) < OUT_TOL
+    out.float().square().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
 @needs_hopper
-def test_misaligned_rows_warn_once_and_use_the_triton_forward():
+@pytest.mark.parametrize("width", [579, 584])  # 579: rows of odd bytes; 584 = 8 x 73
+def test_unaligned_rows_warn_once_and_use_the_triton_forward(width):
     from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90
     from megatron_hyscale.ops.sparse_attention import sparse_attention
 
     q, k, idx, scale = inputs(64, 16, 512, 128, seed=13)
-    wide = torch.zeros(1, 16, 64, 579, device="cuda", dtype=q.dtype)  # odd row stride
+    wide = torch.zeros(1, 16, 64, width, device="cuda", dtype=q.dtype)
     wide[..., :576] = q
     qs = wide[..., :576]
     sm90._warned.clear()
-    with pytest.warns(RuntimeWarning, match="q's strides"):
+    with pytest.warns(RuntimeWarning, match="q's rows"):
         out = sparse_attention(qs, k, None, idx, scale, dv=512)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second call is silent
         sparse_attention(qs, k, None, idx, scale, dv=512)
+    assert not sm90._disabled  # a layout problem is not a failure: nothing disabled
     ref_out, _ = reference(q, k, idx, scale)
     assert rel(out, ref_out) < OUT_TOL

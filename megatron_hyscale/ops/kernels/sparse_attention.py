@@ -626,7 +626,7 @@ def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None,
     listed indices (which must not repeat them)."""
     B, T, Hq, _ = q.shape
     geo = _Geometry(q, k, v, dv)
-    if FWD_SM90 and q.is_cuda:
+    if FWD_SM90 and FWD_SOFTMAX and q.is_cuda:
         done = _sm90_forward(q, k, v, indices, softmax_scale, geo.dv, sink, prefix_lengths)
         if done is not None:
             return done
@@ -655,7 +655,7 @@ def _sm90_forward(q, k, v, indices, softmax_scale, dv, sink, prefix_lengths):
     global FWD_SM90
     try:
         from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90
-    except ImportError as exc:  # a Triton without Gluon's Hopper API (Gluon: Triton >= 3.5)
+    except ImportError as exc:  # a Triton without Gluon's Hopper API (tested: 3.6)
         FWD_SM90 = False
         if torch.cuda.get_device_capability(q.device)[0] == 9:
             warnings.warn(f"HyScale: the Hopper sparse-MLA forward cannot be loaded ({exc}); "
@@ -663,15 +663,17 @@ def _sm90_forward(q, k, v, indices, softmax_scale, dv, sink, prefix_lengths):
         return None
     if not sm90.applies(q, k, v, dv, sink, prefix_lengths):
         return None
-    reason = sm90.layout_problem(q, k)
-    if reason is None:
-        try:
-            return sm90.sparse_mla_fwd_sm90(q, k, indices, softmax_scale)
-        except Exception as exc:  # a compile or launch failure: say so, keep training
-            sm90.disable(f"{type(exc).__name__}: {exc}")
-            return None
-    sm90.warn_once(reason)
-    return None
+    problem = sm90.layout_problem(q, k)
+    if problem is not None:
+        sm90.warn_once(*problem)
+        return None
+    try:
+        return sm90.sparse_mla_fwd_sm90(q, k, indices, softmax_scale)
+    except torch.OutOfMemoryError:
+        raise  # not the kernel's failure: the Triton forward would need the same memory
+    except Exception as exc:  # this variant failed to compile or launch: say so, keep training
+        sm90.disable(sm90.variant(q), f"{type(exc).__name__}: {exc}")
+        return None
 
 
 def _grid(queries: int, kv_heads: int, head_blocks: int) -> tuple[tuple[int, ...], int]:

@@ -3,7 +3,8 @@
 Shapes: q [B, T, Hq, D_MAIN + D_TAIL] bf16 / fp16 (576 = 512 + 64 for DSA), k [B, S, 1, same],
 V = k[..., :D_MAIN]; indices int32 / int64 [B, T, K] or [B, T, 1, K] (-1 = unused slot).
 out [B, T, Hq, D_MAIN] in q's dtype, lse fp32 [B, T, Hq] (natural log; -inf for a row with no
-valid index). The same results as the Triton forward (`sparse_attention._fwd_kernel`).
+valid index). The Triton forward's results (`sparse_attention._fwd_kernel`) up to fp32 rounding
+order.
 
 Algorithm: one program per (query, block of 64 heads), two warpgroups. The selected key rows are
 gathered with cp.async into two shared tiles; tile j + 1's gather is issued before tile j's
@@ -32,13 +33,16 @@ LN2 = 0.6931471805599453
 _LN2 = gl.constexpr(LN2)
 # Query heads a program (the products' M: one wgmma tile height per warpgroup).
 BLOCK_H = 64
-# Keys a step. Two [64 x 576] bf16 tiles and the [64 x 576] query fill 216 of the H200's 227
-# KiB of shared memory; 32 keys would leave room for a third buffer but halve each warpgroup's
-# S product (64 x 16: its shared-memory operand reads then bound the tensor core).
+# Keys a step. The [64 x 576] bf16 query, two [64 x 576] key tiles and P's [64 x 64] take 224.5
+# of the H200's 227 KiB of shared memory; 32 keys would leave room for a third key tile but
+# halve each warpgroup's S product (64 x 16: its shared-memory operand reads then bound the
+# tensor core).
 BLOCK_N = 64
 NUM_WARPS = 8
-# Elements a cp.async moves (16 bytes of bf16 / fp16).
-COPY_VEC = 8
+# The row strides of q and k must be multiples of this many elements: the copies move 16 bytes
+# (8 elements) and Triton proves their alignment only from integer arguments divisible by 16
+# (a stride of 8 x an odd number compiles to 2-byte copies, which cp.async cannot do).
+STRIDE_MULTIPLE = 16
 # The tail channels after the power-of-two main part (576 = 512 + 64): the gathers' layout
 # covers 64 channels a row, so narrower tails are left to the Triton forward.
 TAIL = 64
@@ -77,7 +81,8 @@ def _sparse_mla_fwd_kernel(
 ):
     """out[h] = softmax(q[h] . K_sel * scale) @ K_sel[:, :D_MAIN] for one query's head block.
 
-    Every channel stride is 1 and every row stride a multiple of COPY_VEC (the wrapper checks).
+    Every channel stride is 1 and every row stride a multiple of STRIDE_MULTIPLE; NK >= 1 (the
+    wrapper checks both).
     NG > 0: a 1-D grid with a query's NG head blocks adjacent; NG = 0: a (B x T, blocks) grid
     (decoded as `sparse_attention._coords` does: a Gluon kernel cannot call a Triton one).
     """
@@ -146,7 +151,7 @@ def _sparse_mla_fwd_kernel(
         if j + 1 < n_tiles:
             _gather_rows(k_main_s.index(1 - buf), k_base, rows_next, cols_m, sks)
             _gather_rows(k_tail_s.index(1 - buf), k_base, rows_next, cols_t, sks)
-        cp.commit_group()
+        cp.commit_group()  # empty after the last tile: the next wait counts groups, not copies
         rows_next = _tile_rows(idx_base, sik, (j + 2) * BLOCK_N, NK, row_l, BLOCK_N)
         valid_next = _tile_valid(idx_base, sik, (j + 1) * BLOCK_N, NK,
                                  gl.SliceLayout(0, s_layout), BLOCK_N)
@@ -178,6 +183,9 @@ def _sparse_mla_fwd_kernel(
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         valid = valid_next
 
+    # Every copy landed at the last tile's wait (NK >= 1); the reduction below may reuse
+    # shared memory the key tiles occupied, so no copy may still be in flight.
+    cp.wait_group(0)
     l_i = gl.sum(l_part, axis=1)
     nonempty = l_i > 0.0
     lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
@@ -193,28 +201,38 @@ def _sparse_mla_fwd_kernel(
 # --------------------------------------------------------------------------- launch
 
 
+def variant(q: torch.Tensor) -> tuple:
+    """The compiled variant a call needs (dtype, channels, query heads): what a failure
+    disables."""
+    return q.dtype, q.shape[-1], q.shape[2]
+
+
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
             sink: torch.Tensor | None, prefix_lengths: torch.Tensor | None) -> bool:
-    """Whether these inputs are this kernel's case: absorbed MLA on Hopper, in bf16 / fp16, one
-    KV head, query heads a multiple of BLOCK_H, no sink or dense prefix (and not disabled).
-    Channels: a main part of 128 / 256 / 512 (V) and a tail of TAIL, the gathers' row width."""
-    if _disabled or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+    """Whether these inputs are this kernel's case: absorbed MLA on Hopper, q and k both bf16 or
+    both fp16, one KV head, query heads a multiple of BLOCK_H, no sink or dense prefix, and the
+    variant not disabled by an earlier failure. Channels: a main part of 128 / 256 / 512 (V)
+    and a tail of TAIL, the gathers' row width."""
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     d = q.shape[-1]
     d_main = 1 << (d.bit_length() - 1)
-    return (q.dtype in (torch.bfloat16, torch.float16) and v is None and dv == d_main
-            and d_main in (128, 256, 512) and d - d_main == TAIL and k.shape[2] == 1
-            and q.shape[2] % BLOCK_H == 0 and sink is None and prefix_lengths is None)
+    return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v is None
+            and dv == d_main and d_main in (128, 256, 512) and d - d_main == TAIL
+            and k.shape[2] == 1 and q.shape[2] % BLOCK_H == 0 and sink is None
+            and prefix_lengths is None and variant(q) not in _disabled)
 
 
-def layout_problem(q: torch.Tensor, k: torch.Tensor) -> str | None:
-    """What keeps q / k from the kernel's 16-byte cp.async copies (None if nothing)."""
-    for name, x in (("q", q), ("k", k)):
-        if x.stride(-1) != 1 or any(st % COPY_VEC for st in x.stride()[:-1]):
-            return (f"{name}'s strides {tuple(x.stride())} are not 16-byte rows of unit-stride "
-                    "channels")
+def layout_problem(q: torch.Tensor, k: torch.Tensor) -> tuple[str, str] | None:
+    """(cause, detail) of what keeps q / k from the kernel's 16-byte copies, None if nothing:
+    the strides it uses (q's batch, token and head rows; k's batch and key rows) must be
+    multiples of STRIDE_MULTIPLE, the channels unit-stride, the data 16-byte aligned."""
+    for name, x, rows in (("q", q, q.stride()[:3]), ("k", k, k.stride()[:2])):
+        if x.stride(-1) != 1 or any(st % STRIDE_MULTIPLE for st in rows):
+            return (f"{name}'s rows are not multiples of {STRIDE_MULTIPLE} unit-stride elements",
+                    f"strides {tuple(x.stride())}")
         if x.data_ptr() % 16:
-            return f"{name} is not 16-byte aligned"
+            return f"{name} is not 16-byte aligned", ""
     return None
 
 
@@ -245,6 +263,8 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
     lse = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
     if B * T == 0:
         return out, lse
+    if indices.shape[-1] == 0:  # no slot at all: every row is empty
+        return out.zero_(), lse.fill_(float("-inf"))
     if indices.dim() == 4:
         indices = indices[:, :, 0]
     grid, ng = _grid(B * T, 1, Hq // BLOCK_H)
@@ -264,19 +284,21 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
 
 
 _warned: set[str] = set()
-_disabled = False
+_disabled: set[tuple] = set()
 
 
-def warn_once(reason: str) -> None:
-    """One warning per distinct reason the Hopper forward could not run."""
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"HyScale: the Hopper sparse-MLA forward cannot run ({reason}); using the "
-                      "Triton forward", RuntimeWarning, stacklevel=4)
+def warn_once(cause: str, detail: str = "", stacklevel: int = 4) -> None:
+    """One warning per distinct cause the Hopper forward could not run (the default stacklevel
+    points at the caller of `sparse_attention_fwd`)."""
+    if cause not in _warned:
+        _warned.add(cause)
+        text = f"{cause}: {detail}" if detail else cause
+        warnings.warn(f"HyScale: the Hopper sparse-MLA forward cannot run ({text}); using the "
+                      "Triton forward", RuntimeWarning, stacklevel=stacklevel)
 
 
-def disable(reason: str) -> None:
-    """Stop using the kernel in this process after a failure, with one warning."""
-    global _disabled
-    _disabled = True
-    warn_once(reason)
+def disable(key: tuple, reason: str) -> None:
+    """Stop using one compiled variant (`variant`) in this process after it failed, with one
+    warning (the reason cut to its first line)."""
+    _disabled.add(key)
+    warn_once(f"{key}: {reason.splitlines()[0][:300] if reason else 'failed'}", stacklevel=5)
