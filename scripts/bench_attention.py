@@ -147,15 +147,10 @@ def explicit_indices(inp):
 def forward_kernel(inp):
     """Which forward `sparse_attention` ran on these inputs: "gluon-sm90" (the Hopper
     absorbed-MLA kernel) or "triton" (asked after the run: a variant that failed is disabled)."""
-    from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90
-
     q, k, v = inp["q"], inp["k"], inp["v"]
     dv = kern._Geometry(q, k, v, inp["dv"]).dv
-    if (kern.FWD_SM90 and kern.FWD_SOFTMAX and sm90.applies(q, k, v, dv, inp["sink"],
-                                                           inp["prefix"])
-            and sm90.layout_problem(q, k) is None):
-        return "gluon-sm90"
-    return "triton"
+    hopper = kern.hopper_forward(q, k, v, dv, inp["sink"], inp["prefix"], warn=False)
+    return "triton" if hopper is None else "gluon-sm90"
 
 
 def bench_ours(inp, warmup, reps, deterministic_too, fwd_only=False):

@@ -626,10 +626,9 @@ def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None,
     listed indices (which must not repeat them)."""
     B, T, Hq, _ = q.shape
     geo = _Geometry(q, k, v, dv)
-    if FWD_SM90 and FWD_SOFTMAX and q.is_cuda:
-        done = _sm90_forward(q, k, v, indices, softmax_scale, geo.dv, sink, prefix_lengths)
-        if done is not None:
-            return done
+    done = _sm90_forward(q, k, v, indices, softmax_scale, geo.dv, sink, prefix_lengths)
+    if done is not None:
+        return done
     NK = indices.shape[-1]
     out = torch.empty((B, T, Hq, geo.dv), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
@@ -648,16 +647,19 @@ def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None,
     return out, lse
 
 
-def _sm90_forward(q, k, v, indices, softmax_scale, dv, sink, prefix_lengths):
-    """(out, lse) from the Hopper absorbed-MLA forward, or None where it does not apply (then
-    the Triton forward runs: silently for another shape or device, with one warning naming the
-    reason when the shape is absorbed MLA on Hopper and the kernel still cannot run)."""
+def hopper_forward(q, k, v, dv, sink, prefix_lengths, warn: bool = True):
+    """The `sparse_mla_fwd_sm90` module when `sparse_attention_fwd` runs its Hopper forward on
+    these inputs, else None (then the Triton forward runs: silently for another shape, device
+    or FWD_SM90 = False; with one warning, under `warn`, when the shape is absorbed MLA on
+    Hopper and the kernel still cannot run: no Gluon, or a layout its copies cannot take)."""
     global FWD_SM90
+    if not (FWD_SM90 and FWD_SOFTMAX and q.is_cuda):
+        return None
     try:
         from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90
     except ImportError as exc:  # a Triton without Gluon's Hopper API (tested: 3.6)
         FWD_SM90 = False
-        if torch.cuda.get_device_capability(q.device)[0] == 9:
+        if warn and torch.cuda.get_device_capability(q.device)[0] == 9:
             warnings.warn(f"HyScale: the Hopper sparse-MLA forward cannot be loaded ({exc}); "
                           "using the Triton forward", RuntimeWarning, stacklevel=3)
         return None
@@ -665,7 +667,17 @@ def _sm90_forward(q, k, v, indices, softmax_scale, dv, sink, prefix_lengths):
         return None
     problem = sm90.layout_problem(q, k)
     if problem is not None:
-        sm90.warn_once(*problem)
+        if warn:
+            sm90.warn_once(*problem)
+        return None
+    return sm90
+
+
+def _sm90_forward(q, k, v, indices, softmax_scale, dv, sink, prefix_lengths):
+    """(out, lse) from the Hopper absorbed-MLA forward, or None where it does not run
+    (`hopper_forward`) or this variant fails (one warning; the variant is not tried again)."""
+    sm90 = hopper_forward(q, k, v, dv, sink, prefix_lengths)
+    if sm90 is None:
         return None
     try:
         return sm90.sparse_mla_fwd_sm90(q, k, indices, softmax_scale)

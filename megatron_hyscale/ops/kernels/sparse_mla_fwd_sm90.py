@@ -28,9 +28,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-_LN2 = gl.constexpr(LN2)
+# The Triton kernels' constants and launch grid (a query's head blocks as HEAD_BLOCKS_ADJACENT).
+from megatron_hyscale.ops.kernels.sparse_attention import _LN2, LOG2E, _grid
+
 # Query heads a program (the products' M: one wgmma tile height per warpgroup).
 BLOCK_H = 64
 # Keys a step. The [64 x 576] bf16 query, two [64 x 576] key tiles and P's [64 x 64] take 224.5
@@ -65,7 +65,10 @@ def _tile_rows(idx_base, sik, n0, NK, layout: gl.constexpr, BLOCK_N: gl.constexp
 
 @gluon.jit
 def _tile_valid(idx_base, sik, n0, NK, layout: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Which slots n0 .. n0 + BLOCK_N hold a key, in `layout`."""
+    """Which slots n0 .. n0 + BLOCK_N hold a key, in `layout`. The loop reads a tile's indices
+    twice, here in the scores' layout and in `_tile_rows` in the gathers': the second read hits
+    L1, where converting one layout to the other costs a shared-memory round trip and a
+    barrier."""
     offs = n0 + gl.arange(0, BLOCK_N, layout=layout)
     return gl.load(idx_base + offs * sik, mask=offs < NK, other=-1) >= 0
 
@@ -255,8 +258,6 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
     """(out [B, T, Hq, D_MAIN], lse fp32 [B, T, Hq]) on inputs that `applies` and
     `layout_problem` accept. A query's head blocks (V3.2: two) launch as the Triton kernels'
     do (`sparse_attention._grid`, HEAD_BLOCKS_ADJACENT)."""
-    from megatron_hyscale.ops.kernels.sparse_attention import _grid
-
     B, T, Hq, d = q.shape
     d_main = 1 << (d.bit_length() - 1)
     out = torch.empty((B, T, Hq, d_main), device=q.device, dtype=q.dtype)
