@@ -333,7 +333,7 @@ FUSED_DSA_HOOKS = ("run_fused_qk_topk", "run_fused_qk_topk_with_loss",
 def build_v4(args: argparse.Namespace, baseline: bool) -> Layer:
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_hyscale.layers.csa import DeepseekV4TransformerConfig
+    from megatron_hyscale.layers.deepseek_v4 import DeepseekV4TransformerConfig
     from megatron_hyscale.specs.deepseek_v4 import get_v4_layer_specs
     from megatron_hyscale.testing.models import LOCAL_UNFUSED_FIELDS
 

@@ -136,7 +136,7 @@ def compare_layer(csa: types.ModuleType, ratio: int, T: int, seed: int = 0) -> f
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from megatron_hyscale.layers.csa import HyScaleV4Attention
+    from megatron_hyscale.layers.deepseek_v4 import HyScaleV4Attention
     from megatron_hyscale.layers.linear import LocalLinear
     from megatron_hyscale.testing import deepseek_v4 as v4
 

@@ -30,7 +30,7 @@ Modules and parameter names (under a TransformerLayer: `self_attention.` + these
 - `QSAIndexer`: `core_attention.indexer.linear_qk.weight` [(H_I + 1) * D_I, h] (rows: H_I query
   heads, then the key head), `core_attention.indexer.q_layernorm.weight` [D_I],
   `core_attention.indexer.k_layernorm.weight` [D_I].
-`megatron_hyscale.testing.qwen_qsa.hf_to_megatron_qsa_state_dict` maps transformers' weights.
+`megatron_hyscale.testing.qsa.hf_to_megatron_qsa_state_dict` maps transformers' weights.
 
 Selection: HyTopK over the pooled blocks with block positions b * 4 + 3 (see
 `ops.block_pool`), expanded to token ids + tail. Under megatron recompute (full, or selective

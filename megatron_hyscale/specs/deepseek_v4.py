@@ -1,7 +1,7 @@
 """Layer specs for DeepSeek-V4's attention pattern with HyScale's modules.
 
 `get_v4_layer_specs(config)` returns one megatron `TransformerLayer` spec per layer whose
-self-attention is `layers.csa.HyScaleV4Attention` with that layer's compress ratio from
+self-attention is `layers.deepseek_v4.HyScaleV4Attention` with that layer's compress ratio from
 `config.v4_compress_ratios` (0 window only, 4 CSA, 128 HCA; V4-Flash lists 43 of them);
 `baseline=True` gives the side-by-side baseline mode (materialized indexer scores per row
 block + torch.topk, recompute selects again). `get_v4_block_spec` wraps this pipeline stage's
@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megatron_hyscale.layers.csa import (
+from megatron_hyscale.layers.deepseek_v4 import (
     DeepseekV4TransformerConfig,
     HyScaleV4Attention,
     V4AttentionSubmodules,

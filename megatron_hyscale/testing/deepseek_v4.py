@@ -1,4 +1,4 @@
-"""transformers' DeepseekV4 attention as an oracle for `layers.csa.HyScaleV4Attention`.
+"""transformers' DeepseekV4 attention as an oracle for `layers.deepseek_v4.HyScaleV4Attention`.
 
 - `tiny_v4_configs(...)`: a matching pair (HyScale's `DeepseekV4TransformerConfig`,
   transformers' `DeepseekV4Config`) at tiny sizes, fp32, local linears, default RoPE.
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from megatron_hyscale.layers.csa import DeepseekV4TransformerConfig, HyScaleV4Attention
+from megatron_hyscale.layers.deepseek_v4 import DeepseekV4TransformerConfig, HyScaleV4Attention
 from megatron_hyscale.testing.models import LOCAL_UNFUSED_FIELDS
 
 _PREFIXES = (  # longest first: the indexer lives inside transformers' compressor

@@ -13,9 +13,9 @@ import pytest
 import torch
 from megatron.core import tensor_parallel
 
-import megatron_hyscale.layers.csa as csa_module
+import megatron_hyscale.layers.deepseek_v4 as csa_module
 from megatron_hyscale import replay
-from megatron_hyscale.layers.csa import HyScaleV4Attention, window_indices
+from megatron_hyscale.layers.deepseek_v4 import HyScaleV4Attention, window_indices
 from megatron_hyscale.ops.compress import default_inv_freq
 
 dsv4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from megatron.core.models.gpt import GPTModel
 
-import megatron_hyscale.layers.csa as csa_layers
+import megatron_hyscale.layers.deepseek_v4 as csa_layers
 import megatron_hyscale.layers.dsa as dsa_layers
 import megatron_hyscale.layers.qsa as qsa_layers
 from megatron_hyscale.testing.models import build_gpt, default_device, tiny_dsa_config
@@ -38,7 +38,7 @@ def v4_model(deterministic: bool) -> tuple[GPTModel, int]:
 def qsa_model(deterministic: bool) -> tuple[GPTModel, int]:
     pytest.importorskip("transformers.models.qwen4_exp")
     from megatron_hyscale.specs.qsa import get_qsa_block_spec
-    from megatron_hyscale.testing.qwen_qsa import tiny_qsa_configs
+    from megatron_hyscale.testing.qsa import tiny_qsa_configs
 
     cfg, _ = tiny_qsa_configs(qsa_indexer_loss_coeff=0.1, deterministic_mode=deterministic)
     model = GPTModel(config=cfg, transformer_layer_spec=get_qsa_block_spec(cfg),

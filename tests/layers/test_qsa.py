@@ -1,7 +1,7 @@
 """HyScale's QSA attention against transformers' Qwen4ExpTextAttention on the same weights.
 
 transformers (`qwen4_exp`, the independent oracle) and HyScaleQSASelfAttention get identical
-weights through `testing.qwen_qsa.hf_to_megatron_qsa_state_dict`; outputs, the input gradient
+weights through `testing.qsa.hf_to_megatron_qsa_state_dict`; outputs, the input gradient
 and every parameter gradient must match in fp32 (on the GPU where there is one, with HyScale's
 kernels; else on CPU with the references), for sequences that are not a multiple of
 the block size and for queries that see fewer complete blocks than the budget (T = 70, budget 8
@@ -36,7 +36,7 @@ from megatron_hyscale.layers.qsa import HyScaleQSAttention
 from megatron_hyscale.ops.block_pool import block_scores
 from megatron_hyscale.specs.qsa import get_qsa_attention_spec
 from megatron_hyscale.testing.models import default_device
-from megatron_hyscale.testing.qwen_qsa import (
+from megatron_hyscale.testing.qsa import (
     hf_causal_mask,
     hf_position_embeddings,
     hf_to_megatron_qsa_state_dict,

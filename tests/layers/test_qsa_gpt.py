@@ -18,7 +18,7 @@ from megatron_hyscale import replay
 from megatron_hyscale.layers.qsa import HyScaleQSASelfAttention, HyScaleQSAttention
 from megatron_hyscale.specs.qsa import get_qsa_block_spec, get_qsa_layer_specs
 from megatron_hyscale.testing.models import default_device
-from megatron_hyscale.testing.qwen_qsa import tiny_qsa_configs
+from megatron_hyscale.testing.qsa import tiny_qsa_configs
 
 DEVICE = default_device()
 VOCAB, T, B = 97, 70, 2

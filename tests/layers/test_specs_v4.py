@@ -7,7 +7,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from megatron_hyscale import replay
-from megatron_hyscale.layers.csa import HyScaleV4Attention
+from megatron_hyscale.layers.deepseek_v4 import HyScaleV4Attention
 from megatron_hyscale.specs.deepseek_v4 import get_v4_block_spec
 from megatron_hyscale.testing.compare import assert_grads_close
 from megatron_hyscale.testing.models import default_device

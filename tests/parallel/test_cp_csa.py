@@ -71,7 +71,7 @@ SEQ = {"csa-chunks": 48, "csa-ratio4-chunks-indexer-loss-full-recompute": 48,
 
 
 def _config(cp: int, ratio: int, csa_ratio: int, overrides: dict):
-    from megatron_hyscale.layers.csa import DeepseekV4TransformerConfig
+    from megatron_hyscale.layers.deepseek_v4 import DeepseekV4TransformerConfig
 
     fields = dict(
         num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
@@ -147,7 +147,7 @@ def _run(name: str, cp_group) -> dict:
     )
 
     from megatron_hyscale import replay
-    from megatron_hyscale.layers.csa import HyScaleV4Attention, V4Compressor
+    from megatron_hyscale.layers.deepseek_v4 import HyScaleV4Attention, V4Compressor
 
     ratio, csa_ratio, overrides, recompute, pass_pg = SCENARIOS[name]
     seq = SEQ.get(name, T)

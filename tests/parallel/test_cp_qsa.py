@@ -39,7 +39,7 @@ def _build(cp: int, overrides: dict):
     from megatron.core.models.gpt import GPTModel
 
     from megatron_hyscale.specs.qsa import get_qsa_block_spec
-    from megatron_hyscale.testing.qwen_qsa import tiny_qsa_configs
+    from megatron_hyscale.testing.qsa import tiny_qsa_configs
 
     overrides = dict(overrides)
     baseline = overrides.pop("baseline", False)
