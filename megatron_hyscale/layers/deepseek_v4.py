@@ -75,7 +75,6 @@ from functools import partial
 from typing import Any
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexerLossAutoScaler,
 )
@@ -83,7 +82,6 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import get_pg_size
 
 from megatron_hyscale import replay
 from megatron_hyscale.layers.linear import LocalLinear
@@ -105,7 +103,7 @@ from megatron_hyscale.ops.compress import (
     yarn_inv_freq,
 )
 from megatron_hyscale.ops.rms_norm import rms_norm
-from megatron_hyscale.parallel import all_gather_to_global, zigzag_positions
+from megatron_hyscale.parallel import all_gather_to_global, cp_row_layout
 
 CSA_RATIO = 4
 HCA_RATIO = 128
@@ -505,27 +503,6 @@ class HyScaleV4Attention(MegatronModule):
             self.indexer = V4Indexer(config, submodules.indexer, ratio=compress_ratio)
             self.selection_replay = replay.SelectionReplay(f"V4 CSA layer {layer_number}")
 
-    def _cp_layout(self, T: int, device: torch.device) -> tuple[Any, torch.Tensor]:
-        """(CP group or None, int64 [T] global positions of the local rows).
-
-        Megatron's loader gave rank r the zigzag chunks r and 2cp-1-r
-        (`get_batch_on_this_cp_rank`); the positions come from that layout, not from position
-        ids, as in `HyScaleDSAttention._cp_layout`.
-        """
-        if self.pg_collection is not None:
-            cp_group = getattr(self.pg_collection, "cp", None)
-        elif self.config.context_parallel_size > 1:
-            cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
-        else:
-            cp_group = None
-        cp_size = get_pg_size(cp_group)
-        if cp_size <= 1:
-            return None, torch.arange(T, device=device)
-        if T % 2:
-            raise ValueError(f"HyScaleV4Attention under context parallelism expects an even "
-                             f"local length (two zigzag chunks), got {T}")
-        return cp_group, zigzag_positions(T, cp_size, cp_group.rank(), device)
-
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 key_value_states: torch.Tensor | None = None, inference_context: Any = None,
                 packed_seq_params: Any = None, **unused: Any) -> tuple[torch.Tensor, None]:
@@ -561,7 +538,9 @@ class HyScaleV4Attention(MegatronModule):
         x = hidden_states.transpose(0, 1)  # [B, T, hidden]
         # positions: the local rows' global positions (0..T-1 without CP): RoPE, the window
         # and the compressed entries' visibility all use them.
-        cp_group, positions = self._cp_layout(T, device)
+        layout = cp_row_layout(self.pg_collection, T, device, layer="HyScaleV4Attention",
+                               config=cfg)
+        cp_group, positions = layout.group, layout.positions
         if self.inv_freq.device != device:
             self.inv_freq = self.inv_freq.to(device)
         inv_freq = self.inv_freq

@@ -42,7 +42,7 @@ from megatron_hyscale import replay
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
 from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
 from megatron_hyscale.ops.hytopk import warn_once
-from megatron_hyscale.parallel import start_all_gather_to_global, zigzag_positions
+from megatron_hyscale.parallel import CPRowLayout, cp_row_layout, start_all_gather_to_global
 
 
 @dataclasses.dataclass
@@ -54,7 +54,7 @@ class DSARowState:
     q_idx: torch.Tensor | None  # indexer queries [b, rows, H_I, D_I] (None when replayed)
     k_idx: torch.Tensor | None  # indexer keys [b, S, D_I]
     weights: torch.Tensor | None  # indexer head weights [b, rows, H_I]
-    q_positions: torch.Tensor | None  # int64 [rows] global positions (CP only)
+    q_positions: torch.Tensor  # int64 [rows] global positions (0 .. rows - 1 without CP)
     cp_group: Any
     rows: int
     loss_coeff: float  # 0: no indexer loss this forward
@@ -85,32 +85,18 @@ class HyScaleDSAttention(DSAttention):
             return f"attn_mask_type={attn_mask_type} (only causal masks are supported)"
         return None
 
-    def _cp_layout(
-        self, sq: int, skv: int, device: torch.device
-    ) -> tuple[torch.distributed.ProcessGroup | None, torch.Tensor | None]:
-        """(CP group, int64 [sq] global positions of the local query rows); (None, None) at CP 1.
-
-        Non-packed allgather CP: megatron's data loader gave this rank zigzag chunks r and
-        2cp-1-r of the sequence (`get_batch_on_this_cp_rank`), and RoPE was applied with those
-        positions. The positions come from that layout, not from `position_ids`, so that a
-        data set with reset position ids masks exactly as at CP = 1 (which ignores them).
-        """
-        cp_group = getattr(self.pg_collection, "cp", None)
-        cp_size = get_pg_size(cp_group)
-        if cp_size <= 1:
-            return None, None
-        if self.cp_comm_type != "allgather":
+    def _cp_layout(self, sq: int, skv: int, device: torch.device) -> CPRowLayout:
+        """The CP group and the local query rows' global positions (`parallel.cp_row_layout`);
+        under CP only cp_comm_type='allgather' runs, as in megatron-core's DSAttention."""
+        rows = cp_row_layout(self.pg_collection, sq, device, layer="HyScaleDSAttention",
+                             key_rows=skv, config=self.config)
+        if rows.group is not None and self.cp_comm_type != "allgather":
             raise NotImplementedError(
                 f"HyScaleDSAttention supports context parallelism with cp_comm_type='allgather' "
                 f"only (got {self.cp_comm_type!r}); megatron-core's DSAttention has the same "
                 "restriction"
             )
-        if skv != sq or sq % 2 != 0:
-            raise ValueError(
-                f"HyScaleDSAttention under context parallelism expects local key rows == local "
-                f"query rows (got {skv} and {sq}), an even count (two zigzag chunks)"
-            )
-        return cp_group, zigzag_positions(sq, cp_size, cp_group.rank(), device)
+        return rows
 
     def forward(
         self,
@@ -163,7 +149,8 @@ class HyScaleDSAttention(DSAttention):
         rows' positions. key [sq, b, 1, d], x [sq, b, h], qr [sq, b, q_lora]: all local rows.
         """
         cfg = self.config
-        cp_group, q_positions = self._cp_layout(sq, key.size(0), key.device)
+        layout = self._cp_layout(sq, key.size(0), key.device)
+        cp_group, q_positions = layout.group, layout.positions
         # The indexer learns only from its KL loss: no gradient into the main model.
         x, qr = x.detach(), qr.detach()
         loss_coeff = cfg.dsa_indexer_loss_coeff or 0.0
@@ -224,12 +211,7 @@ class HyScaleDSAttention(DSAttention):
             per_token = bool(cfg.calculate_per_token_loss)
             share = 1.0 if whole or per_token else rows / state.rows
             part = (lambda t: t) if whole else (lambda t: t[:, r0:r1])
-            if whole:
-                q_positions = state.q_positions
-            elif state.q_positions is not None:
-                q_positions = state.q_positions[r0:r1]
-            else:  # a part of the rows of a CP = 1 sequence: their own positions
-                q_positions = torch.arange(r0, r1, device=query.device)
+            q_positions = state.q_positions if whole else state.q_positions[r0:r1]
             sparse_loss = bool(cfg.dsa_indexer_use_sparse_loss)
             indexer_loss = indexer_kl_loss(
                 part(state.q_idx), part(state.weights), state.k_idx, query_b.detach(),
@@ -258,12 +240,12 @@ class HyScaleDSAttention(DSAttention):
     def _selection(
         self, q_idx: torch.Tensor | None, k_idx: torch.Tensor | None,
         weights: torch.Tensor | None, b: int, sq: int, packed_seq_params: Any,
-        attention_mask: torch.Tensor | None, q_positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None, q_positions: torch.Tensor,
     ) -> torch.Tensor:
         """int32 [b, sq, topk] indices into the (gathered) keys: replayed, shared or computed.
 
-        `q_positions` ([sq] int64, CP only) are the local rows' global positions; the keys are
-        the whole sequence in global order, so their positions are arange (HyTopK's default).
+        `q_positions` ([sq] int64) are the local rows' global positions; the keys are the
+        whole sequence in global order, so their positions are arange (HyTopK's default).
         """
         phase = replay.current_phase()
         shape = (b, sq, self.index_topk)

@@ -89,8 +89,8 @@ from megatron_hyscale.ops.block_pool import (
 )
 from megatron_hyscale.parallel import (
     all_gather_to_global,
+    cp_row_layout,
     start_all_gather_to_global,
-    zigzag_positions,
 )
 
 # Baseline selection: fp32 per-head logits materialized per chunk of query rows (1 GiB).
@@ -325,24 +325,6 @@ class HyScaleQSAttention(MegatronModule):
                     "HyScaleQSAttention supports the plain causal mask only (got a padding or "
                     "document mask; --reset-attention-mask is not supported)")
 
-    def _cp_layout(
-        self, sq: int, skv: int, device: torch.device
-    ) -> tuple[torch.distributed.ProcessGroup | None, torch.Tensor]:
-        """(CP group or None, int64 [sq] global positions of the local query rows).
-
-        Under CP megatron's loader gives rank r the zigzag chunks r and 2cp-1-r (RoPE was
-        applied at those positions). Whatever `cp_comm_type` says, QSA gathers K, V and the
-        indexer keys (allgather CP): every query's selection reaches anywhere before it.
-        """
-        cp_group = getattr(self.pg_collection, "cp", None)
-        cp_size = get_pg_size(cp_group)
-        if cp_size <= 1:
-            return None, torch.arange(sq, device=device)
-        if skv != sq or sq % 2:
-            raise ValueError(f"HyScaleQSAttention under context parallelism expects as many "
-                             f"local key rows as query rows, an even count (got {sq}, {skv})")
-        return cp_group, zigzag_positions(sq, cp_size, cp_group.rank(), device)
-
     def forward(
         self,
         query: torch.Tensor,
@@ -371,8 +353,12 @@ class HyScaleQSAttention(MegatronModule):
         use_loss = self.training and torch.is_grad_enabled() and loss_coeff > 0
         phase = replay.current_phase()
 
-        cp_group, q_positions = self._cp_layout(sq, key.size(0), query.device)
-        seq_len = key.size(0) * (get_pg_size(cp_group) if cp_group is not None else 1)
+        # Whatever cp_comm_type says, QSA gathers K, V and the indexer keys (allgather CP):
+        # every query's selection reaches anywhere before it.
+        layout = cp_row_layout(self.pg_collection, sq, query.device, layer="HyScaleQSAttention",
+                               key_rows=key.size(0), config=cfg)
+        cp_group, q_positions = layout.group, layout.positions
+        seq_len = key.size(0) * layout.size
 
         q_idx = block_keys = None
         if use_loss or self.baseline or phase != "replay":

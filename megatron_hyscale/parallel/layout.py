@@ -10,11 +10,18 @@ An all-gather over the CP group concatenates the ranks' local sequences in rank 
 ("rank-major": r0 front, r0 back, r1 front, r1 back, ...); `rank_major_to_global` restores the
 global order and `global_to_rank_major` is its inverse. Both move whole chunks (one copy, no
 index tensor) along dimension `dim`.
+
+`cp_row_layout` is what a HyScale attention layer reads at the top of its forward: its CP group
+and the global positions of its local query rows.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+import torch.distributed as dist
 
 
 def _check(length: int, parts: int, what: str) -> int:
@@ -76,3 +83,49 @@ def global_to_rank_major(x: torch.Tensor, cp_size: int, dim: int = 0) -> torch.T
 def zigzag_merge(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     """Reassemble the full sequence from every rank's `zigzag_split` part (rank order)."""
     return rank_major_to_global(torch.cat(parts, dim=dim), len(parts), dim=dim)
+
+
+@dataclass(frozen=True)
+class CPRowLayout:
+    """Where an attention layer's local query rows sit in the global sequence."""
+
+    group: dist.ProcessGroup | None  # the context-parallel group; None without CP
+    positions: torch.Tensor  # int64 [rows] global positions (0 .. rows - 1 without CP)
+
+    @property
+    def size(self) -> int:
+        """CP size: 1 without a group."""
+        return 1 if self.group is None else self.group.size()
+
+
+def cp_row_layout(
+    pg_collection: Any, rows: int, device: torch.device | str, *, layer: str,
+    key_rows: int | None = None, config: Any = None,
+) -> CPRowLayout:
+    """The CP group and the global positions of `rows` local query rows.
+
+    The group is `pg_collection.cp`; a layer built without a pg_collection (on its own, as in
+    the benchmarks) takes megatron's global CP group when `config.context_parallel_size` > 1,
+    as megatron's Attention does when it makes its own collection. Under CP megatron's data
+    loader gave this rank zigzag chunks r and 2cp-1-r (`get_batch_on_this_cp_rank`) and RoPE
+    was applied at those positions; they come from that layout, not from `position_ids`, so a
+    data set with reset position ids masks exactly as at CP 1 (which ignores them too).
+
+    Raises ValueError (naming `layer`) under CP when `rows` is odd (two zigzag chunks) or
+    `key_rows`, the layer's local key rows where it has its own key input, differs from it.
+    """
+    if pg_collection is not None:
+        group = getattr(pg_collection, "cp", None)
+    elif config is not None and getattr(config, "context_parallel_size", 1) > 1:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group(check_initialized=False)
+    else:
+        group = None
+    if group is None or not dist.is_initialized() or group.size() == 1:
+        return CPRowLayout(None, torch.arange(rows, device=device))
+    if rows % 2 or (key_rows is not None and key_rows != rows):
+        keys = "" if key_rows is None else f" and as many local key rows ({key_rows})"
+        raise ValueError(f"{layer} under context parallelism expects an even number of local "
+                         f"query rows (two zigzag chunks){keys}, got {rows}")
+    return CPRowLayout(group, zigzag_positions(rows, group.size(), group.rank(), device))
