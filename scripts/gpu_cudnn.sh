@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# On the lent GPU machine (no network), from the repository root there, two calls in a row
+# while the machine stays warm (scripts/cudnn_carry.sh prepared the folders here):
+#   bash scripts/gpu_cudnn.sh 1   # carry [".carry/cudnn1", ".whl"]: keeps part 1 on the machine
+#   bash scripts/gpu_cudnn.sh 2   # carry [".carry/cudnn2", ".whl"] (+ ".carry/flashmla_so" if a
+#                                 # build came back earlier): installs, builds FlashMLA, checks
+# Afterwards `export PYTHONPATH=$PWD/.carry/site:$PYTHONPATH` gives every later command on that
+# machine cuDNN-frontend's DSA kernels (`from cudnn import DSA`), FlashMLA's sparse forward
+# (`from flash_mla import flash_mla_sparse_fwd`) and megatron-core's cudnn backend.
+# Part 1's files wait in .carry/stash (ignored, never carried), which lasts only while the
+# machine is warm: a part 2 that finds it empty says so. Part 2 copies the FlashMLA build to
+# $OUT/flashmla_so when $OUT is set; put that file under .carry/flashmla_so here and carry it
+# next time to skip the build (~4 min).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+part=${1:-}
+stash=.carry/stash
+site=.carry/site
+py=${PYTHON:-python3}
+pip_install=("$py" -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --upgrade
+             --target "$site")
+shopt -s nullglob
+
+case "$part" in
+  1)
+    files=(.carry/cudnn1/*)
+    [ ${#files[@]} -gt 0 ] || { echo "gpu_cudnn.sh: .carry/cudnn1 is empty (carry it)" >&2; exit 1; }
+    rm -rf "$stash"; mkdir -p "$stash"
+    cp "${files[@]}" "$stash/"
+    echo "[cudnn 1] kept ${#files[@]} files in $stash; run part 2 now (the machine stays warm 30 s)"
+    exit 0 ;;
+  2) ;;
+  *) echo "usage: bash scripts/gpu_cudnn.sh {1|2}" >&2; exit 2 ;;
+esac
+
+[ -f "$stash/SOURCE" ] || {
+  echo "gpu_cudnn.sh: $stash has no part 1 (the machine was handed back): run part 1 again" >&2
+  exit 1; }
+cp .carry/cudnn2/* "$stash/"
+big=("$stash"/*.whl.part1)
+whl=${big[0]%.part1}
+[ -f "$whl.part0" ] && cat "$whl.part0" "$whl.part1" > "$whl"
+echo "$(cat "$stash/libs-cu13.sha256")  $whl" | sha256sum -c --quiet - || {
+  echo "gpu_cudnn.sh: the reassembled $(basename "$whl") does not match its checksum" >&2; exit 1; }
+rm -f "$whl.part0" "$whl.part1"
+mkdir -p "$site"
+"${pip_install[@]}" "$stash"/*.whl
+if ! "$py" -c "import megatron.core" 2>/dev/null; then
+  "${pip_install[@]}" .whl/megatron_core-*.whl
+fi
+# nvidia-cutlass-dsl's .pth is not processed under --target: its packages go on the path here.
+export PYTHONPATH=$(pwd)/$site:$(pwd)/$site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
+
+# FlashMLA: its sources (part 1) + HyScale's SM90-only binding, built here unless carried.
+rm -rf .carry/flashmla && mkdir -p .carry/flashmla
+tar -xzf "$stash/flashmla-src.tar.gz" -C .carry
+tar -xzf "$stash/cutlass-headers.tar.gz" -C .carry
+prebuilt=(.carry/flashmla_so/cuda*.so)
+if [ ${#prebuilt[@]} -gt 0 ]; then
+  mkdir -p "$site/flash_mla"
+  cp .carry/flashmla/flash_mla/*.py "$site/flash_mla/"
+  cp "${prebuilt[0]}" "$site/flash_mla/"
+  echo "[cudnn 2] FlashMLA: the carried build ${prebuilt[0]}"
+else
+  "$py" scripts/build_flashmla.py --src .carry/flashmla --out "$site"
+  if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT/flashmla_so" && cp "$site"/flash_mla/cuda*.so "$OUT/flashmla_so/"
+  fi
+fi
+cat "$stash/SOURCE"
+"$py" scripts/check_cudnn_backend.py
+echo "[cudnn 2] ready: export PYTHONPATH=$PYTHONPATH"
