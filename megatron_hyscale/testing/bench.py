@@ -7,7 +7,14 @@ large bf16 matmul) and `copy_tbps()` (a device-to-device copy, bytes read plus w
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import shlex
 import statistics
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -59,3 +66,52 @@ def parse_tiling(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not keys x stages, e.g. 16x2") from None
     return block_n, stages
+
+
+# Where benchmark records go: the repository's performance history (tracked, small JSON).
+RESULTS_DIR_ENV = "HYSCALE_RESULTS"
+DEFAULT_RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "benchmarks", "results")
+
+
+def commit() -> str:
+    """The commit measured: $HYSCALE_COMMIT (set by the GPU session, whose copy of the tree
+    has no .git), else `git rev-parse`, with '+dirty' for uncommitted changes."""
+    if os.environ.get("HYSCALE_COMMIT"):
+        return os.environ["HYSCALE_COMMIT"]
+    run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
+    head = run("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def _same_command(path: str, command: str) -> bool:
+    """A record of the same command is updated in place (scripts save after every length)."""
+    try:
+        with open(path) as f:
+            return json.load(f)["meta"]["command"] == command
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def save_record(script: str, config: str, records: list[dict], *, matmul: float, copy: float,
+                extra: dict | None = None) -> str:
+    """Write `records` (one entry per method and length) with the run's meta to
+    $HYSCALE_RESULTS (default benchmarks/results/) as <date>-<device>-<script>-<config>.json
+    (another command's record of the same day gets a -2, -3 ... suffix); returns the path.
+    matmul / copy: the TFLOP/s and TB/s measured in the same run."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    date = time.strftime("%Y-%m-%d")
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": device, "commit": commit(),
+            "command": " ".join(shlex.quote(a) for a in sys.argv), "matmul_tflops": matmul,
+            "copy_tbps": copy, "torch": torch.__version__, **(extra or {})}
+    folder = os.environ.get(RESULTS_DIR_ENV) or DEFAULT_RESULTS_DIR
+    os.makedirs(folder, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", device.lower()).strip("-")
+    path = os.path.join(folder, f"{date}-{slug}-{script}-{config}.json")
+    run = 2
+    while os.path.exists(path) and not _same_command(path, meta["command"]):
+        path = os.path.join(folder, f"{date}-{slug}-{script}-{config}-{run}.json")
+        run += 1
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "records": records}, f, indent=1, default=str)
+    return path
