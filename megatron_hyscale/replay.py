@@ -12,6 +12,13 @@ Phases, read from megatron's own state:
 - "replay": inside backward (`torch._C._current_graph_task_id() != -1`) while checkpointing;
 - "off": anything else (no recompute: nothing is stored).
 
+The protocol every HyScale layer follows is `SelectionReplay.select(shape, compute)`: in the
+replay phase it pops the layer's oldest recorded selection (which must have `shape`); otherwise
+it calls `compute()`, counts the selection as computed and, in the record phase, records it.
+`replaying()` tells a layer beforehand whether it may skip the indexer's forward. A store made
+with `replays=False` belongs to a baseline selection that, like the stock layers, selects again
+in the recompute: its phase is always "off".
+
 `configure(offload=True)` keeps the recorded indices in pinned host memory between a forward
 and its recompute (int32 T x k per layer: 8 GiB at 1M tokens and k = 2048): the device-to-host
 copy runs on a side stream, and each replay starts the host-to-device copy of the entry most
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -64,10 +72,6 @@ def configure(*, offload: bool | None = None) -> None:
         if not isinstance(offload, bool):
             raise ValueError(f"offload must be a bool, got {offload!r}")
         _config["offload"] = offload
-
-
-def count_computed() -> None:
-    _stats["selections_computed"] += 1
 
 
 def pending_entries() -> int:
@@ -176,9 +180,14 @@ class _Entry:
 
 @dataclass(eq=False)
 class SelectionReplay:
-    """FIFO of one layer's recorded selections (int32 top-k indices)."""
+    """One layer's selection protocol and the FIFO of its recorded selections (int32 indices).
+
+    `replays=False`: the layer's selection is a baseline that selects again in the recompute
+    (nothing is recorded; every selection counts as computed).
+    """
 
     name: str
+    replays: bool = True
     queue: deque = field(default_factory=deque)
 
     def __post_init__(self) -> None:
@@ -186,6 +195,35 @@ class SelectionReplay:
 
     def __len__(self) -> int:
         return len(self.queue)
+
+    def phase(self) -> str:
+        """'record', 'replay' or 'off' for this layer now ('off' when it does not replay)."""
+        return current_phase() if self.replays else "off"
+
+    def replaying(self) -> bool:
+        """True when `select` will replay: the layer needs no indexer output for it."""
+        return self.phase() == "replay"
+
+    def select(self, shape: tuple[int, ...], compute: Callable[[], torch.Tensor], *,
+               shared: bool = False) -> torch.Tensor:
+        """The layer's selection of this forward, of `shape`: replayed, or computed (counted,
+        and recorded when a recompute will follow).
+
+        `shared=True`: `compute` returns a selection another layer made (DSA index sharing);
+        it is recorded and replayed like any, but not counted as computed.
+        """
+        phase = self.phase()
+        if phase == "replay":
+            return self.replay(shape)
+        indices = compute()
+        if tuple(indices.shape) != tuple(shape):
+            raise ReplayError(f"{self.name}: the selection has shape {tuple(indices.shape)}, "
+                              f"expected {tuple(shape)}")
+        if not shared:
+            _stats["selections_computed"] += 1
+        if phase == "record":
+            self.record(indices)
+        return indices
 
     def record(self, indices: torch.Tensor) -> None:
         if len(self.queue) >= MAX_PENDING_PER_LAYER:

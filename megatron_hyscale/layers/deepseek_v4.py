@@ -22,12 +22,14 @@ Semantics are those of transformers' `DeepseekV4Attention` (stateless training m
 is visible to query t iff s < floor((t + 1) / m). HyTopK expresses that with key positions
 (s + 1) * m - 1 and query positions t (`compressed_key_positions`).
 
-Selection replay: under megatron's recompute (`tensor_parallel.checkpoint`) the CSA selection
-is recorded in the first forward and replayed by the recompute (`megatron_hyscale.replay`), as
-in `HyScaleDSAttention`; HCA and window layers select nothing (their indices are a fixed
-function of T). `baseline=True` is the side-by-side stand-in for a stock implementation: the
-indexer scores are materialized per row block (`v4_baseline_row_block` rows), `torch.topk`
-selects, and the recompute selects again (no replay).
+Selection: a CSA layer's selector (a strategy, `EntrySelector`) picks the entries; under
+megatron's recompute (`tensor_parallel.checkpoint`) the selection is recorded in the first
+forward and replayed by the recompute (`replay.SelectionReplay.select`), as in
+`HyScaleDSAttention`; HCA and window layers select nothing (their indices are a fixed function
+of T). `HyTopKEntrySelector` is HyScale's; `ScoreTableEntrySelector` (the specs' `baseline=True`,
+or `v4_baseline`) is the side-by-side stand-in for a stock implementation: the indexer scores
+are materialized per row block (`v4_baseline_row_block` rows), `torch.topk` selects, and the
+recompute selects again (no replay).
 
 Indexer training: the signal DeepSeek used for V4's indexer is not public. With
 `v4_indexer_loss_coeff > 0` the DSA recipe is applied: the indexer's inputs are detached and a
@@ -72,7 +74,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 from megatron.core.transformer.experimental_attention_variant.dsa import (
@@ -136,7 +138,7 @@ class DeepseekV4TransformerConfig(TransformerConfig):
     v4_compress_rope_scaling: dict | None = None
     v4_indexer_loss_coeff: float = 0.0  # > 0: DSA-style KL loss for the CSA indexer
     v4_indexer_use_sparse_loss: bool = True
-    v4_baseline: bool = False  # materialized scores + torch.topk, no replay
+    v4_baseline: bool = False  # ScoreTableEntrySelector: materialized scores + torch.topk
     v4_baseline_row_block: int = 4096
     # Rows per part (None: no parts): the per-row work (q up projection, sparse attention,
     # output projection, the part's indexer loss) runs this many local rows at a time, each
@@ -386,19 +388,21 @@ def window_indices(T: int, window: int, offset: int, device: torch.device,
 
 
 def baseline_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int,
-                    ratio: int, row_block: int, q_positions: torch.Tensor | None = None
+                    row_block: int, *, q_positions: torch.Tensor, k_positions: torch.Tensor
                     ) -> torch.Tensor:
     """Stock-style selection: fp32 score table per block of query rows, then torch.topk.
 
-    q [B, T, H, D], k [B, N, D], weights [B, T, H]; q_positions [T] the rows' positions
-    (None: 0..T-1; the global positions under context parallelism). Returns int32
-    [B, T, topk] with -1 where the pick is not visible (the rows with fewer than topk visible
-    entries), as transformers' V4 indexer does. Ties are broken however torch.topk does.
+    q [B, T, H, D], k [B, N, D], weights [B, T, H]; entry s is visible to row t iff
+    k_positions[s] <= q_positions[t] (ascending [N]; [T] the rows' positions, global ones
+    under context parallelism). Returns int32 [B, T, topk] with -1 where the pick is not
+    visible (the rows with fewer than topk visible entries), as transformers' V4 indexer does.
+    Ties are broken however torch.topk does.
     """
     B, T = q.shape[:2]
     N = k.shape[1]
     entries = torch.arange(N, device=q.device)
-    visible = compressed_visible_count(_rows(T, q_positions, q.device), ratio)
+    # Visible entries are a prefix (positions ascend): V4's floor((t + 1) / m) of them.
+    visible = torch.searchsorted(k_positions.contiguous(), q_positions.contiguous(), right=True)
     blocks = []
     for r0 in range(0, T, row_block):
         r1 = min(T, r0 + row_block)
@@ -409,6 +413,55 @@ def baseline_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, top
         picked = scores.topk(topk, dim=-1).indices
         blocks.append(torch.where(picked >= limit, -1, picked))
     return torch.cat(blocks, dim=1).to(torch.int32)
+
+
+class EntrySelector(Protocol):
+    """A CSA layer's selection strategy.
+
+    Called with the indexer's q [B, T, H, D], keys [B, N, D], weights [B, T, H] and topk
+    (entry s visible to row t iff k_positions[s] <= q_positions[t]); returns int32
+    [B, T, topk] entry indices, -1 padded. `replays`: whether the recompute replays its first
+    forward's selection (`replay.SelectionReplay`) instead of selecting again.
+    """
+
+    replays: bool
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *,
+                 q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class HyTopKEntrySelector:
+    """HyScale's CSA selection: `ops.hytopk` (exact total order, no score table); replayed."""
+
+    replays: ClassVar[bool] = True
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *,
+                 q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        # k_positions (s+1)*m - 1 <= t  <=>  s < floor((t+1)/m): V4's rule.
+        return hytopk(q, k, weights, topk, relu=True, q_positions=q_positions,
+                      k_positions=k_positions)[0]
+
+
+@dataclass(frozen=True)
+class ScoreTableEntrySelector:
+    """The side-by-side baseline: `baseline_select` (a score table per `row_block` query rows
+    and torch.topk); like a stock layer, the recompute selects again."""
+
+    row_block: int = 4096
+    replays: ClassVar[bool] = False
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *,
+                 q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        return baseline_select(q, k, weights, topk, self.row_block, q_positions=q_positions,
+                               k_positions=k_positions)
+
+
+def csa_selector(config: DeepseekV4TransformerConfig, *, baseline: bool) -> EntrySelector:
+    """HyScale's CSA selector, or with `baseline` the score-table one (config's row block)."""
+    if baseline:
+        return ScoreTableEntrySelector(config.v4_baseline_row_block)
+    return HyTopKEntrySelector()
 
 
 @dataclass
@@ -451,7 +504,7 @@ class HyScaleV4Attention(MegatronModule):
 
     def __init__(self, config: DeepseekV4TransformerConfig,
                  submodules: V4AttentionSubmodules | None = None, layer_number: int = 1,
-                 *, compress_ratio: int | None = None, baseline: bool | None = None,
+                 *, compress_ratio: int | None = None, selector: EntrySelector | None = None,
                  pg_collection: Any = None, cp_comm_type: str | None = None,
                  **unused: Any) -> None:
         super().__init__(config)
@@ -470,7 +523,9 @@ class HyScaleV4Attention(MegatronModule):
         self.layer_number = layer_number
         self.compress_ratio = compress_ratio
         self.is_csa = compress_ratio == config.v4_csa_ratio
-        self.baseline = config.v4_baseline if baseline is None else baseline
+        # CSA's selection strategy (fixed at construction: the replay store follows it).
+        self.selector = (selector if selector is not None
+                         else csa_selector(config, baseline=config.v4_baseline))
         H, D = config.num_attention_heads, config.v4_head_dim
         G = config.v4_o_groups
         if (H * D) % G:
@@ -501,7 +556,13 @@ class HyScaleV4Attention(MegatronModule):
                                            ratio=compress_ratio, overlap=self.is_csa)
         if self.is_csa:
             self.indexer = V4Indexer(config, submodules.indexer, ratio=compress_ratio)
-            self.selection_replay = replay.SelectionReplay(f"V4 CSA layer {layer_number}")
+            self.selection_replay = replay.SelectionReplay(f"V4 CSA layer {layer_number}",
+                                                           replays=self.selector.replays)
+
+    @property
+    def baseline(self) -> bool:
+        """Whether the selector is a side-by-side baseline (it selects again in the recompute)."""
+        return not self.selector.replays
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 key_value_states: torch.Tensor | None = None, inference_context: Any = None,
@@ -688,27 +749,18 @@ class HyScaleV4Attention(MegatronModule):
                                  k_positions)
         coeff = cfg.v4_indexer_loss_coeff or 0.0
         use_loss = self.training and torch.is_grad_enabled() and coeff > 0
-        phase = "off" if self.baseline else replay.current_phase()
         q_idx = k_idx = weights = None
-        if use_loss or phase != "replay":
+        if use_loss or not self.selection_replay.replaying():
             # The indexer learns from its own loss only (DSA recipe): detached inputs.
             with torch.enable_grad() if use_loss else torch.no_grad():
                 q_idx, k_idx, weights = self.indexer(x.detach(), q_latent.detach(), cos, sin,
                                                      inv_freq, cp_group)
-        if phase == "replay":
-            indices = self.selection_replay.replay((B, T, topk))
-        else:
+
+        def compute() -> torch.Tensor:
             with torch.no_grad():
-                if self.baseline:
-                    indices = baseline_select(q_idx, k_idx, weights, topk, self.compress_ratio,
-                                              cfg.v4_baseline_row_block, q_positions)
-                else:
-                    # k_positions (s+1)*m - 1 <= t  <=>  s < floor((t+1)/m): V4's rule.
-                    indices, _ = hytopk(q_idx.detach(), k_idx.detach(), weights.detach(), topk,
-                                        relu=True, q_positions=q_positions,
-                                        k_positions=k_positions)
-            replay.count_computed()
-            if phase == "record":
-                self.selection_replay.record(indices)
+                return self.selector(q_idx.detach(), k_idx.detach(), weights.detach(), topk,
+                                     q_positions=q_positions, k_positions=k_positions)
+
+        indices = self.selection_replay.select((B, T, topk), compute)
         return _CSASelection(indices, use_loss, coeff, q_idx, k_idx, weights, entries,
                              q_positions, k_positions)

@@ -8,7 +8,7 @@ table-based indexer loss with HyScale's ops:
 - attention: `ops.sparse_attention` over the selected keys (V = first kv_lora_rank channels);
 - indexer loss: `ops.indexer_kl_loss` (dense or sparse KL), attached and logged as stock does;
 - recompute: the selection is recorded in the first forward and replayed by the recompute
-  (`megatron_hyscale.replay`), also for index-sharing layers (`dsa_indexer_topk_freq` > 1),
+  (`replay.SelectionReplay.select`), also for index-sharing layers (`dsa_indexer_topk_freq` > 1),
   whose stock implementation can read another micro-batch's indices during recompute.
 - context parallelism (`cp_comm_type="allgather"`, megatron's zigzag 2 x cp chunk layout):
   the absorbed KV and the indexer keys are all-gathered over the CP group into global order
@@ -160,7 +160,7 @@ class HyScaleDSAttention(DSAttention):
         )
 
         q_idx = weights = k_idx = pending_k_idx = None
-        if computes_topk and (use_indexer_loss or replay.current_phase() != "replay"):
+        if computes_topk and (use_indexer_loss or not self.selection_replay.replaying()):
             with torch.enable_grad() if use_indexer_loss else torch.no_grad():
                 q_idx, k_idx, weights = self.indexer.forward_before_topk(x, qr, packed_seq_params)
                 # Indexer keys [sq, b, d] -> [cp * sq, b, d]; their gradient (indexer loss
@@ -247,30 +247,34 @@ class HyScaleDSAttention(DSAttention):
         `q_positions` ([sq] int64) are the local rows' global positions; the keys are the
         whole sequence in global order, so their positions are arange (HyTopK's default).
         """
-        phase = replay.current_phase()
         shape = (b, sq, self.index_topk)
-        if phase == "replay":
-            indices = self.selection_replay.replay(shape)
-        elif self.skip_topk:
-            holder = self._get_index_share_topk_holder(packed_seq_params, attention_mask)
-            if self.source_layer not in holder:
-                raise RuntimeError(
-                    f"DSA index-share layer {self.layer_number} needs the top-k of layer "
-                    f"{self.source_layer}, which did not run before it in this pipeline stage "
-                    f"(dsa_indexer_topk_freq={self.index_topk_freq}, "
-                    f"dsa_indexer_skip_topk_offset={self.index_skip_topk_offset})"
-                )
-            indices = holder[self.source_layer]
+        if self.skip_topk:
+            indices = self.selection_replay.select(
+                shape, lambda: self._shared_selection(packed_seq_params, attention_mask),
+                shared=True)
         else:
-            with torch.no_grad():
-                indices, _ = hytopk(
-                    q_idx.detach(), k_idx.detach(), weights.detach(), self.index_topk,
-                    relu=bool(self.config.dsa_indexer_scoring_relu), q_positions=q_positions,
-                )
-            replay.count_computed()
-        if phase == "record":
-            self.selection_replay.record(indices)
+            def compute() -> torch.Tensor:
+                with torch.no_grad():
+                    return hytopk(
+                        q_idx.detach(), k_idx.detach(), weights.detach(), self.index_topk,
+                        relu=bool(self.config.dsa_indexer_scoring_relu), q_positions=q_positions,
+                    )[0]
+
+            indices = self.selection_replay.select(shape, compute)
         if self.index_share and not self.skip_topk:
             self._get_index_share_topk_holder(packed_seq_params, attention_mask)[
                 self.layer_number] = indices
         return indices
+
+    def _shared_selection(self, packed_seq_params: Any,
+                          attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """An index-sharing layer's selection: its source layer's, from this forward."""
+        holder = self._get_index_share_topk_holder(packed_seq_params, attention_mask)
+        if self.source_layer not in holder:
+            raise RuntimeError(
+                f"DSA index-share layer {self.layer_number} needs the top-k of layer "
+                f"{self.source_layer}, which did not run before it in this pipeline stage "
+                f"(dsa_indexer_topk_freq={self.index_topk_freq}, "
+                f"dsa_indexer_skip_topk_offset={self.index_skip_topk_offset})"
+            )
+        return holder[self.source_layer]

@@ -32,13 +32,14 @@ Modules and parameter names (under a TransformerLayer: `self_attention.` + these
   `core_attention.indexer.k_layernorm.weight` [D_I].
 `megatron_hyscale.testing.qsa.hf_to_megatron_qsa_state_dict` maps transformers' weights.
 
-Selection: HyTopK over the pooled blocks with block positions b * 4 + 3 (see
-`ops.block_pool`), expanded to token ids + tail. Under megatron recompute (full, or selective
-`core_attn`) the block selection is recorded in the first forward and replayed by the recompute
-(`megatron_hyscale.replay`; the block ids are stored, 1/4 of the token ids, and re-expanded), so
-the indexer runs once per layer per micro-batch. `baseline=True`
-(a spec parameter) is the stock-style path to compare against: the block score table is
-materialized and `torch.topk` selects, and the recompute selects again (no replay).
+Selection: the core attention's selector (a strategy, `BlockSelector`) picks the blocks,
+expanded to token ids + tail. HyScale's `HyTopKBlockSelector` runs HyTopK over the pooled blocks
+with block positions b * 4 + 3 (see `ops.block_pool`). Under megatron recompute (full, or
+selective `core_attn`) the block selection is recorded in the first forward and replayed by the
+recompute (`replay.SelectionReplay.select`; the block ids are stored, 1/4 of the token ids, and
+re-expanded), so the indexer runs once per layer per micro-batch. `ScoreTableBlockSelector`
+(the specs' `baseline=True`) is the stock-style path to compare against: the block score table
+is materialized and `torch.topk` selects, and the recompute selects again (no replay).
 
 Ties: with 4 indexer heads a block scores exactly 0 whenever its 4 ReLU'd logits are all
 negative (about 1 block in 16 for random inputs), so queries with fewer than budget positive
@@ -63,7 +64,7 @@ duplicated on every TP rank, so plain TP works), padding or document masks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -95,6 +96,65 @@ from megatron_hyscale.parallel import (
 
 # Baseline selection: fp32 per-head logits materialized per chunk of query rows (1 GiB).
 BASELINE_CHUNK_ELEMENTS = 1 << 28
+
+
+class BlockSelector(Protocol):
+    """A QSA layer's selection strategy.
+
+    Called with the indexer's queries q [B, T, H_I, D_I], block keys [B, NB, D_I], the blocks
+    to keep per row, the score scale, the rows' positions [T] and the block size (block b
+    visible to row t iff b < (t + 1) // block_size); returns int32 [B, T, topk] block ids, -1
+    padded. `deterministic`: megatron's deterministic_mode. `replays`: whether the recompute
+    replays its first forward's selection (`replay.SelectionReplay`) instead of selecting again.
+    """
+
+    replays: bool
+
+    def __call__(self, q: torch.Tensor, block_keys: torch.Tensor, topk: int, *, scale: float,
+                 q_positions: torch.Tensor, block_size: int, deterministic: bool
+                 ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class HyTopKBlockSelector:
+    """HyScale's QSA selection: `ops.hytopk` over the blocks (no score table); replayed."""
+
+    replays: ClassVar[bool] = True
+
+    def __call__(self, q: torch.Tensor, block_keys: torch.Tensor, topk: int, *, scale: float,
+                 q_positions: torch.Tensor, block_size: int, deterministic: bool
+                 ) -> torch.Tensor:
+        B, T, H = q.shape[:3]
+        nb = block_keys.shape[1]
+        weights = torch.full((B, T, H), scale, dtype=torch.float32, device=q.device)
+        # The attention needs each row's set only; the kernel's order depends on its atomics,
+        # so deterministic_mode keeps the sorted rows (a fixed summation order).
+        return hytopk(q, block_keys, weights, topk, relu=True, q_positions=q_positions,
+                      k_positions=block_visibility_positions(nb, block_size, q.device),
+                      ordered=deterministic)[0]
+
+
+@dataclass(frozen=True)
+class ScoreTableBlockSelector:
+    """The stock-style baseline: per-head logits of a chunk of query rows (about
+    BASELINE_CHUNK_ELEMENTS fp32 values), ReLU, head sum, masked torch.topk
+    (`ops.block_pool.select_blocks_reference`); like a stock layer, the recompute selects
+    again."""
+
+    replays: ClassVar[bool] = False
+
+    def __call__(self, q: torch.Tensor, block_keys: torch.Tensor, topk: int, *, scale: float,
+                 q_positions: torch.Tensor, block_size: int, deterministic: bool
+                 ) -> torch.Tensor:
+        B, _, H = q.shape[:3]
+        rows = max(1, BASELINE_CHUNK_ELEMENTS // (B * H * block_keys.shape[1]))
+        return select_blocks_reference(q, block_keys, topk, scale=scale, q_positions=q_positions,
+                                       block_size=block_size, rows_per_chunk=rows)
+
+
+def qsa_selector(*, baseline: bool) -> BlockSelector:
+    """HyScale's QSA selector, or with `baseline` the score-table one."""
+    return ScoreTableBlockSelector() if baseline else HyTopKBlockSelector()
 
 
 @dataclass
@@ -255,10 +315,11 @@ class QSAIndexer(MegatronModule):
 
 
 class HyScaleQSAttention(MegatronModule):
-    """QSA core attention: block selection (HyTopK + replay, or the baseline) + sparse attention.
+    """QSA core attention: block selection (its selector, replayed) + sparse attention.
 
-    Built by megatron's `Attention` like any core attention; `baseline=True` (spec param) selects
-    with a materialized block-score table and torch.topk and re-selects during recompute.
+    Built by megatron's `Attention` like any core attention; `selector` (a spec param, default
+    `HyTopKBlockSelector`) picks the blocks; `ScoreTableBlockSelector` selects with a
+    materialized block-score table and torch.topk and re-selects during recompute.
     With `config.qsa_indexer_loss_coeff` > 0 (training only) a KL loss trains the indexer: the
     target is the main attention (detached, summed over heads) over block-mean main keys, the
     prediction the softmax of the indexer's block scores (`ops.indexer_kl_loss` with blocks as
@@ -276,13 +337,14 @@ class HyScaleQSAttention(MegatronModule):
         cp_comm_type: str | None = None,
         softmax_scale: float | None = None,
         pg_collection: Any = None,
-        baseline: bool = False,
+        selector: BlockSelector | None = None,
     ) -> None:
         super().__init__(config=config)
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.pg_collection = pg_collection
-        self.baseline = bool(baseline)
+        # The selection strategy (fixed at construction: the replay store follows it).
+        self.selector = selector if selector is not None else HyTopKBlockSelector()
         self.block_size = config.qsa_block_size
         self.block_topk = config.qsa_indexer_budget // config.qsa_block_size
         head_dim = config.kv_channels
@@ -290,7 +352,13 @@ class HyScaleQSAttention(MegatronModule):
         self.index_scale = config.qsa_indexer_head_dim ** -0.5
         self.indexer = build_module(submodules.indexer, config=config, layer_number=layer_number,
                                     pg_collection=pg_collection)
-        self.selection_replay = replay.SelectionReplay(f"QSA layer {layer_number}")
+        self.selection_replay = replay.SelectionReplay(f"QSA layer {layer_number}",
+                                                       replays=self.selector.replays)
+
+    @property
+    def baseline(self) -> bool:
+        """Whether the selector is a side-by-side baseline (it selects again in the recompute)."""
+        return not self.selector.replays
 
     def _check_supported(self, attn_mask_type: AttnMaskType | None, packed_seq_params: Any,
                          x: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
@@ -351,7 +419,6 @@ class HyScaleQSAttention(MegatronModule):
         pos_emb = pos_emb.detach() if pos_emb is not None else None
         loss_coeff = float(cfg.qsa_indexer_loss_coeff or 0.0)
         use_loss = self.training and torch.is_grad_enabled() and loss_coeff > 0
-        phase = replay.current_phase()
 
         # Whatever cp_comm_type says, QSA gathers K, V and the indexer keys (allgather CP):
         # every query's selection reaches anywhere before it.
@@ -361,7 +428,7 @@ class HyScaleQSAttention(MegatronModule):
         seq_len = key.size(0) * layout.size
 
         q_idx = block_keys = None
-        if use_loss or self.baseline or phase != "replay":
+        if use_loss or not self.selection_replay.replaying():
             with torch.enable_grad() if use_loss else torch.no_grad():
                 q_idx, block_keys = self.indexer(x, pos_emb, cp_group)
         # [sq, b, ng, hn] local -> [S, b, ng, hn] global order (no-op without CP), started after
@@ -369,7 +436,7 @@ class HyScaleQSAttention(MegatronModule):
         # HyTopK runs; backward reduce-scatters the gradients to the owner ranks. Indices below
         # address this global sequence.
         pending = [start_all_gather_to_global(t, cp_group) for t in (key, value)]
-        blocks = self._select_blocks(q_idx, block_keys, b, sq, seq_len, q_positions, phase)
+        blocks = self._select_blocks(q_idx, block_keys, b, sq, seq_len, q_positions)
         indices = expand_blocks(blocks, q_positions, self.block_size)  # [b, sq, 4 Kb + 3]
         key, value = (p.wait() for p in pending)
 
@@ -386,41 +453,24 @@ class HyScaleQSAttention(MegatronModule):
 
     def _select_blocks(
         self, q_idx: torch.Tensor | None, block_keys: torch.Tensor | None, b: int, sq: int,
-        seq_len: int, q_positions: torch.Tensor, phase: str,
+        seq_len: int, q_positions: torch.Tensor,
     ) -> torch.Tensor:
         """int32 [b, sq, min(block_topk, seq_len // block_size)] selected blocks (-1 padded)
-        for the sq local query rows at global `q_positions`, over a sequence of seq_len."""
+        for the sq local query rows at global `q_positions`, over a sequence of seq_len:
+        replayed, or picked by the selector."""
         nb = seq_len // self.block_size
         kb = min(self.block_topk, nb)
         if kb == 0:  # no complete block anywhere: every query attends to its tail only
             return torch.empty((b, sq, 0), dtype=torch.int32, device=q_positions.device)
-        if self.baseline:
-            # The usual chunked selection: per-head logits of a chunk of query rows (about
-            # BASELINE_CHUNK_ELEMENTS fp32 values), ReLU, head sum, masked torch.topk.
-            rows = max(1, BASELINE_CHUNK_ELEMENTS // (b * q_idx.shape[2] * nb))
-            blocks = select_blocks_reference(
-                q_idx, block_keys, kb, scale=self.index_scale, q_positions=q_positions,
-                block_size=self.block_size, rows_per_chunk=rows,
-            )
-            replay.count_computed()
-            return blocks
-        if phase == "replay":
-            return self.selection_replay.replay((b, sq, kb))
-        weights = torch.full((b, sq, q_idx.shape[2]), self.index_scale, dtype=torch.float32,
-                             device=q_idx.device)
-        with torch.no_grad():
-            # The attention needs each row's set only; the kernel's order depends on its
-            # atomics, so deterministic_mode keeps the sorted rows (a fixed summation order).
-            blocks, _ = hytopk(
-                q_idx.detach(), block_keys.detach(), weights, kb, relu=True,
-                q_positions=q_positions,
-                k_positions=block_visibility_positions(nb, self.block_size, q_idx.device),
-                ordered=bool(self.config.deterministic_mode),
-            )
-        replay.count_computed()
-        if phase == "record":
-            self.selection_replay.record(blocks)
-        return blocks
+
+        def compute() -> torch.Tensor:
+            with torch.no_grad():
+                return self.selector(q_idx.detach(), block_keys.detach(), kb,
+                                     scale=self.index_scale, q_positions=q_positions,
+                                     block_size=self.block_size,
+                                     deterministic=bool(self.config.deterministic_mode))
+
+        return self.selection_replay.select((b, sq, kb), compute)
 
     def _indexer_loss(
         self, q_idx: torch.Tensor, block_keys: torch.Tensor, query_b: torch.Tensor,

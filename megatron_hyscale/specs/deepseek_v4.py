@@ -3,8 +3,9 @@
 `get_v4_layer_specs(config)` returns one megatron `TransformerLayer` spec per layer whose
 self-attention is `layers.deepseek_v4.HyScaleV4Attention` with that layer's compress ratio from
 `config.v4_compress_ratios` (0 window only, 4 CSA, 128 HCA; V4-Flash lists 43 of them);
-`baseline=True` gives the side-by-side baseline mode (materialized indexer scores per row
-block + torch.topk, recompute selects again). `get_v4_block_spec` wraps this pipeline stage's
+`baseline=True` gives the CSA layers the side-by-side baseline selector
+(`ScoreTableEntrySelector`: materialized indexer scores per row block + torch.topk, recompute
+selects again). `get_v4_block_spec` wraps this pipeline stage's
 layers in a `TransformerBlockSubmodules`.
 
 Scope: the attention is V4's; the rest of the layer is megatron's (pre-norm residual, the MLP or
@@ -31,6 +32,7 @@ from megatron_hyscale.layers.deepseek_v4 import (
     DeepseekV4TransformerConfig,
     HyScaleV4Attention,
     V4AttentionSubmodules,
+    csa_selector,
 )
 
 
@@ -53,10 +55,11 @@ def get_v4_layer_specs(config: DeepseekV4TransformerConfig, *, baseline: bool = 
     """One TransformerLayer spec per model layer, attention = HyScaleV4Attention(ratio_i)."""
     base = get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
                                     normalization=config.normalization)
+    selector = csa_selector(config, baseline=baseline)
     specs = []
     for ratio in v4_compress_ratios(config):
         attention = ModuleSpec(module=HyScaleV4Attention, submodules=V4AttentionSubmodules(),
-                               params={"compress_ratio": ratio, "baseline": baseline})
+                               params={"compress_ratio": ratio, "selector": selector})
         submodules = dataclasses.replace(base.submodules, self_attention=attention)
         specs.append(dataclasses.replace(base, submodules=submodules))
     return specs

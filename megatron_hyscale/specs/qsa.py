@@ -1,9 +1,10 @@
 """Layer-spec builders for QSA (Qwen3.8-Flash-Next) models on megatron-core.
 
 - `get_qsa_attention_spec(config)`: the QSA self-attention module spec (HyScaleQSASelfAttention
-  with HyScaleQSAttention and its QSAIndexer); `baseline=True` gives the stock-style selection
-  (materialized block scores + torch.topk, re-selected during recompute) on the same modules and
-  parameters, so one process can compare the two on identical weights.
+  with HyScaleQSAttention and its QSAIndexer); `baseline=True` gives the stock-style selector
+  (`ScoreTableBlockSelector`: materialized block scores + torch.topk, re-selected during
+  recompute) on the same modules and parameters, so one process can compare the two on
+  identical weights.
 - `get_qsa_layer_specs(config)`: one TransformerLayer spec per layer. With
   `config.experimental_attention_variant == "gated_delta_net"` the layers follow megatron's
   linear-attention pattern (`linear_attention_freq=4`: 3 Gated DeltaNet : 1 QSA, the released
@@ -59,6 +60,7 @@ from megatron_hyscale.layers.qsa import (
     QSAIndexerSubmodules,
     QSASelfAttentionSubmodules,
     QSAttentionSubmodules,
+    qsa_selector,
 )
 from megatron_hyscale.specs import get_backend
 
@@ -91,7 +93,8 @@ def get_qsa_attention_spec(
             linear_qk=indexer_linear, q_layernorm=qk_norm, k_layernorm=qk_norm,
         ),
     )
-    core = ModuleSpec(module=HyScaleQSAttention, params={"baseline": baseline},
+    core = ModuleSpec(module=HyScaleQSAttention,
+                      params={"selector": qsa_selector(baseline=baseline)},
                       submodules=QSAttentionSubmodules(indexer=indexer))
     return ModuleSpec(
         module=HyScaleQSASelfAttention,

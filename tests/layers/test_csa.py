@@ -156,7 +156,9 @@ def test_baseline_mode_equals_hyscale_mode_and_does_not_replay():
     T = 37
     ours, _, cfg = build_pair(1, seed=7)
     base, _, _ = build_pair(1, seed=7, v4_baseline=True, v4_baseline_row_block=8)
-    assert base.baseline and not ours.baseline
+    assert base.selector == csa_module.ScoreTableEntrySelector(row_block=8)
+    assert isinstance(ours.selector, csa_module.HyTopKEntrySelector)
+    assert not base.selection_replay.replays and ours.selection_replay.replays
     x = torch.randn(2, T, cfg.hidden_size)
     r = torch.randn(2, T, cfg.hidden_size)
     replay.reset_stats()

@@ -15,7 +15,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
 from megatron_hyscale import replay
-from megatron_hyscale.layers.qsa import HyScaleQSASelfAttention, HyScaleQSAttention
+from megatron_hyscale.layers.qsa import (
+    HyScaleQSASelfAttention,
+    HyScaleQSAttention,
+    HyTopKBlockSelector,
+    ScoreTableBlockSelector,
+)
 from megatron_hyscale.specs.qsa import get_qsa_block_spec, get_qsa_layer_specs
 from megatron_hyscale.testing.models import default_device
 from megatron_hyscale.testing.qsa import tiny_qsa_configs
@@ -139,5 +144,7 @@ def test_spec_entry_points_build_the_same_model(baseline):
     assert list(model.state_dict()) == list(reference.state_dict())
     model.load_state_dict(reference.state_dict())
     cores = [m for m in model.modules() if isinstance(m, HyScaleQSAttention)]
-    assert len(cores) == 2 and all(c.baseline == baseline for c in cores)
+    kind = ScoreTableBlockSelector if baseline else HyTopKBlockSelector
+    assert len(cores) == 2 and all(type(c.selector) is kind for c in cores)
+    assert all(c.selection_replay.replays is not baseline for c in cores)
     assert torch.equal(step(model)[0], step(reference)[0])

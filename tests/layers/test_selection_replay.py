@@ -1,0 +1,137 @@
+"""The selection protocol itself (`replay.SelectionReplay.select`): its phase rules, the
+per-layer FIFO over micro-batches in flight, the counters, baseline and shared selections.
+Layer-level replay is covered by test_dsa_replay.py, test_csa.py, test_qsa.py and the CP tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core import tensor_parallel
+
+from megatron_hyscale import replay
+
+SHAPE = (1, 2, 3)
+
+
+def indices(value: int) -> torch.Tensor:
+    return torch.full(SHAPE, value, dtype=torch.int32)
+
+
+class Layer:
+    """A stand-in layer: its forward selects through `store`, computing `next` when asked."""
+
+    def __init__(self, name: str, *, replays: bool = True, shared: bool = False) -> None:
+        self.store = replay.SelectionReplay(name, replays=replays)
+        self.shared = shared
+        self.next = 0
+        self.computed: list[int] = []  # values computed, in call order
+        self.seen: list[tuple[str, bool, int]] = []  # (phase, replaying(), value) per forward
+
+    def compute(self) -> torch.Tensor:
+        self.computed.append(self.next)
+        return indices(self.next)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        phase, replaying = self.store.phase(), self.store.replaying()
+        picked = self.store.select(SHAPE, self.compute, shared=self.shared)
+        self.seen.append((phase, replaying, int(picked[0, 0, 0])))
+        return x * (1 + picked.float().sum())
+
+
+def checkpointed(layer: Layer, x: torch.Tensor) -> torch.Tensor:
+    return tensor_parallel.checkpoint(layer.forward, False, x)
+
+
+@pytest.fixture(autouse=True)
+def clean_stores():
+    replay.clear()
+    replay.reset_stats()
+    yield
+    replay.clear()
+
+
+def test_without_recompute_it_computes_and_stores_nothing():
+    layer = Layer("plain")
+    x = torch.ones(2, requires_grad=True)
+    layer.next = 4
+    layer.forward(x).sum().backward()
+    assert layer.seen == [("off", False, 4)] and layer.computed == [4]
+    assert len(layer.store) == 0 and replay.pending_entries() == 0
+    assert replay.get_stats()["selections_computed"] == 1
+    assert replay.get_stats()["selections_replayed"] == 0
+
+
+def test_recompute_replays_the_first_forwards_selection():
+    layer = Layer("ckpt")
+    x = torch.ones(2, requires_grad=True)
+    layer.next = 7
+    out = checkpointed(layer, x)
+    assert layer.seen == [("record", False, 7)] and len(layer.store) == 1
+    layer.next = 8  # a recompute that selected again would see 8
+    out.sum().backward()
+    assert layer.seen[1] == ("replay", True, 7)
+    assert layer.computed == [7]  # compute ran once
+    torch.testing.assert_close(x.grad, torch.full((2,), 1.0 + 7 * 6))
+    stats = replay.get_stats()
+    assert stats["selections_computed"] == 1 and stats["selections_replayed"] == 1
+    replay.assert_drained()
+
+
+def test_fifo_per_layer_over_micro_batches_in_flight():
+    """A pipeline stage: every micro-batch's forward (layers in order), then the backwards in
+    the same micro-batch order, each recomputing its layers in reverse: every recompute gets
+    its own micro-batch's selection of its own layer."""
+    layers = [Layer("first"), Layer("second")]
+    outs = []
+    for mb in range(3):
+        h = torch.ones(2, requires_grad=True)
+        for i, layer in enumerate(layers):
+            layer.next = 10 * mb + i
+            h = checkpointed(layer, h)
+        outs.append(h)
+    assert [len(layer.store) for layer in layers] == [3, 3]
+    assert replay.pending_entries() == 6
+    for layer in layers:
+        layer.next = -1  # never computed again
+    for out in outs:
+        out.sum().backward()
+    for i, layer in enumerate(layers):
+        first = [value for phase, _, value in layer.seen if phase == "record"]
+        again = [value for phase, _, value in layer.seen if phase == "replay"]
+        assert first == again == [i, 10 + i, 20 + i], layer.seen
+        assert -1 not in layer.computed
+    stats = replay.get_stats()
+    assert stats["selections_computed"] == 6 and stats["selections_replayed"] == 6
+    replay.assert_drained()
+
+
+def test_a_baseline_store_selects_again_and_records_nothing():
+    layer = Layer("baseline", replays=False)
+    x = torch.ones(2, requires_grad=True)
+    layer.next = 3
+    out = checkpointed(layer, x)
+    assert len(layer.store) == 0
+    layer.next = 3
+    out.sum().backward()
+    assert layer.seen == [("off", False, 3), ("off", False, 3)] and layer.computed == [3, 3]
+    stats = replay.get_stats()
+    assert stats["selections_computed"] == 2 and stats["selections_replayed"] == 0
+    replay.assert_drained()
+
+
+def test_a_shared_selection_is_recorded_and_replayed_but_not_counted():
+    layer = Layer("index-sharing", shared=True)
+    x = torch.ones(2, requires_grad=True)
+    layer.next = 5
+    out = checkpointed(layer, x)
+    out.sum().backward()
+    assert [value for _, _, value in layer.seen] == [5, 5] and layer.computed == [5]
+    stats = replay.get_stats()
+    assert stats["selections_computed"] == 0 and stats["selections_replayed"] == 1
+
+
+def test_a_selection_of_the_wrong_shape_is_refused():
+    store = replay.SelectionReplay("wrong shape")
+    with pytest.raises(replay.ReplayError, match=r"wrong shape: the selection has shape"):
+        store.select((1, 2, 4), lambda: indices(0))
+    assert replay.get_stats()["selections_computed"] == 0
