@@ -30,6 +30,18 @@
 #   bash scripts/gpu_session.sh selection # HyTopK and its score-only split at 128K for
 #                                         # DeepSeek-V3.2 and V4-Flash's CSA, at 512K for QSA,
 #                                         # each kernel default as it stands         (~2 min)
+#   bash scripts/gpu_session.sh cudnn-verify   # after scripts/gpu_cudnn.sh 1 and 2 in the
+#                                         # calls before (machine warm): the library backends'
+#                                         # GPU tests, then the verify stage           (~5 min)
+#   bash scripts/gpu_session.sh cudnn-kernels  # selection, attention and indexer loss: HyScale's
+#                                         # kernels against cuDNN's / FlashMLA's in the same
+#                                         # runs, DSA shapes, 16K-256K                 (~8 min)
+#   bash scripts/gpu_session.sh cudnn-layer [T...]  # bench_layer.py, GLM-5.1 DSA: HyScale
+#                                         # (own kernels, then the measured best per op)
+#                                         # against stock on dsa_kernel_backend="cudnn"
+#                                         # (and "none" at 8K)                         (~8 min)
+#                                         # The cudnn-* stages pack their files into
+#                                         # $OUT/<stage>.tgz, records in results/ inside.
 #   bash scripts/gpu_session.sh pair 'STAGE [ARGS]' 'STAGE [ARGS]'  # on nvidia-h200-x2: two
 #                                         # one-GPU stages at once, one a GPU, e.g.
 #                                         # pair 'models csa hca' 'models qsa' or
@@ -62,7 +74,7 @@ stage=${1:-}
 shift || true
 case "$stage" in
   verify|kernels|attention|attention-table|fwd-split|layer|models|memory|qsa-selection|selection|cp2|cp2-1m|side2\
-  |pair) ;;
+  |pair|cudnn-verify|cudnn-kernels|cudnn-layer) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
        "|fwd-split|layer" \
        "|models|memory|qsa-selection|selection|cp2|cp2-1m|side2|pair} [ARGS...]" >&2
@@ -76,6 +88,22 @@ if ! python3 -c "import megatron.core" 2>/dev/null; then
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$(pwd):${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# The library kernels scripts/gpu_cudnn.sh installed on this (warm) machine, if it did.
+if [ -d .carry/site/nvidia_cutlass_dsl ]; then
+  export PYTHONPATH=$(pwd)/.carry/site:$(pwd)/.carry/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+fi
+case "$stage" in
+  cudnn-*)
+    [ -d .carry/site/nvidia_cutlass_dsl ] || {
+      echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" >&2
+      exit 2; }
+    # The device tool brings back 8 files, 2 folders deep: the stage packs its folder at the end.
+    pack=${OUT:-outputs/gpu_session}/$stage.tgz
+    out=/tmp/gpu_session/$stage
+    rm -rf "$out"; mkdir -p "$out/results"
+    export HYSCALE_RESULTS=$out/results
+    trap 'tar -czf "$pack" -C "$out" . && rm -rf "${OUT:-outputs/gpu_session}/$stage"' EXIT ;;
+esac
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u;
   git log -1 --format='%h %s' 2>/dev/null; } | tee "$out/device.txt"
 
@@ -227,6 +255,31 @@ case "$stage" in
     timeout 100 python3 scripts/bench_selection.py --T 524288 --configs qsa --reps 2 \
       --secondary-max-T 524288 --methods hytopk finish --tag _qsa --out "$out" 2>&1 \
       | tail -3 | tee "$out/bench_selection_qsa.log"
+    ;;
+  cudnn-verify)
+    fail=0
+    timeout 240 python3 -m pytest -q -rfE -m gpu tests/ops/test_library_backends_gpu.py \
+      -p no:cacheprovider > "$out/library_tests.log" 2>&1 || fail=1
+    tail -15 "$out/library_tests.log"
+    OUT=$out bash "$0" verify || fail=1
+    exit $fail
+    ;;
+  cudnn-kernels)
+    timeout 200 python3 scripts/bench_selection.py --T 16384 65536 131072 262144 \
+      --configs dsv32 glm51 v4flash --secondary-max-T 131072 --reps 3 \
+      --methods hytopk cudnn stock_cudnn table --out "$out" 2>&1 | grep -v -i warn \
+      | tee "$out/bench_selection.log" | grep -E "T=|not run|Error"
+    timeout 200 python3 scripts/bench_attention.py --t 16384 65536 131072 \
+      --shapes glm51 v32 csa --reps 3 --no-stock --no-deterministic --out "$out" 2>&1 \
+      | grep -v -i warn | tee "$out/bench_attention.log" | grep -E "T=|Error"
+    timeout 150 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 v32 \
+      --reps 3 --out "$out" 2>&1 | grep -v -i warn | tee "$out/bench_indexer_loss.log"
+    ;;
+  cudnn-layer)
+    seqs=${*:-8192 32768 131072 262144}
+    timeout 540 python3 scripts/bench_layer.py --seq $seqs --repeats 1 --stock-max-seq 8192 \
+      --stock-kernel-backend cudnn --out "$out" 2>&1 | grep -v -i warn \
+      | tee "$out/bench_layer.log" | grep -E "^\||Error|T=.*floor|fused kernels"
     ;;
   pair)
     # Two one-GPU stages at once on nvidia-h200-x2, one a GPU; their files packed into

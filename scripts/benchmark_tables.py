@@ -1,0 +1,128 @@
+"""Markdown tables for BENCHMARKS.md from benchmark records (benchmarks/results/*.json).
+
+    python scripts/benchmark_tables.py RECORD.json [RECORD.json ...]
+
+One table per record, HyScale beside the strongest stock kernels measured in the same run:
+bench_selection (HyTopK, cuDNN's chunked scores + radix top-k through HyScale's backend,
+megatron-core's own cudnn selection, table-then-select, the GEMM floor), bench_attention
+(HyScale's forward / backward against FlashMLA's / cuDNN's), bench_indexer_loss (Triton
+against cuDNN's kernels, both given the attention's lse) and bench_layer (HyScale's layer
+against each stock backend). Each table names its record, commit, command and the matmul
+rate it was measured against; nothing in it is typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def fmt(x, spec=".1f", missing="-"):
+    if isinstance(x, (int, float)) and x == x:
+        return format(x, spec)
+    return missing if x is None else str(x)
+
+
+def ratio(a, b):
+    """b / a: how many times faster a is than b (None without both)."""
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > 0:
+        return f"{b / a:.2f}x"
+    return "-"
+
+
+def selection(records):
+    by = {(r["config"], r["T"], r["method"]): r for r in records if r.get("inputs") == "random"}
+    keys = sorted({(c, T) for c, T, _ in by})
+    lines = ["| config | T | GEMM floor ms | HyTopK ms (GiB) | cuDNN chunks + top-k ms (GiB) |"
+             " megatron cudnn selection ms | table-then-select ms | HyTopK speed vs cuDNN |"
+             " rows equal to HyTopK's |", "|---" * 9 + "|"]
+    for cfg, T in keys:
+        get = lambda m, key="ms": (by.get((cfg, T, m)) or {}).get(key)
+        cell = lambda m: (f"{fmt(get(m))} ({fmt(get(m, 'mem_gib'), '.2f')})" if get(m)
+                          else fmt(get(m, "status")))
+        same = get("cudnn", "same_rows_as_hytopk")
+        lines.append(f"| {cfg} | {T} | {fmt(get('hytopk', 'floor_ms'))} | {cell('hytopk')} | "
+                     f"{cell('cudnn')} | {fmt(get('stock_cudnn'))} | {fmt(get('table'))} | "
+                     f"{ratio(get('hytopk'), get('cudnn'))} | "
+                     f"{fmt(same, '.2%') if same is not None else '-'} |")
+    return lines
+
+
+def attention(records):
+    lines = ["| shape | T | HyScale fwd ms (/ matmul) | FlashMLA fwd ms (/ matmul) |"
+             " HyScale bwd ms (/ matmul) | cuDNN bwd ms (/ matmul) | fwd: HyScale vs FlashMLA |"
+             " bwd: HyScale vs cuDNN |", "|---" * 8 + "|"]
+    for r in sorted(records, key=lambda r: (r["shape"], r["T"])):
+        pair = lambda k: f"{fmt(r.get(k + '_ms'), '.1f')} ({fmt(r.get(k + '_frac'), '.0%')})"
+        lines.append(f"| {r['shape']} | {r['T']} | {pair('fwd')} | {pair('lib_fwd')} | "
+                     f"{pair('bwd')} | {pair('lib_bwd')} | "
+                     f"{ratio(r.get('fwd_ms'), r.get('lib_fwd_ms'))} | "
+                     f"{ratio(r.get('bwd_ms'), r.get('lib_bwd_ms'))} |")
+    return lines
+
+
+def indexer_loss(records):
+    lines = ["| shape | T | Triton fwd + bwd ms | Triton, attention lse given | cuDNN kernels,"
+             " lse given | HyScale vs cuDNN | loss Triton / cuDNN |", "|---" * 7 + "|"]
+    for r in sorted(records, key=lambda r: (r["shape"], r["T"])):
+        t, tl, c = r.get("triton") or {}, r.get("triton_lse"), r.get("cudnn")
+        tl = tl if isinstance(tl, dict) else {}
+        c_ms = c.get("total_ms") if isinstance(c, dict) else c
+        losses = (f"{fmt(tl.get('loss'), '.6g')} / {fmt(c.get('loss'), '.6g')}"
+                  if isinstance(c, dict) else "-")
+        lines.append(f"| {r['shape']} | {r['T']} | {fmt(t.get('total_ms'))} | "
+                     f"{fmt(tl.get('total_ms'))} | {fmt(c_ms)} | "
+                     f"{ratio(tl.get('total_ms'), c_ms if isinstance(c, dict) else None)} | "
+                     f"{losses} |")
+    return lines
+
+
+def layer(records, meta):
+    names = [n for n in records[0] if n not in ("T", "cp", "T_local", "selection_floor_ms",
+                                                 "layer_floor_ms", "speedup")] if records else []
+    head = "| T | layer floor ms | " + " | ".join(f"{n} fwd+bwd ms (GiB)" for n in names)
+    head += " | " + " | ".join(f"hyscale vs {n}" for n in names if n != "hyscale") + " |"
+    lines = [head, "|---" * (2 + 2 * len(names) - 1) + "|"]
+    for r in records:
+        cells = [str(r["T"]), fmt(r.get("layer_floor_ms"))]
+        for n in names:
+            v = r.get(n)
+            cells.append(f"{fmt(v.get('fwd_bwd_ms'))} ({fmt(v.get('peak_extra_gib'), '.1f')})"
+                         if isinstance(v, dict) else fmt(v))
+        h = r.get("hyscale")
+        for n in names:
+            if n != "hyscale":
+                v = r.get(n)
+                cells.append(ratio(h.get("fwd_bwd_ms") if isinstance(h, dict) else None,
+                                   v.get("fwd_bwd_ms") if isinstance(v, dict) else None))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+RENDER = {"bench_selection": selection, "bench_attention": attention,
+          "bench_indexer_loss": indexer_loss}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("records", nargs="+", help="record files from benchmarks/results/")
+    args = parser.parse_args()
+    for path in args.records:
+        with open(path) as f:
+            data = json.load(f)
+        meta, records = data["meta"], data["records"]
+        name = os.path.basename(path)
+        script = next((s for s in (*RENDER, "bench_layer") if s in name), None)
+        if script is None:
+            print(f"<!-- {name}: no table for this record -->")
+            continue
+        print(f"`{name}` ({meta['device']}, {meta['date']}, commit {meta['commit']}, matmul "
+              f"{fmt(meta.get('matmul_tflops'), '.0f')} TFLOP/s): `{meta['command']}`\n")
+        lines = layer(records, meta) if script == "bench_layer" else RENDER[script](records)
+        print("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
