@@ -38,9 +38,13 @@ def selection(records):
              " megatron cudnn selection ms | table-then-select ms | HyTopK speed vs cuDNN |"
              " rows equal to HyTopK's |", "|---" * 9 + "|"]
     for cfg, T in keys:
-        get = lambda m, key="ms": (by.get((cfg, T, m)) or {}).get(key)
-        cell = lambda m: (f"{fmt(get(m))} ({fmt(get(m, 'mem_gib'), '.2f')})" if get(m)
-                          else fmt(get(m, "status")))
+        def get(m, key="ms", cfg=cfg, T=T):
+            return (by.get((cfg, T, m)) or {}).get(key)
+
+        def cell(m):
+            return (f"{fmt(get(m))} ({fmt(get(m, 'mem_gib'), '.2f')})" if get(m)
+                    else fmt(get(m, "status")))
+
         same = get("cudnn", "same_rows_as_hytopk")
         lines.append(f"| {cfg} | {T} | {fmt(get('hytopk', 'floor_ms'))} | {cell('hytopk')} | "
                      f"{cell('cudnn')} | {fmt(get('stock_cudnn'))} | {fmt(get('table'))} | "
@@ -54,7 +58,9 @@ def attention(records):
              " HyScale bwd ms (/ matmul) | cuDNN bwd ms (/ matmul) | fwd: HyScale vs FlashMLA |"
              " bwd: HyScale vs cuDNN |", "|---" * 8 + "|"]
     for r in sorted(records, key=lambda r: (r["shape"], r["T"])):
-        pair = lambda k: f"{fmt(r.get(k + '_ms'), '.1f')} ({fmt(r.get(k + '_frac'), '.0%')})"
+        def pair(k, r=r):
+            return f"{fmt(r.get(k + '_ms'), '.1f')} ({fmt(r.get(k + '_frac'), '.0%')})"
+
         lines.append(f"| {r['shape']} | {r['T']} | {pair('fwd')} | {pair('lib_fwd')} | "
                      f"{pair('bwd')} | {pair('lib_bwd')} | "
                      f"{ratio(r.get('fwd_ms'), r.get('lib_fwd_ms'))} | "
