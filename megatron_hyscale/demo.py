@@ -179,8 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "ReLU, keys whose heads are all negative score exactly 0 and tie; stock's "
                    "torch.topk breaks such ties arbitrarily, HyScale by the smaller index, so "
                    "the two runs may pick different keys and their losses drift apart")
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for torch (0: torch's default)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (0: torch's default, one per core). One is the "
+                   "fastest for the demo's many small ops, and it keeps its speed when other "
+                   "processes share the cores (two threads per op then wait on each other)")
+    p.add_argument("--all-warnings", action="store_true",
+                   help="also show megatron-core's known deprecation and fallback warnings "
+                   "(hidden by default; megatron_hyscale.testing.quiet lists each)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -501,39 +506,59 @@ def table_lines(rows: list[list[str]], both: bool, header: bool = True) -> list[
     return top + [line(r) for r in rows]
 
 
-def plot_curves(history: dict[str, list[dict[str, Any]]], recall_log: list[dict[str, Any]],
-                path: Path, chance: float) -> None:
-    """Loss and accuracy of both models per step (and HyScale's recall), saved as a PNG."""
+# One colour per curve (the same model's far and near queries included) and one legend entry
+# each: (model, queries) in the loss / accuracy panels, recall and fact-in-top-k per layer.
+CURVE_COLOURS = {("hyscale", "far"): "tab:blue", ("hyscale", "near"): "tab:cyan",
+                 ("stock", "far"): "tab:red", ("stock", "near"): "tab:orange"}
+RECALL_COLOURS = ("tab:purple", "tab:green", "tab:brown", "tab:pink", "tab:olive", "tab:gray",
+                  "black", "gold")
+
+
+def curves_figure(history: dict[str, list[dict[str, Any]]], recall_log: list[dict[str, Any]],
+                  chance: float) -> Any:
+    """The figure of `plot_curves`: loss, accuracy (far and near queries) and recall panels."""
     import matplotlib
 
     matplotlib.use("Agg")  # headless: no display on CI or the GPU machine
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    styles = {"hyscale": dict(color="C0", lw=2.0), "stock": dict(color="C3", lw=1.0, ls="--")}
+    styles = {"hyscale": dict(lw=2.0), "stock": dict(lw=1.0, ls="--")}
     for name, recs in history.items():
         steps = [r["step"] for r in recs]
-        axes[0].plot(steps, [r["loss"] for r in recs], label=name, **styles[name])
-        axes[1].plot(steps, [r["accuracy"] for r in recs], label=f"{name}: far queries",
-                     **styles[name])
+        far = dict(styles[name], color=CURVE_COLOURS[name, "far"])
+        axes[0].plot(steps, [r["loss"] for r in recs], label=name, **far)
+        axes[1].plot(steps, [r["accuracy"] for r in recs], label=f"{name}: far queries", **far)
         if recs and recs[0].get("near_accuracy") is not None:
-            axes[1].plot(steps, [r["near_accuracy"] for r in recs], alpha=0.5,
-                         label=f"{name}: near queries", **{**styles[name], "lw": 0.8})
+            near = dict(styles[name], color=CURVE_COLOURS[name, "near"], lw=0.8)
+            axes[1].plot(steps, [r["near_accuracy"] for r in recs], alpha=0.7,
+                         label=f"{name}: near queries", **near)
     axes[0].set(title="answer loss (cross-entropy)", xlabel="step", yscale="log")
     axes[1].axhline(chance, color="gray", lw=0.8, ls=":", label="chance")
     axes[1].set(title="answer accuracy (per training batch)", xlabel="step", ylim=(0, 1.02))
     for layer in range(len(recall_log[0]["hyscale"]) if recall_log else 0):
         steps = [r["step"] for r in recall_log]
+        n = len(RECALL_COLOURS)  # beyond 4 layers the colours repeat
         axes[2].plot(steps, [r["hyscale"][layer]["recall"] for r in recall_log], marker="o",
-                     label=f"layer {layer + 1}: recall@90%")
+                     color=RECALL_COLOURS[2 * layer % n], label=f"layer {layer + 1}: recall@90%")
         axes[2].plot(steps, [r["hyscale"][layer]["fact_hit"] for r in recall_log], marker="x",
-                     ls=":", label=f"layer {layer + 1}: fact in top-k")
+                     ls=":", color=RECALL_COLOURS[(2 * layer + 1) % n],
+                     label=f"layer {layer + 1}: fact in top-k")
     axes[2].set(title="HyScale indexer recall (far answer rows, held-out batch)", xlabel="step",
                 ylim=(0, 1.02))
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot_curves(history: dict[str, list[dict[str, Any]]], recall_log: list[dict[str, Any]],
+                path: Path, chance: float) -> None:
+    """Loss and accuracy of both models per step (and HyScale's recall), saved as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = curves_figure(history, recall_log, chance)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -542,11 +567,26 @@ def plot_curves(history: dict[str, list[dict[str, Any]]], recall_log: list[dict[
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Train, report and write outputs; return the metrics written to metrics.json."""
+    """Train, report and write outputs; return the metrics written to metrics.json.
+
+    megatron-core's known warnings are hidden unless --all-warnings (HyScale's show); torch's
+    thread count is set from --threads for the run and restored after it.
+    """
+    from megatron_hyscale.testing.quiet import quiet_megatron
+
     task = validate_args(args)
+    threads_before = torch.get_num_threads()
+    with contextlib.nullcontext() if args.all_warnings else quiet_megatron():
+        try:
+            if args.threads:
+                torch.set_num_threads(args.threads)
+            return _train_and_report(args, task)
+        finally:
+            torch.set_num_threads(threads_before)
+
+
+def _train_and_report(args: argparse.Namespace, task: RecallTask) -> dict[str, Any]:
     device = resolve_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from tqdm.auto import tqdm
 
     out: Path = args.out
@@ -571,8 +611,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             recall_log.append(entry)
             return entry["hyscale"]
 
+        threads = torch.get_num_threads()
         print(f"HyScale demo: {args.layers}-layer MLA + DSA GPT, seq {args.seq_len}, top-k "
-              f"{args.topk}, batch {args.batch_size}, {args.steps} steps on {device}; "
+              f"{args.topk}, batch {args.batch_size}, {args.steps} steps on {device} with "
+              f"{threads} intra-op thread{'' if threads == 1 else 's'} (--threads); "
               f"{task.n_pairs} facts, {task.n_near} near and {task.n_far} far queries; chance "
               f"accuracy "
               f"{1 / task.n_values:.3f}" + ("; HyScale / stock side by side" if both else ""))
@@ -659,8 +701,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     plot_curves(history, recall_log, out / "curves.png", 1 / task.n_values)
 
-    print()
-    print("\n".join(table_lines(rows, both)))
     print()
     for name, s in summary.items():
         per_layer = ", ".join(

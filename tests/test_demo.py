@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +127,142 @@ def test_task_answers_are_the_paired_values() -> None:
     assert torch.equal(facts % task.n_values, targets - task.value_base)
     filler = ids[:, task.filler_start : task.far_start]
     assert bool((filler >= task.filler_base).all())
+
+
+def test_plot_gives_every_curve_its_own_colour_and_legend_entry(
+        tiny_run: tuple[dict, Path]) -> None:
+    import matplotlib.colors
+    import matplotlib.pyplot as plt
+
+    metrics, _ = tiny_run
+    fig = demo.curves_figure(metrics["history"], metrics["recall_log"], chance=0.25)
+    try:
+        loss, accuracy, recall = fig.axes
+        assert len(accuracy.get_lines()) == 5  # far and near of both models, and chance
+        assert len(recall.get_lines()) == 4  # recall and fact-in-top-k of both layers
+        for ax in fig.axes:
+            lines = ax.get_lines()
+            colours = [matplotlib.colors.to_hex(line.get_color()) for line in lines]
+            assert len(set(colours)) == len(colours), (ax.get_title(), colours)
+            labels = [line.get_label() for line in lines]
+            assert not any(label.startswith("_") for label in labels), labels
+            assert [t.get_text() for t in ax.get_legend().get_texts()] == labels
+    finally:
+        plt.close(fig)
+
+
+def test_threads_default_to_one_and_are_restored(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    seen: list[int] = []
+    monkeypatch.setattr(demo, "_train_and_report",
+                        lambda args, task: seen.append(torch.get_num_threads()) or {})
+    before = torch.get_num_threads()
+    demo.main([*TINY, "--out", str(tmp_path)])
+    demo.main([*TINY, "--threads", "3", "--out", str(tmp_path)])
+    demo.main([*TINY, "--threads", "0", "--out", str(tmp_path)])
+    assert seen == [1, 3, before]
+    assert torch.get_num_threads() == before
+
+
+def _demo_cli(out: Path, *extra: str) -> subprocess.Popen:
+    # Each process picks its own rendezvous port (this one's MASTER_PORT is taken).
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.Popen([sys.executable, "-m", "megatron_hyscale.demo", *TINY, "--out",
+                             str(out), *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def test_cli_output_is_quiet_and_prints_the_table_once(tmp_path: Path) -> None:
+    """A fresh process (megatron-core's import-time warnings included): none of the known
+    megatron-core warnings, one step table, the thread count; --all-warnings shows them."""
+    from megatron_hyscale.testing.quiet import MEGATRON_LOG_MESSAGES, MEGATRON_WARNINGS
+
+    quiet, loud = _demo_cli(tmp_path / "quiet"), _demo_cli(tmp_path / "loud", "--all-warnings")
+    out, _ = quiet.communicate(timeout=600)
+    loud_out, _ = loud.communicate(timeout=600)
+    assert quiet.returncode == 0 and loud.returncode == 0, out[-3000:] + loud_out[-3000:]
+    for pattern in [w.message for w in MEGATRON_WARNINGS] + [m for _, m in MEGATRON_LOG_MESSAGES]:
+        assert not re.search(pattern, out), pattern
+    assert "Warning" not in out, out[:3000]
+    assert re.search(r"full scope is deprecated", loud_out)  # the filters did the hiding
+    assert re.search(r"GPTModel IS DEPRECATED", loud_out)
+    header = demo.table_lines([], both=True)[0]
+    assert out.count(header) == loud_out.count(header) == 1
+    assert "with 1 intra-op thread (--threads)" in out
+
+
+# --------------------------------------------------------------------------- scripts/run.sh
+
+RUN_SH = Path(__file__).resolve().parents[1] / "scripts" / "run.sh"
+
+
+def _find_python(tmp_path: Path, programs: dict[str, str], env: dict[str, str] | None = None
+                 ) -> subprocess.CompletedProcess:
+    """run.sh's find_python with a PATH holding only `programs` (name -> "new": a Python
+    >= 3.12, this one; "old": one that reports an older version; "pyenv": a fake pyenv whose
+    root is tmp_path / "pyenv") plus the tools the function uses."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for tool in ("ls", "sort"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    for name, kind in programs.items():
+        path = bin_dir / name
+        if kind == "new":
+            path.symlink_to(sys.executable)
+        elif kind == "old":  # what Python < 3.12 answers to the version check
+            path.write_text("#!/bin/sh\nexit 1\n")
+            path.chmod(0o755)
+        elif kind == "pyenv":  # `pyenv root` answers; `pyenv which` finds nothing, as a
+            path.write_text(  # pyenv whose selected version has no python3.12 does
+                f'#!/bin/sh\n[ "$1" = root ] && echo {tmp_path / "pyenv"} && exit 0\nexit 127\n')
+            path.chmod(0o755)
+    script = f'source "{RUN_SH}"; find_python'
+    return subprocess.run([shutil.which("bash"), "-c", script], capture_output=True, text=True,
+                          env={"PATH": str(bin_dir), "HOME": str(tmp_path), **(env or {})})
+
+
+def _pyenv_version(tmp_path: Path, version: str, kind: str) -> str:
+    path = tmp_path / "pyenv" / "versions" / version / "bin" / "python3"
+    path.parent.mkdir(parents=True)
+    if kind == "new":
+        path.symlink_to(sys.executable)
+    else:
+        path.write_text("#!/bin/sh\nexit 1\n")
+        path.chmod(0o755)
+    return str(path)
+
+
+def test_run_sh_takes_the_first_new_enough_python_on_path(tmp_path: Path) -> None:
+    got = _find_python(tmp_path, {"python3.12": "old", "python3.13": "new", "python3": "new"})
+    assert got.returncode == 0 and got.stdout.strip() == str(tmp_path / "bin" / "python3.13")
+
+
+def test_run_sh_falls_back_to_pyenv_versions_preferring_3_12(tmp_path: Path) -> None:
+    _pyenv_version(tmp_path, "3.11.7", "old")
+    _pyenv_version(tmp_path, "3.13.0", "new")
+    wanted = _pyenv_version(tmp_path, "3.12.1", "new")
+    got = _find_python(tmp_path, {"python3": "old", "pyenv": "pyenv"})
+    assert got.returncode == 0 and got.stdout.strip() == wanted
+
+
+def test_run_sh_says_how_to_choose_when_none_is_found(tmp_path: Path) -> None:
+    got = _find_python(tmp_path, {"python3": "old"})
+    assert got.returncode == 1 and got.stdout == ""
+    assert "no Python >= 3.12" in got.stderr and "HYSCALE_PYTHON" in got.stderr
+
+
+def test_run_sh_hyscale_python_is_taken_alone(tmp_path: Path) -> None:
+    old = tmp_path / "old-python"
+    old.write_text("#!/bin/sh\nexit 1\n")
+    old.chmod(0o755)
+    got = _find_python(tmp_path, {"python3": "new"}, env={"HYSCALE_PYTHON": str(old)})
+    assert got.returncode == 1 and f"HYSCALE_PYTHON={old}" in got.stderr  # no silent fallback
+    got = _find_python(tmp_path / "2", {"python3": "old"},
+                       env={"HYSCALE_PYTHON": sys.executable})
+    assert got.returncode == 0 and got.stdout.strip() == sys.executable
+
+
+def test_run_sh_has_no_machine_specific_interpreter() -> None:
+    text = RUN_SH.read_text()
+    assert "/root/" not in text and ".pyenv/versions/3." not in text
