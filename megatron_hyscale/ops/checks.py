@@ -1,6 +1,10 @@
-"""Input validation shared by the ops: every failure is a ValueError naming the argument."""
+"""Input validation shared by the ops (every failure is a ValueError naming the argument), and
+the one-time warnings of a fast path that cannot run."""
 
 from __future__ import annotations
+
+import math
+import warnings
 
 import torch
 
@@ -61,3 +65,63 @@ def check_backend(backend: str, allowed: tuple[str, ...] = ("auto", "triton", "r
     if backend not in allowed:
         raise ValueError(f"backend must be one of {allowed}, got {backend!r}")
     return backend
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_softmax_scale(value: object) -> float:
+    """softmax_scale must be a finite real number > 0 (bool is refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        math.isfinite(value) and value > 0
+    ):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def check_index_range(name: str, indices: torch.Tensor, num_keys: int) -> None:
+    """Every entry must be -1 (ignored) or a key index in [0, num_keys)."""
+    if indices.numel() == 0:
+        return
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < -1 or hi >= num_keys:
+        raise ValueError(f"{name} must lie in [-1, {num_keys}) (-1 = no key), got values in "
+                         f"[{lo}, {hi}]")
+
+
+def normalize_positions(
+    name: str, positions: torch.Tensor | None, batch: int, length: int, default_start: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Return int64 positions of shape [batch, length] (validated; default arange + start)."""
+    if positions is None:
+        return (torch.arange(length, device=device, dtype=torch.int64) + default_start).expand(
+            batch, length
+        )
+    check_tensor(name, positions, ndim=(1, 2), dtypes=INT_DTYPES)
+    if positions.device != device:
+        raise ValueError(f"{name} is on {positions.device} but q is on {device}")
+    if positions.dim() == 1:
+        if positions.shape[0] != length:
+            raise ValueError(f"{name} must have {length} entries, got {positions.shape[0]}")
+        positions = positions.unsqueeze(0).expand(batch, length)
+    elif tuple(positions.shape) != (batch, length):
+        raise ValueError(f"{name} must be [{length}] or [{batch}, {length}], got "
+                         f"{tuple(positions.shape)}")
+    return positions.to(torch.int64)
+
+
+# Keys of the warnings given so far (this process).
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str, stacklevel: int = 3) -> None:
+    """Warn the first time a fast path is declined for `key` (its cause), naming why; later
+    calls with the same key stay quiet. stacklevel counts from this function (3: the caller's
+    caller)."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)

@@ -8,51 +8,19 @@ act = ReLU or identity. Key s is visible to query t iff k_positions[s] <= q_posi
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from megatron_hyscale.ops import reference
 from megatron_hyscale.ops.checks import (
     FLOAT_DTYPES,
-    INT_DTYPES,
     check_backend,
     check_finite,
     check_positive_int,
     check_same_device,
     check_tensor,
+    normalize_positions,
+    warn_once,
 )
-
-_warned: set[str] = set()
-
-
-def warn_once(key: str, message: str) -> None:
-    """Warn the first time a fast path is declined, naming why; later calls stay quiet."""
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def normalize_positions(
-    name: str, positions: torch.Tensor | None, batch: int, length: int, default_start: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """Return int64 positions of shape [batch, length] (validated; default arange + start)."""
-    if positions is None:
-        return (torch.arange(length, device=device, dtype=torch.int64) + default_start).expand(
-            batch, length
-        )
-    check_tensor(name, positions, ndim=(1, 2), dtypes=INT_DTYPES)
-    if positions.device != device:
-        raise ValueError(f"{name} is on {positions.device} but q is on {device}")
-    if positions.dim() == 1:
-        if positions.shape[0] != length:
-            raise ValueError(f"{name} must have {length} entries, got {positions.shape[0]}")
-        positions = positions.unsqueeze(0).expand(batch, length)
-    elif tuple(positions.shape) != (batch, length):
-        raise ValueError(f"{name} must be [{length}] or [{batch}, {length}], got "
-                         f"{tuple(positions.shape)}")
-    return positions.to(torch.int64)
 
 
 def validate_hytopk_inputs(

@@ -23,18 +23,15 @@ from megatron_hyscale.ops.checks import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_backend,
+    check_bool,
     check_finite,
+    check_index_range,
     check_same_device,
+    check_softmax_scale,
     check_tensor,
+    normalize_positions,
+    warn_once,
 )
-from megatron_hyscale.ops.hytopk import normalize_positions, warn_once
-from megatron_hyscale.ops.sparse_attention import check_index_range, check_softmax_scale
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
-    return value
 
 
 def validate_indexer_loss_inputs(
@@ -73,7 +70,7 @@ def validate_indexer_loss_inputs(
         raise ValueError(f"key has {key.shape[2]} heads, which must divide query's {Hq} heads")
     if key.dtype != query.dtype:
         raise ValueError(f"key dtype {key.dtype} must match query dtype {query.dtype}")
-    _check_bool("sparse", sparse)
+    check_bool("sparse", sparse)
     if topk_indices is None:
         if sparse:
             raise ValueError("topk_indices is required when sparse=True")
@@ -161,7 +158,7 @@ def indexer_kl_loss(
     check_backend(backend)
     for name, flag in (("relu", relu), ("calculate_per_token_loss", calculate_per_token_loss),
                        ("deterministic", deterministic)):
-        _check_bool(name, flag)
+        check_bool(name, flag)
     scale, coeff, qpos, kpos = validate_indexer_loss_inputs(
         q_index, weights, k_index, query, key, topk_indices, softmax_scale, loss_coeff, sparse,
         q_positions, k_positions,

@@ -8,8 +8,6 @@ fp32; the output comes back in q's dtype.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from megatron_hyscale.ops import reference
@@ -18,28 +16,11 @@ from megatron_hyscale.ops.checks import (
     INT_DTYPES,
     check_backend,
     check_finite,
+    check_index_range,
     check_same_device,
+    check_softmax_scale,
     check_tensor,
 )
-
-
-def check_softmax_scale(value: object) -> float:
-    """softmax_scale must be a finite real number > 0 (bool is refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-        math.isfinite(value) and value > 0
-    ):
-        raise ValueError(f"softmax_scale must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
-def check_index_range(name: str, indices: torch.Tensor, num_keys: int) -> None:
-    """Every entry must be -1 (ignored) or a key index in [0, num_keys)."""
-    if indices.numel() == 0:
-        return
-    lo, hi = int(indices.min()), int(indices.max())
-    if lo < -1 or hi >= num_keys:
-        raise ValueError(f"{name} must lie in [-1, {num_keys}) (-1 = no key), got values in "
-                         f"[{lo}, {hi}]")
 
 
 def check_prefix_lengths(prefix_lengths: torch.Tensor, indices: torch.Tensor, B: int, T: int,

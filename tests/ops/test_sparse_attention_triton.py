@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from megatron_hyscale.ops.kernels import common  # noqa: E402
 from megatron_hyscale.ops.kernels import sparse_attention as kern  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -171,8 +172,8 @@ def test_adjacent_head_blocks_give_the_same_results(case, fused, monkeypatch):
     monkeypatch.setattr(kern, "BWD_FUSED", fused)
     monkeypatch.setattr(kern, "BWD_FUSED_TILINGS", ((16, 1),))
     q, k, v, idx, sink, dv, scale = build(case, seed=7)
-    real_grid, grids, runs = kern._grid, [], []
-    monkeypatch.setattr(kern, "_grid",
+    real_grid, grids, runs = kern.launch_grid, [], []
+    monkeypatch.setattr(kern, "launch_grid",
                         lambda *a: grids.append((a, real_grid(*a))) or grids[-1][1])
     for adjacent in (False, True):
         monkeypatch.setattr(kern, "HEAD_BLOCKS_ADJACENT", adjacent)
@@ -183,7 +184,7 @@ def test_adjacent_head_blocks_give_the_same_results(case, fused, monkeypatch):
         # every launch used the grid this order asks for: 1-D (NG > 0) when adjacent and the
         # query's programs are head blocks of one KV head (they share its indices)
         assert grids and all((len(g) == 1 and ng > 0) == (adjacent and kv == 1 and nhb > 1)
-                             for (_, kv, nhb), (g, ng) in grids)
+                             for (_, kv, nhb, _), (g, ng) in grids)
         if adjacent and case == "two_head_blocks":
             assert any(len(g) == 1 for _, (g, _) in grids)
     for a, b in zip(*runs, strict=True):
@@ -245,12 +246,12 @@ def test_deterministic_repeatable_and_close_to_atomic():
 def test_fixed_point_scale_bounds_sum():
     """n addends of size <= rowmax, scaled, fit in 2^FIXED_BITS; zero rows get scale 1."""
     rowmax = torch.tensor([0.0, 1e-30, 3.0, 1e20])
-    scale, exp = kern._fixed_point_scale(rowmax, 1000)
+    scale, exp = common.fixed_point_scale(rowmax, 1000)
     assert scale[0] == 1.0 and exp[0] == 0
-    assert (rowmax.double() * scale.double() * 1000 <= 2.0 ** kern.FIXED_BITS).all()
+    assert (rowmax.double() * scale.double() * 1000 <= 2.0 ** common.FIXED_BITS).all()
     # At least 2^(FIXED_BITS - 1) of headroom is used (the scale is the largest safe one),
     # except where it is capped.
-    ok = rowmax.double() * scale.double() * 1000 * 2 > 2.0 ** kern.FIXED_BITS
+    ok = rowmax.double() * scale.double() * 1000 * 2 > 2.0 ** common.FIXED_BITS
     assert ok[2:].all()
 
 
@@ -289,7 +290,7 @@ def test_split_backward_and_discard_mode():
     assert torch.equal(dq, full[0]) and dvv is None and full[2] is None
     close("dk", dk, full[1])
     buf, none = kern.sparse_attention_bwd_dkv(q, k, v, idx, scale, lse, dout, delta, dv=dv,
-                                              mode=kern.MODE_DISCARD)
+                                              mode=common.MODE_DISCARD)
     B, S, Hkv = k.shape[:3]
     assert none is None and buf.shape == (B, S, Hkv) and torch.isfinite(buf).all()
     picked = torch.zeros(B, S, dtype=torch.bool, device=DEVICE)

@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
                     reason="Gluon's Hopper API (tested with Triton 3.6)")
+from megatron_hyscale.ops import checks  # noqa: E402
 from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90  # noqa: E402
 
 
@@ -48,15 +49,15 @@ def test_cpu_tensors_are_never_its_case():
     assert not sm90.applies(q, k, None, 512, None, None)
 
 
-def test_warnings_are_once_per_cause_and_disable_is_per_variant():
-    sm90._warned.clear()
+def test_warnings_are_once_per_cause_and_disable_is_per_variant(monkeypatch):
+    monkeypatch.setattr(checks, "_warned", set())  # no warning given yet in this process
     with pytest.warns(RuntimeWarning, match="q's rows.*strides \\(1"):
-        sm90.warn_once("q's rows are not aligned", "strides (1, 2)")
+        sm90.warn_cannot_run("q's rows are not aligned", "strides (1, 2)")
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        sm90.warn_once("q's rows are not aligned", "strides (3, 4)")  # same cause: silent
+        sm90.warn_cannot_run("q's rows are not aligned", "strides (3, 4)")  # same cause: silent
     q, _ = _qk()
     key = sm90.variant(q)
     try:
@@ -66,4 +67,3 @@ def test_warnings_are_once_per_cause_and_disable_is_per_variant():
         assert sm90.variant(_qk(d=320)[0]) not in sm90._disabled  # other variants unaffected
     finally:
         sm90._disabled.discard(key)
-        sm90._warned.clear()

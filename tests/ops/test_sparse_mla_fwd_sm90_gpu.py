@@ -50,15 +50,10 @@ def reference(q, k, idx, scale):
 
 
 def run(q, k, idx, scale, adjacent=True):
-    from megatron_hyscale.ops.kernels import sparse_attention as sa
     from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import sparse_mla_fwd_sm90
 
-    saved = sa.HEAD_BLOCKS_ADJACENT
-    sa.HEAD_BLOCKS_ADJACENT = adjacent  # the launch order the Triton kernels share
-    try:
-        return sparse_mla_fwd_sm90(q, k, idx, scale)
-    finally:
-        sa.HEAD_BLOCKS_ADJACENT = saved
+    # adjacent: the launch order the Triton kernels share (common.launch_grid)
+    return sparse_mla_fwd_sm90(q, k, idx, scale, head_blocks_adjacent=adjacent)
 
 
 def check(out, lse, ref_out, ref_lse):
@@ -180,7 +175,8 @@ def test_sparse_attention_dispatches_to_it_and_differentiates():
 
 @needs_hopper
 @pytest.mark.parametrize("width", [579, 584])  # 579: rows of odd bytes; 584 = 8 x 73
-def test_unaligned_rows_warn_once_and_use_the_triton_forward(width):
+def test_unaligned_rows_warn_once_and_use_the_triton_forward(width, monkeypatch):
+    from megatron_hyscale.ops import checks
     from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90
     from megatron_hyscale.ops.sparse_attention import sparse_attention
 
@@ -188,7 +184,7 @@ def test_unaligned_rows_warn_once_and_use_the_triton_forward(width):
     wide = torch.zeros(1, 16, 64, width, device="cuda", dtype=q.dtype)
     wide[..., :576] = q
     qs = wide[..., :576]
-    sm90._warned.clear()
+    monkeypatch.setattr(checks, "_warned", set())  # the other width warned already
     with pytest.warns(RuntimeWarning, match="q's rows"):
         out = sparse_attention(qs, k, None, idx, scale, dv=512)
     with warnings.catch_warnings():

@@ -22,11 +22,13 @@ skipped key could never have entered the buffer), so the outputs are bit-identic
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from megatron_hyscale.ops.kernels.common import MIN_DOT, fix_interpreter
+
+fix_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1
 
 # Keys per streamed tile (64 keys x 128 GEMM rows with 4 warps measured fastest on the H200 of
 # the tiles tried, 2026-11-29: 3.1x the GEMM floor for scoring alone against 3.9x for 128 keys
@@ -39,8 +41,6 @@ GEMM_ROWS = 128
 # of it in registers: compiled for sm_90a (keys on M), 16 rows run a 939-instruction tile loop
 # without spills where 32 rows ran 3686 (heads on M) with 129 spill loads / stores.
 SMALL_HEADS = 32
-# tl.dot's smallest reduction width: narrower head dims are zero-padded by the masked loads.
-MIN_DOT = 16
 SMALL_HEADS_GEMM_ROWS = 64
 # Query rows per program when relu=False (one folded query per row, so the GEMM is R tall).
 ROWS_NO_RELU = 32
@@ -482,30 +482,6 @@ def _hytopk_kernel(
     if PRUNE:
         tl.store(stats_ptr + pid * 2, n_pruned)
         tl.store(stats_ptr + pid * 2 + 1, n_considered)
-
-
-def _interpreter_index_fix() -> None:
-    """Let run-time loop bounds work under TRITON_INTERPRET=1 with numpy >= 2.4.
-
-    Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(),
-    which numpy 2.4 rejects for arrays of one dimension; read the single element instead.
-    """
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_hyscale_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._hyscale_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _interpreter_index_fix()
 
 
 def _num_programs(device: torch.device, n_blocks: int) -> int:

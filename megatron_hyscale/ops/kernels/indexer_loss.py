@@ -26,29 +26,28 @@ fp32 [B, T] row statistics, besides the inputs.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from megatron_hyscale.ops.kernels.hytopk import _interpreter_index_fix
-from megatron_hyscale.ops.kernels.sparse_attention import (
+from megatron_hyscale.ops.kernels.common import (
+    LN2_JIT,
+    LOG2E,
+    LOG2E_JIT,
+    MIN_DOT,
     MODE_ATOMIC,
     MODE_FIXED,
     MODE_ROWMAX,
-    _accumulate,
-    _fixed_point_scale,
+    WIDE_TILE,
+    accumulate,
+    channel_split,
+    dot_precision,
+    fix_interpreter,
+    fixed_point_scale,
 )
 from megatron_hyscale.ops.kernels.tiling import launch_first_fitting
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _interpreter_index_fix()  # run-time loop bounds under the interpreter with numpy >= 2.4
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-_LOG2E = tl.constexpr(LOG2E)
-_LN2 = tl.constexpr(LN2)
+fix_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1
 # megatron-core's INDEXER_LOSS_EPS: the clamp of the target's normalization and of its log.
 EPS = 1e-10
 _EPS = tl.constexpr(EPS)
@@ -61,14 +60,10 @@ _INVALID = tl.constexpr(INVALID)
 # Query heads per program in the target kernel (the MMA's M), as in the sparse-attention
 # forward: a [64 x 576] bf16 query block stays resident; more heads loop over head blocks.
 MAX_BLOCK_H = 64
-# tl.dot needs every dimension >= 16 (heads, keys and channels are padded up to it).
-MIN_DOT = 16
 # (keys per step, pipeline stages), best first; a tiling that fails to compile or launch for
 # lack of shared memory or registers is skipped and the next one tried.
 TARGET_TILINGS = ((32, 2), (64, 1), (32, 1), (16, 1))
 INDEX_TILINGS = ((64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
-# Warps a program: 8 once the resident [heads x dims] tile is large (>= 64 x 256), else 4.
-WIDE_TILE = 64 * 256
 
 
 # --------------------------------------------------------------------------- jit bodies
@@ -180,7 +175,7 @@ def _target_kernel(
 
         if HAS_LSE:
             lse = tl.load(lse_ptr + b * slb + t * slt + (kvh * G + offs_h) * slh, mask=h_mask,
-                          other=float("-inf")) * _LOG2E
+                          other=float("-inf")) * LOG2E_JIT
             m_use = tl.where(lse == float("-inf"), 0.0, lse)
             inv_l = tl.where(h_mask & (lse > float("-inf")), 1.0, 0.0)
         else:
@@ -269,14 +264,14 @@ def _loss_kernel(
         rows, valid, p, _ = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
         _, _, _, s = _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
                                    PRECISION)
-        s2 = tl.where(valid, s * _LOG2E, float("-inf"))
+        s2 = tl.where(valid, s * LOG2E_JIT, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s2, axis=0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(s2 - m_use), axis=0)
         m_i = m_new
         total += tl.sum(tl.where(valid, p, 0.0), axis=0)
     nonempty = l_i > 0.0
-    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * _LN2, 0.0)
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_JIT, 0.0)
     den = tl.maximum(total, _EPS)
 
     kl = tl.zeros([], tl.float32)
@@ -344,7 +339,7 @@ def _bwd_kernel(
             g_l = tl.where(logits > 0.0, g_l, 0.0)  # ReLU'(0) = 0, as torch's
         dq += tl.dot(g_l.to(kt.dtype), kt, input_precision=PRECISION)
         dk_t = tl.dot(tl.trans(g_l).to(q.dtype), q, input_precision=PRECISION)
-        _accumulate(dk_base + rows[:, None] * sdks + offs_d[None, :] * sdkd, dk_t, rows, valid,
+        accumulate(dk_base + rows[:, None] * sdks + offs_d[None, :] * sdkd, dk_t, rows, valid,
                     d_mask, rm_base, fx_base, srms, MODE)
     if MODE != 1:  # the row-max pass of the deterministic mode writes only its maxima
         h_mask = offs_h < H
@@ -369,30 +364,22 @@ def _launch(kernel, grid, args, const, tilings, num_warps, key, block_n=None):
                          "indexer-loss")
 
 
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 inputs get exact fp32 products (the interpreter and the CPU tests); bf16 / fp16
-    # products are exact in the MMA anyway, accumulated in fp32.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _index_geometry(q_index):
     H, D = q_index.shape[2], q_index.shape[3]
     block_h = max(MIN_DOT, triton.next_power_of_2(H))
     d_pad = max(MIN_DOT, triton.next_power_of_2(D))
-    num_warps = 8 if block_h * d_pad >= WIDE_TILE else 4
-    return dict(BLOCK_H=block_h, D_PAD=d_pad, PRECISION=_precision(q_index.dtype)), num_warps
+    num_warps = 8 if block_h * d_pad >= WIDE_TILE else 4  # 8 once the resident tile is large
+    return dict(BLOCK_H=block_h, D_PAD=d_pad, PRECISION=dot_precision(q_index.dtype)), num_warps
 
 
 def _target_geometry(query, key):
     Hq, D = query.shape[2], query.shape[3]
     G = Hq // key.shape[2]
     block_h = min(MAX_BLOCK_H, max(MIN_DOT, triton.next_power_of_2(G)))
-    d_main = max(MIN_DOT, 1 << (D.bit_length() - 1))
-    rest = D - d_main
-    d_tail = max(MIN_DOT, triton.next_power_of_2(rest)) if rest > 0 else 0
+    d_main, d_tail = channel_split(D)
     num_warps = 8 if block_h * d_main >= WIDE_TILE else 4
     const = dict(D_MAIN=d_main, D_TAIL=d_tail, BLOCK_H=block_h,
-                 PRECISION=_precision(query.dtype))
+                 PRECISION=dot_precision(query.dtype))
     return G, triton.cdiv(G, block_h), const, num_warps
 
 
@@ -472,7 +459,7 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
         return dq, dw, dk_acc.to(k_index.dtype)
     run(MODE_ROWMAX, rowmax)
     # Repeated indices are dropped, so a dk element gets at most one addend per query row.
-    scale, exp = _fixed_point_scale(rowmax, T)
+    scale, exp = fixed_point_scale(rowmax, T)
     run(MODE_FIXED, scale)
     dk = torch.ldexp(dk_acc.double(), -exp.unsqueeze(-1)).to(k_index.dtype)
     return dq, dw, dk

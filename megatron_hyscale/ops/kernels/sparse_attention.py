@@ -27,25 +27,33 @@ resolution 2^-44 of the row's largest contribution).
 
 from __future__ import annotations
 
-import math
-import os
 import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-from megatron_hyscale.ops.kernels.hytopk import _interpreter_index_fix
+from megatron_hyscale.ops.kernels.common import (
+    LN2_JIT,
+    LOG2E,
+    LOG2E_JIT,
+    MAX_BLOCK_H,
+    MIN_DOT,
+    MODE_ATOMIC,
+    MODE_DISCARD,
+    MODE_FIXED,
+    MODE_ROWMAX,
+    WIDE_TILE,
+    accumulate,
+    channel_split,
+    dot_precision,
+    fix_interpreter,
+    fixed_point_scale,
+    launch_grid,
+)
 from megatron_hyscale.ops.kernels.tiling import launch_first_fitting
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _interpreter_index_fix()  # run-time loop bounds under the interpreter with numpy >= 2.4
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-# The same constants inside @triton.jit bodies (globals read there must be constexpr).
-_LOG2E = tl.constexpr(LOG2E)
-_LN2 = tl.constexpr(LN2)
+fix_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1
 
 # Launch order of a query's head-block programs when it has one KV head (the heads of one KV
 # head split over several programs: V3.2's 128 heads in two blocks of 64, the dK/dV kernel's
@@ -55,7 +63,7 @@ _LN2 = tl.constexpr(LN2)
 # either way (only the order changes). One program a query (GLM-5.1, CSA): no difference.
 # Timed on the H200 (2026-11-30, `bench_attention.py --t 131072 --shapes v32 --head-blocks
 # {split,adjacent}`, random indices): V3.2 forward 325.5 -> 307.6 ms, backward 1901.9 ->
-# 1663.4 ms. Several KV heads always run split (_grid): their indices differ, so adjacent
+# 1663.4 ms. Several KV heads always run split (launch_grid): their indices differ, so adjacent
 # programs gather different rows, and the split grid keeps a KV head's neighbouring queries
 # (which share their sliding-window keys) together. QSA's 2 KV heads: its 512K layer step
 # outside the selection (mostly this kernel) took 5088 ms split and 5279-5287 adjacent (H200,
@@ -71,11 +79,6 @@ FWD_SOFTMAX = True
 # gathers overlap the products; every other shape and device runs `_fwd_kernel`. False: always
 # `_fwd_kernel` (`bench_attention.py --fwd-kernel triton` times it beside the Gluon one).
 FWD_SM90 = True
-# Query heads per program: the MMA's M. 64 is one wgmma tile height; a [64 x 512] fp32
-# accumulator already takes 128 registers a thread over 8 warps, so 128 heads use two programs.
-MAX_BLOCK_H = 64
-# tl.dot needs every dimension >= 16 (heads, keys and channels are padded up to it).
-MIN_DOT = 16
 # Shared memory budget used to rank tilings before trying them (H100/H200: 227 KiB a block).
 SMEM_BUDGET = 220 * 1024
 # (keys per step, pipeline stages), best first; a tiling that fails to compile or launch for
@@ -96,9 +99,8 @@ DKV_TILINGS = ((64, 1), (16, 2))
 # the QSA backward at 128K slower (1296 against 904 ms), so they keep the earlier ones.
 NARROW_DQ_TILINGS = BWD_TILINGS
 NARROW_DKV_TILINGS = ((16, 2), (32, 1), (16, 1))
-# Warps a program: WIDE_WARPS once the accumulator tile is large (>= 64 x 256 fp32), else 4;
+# Warps a program: WIDE_WARPS once the accumulator tile is large (>= WIDE_TILE fp32), else 4;
 # per kernel, since the backward kernels hold a second [heads x dims] fp32 accumulator's worth.
-WIDE_TILE = 64 * 256
 WIDE_WARPS = {"fwd": 8, "dq": 8, "dkv": 8}
 # The dK/dV kernel with the keys on M reads q and dO in two MMA layouts (B of K @ q^T and of
 # dS^T @ q), which Triton keeps as two shared-memory copies; its head block is halved until both
@@ -118,20 +120,6 @@ DKV_CHANNELS_ON_M = True
 # channels-on-M dK/dV kernel does at one stage.
 BWD_FUSED = False
 BWD_FUSED_TILINGS = ((16, 2),)
-
-# dK/dV accumulation modes of the dK/dV kernel.
-MODE_ATOMIC = 0  # fp32 atomic adds (fast; the rounding depends on the atomics' order)
-MODE_ROWMAX = 1  # deterministic pass 1: atomic max of |contribution| per key row
-MODE_FIXED = 2  # deterministic pass 2: int64 fixed-point atomic adds (order-free)
-# Measurement only: the same products, each tile reduced to one number and stored to a per-key-row
-# slot with a plain store (no atomics), so `bench_attention.py --bwd-sweep` can time the kernel
-# without its accumulation. Its output is not a gradient.
-MODE_DISCARD = 3
-# Bits of the int64 accumulators used by the sum of one element's contributions (63 is the
-# sign-free maximum; one bit spare for the rounding of each addend).
-FIXED_BITS = 62
-# Largest power-of-two scale (an fp32 must hold it).
-MAX_SCALE_EXP = 120
 
 
 # --------------------------------------------------------------------------- jit bodies
@@ -266,7 +254,7 @@ def _fwd_kernel(
         m_i = m_new
 
     if HAS_SINK:
-        sink2 = tl.load(sink_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * _LOG2E
+        sink2 = tl.load(sink_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * LOG2E_JIT
         m_f = tl.maximum(m_i, sink2)
         rescale = tl.exp2(m_i - m_f)
         l_f = l_i * rescale + tl.exp2(sink2 - m_f)
@@ -279,7 +267,7 @@ def _fwd_kernel(
     o_ptrs = out_ptr + b * sob + t * sot + heads[:, None] * soh + offs_v[None, :] * sod
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
              mask=h_mask[:, None] & (offs_v[None, :] < DV))
-    tl.store(lse_ptr + b * slb + t * slt + heads * slh, lse2 * _LN2, mask=h_mask)
+    tl.store(lse_ptr + b * slb + t * slt + heads * slh, lse2 * LN2_JIT, mask=h_mask)
 
 
 @triton.jit
@@ -308,10 +296,10 @@ def _dkv_tiles_channels_on_m(q_main, do, p, ds, V_IS_K_MAIN: tl.constexpr,
 def _dkv_add(base, stat_base, scale_base, rows, valid, tile, offs, s_row, s_col, n_cols, srs,
              MODE: tl.constexpr):
     """Add a [keys x channels] tile (channels offs, < n_cols real) into its key rows of one
-    dK or dV accumulator (see _accumulate). Callers add the main dK tile before computing the
+    dK or dV accumulator (see common.accumulate). Callers add the main dK tile before computing the
     tail's, so that two such fp32 tiles are never live together (sm_90a, fused backward
     16 x 1: 212 bytes of spills against 696 when they were)."""
-    _accumulate(base + rows[:, None] * s_row + offs[None, :] * s_col, tile, rows, valid,
+    accumulate(base + rows[:, None] * s_row + offs[None, :] * s_col, tile, rows, valid,
                 offs[None, :] < n_cols, stat_base, scale_base, srs, MODE)
 
 
@@ -359,9 +347,9 @@ def _bwd_dq_kernel(
         # d lse / d s_j = p_j: the lse's gradient enters dS as -dlse inside (dP - Delta).
         delta -= tl.load(dlse_ptr + stat, mask=h_mask, other=0.0)
     tl.store(delta_ptr + stat, delta, mask=h_mask)
-    lse2 = tl.load(lse_ptr + stat, mask=h_mask, other=0.0) * _LOG2E
+    lse2 = tl.load(lse_ptr + stat, mask=h_mask, other=0.0) * LOG2E_JIT
     if HAS_SINK:
-        sink2 = tl.load(sink_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * _LOG2E
+        sink2 = tl.load(sink_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * LOG2E_JIT
         tl.store(dsink_ptr + stat, -tl.exp2(sink2 - lse2) * delta, mask=h_mask)
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # empty row: every p is exp2(-inf) = 0
 
@@ -425,24 +413,6 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _accumulate(ptrs, tile, rows, valid, col_mask, rowmax_base, scale_base, srs,
-                MODE: tl.constexpr):
-    """Add a [keys x channels] fp32 tile into its key rows, by the given MODE."""
-    mask = valid[:, None] & col_mask
-    if MODE == 0:
-        tl.atomic_add(ptrs, tile, mask=mask, sem="relaxed")
-    elif MODE == 1:
-        tl.atomic_max(rowmax_base + rows * srs, tl.max(tl.abs(tile), axis=1), mask=valid,
-                      sem="relaxed")
-    elif MODE == 3:
-        tl.store(rowmax_base + rows * srs, tl.sum(tl.where(mask, tile, 0.0), axis=1), mask=valid)
-    else:
-        fx = tl.load(scale_base + rows * srs, mask=valid, other=0.0)
-        fixed = tl.floor(tile * fx[:, None] + 0.5).to(tl.int64)
-        tl.atomic_add(ptrs, fixed, mask=mask, sem="relaxed")
-
-
-@triton.jit
 def _bwd_dkv_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, dout_ptr, lse_ptr, delta_ptr,
     dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr,
@@ -476,7 +446,7 @@ def _bwd_dkv_kernel(
                  mask=h_mask[:, None] & v_mask, other=0.0)
     stat = b * slb + t * slt + heads * slh
     delta = tl.load(delta_ptr + stat, mask=h_mask, other=0.0)
-    lse2 = tl.load(lse_ptr + stat, mask=h_mask, other=0.0) * _LOG2E
+    lse2 = tl.load(lse_ptr + stat, mask=h_mask, other=0.0) * LOG2E_JIT
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
 
     k_base = k_ptr + b * skb + kvh * skh
@@ -553,15 +523,13 @@ class _Geometry:
             raise ValueError(f"the kernels need a head dim of at least {MIN_DOT}, got {d} "
                              "(sparse_attention_triton zero-pads narrower heads)")
         self.D = d
-        self.d_main = max(MIN_DOT, 1 << (d.bit_length() - 1))
-        rest = d - self.d_main
-        self.d_tail = max(MIN_DOT, triton.next_power_of_2(rest)) if rest > 0 else 0
+        self.d_main, self.d_tail = channel_split(d)
         self.dv = v.shape[-1] if v is not None else (dv if dv is not None else d)
         self.dv_pad = max(MIN_DOT, triton.next_power_of_2(self.dv))
         # V read from K's already-gathered main tile (absorbed MLA: dv = 512 = main part of 576).
         self.v_is_k_main = v is None and self.dv == self.d_main
         self.wide = self.block_h * max(self.dv_pad, self.d_main) >= WIDE_TILE
-        self.precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        self.precision = dot_precision(q.dtype)
 
     def num_warps(self, kernel: str) -> int:
         return WIDE_WARPS[kernel] if self.wide else 4
@@ -633,7 +601,7 @@ def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None,
     out = torch.empty((B, T, Hq, geo.dv), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
     v_src, v_str = _v_source(k, v, geo)
-    grid, ng = _grid(B * T, k.shape[2], geo.nhb)
+    grid, ng = launch_grid(B * T, k.shape[2], geo.nhb, HEAD_BLOCKS_ADJACENT)
     pre, pre_str = _prefix_args(prefix_lengths, lse)
     args = (q, k, v_src, indices, pre, sink if sink is not None else lse, out, lse,
             T, NK, geo.G, geo.nhb, softmax_scale * LOG2E,
@@ -668,7 +636,7 @@ def hopper_forward(q, k, v, dv, sink, prefix_lengths, warn: bool = True):
     problem = sm90.layout_problem(q, k)
     if problem is not None:
         if warn:
-            sm90.warn_once(*problem)
+            sm90.warn_cannot_run(*problem)
         return None
     return sm90
 
@@ -680,29 +648,13 @@ def _sm90_forward(q, k, v, indices, softmax_scale, dv, sink, prefix_lengths):
     if sm90 is None:
         return None
     try:
-        return sm90.sparse_mla_fwd_sm90(q, k, indices, softmax_scale)
+        return sm90.sparse_mla_fwd_sm90(q, k, indices, softmax_scale,
+                                        head_blocks_adjacent=HEAD_BLOCKS_ADJACENT)
     except torch.OutOfMemoryError:
         raise  # not the kernel's failure: the Triton forward would need the same memory
     except Exception as exc:  # this variant failed to compile or launch: say so, keep training
         sm90.disable(sm90.variant(q), f"{type(exc).__name__}: {exc}")
         return None
-
-
-def _grid(queries: int, kv_heads: int, head_blocks: int) -> tuple[tuple[int, ...], int]:
-    """(launch grid, the kernels' NG) for kv_heads x head_blocks programs a query: adjacent
-    (1-D) under HEAD_BLOCKS_ADJACENT when they share one KV head's indices, else split."""
-    programs = kv_heads * head_blocks
-    if HEAD_BLOCKS_ADJACENT and kv_heads == 1 and head_blocks > 1:
-        return (queries * programs,), programs
-    return (queries, programs), 0
-
-
-def _fixed_point_scale(rowmax, n_contrib):
-    """Per-row power-of-two scales so n_contrib addends of size <= rowmax fit 2^FIXED_BITS."""
-    rm = rowmax.double()
-    exp = torch.floor(FIXED_BITS - math.log2(max(n_contrib, 1)) - torch.log2(rm))
-    exp = torch.where(rm > 0, exp, torch.zeros_like(exp)).clamp(max=MAX_SCALE_EXP)
-    return torch.ldexp(torch.ones_like(rm), exp).float(), exp
 
 
 class _DkvAccumulators:
@@ -732,8 +684,8 @@ class _DkvAccumulators:
 
     def set_scales(self, n_contrib):
         """After the MODE_ROWMAX pass: power-of-two scales for the MODE_FIXED pass."""
-        self.scale_k, self.exp_k = _fixed_point_scale(self.rowmax_k, n_contrib)
-        self.scale_v, self.exp_v = (_fixed_point_scale(self.rowmax_v, n_contrib)
+        self.scale_k, self.exp_k = fixed_point_scale(self.rowmax_k, n_contrib)
+        self.scale_v, self.exp_v = (fixed_point_scale(self.rowmax_v, n_contrib)
                                     if self.separate_v else (self.scale_k, self.exp_k))
 
     def result(self, k, v):
@@ -759,7 +711,7 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
     delta = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
     dsink_part = torch.empty_like(delta) if sink is not None else delta
     v_src, v_str = _v_source(k, v, geo)
-    grid, ng = _grid(B * T, k.shape[2], geo.nhb)
+    grid, ng = launch_grid(B * T, k.shape[2], geo.nhb, HEAD_BLOCKS_ADJACENT)
     resident = geo.block_h * (geo.d_main + geo.d_tail + geo.dv_pad)
     dlse_t = dlse if dlse is not None else lse
     pre, pre_str = _prefix_args(prefix_lengths, lse)
@@ -806,7 +758,7 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
     while bh_dkv > MIN_DOT and copies * bh_dkv * dims * elem > DKV_RESIDENT_BUDGET:
         bh_dkv //= 2
     nhb_dkv = triton.cdiv(geo.G, bh_dkv)
-    grid_dkv, ng_dkv = _grid(B * T, Hkv, nhb_dkv)
+    grid_dkv, ng_dkv = launch_grid(B * T, Hkv, nhb_dkv, HEAD_BLOCKS_ADJACENT)
 
     pre, pre_str = _prefix_args(prefix_lengths, lse)
 

@@ -4,7 +4,8 @@ Shapes: q [B, T, Hq, D_MAIN + D_TAIL] bf16 / fp16 (576 = 512 + 64 for DSA), k [B
 V = k[..., :D_MAIN]; indices int32 / int64 [B, T, K] or [B, T, 1, K] (-1 = unused slot).
 out [B, T, Hq, D_MAIN] in q's dtype, lse fp32 [B, T, Hq] (natural log; -inf for a row with no
 valid index). The Triton forward's results (`sparse_attention._fwd_kernel`) up to fp32 rounding
-order.
+order. `sparse_attention.sparse_attention_fwd` dispatches here; this module imports only the
+pieces the kernels share (`common`), never the Triton kernels' module.
 
 Algorithm: one program per (query, block of 64 heads), two warpgroups. The selected key rows are
 gathered with cp.async into two shared tiles; tile j + 1's gather is issued before tile j's
@@ -16,8 +17,6 @@ waits for every outstanding copy at the top (`DEPBAR.LE SB0, 0x0`). Products are
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -28,8 +27,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-# The Triton kernels' constants and launch grid (a query's head blocks as HEAD_BLOCKS_ADJACENT).
-from megatron_hyscale.ops.kernels.sparse_attention import _LN2, LOG2E, _grid
+from megatron_hyscale.ops.checks import warn_once
+from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E, launch_grid
 
 # Query heads a program (the products' M: one wgmma tile height per warpgroup).
 BLOCK_H = 64
@@ -87,7 +86,8 @@ def _sparse_mla_fwd_kernel(
     Every channel stride is 1 and every row stride a multiple of STRIDE_MULTIPLE; NK >= 1 (the
     wrapper checks both).
     NG > 0: a 1-D grid with a query's NG head blocks adjacent; NG = 0: a (B x T, blocks) grid
-    (decoded as `sparse_attention._coords` does: a Gluon kernel cannot call a Triton one).
+    (`common.launch_grid`; decoded as `sparse_attention._coords` does: a Gluon kernel cannot
+    call a Triton one).
     """
     if NG > 0:
         pid = gl.program_id(0).to(gl.int64)
@@ -198,7 +198,7 @@ def _sparse_mla_fwd_kernel(
     o_cols = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, o_layout))
     gl.store(out_ptr + b * sob + t * sot + o_heads[:, None] * soh + o_cols[None, :], out)
     l_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
-    gl.store(lse_ptr + b * slb + t * slt + l_heads * slh, lse2 * _LN2)
+    gl.store(lse_ptr + b * slb + t * slt + l_heads * slh, lse2 * LN2_JIT)
 
 
 # --------------------------------------------------------------------------- launch
@@ -254,10 +254,11 @@ def _shared_layouts(dtype: torch.dtype, d_main: int, d_tail: int) -> tuple:
 
 
 def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
-                        softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        softmax_scale: float, *, head_blocks_adjacent: bool = True
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, T, Hq, D_MAIN], lse fp32 [B, T, Hq]) on inputs that `applies` and
     `layout_problem` accept. A query's head blocks (V3.2: two) launch as the Triton kernels'
-    do (`sparse_attention._grid`, HEAD_BLOCKS_ADJACENT)."""
+    do (`common.launch_grid`: adjacent under `head_blocks_adjacent`)."""
     B, T, Hq, d = q.shape
     d_main = 1 << (d.bit_length() - 1)
     out = torch.empty((B, T, Hq, d_main), device=q.device, dtype=q.dtype)
@@ -268,7 +269,7 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
         return out.zero_(), lse.fill_(float("-inf"))
     if indices.dim() == 4:
         indices = indices[:, :, 0]
-    grid, ng = _grid(B * T, 1, Hq // BLOCK_H)
+    grid, ng = launch_grid(B * T, 1, Hq // BLOCK_H, head_blocks_adjacent)
     sqb, sqt, sqh, _ = q.stride()
     skb, sks, _, _ = k.stride()
     sib, sit, sik = indices.stride()
@@ -284,22 +285,21 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
     return out, lse
 
 
-_warned: set[str] = set()
+# Variants (`variant`) that failed to compile or launch in this process: `applies` refuses them.
 _disabled: set[tuple] = set()
 
 
-def warn_once(cause: str, detail: str = "", stacklevel: int = 4) -> None:
+def warn_cannot_run(cause: str, detail: str = "", stacklevel: int = 4) -> None:
     """One warning per distinct cause the Hopper forward could not run (the default stacklevel
-    points at the caller of `sparse_attention_fwd`)."""
-    if cause not in _warned:
-        _warned.add(cause)
-        text = f"{cause}: {detail}" if detail else cause
-        warnings.warn(f"HyScale: the Hopper sparse-MLA forward cannot run ({text}); using the "
-                      "Triton forward", RuntimeWarning, stacklevel=stacklevel)
+    points at the caller of `sparse_attention_fwd`); `detail` varies within a cause."""
+    text = f"{cause}: {detail}" if detail else cause
+    warn_once(f"sparse-mla-fwd-sm90: {cause}",
+              f"HyScale: the Hopper sparse-MLA forward cannot run ({text}); using the Triton "
+              "forward", stacklevel=stacklevel + 1)
 
 
 def disable(key: tuple, reason: str) -> None:
     """Stop using one compiled variant (`variant`) in this process after it failed, with one
     warning (the reason cut to its first line)."""
     _disabled.add(key)
-    warn_once(f"{key}: {reason.splitlines()[0][:300] if reason else 'failed'}", stacklevel=5)
+    warn_cannot_run(f"{key}: {reason.splitlines()[0][:300] if reason else 'failed'}", stacklevel=5)

@@ -1,0 +1,124 @@
+"""What the Triton kernels share: constants, the accumulation modes and their helpers, the
+attention launch grid, the channel split, the dot precision, and the interpreter fix.
+
+One definition each, so that no kernel module reads another's private names.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# The same constants inside @triton.jit bodies (globals read there must be constexpr).
+LOG2E_JIT = tl.constexpr(LOG2E)
+LN2_JIT = tl.constexpr(LN2)
+
+# tl.dot needs every dimension >= 16 (heads, keys and channels are padded up to it).
+MIN_DOT = 16
+# Query heads per program of the attention-shaped kernels (sparse attention, the indexer
+# loss's target): the MMA's M. 64 is one wgmma tile height; a [64 x 512] fp32 accumulator
+# already takes 128 registers a thread over 8 warps, so 128 heads use two programs.
+MAX_BLOCK_H = 64
+# Warps a program: the wide count once the resident tile is large (>= 64 x 256), else 4.
+WIDE_TILE = 64 * 256
+
+# Accumulation of [keys x channels] gradient tiles into key rows (sparse attention's dK / dV,
+# the indexer loss's dk_index): `accumulate`'s MODE.
+MODE_ATOMIC = 0  # fp32 atomic adds (fast; the rounding depends on the atomics' order)
+MODE_ROWMAX = 1  # deterministic pass 1: atomic max of |contribution| per key row
+MODE_FIXED = 2  # deterministic pass 2: int64 fixed-point atomic adds (order-free)
+# Measurement only: the same products, each tile reduced to one number and stored to a per-key-row
+# slot with a plain store (no atomics), so `bench_attention.py --bwd-sweep` can time the kernel
+# without its accumulation. Its output is not a gradient.
+MODE_DISCARD = 3
+# Bits of the int64 accumulators used by the sum of one element's contributions (63 is the
+# sign-free maximum; one bit spare for the rounding of each addend).
+FIXED_BITS = 62
+# Largest power-of-two scale (an fp32 must hold it).
+MAX_SCALE_EXP = 120
+
+
+@triton.jit
+def accumulate(ptrs, tile, rows, valid, col_mask, rowmax_base, scale_base, srs,
+               MODE: tl.constexpr):
+    """Add a [keys x channels] fp32 tile into its key rows, by the given MODE."""
+    mask = valid[:, None] & col_mask
+    if MODE == 0:
+        tl.atomic_add(ptrs, tile, mask=mask, sem="relaxed")
+    elif MODE == 1:
+        tl.atomic_max(rowmax_base + rows * srs, tl.max(tl.abs(tile), axis=1), mask=valid,
+                      sem="relaxed")
+    elif MODE == 3:
+        tl.store(rowmax_base + rows * srs, tl.sum(tl.where(mask, tile, 0.0), axis=1), mask=valid)
+    else:
+        fx = tl.load(scale_base + rows * srs, mask=valid, other=0.0)
+        fixed = tl.floor(tile * fx[:, None] + 0.5).to(tl.int64)
+        tl.atomic_add(ptrs, fixed, mask=mask, sem="relaxed")
+
+
+def fixed_point_scale(rowmax: torch.Tensor, n_contrib: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row power-of-two scales (fp32) and their exponents so that n_contrib addends of size
+    <= rowmax fit 2^FIXED_BITS (MODE_FIXED's accumulators)."""
+    rm = rowmax.double()
+    exp = torch.floor(FIXED_BITS - math.log2(max(n_contrib, 1)) - torch.log2(rm))
+    exp = torch.where(rm > 0, exp, torch.zeros_like(exp)).clamp(max=MAX_SCALE_EXP)
+    return torch.ldexp(torch.ones_like(rm), exp).float(), exp
+
+
+def launch_grid(queries: int, kv_heads: int, head_blocks: int, adjacent: bool
+                ) -> tuple[tuple[int, ...], int]:
+    """(launch grid, the kernels' NG) for kv_heads x head_blocks programs a query.
+
+    adjacent (and one KV head split over several head blocks): a 1-D grid of queries x NG
+    programs with a query's head blocks next to each other (they gather the same key rows);
+    else a (queries, programs) grid and NG = 0. The sparse-attention kernels and the Hopper
+    forward decode their program ids from this."""
+    programs = kv_heads * head_blocks
+    if adjacent and kv_heads == 1 and head_blocks > 1:
+        return (queries * programs,), programs
+    return (queries, programs), 0
+
+
+def channel_split(d: int) -> tuple[int, int]:
+    """(main, tail) channel tiles of a head dim: a power-of-two main part (>= MIN_DOT) and the
+    rest padded to a power of two (>= MIN_DOT), 0 when there is none (576 = 512 + 64)."""
+    d_main = max(MIN_DOT, 1 << (d.bit_length() - 1))
+    rest = d - d_main
+    d_tail = max(MIN_DOT, triton.next_power_of_2(rest)) if rest > 0 else 0
+    return d_main, d_tail
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for operands of this dtype: fp32 inputs get exact fp32 products
+    (the interpreter and the CPU tests); bf16 / fp16 products are exact in the MMA anyway,
+    accumulated in fp32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def fix_interpreter() -> None:
+    """Under TRITON_INTERPRET=1, let run-time loop bounds work with numpy >= 2.4 (else nothing).
+
+    Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(),
+    which numpy 2.4 rejects for arrays of one dimension; read the single element instead.
+    Every kernel module with run-time loop bounds calls this at import.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_hyscale_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._hyscale_fixed = True
+    interpreter._patch_lang_tensor = patched
