@@ -2,30 +2,34 @@
 loss and exposed communication, for HyScale's layers and for stock megatron-core's.
 
 Enabled by HYSCALE_PHASE_TIMES=1 in a Megatron-LM run that uses HyScale's `--spec` entry points
-(`hyscale_dsa_layer_spec` or `stock_dsa_layer_spec`; `examples/glm5_1/launch.py side-by-side`
-sets it). The functions that make up each phase are wrapped where the layers look them up (a
-module attribute), so the timing needs no change to either implementation:
+(`hyscale_dsa_layer_spec` or `stock_dsa_layer_spec`, `hyscale_qsa_layer_spec` or
+`baseline_qsa_layer_spec`; `examples/glm5_1/launch.py side-by-side` sets it), or by
+`enable_from_env` itself. HyScale's layers (DSA, DeepSeek-V4, QSA) mark their phases
+themselves with `megatron_hyscale.phase_spans`, which this module's timer records once
+installed; stock megatron-core cannot be changed, so the functions that make up its phases are
+wrapped where its layers look them up (a module attribute):
 
-  phase          HyScale (megatron_hyscale.layers.dsa)  stock (megatron-core's dsa module)
-  selection      hytopk                                 fused_qk_topk_naive, TileLang's
-                                                        run_fused_qk_topk and
-                                                        run_fused_qk_topk_with_loss (with
-                                                        its indexer loss)
-  attention      sparse_attention                       _run_sparse_attention, TileLang's
-                                                        run_fused_dsa_attention and
-                                                        run_fused_absorbed_sparse_attention
-  indexer_loss   indexer_kl_loss                        compute_dsa_indexer_loss,
-                                                        bwd_fused_indexer_loss_naive
-  communication  the wait of start_all_gather_to_global  gather_from_sequence_parallel_region
+  phase          HyScale's layers (phase_spans)          stock (megatron-core's dsa module)
+  selection      SelectionReplay.select's compute (HyTopK fused_qk_topk_naive, TileLang's
+                 or a baseline selector; a replay is     run_fused_qk_topk and
+                 not a selection)                        run_fused_qk_topk_with_loss (with
+                                                         its indexer loss)
+  attention      sparse_attention                        _run_sparse_attention, TileLang's
+                                                         run_fused_dsa_attention and
+                                                         run_fused_absorbed_sparse_attention
+  indexer_loss   indexer_kl_loss                         compute_dsa_indexer_loss,
+                                                         bwd_fused_indexer_loss_naive
+  communication  the wait of start_all_gather_to_global, gather_from_sequence_parallel_region
+                 all_gather_to_global (V4, QSA indexer)
 
 Each call's forward is timed between two CUDA events on the current stream (perf_counter on
 the CPU); for a call whose tensor inputs require gradients, identity autograd nodes around it
 time its backward too (from its outputs' gradients arriving to its inputs' gradients leaving).
 Times are inclusive and on the compute stream: communication is what the stream waits for,
 not the NCCL kernels' own time (HyScale starts its K / V gather before HyTopK and times only
-the wait after it; stock's gather blocks). A call nested in another timed call counts once,
-for the outer phase. The identity marks return views of their tensors: a target that modified
-a marked input in place would make autograd refuse it (none of these does).
+the wait after it; stock's gather blocks). A call nested in another timed call or region
+counts once, for the outer phase. The identity marks return views of their tensors: a target
+that modified a marked input in place would make autograd refuse it (none of these does).
 
 Megatron-LM's `train_step` is wrapped to close a step: after each one, every rank synchronizes
 and prints one line per step to its log,
@@ -38,31 +42,29 @@ Every rank prints its own line; the summary takes the slowest rank per step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from megatron_hyscale import phase_spans
 from megatron_hyscale.launch.logparse import PHASE_LINE_PREFIX as LINE_PREFIX
 from megatron_hyscale.launch.logparse import PHASE_TIMES_ENV as ENV
-from megatron_hyscale.launch.logparse import PHASES
+from megatron_hyscale.phase_spans import PHASES
 
 _STOCK_DSA = "megatron.core.transformer.experimental_attention_variant.dsa"
 _STOCK_KERNELS = "megatron.core.transformer.experimental_attention_variant.dsa_kernels"
-_HYSCALE_DSA = "megatron_hyscale.layers.dsa"
-# (module, attribute, phase, kind): kind "call" times a function, "pending" a started gather
-# whose .wait() ends the span. Missing attributes are skipped (megatron versions differ).
+# Functions wrapped by name, per variant: (module, attribute, phase, kind); kind "call" times a
+# function, "pending" a started gather whose .wait() ends the span. Missing attributes are
+# skipped (megatron versions differ). HyScale's layers need none: they mark their own spans
+# (`phase_spans`), so "hyscale" installs the timer there instead.
 TARGETS: dict[str, tuple[tuple[str, str, str, str], ...]] = {
-    "hyscale": (
-        (_HYSCALE_DSA, "hytopk", "selection", "call"),
-        (_HYSCALE_DSA, "sparse_attention", "attention", "call"),
-        (_HYSCALE_DSA, "indexer_kl_loss", "indexer_loss", "call"),
-        (_HYSCALE_DSA, "start_all_gather_to_global", "communication", "pending"),
-    ),
+    "hyscale": (),
     "stock": (
         (_STOCK_DSA, "fused_qk_topk_naive", "selection", "call"),
         (_STOCK_KERNELS, "run_fused_qk_topk", "selection", "call"),
@@ -151,7 +153,8 @@ class _TimedPending:
 
 
 class PhaseTimer:
-    """Wraps the target functions and collects their spans per step (see the module doc)."""
+    """Records HyScale's phase spans and wraps stock's target functions; collects the spans
+    per step (see the module doc). Implements `phase_spans.Recorder`."""
 
     def __init__(self) -> None:
         self.spans: list[_Span] = []
@@ -162,16 +165,19 @@ class PhaseTimer:
     # -- installation ---------------------------------------------------------------------
     def install(self, variant: str,
                 targets: tuple[tuple[str, str, str, str], ...] | None = None) -> list[str]:
-        """Wrap `variant`'s targets (hyscale | stock; or the given (module, attribute, phase,
-        kind) targets); returns 'module.attribute' of each function wrapped."""
+        """Time `variant`: hyscale installs this timer as `phase_spans`' recorder, and the
+        variant's targets (or the given (module, attribute, phase, kind) targets) are wrapped;
+        returns 'module.attribute' of each function wrapped."""
+        if variant not in TARGETS:
+            raise ValueError(f"variant must be one of {sorted(TARGETS)}, got {variant!r}")
         if targets is None:
-            if variant not in TARGETS:
-                raise ValueError(f"variant must be one of {sorted(TARGETS)}, got {variant!r}")
             targets = TARGETS[variant]
+        for _, _, phase, _ in targets:
+            phase_spans.check_phase(phase)
+        if variant == "hyscale":
+            phase_spans.install(self)
         done = []
         for module_name, attr, phase, kind in targets:
-            if phase not in PHASES:
-                raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
             try:
                 module = importlib.import_module(module_name)
             except ImportError:
@@ -187,9 +193,42 @@ class PhaseTimer:
         return done
 
     def uninstall(self) -> None:
+        phase_spans.uninstall(self)
         for module, attr, fn in reversed(self._saved):
             setattr(module, attr, fn)
         self._saved.clear()
+
+    # -- phase_spans.Recorder -------------------------------------------------------------
+    @contextlib.contextmanager
+    def region(self, phase: str) -> Iterator[None]:
+        """A forward-only span (nothing of it runs in backward)."""
+        phase_spans.check_phase(phase)
+        if self.depth:
+            yield
+            return
+        span = _Span(phase)
+        self.spans.append(span)
+        self.depth += 1
+        try:
+            span.open()
+            yield
+            span.close()
+        finally:
+            self.depth -= 1
+
+    def call(self, phase: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """fn(*args, **kwargs), its forward and backward timed as `phase`."""
+        if self.depth:
+            return fn(*args, **kwargs)
+        args, kwargs, back = self._backward_span(phase, args, kwargs)
+        with self.region(phase):
+            out = fn(*args, **kwargs)
+        return self._mark_outputs(out, back)
+
+    def start(self, phase: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """fn(*args, **kwargs) starts a collective: its wait() and backward timed as `phase`."""
+        args, kwargs, back = self._backward_span(phase, args, kwargs)
+        return _TimedPending(fn(*args, **kwargs), self, phase, back)
 
     # -- wrappers -------------------------------------------------------------------------
     def _backward_span(self, phase: str, args: tuple, kwargs: dict
@@ -228,29 +267,14 @@ class PhaseTimer:
     def _wrap(self, fn: Callable, phase: str) -> Callable:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if self.depth:
-                return fn(*args, **kwargs)
-            args, kwargs, back = self._backward_span(phase, args, kwargs)
-            span = _Span(phase)
-            self.spans.append(span)
-            self.depth += 1
-            try:
-                span.open()
-                out = fn(*args, **kwargs)
-                span.close()
-            finally:
-                self.depth -= 1
-            return self._mark_outputs(out, back)
+            return self.call(phase, fn, args, kwargs)
 
         return timed
 
     def _wrap_pending(self, fn: Callable, phase: str) -> Callable:
-        timer = self
-
         @functools.wraps(fn)
         def started(*args: Any, **kwargs: Any) -> Any:
-            args, kwargs, back = timer._backward_span(phase, args, kwargs)
-            return _TimedPending(fn(*args, **kwargs), timer, phase, back)
+            return self.start(phase, fn, args, kwargs)
 
         return started
 
@@ -280,7 +304,8 @@ _TIMER: PhaseTimer | None = None
 
 
 def enable_from_env(variant: str) -> PhaseTimer | None:
-    """With HYSCALE_PHASE_TIMES=1: wrap `variant`'s targets (once a process) and Megatron-LM's
+    """With HYSCALE_PHASE_TIMES=1: time `variant` (hyscale: HyScale's layers' phase spans;
+    stock: megatron-core's functions, wrapped once a process) and wrap Megatron-LM's
     train_step, so each step prints its line. Returns the timer, or None when off."""
     global _TIMER
     if os.environ.get(ENV, "") not in ("1", "true", "yes"):

@@ -14,7 +14,8 @@ Phases, read from megatron's own state:
 
 The protocol every HyScale layer follows is `SelectionReplay.select(shape, compute)`: in the
 replay phase it pops the layer's oldest recorded selection (which must have `shape`); otherwise
-it calls `compute()`, counts the selection as computed and, in the record phase, records it.
+it calls `compute()` (timed as the layer's selection phase, `phase_spans`), counts the
+selection as computed and, in the record phase, records it.
 `replaying()` tells a layer beforehand whether it may skip the indexer's forward. A store made
 with `replays=False` belongs to a baseline selection that, like the stock layers, selects again
 in the recompute: its phase is always "off".
@@ -33,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from megatron_hyscale import phase_spans
 
 # A layer holding more unconsumed entries than this is leaking (forwards never followed by a
 # backward, e.g. a no_grad forward under recompute): fail loudly rather than grow forever.
@@ -215,7 +218,11 @@ class SelectionReplay:
         phase = self.phase()
         if phase == "replay":
             return self.replay(shape)
-        indices = compute()
+        if shared:
+            indices = compute()
+        else:
+            with phase_spans.span(phase_spans.SELECTION):  # every layer's selection phase
+                indices = compute()
         if tuple(indices.shape) != tuple(shape):
             raise ReplayError(f"{self.name}: the selection has shape {tuple(indices.shape)}, "
                               f"expected {tuple(shape)}")

@@ -1,4 +1,6 @@
-"""megatron_hyscale.phase_times: per-phase spans (forward and backward), steps, the log line."""
+"""megatron_hyscale.phase_times: per-phase spans (forward and backward), steps, the log line;
+megatron_hyscale.phase_spans, the spans HyScale's layers mark themselves (free when off), and
+the rule that nothing of HyScale's is timed by patching a name."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import types
 import pytest
 import torch
 
-from megatron_hyscale import phase_times
+import megatron_hyscale.layers.deepseek_v4 as v4_layers
+import megatron_hyscale.layers.dsa as dsa_layers
+import megatron_hyscale.layers.qsa as qsa_layers
+from megatron_hyscale import phase_spans, phase_times, replay
 from megatron_hyscale.launch.logparse import parse_phase_line as parse_line
 from megatron_hyscale.phase_times import PhaseTimer
 
@@ -124,3 +129,104 @@ def test_megatron_lm_train_step_closes_a_step(monkeypatch, capsys):
     assert training.train_step(3) == "out" and calls[-1] == (3,)
     assert not getattr(training.train_step, "_hyscale_phase", None)
     assert capsys.readouterr().out == ""
+
+
+def test_spans_cost_nothing_when_off():
+    """No recorder: one shared no-op region, and the timed functions call straight through
+    (their results are the function's own objects: no identity node added)."""
+    assert phase_spans.installed() is None
+    assert phase_spans.span("selection") is phase_spans.span("attention")
+    with phase_spans.span("selection"):
+        pass
+    x = torch.randn(3, requires_grad=True)
+    same = phase_spans.timed(phase_spans.ATTENTION, lambda t: t)
+    assert same(x) is x and same.phase == "attention"
+    pending = types.SimpleNamespace(wait=lambda: x)
+    start = phase_spans.timed_start(phase_spans.COMMUNICATION, lambda t: pending)
+    assert start(x) is pending
+    with pytest.raises(ValueError, match="phase"):
+        phase_spans.timed("topk", lambda: None)
+
+
+def test_explicit_spans_forward_backward_nesting_and_waits():
+    """The API HyScale's layers use, recorded by an installed PhaseTimer: a region, a timed
+    call inside it (counts once, for the region), a timed call with its backward, and a
+    started gather whose wait alone is timed."""
+    def attend(q):
+        time.sleep(SLEEP)
+        return _SlowBackward.apply(q)
+
+    class Pending:
+        def __init__(self, t):
+            self.t = t
+
+        def wait(self):
+            time.sleep(SLEEP)
+            return self.t * 1
+
+    attend = phase_spans.timed(phase_spans.ATTENTION, attend)
+    gather = phase_spans.timed_start(phase_spans.COMMUNICATION, Pending)
+    timer = PhaseTimer()
+    assert timer.install("hyscale") == []  # nothing patched by name
+    try:
+        assert phase_spans.installed() is timer
+        x = torch.randn(4, 8, requires_grad=True)
+        with phase_spans.span(phase_spans.SELECTION):
+            time.sleep(SLEEP)
+            attend(x.detach())  # nested: selection's
+        pending = gather(x)
+        time.sleep(3 * SLEEP)  # computing while it transfers: not communication
+        attend(pending.wait()).sum().backward()
+        torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))  # the marks are identities
+        totals = timer.end_step()
+    finally:
+        timer.uninstall()
+    assert phase_spans.installed() is None
+    assert totals["selection"][1] == 1 and totals["selection"][0] >= 2 * SLEEP * 1e3
+    assert totals["attention"][1] == 2 and totals["attention"][0] >= 3 * SLEEP * 1e3
+    assert totals["communication"][1] == 2  # the wait, and its (instant) backward
+    assert SLEEP * 1e3 <= totals["communication"][0] < 2.5 * SLEEP * 1e3
+    assert totals["indexer_loss"] == (0.0, 0)
+
+
+def test_selection_protocol_times_computed_selections_only():
+    """`SelectionReplay.select` is every layer's selection span: a computed selection is one,
+    a shared one (DSA index sharing) is not."""
+    store = replay.SelectionReplay("timed layer")
+    timer = PhaseTimer()
+    timer.install("hyscale")
+    try:
+        store.select((1, 2), lambda: torch.zeros(1, 2, dtype=torch.int32))
+        store.select((1, 2), lambda: torch.zeros(1, 2, dtype=torch.int32), shared=True)
+        totals = timer.end_step()
+    finally:
+        timer.uninstall()
+    assert totals["selection"][1] == 1
+
+
+# What each HyScale layer module binds through phase_spans: (module, name, phase).
+LAYER_SPANS = [
+    (dsa_layers, "sparse_attention", "attention"),
+    (dsa_layers, "indexer_kl_loss", "indexer_loss"),
+    (dsa_layers, "start_all_gather_to_global", "communication"),
+    (v4_layers, "sparse_attention", "attention"),
+    (v4_layers, "indexer_kl_loss", "indexer_loss"),
+    (v4_layers, "all_gather_to_global", "communication"),
+    (qsa_layers, "sparse_attention", "attention"),
+    (qsa_layers, "indexer_kl_loss", "indexer_loss"),
+    (qsa_layers, "all_gather_to_global", "communication"),
+    (qsa_layers, "start_all_gather_to_global", "communication"),
+]
+
+
+def test_hyscale_is_timed_by_its_own_spans_not_by_names():
+    """HyScale's timing cannot be turned off by renaming an import: no target patches a
+    megatron_hyscale module by name, and each layer module's ops are its timed bindings (an
+    op imported again under the same name would replace one and fail here; the layer tests in
+    tests/layers/test_phase_times_layers.py catch any other way of calling an op untimed)."""
+    assert phase_times.TARGETS["hyscale"] == ()
+    for variant, targets in phase_times.TARGETS.items():
+        assert not [t for t in targets if t[0].startswith("megatron_hyscale")], variant
+    for module, name, phase in LAYER_SPANS:
+        assert getattr(getattr(module, name), "phase", None) == phase, (module.__name__, name)
+    assert phase_spans.PHASES == phase_times.PHASES

@@ -23,11 +23,12 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from megatron_hyscale.phase_spans import PHASES
+
 # megatron_hyscale.phase_times (HYSCALE_PHASE_TIMES=1) prints one line per rank and step:
 #   [hyscale phases] rank 0 step 3: selection 812.4 ms (8), attention 301.2 ms (16), ...
 PHASE_TIMES_ENV = "HYSCALE_PHASE_TIMES"
 PHASE_LINE_PREFIX = "[hyscale phases]"
-PHASES = ("selection", "attention", "indexer_loss", "communication")
 _PHASE_LINE = re.compile(r"\[hyscale phases\] rank (\d+) step (\d+): (.*)$")
 _PHASE_ITEM = re.compile(r"(\w+) ([0-9.]+) ms \((\d+)\)")
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")

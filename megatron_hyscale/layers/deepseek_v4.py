@@ -85,7 +85,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hyscale import replay
+from megatron_hyscale import ops, parallel, phase_spans, replay
 from megatron_hyscale.layers.linear import LocalLinear
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
 from megatron_hyscale.layers.row_chunks import (
@@ -93,7 +93,7 @@ from megatron_hyscale.layers.row_chunks import (
     row_chunk_conflict,
     run_in_row_parts,
 )
-from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
+from megatron_hyscale.ops import hytopk
 from megatron_hyscale.ops.compress import (
     apply_interleaved_rope,
     compress,
@@ -105,7 +105,13 @@ from megatron_hyscale.ops.compress import (
     yarn_inv_freq,
 )
 from megatron_hyscale.ops.rms_norm import rms_norm
-from megatron_hyscale.parallel import all_gather_to_global, cp_row_layout
+from megatron_hyscale.parallel import cp_row_layout
+
+# The ops this layer's phases are timed by (`phase_spans`: plain calls unless phase_times
+# records); its selection is timed by `replay.SelectionReplay.select`.
+sparse_attention = phase_spans.timed(phase_spans.ATTENTION, ops.sparse_attention)
+indexer_kl_loss = phase_spans.timed(phase_spans.INDEXER_LOSS, ops.indexer_kl_loss)
+all_gather_to_global = phase_spans.timed(phase_spans.COMMUNICATION, parallel.all_gather_to_global)
 
 CSA_RATIO = 4
 HCA_RATIO = 128

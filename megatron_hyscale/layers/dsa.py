@@ -38,11 +38,18 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 )
 from megatron.core.utils import get_pg_size
 
-from megatron_hyscale import replay
+from megatron_hyscale import ops, parallel, phase_spans, replay
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
-from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
+from megatron_hyscale.ops import hytopk
 from megatron_hyscale.ops.hytopk import warn_once
-from megatron_hyscale.parallel import CPRowLayout, cp_row_layout, start_all_gather_to_global
+from megatron_hyscale.parallel import CPRowLayout, cp_row_layout
+
+# The ops this layer's phases are timed by (`phase_spans`: plain calls unless phase_times
+# records); its selection is timed by `replay.SelectionReplay.select`.
+sparse_attention = phase_spans.timed(phase_spans.ATTENTION, ops.sparse_attention)
+indexer_kl_loss = phase_spans.timed(phase_spans.INDEXER_LOSS, ops.indexer_kl_loss)
+start_all_gather_to_global = phase_spans.timed_start(phase_spans.COMMUNICATION,
+                                                     parallel.start_all_gather_to_global)
 
 
 @dataclasses.dataclass

@@ -78,9 +78,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size
 
-from megatron_hyscale import replay
+from megatron_hyscale import ops, parallel, phase_spans, replay
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
-from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
+from megatron_hyscale.ops import hytopk
 from megatron_hyscale.ops.block_pool import (
     block_first_positions,
     block_visibility_positions,
@@ -88,11 +88,15 @@ from megatron_hyscale.ops.block_pool import (
     pool_blocks,
     select_blocks_reference,
 )
-from megatron_hyscale.parallel import (
-    all_gather_to_global,
-    cp_row_layout,
-    start_all_gather_to_global,
-)
+from megatron_hyscale.parallel import cp_row_layout
+
+# The ops this layer's phases are timed by (`phase_spans`: plain calls unless phase_times
+# records); its selection is timed by `replay.SelectionReplay.select`.
+sparse_attention = phase_spans.timed(phase_spans.ATTENTION, ops.sparse_attention)
+indexer_kl_loss = phase_spans.timed(phase_spans.INDEXER_LOSS, ops.indexer_kl_loss)
+all_gather_to_global = phase_spans.timed(phase_spans.COMMUNICATION, parallel.all_gather_to_global)
+start_all_gather_to_global = phase_spans.timed_start(phase_spans.COMMUNICATION,
+                                                     parallel.start_all_gather_to_global)
 
 # Baseline selection: fp32 per-head logits materialized per chunk of query rows (1 GiB).
 BASELINE_CHUNK_ELEMENTS = 1 << 28

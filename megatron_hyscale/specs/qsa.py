@@ -62,6 +62,7 @@ from megatron_hyscale.layers.qsa import (
     QSAttentionSubmodules,
     qsa_selector,
 )
+from megatron_hyscale.phase_times import enable_from_env as enable_phase_times
 from megatron_hyscale.specs import get_backend
 
 
@@ -197,6 +198,10 @@ class QSATransformerLayer(TransformerLayer):
 
     def __init__(self, config: TransformerConfig, submodules: object = None,
                  layer_number: int = 1, *, baseline: bool = False, **kwargs: object) -> None:
+        # HYSCALE_PHASE_TIMES=1: per-iteration selection / attention / indexer-loss /
+        # communication times in the log (megatron_hyscale.phase_times); the baseline selector
+        # runs in the same modules, so both sides are HyScale's spans.
+        enable_phase_times("hyscale")
         spec = get_qsa_layer_specs(config, baseline=baseline)[layer_number - 1]
         super().__init__(config, spec.submodules, layer_number=layer_number,
                          **{**spec.params, **kwargs})

@@ -94,6 +94,7 @@ def _run_gpt(cp_group) -> dict:
     from megatron.core.models.gpt import GPTModel
 
     from megatron_hyscale import replay
+    from megatron_hyscale.phase_times import PhaseTimer
     from megatron_hyscale.specs.deepseek_v4 import get_v4_block_spec
 
     cp = cp_group.size() if cp_group is not None else 1
@@ -113,8 +114,14 @@ def _run_gpt(cp_group) -> dict:
     ids, pos, labels = (zigzag_split(t, cp, rank, dim=1) for t in full)
     model.train()
     replay.reset_stats()
-    loss = model(ids, pos, None, labels=labels).mean()
-    loss.backward()
+    timer = PhaseTimer()  # the layers' phase spans, timed at both CP sizes alike
+    timer.install("hyscale")
+    try:
+        loss = model(ids, pos, None, labels=labels).mean()
+        loss.backward()
+        phases = {p: n for p, (_, n) in timer.end_step().items()}
+    finally:
+        timer.uninstall()
     replay.assert_drained()
     stats = replay.get_stats()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -128,7 +135,7 @@ def _run_gpt(cp_group) -> dict:
         for t in (loss, *grads.values()):
             dist.all_reduce(t, group=cp_group, op=dist.ReduceOp.AVG)
         logits = _gather_seq(logits, cp_group, 1)
-    return dict(loss=loss, logits=logits, grads=grads, stats=stats,
+    return dict(loss=loss, logits=logits, grads=grads, stats=stats, phases=phases,
                 names=[n for n, _ in model.named_parameters()])
 
 
@@ -284,3 +291,10 @@ def test_gpt_v4_pattern_cp2_matches_cp1(results):
     # The CSA layer selects once and its recompute replays; window and HCA select nothing.
     for res in (one, two):
         assert (res["stats"]["selections_computed"], res["stats"]["selections_replayed"]) == (1, 1)
+    # Phase spans: the one selection (a replay is none), every layer's attention forward (and
+    # recompute) and backward; the window halos and compressed entries are gathered at CP 2
+    # (forward, recompute and their reduce-scatters), nothing at CP 1.
+    for res in (one, two):
+        assert res["phases"]["selection"] == 1 and res["phases"]["attention"] >= 9, res["phases"]
+        assert res["phases"]["indexer_loss"] == 0
+    assert one["phases"]["communication"] == 0 and two["phases"]["communication"] > 0
