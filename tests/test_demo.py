@@ -190,6 +190,7 @@ def test_cli_output_is_quiet_and_prints_the_table_once(tmp_path: Path) -> None:
     header = demo.table_lines([], both=True)[0]
     assert out.count(header) == loud_out.count(header) == 1
     assert "with 1 intra-op thread (--threads)" in out
+    assert demo.RECALL_NOTE in out  # why recall and accuracy can disagree, where recall is shown
 
 
 # --------------------------------------------------------------------------- scripts/run.sh
