@@ -54,6 +54,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -62,6 +63,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_hyscale.ops import hytopk  # noqa: E402
 from megatron_hyscale.ops.block_pool import block_visibility_positions  # noqa: E402
 from megatron_hyscale.ops.kernels import hytopk as hk  # noqa: E402
+from megatron_hyscale.ops.kernels.options import HyTopKOptions  # noqa: E402
 from megatron_hyscale.testing.bench import copy_tbps, log, matmul_tflops, time_ms  # noqa: E402
 
 GiB = 1 << 30
@@ -191,48 +193,46 @@ def floor_ms(T, S, H, D, rate):
     return pairs * H * D * 2 / rate * 1e3
 
 
-def run_hytopk(q, k, w, topk, relu, prune=False, prune_stats=None, keys_on_m=None,
-               atomic_slots=None):
+def run_hytopk(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT, prune_stats=None):
     # The kernel entry that hytopk(..., backend="triton") calls after validating its inputs:
     # the validation's isfinite pass allocates a bool copy of q (8 GiB at 1M tokens), which is
     # not part of the selection and would hide the kernel's own peak memory.
     qpos, kpos = positions(q.shape[1], k.shape[1])
     return hk.hytopk_triton(q, k, w, topk, relu=relu, q_positions=qpos, k_positions=kpos,
-                            causal=True, prune=prune, prune_stats=prune_stats,
-                            keys_on_m=keys_on_m, atomic_slots=atomic_slots)
+                            causal=True, options=options, prune_stats=prune_stats)
 
 
 def run_hytopk_scan_slots(q, k, w, topk, relu):
-    return run_hytopk(q, k, w, topk, relu, atomic_slots=False)
+    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, atomic_slots=False))
 
 
 def run_hytopk_heads_on_m(q, k, w, topk, relu):
-    return run_hytopk(q, k, w, topk, relu, keys_on_m=False)
+    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, keys_on_m=False))
 
 
 def run_hytopk_prune(q, k, w, topk, relu):
-    return run_hytopk(q, k, w, topk, relu, prune=True)
+    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, prune=True))
 
 
 def pruned_share(q, k, w, topk, relu):
     """Share of key tiles the pruning skips (tiles skipped / tiles the row blocks would visit),
     and whether the outputs equal the unpruned kernel's bit for bit."""
     stats = torch.zeros(2, dtype=torch.int64, device="cuda")
-    on = run_hytopk(q, k, w, topk, relu, prune=True, prune_stats=stats)
-    off = run_hytopk(q, k, w, topk, relu, prune=False)
+    on = run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, prune=True), stats)
+    off = run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, prune=False))
     same = torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
     pruned, considered = stats.tolist()
     return pruned / max(considered, 1), same
 
 
-def run_scoreonly(q, k, w, topk, relu, keys_on_m=None):
+def run_scoreonly(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT):
     qpos, kpos = positions(q.shape[1], k.shape[1])
     return hk._launch(q, k, w, 1, relu=relu, q_positions=qpos, k_positions=kpos, causal=True,
-                      mode=hk.MODE_SCORES_ONLY, keys_on_m=keys_on_m)
+                      mode=hk.MODE_SCORES_ONLY, options=options)
 
 
 def run_scoreonly_heads_on_m(q, k, w, topk, relu):
-    return run_scoreonly(q, k, w, topk, relu, keys_on_m=False)
+    return run_scoreonly(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, keys_on_m=False))
 
 
 _FINISH_BUFFERS: dict = {}
@@ -407,16 +407,13 @@ def _time_variant(tag, cfg, T, name, programs_per_sm, inputs, launch, floor, rep
     variant that fails (e.g. does not fit in shared memory) is logged as such."""
     q, k, w = inputs
     topk = CONFIGS[cfg][2]
-    saved = hk.PROGRAMS_PER_SM
-    hk.PROGRAMS_PER_SM = programs_per_sm
+    launch = dict(launch, options=replace(launch["options"], programs_per_sm=programs_per_sm))
     label = f"{tag} {cfg} T={T} mode={launch['mode']} {name}"
     try:
         ms = time_ms(lambda: hk._launch(q, k, w, topk, **launch), reps=reps)
         log(f"{label}: {ms:.2f} ms  x{ms / floor:.2f} floor")
     except Exception as err:
         log(f"{label} failed: {err!r:.200}")
-    finally:
-        hk.PROGRAMS_PER_SM = saved
 
 
 def sweep(T, cfg, reps):
@@ -428,9 +425,11 @@ def sweep(T, cfg, reps):
         for nw, ns, pps, bn, kom, rows, cap in variants:
             if mode == hk.MODE_SCORES_ONLY and cap is not None:
                 continue  # the buffer does not exist without the top-k
+            options = replace(HyTopKOptions.DEFAULT, block_n=bn, num_warps=nw, num_stages=ns,
+                              keys_on_m=kom, rows=rows,
+                              min_cap=cap or HyTopKOptions.DEFAULT.min_cap)
             launch = dict(relu=relu, q_positions=qpos, k_positions=kpos, causal=True,
-                          mode=mode, block_n=bn, num_warps=nw, num_stages=ns, keys_on_m=kom,
-                          rows=rows, min_cap=cap)
+                          mode=mode, options=options)
             name = (f"warps={nw} stages={ns} per_sm={pps} bn={bn} keys_on_m={kom} "
                     f"rows={rows or 'default'} min_cap={cap or 'default'}")
             _time_variant("sweep", cfg, T, name, pps, inputs, launch, floor, reps)
@@ -453,8 +452,10 @@ def group_sweep(T, cfg, reps):
     inputs, qpos, kpos, floor = _sweep_setup(T, cfg)
     for div, ns, pps, cap in GROUP_SWEEP_VARIANTS:
         for mode in (hk.MODE_SCORES_ONLY, hk.MODE_SELECT):
+            options = replace(HyTopKOptions.DEFAULT, num_stages=ns, group_slack_div=div,
+                              min_cap=cap or HyTopKOptions.DEFAULT.min_cap)
             launch = dict(relu=CONFIGS[cfg][3], q_positions=qpos, k_positions=kpos, causal=True,
-                          mode=mode, num_stages=ns, group_slack_div=div, min_cap=cap)
+                          mode=mode, options=options)
             name = f"div={div} stages={ns} per_sm={pps} min_cap={cap or 'default'}"
             _time_variant("groups", cfg, T, name, pps, inputs, launch, floor, reps)
 

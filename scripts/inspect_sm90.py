@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -179,22 +179,22 @@ def report(name: str, launch: Launch) -> Report:
 # --------------------------------------------------------------------------- presets
 
 
-def _hytopk(H: int, D: int, topk: int, relu: bool, T: int = 8192, **launch: Any
-            ) -> list[Launch]:
+def _hytopk(H: int, D: int, topk: int, relu: bool, T: int = 8192, mode: int = 0,
+            **options: Any) -> list[Launch]:
+    """HyTopK's launch in `mode` (hytopk.MODE_*); options: HyTopKOptions fields to change."""
     from megatron_hyscale.ops.kernels import hytopk as hk
+    from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
     q = torch.zeros(1, T, H, D, dtype=torch.bfloat16)
     k = torch.zeros(1, T, D, dtype=torch.bfloat16)
     w = torch.zeros(1, T, H, dtype=torch.float32)
     pos = torch.arange(T)[None]
-    hk_programs = hk.INTERPRET_PROGRAMS
-    hk.INTERPRET_PROGRAMS = 132 * hk.PROGRAMS_PER_SM  # the H200's persistent grid
-    try:
-        with intercept(hk, "_hytopk_kernel") as calls:
-            hk._launch(q, k, w, topk, relu=relu, q_positions=pos, k_positions=pos, causal=True,
-                       **launch)
-    finally:
-        hk.INTERPRET_PROGRAMS = hk_programs
+    default = HyTopKOptions.DEFAULT
+    # On CPU the wrapper sizes the persistent grid by interpret_programs: the H200's 132 SMs.
+    opts = replace(default, interpret_programs=132 * default.programs_per_sm, **options)
+    with intercept(hk, "_hytopk_kernel") as calls:
+        hk._launch(q, k, w, topk, relu=relu, q_positions=pos, k_positions=pos, causal=True,
+                   options=opts, mode=mode)
     return calls
 
 

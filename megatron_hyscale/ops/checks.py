@@ -67,6 +67,15 @@ def check_backend(backend: str, allowed: tuple[str, ...] = ("auto", "triton", "r
     return backend
 
 
+def check_options[T](name: str, value: object, cls: type[T]) -> T:
+    """A kernel option object of class cls (`kernels/options.py`); None gives cls.DEFAULT."""
+    if value is None:
+        return cls.DEFAULT
+    if not isinstance(value, cls):
+        raise ValueError(f"{name} must be {cls.__name__} or None, got {type(value).__name__}")
+    return value
+
+
 def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool, got {value!r}")

@@ -15,12 +15,14 @@ from megatron_hyscale.ops.checks import (
     FLOAT_DTYPES,
     check_backend,
     check_finite,
+    check_options,
     check_positive_int,
     check_same_device,
     check_tensor,
     normalize_positions,
     warn_once,
 )
+from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
 
 def validate_hytopk_inputs(
@@ -60,6 +62,7 @@ def hytopk(
     causal: bool = True,
     backend: str = "auto",
     ordered: bool = True,
+    options: HyTopKOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of indexer scores per query row.
 
@@ -76,6 +79,8 @@ def hytopk(
         ordered: False lets the Triton backend return each row's top-k set in any order (the
             -1 slots still last), skipping its final per-row sort (QSA at 512K tokens: 43 of
             460 ms); for consumers that need the set only, such as the sparse attention.
+        options: the Triton kernel's variant and tiling (`HyTopKOptions`; None: its DEFAULT).
+            Every variant returns the same outputs; the reference ignores it.
 
     Returns:
         indices: int32 [B, T, topk], sorted by (score desc, index asc) when ordered; -1 past
@@ -83,6 +88,7 @@ def hytopk(
         scores: fp32 [B, T, topk] aligned with indices; -inf at -1 slots.
     """
     check_backend(backend)
+    options = check_options("options", options, HyTopKOptions)
     qpos, kpos = validate_hytopk_inputs(q, k, weights, topk, q_positions, k_positions)
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
     if use_triton:
@@ -96,7 +102,7 @@ def hytopk(
         else:
             return hytopk_kernel.hytopk_triton(
                 q, k, weights, topk, relu=relu, q_positions=qpos, k_positions=kpos,
-                causal=causal, ordered=ordered,
+                causal=causal, ordered=ordered, options=options,
             )
     return reference.hytopk_reference(
         q, k, weights, topk, relu=relu, q_positions=qpos, k_positions=kpos, causal=causal

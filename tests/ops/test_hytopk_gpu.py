@@ -16,6 +16,8 @@ except for keys whose exact score is within 2 * E_t of the reference's k-th scor
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -85,14 +87,16 @@ def test_integer_inputs_noncausal_noncontiguous():
 def test_integer_inputs_exact_heads_on_m(H):
     # The non-default GEMM orientation (heads on the MMA's M; bench_selection compares both).
     from megatron_hyscale.ops.kernels.hytopk import hytopk_triton
+    from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
     T, topk = 8192, 2048
     q, k, w = int_inputs(1, T, T, H, 128, torch.bfloat16, seed=H + 1)
     pos = torch.arange(T, device="cuda")[None]
     ref_i, ref_s = hytopk(q, k, w, topk, backend="reference")
     for keys_on_m in (False, True):
+        options = replace(HyTopKOptions.DEFAULT, keys_on_m=keys_on_m)
         out_i, out_s = hytopk_triton(q, k, w, topk, relu=True, q_positions=pos, k_positions=pos,
-                                     causal=True, keys_on_m=keys_on_m)
+                                     causal=True, options=options)
         assert torch.equal(out_i, ref_i) and torch.equal(out_s, ref_s), keys_on_m
 
 
@@ -200,6 +204,7 @@ def structured_int_inputs(T, H, D, dtype, seed, ramp_every=64, n_hitters=16):
 @pytest.mark.parametrize("relu", [True, False])
 def test_structured_pruning_exact(relu):
     from megatron_hyscale.ops.kernels import hytopk as kernel
+    from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
     T, H, D, topk = 16384, 64, 128, 2048
     q, k, w = structured_int_inputs(T, H, D, torch.bfloat16, seed=3)
@@ -210,7 +215,8 @@ def test_structured_pruning_exact(relu):
     for prune in (False, True):
         stats = torch.zeros(2, dtype=torch.int64, device="cuda")
         outs[prune] = kernel.hytopk_triton(q, k, w, topk, relu=relu, q_positions=qpos,
-                                           k_positions=qpos, causal=True, prune=prune,
+                                           k_positions=qpos, causal=True,
+                                           options=replace(HyTopKOptions.DEFAULT, prune=prune),
                                            prune_stats=stats)
         torch.cuda.synchronize()
         assert torch.equal(outs[prune][0], ref_i), f"prune={prune}: indices differ"
@@ -227,6 +233,7 @@ def test_recency_bf16_pruning_identical_to_unpruned(relu):
     # pruning must fire, and since a pruned tile only holds keys the kernel would have rejected
     # anyway, the outputs equal the unpruned kernel's bit for bit (not just within rounding).
     from megatron_hyscale.ops.kernels import hytopk as kernel
+    from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
     T, H, D, topk = 16384, 64, 128, 2048
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -241,8 +248,9 @@ def test_recency_bf16_pruning_identical_to_unpruned(relu):
     qpos = torch.arange(T, device="cuda")[None]
     stats = torch.zeros(2, dtype=torch.int64, device="cuda")
     kw = dict(relu=relu, q_positions=qpos, k_positions=qpos, causal=True)
-    on = kernel.hytopk_triton(q, k, w, topk, prune=True, prune_stats=stats, **kw)
-    off = kernel.hytopk_triton(q, k, w, topk, prune=False, **kw)
+    on = kernel.hytopk_triton(q, k, w, topk, options=replace(HyTopKOptions.DEFAULT, prune=True),
+                              prune_stats=stats, **kw)
+    off = kernel.hytopk_triton(q, k, w, topk, **kw)  # DEFAULT: prune=False
     torch.cuda.synchronize()
     assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
     pruned, considered = stats.tolist()

@@ -9,6 +9,7 @@ interpreter is slow. Small key tiles (block_n=16) make the candidate buffer comp
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -22,6 +23,7 @@ import triton.language as tl  # noqa: E402
 from megatron_hyscale.ops import hytopk  # noqa: E402
 from megatron_hyscale.ops.hytopk import validate_hytopk_inputs  # noqa: E402
 from megatron_hyscale.ops.kernels import hytopk as kernel  # noqa: E402
+from megatron_hyscale.ops.kernels.options import HyTopKOptions  # noqa: E402
 from megatron_hyscale.ops.reference import order_key  # noqa: E402
 from megatron_hyscale.testing.compare import assert_rows_hold_sorted_sets  # noqa: E402
 
@@ -36,6 +38,16 @@ def int_inputs(B, T, S, H, D, seed, lo=-2, hi=3, wlo=-2, whi=3):
     return q.to(DEVICE), k.to(DEVICE), w.to(DEVICE)
 
 
+def kernel_options(block_n=16, min_cap=None, **fields):
+    """HyTopKOptions with key tiles of block_n (None: the default) and buffers of topk + one
+    tile unless min_cap is given (the default min_cap would never fill); fields left None keep
+    their default."""
+    fields = {n: v for n, v in fields.items() if v is not None}
+    if block_n is not None:
+        fields["block_n"] = block_n
+    return replace(HyTopKOptions.DEFAULT, min_cap=0 if min_cap is None else min_cap, **fields)
+
+
 def check(q, k, w, topk, block_n=16, rows=None, num_programs=None, group_slack_div=None,
           prunes=(False, True), keys_on_m=None, atomic_slots=None, min_cap=None, **kw):
     """Kernel (with the given tiling), with key-tile pruning off and on, against the reference;
@@ -45,13 +57,12 @@ def check(q, k, w, topk, block_n=16, rows=None, num_programs=None, group_slack_d
                                         kw.get("k_positions"))
     for prune in prunes:
         stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+        options = kernel_options(block_n, min_cap, rows=rows, num_programs=num_programs,
+                                 group_slack_div=group_slack_div, prune=prune,
+                                 keys_on_m=keys_on_m, atomic_slots=atomic_slots)
         out_i, out_s = kernel._launch(
             q, k, w, topk, relu=kw.get("relu", True), causal=kw.get("causal", True),
-            q_positions=qpos, k_positions=kpos, block_n=block_n, rows=rows,
-            num_programs=num_programs, group_slack_div=group_slack_div, prune=prune,
-            prune_stats=stats, keys_on_m=keys_on_m, atomic_slots=atomic_slots,
-            # buffers of topk + one tile unless asked (the default MIN_CAP would never fill)
-            min_cap=0 if min_cap is None else min_cap)
+            q_positions=qpos, k_positions=kpos, options=options, prune_stats=stats)
         assert out_i.dtype == torch.int32 and out_s.dtype == torch.float32
         assert out_i.shape == ref_i.shape and out_s.shape == ref_s.shape
         assert torch.equal(out_i, ref_i), (prune, out_i, ref_i)
@@ -68,6 +79,11 @@ def test_public_api_triton_backend():
     ref = hytopk(q, k, w, 5, backend="reference")
     out = hytopk(q, k, w, 5, backend="triton")
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    # A variant reaches the kernel through the public API (and any variant gives the outputs).
+    out = hytopk(q, k, w, 5, backend="triton", options=kernel_options(prune=True))
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    with pytest.raises(ValueError, match="options must be HyTopKOptions or None"):
+        hytopk(q, k, w, 5, backend="triton", options={"prune": True})
 
 
 def test_ties_and_compaction_batch2():
@@ -331,9 +347,9 @@ def test_unordered_rows_hold_the_same_set(keys_on_m, atomic_slots):
     topk = 12
     ref_i, ref_s = hytopk(q, k, w, topk, backend="reference")
     qpos, kpos = validate_hytopk_inputs(q, k, w, topk, None, None)
+    options = kernel_options(keys_on_m=keys_on_m, atomic_slots=atomic_slots)
     runs = [kernel._launch(q, k, w, topk, relu=True, causal=True, q_positions=qpos,
-                           k_positions=kpos, block_n=16, min_cap=0, ordered=False,
-                           keys_on_m=keys_on_m, atomic_slots=atomic_slots)]
+                           k_positions=kpos, options=options, ordered=False)]
     if keys_on_m and atomic_slots:
         runs.append(hytopk(q, k, w, topk, backend="triton", ordered=False))
     assert (ref_i == -1).any()  # the case is there

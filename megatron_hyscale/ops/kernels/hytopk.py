@@ -3,18 +3,19 @@
 Shapes: q [B, T, H, D], k [B, S, D] (bf16, fp16 or fp32), weights [B, T, H] (any float),
 positions int64 [B, T] / [B, S]. Returns indices int32 [B, T, topk] and scores fp32 [B, T, topk].
 Algorithm: a persistent grid; each program takes blocks of R query rows (R x H (row, head)
-pairs: the GEMM's N with the key tile as M, KEYS_ON_M), streams key tiles from the diagonal
-backwards, computes fp32 scores, drops those under the row's running threshold, appends
-survivors as packed int64 keys (order-preserving score bits << 32 | ~index) to a per-row buffer
-of CAP >= max(topk + BLOCK_N, MIN_CAP) entries (each at a slot from the row's atomic counter,
-ATOMIC_SLOTS), and when the buffer may overflow keeps its top-k, found by a bitwise radix
-select (the k-th key becomes the new threshold). The row's top-k set is written unsorted; a
-row-chunked torch pass decodes it, sorted unless the caller asks for the set only.
+pairs: the GEMM's N with the key tile as M, `HyTopKOptions.keys_on_m`), streams key tiles from
+the diagonal backwards, computes fp32 scores, drops those under the row's running threshold,
+appends survivors as packed int64 keys (order-preserving score bits << 32 | ~index) to a
+per-row buffer of CAP >= max(topk + block_n, min_cap) entries (each at a slot from the row's
+atomic counter, `atomic_slots`), and when the buffer may overflow keeps its top-k, found by a
+bitwise radix select (the k-th key becomes the new threshold). The row's top-k set is written
+unsorted; a row-chunked torch pass decodes it, sorted unless the caller asks for the set only.
+Variants and tunings come in a `HyTopKOptions` (`kernels/options.py`).
 
-Key-tile pruning (prune=True): a pre-pass (_key_tile_bounds) stores, per key tile j of BN keys,
-a centroid c_j and a radius rho_j that covers the rounding of the kernel's own dot products.
-Before a group of tiles, each program computes an upper bound U[t, j] on every score the
-kernel could compute in tile j for its rows t (one [R * HP, D] x [D, G] product against the
+Key-tile pruning (`HyTopKOptions.prune`): a pre-pass (_key_tile_bounds) stores, per key tile j
+of BN keys, a centroid c_j and a radius rho_j that covers the rounding of the kernel's own dot
+products. Before a group of tiles, each program computes an upper bound U[t, j] on every score
+the kernel could compute in tile j for its rows t (one [R * HP, D] x [D, G] product against the
 group's centroids), and skips the tiles whose bound lies strictly below the running threshold
 of every row that can see them. The kept tiles' keys are the same as without pruning (a
 skipped key could never have entered the buffer), so the outputs are bit-identical.
@@ -27,13 +28,10 @@ import triton
 import triton.language as tl
 
 from megatron_hyscale.ops.kernels.common import MIN_DOT, fix_interpreter
+from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
 fix_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1
 
-# Keys per streamed tile (64 keys x 128 GEMM rows with 4 warps measured fastest on the H200 of
-# the tiles tried, 2026-11-29: 3.1x the GEMM floor for scoring alone against 3.9x for 128 keys
-# with 8 warps); the buffer slack (CAP - topk) is at least one tile.
-BLOCK_N = 64
 # GEMM rows per program (R query rows x padded heads): 128 feeds wgmma a full-height tile.
 GEMM_ROWS = 128
 # The same with fewer than SMALL_HEADS (padded) heads a row, e.g. QSA's 4: 16 rows of 4 heads.
@@ -44,50 +42,10 @@ SMALL_HEADS = 32
 SMALL_HEADS_GEMM_ROWS = 64
 # Query rows per program when relu=False (one folded query per row, so the GEMM is R tall).
 ROWS_NO_RELU = 32
-# Persistent programs per SM; scratch is (programs x R x CAP) int64, independent of T.
-PROGRAMS_PER_SM = 2
-NUM_WARPS = 4
-# Three stages measured faster than two on the H200 (2026-11-30, `bench_selection.py
-# --group-sweep`, 128K, select mode): DeepSeek-V3.2 496 -> 482 ms with GROUP_SLACK_DIV 2,
-# V4-Flash's CSA indexer 439 -> 389, QSA (512K) 457 -> 436; scoring alone 361 -> 308 ms.
-NUM_STAGES = 3
-# Programs used under TRITON_INTERPRET=1 (any count is correct; few keep the scratch small).
-INTERPRET_PROGRAMS = 3
-
-# Smallest candidate buffer a row (entries, rounded up to a power of two; at least topk + one
-# tile): the slack above topk sets how often a row is compacted. Measured on the H200
-# (2026-11-30) for the top-512 configurations, whose buffer was 1024 before: QSA (4 heads over
-# T / 4 blocks) at 512K tokens 549 ms with 1024, 460 with 2048, 473 with 4096; V4-Flash's CSA
-# indexer (64 heads) at 128K 500 ms with 1024, 453 with 2048, 473 with 4096. Top-2048 rows
-# already have 4096 (8192 was slower: 608 against 497 ms at 128K).
-MIN_CAP = 2048
-# A tile group may fill at most 1/GROUP_SLACK_DIV of the buffer slack (see _launch).
-# 2 with three stages measured best or tied of 1, 2 and 4 (QSA: 436.5 against 436.2 ms with 4);
-# 1 compacts at nearly every group (+35% to +180%).
-GROUP_SLACK_DIV = 2
 # Temporary bytes per row chunk of the final sort-and-decode pass.
 FINISH_CHUNK_BYTES = 256 << 20
 _LOW32 = 0xFFFFFFFF
 _KEY_MIN = -(1 << 63)
-
-# GEMM orientation under ReLU: K_tile @ Q^T puts the (row, head) pairs on the MMA's N, where the
-# accumulator keeps a row's heads in one thread and its quad, so the weighted head sum is
-# register FMAs plus a shuffle or two; Q @ K_tile^T puts the heads on M, and once a row has more
-# heads than one warp's 16 accumulator rows its head sum crosses warps, through shared memory.
-# Compiled for sm_90a here (2026-11-30, Triton 3.6, `scripts/inspect_sm90.py`, 64 heads, 64-key
-# tiles), the scores-only tile loop has 397 SASS instructions a thread against 931 (104 SHFL,
-# 78 shared-memory accesses against 16 and 12), the select loop 456 against 1851. Not yet
-# timed on a GPU (bench_selection.py compares both). With one head a row (relu=False's folded
-# query) there is no head sum, and the rows stay on M.
-KEYS_ON_M = True
-
-# Candidate append: each survivor takes its buffer slot with an atomic add on its row's counter
-# (global memory; only lanes holding a survivor issue it) and is stored one tile later, so the
-# next tile's GEMM hides the atomic's round trip. The alternative is a CTA-wide test and prefix
-# sum on every tile with a candidate, which on random inputs at 128K is nearly every tile.
-# Compiled for sm_90a (64 heads, keys on M), the select loop has 456 SASS instructions and 3
-# barriers a tile against 554 and 16. Not yet timed on a GPU (bench_selection.py compares both).
-ATOMIC_SLOTS = True
 
 # Dot products of fp32 operands: "tf32x3" runs three TF32 tensor-core products (hi * hi +
 # hi * lo + lo * hi), dropping only lo * lo (relative 2^-22 of each product, far inside the
@@ -103,10 +61,6 @@ MODE_SELECT = 0  # exact top-k
 MODE_SCORES_ONLY = 1  # GEMM + ReLU/weight/head-sum epilogue, no top-k (writes each row's max)
 MODE_TABLE = 2  # write the row block's scores to a [rows, S] table (table-then-select baseline)
 
-# Key-tile pruning by a centroid / radius score bound (MODE_SELECT only). Off by default: on
-# inputs without structure (random) no tile is ever pruned and the bound only costs time; the
-# GPU benchmark measures both settings (scripts/bench_selection.py --prune both).
-PRUNE = False
 # Upper bound on the relative error of one fp32 operation anywhere in the score computation
 # (a product, an addition of the tensor-core or CUDA-core accumulation, a square root): 4x the
 # unit roundoff 2^-24 of round-to-nearest. Tensor cores may truncate instead of rounding when
@@ -484,11 +438,15 @@ def _hytopk_kernel(
         tl.store(stats_ptr + pid * 2 + 1, n_considered)
 
 
-def _num_programs(device: torch.device, n_blocks: int) -> int:
+def _num_programs(device: torch.device, n_blocks: int, options: HyTopKOptions) -> int:
+    """Persistent programs: options.num_programs if set, else programs_per_sm a CUDA SM (at
+    most one a row block), or interpret_programs under the interpreter."""
+    if options.num_programs is not None:
+        return options.num_programs
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(n_blocks, sms * PROGRAMS_PER_SM))
-    return max(1, min(n_blocks, INTERPRET_PROGRAMS))
+        return max(1, min(n_blocks, sms * options.programs_per_sm))
+    return max(1, min(n_blocks, options.interpret_programs))
 
 
 def _visible_hi(q_positions, k_positions, causal, T, S):
@@ -601,30 +559,24 @@ def _slack_coef(hp: int) -> float:
     return (2 * hp + 5 + SLACK_EXTRA_OPS) * EPS_OP
 
 
-def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode=MODE_SELECT,
-            block_n=None, rows=None, num_programs=None, table=None, table_rows=None,
-            group_slack_div=None, prune=None, prune_stats=None,
-            num_warps=NUM_WARPS, num_stages=None, keys_on_m=None, atomic_slots=None,
-            min_cap=None, ordered=True):
-    """Run the kernel. prune: skip key tiles by their score bound (default PRUNE; MODE_SELECT
-    only). prune_stats: optional int64 tensor [2] that receives (key tiles pruned, key tiles
-    considered), each counted once per row block. keys_on_m: the GEMM orientation (default
-    KEYS_ON_M with several heads a row; never with one). atomic_slots: how
-    candidates are appended (default ATOMIC_SLOTS). min_cap: the smallest per-row candidate
-    buffer (default MIN_CAP). group_slack_div, num_stages: default GROUP_SLACK_DIV and
-    NUM_STAGES (read at each call, like the other module defaults). ordered: sort
-    each row (else the set in kernel order, -1 slots last)."""
+def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
+            options: HyTopKOptions = HyTopKOptions.DEFAULT, mode=MODE_SELECT, table=None,
+            table_rows=None, prune_stats=None, ordered=True):
+    """Run the kernel in `mode` with the variant and tiling of `options` (pruning in
+    MODE_SELECT only; with one head a row the rows stay on the MMA's M whatever keys_on_m
+    says). prune_stats: optional int64 tensor [2] that receives (key tiles pruned, key tiles
+    considered), each counted once per row block. ordered: sort each row (else the set in
+    kernel order, -1 slots last)."""
     B, T, _, D = q.shape
     S = k.shape[1]
-    qk, kk_, w, hp, r, ieee = _prepare(q, k, weights, relu, rows)
+    qk, kk_, w, hp, r, ieee = _prepare(q, k, weights, relu, options.rows)
     H = qk.shape[2]
-    bn = block_n or BLOCK_N
+    bn = options.block_n
     kk = min(topk, S)
-    cap = triton.next_power_of_2(max(kk + bn, MIN_CAP if min_cap is None else min_cap))
+    cap = triton.next_power_of_2(max(kk + bn, options.min_cap))
     # Tiles per group: 1/group_slack_div of the buffer's slack, so a row compacts only after
     # the rest of the slack has filled (compactions stay rare) while a group cannot overflow.
-    div = GROUP_SLACK_DIV if group_slack_div is None else group_slack_div
-    nt = max(1, (cap - kk) // (div * bn))
+    nt = max(1, (cap - kk) // (options.group_slack_div * bn))
     hi = _visible_hi(q_positions, k_positions, causal, T, S)
     qpos = q_positions.contiguous()
     kpos = k_positions.contiguous()
@@ -641,7 +593,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
         block_ids, block_work = block_ids[sel], block_work[sel]
     order = block_ids[torch.argsort(block_work, descending=True, stable=True)].to(torch.int32)
     n_blocks = order.numel()
-    nprog = num_programs or _num_programs(q.device, n_blocks)
+    nprog = _num_programs(q.device, n_blocks, options)
 
     indices = torch.empty(B, T, topk, dtype=torch.int32, device=q.device)
     scores = torch.empty(B, T, topk, dtype=torch.float32, device=q.device)
@@ -655,7 +607,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
     if table is None:
         table = scratch
     out_scores = scores.view(torch.int32) if mode == MODE_SELECT else scores
-    prune = (PRUNE if prune is None else prune) and mode == MODE_SELECT
+    prune = options.prune and mode == MODE_SELECT
     bd = max(MIN_DOT, triton.next_power_of_2(D))
     if prune:
         # fp32 operands run as three TF32 products: 3 D accumulations plus the split's
@@ -674,9 +626,8 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal, mode
         D=D, TOPK=kk, OUT_K=topk, CAP=cap, R=r, HP=hp, BD=bd, BN=bn, NT=nt,
         RELU=relu, CAUSAL=causal, IEEE=ieee, MODE=mode, NPROG=nprog,
         PRUNE=prune, G=max(16, triton.next_power_of_2(nt)),
-        KEYS_ON_M=(KEYS_ON_M if keys_on_m is None else keys_on_m) and hp > 1,
-        ATOMIC_SLOTS=ATOMIC_SLOTS if atomic_slots is None else atomic_slots,
-        num_warps=num_warps, num_stages=NUM_STAGES if num_stages is None else num_stages,
+        KEYS_ON_M=options.keys_on_m and hp > 1, ATOMIC_SLOTS=options.atomic_slots,
+        num_warps=options.num_warps, num_stages=options.num_stages,
     )
     if prune_stats is not None:
         prune_stats.copy_(stats.sum(0) if prune else torch.zeros_like(prune_stats))
@@ -711,25 +662,27 @@ def _finish(indices, scores, ordered=True):
             indices[b, t0:t0 + step] = index
 
 
-def hytopk_triton(q, k, weights, topk, *, relu, q_positions, k_positions, causal, prune=None,
-                  prune_stats=None, keys_on_m=None, atomic_slots=None, ordered=True):
+def hytopk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *,
+                  relu: bool, q_positions: torch.Tensor, k_positions: torch.Tensor,
+                  causal: bool, options: HyTopKOptions = HyTopKOptions.DEFAULT,
+                  prune_stats: torch.Tensor | None = None, ordered: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact HyTopK on validated inputs (positions int64 [B, T] / [B, S]); see module doc.
 
-    prune: skip key tiles whose score bound is below every row's running threshold (default
-    PRUNE; the outputs are identical either way). prune_stats: optional int64 [2] tensor that
-    receives (key tiles pruned, key tiles considered). keys_on_m: the GEMM orientation (default
-    from KEYS_ON_M) and atomic_slots: how candidates are appended (default ATOMIC_SLOTS); the
-    outputs are identical either way. ordered=False: each row's set in kernel order."""
+    options: the kernel variant (the outputs are identical for every one). prune_stats:
+    optional int64 [2] tensor that receives (key tiles pruned, key tiles considered) when
+    options.prune. ordered=False: each row's set in kernel order."""
     return _launch(q, k, weights, topk, relu=relu, q_positions=q_positions,
-                   k_positions=k_positions, causal=causal, prune=prune, prune_stats=prune_stats,
-                   keys_on_m=keys_on_m, atomic_slots=atomic_slots, ordered=ordered)
+                   k_positions=k_positions, causal=causal, options=options,
+                   prune_stats=prune_stats, ordered=ordered)
 
 
-def score_table(q, k, weights, *, relu, q_positions, k_positions, causal, t0, t1, table):
+def score_table(q, k, weights, *, relu, q_positions, k_positions, causal, t0, t1, table,
+                options: HyTopKOptions = HyTopKOptions.DEFAULT):
     """Write fp32 scores of query rows [t0, t1) of batch 0 into table [t1 - t0, S] (-inf where
     masked). The scoring half of a table-then-select baseline; B must be 1 and t0 a multiple of
     the row block."""
     table.fill_(float("-inf"))  # keys past the last visited tile are never written
     _launch(q, k, weights, 1, relu=relu, q_positions=q_positions, k_positions=k_positions,
-            causal=causal, mode=MODE_TABLE, table=table, table_rows=(t0, t1))
+            causal=causal, options=options, mode=MODE_TABLE, table=table, table_rows=(t0, t1))
     return table
