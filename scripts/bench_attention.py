@@ -47,6 +47,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -54,6 +55,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from megatron_hyscale.ops.kernels import sparse_attention as kern  # noqa: E402
+from megatron_hyscale.ops.kernels.options import AttentionKernelOptions  # noqa: E402
 from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_triton  # noqa: E402
 from megatron_hyscale.testing.bench import (  # noqa: E402
     copy_tbps,
@@ -144,31 +146,35 @@ def explicit_indices(inp):
     return torch.cat([pre, inp["idx"].long()], dim=-1)
 
 
-def forward_kernel(inp):
-    """Which forward `sparse_attention` ran on these inputs: "gluon-sm90" (the Hopper
-    absorbed-MLA kernel) or "triton" (asked after the run: a variant that failed is disabled)."""
+def forward_kernel(inp, options):
+    """Which forward `sparse_attention` ran on these inputs with these options: "gluon-sm90"
+    (the Hopper absorbed-MLA kernel) or "triton" (asked after the run: a variant that failed is
+    disabled)."""
     q, k, v = inp["q"], inp["k"], inp["v"]
     dv = kern._Geometry(q, k, v, inp["dv"]).dv
-    hopper = kern.hopper_forward(q, k, v, dv, inp["sink"], inp["prefix"], warn=False)
+    hopper = kern.hopper_forward(q, k, v, dv, inp["sink"], inp["prefix"], options=options,
+                                 warn=False)
     return "triton" if hopper is None else "gluon-sm90"
 
 
-def bench_ours(inp, warmup, reps, deterministic_too, fwd_only=False):
+def bench_ours(inp, warmup, reps, deterministic_too, fwd_only=False,
+               options=AttentionKernelOptions.DEFAULT):
     q, k, v, sink = inp["q"], inp["k"], inp["v"], inp["sink"]
     leaves = [x.requires_grad_() for x in (q, k, v, sink) if x is not None]
 
     def fwd():
         with torch.no_grad():
             return sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"],
-                                           sink=sink, prefix_lengths=inp["prefix"])
+                                           sink=sink, prefix_lengths=inp["prefix"],
+                                           options=options)
 
     res = {"fwd_ms": time_ms(fwd, reps=reps, warmup=warmup)}
     # Forward only: when asked, and for the measurement-only forward (no meaningful backward).
-    if fwd_only or not kern.FWD_SOFTMAX:
+    if fwd_only or not options.fwd_softmax:
         res["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
         return res
     out = sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"], sink=sink,
-                                  prefix_lengths=inp["prefix"])
+                                  prefix_lengths=inp["prefix"], options=options)
     grad = torch.randn_like(out)
     res["peak_fwd_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
 
@@ -179,7 +185,7 @@ def bench_ours(inp, warmup, reps, deterministic_too, fwd_only=False):
     if deterministic_too:
         out_d = sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"],
                                         sink=sink, deterministic=True,
-                                        prefix_lengths=inp["prefix"])
+                                        prefix_lengths=inp["prefix"], options=options)
         res["bwd_det_ms"] = time_ms(
             lambda: torch.autograd.grad(out_d, leaves, grad, retain_graph=True),
             reps=reps, warmup=warmup)
@@ -233,30 +239,12 @@ def bench_stock(shape, inp, warmup, reps):
 SWEEP_TILINGS = ((16, 1), (16, 2), (32, 1), (32, 2), (64, 1), (64, 2))
 
 
-def _fused(fn, *args, **kwargs):
-    """fn with the single-pass backward (BWD_FUSED, at the sweep's tiling)."""
-    fused, tilings = kern.BWD_FUSED, kern.BWD_FUSED_TILINGS
-    kern.BWD_FUSED, kern.BWD_FUSED_TILINGS = True, kern.DQ_TILINGS
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        kern.BWD_FUSED, kern.BWD_FUSED_TILINGS = fused, tilings
-
-
-def _with_dkv_keys_on_m(fn, *args, **kwargs):
-    """fn with the dK/dV kernel's previous orientation (keys on the MMA's M)."""
-    kern.DKV_CHANNELS_ON_M = False
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        kern.DKV_CHANNELS_ON_M = True
-
-
-def bwd_sweep(shapes, Ts, reps, out_dir, mm, tilings=SWEEP_TILINGS):
-    """Time dQ, dK/dV and dK/dV without atomics per tiling; returns the rows."""
+def bwd_sweep(shapes, Ts, reps, out_dir, mm, tilings=SWEEP_TILINGS,
+              options=AttentionKernelOptions.DEFAULT):
+    """Time dQ, dK/dV and dK/dV without atomics per tiling (the other variants as `options`);
+    returns the rows."""
     rows = []
-    names = ("DQ_TILINGS", "DKV_TILINGS", "NARROW_DQ_TILINGS", "NARROW_DKV_TILINGS")
-    defaults = {n: getattr(kern, n) for n in names}
+    names = ("dq_tilings", "dkv_tilings", "narrow_dq_tilings", "narrow_dkv_tilings")
     for T in Ts:
         for shape in shapes:
             inp = make_inputs(shape, T)
@@ -264,28 +252,33 @@ def bwd_sweep(shapes, Ts, reps, out_dir, mm, tilings=SWEEP_TILINGS):
                                                                "dv", "scale"))
             pre = inp["prefix"]
             out, lse = kern.sparse_attention_fwd(q, k, v, idx, scale, dv=dv, sink=sink,
-                                                 prefix_lengths=pre)
+                                                 prefix_lengths=pre, options=options)
             dout = torch.randn_like(out)
             _, delta, _ = kern.sparse_attention_bwd_dq(q, k, v, idx, scale, out, lse, dout,
-                                                       dv=dv, sink=sink, prefix_lengths=pre)
+                                                       dv=dv, sink=sink, prefix_lengths=pre,
+                                                       options=options)
             for tiling in tilings:
                 row = dict(shape=shape, T=T, block_n=tiling[0], stages=tiling[1])
-                for n in names:
-                    setattr(kern, n, (tiling,))
+                at_tiling = replace(options, **{n: (tiling,) for n in names})
+                # the single-pass backward at the sweep's tiling; the dK/dV kernel's previous
+                # orientation (keys on the MMA's M)
+                fused = replace(at_tiling, bwd_fused=True, bwd_fused_tilings=(tiling,))
+                keys_on_m = replace(at_tiling, dkv_channels_on_m=False)
                 kern._tiling_cache.clear()
                 dq_args = (q, k, v, idx, scale, out, lse, dout)
                 dkv_args = (q, k, v, idx, scale, lse, dout, delta)
                 parts = {
                     "dq_ms": partial(kern.sparse_attention_bwd_dq, *dq_args, dv=dv, sink=sink,
-                                     prefix_lengths=pre),
+                                     prefix_lengths=pre, options=at_tiling),
                     "dkv_ms": partial(kern.sparse_attention_bwd_dkv, *dkv_args, dv=dv,
-                                      prefix_lengths=pre),
+                                      prefix_lengths=pre, options=at_tiling),
                     "dkv_no_atomics_ms": partial(kern.sparse_attention_bwd_dkv, *dkv_args, dv=dv,
-                                                 mode=kern.MODE_DISCARD, prefix_lengths=pre),
-                    "dkv_keys_on_m_ms": partial(_with_dkv_keys_on_m, kern.sparse_attention_bwd_dkv,
-                                                *dkv_args, dv=dv, prefix_lengths=pre),
-                    "fused_ms": partial(_fused, kern.sparse_attention_bwd, *dq_args, dv=dv,
-                                        sink=sink, prefix_lengths=pre),
+                                                 mode=kern.MODE_DISCARD, prefix_lengths=pre,
+                                                 options=at_tiling),
+                    "dkv_keys_on_m_ms": partial(kern.sparse_attention_bwd_dkv, *dkv_args, dv=dv,
+                                                prefix_lengths=pre, options=keys_on_m),
+                    "fused_ms": partial(kern.sparse_attention_bwd, *dq_args, dv=dv, sink=sink,
+                                        prefix_lengths=pre, options=fused),
                 }
                 for name, fn in parts.items():
                     try:
@@ -303,8 +296,6 @@ def bwd_sweep(shapes, Ts, reps, out_dir, mm, tilings=SWEEP_TILINGS):
                               indent=1)
             del inp, out, lse, dout, delta
             torch.cuda.empty_cache()
-    for n, value in defaults.items():
-        setattr(kern, n, value)
     kern._tiling_cache.clear()
     log("\n| shape | T | keys x stages | dQ ms | dK/dV ms | dK/dV without atomics ms |"
         " dK/dV keys on M ms | fused bwd ms | bwd / matmul (dQ + dK/dV) |"
@@ -342,22 +333,24 @@ def main():
                     "tiling that faults ends the process: give one a run to isolate it)")
     ap.add_argument("--head-blocks", choices=("adjacent", "split"), default="adjacent",
                     help="launch order of a query's head-block programs: next to each other "
-                         "(the default, sparse_attention.HEAD_BLOCKS_ADJACENT) or a (queries, "
-                         "blocks) grid; matters with 128 heads (V3.2); several KV heads (QSA) "
-                         "always run split")
+                         "(the default, AttentionKernelOptions.head_blocks_adjacent) or a "
+                         "(queries, blocks) grid; matters with 128 heads (V3.2); several KV "
+                         "heads (QSA) always run split")
     ap.add_argument("--fwd-no-softmax", action="store_true",
                     help="measurement only: the forward without its online softmax (raw scores "
-                         "as P; sparse_attention.FWD_SOFTMAX), to split the softmax's time from "
+                         "as P; AttentionKernelOptions.fwd_softmax), to split the softmax's time "
+                         "from "
                          "the gathers and MMAs; only the forward is timed")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
     ap.add_argument("--fwd-kernel", choices=("auto", "triton"), default="auto",
                     help="auto: the Hopper (Gluon) forward for absorbed MLA where it applies "
-                         "(sparse_attention.FWD_SM90), Triton elsewhere; triton: always the "
+                         "(AttentionKernelOptions.fwd_sm90), Triton elsewhere; triton: always the "
                          "Triton forward")
     args = ap.parse_args()
-    kern.HEAD_BLOCKS_ADJACENT = args.head_blocks == "adjacent"
-    kern.FWD_SOFTMAX = not args.fwd_no_softmax
-    kern.FWD_SM90 = args.fwd_kernel == "auto"  # (the no-softmax variant is Triton's only)
+    options = replace(AttentionKernelOptions.DEFAULT,
+                      head_blocks_adjacent=args.head_blocks == "adjacent",
+                      fwd_softmax=not args.fwd_no_softmax,
+                      fwd_sm90=args.fwd_kernel == "auto")  # (no-softmax: Triton's only)
     if args.quick:
         args.t, args.reps = [16384], 3
     os.makedirs(args.out, exist_ok=True)
@@ -366,7 +359,7 @@ def main():
     mm, bw = matmul_tflops(), copy_tbps()
     log(f"# bf16 matmul {mm:.0f} TFLOP/s, copy {bw:.2f} TB/s (measured now)")
     if args.bwd_sweep:
-        bwd_sweep(args.shapes, args.t, args.reps, args.out, mm, args.tilings)
+        bwd_sweep(args.shapes, args.t, args.reps, args.out, mm, args.tilings, options)
         return
     meta = dict(device=dev, date=datetime.date.today().isoformat(), command=" ".join(sys.argv),
                 matmul_tflops=mm, copy_tbps=bw, head_blocks=args.head_blocks,
@@ -385,8 +378,8 @@ def main():
                        bwd_mem_floor_ms=inp["bytes_bwd"] / bw / 1e9)
             try:
                 row.update(bench_ours(inp, 1, args.reps, not args.no_deterministic,
-                                      args.fwd_only))
-                row["fwd_kernel"] = forward_kernel(inp)
+                                      args.fwd_only, options))
+                row["fwd_kernel"] = forward_kernel(inp, options)
             except torch.OutOfMemoryError:
                 row["fwd_ms"] = "OOM"
             if isinstance(row.get("fwd_ms"), float):

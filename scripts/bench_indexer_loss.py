@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import sys
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -38,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from megatron_hyscale.ops.indexer_loss import indexer_kl_loss  # noqa: E402
 from megatron_hyscale.ops.kernels import indexer_loss as kern  # noqa: E402
+from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions  # noqa: E402
 from megatron_hyscale.ops.sparse_attention import sparse_attention  # noqa: E402
 from megatron_hyscale.testing.bench import (  # noqa: E402
     log,
@@ -142,8 +144,9 @@ def bench_parts(x, idx, warmup, reps):
 
 
 def target_sweep(shapes, Ts, tilings, warmup, reps, out_dir):
-    """ms of the target pass per tiling (kern.TARGET_TILINGS forced to it); writes JSON."""
-    rows, default = [], kern.TARGET_TILINGS
+    """ms of the target pass per tiling (IndexerLossKernelOptions.target_tilings forced to it);
+    writes JSON."""
+    rows, default = [], IndexerLossKernelOptions.DEFAULT.target_tilings
     for shape in shapes:
         for T in Ts:
             x, idx = make_inputs(shape, T)
@@ -151,17 +154,16 @@ def target_sweep(shapes, Ts, tilings, warmup, reps, out_dir):
             target = partial(kern.attention_target, x["query"], x["key"], idx, pos, pos,
                              x["query"].shape[-1] ** -0.5)
             for tiling in tilings:
-                kern.TARGET_TILINGS = (tiling,)
+                options = replace(IndexerLossKernelOptions.DEFAULT, target_tilings=(tiling,))
                 kern._tiling_cache.clear()
                 try:
-                    ms = time_ms(target, reps=reps, warmup=warmup)
+                    ms = time_ms(partial(target, options=options), reps=reps, warmup=warmup)
                 except RuntimeError as err:  # no fit is reported, not fatal
                     ms = f"failed: {str(err)[:80]}"
                 rows.append(dict(shape=shape, T=T, block_n=tiling[0], stages=tiling[1],
                                  target_ms=ms))
                 log(f"target {shape} T={T} tiling {tiling[0]}x{tiling[1]}: "
                     + (f"{ms:.2f} ms" if isinstance(ms, float) else ms))
-    kern.TARGET_TILINGS = default
     kern._tiling_cache.clear()
     with open(os.path.join(out_dir, "bench_indexer_loss_target_sweep.json"), "w") as f:
         json.dump(dict(command=" ".join(sys.argv), default=default, rows=rows), f, indent=1)

@@ -49,6 +49,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -575,6 +576,13 @@ def measure(layer: Layer, T: int, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def attention_kernel_options(args: argparse.Namespace) -> Any:
+    """HyScale's sparse-attention kernel variant for this run (--attention-bwd)."""
+    from megatron_hyscale.ops import AttentionKernelOptions
+
+    return replace(AttentionKernelOptions.DEFAULT, bwd_fused=args.attention_bwd == "fused")
+
+
 def component_times(attn: torch.nn.Module, hidden: torch.Tensor,
                     args: argparse.Namespace) -> dict[str, float]:
     """dsa at CP 1: HyScale's pieces on the layer's own tensors: selection, attention, loss."""
@@ -594,13 +602,16 @@ def component_times(attn: torch.nn.Module, hidden: torch.Tensor,
     q_req = query.detach().requires_grad_()
     k_req = key.detach().requires_grad_()
     dv = attn.config.kv_lora_rank
+    options = attention_kernel_options(args)
 
     def attn_fwd() -> None:
         with torch.no_grad():
-            sparse_attention(query, key, None, indices, core.softmax_scale, dv=dv)
+            sparse_attention(query, key, None, indices, core.softmax_scale, dv=dv,
+                             options=options)
 
     def attn_fwd_bwd() -> None:
-        out = sparse_attention(q_req, k_req, None, indices, core.softmax_scale, dv=dv)
+        out = sparse_attention(q_req, k_req, None, indices, core.softmax_scale, dv=dv,
+                               options=options)
         out.backward(torch.ones_like(out))
 
     times["attention_fwd_ms"] = time_step_ms(attn_fwd, dev, reps)
@@ -734,9 +745,6 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hyscale import replay
 
     init_distributed(args)
-    from megatron_hyscale.ops.kernels import sparse_attention as sparse_attention_kernels
-
-    sparse_attention_kernels.BWD_FUSED = args.attention_bwd == "fused"
     out_dir = Path(args.out)
     if rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -748,6 +756,8 @@ def run(args: argparse.Namespace) -> int:
         f"model: {args.model}{tiny}  matmul: {rate:.1f} TFLOP/s")
     build = BUILDERS[args.model]
     hyscale = build(args, baseline=False)
+    # HyScale's attention layers pass their config's kernel options to sparse_attention.
+    hyscale.module.config.attention_kernel_options = attention_kernel_options(args)
     bases: list[tuple[str, Layer]] = []  # (row key, layer), each on HyScale's weights
     if not args.skip_baseline:
         bases.append((base_name, build(args, baseline=True)))

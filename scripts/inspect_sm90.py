@@ -198,41 +198,30 @@ def _hytopk(H: int, D: int, topk: int, relu: bool, T: int = 8192, mode: int = 0,
     return calls
 
 
-@contextlib.contextmanager
-def overridden(module: Any, **values: Any) -> Iterator[None]:
-    """Set module-level constants (tilings, budgets) for the duration."""
-    saved = {n: getattr(module, n) for n in values}
-    try:
-        for n, v in values.items():
-            setattr(module, n, v)
-        yield
-    finally:
-        for n, v in saved.items():
-            setattr(module, n, v)
-
-
 def _sparse_attention(hq: int, hkv: int, d: int, dv: int | None, topk: int, T: int = 256,
-                      prefix: bool = False, **overrides: Any) -> list[Launch]:
-    """Forward, dQ and dK/dV launches; overrides: module constants such as DQ_TILINGS.
-    prefix: rows also attend to a generated dense key prefix (HCA)."""
+                      prefix: bool = False, **options: Any) -> list[Launch]:
+    """Forward, dQ and dK/dV launches; options: AttentionKernelOptions fields to change (such
+    as dq_tilings). prefix: rows also attend to a generated dense key prefix (HCA)."""
     from megatron_hyscale.ops.kernels import sparse_attention as sa
+    from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 
-    with overridden(sa, **overrides):
+    opts = replace(AttentionKernelOptions.DEFAULT, **options)
+    sa._tiling_cache.clear()  # each launch records its first tiling, not a remembered one
+    try:
+        return _sparse_attention_calls(sa, hq, hkv, d, dv, topk, T, prefix, opts)
+    finally:
         sa._tiling_cache.clear()
-        try:
-            return _sparse_attention_calls(sa, hq, hkv, d, dv, topk, T, prefix)
-        finally:
-            sa._tiling_cache.clear()
 
 
 def _sparse_attention_calls(sa: Any, hq: int, hkv: int, d: int, dv: int | None, topk: int,
-                            T: int, prefix: bool) -> list[Launch]:
+                            T: int, prefix: bool, options: Any) -> list[Launch]:
     q = torch.zeros(1, T, hq, d, dtype=torch.bfloat16)
     k = torch.zeros(1, T, hkv, d, dtype=torch.bfloat16)
     v = None if dv is None else torch.zeros(1, T, hkv, dv, dtype=torch.bfloat16)
     idx = torch.zeros(1, T, hkv, topk, dtype=torch.int32)
     kw = dict(dv=min(d, 512) if dv is None else None,
-              prefix_lengths=torch.zeros(1, T, dtype=torch.int32) if prefix else None)
+              prefix_lengths=torch.zeros(1, T, dtype=torch.int32) if prefix else None,
+              options=options)
     names = [n for n in dir(sa) if n.startswith("_") and n.endswith("_kernel")]
     with intercept(sa, *names) as calls:
         out, lse = sa.sparse_attention_fwd(q, k, v, idx, d ** -0.5, **kw)
@@ -252,10 +241,12 @@ def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256) -> list[Launc
     return calls
 
 
-def _indexer_loss(hi: int, di: int, hq: int, d: int, topk: int, T: int = 256, **overrides: Any
+def _indexer_loss(hi: int, di: int, hq: int, d: int, topk: int, T: int = 256, **options: Any
                   ) -> list[Launch]:
-    """select, target, loss and backward launches of the sparse indexer KL loss."""
+    """select, target, loss and backward launches of the sparse indexer KL loss; options:
+    IndexerLossKernelOptions fields to change."""
     from megatron_hyscale.ops.kernels import indexer_loss as il
+    from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions
 
     qi = torch.zeros(1, T, hi, di, dtype=torch.bfloat16)
     w = torch.zeros(1, T, hi, dtype=torch.float32)
@@ -265,14 +256,16 @@ def _indexer_loss(hi: int, di: int, hq: int, d: int, topk: int, T: int = 256, **
     idx = torch.zeros(1, T, topk, dtype=torch.int32)
     pos = torch.arange(T)[None]
     names = [n for n in dir(il) if n.startswith("_") and n.endswith("_kernel")]
-    with overridden(il, **overrides), intercept(il, *names) as calls:
+    opts = replace(IndexerLossKernelOptions.DEFAULT, **options)
+    with intercept(il, *names) as calls:
         il._tiling_cache.clear()
-        p = il.attention_target(query, key, idx, pos, pos, d ** -0.5)
+        p = il.attention_target(query, key, idx, pos, pos, d ** -0.5, options=opts)
         # The DSA layer's path: the attention's log-sum-exp replaces the first pass.
         il.attention_target(query, key, idx, pos, pos, d ** -0.5,
-                            attention_lse=torch.zeros(1, T, hq))
-        kl, lse, psum = il.indexer_loss_rows(qi, w, ki, idx, p, True)
-        il.indexer_loss_bwd(qi, w, ki, idx, p, lse, psum, torch.ones(()), 0.01, True)
+                            attention_lse=torch.zeros(1, T, hq), options=opts)
+        kl, lse, psum = il.indexer_loss_rows(qi, w, ki, idx, p, True, options=opts)
+        il.indexer_loss_bwd(qi, w, ki, idx, p, lse, psum, torch.ones(()), 0.01, True,
+                            options=opts)
         il._tiling_cache.clear()
     return calls
 
@@ -292,7 +285,7 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-tiny-head-dim": lambda: _hytopk(4, 8, 16, True, T=256),
     "sparse-attention-glm51": lambda: _sparse_attention(64, 1, 576, None, 2048),
     "sparse-attention-glm51-no-softmax": lambda: _sparse_attention(64, 1, 576, None, 2048,
-                                                                   FWD_SOFTMAX=False),
+                                                                   fwd_softmax=False),
     "sparse-mla-fwd-sm90-glm51": lambda: _sparse_mla_fwd_sm90(64, 576, 2048),
     "sparse-mla-fwd-sm90-v32": lambda: _sparse_mla_fwd_sm90(128, 576, 2048),
     "sparse-attention-hca": lambda: _sparse_attention(64, 1, 512, None, 128, prefix=True),

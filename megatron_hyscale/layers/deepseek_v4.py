@@ -672,7 +672,8 @@ class HyScaleV4Attention(MegatronModule):
         out = sparse_attention(q, rows.keys.unsqueeze(2), None, part(rows.indices),
                                self.softmax_scale, sink=self.sinks,
                                prefix_lengths=None if rows.prefix is None else part(rows.prefix),
-                               deterministic=bool(cfg.deterministic_mode))  # [B, n, H, D]
+                               deterministic=bool(cfg.deterministic_mode),  # [B, n, H, D]
+                               options=getattr(cfg, "attention_kernel_options", None))
         # K = V carries RoPE: undo it at the query position so the output depends on
         # relative positions only (V4's conjugate rotation), then the grouped projection.
         out = apply_interleaved_rope(out, cos, sin, heads=True, inverse=True)

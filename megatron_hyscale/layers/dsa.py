@@ -212,7 +212,8 @@ class HyScaleDSAttention(DSAttention):
         # Indices address the (gathered) key sequence; causality is already in them.
         out, lse = sparse_attention(query_b, state.key_b, None, indices, self.softmax_scale,
                                     dv=cfg.kv_lora_rank, return_lse=True,
-                                    deterministic=bool(cfg.deterministic_mode))
+                                    deterministic=bool(cfg.deterministic_mode),
+                                    options=getattr(cfg, "attention_kernel_options", None))
         indexer_loss = None
         if state.loss_coeff > 0:
             per_token = bool(cfg.calculate_per_token_loss)

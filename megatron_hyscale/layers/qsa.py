@@ -446,7 +446,8 @@ class HyScaleQSAttention(MegatronModule):
 
         query_b, key_b, value_b = (t.transpose(0, 1) for t in (query, key, value))
         out = sparse_attention(query_b, key_b, value_b, indices, self.softmax_scale,
-                               deterministic=bool(cfg.deterministic_mode))
+                               deterministic=bool(cfg.deterministic_mode),
+                               options=getattr(cfg, "attention_kernel_options", None))
         output = out.transpose(0, 1).reshape(sq, b, -1)
         if use_loss and blocks.shape[-1] > 0:
             loss = self._indexer_loss(q_idx, block_keys, query_b, key_b, blocks, q_positions)

@@ -3,7 +3,18 @@ option objects that choose their kernels' variants."""
 
 from megatron_hyscale.ops.hytopk import hytopk
 from megatron_hyscale.ops.indexer_loss import indexer_kl_loss
-from megatron_hyscale.ops.kernels.options import HyTopKOptions
+from megatron_hyscale.ops.kernels.options import (
+    AttentionKernelOptions,
+    HyTopKOptions,
+    IndexerLossKernelOptions,
+)
 from megatron_hyscale.ops.sparse_attention import sparse_attention
 
-__all__ = ["HyTopKOptions", "hytopk", "indexer_kl_loss", "sparse_attention"]
+__all__ = [
+    "AttentionKernelOptions",
+    "HyTopKOptions",
+    "IndexerLossKernelOptions",
+    "hytopk",
+    "indexer_kl_loss",
+    "sparse_attention",
+]

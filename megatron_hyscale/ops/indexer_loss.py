@@ -26,12 +26,14 @@ from megatron_hyscale.ops.checks import (
     check_bool,
     check_finite,
     check_index_range,
+    check_options,
     check_same_device,
     check_softmax_scale,
     check_tensor,
     normalize_positions,
     warn_once,
 )
+from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions
 
 
 def validate_indexer_loss_inputs(
@@ -115,6 +117,7 @@ def indexer_kl_loss(
     deterministic: bool = False,
     attention_lse: torch.Tensor | None = None,
     backend: str = "auto",
+    options: IndexerLossKernelOptions | None = None,
 ) -> torch.Tensor:
     """KL(main-attention target || indexer distribution), megatron-core's DSA indexer loss.
 
@@ -151,11 +154,14 @@ def indexer_kl_loss(
             (HyTopK's output is); detached.
         backend: "auto" (Triton on CUDA tensors when sparse, the reference elsewhere),
             "triton" (sparse only; CPU tensors need TRITON_INTERPRET=1) or "reference".
+        options: the Triton kernels' tilings (`IndexerLossKernelOptions`; None: its DEFAULT),
+            forward and backward; the reference ignores it.
 
     Returns:
         fp32 scalar loss, differentiable in q_index, weights and k_index only.
     """
     check_backend(backend)
+    options = check_options("options", options, IndexerLossKernelOptions)
     for name, flag in (("relu", relu), ("calculate_per_token_loss", calculate_per_token_loss),
                        ("deterministic", deterministic)):
         check_bool(name, flag)
@@ -185,7 +191,7 @@ def indexer_kl_loss(
             q_index, weights, k_index, query, key, topk_indices, scale, coeff, relu=relu,
             q_positions=qpos, k_positions=kpos,
             calculate_per_token_loss=calculate_per_token_loss, tp_group=tp_group,
-            deterministic=deterministic, attention_lse=attention_lse,
+            deterministic=deterministic, attention_lse=attention_lse, options=options,
         )
     if backend == "auto" and q_index.is_cuda and not sparse:
         warn_once("indexer-loss-dense", "indexer_kl_loss: the Triton kernel covers the sparse "

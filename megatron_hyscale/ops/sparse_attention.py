@@ -17,10 +17,12 @@ from megatron_hyscale.ops.checks import (
     check_backend,
     check_finite,
     check_index_range,
+    check_options,
     check_same_device,
     check_softmax_scale,
     check_tensor,
 )
+from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 
 
 def check_prefix_lengths(prefix_lengths: torch.Tensor, indices: torch.Tensor, B: int, T: int,
@@ -107,6 +109,7 @@ def sparse_attention(
     deterministic: bool = False,
     prefix_lengths: torch.Tensor | None = None,
     backend: str = "auto",
+    options: AttentionKernelOptions | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over its selected keys only.
 
@@ -133,7 +136,9 @@ def sparse_attention(
         backend: "auto" (Triton on CUDA tensors, the reference elsewhere), "triton" (CPU
             tensors need TRITON_INTERPRET=1) or "reference". On Hopper the forward of absorbed
             MLA (GLM-5.1, V3.2) runs a Gluon kernel under either GPU choice
-            (`kernels.sparse_attention.FWD_SM90`).
+            (`AttentionKernelOptions.fwd_sm90`).
+        options: the kernels' variants and tilings (`AttentionKernelOptions`; None: its
+            DEFAULT), forward and backward; the reference ignores it.
 
     Returns:
         out [B, T, Hq, Dv] in q's dtype (zeros for a row with no valid index), and with
@@ -143,6 +148,7 @@ def sparse_attention(
     Differentiable in q, k, v and sink; an empty row has zero (not NaN) gradients.
     """
     check_backend(backend)
+    options = check_options("options", options, AttentionKernelOptions)
     scale, dv = validate_sparse_attention_inputs(q, k, v, indices, softmax_scale, dv, sink,
                                                  prefix_lengths)
     if backend == "triton" or (backend == "auto" and q.is_cuda):
@@ -150,7 +156,7 @@ def sparse_attention(
 
         return sparse_attention_triton(q, k, v, indices, scale, dv=dv, sink=sink,
                                        return_lse=return_lse, deterministic=deterministic,
-                                       prefix_lengths=prefix_lengths)
+                                       prefix_lengths=prefix_lengths, options=options)
     out, lse = reference.sparse_attention_reference(q, k, v, indices, scale, dv=dv, sink=sink,
                                                     prefix_lengths=prefix_lengths)
     return (out, lse) if return_lse else out

@@ -11,6 +11,7 @@ make rows span two tiles with a ragged tail.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -22,9 +23,11 @@ import pytest  # noqa: E402
 from megatron_hyscale.ops import reference  # noqa: E402
 from megatron_hyscale.ops.indexer_loss import indexer_kl_loss  # noqa: E402
 from megatron_hyscale.ops.kernels import indexer_loss as kern  # noqa: E402
+from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BLOCK_N = 16
+# Key tiles of 16 in every kernel.
+TILES_16 = replace(IndexerLossKernelOptions.DEFAULT, block_n=16)
 SCALE, COEFF = 0.3, 0.7
 
 
@@ -58,11 +61,12 @@ def ref_loss(x, idx, qpos, kpos, relu=True, per_token=False, query=None):
     return loss.detach(), torch.autograd.grad(loss, (x["q_index"], x["weights"], x["k_index"]))
 
 
-def tri_loss(x, idx, qpos, kpos, relu=True, per_token=False, query=None, **kw):
+def tri_loss(x, idx, qpos, kpos, relu=True, per_token=False, query=None, options=TILES_16,
+             **kw):
     loss = kern.indexer_kl_loss_triton(
         x["q_index"], x["weights"], x["k_index"], x["query"] if query is None else query,
         x["key"], idx, SCALE, COEFF, relu=relu, q_positions=qpos, k_positions=kpos,
-        calculate_per_token_loss=per_token, block_n=BLOCK_N, **kw)
+        calculate_per_token_loss=per_token, options=options, **kw)
     assert loss.dtype == torch.float32 and loss.dim() == 0
     return loss.detach(), torch.autograd.grad(loss, (x["q_index"], x["weights"], x["k_index"]))
 
@@ -99,12 +103,11 @@ def test_per_token_loss_is_the_sum():
     check_against_reference(x, idx, qpos, kpos, per_token=True)
 
 
-def test_several_query_head_blocks(monkeypatch):
+def test_several_query_head_blocks():
     # 40 query heads over 16-head blocks: three blocks (the last one ragged) add into the
     # target one after another; Dqk 20 = 16 + a 4-wide tail.
-    monkeypatch.setattr(kern, "MAX_BLOCK_H", 16)
     x, idx, qpos, kpos = make_case(B=1, T=6, S=8, Hq=40, Dqk=20, K=9, seed=7)
-    check_against_reference(x, idx, qpos, kpos)
+    check_against_reference(x, idx, qpos, kpos, options=replace(TILES_16, max_block_h=16))
 
 
 def test_rows_without_visible_keys_and_shard_positions():
@@ -154,7 +157,7 @@ def test_tensor_parallel_split_adds_the_other_ranks_heads(monkeypatch):
     # rank 1's head sums, then the loss pass must give the loss over all four heads.
     x, idx, qpos, kpos = make_case(seed=17)
     other = kern.attention_target(x["query"][:, :, 2:], x["key"], idx, qpos, kpos, SCALE,
-                                  block_n=BLOCK_N)
+                                  options=TILES_16)
     calls = []
 
     def fake_all_reduce(t, group=None):
@@ -181,7 +184,7 @@ def test_select_flags_valid_slots_once():
     p = kern.attention_target(torch.zeros(1, 1, 2, 16, device=DEVICE),
                               torch.zeros(1, 8, 1, 16, device=DEVICE), idx,
                               torch.tensor([[5]], device=DEVICE),
-                              torch.arange(8, device=DEVICE)[None], 1.0, block_n=BLOCK_N)
+                              torch.arange(8, device=DEVICE)[None], 1.0, options=TILES_16)
     # Equal logits: each of the 3 kept keys gets 1/3 from each of the 2 heads.
     expect = torch.tensor([[[2 / 3, -1, -1, -1, 2 / 3, 2 / 3, -1, -1]]], device=DEVICE)
     torch.testing.assert_close(p, expect)
@@ -193,6 +196,11 @@ def test_public_entry_point_and_empty_inputs():
     t = indexer_kl_loss(*args, idx, SCALE, COEFF, sparse=True, backend="triton")
     r = indexer_kl_loss(*args, idx, SCALE, COEFF, sparse=True, backend="reference")
     assert_close(t.detach(), r.detach())
+    t = indexer_kl_loss(*args, idx, SCALE, COEFF, sparse=True, backend="triton",
+                        options=TILES_16)  # the options reach the kernels
+    assert_close(t.detach(), r.detach())
+    with pytest.raises(ValueError, match="options must be IndexerLossKernelOptions or None"):
+        indexer_kl_loss(*args, idx, SCALE, COEFF, sparse=True, options=16)
     with pytest.raises(ValueError, match="sparse"):
         indexer_kl_loss(*args, idx, SCALE, COEFF, sparse=False, backend="triton")
     # No slots at all: loss 0 and zero gradients, as the reference.
@@ -215,13 +223,13 @@ def distinct_visible_indices(B, T, S, K, qpos, seed):
 
 
 @pytest.mark.parametrize("Hkv,block_h", [(1, 64), (2, 16)])
-def test_attention_lse_replaces_the_first_pass(Hkv, block_h, monkeypatch):
+def test_attention_lse_replaces_the_first_pass(Hkv, block_h):
     """With the main attention's log-sum-exp over the same (distinct, visible) slots, the
     kernel skips its max / sum pass: value and gradients unchanged, kernel and reference. An
     lse skewed across heads changes the loss, so the kernel does read it."""
     from megatron_hyscale.ops.sparse_attention import sparse_attention
 
-    monkeypatch.setattr(kern, "MAX_BLOCK_H", block_h)  # 2 head blocks of 16 when 16
+    options = replace(TILES_16, max_block_h=block_h)  # 2 head blocks of 16 when 16
     x, _, qpos, kpos = make_case(B=2, T=7, S=12, Hq=32, Hkv=Hkv, K=6, seed=23)
     idx = distinct_visible_indices(2, 7, 12, 6, qpos.cpu(), seed=23)
     idx[0, 2] = -1  # an empty row: lse -inf, adds nothing
@@ -231,7 +239,8 @@ def test_attention_lse_replaces_the_first_pass(Hkv, block_h, monkeypatch):
     r_loss, r_grads = ref_loss(x, idx, qpos, kpos)
     # One shift for every head would cancel in the target's normalization: skew per head.
     skew = torch.linspace(0.0, 2.0, lse.shape[-1], device=DEVICE)
-    for loss_fn in (tri_loss, ref_lse_loss):
+    tri = lambda *a, **kw: tri_loss(*a, options=options, **kw)
+    for loss_fn in (tri, ref_lse_loss):
         loss, grads = loss_fn(x, idx, qpos, kpos, attention_lse=lse)
         assert_close(loss, r_loss)
         for g, rg in zip(grads, r_grads):

@@ -12,9 +12,12 @@ bitwise repeatable.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
+
+from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -62,14 +65,15 @@ def reference(q, k, v, idx, sink, dv, scale, grad_out=None):
     return out.detach(), lse.detach(), grads
 
 
-def kernel(q, k, v, idx, sink, dv, scale, grad_out=None, deterministic=False):
+def kernel(q, k, v, idx, sink, dv, scale, grad_out=None, deterministic=False,
+           options=AttentionKernelOptions.DEFAULT):
     from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_triton
 
     leaves = [x.detach().clone().requires_grad_(grad_out is not None) if x is not None else None
               for x in (q, k, v, sink)]
     out, lse = sparse_attention_triton(leaves[0], leaves[1], leaves[2], idx, scale, dv=dv,
                                        sink=leaves[3], return_lse=True,
-                                       deterministic=deterministic)
+                                       deterministic=deterministic, options=options)
     grads = None
     if grad_out is not None:
         out.backward(grad_out)
@@ -92,17 +96,15 @@ def test_forward_4k_by_8k(shape):
 
 @pytest.mark.parametrize("variant", ["split", "split-keys-on-m", "fused"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_backward_1k_by_8k(shape, variant, monkeypatch):
+def test_backward_1k_by_8k(shape, variant):
     # The default (dQ pass, then dK/dV with the channels on M), the previous dK/dV orientation,
     # and the single fused pass.
-    from megatron_hyscale.ops.kernels import sparse_attention as kern
-
-    monkeypatch.setattr(kern, "DKV_CHANNELS_ON_M", variant != "split-keys-on-m")
-    monkeypatch.setattr(kern, "BWD_FUSED", variant == "fused")
+    options = replace(AttentionKernelOptions.DEFAULT,
+                      dkv_channels_on_m=variant != "split-keys-on-m", bwd_fused=variant == "fused")
     q, k, v, idx, sink, dv, scale = inputs(shape, 1024, 8192, seed=2)
     g = torch.randn(q.shape[:3] + (dv or (v.shape[-1] if v is not None else q.shape[-1]),),
                     device="cuda").to(q.dtype)
-    _, _, grads = kernel(q, k, v, idx, sink, dv, scale, grad_out=g)
+    _, _, grads = kernel(q, k, v, idx, sink, dv, scale, grad_out=g, options=options)
     _, _, ref_grads = reference(q, k, v, idx, sink, dv, scale, grad_out=g)
     for name, got, ref in zip(("dq", "dk", "dv", "dsink"), grads, ref_grads, strict=True):
         if ref is None:
@@ -114,15 +116,14 @@ def test_backward_1k_by_8k(shape, variant, monkeypatch):
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("shape", ["glm51", "qsa"])
-def test_deterministic_bitwise(shape, fused, monkeypatch):
-    from megatron_hyscale.ops.kernels import sparse_attention as kern
-
-    monkeypatch.setattr(kern, "BWD_FUSED", fused)
+def test_deterministic_bitwise(shape, fused):
+    options = replace(AttentionKernelOptions.DEFAULT, bwd_fused=fused)
     # S barely above K: each key row gets addends from most queries, so atomic order would show.
     q, k, v, idx, sink, dv, scale = inputs(shape, 1024, 2560, seed=3)
     width = dv or (v.shape[-1] if v is not None else q.shape[-1])
     g = torch.randn(q.shape[:3] + (width,), device="cuda").to(q.dtype)
-    runs = [kernel(q, k, v, idx, sink, dv, scale, grad_out=g, deterministic=True)[2]
+    runs = [kernel(q, k, v, idx, sink, dv, scale, grad_out=g, deterministic=True,
+                   options=options)[2]
             for _ in range(2)]
     for a, b in zip(*runs, strict=True):
         if a is not None:
@@ -181,31 +182,28 @@ def tiling_errors(shape: str, tiling: tuple[int, int]) -> dict[str, float | str]
     """Relative errors against the reference of the forward and of the backward's three forms
     (dQ + dK/dV with the channels or the keys on M, fused), every kernel whose tiling list holds
     `tiling` forced to it (the others at their defaults); "no fit" where it does not fit."""
-    from megatron_hyscale.ops.kernels import sparse_attention as kern
-
-    kern.FWD_SM90 = False  # the Triton forward's tilings (a fresh process: nothing to restore)
+    # The Triton forward's tilings, not the Hopper forward's.
+    base = replace(AttentionKernelOptions.DEFAULT, fwd_sm90=False)
     q, k, v, idx, sink, dv, scale = inputs(shape, 256, 4096, seed=4)
     width = dv or (v.shape[-1] if v is not None else q.shape[-1])
     g = torch.randn(q.shape[:3] + (width,), device="cuda").to(q.dtype)
     ref_out, _, ref_grads = reference(q, k, v, idx, sink, dv, scale, grad_out=g)
-    forced = [n for n in ("FWD_TILINGS", "DQ_TILINGS", "DKV_TILINGS", "NARROW_DQ_TILINGS",
-                          "NARROW_DKV_TILINGS", "BWD_FUSED_TILINGS")
-              if tiling in getattr(kern, n)]
-    for name in forced:
-        setattr(kern, name, (tiling,))
+    forced = [n for n in ("fwd_tilings", "dq_tilings", "dkv_tilings", "narrow_dq_tilings",
+                          "narrow_dkv_tilings", "bwd_fused_tilings")
+              if tiling in getattr(base, n)]
+    base = replace(base, **{name: (tiling,) for name in forced})
     forms = {"split": (False, True, bool(forced)),
-             "split-keys-on-m": (False, False, bool({"DKV_TILINGS", "NARROW_DKV_TILINGS"}
+             "split-keys-on-m": (False, False, bool({"dkv_tilings", "narrow_dkv_tilings"}
                                                     & set(forced))),
-             "fused": (True, True, "BWD_FUSED_TILINGS" in forced)}
+             "fused": (True, True, "bwd_fused_tilings" in forced)}
     errors: dict[str, float | str] = {"forced": " ".join(forced) or "none"}
     for form, (fused, channels_on_m, wanted) in forms.items():
         if not wanted:
             continue
-        kern.BWD_FUSED, kern.DKV_CHANNELS_ON_M = fused, channels_on_m
-        kern._tiling_cache.clear()
+        options = replace(base, bwd_fused=fused, dkv_channels_on_m=channels_on_m)
         print(json.dumps({"running": form}), flush=True)  # the last line a fault leaves behind
         try:
-            out, _, grads = kernel(q, k, v, idx, sink, dv, scale, grad_out=g)
+            out, _, grads = kernel(q, k, v, idx, sink, dv, scale, grad_out=g, options=options)
             torch.cuda.synchronize()
         except RuntimeError as exc:
             if "tiling fits" not in str(exc):

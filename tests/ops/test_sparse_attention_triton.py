@@ -10,6 +10,7 @@ mode. Key tiles of 16 make every row span several tiles with a ragged tail.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -20,6 +21,7 @@ import pytest  # noqa: E402
 
 from megatron_hyscale.ops.kernels import common  # noqa: E402
 from megatron_hyscale.ops.kernels import sparse_attention as kern  # noqa: E402
+from megatron_hyscale.ops.kernels.options import AttentionKernelOptions  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 2e-5  # fp32 kernels vs the fp64 oracle, relative to the reference's largest entry
@@ -68,15 +70,10 @@ def close(name, got, ref):
     assert err <= TOL * (1.0 + ref.abs().max().item()), f"{name}: max error {err}"
 
 
-@pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
-    """Key tiles of 16 so rows span several tiles; fresh tiling cache per test."""
-    monkeypatch.setattr(kern, "FWD_TILINGS", ((16, 1),))
-    monkeypatch.setattr(kern, "DQ_TILINGS", ((16, 1),))
-    monkeypatch.setattr(kern, "DKV_TILINGS", ((16, 1),))
-    monkeypatch.setattr(kern, "NARROW_DQ_TILINGS", ((16, 1),))
-    monkeypatch.setattr(kern, "NARROW_DKV_TILINGS", ((16, 1),))
-    monkeypatch.setattr(kern, "_tiling_cache", {})
+# Key tiles of 16 so rows span several tiles, in every kernel (the default variants otherwise).
+SMALL = replace(AttentionKernelOptions.DEFAULT, fwd_tilings=((16, 1),), dq_tilings=((16, 1),),
+                dkv_tilings=((16, 1),), narrow_dq_tilings=((16, 1),),
+                narrow_dkv_tilings=((16, 1),), bwd_fused_tilings=((16, 1),))
 
 
 CASES = {
@@ -104,8 +101,10 @@ def build(case, seed):
     return q, k, v, idx, sink, dv, D ** -0.5
 
 
-def run_both(q, k, v, idx, sink, dv, scale, deterministic, lse_weight=None, seed=0):
-    """Kernel and oracle forward + backward of sum(out * g) (+ sum(lse * w)); returns both."""
+def run_both(q, k, v, idx, sink, dv, scale, deterministic, lse_weight=None, seed=0,
+             options=SMALL):
+    """Kernel (with options) and oracle forward + backward of sum(out * g) (+ sum(lse * w));
+    returns both."""
     leaves = [x for x in (q, k, v, sink) if x is not None]
     results = []
     for use_kernel in (True, False):
@@ -116,7 +115,8 @@ def run_both(q, k, v, idx, sink, dv, scale, deterministic, lse_weight=None, seed
         ss = next(it) if sink is not None else None
         if use_kernel:
             out, lse = kern.sparse_attention_triton(qq, kk, vv, idx, scale, dv=dv, sink=ss,
-                                                    return_lse=True, deterministic=deterministic)
+                                                    return_lse=True, deterministic=deterministic,
+                                                    options=options)
         else:
             out, lse = dense_oracle(qq, kk, vv, idx, scale, dv=dv, sink=ss)
         gen = torch.Generator().manual_seed(seed + 1)
@@ -133,15 +133,14 @@ def run_both(q, k, v, idx, sink, dv, scale, deterministic, lse_weight=None, seed
 @pytest.mark.parametrize("variant", ["dkv-channels-on-m", "dkv-keys-on-m", "fused"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_values_and_gradients(case, deterministic, variant, monkeypatch):
+def test_values_and_gradients(case, deterministic, variant):
     # Every backward layout against the oracle: the separate dK/dV kernel in both orientations
-    # (DKV_CHANNELS_ON_M), and the single pass that fuses it into the dQ kernel (BWD_FUSED).
-    monkeypatch.setattr(kern, "DKV_CHANNELS_ON_M", variant != "dkv-keys-on-m")
-    monkeypatch.setattr(kern, "BWD_FUSED", variant == "fused")
-    monkeypatch.setattr(kern, "BWD_FUSED_TILINGS", ((16, 1),))
+    # (dkv_channels_on_m), and the single pass that fuses it into the dQ kernel (bwd_fused).
+    options = replace(SMALL, dkv_channels_on_m=variant != "dkv-keys-on-m",
+                      bwd_fused=variant == "fused")
     q, k, v, idx, sink, dv, scale = build(case, seed=len(case))
     (out, lse, grads), (rout, rlse, rgrads) = run_both(q, k, v, idx, sink, dv, scale,
-                                                       deterministic)
+                                                       deterministic, options=options)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert out.shape == rout.shape and lse.shape == rlse.shape
     close("out", out, rout)
@@ -164,22 +163,21 @@ def test_values_and_gradients(case, deterministic, variant, monkeypatch):
 @pytest.mark.parametrize("fused", [False, True], ids=["split-bwd", "fused-bwd"])
 @pytest.mark.parametrize("case", ["two_head_blocks", "gqa_per_head", "tiny_head_dim_gqa3"])
 def test_adjacent_head_blocks_give_the_same_results(case, fused, monkeypatch):
-    """HEAD_BLOCKS_ADJACENT changes only the launch order (a 1-D grid, a query's head blocks next
-    to each other): every output and gradient is bitwise the split grid's. Cases with several
-    KV heads check that they keep the split grid with the flag on. A small dK/dV budget
-    gives that kernel more head blocks than the forward's (3 against 2 for two_head_blocks)."""
-    monkeypatch.setattr(kern, "DKV_RESIDENT_BUDGET", 4096)
-    monkeypatch.setattr(kern, "BWD_FUSED", fused)
-    monkeypatch.setattr(kern, "BWD_FUSED_TILINGS", ((16, 1),))
+    """head_blocks_adjacent changes only the launch order (a 1-D grid, a query's head blocks
+    next to each other): every output and gradient is bitwise the split grid's. Cases with
+    several KV heads check that they keep the split grid with the option on. A small dK/dV
+    budget gives that kernel more head blocks than the forward's (3 against 2 for
+    two_head_blocks)."""
     q, k, v, idx, sink, dv, scale = build(case, seed=7)
     real_grid, grids, runs = kern.launch_grid, [], []
-    monkeypatch.setattr(kern, "launch_grid",
+    monkeypatch.setattr(kern, "launch_grid",  # a spy: records every launch's grid
                         lambda *a: grids.append((a, real_grid(*a))) or grids[-1][1])
     for adjacent in (False, True):
-        monkeypatch.setattr(kern, "HEAD_BLOCKS_ADJACENT", adjacent)
-        monkeypatch.setattr(kern, "_tiling_cache", {})
+        options = replace(SMALL, dkv_resident_budget=4096, bwd_fused=fused,
+                          head_blocks_adjacent=adjacent)
         grids.clear()
-        (out, lse, grads), _ = run_both(q, k, v, idx, sink, dv, scale, deterministic=True)
+        (out, lse, grads), _ = run_both(q, k, v, idx, sink, dv, scale, deterministic=True,
+                                        options=options)
         runs.append([out, lse, *grads])
         # every launch used the grid this order asks for: 1-D (NG > 0) when adjacent and the
         # query's programs are head blocks of one KV head (they share its indices)
@@ -200,7 +198,7 @@ def test_gradient_of_a_summed_lse():
         qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
         if use_kernel:
             _, lse = kern.sparse_attention_triton(qq, kk, vv, idx, scale, sink=sink,
-                                                  return_lse=True)
+                                                  return_lse=True, options=SMALL)
         else:
             _, lse = dense_oracle(qq, kk, vv, idx, scale, sink=sink)
         lse.sum().backward()
@@ -261,18 +259,27 @@ def test_matches_project_reference_when_present():
     ref_out, ref_lse = api.sparse_attention(q, k, v, idx, scale, dv=dv, sink=sink,
                                             return_lse=True, backend="reference")
     out, lse = kern.sparse_attention_triton(q, k, v, idx, scale, dv=dv, sink=sink,
-                                            return_lse=True)
+                                            return_lse=True, options=SMALL)
     close("out", out, ref_out)
     close("lse", lse, ref_lse)
+    # The public entry point hands its options to the kernels; anything else is refused.
+    out, lse = api.sparse_attention(q, k, v, idx, scale, dv=dv, sink=sink, return_lse=True,
+                                    backend="triton", options=SMALL)
+    close("out", out, ref_out)
+    close("lse", lse, ref_lse)
+    with pytest.raises(ValueError, match="options must be AttentionKernelOptions or None"):
+        api.sparse_attention(q, k, v, idx, scale, dv=dv, sink=sink, backend="triton",
+                             options=SMALL.fwd_tilings)
 
 
 @pytest.mark.parametrize("case", ["two_head_blocks", "mqa_absorbed_dv"])
-def test_dkv_head_block_smaller_than_forward(case, monkeypatch):
+def test_dkv_head_block_smaller_than_forward(case):
     """The dK/dV kernel halves its head block when q and dO would overflow shared memory."""
-    monkeypatch.setattr(kern, "DKV_RESIDENT_BUDGET", 1024)
+    options = replace(SMALL, dkv_resident_budget=1024)
     q, k, v, idx, sink, dv, scale = build(case, seed=4)
     for deterministic in (False, True):
-        (_, _, grads), (_, _, rgrads) = run_both(q, k, v, idx, sink, dv, scale, deterministic)
+        (_, _, grads), (_, _, rgrads) = run_both(q, k, v, idx, sink, dv, scale, deterministic,
+                                                 options=options)
         for got, ref in zip(grads, rgrads, strict=True):
             close("grad", got, ref)
 
@@ -281,15 +288,16 @@ def test_split_backward_and_discard_mode():
     """sparse_attention_bwd = the dQ launch then the dK/dV launch; the measurement-only discard
     mode runs the dK/dV kernel without accumulating: keys nobody selected stay 0, dk untouched."""
     q, k, v, idx, sink, dv, scale = build("mqa_absorbed_dv", seed=5)
-    out, lse = kern.sparse_attention_fwd(q, k, v, idx, scale, dv=dv, sink=sink)
+    kw = dict(dv=dv, options=SMALL)
+    out, lse = kern.sparse_attention_fwd(q, k, v, idx, scale, sink=sink, **kw)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    full = kern.sparse_attention_bwd(q, k, v, idx, scale, out, lse, dout, dv=dv, sink=sink)
-    dq, delta, dsink = kern.sparse_attention_bwd_dq(q, k, v, idx, scale, out, lse, dout, dv=dv,
-                                                    sink=sink)
-    dk, dvv = kern.sparse_attention_bwd_dkv(q, k, v, idx, scale, lse, dout, delta, dv=dv)
+    full = kern.sparse_attention_bwd(q, k, v, idx, scale, out, lse, dout, sink=sink, **kw)
+    dq, delta, dsink = kern.sparse_attention_bwd_dq(q, k, v, idx, scale, out, lse, dout,
+                                                    sink=sink, **kw)
+    dk, dvv = kern.sparse_attention_bwd_dkv(q, k, v, idx, scale, lse, dout, delta, **kw)
     assert torch.equal(dq, full[0]) and dvv is None and full[2] is None
     close("dk", dk, full[1])
-    buf, none = kern.sparse_attention_bwd_dkv(q, k, v, idx, scale, lse, dout, delta, dv=dv,
+    buf, none = kern.sparse_attention_bwd_dkv(q, k, v, idx, scale, lse, dout, delta, **kw,
                                               mode=common.MODE_DISCARD)
     B, S, Hkv = k.shape[:3]
     assert none is None and buf.shape == (B, S, Hkv) and torch.isfinite(buf).all()
@@ -322,13 +330,12 @@ def prefix_case(B, T, S, Hkv, NK, per_head, seed, split=20):
 @pytest.mark.parametrize("fused", [False, True], ids=["split-bwd", "fused-bwd"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-kv-head"])
-def test_dense_prefix_equals_explicit_indices(per_head, deterministic, fused, monkeypatch):
+def test_dense_prefix_equals_explicit_indices(per_head, deterministic, fused):
     """prefix_lengths (generated slots 0 .. n - 1, HCA's visible entries) + listed indices give
     the values and every gradient of the same keys listed explicitly, with a sink, GQA or MQA,
     rows whose prefix is 0, empty rows, and prefixes crossing the 16-key tiles; both backward
     layouts."""
-    monkeypatch.setattr(kern, "BWD_FUSED", fused)
-    monkeypatch.setattr(kern, "BWD_FUSED_TILINGS", ((16, 1),))
+    options = replace(SMALL, bwd_fused=fused)
     B, T, S, NK = 2, 3, 40, 9
     Hq, Hkv, D = (4, 2, 16) if per_head else (4, 1, 24)
     g = torch.Generator().manual_seed(7)
@@ -347,7 +354,7 @@ def test_dense_prefix_equals_explicit_indices(per_head, deterministic, fused, mo
         if use_prefix:
             out, lse = kern.sparse_attention_triton(qq, kk, vv, idx, D ** -0.5, dv=dv, sink=ss,
                                                     return_lse=True, deterministic=deterministic,
-                                                    prefix_lengths=n)
+                                                    prefix_lengths=n, options=options)
         else:
             out, lse = dense_oracle(qq, kk, vv, full, D ** -0.5, dv=dv, sink=ss)
         go = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
@@ -361,12 +368,12 @@ def test_dense_prefix_equals_explicit_indices(per_head, deterministic, fused, mo
 
 
 @pytest.mark.parametrize("case", ["mqa_absorbed_dv", "gqa_per_head"])
-def test_forward_without_softmax_is_raw_scores_times_v(case, monkeypatch):
-    """FWD_SOFTMAX=False (bench_attention.py --fwd-no-softmax, measurement only) still gathers
+def test_forward_without_softmax_is_raw_scores_times_v(case):
+    """fwd_softmax=False (bench_attention.py --fwd-no-softmax, measurement only) still gathers
     every valid key and runs both products: out = sum over valid slots of (q . k) v, unscaled."""
-    monkeypatch.setattr(kern, "FWD_SOFTMAX", False)
     q, k, v, idx, sink, dv, scale = build(case, seed=11)
-    out, _ = kern.sparse_attention_fwd(q, k, v, idx, scale, dv=dv)
+    out, _ = kern.sparse_attention_fwd(q, k, v, idx, scale, dv=dv,
+                                       options=replace(SMALL, fwd_softmax=False))
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     vv = (k[..., : (dv or D)] if v is None else v).double()

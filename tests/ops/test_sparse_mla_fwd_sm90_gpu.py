@@ -8,9 +8,12 @@ strided queries, fp16, the 128 / 256-channel variants, and the dispatch of `spar
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
+
+from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -53,7 +56,8 @@ def run(q, k, idx, scale, adjacent=True):
     from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import sparse_mla_fwd_sm90
 
     # adjacent: the launch order the Triton kernels share (common.launch_grid)
-    return sparse_mla_fwd_sm90(q, k, idx, scale, head_blocks_adjacent=adjacent)
+    options = replace(AttentionKernelOptions.DEFAULT, head_blocks_adjacent=adjacent)
+    return sparse_mla_fwd_sm90(q, k, idx, scale, options=options)
 
 
 def check(out, lse, ref_out, ref_lse):
@@ -99,12 +103,9 @@ def test_agrees_with_the_triton_forward():
 
     q, k, idx, scale = inputs(64, 256, 8192, 2048, seed=3)
     out, lse = run(q, k, idx, scale)
-    saved = sa.FWD_SM90
-    sa.FWD_SM90 = False
-    try:
-        t_out, t_lse = sa.sparse_attention_fwd(q, k, None, idx, scale, dv=512)
-    finally:
-        sa.FWD_SM90 = saved
+    t_out, t_lse = sa.sparse_attention_fwd(
+        q, k, None, idx, scale, dv=512,
+        options=replace(AttentionKernelOptions.DEFAULT, fwd_sm90=False))
     assert rel(out, t_out) < 2e-3
     fin = torch.isfinite(t_lse)
     assert torch.equal(torch.isfinite(lse), fin)

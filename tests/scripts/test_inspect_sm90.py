@@ -51,7 +51,8 @@ def test_default_kernels_keep_their_compiled_shape(tmp_path: Path) -> None:
     HyTopK's select kernel (keys on M) runs wgmma in its hot loop without touching local
     memory; the dK/dV
     kernel (channels on M) runs wgmma and spills no more than the 132 bytes a thread of its
-    default 64 x 1 tiling, the fastest on the H200 all the same (sparse_attention.DKV_TILINGS).
+    default 64 x 1 tiling, the fastest on the H200 all the same
+    (AttentionKernelOptions.dkv_tilings).
     A change that silently drops them to mma.sync or further into local memory fails here
     before it costs GPU time."""
     out = tmp_path / "r.json"

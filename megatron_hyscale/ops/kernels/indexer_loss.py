@@ -45,6 +45,7 @@ from megatron_hyscale.ops.kernels.common import (
     fix_interpreter,
     fixed_point_scale,
 )
+from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions, Tilings
 from megatron_hyscale.ops.kernels.tiling import launch_first_fitting
 
 fix_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1
@@ -57,13 +58,6 @@ _EPS = tl.constexpr(EPS)
 INVALID = -1.0
 _INVALID = tl.constexpr(INVALID)
 
-# Query heads per program in the target kernel (the MMA's M), as in the sparse-attention
-# forward: a [64 x 576] bf16 query block stays resident; more heads loop over head blocks.
-MAX_BLOCK_H = 64
-# (keys per step, pipeline stages), best first; a tiling that fails to compile or launch for
-# lack of shared memory or registers is skipped and the next one tried.
-TARGET_TILINGS = ((32, 2), (64, 1), (32, 1), (16, 1))
-INDEX_TILINGS = ((64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
 
 
 # --------------------------------------------------------------------------- jit bodies
@@ -355,13 +349,16 @@ def _bwd_kernel(
 _tiling_cache: dict[tuple, tuple[int, int]] = {}
 
 
-def _launch(kernel, grid, args, const, tilings, num_warps, key, block_n=None):
-    """Launch with the first tiling that fits (or the given block_n); remember it per key."""
-    if block_n is not None:
-        kernel[grid](*args, **const, BLOCK_N=block_n, num_warps=num_warps, num_stages=1)
+def _launch(kernel, grid, args, const, tilings: Tilings, num_warps, key,
+            options: IndexerLossKernelOptions):
+    """Launch with the first of `tilings` that fits (or at options.block_n, one stage);
+    remember it per (key, tilings)."""
+    if options.block_n is not None:
+        kernel[grid](*args, **const, BLOCK_N=options.block_n, num_warps=num_warps,
+                     num_stages=1)
         return
-    launch_first_fitting(kernel, grid, args, const, tilings, num_warps, _tiling_cache, key,
-                         "indexer-loss")
+    launch_first_fitting(kernel, grid, args, const, tilings, num_warps, _tiling_cache,
+                         key + (tilings,), "indexer-loss")
 
 
 def _index_geometry(q_index):
@@ -372,10 +369,10 @@ def _index_geometry(q_index):
     return dict(BLOCK_H=block_h, D_PAD=d_pad, PRECISION=dot_precision(q_index.dtype)), num_warps
 
 
-def _target_geometry(query, key):
+def _target_geometry(query, key, max_block_h):
     Hq, D = query.shape[2], query.shape[3]
     G = Hq // key.shape[2]
-    block_h = min(MAX_BLOCK_H, max(MIN_DOT, triton.next_power_of_2(G)))
+    block_h = min(max_block_h, max(MIN_DOT, triton.next_power_of_2(G)))
     d_main, d_tail = channel_split(D)
     num_warps = 8 if block_h * d_main >= WIDE_TILE else 4
     const = dict(D_MAIN=d_main, D_TAIL=d_tail, BLOCK_H=block_h,
@@ -383,8 +380,9 @@ def _target_geometry(query, key):
     return G, triton.cdiv(G, block_h), const, num_warps
 
 
-def attention_target(query, key, indices, q_positions, k_positions, softmax_scale, block_n=None,
-                     attention_lse=None):
+def attention_target(query, key, indices, q_positions, k_positions, softmax_scale,
+                     attention_lse=None,
+                     options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT):
     """fp32 [B, T, K]: head-summed main-attention probabilities at the valid slots, -1 elsewhere.
 
     Not yet normalized (a tp all-reduce may add other ranks' heads first). attention_lse: fp32
@@ -400,19 +398,20 @@ def attention_target(query, key, indices, q_positions, k_positions, softmax_scal
         *q_positions.stride(), *k_positions.stride(), *p.stride(),
         KP=max(MIN_DOT, triton.next_power_of_2(NK)), num_warps=4,
     )
-    G, nhb, const, num_warps = _target_geometry(query, key)
+    G, nhb, const, num_warps = _target_geometry(query, key, options.max_block_h)
     has_lse = attention_lse is not None
     lse = attention_lse if has_lse else p
     args = (query, key, indices, p, lse, T, NK, G, nhb, Hkv * nhb, query.shape[3],
             softmax_scale * LOG2E, *query.stride(), *key.stride(), *indices.stride(),
             *p.stride(), *(lse.stride() if has_lse else (0, 0, 0)))
     const = dict(const, HAS_LSE=has_lse)
-    _launch(_target_kernel, grid, args, const, TARGET_TILINGS, num_warps,
-            ("target", query.dtype, tuple(sorted(const.items()))), block_n)
+    _launch(_target_kernel, grid, args, const, options.target_tilings, num_warps,
+            ("target", query.dtype, tuple(sorted(const.items()))), options)
     return p
 
 
-def indexer_loss_rows(q_index, weights, k_index, indices, p, relu, block_n=None):
+def indexer_loss_rows(q_index, weights, k_index, indices, p, relu,
+                      options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT):
     """Per-row KL fp32 [B, T] from the head-summed target p (normalized in place), plus the
     rows' index-score log-sum-exp and normalized-target sum (fp32 [B, T] each) for backward."""
     B, T, H, D = q_index.shape
@@ -424,13 +423,14 @@ def indexer_loss_rows(q_index, weights, k_index, indices, p, relu, block_n=None)
     args = (q_index, weights, k_index, indices, p, kl, lse, psum, T, NK, H, D,
             *q_index.stride(), *weights.stride(), *k_index.stride(), *indices.stride(),
             *p.stride(), *kl.stride())
-    _launch(_loss_kernel, (B * T,), args, const, INDEX_TILINGS, num_warps,
-            ("loss", q_index.dtype, k_index.dtype, tuple(sorted(const.items()))), block_n)
+    _launch(_loss_kernel, (B * T,), args, const, options.index_tilings, num_warps,
+            ("loss", q_index.dtype, k_index.dtype, tuple(sorted(const.items()))), options)
     return kl, lse, psum
 
 
 def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coeff, relu,
-                     deterministic=False, block_n=None):
+                     deterministic=False,
+                     options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT):
     """Gradients (dq_index, dweights, dk_index) in their inputs' dtypes."""
     B, T, H, D = q_index.shape
     S = k_index.shape[1]
@@ -451,8 +451,8 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
                 *k_index.stride(), *indices.stride(), *p.stride(), *lse.stride(), *dq.stride(),
                 *dw.stride(), *dk_acc.stride(), *rowmax.stride())
         c = dict(const, MODE=mode)
-        _launch(_bwd_kernel, (B * T,), args, c, INDEX_TILINGS, num_warps,
-                ("bwd", q_index.dtype, k_index.dtype, tuple(sorted(c.items()))), block_n)
+        _launch(_bwd_kernel, (B * T,), args, c, options.index_tilings, num_warps,
+                ("bwd", q_index.dtype, k_index.dtype, tuple(sorted(c.items()))), options)
 
     if not deterministic:
         run(MODE_ATOMIC, rowmax)
@@ -466,38 +466,40 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
 
 
 class IndexerKLLossFunction(torch.autograd.Function):
-    """Autograd wrapper: saves the indexer inputs, the normalized target p and row stats."""
+    """Autograd wrapper: saves the indexer inputs, the normalized target p and row stats; the
+    backward runs with the forward's options."""
 
     @staticmethod
     def forward(ctx, q_index, weights, k_index, query, key, indices, q_positions, k_positions,
-                softmax_scale, coeff, relu, tp_group, deterministic, block_n, attention_lse):
+                softmax_scale, coeff, relu, tp_group, deterministic, options, attention_lse):
         p = attention_target(query, key, indices, q_positions, k_positions, softmax_scale,
-                             block_n, attention_lse)
+                             attention_lse, options)
         if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
             torch.distributed.all_reduce(p, group=tp_group)  # the other ranks' query heads
-        kl, lse, psum = indexer_loss_rows(q_index, weights, k_index, indices, p, relu, block_n)
+        kl, lse, psum = indexer_loss_rows(q_index, weights, k_index, indices, p, relu, options)
         ctx.save_for_backward(q_index, weights, k_index, indices, p, lse, psum)
-        ctx.coeff, ctx.relu, ctx.deterministic, ctx.block_n = coeff, relu, deterministic, block_n
+        ctx.coeff, ctx.relu, ctx.deterministic, ctx.options = coeff, relu, deterministic, options
         return kl.sum() * coeff
 
     @staticmethod
     def backward(ctx, grad):
         q_index, weights, k_index, indices, p, lse, psum = ctx.saved_tensors
         dq, dw, dk = indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad,
-                                      ctx.coeff, ctx.relu, ctx.deterministic, ctx.block_n)
+                                      ctx.coeff, ctx.relu, ctx.deterministic, ctx.options)
         return (dq, dw, dk) + (None,) * 12
 
 
 def indexer_kl_loss_triton(q_index, weights, k_index, query, key, topk_indices, softmax_scale,
                            loss_coeff, *, relu, q_positions, k_positions,
                            calculate_per_token_loss, tp_group=None, deterministic=False,
-                           block_n=None, attention_lse=None):
+                           attention_lse=None,
+                           options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT):
     """Sparse DSA indexer KL loss on validated inputs (see ops.indexer_kl_loss).
 
     q_positions / k_positions: int64 [B, T] / [B, S]. `deterministic=True` makes dk_index
-    bitwise repeatable (fixed-point accumulation, one extra backward pass). `block_n` forces
-    the keys per step (tests); None picks the first tiling that fits. attention_lse: see
-    ops.indexer_kl_loss.
+    bitwise repeatable (fixed-point accumulation, one extra backward pass). attention_lse: see
+    ops.indexer_kl_loss. options: the kernels' tilings (options.block_n forces the keys per
+    step, tests), forward and backward.
     """
     B, T = q_index.shape[:2]
     rows = B * T
@@ -513,5 +515,5 @@ def indexer_kl_loss_triton(q_index, weights, k_index, query, key, topk_indices, 
         weights = torch.ones((B, T, 1), device=q_index.device, dtype=torch.float32)
     return IndexerKLLossFunction.apply(
         q_index, weights, k_index, query.detach(), key.detach(), topk_indices, q_positions,
-        k_positions, float(softmax_scale), coeff, relu, tp_group, bool(deterministic), block_n,
+        k_positions, float(softmax_scale), coeff, relu, tp_group, bool(deterministic), options,
         None if attention_lse is None else attention_lse.detach())

@@ -78,3 +78,110 @@ class HyTopKOptions:
 
 
 HyTopKOptions.DEFAULT = HyTopKOptions()
+
+
+# (keys per step, pipeline stages) pairs, best first: a tiling that fails to compile or launch
+# for lack of shared memory or registers is skipped and the next one tried (`tiling.py`).
+Tilings = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class AttentionKernelOptions:
+    """Variants and tunings of the sparse-attention kernels (`kernels/sparse_attention.py`,
+    `kernels/sparse_mla_fwd_sm90.py`). The results agree to fp32 rounding order for every value
+    (bitwise for the launch order), except fwd_softmax=False, a measurement-only forward."""
+
+    # Launch order of a query's head-block programs when it has one KV head (the heads of one KV
+    # head split over several programs: V3.2's 128 heads in two blocks of 64, the dK/dV kernel's
+    # halved blocks). False: a (B x T, programs) grid, so a query's second head block runs about
+    # B x T programs after its first. True: a 1-D grid with a query's head blocks adjacent,
+    # running at about the same time, so the second one's gathers of the same key rows can hit
+    # L2. Exact either way (only the order changes). One program a query (GLM-5.1, CSA): no
+    # difference. Timed on the H200 (2026-11-30, `bench_attention.py --t 131072 --shapes v32
+    # --head-blocks {split,adjacent}`, random indices): V3.2 forward 325.5 -> 307.6 ms, backward
+    # 1901.9 -> 1663.4 ms. Several KV heads always run split (`common.launch_grid`): their
+    # indices differ, so adjacent programs gather different rows, and the split grid keeps a KV
+    # head's neighbouring queries (which share their sliding-window keys) together. QSA's 2 KV
+    # heads: its 512K layer step outside the selection (mostly this kernel) took 5088 ms split
+    # and 5279-5287 adjacent (H200, 2026-11-30, `bench_layer.py --model qsa --seq 524288`).
+    head_blocks_adjacent: bool = True
+    # Measurement only (`bench_attention.py --fwd-no-softmax`): False makes the forward use the
+    # raw scores as P (no running max, exp2 or rescale) to time the gathers and the two MMAs
+    # without the softmax's CUDA-core work. Only the forward's time means anything: its outputs
+    # are not attention (zeros with a sink) and its lse is -inf (the benchmark times no
+    # backward then). Always the Triton forward.
+    fwd_softmax: bool = True
+    # The forward of absorbed MLA (one KV head, V = K's power-of-two main part, no sink or
+    # prefix: GLM-5.1, DeepSeek-V3.2) on Hopper runs the Gluon kernel of `sparse_mla_fwd_sm90`,
+    # whose gathers overlap the products; every other shape and device runs the Triton
+    # `_fwd_kernel`. False: always `_fwd_kernel` (`bench_attention.py --fwd-kernel triton`
+    # times it beside the Gluon one).
+    fwd_sm90: bool = True
+    # One backward pass (the dQ kernel with FUSE_DKV: S, P, dP and dS computed once, the key
+    # rows gathered once) instead of a dQ pass and a dK/dV pass. Off until timed: compiled for
+    # sm_90a (GLM-5.1, 16 keys x 1 stage) its key loop has 1388 SASS instructions a thread (34
+    # of them spill loads / stores) where the two passes have about 2020 per 16 keys (dQ 32 x 2:
+    # 1315 per 32; dK/dV 16 x 2: 1366); `bench_attention.py --bwd-sweep` times both.
+    bwd_fused: bool = False
+    # dK/dV kernel orientation: keys on M (dK_tile = dS^T @ q with M = the key tile, which at 32
+    # keys is below wgmma's 64 and compiles to mma.sync) or the channels on M (dK^T = q^T @ dS:
+    # M = 512 / 576, every product wgmma-sized; q and dO in one layout each, so no head-block
+    # halving).
+    dkv_channels_on_m: bool = True
+    # The dK/dV kernel with the keys on M reads q and dO in two MMA layouts (B of K @ q^T and of
+    # dS^T @ q), which Triton keeps as two shared-memory copies; its head block is halved until
+    # both copies fit in this many bytes (measured on the H200: 64 heads x (576 + 512) dims
+    # asked for 311 KiB).
+    dkv_resident_budget: int = 160 * 1024
+    fwd_tilings: Tilings = ((64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
+    # Per backward kernel, for programs of MAX_BLOCK_H heads (GLM-5.1, V3.2, V4 CSA / HCA).
+    # Timed on the H200 (2026-11-30, `bench_attention.py --bwd-sweep --shapes glm51 --t 32768`,
+    # one process per tiling): dQ 65 ms at 64 x 1 against 106 at 32 x 2; dK/dV 153 ms at 64 x 1
+    # against 214 at 16 x 2 (64 x 1 spills 132 bytes a thread and is still the fastest); the
+    # GLM-5.1 backward at 128K went from 1377 to 944 ms. dK/dV with the channels on M faults
+    # (illegal address) at 32 x 1 and 16 x 1 for the 512 / 576-dim shapes (GLM-5.1, CSA; QSA
+    # runs them): not in the list until that is understood. 32 x 2 does not fit (233600 bytes
+    # of shared memory against the H200's 232448).
+    dq_tilings: Tilings = ((64, 1), (32, 2), (32, 1), (16, 1))
+    dkv_tilings: Tilings = ((64, 1), (16, 2))
+    # Programs of fewer heads (QSA: 12 query heads a KV head, 16-row blocks): the orders above
+    # made the QSA backward at 128K slower (1296 against 904 ms), so they keep the earlier ones.
+    narrow_dq_tilings: Tilings = ((32, 2), (64, 1), (32, 1), (16, 1))
+    narrow_dkv_tilings: Tilings = ((16, 2), (32, 1), (16, 1))
+    # The fused backward's: only 16 x 2. On the H200 (2026-11-30,
+    # tests/ops/test_sparse_attention_gpu.py) 32 x 1 gave a wrong dK for the 512/576-dim shapes
+    # (relative error 239 and 761) and 16 x 1 an illegal address, as the channels-on-M dK/dV
+    # kernel does at one stage.
+    bwd_fused_tilings: Tilings = ((16, 2),)
+    # Warps a program once the accumulator tile is large (>= common.WIDE_TILE fp32), else 4;
+    # per kernel, since the backward kernels hold a second [heads x dims] fp32 accumulator's
+    # worth.
+    fwd_wide_warps: int = 8
+    dq_wide_warps: int = 8
+    dkv_wide_warps: int = 8
+
+    DEFAULT: ClassVar[AttentionKernelOptions]
+
+
+AttentionKernelOptions.DEFAULT = AttentionKernelOptions()
+
+
+@dataclass(frozen=True)
+class IndexerLossKernelOptions:
+    """Tilings of the indexer KL loss kernels (`kernels/indexer_loss.py`); the results agree to
+    fp32 rounding order for every value."""
+
+    # The target kernel's query heads per program (its MMA's M), as in the sparse-attention
+    # forward: a [64 x 576] bf16 query block stays resident; more heads loop over head blocks.
+    max_block_h: int = 64
+    target_tilings: Tilings = ((32, 2), (64, 1), (32, 1), (16, 1))
+    # The loss and backward kernels' (indexer scores over the selected keys).
+    index_tilings: Tilings = ((64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
+    # Keys per step forced for every kernel, one stage (tests); None: the first tiling above
+    # that fits.
+    block_n: int | None = None
+
+    DEFAULT: ClassVar[IndexerLossKernelOptions]
+
+
+IndexerLossKernelOptions.DEFAULT = IndexerLossKernelOptions()

@@ -13,12 +13,14 @@ and a tail (576 = 512 + 64); when V is the main part of K (absorbed MLA, DeepSee
 gathered K tile is reused as V. Head dims under MIN_DOT are zero-padded to it by the wrapper.
 fp32 accumulation, base-2 online softmax. On Hopper the forward of absorbed MLA (one KV head,
 V = K's main part, no sink or prefix: GLM-5.1, V3.2) runs the Gluon kernel of
-`sparse_mla_fwd_sm90` instead (FWD_SM90), the same results 1.5x faster at 128K.
+`sparse_mla_fwd_sm90` instead (`AttentionKernelOptions.fwd_sm90`), the same results 1.5x faster
+at 128K.
 
 Backward: one kernel per query computes dQ (no atomics), the row's Delta = dO . O and the sink
 gradient terms; a second kernel recomputes P and dS per query and adds dK / dV tiles into fp32
 buffers with atomics, computing dK^T = q^T dS and dV^T = dO^T P with the channels as the MMA's M
-(DKV_CHANNELS_ON_M; the keys as M before). BWD_FUSED does both in the dQ kernel's single pass.
+(`dkv_channels_on_m`; the keys as M before). `bwd_fused` does both in the dQ kernel's single
+pass. Variants and tilings come in an `AttentionKernelOptions` (`kernels/options.py`).
 `deterministic=True` replaces the fp32 atomics by two passes: an order-free atomic max of each
 key row's contributions, then int64 fixed-point atomic adds on a per-row power-of-two scale
 (integer addition is associative, so the result does not depend on the order of the atomics;
@@ -27,12 +29,14 @@ resolution 2^-44 of the row's largest contribution).
 
 from __future__ import annotations
 
-import warnings
+import functools
+from types import ModuleType
 
 import torch
 import triton
 import triton.language as tl
 
+from megatron_hyscale.ops.checks import warn_once
 from megatron_hyscale.ops.kernels.common import (
     LN2_JIT,
     LOG2E,
@@ -51,75 +55,13 @@ from megatron_hyscale.ops.kernels.common import (
     fixed_point_scale,
     launch_grid,
 )
+from megatron_hyscale.ops.kernels.options import AttentionKernelOptions, Tilings
 from megatron_hyscale.ops.kernels.tiling import launch_first_fitting
 
 fix_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1
 
-# Launch order of a query's head-block programs when it has one KV head (the heads of one KV
-# head split over several programs: V3.2's 128 heads in two blocks of 64, the dK/dV kernel's
-# halved blocks). False: a (B x T, programs) grid, so a query's second head block runs about
-# B x T programs after its first. True: a 1-D grid with a query's head blocks adjacent, running
-# at about the same time, so the second one's gathers of the same key rows can hit L2. Exact
-# either way (only the order changes). One program a query (GLM-5.1, CSA): no difference.
-# Timed on the H200 (2026-11-30, `bench_attention.py --t 131072 --shapes v32 --head-blocks
-# {split,adjacent}`, random indices): V3.2 forward 325.5 -> 307.6 ms, backward 1901.9 ->
-# 1663.4 ms. Several KV heads always run split (launch_grid): their indices differ, so adjacent
-# programs gather different rows, and the split grid keeps a KV head's neighbouring queries
-# (which share their sliding-window keys) together. QSA's 2 KV heads: its 512K layer step
-# outside the selection (mostly this kernel) took 5088 ms split and 5279-5287 adjacent (H200,
-# 2026-11-30, `bench_layer.py --model qsa --seq 524288`).
-HEAD_BLOCKS_ADJACENT = True
-# Measurement only (`bench_attention.py --fwd-no-softmax`): False makes the forward use the raw
-# scores as P (no running max, exp2 or rescale) to time the gathers and the two MMAs without
-# the softmax's CUDA-core work. Only the forward's time means anything: its outputs are not
-# attention (zeros with a sink) and its lse is -inf (the benchmark times no backward then).
-FWD_SOFTMAX = True
-# The forward of absorbed MLA (one KV head, V = K's power-of-two main part, no sink or prefix:
-# GLM-5.1, DeepSeek-V3.2) on Hopper runs the Gluon kernel of `sparse_mla_fwd_sm90`, whose
-# gathers overlap the products; every other shape and device runs `_fwd_kernel`. False: always
-# `_fwd_kernel` (`bench_attention.py --fwd-kernel triton` times it beside the Gluon one).
-FWD_SM90 = True
 # Shared memory budget used to rank tilings before trying them (H100/H200: 227 KiB a block).
 SMEM_BUDGET = 220 * 1024
-# (keys per step, pipeline stages), best first; a tiling that fails to compile or launch for
-# lack of shared memory or registers is skipped and the next one tried.
-FWD_TILINGS = ((64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
-BWD_TILINGS = ((32, 2), (64, 1), (32, 1), (16, 1))
-# Per backward kernel, for programs of MAX_BLOCK_H heads (GLM-5.1, V3.2, V4 CSA / HCA). Timed
-# on the H200 (2026-11-30, `bench_attention.py --bwd-sweep --shapes glm51 --t 32768`, one
-# process per tiling): dQ 65 ms at 64 x 1 against 106 at 32 x 2; dK/dV 153 ms at 64 x 1
-# against 214 at 16 x 2 (64 x 1 spills 132 bytes a thread and is still the fastest); the
-# GLM-5.1 backward at 128K went from 1377 to 944 ms. dK/dV with the channels on M faults
-# (illegal address) at 32 x 1 and 16 x 1 for the 512 / 576-dim shapes (GLM-5.1, CSA; QSA
-# runs them): not in the list until that is understood. 32 x 2 does not fit (233600 bytes of
-# shared memory against the H200's 232448).
-DQ_TILINGS = ((64, 1), (32, 2), (32, 1), (16, 1))
-DKV_TILINGS = ((64, 1), (16, 2))
-# Programs of fewer heads (QSA: 12 query heads a KV head, 16-row blocks): the orders above made
-# the QSA backward at 128K slower (1296 against 904 ms), so they keep the earlier ones.
-NARROW_DQ_TILINGS = BWD_TILINGS
-NARROW_DKV_TILINGS = ((16, 2), (32, 1), (16, 1))
-# Warps a program: WIDE_WARPS once the accumulator tile is large (>= WIDE_TILE fp32), else 4;
-# per kernel, since the backward kernels hold a second [heads x dims] fp32 accumulator's worth.
-WIDE_WARPS = {"fwd": 8, "dq": 8, "dkv": 8}
-# The dK/dV kernel with the keys on M reads q and dO in two MMA layouts (B of K @ q^T and of
-# dS^T @ q), which Triton keeps as two shared-memory copies; its head block is halved until both
-# copies fit in this (measured on the H200: 64 heads x (576 + 512) dims asked for 311 KiB).
-DKV_RESIDENT_BUDGET = 160 * 1024
-# dK/dV kernel orientation: keys on M (dK_tile = dS^T @ q with M = the key tile, which at 32 keys
-# is below wgmma's 64 and compiles to mma.sync) or the channels on M (dK^T = q^T @ dS: M = 512
-# / 576, every product wgmma-sized; q and dO in one layout each, so no head-block halving).
-DKV_CHANNELS_ON_M = True
-# One backward pass (the dQ kernel with FUSE_DKV: S, P, dP and dS computed once, the key rows
-# gathered once) instead of a dQ pass and a dK/dV pass. Off until timed: compiled for sm_90a
-# (GLM-5.1, 16 keys x 1 stage) its key loop has 1388 SASS instructions a thread (34 of them
-# spill loads / stores) where the two passes have about 2020 per 16 keys (dQ 32 x 2: 1315 per
-# 32; dK/dV 16 x 2: 1366); `bench_attention.py --bwd-sweep` times both. Only 16 x 2: on the
-# H200 (2026-11-30, tests/ops/test_sparse_attention_gpu.py) 32 x 1 gave a wrong dK for the
-# 512/576-dim shapes (relative error 239 and 761) and 16 x 1 an illegal address, as the
-# channels-on-M dK/dV kernel does at one stage.
-BWD_FUSED = False
-BWD_FUSED_TILINGS = ((16, 2),)
 
 
 # --------------------------------------------------------------------------- jit bodies
@@ -129,7 +71,7 @@ BWD_FUSED_TILINGS = ((16, 2),)
 def _coords(T, NHB, G, NG: tl.constexpr, BLOCK_H: tl.constexpr):
     """(b, t, kv head, query-head offsets within the group, head mask) of this program.
 
-    NG = 0: a (B x T, KV heads x head blocks) grid. NG > 0 (HEAD_BLOCKS_ADJACENT, one KV
+    NG = 0: a (B x T, KV heads x head blocks) grid. NG > 0 (head_blocks_adjacent, one KV
     head): a 1-D grid of B x T x NG programs, NG = its head blocks, a query's programs adjacent.
     """
     if NG > 0:
@@ -205,7 +147,7 @@ def _fwd_kernel(
 
     s = [heads x Dqk] @ [Dqk x keys] on gathered rows, online base-2 softmax, acc += P @ V_sel
     in fp32; -1 slots score -inf; a row with no valid key (and no sink) writes zeros.
-    SOFTMAX=False (measurement only, FWD_SOFTMAX): P is the masked raw scores; lse is -inf.
+    SOFTMAX=False (measurement only, fwd_softmax): P is the masked raw scores; lse is -inf.
     """
     b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
     heads = kvh * G + offs_h
@@ -531,8 +473,12 @@ class _Geometry:
         self.wide = self.block_h * max(self.dv_pad, self.d_main) >= WIDE_TILE
         self.precision = dot_precision(q.dtype)
 
-    def num_warps(self, kernel: str) -> int:
-        return WIDE_WARPS[kernel] if self.wide else 4
+    def num_warps(self, kernel: str, options: AttentionKernelOptions) -> int:
+        """Warps of `kernel` ("fwd", "dq" or "dkv"): its wide count for a large tile, else 4."""
+        if not self.wide:
+            return 4
+        return {"fwd": options.fwd_wide_warps, "dq": options.dq_wide_warps,
+                "dkv": options.dkv_wide_warps}[kernel]
 
     def const(self):
         return dict(D=self.D, D_MAIN=self.d_main, D_TAIL=self.d_tail, DV=self.dv,
@@ -549,10 +495,11 @@ class _Geometry:
 _tiling_cache: dict[tuple, tuple[int, int]] = {}
 
 
-def _launch(kernel, grid, args, const, geo, tilings, resident, elem, key):
+def _launch(kernel, grid, args, const, geo, tilings: Tilings, resident, elem, key,
+            options: AttentionKernelOptions):
     """Launch with the first tiling whose estimated shared memory fits (the last one if none
-    does) that runs; remember it per (kernel, geometry) key."""
-    warps = geo.num_warps(key[0])
+    does) that runs; remember it per (kernel, geometry, tilings, warps) key."""
+    warps = geo.num_warps(key[0], options)
     key = key + (warps,)
     if key not in _tiling_cache:  # the shared-memory filter matters only for the first launch
         fitting = [tl_ for tl_ in tilings if geo.smem_bytes(*tl_, elem, resident) <= SMEM_BUDGET]
@@ -587,49 +534,63 @@ def _v_source(k, v, geo):
 
 
 def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None,
-                         prefix_lengths=None):
+                         prefix_lengths=None,
+                         options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT):
     """Forward launch: returns out [B, T, Hq, dv] (q's dtype) and lse fp32 [B, T, Hq].
 
     prefix_lengths: optional int [B, T]; row (b, t) also attends to keys 0 .. n - 1 before its
     listed indices (which must not repeat them)."""
     B, T, Hq, _ = q.shape
     geo = _Geometry(q, k, v, dv)
-    done = _sm90_forward(q, k, v, indices, softmax_scale, geo.dv, sink, prefix_lengths)
+    done = _sm90_forward(q, k, v, indices, softmax_scale, geo.dv, sink, prefix_lengths, options)
     if done is not None:
         return done
     NK = indices.shape[-1]
     out = torch.empty((B, T, Hq, geo.dv), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
     v_src, v_str = _v_source(k, v, geo)
-    grid, ng = launch_grid(B * T, k.shape[2], geo.nhb, HEAD_BLOCKS_ADJACENT)
+    grid, ng = launch_grid(B * T, k.shape[2], geo.nhb, options.head_blocks_adjacent)
     pre, pre_str = _prefix_args(prefix_lengths, lse)
     args = (q, k, v_src, indices, pre, sink if sink is not None else lse, out, lse,
             T, NK, geo.G, geo.nhb, softmax_scale * LOG2E,
             *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices), *pre_str,
             *_strides4(out), *lse.stride())
     const = dict(geo.const(), HAS_SINK=sink is not None, HAS_PREFIX=prefix_lengths is not None,
-                 NG=ng, SOFTMAX=FWD_SOFTMAX)
+                 NG=ng, SOFTMAX=options.fwd_softmax)
     resident = geo.block_h * (geo.d_main + geo.d_tail)
-    _launch(_fwd_kernel, grid, args, const, geo, FWD_TILINGS, resident, q.element_size(),
-            ("fwd", q.dtype, FWD_TILINGS, tuple(sorted(const.items()))))
+    tilings = options.fwd_tilings
+    _launch(_fwd_kernel, grid, args, const, geo, tilings, resident, q.element_size(),
+            ("fwd", q.dtype, tilings, tuple(sorted(const.items()))), options)
     return out, lse
 
 
-def hopper_forward(q, k, v, dv, sink, prefix_lengths, warn: bool = True):
-    """The `sparse_mla_fwd_sm90` module when `sparse_attention_fwd` runs its Hopper forward on
-    these inputs, else None (then the Triton forward runs: silently for another shape, device
-    or FWD_SM90 = False; with one warning, under `warn`, when the shape is absorbed MLA on
-    Hopper and the kernel still cannot run: no Gluon, or a layout its copies cannot take)."""
-    global FWD_SM90
-    if not (FWD_SM90 and FWD_SOFTMAX and q.is_cuda):
-        return None
+@functools.cache
+def hopper_forward_module() -> tuple[ModuleType | None, str]:
+    """(`sparse_mla_fwd_sm90`, "") or (None, why it cannot be imported): tried once a process,
+    since a Triton without Gluon's Hopper API (tested: 3.6) will not gain it later."""
     try:
-        from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90
-    except ImportError as exc:  # a Triton without Gluon's Hopper API (tested: 3.6)
-        FWD_SM90 = False
+        from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90
+    except ImportError as exc:
+        return None, str(exc)
+    return sparse_mla_fwd_sm90, ""
+
+
+def hopper_forward(q, k, v, dv, sink, prefix_lengths, *,
+                   options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT,
+                   warn: bool = True):
+    """The `sparse_mla_fwd_sm90` module when `sparse_attention_fwd` runs its Hopper forward on
+    these inputs, else None (then the Triton forward runs: silently for another shape, device,
+    options.fwd_sm90 = False or a variant that failed before; with one warning per cause, under
+    `warn`, when the shape is absorbed MLA on Hopper and the kernel still cannot run: no Gluon,
+    or a layout its copies cannot take)."""
+    if not (options.fwd_sm90 and options.fwd_softmax and q.is_cuda):
+        return None
+    sm90, import_error = hopper_forward_module()
+    if sm90 is None:
         if warn and torch.cuda.get_device_capability(q.device)[0] == 9:
-            warnings.warn(f"HyScale: the Hopper sparse-MLA forward cannot be loaded ({exc}); "
-                          "using the Triton forward", RuntimeWarning, stacklevel=3)
+            warn_once("sparse-mla-fwd-sm90: import", "HyScale: the Hopper sparse-MLA forward "
+                      f"cannot be loaded ({import_error}); using the Triton forward",
+                      stacklevel=4)
         return None
     if not sm90.applies(q, k, v, dv, sink, prefix_lengths):
         return None
@@ -641,15 +602,15 @@ def hopper_forward(q, k, v, dv, sink, prefix_lengths, warn: bool = True):
     return sm90
 
 
-def _sm90_forward(q, k, v, indices, softmax_scale, dv, sink, prefix_lengths):
+def _sm90_forward(q, k, v, indices, softmax_scale, dv, sink, prefix_lengths, options):
     """(out, lse) from the Hopper absorbed-MLA forward, or None where it does not run
-    (`hopper_forward`) or this variant fails (one warning; the variant is not tried again)."""
-    sm90 = hopper_forward(q, k, v, dv, sink, prefix_lengths)
+    (`hopper_forward`) or this variant fails (one warning; the variant is not tried again:
+    `sparse_mla_fwd_sm90.disable`)."""
+    sm90 = hopper_forward(q, k, v, dv, sink, prefix_lengths, options=options)
     if sm90 is None:
         return None
     try:
-        return sm90.sparse_mla_fwd_sm90(q, k, indices, softmax_scale,
-                                        head_blocks_adjacent=HEAD_BLOCKS_ADJACENT)
+        return sm90.sparse_mla_fwd_sm90(q, k, indices, softmax_scale, options=options)
     except torch.OutOfMemoryError:
         raise  # not the kernel's failure: the Triton forward would need the same memory
     except Exception as exc:  # this variant failed to compile or launch: say so, keep training
@@ -700,10 +661,12 @@ class _DkvAccumulators:
 
 def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dlse=None,
                             dv=None, sink=None, prefix_lengths=None, dkv=None,
-                            mode=MODE_ATOMIC):
+                            mode=MODE_ATOMIC,
+                            options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT):
     """dQ launch: returns (dq, delta fp32 [B, T, Hq], dsink or None).
 
-    dkv: a _DkvAccumulators to fuse the dK / dV accumulation (per `mode`) into this pass."""
+    dkv: a _DkvAccumulators to fuse the dK / dV accumulation (per `mode`) into this pass (at
+    options.bwd_fused_tilings)."""
     B, T, Hq, _ = q.shape
     geo = _Geometry(q, k, v, dv)
     NK = indices.shape[-1]
@@ -711,7 +674,7 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
     delta = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
     dsink_part = torch.empty_like(delta) if sink is not None else delta
     v_src, v_str = _v_source(k, v, geo)
-    grid, ng = launch_grid(B * T, k.shape[2], geo.nhb, HEAD_BLOCKS_ADJACENT)
+    grid, ng = launch_grid(B * T, k.shape[2], geo.nhb, options.head_blocks_adjacent)
     resident = geo.block_h * (geo.d_main + geo.d_tail + geo.dv_pad)
     dlse_t = dlse if dlse is not None else lse
     pre, pre_str = _prefix_args(prefix_lengths, lse)
@@ -726,20 +689,25 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
     const = dict(geo.const(), HAS_SINK=sink is not None, HAS_DLSE=dlse is not None,
                  HAS_PREFIX=prefix_lengths is not None, FUSE_DKV=fused,
                  MODE=mode if fused else MODE_ATOMIC, NG=ng)
-    tilings = BWD_FUSED_TILINGS if fused else _bwd_tilings(geo, DQ_TILINGS, NARROW_DQ_TILINGS)
+    if fused:
+        tilings = options.bwd_fused_tilings
+    else:
+        tilings = _bwd_tilings(geo, options.dq_tilings, options.narrow_dq_tilings)
     _launch(_bwd_dq_kernel, grid, args, const, geo, tilings, resident, q.element_size(),
-            ("dq", q.dtype, tilings, tuple(sorted(const.items()))))
+            ("dq", q.dtype, tilings, tuple(sorted(const.items()))), options)
     dsink = dsink_part.sum(dim=(0, 1)).to(sink.dtype) if sink is not None else None
     return dq, delta, dsink
 
 
-def _bwd_tilings(geo, wide, narrow):
-    """The backward tiling order for this geometry's head block (see DQ_TILINGS)."""
+def _bwd_tilings(geo, wide: Tilings, narrow: Tilings) -> Tilings:
+    """The backward tiling order for this geometry's head block (see
+    AttentionKernelOptions.dq_tilings)."""
     return wide if geo.block_h >= MAX_BLOCK_H else narrow
 
 
 def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, dv=None,
-                             deterministic=False, mode=None, prefix_lengths=None):
+                             deterministic=False, mode=None, prefix_lengths=None,
+                             options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT):
     """dK / dV launches (delta from sparse_attention_bwd_dq): returns (dk, dv or None).
 
     mode=MODE_DISCARD (measurement only) runs the kernel once without accumulating and returns
@@ -754,11 +722,11 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
 
     dims = geo.d_main + geo.d_tail + geo.dv_pad
     bh_dkv = geo.block_h
-    copies = 1 if DKV_CHANNELS_ON_M else 2  # q and dO held in one or two MMA layouts
-    while bh_dkv > MIN_DOT and copies * bh_dkv * dims * elem > DKV_RESIDENT_BUDGET:
+    copies = 1 if options.dkv_channels_on_m else 2  # q and dO held in one or two MMA layouts
+    while bh_dkv > MIN_DOT and copies * bh_dkv * dims * elem > options.dkv_resident_budget:
         bh_dkv //= 2
     nhb_dkv = triton.cdiv(geo.G, bh_dkv)
-    grid_dkv, ng_dkv = launch_grid(B * T, Hkv, nhb_dkv, HEAD_BLOCKS_ADJACENT)
+    grid_dkv, ng_dkv = launch_grid(B * T, Hkv, nhb_dkv, options.head_blocks_adjacent)
 
     pre, pre_str = _prefix_args(prefix_lengths, lse)
 
@@ -768,11 +736,11 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
                 *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices), *pre_str,
                 *_strides4(dout), *lse.stride(), *acc.strides())
         const = dict(geo.const(), MODE=mode, BLOCK_H=bh_dkv,
-                     HAS_PREFIX=prefix_lengths is not None, CHANNELS_ON_M=DKV_CHANNELS_ON_M,
-                     NG=ng_dkv)
-        tilings = _bwd_tilings(geo, DKV_TILINGS, NARROW_DKV_TILINGS)
+                     HAS_PREFIX=prefix_lengths is not None,
+                     CHANNELS_ON_M=options.dkv_channels_on_m, NG=ng_dkv)
+        tilings = _bwd_tilings(geo, options.dkv_tilings, options.narrow_dkv_tilings)
         _launch(_bwd_dkv_kernel, grid_dkv, args, const, geo, tilings, copies * bh_dkv * dims,
-                elem, ("dkv", q.dtype, tilings, tuple(sorted(const.items()))))
+                elem, ("dkv", q.dtype, tilings, tuple(sorted(const.items()))), options)
 
     if mode == MODE_DISCARD:
         run(MODE_DISCARD)
@@ -787,18 +755,19 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
 
 
 def sparse_attention_bwd(q, k, v, indices, softmax_scale, out, lse, dout, dlse=None, dv=None,
-                         sink=None, deterministic=False, prefix_lengths=None):
+                         sink=None, deterministic=False, prefix_lengths=None,
+                         options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT):
     """Backward launches: returns (dq, dk, dv or None, dsink or None).
 
-    BWD_FUSED: one pass computes dQ and adds dK / dV (two passes when deterministic); else the
-    dQ launch, then the dK / dV launch."""
-    kw = dict(dlse=dlse, dv=dv, sink=sink, prefix_lengths=prefix_lengths)
-    if not BWD_FUSED:
+    options.bwd_fused: one pass computes dQ and adds dK / dV (two passes when deterministic);
+    else the dQ launch, then the dK / dV launch."""
+    kw = dict(dlse=dlse, dv=dv, sink=sink, prefix_lengths=prefix_lengths, options=options)
+    if not options.bwd_fused:
         dq, delta, dsink = sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse,
                                                    dout, **kw)
         dk, dvv = sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta,
                                            dv=dv, deterministic=deterministic,
-                                           prefix_lengths=prefix_lengths)
+                                           prefix_lengths=prefix_lengths, options=options)
         return dq, dk, dvv, dsink
     geo = _Geometry(q, k, v, dv)
     acc = _DkvAccumulators(q, k, v, geo, lse, deterministic, False)
@@ -817,17 +786,19 @@ def sparse_attention_bwd(q, k, v, indices, softmax_scale, out, lse, dout, dlse=N
 
 class SparseAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: saves q, k, v, indices, sink, prefix lengths, out and lse; backward runs
-    two kernels."""
+    two kernels (one fused) with the forward's options."""
 
     @staticmethod
-    def forward(ctx, q, k, v, indices, sink, softmax_scale, dv, deterministic, prefix_lengths):
+    def forward(ctx, q, k, v, indices, sink, softmax_scale, dv, deterministic, prefix_lengths,
+                options):
         ctx.set_materialize_grads(False)  # an unused lse gets no zero-filled gradient
         out, lse = sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=dv, sink=sink,
-                                        prefix_lengths=prefix_lengths)
+                                        prefix_lengths=prefix_lengths, options=options)
         ctx.save_for_backward(q, k, v, indices, sink, prefix_lengths, out, lse)
         ctx.softmax_scale = softmax_scale
         ctx.dv = dv
         ctx.deterministic = deterministic
+        ctx.options = options
         return out, lse
 
     @staticmethod
@@ -841,18 +812,21 @@ class SparseAttentionFunction(torch.autograd.Function):
             dlse = dlse.contiguous()
         dq, dk, dvv, dsink = sparse_attention_bwd(
             q, k, v, indices, ctx.softmax_scale, out, lse, dout, dlse=dlse, dv=ctx.dv,
-            sink=sink, deterministic=ctx.deterministic, prefix_lengths=prefix_lengths)
-        return dq, dk, dvv, None, dsink, None, None, None, None
+            sink=sink, deterministic=ctx.deterministic, prefix_lengths=prefix_lengths,
+            options=ctx.options)
+        return dq, dk, dvv, None, dsink, None, None, None, None, None
 
 
 def sparse_attention_triton(q, k, v, indices, softmax_scale, *, dv=None, sink=None,
-                            return_lse=False, deterministic=False, prefix_lengths=None):
+                            return_lse=False, deterministic=False, prefix_lengths=None,
+                            options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT):
     """Sparse attention over selected indices on validated inputs (see the module docstring).
 
     Differentiable in q, k, v and sink. `deterministic=True` makes dK / dV bitwise repeatable
     (fixed-point accumulation, one extra pass of the dK/dV kernel). `prefix_lengths` int
     [B, T]: each row also attends to keys 0 .. n - 1 before its listed indices (generated in
-    the kernels, never materialized; the loops run n + K slots a row).
+    the kernels, never materialized; the loops run n + K slots a row). `options`: the kernels'
+    variants and tilings, forward and backward.
     """
     if q.shape[-1] < MIN_DOT:
         # The kernels read channels in tiles of at least MIN_DOT (tl.dot's smallest K): zero
@@ -862,5 +836,5 @@ def sparse_attention_triton(q, k, v, indices, softmax_scale, *, dv=None, sink=No
         pad = (0, MIN_DOT - q.shape[-1])
         q, k = torch.nn.functional.pad(q, pad), torch.nn.functional.pad(k, pad)
     out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, float(softmax_scale), dv,
-                                             bool(deterministic), prefix_lengths)
+                                             bool(deterministic), prefix_lengths, options)
     return (out, lse) if return_lse else out

@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from megatron_hyscale.ops.checks import warn_once
 from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E, launch_grid
+from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 
 # Query heads a program (the products' M: one wgmma tile height per warpgroup).
 BLOCK_H = 64
@@ -254,11 +255,13 @@ def _shared_layouts(dtype: torch.dtype, d_main: int, d_tail: int) -> tuple:
 
 
 def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
-                        softmax_scale: float, *, head_blocks_adjacent: bool = True
+                        softmax_scale: float, *,
+                        options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, T, Hq, D_MAIN], lse fp32 [B, T, Hq]) on inputs that `applies` and
     `layout_problem` accept. A query's head blocks (V3.2: two) launch as the Triton kernels'
-    do (`common.launch_grid`: adjacent under `head_blocks_adjacent`)."""
+    do (`common.launch_grid`, options.head_blocks_adjacent); the other options are the
+    dispatcher's (`sparse_attention.hopper_forward`)."""
     B, T, Hq, d = q.shape
     d_main = 1 << (d.bit_length() - 1)
     out = torch.empty((B, T, Hq, d_main), device=q.device, dtype=q.dtype)
@@ -269,7 +272,7 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
         return out.zero_(), lse.fill_(float("-inf"))
     if indices.dim() == 4:
         indices = indices[:, :, 0]
-    grid, ng = launch_grid(B * T, 1, Hq // BLOCK_H, head_blocks_adjacent)
+    grid, ng = launch_grid(B * T, 1, Hq // BLOCK_H, options.head_blocks_adjacent)
     sqb, sqt, sqh, _ = q.stride()
     skb, sks, _, _ = k.stride()
     sib, sit, sik = indices.stride()
