@@ -86,6 +86,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hyscale import ops, parallel, phase_spans, replay
+from megatron_hyscale.layers.kernel_backend import kernel_backend
 from megatron_hyscale.layers.linear import LocalLinear
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
 from megatron_hyscale.layers.row_chunks import (
@@ -673,7 +674,8 @@ class HyScaleV4Attention(MegatronModule):
                                self.softmax_scale, sink=self.sinks,
                                prefix_lengths=None if rows.prefix is None else part(rows.prefix),
                                deterministic=bool(cfg.deterministic_mode),  # [B, n, H, D]
-                               options=getattr(cfg, "attention_kernel_options", None))
+                               options=getattr(cfg, "attention_kernel_options", None),
+                               backend=kernel_backend(cfg))
         # K = V carries RoPE: undo it at the query position so the output depends on
         # relative positions only (V4's conjugate rotation), then the grouped projection.
         out = apply_interleaved_rope(out, cos, sin, heads=True, inverse=True)

@@ -39,6 +39,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 from megatron.core.utils import get_pg_size
 
 from megatron_hyscale import ops, parallel, phase_spans, replay
+from megatron_hyscale.layers.kernel_backend import kernel_backend
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
 from megatron_hyscale.ops import hytopk
 from megatron_hyscale.ops.hytopk import warn_once
@@ -213,7 +214,8 @@ class HyScaleDSAttention(DSAttention):
         out, lse = sparse_attention(query_b, state.key_b, None, indices, self.softmax_scale,
                                     dv=cfg.kv_lora_rank, return_lse=True,
                                     deterministic=bool(cfg.deterministic_mode),
-                                    options=getattr(cfg, "attention_kernel_options", None))
+                                    options=getattr(cfg, "attention_kernel_options", None),
+                                    backend=kernel_backend(cfg))
         indexer_loss = None
         if state.loss_coeff > 0:
             per_token = bool(cfg.calculate_per_token_loss)
@@ -233,6 +235,7 @@ class HyScaleDSAttention(DSAttention):
                 # The selection's indices are distinct and visible, so the attention ran over
                 # exactly the loss's slots: its log-sum-exp is the target's denominator.
                 attention_lse=lse.detach() if sparse_loss else None,
+                backend=kernel_backend(cfg),
             )
 
         up_v_weight = up_v_weight.to(device=query.device, dtype=query.dtype)
@@ -266,6 +269,7 @@ class HyScaleDSAttention(DSAttention):
                     return hytopk(
                         q_idx.detach(), k_idx.detach(), weights.detach(), self.index_topk,
                         relu=bool(self.config.dsa_indexer_scoring_relu), q_positions=q_positions,
+                        backend=kernel_backend(self.config),
                     )[0]
 
             indices = self.selection_replay.select(shape, compute)

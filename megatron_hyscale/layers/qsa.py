@@ -79,6 +79,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size
 
 from megatron_hyscale import ops, parallel, phase_spans, replay
+from megatron_hyscale.layers.kernel_backend import kernel_backend
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
 from megatron_hyscale.ops import hytopk
 from megatron_hyscale.ops.block_pool import (
@@ -447,7 +448,8 @@ class HyScaleQSAttention(MegatronModule):
         query_b, key_b, value_b = (t.transpose(0, 1) for t in (query, key, value))
         out = sparse_attention(query_b, key_b, value_b, indices, self.softmax_scale,
                                deterministic=bool(cfg.deterministic_mode),
-                               options=getattr(cfg, "attention_kernel_options", None))
+                               options=getattr(cfg, "attention_kernel_options", None),
+                               backend=kernel_backend(cfg))
         output = out.transpose(0, 1).reshape(sq, b, -1)
         if use_loss and blocks.shape[-1] > 0:
             loss = self._indexer_loss(q_idx, block_keys, query_b, key_b, blocks, q_positions)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from megatron_hyscale.ops import reference
+from megatron_hyscale.ops.backends import dispatch
+from megatron_hyscale.ops.backends.dispatch import BACKEND_CHOICES, LIBRARY_BACKENDS
 from megatron_hyscale.ops.checks import (
     FLOAT_DTYPES,
     check_backend,
@@ -75,7 +77,12 @@ def hytopk(
         q_positions, k_positions: [T] / [S] or per batch [B, T] / [B, S] integer positions;
             default k_positions = arange(S), q_positions = arange(T) + (S - T).
         causal: when False every key is visible.
-        backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
+        backend: "auto" (Triton on CUDA, reference elsewhere), "triton", "reference",
+            "cudnn" (cuDNN-frontend's SM90 score chunks + radix top-k, the stock cudnn
+            backend's kernels: `pip install megatron-hyscale[cudnn]`; bf16, ReLU, causal, keys
+            at 0 .. S-1; elsewhere one warning names why and HyTopK runs) or "best" (whichever
+            of HyTopK and cuDNN was measured faster for this shape: ops/backends/measured.py;
+            it says once which it runs).
         ordered: False lets the Triton backend return each row's top-k set in any order (the
             -1 slots still last), skipping its final per-row sort (QSA at 512K tokens: 43 of
             460 ms); for consumers that need the set only, such as the sparse attention.
@@ -87,9 +94,15 @@ def hytopk(
             the visible keys.
         scores: fp32 [B, T, topk] aligned with indices; -inf at -1 slots.
     """
-    check_backend(backend)
+    check_backend(backend, BACKEND_CHOICES)
     options = check_options("options", options, HyTopKOptions)
     qpos, kpos = validate_hytopk_inputs(q, k, weights, topk, q_positions, k_positions)
+    if backend in LIBRARY_BACKENDS:
+        got = dispatch.selection(q, k, weights, topk, backend=backend, relu=relu, causal=causal,
+                                 qpos=qpos, kpos=kpos, ordered=ordered)
+        if got is not None:
+            return got
+        backend = "auto"
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
     if use_triton:
         try:

@@ -19,6 +19,8 @@ import math
 import torch
 
 from megatron_hyscale.ops import reference
+from megatron_hyscale.ops.backends import dispatch
+from megatron_hyscale.ops.backends.dispatch import BACKEND_CHOICES, LIBRARY_BACKENDS
 from megatron_hyscale.ops.checks import (
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -153,14 +155,20 @@ def indexer_kl_loss(
             attention ran over exactly the loss's slots: topk_indices distinct and visible
             (HyTopK's output is); detached.
         backend: "auto" (Triton on CUDA tensors when sparse, the reference elsewhere),
-            "triton" (sparse only; CPU tensors need TRITON_INTERPRET=1) or "reference".
+            "triton" (sparse only; CPU tensors need TRITON_INTERPRET=1), "reference",
+            "cudnn" (cuDNN-frontend's sparse indexer-score / target recompute and indexer
+            backward, the stock cudnn backend's kernels; sparse, ReLU, bf16 inputs and
+            weights, one KV head, keys at 0 .. S-1, distinct indices, not deterministic;
+            elsewhere one warning names why and the Triton kernel runs) or "best" (whichever
+            was measured faster for this shape, said once; the library only with
+            attention_lse, whose slots are known distinct).
         options: the Triton kernels' tilings (`IndexerLossKernelOptions`; None: its DEFAULT),
             forward and backward; the reference ignores it.
 
     Returns:
         fp32 scalar loss, differentiable in q_index, weights and k_index only.
     """
-    check_backend(backend)
+    check_backend(backend, BACKEND_CHOICES)
     options = check_options("options", options, IndexerLossKernelOptions)
     for name, flag in (("relu", relu), ("calculate_per_token_loss", calculate_per_token_loss),
                        ("deterministic", deterministic)):
@@ -179,6 +187,14 @@ def indexer_kl_loss(
             raise ValueError(f"indexer_kl_loss: attention_lse must be [B, T, Hq] = "
                              f"{tuple(query.shape[:3])}, got {tuple(attention_lse.shape)}")
         attention_lse = attention_lse.detach()
+    if backend in LIBRARY_BACKENDS:
+        got = dispatch.indexer_loss(
+            q_index, weights, k_index, query, key, topk_indices, scale, coeff, backend=backend,
+            sparse=sparse, relu=relu, qpos=qpos, kpos=kpos, per_token=calculate_per_token_loss,
+            tp_group=tp_group, attention_lse=attention_lse, deterministic=deterministic)
+        if got is not None:
+            return got
+        backend = "auto"
     if backend == "triton" and not sparse:
         raise ValueError("indexer_kl_loss: backend='triton' needs sparse=True; the dense "
                          "warm-up loss (sparse=False) has no Triton kernel, use backend="

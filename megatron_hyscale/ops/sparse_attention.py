@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from megatron_hyscale.ops import reference
+from megatron_hyscale.ops.backends import dispatch
+from megatron_hyscale.ops.backends.dispatch import BACKEND_CHOICES, LIBRARY_BACKENDS
 from megatron_hyscale.ops.checks import (
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -136,7 +138,11 @@ def sparse_attention(
         backend: "auto" (Triton on CUDA tensors, the reference elsewhere), "triton" (CPU
             tensors need TRITON_INTERPRET=1) or "reference". On Hopper the forward of absorbed
             MLA (GLM-5.1, V3.2) runs a Gluon kernel under either GPU choice
-            (`AttentionKernelOptions.fwd_sm90`).
+            (`AttentionKernelOptions.fwd_sm90`). "cudnn": FlashMLA's SM90 forward and
+            cuDNN-frontend's SM90 backward (the stock cudnn backend's kernels; one KV head, v
+            None, 512 value channels, 576 or 512 key channels, bf16, not deterministic;
+            elsewhere one warning names why and HyScale's kernels run); "best": whichever was
+            measured faster (forward + backward) for this shape, said once.
         options: the kernels' variants and tilings (`AttentionKernelOptions`; None: its
             DEFAULT), forward and backward; the reference ignores it.
 
@@ -147,10 +153,16 @@ def sparse_attention(
 
     Differentiable in q, k, v and sink; an empty row has zero (not NaN) gradients.
     """
-    check_backend(backend)
+    check_backend(backend, BACKEND_CHOICES)
     options = check_options("options", options, AttentionKernelOptions)
     scale, dv = validate_sparse_attention_inputs(q, k, v, indices, softmax_scale, dv, sink,
                                                  prefix_lengths)
+    if backend in LIBRARY_BACKENDS:
+        got = dispatch.attention(q, k, v, indices, scale, backend=backend, dv=dv, sink=sink,
+                                 deterministic=deterministic, prefix_lengths=prefix_lengths)
+        if got is not None:
+            return got if return_lse else got[0]
+        backend = "auto"
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_triton
 

@@ -56,3 +56,58 @@ def test_unsupported_calls_name_their_reason_on_cpu():
                                          deterministic=False)
     assert cudnn_indexer_loss_unsupported(q, w, query, key, sparse=True, relu=True, kpos=kpos,
                                           attention_lse=None)
+
+
+def test_cudnn_backend_on_cpu_warns_once_and_runs_hyscale(recwarn):
+    import warnings
+
+    from megatron_hyscale.ops import hytopk, indexer_kl_loss, sparse_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 16, 2, 8, generator=g)
+    k = torch.randn(1, 16, 8, generator=g)
+    w = torch.randn(1, 16, 2, generator=g)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            got = hytopk(q, k, w, 4, backend="cudnn")
+    ref = hytopk(q, k, w, 4, backend="reference")
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    msgs = [str(c.message) for c in caught if "backend='cudnn'" in str(c.message)]
+    assert len(msgs) == 1 and "CUDA" in msgs[0], msgs  # once, naming why
+
+    qa = torch.randn(1, 16, 2, 8, generator=g)
+    ka = torch.randn(1, 16, 1, 8, generator=g)
+    idx = ref[0]
+    out = sparse_attention(qa, ka, None, idx, 0.3, backend="best")
+    assert torch.equal(out, sparse_attention(qa, ka, None, idx, 0.3, backend="reference"))
+    loss = indexer_kl_loss(q, w, k, qa, ka, idx, 0.3, 0.1, sparse=True, backend="cudnn")
+    want = indexer_kl_loss(q, w, k, qa, ka, idx, 0.3, 0.1, sparse=True, backend="reference")
+    assert torch.equal(loss, want)
+
+
+def test_unknown_backend_is_refused_by_name():
+    import pytest
+
+    from megatron_hyscale.ops import hytopk
+
+    x = torch.zeros(1, 4, 1, 8)
+    with pytest.raises(ValueError, match="backend"):
+        hytopk(x, torch.zeros(1, 4, 8), torch.zeros(1, 4, 1), 2, backend="flash")
+
+
+def test_measured_table_picks_the_faster_kernel_at_the_nearest_length(tmp_path, monkeypatch):
+    import json
+
+    from megatron_hyscale.ops.backends import measured
+
+    table = tmp_path / "t.json"
+    entries = [dict(op="selection", shape="S", T=16384, own_ms=10.0, library_ms=5.0, source="a"),
+               dict(op="selection", shape="S", T=262144, own_ms=900.0, library_ms=1000.0,
+                    source="b")]
+    table.write_text(json.dumps({"entries": entries}))
+    monkeypatch.setattr(measured, "TABLE_PATH", table)
+    assert measured.faster_backend("selection", "S", 8192)[0] == measured.LIBRARY
+    assert measured.faster_backend("selection", "S", 1 << 20)[0] == measured.OWN
+    pick, why = measured.faster_backend("selection", "other", 8192)
+    assert pick == measured.OWN and "never measured" in why

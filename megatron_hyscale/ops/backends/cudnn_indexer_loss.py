@@ -1,8 +1,9 @@
 """The sparse DSA indexer KL loss on cuDNN-frontend's SM90 kernels.
 
 The path megatron-core's cudnn backend takes, under `ops.indexer_kl_loss`'s contract (sparse
-form): the indexer's scores at the selected slots (`DSA.sparse_indexer_score_recompute`), a
-masked log-softmax over them, the head-summed attention probabilities there as the target
+form): the softmax of the indexer's scores over the selected slots
+(`DSA.sparse_indexer_score_recompute`; a probability under 2^-126 counts as 2^-126), the
+head-summed attention probabilities there as the target
 (`DSA.sparse_attn_score_recompute`, from the attention's log-sum-exp), the KL in torch, and
 the indexer gradients from `DSA.indexer_backward` in the same forward (the loss is linear in
 its coefficient, so backward only scales them by the incoming gradient).
@@ -92,12 +93,12 @@ class CudnnIndexerLoss(torch.autograd.Function):
         K = slots.shape[-1]
         slot_valid = torch.arange(K, device=slots.device).view(1, 1, K) < length.unsqueeze(-1)
 
-        logits = DSA.sparse_indexer_score_recompute_wrapper(
+        # The kernel returns the softmax over each row's slots (not the logits).
+        predict = DSA.sparse_indexer_score_recompute_wrapper(
             q_index.contiguous(), k_index.contiguous(), weights.contiguous(), slots,
             qhead_per_kv_head=H_I, topk_length=length)["predict"]
-        log_predict = logits.masked_fill(~slot_valid, float("-inf")).log_softmax(-1)
-        log_predict = log_predict.masked_fill(~slot_valid, 0.0)
-        predict = log_predict.exp().masked_fill(~slot_valid, 0.0)
+        predict = predict.masked_fill(~slot_valid, 0.0)
+        log_predict = torch.log(predict.clamp_min(MIN_PROBABILITY)).masked_fill(~slot_valid, 0.0)
 
         if attention_lse is None:
             with torch.no_grad():

@@ -73,16 +73,18 @@ def cudnn_selection(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, top
         for r0 in range(run_start, run_end, rows_per_chunk):
             r1 = min(run_end, r0 + rows_per_chunk)
             pos = qpos[:, r0:r1]
-            first = pos[:, 0]
+            # cuTe takes unit innermost strides literally, also for a dimension of size 1.
+            first = torch.empty(B, dtype=torch.int32, device=q.device).copy_(pos[:, 0])
             visible = min(S, int(pos[:, -1].max()) + 1)
             if visible <= 0:
                 continue  # no key is visible to any row of the chunk
             keys = k4[:, :visible]
             table = DSA.indexer_forward_wrapper(
                 q[:, r0:r1], keys if B == 1 else keys.contiguous(), w[:, r0:r1], ratio=1,
-                sm_scale=1.0, q_causal_offsets=first.to(torch.int32).contiguous())["scores"]
+                sm_scale=1.0, q_causal_offsets=first)["scores"]
             kk = min(topk, visible)
-            seq_lens = (pos + 1).clamp(0, visible).to(torch.int32).reshape(-1)
+            seq_lens = torch.empty(B * (r1 - r0), dtype=torch.int32, device=q.device)
+            seq_lens.copy_((pos + 1).clamp(0, visible).reshape(-1))
             got = DSA.indexer_top_k_wrapper(table.view(B * (r1 - r0), visible), seq_lens,
                                             top_k=kk, next_n=1, return_val=True,
                                             deterministic=True)

@@ -16,11 +16,12 @@ from pathlib import Path
 TABLE_PATH = Path(__file__).with_name("measured_defaults.json")
 OWN = "triton"
 LIBRARY = "cudnn"
-OPS = ("selection", "attention_fwd", "attention_bwd", "indexer_loss")
+# attention: forward + backward (the library pair runs both or neither)
+OPS = ("selection", "attention", "indexer_loss")
 
 
 @functools.cache
-def _entries(path: Path = TABLE_PATH) -> tuple[dict, ...]:
+def _entries(path: Path) -> tuple[dict, ...]:
     if not path.exists():
         return ()
     with open(path) as f:
@@ -43,7 +44,7 @@ def faster_backend(op: str, shape: str, T: int) -> tuple[str, str]:
     """(OWN or LIBRARY, why) for `op` on `shape` at T tokens, from the measured table."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    rows = [e for e in _entries() if e["op"] == op and e["shape"] == shape]
+    rows = [e for e in _entries(TABLE_PATH) if e["op"] == op and e["shape"] == shape]
     if not rows:
         return OWN, f"{op} on {shape} was never measured against the library"
     near = min(rows, key=lambda e: abs(math.log(e["T"]) - math.log(max(T, 1))))

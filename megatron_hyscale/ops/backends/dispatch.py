@@ -1,0 +1,97 @@
+"""The ops' `backend="cudnn"` and `backend="best"`: run a library kernel, or say why not.
+
+"cudnn" asks for the library kernel: where it cannot run the call, one warning names why and
+HyScale's own kernel runs. "best" takes whichever of the two was measured faster for the op
+and shape (`measured.faster_backend`) when the library can run the call, and says once which
+it took and why. Each function returns the library's result, or None for "run your own".
+"""
+
+from __future__ import annotations
+
+import sys
+
+from megatron_hyscale.ops.backends import measured
+from megatron_hyscale.ops.backends.availability import CUDNN, library_unavailable
+from megatron_hyscale.ops.checks import warn_once
+
+LIBRARY_BACKENDS = ("cudnn", "best")
+BACKEND_CHOICES = ("auto", "triton", "reference", *LIBRARY_BACKENDS)
+_announced: set[tuple] = set()
+
+
+def announce_once(key: tuple, message: str) -> None:
+    """Print which kernel an op runs, once per (op, shape, choice): users compare runs."""
+    if key not in _announced:
+        _announced.add(key)
+        print(f"[hyscale] {message}", file=sys.stderr, flush=True)
+
+
+def _use_library(backend: str, op: str, shape: str, T: int, reason: str | None) -> bool:
+    if backend == "best" and library_unavailable(CUDNN):
+        return False  # an optional extra not installed: nothing to choose between
+    if reason:
+        if backend == "cudnn":
+            warn_once(f"{op}-cudnn:{reason}", f"{op}: backend='cudnn' cannot run this call "
+                      f"({reason}); running HyScale's kernel")
+        else:
+            announce_once((op, shape, "own", reason), f"{op} {shape}: HyScale's kernel "
+                          f"(the library cannot run it: {reason})")
+        return False
+    if backend == "cudnn":
+        return True
+    pick, why = measured.faster_backend(op, shape, T)
+    announce_once((op, shape, pick), f"{op} {shape}: "
+                  f"{'cuDNN/FlashMLA' if pick == measured.LIBRARY else 'HyScale'}'s kernel ({why})")
+    return pick == measured.LIBRARY
+
+
+def selection(q, k, weights, topk, *, backend, relu, causal, qpos, kpos, ordered):
+    from megatron_hyscale.ops.backends.cudnn_selection import (
+        cudnn_selection,
+        cudnn_selection_unsupported,
+    )
+
+    reason = cudnn_selection_unsupported(q, k, weights, relu=relu, causal=causal, kpos=kpos)
+    shape = measured.selection_shape(q.shape[2], q.shape[3], topk)
+    if not _use_library(backend, "selection", shape, q.shape[1], reason):
+        return None
+    return cudnn_selection(q, k, weights, topk, qpos=qpos, ordered=ordered)
+
+
+def attention(q, k, v, indices, scale, *, backend, dv, sink, deterministic, prefix_lengths):
+    """(out, lse) on FlashMLA + cuDNN, or None."""
+    from megatron_hyscale.ops.backends.library_attention import (
+        library_attention,
+        library_attention_unsupported,
+    )
+
+    reason = library_attention_unsupported(q, k, v, indices, dv, prefix_lengths=prefix_lengths,
+                                           deterministic=deterministic)
+    shape = measured.attention_shape(q.shape[2], q.shape[3], dv or q.shape[3], sink is not None)
+    if not _use_library(backend, "attention", shape, q.shape[1], reason):
+        return None
+    return library_attention(q, k, indices, scale, sink=sink)
+
+
+def indexer_loss(q_index, weights, k_index, query, key, topk_indices, scale, coeff, *, backend,
+                 sparse, relu, qpos, kpos, per_token, tp_group, attention_lse, deterministic):
+    from megatron_hyscale.ops.backends.cudnn_indexer_loss import (
+        cudnn_indexer_loss,
+        cudnn_indexer_loss_unsupported,
+    )
+
+    reason = cudnn_indexer_loss_unsupported(q_index, weights, query, key, sparse=sparse,
+                                            relu=relu, kpos=kpos, attention_lse=attention_lse)
+    if reason is None and deterministic:
+        reason = "cuDNN's SM90 indexer backward has no deterministic mode"
+    if reason is None and backend == "best" and attention_lse is None:
+        # Only with the attention's lse are the slots known to be distinct and visible (the
+        # op's contract counts a repeated index once; the library would count it twice).
+        reason = "no attention_lse: the slots may repeat"
+    shape = measured.loss_shape(query.shape[2], query.shape[3], q_index.shape[2])
+    if not _use_library(backend, "indexer_loss", shape, q_index.shape[1], reason):
+        return None
+    return cudnn_indexer_loss(q_index, weights, k_index, query, key, topk_indices, scale, coeff,
+                              qpos=qpos, calculate_per_token_loss=per_token, tp_group=tp_group,
+                              attention_lse=attention_lse)
+
