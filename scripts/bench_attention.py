@@ -21,8 +21,12 @@ backward, two gathers and the fp32 dK / dV atomics' read and write) over the cop
 measured in the same run; with random indices a pass cannot beat it by much (L2 reuse only).
 FLOP counts: forward 2 * T * Hq * K * (Dqk + Dv); backward 2 * T * Hq * K * (3 Dqk + 2 Dv)
 (QK^T recomputed once, dP, dQ, dK, dV; the kernels' extra recompute is not counted as work).
-Baseline: megatron-core 0.19.2's stock unfused path (`_unfused_absorbed_dsa_fn` for absorbed MLA,
-`unfused_dsa_fn` otherwise), run where it fits (OOM printed) and T <= --stock-max-t.
+Library kernels (the stock cudnn backend's, in the same run, through HyScale's backend
+`ops/backends/library_attention.py`): FlashMLA's SM90 sparse forward and cuDNN-frontend's SM90
+backward, for the shapes they take (one KV head, 512 value channels: glm51, v32, csa); columns
+"cudnn fwd / bwd". Baseline: megatron-core 0.19.2's stock unfused path
+(`_unfused_absorbed_dsa_fn` for absorbed MLA, `unfused_dsa_fn` otherwise), run where it fits
+(OOM printed) and T <= --stock-max-t.
 
   python scripts/bench_attention.py                 # T in 16K, 64K, 128K, all shapes
   python scripts/bench_attention.py --quick         # T = 16K, fewer repeats
@@ -62,6 +66,7 @@ from megatron_hyscale.testing.bench import (  # noqa: E402
     log,
     matmul_tflops,
     parse_tiling,
+    save_record,
     time_ms,
 )
 
@@ -193,6 +198,39 @@ def bench_ours(inp, warmup, reps, deterministic_too, fwd_only=False,
     return res
 
 
+def bench_library(inp, warmup, reps):
+    """FlashMLA's SM90 forward and cuDNN's SM90 backward (stock cudnn backend's kernels) through
+    HyScale's library backend, on the same inputs; None where they cannot run this shape."""
+    from megatron_hyscale.ops.backends.library_attention import (
+        library_attention,
+        library_attention_unsupported,
+    )
+
+    q, k, sink = inp["q"].detach(), inp["k"].detach(), inp["sink"]
+    reason = library_attention_unsupported(q, k, inp["v"], inp["idx"], inp["dv"],
+                                           prefix_lengths=inp["prefix"], deterministic=False)
+    if reason:
+        return {"lib_status": reason}
+    sink = None if sink is None else sink.detach()
+    res = {}
+    with torch.no_grad():
+        res["lib_fwd_ms"] = time_ms(lambda: library_attention(q, k, inp["idx"], inp["scale"],
+                                                              sink=sink),
+                                    reps=reps, warmup=warmup)
+    leaves = [x.clone().requires_grad_() for x in (q, k)]
+    out, _ = library_attention(*leaves, inp["idx"], inp["scale"], sink=sink)
+    grad = torch.randn_like(out)
+    res["lib_bwd_ms"] = time_ms(lambda: torch.autograd.grad(out, leaves, grad,
+                                                            retain_graph=True),
+                                reps=reps, warmup=warmup)
+    # the same result as HyScale's kernels (bf16 rounding apart)
+    with torch.no_grad():
+        ours = sparse_attention_triton(q, k, inp["v"], inp["idx"], inp["scale"], dv=inp["dv"],
+                                       sink=sink, prefix_lengths=inp["prefix"])
+    res["lib_out_rel_err"] = ((out.float() - ours.float()).norm() / ours.float().norm()).item()
+    return res
+
+
 def bench_stock(shape, inp, warmup, reps):
     """megatron-core 0.19.2's unfused sparse path, [S, B, H, D] layout; fwd and fwd+bwd times."""
     from megatron.core.transformer.experimental_attention_variant import dsa
@@ -319,7 +357,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="T = 16K only, fewer repeats")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-deterministic", action="store_true")
-    ap.add_argument("--no-stock", action="store_true")
+    ap.add_argument("--no-stock", action="store_true",
+                    help="skip megatron-core's unfused stock path (out of memory past 16K)")
+    ap.add_argument("--no-library", action="store_true",
+                    help="skip FlashMLA's forward + cuDNN's backward (the stock cudnn "
+                         "backend's kernels; run where scripts/gpu_cudnn.sh installed them)")
     ap.add_argument("--indices", choices=("random", "window"), default="random",
                     help="random keys per row (worst case for the gathers) or each row's last "
                          "K keys (best case: neighbouring rows share them)")
@@ -371,7 +413,9 @@ def main():
             t0 = time.time()
             torch.cuda.reset_peak_memory_stats()
             inp = make_inputs(shape, T, indices=args.indices)
-            row = dict(shape=shape, T=T, K=SHAPES[shape][-1], indices=args.indices,
+            Hq, _, Dqk, _, _, has_sink, _, K = SHAPES[shape]
+            row = dict(shape=shape, T=T, K=K, Hq=Hq, Dqk=Dqk, Dv=inp["width"], sink=has_sink,
+                       indices=args.indices,
                        fwd_floor_ms=max(inp["flop_fwd"] / mm / 1e9,
                                         inp["bytes_fwd"] / bw / 1e9),
                        fwd_mem_floor_ms=inp["bytes_fwd"] / bw / 1e9,
@@ -390,6 +434,15 @@ def main():
                 row["bwd_frac"] = row["bwd_tflops"] / mm
                 if "bwd_det_ms" in row:
                     row["det_cost"] = row["bwd_det_ms"] / row["bwd_ms"]
+            if not args.no_library:
+                try:
+                    row.update(bench_library(inp, 1, args.reps))
+                except torch.OutOfMemoryError:
+                    row["lib_status"] = "OOM"
+                for key, flop in (("lib_fwd", inp["flop_fwd"]), ("lib_bwd", inp["flop_bwd"])):
+                    if isinstance(row.get(f"{key}_ms"), float):
+                        row[f"{key}_frac"] = flop / row[f"{key}_ms"] / 1e9 / mm
+                torch.cuda.empty_cache()
             if not args.no_stock and T <= args.stock_max_t:
                 stock = bench_stock(shape, inp, 0, 1)  # one run: the stock path is slow
                 row["stock_fwd_ms"], row["stock_fwd_bwd_ms"] = stock["fwd_ms"], stock[
@@ -403,16 +456,24 @@ def main():
                                for key, val in kern._tiling_cache.items()}
             with open(json_path, "w") as f:
                 json.dump(meta, f, indent=1)
+            for shape_name in sorted({r["shape"] for r in meta["rows"]}):
+                save_record("bench_attention", shape_name,
+                            [r for r in meta["rows"] if r["shape"] == shape_name],
+                            matmul=mm, copy=bw, extra={"indices": args.indices,
+                                                        "fwd_kernel": args.fwd_kernel})
             g = lambda key, spec=".2f", row=row: fmt(row.get(key, "-"), spec)
             log(f"{shape:6s} T={T:6d} fwd {g('fwd_ms')} ms ({g('fwd_frac', '.0%')}) "
                 f"bwd {g('bwd_ms')} ms ({g('bwd_frac', '.0%')}) det x{g('det_cost')} "
+                f"cudnn/flashmla fwd {g('lib_fwd_ms')} ({g('lib_fwd_frac', '.0%')}) bwd "
+                f"{g('lib_bwd_ms')} ({g('lib_bwd_frac', '.0%')}) "
                 f"stock fwd {g('stock_fwd_ms', '.1f')} fwd+bwd {g('stock_fwd_bwd_ms', '.1f')} "
                 f"peak {g('peak_gib', '.1f')} GiB [{time.time() - t0:.0f}s]")
 
     head = ("| shape | T | K | fwd kernel | fwd ms | fwd TFLOP/s | fwd / matmul | "
             "fwd gather floor ms | bwd ms | bwd TFLOP/s | bwd / matmul | bwd memory floor ms | "
-            "det bwd ms (x) | stock fwd ms | stock fwd+bwd ms | peak GiB |")
-    lines = [head, "|" + "---|" * 16]
+            "det bwd ms (x) | cudnn fwd ms (/ matmul) | cudnn bwd ms (/ matmul) | stock fwd ms | "
+            "stock fwd+bwd ms | peak GiB |")
+    lines = [head, "|" + "---|" * 18]
     for r in meta["rows"]:
         det = (f"{r['bwd_det_ms']:.1f} (x{r['det_cost']:.2f})" if "bwd_det_ms" in r else "-")
         lines.append(
@@ -422,7 +483,10 @@ def main():
             f"{fmt(r['fwd_mem_floor_ms'], '.1f')} | "
             f"{fmt(r.get('bwd_ms', '-'), '.2f')} | {fmt(r.get('bwd_tflops', '-'), '.0f')} | "
             f"{fmt(r.get('bwd_frac', '-'), '.0%')} | {fmt(r['bwd_mem_floor_ms'], '.1f')} | "
-            f"{det} | {fmt(r.get('stock_fwd_ms', '-'), '.1f')} | "
+            f"{det} | {fmt(r.get('lib_fwd_ms', '-'), '.2f')} "
+            f"({fmt(r.get('lib_fwd_frac', '-'), '.0%')}) | {fmt(r.get('lib_bwd_ms', '-'), '.2f')} "
+            f"({fmt(r.get('lib_bwd_frac', '-'), '.0%')}) | "
+            f"{fmt(r.get('stock_fwd_ms', '-'), '.1f')} | "
             f"{fmt(r.get('stock_fwd_bwd_ms', '-'), '.1f')} | {fmt(r.get('peak_gib', '-'))} |")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "bench_attention.md"), "w") as f:

@@ -12,7 +12,10 @@ target 2 passes x 2 n Hq Dqk (per-head softmax statistics, then probabilities), 
 one pass of each forward product and the two backward products. "w/ lse": the target pass
 given the attention forward's log-sum-exp (one pass instead of two: the DSA layer's path; the
 fwd column times the op without it). Baseline: the plain-torch
-reference (`backend="reference"`, chunked, checkpointed) where T <= --ref-max-t.
+reference (`backend="reference"`, chunked, checkpointed) where T <= --ref-max-t. The stock
+cudnn backend's kernels (cuDNN-frontend's sparse indexer-score and target recompute, a torch
+KL, cuDNN's indexer backward; HyScale's `backend="cudnn"`), with the attention's lse given to
+it and to a second Triton run, where scripts/gpu_cudnn.sh installed them (--no-library skips).
 
   python scripts/bench_indexer_loss.py                   # T in 16K, 64K, 128K, GLM-5.1
   python scripts/bench_indexer_loss.py --quick           # T = 16K, fewer repeats
@@ -45,6 +48,7 @@ from megatron_hyscale.testing.bench import (  # noqa: E402
     log,
     matmul_tflops,
     parse_tiling,
+    save_record,
     time_ms,
 )
 
@@ -87,15 +91,16 @@ def flops(shape, n_valid):
                 bwd_useful=2 * index)
 
 
-def bench(x, idx, backend, warmup, reps, deterministic=False):
-    """Median forward, backward and forward+backward ms and peak memory (GiB) of one backend."""
+def bench(x, idx, backend, warmup, reps, deterministic=False, attention_lse=None):
+    """Median forward, backward and forward+backward ms, peak memory (GiB) and the loss value
+    of one backend (attention_lse: the attention forward's, as the DSA layer passes it)."""
     scale = x["query"].shape[-1] ** -0.5
     params = (x["q_index"], x["weights"], x["k_index"])
     kw = dict(deterministic=deterministic) if backend == "triton" else {}
 
     def fwd():
         return indexer_kl_loss(*params, x["query"], x["key"], idx, scale, 0.1, sparse=True,
-                               backend=backend, **kw)
+                               backend=backend, attention_lse=attention_lse, **kw)
 
     def fwd_bwd():
         torch.autograd.grad(fwd(), params)
@@ -112,7 +117,16 @@ def bench(x, idx, backend, warmup, reps, deterministic=False):
     fwd_bwd()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-    return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, total_ms=fwd_ms + bwd_ms, extra_peak_gib=peak)
+    with torch.no_grad():
+        value = fwd().item()
+    return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, total_ms=fwd_ms + bwd_ms, extra_peak_gib=peak,
+                loss=value)
+
+
+def cudnn_unavailable():
+    from megatron_hyscale.ops.backends.availability import CUDNN, library_unavailable
+
+    return library_unavailable(CUDNN, torch.device("cuda"))
 
 
 def bench_parts(x, idx, warmup, reps):
@@ -177,12 +191,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--t", type=int, nargs="+", default=[16384, 65536, 131072])
     ap.add_argument("--shapes", nargs="+", default=["glm51"], choices=sorted(SHAPES))
-    ap.add_argument("--ref-max-t", type=int, default=16384)
+    ap.add_argument("--ref-max-t", type=int, default=16384,
+                    help="longest T at which the plain-torch reference is timed too")
     ap.add_argument("--deterministic", action="store_true", help="also time deterministic dK")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default="results")
+    ap.add_argument("--quick", action="store_true", help="T = 16K only, fewer repeats")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed calls before timing")
+    ap.add_argument("--reps", type=int, default=5, help="timed calls (the median is kept)")
+    ap.add_argument("--no-library", action="store_true",
+                    help="skip cuDNN's loss kernels (the stock cudnn backend's), run where "
+                         "scripts/gpu_cudnn.sh installed them")
+    ap.add_argument("--out", default="results", help="folder for the JSON")
     ap.add_argument("--target-tilings", nargs="+", type=parse_tiling, default=None,
                     metavar="NxS", help="time the target pass per tiling, then exit")
     args = ap.parse_args()
@@ -208,9 +226,27 @@ def main():
             x, idx = make_inputs(shape, T)
             n_valid = int((idx >= 0).sum())
             f = flops(shape, n_valid)
-            row = dict(shape=shape, T=T, n_valid=n_valid, flops=f)
+            Hq, _, Dqk, H_I, _, _ = SHAPES[shape]
+            row = dict(shape=shape, T=T, n_valid=n_valid, flops=f, Hq=Hq, Dqk=Dqk, H_I=H_I)
             row["triton"] = bench(x, idx, "triton", args.warmup, args.reps)
             row.update(bench_parts(x, idx, args.warmup, args.reps))
+            if not args.no_library:
+                why_not = cudnn_unavailable()
+                if why_not:
+                    row["cudnn"] = f"not run: {why_not}"
+                else:  # both given the attention's lse, as the DSA layer runs them
+                    _, lse = sparse_attention(x["query"], x["key"], None, idx,
+                                              x["query"].shape[-1] ** -0.5, dv=512,
+                                              return_lse=True)
+                    row["triton_lse"] = bench(x, idx, "triton", args.warmup, args.reps,
+                                              attention_lse=lse)
+                    row["cudnn"] = bench(x, idx, "cudnn", args.warmup, args.reps,
+                                         attention_lse=lse)
+                    del lse
+                    c, t = row["cudnn"], row["triton_lse"]
+                    log(f"{shape:6} {T:>7} with the attention's lse: triton {t['fwd_ms']:.2f} + "
+                        f"{t['bwd_ms']:.2f} ms, cudnn {c['fwd_ms']:.2f} + {c['bwd_ms']:.2f} ms; "
+                        f"loss {t['loss']:.6g} / {c['loss']:.6g}")
             if args.deterministic:
                 row["triton_det"] = bench(x, idx, "triton", args.warmup, args.reps, True)
             if T <= args.ref_max_t:
@@ -236,6 +272,9 @@ def main():
             meta["results"].append(row)
             with open(json_path, "w") as fh:
                 json.dump(meta, fh, indent=1)
+            save_record("bench_indexer_loss", shape,
+                        [r for r in meta["results"] if r["shape"] == shape], matmul=mm,
+                        copy=float("nan"))
             del x, idx
             torch.cuda.empty_cache()
     log(f"wrote {json_path}")

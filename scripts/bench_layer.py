@@ -8,6 +8,9 @@ Models (`--model`):
   TileLang indexer fwd/bwd, sparse-MLA fwd/bwd and sparse indexer-loss kernels; shapes they
   decline fall back to the PyTorch path, and the row's `fused_kernels` counts which ran).
   It needs CUDA and the tilelang package (scripts/tilelang_carry.sh, scripts/gpu_tilelang.sh).
+  `--stock-kernel-backend cudnn` adds `stock_cudnn` likewise: dsa_kernel_backend="cudnn"
+  (cuDNN-frontend's SM90 indexer + radix top-k, FlashMLA's forward, cuDNN's backward and fused
+  indexer loss: scripts/cudnn_carry.sh, scripts/gpu_cudnn.sh).
 - csa / hca: DeepSeek-V4-Flash's attention with compress ratio 4 (CSA: indexer 64 x 128 picks
   the top 512 compressed entries + 128-token window) / 128 (HCA: dense over compressed entries +
   window); hidden 4096, 64 heads, shared K = V of 512. Baseline = the module's `baseline=True`
@@ -60,8 +63,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MODELS = ("dsa", "csa", "hca", "qsa")
-STOCK_KERNEL_BACKENDS = ("none", "tilelang")
+STOCK_KERNEL_BACKENDS = ("none", "tilelang", "cudnn")
 TILELANG_FLAG = "--stock-kernel-backend tilelang"
+CUDNN_FLAG = "--stock-kernel-backend cudnn"
 
 GLM51 = dict(
     hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512,
@@ -133,8 +137,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dsa: tilelang also times the stock DSAttention with megatron-core's "
                         "TileLang kernels (dsa_kernel_backend='tilelang') as a second stock row, "
                         "stock_tilelang, next to the PyTorch one (needs CUDA and the tilelang "
-                        "package: scripts/tilelang_carry.sh, scripts/gpu_tilelang.sh); "
-                        "default none: the PyTorch stock row only")
+                        "package: scripts/tilelang_carry.sh, scripts/gpu_tilelang.sh); cudnn "
+                        "likewise adds stock_cudnn (cuDNN-frontend's DSA kernels + FlashMLA, "
+                        "what Megatron-Bridge's GLM-5 recipes run: scripts/cudnn_carry.sh, "
+                        "scripts/gpu_cudnn.sh); default none: the PyTorch stock row only")
+    p.add_argument("--hyscale-kernel-backend", choices=("best", "own", "cudnn"), default="best",
+                   help="the kernels HyScale's layer asks its ops for (layers/kernel_backend.py): "
+                        "best = the faster of HyScale's and the installed library's per op and "
+                        "shape as measured (default), own = HyScale's only, cudnn = the "
+                        "library's wherever it runs")
+    p.add_argument("--compare-own-kernels", action="store_true",
+                   help="also time HyScale's layer on its own kernels only (row hyscale_own), "
+                        "on the same weights")
+    p.add_argument("--fused-stock-max-seq", type=int, default=1 << 30, metavar="T",
+                   help="longest T the --stock-kernel-backend row runs at (default: every T; "
+                        "an out-of-memory length is recorded as such)")
     p.add_argument("--row-chunk", type=int, default=None, metavar="ROWS",
                    help="dsa / csa / hca: HyScale's attention runs its local query rows ROWS "
                         "at a time, each part checkpointed (HyScaleMLASelfAttention, "
@@ -186,6 +203,21 @@ def check_request(args: argparse.Namespace) -> None:
         fail("bench_layer.py: no CUDA device (use --device cpu --tiny for a smoke run)")
     if args.stock_kernel_backend == "tilelang":
         check_tilelang(args)
+    if args.stock_kernel_backend == "cudnn":
+        check_cudnn(args)
+
+
+def check_cudnn(args: argparse.Namespace) -> None:
+    """Refuse --stock-kernel-backend cudnn (exit 2) where megatron's cudnn DSA cannot run."""
+    if args.device != "cuda":
+        fail(f"bench_layer.py: {CUDNN_FLAG} needs --device cuda (Hopper)")
+    from megatron.core.utils import _missing_cudnn_dsa_kernel_dependencies
+
+    missing = _missing_cudnn_dsa_kernel_dependencies()
+    if missing:
+        fail(f"bench_layer.py: {CUDNN_FLAG}: megatron-core cannot load its cudnn DSA kernels "
+             f"({', '.join(missing)} missing); install them (scripts/cudnn_carry.sh here, "
+             "scripts/gpu_cudnn.sh on the GPU machine) or leave the flag out")
 
 
 def check_tilelang(args: argparse.Namespace) -> None:
@@ -323,6 +355,15 @@ def build_dsa(args: argparse.Namespace, baseline: bool, kernel_backend: str = "n
         # its selection; the naive one above stays for the shapes they decline.
         hooks += [(tilelang_dsa, "lighting_indexer"), (tilelang_dsa, "lighting_indexer_indices")]
         fused = [(dsa_kernels, name) for name in FUSED_DSA_HOOKS]
+    if kernel_backend == "cudnn":
+        from megatron.core.transformer.experimental_attention_variant import (
+            dsa_cudnn_kernels,
+            dsa_kernels,
+        )
+
+        # cuDNN's score chunks + radix top-k are its selection (inside the fused hooks too).
+        hooks += [(dsa_cudnn_kernels, "_indexer_topk_bshd")]
+        fused = [(dsa_kernels, name) for name in (*FUSED_DSA_HOOKS, "run_fused_dsa_attention")]
     return Layer(attn, lambda h: attn(h, None)[0], geometry["hidden_size"], hooks, fused)
 
 
@@ -758,12 +799,19 @@ def run(args: argparse.Namespace) -> int:
     hyscale = build(args, baseline=False)
     # HyScale's attention layers pass their config's kernel options to sparse_attention.
     hyscale.module.config.attention_kernel_options = attention_kernel_options(args)
+    hyscale.module.config.hyscale_kernel_backend = args.hyscale_kernel_backend
     bases: list[tuple[str, Layer]] = []  # (row key, layer), each on HyScale's weights
+    if args.compare_own_kernels:
+        own = build(args, baseline=False)
+        own.module.config.attention_kernel_options = attention_kernel_options(args)
+        own.module.config.hyscale_kernel_backend = "own"
+        bases.append(("hyscale_own", own))
     if not args.skip_baseline:
         bases.append((base_name, build(args, baseline=True)))
-    if args.stock_kernel_backend == "tilelang":
-        bases.append((f"{base_name}_tilelang",
-                      build_dsa(args, baseline=True, kernel_backend="tilelang")))
+    if args.stock_kernel_backend in ("tilelang", "cudnn"):
+        backend = args.stock_kernel_backend
+        bases.append((f"{base_name}_{backend}",
+                      build_dsa(args, baseline=True, kernel_backend=backend)))
     for _, base in bases:
         base.module.load_state_dict(hyscale.module.state_dict())
     base_names = [name for name, _ in bases] or [base_name]
@@ -786,7 +834,10 @@ def run(args: argparse.Namespace) -> int:
         row["hyscale"] = combine(gather_ranks(rec))
         replay.clear()
         for name, base in bases:
-            if T > args.baseline_max_seq:
+            # the fused stock backends are not bound by the unfused path's score table
+            limit = (args.baseline_max_seq if name == base_name else
+                     1 << 62 if name == "hyscale_own" else args.fused_stock_max_seq)
+            if T > limit:
                 row[name] = "skipped"
                 continue
             log(f"[T={T}] {name} ...")
@@ -820,6 +871,13 @@ def write_json(out_dir: Path, args: argparse.Namespace, device: str, rate: float
         payload["baseline_names"] = base_names
         payload["stock_kernel_backend"] = args.stock_kernel_backend
     (out_dir / f"bench_layer_{args.model}.json").write_text(json.dumps(payload, indent=1))
+    if device != "cpu":  # the performance history keeps GPU runs only
+        from megatron_hyscale.testing.bench import save_record
+
+        config = f"{args.model}-cp{args.cp}" + (f"-{args.stock_kernel_backend}"
+                                                if len(base_names) > 1 else "")
+        save_record("bench_layer", config, rows, matmul=rate, copy=float("nan"),
+                    extra={"baseline_names": base_names, "args": vars(args)})
     if args.model == "dsa":  # the name earlier runs (and BENCHMARKS.md) used
         (out_dir / "bench_layer.json").write_text(json.dumps(payload, indent=1))
 

@@ -19,6 +19,12 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              batched product with the weights, causal mask, torch.topk
   table      table-then-select: HyTopK's fused scoring pass writes an fp32 [rows, S] score block,
              then torch.topk on it
+  cudnn      HyScale's cudnn backend (ops/backends/cudnn_selection.py): cuDNN-frontend's SM90
+             indexer scores in 1 GiB row chunks, keys cropped to each chunk's causal end, then
+             cuDNN's deterministic radix top-k (needs scripts/gpu_cudnn.sh; ReLU configs only)
+  stock_cudnn  megatron-core's own cudnn-backend selection (dsa_cudnn_kernels._indexer_topk_bshd),
+             what a stock DSA layer with dsa_kernel_backend="cudnn" runs
+  (both report same_rows_as_hytopk: the share of rows whose set equals HyTopK's, to 128K)
 and reports time (median of CUDA-event timings), peak extra memory (max_memory_allocated over
 the inputs) and the ratio to the indexer GEMM floor: causal FLOPs T(T+1)/2 * H * D * 2 over the
 bf16 matmul rate measured in the same run (an 8192^3 bf16 matmul).
@@ -64,7 +70,13 @@ from megatron_hyscale.ops import hytopk  # noqa: E402
 from megatron_hyscale.ops.block_pool import block_visibility_positions  # noqa: E402
 from megatron_hyscale.ops.kernels import hytopk as hk  # noqa: E402
 from megatron_hyscale.ops.kernels.options import HyTopKOptions  # noqa: E402
-from megatron_hyscale.testing.bench import copy_tbps, log, matmul_tflops, time_ms  # noqa: E402
+from megatron_hyscale.testing.bench import (  # noqa: E402
+    copy_tbps,
+    log,
+    matmul_tflops,
+    save_record,
+    time_ms,
+)
 
 GiB = 1 << 30
 TAG = ""
@@ -93,13 +105,16 @@ KEY_RATIO = {"qsa": 4}
 # Configs without learned head weights (QSA sums its heads with one scale): w is constant.
 NO_HEAD_WEIGHTS = ("qsa",)
 # Methods built for S = T token keys only (their masks assume it).
-TOKEN_KEY_METHODS = ("naive", "chunked", "table")
+TOKEN_KEY_METHODS = ("naive", "chunked", "table", "cudnn", "stock_cudnn")
 ALL_T = [16384, 32768, 65536, 131072, 262144, 1048576]
 # Baselines that would take minutes per call beyond these lengths are not run (shown as "-"):
 # lengths for S = T and 64 heads, other configs compared by their work T x S x H.
 MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072,
          "hytopk_prune": 131072, "hytopk_heads_on_m": 131072, "scoreonly_heads_on_m": 131072,
-         "hytopk_scan_slots": 131072, "finish": 1048576}
+         "hytopk_scan_slots": 131072, "finish": 1048576,
+         # megatron's cudnn selection scores every chunk after the first with per-head fp32
+         # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
+         "stock_cudnn": 65536}
 # Score-table bytes per row block for the chunked and table baselines.
 TABLE_BYTES = 4 * GiB
 # "recency" inputs: tokens of distance per unit of the linear recency bias.
@@ -299,6 +314,22 @@ def run_table(q, k, w, topk, relu):
     return out
 
 
+def run_cudnn(q, k, w, topk, relu):
+    """HyScale's cudnn backend: cuDNN's SM90 scores in 1 GiB row chunks (keys cropped to the
+    chunk's causal end, each chunk's global offset passed), radix top-k, HyTopK's order."""
+    from megatron_hyscale.ops.backends.cudnn_selection import cudnn_selection
+
+    qpos = (torch.arange(q.shape[1], device="cuda") + k.shape[1] - q.shape[1])[None]
+    return cudnn_selection(q, k, w, topk, qpos=qpos)[0]
+
+
+def run_stock_cudnn(q, k, w, topk, relu):
+    """megatron-core 0.19.2's cudnn backend selection, as its DSA layer calls it."""
+    from megatron.core.transformer.experimental_attention_variant import dsa_cudnn_kernels
+
+    return dsa_cudnn_kernels._indexer_topk_bshd(q, k, w, topk, return_scores=False)[0]
+
+
 METHODS = {
     "hytopk": run_hytopk,
     "hytopk_prune": run_hytopk_prune,
@@ -310,7 +341,11 @@ METHODS = {
     "naive": run_naive,
     "chunked": run_chunked,
     "table": run_table,
+    "cudnn": run_cudnn,
+    "stock_cudnn": run_stock_cudnn,
 }
+# Library paths: cuDNN's DSA indexer applies ReLU and takes token keys only.
+LIBRARY_METHODS = ("cudnn", "stock_cudnn")
 
 
 # (method, config) pairs already compiled with 64-bit integer arguments (see bench_one), and
@@ -326,7 +361,7 @@ def bench_one(method, T, cfg, kind, rate, reps):
     fn = METHODS[method]
     floor = floor_ms(T, k.shape[1], H, D, rate)
     rec = {"method": method, "config": cfg, "T": T, "S": k.shape[1], "inputs": kind,
-           "floor_ms": floor}
+           "floor_ms": floor, "H": H, "D": D, "topk": topk, "relu": relu}
     try:
         # Triton passes an integer argument of 2^31 or more as 64-bit: a second binary, which
         # the 4K warm-up did not build. The HyTopK kernel's largest is the batch stride of the
@@ -337,6 +372,11 @@ def bench_one(method, T, cfg, kind, rate, reps):
                 and (method, cfg) not in WIDE_COMPILED):
             fn(q, k, w, topk, relu)
             WIDE_COMPILED.add((method, cfg))
+        # cuDNN's kernels are JIT-compiled per shape (each chunk's cropped key count, each
+        # top-k width): compile this length's untimed (on 2026-12-01 a 64-head first call at
+        # 64K took 4.3 s against 59 ms for 32 heads once compiled).
+        if method in LIBRARY_METHODS:
+            fn(q, k, w, topk, relu)
         # First call: peak memory and one event-timed run (the warm-ups compiled the kernels:
         # at 4K, and above for 64-bit arguments). Long runs stop there.
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -358,10 +398,35 @@ def bench_one(method, T, cfg, kind, rate, reps):
         if method == "hytopk_prune":
             share, same = pruned_share(q, k, w, topk, relu)
             rec.update(pruned_share=share, same_as_unpruned=same)
+        if method in LIBRARY_METHODS and T <= SAME_SET_MAX_T:
+            rec.update(same_rows_as_hytopk=same_sets_as_hytopk(fn(q, k, w, topk, relu),
+                                                                q, k, w, topk, relu))
     except torch.OutOfMemoryError:
         rec.update(ms=None, mem_gib=None, x_floor=None, status="OOM")
     torch.cuda.empty_cache()
     return rec
+
+
+# Longest T at which the library paths' selections are compared with HyTopK's, row by row.
+SAME_SET_MAX_T = 131072
+
+
+def same_sets_as_hytopk(idx, q, k, w, topk, relu):
+    """Share of rows whose selected set equals HyTopK's (in any order; -1 slots ignored)."""
+    ref = hytopk(q, k, w, topk, relu=relu, backend="triton")[0][0].long()
+    got = idx.reshape(ref.shape).long()
+    return (got.sort(-1).values == ref.sort(-1).values).all(-1).float().mean().item()
+
+
+def library_unavailable_reason(method, cfg):
+    """Why a library method cannot run this config here (None when it can)."""
+    if method not in LIBRARY_METHODS:
+        return None
+    if not CONFIGS[cfg][3]:
+        return "no ReLU: cuDNN's DSA indexer always applies it"
+    from megatron_hyscale.ops.backends.availability import CUDNN, library_unavailable
+
+    return library_unavailable(CUDNN, torch.device("cuda"))
 
 
 def check_structured_exact(T, cfg):
@@ -461,6 +526,9 @@ def group_sweep(T, cfg, reps):
 
 
 def write_json(records, dev, rate, bw, out):
+    for cfg in sorted({r["config"] for r in records}):
+        save_record(f"bench_selection{TAG}", cfg, [r for r in records if r["config"] == cfg],
+                    matmul=rate / 1e12, copy=bw / 1e12)
     meta = {"device": dev, "matmul_tflops": rate / 1e12, "copy_tbps": bw / 1e12,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv,
             "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -611,6 +679,12 @@ def main():
                         continue
                     if cfg in KEY_RATIO and method in TOKEN_KEY_METHODS:
                         continue  # their masks assume one key per token
+                    why_not = library_unavailable_reason(method, cfg)
+                    if why_not:
+                        if (cfg, method) not in warmed:
+                            log(f"{cfg} {method}: not run ({why_not})")
+                            warmed.add((cfg, method))
+                        continue
                     if (cfg, method) not in warmed:  # compile / import outside the timings
                         H, D, topk, relu = CONFIGS[cfg]
                         warm = (make_inputs(WARM_T, H, D, "captured") if args.captured

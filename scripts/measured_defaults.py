@@ -5,7 +5,7 @@
 For each op the layers can run on a library kernel, takes every record where HyScale's own
 kernel and the library's ran in the same run on the same shape and length, and keeps the
 newest per (op, shape, T): bench_selection (methods hytopk / cudnn), bench_attention
-(fwd_ms / lib_fwd_ms, bwd_ms / lib_bwd_ms, random indices), bench_indexer_loss (triton_lse /
+(fwd_ms + bwd_ms against lib_fwd_ms + lib_bwd_ms, random indices), bench_indexer_loss (triton_lse /
 cudnn, both with the attention's log-sum-exp). The layers then pick, per op and shape, the
 faster of the two at the nearest measured length (ops/backends/measured.py).
 """
@@ -53,11 +53,12 @@ def entries_from(path: str) -> list[dict]:
             if r.get("indices") != "random" or "Hq" not in r:
                 continue
             shape = attention_shape(r["Hq"], r["Dqk"], r["Dv"], r["sink"])
-            for op, own, lib in (("attention_fwd", "fwd_ms", "lib_fwd_ms"),
-                                 ("attention_bwd", "bwd_ms", "lib_bwd_ms")):
-                if isinstance(r.get(own), float) and isinstance(r.get(lib), float):
-                    out.append(dict(op=op, T=r["T"], own_ms=r[own], library_ms=r[lib],
-                                    shape=shape, source=source, stamp=stamp))
+            times = [r.get(k) for k in ("fwd_ms", "bwd_ms", "lib_fwd_ms", "lib_bwd_ms")]
+            if all(isinstance(t, float) for t in times):
+                out.append(dict(op="attention", T=r["T"], own_ms=times[0] + times[1],
+                                library_ms=times[2] + times[3], shape=shape, source=source,
+                                stamp=stamp, own_fwd_bwd_ms=times[:2],
+                                library_fwd_bwd_ms=times[2:]))
     elif "bench_indexer_loss" in script:
         for r in records:
             own, lib = r.get("triton_lse"), r.get("cudnn")

@@ -169,7 +169,9 @@ def test_stock_kernel_backend_flag_parses() -> None:
     assert (args.model, args.stock_kernel_backend, args.seq) == ("dsa", "tilelang", [8192])
     assert "--stock-kernel-backend" in bench_layer.build_parser().format_help()
     # an unknown backend, a model without a stock DSAttention, or no stock row at all
-    for bad in (["--stock-kernel-backend", "cudnn"],
+    args = bench_layer.parse_args(["--stock-kernel-backend", "cudnn"])
+    assert args.stock_kernel_backend == "cudnn"
+    for bad in (["--stock-kernel-backend", "bogus"],
                 ["--stock-kernel-backend", "tilelang", "--model", "qsa"],
                 ["--stock-kernel-backend", "tilelang", "--skip-stock"]):
         with pytest.raises(SystemExit) as exc:
@@ -189,6 +191,16 @@ def test_stock_kernel_backend_tilelang_refused_here(tmp_path: Path) -> None:
         assert "needs --device cuda" in proc.stderr
     assert not out.exists()
     assert "HyScale" not in proc.stdout  # nothing was built or measured
+
+
+def test_stock_kernel_backend_cudnn_refused_on_cpu(tmp_path: Path) -> None:
+    """The cudnn stock row needs a Hopper GPU: exit 2 naming the flag, nothing written."""
+    out = tmp_path / "out"
+    proc = _run(["--model", "dsa", "--stock-kernel-backend", "cudnn"], out)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "--stock-kernel-backend cudnn needs --device cuda" in proc.stderr
+    assert not out.exists()
+    assert "HyScale" not in proc.stdout
 
 
 def test_single_stock_json_and_table_unchanged(tmp_path: Path) -> None:
