@@ -42,14 +42,18 @@ def selection(records):
             return (by.get((cfg, T, m)) or {}).get(key)
 
         def cell(m):
-            return (f"{fmt(get(m))} ({fmt(get(m, 'mem_gib'), '.2f')})" if get(m)
+            first = " *" if get(m, "reps") == 1 else ""  # one call over 2 s: no median
+            return (f"{fmt(get(m))}{first} ({fmt(get(m, 'mem_gib'), '.2f')})" if get(m)
                     else fmt(get(m, "status")))
 
         same = get("cudnn", "same_rows_as_hytopk")
+        speed = "-" if get("cudnn", "reps") == 1 else ratio(get("hytopk"), get("cudnn"))
         lines.append(f"| {cfg} | {T} | {fmt(get('hytopk', 'floor_ms'))} | {cell('hytopk')} | "
                      f"{cell('cudnn')} | {fmt(get('stock_cudnn'))} | {fmt(get('table'))} | "
-                     f"{ratio(get('hytopk'), get('cudnn'))} | "
+                     f"{speed} | "
                      f"{fmt(same, '.2%') if same is not None else '-'} |")
+    if any(r.get("reps") == 1 for r in records):
+        lines.append("\n\\* a single first call (over 2 s), no median: it may hold JIT compiles")
     return lines
 
 
