@@ -21,22 +21,8 @@ MEGATRON=megatron-core==0.19.2
 LIMIT_MIB=64     # one device call: working tree + carried paths
 FOLDER_MIB=60    # each tl folder, leaving room for .whl/
 
-if [ -n "${HYSCALE_PIP:-}" ]; then
-  read -r -a pip <<<"$HYSCALE_PIP"
-elif [ -x .venv/bin/python ]; then
-  pip=(.venv/bin/python -m pip)
-else
-  pip=(python3 -m pip)
-fi
-# The GPU machine runs CPython 3.12 on x86_64 Linux with glibc >= 2.28 (its torch wheel is
-# manylinux_2_28): ask for those wheels. pip does not widen a --platform to older manylinux
-# tags, so they are listed (z3-solver ships manylinux_2_17 only).
-target=(--only-binary=:all: --no-deps --python-version 3.12 --implementation cp)
-for tag in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014; do
-  target+=(--platform "${tag}_x86_64")
-done
-
-mib() { du -sm "$@" | awk '{s += $1} END {print s}'; }
+# shellcheck source=scripts/carry_wheels.sh
+source scripts/carry_wheels.sh  # pip, target (the GPU machine's wheel tags), mib
 
 rm -rf .carry/tl1 .carry/tl2  # stale wheels would push a folder over the limit
 mkdir -p .carry/tl1 .carry/tl2 .whl
