@@ -4,7 +4,7 @@ The forward of absorbed MLA (GLM-5.1, V3.2) runs the Hopper Gluon kernel on an H
 (`ops/kernels/sparse_mla_fwd_sm90.py`; the table's "fwd kernel" column), the other shapes and
 the backward the Triton kernels; `--fwd-kernel triton` times the Triton forward there instead.
 
-Shapes (issue 4): GLM-5.1 / DeepSeek-V3.2 absorbed MLA (1 KV head, Dqk 576, V = first 512
+Shapes: GLM-5.1 / DeepSeek-V3.2 absorbed MLA (1 KV head, Dqk 576, V = first 512
 channels of K, 64 / 128 heads, top-2048), DeepSeek-V4 CSA (K = V of 512, sink, 640 keys),
 QSA (GQA 24 / 2 heads of 256, per-KV-head indices, 2052 keys), T queries over S = T keys, bf16,
 and DeepSeek-V4 HCA (every visible entry of T / 128 as a generated prefix + a 128-token window;
@@ -39,8 +39,11 @@ backward, for the shapes they take (one KV head, 512 value channels: glm51, v32,
 --bwd-sweep times the two backward kernels apart, for each (keys per step, stages) tiling that
 fits: dQ, dK/dV with its fp32 atomics, dK/dV in the measurement-only discard mode (the same
 products, no accumulation; the difference is the cost of the atomics), dK/dV in its
-previous orientation (keys on the MMA's M, DKV_CHANNELS_ON_M = False), and the single fused
-backward pass (BWD_FUSED). Table and JSON (bench_attention_bwd_sweep.json).
+previous orientation (keys on the MMA's M, AttentionKernelOptions.dkv_channels_on_m=False),
+and the single fused backward pass (AttentionKernelOptions.bwd_fused=True). Table and JSON
+(bench_attention_bwd_sweep.json).
+
+Needs a CUDA GPU (every mode).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from megatron_hyscale.testing.bench import (  # noqa: E402
     log,
     matmul_tflops,
     parse_tiling,
+    require_cuda,
     save_record,
     time_ms,
 )
@@ -351,12 +355,20 @@ def fmt(x, spec=".1f"):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--t", type=int, nargs="+", default=[16384, 65536, 131072])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 epilog="Needs a CUDA GPU (every mode): without one it exits "
+                                        "with status 2 before writing anything.")
+    ap.add_argument("--t", type=int, nargs="+", default=[16384, 65536, 131072],
+                    help="sequence lengths T (queries = keys; default 16K, 64K, 128K)")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
+                    help="glm51 / v32: GLM-5.1 / DeepSeek-V3.2 absorbed MLA (64 / 128 heads); "
+                         "csa / hca: DeepSeek-V4's CSA / HCA; qsa: Qwen3.8's QSA (GQA "
+                         "24 / 2); default all")
     ap.add_argument("--quick", action="store_true", help="T = 16K only, fewer repeats")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--no-deterministic", action="store_true")
+    ap.add_argument("--reps", type=int, default=5,
+                    help="timed calls per measurement (the median is kept)")
+    ap.add_argument("--no-deterministic", action="store_true",
+                    help="skip the deterministic backward's timing")
     ap.add_argument("--no-stock", action="store_true",
                     help="skip megatron-core's unfused stock path (out of memory past 16K)")
     ap.add_argument("--no-library", action="store_true",
@@ -367,7 +379,10 @@ def main():
                          "K keys (best case: neighbouring rows share them)")
     ap.add_argument("--stock-max-t", type=int, default=16384,
                     help="run the stock path only up to this T (its time grows fast)")
-    ap.add_argument("--out", default="bench_attention_out")
+    ap.add_argument("--out", default="bench_attention_out",
+                    help="folder for bench_attention.json / .md / .png (default "
+                         "bench_attention_out); records also go to $HYSCALE_RESULTS (default "
+                         "benchmarks/results/)")
     ap.add_argument("--bwd-sweep", action="store_true",
                     help="time dQ, dK/dV and dK/dV without atomics per tiling, then exit")
     ap.add_argument("--tilings", nargs="+", type=parse_tiling, default=list(SWEEP_TILINGS),
@@ -380,15 +395,15 @@ def main():
                          "heads (QSA) always run split")
     ap.add_argument("--fwd-no-softmax", action="store_true",
                     help="measurement only: the forward without its online softmax (raw scores "
-                         "as P; AttentionKernelOptions.fwd_softmax), to split the softmax's time "
-                         "from "
-                         "the gathers and MMAs; only the forward is timed")
+                         "as P; AttentionKernelOptions.fwd_softmax=False), to split the "
+                         "softmax's time from the gathers and MMAs; only the forward is timed")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
     ap.add_argument("--fwd-kernel", choices=("auto", "triton"), default="auto",
                     help="auto: the Hopper (Gluon) forward for absorbed MLA where it applies "
                          "(AttentionKernelOptions.fwd_sm90), Triton elsewhere; triton: always the "
                          "Triton forward")
     args = ap.parse_args()
+    require_cuda("bench_attention.py")
     options = replace(AttentionKernelOptions.DEFAULT,
                       head_blocks_adjacent=args.head_blocks == "adjacent",
                       fwd_softmax=not args.fwd_no_softmax,

@@ -24,6 +24,8 @@ it and to a second Triton run, where scripts/gpu_cudnn.sh installed them (--no-l
 
 --target-tilings times the target pass (the heaviest launch) at each (keys per step x stages)
 tiling and exits; a tiling that does not fit is reported.
+
+Needs a CUDA GPU (every mode).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from megatron_hyscale.testing.bench import (  # noqa: E402
     log,
     matmul_tflops,
     parse_tiling,
+    require_cuda,
     save_record,
     time_ms,
 )
@@ -188,22 +191,34 @@ def fmt(x, spec=".1f"):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--t", type=int, nargs="+", default=[16384, 65536, 131072])
-    ap.add_argument("--shapes", nargs="+", default=["glm51"], choices=sorted(SHAPES))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 epilog="Needs a CUDA GPU (every mode): without one it exits "
+                                        "with status 2 before writing anything.")
+    ap.add_argument("--t", type=int, nargs="+", default=[16384, 65536, 131072],
+                    help="sequence lengths T (queries = keys; default 16K, 64K, 128K)")
+    ap.add_argument("--shapes", nargs="+", default=["glm51"], choices=sorted(SHAPES),
+                    help="glm51: GLM-5.1 DSA (64 heads, indexer 32 x 128; the default); v32: "
+                         "DeepSeek-V3.2 (128 heads, indexer 64 x 128)")
     ap.add_argument("--ref-max-t", type=int, default=16384,
                     help="longest T at which the plain-torch reference is timed too")
-    ap.add_argument("--deterministic", action="store_true", help="also time deterministic dK")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="also time the deterministic backward (k_index's gradient "
+                         "without fp32 atomics)")
     ap.add_argument("--quick", action="store_true", help="T = 16K only, fewer repeats")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls before timing")
     ap.add_argument("--reps", type=int, default=5, help="timed calls (the median is kept)")
     ap.add_argument("--no-library", action="store_true",
                     help="skip cuDNN's loss kernels (the stock cudnn backend's), run where "
                          "scripts/gpu_cudnn.sh installed them")
-    ap.add_argument("--out", default="results", help="folder for the JSON")
+    ap.add_argument("--out", default="results",
+                    help="folder for bench_indexer_loss.json (default results); records also "
+                         "go to $HYSCALE_RESULTS (default benchmarks/results/)")
     ap.add_argument("--target-tilings", nargs="+", type=parse_tiling, default=None,
-                    metavar="NxS", help="time the target pass per tiling, then exit")
+                    metavar="NxS",
+                    help="time the target pass at each tiling (keys per step x stages, e.g. "
+                         "32x2), write bench_indexer_loss_target_sweep.json, then exit")
     args = ap.parse_args()
+    require_cuda("bench_indexer_loss.py")
     if args.quick:
         args.t, args.reps, args.warmup = [16384], 3, 1
     os.makedirs(args.out, exist_ok=True)

@@ -106,7 +106,10 @@ TINY_SEQ = [128]
 def build_parser() -> argparse.ArgumentParser:
     """The script's argument parser (the launch examples' tests parse their commands with it)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="--device cuda (the default) needs a CUDA GPU: without "
+                                       "one it exits with status 2 before writing anything;\n"
+                                       "--device cpu --tiny is a CPU smoke run (seconds).")
     p.add_argument("--model", choices=MODELS, default="dsa",
                    help="layer: dsa (GLM-5.1), csa / hca (DeepSeek-V4-Flash), qsa (Qwen3.8)")
     p.add_argument("--seq", type=int, nargs="+", default=None,
@@ -116,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-stock", "--skip-baseline", dest="skip_baseline",
                    action="store_true", help="measure HyScale only")
     p.add_argument("--stock-max-seq", "--baseline-max-seq", dest="baseline_max_seq", type=int,
-                   default=65536, help="do not try the baseline above this global length")
+                   default=65536, metavar="T",
+                   help="do not try the baseline above this global length")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size; > 1 needs torchrun with WORLD_SIZE = CP x DP")
     p.add_argument("--dp", type=int, default=1,
@@ -132,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-coeff", type=float, default=0.01, help="dsa_indexer_loss_coeff")
     p.add_argument("--attention-bwd", choices=("split", "fused"), default="split",
                    help="HyScale's sparse-attention backward: a dQ pass then a dK/dV pass "
-                        "(split, the default) or one fused pass (BWD_FUSED)")
+                        "(split, the default) or one fused pass "
+                        "(AttentionKernelOptions.bwd_fused=True)")
     p.add_argument("--stock-kernel-backend", choices=STOCK_KERNEL_BACKENDS, default="none",
                    help="dsa: tilelang also times the stock DSAttention with megatron-core's "
                         "TileLang kernels (dsa_kernel_backend='tilelang') as a second stock row, "
@@ -199,8 +204,11 @@ def check_request(args: argparse.Namespace) -> None:
              f"{args.cp * args.dp}; launch with `torchrun --nproc-per-node "
              f"{args.cp * args.dp} scripts/bench_layer.py --cp {args.cp} --dp {args.dp} ...` "
              "(CP and DP are the only parallelism here)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        fail("bench_layer.py: no CUDA device (use --device cpu --tiny for a smoke run)")
+    if args.device == "cuda":
+        from megatron_hyscale.testing.bench import require_cuda
+
+        require_cuda("bench_layer.py --device cuda", hint="run it on the GPU machine, or use "
+                     "--device cpu --tiny for a CPU smoke run")
     if args.stock_kernel_backend == "tilelang":
         check_tilelang(args)
     if args.stock_kernel_backend == "cudnn":

@@ -1,4 +1,4 @@
-"""Benchmark exact top-k selection over lightning-indexer scores (HyTopK, issue 3).
+"""Benchmark exact top-k selection over lightning-indexer scores (HyTopK).
 
 For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T / 4 blocks,
 4 heads, constant weights, as the QSA layer calls it) it times, in one run:
@@ -10,9 +10,10 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              epilogue, each row's max written): splits GEMM from selection
   hytopk_heads_on_m, scoreonly_heads_on_m  the same two with the other GEMM orientation
              (Q @ K_tile^T, heads on the MMA's M: the head sum crosses warps), for comparison
-             with the default (K_tile @ Q^T, KEYS_ON_M in the kernel module) in the same run
+             with the default (K_tile @ Q^T, HyTopKOptions.keys_on_m) in the same run
   hytopk_scan_slots  HyTopK with the other candidate append (a CTA-wide test and prefix sum per
-             tile instead of a slot per survivor from an atomic counter, ATOMIC_SLOTS)
+             tile instead of a slot per survivor from an atomic counter;
+             HyTopKOptions.atomic_slots=False)
   finish     HyTopK's last pass alone (the torch sort that orders and decodes each row)
   naive      megatron-core 0.19.2 `fused_qk_topk_naive` (full [T, H, S] fp32 logits); OOM shown
   chunked    the common chunked path: per-head bf16 logits for a row block, ReLU, head sum as a
@@ -49,6 +50,7 @@ outputs/demo/indexer_capture.pt (256 tokens: it shows what the bound prunes on a
 indexer, not speed).
 
 Writes a table to stdout, JSON and a PNG (time and memory against T, log scales) to --out.
+Needs a CUDA GPU (every mode).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ from megatron_hyscale.testing.bench import (  # noqa: E402
     copy_tbps,
     log,
     matmul_tflops,
+    require_cuda,
     save_record,
     time_ms,
 )
@@ -441,10 +444,10 @@ def check_structured_exact(T, cfg):
 
 # Launch variants the sweep times: (warps, stages, programs per SM, keys per tile, keys on M,
 # query rows a program or None for the default, smallest candidate buffer a row or None for
-# MIN_CAP); the first is the kernel's default (3 stages since 2026-11-30; every variant runs
-# with the default GROUP_SLACK_DIV, 2 since then, 4 before). Rows 4 with 64 heads makes the
-# GEMM's N 256: half the L2 reads of each key tile per FLOP (compiled for sm_90a: 249
-# registers, no spills, 1 program/SM).
+# HyTopKOptions.min_cap); the first is the kernel's default (3 stages since 2026-11-30; every
+# variant runs with the default HyTopKOptions.group_slack_div, 2 since then, 4 before). Rows 4
+# with 64 heads makes the GEMM's N 256: half the L2 reads of each key tile per FLOP (compiled
+# for sm_90a: 249 registers, no spills, 1 program/SM).
 SWEEP_VARIANTS = ((4, 3, 2, 64, True, None, None), (4, 2, 2, 64, False, None, None),
                   (8, 2, 1, 64, True, 4, None), (8, 3, 1, 64, True, 4, None),
                   (8, 2, 2, 128, True, None, None), (4, 2, 2, 64, True, None, None),
@@ -500,10 +503,10 @@ def sweep(T, cfg, reps):
             _time_variant("sweep", cfg, T, name, pps, inputs, launch, floor, reps)
 
 
-# Tile-group variants (buffer slack divisor, pipeline stages, programs per SM, smallest buffer
-# or None for MIN_CAP). The kernel streams key tiles in groups of NT = slack / (divisor x BN)
-# and checks its buffers between groups: larger groups mean fewer checks but earlier
-# compactions.
+# Tile-group variants (buffer slack divisor, i.e. HyTopKOptions.group_slack_div, pipeline
+# stages, programs per SM, smallest buffer or None for HyTopKOptions.min_cap). The kernel
+# streams key tiles in groups of NT = slack / (divisor x BN) and checks its buffers between
+# groups: larger groups mean fewer checks but earlier compactions.
 GROUP_SWEEP_VARIANTS = ((4, 2, 2, None), (2, 2, 2, None), (1, 2, 2, None), (4, 3, 2, None),
                         (2, 3, 2, None), (1, 3, 2, None), (4, 2, 2, 8192), (2, 2, 2, 8192),
                         (4, 3, 2, 8192), (2, 3, 3, None), (1, 3, 3, None))
@@ -628,26 +631,44 @@ def plot(records, path):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--T", type=int, nargs="*", default=None, help="sequence lengths")
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                epilog="Needs a CUDA GPU (every mode): without one it exits "
+                                       "with status 2 before writing anything.")
+    p.add_argument("--T", type=int, nargs="*", default=None,
+                   help="sequence lengths (default: 16K to 1M; 16K and 32K with --quick)")
     p.add_argument("--configs", nargs="*", default=["dsv32", "glm51", "v4flash", "norelu"],
-                   choices=list(CONFIGS))
-    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
+                   choices=list(CONFIGS),
+                   help="indexer shapes: dsv32 (DeepSeek-V3.2 / GLM-5, 64 heads), glm51 (32 "
+                        "heads), v4flash (DeepSeek-V4-Flash CSA, top-512), norelu (no ReLU), "
+                        "qsa (Qwen3.8 QSA, 4 heads over blocks of 4); default all but qsa")
+    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS),
+                   help="what to time (see the module docstring); default all")
     p.add_argument("--inputs", nargs="*", default=["random"],
-                   choices=["random", "structured", "recency"])
+                   choices=["random", "structured", "recency"],
+                   help="input kinds: random (default; the worst case for pruning), "
+                        "structured (recency + heavy hitters, like a trained indexer), recency "
+                        "(a linear recency bias a tile bound can prune)")
     p.add_argument("--captured", default=None,
                    help="a trained indexer's q / k / weights (the demo's indexer_capture.pt): "
                         "runs at the capture's own length, heads, top-k and ReLU setting")
     p.add_argument("--secondary-max-T", type=int, default=131072,
                    help="configs other than dsv32 run only up to this T")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5,
+                   help="timed calls per method and length (the median is kept)")
     p.add_argument("--quick", action="store_true", help="T in {16K, 32K}, 2 reps")
     p.add_argument("--sweep", action="store_true", help="time kernel variants and exit")
     p.add_argument("--group-sweep", action="store_true",
                    help="time tile-group variants (GROUP_SWEEP_VARIANTS) and exit")
     p.add_argument("--tag", default="", help="suffix for the JSON and PNG names")
-    p.add_argument("--out", default=os.environ.get("OUT", "outputs"))
+    p.add_argument("--out", default=os.environ.get("OUT", "outputs"),
+                   help="folder for bench_selection.json and the PNG (default: $OUT, else "
+                        "outputs); records also go to $HYSCALE_RESULTS (default "
+                        "benchmarks/results/)")
     args = p.parse_args()
+    require_cuda("bench_selection.py")
+    if args.captured and not os.path.isfile(args.captured):
+        p.error(f"--captured {args.captured}: no such file (bash scripts/run.sh demo writes "
+                "outputs/demo/indexer_capture.pt)")
     global TAG
     TAG = args.tag
     Ts = args.T or ([16384, 32768] if args.quick else ALL_T)

@@ -7,6 +7,8 @@ holds the CUTLASS headers (scripts/cudnn_carry.sh packs both). The result is a `
 package in SITE_DIR: FlashMLA's own Python files over HyScale's binding
 (scripts/flashmla/binding.cpp), which compiles only the SM90 sparse-prefill kernels that
 megatron-core's cudnn backend calls, one instantiation a file so they compile in parallel.
+Needs nvcc and a CUDA build of torch (no visible GPU): without them it exits with status 2
+before writing anything.
 """
 
 from __future__ import annotations
@@ -28,8 +30,26 @@ NVCC_FLAGS = [
 ]
 
 
+def cuda_toolchain_missing() -> str | None:
+    """What the CUDA extension build lacks here (None: torch is a CUDA build and nvcc is found
+    where torch's cpp_extension looks: $CUDA_HOME, $CUDA_PATH, PATH, /usr/local/cuda)."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"this torch, {torch.__version__}, is a CPU-only build"
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        nvcc = Path(home) / "bin" / "nvcc"
+        return None if nvcc.is_file() else f"no {nvcc}"
+    if shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").is_file():
+        return None
+    return "no nvcc on PATH or in /usr/local/cuda; set CUDA_HOME"
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="Needs nvcc and a CUDA build of torch: without them "
+                                            "it exits with status 2 before writing anything.")
     parser.add_argument("--src", type=Path, required=True,
                         help="FlashMLA checkout (csrc/, flash_mla/, csrc/cutlass/include)")
     parser.add_argument("--out", type=Path, required=True,
@@ -37,6 +57,11 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 4,
                         help="parallel compile jobs (default: all cores)")
     args = parser.parse_args()
+    missing = cuda_toolchain_missing()
+    if missing:
+        print(f"build_flashmla.py needs nvcc and a CUDA build of torch ({missing}); run it on "
+              "the GPU machine", file=sys.stderr)
+        return 2
     csrc = (args.src / "csrc").resolve()
     for need in (csrc / "sm90/prefill/sparse/phase1.cuh", csrc / "cutlass/include/cute/tensor.hpp",
                  args.src / "flash_mla/flash_mla_interface.py"):

@@ -18,7 +18,8 @@ would need megatron's DDP averaging; the CPU tests in tests/parallel cover it). 
 the indexer projections of a half-length batch may round differently, so a few rows may select
 differently at near-ties; the check passes when at least --min-same-rows of the rows are
 identical and the errors are below the tolerances. Prints a table, writes check_cp.json, exits
-1 on failure.
+1 on failure. --device cuda (the default where a GPU is visible) needs one CUDA GPU a process:
+without CUDA it exits with status 2.
 """
 
 from __future__ import annotations
@@ -39,13 +40,19 @@ import bench_layer  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="--device cuda needs a CUDA GPU a process (NCCL): "
+                                       "without one it exits with status 2 before writing "
+                                       "anything; --device cpu --tiny is the gloo smoke check.")
     p.add_argument("--model", choices=bench_layer.MODELS, default="dsa",
                    help="the layer (bench_layer.py's --model)")
     p.add_argument("--seq", type=int, default=32768, help="global sequence length")
     p.add_argument("--device", choices=("cuda", "cpu"),
-                   default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true", help="bench_layer.py's tiny DSA geometry")
+                   default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda: NCCL, one GPU a process, bf16 (the default where CUDA is "
+                        "visible); cpu: gloo, fp32")
+    p.add_argument("--tiny", action="store_true",
+                   help="bench_layer.py's tiny geometry of --model (a CPU smoke check)")
     p.add_argument("--out-tol", type=float, default=1e-2, help="output relative error bound")
     p.add_argument("--grad-tol", type=float, default=3e-2, help="gradient relative error bound")
     p.add_argument("--min-same-rows", type=float, default=0.99,
@@ -54,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "batch may swap a near-tie at the top-k boundary)")
     p.add_argument("--out", default="outputs/check_cp", help="output folder")
     args = p.parse_args(argv)
+    if args.device == "cuda":  # checked first: without a GPU nothing else matters
+        from megatron_hyscale.testing.bench import require_cuda
+
+        require_cuda("check_cp.py --device cuda", hint="run it on the GPU machine, or use "
+                     "--device cpu --tiny (under torchrun) for the gloo smoke check")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world < 2:
         p.error("run under torchrun with 2 or more processes (CP = world size)")

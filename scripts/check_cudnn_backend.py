@@ -7,26 +7,30 @@ of its cudnn-backend dependencies are missing, and runs each kernel once on a sm
 (4096 tokens, GLM-5.1's attention and indexer widths) against HyScale's reference ops. Exits
 non-zero when any of them is missing or disagrees. --signatures also prints the wrappers'
 signatures (the DSA namespace is JIT-compiled CuTe-DSL code whose arguments change between
-releases).
+releases). Needs a CUDA GPU (Hopper): without one it exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="Needs a CUDA GPU (Hopper): without one it exits "
+                                            "with status 2.")
     parser.add_argument("--signatures", action="store_true",
                         help="print the DSA namespace's wrapper signatures and docstrings")
     args = parser.parse_args()
-    import torch
+    from megatron_hyscale.testing.bench import require_cuda
 
-    if not torch.cuda.is_available():
-        print("check_cudnn_backend.py needs a CUDA GPU (Hopper); none is visible", file=sys.stderr)
-        return 2
+    require_cuda("check_cudnn_backend.py", hint="run it on the GPU machine (Hopper), after "
+                 "scripts/gpu_cudnn.sh")
     failures: list[str] = []
     try:
         from cudnn import DSA

@@ -15,7 +15,7 @@ is the largest sum of live blocks allocated during the step (what bench_layer's 
 counts), and the blocks alive at that moment are grouped by their innermost frame outside
 torch's own files. Prints a table (GiB, share, block count, site) and the stack of the
 allocation that reached the peak (forward, recompute or backward), writes JSON to --out. Needs
-CUDA.
+a CUDA GPU: without one it exits with status 2.
 """
 
 from __future__ import annotations
@@ -114,18 +114,22 @@ def by_site(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("dsa", "csa", "hca", "qsa"), default="csa")
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                epilog="Needs a CUDA GPU: without one it exits with status 2 "
+                                       "before writing anything.")
+    p.add_argument("--model", choices=("dsa", "csa", "hca", "qsa"), default="csa",
+                   help="the layer (bench_layer.py's --model; default csa)")
     p.add_argument("--seq", type=int, default=32768, help="sequence length (tokens, batch 1)")
     p.add_argument("--baseline", action="store_true", help="the baseline / stock layer")
     p.add_argument("--row-chunk", type=int, default=None, help="as bench_layer.py --row-chunk")
     p.add_argument("--top", type=int, default=25, help="sites to print")
-    p.add_argument("--out", default="outputs/profile_layer_memory")
+    p.add_argument("--out", default="outputs/profile_layer_memory",
+                   help="folder for the JSON (default outputs/profile_layer_memory)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("profile_layer_memory.py: needs CUDA (the allocator history is CUDA's)",
-              file=sys.stderr)
-        return 2
+    from megatron_hyscale.testing.bench import require_cuda
+
+    require_cuda("profile_layer_memory.py", hint="run it on the GPU machine (it reads CUDA's "
+                 "allocator history)")
     import bench_layer as bl
 
     from megatron_hyscale import replay

@@ -115,3 +115,19 @@ def save_record(script: str, config: str, records: list[dict], *, matmul: float,
     with open(path, "w") as f:
         json.dump({"meta": meta, "records": records}, f, indent=1, default=str)
     return path
+
+
+def require_cuda(script_name: str, hint: str = "run it on the GPU machine") -> None:
+    """Exit with status 2 and one line on stderr unless torch sees a CUDA device.
+
+    GPU-only scripts call it at the top of main(), after parsing their arguments (so --help
+    works anywhere) and before they build inputs or write any output. script_name names the
+    script and, where only some modes need the GPU, the mode ("bench_layer.py --device cuda");
+    hint says what to do instead. Under torchrun only rank 0 prints the line.
+    """
+    if torch.cuda.is_available():
+        return
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{script_name} needs a CUDA GPU (none is visible); {hint}", file=sys.stderr,
+              flush=True)
+    raise SystemExit(2)

@@ -63,4 +63,4 @@ def test_refuses_without_cuda() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_layer_memory.py")],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2
-    assert "needs CUDA" in proc.stderr
+    assert "profile_layer_memory.py needs a CUDA GPU" in proc.stderr
