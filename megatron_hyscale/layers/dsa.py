@@ -42,7 +42,7 @@ from megatron_hyscale import ops, parallel, phase_spans, replay
 from megatron_hyscale.layers.kernel_backend import kernel_backend
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
 from megatron_hyscale.ops import hytopk
-from megatron_hyscale.ops.hytopk import warn_once
+from megatron_hyscale.ops.checks import warn_once
 from megatron_hyscale.parallel import CPRowLayout, cp_row_layout
 
 # The ops this layer's phases are timed by (`phase_spans`: plain calls unless phase_times

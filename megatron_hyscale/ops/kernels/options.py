@@ -71,7 +71,8 @@ class HyTopKOptions:
     atomic_slots: bool = True
     # Key-tile pruning by a centroid / radius score bound (the select mode only). Off by
     # default: on inputs without structure (random) no tile is ever pruned and the bound only
-    # costs time; the GPU benchmark measures both settings (bench_selection.py --prune both).
+    # costs time; the GPU benchmark measures both settings (bench_selection.py --methods
+    # hytopk hytopk_prune).
     prune: bool = False
 
     DEFAULT: ClassVar[HyTopKOptions]
