@@ -185,8 +185,10 @@ class HyScaleDSAttention(DSAttention):
             q_idx, k_idx, weights = q_idx.transpose(0, 1), k_idx.transpose(0, 1), \
                 weights.transpose(0, 1)
 
+        # Without CP the rows sit at HyTopK's default positions, which its library path then
+        # knows on the host instead of reading them back.
         indices = self._selection(q_idx, k_idx, weights, b, sq, packed_seq_params, attention_mask,
-                                  q_positions)
+                                  None if cp_group is None else q_positions)
         return DSARowState(
             key_b=pending_key.wait().transpose(0, 1), indices=indices, q_idx=q_idx,
             k_idx=k_idx, weights=weights, q_positions=q_positions, cp_group=cp_group,
@@ -215,7 +217,7 @@ class HyScaleDSAttention(DSAttention):
                                     dv=cfg.kv_lora_rank, return_lse=True,
                                     deterministic=bool(cfg.deterministic_mode),
                                     options=getattr(cfg, "attention_kernel_options", None),
-                                    backend=kernel_backend(cfg))
+                                    backend=kernel_backend(cfg), check_values=False)
         indexer_loss = None
         if state.loss_coeff > 0:
             per_token = bool(cfg.calculate_per_token_loss)
@@ -235,7 +237,7 @@ class HyScaleDSAttention(DSAttention):
                 # The selection's indices are distinct and visible, so the attention ran over
                 # exactly the loss's slots: its log-sum-exp is the target's denominator.
                 attention_lse=lse.detach() if sparse_loss else None,
-                backend=kernel_backend(cfg),
+                backend=kernel_backend(cfg), check_values=False,
             )
 
         up_v_weight = up_v_weight.to(device=query.device, dtype=query.dtype)
@@ -251,12 +253,14 @@ class HyScaleDSAttention(DSAttention):
     def _selection(
         self, q_idx: torch.Tensor | None, k_idx: torch.Tensor | None,
         weights: torch.Tensor | None, b: int, sq: int, packed_seq_params: Any,
-        attention_mask: torch.Tensor | None, q_positions: torch.Tensor,
+        attention_mask: torch.Tensor | None, q_positions: torch.Tensor | None,
     ) -> torch.Tensor:
         """int32 [b, sq, topk] indices into the (gathered) keys: replayed, shared or computed.
 
-        `q_positions` ([sq] int64) are the local rows' global positions; the keys are the
-        whole sequence in global order, so their positions are arange (HyTopK's default).
+        `q_positions` ([sq] int64) are the local rows' global positions, None where they are
+        HyTopK's default (no CP); the keys are the whole sequence in global order, so their
+        positions are arange (HyTopK's default). The selection's output is distinct, visible
+        and valid-first by construction, so its consumers skip their value checks.
         """
         shape = (b, sq, self.index_topk)
         if self.skip_topk:
@@ -269,7 +273,7 @@ class HyScaleDSAttention(DSAttention):
                     return hytopk(
                         q_idx.detach(), k_idx.detach(), weights.detach(), self.index_topk,
                         relu=bool(self.config.dsa_indexer_scoring_relu), q_positions=q_positions,
-                        backend=kernel_backend(self.config),
+                        backend=kernel_backend(self.config), check_values=False,
                     )[0]
 
             indices = self.selection_replay.select(shape, compute)

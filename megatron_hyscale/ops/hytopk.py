@@ -16,6 +16,7 @@ from megatron_hyscale.ops.backends.dispatch import BACKEND_CHOICES, LIBRARY_BACK
 from megatron_hyscale.ops.checks import (
     FLOAT_DTYPES,
     check_backend,
+    check_bool,
     check_finite,
     check_options,
     check_positive_int,
@@ -30,8 +31,10 @@ from megatron_hyscale.ops.kernels.options import HyTopKOptions
 def validate_hytopk_inputs(
     q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int,
     q_positions: torch.Tensor | None, k_positions: torch.Tensor | None,
+    check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check shapes, dtypes, devices and values; return [B, T] / [B, S] int64 positions."""
+    """Check shapes, dtypes, devices (and values unless `check_values` is False); return
+    [B, T] / [B, S] int64 positions."""
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("weights", weights, ndim=3, dtypes=FLOAT_DTYPES)
@@ -44,8 +47,9 @@ def validate_hytopk_inputs(
     if k.dtype != q.dtype:
         raise ValueError(f"k dtype {k.dtype} must match q dtype {q.dtype}")
     check_same_device(q=q, k=k, weights=weights)
-    for name, x in (("q", q), ("k", k), ("weights", weights)):
-        check_finite(name, x)
+    if check_values:
+        for name, x in (("q", q), ("k", k), ("weights", weights)):
+            check_finite(name, x)
     S = k.shape[1]
     qpos = normalize_positions("q_positions", q_positions, B, T, S - T, q.device)
     kpos = normalize_positions("k_positions", k_positions, B, S, 0, q.device)
@@ -65,6 +69,7 @@ def hytopk(
     backend: str = "auto",
     ordered: bool = True,
     options: HyTopKOptions | None = None,
+    check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of indexer scores per query row.
 
@@ -88,6 +93,11 @@ def hytopk(
             460 ms); for consumers that need the set only, such as the sparse attention.
         options: the Triton kernel's variant and tiling (`HyTopKOptions`; None: its DEFAULT).
             Every variant returns the same outputs; the reference ignores it.
+        check_values: True (default) checks that q, k and weights are finite (a host sync
+            each). False trusts the caller and syncs nothing (the layers pass False): a NaN
+            or Inf then gives an undefined selection and a NaN attention downstream, which
+            Megatron's loss check reports, as with stock. Shapes, dtypes and devices are
+            always checked.
 
     Returns:
         indices: int32 [B, T, topk], sorted by (score desc, index asc) when ordered; -1 past
@@ -96,10 +106,14 @@ def hytopk(
     """
     check_backend(backend, BACKEND_CHOICES)
     options = check_options("options", options, HyTopKOptions)
-    qpos, kpos = validate_hytopk_inputs(q, k, weights, topk, q_positions, k_positions)
+    check_bool("check_values", check_values)
+    qpos, kpos = validate_hytopk_inputs(q, k, weights, topk, q_positions, k_positions,
+                                        check_values)
     if backend in LIBRARY_BACKENDS:
-        got = dispatch.selection(q, k, weights, topk, backend=backend, relu=relu, causal=causal,
-                                 qpos=qpos, kpos=kpos, ordered=ordered)
+        got = dispatch.selection(
+            q, k, weights, topk, backend=backend, relu=relu, causal=causal, qpos=qpos,
+            kpos=None if k_positions is None else kpos, ordered=ordered,
+            q_start=k.shape[1] - q.shape[1] if q_positions is None else None)
         if got is not None:
             return got
         backend = "auto"

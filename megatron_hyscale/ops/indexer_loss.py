@@ -50,8 +50,10 @@ def validate_indexer_loss_inputs(
     sparse: bool,
     q_positions: torch.Tensor | None,
     k_positions: torch.Tensor | None,
+    check_values: bool = True,
 ) -> tuple[float, float, torch.Tensor, torch.Tensor]:
-    """Check everything; return (softmax_scale, loss_coeff, [B, T] and [B, S] int64 positions)."""
+    """Check everything (values only when `check_values`); return (softmax_scale, loss_coeff,
+    [B, T] and [B, S] int64 positions)."""
     check_tensor("q_index", q_index, ndim=4, dtypes=FLOAT_DTYPES)
     check_tensor("weights", weights, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("k_index", k_index, ndim=3, dtypes=FLOAT_DTYPES)
@@ -90,11 +92,12 @@ def validate_indexer_loss_inputs(
         raise ValueError(f"loss_coeff must be a finite number, got {loss_coeff!r}")
     check_same_device(q_index=q_index, weights=weights, k_index=k_index, query=query, key=key,
                       topk_indices=topk_indices)
-    if topk_indices is not None:
-        check_index_range("topk_indices", topk_indices, S)
-    for name, x in (("q_index", q_index), ("weights", weights), ("k_index", k_index),
-                    ("query", query), ("key", key)):
-        check_finite(name, x)
+    if check_values:
+        if topk_indices is not None:
+            check_index_range("topk_indices", topk_indices, S)
+        for name, x in (("q_index", q_index), ("weights", weights), ("k_index", k_index),
+                        ("query", query), ("key", key)):
+            check_finite(name, x)
     qpos = normalize_positions("q_positions", q_positions, B, T, S - T, q_index.device)
     kpos = normalize_positions("k_positions", k_positions, B, S, 0, q_index.device)
     return scale, float(loss_coeff), qpos, kpos
@@ -120,6 +123,7 @@ def indexer_kl_loss(
     attention_lse: torch.Tensor | None = None,
     backend: str = "auto",
     options: IndexerLossKernelOptions | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """KL(main-attention target || indexer distribution), megatron-core's DSA indexer loss.
 
@@ -164,6 +168,10 @@ def indexer_kl_loss(
             attention_lse, whose slots are known distinct).
         options: the Triton kernels' tilings (`IndexerLossKernelOptions`; None: its DEFAULT),
             forward and backward; the reference ignores it.
+        check_values: True (default) checks the values (a host sync each): finite inputs,
+            topk_indices in [-1, S). False trusts the caller and syncs nothing (the layers
+            pass False): topk_indices are HyTopK's for these rows (in range, distinct,
+            visible, valid slots first). Shapes, dtypes and devices are always checked.
 
     Returns:
         fp32 scalar loss, differentiable in q_index, weights and k_index only.
@@ -171,11 +179,11 @@ def indexer_kl_loss(
     check_backend(backend, BACKEND_CHOICES)
     options = check_options("options", options, IndexerLossKernelOptions)
     for name, flag in (("relu", relu), ("calculate_per_token_loss", calculate_per_token_loss),
-                       ("deterministic", deterministic)):
+                       ("deterministic", deterministic), ("check_values", check_values)):
         check_bool(name, flag)
     scale, coeff, qpos, kpos = validate_indexer_loss_inputs(
         q_index, weights, k_index, query, key, topk_indices, softmax_scale, loss_coeff, sparse,
-        q_positions, k_positions,
+        q_positions, k_positions, check_values,
     )
     if attention_lse is not None:
         if not sparse:
@@ -190,8 +198,9 @@ def indexer_kl_loss(
     if backend in LIBRARY_BACKENDS:
         got = dispatch.indexer_loss(
             q_index, weights, k_index, query, key, topk_indices, scale, coeff, backend=backend,
-            sparse=sparse, relu=relu, qpos=qpos, kpos=kpos, per_token=calculate_per_token_loss,
-            tp_group=tp_group, attention_lse=attention_lse, deterministic=deterministic)
+            sparse=sparse, relu=relu, qpos=qpos, kpos=None if k_positions is None else kpos,
+            per_token=calculate_per_token_loss, tp_group=tp_group, attention_lse=attention_lse,
+            deterministic=deterministic, hytopk_slots=not check_values)
         if got is not None:
             return got
         backend = "auto"

@@ -17,6 +17,7 @@ from megatron_hyscale.ops.checks import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_backend,
+    check_bool,
     check_finite,
     check_index_range,
     check_options,
@@ -55,8 +56,10 @@ def validate_sparse_attention_inputs(
     dv: int | None,
     sink: torch.Tensor | None,
     prefix_lengths: torch.Tensor | None = None,
+    check_values: bool = True,
 ) -> tuple[float, int | None]:
-    """Check shapes, dtypes, devices and values; return (softmax_scale, dv) normalized."""
+    """Check shapes, dtypes, devices (and values unless `check_values` is False); return
+    (softmax_scale, dv) normalized."""
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     check_tensor("k", k, ndim=4, dtypes=FLOAT_DTYPES)
     B, T, Hq, D = q.shape
@@ -89,6 +92,8 @@ def validate_sparse_attention_inputs(
             raise ValueError(f"sink must be [Hq={Hq}], got {tuple(sink.shape)}")
     scale = check_softmax_scale(softmax_scale)
     check_same_device(q=q, k=k, v=v, indices=indices, sink=sink, prefix_lengths=prefix_lengths)
+    if not check_values:
+        return scale, dv
     check_index_range("indices", indices, S)
     if prefix_lengths is not None:
         check_prefix_lengths(prefix_lengths, indices, B, T, S)
@@ -112,6 +117,7 @@ def sparse_attention(
     prefix_lengths: torch.Tensor | None = None,
     backend: str = "auto",
     options: AttentionKernelOptions | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over its selected keys only.
 
@@ -145,6 +151,12 @@ def sparse_attention(
             measured faster (forward + backward) for this shape, said once.
         options: the kernels' variants and tilings (`AttentionKernelOptions`; None: its
             DEFAULT), forward and backward; the reference ignores it.
+        check_values: True (default) checks the values (a host sync each): finite inputs,
+            indices in [-1, S), prefix_lengths in [0, S] and not repeated by indices. False
+            trusts the caller and syncs nothing (the layers pass False for HyTopK's output):
+            indices in range and distinct, each row's valid slots first and at least one
+            per row, as HyTopK returns them under causal visibility; a broken promise gives
+            undefined results. Shapes, dtypes and devices are always checked.
 
     Returns:
         out [B, T, Hq, Dv] in q's dtype (zeros for a row with no valid index), and with
@@ -155,11 +167,13 @@ def sparse_attention(
     """
     check_backend(backend, BACKEND_CHOICES)
     options = check_options("options", options, AttentionKernelOptions)
+    check_bool("check_values", check_values)
     scale, dv = validate_sparse_attention_inputs(q, k, v, indices, softmax_scale, dv, sink,
-                                                 prefix_lengths)
+                                                 prefix_lengths, check_values)
     if backend in LIBRARY_BACKENDS:
         got = dispatch.attention(q, k, v, indices, scale, backend=backend, dv=dv, sink=sink,
-                                 deterministic=deterministic, prefix_lengths=prefix_lengths)
+                                 deterministic=deterministic, prefix_lengths=prefix_lengths,
+                                 hytopk_slots=not check_values)
         if got is not None:
             return got if return_lse else got[0]
         backend = "auto"

@@ -181,3 +181,47 @@ def test_cudnn_indexer_loss_matches_reference(B, H_I, with_lse):
         assert cos.item() > 0.999, (name, cos.item())
         ratio = a.grad.float().norm() / (3.0 * b.grad.float().norm())
         assert abs(ratio.item() - 1) < 1e-2, (name, ratio.item())
+
+
+def test_host_known_positions_and_trusted_slots_change_nothing():
+    """The sync-free forms the layers use (positions known on the host, HyTopK's slot layout
+    vouched for) give bit-identical results to the forms that read them back."""
+    needs(CUDNN, FLASHMLA)
+    from megatron_hyscale.ops.backends.cudnn_indexer_loss import cudnn_indexer_loss
+    from megatron_hyscale.ops.backends.cudnn_selection import cudnn_selection
+    from megatron_hyscale.ops.backends.library_attention import library_attention
+    from megatron_hyscale.ops.checks import normalize_positions
+
+    # Several score chunks (T x S x 4 B over 1 GiB) with queries at S - T ..: q_start = S - T.
+    T, S = 6144, 49152
+    q, k, w = int_inputs(1, T, S, 64, 128, seed=5)
+    qpos = normalize_positions("q_positions", None, 1, T, S - T, q.device)
+    read_i, read_s = cudnn_selection(q, k, w, 2048, qpos=qpos)
+    host_i, host_s = cudnn_selection(q, k, w, 2048, qpos=qpos, q_start=S - T)
+    assert torch.equal(read_i, host_i) and torch.equal(read_s, host_s)
+
+    B, T, H, D, K = 2, 2048, 64, 576, 512
+    query, key, idx = gla_attention_inputs(B, T, T, H, D, K, seed=9, holes=False)
+    outs = []
+    for trusted in (False, True):
+        ql, kl = query.clone().requires_grad_(), key.clone().requires_grad_()
+        out, lse = library_attention(ql, kl, idx, D**-0.5, hytopk_slots=trusted)
+        out.float().pow(2).sum().backward()
+        outs.append((out, lse, ql.grad, kl.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    qi = torch.randn(B, T, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
+    ki = torch.randn(B, T, 128, device="cuda", generator=g).to(torch.bfloat16)
+    wi = (torch.randn(B, T, 32, device="cuda", generator=g) * 32**-0.5).to(torch.bfloat16)
+    qpos = normalize_positions("q_positions", None, B, T, 0, qi.device)
+    losses = []
+    for trusted in (False, True):
+        leaves = [x.clone().requires_grad_() for x in (qi, wi, ki)]
+        loss = cudnn_indexer_loss(*leaves, query, key, idx, D**-0.5, 0.01, qpos=qpos,
+                                  attention_lse=outs[0][1].detach(), hytopk_slots=trusted)
+        loss.backward()
+        losses.append((loss, *(x.grad for x in leaves)))
+    for a, b in zip(*losses):
+        assert torch.equal(a, b)

@@ -40,9 +40,12 @@ MIN_PROBABILITY = torch.finfo(torch.float32).tiny
 
 def cudnn_indexer_loss_unsupported(q_index: torch.Tensor, weights: torch.Tensor,
                                    query: torch.Tensor, key: torch.Tensor, *, sparse: bool,
-                                   relu: bool, kpos: torch.Tensor,
+                                   relu: bool, kpos: torch.Tensor | None,
                                    attention_lse: torch.Tensor | None) -> str | None:
-    """None when `cudnn_indexer_loss` can run this call, else the reason it cannot."""
+    """None when `cudnn_indexer_loss` can run this call, else the reason it cannot.
+
+    kpos None: the keys sit at their default positions 0 .. S-1 (no test, no host sync).
+    """
     reason = library_unavailable(CUDNN, q_index.device)
     if reason:
         return reason
@@ -58,7 +61,8 @@ def cudnn_indexer_loss_unsupported(q_index: torch.Tensor, weights: torch.Tensor,
     if key.shape[2] != 1:
         return f"cuDNN's DSA target kernel takes one shared KV head (got {key.shape[2]})"
     S = key.shape[1]
-    if not torch.equal(kpos, torch.arange(S, device=kpos.device).expand_as(kpos)):
+    if kpos is not None and not torch.equal(kpos, torch.arange(S, device=kpos.device)
+                                             .expand_as(kpos)):
         return "cuDNN's DSA kernels take keys at positions 0 .. S-1 (k_positions given)"
     if attention_lse is None:
         no_slots = torch.empty(0, 0, 0, dtype=torch.int32, device=query.device)
@@ -82,14 +86,17 @@ class CudnnIndexerLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_index, weights, k_index, query, key, topk_indices, qpos, scale, coeff,
-                per_token, tp_group, attention_lse):
+                per_token, tp_group, attention_lse, hytopk_slots):
         DSA = cudnn_dsa()
         B, T, H_I, _ = q_index.shape
         S = key.shape[1]
         Hq = query.shape[2]
         rows = topk_indices.reshape(B, T, -1)
-        visible = (rows >= 0) & (rows.long() <= qpos.unsqueeze(-1))
-        slots, length = valid_first(torch.where(visible, rows, -1))
+        if hytopk_slots:  # visible and valid-first by construction
+            slots, length = valid_first(rows, known_valid_first=True)
+        else:
+            visible = (rows >= 0) & (rows.long() <= qpos.unsqueeze(-1))
+            slots, length = valid_first(torch.where(visible, rows, -1))
         K = slots.shape[-1]
         slot_valid = torch.arange(K, device=slots.device).view(1, 1, K) < length.unsqueeze(-1)
 
@@ -102,7 +109,8 @@ class CudnnIndexerLoss(torch.autograd.Function):
 
         if attention_lse is None:
             with torch.no_grad():
-                _, attention_lse = library_attention(query, key, rows, scale)
+                _, attention_lse = library_attention(query, key, rows, scale,
+                                                      hytopk_slots=hytopk_slots)
         Hp = max(Hq, MIN_INDEXER_HEADS)  # the target kernel's head tile, as the attention's
         q_attn = _pad_dim(query.detach(), 2, Hp).contiguous()
         lse = _pad_dim(attention_lse.detach().float(), 2, Hp, float("inf")).contiguous()
@@ -128,7 +136,7 @@ class CudnnIndexerLoss(torch.autograd.Function):
         dq, dw, dk = ctx.saved_tensors
         g = grad_loss.to(torch.float32)
         return ((dq * g).to(dq.dtype), (dw * g).to(dw.dtype), (dk * g).to(dk.dtype),
-                None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None)
 
 
 def _indexer_grads(DSA, q_index, weights, k_index, target, predict, slots, slot_valid, S,
@@ -166,13 +174,16 @@ def cudnn_indexer_loss(q_index: torch.Tensor, weights: torch.Tensor, k_index: to
                        softmax_scale: float, loss_coeff: float, *, qpos: torch.Tensor,
                        calculate_per_token_loss: bool = False,
                        tp_group: torch.distributed.ProcessGroup | None = None,
-                       attention_lse: torch.Tensor | None = None) -> torch.Tensor:
+                       attention_lse: torch.Tensor | None = None,
+                       hytopk_slots: bool = False) -> torch.Tensor:
     """`ops.indexer_kl_loss(sparse=True, relu=True)` on cuDNN's kernels (scope: the
     `_unsupported` check). q_index [B, T, H_I, 128] bf16, weights [B, T, H_I] bf16, k_index
     [B, S, 128], query [B, T, Hq, 576], key [B, S, 1, 576], topk_indices [B, T, K] (-1 padded;
     keys after a row's position are ignored; indices distinct within a row, as HyTopK's are:
     a repeated one would count twice here), attention_lse [B, T, Hq] or None (then
-    FlashMLA's forward computes it). Differentiable in q_index, weights and k_index."""
+    FlashMLA's forward computes it). `hytopk_slots`: the caller vouches that the indices are
+    HyTopK's for these rows (visible, valid slots first), sparing the layout test and its
+    host sync. Differentiable in q_index, weights and k_index."""
     return CudnnIndexerLoss.apply(q_index, weights, k_index, query, key, topk_indices, qpos,
                                   softmax_scale, loss_coeff, calculate_per_token_loss, tp_group,
-                                  attention_lse)
+                                  attention_lse, hytopk_slots)

@@ -22,8 +22,11 @@ SUPPORTED_HEAD_DIMS = (128,)
 
 
 def cudnn_selection_unsupported(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *,
-                                relu: bool, causal: bool, kpos: torch.Tensor) -> str | None:
-    """None when `cudnn_selection` can run this call, else the reason it cannot."""
+                                relu: bool, causal: bool, kpos: torch.Tensor | None) -> str | None:
+    """None when `cudnn_selection` can run this call, else the reason it cannot.
+
+    kpos None: the keys sit at their default positions 0 .. S-1 (no test, no host sync).
+    """
     reason = library_unavailable(CUDNN, q.device)
     if reason:
         return reason
@@ -36,7 +39,8 @@ def cudnn_selection_unsupported(q: torch.Tensor, k: torch.Tensor, weights: torch
     if q.shape[3] not in SUPPORTED_HEAD_DIMS:
         return f"cuDNN's SM90 indexer takes head dim {SUPPORTED_HEAD_DIMS} (got {q.shape[3]})"
     S = k.shape[1]
-    if not torch.equal(kpos, torch.arange(S, device=kpos.device).expand_as(kpos)):
+    if kpos is not None and not torch.equal(kpos, torch.arange(S, device=kpos.device)
+                                             .expand_as(kpos)):
         return "cuDNN's DSA indexer takes keys at positions 0 .. S-1 (k_positions given)"
     return None
 
@@ -53,12 +57,15 @@ def _contiguous_runs(qpos: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def cudnn_selection(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *,
-                    qpos: torch.Tensor, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    qpos: torch.Tensor, ordered: bool = True, q_start: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """HyTopK's contract on cuDNN's kernels (see `cudnn_selection_unsupported` for the scope).
 
     q [B, T, H, 128] bf16, k [B, S, 128] bf16, weights [B, T, H] (used in fp32), qpos int
-    [B, T] (keys 0 .. qpos are visible). Returns int32 indices and fp32 scores [B, T, topk],
-    -1 / -inf past the visible keys; with ordered=False a row's set comes in key order.
+    [B, T] (keys 0 .. qpos are visible). `q_start`: qpos is known to be arange(T) + q_start
+    in every batch, so the chunks' bounds come from the host instead of a read of qpos (a
+    host sync per chunk). Returns int32 indices and fp32 scores [B, T, topk], -1 / -inf past
+    the visible keys; with ordered=False a row's set comes in key order.
     """
     DSA = cudnn_dsa()
     B, T, H, D = q.shape
@@ -69,13 +76,19 @@ def cudnn_selection(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, top
     scores = torch.full((B, T, topk), float("-inf"), dtype=torch.float32, device=q.device)
     rows_per_chunk = max(ROW_ALIGNMENT, CHUNK_BYTES // (4 * B * S) // ROW_ALIGNMENT
                          * ROW_ALIGNMENT)
-    for run_start, run_end in _contiguous_runs(qpos):
+    runs = [(0, T)] if q_start is not None else _contiguous_runs(qpos)
+    for run_start, run_end in runs:
         for r0 in range(run_start, run_end, rows_per_chunk):
             r1 = min(run_end, r0 + rows_per_chunk)
             pos = qpos[:, r0:r1]
             # cuTe takes unit innermost strides literally, also for a dimension of size 1.
-            first = torch.empty(B, dtype=torch.int32, device=q.device).copy_(pos[:, 0])
-            visible = min(S, int(pos[:, -1].max()) + 1)
+            if q_start is None:
+                first = torch.empty(B, dtype=torch.int32, device=q.device).copy_(pos[:, 0])
+                last = int(pos[:, -1].max())
+            else:
+                first = torch.full((B,), q_start + r0, dtype=torch.int32, device=q.device)
+                last = q_start + r1 - 1
+            visible = min(S, last + 1)
             if visible <= 0:
                 continue  # no key is visible to any row of the chunk
             keys = k4[:, :visible]

@@ -45,7 +45,11 @@ def _use_library(backend: str, op: str, shape: str, T: int, reason: str | None) 
     return pick == measured.LIBRARY
 
 
-def selection(q, k, weights, topk, *, backend, relu, causal, qpos, kpos, ordered):
+# The positions the ops default to are known on the host: q_start (queries at
+# arange(T) + q_start) and kpos None (keys at 0 .. S-1) spare the backends reading them back.
+
+
+def selection(q, k, weights, topk, *, backend, relu, causal, qpos, kpos, ordered, q_start=None):
     from megatron_hyscale.ops.backends.cudnn_selection import (
         cudnn_selection,
         cudnn_selection_unsupported,
@@ -55,10 +59,11 @@ def selection(q, k, weights, topk, *, backend, relu, causal, qpos, kpos, ordered
     shape = measured.selection_shape(q.shape[2], q.shape[3], topk)
     if not _use_library(backend, "selection", shape, q.shape[1], reason):
         return None
-    return cudnn_selection(q, k, weights, topk, qpos=qpos, ordered=ordered)
+    return cudnn_selection(q, k, weights, topk, qpos=qpos, ordered=ordered, q_start=q_start)
 
 
-def attention(q, k, v, indices, scale, *, backend, dv, sink, deterministic, prefix_lengths):
+def attention(q, k, v, indices, scale, *, backend, dv, sink, deterministic, prefix_lengths,
+              hytopk_slots=False):
     """(out, lse) on FlashMLA + cuDNN, or None."""
     from megatron_hyscale.ops.backends.library_attention import (
         library_attention,
@@ -70,11 +75,12 @@ def attention(q, k, v, indices, scale, *, backend, dv, sink, deterministic, pref
     shape = measured.attention_shape(q.shape[2], q.shape[3], dv or q.shape[3], sink is not None)
     if not _use_library(backend, "attention", shape, q.shape[1], reason):
         return None
-    return library_attention(q, k, indices, scale, sink=sink)
+    return library_attention(q, k, indices, scale, sink=sink, hytopk_slots=hytopk_slots)
 
 
 def indexer_loss(q_index, weights, k_index, query, key, topk_indices, scale, coeff, *, backend,
-                 sparse, relu, qpos, kpos, per_token, tp_group, attention_lse, deterministic):
+                 sparse, relu, qpos, kpos, per_token, tp_group, attention_lse, deterministic,
+                 hytopk_slots=False):
     from megatron_hyscale.ops.backends.cudnn_indexer_loss import (
         cudnn_indexer_loss,
         cudnn_indexer_loss_unsupported,
@@ -93,5 +99,5 @@ def indexer_loss(q_index, weights, k_index, query, key, topk_indices, scale, coe
         return None
     return cudnn_indexer_loss(q_index, weights, k_index, query, key, topk_indices, scale, coeff,
                               qpos=qpos, calculate_per_token_loss=per_token, tp_group=tp_group,
-                              attention_lse=attention_lse)
+                              attention_lse=attention_lse, hytopk_slots=hytopk_slots)
 

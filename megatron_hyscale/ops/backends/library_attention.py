@@ -66,12 +66,13 @@ class LibrarySparseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, scale: float,
-                sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                sink: torch.Tensor | None, hytopk_slots: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, Hq, D = q.shape
         S = k.shape[1]
         Hp = _padded_heads(Hq)
         rows = indices.reshape(B, T, indices.shape[-1])
-        slots, length = valid_first(rows)
+        slots, length = valid_first(rows, known_valid_first=hytopk_slots)
         K = slots.shape[-1]
         if K % TOPK_ALIGNMENT:
             slots = torch.nn.functional.pad(slots, (0, round_up(K, TOPK_ALIGNMENT) - K),
@@ -89,11 +90,14 @@ class LibrarySparseAttention(torch.autograd.Function):
         out, _max_logits, lse = flash_mla_sparse_fwd()(q_flat, kv, ids, scale,
                                                        d_v=VALUE_CHANNELS, attn_sink=sink_p,
                                                        topk_length=length)
-        empty = length == 0
-        if bool(empty.any()):  # FlashMLA's value for a row without slots is not the contract's
+        # FlashMLA's value for a row without slots is not the contract's. HyTopK's rows all
+        # hold a slot (key 0 is visible to every row): no test, no host sync.
+        empty = None if hytopk_slots else length == 0
+        if empty is not None and bool(empty.any()):
             out = out.masked_fill(empty.view(-1, 1, 1), 0.0)
             lse = lse.masked_fill(empty.view(-1, 1), float("-inf"))
         ctx.save_for_backward(q_flat, kv, ids, length, out, lse, sink_p)
+        ctx.rows_all_hold_slots = hytopk_slots
         ctx.shape = (B, T, Hq, D, S)
         ctx.scale = scale
         ctx.has_sink = sink is not None
@@ -110,10 +114,10 @@ class LibrarySparseAttention(torch.autograd.Function):
         dout = grad_out.reshape(B * T, Hq, VALUE_CHANNELS).to(out.dtype)
         if Hp != Hq:
             dout = torch.nn.functional.pad(dout, (0, 0, 0, Hp - Hq))
-        rows = torch.nonzero(length > 0).flatten()
-        all_rows = rows.numel() == B * T
+        rows = None if ctx.rows_all_hold_slots else torch.nonzero(length > 0).flatten()
+        all_rows = rows is None or rows.numel() == B * T
         pick = (lambda x: x) if all_rows else (lambda x: x.index_select(0, rows).contiguous())
-        if rows.numel() == 0:
+        if rows is not None and rows.numel() == 0:
             dq = torch.zeros_like(q_flat)
             dkv = torch.zeros_like(kv).reshape(B * S, D)
             dsink = torch.zeros_like(sink_p)
@@ -133,14 +137,17 @@ class LibrarySparseAttention(torch.autograd.Function):
         dsink_out = None
         if ctx.has_sink and dsink is not None:
             dsink_out = dsink[:Hq].to(ctx.sink_dtype)
-        return dq, dk, None, None, dsink_out
+        return dq, dk, None, None, dsink_out, None
 
 
 def library_attention(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, scale: float, *,
-                      sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      sink: torch.Tensor | None = None, hytopk_slots: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, T, Hq, 512], lse [B, T, Hq]) of `ops.sparse_attention` on FlashMLA + cuDNN.
 
     q [B, T, Hq, 576 or 512] bf16, k [B, S, 1, same], indices [B, T, K] or [B, T, 1, K];
-    sink [Hq] or None. Differentiable in q, k and sink.
+    sink [Hq] or None. `hytopk_slots`: the caller vouches that every row lists its valid
+    slots first and holds at least one (HyTopK's causal output), which spares the layout and
+    empty-row tests and their host syncs. Differentiable in q, k and sink.
     """
-    return LibrarySparseAttention.apply(q, k, indices, scale, sink)
+    return LibrarySparseAttention.apply(q, k, indices, scale, sink, hytopk_slots)

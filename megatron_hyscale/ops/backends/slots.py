@@ -5,16 +5,19 @@ from __future__ import annotations
 import torch
 
 
-def valid_first(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def valid_first(indices: torch.Tensor, *, known_valid_first: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(indices with each row's valid (>= 0) slots first in their order, int32 count per row).
 
     cuDNN's and FlashMLA's kernels read a row's first `length` slots only. HyTopK's rows are
     already in that layout (-1 fills the end), so the stable sort runs only when some row
-    has a -1 before a valid slot.
+    has a -1 before a valid slot; `known_valid_first` (the caller vouches for the layout)
+    skips that test and its host sync.
     """
     valid = indices >= 0
     length = valid.sum(-1, dtype=torch.int32)
-    if indices.shape[-1] > 1 and bool((valid[..., 1:] & ~valid[..., :-1]).any()):
+    if (not known_valid_first and indices.shape[-1] > 1
+            and bool((valid[..., 1:] & ~valid[..., :-1]).any())):
         order = (~valid).to(torch.int8).argsort(dim=-1, stable=True)
         indices = indices.gather(-1, order)
     return indices.to(torch.int32).contiguous(), length
