@@ -36,10 +36,14 @@
 #   bash scripts/gpu_session.sh cudnn-kernels  # selection, attention and indexer loss: HyScale's
 #                                         # kernels against cuDNN's / FlashMLA's in the same
 #                                         # runs, DSA shapes, 16K-256K                 (~8 min)
+#   bash scripts/gpu_session.sh cudnn-tests    # the library backends' GPU tests and the
+#                                         # stock-cudnn layer tests (equality, no host sync)
+#                                         #                                            (~2 min)
 #   bash scripts/gpu_session.sh cudnn-layer [T...]  # bench_layer.py, GLM-5.1 DSA: HyScale
 #                                         # (own kernels, then the measured best per op)
 #                                         # against stock on dsa_kernel_backend="cudnn"
-#                                         # (and "none" at 8K)                         (~8 min)
+#                                         # (and "none" at 8K), $REPEATS timed steps (3)
+#                                         #                                            (~5 min)
 #                                         # The cudnn-* stages pack their files into
 #                                         # $OUT/<stage>.tgz, records in results/ inside.
 #   bash scripts/gpu_session.sh pair 'STAGE [ARGS]' 'STAGE [ARGS]'  # on nvidia-h200-x2: two
@@ -74,10 +78,11 @@ stage=${1:-}
 shift || true
 case "$stage" in
   verify|kernels|attention|attention-table|fwd-split|layer|models|memory|qsa-selection|selection|cp2|cp2-1m|side2\
-  |pair|cudnn-verify|cudnn-kernels|cudnn-layer) ;;
+  |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
        "|fwd-split|layer" \
-       "|models|memory|qsa-selection|selection|cp2|cp2-1m|side2|pair} [ARGS...]" >&2
+       "|models|memory|qsa-selection|selection|cp2|cp2-1m|side2|pair|cudnn-verify" \
+       "|cudnn-tests|cudnn-kernels|cudnn-layer} [ARGS...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -277,15 +282,30 @@ case "$stage" in
     timeout 150 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 \
       --reps 2 --out "$out" 2>&1 | grep -v -i warn | tee "$out/bench_indexer_loss.log"
     ;;
+  cudnn-tests)
+    fail=0
+    for f in tests/ops/test_library_backends_gpu.py tests/layers/test_stock_cudnn_gpu.py; do
+      timeout 200 python3 -m pytest -q -rfE -m gpu "$f" -p no:cacheprovider \
+        > "$out/current.log" 2>&1 || fail=1
+      cat "$out/current.log" >> "$out/tests.log"
+      echo "$f: $(tail -1 "$out/current.log")" | tee -a "$out/summary.txt"
+    done
+    rm -f "$out/current.log"
+    grep -h -E "^(FAILED|ERROR|E  )" "$out/tests.log" | cut -c1-400 | head -30 || true
+    exit $fail
+    ;;
   cudnn-layer)
-    seqs=${*:-8192 32768 131072 262144}
+    seqs=${*:-8192 16384 32768 131072 262144}
     # "best" reads the measured table: from this machine's cudnn-kernels run when there is one.
     kernels=(/tmp/gpu_session/cudnn-kernels/results/*.json)
     if [ -f "${kernels[0]}" ]; then
       python3 scripts/measured_defaults.py "${kernels[@]}" | tee "$out/measured_defaults.log"
     fi
-    timeout 540 python3 scripts/bench_layer.py --seq $seqs --repeats 1 --stock-max-seq 8192 \
-      --stock-kernel-backend cudnn --compare-own-kernels --out "$out" 2>&1 | grep -v -i warn \
+    # Stock cudnn's own selection scores every chunk after the first with per-head torch
+    # matmuls: 17 s a step at 128K, so it stops there.
+    timeout 540 python3 scripts/bench_layer.py --seq $seqs --repeats "${REPEATS:-3}" \
+      --stock-max-seq 8192 --stock-kernel-backend cudnn --fused-stock-max-seq 131072 \
+      --compare-own-kernels --out "$out" 2>&1 | grep -v -i warn \
       | tee "$out/bench_layer.log" | grep -E "^\||Error|T=.*floor|fused kernels"
     ;;
   pair)
