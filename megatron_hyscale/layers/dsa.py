@@ -18,9 +18,13 @@ table-based indexer loss with HyScale's ops:
   indexer loss run for the local query rows against the gathered keys, with the local rows'
   global positions. Indices are [local rows, gathered keys], so replay and index sharing are
   unchanged.
-Layouts the fast path does not cover (packed THD, sequence-parallel TP, non-causal masks) warn
-once, naming why, and run the stock forward; a CP communication type other than allgather
-raises (the stock layer does not support it either).
+- packed THD sequences (`qkv_format="thd"`, without CP): each document selects over its own
+  keys (HyTopK per document, the indices then global rows of the packed sequence), so the
+  attention and the sparse indexer loss need nothing more; the dense loss runs per document.
+Layouts the fast path does not cover (packed THD with CP or with padded rows masked out of the
+loss, sequence-parallel TP, non-causal masks) warn once, naming why, and run the stock
+forward; a CP communication type other than allgather raises (the stock layer does not
+support it either).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from megatron.core.utils import get_pg_size
 from megatron_hyscale import ops, parallel, phase_spans, replay
 from megatron_hyscale.layers.kernel_backend import kernel_backend
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
+from megatron_hyscale.layers.packed import Documents, packed_documents
 from megatron_hyscale.ops import hytopk
 from megatron_hyscale.ops.checks import warn_once
 from megatron_hyscale.parallel import CPRowLayout, cp_row_layout
@@ -66,6 +71,7 @@ class DSARowState:
     cp_group: Any
     rows: int
     loss_coeff: float  # 0: no indexer loss this forward
+    documents: Documents | None = None  # packed THD: each document's rows; None: one sequence
 
 
 class HyScaleDSAttention(DSAttention):
@@ -86,7 +92,12 @@ class HyScaleDSAttention(DSAttention):
         if value is not None or key.size(2) != 1 or query.size(-1) != absorbed_dim:
             return "only the absorbed MLA layout (one latent KV head, value=None) is fused"
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            return "packed THD sequences are not supported yet"
+            if (get_pg_size(getattr(self.pg_collection, "cp", None)) > 1
+                    or getattr(cfg, "context_parallel_size", 1) > 1):
+                return "packed THD sequences with context parallelism are not supported yet"
+            if getattr(packed_seq_params, "real_token_mask_q", None) is not None:
+                return ("packed THD with real_token_mask_q (padded rows left out of the indexer "
+                        "loss) is not supported yet")
         if cfg.sequence_parallel and get_pg_size(getattr(self.pg_collection, "tp", None)) > 1:
             return "sequence-parallel tensor parallelism is not supported yet"
         if attn_mask_type != AttnMaskType.causal:
@@ -159,6 +170,9 @@ class HyScaleDSAttention(DSAttention):
         cfg = self.config
         layout = self._cp_layout(sq, key.size(0), key.device)
         cp_group, q_positions = layout.group, layout.positions
+        documents = None
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            documents = packed_documents(packed_seq_params, sq, layer="HyScaleDSAttention")
         # The indexer learns only from its KL loss: no gradient into the main model.
         x, qr = x.detach(), qr.detach()
         loss_coeff = cfg.dsa_indexer_loss_coeff or 0.0
@@ -188,11 +202,11 @@ class HyScaleDSAttention(DSAttention):
         # Without CP the rows sit at HyTopK's default positions, which its library path then
         # knows on the host instead of reading them back.
         indices = self._selection(q_idx, k_idx, weights, b, sq, packed_seq_params, attention_mask,
-                                  None if cp_group is None else q_positions)
+                                  None if cp_group is None else q_positions, documents)
         return DSARowState(
             key_b=pending_key.wait().transpose(0, 1), indices=indices, q_idx=q_idx,
             k_idx=k_idx, weights=weights, q_positions=q_positions, cp_group=cp_group,
-            rows=sq, loss_coeff=loss_coeff if use_indexer_loss else 0.0,
+            rows=sq, loss_coeff=loss_coeff if use_indexer_loss else 0.0, documents=documents,
         )
 
     def attend_rows(
@@ -219,7 +233,10 @@ class HyScaleDSAttention(DSAttention):
                                     options=getattr(cfg, "attention_kernel_options", None),
                                     backend=kernel_backend(cfg), check_values=False)
         indexer_loss = None
-        if state.loss_coeff > 0:
+        if state.loss_coeff > 0 and state.documents is not None and not (
+                cfg.dsa_indexer_use_sparse_loss):
+            indexer_loss = self._dense_loss_per_document(query_b, state)
+        elif state.loss_coeff > 0:
             per_token = bool(cfg.calculate_per_token_loss)
             share = 1.0 if whole or per_token else rows / state.rows
             part = (lambda t: t) if whole else (lambda t: t[:, r0:r1])
@@ -246,6 +263,29 @@ class HyScaleDSAttention(DSAttention):
             return output, None
         return DSAIndexerLossAutoScaler.apply(output, indexer_loss), indexer_loss.detach()
 
+    def _dense_loss_per_document(self, query_b: torch.Tensor,
+                                 state: DSARowState) -> torch.Tensor:
+        """The dense (warm-up) indexer loss of packed documents: each over its own keys, with
+        its share of the rows-mean, so the documents' losses add up to stock's."""
+        cfg = self.config
+        per_token = bool(cfg.calculate_per_token_loss)
+        total = None
+        for start, end in state.documents:
+            doc = slice(start, end)
+            loss = indexer_kl_loss(
+                state.q_idx[:, doc], state.weights[:, doc], state.k_idx[:, doc],
+                query_b[:, doc].detach(), state.key_b[:, doc].detach(), None,
+                self.softmax_scale,
+                state.loss_coeff * (1.0 if per_token else (end - start) / state.rows),
+                sparse=False, relu=bool(cfg.dsa_indexer_scoring_relu),
+                calculate_per_token_loss=per_token,
+                tp_group=getattr(self.pg_collection, "tp", None),
+                deterministic=bool(cfg.deterministic_mode), backend=kernel_backend(cfg),
+                check_values=False,
+            )
+            total = loss if total is None else total + loss
+        return total
+
     def log_indexer_loss(self, loss: torch.Tensor, state: DSARowState) -> None:
         """Log the layer's indexer loss (the sum of its parts') as stock does."""
         log_indexer_loss(loss, self.config, self.layer_number, state.cp_group)
@@ -254,6 +294,7 @@ class HyScaleDSAttention(DSAttention):
         self, q_idx: torch.Tensor | None, k_idx: torch.Tensor | None,
         weights: torch.Tensor | None, b: int, sq: int, packed_seq_params: Any,
         attention_mask: torch.Tensor | None, q_positions: torch.Tensor | None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         """int32 [b, sq, topk] indices into the (gathered) keys: replayed, shared or computed.
 
@@ -268,13 +309,24 @@ class HyScaleDSAttention(DSAttention):
                 shape, lambda: self._shared_selection(packed_seq_params, attention_mask),
                 shared=True)
         else:
+            def select(rows: slice, positions: torch.Tensor | None) -> torch.Tensor:
+                return hytopk(
+                    q_idx[:, rows].detach(), k_idx[:, rows].detach(),
+                    weights[:, rows].detach(), self.index_topk,
+                    relu=bool(self.config.dsa_indexer_scoring_relu), q_positions=positions,
+                    backend=kernel_backend(self.config), check_values=False,
+                )[0]
+
             def compute() -> torch.Tensor:
                 with torch.no_grad():
-                    return hytopk(
-                        q_idx.detach(), k_idx.detach(), weights.detach(), self.index_topk,
-                        relu=bool(self.config.dsa_indexer_scoring_relu), q_positions=q_positions,
-                        backend=kernel_backend(self.config), check_values=False,
-                    )[0]
+                    if documents is None:
+                        return select(slice(None), q_positions)
+                    # Each document over its own keys; its indices become packed rows.
+                    indices = torch.full(shape, -1, dtype=torch.int32, device=q_idx.device)
+                    for start, end in documents:
+                        got = select(slice(start, end), None)
+                        indices[:, start:end] = torch.where(got >= 0, got + start, got)
+                    return indices
 
             indices = self.selection_replay.select(shape, compute)
         if self.index_share and not self.skip_topk:
