@@ -83,7 +83,7 @@ class HyScaleDSAttention(DSAttention):
 
     def _unsupported_reason(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
-        attn_mask_type: AttnMaskType | None, packed_seq_params: Any,
+        attn_mask_type: AttnMaskType | None, packed_seq_params: Any, x: torch.Tensor,
     ) -> str | None:
         """Why the fast path cannot run these inputs (None when it can)."""
         cfg = self.config
@@ -98,8 +98,13 @@ class HyScaleDSAttention(DSAttention):
             if getattr(packed_seq_params, "real_token_mask_q", None) is not None:
                 return ("packed THD with real_token_mask_q (padded rows left out of the indexer "
                         "loss) is not supported yet")
-        if cfg.sequence_parallel and get_pg_size(getattr(self.pg_collection, "tp", None)) > 1:
-            return "sequence-parallel tensor parallelism is not supported yet"
+        tp = get_pg_size(getattr(self.pg_collection, "tp", None))
+        if cfg.sequence_parallel and tp > 1 and not (
+                query.size(0) == key.size(0) == x.size(0) * tp):
+            # The common layout (MLA gathers the sequence for its column-parallel projections,
+            # the indexer gathers x and qr itself) is TP without SP here; query rows left
+            # sequence-local are not.
+            return "sequence-parallel TP with sequence-local query rows is not supported yet"
         if attn_mask_type != AttnMaskType.causal:
             return f"attn_mask_type={attn_mask_type} (only causal masks are supported)"
         return None
@@ -140,7 +145,8 @@ class HyScaleDSAttention(DSAttention):
         """
         query, _ = dsa_layout.ensure_sbhd(query, "query")
         key, _ = dsa_layout.ensure_sbhd(key, "key")
-        reason = self._unsupported_reason(query, key, value, attn_mask_type, packed_seq_params)
+        reason = self._unsupported_reason(query, key, value, attn_mask_type, packed_seq_params,
+                                          x)
         if reason is None and up_v_weight is None:
             reason = "absorbed DSA needs up_v_weight"
         if reason is not None:

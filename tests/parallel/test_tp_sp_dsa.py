@@ -1,0 +1,112 @@
+"""Tensor parallelism with sequence parallelism: HyScale's DSA attention equals megatron-core's
+DSAttention at TP = 2 + SP (two gloo processes, fp32, CPU), and runs its own path.
+
+Both ranks build the stock and the HyScale absorbed-MLA attention (heads split over TP, the
+indexer replicated: it gathers the sequence-parallel rows itself, and the indexer loss's
+target is summed over the TP group); each rank feeds its sequence-parallel half of one input.
+Output rows, the input gradient and every parameter gradient (per rank) must match, dense and
+sparse loss, with full recompute. megatron's torch norms refuse sequence parallelism (TE's
+mark their weights for the TP gradient all-reduce); the norms here are built as torch's, which
+changes nothing that the comparison sees.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+
+from megatron_hyscale.testing.distributed import run_workers
+
+WORLD = 2
+T, HIDDEN = 96, 64
+WORKER_TIMEOUT_S = 300
+SCENARIOS = {"dense-loss": dict(dsa_indexer_use_sparse_loss=False),
+             "sparse-loss-recompute": dict(dsa_indexer_use_sparse_loss=True)}
+
+
+def _body(rank: int, result: dict) -> None:
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexerLossLoggingHelper,
+    )
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_hyscale import replay
+    from megatron_hyscale.specs import get_dsa_layer_specs
+    from megatron_hyscale.testing.cpu import megatron_on_cpu
+    from megatron_hyscale.testing.models import tiny_dsa_config
+    from megatron_hyscale.testing.stock import stock_topk_breaks_ties_by_index
+
+    build_norm = WrappedTorchNorm.__new__
+
+    def norm_without_sp(cls, config, *args, **kwargs):
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        return build_norm(cls, plain, *args, **kwargs)
+
+    with megatron_on_cpu(), stock_topk_breaks_ties_by_index(), \
+            mock.patch.object(WrappedTorchNorm, "__new__", norm_without_sp):
+        parallel_state.initialize_model_parallel(WORLD, 1)
+        model_parallel_cuda_manual_seed(1234)
+        for name, fields in SCENARIOS.items():
+            cfg = tiny_dsa_config(num_layers=1, tensor_model_parallel_size=WORLD,
+                                  sequence_parallel=True, dsa_indexer_topk=16, **fields)
+
+            def build(stock, cfg=cfg):
+                spec = get_dsa_layer_specs(cfg, stock=stock)[0].submodules.self_attention
+                torch.manual_seed(0)
+                return build_module(spec, config=cfg, layer_number=1)
+
+            stock, hyscale = build(True), build(False)
+            hyscale.load_state_dict(stock.state_dict(), strict=True)
+            g = torch.Generator().manual_seed(5)
+            full = torch.randn(T, 1, HIDDEN, generator=g)
+            local = full[rank * T // WORLD:(rank + 1) * T // WORLD]
+            recompute = "recompute" in name
+            seen = {}
+            for label, attn in (("stock", stock), ("hyscale", hyscale)):
+                attn.train()
+                h = local.clone().requires_grad_()
+                DSAIndexerLossLoggingHelper.tracker.clear()
+                replay.reset_stats()
+                call = lambda x, a=attn: a(x, None)[0]  # noqa: E731
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    out = (tensor_parallel.checkpoint(call, False, h) if recompute
+                           else call(h))
+                    out.pow(2).mean().backward()
+                seen[label] = dict(
+                    out=out.detach(), dh=h.grad,
+                    grads={n: p.grad.clone() for n, p in attn.named_parameters()
+                           if p.grad is not None},
+                    fallback=[str(w.message) for w in caught
+                              if "HyScaleDSAttention" in str(w.message)],
+                    stats=replay.get_stats())
+                DSAIndexerLossLoggingHelper.clean_loss_in_tracker()
+                replay.clear()
+            result[name] = seen
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_workers(_body, WORLD, WORKER_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_tp2_sp_matches_stock_on_its_own_path(runs, scenario):
+    stock, hyscale = runs[scenario]["stock"], runs[scenario]["hyscale"]
+    assert hyscale["fallback"] == [], hyscale["fallback"]
+    assert hyscale["stats"]["selections_computed"] == 1
+    torch.testing.assert_close(hyscale["out"], stock["out"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hyscale["dh"], stock["dh"], rtol=1e-4, atol=1e-7)
+    assert set(hyscale["grads"]) == set(stock["grads"])
+    assert any(".indexer." in n for n in stock["grads"]), "the indexer loss never ran"
+    for name, want in stock["grads"].items():
+        torch.testing.assert_close(hyscale["grads"][name], want, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
