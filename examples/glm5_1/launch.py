@@ -158,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--time-limit", type=float, metavar="SECONDS",
                            help="wall-clock budget of the whole invocation: a run still going "
                                 "when it is spent is stopped (its process group killed; the "
-                                "summary marks it) and later runs are not started; the summary "
-                                "and record are rewritten after every run either way")
+                                "summary marks it) and later runs are not started; summary.txt "
+                                "is rewritten after every run, the JSON record written at the "
+                                "end either way")
             p.add_argument("--min-loss-steps", type=int, default=20,
                            help="iterations both runs must log an lm loss at for the loss "
                                 "comparison to pass (default 20)")
