@@ -665,6 +665,7 @@ def test_one_gpu_cudnn_parse_only(tmp_path: Path) -> None:
     assert re.search(r"max allocated per GPU \(GiB\)\s+60\.5\s+48\.8\s+68\.4", out), out
     assert re.search(r"tokens/s\s+5,461\s+21,845\s+18,725", out), out
     assert re.search(r"attention ms / iteration\s+2400\.0\s+250\.0\s+250\.0", out), out
+    assert re.search(r"selection ms / iteration\s+-\s+60\.0\s+60\.0", out), out
     assert not (tmp_path / "summary.txt").exists()  # parse-only writes nothing
 
     # fewer than --min-loss-steps iterations, or a gap above --loss-rtol: FAIL
