@@ -147,6 +147,16 @@ def test_dry_run_emits_valid_megatron_arguments(
             assert not {"--moe-grouped-gemm", "--moe-permute-fusion"} & set(argv)
         assert config.experimental_attention_variant == "dsa"
         assert config.recompute_granularity == "full"
+        if "cudnn" in extra and label == "stock":  # megatron-core will try its fused kernels
+            from megatron.core.transformer.experimental_attention_variant import dsa_kernels
+
+            assert config.dsa_kernel_backend == "cudnn"
+            assert dsa_kernels.use_fused_dsa_kernels(config)
+            # what its fused call (dsa_cudnn_kernels.run_fused_dsa_attention) needs, else it
+            # declines to megatron's torch path: FlashMLA's 512-wide latent V, query heads a
+            # multiple of 64 on SM90, ReLU indexer scores
+            assert config.kv_lora_rank == 512 and config.num_attention_heads % 64 == 0
+            assert config.dsa_indexer_scoring_relu
         if config.context_parallel_size > 1:
             assert config.cp_comm_type == "allgather"
     if count >= 2:  # side by side: stock first, then HyScale, identical except the spec
