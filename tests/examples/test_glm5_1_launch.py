@@ -154,8 +154,9 @@ def test_dry_run_emits_valid_megatron_arguments(
             assert dsa_kernels.use_fused_dsa_kernels(config)
             # what its fused call (dsa_cudnn_kernels.run_fused_dsa_attention) needs, else it
             # declines to megatron's torch path: FlashMLA's 512-wide latent V, query heads a
-            # multiple of 64 on SM90, ReLU indexer scores
-            assert config.kv_lora_rank == 512 and config.num_attention_heads % 64 == 0
+            # multiple or a divisor of 64 on SM90 (padded to 64), ReLU indexer scores
+            heads = config.num_attention_heads
+            assert config.kv_lora_rank == 512 and (heads % 64 == 0 or 64 % heads == 0)
             assert config.dsa_indexer_scoring_relu
         if config.context_parallel_size > 1:
             assert config.cp_comm_type == "allgather"
