@@ -73,26 +73,36 @@ class Command:
             log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(log_path, "w", encoding="utf-8") if log_path is not None else None
         timed_out = threading.Event()
+        proc: subprocess.Popen | None = None
+
+        def stop() -> None:
+            """SIGTERM to the run's process group, SIGKILL 20 s later if it is still there."""
+            if proc is None:
+                return
+            for sig, grace in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 0.0)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    return
+                try:
+                    proc.wait(grace)
+                    return
+                except subprocess.TimeoutExpired:
+                    continue
+
+        # The run has its own process group (so that the time limit reaches torchrun's
+        # workers), which a SIGTERM to this launcher (an outer `timeout`) would not reach:
+        # turn that SIGTERM into an exit that stops the group first.
+        previous = None
+        if timeout_s is not None and threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        timer = None
         try:
             proc = subprocess.Popen(self.argv, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, bufsize=1,
                                     start_new_session=timeout_s is not None)
-
-            def stop() -> None:
-                timed_out.set()
-                for sig, grace in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 0.0)):
-                    try:
-                        os.killpg(proc.pid, sig)
-                    except ProcessLookupError:
-                        return
-                    try:
-                        proc.wait(grace)
-                        return
-                    except subprocess.TimeoutExpired:
-                        continue
-
-            timer = threading.Timer(timeout_s, stop) if timeout_s is not None else None
-            if timer is not None:
+            if timeout_s is not None:
+                timer = threading.Timer(timeout_s, lambda: (timed_out.set(), stop()))
                 timer.daemon = True
                 timer.start()
             assert proc.stdout is not None
@@ -101,8 +111,6 @@ class Command:
                 if log is not None:
                     log.write(line)
             code = proc.wait()
-            if timer is not None:
-                timer.cancel()
             if timed_out.is_set():
                 note = f"# stopped at the time limit ({timeout_s:.0f} s)\n"
                 sys.stdout.write(note)
@@ -111,8 +119,18 @@ class Command:
                 return TIMED_OUT
             return code
         finally:
+            if timer is not None:
+                timer.cancel()
+            if proc is not None and proc.poll() is None:  # leaving early (SIGTERM, Ctrl-C)
+                stop()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
             if log is not None:
                 log.close()
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _quote(word: str) -> str:

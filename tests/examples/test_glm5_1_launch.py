@@ -805,3 +805,28 @@ def test_command_time_limit(tmp_path: Path) -> None:
     assert Command(["bash", "-c", "exit 3"]).run(log) == 3
     assert Command(["true"]).run(log, timeout_s=0) == TIMED_OUT
     assert "not started" in log.read_text()
+
+
+def test_sigterm_to_the_launcher_stops_the_run(tmp_path: Path) -> None:
+    """A run under a time limit has its own process group; a SIGTERM to the launcher (an outer
+    `timeout`) stops that group before the launcher exits, instead of orphaning it."""
+    import os
+    import signal
+    import time
+
+    pidfile, log = tmp_path / "pid", tmp_path / "run.log"
+    code = ("import sys; from pathlib import Path; "
+            "from megatron_hyscale.launch.command import Command; "
+            f"Command(['bash', '-c', 'echo $$ > {pidfile}; sleep 60 & wait'])"
+            f".run(Path('{log}'), timeout_s=100)")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
+                                env=clean_env(PYTHONPATH=str(ROOT)))
+    deadline = time.monotonic() + 60
+    while not (pidfile.is_file() and pidfile.read_text().strip()):
+        assert time.monotonic() < deadline and launcher.poll() is None
+        time.sleep(0.1)
+    run_pid = int(pidfile.read_text())
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(30) == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):
+        os.kill(run_pid, 0)
