@@ -86,6 +86,18 @@ GLM5_1_SCALED = replace(
 )
 SCALED_TOKENS_PER_GPU = 131072  # 1M tokens on 8 GPUs at CP 8; 256K on 2
 
+
+def with_layers(model: ModelGeometry, num_layers: int | None) -> ModelGeometry:
+    """`model` with `num_layers` decoder layers (None: unchanged); its first dense layers stay
+    dense (at most num_layers - 1 of them, so that a MoE layer remains), the rest are MoE."""
+    if num_layers is None:
+        return model
+    if num_layers < 2:
+        raise ValueError(f"num_layers must be at least 2 (a dense and a MoE layer), got "
+                         f"{num_layers}")
+    return replace(model, num_layers=num_layers,
+                   first_dense_layers=min(model.first_dense_layers, num_layers - 1))
+
 ROPE_BASE = 1_000_000  # assumption, see the module docstring
 INDEXER_LOSS_COEFF = 0.01
 

@@ -4,6 +4,8 @@
     launch.py full          the 512-GPU, 1M-token run (Slurm: srun + torchrun, one per node)
     launch.py small         the scaled-down model on 1 or 2 GPUs (torchrun)
     launch.py side-by-side  stock DSA spec, then HyScale's, same configuration; prints both
+                            (optionally then HyScale alone at a longer length: one H200 runs
+                            stock cudnn at L, HyScale at L and HyScale at 2L in one call)
     launch.py memory        the per-GPU memory estimate of a configuration
 
 Every subcommand takes --dry-run: print the memory estimate and the exact commands (with their
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -27,6 +31,7 @@ import glm5_1_config as cfg  # noqa: E402  (also puts the repository root on sys
 
 from megatron_hyscale.launch import logparse  # noqa: E402
 from megatron_hyscale.launch.command import (  # noqa: E402
+    TIMED_OUT,
     Command,
     LaunchError,
     megatron_lm_dir,
@@ -37,7 +42,25 @@ from megatron_hyscale.launch.command import (  # noqa: E402
     torchrun,
     training_env,
 )
-from megatron_hyscale.launch.memory import Layout, ModelGeometry, estimate, format_table  # noqa: E402
+from megatron_hyscale.launch.memory import (  # noqa: E402
+    STOCK_BACKENDS,
+    Layout,
+    ModelGeometry,
+    estimate,
+    format_table,
+    longest_fitting_length,
+)
+
+# The kernels HyScale's layers use in a side-by-side run: the measured best of its own and the
+# installed libraries' (megatron_hyscale/layers/kernel_backend.py), so with the cudnn extra
+# installed HyScale also runs cuDNN / FlashMLA where those are faster.
+HYSCALE_KERNELS = {"HYSCALE_KERNEL_BACKEND": "best"}
+# What the phase rows mean for stock's cudnn backend (summary.txt says it under the table).
+CUDNN_PHASE_NOTE = (
+    "stock cudnn: megatron-core runs selection, sparse attention and the indexer loss in one "
+    "fused call (dsa_kernels.run_fused_dsa_attention), which megatron_hyscale.phase_times "
+    "times as attention: stock's attention row includes its selection and indexer loss, and "
+    "its selection and indexer-loss rows show '-' (not timed apart).")
 
 
 def _add_layout_options(p: argparse.ArgumentParser, *, full: bool) -> None:
@@ -102,23 +125,75 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--gpus", type=int, choices=(1, 2, 4, 8), default=None,
                        help="GPUs of the small (1 or 2, default 2) or scaled (1, 2, 4 or 8, "
                             "default 8) configuration")
-        p.add_argument("--stock-backend", choices=("reference", "tilelang"),
-                       default="reference",
-                       help="stock DSA's kernels: reference (megatron's torch path) or "
-                            "tilelang (side-by-side passes --dsa-kernel-backend tilelang to "
-                            "the stock run; TileLang must import there); the estimate follows")
+        p.add_argument("--stock-backend", choices=STOCK_BACKENDS, default="reference",
+                       help="stock DSA's kernels (megatron-core's dsa_kernel_backend): "
+                            "reference (its torch path, 'none'), tilelang or cudnn "
+                            "(cuDNN-frontend's DSA kernels + FlashMLA: side-by-side passes "
+                            "--dsa-kernel-backend tilelang|cudnn to the stock run, whose "
+                            "Python must import them; HyScale's run gets "
+                            "HYSCALE_KERNEL_BACKEND=best); the estimate follows")
+        p.add_argument("--num-layers", type=int,
+                       help="decoder layers of the small or scaled model (default 4; the first "
+                            "stays dense, the rest are MoE; at least 2): fewer layers, shorter "
+                            "iterations and less memory for weights and Adam state")
         if name == "side-by-side":
             p.add_argument("--output-dir", type=Path, default=Path("glm5_1_side_by_side"),
-                           help="where stock.log, hyscale.log and summary.txt go")
+                           help="where stock.log, hyscale.log (hyscale_alone.log), summary.txt "
+                                "and the JSON record go")
             p.add_argument("--skip-iters", type=int, default=2,
                            help="warm-up iterations left out of the timing (default 2)")
             p.add_argument("--only", choices=("stock", "hyscale"),
                            help="run one side only, e.g. HyScale at a length stock's score "
                                 "tables cannot fit (the scaled configuration's default); the "
                                 "other column stays empty")
-            p.add_argument("--parse-only", nargs=2, type=Path, metavar=("STOCK_LOG", "HYSCALE_LOG"),
-                           help="run nothing: compare two existing Megatron-LM logs")
+            p.add_argument("--hyscale-alone-at", type=_alone_length, metavar="LENGTH|Nx",
+                           help="after the runs at --seq-length, run HyScale alone at LENGTH "
+                                "tokens, or at N times --seq-length ('2x'), e.g. a length "
+                                "stock does not fit: same arguments but the length and "
+                                "--alone-iters; log hyscale_alone.log, its own column in the "
+                                "summary")
+            p.add_argument("--alone-iters", type=int, default=4,
+                           help="iterations of the --hyscale-alone-at run (default 4; its "
+                                "first --skip-iters are not timed)")
+            p.add_argument("--time-limit", type=float, metavar="SECONDS",
+                           help="wall-clock budget of the whole invocation: a run still going "
+                                "when it is spent is stopped (its process group killed; the "
+                                "summary marks it) and later runs are not started; summary.txt "
+                                "is rewritten after every run, the JSON record written at the "
+                                "end either way")
+            p.add_argument("--min-loss-steps", type=int, default=20,
+                           help="iterations both runs must log an lm loss at for the loss "
+                                "comparison to pass (default 20)")
+            p.add_argument("--loss-rtol", type=float, default=1e-2,
+                           help="largest relative lm-loss gap between stock and HyScale at any "
+                                "compared iteration for the comparison to pass (default 0.01)")
+            p.add_argument("--parse-only", nargs="+", type=Path,
+                           metavar="LOG",
+                           help="run nothing: compare existing Megatron-LM logs, STOCK_LOG "
+                                "HYSCALE_LOG [HYSCALE_ALONE_LOG] (the third at "
+                                "--hyscale-alone-at)")
     return parser
+
+
+def _alone_length(text: str) -> int | str:
+    """--hyscale-alone-at: a token count, or 'Nx' (N times --seq-length, resolved later)."""
+    if text.endswith("x"):
+        factor = text[:-1]
+        if not factor.isdigit() or int(factor) < 1:
+            raise argparse.ArgumentTypeError(f"expected LENGTH or Nx (e.g. 2x), got {text!r}")
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected LENGTH or Nx (e.g. 2x), got {text!r}")
+    return int(text)
+
+
+def alone_layout(args: argparse.Namespace, layout: Layout) -> Layout | None:
+    """The layout of the --hyscale-alone-at run (None without one): `layout` at its length."""
+    at = getattr(args, "hyscale_alone_at", None)
+    if at is None:
+        return None
+    seq = layout.seq_length * int(at[:-1]) if isinstance(at, str) else at
+    return Layout(**{**layout.__dict__, "seq_length": seq})
 
 
 def resolve(args: argparse.Namespace) -> tuple[ModelGeometry, Layout, bool]:
@@ -143,14 +218,17 @@ def resolve(args: argparse.Namespace) -> tuple[ModelGeometry, Layout, bool]:
         model = cfg.GLM5_1
     elif getattr(args, "config", "small") == "scaled":
         layout = cfg.scaled_layout(args.gpus or 8, args.seq_length, args.global_batch_size or 2)
-        model = cfg.GLM5_1_SCALED
+        model = cfg.with_layers(cfg.GLM5_1_SCALED, getattr(args, "num_layers", None))
     else:
         gpus = args.gpus or (2 if args.command == "side-by-side" else 1)
         default_seq = (cfg.SIDE_BY_SIDE_SEQ_LENGTH if args.command == "side-by-side"
                        else cfg.SMALL_SEQ_LENGTH)
         layout = cfg.small_layout(gpus, args.seq_length or default_seq,
                                   args.global_batch_size or 4)
-        model = cfg.GLM5_1_SMALL
+        model = cfg.with_layers(cfg.GLM5_1_SMALL, getattr(args, "num_layers", None))
+    if is_full and getattr(args, "num_layers", None) is not None:
+        raise ValueError("--num-layers applies to the small and scaled configurations; the "
+                         "full one is GLM-5.1's 78 layers")
     layout.validate(model)
     return model, layout, is_full
 
@@ -173,6 +251,18 @@ def gpu_capacity(args: argparse.Namespace, is_full: bool) -> float:
     return cfg.SMALL_GPU_GIB["H200" if scaled else "H800"]
 
 
+def fit_lengths(model: ModelGeometry, layout: Layout, capacity: float,
+                stock_backend: str = "reference") -> str:
+    """The longest sequence each side fits into `capacity` GiB by the estimate (this layout's
+    GPUs, parallelism, batch and model kept; multiples of 8192 tokens)."""
+    found = {v: longest_fitting_length(model, layout, capacity, v, stock_backend=stock_backend)
+             for v in ("stock", "hyscale")}
+    text = {v: f"{n} tokens" if n else "nothing" for v, n in found.items()}
+    return (f"longest sequence within {capacity:.0f} GiB a GPU by the estimate (this layout and "
+            f"model, {layout.gpus} GPU{'s' if layout.gpus > 1 else ''}): stock DSA "
+            f"({stock_backend}) {text['stock']}, HyScale {text['hyscale']}")
+
+
 def check_fit(model: ModelGeometry, layout: Layout, capacity: float, variant: str,
               stock_backend: str = "reference") -> str | None:
     """A warning when the estimate exceeds `capacity` GiB (None when it fits)."""
@@ -184,13 +274,26 @@ def check_fit(model: ModelGeometry, layout: Layout, capacity: float, variant: st
             f"--gpu-mem-gib {capacity:.0f}; it will likely run out of memory")
 
 
+def train_iters(args: argparse.Namespace, is_full: bool) -> int:
+    """--train-iters, else 10 (full) or 50; side by side 6 (full) or 30."""
+    if args.train_iters:
+        return args.train_iters
+    if args.command == "side-by-side":
+        return 6 if is_full else 30
+    return 10 if is_full else 50
+
+
 def make_command(model: ModelGeometry, layout: Layout, is_full: bool, args: argparse.Namespace,
-                 spec: str, extra: list[str], *, dry_run: bool) -> Command:
+                 spec: str, extra: list[str], *, dry_run: bool, iters: int | None = None,
+                 label: str | None = None) -> Command:
     checkout = megatron_lm_dir(required=not dry_run)
-    iters = args.train_iters or (10 if is_full else 50)
-    if args.command == "side-by-side" and not args.train_iters:
-        iters = 6 if is_full else 30
-    margs = cfg.megatron_args(model, layout, spec=spec, train_iters=iters, extra=extra,
+    iters = iters or train_iters(args, is_full)
+    own = []
+    if args.command == "side-by-side":
+        # Megatron reports the allocator after the first two iterations; once more after the
+        # last, so the peak covers the whole run
+        own = ["--log-memory-interval", str(iters)]
+    margs = cfg.megatron_args(model, layout, spec=spec, train_iters=iters, extra=own + extra,
                               transformer_impl=args.transformer_impl)
     script = pretrain_script(checkout)
     env = training_env(checkout)
@@ -198,13 +301,15 @@ def make_command(model: ModelGeometry, layout: Layout, is_full: bool, args: argp
         # per-iteration selection / attention / indexer-loss / communication times in both
         # logs (megatron_hyscale.phase_times; the summary reads them back)
         env[logparse.PHASE_TIMES_ENV] = "1"
+        if args.stock_backend == "cudnn":
+            env.update(HYSCALE_KERNELS)  # both runs: the environments differ in nothing
     if is_full:
         master = slurm_master_addr(required=not dry_run)
         argv = srun_torchrun(args.python, args.nodes, args.gpus_per_node, script, margs,
                              master_addr=master, port=args.port)
     else:
         argv = torchrun(args.python, layout.gpus, script, margs)
-    return Command(argv=argv, env=env, label=spec)
+    return Command(argv=argv, env=env, label=label or spec)
 
 
 def run_single(args: argparse.Namespace, extra: list[str]) -> int:
@@ -228,69 +333,205 @@ def run_single(args: argparse.Namespace, extra: list[str]) -> int:
     return cmd.run()
 
 
+ALONE = "hyscale-alone"  # label of the --hyscale-alone-at run
+LOG_NAMES = {"stock": "stock.log", "hyscale": "hyscale.log", ALONE: "hyscale_alone.log"}
+
+
 def run_side_by_side(args: argparse.Namespace, extra: list[str]) -> int:
+    started = time.monotonic()
     if not args.parse_only:
         megatron_lm_dir(required=not args.dry_run)  # fail before printing anything
     model, layout, is_full = resolve(args)
+    alone = alone_layout(args, layout)
+    if alone is not None:
+        alone.validate(model)
     out: Path = args.output_dir
-    logs = {"stock": out / "stock.log", "hyscale": out / "hyscale.log"}
-    codes: dict[str, int | None] = {"stock": None, "hyscale": None}
-    variants = (args.only,) if args.only else ("stock", "hyscale")
+    logs = {label: out / name for label, name in LOG_NAMES.items()}
+    codes: dict[str, int | None] = {label: None for label in LOG_NAMES}
+    variants = [args.only] if args.only else ["stock", "hyscale"]
+    if alone is not None:
+        variants.append(ALONE)
     if args.parse_only:
-        logs = {"stock": args.parse_only[0], "hyscale": args.parse_only[1]}
-        variants = ("stock", "hyscale")
+        if len(args.parse_only) not in (2, 3):
+            raise ValueError("--parse-only takes STOCK_LOG HYSCALE_LOG [HYSCALE_ALONE_LOG]")
+        if len(args.parse_only) == 3 and alone is None:
+            raise ValueError("a third --parse-only log needs --hyscale-alone-at (its length)")
+        variants = ["stock", "hyscale", ALONE][:len(args.parse_only)]
+        logs = dict(zip(variants, args.parse_only))
     else:
-        print(memory_report(model, layout, is_full, args.stock_backend))
         capacity = gpu_capacity(args, is_full)
+        print(memory_report(model, layout, is_full, args.stock_backend))
+        print(fit_lengths(model, layout, capacity, args.stock_backend))
         for variant in variants:
+            if variant == ALONE:
+                continue
             warning = check_fit(model, layout, capacity, variant, args.stock_backend)
+            if warning:
+                print(warning)
+        if alone is not None:
+            print(f"\nHyScale alone at {alone.seq_length} tokens (--hyscale-alone-at):")
+            print(memory_report(model, alone, is_full, args.stock_backend))
+            warning = check_fit(model, alone, capacity, "hyscale", args.stock_backend)
             if warning:
                 print(warning)
         # stock first, then HyScale: identical arguments except --spec (same seed, same data)
         # and, for stock, its kernel backend (HyScale's layer has its own kernels)
-        stock_extra = (["--dsa-kernel-backend", "tilelang"]
-                       if args.stock_backend == "tilelang" else [])
-        cmds = [make_command(model, layout, is_full, args, spec,
-                             (stock_extra if spec == "stock" else []) + extra,
-                             dry_run=args.dry_run)
-                for spec in variants]
+        stock_extra = (["--dsa-kernel-backend", args.stock_backend]
+                       if args.stock_backend != "reference" else [])
+        cmds = []
+        for variant in variants:
+            if variant == ALONE:
+                cmds.append(make_command(model, alone, is_full, args, "hyscale", extra,
+                                         dry_run=args.dry_run, iters=args.alone_iters,
+                                         label=ALONE))
+            else:
+                cmds.append(make_command(model, layout, is_full, args, variant,
+                                         (stock_extra if variant == "stock" else []) + extra,
+                                         dry_run=args.dry_run))
         print()
         for cmd in cmds:
             print(f"# log: {logs[cmd.label]}")
             print_command(cmd)
+        if args.time_limit:
+            print(f"# time limit: {args.time_limit:.0f} s for all {len(cmds)} runs")
         if args.dry_run:
             print("# dry run: nothing was started")
             return 0
-        for cmd in cmds:
-            print(f"\n=== {cmd.label}: {time.strftime('%H:%M:%S')} ===", flush=True)
-            codes[cmd.label] = cmd.run(logs[cmd.label])
-    summaries, records = [], []
-    for variant in ("stock", "hyscale"):
-        # a side not run this time stays empty (its log may be an earlier run's)
-        ran = variant in variants and logs[variant].is_file()
-        text = logs[variant].read_text(errors="replace") if ran else ""
-        recs = logparse.parse_megatron_log(text)
-        records.append(recs)
-        summaries.append(logparse.summarize(
-            variant, recs, seq_length=layout.seq_length, gpus=layout.gpus,
-            skip=args.skip_iters, exit_code=codes[variant],
-            peak_allocated_mib=logparse.peak_allocated_mib(text),
-            phase_ms=logparse.phase_times(text, skip=args.skip_iters)))
-    table = logparse.side_by_side(summaries[0], summaries[1], records[0], records[1])
-    print("\n" + table)
-    if not args.parse_only:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.txt").write_text(table + "\n")
-    return 0 if all(c in (0, None) for c in codes.values()) else 1
+        for cmd in cmds:
+            left = None
+            if args.time_limit:
+                left = args.time_limit - (time.monotonic() - started)
+            print(f"\n=== {cmd.label}: {time.strftime('%H:%M:%S')} ===", flush=True)
+            codes[cmd.label] = cmd.run(logs[cmd.label], timeout_s=left)
+            write_summary(args, model, layout, alone, logs, codes, variants)
+        table = write_summary(args, model, layout, alone, logs, codes, variants, record=True)
+        print("\n" + table)
+        return 0 if all(codes[v] == 0 for v in variants) else 1
+    table = summary_text(args, layout, alone, logs, codes, variants)
+    print("\n" + table)
+    return 0
+
+
+def _read(log: Path) -> str:
+    return log.read_text(errors="replace") if log.is_file() else ""
+
+
+def run_summaries(args: argparse.Namespace, layout: Layout, alone: Layout | None,
+                  logs: dict[str, Path], codes: dict[str, int | None], variants: list[str]
+                  ) -> dict[str, tuple[logparse.RunSummary, list[logparse.IterationRecord], int]]:
+    """label -> (summary, records, sequence length) of stock, HyScale and HyScale alone (a
+    side not run this time stays empty: its log may be an earlier run's)."""
+    found = {}
+    for label in LOG_NAMES:
+        if label == ALONE and alone is None:
+            continue
+        text = _read(logs[label]) if label in variants else ""
+        seq = alone.seq_length if label == ALONE and alone is not None else layout.seq_length
+        code = codes[label]
+        recs = logparse.parse_megatron_log(text)
+        name = f"hyscale {seq // 1024}K" if label == ALONE else label
+        summary = logparse.summarize(
+            name, recs, seq_length=seq, gpus=layout.gpus, skip=args.skip_iters, exit_code=code,
+            peak_allocated_mib=logparse.peak_allocated_mib(text),
+            phase_ms=logparse.phase_times(text, skip=args.skip_iters))
+        if code == TIMED_OUT:
+            summary.note = "stopped at --time-limit" + (
+                f" after {summary.iterations} iterations" if recs else " (see its log)")
+        if label == "stock" and args.stock_backend == "cudnn" and summary.phase_ms.get(
+                "attention"):
+            # inside the fused call timed as attention (CUDNN_PHASE_NOTE): not zero, untimed
+            summary.phase_ms = {p: ms for p, ms in summary.phase_ms.items()
+                                if ms or p not in ("selection", "indexer_loss")}
+        found[label] = (summary, recs, seq)
+    return found
+
+
+def summary_text(args: argparse.Namespace, layout: Layout, alone: Layout | None,
+                 logs: dict[str, Path], codes: dict[str, int | None], variants: list[str],
+                 runs: dict | None = None) -> str:
+    """The side-by-side table, the loss verdict and, with --hyscale-alone-at, all three runs."""
+    runs = runs or run_summaries(args, layout, alone, logs, codes, variants)
+    (sa, ra, _), (sb, rb, _) = runs["stock"], runs["hyscale"]
+    parts = [f"stock DSA backend: {args.stock_backend}; sequence {layout.seq_length} tokens on "
+             f"{layout.gpus} GPU{'s' if layout.gpus > 1 else ''}",
+             logparse.side_by_side(sa, sb, ra, rb)]
+    if ra and rb:
+        agreement = logparse.loss_agreement(ra, rb)
+        parts.append(agreement.verdict(args.min_loss_steps, args.loss_rtol))
+    if args.stock_backend == "cudnn" and (sa.phase_ms or sb.phase_ms):
+        parts.append(CUDNN_PHASE_NOTE)
+    if ALONE in runs:
+        sc = runs[ALONE][0]
+        parts.append(f"All runs (HyScale alone at {runs[ALONE][2]} tokens, "
+                     f"{sc.iterations} iterations logged):\n" + logparse.runs_table([sa, sb, sc]))
+    return "\n\n".join(parts)
+
+
+def _device_and_torch(python: str) -> tuple[str, str | None]:
+    """The GPU's name and torch's version as the training interpreter sees them."""
+    code = ("import torch; print(torch.__version__); print(torch.cuda.get_device_name() "
+            "if torch.cuda.is_available() else 'cpu')")
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True,
+                             timeout=120).stdout.split("\n")
+        return (out[1].strip() or "unknown"), (out[0].strip() or None)
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        return "unknown", None
+
+
+def write_summary(args: argparse.Namespace, model: ModelGeometry, layout: Layout,
+                  alone: Layout | None, logs: dict[str, Path], codes: dict[str, int | None],
+                  variants: list[str], *, record: bool = False) -> str:
+    """summary.txt in --output-dir (after every run, so that a stopped invocation leaves one);
+    with record, also the JSON benchmark record of the runs made. Returns the summary."""
+    runs = run_summaries(args, layout, alone, logs, codes, variants)
+    table = summary_text(args, layout, alone, logs, codes, variants, runs)
+    out: Path = args.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.txt").write_text(table + "\n")
+    if not record:
+        return table
+    entries = []
+    for label in variants:
+        summary, recs, seq = runs[label]
+        backend = args.stock_backend if label == "stock" else HYSCALE_KERNELS[
+            "HYSCALE_KERNEL_BACKEND"]
+        entries.append(logparse.summary_record(
+            summary, recs, seq_length=seq, gpus=layout.gpus, kernels=backend,
+            exit_code=codes[label], log=logs[label].name))
+    extra: dict = {"model": model.name, "num_layers": model.num_layers,
+                   "global_batch": layout.global_batch, "stock_backend": args.stock_backend,
+                   "transformer_impl": args.transformer_impl, "skip_iters": args.skip_iters}
+    if args.stock_backend == "cudnn":
+        extra["phase_note"] = CUDNN_PHASE_NOTE
+    if "stock" in runs and "hyscale" in runs and runs["stock"][1] and runs["hyscale"][1]:
+        agreement = logparse.loss_agreement(runs["stock"][1], runs["hyscale"][1])
+        extra["loss_agreement"] = {"iterations": agreement.compared,
+                                   "max_rel_gap": agreement.max_rel_gap,
+                                   "at_iteration": agreement.at_iteration,
+                                   "min_steps": args.min_loss_steps, "rtol": args.loss_rtol}
+    device, torch_version = _device_and_torch(args.python)
+    config = f"glm5_1-{args.config}-{layout.gpus}gpu-{args.stock_backend}"
+    path = logparse.save_record(
+        out, "side_by_side", config, entries, device=device, torch_version=torch_version,
+        root=cfg.REPO_ROOT, extra=extra,
+        command=" ".join(shlex.quote(a) for a in ["examples/glm5_1/launch.py", "side-by-side",
+                                                    *args.invocation[1:]]))
+    print(f"# record: {path}")
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
-    own, extra = _split_extra(list(sys.argv[1:] if argv is None else argv))
+    given = list(sys.argv[1:] if argv is None else argv)
+    own, extra = _split_extra(given)
     args = build_parser().parse_args(own)
+    args.invocation = given  # for the benchmark record
     try:
         if args.command == "memory":
             model, layout, is_full = resolve(args)
             print(memory_report(model, layout, is_full, args.stock_backend))
+            print(fit_lengths(model, layout, gpu_capacity(args, is_full), args.stock_backend))
             return 0
         if args.command == "side-by-side":
             return run_side_by_side(args, extra)

@@ -6,6 +6,11 @@
 #   MEGATRON_LM_DIR=... bash examples/glm5_1/side_by_side.sh --gpus 1 --seq-length 8192
 #   inside a 64-node allocation: bash examples/glm5_1/side_by_side.sh --config full
 #   compare two existing logs:   bash examples/glm5_1/side_by_side.sh --parse-only A.log B.log
+#   one H200 against stock cudnn (README.md "One H200 against stock cudnn"): stock cudnn and
+#   HyScale at 32K, then HyScale alone at 64K, in one call:
+#     MEGATRON_LM_DIR=... bash examples/glm5_1/side_by_side.sh --gpus 1 --config scaled \
+#       --stock-backend cudnn --num-layers 2 --global-batch-size 1 --seq-length 32768 \
+#       --train-iters 22 --hyscale-alone-at 2x --transformer-impl local --time-limit 480
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../_common.sh"
 exec "$hyscale_python" "$hyscale_root/examples/glm5_1/launch.py" side-by-side "$@"

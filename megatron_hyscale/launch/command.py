@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,8 @@ class LaunchError(RuntimeError):
 
 COMMAND_BEGIN = "# --- command: {label} ---"
 COMMAND_END = "# --- end of command ---"
+# Exit status of a run stopped at its time limit (as coreutils' timeout reports it).
+TIMED_OUT = 124
 
 
 @dataclass
@@ -50,20 +54,83 @@ class Command:
         lines.append(current)
         return " \\\n".join(lines)
 
-    def run(self, log_path: Path | None = None) -> int:
-        """Run it (environment merged over os.environ); stream and tee the output to log_path."""
+    def run(self, log_path: Path | None = None, *, timeout_s: float | None = None) -> int:
+        """Run it (environment merged over os.environ); stream and tee the output to log_path.
+
+        timeout_s: after that many seconds the run's whole process group (torchrun and its
+        workers) is sent SIGTERM, then SIGKILL 20 s later; the return is then TIMED_OUT and
+        the log ends with a line saying so.
+        """
         env = {**os.environ, **self.env}
-        if log_path is None:
+        if log_path is None and timeout_s is None:
             return subprocess.call(self.argv, env=env)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "w", encoding="utf-8") as log:
+        if timeout_s is not None and timeout_s <= 0:
+            if log_path is not None:
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                log_path.write_text("# not started: no time left under the time limit\n")
+            return TIMED_OUT
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "w", encoding="utf-8") if log_path is not None else None
+        timed_out = threading.Event()
+        proc: subprocess.Popen | None = None
+
+        def stop() -> None:
+            """SIGTERM to the run's process group, SIGKILL 20 s later if it is still there."""
+            if proc is None:
+                return
+            for sig, grace in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 0.0)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    return
+                try:
+                    proc.wait(grace)
+                    return
+                except subprocess.TimeoutExpired:
+                    continue
+
+        # The run has its own process group (so that the time limit reaches torchrun's
+        # workers), which a SIGTERM to this launcher (an outer `timeout`) would not reach:
+        # turn that SIGTERM into an exit that stops the group first.
+        previous = None
+        if timeout_s is not None and threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        timer = None
+        try:
             proc = subprocess.Popen(self.argv, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                    stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                    start_new_session=timeout_s is not None)
+            if timeout_s is not None:
+                timer = threading.Timer(timeout_s, lambda: (timed_out.set(), stop()))
+                timer.daemon = True
+                timer.start()
             assert proc.stdout is not None
             for line in proc.stdout:
                 sys.stdout.write(line)
-                log.write(line)
-            return proc.wait()
+                if log is not None:
+                    log.write(line)
+            code = proc.wait()
+            if timed_out.is_set():
+                note = f"# stopped at the time limit ({timeout_s:.0f} s)\n"
+                sys.stdout.write(note)
+                if log is not None:
+                    log.write(note)
+                return TIMED_OUT
+            return code
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if proc is not None and proc.poll() is None:  # leaving early (SIGTERM, Ctrl-C)
+                stop()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            if log is not None:
+                log.close()
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _quote(word: str) -> str:

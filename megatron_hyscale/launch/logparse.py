@@ -19,9 +19,14 @@ of which `peak_allocated_mib` keeps the largest `max allocated` over ranks and i
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+import subprocess
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megatron_hyscale.phase_spans import PHASES
 
@@ -177,34 +182,68 @@ def _gib(mib: float | None) -> float | None:
     return None if mib is None else mib / 1024.0
 
 
+def runs_table(runs: list[RunSummary]) -> str:
+    """Throughput, losses, peak memory and phase times of runs, one column each."""
+    rows = [
+        ("iterations logged (timed)", [f"{r.iterations} ({r.timed_iterations})" for r in runs]),
+        ("mean iteration time (ms)", [_fmt(r.mean_iteration_ms, ".1f") for r in runs]),
+        ("tokens/s", [_fmt(r.tokens_per_s, ",.0f") for r in runs]),
+        ("tokens/s per GPU", [_fmt(r.tokens_per_s_per_gpu, ",.1f") for r in runs]),
+        ("lm loss (first -> last)",
+         [f"{_fmt(r.first_lm_loss, '.4f')} -> {_fmt(r.last_lm_loss, '.4f')}" for r in runs]),
+        ("indexer loss (last)", [_fmt(r.last_indexer_loss, ".4g") for r in runs]),
+        ("max allocated per GPU (GiB)", [_fmt(_gib(r.peak_allocated_mib), ".1f") for r in runs]),
+    ]
+    if any(r.phase_ms for r in runs):
+        # inclusive times on the compute stream, slowest GPU of each iteration
+        rows += [(f"{p.replace('_', ' ')} ms / iteration",
+                  [_fmt(r.phase_ms.get(p), ".1f") for r in runs]) for p in PHASES]
+    rows.append(("note", [r.note or "-" for r in runs]))
+    w0 = max(len(label) for label, _ in rows) + 2
+    widths = [max(len(r.name), *(len(cells[i]) for _, cells in rows)) + 2
+              for i, r in enumerate(runs)]
+    lines = ["".ljust(w0) + "".join(r.name.rjust(w) for r, w in zip(runs, widths))]
+    lines += [label.ljust(w0) + "".join(c.rjust(w) for c, w in zip(cells, widths))
+              for label, cells in rows]
+    return "\n".join(lines)
+
+
+@dataclass
+class LossAgreement:
+    """lm loss of two runs compared at the iterations both logged one."""
+
+    compared: int  # iterations with an lm loss in both runs
+    max_rel_gap: float | None  # largest |a - b| / |a| over them (None when none compared)
+    at_iteration: int | None  # where it is
+
+    def verdict(self, min_steps: int, rtol: float) -> str:
+        """One line: how many iterations, the largest gap, and whether both bounds hold."""
+        if not self.compared or self.max_rel_gap is None:
+            return "lm loss agreement: no iteration logged by both runs"
+        ok = self.compared >= min_steps and self.max_rel_gap <= rtol
+        return (f"lm loss agreement: {self.compared} iterations compared, largest relative gap "
+                f"{self.max_rel_gap:.2e} (iteration {self.at_iteration}); "
+                f"{'PASS' if ok else 'FAIL'} (needs >= {min_steps} iterations and gap <= "
+                f"{rtol:g})")
+
+
+def loss_agreement(records_a: list[IterationRecord],
+                   records_b: list[IterationRecord]) -> LossAgreement:
+    """The largest relative lm-loss gap |a - b| / |a| over the iterations both runs logged
+    (a: the reference run, stock)."""
+    by_b = {r.iteration: r.lm_loss for r in records_b if r.lm_loss is not None}
+    gaps = [(abs(r.lm_loss - by_b[r.iteration]) / max(abs(r.lm_loss), 1e-30), r.iteration)
+            for r in records_a if r.lm_loss is not None and r.iteration in by_b]
+    if not gaps:
+        return LossAgreement(0, None, None)
+    gap, at = max(gaps)
+    return LossAgreement(len(gaps), gap, at)
+
+
 def side_by_side(a: RunSummary, b: RunSummary, records_a: list[IterationRecord],
                  records_b: list[IterationRecord]) -> str:
     """Throughput and losses of two runs beside each other, then the per-iteration losses."""
-    rows = [
-        ("iterations logged (timed)", f"{a.iterations} ({a.timed_iterations})",
-         f"{b.iterations} ({b.timed_iterations})"),
-        ("mean iteration time (ms)", _fmt(a.mean_iteration_ms, ".1f"),
-         _fmt(b.mean_iteration_ms, ".1f")),
-        ("tokens/s", _fmt(a.tokens_per_s, ",.0f"), _fmt(b.tokens_per_s, ",.0f")),
-        ("tokens/s per GPU", _fmt(a.tokens_per_s_per_gpu, ",.1f"),
-         _fmt(b.tokens_per_s_per_gpu, ",.1f")),
-        ("lm loss (first -> last)",
-         f"{_fmt(a.first_lm_loss, '.4f')} -> {_fmt(a.last_lm_loss, '.4f')}",
-         f"{_fmt(b.first_lm_loss, '.4f')} -> {_fmt(b.last_lm_loss, '.4f')}"),
-        ("indexer loss (last)", _fmt(a.last_indexer_loss, ".4g"), _fmt(b.last_indexer_loss, ".4g")),
-        ("max allocated per GPU (GiB)", _fmt(_gib(a.peak_allocated_mib), ".1f"),
-         _fmt(_gib(b.peak_allocated_mib), ".1f")),
-    ]
-    if a.phase_ms or b.phase_ms:
-        # inclusive times on the compute stream, slowest GPU of each iteration
-        rows += [(f"{p.replace('_', ' ')} ms / iteration", _fmt(a.phase_ms.get(p), ".1f"),
-                  _fmt(b.phase_ms.get(p), ".1f")) for p in PHASES]
-    rows.append(("note", a.note or "-", b.note or "-"))
-    w0 = max(len(r[0]) for r in rows) + 2
-    w1 = max(len(a.name), *(len(r[1]) for r in rows)) + 2
-    w2 = max(len(b.name), *(len(r[2]) for r in rows)) + 2
-    lines = ["".ljust(w0) + a.name.rjust(w1) + b.name.rjust(w2)]
-    lines += [r[0].ljust(w0) + r[1].rjust(w1) + r[2].rjust(w2) for r in rows]
+    lines = runs_table([a, b]).split("\n")
     if a.tokens_per_s and b.tokens_per_s:
         lines.append(f"speed-up {b.name} / {a.name}: {b.tokens_per_s / a.tokens_per_s:.2f}x")
     by_iter_a = {r.iteration: r for r in records_a}
@@ -222,3 +261,55 @@ def side_by_side(a: RunSummary, b: RunSummary, records_a: list[IterationRecord],
                 f"  {_fmt(rb.elapsed_ms if rb else None, '.1f'):>14}"
             )
     return "\n".join(lines)
+
+
+def summary_record(run: RunSummary, records: list[IterationRecord], *, seq_length: int,
+                   gpus: int, **extra: object) -> dict:
+    """One run as a benchmark-record entry: throughput, peak memory, phase times and the lm
+    loss of every logged iteration."""
+    return {
+        "method": run.name, "T": seq_length, "gpus": gpus,
+        "iterations": run.iterations, "timed_iterations": run.timed_iterations,
+        "mean_iteration_ms": run.mean_iteration_ms, "tokens_per_s": run.tokens_per_s,
+        "tokens_per_s_per_gpu": run.tokens_per_s_per_gpu,
+        "peak_allocated_gib": _gib(run.peak_allocated_mib),
+        "phase_ms": dict(run.phase_ms),
+        "lm_loss": {str(r.iteration): r.lm_loss for r in records},
+        "indexer_loss": {str(r.iteration): r.indexer_loss for r in records},
+        "iteration_ms": {str(r.iteration): r.elapsed_ms for r in records},
+        "note": run.note, **extra,
+    }
+
+
+def _git_commit(root: Path) -> str:
+    """$HYSCALE_COMMIT (a GPU session's tree copy has no .git), else `git rev-parse` in root,
+    '+dirty' for uncommitted changes (as megatron_hyscale.testing.bench.commit)."""
+    if os.environ.get("HYSCALE_COMMIT"):
+        return os.environ["HYSCALE_COMMIT"]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                                  text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def save_record(folder: Path, script: str, config: str, records: list[dict], *, command: str,
+                device: str, torch_version: str | None, root: Path,
+                extra: dict | None = None) -> Path:
+    """Write `records` with the run's meta as <date>-<device>-<script>-<config>.json in folder,
+    the fields of benchmarks/results/ (megatron_hyscale.testing.bench.save_record's): meta date,
+    device, commit, command, matmul_tflops, copy_tbps, torch, then `extra`. A launcher runs no
+    GPU code itself, so the matmul and copy rates are null (not measured in this run)."""
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": device,
+            "commit": _git_commit(root), "command": command, "matmul_tflops": None,
+            "copy_tbps": None, "torch": torch_version, **(extra or {})}
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", device.lower()).strip("-") or "unknown"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{time.strftime('%Y-%m-%d')}-{slug}-{script}-{config}.json"
+    path.write_text(json.dumps({"meta": meta, "records": records}, indent=1, default=str) + "\n")
+    return path

@@ -19,7 +19,11 @@ checked on paper before a 512-GPU job is submitted. What it counts (bytes; 1 GiB
   context-parallel all-gather of the latent KV and the indexer keys over the whole sequence;
 - DSA selection buffers: HyScale keeps O(T_local x k) (indices + scores); stock megatron-core
   writes a score table, [T_local, H_I, T] fp32 logits plus the head sum with its reference
-  backend, or [8192, T] fp32 per query block with the TileLang backend;
+  backend, or [8192, T] fp32 per query block with the TileLang backend; its cudnn backend
+  (`cudnn_selection_bytes`) scores row chunks of at most 1 GiB (after the first, per head in
+  fp32), runs the radix top-k with up to 2 GiB of scratch and keeps a dozen [T_local, k]
+  buffers for its fused sparse indexer loss in the forward, and in the backward copies the
+  attention's q, output and output gradient twice (cat + index_select) around cuDNN's kernel;
 - the logits of the output layer on the last stage ([T/CP, V/TP]: bf16 logits, the fp32
   softmax the loss keeps and the fp32 gradient before its cast, LOGITS_BYTES per entry);
 - a fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation.
@@ -31,6 +35,13 @@ said 18.9 and 35.0. Two terms were fitted to it, the logits (6 to 10 bytes an en
 stock score table (STOCK_TABLE_COPIES copies of [T_local, H_I + 1, T] fp32 live at once, 1
 before): it now says 23.6 and 72.7. One point fits two numbers, so treat other layouts'
 figures as estimates to a few GiB; `tests/examples/test_glm5_1_launch.py` keeps this point.
+
+The cudnn backend's terms are counted from megatron-core 0.19.2's source and checked against
+one measurement (BENCHMARKS.md, "The DSA layer against stock cudnn", one H200, 2026-12-01: one
+GLM-5.1 DSA layer forward + backward with recompute, stock cudnn's peak minus HyScale's: 10.8
+GiB at 32K, 43.0 at 128K), which they overstate by about 12 % (12.0 and 48.0): a conservative
+estimate, and it adds the layer's stock extra to the MLP's working set although the attention
+backward, where that extra peaks, runs after the MLP's backward has freed its own.
 
 Known simplifications (kept because they shift totals by a few GiB at most): norms and biases
 are ignored, MoE tokens are assumed evenly spread over experts (no capacity factor: a hot
@@ -51,6 +62,28 @@ STOCK_TILELANG_BLOCK_ROWS = 8192
 LOGITS_BYTES = 10
 # Score tables of stock's reference backend alive at once (calibrated, see the docstring).
 STOCK_TABLE_COPIES = 3
+# The stock DSA kernel backends the estimate knows (megatron-core's `dsa_kernel_backend`, with
+# "reference" for its torch path, `none`).
+STOCK_BACKENDS = ("reference", "tilelang", "cudnn")
+# megatron-core 0.19.2's cudnn backend (dsa_cudnn_kernels.py): indexer scores in row chunks of at
+# most _INDEXER_SCORE_CHUNK_MAX_BYTES (rows a multiple of _INDEXER_SCORE_CHUNK_ROW_ALIGNMENT),
+# cuDNN's radix top-k with _TOPK_WRAPPER_MAX_SCRATCH_BYTES of int32 scratch (2 per key), and
+# the indexer backward padded to 64 indexer heads (its SM90 kernel needs them).
+CUDNN_SCORE_CHUNK_BYTES = 2**30
+CUDNN_TOPK_SCRATCH_BYTES = 2 * 2**30
+CUDNN_ROW_ALIGNMENT = 512
+CUDNN_INDEXER_BWD_HEADS = 64
+# Bytes per [T_local, k] entry the cudnn backend's forward holds at its peak, counted from its
+# source and rounded up (a conservative count, not a measurement): top-k indices and scores as
+# selected and compacted (int32 + fp32, twice), the int64 compaction sort keys and order (2 x 8),
+# the attention's clamped global indices (int32, saved for backward), and the sparse indexer
+# loss's log-probabilities, probabilities, target, clamped probabilities (4 x fp32) and
+# backward indices (int32).
+CUDNN_TOPK_ENTRY_BYTES = 48
+# Copies of the attention's q [T, H, kv_lora + rope], output and output gradient [T, H, kv_lora]
+# (bf16) alive in the cudnn backend's sparse-attention backward: each is concatenated with a
+# zero row, then index_select-ed to the rows with a selection, before cuDNN's kernel runs.
+CUDNN_BWD_ROW_COPIES = 2
 
 
 @dataclass(frozen=True)
@@ -282,10 +315,56 @@ def _mlp_working(model: ModelGeometry, layout: Layout, moe: bool) -> tuple[float
     return float(saved), float(transient)
 
 
+def _chunk_rows(rows: int, bytes_per_row: int, max_bytes: int, alignment: int) -> int:
+    """megatron-core's `_bytes_to_chunk_rows`: rows fitting max_bytes, rounded down to
+    `alignment` when at least that many fit, at most `rows`."""
+    chunk = max(1, max_bytes // max(1, bytes_per_row))
+    if chunk >= alignment:
+        chunk = chunk // alignment * alignment
+    return min(rows, chunk)
+
+
+def cudnn_selection_bytes(model: ModelGeometry, layout: Layout) -> dict[str, float]:
+    """Stock megatron-core's cudnn backend, one layer on one rank, by part (bytes; see
+    dsa_cudnn_kernels.py of megatron-core 0.19.2). The forward parts (selection and the fused
+    sparse indexer loss) are all taken as live at once, though the score chunks and the top-k
+    scratch are freed before the loss allocates its buffers; "stock_cudnn" in selection_bytes
+    is the larger of their sum and the backward's row copies (module docstring)."""
+    t = layout.seq_length // layout.cp * layout.micro_batch
+    full = layout.seq_length  # keys (all-gathered under CP)
+    score_rows = _chunk_rows(t, 4 * full, CUDNN_SCORE_CHUNK_BYTES, CUDNN_ROW_ALIGNMENT)
+    topk_rows = _chunk_rows(score_rows, 2 * 4 * full, CUDNN_TOPK_SCRATCH_BYTES,
+                            CUDNN_ROW_ALIGNMENT)
+    heads = max(model.indexer_heads, CUDNN_INDEXER_BWD_HEADS)
+    # after a first chunk on cuDNN, every chunk is scored per head by fp32 torch matmuls: one
+    # head's [rows, keys] product beside the running sum (plus the keys in fp32)
+    per_head = 4 * score_rows * full + 4 * full * model.indexer_dim if score_rows < t else 0
+    latent = model.kv_lora_rank + model.qk_rope_dim
+    attn_heads = model.num_heads // layout.tp
+    return {
+        "score chunk (fp32 rows x keys)": float(4 * score_rows * full),
+        "per-head fp32 scores (chunks after the first)": float(per_head),
+        "radix top-k scratch": float(2 * 4 * topk_rows * full),
+        "[T, k] buffers (top-k, indexer loss)": float(CUDNN_TOPK_ENTRY_BYTES * t * model.topk),
+        # the indexer backward's padded q and its gradient (bf16), plus the indexer gradients
+        # its forward precomputes and keeps for backward (q, k bf16, head weights fp32)
+        "indexer backward": float(2 * 2 * t * heads * model.indexer_dim
+                                  + t * (2 * model.indexer_heads * model.indexer_dim
+                                         + 2 * model.indexer_dim + 4 * model.indexer_heads)),
+        # backward, not alive with the parts above
+        "attention backward row copies": float(
+            CUDNN_BWD_ROW_COPIES * 2 * t * attn_heads * (latent + 2 * model.kv_lora_rank)),
+    }
+
+
+_CUDNN_BWD = "attention backward row copies"
+
+
 def selection_bytes(model: ModelGeometry, layout: Layout) -> dict[str, float]:
     """DSA selection memory of one layer on one rank: HyScale vs stock megatron-core."""
     t = layout.seq_length // layout.cp * layout.micro_batch
     full = layout.seq_length * layout.micro_batch
+    cudnn = cudnn_selection_bytes(model, layout)
     return {
         # int32 indices + fp32 scores: O(T_local x k), never a table.
         "hyscale": float(t * model.topk * 8),
@@ -294,6 +373,10 @@ def selection_bytes(model: ModelGeometry, layout: Layout) -> dict[str, float]:
         "stock_reference": float(STOCK_TABLE_COPIES * 4 * t * full * (model.indexer_heads + 1)),
         # TileLang backend: one [8192, T] fp32 block (plus torch.topk over it).
         "stock_tilelang": float(4 * min(t, STOCK_TILELANG_BLOCK_ROWS) * full),
+        # cudnn backend: the forward's score chunks, top-k scratch and [T_local, k] loss
+        # buffers, or the backward's row copies, whichever is larger
+        "stock_cudnn": max(sum(v for k, v in cudnn.items() if k != _CUDNN_BWD),
+                           cudnn[_CUDNN_BWD]),
     }
 
 
@@ -304,7 +387,10 @@ def estimate(
     stock_backend: str = "reference",
     reserve_gib: float = 6.0,
 ) -> list[StageMemory]:
-    """Per-GPU memory of each pipeline stage (bytes in `StageMemory.rows`)."""
+    """Per-GPU memory of each pipeline stage (bytes in `StageMemory.rows`); stock_backend is
+    one of STOCK_BACKENDS."""
+    if stock_backend not in STOCK_BACKENDS:
+        raise ValueError(f"stock_backend must be one of {STOCK_BACKENDS}, got {stock_backend!r}")
     layout.validate(model)
     stages = layout.stage_layers(model.num_layers)
     t = layout.seq_length // layout.cp * layout.micro_batch
@@ -345,7 +431,7 @@ def estimate(
         logits = 0.0
         if stage == len(stages) - 1:
             logits = t * padded_vocab / layout.tp * LOGITS_BYTES
-        stock_table = sel["stock_reference" if stock_backend == "reference" else "stock_tilelang"]
+        stock_table = sel[f"stock_{stock_backend}"]
         rows = {
             "weights (bf16)": 2 * (nonexpert + expert),
             f"main grads ({'fp32' if layout.grad_bytes == 4 else 'bf16'})":
@@ -367,6 +453,27 @@ def estimate(
 
 def peak_gib(stages: list[StageMemory], variant: str = "hyscale") -> float:
     return max(s.total(variant) for s in stages) / GIB
+
+
+def longest_fitting_length(model: ModelGeometry, layout: Layout, capacity_gib: float,
+                           variant: str, *, stock_backend: str = "reference",
+                           step: int = 8192, limit: int = 1 << 22) -> int | None:
+    """The longest sequence length, a multiple of `step` up to `limit`, at which `variant`'s
+    estimated peak stays within `capacity_gib` (None if not even `step` does); every other
+    field of `layout` kept. The estimate grows with the length, so the search stops at the
+    first length that does not fit."""
+    best = None
+    for seq in range(step, limit + 1, step):
+        candidate = Layout(**{**layout.__dict__, "seq_length": seq})
+        try:
+            candidate.validate(model)
+        except ValueError:
+            continue
+        stages = estimate(model, candidate, stock_backend=stock_backend)
+        if peak_gib(stages, variant) > capacity_gib:
+            break
+        best = seq
+    return best
 
 
 def format_table(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import re
 import subprocess
 import sys
@@ -30,11 +31,14 @@ import launch_dryrun  # noqa: E402
 from launch_dryrun import clean_env  # noqa: E402
 
 from megatron_hyscale.launch import logparse  # noqa: E402
+from megatron_hyscale.launch.command import TIMED_OUT, Command  # noqa: E402
 from megatron_hyscale.launch.memory import (  # noqa: E402
     GIB,
     STOCK_TABLE_COPIES,
     Layout,
+    cudnn_selection_bytes,
     estimate,
+    longest_fitting_length,
     peak_gib,
     selection_bytes,
 )
@@ -50,6 +54,12 @@ DRY_RUNS = [
     # a machine without Transformer Engine (the lent H200s): megatron's torch modules
     ("side_by_side.sh", ["--transformer-impl", "local"], 2, 2),
     ("side_by_side.sh", ["--stock-backend", "tilelang"], 2, 2),
+    ("side_by_side.sh", ["--stock-backend", "cudnn"], 2, 2),
+    # one H200: stock cudnn and HyScale at 32K, then HyScale alone at 64K (README's command)
+    ("side_by_side.sh", ["--gpus", "1", "--config", "scaled", "--stock-backend", "cudnn",
+                         "--num-layers", "2", "--global-batch-size", "1", "--seq-length",
+                         "32768", "--train-iters", "22", "--hyscale-alone-at", "2x",
+                         "--transformer-impl", "local", "--time-limit", "500"], 1, 3),
     # issue 7's run: GLM-5.1's attention width at 128K tokens a GPU, 1M on 8 GPUs
     ("side_by_side.sh", ["--config", "scaled"], 8, 2),
     ("side_by_side.sh", ["--config", "scaled", "--gpus", "2", "--transformer-impl", "local"],
@@ -97,7 +107,7 @@ def validate_with_megatron(argv: list[str], world: int, parser: argparse.Argumen
         if "$" not in value:
             monkeypatch.setenv(key, value)
     margs.validate_args(args)
-    if args.dsa_kernel_backend == "tilelang":  # TileLang is not installed here: accept it
+    if args.dsa_kernel_backend in ("tilelang", "cudnn"):  # not installed here: accept them
         import megatron.core.transformer.transformer_config as tcfg
 
         monkeypatch.setattr(tcfg, "_validate_dsa_kernel_backend_dependencies", lambda b: None)
@@ -129,7 +139,7 @@ def test_dry_run_emits_valid_megatron_arguments(
         assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
         assert str(ROOT) in env["PYTHONPATH"].split(":")
         spec = argv[argv.index("--spec") + 1: argv.index("--spec") + 3]
-        assert spec == list(cfg.SPECS[label])
+        assert spec == list(cfg.SPECS[label.split("-")[0]])  # hyscale-alone: HyScale's spec
         config = validate_with_megatron(argv, world, megatron_parser, monkeypatch, env)
         impl = "local" if "local" in extra else "transformer_engine"
         assert config.transformer_impl == impl
@@ -137,18 +147,47 @@ def test_dry_run_emits_valid_megatron_arguments(
             assert not {"--moe-grouped-gemm", "--moe-permute-fusion"} & set(argv)
         assert config.experimental_attention_variant == "dsa"
         assert config.recompute_granularity == "full"
+        if "cudnn" in extra and label == "stock":  # megatron-core will try its fused kernels
+            from megatron.core.transformer.experimental_attention_variant import dsa_kernels
+
+            assert config.dsa_kernel_backend == "cudnn"
+            assert dsa_kernels.use_fused_dsa_kernels(config)
+            # what its fused call (dsa_cudnn_kernels.run_fused_dsa_attention) needs, else it
+            # declines to megatron's torch path: FlashMLA's 512-wide latent V, query heads a
+            # multiple or a divisor of 64 on SM90 (padded to 64), ReLU indexer scores
+            heads = config.num_attention_heads
+            assert config.kv_lora_rank == 512 and (heads % 64 == 0 or 64 % heads == 0)
+            assert config.dsa_indexer_scoring_relu
         if config.context_parallel_size > 1:
             assert config.cp_comm_type == "allgather"
-    if count == 2:  # side by side: stock first, then HyScale, identical except the spec
-        (la, _, a), (lb, _, b) = cmds
+    if count >= 2:  # side by side: stock first, then HyScale, identical except the spec
+        (la, ea, a), (lb, eb, b) = cmds[:2]
         assert (la, lb) == ("stock", "hyscale")
+        assert ea == eb  # the same environment
         strip = lambda v: [w for w in v if w not in ("hyscale_dsa_layer_spec",
                                                      "stock_dsa_layer_spec")]
-        if "tilelang" in extra:  # and stock's kernel backend, on the stock run only
-            assert a[-2:] == ["--dsa-kernel-backend", "tilelang"]
+        backend = next((x for x in ("tilelang", "cudnn") if x in extra), None)
+        if backend:  # and stock's kernel backend, on the stock run only
+            assert a[-2:] == ["--dsa-kernel-backend", backend]
             assert "--dsa-kernel-backend" not in b
             a = a[:-2]
+        if backend == "cudnn":  # HyScale takes the measured best of its kernels and cuDNN's
+            assert eb["HYSCALE_KERNEL_BACKEND"] == "best"
         assert strip(a) == strip(b)
+    if count == 3:  # then HyScale alone: HyScale's arguments at twice the length
+        label, env, c = cmds[2]
+        assert label == "hyscale-alone" and env == cmds[1][1]
+        changed = {"--seq-length": "65536", "--max-position-embeddings": "65536",
+                   "--train-iters": "4", "--eval-interval": "4", "--log-memory-interval": "4"}
+        assert len(c) == len(b)
+        for i, word in enumerate(c):
+            if i and c[i - 1] in changed:
+                assert word == changed[c[i - 1]], c[i - 1]
+            else:
+                assert word == b[i], (i, word, b[i])
+        assert "--num-layers" in c and c[c.index("--num-layers") + 1] == "2"
+        assert "longest sequence within 140 GiB" in result.stdout
+        assert "HyScale alone at 65536 tokens" in result.stdout
 
 
 def test_full_configuration_is_glm5_1(
@@ -269,6 +308,53 @@ def test_interleaved_pipeline_holds_more() -> None:
     vpp = Layout(**{**base.__dict__, "vpp": 2, "first_stage_layers": 8,
                     "last_stage_layers": 10})
     assert vpp.in_flight(0) > base.in_flight(0)
+
+
+def test_cudnn_estimate_matches_the_measured_layer() -> None:
+    """BENCHMARKS.md, "The DSA layer against stock cudnn" (one H200, 2026-12-01): one GLM-5.1
+    DSA layer forward + backward with recompute, stock cudnn's peak minus HyScale's was 10.8
+    GiB at 32K and 43.0 at 128K. The cudnn terms give that difference on the safe side, within
+    25 %; their largest part there is the backward's row copies, the forward's [T, k] buffers
+    grow with T, and the score chunks stay at 1 GiB however long the sequence."""
+    model = cfg.GLM5_1_SCALED
+    for seq, measured in ((32768, 10.8), (131072, 43.0)):
+        sel = selection_bytes(model, cfg.scaled_layout(1, seq, 1))
+        extra = (sel["stock_cudnn"] - sel["hyscale"]) / GIB
+        assert 1.0 <= extra / measured <= 1.25, (seq, extra)
+    parts = [cudnn_selection_bytes(model, cfg.scaled_layout(1, seq, 1))
+             for seq in (16384, 65536, 262144)]
+    assert all(p["score chunk (fp32 rows x keys)"] <= GIB for p in parts)
+    assert parts[0]["per-head fp32 scores (chunks after the first)"] == 0  # one chunk
+    assert parts[1]["per-head fp32 scores (chunks after the first)"] > 0
+    big = [p["[T, k] buffers (top-k, indexer loss)"] for p in parts]
+    assert big[1] == 4 * big[0] and big[2] == 4 * big[1]
+    with pytest.raises(ValueError, match="stock_backend"):
+        estimate(model, cfg.scaled_layout(1, 16384, 1), stock_backend="flash")
+
+
+def test_longest_fitting_length_on_one_h200() -> None:
+    """The dry run's "longest sequence" line: the found length fits, one step more does not;
+    stock cudnn's [T, k] buffers and backward copies make its limit shorter than HyScale's,
+    but (unlike its reference backend's T^2 tables) not half of it."""
+    model = cfg.with_layers(cfg.GLM5_1_SCALED, 2)
+    layout = cfg.scaled_layout(1, 32768, 1)
+    found = {}
+    for variant in ("stock", "hyscale"):
+        n = longest_fitting_length(model, layout, 140, variant, stock_backend="cudnn")
+        assert n is not None and n % 8192 == 0
+        at = [peak_gib(estimate(model, Layout(**{**layout.__dict__, "seq_length": seq}),
+                                stock_backend="cudnn"), variant) for seq in (n, n + 8192)]
+        assert at[0] <= 140 < at[1]
+        found[variant] = n
+    assert found["hyscale"] / 2 < found["stock"] < found["hyscale"]
+    reference = longest_fitting_length(model, layout, 140, "stock")
+    assert reference is not None and reference < found["stock"] / 2
+    assert longest_fitting_length(model, layout, 10, "hyscale") is None  # nothing fits 10 GiB
+    assert cfg.with_layers(model, None) is model
+    assert (cfg.with_layers(cfg.GLM5_1_SCALED, 2).first_dense_layers,
+            cfg.with_layers(cfg.GLM5_1, 2).first_dense_layers) == (1, 1)
+    with pytest.raises(ValueError, match="at least 2"):
+        cfg.with_layers(model, 1)
 
 
 @pytest.mark.parametrize("change,message", [
@@ -412,13 +498,15 @@ def test_side_by_side_only_one_side(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     (tmp_path / "stock.log").write_text(SAMPLE_LOG.replace("6000.0", "12000.0"))
     ran = []
 
-    def fake_run(cmd: object, log: Path | None = None) -> int:  # instead of torchrun
+    def fake_run(cmd: object, log: Path | None = None, *, timeout_s: float | None = None
+                 ) -> int:  # instead of torchrun
         ran.append((cmd.label, log.name))
         log.write_text(SAMPLE_LOG)
         return 0
 
     monkeypatch.setenv("MEGATRON_LM_DIR", str(tmp_path))
     monkeypatch.setattr(launch.Command, "run", fake_run)
+    monkeypatch.setattr(launch, "_device_and_torch", lambda python: ("NVIDIA H200", "2.11.0"))
     code = launch.main(["side-by-side", "--only", "hyscale", "--output-dir", str(tmp_path),
                         "--skip-iters", "3"])
     assert code == 0 and ran == [("hyscale", "hyscale.log")]
@@ -523,3 +611,222 @@ def test_local_arguments_build_a_model_that_trains(
                                                        else "HyScaleDSAttention")
     grads = [p.grad for p in attention.parameters() if p.requires_grad]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+# ---------------------------------------------------------------- one H200: stock cudnn
+
+
+def synthetic_log(iterations: int, *, loss0: float = 10.5, scale: float = 1.0,
+                  ms: float = 3000.0, max_allocated_mib: float = 60000.0,
+                  phases: dict[str, float] | None = None) -> str:
+    """A one-GPU Megatron-LM log as pretrain_gpt.py prints it: an iteration line per step
+    (lm loss loss0 - 0.01 i, times `scale`), the phase-times line after each, and the memory
+    reports after iterations 1, 2 and the last (--log-memory-interval)."""
+    lines = ["using world size: 1, data-parallel size: 1, context-parallel size: 1"]
+    for i in range(1, iterations + 1):
+        lines.append(
+            f" [2026-12-02 03:00:{i:02d}.000000] iteration {i:8d}/{iterations:8d} | consumed "
+            f"samples: {i:12d} | elapsed time per iteration (ms): {ms * (3 if i == 1 else 1):.1f}"
+            f" | learning rate: 1.000000E-05 | global batch size:     1 | lm loss: "
+            f"{(loss0 - 0.01 * i) * scale:.6E} | indexer loss: 2.500000E-01 | loss scale: 1.0 |"
+            f" grad norm: 1.000 | number of skipped iterations:   0 | number of nan "
+            f"iterations:   0 |")
+        if phases is not None:
+            lines.append(f"[hyscale phases] rank 0 step {i}: " + ", ".join(
+                f"{p} {v:.1f} ms (2)" for p, v in phases.items()))
+        if i in (1, 2, iterations):
+            peak = max_allocated_mib * (0.9 if i == 1 else 1.0)
+            lines.append(f"[Rank 0] (after {i} iterations) memory (MB) | allocated: 31000.00 | "
+                         f"max allocated: {peak:.2f} | reserved: 70000.00 | max reserved: "
+                         "70000.00")
+    return "\n".join(lines) + "\n"
+
+
+STOCK_PHASES = {"selection": 0.0, "attention": 2400.0, "indexer_loss": 0.0,
+                "communication": 0.0}
+HYSCALE_PHASES = {"selection": 60.0, "attention": 250.0, "indexer_loss": 110.0,
+                  "communication": 0.0}
+ONE_GPU = ["--gpus", "1", "--config", "scaled", "--stock-backend", "cudnn", "--num-layers", "2",
+           "--global-batch-size", "1", "--seq-length", "32768", "--hyscale-alone-at", "2x"]
+
+
+def test_one_gpu_cudnn_parse_only(tmp_path: Path) -> None:
+    """Three logs (stock cudnn and HyScale at 32K, HyScale alone at 64K): the summary has
+    tokens/s, peak memory and phase times of each, the speed-up, the loss verdict over 22
+    iterations, and says where stock cudnn's fused phases went."""
+    logs = {"stock": synthetic_log(22, ms=6000.0, max_allocated_mib=62000.0,
+                                   phases=STOCK_PHASES),
+            "hyscale": synthetic_log(22, scale=1 + 2e-4, ms=1500.0, max_allocated_mib=50000.0,
+                                     phases=HYSCALE_PHASES),
+            "alone": synthetic_log(4, ms=3500.0, max_allocated_mib=70000.0,
+                                   phases=HYSCALE_PHASES)}
+    for name, text in logs.items():
+        (tmp_path / f"{name}.log").write_text(text)
+    paths = [str(tmp_path / f"{n}.log") for n in logs]
+    result = run_script("side_by_side.sh", "--parse-only", *paths, *ONE_GPU)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "speed-up hyscale / stock: 4.00x" in out
+    assert re.search(r"lm loss agreement: 22 iterations compared, largest relative gap "
+                     r"2\.00e-04 \(iteration \d+\); PASS", out), out
+    assert "stock cudnn: megatron-core runs selection" in out
+    # the three-run table: stock, HyScale at 32K, HyScale alone at 64K
+    header = next(line for line in out.splitlines() if "hyscale 64K" in line)
+    assert header.split() == ["stock", "hyscale", "hyscale", "64K"]
+    assert re.search(r"max allocated per GPU \(GiB\)\s+60\.5\s+48\.8\s+68\.4", out), out
+    assert re.search(r"tokens/s\s+5,461\s+21,845\s+18,725", out), out
+    assert re.search(r"attention ms / iteration\s+2400\.0\s+250\.0\s+250\.0", out), out
+    assert re.search(r"selection ms / iteration\s+-\s+60\.0\s+60\.0", out), out
+    assert not (tmp_path / "summary.txt").exists()  # parse-only writes nothing
+
+    # fewer than --min-loss-steps iterations, or a gap above --loss-rtol: FAIL
+    (tmp_path / "hyscale.log").write_text(synthetic_log(10, phases=HYSCALE_PHASES))
+    result = run_script("side_by_side.sh", "--parse-only", *paths, *ONE_GPU)
+    assert "10 iterations compared" in result.stdout and "; FAIL" in result.stdout
+    (tmp_path / "hyscale.log").write_text(synthetic_log(22, scale=1.02))
+    result = run_script("side_by_side.sh", "--parse-only", *paths, *ONE_GPU)
+    assert "gap 2.00e-02" in result.stdout and "; FAIL" in result.stdout
+    # a third log without the length it ran at is refused
+    result = run_script("side_by_side.sh", "--parse-only", *paths, "--stock-backend", "cudnn")
+    assert result.returncode == 2 and "--hyscale-alone-at" in result.stderr
+
+
+def test_loss_agreement() -> None:
+    a = logparse.parse_megatron_log(synthetic_log(22))
+    b = logparse.parse_megatron_log(synthetic_log(22, scale=1.001))
+    gap = logparse.loss_agreement(a, b)
+    assert gap.compared == 22 and gap.max_rel_gap == pytest.approx(1e-3, rel=1e-4)
+    assert "PASS" in gap.verdict(20, 1e-2) and "FAIL" in gap.verdict(20, 1e-4)
+    assert "FAIL" in gap.verdict(23, 1e-2)
+    assert logparse.loss_agreement(a, b[:5]).compared == 5
+    none = logparse.loss_agreement(a, [])
+    assert none.compared == 0 and "no iteration" in none.verdict(20, 1e-2)
+
+
+@pytest.fixture()
+def launch_module(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """examples/glm5_1/launch.py with MEGATRON_LM_DIR set and no torch query."""
+    sys.path.insert(0, str(EXAMPLE))
+    import launch
+
+    checkout = tmp_path / "megatron_lm"
+    checkout.mkdir()
+    (checkout / "pretrain_gpt.py").write_text("")
+    monkeypatch.setenv("MEGATRON_LM_DIR", str(checkout))
+    monkeypatch.setattr(launch, "_device_and_torch", lambda python: ("NVIDIA H200", "2.11.0"))
+    return launch
+
+
+def test_one_gpu_cudnn_run_writes_summary_and_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launch_module
+) -> None:
+    """One invocation runs stock, HyScale and HyScale alone in that order, with their time
+    budget, and leaves summary.txt and a benchmark record (benchmarks/results' fields)."""
+    texts = {"stock": synthetic_log(22, ms=6000.0, phases=STOCK_PHASES),
+             "hyscale": synthetic_log(22, scale=1 + 1e-4, ms=1500.0, phases=HYSCALE_PHASES),
+             "hyscale-alone": synthetic_log(4, ms=3500.0, phases=HYSCALE_PHASES)}
+    ran = []
+
+    def fake_run(cmd: Command, log: Path | None = None, *, timeout_s: float | None = None
+                 ) -> int:
+        ran.append((cmd.label, log.name, timeout_s))
+        log.write_text(texts[cmd.label])
+        return 0
+
+    monkeypatch.setattr(launch_module.Command, "run", fake_run)
+    out = tmp_path / "side1"
+    code = launch_module.main(["side-by-side", *ONE_GPU, "--train-iters", "22",
+                               "--output-dir", str(out), "--time-limit", "500"])
+    assert code == 0
+    assert [(label, log) for label, log, _ in ran] == [
+        ("stock", "stock.log"), ("hyscale", "hyscale.log"),
+        ("hyscale-alone", "hyscale_alone.log")]
+    assert all(0 < t <= 500 for _, _, t in ran)
+    summary = (out / "summary.txt").read_text()
+    assert "lm loss agreement: 22 iterations compared" in summary and "PASS" in summary
+    assert "hyscale 64K" in summary
+    [record_path] = out.glob("*-nvidia-h200-side_by_side-glm5_1-scaled-1gpu-cudnn.json")
+    record = json.loads(record_path.read_text())
+    meta = record["meta"]
+    assert {"date", "device", "commit", "command", "matmul_tflops", "copy_tbps",
+            "torch"} <= set(meta)
+    assert meta["device"] == "NVIDIA H200" and meta["stock_backend"] == "cudnn"
+    assert meta["num_layers"] == 2 and "--hyscale-alone-at 2x" in meta["command"]
+    assert meta["loss_agreement"]["iterations"] == 22
+    assert meta["loss_agreement"]["max_rel_gap"] == pytest.approx(1e-4, rel=1e-2)
+    runs = record["records"]
+    assert [(r["method"], r["T"], r["kernels"]) for r in runs] == [
+        ("stock", 32768, "cudnn"), ("hyscale", 32768, "best"), ("hyscale 64K", 65536, "best")]
+    assert len(runs[0]["lm_loss"]) == 22 and len(runs[2]["lm_loss"]) == 4
+    assert runs[0]["peak_allocated_gib"] == pytest.approx(60000.0 / 1024)
+    assert runs[1]["phase_ms"]["selection"] == 60.0
+    assert runs[0]["tokens_per_s"] == pytest.approx(32768 / 6.0)
+
+
+def test_one_gpu_run_stopped_at_the_time_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launch_module
+) -> None:
+    """A run stopped at --time-limit is marked in the summary, the later ones get no time,
+    and the exit status says the invocation did not finish."""
+    clock = iter([0.0, 100.0, 480.0, 520.0, 520.0, 520.0])
+    monkeypatch.setattr(launch_module.time, "monotonic", lambda: next(clock))
+    ran = []
+
+    def fake_run(cmd: Command, log: Path | None = None, *, timeout_s: float | None = None
+                 ) -> int:
+        ran.append((cmd.label, timeout_s))
+        log.write_text(synthetic_log(22 if cmd.label == "stock" else 7))
+        return TIMED_OUT if cmd.label == "hyscale" else 0
+
+    monkeypatch.setattr(launch_module.Command, "run", fake_run)
+    out = tmp_path / "side1"
+    code = launch_module.main(["side-by-side", *ONE_GPU, "--output-dir", str(out),
+                               "--time-limit", "500"])
+    assert code == 1
+    assert ran == [("stock", 400.0), ("hyscale", 20.0), ("hyscale-alone", -20.0)]
+    summary = (out / "summary.txt").read_text()
+    assert "stopped at --time-limit after 7 iterations" in summary
+    assert "7 iterations compared" in summary and "FAIL" in summary
+
+
+def test_command_time_limit(tmp_path: Path) -> None:
+    """Command.run with timeout_s kills the run's process group and returns TIMED_OUT; with
+    no time left it starts nothing."""
+    import time
+
+    log = tmp_path / "run.log"
+    cmd = Command(["bash", "-c", "echo started; sleep 60 & wait"], label="sleep")
+    start = time.monotonic()
+    assert cmd.run(log, timeout_s=1.0) == TIMED_OUT
+    assert time.monotonic() - start < 15
+    text = log.read_text()
+    assert text.startswith("started") and "stopped at the time limit" in text
+    assert Command(["true"]).run(log, timeout_s=1.0) == 0
+    assert Command(["bash", "-c", "exit 3"]).run(log) == 3
+    assert Command(["true"]).run(log, timeout_s=0) == TIMED_OUT
+    assert "not started" in log.read_text()
+
+
+def test_sigterm_to_the_launcher_stops_the_run(tmp_path: Path) -> None:
+    """A run under a time limit has its own process group; a SIGTERM to the launcher (an outer
+    `timeout`) stops that group before the launcher exits, instead of orphaning it."""
+    import os
+    import signal
+    import time
+
+    pidfile, log = tmp_path / "pid", tmp_path / "run.log"
+    code = ("import sys; from pathlib import Path; "
+            "from megatron_hyscale.launch.command import Command; "
+            f"Command(['bash', '-c', 'echo $$ > {pidfile}; sleep 60 & wait'])"
+            f".run(Path('{log}'), timeout_s=100)")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
+                                env=clean_env(PYTHONPATH=str(ROOT)))
+    deadline = time.monotonic() + 60
+    while not (pidfile.is_file() and pidfile.read_text().strip()):
+        assert time.monotonic() < deadline and launcher.poll() is None
+        time.sleep(0.1)
+    run_pid = int(pidfile.read_text())
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(30) == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):
+        os.kill(run_pid, 0)
