@@ -10,15 +10,22 @@ installed; stock megatron-core cannot be changed, so the functions that make up 
 wrapped where its layers look them up (a module attribute):
 
   phase          HyScale's layers (phase_spans)          stock (megatron-core's dsa module)
-  selection      SelectionReplay.select's compute (HyTopK fused_qk_topk_naive, TileLang's
-                 or a baseline selector; a replay is     run_fused_qk_topk and
+  selection      SelectionReplay.select's compute (HyTopK fused_qk_topk_naive, the fused
+                 or a baseline selector; a replay is     backends' run_fused_qk_topk and
                  not a selection)                        run_fused_qk_topk_with_loss (with
-                                                         its indexer loss)
+                                                         its indexer loss), cuDNN's
+                                                         _indexer_topk_bshd
   attention      sparse_attention                        _run_sparse_attention, TileLang's
-                                                         run_fused_dsa_attention and
-                                                         run_fused_absorbed_sparse_attention
+                                                         run_fused_absorbed_sparse_attention,
+                                                         cuDNN's _run_sparse_attention_forward
+                                                         and _run_sparse_attention_backward
   indexer_loss   indexer_kl_loss                         compute_dsa_indexer_loss,
-                                                         bwd_fused_indexer_loss_naive
+                                                         bwd_fused_indexer_loss_naive, cuDNN's
+                                                         _compute_{sparse,dense}_indexer_loss
+                                                         _and_grads
+
+The cudnn backend runs its three phases inside one fused autograd function
+(`run_fused_dsa_attention`), so its pieces are timed, not that call.
   communication  the wait of start_all_gather_to_global, gather_from_sequence_parallel_region
                  all_gather_to_global (V4, QSA indexer)
 
@@ -59,6 +66,7 @@ from megatron_hyscale.phase_spans import PHASES
 
 _STOCK_DSA = "megatron.core.transformer.experimental_attention_variant.dsa"
 _STOCK_KERNELS = "megatron.core.transformer.experimental_attention_variant.dsa_kernels"
+_STOCK_CUDNN = "megatron.core.transformer.experimental_attention_variant.dsa_cudnn_kernels"
 # Functions wrapped by name, per variant: (module, attribute, phase, kind); kind "call" times a
 # function, "pending" a started gather whose .wait() ends the span. Missing attributes are
 # skipped (megatron versions differ). HyScale's layers need none: they mark their own spans
@@ -71,8 +79,14 @@ TARGETS: dict[str, tuple[tuple[str, str, str, str], ...]] = {
         # TileLang's fused selection + indexer loss: counted as selection (one kernel chain)
         (_STOCK_KERNELS, "run_fused_qk_topk_with_loss", "selection", "call"),
         (_STOCK_DSA, "_run_sparse_attention", "attention", "call"),
-        (_STOCK_KERNELS, "run_fused_dsa_attention", "attention", "call"),
         (_STOCK_KERNELS, "run_fused_absorbed_sparse_attention", "attention", "call"),
+        # cuDNN's fused DSA function, piece by piece (called by name from its forward and
+        # backward; with gradients off there, so nothing is marked twice)
+        (_STOCK_CUDNN, "_indexer_topk_bshd", "selection", "call"),
+        (_STOCK_CUDNN, "_run_sparse_attention_forward", "attention", "call"),
+        (_STOCK_CUDNN, "_run_sparse_attention_backward", "attention", "call"),
+        (_STOCK_CUDNN, "_compute_sparse_indexer_loss_and_grads", "indexer_loss", "call"),
+        (_STOCK_CUDNN, "_compute_dense_indexer_loss_and_grads", "indexer_loss", "call"),
         (_STOCK_DSA, "compute_dsa_indexer_loss", "indexer_loss", "call"),
         (_STOCK_DSA, "bwd_fused_indexer_loss_naive", "indexer_loss", "call"),
         (_STOCK_DSA, "gather_from_sequence_parallel_region", "communication", "call"),

@@ -230,3 +230,19 @@ def test_hyscale_is_timed_by_its_own_spans_not_by_names():
     for module, name, phase in LAYER_SPANS:
         assert getattr(getattr(module, name), "phase", None) == phase, (module.__name__, name)
     assert phase_spans.PHASES == phase_times.PHASES
+
+
+def test_every_stock_target_exists_in_megatron_core():
+    """A target megatron-core renamed would be skipped silently at install: each one must name
+    a function of the pinned megatron-core (cuDNN's fused DSA pieces included)."""
+    import importlib
+
+    missing = []
+    for module_name, attr, _, _ in phase_times.TARGETS["stock"]:
+        module = importlib.import_module(module_name)
+        if not callable(getattr(module, attr, None)):
+            missing.append(f"{module_name}.{attr}")
+    assert not missing, missing
+    phases = {attr: phase for m, attr, phase, _ in phase_times.TARGETS["stock"]
+              if m.endswith("dsa_cudnn_kernels")}
+    assert set(phases.values()) == {"selection", "attention", "indexer_loss"}

@@ -55,12 +55,6 @@ from megatron_hyscale.launch.memory import (  # noqa: E402
 # installed libraries' (megatron_hyscale/layers/kernel_backend.py), so with the cudnn extra
 # installed HyScale also runs cuDNN / FlashMLA where those are faster.
 HYSCALE_KERNELS = {"HYSCALE_KERNEL_BACKEND": "best"}
-# What the phase rows mean for stock's cudnn backend (summary.txt says it under the table).
-CUDNN_PHASE_NOTE = (
-    "stock cudnn: megatron-core runs selection, sparse attention and the indexer loss in one "
-    "fused call (dsa_kernels.run_fused_dsa_attention), which megatron_hyscale.phase_times "
-    "times as attention: stock's attention row includes its selection and indexer loss, and "
-    "its selection and indexer-loss rows show '-' (not timed apart).")
 
 
 def _add_layout_options(p: argparse.ArgumentParser, *, full: bool) -> None:
@@ -438,11 +432,6 @@ def run_summaries(args: argparse.Namespace, layout: Layout, alone: Layout | None
         if code == TIMED_OUT:
             summary.note = "stopped at --time-limit" + (
                 f" after {summary.iterations} iterations" if recs else " (see its log)")
-        if label == "stock" and args.stock_backend == "cudnn" and summary.phase_ms.get(
-                "attention"):
-            # inside the fused call timed as attention (CUDNN_PHASE_NOTE): not zero, untimed
-            summary.phase_ms = {p: ms for p, ms in summary.phase_ms.items()
-                                if ms or p not in ("selection", "indexer_loss")}
         found[label] = (summary, recs, seq)
     return found
 
@@ -459,8 +448,6 @@ def summary_text(args: argparse.Namespace, layout: Layout, alone: Layout | None,
     if ra and rb:
         agreement = logparse.loss_agreement(ra, rb)
         parts.append(agreement.verdict(args.min_loss_steps, args.loss_rtol))
-    if args.stock_backend == "cudnn" and (sa.phase_ms or sb.phase_ms):
-        parts.append(CUDNN_PHASE_NOTE)
     if ALONE in runs:
         sc = runs[ALONE][0]
         parts.append(f"All runs (HyScale alone at {runs[ALONE][2]} tokens, "
@@ -503,8 +490,6 @@ def write_summary(args: argparse.Namespace, model: ModelGeometry, layout: Layout
     extra: dict = {"model": model.name, "num_layers": model.num_layers,
                    "global_batch": layout.global_batch, "stock_backend": args.stock_backend,
                    "transformer_impl": args.transformer_impl, "skip_iters": args.skip_iters}
-    if args.stock_backend == "cudnn":
-        extra["phase_note"] = CUDNN_PHASE_NOTE
     if "stock" in runs and "hyscale" in runs and runs["stock"][1] and runs["hyscale"][1]:
         agreement = logparse.loss_agreement(runs["stock"][1], runs["hyscale"][1])
         extra["loss_agreement"] = {"iterations": agreement.compared,

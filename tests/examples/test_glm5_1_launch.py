@@ -642,7 +642,7 @@ def synthetic_log(iterations: int, *, loss0: float = 10.5, scale: float = 1.0,
     return "\n".join(lines) + "\n"
 
 
-STOCK_PHASES = {"selection": 0.0, "attention": 2400.0, "indexer_loss": 0.0,
+STOCK_PHASES = {"selection": 3100.0, "attention": 2400.0, "indexer_loss": 400.0,
                 "communication": 0.0}
 HYSCALE_PHASES = {"selection": 60.0, "attention": 250.0, "indexer_loss": 110.0,
                   "communication": 0.0}
@@ -653,7 +653,7 @@ ONE_GPU = ["--gpus", "1", "--config", "scaled", "--stock-backend", "cudnn", "--n
 def test_one_gpu_cudnn_parse_only(tmp_path: Path) -> None:
     """Three logs (stock cudnn and HyScale at 32K, HyScale alone at 64K): the summary has
     tokens/s, peak memory and phase times of each, the speed-up, the loss verdict over 22
-    iterations, and says where stock cudnn's fused phases went."""
+    iterations."""
     logs = {"stock": synthetic_log(22, ms=6000.0, max_allocated_mib=62000.0,
                                    phases=STOCK_PHASES),
             "hyscale": synthetic_log(22, scale=1 + 2e-4, ms=1500.0, max_allocated_mib=50000.0,
@@ -669,14 +669,13 @@ def test_one_gpu_cudnn_parse_only(tmp_path: Path) -> None:
     assert "speed-up hyscale / stock: 4.00x" in out
     assert re.search(r"lm loss agreement: 22 iterations compared, largest relative gap "
                      r"2\.00e-04 \(iteration \d+\); PASS", out), out
-    assert "stock cudnn: megatron-core runs selection" in out
     # the three-run table: stock, HyScale at 32K, HyScale alone at 64K
     header = next(line for line in out.splitlines() if "hyscale 64K" in line)
     assert header.split() == ["stock", "hyscale", "hyscale", "64K"]
     assert re.search(r"max allocated per GPU \(GiB\)\s+60\.5\s+48\.8\s+68\.4", out), out
     assert re.search(r"tokens/s\s+5,461\s+21,845\s+18,725", out), out
     assert re.search(r"attention ms / iteration\s+2400\.0\s+250\.0\s+250\.0", out), out
-    assert re.search(r"selection ms / iteration\s+-\s+60\.0\s+60\.0", out), out
+    assert re.search(r"selection ms / iteration\s+3100\.0\s+60\.0\s+60\.0", out), out
     assert not (tmp_path / "summary.txt").exists()  # parse-only writes nothing
 
     # fewer than --min-loss-steps iterations, or a gap above --loss-rtol: FAIL
