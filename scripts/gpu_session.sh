@@ -58,6 +58,11 @@
 #                                         # 1M tokens, CP 2, attention rows in parts of 128K (DSA
 #                                         # 98 GiB a GPU by launch/layer_memory.py, 213 GiB
 #                                         # unchunked; CSA 92 / 235)                   (~5 min)
+#   bash scripts/gpu_session.sh side1 [ARGS...]  # one H200, after gpu_cudnn.sh 1 and 2
+#                                         # (machine warm), carry [".whl",
+#                                         # ".carry/megatron_lm"]: Megatron-LM side by side,
+#                                         # stock cudnn then HyScale at $SIDE1_SEQ (32K) for 22
+#                                         # iterations, HyScale alone at 2x  (~6 min, 8 at most)
 #   bash scripts/gpu_session.sh side2     # on nvidia-h200-x2 with carry [".whl",
 #                                         # ".carry/megatron_lm"] (scripts/megatron_lm_carry.sh):
 #                                         # stock Megatron-LM DSA then HyScale, the small
@@ -77,11 +82,11 @@ set -uo pipefail
 stage=${1:-}
 shift || true
 case "$stage" in
-  verify|kernels|attention|attention-table|fwd-split|layer|models|memory|qsa-selection|selection|cp2|cp2-1m|side2\
+  verify|kernels|attention|attention-table|fwd-split|layer|models|memory|qsa-selection|selection|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
        "|fwd-split|layer" \
-       "|models|memory|qsa-selection|selection|cp2|cp2-1m|side2|pair|cudnn-verify" \
+       "|models|memory|qsa-selection|selection|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer} [ARGS...]" >&2
      exit 2 ;;
 esac
@@ -353,22 +358,35 @@ case "$stage" in
       --skip-stock --repeats 1 --out "$out" 2>&1 | grep -v Warning \
       | tee "$out/bench_layer_cp2_1m_$model.log"
     ;;
-  side2)
+  side1|side2)
     [ -f .carry/megatron_lm/pretrain_gpt.py ] || {
-      echo "gpu_session.sh side2: carry .carry/megatron_lm (scripts/megatron_lm_carry.sh)" >&2
+      echo "gpu_session.sh $stage: carry .carry/megatron_lm (scripts/megatron_lm_carry.sh)" >&2
       exit 2; }
     # Megatron-LM's training runs `make` in megatron/core/datasets at start-up; the wheel ships
     # the helpers compiled (helpers_cpp*.so) but no Makefile, so make would fail: give it one
     # with nothing to do.
     ds=$(python3 -c "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))")
-    [ -n "$ds" ] || { echo "gpu_session.sh side2: megatron.core does not import" >&2; exit 1; }
+    [ -n "$ds" ] || { echo "gpu_session.sh $stage: megatron.core does not import" >&2; exit 1; }
     [ -f "$ds/Makefile" ] || printf 'default:\n\t@true\n' > "$ds/Makefile"
-    # Arguments replace these side_by_side.sh options (stock takes 19 s an iteration at 16K).
-    opts=("$@")
-    [ $# -gt 0 ] || opts=(--seq-length 16384 --train-iters 10 --skip-iters 2)
     # The lent H200s have no Transformer Engine: megatron's torch modules.
     impl=transformer_engine
     python3 -c "import transformer_engine" 2>/dev/null || impl=local
+    if [ "$stage" = side1 ]; then
+      # One H200 against stock cudnn (examples/glm5_1/README.md): the pair at 32K (stock's
+      # per-head fp32 selection makes longer pairs outlast a call), HyScale alone at 2x.
+      [ -d .carry/site/nvidia_cutlass_dsl ] || {
+        echo "gpu_session.sh side1: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" >&2
+        exit 2; }
+      MEGATRON_LM_DIR=$(pwd)/.carry/megatron_lm HYSCALE_PYTHON=python3 timeout 560 \
+        bash examples/glm5_1/side_by_side.sh --gpus 1 --config scaled --stock-backend cudnn \
+        --num-layers 2 --global-batch-size 1 --seq-length "${SIDE1_SEQ:-32768}" \
+        --train-iters 22 --hyscale-alone-at 2x --alone-iters 4 --transformer-impl $impl \
+        --time-limit 480 --output-dir "$out" "$@" 2>&1 | grep -v Warning | tail -80
+      exit "${PIPESTATUS[0]}"
+    fi
+    # Arguments replace these side_by_side.sh options (stock takes 19 s an iteration at 16K).
+    opts=("$@")
+    [ $# -gt 0 ] || opts=(--seq-length 16384 --train-iters 10 --skip-iters 2)
     MEGATRON_LM_DIR=$(pwd)/.carry/megatron_lm HYSCALE_PYTHON=python3 timeout 560 \
       bash examples/glm5_1/side_by_side.sh --gpus 2 --transformer-impl $impl \
       --output-dir "$out" "${opts[@]}" 2>&1 | grep -v Warning | tail -60 | tee "$out/side_by_side.log"
