@@ -293,10 +293,11 @@ def tilelang_attention(q, k, indices, scale, dv):
     return out.transpose(0, 1)
 
 
-def bench_tilelang(inp, warmup, reps, res):
-    """tilelang_attention on the same inputs: forward and backward ms, its forward's error
-    against HyScale's kernel (the library columns' check) and its peak memory over the
-    inputs, written into `res` as they come (an OOM in the backward keeps the forward's)."""
+def bench_tilelang(inp, warmup, reps, res, fwd_only=False):
+    """tilelang_attention on the same inputs: forward and (unless fwd_only) backward ms, its
+    forward's error against HyScale's kernel (the library columns' check) and its peak memory
+    over the inputs, written into `res` as they come (an OOM in the backward keeps the
+    forward's)."""
     idx, scale = inp["idx"], inp["scale"]
     run = partial(tilelang_attention, indices=idx, scale=scale, dv=inp["width"])
     q, k = inp["q"].detach(), inp["k"].detach()  # no copies: the tensors HyScale's run had
@@ -309,6 +310,9 @@ def bench_tilelang(inp, warmup, reps, res):
         res["tl_out_rel_err"] = rel_err(out, ours)
         del out, ours
         res["tl_fwd_ms"] = time_ms(lambda: run(q, k), reps=reps, warmup=warmup)
+    if fwd_only:
+        res["tl_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+        return res
     leaves = [q.requires_grad_(), k.requires_grad_()]
     out = run(*leaves)
     grad = torch.randn_like(out)
@@ -318,9 +322,10 @@ def bench_tilelang(inp, warmup, reps, res):
     return res
 
 
-def tilelang_columns(shape, inp, warmup, reps, said):
-    """The row's TileLang entries: timings, or "tl_status" saying why there are none; each
-    reason is logged once a run (`said` holds those logged)."""
+def tilelang_columns(shape, inp, warmup, reps, said, fwd_only=False):
+    """The row's TileLang entries: timings (the forward's only with fwd_only), or "tl_status"
+    saying why there are none; each reason is logged once a run (`said` holds those
+    logged)."""
     unsupported = tilelang_unsupported(shape)
     why_not = unsupported or tilelang_unavailable()
     if why_not:
@@ -332,7 +337,7 @@ def tilelang_columns(shape, inp, warmup, reps, said):
     res = {}
     torch.cuda.empty_cache()
     try:
-        bench_tilelang(inp, warmup, reps, res)
+        bench_tilelang(inp, warmup, reps, res, fwd_only)
     except torch.OutOfMemoryError:
         res["tl_status"] = "OOM"
     torch.cuda.empty_cache()
@@ -568,7 +573,8 @@ def main():
                         row[f"{key}_frac"] = flop / row[f"{key}_ms"] / 1e9 / mm
                 torch.cuda.empty_cache()
             if not args.no_tilelang:
-                row.update(tilelang_columns(shape, inp, 1, args.reps, tilelang_said))
+                row.update(tilelang_columns(shape, inp, 1, args.reps, tilelang_said,
+                                            args.fwd_only or args.fwd_no_softmax))
                 for key, flop in (("tl_fwd", inp["flop_fwd"]), ("tl_bwd", inp["flop_bwd"])):
                     if isinstance(row.get(f"{key}_ms"), float):
                         row[f"{key}_frac"] = flop / row[f"{key}_ms"] / 1e9 / mm
