@@ -27,6 +27,12 @@ backward, for the shapes they take (one KV head, 512 value channels: glm51, v32,
 "cudnn fwd / bwd". Baseline: megatron-core 0.19.2's stock unfused path
 (`_unfused_absorbed_dsa_fn` for absorbed MLA, `unfused_dsa_fn` otherwise), run where it fits
 (OOM printed) and T <= --stock-max-t.
+Stock TileLang (columns "tilelang fwd / bwd", --no-tilelang skips): megatron-core's TileLang
+sparse MLA as the stock tilelang backend runs it (`dsa_tilelang_kernels.
+run_fused_absorbed_sparse_attention`: TileLang's forward; its backward recomputes the forward,
+then runs TileLang's backward), for the shapes it takes (glm51, v32: 576 / 512 channels, one
+KV head), on the same inputs, its forward checked against HyScale's like the library's; needs
+TileLang (scripts/gpu_tilelang.sh): without it the run says why once and goes on.
 
   python scripts/bench_attention.py                 # T in 16K, 64K, 128K, all shapes
   python scripts/bench_attention.py --quick         # T = 16K, fewer repeats
@@ -231,7 +237,110 @@ def bench_library(inp, warmup, reps):
     with torch.no_grad():
         ours = sparse_attention_triton(q, k, inp["v"], inp["idx"], inp["scale"], dv=inp["dv"],
                                        sink=sink, prefix_lengths=inp["prefix"])
-    res["lib_out_rel_err"] = ((out.float() - ours.float()).norm() / ours.float().norm()).item()
+    res["lib_out_rel_err"] = rel_err(out, ours)
+    return res
+
+
+def rel_err(out, ref, rows=4096):
+    """||out - ref|| / ||ref|| over [B, T, ...] tensors, in fp32 blocks of `rows` queries (the
+    whole-tensor fp32 copies would take 3 x 32 GiB for V3.2's output at 128K)."""
+    num = den = 0.0
+    for t0 in range(0, ref.shape[1], rows):
+        a, b = out[:, t0:t0 + rows].float(), ref[:, t0:t0 + rows].float()
+        num += (a - b).square().sum().item()
+        den += b.square().sum().item()
+    return (num / den) ** 0.5 if den else float("nan")
+
+
+def tilelang_unavailable():
+    """None when megatron-core's TileLang DSA kernels can run here, else why not."""
+    try:
+        import tilelang  # noqa: F401
+    except Exception as err:  # any import failure (missing wheel, ABI, CUDA) means "absent"
+        return f"tilelang does not import ({type(err).__name__}: {err})"
+    from megatron.core.utils import _missing_tilelang_dsa_kernel_dependencies
+
+    missing = _missing_tilelang_dsa_kernel_dependencies()
+    if missing:
+        return f"megatron-core's TileLang kernels do not import: {', '.join(missing)}"
+    return None
+
+
+def tilelang_unsupported(shape):
+    """Why megatron's TileLang SparseMLA cannot run this shape (None when it can): its
+    absorbed path takes 576 key / 512 value channels, one KV head shared by a power of two
+    >= 16 query heads, no sink, a top-k multiple of 64 (dsa_tilelang_kernels)."""
+    Hq, Hkv, D, vdim, dv, has_sink, per_head, K = SHAPES[shape]
+    if (D, dv, Hkv, vdim, has_sink, per_head) != (576, 512, 1, None, False, False) or (
+            shape in PREFIX_RATIO):
+        return "TileLang's SparseMLA takes absorbed MLA only (576 / 512 channels, 1 KV head)"
+    if Hq < 16 or Hq & (Hq - 1) or K % 64:
+        return f"TileLang's SparseMLA takes 2^n >= 16 heads and top-k % 64 == 0 ({Hq}, {K})"
+    return None
+
+
+def tilelang_attention(q, k, indices, scale, dv):
+    """megatron-core's TileLang sparse MLA as the stock tilelang backend calls it
+    (dsa_tilelang_kernels.run_fused_absorbed_sparse_attention on [S, B, H, D] tensors; with
+    B = 1 the layout changes are views) on q [1, T, H, 576], k [1, S, 1, 576], indices
+    [1, T, K]: out [1, T, H, dv], differentiable in q and k."""
+    from megatron.core.transformer.experimental_attention_variant import dsa_tilelang_kernels
+
+    out = dsa_tilelang_kernels.run_fused_absorbed_sparse_attention(
+        q.transpose(0, 1), k.transpose(0, 1), indices, scale, dv)
+    if out is None:  # the stock layer would fall back to its unfused path: not timed here
+        raise RuntimeError("megatron-core's TileLang SparseMLA declined these inputs")
+    return out.transpose(0, 1)
+
+
+def bench_tilelang(inp, warmup, reps, res, fwd_only=False):
+    """tilelang_attention on the same inputs: forward and (unless fwd_only) backward ms, its
+    forward's error against HyScale's kernel (the library columns' check) and its peak memory
+    over the inputs, written into `res` as they come (an OOM in the backward keeps the
+    forward's)."""
+    idx, scale = inp["idx"], inp["scale"]
+    run = partial(tilelang_attention, indices=idx, scale=scale, dv=inp["width"])
+    q, k = inp["q"].detach(), inp["k"].detach()  # no copies: the tensors HyScale's run had
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        ours = sparse_attention_triton(q, k, None, idx, scale, dv=inp["dv"])
+        out = run(q, k)
+        res["tl_out_rel_err"] = rel_err(out, ours)
+        del out, ours
+        res["tl_fwd_ms"] = time_ms(lambda: run(q, k), reps=reps, warmup=warmup)
+    if fwd_only:
+        res["tl_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+        return res
+    leaves = [q.requires_grad_(), k.requires_grad_()]
+    out = run(*leaves)
+    grad = torch.randn_like(out)
+    res["tl_bwd_ms"] = time_ms(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True),
+                               reps=reps, warmup=warmup)
+    res["tl_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    return res
+
+
+def tilelang_columns(shape, inp, warmup, reps, said, fwd_only=False):
+    """The row's TileLang entries: timings (the forward's only with fwd_only), or "tl_status"
+    saying why there are none; each reason is logged once a run (`said` holds those
+    logged)."""
+    unsupported = tilelang_unsupported(shape)
+    why_not = unsupported or tilelang_unavailable()
+    if why_not:
+        said_key = (shape if unsupported else None, why_not)
+        if said_key not in said:
+            log(f"tilelang: not run{f' for {shape}' if unsupported else ''} ({why_not})")
+            said.add(said_key)
+        return {"tl_status": f"not run: {why_not}"}
+    res = {}
+    torch.cuda.empty_cache()
+    try:
+        bench_tilelang(inp, warmup, reps, res, fwd_only)
+    except torch.OutOfMemoryError:
+        res["tl_status"] = "OOM"
+    torch.cuda.empty_cache()
     return res
 
 
@@ -374,6 +483,10 @@ def main():
     ap.add_argument("--no-library", action="store_true",
                     help="skip FlashMLA's forward + cuDNN's backward (the stock cudnn "
                          "backend's kernels; run where scripts/gpu_cudnn.sh installed them)")
+    ap.add_argument("--no-tilelang", action="store_true",
+                    help="skip megatron-core's TileLang sparse MLA forward + backward (the "
+                         "stock tilelang backend's kernels; run where scripts/gpu_tilelang.sh "
+                         "installed TileLang)")
     ap.add_argument("--indices", choices=("random", "window"), default="random",
                     help="random keys per row (worst case for the gathers) or each row's last "
                          "K keys (best case: neighbouring rows share them)")
@@ -423,6 +536,7 @@ def main():
                 fwd_softmax=not args.fwd_no_softmax, fwd_kernel=args.fwd_kernel,
                 rows=[])
     json_path = os.path.join(args.out, "bench_attention.json")
+    tilelang_said = set()  # reasons TileLang did not run, each logged once
     for T in args.t:
         for shape in args.shapes:
             t0 = time.time()
@@ -458,6 +572,12 @@ def main():
                     if isinstance(row.get(f"{key}_ms"), float):
                         row[f"{key}_frac"] = flop / row[f"{key}_ms"] / 1e9 / mm
                 torch.cuda.empty_cache()
+            if not args.no_tilelang:
+                row.update(tilelang_columns(shape, inp, 1, args.reps, tilelang_said,
+                                            args.fwd_only or args.fwd_no_softmax))
+                for key, flop in (("tl_fwd", inp["flop_fwd"]), ("tl_bwd", inp["flop_bwd"])):
+                    if isinstance(row.get(f"{key}_ms"), float):
+                        row[f"{key}_frac"] = flop / row[f"{key}_ms"] / 1e9 / mm
             if not args.no_stock and T <= args.stock_max_t:
                 stock = bench_stock(shape, inp, 0, 1)  # one run: the stock path is slow
                 row["stock_fwd_ms"], row["stock_fwd_bwd_ms"] = stock["fwd_ms"], stock[
@@ -481,14 +601,17 @@ def main():
                 f"bwd {g('bwd_ms')} ms ({g('bwd_frac', '.0%')}) det x{g('det_cost')} "
                 f"cudnn/flashmla fwd {g('lib_fwd_ms')} ({g('lib_fwd_frac', '.0%')}) bwd "
                 f"{g('lib_bwd_ms')} ({g('lib_bwd_frac', '.0%')}) "
+                f"tilelang fwd {g('tl_fwd_ms')} ({g('tl_fwd_frac', '.0%')}) bwd "
+                f"{g('tl_bwd_ms')} ({g('tl_bwd_frac', '.0%')}) "
                 f"stock fwd {g('stock_fwd_ms', '.1f')} fwd+bwd {g('stock_fwd_bwd_ms', '.1f')} "
                 f"peak {g('peak_gib', '.1f')} GiB [{time.time() - t0:.0f}s]")
 
     head = ("| shape | T | K | fwd kernel | fwd ms | fwd TFLOP/s | fwd / matmul | "
             "fwd gather floor ms | bwd ms | bwd TFLOP/s | bwd / matmul | bwd memory floor ms | "
-            "det bwd ms (x) | cudnn fwd ms (/ matmul) | cudnn bwd ms (/ matmul) | stock fwd ms | "
+            "det bwd ms (x) | cudnn fwd ms (/ matmul) | cudnn bwd ms (/ matmul) | "
+            "tilelang fwd ms (/ matmul) | tilelang bwd ms (/ matmul) | stock fwd ms | "
             "stock fwd+bwd ms | peak GiB |")
-    lines = [head, "|" + "---|" * 18]
+    lines = [head, "|" + "---|" * 20]
     for r in meta["rows"]:
         det = (f"{r['bwd_det_ms']:.1f} (x{r['det_cost']:.2f})" if "bwd_det_ms" in r else "-")
         lines.append(
@@ -501,6 +624,8 @@ def main():
             f"{det} | {fmt(r.get('lib_fwd_ms', '-'), '.2f')} "
             f"({fmt(r.get('lib_fwd_frac', '-'), '.0%')}) | {fmt(r.get('lib_bwd_ms', '-'), '.2f')} "
             f"({fmt(r.get('lib_bwd_frac', '-'), '.0%')}) | "
+            f"{fmt(r.get('tl_fwd_ms', '-'), '.2f')} ({fmt(r.get('tl_fwd_frac', '-'), '.0%')}) | "
+            f"{fmt(r.get('tl_bwd_ms', '-'), '.2f')} ({fmt(r.get('tl_bwd_frac', '-'), '.0%')}) | "
             f"{fmt(r.get('stock_fwd_ms', '-'), '.1f')} | "
             f"{fmt(r.get('stock_fwd_bwd_ms', '-'), '.1f')} | {fmt(r.get('peak_gib', '-'))} |")
     table = "\n".join(lines)

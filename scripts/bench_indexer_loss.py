@@ -16,6 +16,14 @@ reference (`backend="reference"`, chunked, checkpointed) where T <= --ref-max-t.
 cudnn backend's kernels (cuDNN-frontend's sparse indexer-score and target recompute, a torch
 KL, cuDNN's indexer backward; HyScale's `backend="cudnn"`), with the attention's lse given to
 it and to a second Triton run, where scripts/gpu_cudnn.sh installed them (--no-library skips).
+Stock TileLang (--no-tilelang skips): megatron-core's sparse-KL loss as its tilelang backend
+runs it (`tilelang_dsa.fused_qk_topk_lighting_with_streaming_sparse_kl`: per block of 8192 rows
+TileLang's indexer writes an fp32 [8192, T] score table, the selected scores are read from it,
+then per 512 rows TileLang's target and KL kernels; backward: TileLang's indexer backward),
+given this benchmark's indices in place of its own top-k so that its loss is comparable (the
+top-k itself is bench_selection.py's stock_tilelang); "scores" times the table pass alone,
+which the stock layer shares with its selection. TileLang's target takes no lse. Needs
+TileLang (scripts/gpu_tilelang.sh): without it the run says why once and goes on.
 
   python scripts/bench_indexer_loss.py                   # T in 16K, 64K, 128K, GLM-5.1
   python scripts/bench_indexer_loss.py --quick           # T = 16K, fewer repeats
@@ -102,8 +110,8 @@ def bench(x, idx, backend, warmup, reps, deterministic=False, attention_lse=None
     kw = dict(deterministic=deterministic) if backend == "triton" else {}
 
     def fwd():
-        return indexer_kl_loss(*params, x["query"], x["key"], idx, scale, 0.1, sparse=True,
-                               backend=backend, attention_lse=attention_lse, **kw)
+        return indexer_kl_loss(*params, x["query"], x["key"], idx, scale, LOSS_COEFF,
+                               sparse=True, backend=backend, attention_lse=attention_lse, **kw)
 
     def fwd_bwd():
         torch.autograd.grad(fwd(), params)
@@ -130,6 +138,129 @@ def cudnn_unavailable():
     from megatron_hyscale.ops.backends.availability import CUDNN, library_unavailable
 
     return library_unavailable(CUDNN, torch.device("cuda"))
+
+
+# Query rows a block in megatron-core's TileLang indexer (DSAttention's
+# fused_indexer_block_size default): an fp32 [rows, T] score table each.
+TILELANG_BLOCK_ROWS = 8192
+LOSS_COEFF = 0.1  # every loss here (HyScale's backends, TileLang's)
+
+
+def tilelang_unavailable():
+    """None when megatron-core's TileLang indexer-loss kernels can run here, else why not."""
+    try:
+        import tilelang  # noqa: F401
+    except Exception as err:  # any import failure (missing wheel, ABI, CUDA) means "absent"
+        return f"tilelang does not import ({type(err).__name__}: {err})"
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+
+    missing = [name for name in ("lighting_indexer", "SparseIndexerKLLoss",
+                                 "sparse_indexer_target_interface")
+               if getattr(tilelang_dsa, name, None) is None]
+    if missing:
+        return f"megatron-core's TileLang kernels do not import: {', '.join(missing)}"
+    return None
+
+
+def tilelang_bounds(T, device):
+    """Each row's causal key bounds [0, t + 1), int32, as DSAttention builds them."""
+    ends = torch.arange(1, T + 1, device=device, dtype=torch.int32)
+    return torch.zeros_like(ends), ends
+
+
+def tilelang_loss(x, idx, scale):
+    """megatron-core's TileLang sparse-KL loss (its streaming loop and kernels, [S, B, ...]
+    tensors as DSAttention passes them, B = 1: views), with `idx` as the selection: its
+    lighting_indexer is called with these indices (the block's rows found from their causal
+    ends) instead of selecting its own top-k. Returns the loss (differentiable in q_index,
+    weights and k_index)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+
+    T = idx.shape[1]
+    starts, ends = tilelang_bounds(T, idx.device)
+    indexer = tilelang_dsa.lighting_indexer
+    if indexer is None:  # megatron's loop returns None without it: the layer falls back
+        raise RuntimeError("megatron-core's TileLang indexer loss declined these inputs (its "
+                           "TileLang indexer did not import)")
+
+    def given_indices(index_q, index_k, index_w, ks, ke, topk, topk_indices=None, use_relu=True):
+        t0 = int(ke[0]) - 1  # the block's first row (its causal end is t0 + 1)
+        return indexer(index_q, index_k, index_w, ks, ke, topk,
+                       topk_indices=idx[0, t0:t0 + index_q.shape[0]], use_relu=use_relu)
+
+    tilelang_dsa.lighting_indexer = given_indices
+    try:
+        out = tilelang_dsa.fused_qk_topk_lighting_with_streaming_sparse_kl(
+            q=x["q_index"].transpose(0, 1), k=x["k_index"].transpose(0, 1),
+            weights=x["weights"].transpose(0, 1), index_topk=idx.shape[-1], starts=starts,
+            ends=ends, block_size=TILELANG_BLOCK_ROWS, query=x["query"].transpose(0, 1),
+            key=x["key"].transpose(0, 1), softmax_scale=scale, loss_coeff=LOSS_COEFF,
+            pg_collection=SimpleNamespace(tp=None), use_relu=True)
+    finally:
+        tilelang_dsa.lighting_indexer = indexer
+    if out is None:  # the stock layer would fall back to its reference path: not timed here
+        raise RuntimeError("megatron-core's TileLang indexer loss declined these inputs")
+    return out[1]
+
+
+def tilelang_scores(x, idx):
+    """The TileLang loss path's index-score pass alone: per block, the fp32 [rows, T] table
+    and the selected entries read from it (no loss, no gradient)."""
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+
+    T = idx.shape[1]
+    starts, ends = tilelang_bounds(T, idx.device)
+    q, k = x["q_index"][0].detach(), x["k_index"][0].detach()
+    w = x["weights"][0].detach().float()
+    with torch.no_grad():
+        for t0 in range(0, T, TILELANG_BLOCK_ROWS):
+            t1 = min(T, t0 + TILELANG_BLOCK_ROWS)
+            tilelang_dsa.lighting_indexer(q[t0:t1], k, w[t0:t1], starts[t0:t1], ends[t0:t1],
+                                          idx.shape[-1], topk_indices=idx[0, t0:t1])
+
+
+def bench_tilelang(x, idx, warmup, reps):
+    """bench() for megatron's TileLang loss: forward, backward, forward + backward ms, peak
+    memory over the inputs (GiB), the loss value, and the score pass alone ("scores_ms")."""
+    scale = x["query"].shape[-1] ** -0.5
+    params = (x["q_index"], x["weights"], x["k_index"])
+    with torch.no_grad():
+        fwd_ms = time_ms(lambda: tilelang_loss(x, idx, scale), reps=reps, warmup=warmup)
+    loss = tilelang_loss(x, idx, scale)
+    bwd_ms = time_ms(lambda: torch.autograd.grad(loss, params, retain_graph=True),
+                     reps=reps, warmup=warmup)
+    loss = None  # frees the graph before the memory measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.autograd.grad(tilelang_loss(x, idx, scale), params)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    with torch.no_grad():
+        value = tilelang_loss(x, idx, scale).item()
+    scores_ms = time_ms(lambda: tilelang_scores(x, idx), reps=reps, warmup=warmup)
+    return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, total_ms=fwd_ms + bwd_ms, extra_peak_gib=peak,
+                loss=value, scores_ms=scores_ms)
+
+
+def tilelang_entry(x, idx, warmup, reps, said):
+    """The row's "tilelang" entry: bench_tilelang's dict, "OOM", or "not run: <why>"; each
+    reason is logged once a run (`said` holds those logged)."""
+    why_not = tilelang_unavailable()
+    if why_not:
+        if why_not not in said:
+            log(f"tilelang: not run ({why_not})")
+            said.add(why_not)
+        return f"not run: {why_not}"
+    torch.cuda.empty_cache()
+    try:
+        return bench_tilelang(x, idx, warmup, reps)
+    except torch.OutOfMemoryError:
+        return "OOM"
+    finally:
+        torch.cuda.empty_cache()
 
 
 def bench_parts(x, idx, warmup, reps):
@@ -210,6 +341,9 @@ def main():
     ap.add_argument("--no-library", action="store_true",
                     help="skip cuDNN's loss kernels (the stock cudnn backend's), run where "
                          "scripts/gpu_cudnn.sh installed them")
+    ap.add_argument("--no-tilelang", action="store_true",
+                    help="skip megatron-core's TileLang loss kernels (the stock tilelang "
+                         "backend's), run where scripts/gpu_tilelang.sh installed TileLang")
     ap.add_argument("--out", default="results",
                     help="folder for bench_indexer_loss.json (default results); records also "
                          "go to $HYSCALE_RESULTS (default benchmarks/results/)")
@@ -236,6 +370,7 @@ def main():
               f"{'GiB':>6} "
               f"{'det bwd':>8} {'ref ms':>9} {'x ref':>6}")
     log(header)
+    tilelang_said = set()  # reasons TileLang did not run, each logged once
     for shape in args.shapes:
         for T in args.t:
             x, idx = make_inputs(shape, T)
@@ -262,6 +397,22 @@ def main():
                     log(f"{shape:6} {T:>7} with the attention's lse: triton {t['fwd_ms']:.2f} + "
                         f"{t['bwd_ms']:.2f} ms, cudnn {c['fwd_ms']:.2f} + {c['bwd_ms']:.2f} ms; "
                         f"loss {t['loss']:.6g} / {c['loss']:.6g}")
+            if not args.no_tilelang:
+                row["tilelang"] = tilelang_entry(x, idx, args.warmup, args.reps, tilelang_said)
+                if isinstance(row["tilelang"], dict) and "triton_lse" not in row:
+                    _, lse = sparse_attention(x["query"], x["key"], None, idx,
+                                              x["query"].shape[-1] ** -0.5, dv=512,
+                                              return_lse=True)
+                    row["triton_lse"] = bench(x, idx, "triton", args.warmup, args.reps,
+                                              attention_lse=lse)
+                    del lse
+                tl = row["tilelang"]
+                if isinstance(tl, dict):
+                    t = row["triton_lse"]
+                    log(f"{shape:6} {T:>7} tilelang {tl['fwd_ms']:.2f} + {tl['bwd_ms']:.2f} ms "
+                        f"(its score table pass {tl['scores_ms']:.2f} ms), triton with the "
+                        f"attention's lse {t['fwd_ms']:.2f} + {t['bwd_ms']:.2f} ms; loss "
+                        f"{row['triton']['loss']:.6g} / {tl['loss']:.6g}")
             if args.deterministic:
                 row["triton_det"] = bench(x, idx, "triton", args.warmup, args.reps, True)
             if T <= args.ref_max_t:

@@ -25,7 +25,13 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              cuDNN's deterministic radix top-k (needs scripts/gpu_cudnn.sh; ReLU configs only)
   stock_cudnn  megatron-core's own cudnn-backend selection (dsa_cudnn_kernels._indexer_topk_bshd),
              what a stock DSA layer with dsa_kernel_backend="cudnn" runs
-  (both report same_rows_as_hytopk: the share of rows whose set equals HyTopK's, to 128K)
+  stock_tilelang  megatron-core's own tilelang-backend selection
+             (dsa_tilelang_kernels.run_fused_qk_topk), what a stock DSA layer with
+             dsa_kernel_backend="tilelang" runs: per block of 8192 query rows, TileLang's indexer
+             writes an fp32 [8192, S] score table, then torch.topk (needs TileLang:
+             scripts/gpu_tilelang.sh; the table is freed block by block and after the method)
+  (the three report same_rows_as_hytopk: the share of rows whose set equals HyTopK's, to 128K;
+  each is called once untimed at every length before its timings, for the JIT compiles)
 and reports time (median of CUDA-event timings), peak extra memory (max_memory_allocated over
 the inputs) and the ratio to the indexer GEMM floor: causal FLOPs T(T+1)/2 * H * D * 2 over the
 bf16 matmul rate measured in the same run (an 8192^3 bf16 matmul).
@@ -108,7 +114,7 @@ KEY_RATIO = {"qsa": 4}
 # Configs without learned head weights (QSA sums its heads with one scale): w is constant.
 NO_HEAD_WEIGHTS = ("qsa",)
 # Methods built for S = T token keys only (their masks assume it).
-TOKEN_KEY_METHODS = ("naive", "chunked", "table", "cudnn", "stock_cudnn")
+TOKEN_KEY_METHODS = ("naive", "chunked", "table", "cudnn", "stock_cudnn", "stock_tilelang")
 ALL_T = [16384, 32768, 65536, 131072, 262144, 1048576]
 # Baselines that would take minutes per call beyond these lengths are not run (shown as "-"):
 # lengths for S = T and 64 heads, other configs compared by their work T x S x H.
@@ -117,7 +123,11 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_scan_slots": 131072, "finish": 1048576,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
-         "stock_cudnn": 65536}
+         "stock_cudnn": 65536,
+         # megatron's tilelang selection writes a [8192, S] fp32 table a block: quadratic in
+         # T (its indexer calls took 14.8 s of a GLM-5.1 layer step at 256K, bench_layer's
+         # breakdown of 2026-11-30)
+         "stock_tilelang": 262144}
 # Score-table bytes per row block for the chunked and table baselines.
 TABLE_BYTES = 4 * GiB
 # "recency" inputs: tokens of distance per unit of the linear recency bias.
@@ -333,6 +343,43 @@ def run_stock_cudnn(q, k, w, topk, relu):
     return dsa_cudnn_kernels._indexer_topk_bshd(q, k, w, topk, return_scores=False)[0]
 
 
+# Query rows a block in megatron-core's TileLang selection (DSAttention's
+# fused_indexer_block_size default): each block's fp32 [rows, S] score table is written, then
+# torch.topk; 4 GiB at 128K, 8 GiB at 256K.
+TILELANG_BLOCK_ROWS = 8192
+
+
+def tilelang_unavailable():
+    """None when megatron-core's TileLang DSA kernels can run here, else why not."""
+    try:
+        import tilelang  # noqa: F401
+    except Exception as err:  # any import failure (missing wheel, ABI, CUDA) means "absent"
+        return f"tilelang does not import ({type(err).__name__}: {err})"
+    from megatron.core.utils import _missing_tilelang_dsa_kernel_dependencies
+
+    missing = _missing_tilelang_dsa_kernel_dependencies()
+    if missing:
+        return f"megatron-core's TileLang kernels do not import: {', '.join(missing)}"
+    return None
+
+
+def run_stock_tilelang(q, k, w, topk, relu):
+    """megatron-core 0.19.2's tilelang backend selection, as its DSA layer calls it
+    (dsa_kernels.run_fused_qk_topk): [S, B, ...] tensors, each row's causal key bounds
+    [0, t + 1) (build_fused_indexer_varlen_bounds), blocks of TILELANG_BLOCK_ROWS rows."""
+    from megatron.core.transformer.experimental_attention_variant import dsa_tilelang_kernels
+
+    T = q.shape[1]
+    ends = torch.arange(1, T + 1, device=q.device, dtype=torch.int32)
+    starts = torch.zeros_like(ends)
+    out = dsa_tilelang_kernels.run_fused_qk_topk(
+        q.transpose(0, 1), k.transpose(0, 1), w.transpose(0, 1), topk, starts, ends,
+        TILELANG_BLOCK_ROWS, use_relu=relu)
+    if out is None:  # the stock layer would fall back to its unfused path: not what is timed
+        raise RuntimeError("megatron-core's TileLang selection declined these inputs")
+    return out[0]
+
+
 METHODS = {
     "hytopk": run_hytopk,
     "hytopk_prune": run_hytopk_prune,
@@ -346,9 +393,14 @@ METHODS = {
     "table": run_table,
     "cudnn": run_cudnn,
     "stock_cudnn": run_stock_cudnn,
+    "stock_tilelang": run_stock_tilelang,
 }
 # Library paths: cuDNN's DSA indexer applies ReLU and takes token keys only.
 LIBRARY_METHODS = ("cudnn", "stock_cudnn")
+# Paths compared with HyTopK row by row, each compiled untimed at every length: the library
+# paths and megatron's TileLang selection (its kernels take any length: the call keeps JIT
+# work and first-touch allocations out of the timings, as for cuDNN).
+COMPARED_METHODS = LIBRARY_METHODS + ("stock_tilelang",)
 
 
 # (method, config) pairs already compiled with 64-bit integer arguments (see bench_one), and
@@ -377,8 +429,10 @@ def bench_one(method, T, cfg, kind, rate, reps):
             WIDE_COMPILED.add((method, cfg))
         # cuDNN's kernels are JIT-compiled per shape (each chunk's cropped key count, each
         # top-k width): compile this length's untimed (on 2026-12-01 a 64-head first call at
-        # 64K took 4.3 s against 59 ms for 32 heads once compiled).
-        if method in LIBRARY_METHODS:
+        # 64K took 4.3 s against 59 ms for 32 heads once compiled). megatron's TileLang
+        # kernels take dynamic lengths (compiled once a head count, at the 4K warm-up), but
+        # get the same untimed call.
+        if method in COMPARED_METHODS:
             fn(q, k, w, topk, relu)
         # First call: peak memory and one event-timed run (the warm-ups compiled the kernels:
         # at 4K, and above for 64-bit arguments). Long runs stop there.
@@ -401,7 +455,7 @@ def bench_one(method, T, cfg, kind, rate, reps):
         if method == "hytopk_prune":
             share, same = pruned_share(q, k, w, topk, relu)
             rec.update(pruned_share=share, same_as_unpruned=same)
-        if method in LIBRARY_METHODS and T <= SAME_SET_MAX_T:
+        if method in COMPARED_METHODS and T <= SAME_SET_MAX_T:
             rec.update(same_rows_as_hytopk=same_sets_as_hytopk(fn(q, k, w, topk, relu),
                                                                 q, k, w, topk, relu))
     except torch.OutOfMemoryError:
@@ -422,7 +476,12 @@ def same_sets_as_hytopk(idx, q, k, w, topk, relu):
 
 
 def library_unavailable_reason(method, cfg):
-    """Why a library method cannot run this config here (None when it can)."""
+    """Why a library method (or megatron's TileLang selection) cannot run this config here
+    (None when it can)."""
+    if method == "stock_tilelang":
+        if cfg == "captured":
+            return "megatron's TileLang selection takes bf16 inputs; the capture is fp32"
+        return tilelang_unavailable()
     if method not in LIBRARY_METHODS:
         return None
     if not CONFIGS[cfg][3]:

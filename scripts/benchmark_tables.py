@@ -4,11 +4,13 @@
 
 One table per record, HyScale beside the strongest stock kernels measured in the same run:
 bench_selection (HyTopK, cuDNN's chunked scores + radix top-k through HyScale's backend,
-megatron-core's own cudnn selection, table-then-select, the GEMM floor), bench_attention
-(HyScale's forward / backward against FlashMLA's / cuDNN's), bench_indexer_loss (Triton
-against cuDNN's kernels, both given the attention's lse) and bench_layer (HyScale's layer
-against each stock backend). Each table names its record, commit, command and the matmul
-rate it was measured against; nothing in it is typed by hand.
+megatron-core's own cudnn and tilelang selections, table-then-select, the GEMM floor),
+bench_attention (HyScale's forward / backward against FlashMLA's / cuDNN's and megatron-core's
+TileLang sparse MLA), bench_indexer_loss (Triton against cuDNN's kernels, both given the
+attention's lse, and megatron-core's TileLang loss) and bench_layer (HyScale's layer against
+each stock backend). A column whose method is not in the record shows "-". Each table names
+its record, commit, command and the matmul rate it was measured against; nothing in it is
+typed by hand.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ def selection(records):
     by = {(r["config"], r["T"], r["method"]): r for r in records if r.get("inputs") == "random"}
     keys = sorted({(c, T) for c, T, _ in by})
     lines = ["| config | T | GEMM floor ms | HyTopK ms (GiB) | cuDNN chunks + top-k ms (GiB) |"
-             " megatron cudnn selection ms | table-then-select ms | HyTopK speed vs cuDNN |"
-             " rows equal to HyTopK's |", "|---" * 9 + "|"]
+             " megatron cudnn selection ms | megatron tilelang selection ms (GiB) |"
+             " table-then-select ms | HyTopK speed vs cuDNN | HyTopK speed vs TileLang |"
+             " rows equal to HyTopK's (cuDNN / TileLang) |", "|---" * 11 + "|"]
     for cfg, T in keys:
         def get(m, key="ms", cfg=cfg, T=T):
             return (by.get((cfg, T, m)) or {}).get(key)
@@ -46,12 +49,16 @@ def selection(records):
             return (f"{fmt(get(m))}{first} ({fmt(get(m, 'mem_gib'), '.2f')})" if get(m)
                     else fmt(get(m, "status")))
 
-        same = get("cudnn", "same_rows_as_hytopk")
-        speed = "-" if get("cudnn", "reps") == 1 else ratio(get("hytopk"), get("cudnn"))
-        lines.append(f"| {cfg} | {T} | {fmt(get('hytopk', 'floor_ms'))} | {cell('hytopk')} | "
-                     f"{cell('cudnn')} | {fmt(get('stock_cudnn'))} | {fmt(get('table'))} | "
-                     f"{speed} | "
-                     f"{fmt(same, '.2%') if same is not None else '-'} |")
+        def speed(m):
+            return "-" if get(m, "reps") == 1 else ratio(get("hytopk"), get(m))
+
+        same = " / ".join(fmt(get(m, "same_rows_as_hytopk"), ".2%")
+                          for m in ("cudnn", "stock_tilelang"))
+        floor = fmt(get("hytopk", "floor_ms") or get("stock_tilelang", "floor_ms"))
+        lines.append(f"| {cfg} | {T} | {floor} | {cell('hytopk')} | "
+                     f"{cell('cudnn')} | {fmt(get('stock_cudnn'))} | {cell('stock_tilelang')} | "
+                     f"{fmt(get('table'))} | {speed('cudnn')} | {speed('stock_tilelang')} | "
+                     f"{same} |")
     if any(r.get("reps") == 1 for r in records):
         lines.append("\n\\* a single first call (over 2 s), no median: it may hold JIT compiles")
     return lines
@@ -59,31 +66,45 @@ def selection(records):
 
 def attention(records):
     lines = ["| shape | T | HyScale fwd ms (/ matmul) | FlashMLA fwd ms (/ matmul) |"
-             " HyScale bwd ms (/ matmul) | cuDNN bwd ms (/ matmul) | fwd: HyScale vs FlashMLA |"
-             " bwd: HyScale vs cuDNN |", "|---" * 8 + "|"]
+             " TileLang fwd ms (/ matmul) | HyScale bwd ms (/ matmul) | cuDNN bwd ms (/ matmul) |"
+             " TileLang bwd ms (/ matmul) | fwd: HyScale vs FlashMLA | bwd: HyScale vs cuDNN |"
+             " fwd: HyScale vs TileLang | bwd: HyScale vs TileLang |", "|---" * 12 + "|"]
     for r in sorted(records, key=lambda r: (r["shape"], r["T"])):
         def pair(k, r=r):
             return f"{fmt(r.get(k + '_ms'), '.1f')} ({fmt(r.get(k + '_frac'), '.0%')})"
 
         lines.append(f"| {r['shape']} | {r['T']} | {pair('fwd')} | {pair('lib_fwd')} | "
-                     f"{pair('bwd')} | {pair('lib_bwd')} | "
+                     f"{pair('tl_fwd')} | {pair('bwd')} | {pair('lib_bwd')} | "
+                     f"{pair('tl_bwd')} | "
                      f"{ratio(r.get('fwd_ms'), r.get('lib_fwd_ms'))} | "
-                     f"{ratio(r.get('bwd_ms'), r.get('lib_bwd_ms'))} |")
+                     f"{ratio(r.get('bwd_ms'), r.get('lib_bwd_ms'))} | "
+                     f"{ratio(r.get('fwd_ms'), r.get('tl_fwd_ms'))} | "
+                     f"{ratio(r.get('bwd_ms'), r.get('tl_bwd_ms'))} |")
     return lines
 
 
 def indexer_loss(records):
     lines = ["| shape | T | Triton fwd + bwd ms | Triton, attention lse given | cuDNN kernels,"
-             " lse given | HyScale vs cuDNN | loss Triton / cuDNN |", "|---" * 7 + "|"]
+             " lse given | TileLang fwd + bwd ms (its score-table pass) | HyScale vs cuDNN |"
+             " HyScale (lse given) vs TileLang | loss Triton / cuDNN / TileLang |",
+             "|---" * 9 + "|"]
     for r in sorted(records, key=lambda r: (r["shape"], r["T"])):
         t, tl, c = r.get("triton") or {}, r.get("triton_lse"), r.get("cudnn")
+        g = r.get("tilelang")
         tl = tl if isinstance(tl, dict) else {}
         c_ms = c.get("total_ms") if isinstance(c, dict) else c
-        losses = (f"{fmt(tl.get('loss'), '.6g')} / {fmt(c.get('loss'), '.6g')}"
-                  if isinstance(c, dict) else "-")
+        g_total = g.get("total_ms") if isinstance(g, dict) else None
+        g_ms = (f"{fmt(g_total)} ({fmt(g.get('scores_ms'))})" if isinstance(g, dict)
+                else fmt(g) if g in (None, "OOM") else "not run")
+        if isinstance(c, dict) or isinstance(g, dict):
+            losses = " / ".join(fmt(v.get("loss"), ".6g") if isinstance(v, dict) else "-"
+                                for v in (tl or t, c, g))
+        else:
+            losses = "-"
         lines.append(f"| {r['shape']} | {r['T']} | {fmt(t.get('total_ms'))} | "
-                     f"{fmt(tl.get('total_ms'))} | {fmt(c_ms)} | "
+                     f"{fmt(tl.get('total_ms'))} | {fmt(c_ms)} | {g_ms} | "
                      f"{ratio(tl.get('total_ms'), c_ms if isinstance(c, dict) else None)} | "
+                     f"{ratio(tl.get('total_ms'), g_total)} | "
                      f"{losses} |")
     return lines
 

@@ -8,6 +8,11 @@ newest per (op, shape, T): bench_selection (methods hytopk / cudnn), bench_atten
 (fwd_ms + bwd_ms against lib_fwd_ms + lib_bwd_ms, random indices), bench_indexer_loss (triton_lse /
 cudnn, both with the attention's log-sum-exp). The layers then pick, per op and shape, the
 faster of the two at the nearest measured length (ops/backends/measured.py).
+
+Only HyScale's own kernels and its library backend enter the table: the stock baselines the
+same runs measure (bench_selection's stock_cudnn and stock_tilelang, bench_attention's tl_*
+TileLang columns, bench_indexer_loss's "tilelang" entry) are megatron-core's own paths, not
+kernels HyScale can dispatch to, and are never read here.
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ from megatron_hyscale.ops.backends.measured import (  # noqa: E402
     selection_shape,
 )
 
+# What each record names HyScale's own kernel and its library backend: (own, library). Every
+# other method, column or entry of a record (stock baselines included) is ignored.
+SELECTION_METHODS = ("hytopk", "cudnn")
+ATTENTION_COLUMNS = (("fwd_ms", "bwd_ms"), ("lib_fwd_ms", "lib_bwd_ms"))
+LOSS_ENTRIES = ("triton_lse", "cudnn")
+
 
 def entries_from(path: str) -> list[dict]:
     with open(path) as f:
@@ -40,9 +51,10 @@ def entries_from(path: str) -> list[dict]:
     stamp = meta.get("date", "")
     if "bench_selection" in script:
         by = {(r["config"], r["T"], r["inputs"], r["method"]): r for r in records}
+        own_method, lib_method = SELECTION_METHODS
         for (cfg, T, inputs, method), own in by.items():
-            lib = by.get((cfg, T, inputs, "cudnn"))
-            if method != "hytopk" or inputs != "random" or not lib or "H" not in own:
+            lib = by.get((cfg, T, inputs, lib_method))
+            if method != own_method or inputs != "random" or not lib or "H" not in own:
                 continue
             if isinstance(own.get("ms"), float) and isinstance(lib.get("ms"), float):
                 out.append(dict(op="selection", T=T, own_ms=own["ms"], library_ms=lib["ms"],
@@ -53,7 +65,7 @@ def entries_from(path: str) -> list[dict]:
             if r.get("indices") != "random" or "Hq" not in r:
                 continue
             shape = attention_shape(r["Hq"], r["Dqk"], r["Dv"], r["sink"])
-            times = [r.get(k) for k in ("fwd_ms", "bwd_ms", "lib_fwd_ms", "lib_bwd_ms")]
+            times = [r.get(k) for k in (*ATTENTION_COLUMNS[0], *ATTENTION_COLUMNS[1])]
             if all(isinstance(t, float) for t in times):
                 out.append(dict(op="attention", T=r["T"], own_ms=times[0] + times[1],
                                 library_ms=times[2] + times[3], shape=shape, source=source,
@@ -61,7 +73,7 @@ def entries_from(path: str) -> list[dict]:
                                 library_fwd_bwd_ms=times[2:]))
     elif "bench_indexer_loss" in script:
         for r in records:
-            own, lib = r.get("triton_lse"), r.get("cudnn")
+            own, lib = (r.get(k) for k in LOSS_ENTRIES)
             if isinstance(own, dict) and isinstance(lib, dict) and "Hq" in r:
                 out.append(dict(op="indexer_loss", T=r["T"], own_ms=own["total_ms"],
                                 library_ms=lib["total_ms"], source=source, stamp=stamp,
