@@ -21,6 +21,7 @@ from megatron_hyscale.ops.checks import (
     check_positive_int,
     check_same_device,
     check_tensor,
+    check_triton_device,
     normalize_positions,
     warn_once,
 )
@@ -93,10 +94,24 @@ def hytopk(
         indices: int32 [B, T, topk], sorted by (score desc, index asc) when ordered; -1 past
             the visible keys.
         scores: fp32 [B, T, topk] aligned with indices; -inf at -1 slots.
+
+    Raises:
+        ValueError naming the argument: wrong shapes, dtypes or devices; topk <= 0;
+        backend="triton" on CPU tensors without TRITON_INTERPRET=1; NaN or Inf in q, k or
+        weights (one host sync over the inputs). That last one holds in training too:
+        HyScale's layers select with the indexer's outputs, so a non-finite indexer
+        activation stops the step at the selection, the tensor named. Stock megatron-core
+        0.19.2 (`fused_qk_topk_naive`) checks nothing: torch.topk ranks NaN above every
+        score, so a NaN key is picked by every row, past the causal mask too (NaN + -inf is
+        NaN), and the NaN reaches the losses; Megatron-LM's training loop stops on it one
+        forward and backward later (`check_for_nan_in_loss_and_grad`, on by default) without
+        saying where. Both stop the run; HyScale stops first and names the tensor. (A replayed
+        selection, in the recompute, is not checked again.)
     """
     check_backend(backend, BACKEND_CHOICES)
     options = check_options("options", options, HyTopKOptions)
     qpos, kpos = validate_hytopk_inputs(q, k, weights, topk, q_positions, k_positions)
+    check_triton_device(backend, q)
     if backend in LIBRARY_BACKENDS:
         got = dispatch.selection(q, k, weights, topk, backend=backend, relu=relu, causal=causal,
                                  qpos=qpos, kpos=kpos, ordered=ordered)

@@ -17,19 +17,23 @@ from megatron_hyscale.ops.checks import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_backend,
+    check_bool,
+    check_distinct_indices,
     check_finite,
     check_index_range,
     check_options,
     check_same_device,
     check_softmax_scale,
     check_tensor,
+    check_triton_device,
 )
 from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 
 
 def check_prefix_lengths(prefix_lengths: torch.Tensor, indices: torch.Tensor, B: int, T: int,
-                         S: int) -> None:
-    """prefix_lengths int [B, T] in [0, S]; listed indices must not repeat a prefix key."""
+                         S: int, check_indices: bool = True) -> None:
+    """prefix_lengths int [B, T] in [0, S]; listed indices must not repeat a prefix key (checked
+    when check_indices)."""
     check_tensor("prefix_lengths", prefix_lengths, ndim=2, dtypes=INT_DTYPES)
     if tuple(prefix_lengths.shape) != (B, T):
         raise ValueError(f"prefix_lengths must be [B={B}, T={T}], got "
@@ -39,6 +43,8 @@ def check_prefix_lengths(prefix_lengths: torch.Tensor, indices: torch.Tensor, B:
     lo, hi = int(prefix_lengths.min()), int(prefix_lengths.max())
     if lo < 0 or hi > S:
         raise ValueError(f"prefix_lengths must lie in [0, S={S}], got values in [{lo}, {hi}]")
+    if not check_indices:
+        return
     n = prefix_lengths.view(B, T, *([1] * (indices.dim() - 2)))
     if ((indices >= 0) & (indices < n)).any():
         raise ValueError("indices must not list a key of the row's prefix (keys 0 .. "
@@ -55,8 +61,13 @@ def validate_sparse_attention_inputs(
     dv: int | None,
     sink: torch.Tensor | None,
     prefix_lengths: torch.Tensor | None = None,
+    check_indices: bool = True,
 ) -> tuple[float, int | None]:
-    """Check shapes, dtypes, devices and values; return (softmax_scale, dv) normalized."""
+    """Check shapes, dtypes, devices and values; return (softmax_scale, dv) normalized.
+
+    check_indices: also check that no row lists a key twice (nor a key of its prefix): a sort
+    of the indices and one host sync; callers whose indices are distinct by construction
+    (HyTopK's selection, windows, expanded blocks) pass False."""
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     check_tensor("k", k, ndim=4, dtypes=FLOAT_DTYPES)
     B, T, Hq, D = q.shape
@@ -89,9 +100,13 @@ def validate_sparse_attention_inputs(
             raise ValueError(f"sink must be [Hq={Hq}], got {tuple(sink.shape)}")
     scale = check_softmax_scale(softmax_scale)
     check_same_device(q=q, k=k, v=v, indices=indices, sink=sink, prefix_lengths=prefix_lengths)
+    check_bool("check_indices", check_indices)
     check_index_range("indices", indices, S)
+    if check_indices:
+        labels = ("batch", "row", "kv head") if indices.dim() == 4 else ("batch", "row")
+        check_distinct_indices("indices", indices, labels)
     if prefix_lengths is not None:
-        check_prefix_lengths(prefix_lengths, indices, B, T, S)
+        check_prefix_lengths(prefix_lengths, indices, B, T, S, check_indices)
     for name, x in (("q", q), ("k", k), ("v", v), ("sink", sink)):
         if x is not None:
             check_finite(name, x)
@@ -112,6 +127,7 @@ def sparse_attention(
     prefix_lengths: torch.Tensor | None = None,
     backend: str = "auto",
     options: AttentionKernelOptions | None = None,
+    check_indices: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over its selected keys only.
 
@@ -122,8 +138,9 @@ def sparse_attention(
             MLA, where K is the [latent | rope] cache) or all of K when dv is None (shared
             K = V as in DeepSeek-V4).
         indices: int32/int64 [B, T, Hkv, K] per KV head, or [B, T, K] shared by all KV heads;
-            key indices in [0, S), distinct within a row, -1 = empty slot. Causality is the
-            caller's business: whatever is listed is attended.
+            key indices in [0, S), distinct within a row, -1 = empty slot (a repeated key
+            raises ValueError naming the row, see check_indices). Causality is the caller's
+            business: whatever is listed is attended.
         softmax_scale: > 0, multiplies q . k.
         dv: value width when v is None (1 <= dv <= Dqk).
         sink: [Hq] per-head logit added to each softmax denominator only (no value).
@@ -136,8 +153,8 @@ def sparse_attention(
             reading them (DeepSeek-V4's HCA: every visible compressed entry, then the window),
             so no [T, S] index tensor exists and each row runs only its own slots.
         backend: "auto" (Triton on CUDA tensors, the reference elsewhere), "triton" (CPU
-            tensors need TRITON_INTERPRET=1) or "reference". On Hopper the forward of absorbed
-            MLA (GLM-5.1, V3.2) runs a Gluon kernel under either GPU choice
+            tensors need TRITON_INTERPRET=1, else ValueError) or "reference". On Hopper the
+            forward of absorbed MLA (GLM-5.1, V3.2) runs a Gluon kernel under either GPU choice
             (`AttentionKernelOptions.fwd_sm90`). "cudnn": FlashMLA's SM90 forward and
             cuDNN-frontend's SM90 backward (the stock cudnn backend's kernels; one KV head, v
             None, 512 value channels, 576 or 512 key channels, bf16, not deterministic;
@@ -145,6 +162,11 @@ def sparse_attention(
             measured faster (forward + backward) for this shape, said once.
         options: the kernels' variants and tilings (`AttentionKernelOptions`; None: its
             DEFAULT), forward and backward; the reference ignores it.
+        check_indices: check that no row lists a key twice, or a key of its prefix (a sort of
+            the indices on their device and one host sync; ValueError naming the first such
+            row and key). Every backend would count a repeated key twice (the lse rises by
+            ln 2 for a doubled one). HyScale's layers pass False: their indices (HyTopK's
+            selection, windows, expanded blocks) are distinct by construction.
 
     Returns:
         out [B, T, Hq, Dv] in q's dtype (zeros for a row with no valid index), and with
@@ -156,7 +178,8 @@ def sparse_attention(
     check_backend(backend, BACKEND_CHOICES)
     options = check_options("options", options, AttentionKernelOptions)
     scale, dv = validate_sparse_attention_inputs(q, k, v, indices, softmax_scale, dv, sink,
-                                                 prefix_lengths)
+                                                 prefix_lengths, check_indices)
+    check_triton_device(backend, q)
     if backend in LIBRARY_BACKENDS:
         got = dispatch.attention(q, k, v, indices, scale, backend=backend, dv=dv, sink=sink,
                                  deterministic=deterministic, prefix_lengths=prefix_lengths)
