@@ -675,7 +675,8 @@ class HyScaleV4Attention(MegatronModule):
                                prefix_lengths=None if rows.prefix is None else part(rows.prefix),
                                deterministic=bool(cfg.deterministic_mode),  # [B, n, H, D]
                                options=getattr(cfg, "attention_kernel_options", None),
-                               backend=kernel_backend(cfg))
+                               # the selection and the window index disjoint key ranges
+                               backend=kernel_backend(cfg), check_values=False)
         # K = V carries RoPE: undo it at the query position so the output depends on
         # relative positions only (V4's conjugate rotation), then the grouped projection.
         out = apply_interleaved_rope(out, cos, sin, heads=True, inverse=True)

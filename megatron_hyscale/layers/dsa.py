@@ -237,7 +237,8 @@ class HyScaleDSAttention(DSAttention):
                                     dv=cfg.kv_lora_rank, return_lse=True,
                                     deterministic=bool(cfg.deterministic_mode),
                                     options=getattr(cfg, "attention_kernel_options", None),
-                                    backend=kernel_backend(cfg), check_values=False)
+                                    backend=kernel_backend(cfg), check_values=False,
+                                    hytopk_layout=True)
         indexer_loss = None
         if state.loss_coeff > 0 and state.documents is not None and not (
                 cfg.dsa_indexer_use_sparse_loss):
@@ -260,7 +261,7 @@ class HyScaleDSAttention(DSAttention):
                 # The selection's indices are distinct and visible, so the attention ran over
                 # exactly the loss's slots: its log-sum-exp is the target's denominator.
                 attention_lse=lse.detach() if sparse_loss else None,
-                backend=kernel_backend(cfg), check_values=False,
+                backend=kernel_backend(cfg), check_values=False, hytopk_layout=True,
             )
 
         up_v_weight = up_v_weight.to(device=query.device, dtype=query.dtype)

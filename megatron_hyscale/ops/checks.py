@@ -4,6 +4,7 @@ the one-time warnings of a fast path that cannot run."""
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import torch
@@ -99,6 +100,69 @@ def check_index_range(name: str, indices: torch.Tensor, num_keys: int) -> None:
     if lo < -1 or hi >= num_keys:
         raise ValueError(f"{name} must lie in [-1, {num_keys}) (-1 = no key), got values in "
                          f"[{lo}, {hi}]")
+
+
+# Index entries per slice of the duplicate check: its sort buffers stay at about 200 MiB.
+DISTINCT_CHECK_ELEMENTS = 1 << 24
+
+
+def _repeats(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row sorted, mask [..., K - 1] of sorted slots equal to the one before, -1 ignored)."""
+    ordered = rows.sort(dim=-1).values
+    return ordered, (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+
+
+def check_distinct_indices(name: str, indices: torch.Tensor,
+                           row_dims: tuple[str, ...] = ("batch", "row", "kv head")) -> None:
+    """Raise if a row of `indices` [B, T, (H,) K] lists a key twice (-1 slots ignored).
+
+    Runs on the indices' device without a Python loop over rows: each row sorted, neighbours
+    compared, a slice of rows at a time (bounded temporaries), folded into one flag: one host
+    sync, the final bool. Only when it fires does it look for the first offending row, named
+    by `row_dims` (one label per leading dim) with the repeated key.
+    """
+    K = indices.shape[-1]
+    if K < 2 or indices.numel() == 0:
+        return
+    dim = 1 if indices.dim() > 2 else 0  # slice along the query rows
+    n = indices.shape[dim]
+    step = max(1, DISTINCT_CHECK_ELEMENTS // max(1, indices.numel() // max(1, n)))
+    found = torch.zeros((), dtype=torch.bool, device=indices.device)
+    for start in range(0, n, step):
+        found |= _repeats(indices.narrow(dim, start, min(step, n - start)))[1].any()
+    if not bool(found):  # the check's one host sync
+        return
+    for start in range(0, n, step):  # error path only: find the first offending row
+        ordered, dup = _repeats(indices.narrow(dim, start, min(step, n - start)))
+        where = dup.nonzero()
+        if where.numel():
+            pos = where[0].tolist()
+            key = int(ordered[tuple(pos)])
+            pos[dim] += start
+            row = ", ".join(f"{label} {i}" for label, i in zip(row_dims, pos[:-1]))
+            raise ValueError(
+                f"{name} repeats key {key} in one row ({row}): indices must be distinct within "
+                "a row (-1 aside), a repeated key would be counted twice. check_values=False "
+                "skips this check for indices distinct by construction (HyTopK's)")
+
+
+def triton_interpret() -> bool:
+    """Whether Triton runs its kernels in the interpreter (TRITON_INTERPRET=1)."""
+    try:
+        from triton import knobs
+    except ImportError:  # an older Triton without knobs, or none: read the variable itself
+        return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on",
+                                                                            "yes")
+    return bool(knobs.runtime.interpret)
+
+
+def check_triton_device(backend: str, x: torch.Tensor) -> None:
+    """backend='triton' needs CUDA tensors, or CPU ones under Triton's interpreter."""
+    if backend == "triton" and not x.is_cuda and not triton_interpret():
+        raise ValueError(
+            f"backend='triton' got tensors on {x.device}, where the Triton kernels run only in "
+            "Triton's interpreter: set TRITON_INTERPRET=1 (before the kernels are imported), "
+            "use CUDA tensors, or use backend='reference' (or 'auto', which picks it off CUDA)")
 
 
 def normalize_positions(

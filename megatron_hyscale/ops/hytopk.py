@@ -22,6 +22,7 @@ from megatron_hyscale.ops.checks import (
     check_positive_int,
     check_same_device,
     check_tensor,
+    check_triton_device,
     normalize_positions,
     warn_once,
 )
@@ -103,12 +104,24 @@ def hytopk(
         indices: int32 [B, T, topk], sorted by (score desc, index asc) when ordered; -1 past
             the visible keys.
         scores: fp32 [B, T, topk] aligned with indices; -inf at -1 slots.
+
+    Raises:
+        ValueError naming the argument: wrong shapes, dtypes or devices; topk <= 0; backend="triton"
+        on CPU tensors without TRITON_INTERPRET=1; NaN or Inf in q, k or weights (one host sync over
+        the inputs; not with check_values=False). Stock megatron-core 0.19.2 (`fused_qk_topk_naive`)
+        checks nothing: torch.topk ranks NaN above every score, so a NaN key is picked by every row,
+        past the causal mask too (NaN + -inf is NaN), and the NaN reaches the losses; Megatron-LM's
+        training loop stops on it one forward and backward later (`check_for_nan_in_loss_and_grad`,
+        on by default) without saying where. HyScale's layers pass check_values=False (no host sync
+        in the hot path), so in training a non-finite indexer activation reaches the losses as with
+        stock and the same check stops the run; a direct call with the default names the tensor.
     """
     check_backend(backend, BACKEND_CHOICES)
     options = check_options("options", options, HyTopKOptions)
     check_bool("check_values", check_values)
     qpos, kpos = validate_hytopk_inputs(q, k, weights, topk, q_positions, k_positions,
                                         check_values)
+    check_triton_device(backend, q)
     if backend in LIBRARY_BACKENDS:
         got = dispatch.selection(
             q, k, weights, topk, backend=backend, relu=relu, causal=causal, qpos=qpos,

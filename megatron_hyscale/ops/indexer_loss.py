@@ -26,12 +26,14 @@ from megatron_hyscale.ops.checks import (
     INT_DTYPES,
     check_backend,
     check_bool,
+    check_distinct_indices,
     check_finite,
     check_index_range,
     check_options,
     check_same_device,
     check_softmax_scale,
     check_tensor,
+    check_triton_device,
     normalize_positions,
     warn_once,
 )
@@ -124,6 +126,7 @@ def indexer_kl_loss(
     backend: str = "auto",
     options: IndexerLossKernelOptions | None = None,
     check_values: bool = True,
+    hytopk_layout: bool = False,
 ) -> torch.Tensor:
     """KL(main-attention target || indexer distribution), megatron-core's DSA indexer loss.
 
@@ -159,19 +162,25 @@ def indexer_kl_loss(
             attention ran over exactly the loss's slots: topk_indices distinct and visible
             (HyTopK's output is); detached.
         backend: "auto" (Triton on CUDA tensors when sparse, the reference elsewhere),
-            "triton" (sparse only; CPU tensors need TRITON_INTERPRET=1), "reference",
-            "cudnn" (cuDNN-frontend's sparse indexer-score / target recompute and indexer
-            backward, the stock cudnn backend's kernels; sparse, ReLU, bf16 inputs and
-            weights, one KV head, keys at 0 .. S-1, distinct indices, not deterministic;
-            elsewhere one warning names why and the Triton kernel runs) or "best" (whichever
-            was measured faster for this shape, said once; the library only with
-            attention_lse, whose slots are known distinct).
+            "triton" (sparse only; CPU tensors need TRITON_INTERPRET=1, else ValueError),
+            "reference", "cudnn" (cuDNN-frontend's sparse indexer-score / target recompute
+            and indexer backward, the stock cudnn backend's kernels; sparse, ReLU, bf16
+            inputs and weights, one KV head, keys at 0 .. S-1, distinct indices, not
+            deterministic; elsewhere one warning names why and the Triton kernel runs) or
+            "best" (whichever was measured faster for this shape, said once; the library only
+            with attention_lse, whose slots are known distinct).
         options: the Triton kernels' tilings (`IndexerLossKernelOptions`; None: its DEFAULT),
             forward and backward; the reference ignores it.
         check_values: True (default) checks the values (a host sync each): finite inputs,
-            topk_indices in [-1, S). False trusts the caller and syncs nothing (the layers
-            pass False): topk_indices are HyTopK's for these rows (in range, distinct,
-            visible, valid slots first). Shapes, dtypes and devices are always checked.
+            topk_indices in [-1, S) and, where the call relies on distinct indices
+            (attention_lse given, or backend="cudnn", whose kernels count a repeated index
+            twice), that no row lists a key twice (a sort on their device; ValueError naming
+            the first such row and key; elsewhere a repeated index is legal and counts once,
+            as in megatron). False trusts the caller and syncs nothing (the layers pass
+            False). Shapes, dtypes and devices are always checked.
+        hytopk_layout: topk_indices are HyTopK's causal output for these rows (visible,
+            valid slots first), so the library kernels skip their visibility mask and layout
+            test, and the host sync it costs (the DSA layer passes True).
 
     Returns:
         fp32 scalar loss, differentiable in q_index, weights and k_index only.
@@ -179,7 +188,8 @@ def indexer_kl_loss(
     check_backend(backend, BACKEND_CHOICES)
     options = check_options("options", options, IndexerLossKernelOptions)
     for name, flag in (("relu", relu), ("calculate_per_token_loss", calculate_per_token_loss),
-                       ("deterministic", deterministic), ("check_values", check_values)):
+                       ("deterministic", deterministic), ("check_values", check_values),
+                       ("hytopk_layout", hytopk_layout)):
         check_bool(name, flag)
     scale, coeff, qpos, kpos = validate_indexer_loss_inputs(
         q_index, weights, k_index, query, key, topk_indices, softmax_scale, loss_coeff, sparse,
@@ -195,12 +205,14 @@ def indexer_kl_loss(
             raise ValueError(f"indexer_kl_loss: attention_lse must be [B, T, Hq] = "
                              f"{tuple(query.shape[:3])}, got {tuple(attention_lse.shape)}")
         attention_lse = attention_lse.detach()
+    if check_values and sparse and (attention_lse is not None or backend == "cudnn"):
+        check_distinct_indices("topk_indices", topk_indices, ("batch", "row"))
     if backend in LIBRARY_BACKENDS:
         got = dispatch.indexer_loss(
             q_index, weights, k_index, query, key, topk_indices, scale, coeff, backend=backend,
             sparse=sparse, relu=relu, qpos=qpos, kpos=None if k_positions is None else kpos,
             per_token=calculate_per_token_loss, tp_group=tp_group, attention_lse=attention_lse,
-            deterministic=deterministic, hytopk_slots=not check_values)
+            deterministic=deterministic, hytopk_slots=hytopk_layout)
         if got is not None:
             return got
         backend = "auto"
@@ -208,6 +220,7 @@ def indexer_kl_loss(
         raise ValueError("indexer_kl_loss: backend='triton' needs sparse=True; the dense "
                          "warm-up loss (sparse=False) has no Triton kernel, use backend="
                          "'reference' or 'auto'")
+    check_triton_device(backend, q_index)
     auto_triton = backend == "auto" and q_index.is_cuda and sparse
     if backend == "triton" or auto_triton:
         from megatron_hyscale.ops.kernels.indexer_loss import indexer_kl_loss_triton

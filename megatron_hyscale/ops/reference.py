@@ -116,6 +116,23 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _fp32_accumulating(x: torch.Tensor | None) -> torch.Tensor | None:
+    """x upcast once to fp32 when autograd will add gradient parts into it; else x itself.
+
+    A tensor every chunk reads (keys, values, sink), or one a chunk gathers rows of (a key
+    chosen by many queries), receives its gradient as a sum of many parts. Autograd adds them
+    in the tensor's dtype: for bf16 keys, hundreds of bf16 roundings per key (an isolated
+    1024-token test: cosine 0.999876 to fp32). Reading an fp32 copy makes every part fp32,
+    summed in fp32, and the copy's backward casts the total to x's dtype once. Exact in the
+    forward: each chunk computes in fp32 anyway.
+    """
+    if x is None or not (torch.is_grad_enabled() and x.requires_grad):
+        return x
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return x
+    return x.float()
+
+
 def _run_chunk(fn, needs_grad: bool, *args):
     # Non-reentrant checkpoint keeps only the chunk's inputs (views of the full tensors) for
     # backward and recomputes the chunk's [rows, keys] work there, so backward memory is as
@@ -202,7 +219,10 @@ def sparse_attention_reference(
         out [B, T, Hq, Dv] in q's dtype and lse fp32 [B, T, Hq] (-inf for empty rows).
 
     Memory: query rows are processed in chunks of about CHUNK_ELEMENTS gathered elements; with
-    autograd each chunk is checkpointed, so no [T, K, D] gather outlives its chunk.
+    autograd each chunk is checkpointed, so no [T, K, D] gather outlives its chunk. With
+    autograd, low-precision k, v and sink are read through one fp32 copy each, so their
+    gradients (summed over chunks and over the rows that select a key) accumulate in fp32 and
+    are rounded to their dtype once.
     """
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
@@ -213,9 +233,12 @@ def sparse_attention_reference(
         indices = indices.new_full((B, T, Hkv, 1), -1)
     K = indices.shape[-1] + n_pre
     Dv = v.shape[-1] if v is not None else (D if dv is None else dv)
-    k_flat = _flat_rows(k)
-    v_flat = None if v is None else _flat_rows(v)
     needs_grad = _needs_grad(q, k, v, sink)
+    # Every chunk reads (gathers from) the whole k, v and sink: their gradients add up in fp32
+    # and are cast once (q's rows belong to one chunk each and need no copy).
+    k_flat = _flat_rows(_fp32_accumulating(k))
+    v_flat = None if v is None else _flat_rows(_fp32_accumulating(v))
+    sink = _fp32_accumulating(sink)
     # Per query row: the gathered K and V (fp32 copies too) and a few [Hq, K] logit buffers.
     step = rows_per_chunk(B * (2 * Hkv * K * (D + Dv) + 4 * Hq * K), device=q.device)
     fn = lambda qc, kf, vf, ic, sk: _sparse_attention_chunk(qc, kf, vf, ic, sk, S, Dv,
@@ -397,13 +420,17 @@ def indexer_loss_reference(
 
     Memory: query rows in chunks; the dense form only touches keys up to the last one visible
     in the chunk; with autograd each chunk is checkpointed (its target and scores are
-    recomputed in backward), so neither pass holds a [T, S] tensor.
+    recomputed in backward), so neither pass holds a [T, S] tensor. With autograd, a
+    low-precision k_index is read through one fp32 copy, so its gradient (summed over chunks
+    and over the rows that select a key) accumulates in fp32 and is rounded once.
     """
     B, T, H_I, D_I = q_index.shape
     S, Hkv = k_index.shape[1], key.shape[2]
     Hq = query.shape[2]
     query, key = query.detach(), key.detach()
     needs_grad = _needs_grad(q_index, weights, k_index)
+    # Every chunk reads (gathers from) k_index: its gradient adds up in fp32 and is cast once.
+    k_index = _fp32_accumulating(k_index)
     total = torch.zeros((), dtype=torch.float32, device=q_index.device)
     if sparse:
         if topk_indices.shape[-1] == 0:  # one empty slot keeps the reductions defined

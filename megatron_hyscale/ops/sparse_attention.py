@@ -18,24 +18,27 @@ from megatron_hyscale.ops.checks import (
     INT_DTYPES,
     check_backend,
     check_bool,
+    check_distinct_indices,
     check_finite,
     check_index_range,
     check_options,
     check_same_device,
     check_softmax_scale,
     check_tensor,
+    check_triton_device,
 )
 from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 
 
 def check_prefix_lengths(prefix_lengths: torch.Tensor, indices: torch.Tensor, B: int, T: int,
-                         S: int) -> None:
-    """prefix_lengths int [B, T] in [0, S]; listed indices must not repeat a prefix key."""
+                         S: int, check_values: bool = True) -> None:
+    """prefix_lengths int [B, T]; with check_values also in [0, S], and listed indices must
+    not repeat a prefix key."""
     check_tensor("prefix_lengths", prefix_lengths, ndim=2, dtypes=INT_DTYPES)
     if tuple(prefix_lengths.shape) != (B, T):
         raise ValueError(f"prefix_lengths must be [B={B}, T={T}], got "
                          f"{tuple(prefix_lengths.shape)}")
-    if prefix_lengths.numel() == 0:
+    if prefix_lengths.numel() == 0 or not check_values:
         return
     lo, hi = int(prefix_lengths.min()), int(prefix_lengths.max())
     if lo < 0 or hi > S:
@@ -92,11 +95,13 @@ def validate_sparse_attention_inputs(
             raise ValueError(f"sink must be [Hq={Hq}], got {tuple(sink.shape)}")
     scale = check_softmax_scale(softmax_scale)
     check_same_device(q=q, k=k, v=v, indices=indices, sink=sink, prefix_lengths=prefix_lengths)
+    if prefix_lengths is not None:
+        check_prefix_lengths(prefix_lengths, indices, B, T, S, check_values)
     if not check_values:
         return scale, dv
     check_index_range("indices", indices, S)
-    if prefix_lengths is not None:
-        check_prefix_lengths(prefix_lengths, indices, B, T, S)
+    labels = ("batch", "row", "kv head") if indices.dim() == 4 else ("batch", "row")
+    check_distinct_indices("indices", indices, labels)
     for name, x in (("q", q), ("k", k), ("v", v), ("sink", sink)):
         if x is not None:
             check_finite(name, x)
@@ -118,6 +123,7 @@ def sparse_attention(
     backend: str = "auto",
     options: AttentionKernelOptions | None = None,
     check_values: bool = True,
+    hytopk_layout: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over its selected keys only.
 
@@ -128,8 +134,9 @@ def sparse_attention(
             MLA, where K is the [latent | rope] cache) or all of K when dv is None (shared
             K = V as in DeepSeek-V4).
         indices: int32/int64 [B, T, Hkv, K] per KV head, or [B, T, K] shared by all KV heads;
-            key indices in [0, S), distinct within a row, -1 = empty slot. Causality is the
-            caller's business: whatever is listed is attended.
+            key indices in [0, S), distinct within a row, -1 = empty slot (a repeated key
+            raises ValueError naming the row, see check_values). Causality is the caller's
+            business: whatever is listed is attended.
         softmax_scale: > 0, multiplies q . k.
         dv: value width when v is None (1 <= dv <= Dqk).
         sink: [Hq] per-head logit added to each softmax denominator only (no value).
@@ -142,8 +149,8 @@ def sparse_attention(
             reading them (DeepSeek-V4's HCA: every visible compressed entry, then the window),
             so no [T, S] index tensor exists and each row runs only its own slots.
         backend: "auto" (Triton on CUDA tensors, the reference elsewhere), "triton" (CPU
-            tensors need TRITON_INTERPRET=1) or "reference". On Hopper the forward of absorbed
-            MLA (GLM-5.1, V3.2) runs a Gluon kernel under either GPU choice
+            tensors need TRITON_INTERPRET=1, else ValueError) or "reference". On Hopper the
+            forward of absorbed MLA (GLM-5.1, V3.2) runs a Gluon kernel under either GPU choice
             (`AttentionKernelOptions.fwd_sm90`). "cudnn": FlashMLA's SM90 forward and
             cuDNN-frontend's SM90 backward (the stock cudnn backend's kernels; one KV head, v
             None, 512 value channels, 576 or 512 key channels, bf16, not deterministic;
@@ -152,11 +159,14 @@ def sparse_attention(
         options: the kernels' variants and tilings (`AttentionKernelOptions`; None: its
             DEFAULT), forward and backward; the reference ignores it.
         check_values: True (default) checks the values (a host sync each): finite inputs,
-            indices in [-1, S), prefix_lengths in [0, S] and not repeated by indices. False
-            trusts the caller and syncs nothing (the layers pass False for HyTopK's output):
-            indices in range and distinct, each row's valid slots first and at least one
-            per row, as HyTopK returns them under causal visibility; a broken promise gives
-            undefined results. Shapes, dtypes and devices are always checked.
+            indices in [-1, S) and distinct within a row (a sort on their device),
+            prefix_lengths in [0, S] and not repeated by indices. False trusts the caller
+            and syncs nothing (the layers pass False: their indices are distinct by
+            construction); a broken promise gives undefined results. Shapes, dtypes and
+            devices are always checked.
+        hytopk_layout: the indices are HyTopK's causal output (each row's valid slots
+            first, at least one per row), so the library kernels skip their layout tests
+            and the host syncs they cost (the DSA layer passes True).
 
     Returns:
         out [B, T, Hq, Dv] in q's dtype (zeros for a row with no valid index), and with
@@ -168,12 +178,14 @@ def sparse_attention(
     check_backend(backend, BACKEND_CHOICES)
     options = check_options("options", options, AttentionKernelOptions)
     check_bool("check_values", check_values)
+    check_bool("hytopk_layout", hytopk_layout)
     scale, dv = validate_sparse_attention_inputs(q, k, v, indices, softmax_scale, dv, sink,
                                                  prefix_lengths, check_values)
+    check_triton_device(backend, q)
     if backend in LIBRARY_BACKENDS:
         got = dispatch.attention(q, k, v, indices, scale, backend=backend, dv=dv, sink=sink,
                                  deterministic=deterministic, prefix_lengths=prefix_lengths,
-                                 hytopk_slots=not check_values)
+                                 hytopk_slots=hytopk_layout)
         if got is not None:
             return got if return_lse else got[0]
         backend = "auto"

@@ -229,7 +229,7 @@ def test_32k_tokens_on_cpu():
 
 ARGS = dict(
     q=torch.zeros(1, 3, 4, 8), k=torch.zeros(1, 5, 2, 8), v=torch.zeros(1, 5, 2, 6),
-    indices=torch.zeros(1, 3, 2, dtype=torch.int64), softmax_scale=0.5,
+    indices=torch.tensor([[[0, 1], [2, -1], [0, 4]]]), softmax_scale=0.5,  # distinct per row
 )
 
 
