@@ -208,8 +208,9 @@ def test_host_known_positions_and_trusted_slots_change_nothing():
         out, lse = library_attention(ql, kl, idx, D**-0.5, hytopk_slots=trusted)
         out.float().pow(2).sum().backward()
         outs.append((out, lse, ql.grad, kl.grad))
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    # forward bit for bit; the gradients within the backward's atomic-order noise (cuDNN adds
+    # dK with atomics: two runs of the same inputs differ in the last bits)
+    assert_same_forward_close_grads(outs, n_forward=2)  # out, lse; then dq, dk
 
     g = torch.Generator(device="cuda").manual_seed(3)
     qi = torch.randn(B, T, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
@@ -223,5 +224,15 @@ def test_host_known_positions_and_trusted_slots_change_nothing():
                                   attention_lse=outs[0][1].detach(), hytopk_slots=trusted)
         loss.backward()
         losses.append((loss, *(x.grad for x in leaves)))
-    for a, b in zip(*losses):
+    assert_same_forward_close_grads(losses, n_forward=1)  # loss; then its three grads
+
+
+def assert_same_forward_close_grads(pair, *, n_forward: int):
+    first, second = pair
+    for a, b in zip(first[:n_forward], second[:n_forward]):
         assert torch.equal(a, b)
+    for a, b in zip(first[n_forward:], second[n_forward:]):
+        cos = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), 0)
+        assert cos.item() > 0.99999, cos.item()
+        scale = b.float().abs().max().item()
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-2 * scale)
