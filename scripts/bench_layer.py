@@ -205,7 +205,7 @@ def check_request(args: argparse.Namespace) -> None:
              f"{args.cp * args.dp} scripts/bench_layer.py --cp {args.cp} --dp {args.dp} ...` "
              "(CP and DP are the only parallelism here)")
     if args.device == "cuda":
-        from megatron_hyscale.testing.bench import require_cuda
+        from hyscale_bench.measure import require_cuda
 
         require_cuda("bench_layer.py --device cuda", hint="run it on the GPU machine, or use "
                      "--device cpu --tiny for a CPU smoke run")
@@ -451,7 +451,7 @@ def sync(device: str) -> None:
 def time_step_ms(fn: Callable[[], object], device: str, reps: int) -> float:
     """Median ms over `reps` runs after one warm-up (CUDA events on a GPU, perf_counter on CPU)."""
     if device == "cuda":
-        from megatron_hyscale.testing.bench import time_ms
+        from hyscale_bench.measure import time_ms
 
         return time_ms(fn, reps=reps)
     fn()
@@ -466,7 +466,7 @@ def time_step_ms(fn: Callable[[], object], device: str, reps: int) -> float:
 def matmul_rate(device: str) -> float:
     """bf16 matmul TFLOP/s on a GPU (the floor's rate); a small fp32 matmul's on the CPU."""
     if device == "cuda":
-        from megatron_hyscale.testing.bench import matmul_tflops
+        from hyscale_bench.measure import matmul_tflops
 
         return matmul_tflops()
     n = 256
@@ -880,7 +880,7 @@ def write_json(out_dir: Path, args: argparse.Namespace, device: str, rate: float
         payload["stock_kernel_backend"] = args.stock_kernel_backend
     (out_dir / f"bench_layer_{args.model}.json").write_text(json.dumps(payload, indent=1))
     if device != "cpu":  # the performance history keeps GPU runs only
-        from megatron_hyscale.testing.bench import save_record
+        from hyscale_bench.measure import save_record
 
         config = f"{args.model}-cp{args.cp}" + (f"-{args.stock_kernel_backend}"
                                                 if len(base_names) > 1 else "")

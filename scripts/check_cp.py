@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="outputs/check_cp", help="output folder")
     args = p.parse_args(argv)
     if args.device == "cuda":  # checked first: without a GPU nothing else matters
-        from megatron_hyscale.testing.bench import require_cuda
+        from hyscale_bench.measure import require_cuda
 
         require_cuda("check_cp.py --device cuda", hint="run it on the GPU machine, or use "
                      "--device cpu --tiny (under torchrun) for the gloo smoke check")

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="outputs/profile_layer_memory",
                    help="folder for the JSON (default outputs/profile_layer_memory)")
     args = p.parse_args(argv)
-    from megatron_hyscale.testing.bench import require_cuda
+    from hyscale_bench.measure import require_cuda
 
     require_cuda("profile_layer_memory.py", hint="run it on the GPU machine (it reads CUDA's "
                  "allocator history)")
