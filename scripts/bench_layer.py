@@ -258,7 +258,7 @@ def init_distributed(args: argparse.Namespace) -> Any:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hyscale.testing.cpu import init_single_process
+    from hyscale_bench.cpu import init_single_process
 
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         init_single_process()
@@ -327,8 +327,8 @@ def build_dsa(args: argparse.Namespace, baseline: bool, kernel_backend: str = "n
     """GLM-5.1's attention: HyScale, or (`baseline`) the stock DSAttention on `kernel_backend`."""
     from megatron.core.transformer.spec_utils import build_module
 
+    from hyscale_bench.models import tiny_dsa_config
     from megatron_hyscale.specs import get_dsa_layer_specs
-    from megatron_hyscale.testing.models import tiny_dsa_config
 
     geometry = TINY["dsa"] if args.tiny else GLM51
     cfg = tiny_dsa_config(
@@ -383,9 +383,9 @@ FUSED_DSA_HOOKS = ("run_fused_qk_topk", "run_fused_qk_topk_with_loss",
 def build_v4(args: argparse.Namespace, baseline: bool) -> Layer:
     from megatron.core.transformer.spec_utils import build_module
 
+    from hyscale_bench.models import LOCAL_UNFUSED_FIELDS
     from megatron_hyscale.layers.deepseek_v4 import DeepseekV4TransformerConfig
     from megatron_hyscale.specs.deepseek_v4 import get_v4_layer_specs
-    from megatron_hyscale.testing.models import LOCAL_UNFUSED_FIELDS
 
     geometry = TINY["v4"] if args.tiny else V4_FLASH
     ratio = (TINY_V4_RATIOS if args.tiny else V4_RATIOS)[args.model]
@@ -408,9 +408,9 @@ def build_qsa(args: argparse.Namespace, baseline: bool) -> Layer:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.spec_utils import build_module
 
+    from hyscale_bench.models import LOCAL_UNFUSED_FIELDS
     from megatron_hyscale.layers.qsa import QSATransformerConfig
     from megatron_hyscale.specs.qsa import get_qsa_attention_spec
-    from megatron_hyscale.testing.models import LOCAL_UNFUSED_FIELDS
 
     geometry = TINY["qsa"] if args.tiny else QSA_REAL
     cfg = QSATransformerConfig(
@@ -770,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     check_request(args)
     import contextlib
 
-    from megatron_hyscale.testing.cpu import megatron_on_cpu
+    from hyscale_bench.cpu import megatron_on_cpu
 
     ctx = megatron_on_cpu() if args.device == "cpu" else contextlib.nullcontext()
     with ctx:

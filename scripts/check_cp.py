@@ -120,9 +120,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check(args: argparse.Namespace) -> dict[str, Any]:
+    from hyscale_bench.distributed import init_model_parallel
     from megatron_hyscale import replay
     from megatron_hyscale.parallel import zigzag_positions
-    from megatron_hyscale.testing.distributed import init_model_parallel
 
     world = int(os.environ["WORLD_SIZE"])
     base = ["--model", args.model, "--device", args.device, "--seq", str(args.seq),
@@ -168,7 +168,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     import contextlib
 
-    from megatron_hyscale.testing.cpu import megatron_on_cpu
+    from hyscale_bench.cpu import megatron_on_cpu
 
     args = parse_args(argv)
     if args.device == "cuda":
