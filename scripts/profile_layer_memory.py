@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 GiB = 2**30
@@ -130,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
     require_cuda("profile_layer_memory.py", hint="run it on the GPU machine (it reads CUDA's "
                  "allocator history)")
-    import bench_layer as bl
-
+    import hyscale_bench.layer as bl
     from megatron_hyscale import replay
 
     largv = ["--model", args.model, "--seq", str(args.seq), "--repeats", "1"]

@@ -18,12 +18,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench_layer  # noqa: E402
 import launch_dryrun  # noqa: E402
 from launch_dryrun import clean_env  # noqa: E402
 
+import hyscale_bench.layer as bench_layer  # noqa: E402
 from megatron_hyscale.launch.command import LaunchError  # noqa: E402
 from megatron_hyscale.launch.layer_memory import GIB, estimate_layer  # noqa: E402
 from megatron_hyscale.launch.layer_run import LayerRun, check_python  # noqa: E402
