@@ -1,7 +1,7 @@
 """CI checks of the layer-run launch material (examples/deepseek_v4_flash, qwen3_8_flash_next).
 
 - every script's --dry-run exits 0 and prints the memory estimate and one command whose
-  bench_layer.py arguments parse with bench_layer.py's own parser (a renamed flag fails here),
+  `-m hyscale_bench.layer` arguments parse with its own parser (a renamed flag fails here),
   and whose process count (torchrun nodes x processes) equals that parser's CP x DP;
 - missing prerequisites (Slurm allocation, GPUs, a bench interpreter with megatron-core) stop
   the launch with exit code 2 and a message naming what is missing;
@@ -58,7 +58,8 @@ def commands(stdout: str) -> list[tuple[str, list[str]]]:
 
 
 def bench_args(argv: list[str]) -> list[str]:
-    i = next(k for k, w in enumerate(argv) if w.endswith("scripts/bench_layer.py"))
+    i = argv.index("hyscale_bench.layer")
+    assert argv[i - 1] == "-m", argv  # run by module, wherever the package is installed
     return argv[i + 1:]
 
 
