@@ -251,7 +251,7 @@ def resolve_device(name: str) -> torch.device:
 @contextlib.contextmanager
 def megatron_runtime(device: torch.device, seed: int) -> Iterator[None]:
     """megatron-core's process groups and RNG tracker; its CUDA calls redirected on a CPU."""
-    from megatron_hyscale.testing.cpu import init_single_process, megatron_on_cpu
+    from hyscale_bench.cpu import init_single_process, megatron_on_cpu
 
     with megatron_on_cpu() if device.type == "cpu" else contextlib.nullcontext():
         init_single_process(seed)
@@ -265,7 +265,7 @@ def build_models(args: argparse.Namespace, device: torch.device) -> dict[str, to
     HyScale model (strict): HyScale's initial weights do not depend on --no-stock, and the load
     itself shows that a stock checkpoint fits HyScale's modules.
     """
-    from megatron_hyscale.testing.models import build_gpt, tiny_dsa_config
+    from hyscale_bench.models import build_gpt, tiny_dsa_config
 
     config = tiny_dsa_config(
         num_layers=args.layers,

@@ -67,10 +67,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from megatron_hyscale.ops.kernels import sparse_attention as kern  # noqa: E402
-from megatron_hyscale.ops.kernels.options import AttentionKernelOptions  # noqa: E402
-from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_triton  # noqa: E402
-from megatron_hyscale.testing.bench import (  # noqa: E402
+from hyscale_bench.measure import (  # noqa: E402
     copy_tbps,
     log,
     matmul_tflops,
@@ -79,6 +76,9 @@ from megatron_hyscale.testing.bench import (  # noqa: E402
     save_record,
     time_ms,
 )
+from megatron_hyscale.ops.kernels import sparse_attention as kern  # noqa: E402
+from megatron_hyscale.ops.kernels.options import AttentionKernelOptions  # noqa: E402
+from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_triton  # noqa: E402
 
 # name: (Hq, Hkv, Dqk, separate v width or None, dv, sink, per-KV-head indices, K)
 SHAPES = {

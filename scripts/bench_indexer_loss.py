@@ -50,11 +50,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from megatron_hyscale.ops.indexer_loss import indexer_kl_loss  # noqa: E402
-from megatron_hyscale.ops.kernels import indexer_loss as kern  # noqa: E402
-from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions  # noqa: E402
-from megatron_hyscale.ops.sparse_attention import sparse_attention  # noqa: E402
-from megatron_hyscale.testing.bench import (  # noqa: E402
+from hyscale_bench.measure import (  # noqa: E402
     log,
     matmul_tflops,
     parse_tiling,
@@ -62,6 +58,10 @@ from megatron_hyscale.testing.bench import (  # noqa: E402
     save_record,
     time_ms,
 )
+from megatron_hyscale.ops.indexer_loss import indexer_kl_loss  # noqa: E402
+from megatron_hyscale.ops.kernels import indexer_loss as kern  # noqa: E402
+from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions  # noqa: E402
+from megatron_hyscale.ops.sparse_attention import sparse_attention  # noqa: E402
 
 # name: (Hq, Hkv, Dqk, H_I, D_I, K)
 SHAPES = {"glm51": (64, 1, 576, 32, 128, 2048), "v32": (128, 1, 576, 64, 128, 2048)}

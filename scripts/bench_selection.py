@@ -74,11 +74,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_hyscale.ops import hytopk  # noqa: E402
-from megatron_hyscale.ops.block_pool import block_visibility_positions  # noqa: E402
-from megatron_hyscale.ops.kernels import hytopk as hk  # noqa: E402
-from megatron_hyscale.ops.kernels.options import HyTopKOptions  # noqa: E402
-from megatron_hyscale.testing.bench import (  # noqa: E402
+from hyscale_bench.measure import (  # noqa: E402
     copy_tbps,
     log,
     matmul_tflops,
@@ -86,6 +82,10 @@ from megatron_hyscale.testing.bench import (  # noqa: E402
     save_record,
     time_ms,
 )
+from megatron_hyscale.ops import hytopk  # noqa: E402
+from megatron_hyscale.ops.block_pool import block_visibility_positions  # noqa: E402
+from megatron_hyscale.ops.kernels import hytopk as hk  # noqa: E402
+from megatron_hyscale.ops.kernels.options import HyTopKOptions  # noqa: E402
 
 GiB = 1 << 30
 TAG = ""

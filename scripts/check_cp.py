@@ -34,9 +34,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_layer  # noqa: E402
+import hyscale_bench.layer as bench_layer  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="outputs/check_cp", help="output folder")
     args = p.parse_args(argv)
     if args.device == "cuda":  # checked first: without a GPU nothing else matters
-        from megatron_hyscale.testing.bench import require_cuda
+        from hyscale_bench.measure import require_cuda
 
         require_cuda("check_cp.py --device cuda", hint="run it on the GPU machine, or use "
                      "--device cpu --tiny (under torchrun) for the gloo smoke check")
@@ -120,9 +119,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check(args: argparse.Namespace) -> dict[str, Any]:
+    from hyscale_bench.distributed import init_model_parallel
     from megatron_hyscale import replay
     from megatron_hyscale.parallel import zigzag_positions
-    from megatron_hyscale.testing.distributed import init_model_parallel
 
     world = int(os.environ["WORLD_SIZE"])
     base = ["--model", args.model, "--device", args.device, "--seq", str(args.seq),
@@ -168,7 +167,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     import contextlib
 
-    from megatron_hyscale.testing.cpu import megatron_on_cpu
+    from hyscale_bench.cpu import megatron_on_cpu
 
     args = parse_args(argv)
     if args.device == "cuda":

@@ -27,7 +27,7 @@ def main() -> int:
     parser.add_argument("--signatures", action="store_true",
                         help="print the DSA namespace's wrapper signatures and docstrings")
     args = parser.parse_args()
-    from megatron_hyscale.testing.bench import require_cuda
+    from hyscale_bench.measure import require_cuda
 
     require_cuda("check_cudnn_backend.py", hint="run it on the GPU machine (Hopper), after "
                  "scripts/gpu_cudnn.sh")

@@ -136,16 +136,16 @@ def compare_layer(csa: types.ModuleType, ratio: int, T: int, seed: int = 0) -> f
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    from hyscale_bench import models
     from megatron_hyscale.layers.deepseek_v4 import HyScaleV4Attention
     from megatron_hyscale.layers.linear import LocalLinear
-    from megatron_hyscale.testing import deepseek_v4 as v4
 
-    cfg, _ = v4.tiny_v4_configs(csa_ratio=4, hca_ratio=8, window=5, index_topk=3)
-    g = v4.TINY_GEOMETRY
+    cfg = models.tiny_v4_config(csa_ratio=4, hca_ratio=8, window=5, index_topk=3)
+    g = models.TINY_V4_GEOMETRY
     layer = RATIOS.index(ratio) + 1
     torch.manual_seed(seed)
     ours = HyScaleV4Attention(cfg, layer_number=layer).eval()
-    v4.randomize_(ours, seed)
+    models.randomize_(ours, seed)
     theta = cfg.v4_compress_rope_theta if ratio else cfg.v4_rope_theta
     nope = g["head_dim"] - g["rope_dim"]
     mcfg = MLATransformerConfig(
@@ -155,7 +155,7 @@ def compare_layer(csa: types.ModuleType, ratio: int, T: int, seed: int = 0) -> f
         kv_lora_rank=nope, rope_type="rope", rotary_base=theta, layernorm_epsilon=1e-6,
         dsa_indexer_n_heads=g["index_n_heads"], dsa_indexer_head_dim=g["index_head_dim"],
         dsa_indexer_topk=3, dsa_indexer_loss_coeff=0.0, params_dtype=torch.float32,
-        add_bias_linear=False, **v4.LOCAL_UNFUSED_FIELDS)
+        add_bias_linear=False, **models.LOCAL_UNFUSED_FIELDS)
     mcfg.csa_window_size, mcfg.csa_dense_mode = cfg.v4_sliding_window, False  # dev-only fields
     rope = RotaryEmbedding(g["rope_dim"], rotary_percent=1.0, rotary_base=theta,
                            use_cpu_initialization=True)
@@ -200,7 +200,7 @@ def compare_layer(csa: types.ModuleType, ratio: int, T: int, seed: int = 0) -> f
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from megatron_hyscale.testing.cpu import init_single_process, megatron_on_cpu
+    from hyscale_bench.cpu import init_single_process, megatron_on_cpu
 
     rows = []
     with megatron_on_cpu():

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 GiB = 2**30
@@ -126,12 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="outputs/profile_layer_memory",
                    help="folder for the JSON (default outputs/profile_layer_memory)")
     args = p.parse_args(argv)
-    from megatron_hyscale.testing.bench import require_cuda
+    from hyscale_bench.measure import require_cuda
 
     require_cuda("profile_layer_memory.py", hint="run it on the GPU machine (it reads CUDA's "
                  "allocator history)")
-    import bench_layer as bl
-
+    import hyscale_bench.layer as bl
     from megatron_hyscale import replay
 
     largv = ["--model", args.model, "--seq", str(args.seq), "--repeats", "1"]

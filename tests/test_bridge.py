@@ -34,6 +34,8 @@ from megatron.core.transformer.experimental_attention_variant.dsa import DSAtten
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+from hyscale_bench.cpu import init_single_process, megatron_on_cpu
+from hyscale_bench.models import LOCAL_UNFUSED_FIELDS, default_device, tiny_dsa_config
 from megatron_hyscale.bridge import (
     deepseek_v4_block_spec,
     detect_model,
@@ -44,8 +46,6 @@ from megatron_hyscale.layers.deepseek_v4 import DeepseekV4TransformerConfig, HyS
 from megatron_hyscale.layers.dsa import HyScaleDSAttention
 from megatron_hyscale.specs import get_dsa_block_spec
 from megatron_hyscale.specs.deepseek_v4 import get_v4_block_spec
-from megatron_hyscale.testing.cpu import init_single_process, megatron_on_cpu
-from megatron_hyscale.testing.models import LOCAL_UNFUSED_FIELDS, default_device, tiny_dsa_config
 
 DEVICE = default_device()
 VOCAB = 61

@@ -36,8 +36,8 @@ from megatron.training.arguments import _add_rl_args
 _add_rl_args(argparse.ArgumentParser())
 from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 TESpecProvider().grouped_mlp_modules(False)
-from megatron_hyscale.testing.cpu import init_single_process, megatron_on_cpu
-from megatron_hyscale.testing.models import build_gpt, tiny_dsa_config
+from hyscale_bench.cpu import init_single_process, megatron_on_cpu
+from hyscale_bench.models import build_gpt, tiny_dsa_config
 with megatron_on_cpu():
     init_single_process()
     config = tiny_dsa_config(recompute_granularity="selective", recompute_modules=["core_attn"])

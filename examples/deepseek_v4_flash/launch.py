@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""DeepSeek-V4-Flash layer runs of scripts/bench_layer.py: the logic behind this folder's scripts.
+"""DeepSeek-V4-Flash layer runs of hyscale_bench.layer: the logic behind this folder's scripts.
 
     launch.py full [--model csa|hca|dsa]   32 GPUs (4 x 8), 1M tokens, CP 8 x DP 4 (Slurm)
     launch.py small [--gpus 1|2]           1 GPU: CSA (or --model hca) at 16K .. 256K;

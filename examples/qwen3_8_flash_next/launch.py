@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Qwen3.8-Flash-Next QSA layer runs of scripts/bench_layer.py: the logic behind the scripts.
+"""Qwen3.8-Flash-Next QSA layer runs of hyscale_bench.layer: the logic behind the scripts.
 
     launch.py full                 32 GPUs (4 x 8), 1M tokens, CP 8 x DP 4 (Slurm)
     launch.py small [--gpus 1|2]   1 GPU: 16K .. 512K; 2 GPUs: CP 2 up to 1M

@@ -195,15 +195,17 @@ def launch_env(*paths: str) -> dict[str, str]:
 
 
 def torchrun(python: str, nproc: int, script: str, args: list[str], *, nnodes: int = 1,
-             rdzv_endpoint: str | None = None, rdzv_id: str = "hyscale") -> list[str]:
-    """`python -m torch.distributed.run ...` (same interpreter as the caller by default)."""
+             rdzv_endpoint: str | None = None, rdzv_id: str = "hyscale",
+             module: bool = False) -> list[str]:
+    """`python -m torch.distributed.run ...` (same interpreter as the caller by default);
+    `module`: `script` is a module name, run as `python -m` runs it."""
     argv = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     if nnodes == 1 and rdzv_endpoint is None:
         argv += ["--standalone", "--nnodes", "1"]
     else:
         argv += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", str(rdzv_endpoint), "--rdzv-id", rdzv_id]
-    return argv + [script, *args]
+    return argv + (["-m"] if module else []) + [script, *args]
 
 
 def slurm_master_addr(*, required: bool) -> str:
@@ -226,13 +228,13 @@ def slurm_master_addr(*, required: bool) -> str:
 
 
 def srun_torchrun(python: str, nodes: int, gpus_per_node: int, script: str, args: list[str],
-                  *, master_addr: str, port: int = 29500) -> list[str]:
+                  *, master_addr: str, port: int = 29500, module: bool = False) -> list[str]:
     """One torchrun per node through srun; torchrun starts the node's GPU workers."""
     job = os.environ.get("SLURM_JOB_ID", "hyscale")
     srun = ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", f"--gpus-per-node={gpus_per_node}",
             "--kill-on-bad-exit=1", "--export=ALL"]
     return srun + torchrun(python, gpus_per_node, script, args, nnodes=nodes,
-                           rdzv_endpoint=f"{master_addr}:{port}", rdzv_id=job)
+                           rdzv_endpoint=f"{master_addr}:{port}", rdzv_id=job, module=module)
 
 
 def print_command(cmd: Command) -> None:

@@ -1,4 +1,4 @@
-"""Layer-run launches of `scripts/bench_layer.py` (the V4-Flash and Qwen3.8 examples' logic).
+"""Layer-run launches of `hyscale_bench.layer` (the V4-Flash and Qwen3.8 examples' logic).
 
 A layer run times one attention layer (forward + backward under full recompute) at a long
 sequence, HyScale against its baseline, on one GPU, a node (torchrun) or several nodes (srun +
@@ -25,7 +25,6 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from megatron_hyscale.launch.command import (
-    REPO_ROOT,
     Command,
     LaunchError,
     launch_env,
@@ -36,7 +35,8 @@ from megatron_hyscale.launch.command import (
 )
 from megatron_hyscale.launch.layer_memory import GIB, estimate_layer, format_layer_table
 
-BENCH_SCRIPT = REPO_ROOT / "scripts" / "bench_layer.py"
+# Run by module name: it resolves wherever the packages are installed (a wheel has no scripts/).
+BENCH_MODULE = "hyscale_bench.layer"
 # Bytes per token that allgather CP gathers from the other ranks (bf16): the keys / values the
 # sparse attention reads and the indexer's raw keys.
 CP_GATHER_BYTES_PER_TOKEN = {
@@ -130,15 +130,14 @@ def build_command(run: LayerRun, python: str, gpu_gib: float, *, dry_run: bool,
                   port: int = 29500) -> Command:
     """python (1 GPU), torchrun (one node) or srun + torchrun (several nodes)."""
     args = run.bench_args(gpu_gib)
-    script = str(BENCH_SCRIPT)
     if run.nodes > 1:
         master = slurm_master_addr(required=not dry_run)
-        argv = srun_torchrun(python, run.nodes, run.gpus_per_node, script, args,
-                             master_addr=master, port=port)
+        argv = srun_torchrun(python, run.nodes, run.gpus_per_node, BENCH_MODULE, args,
+                             master_addr=master, port=port, module=True)
     elif run.world > 1:
-        argv = torchrun(python, run.world, script, args)
+        argv = torchrun(python, run.world, BENCH_MODULE, args, module=True)
     else:
-        argv = [python, script, *args]
+        argv = [python, "-m", BENCH_MODULE, *args]
     return Command(argv=argv, env=launch_env(), label=f"{run.label}: {run.model}")
 
 

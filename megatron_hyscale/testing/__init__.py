@@ -1,1 +1,5 @@
-"""Helpers for tests and the demo: megatron-core on CPU, tiny DSA models."""
+"""Helpers for tests and the demo only: oracles, comparisons, the recall metric, known warnings.
+
+The harness they share with the benchmarks (megatron-core on CPU, tiny models) is
+`hyscale_bench`.
+"""

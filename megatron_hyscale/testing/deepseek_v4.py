@@ -1,9 +1,9 @@
 """transformers' DeepseekV4 attention as an oracle for `layers.deepseek_v4.HyScaleV4Attention`.
 
-- `tiny_v4_configs(...)`: a matching pair (HyScale's `DeepseekV4TransformerConfig`,
-  transformers' `DeepseekV4Config`) at tiny sizes, fp32, local linears, default RoPE.
-- `randomize_(hf_attention)`: fill the oracle's (uninitialized) parameters with well-scaled
-  random values, sinks and position biases included.
+- `tiny_v4_configs(...)`: a matching pair (HyScale's `DeepseekV4TransformerConfig` from
+  `hyscale_bench.models.tiny_v4_config`, transformers' `DeepseekV4Config`) at tiny sizes, fp32,
+  local linears, default RoPE. The oracle's (uninitialized) parameters are filled by
+  `hyscale_bench.models.randomize_`.
 - `load_from_transformers(ours, hf_attention)`: copy the oracle's weights into HyScale's module.
   The mapping (transformers name -> HyScale name; all tensors keep their layout):
       q_a_proj.weight -> linear_q_a.weight        q_a_norm.weight -> q_a_norm.weight
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
+from hyscale_bench.models import TINY_V4_GEOMETRY, tiny_v4_config
 from megatron_hyscale.layers.deepseek_v4 import DeepseekV4TransformerConfig, HyScaleV4Attention
-from megatron_hyscale.testing.models import LOCAL_UNFUSED_FIELDS
 
 _PREFIXES = (  # longest first: the indexer lives inside transformers' compressor
     ("compressor.indexer.scorer.weights_proj.", "indexer.linear_weights."),
@@ -59,12 +59,6 @@ def hf_to_hyscale_name(name: str) -> str:
     raise AssertionError("unreachable")
 
 
-# V4-Flash: hidden 4096, 64 heads x 512 (rope 64), q_lora 1024, 8 groups x 1024, indexer 64 x 128.
-TINY_GEOMETRY = dict(hidden_size=32, num_attention_heads=4, head_dim=16, rope_dim=8,
-                     q_lora_rank=24, o_groups=2, o_lora_rank=8, index_n_heads=8,
-                     index_head_dim=16)
-
-
 def tiny_v4_configs(*, csa_ratio: int = 4, hca_ratio: int = 8, window: int = 5,
                     index_topk: int = 3, compress_ratios: list[int] | None = None,
                     yarn: dict | None = None, geometry: dict[str, int] | None = None,
@@ -74,27 +68,15 @@ def tiny_v4_configs(*, csa_ratio: int = 4, hca_ratio: int = 8, window: int = 5,
     compress_ratios: per layer (0 window, csa_ratio CSA, hca_ratio HCA); default
     [0, csa_ratio, hca_ratio]. yarn: YaRN parameters for the compress RoPE (e.g. {"factor": 4,
     "original_max_position_embeddings": 16}) given to both. geometry: overrides of the sizes
-    (keys as in `TINY_GEOMETRY`). Keyword overrides go to the HyScale config.
+    (keys as in `TINY_V4_GEOMETRY`). Keyword overrides go to the HyScale config.
     """
     from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 
+    ours = tiny_v4_config(csa_ratio=csa_ratio, hca_ratio=hca_ratio, window=window,
+                          index_topk=index_topk, compress_ratios=compress_ratios, yarn=yarn,
+                          geometry=geometry, **overrides)
     ratios = compress_ratios or [0, csa_ratio, hca_ratio]
-    g = {**TINY_GEOMETRY, **(geometry or {})}
-    fields: dict[str, Any] = dict(
-        num_layers=len(ratios), hidden_size=g["hidden_size"],
-        num_attention_heads=g["num_attention_heads"], ffn_hidden_size=64,
-        v4_head_dim=g["head_dim"], v4_rope_head_dim=g["rope_dim"],
-        v4_q_lora_rank=g["q_lora_rank"], v4_o_groups=g["o_groups"],
-        v4_o_lora_rank=g["o_lora_rank"], v4_sliding_window=window,
-        v4_compress_ratios=list(ratios), v4_csa_ratio=csa_ratio,
-        v4_index_n_heads=g["index_n_heads"], v4_index_head_dim=g["index_head_dim"],
-        v4_index_topk=index_topk, normalization="RMSNorm", layernorm_epsilon=1e-6,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, **LOCAL_UNFUSED_FIELDS,
-        v4_compress_rope_scaling=None if yarn is None else {"type": "yarn", **yarn},
-    )
-    fields.update(overrides)
-    ours = DeepseekV4TransformerConfig(**fields)
+    g = {**TINY_V4_GEOMETRY, **(geometry or {})}
     kinds = {0: "sliding_attention", csa_ratio: "compressed_sparse_attention",
              hca_ratio: "heavily_compressed_attention"}
     theirs = DeepseekV4Config(
@@ -113,21 +95,6 @@ def tiny_v4_configs(*, csa_ratio: int = 4, hca_ratio: int = 8, window: int = 5,
     )
     theirs._attn_implementation = "eager"
     return ours, theirs
-
-
-@torch.no_grad()
-def randomize_(module: torch.nn.Module, seed: int = 0) -> None:
-    """Random, well-scaled values for every parameter (1 / sqrt(fan_in) for projections, norms
-    near 1; biases and sinks nonzero, since zeros would hide bugs)."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in sorted(module.named_parameters()):
-        noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
-        if name.endswith("norm.weight"):
-            p.copy_(1.0 + 0.2 * noise)
-        elif name.endswith("position_bias") or name == "sinks":
-            p.copy_(noise)
-        else:
-            p.copy_(noise / p.shape[-1] ** 0.5)
 
 
 @torch.no_grad()

@@ -3,44 +3,24 @@
 A test gives `run_workers` a module-level `body(rank, result)`: each spawned rank joins a gloo
 process group on 127.0.0.1 (one intra-op thread), runs the body, which fills the dict `result`,
 and saves it with `torch.save` (rank 0 always; another rank when it fails, under the key
-"worker_error" holding the traceback). `init_model_parallel(cp)` (re)builds megatron's groups
-for context parallelism `cp` inside a body, or under torchrun.
+"worker_error" holding the traceback). A body builds megatron's groups with
+`hyscale_bench.distributed.init_model_parallel`.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_model_parallel(cp: int, seed: int = 1234) -> Any:
-    """megatron's groups for TP 1, PP 1 and context parallelism `cp` over the current world (torn
-    down first if they exist), its RNG tracker seeded; returns the CP group (None at 1)."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=cp)
-    model_parallel_cuda_manual_seed(seed)
-    return parallel_state.get_context_parallel_group() if cp > 1 else None
+from hyscale_bench.distributed import free_port
 
 
 def _rank_main(rank: int, port: int, out_path: str, nprocs: int,

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from hyscale_bench.models import LOCAL_UNFUSED_FIELDS
 from megatron_hyscale.layers.qsa import QSATransformerConfig
-from megatron_hyscale.testing.models import LOCAL_UNFUSED_FIELDS
 
 _NORMS = {
     "q_norm.weight": "q_layernorm.weight",

@@ -581,7 +581,7 @@ def test_local_arguments_build_a_model_that_trains(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.spec_utils import import_module
 
-    from megatron_hyscale.testing.cpu import init_single_process, megatron_on_cpu
+    from hyscale_bench.cpu import init_single_process, megatron_on_cpu
 
     layout = cfg.small_layout(1, cfg.SMALL_SEQ_LENGTH, 4)
     argv = cfg.megatron_args(cfg.GLM5_1_SMALL, layout, spec=spec, transformer_impl="local",

@@ -1,7 +1,7 @@
 """CI checks of the layer-run launch material (examples/deepseek_v4_flash, qwen3_8_flash_next).
 
 - every script's --dry-run exits 0 and prints the memory estimate and one command whose
-  bench_layer.py arguments parse with bench_layer.py's own parser (a renamed flag fails here),
+  `-m hyscale_bench.layer` arguments parse with its own parser (a renamed flag fails here),
   and whose process count (torchrun nodes x processes) equals that parser's CP x DP;
 - missing prerequisites (Slurm allocation, GPUs, a bench interpreter with megatron-core) stop
   the launch with exit code 2 and a message naming what is missing;
@@ -18,12 +18,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench_layer  # noqa: E402
 import launch_dryrun  # noqa: E402
 from launch_dryrun import clean_env  # noqa: E402
 
+import hyscale_bench.layer as bench_layer  # noqa: E402
 from megatron_hyscale.launch.command import LaunchError  # noqa: E402
 from megatron_hyscale.launch.layer_memory import GIB, estimate_layer  # noqa: E402
 from megatron_hyscale.launch.layer_run import LayerRun, check_python  # noqa: E402
@@ -59,7 +58,8 @@ def commands(stdout: str) -> list[tuple[str, list[str]]]:
 
 
 def bench_args(argv: list[str]) -> list[str]:
-    i = next(k for k, w in enumerate(argv) if w.endswith("scripts/bench_layer.py"))
+    i = argv.index("hyscale_bench.layer")
+    assert argv[i - 1] == "-m", argv  # run by module, wherever the package is installed
     return argv[i + 1:]
 
 

@@ -4,8 +4,8 @@ import contextlib
 
 import pytest
 
-from megatron_hyscale.testing.cpu import init_single_process, megatron_on_cpu
-from megatron_hyscale.testing.models import default_device
+from hyscale_bench.cpu import init_single_process, megatron_on_cpu
+from hyscale_bench.models import default_device
 
 DEVICE = default_device()
 

@@ -19,10 +19,10 @@ from megatron_hyscale.layers.deepseek_v4 import HyScaleV4Attention, window_indic
 from megatron_hyscale.ops.compress import default_inv_freq
 
 dsv4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+from hyscale_bench.models import randomize_  # noqa: E402
 from megatron_hyscale.testing.deepseek_v4 import (  # noqa: E402
     hf_to_hyscale_name,
     load_from_transformers,
-    randomize_,
     tiny_v4_configs,
     transformers_attention_forward,
 )

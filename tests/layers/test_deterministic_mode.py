@@ -11,7 +11,7 @@ from megatron.core.models.gpt import GPTModel
 import megatron_hyscale.layers.deepseek_v4 as csa_layers
 import megatron_hyscale.layers.dsa as dsa_layers
 import megatron_hyscale.layers.qsa as qsa_layers
-from megatron_hyscale.testing.models import build_gpt, default_device, tiny_dsa_config
+from hyscale_bench.models import build_gpt, default_device, tiny_dsa_config
 
 DEVICE = default_device()
 VOCAB, B = 61, 1

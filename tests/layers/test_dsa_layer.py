@@ -19,9 +19,9 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAttention,
 )
 
+from hyscale_bench.models import build_gpt, default_device, tiny_dsa_config
 from megatron_hyscale import replay
 from megatron_hyscale.layers.dsa import HyScaleDSAttention
-from megatron_hyscale.testing.models import build_gpt, default_device, tiny_dsa_config
 from megatron_hyscale.testing.stock import stock_topk_breaks_ties_by_index
 
 DEVICE = default_device()

@@ -10,8 +10,8 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexerLossLoggingHelper,
 )
 
+from hyscale_bench.models import build_gpt, default_device, tiny_dsa_config
 from megatron_hyscale import replay
-from megatron_hyscale.testing.models import build_gpt, default_device, tiny_dsa_config
 
 DEVICE = default_device()
 

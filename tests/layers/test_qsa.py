@@ -31,11 +31,11 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 from megatron.core.transformer.spec_utils import build_module
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextAttention
 
+from hyscale_bench.models import default_device
 from megatron_hyscale import replay
 from megatron_hyscale.layers.qsa import HyScaleQSAttention
 from megatron_hyscale.ops.block_pool import block_scores
 from megatron_hyscale.specs.qsa import get_qsa_attention_spec
-from megatron_hyscale.testing.models import default_device
 from megatron_hyscale.testing.qsa import (
     hf_causal_mask,
     hf_position_embeddings,

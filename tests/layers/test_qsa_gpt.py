@@ -14,6 +14,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
+from hyscale_bench.models import default_device
 from megatron_hyscale import replay
 from megatron_hyscale.layers.qsa import (
     HyScaleQSASelfAttention,
@@ -22,7 +23,6 @@ from megatron_hyscale.layers.qsa import (
     ScoreTableBlockSelector,
 )
 from megatron_hyscale.specs.qsa import get_qsa_block_spec, get_qsa_layer_specs
-from megatron_hyscale.testing.models import default_device
 from megatron_hyscale.testing.qsa import tiny_qsa_configs
 
 DEVICE = default_device()

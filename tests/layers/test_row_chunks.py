@@ -15,11 +15,11 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexerLossLoggingHelper,
 )
 
+from hyscale_bench.models import build_gpt, default_device, tiny_dsa_config
 from megatron_hyscale import replay
 from megatron_hyscale.layers.mla import HyScaleMLASelfAttention
 from megatron_hyscale.specs import ROW_CHUNK_ENV, get_dsa_layer_specs, row_chunk_from_env
 from megatron_hyscale.testing.compare import assert_grads_close
-from megatron_hyscale.testing.models import build_gpt, default_device, tiny_dsa_config
 
 DEVICE = default_device()
 VOCAB, T, B = 97, 100, 2

@@ -6,11 +6,11 @@ import pytest
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from hyscale_bench.models import default_device
 from megatron_hyscale import replay
 from megatron_hyscale.layers.deepseek_v4 import HyScaleV4Attention
 from megatron_hyscale.specs.deepseek_v4 import get_v4_block_spec
 from megatron_hyscale.testing.compare import assert_grads_close
-from megatron_hyscale.testing.models import default_device
 
 pytest.importorskip("transformers.models.deepseek_v4")
 from megatron_hyscale.testing.deepseek_v4 import tiny_v4_configs  # noqa: E402

@@ -25,8 +25,8 @@ T = 4096
 def build(kernel_backend: str, stock: bool, hyscale_kernels: str | None = None):
     from megatron.core.transformer.spec_utils import build_module
 
+    from hyscale_bench.models import tiny_dsa_config
     from megatron_hyscale.specs import get_dsa_layer_specs
-    from megatron_hyscale.testing.models import tiny_dsa_config
 
     cfg = tiny_dsa_config(ffn_hidden_size=4096, num_layers=1, params_dtype=torch.bfloat16,
                           bf16=True, dsa_indexer_loss_coeff=0.01,

@@ -16,7 +16,8 @@ from megatron_hyscale.ops.compress import (
 )
 
 dsv4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-from megatron_hyscale.testing.deepseek_v4 import randomize_, tiny_v4_configs  # noqa: E402
+from hyscale_bench.models import randomize_  # noqa: E402
+from megatron_hyscale.testing.deepseek_v4 import tiny_v4_configs  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 

@@ -24,10 +24,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hyscale_bench.distributed import init_model_parallel
+from hyscale_bench.models import randomize_
 from megatron_hyscale.parallel import zigzag_merge, zigzag_split
 from megatron_hyscale.testing.compare import assert_grads_close
-from megatron_hyscale.testing.deepseek_v4 import randomize_
-from megatron_hyscale.testing.distributed import init_model_parallel, run_workers
+from megatron_hyscale.testing.distributed import run_workers
 
 WORLD = 2
 T, B = 44, 2
@@ -200,7 +201,7 @@ def _run(name: str, cp_group) -> dict:
 
 
 def _body(rank: int, result: dict) -> None:
-    from megatron_hyscale.testing.cpu import megatron_on_cpu
+    from hyscale_bench.cpu import megatron_on_cpu
 
     with megatron_on_cpu():
         for cp in (1, WORLD):

@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hyscale_bench.distributed import init_model_parallel
 from megatron_hyscale.parallel import (
     all_gather_to_global,
     global_to_rank_major,
@@ -43,7 +44,7 @@ from megatron_hyscale.parallel import (
     zigzag_positions,
     zigzag_split,
 )
-from megatron_hyscale.testing.distributed import init_model_parallel, run_workers
+from megatron_hyscale.testing.distributed import run_workers
 
 WORLD = 2
 VOCAB, T, B = 97, 256, 2
@@ -105,7 +106,7 @@ def test_layout_rejects_uneven_lengths():
 @contextlib.contextmanager
 def _cpu_cp_patches() -> Iterator[None]:
     """megatron on CPU (its CP RoPE slice included) and the tie-deterministic stock top-k."""
-    from megatron_hyscale.testing.cpu import megatron_on_cpu
+    from hyscale_bench.cpu import megatron_on_cpu
     from megatron_hyscale.testing.stock import stock_topk_breaks_ties_by_index
 
     with contextlib.ExitStack() as stack:
@@ -197,8 +198,8 @@ def _check_gather(cp_group) -> None:
 
 
 def _check_cp_comm_type_error(cfg) -> None:
+    from hyscale_bench.models import build_gpt
     from megatron_hyscale.layers.dsa import HyScaleDSAttention
-    from megatron_hyscale.testing.models import build_gpt
 
     model = build_gpt(cfg, stock=False, vocab_size=VOCAB, max_sequence_length=T, device="cpu")
     for m in model.modules():
@@ -214,8 +215,8 @@ def _check_cp_comm_type_error(cfg) -> None:
 
 
 def _body(rank: int, result: dict) -> None:
+    from hyscale_bench.models import build_gpt, tiny_dsa_config
     from megatron_hyscale.layers import dsa as hyscale_dsa
-    from megatron_hyscale.testing.models import build_gpt, tiny_dsa_config
 
     record: list = []
     real_hytopk = hyscale_dsa.hytopk

@@ -18,8 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hyscale_bench.distributed import init_model_parallel
 from megatron_hyscale.parallel import zigzag_merge, zigzag_split
-from megatron_hyscale.testing.distributed import init_model_parallel, run_workers
+from megatron_hyscale.testing.distributed import run_workers
 
 WORLD = 2
 VOCAB, T, B = 97, 72, 2
@@ -96,7 +97,7 @@ def _run(model, cp_group) -> dict:
 
 
 def _body(rank: int, result: dict) -> None:
-    from megatron_hyscale.testing.cpu import megatron_on_cpu
+    from hyscale_bench.cpu import megatron_on_cpu
 
     with megatron_on_cpu():
         states = {}

@@ -1,4 +1,5 @@
-"""Smoke test of scripts/bench_layer.py: `--device cpu --tiny` runs each layer end to end.
+"""Smoke test of hyscale_bench.layer (scripts/bench_layer.py): `--device cpu --tiny` runs each layer
+end to end.
 
 The benchmark's GPU numbers come from the H200; CI only checks that every code path of the
 script (build HyScale and baseline on the same weights, full-recompute step, in-step selection
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+import hyscale_bench.layer as bench_layer
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_layer.py"
@@ -120,7 +123,6 @@ def test_tiny_cpu_row_chunks_under_context_parallelism(model: str, tmp_path: Pat
 
 
 def test_row_chunk_flag_checks() -> None:
-    bench_layer = _import_bench_layer()
     assert bench_layer.parse_args([]).row_chunk is None
     assert bench_layer.parse_args(["--row-chunk", "131072"]).row_chunk == 131072
     for bad in (["--row-chunk", "0"], ["--model", "qsa", "--row-chunk", "64"]):
@@ -135,11 +137,6 @@ def test_cp_must_equal_world_size(tmp_path: Path) -> None:
 
 
 def test_parser_checks() -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import bench_layer
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
     args = bench_layer.parse_args(["--model", "qsa", "--cp", "2", "--seq", "1048576",
                                    "--skip-baseline"])
     assert (args.model, args.cp, args.seq, args.skip_baseline) == ("qsa", 2, [1048576], True)
@@ -153,17 +150,7 @@ def test_parser_checks() -> None:
     assert bench_layer.parse_args(["--attention-bwd", "fused"]).attention_bwd == "fused"
 
 
-def _import_bench_layer() -> Any:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import bench_layer
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    return bench_layer
-
-
 def test_stock_kernel_backend_flag_parses() -> None:
-    bench_layer = _import_bench_layer()
     assert bench_layer.parse_args([]).stock_kernel_backend == "none"  # default: PyTorch stock
     args = bench_layer.parse_args(["--stock-kernel-backend", "tilelang", "--seq", "8192"])
     assert (args.model, args.stock_kernel_backend, args.seq) == ("dsa", "tilelang", [8192])
@@ -222,7 +209,6 @@ def test_single_stock_json_and_table_unchanged(tmp_path: Path) -> None:
 def test_two_stock_rows_table_and_json(tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     """The stock + stock_tilelang layout (the GPU run's) on made-up records."""
-    bench_layer = _import_bench_layer()
 
     def rec(ms: float) -> dict[str, Any]:
         return {"fwd_bwd_ms": ms, "peak_extra_gib": 1.0, "selection_in_step_ms": 1.0,
@@ -256,7 +242,6 @@ def test_two_stock_rows_table_and_json(tmp_path: Path,
 
 
 def test_fused_hook_counter_counts_and_restores() -> None:
-    bench_layer = _import_bench_layer()
     hooks = types.SimpleNamespace(ran=lambda x: x * 2, declines=lambda x: None)
     originals = (hooks.ran, hooks.declines)
     with bench_layer.FusedHookCounter([(hooks, "ran"), (hooks, "declines")]) as counter:
@@ -267,7 +252,6 @@ def test_fused_hook_counter_counts_and_restores() -> None:
 
 
 def test_guarded_keeps_going_only_when_asked() -> None:
-    bench_layer = _import_bench_layer()
 
     def broken() -> dict[str, Any]:
         raise RuntimeError("kernel compile failed")
@@ -286,7 +270,6 @@ def test_layer_floor_at_glm5_1_geometry() -> None:
     exactly the selection floor."""
     import types
 
-    bench_layer = _import_bench_layer()
     layer = types.SimpleNamespace(module=types.SimpleNamespace(
         config=types.SimpleNamespace(**bench_layer.GLM51)))
     args = types.SimpleNamespace(cp=2)

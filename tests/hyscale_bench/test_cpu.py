@@ -3,7 +3,7 @@
 import torch
 from megatron.core.tensor_parallel import random as mrandom
 
-from megatron_hyscale.testing.cpu import init_single_process, megatron_on_cpu
+from hyscale_bench.cpu import init_single_process, megatron_on_cpu
 
 
 def test_patches_are_scoped_to_the_block():

@@ -70,8 +70,18 @@ def parse_tiling(text: str) -> tuple[int, int]:
 
 # Where benchmark records go: the repository's performance history (tracked, small JSON).
 RESULTS_DIR_ENV = "HYSCALE_RESULTS"
-DEFAULT_RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "benchmarks", "results")
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def results_dir() -> str:
+    """$HYSCALE_RESULTS, else the checkout's benchmarks/results/ when this package runs from a
+    source tree, else benchmarks/results/ under the current directory (an installed wheel has
+    no checkout to write into)."""
+    if os.environ.get(RESULTS_DIR_ENV):
+        return os.environ[RESULTS_DIR_ENV]
+    if os.path.isfile(os.path.join(_CHECKOUT, "pyproject.toml")):
+        return os.path.join(_CHECKOUT, "benchmarks", "results")
+    return os.path.join(os.getcwd(), "benchmarks", "results")
 
 
 def commit() -> str:
@@ -96,7 +106,7 @@ def _same_command(path: str, command: str) -> bool:
 def save_record(script: str, config: str, records: list[dict], *, matmul: float, copy: float,
                 extra: dict | None = None) -> str:
     """Write `records` (one entry per method and length) with the run's meta to
-    $HYSCALE_RESULTS (default benchmarks/results/) as <date>-<device>-<script>-<config>.json
+    `results_dir()` (benchmarks/results/ by default) as <date>-<device>-<script>-<config>.json
     (another command's record of the same day gets a -2, -3 ... suffix); returns the path.
     matmul / copy: the TFLOP/s and TB/s measured in the same run."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -104,7 +114,7 @@ def save_record(script: str, config: str, records: list[dict], *, matmul: float,
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": device, "commit": commit(),
             "command": " ".join(shlex.quote(a) for a in sys.argv), "matmul_tflops": matmul,
             "copy_tbps": copy, "torch": torch.__version__, **(extra or {})}
-    folder = os.environ.get(RESULTS_DIR_ENV) or DEFAULT_RESULTS_DIR
+    folder = results_dir()
     os.makedirs(folder, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9.]+", "-", device.lower()).strip("-")
     path = os.path.join(folder, f"{date}-{slug}-{script}-{config}.json")

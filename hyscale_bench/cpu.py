@@ -1,4 +1,4 @@
-"""Run megatron-core on a CPU (tests, the demo): redirect its few hard-coded CUDA calls.
+"""Run megatron-core on a CPU (tests, the demo, benchmarks): redirect its hard-coded CUDA calls.
 
 megatron-core assumes CUDA in a handful of places: `torch.cuda.current_device()` as a device
 argument, the CUDA RNG state get/set in `tensor_parallel.random` (the RNG tracker and
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 from unittest import mock
 
 import torch
+
+from hyscale_bench.distributed import free_port
 
 
 def _cpu_get_rng_state(device: object = "cuda", clone: bool = False,
@@ -67,12 +68,6 @@ def megatron_on_cpu() -> Iterator[None]:
         yield
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_single_process(seed: int = 1234) -> None:
     """One-rank gloo world + megatron model-parallel groups of size 1 (idempotent).
 
@@ -83,7 +78,7 @@ def init_single_process(seed: int = 1234) -> None:
 
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         torch.distributed.init_process_group(backend=backend, rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
