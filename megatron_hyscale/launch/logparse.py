@@ -283,7 +283,7 @@ def summary_record(run: RunSummary, records: list[IterationRecord], *, seq_lengt
 
 def _git_commit(root: Path) -> str:
     """$HYSCALE_COMMIT (a GPU session's tree copy has no .git), else `git rev-parse` in root,
-    '+dirty' for uncommitted changes (as megatron_hyscale.testing.bench.commit)."""
+    '+dirty' for uncommitted changes (as hyscale_bench.measure.commit)."""
     if os.environ.get("HYSCALE_COMMIT"):
         return os.environ["HYSCALE_COMMIT"]
 
@@ -302,7 +302,7 @@ def save_record(folder: Path, script: str, config: str, records: list[dict], *, 
                 device: str, torch_version: str | None, root: Path,
                 extra: dict | None = None) -> Path:
     """Write `records` with the run's meta as <date>-<device>-<script>-<config>.json in folder,
-    the fields of benchmarks/results/ (megatron_hyscale.testing.bench.save_record's): meta date,
+    the fields of benchmarks/results/ (hyscale_bench.measure.save_record's): meta date,
     device, commit, command, matmul_tflops, copy_tbps, torch, then `extra`. A launcher runs no
     GPU code itself, so the matmul and copy rates are null (not measured in this run)."""
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": device,

@@ -19,9 +19,9 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 )
 from megatron.core.transformer.spec_utils import build_module
 
+from hyscale_bench.models import default_device, tiny_dsa_config
 from megatron_hyscale import replay
 from megatron_hyscale.specs import get_dsa_layer_specs
-from megatron_hyscale.testing.models import default_device, tiny_dsa_config
 from megatron_hyscale.testing.stock import stock_topk_breaks_ties_by_index
 
 DEVICE = default_device()

@@ -37,10 +37,10 @@ def _body(rank: int, result: dict) -> None:
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+    from hyscale_bench.cpu import megatron_on_cpu
+    from hyscale_bench.models import tiny_dsa_config
     from megatron_hyscale import replay
     from megatron_hyscale.specs import get_dsa_layer_specs
-    from megatron_hyscale.testing.cpu import megatron_on_cpu
-    from megatron_hyscale.testing.models import tiny_dsa_config
     from megatron_hyscale.testing.stock import stock_topk_breaks_ties_by_index
 
     build_norm = WrappedTorchNorm.__new__
