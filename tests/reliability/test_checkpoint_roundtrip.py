@@ -215,3 +215,46 @@ def test_v4_mixed_layers_save_with_the_default_config(tmp_path):
     pytest.importorskip("transformers.models.deepseek_v4")
     run = Trainer("v4", stock=False)  # compress ratios [0, 4]: window layer + CSA layer
     run.save(str(tmp_path / "v4"))
+
+
+def _two_rank_body(directory: str, rank: int, result: dict) -> None:
+    """Each of 2 data-parallel ranks (own batches): stock trains 2 steps and saves; HyScale
+    loads, then both take one more step (DDP all-reduces the gradients over gloo)."""
+    import contextlib
+
+    from megatron_hyscale.testing.cpu import megatron_on_cpu
+    from megatron_hyscale.testing.distributed import init_model_parallel
+    from megatron_hyscale.testing.quiet import quiet_megatron
+    from megatron_hyscale.testing.training import training_on_cpu
+
+    cpu = megatron_on_cpu() if not torch.cuda.is_available() else contextlib.nullcontext()
+    with quiet_megatron(), cpu, training_on_cpu(), topk_ties_by_index():
+        init_model_parallel(1)
+        stock = Trainer("dsa", stock=True, data_seed=rank, **FULL_RECOMPUTE)
+        for _ in range(2):
+            stock.train_step()
+        stock.save(directory)
+        ours = Trainer("dsa", stock=False, seed=99, data_seed=rank, **FULL_RECOMPUTE)
+        ours.load(directory)
+        assert_same_tensors(ours, stock)
+        expected, got = stock.train_step(keep_grads=True), ours.train_step(keep_grads=True)
+        result.update(expected=expected, got=got,
+                      params={n: p.detach().clone() for n, p in ours.module.named_parameters()},
+                      stock_params={n: p.detach().clone()
+                                    for n, p in stock.module.named_parameters()})
+
+
+def test_counterpart_to_hyscale_at_two_data_parallel_ranks(tmp_path):
+    import functools
+
+    from megatron_hyscale.testing.distributed import run_workers
+
+    result = run_workers(functools.partial(_two_rank_body, str(tmp_path / "ckpt")), nprocs=2,
+                         timeout_s=240)
+    expected, got = result["expected"], result["got"]
+    torch.testing.assert_close(got.loss, expected.loss, rtol=1e-6, atol=1e-6)
+    for name, grad in expected.grads.items():
+        torch.testing.assert_close(got.grads[name], grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    for name, p in result["stock_params"].items():
+        torch.testing.assert_close(result["params"][name], p, rtol=1e-5, atol=1e-7)
