@@ -240,7 +240,13 @@ def _two_rank_body(directory: str, rank: int, result: dict) -> None:
         ours.load(directory)
         assert_same_tensors(ours, stock)
         expected, got = stock.train_step(keep_grads=True), ours.train_step(keep_grads=True)
-        result.update(expected=expected, got=got,
+        # the ranks saw different batches, and DDP made their gradients one
+        losses = [torch.zeros(()) for _ in range(2)]
+        torch.distributed.all_gather(losses, got.loss)
+        grad_sums = [torch.zeros(()) for _ in range(2)]
+        torch.distributed.all_gather(grad_sums, sum(g.double().abs().sum() for g in
+                                                    got.grads.values()).float())
+        result.update(losses=losses, grad_sums=grad_sums,expected=expected, got=got,
                       params={n: p.detach().clone() for n, p in ours.module.named_parameters()},
                       stock_params={n: p.detach().clone()
                                     for n, p in stock.module.named_parameters()})
@@ -254,6 +260,8 @@ def test_counterpart_to_hyscale_at_two_data_parallel_ranks(tmp_path):
     result = run_workers(functools.partial(_two_rank_body, str(tmp_path / "ckpt")), nprocs=2,
                          timeout_s=240)
     expected, got = result["expected"], result["got"]
+    assert not torch.equal(result["losses"][0], result["losses"][1])
+    assert torch.equal(result["grad_sums"][0], result["grad_sums"][1])
     torch.testing.assert_close(got.loss, expected.loss, rtol=1e-6, atol=1e-6)
     for name, grad in expected.grads.items():
         torch.testing.assert_close(got.grads[name], grad, rtol=1e-4, atol=1e-6,
