@@ -114,7 +114,7 @@ def _cpu_pp_patches() -> Iterator[None]:
     """megatron on CPU, its pipeline schedules included, and the tie-deterministic stock top-k."""
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron_hyscale.testing.cpu import megatron_on_cpu
+    from hyscale_bench.cpu import megatron_on_cpu
     from megatron_hyscale.testing.stock import stock_topk_breaks_ties_by_index
 
     with contextlib.ExitStack() as stack:
@@ -312,7 +312,7 @@ def _holder_reads(log: list) -> list[tuple[int, str, int, int]]:
 
 
 def _config(schedule: str, variant: str, recompute: str, *, pipeline: bool):
-    from megatron_hyscale.testing.models import tiny_dsa_config
+    from hyscale_bench.models import tiny_dsa_config
 
     sched = SCHEDULES[schedule]
     pp_fields = dict(pipeline_model_parallel_size=WORLD,
@@ -327,7 +327,7 @@ def _body(rank: int, result: dict) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hyscale.testing.models import build_gpt
+    from hyscale_bench.models import build_gpt
 
     mine: dict = {}
     states: dict = {}  # (schedule, variant) -> this rank's weights under their global names
