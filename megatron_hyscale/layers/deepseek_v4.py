@@ -155,6 +155,11 @@ class DeepseekV4TransformerConfig(TransformerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_row_chunk(self.v4_row_chunk, "v4_row_chunk")  # at construction, not first forward
+        # Window, CSA and HCA layers carry different parameters; megatron's distributed
+        # checkpoint stacks a tensor over the layers unless keys are per layer, and a tensor
+        # only some layers have then fails its validation (the model cannot be saved).
+        if self.v4_compress_ratios and len(set(self.v4_compress_ratios)) > 1:
+            self.hetereogenous_dist_checkpoint = True
 
 
 def _linear(submodule: Any, n_in: int, n_out: int, config: TransformerConfig,

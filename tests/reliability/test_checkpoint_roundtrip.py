@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from megatron_hyscale import replay
@@ -40,14 +39,8 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Please use DTensor instead and we are deprecating ShardedTensor:FutureWarning",
 )
 
-# V4's tiny model mixes a window-only layer (no compressor, no indexer) with a CSA layer: megatron
-# stacks same-named layer tensors into one [num_layers, ...] tensor unless the config asks for
-# per-layer keys. See test_v4_mixed_layers_save_with_the_default_config below (the bug).
-V4_PER_LAYER_KEYS = dict(hetereogenous_dist_checkpoint=True)
-
-
 def overrides(kind: str, **extra) -> dict:
-    return {**(V4_PER_LAYER_KEYS if kind == "v4" else {}), **FULL_RECOMPUTE, **extra}
+    return {**FULL_RECOMPUTE, **extra}
 
 
 def needs_transformers(kind: str) -> None:
@@ -206,16 +199,14 @@ def test_save_refuses_pending_replay_entries(tmp_path):
     run.save(str(tmp_path / "good"))
 
 
-@pytest.mark.xfail(strict=True, raises=CheckpointingException, reason=(
-    "bug: DeepseekV4TransformerConfig (layers/deepseek_v4.py) leaves megatron's "
-    "hetereogenous_dist_checkpoint False although V4's window / CSA / HCA layers carry different "
-    "parameters; megatron's TransformerBlock.sharded_state_dict then stacks each tensor over the "
-    "layers ([num_layers, ...]) and a tensor only some layers have fails validation "
-    "('Invalid access pattern'), so a V4 model with mixed compress ratios cannot be saved; "
-    "fix: set it in DeepseekV4TransformerConfig.__post_init__ (layers/deepseek_v4.py:155)"))
 def test_v4_mixed_layers_save_with_the_default_config(tmp_path):
+    """Window, CSA and HCA layers carry different parameters: megatron stacks a tensor over the
+    layers unless keys are per layer, and one only some layers have failed its validation
+    ('Invalid access pattern'); DeepseekV4TransformerConfig asks for per-layer keys when its
+    compress ratios mix kinds."""
     pytest.importorskip("transformers.models.deepseek_v4")
     run = Trainer("v4", stock=False)  # compress ratios [0, 4]: window layer + CSA layer
+    assert run.module.config.hetereogenous_dist_checkpoint
     run.save(str(tmp_path / "v4"))
 
 

@@ -46,10 +46,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(megatron_hyscale.__f
 
 
 def config(kind: str, deterministic: bool) -> dict:
-    out = dict(FULL_RECOMPUTE, hidden_dropout=0.1, deterministic_mode=deterministic)
-    if kind == "v4":
-        out["hetereogenous_dist_checkpoint"] = True  # see test_checkpoint_roundtrip (the bug)
-    return out
+    return dict(FULL_RECOMPUTE, hidden_dropout=0.1, deterministic_mode=deterministic)
 
 
 def child(kind: str, cfg: dict, log: str, *extra: str) -> subprocess.Popen:
