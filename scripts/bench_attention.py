@@ -76,6 +76,7 @@ from hyscale_bench.measure import (  # noqa: E402
     save_record,
     time_ms,
 )
+from hyscale_bench.stock_kernels import tilelang_unavailable  # noqa: E402
 from megatron_hyscale.ops.kernels import sparse_attention as kern  # noqa: E402
 from megatron_hyscale.ops.kernels.options import AttentionKernelOptions  # noqa: E402
 from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_triton  # noqa: E402
@@ -250,20 +251,6 @@ def rel_err(out, ref, rows=4096):
         num += (a - b).square().sum().item()
         den += b.square().sum().item()
     return (num / den) ** 0.5 if den else float("nan")
-
-
-def tilelang_unavailable():
-    """None when megatron-core's TileLang DSA kernels can run here, else why not."""
-    try:
-        import tilelang  # noqa: F401
-    except Exception as err:  # any import failure (missing wheel, ABI, CUDA) means "absent"
-        return f"tilelang does not import ({type(err).__name__}: {err})"
-    from megatron.core.utils import _missing_tilelang_dsa_kernel_dependencies
-
-    missing = _missing_tilelang_dsa_kernel_dependencies()
-    if missing:
-        return f"megatron-core's TileLang kernels do not import: {', '.join(missing)}"
-    return None
 
 
 def tilelang_unsupported(shape):

@@ -58,6 +58,7 @@ from hyscale_bench.measure import (  # noqa: E402
     save_record,
     time_ms,
 )
+from hyscale_bench.stock_kernels import tilelang_unavailable  # noqa: E402
 from megatron_hyscale.ops.indexer_loss import indexer_kl_loss  # noqa: E402
 from megatron_hyscale.ops.kernels import indexer_loss as kern  # noqa: E402
 from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions  # noqa: E402
@@ -149,12 +150,11 @@ TILELANG_BLOCK_ROWS = 8192
 LOSS_COEFF = 0.1  # every loss here (HyScale's backends, TileLang's)
 
 
-def tilelang_unavailable():
+def tilelang_loss_unavailable():
     """None when megatron-core's TileLang indexer-loss kernels can run here, else why not."""
-    try:
-        import tilelang  # noqa: F401
-    except Exception as err:  # any import failure (missing wheel, ABI, CUDA) means "absent"
-        return f"tilelang does not import ({type(err).__name__}: {err})"
+    why_not = tilelang_unavailable()
+    if why_not:
+        return why_not
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
 
     missing = [name for name in ("lighting_indexer", "SparseIndexerKLLoss",
@@ -251,7 +251,7 @@ def bench_tilelang(x, idx, warmup, reps):
 def tilelang_entry(x, idx, warmup, reps, said):
     """The row's "tilelang" entry: bench_tilelang's dict, "OOM", or "not run: <why>"; each
     reason is logged once a run (`said` holds those logged)."""
-    why_not = tilelang_unavailable()
+    why_not = tilelang_loss_unavailable()
     if why_not:
         if why_not not in said:
             log(f"tilelang: not run ({why_not})")

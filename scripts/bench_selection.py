@@ -82,6 +82,7 @@ from hyscale_bench.measure import (  # noqa: E402
     save_record,
     time_ms,
 )
+from hyscale_bench.stock_kernels import tilelang_unavailable  # noqa: E402
 from megatron_hyscale.ops import hytopk  # noqa: E402
 from megatron_hyscale.ops.block_pool import block_visibility_positions  # noqa: E402
 from megatron_hyscale.ops.kernels import hytopk as hk  # noqa: E402
@@ -347,20 +348,6 @@ def run_stock_cudnn(q, k, w, topk, relu):
 # fused_indexer_block_size default): each block's fp32 [rows, S] score table is written, then
 # torch.topk; 4 GiB at 128K, 8 GiB at 256K.
 TILELANG_BLOCK_ROWS = 8192
-
-
-def tilelang_unavailable():
-    """None when megatron-core's TileLang DSA kernels can run here, else why not."""
-    try:
-        import tilelang  # noqa: F401
-    except Exception as err:  # any import failure (missing wheel, ABI, CUDA) means "absent"
-        return f"tilelang does not import ({type(err).__name__}: {err})"
-    from megatron.core.utils import _missing_tilelang_dsa_kernel_dependencies
-
-    missing = _missing_tilelang_dsa_kernel_dependencies()
-    if missing:
-        return f"megatron-core's TileLang kernels do not import: {', '.join(missing)}"
-    return None
 
 
 def run_stock_tilelang(q, k, w, topk, relu):
