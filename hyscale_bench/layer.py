@@ -23,6 +23,22 @@ the CPU), peak extra memory, the time spent in selection inside one step (and it
 step), and the selection-replay counters of one step. Prints a table, writes JSON (and a PNG
 when matplotlib is there) under --out.
 
+Packed sequences (`--packed N [N ...]`, dsa at CP 1 only): for each T the same T hidden states
+are also run as one packed THD sequence of N documents (megatron's PackedSeqParams,
+qkv_format="thd", cu_seqlens of the documents; each document attends to and selects over its
+own keys only), on the same module and weights, rows `hyscale_packed_N`. Document lengths
+(`--packed-split`): even (T split as equally as whole tokens allow) or uneven (log-normal
+shares drawn from random.Random(PACKED_SEED + N): a few long documents, many short; row
+`hyscale_packed_N_uneven`), or both. Each packed row has measure's fields plus its documents'
+lengths, `per_token_vs_unpacked` (its step time over the unpacked row's, the same tokens; the
+goal is at most PACKED_GOAL = 1.10), `visible_keys_vs_unpacked` (causal key pairs), and
+`fallback_warnings` / `fallback_reasons` / `path`: every forward in which HyScale's layer
+declined its own path and ran megatron's DSAttention is counted (its warn_once call, which shows
+each reason once a process), and a row with any says path "stock fallback". The unpacked
+`hyscale` row carries the same count. The stock rows of backend none (`stock`) and cudnn
+(`stock_cudnn`), which take THD, get packed rows too where they run (`stock_packed_N`, ...);
+stock_tilelang does not.
+
 Context parallelism: launched by torchrun with `--cp N` and WORLD_SIZE = N (x D, below), megatron is
 initialised with context_parallel_size = N (NCCL on GPUs, gloo with --device cpu), the layer
 is built with cp_comm_type="allgather", and each rank gets its zigzag share (chunks r and
@@ -41,6 +57,7 @@ checkout), the same command line:
     torchrun --nproc-per-node 2 -m hyscale_bench.layer --model qsa --cp 2 --seq 1048576 \
         --skip-baseline
     python -m hyscale_bench.layer --model qsa --device cpu --tiny  # CPU smoke (seconds)
+    python -m hyscale_bench.layer --seq 131072 --packed 8 64 --packed-split both --skip-stock
     PYTHONPATH=.carry/site:$PYTHONPATH python3 scripts/bench_layer.py --stock-kernel-backend \
         tilelang                                    # + stock DSA on megatron's TileLang kernels
 """
@@ -50,6 +67,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import re
 import resource
 import statistics
 import sys
@@ -58,6 +77,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from functools import partial
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +122,14 @@ TINY = {
 }
 TINY_V4_RATIOS = {"csa": 4, "hca": 8}  # HCA's 128 would compress nothing at tiny T
 TINY_SEQ = [128]
+
+# --packed: the issue's goal (at most 10% slower per token than the unpacked sequence), the
+# document-length splits and the uneven split's seed.
+PACKED_GOAL = 1.10
+PACKED_SPLITS = ("even", "uneven", "both")
+PACKED_SEED = 2026
+# The stock rows that also run packed THD (megatron's none and cudnn backends take it).
+PACKED_STOCK_ROWS = ("stock", "stock_cudnn")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,6 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dsa / csa / hca: HyScale's attention runs its local query rows ROWS "
                         "at a time, each part checkpointed (HyScaleMLASelfAttention, "
                         "v4_row_chunk; for 1M tokens at CP 2)")
+    p.add_argument("--packed", type=int, nargs="+", default=None, metavar="N",
+                   help="dsa at CP 1: also time HyScale's layer (and the stock rows of backend "
+                        "none / cudnn) on the same T tokens packed as one THD sequence of N "
+                        "documents (PackedSeqParams, qkv_format='thd'), rows hyscale_packed_N, "
+                        "with the per-token time against the unpacked row (the goal: at most "
+                        f"{PACKED_GOAL:.2f}x) and the fallback warnings counted")
+    p.add_argument("--packed-split", choices=PACKED_SPLITS, default=None,
+                   help="with --packed: the documents' lengths: even (T split as equally as "
+                        "whole tokens allow, the default), uneven (log-normal lengths from a "
+                        f"generator seeded {PACKED_SEED} + N, rows hyscale_packed_N_uneven) or "
+                        "both")
     p.add_argument("--out", default="outputs/bench_layer", help="output folder")
     return p
 
@@ -185,6 +224,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--stock-kernel-backend applies to --model dsa only (the stock DSAttention)")
         if args.skip_baseline:
             p.error("--stock-kernel-backend times a stock layer: drop --skip-stock")
+    if args.packed is not None:
+        if args.model != "dsa":
+            p.error("--packed applies to --model dsa only (HyScale's DSA layer runs packed THD "
+                    "sequences itself; the CSA, HCA and QSA layers do not take them)")
+        if args.cp != 1 or args.dp != 1:
+            p.error("--packed runs at --cp 1 --dp 1 only (HyScale's DSA layer does not run "
+                    "packed THD sequences under context parallelism yet)")
+        if args.row_chunk is not None:
+            p.error("--packed does not combine with --row-chunk (the row-chunked attention "
+                    "does not take packed sequences)")
+        too_many = [n for n in args.packed if n < 1 or n > min(args.seq)]
+        if too_many:
+            p.error(f"--packed N must be between 1 and the shortest --seq ({min(args.seq)}): "
+                    f"{too_many}")
+        args.packed = list(dict.fromkeys(args.packed))  # once each, in the order given
+        args.packed_split = args.packed_split or "even"
+    elif args.packed_split is not None:
+        p.error("--packed-split needs --packed N")
     if args.row_chunk is not None:
         if args.model == "qsa":
             p.error("--row-chunk applies to --model dsa, csa and hca")
@@ -482,7 +539,7 @@ def layer_step(layer: Layer, hidden: torch.Tensor, grad: torch.Tensor) -> None:
 
     hidden.grad = None
     out = tensor_parallel.checkpoint(layer.call, False, hidden)
-    out.backward(grad)
+    out.backward(grad.view(out.shape))  # the same tokens; packed THD may drop the batch dim
 
 
 class SelectionTimer:
@@ -624,6 +681,141 @@ def measure(layer: Layer, T: int, args: argparse.Namespace) -> dict[str, Any]:
         result["fused_kernels"] = fused.counts
     replay.clear()
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed THD sequences (--packed)
+# ---------------------------------------------------------------------------------------------
+
+def packed_lengths(T: int, n: int, split: str) -> list[int]:
+    """The lengths of n documents packing T tokens (each at least one token, summing to T).
+
+    even: as equal as whole tokens allow (the first T % n one token longer). uneven: shares
+    drawn log-normal (mu 0, sigma 1: a few long documents and many short ones) from
+    random.Random(PACKED_SEED + n), rounded down, the remainder added one token at a time to
+    the longest documents; deterministic, and the JSON records the lengths.
+    """
+    if split == "even":
+        q, r = divmod(T, n)
+        return [q + (i < r) for i in range(n)]
+    rng = random.Random(PACKED_SEED + n)
+    weights = [rng.lognormvariate(0.0, 1.0) for _ in range(n)]
+    total = sum(weights)
+    lengths = [max(1, int(T * w / total)) for w in weights]
+    longest = sorted(range(n), key=lambda i: (-lengths[i], i))
+    i = 0
+    while sum(lengths) != T:  # off by fewer than n tokens either way
+        j = longest[i % n]
+        if sum(lengths) < T:
+            lengths[j] += 1
+        elif lengths[j] > 1:
+            lengths[j] -= 1
+        i += 1
+    return lengths
+
+
+def packed_splits(args: argparse.Namespace) -> list[str]:
+    return ["even", "uneven"] if args.packed_split == "both" else [args.packed_split]
+
+
+def packed_name(base: str, n: int, split: str) -> str:
+    """The row key: hyscale_packed_8, stock_packed_8_uneven, ..."""
+    return f"{base}_packed_{n}" + ("_uneven" if split == "uneven" else "")
+
+
+PACKED_KEY = re.compile(r"_packed_\d+(_uneven)?$")
+
+
+def packed_seq_params(lengths: list[int], device: str) -> Any:
+    """megatron's PackedSeqParams for documents of these lengths back to back (no padding)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32, device=device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+
+
+def packed_layer(layer: Layer, params: Any) -> Layer:
+    """The same module (weights, hooks) called on a packed THD sequence."""
+    attn = layer.module
+    return Layer(attn, lambda h: attn(h, None, packed_seq_params=params)[0], layer.hidden_size,
+                 layer.selection_hooks, layer.fused_hooks)
+
+
+def visible_pairs(lengths: list[int]) -> int:
+    """Causal (query, key) pairs: each document's rows see their own document's keys only."""
+    return sum(n * (n + 1) // 2 for n in lengths)
+
+
+class FallbackCounter:
+    """Counts the forwards in which HyScale's DSA layer declined its own path.
+
+    Each such forward calls `warn_once` with a "hyscale-dsa:" key, naming why, and then runs
+    megatron-core's DSAttention forward; warn_once shows each reason once a process, so the calls
+    are counted here (the warning still goes out as before), with their messages.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.reasons: dict[str, int] = {}
+
+    def __enter__(self) -> FallbackCounter:
+        from megatron_hyscale.layers import dsa
+
+        self.original = original = dsa.warn_once
+
+        def counted(key: str, message: str, stacklevel: int = 3) -> None:
+            if key.startswith("hyscale-dsa:"):
+                self.count += 1
+                self.reasons[message] = self.reasons.get(message, 0) + 1
+            original(key, message, stacklevel=stacklevel + 1)
+
+        dsa.warn_once = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from megatron_hyscale.layers import dsa
+
+        dsa.warn_once = self.original
+
+
+def measure_hyscale(layer: Layer, T: int, args: argparse.Namespace) -> dict[str, Any]:
+    """`measure`, with the forwards that fell back to the stock path counted (--packed)."""
+    with FallbackCounter() as fallbacks:
+        rec = measure(layer, T, args)
+    rec["fallback_warnings"] = fallbacks.count
+    rec["fallback_reasons"] = sorted(fallbacks.reasons)
+    # Both signs of HyScale's own path: no fallback, and its selection ran (and was replayed).
+    own = fallbacks.count == 0 and rec["selections_computed"] > 0
+    rec["path"] = "hyscale" if own else "stock fallback"
+    return rec
+
+
+def measure_packed(layer: Layer, T: int, args: argparse.Namespace, n: int, split: str,
+                   unpacked: Any, *, hyscale: bool) -> Any:
+    """One packed row: `layer` on the same T hidden states as n documents (packed_lengths).
+
+    Besides measure's fields: the documents, the step time per token against the unpacked
+    row's (`per_token_vs_unpacked`, the goal at most PACKED_GOAL) and the causal key pairs
+    against the unpacked sequence's; for HyScale, the fallback warnings (measure_hyscale).
+    """
+    lengths = packed_lengths(T, n, split)
+    params = packed_seq_params(lengths, args.device)
+    run_one = measure_hyscale if hyscale else measure
+    # An error costs this row only (recorded as "error: ..."), not the run's other rows.
+    rec = guarded(partial(run_one, packed_layer(layer, params), T, args), args.device,
+                  keep_going=True)
+    if not isinstance(rec, dict):
+        return rec
+    ratio = (rec["fwd_bwd_ms"] / unpacked["fwd_bwd_ms"] if isinstance(unpacked, dict)
+             else None)  # the same T tokens: the step-time ratio is the per-token one
+    rec.update({
+        "documents": n, "split": split, "doc_lengths": lengths,
+        "per_token_vs_unpacked": ratio,
+        "within_goal": None if ratio is None else ratio <= PACKED_GOAL,
+        "visible_keys_vs_unpacked": visible_pairs(lengths) / visible_pairs([T]),
+    })
+    return rec
 
 
 def attention_kernel_options(args: argparse.Namespace) -> Any:
@@ -833,7 +1025,8 @@ def run(args: argparse.Namespace) -> int:
                                                                 hyscale)}
         t0 = time.time()
         log(f"[T={T}] HyScale ...")
-        rec = guarded(partial(measure, hyscale, T, args), args.device)
+        rec = guarded(partial(measure_hyscale if args.packed else measure, hyscale, T, args),
+                      args.device)
         if isinstance(rec, dict) and args.model == "dsa" and args.cp == 1:
             hidden, _ = make_input(T, hyscale, args)
             parts = guarded(partial(component_times, hyscale.module, hidden.detach(), args),
@@ -842,6 +1035,12 @@ def run(args: argparse.Namespace) -> int:
                 rec.update(parts)
         row["hyscale"] = combine(gather_ranks(rec))
         replay.clear()
+        packed = [(n, split) for n in args.packed or () for split in packed_splits(args)]
+        for n, split in packed:  # the same module and hidden states, packed (CP 1 only)
+            name = packed_name("hyscale", n, split)
+            log(f"[T={T}] {name} ...")
+            row[name] = measure_packed(hyscale, T, args, n, split, row["hyscale"], hyscale=True)
+            replay.clear()
         for name, base in bases:
             # the fused stock backends are not bound by the unfused path's score table
             limit = (args.baseline_max_seq if name == base_name else
@@ -852,6 +1051,11 @@ def run(args: argparse.Namespace) -> int:
             log(f"[T={T}] {name} ...")
             row[name] = combine(gather_ranks(guarded(partial(measure, base, T, args),
                                                      args.device, keep_going=name != base_name)))
+            if name in PACKED_STOCK_ROWS:  # megatron's none and cudnn backends take THD
+                for n, split in packed:
+                    key = packed_name(name, n, split)
+                    log(f"[T={T}] {key} ...")
+                    row[key] = measure_packed(base, T, args, n, split, row[name], hyscale=False)
         if not bases:
             row[base_name] = "skipped"
         if len(base_names) > 1:  # the single-stock JSON keeps its earlier keys
@@ -879,16 +1083,29 @@ def write_json(out_dir: Path, args: argparse.Namespace, device: str, rate: float
     if len(base_names) > 1:
         payload["baseline_names"] = base_names
         payload["stock_kernel_backend"] = args.stock_kernel_backend
+    if args.packed:
+        payload["packed"] = packed_meta(args)
     (out_dir / f"bench_layer_{args.model}.json").write_text(json.dumps(payload, indent=1))
     if device != "cpu":  # the performance history keeps GPU runs only
         from hyscale_bench.measure import save_record
 
         config = f"{args.model}-cp{args.cp}" + (f"-{args.stock_kernel_backend}"
                                                 if len(base_names) > 1 else "")
-        save_record("bench_layer", config, rows, matmul=rate, copy=float("nan"),
-                    extra={"baseline_names": base_names, "args": vars(args)})
+        config += "-packed" if args.packed else ""
+        extra = {"baseline_names": base_names, "args": vars(args)}
+        if args.packed:
+            extra["packed"] = packed_meta(args)
+        save_record("bench_layer", config, rows, matmul=rate, copy=float("nan"), extra=extra)
     if args.model == "dsa":  # the name earlier runs (and BENCHMARKS.md) used
         (out_dir / "bench_layer.json").write_text(json.dumps(payload, indent=1))
+
+
+def packed_meta(args: argparse.Namespace) -> dict[str, Any]:
+    """What the packed rows are (the JSON's "packed" entry)."""
+    return {"documents": args.packed, "split": args.packed_split, "splits": packed_splits(args),
+            "goal_per_token_vs_unpacked": PACKED_GOAL, "uneven_seed": PACKED_SEED,
+            "uneven_lengths": "log-normal(0, 1) shares of T from random.Random(seed + N)",
+            "stock_rows_packed_where_timed": list(PACKED_STOCK_ROWS)}
 
 
 def _f(v: Any, key: str, digits: int = 1) -> str:
@@ -946,6 +1163,7 @@ def print_table(rows: list[dict[str, Any]], base_names: list[str]) -> None:
                 counts = ", ".join(f"{hook} {c['used']}/{c['declined']}"
                                    for hook, c in v["fused_kernels"].items())
                 print(f"{name} at T={r['T']}: fused kernels used/declined: {counts}")
+    print_packed_table(rows)
     dsa = [r for r in rows if isinstance(r["hyscale"], dict) and "selection_ms" in r["hyscale"]]
     if dsa:
         print("\n| T | selection ms (isolated) | attention fwd ms | attention fwd+bwd ms |"
@@ -955,6 +1173,47 @@ def print_table(rows: list[dict[str, Any]], base_names: list[str]) -> None:
             h = r["hyscale"]
             print(f"| {r['T']} | {h['selection_ms']:.1f} | {h['attention_fwd_ms']:.1f} | "
                   f"{h['attention_fwd_bwd_ms']:.1f} | {h['indexer_loss_fwd_bwd_ms']:.1f} |")
+
+
+def packed_cells(v: Any) -> list[str]:
+    """A packed row's cells after T and its name (print_packed_table)."""
+    if not isinstance(v, dict):
+        return [_f(v, "")] + ["-"] * 7
+    lengths = v["doc_lengths"]
+    size = (f"{lengths[0]} tokens" if min(lengths) == max(lengths)
+            else f"{min(lengths)}-{max(lengths)} tokens")
+    ratio = v.get("per_token_vs_unpacked")
+    if ratio is None:
+        per_token = "-"
+    else:
+        per_token = f"{ratio:.2f}x" + (" (goal met)" if v["within_goal"] else
+                                       f" (over the {PACKED_GOAL:.2f}x goal)")
+    if "path" not in v:
+        path = "stock"
+    elif v["path"] == "hyscale":
+        path = f"HyScale ({v['fallback_warnings']} fallback warnings)"
+    else:
+        path = (f"STOCK FALLBACK ({v['fallback_warnings']} fallback warnings: "
+                + "; ".join(v["fallback_reasons"]).replace("|", "/") + ")")
+    sel = v.get("selection_in_step_ms")
+    return [f"{v['documents']} {v['split']}, {size}", _f(v, "fwd_bwd_ms"),
+            _f(v, "peak_extra_gib", 2),
+            "-" if sel is None else f"{sel:.1f} ({v['selection_share']:.0%})",
+            f"{v['selections_computed']} / {v['selections_replayed']}", per_token,
+            f"{v['visible_keys_vs_unpacked']:.3f}", path]
+
+
+def print_packed_table(rows: list[dict[str, Any]]) -> None:
+    """--packed: each packed row against its unpacked row (same T tokens, same weights)."""
+    packed = [(r, key) for r in rows for key in r if PACKED_KEY.search(key)]
+    if not packed:
+        return
+    print("\n| T | packed row | documents | fwd+bwd ms | peak GiB/GPU | selection in step ms "
+          "(share) | computed / replayed | per-token time vs unpacked | causal key pairs vs "
+          "unpacked | path |")
+    print("|---" * 10 + "|")
+    for r, key in packed:
+        print("| " + " | ".join([str(r["T"]), key, *packed_cells(r[key])]) + " |")
 
 
 def plot(rows: list[dict[str, Any]], out_dir: Path, args: argparse.Namespace,

@@ -8,9 +8,10 @@ megatron-core's own cudnn and tilelang selections, table-then-select, the GEMM f
 bench_attention (HyScale's forward / backward against FlashMLA's / cuDNN's and megatron-core's
 TileLang sparse MLA), bench_indexer_loss (Triton against cuDNN's kernels, both given the
 attention's lse, and megatron-core's TileLang loss) and bench_layer (HyScale's layer against
-each stock backend). A column whose method is not in the record shows "-". Each table names
-its record, commit, command and the matmul rate it was measured against; nothing in it is
-typed by hand.
+each stock backend; with `--packed`, a second table of the packed THD rows against the unpacked
+ones: per-token time, causal key pairs, and whether HyScale's own path ran). A column whose
+method is not in the record shows "-". Each table names its record, commit, command and the
+matmul rate it was measured against; nothing in it is typed by hand.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 
 def fmt(x, spec=".1f", missing="-"):
@@ -109,9 +111,13 @@ def indexer_loss(records):
     return lines
 
 
+PACKED_KEY = re.compile(r"_packed_\d+(_uneven)?$")  # bench_layer --packed rows
+
+
 def layer(records, meta):
     names = [n for n in records[0] if n not in ("T", "cp", "T_local", "selection_floor_ms",
-                                                 "layer_floor_ms", "speedup")] if records else []
+                                                 "layer_floor_ms", "speedup")
+             and not PACKED_KEY.search(n)] if records else []
     head = "| T | layer floor ms | " + " | ".join(f"{n} fwd+bwd ms (GiB)" for n in names)
     head += " | " + " | ".join(f"hyscale vs {n}" for n in names if n != "hyscale") + " |"
     lines = [head, "|---" * (2 + 2 * len(names) - 1) + "|"]
@@ -128,6 +134,38 @@ def layer(records, meta):
                 cells.append(ratio(h.get("fwd_bwd_ms") if isinstance(h, dict) else None,
                                    v.get("fwd_bwd_ms") if isinstance(v, dict) else None))
         lines.append("| " + " | ".join(cells) + " |")
+    return lines + packed_layer(records, meta)
+
+
+def packed_layer(records, meta):
+    """bench_layer --packed: each packed row against the unpacked row it was timed beside."""
+    rows = [(r, k) for r in records for k in r if PACKED_KEY.search(k)]
+    if not rows:
+        return []
+    goal = (meta.get("packed") or {}).get("goal_per_token_vs_unpacked", 1.10)
+    lines = ["", "| T | packed row | documents (tokens each) | fwd+bwd ms (GiB) |"
+             " selection in step ms | per-token time vs unpacked | causal key pairs vs"
+             " unpacked | path |", "|---" * 8 + "|"]
+    for r, k in rows:
+        v = r[k]
+        if not isinstance(v, dict):
+            lines.append(f"| {r['T']} | {k} | " + " | ".join([fmt(v)] + ["-"] * 5) + " |")
+            continue
+        lengths = v.get("doc_lengths") or []
+        size = (fmt(lengths[0], "d") if lengths and min(lengths) == max(lengths)
+                else f"{min(lengths)}-{max(lengths)}" if lengths else "-")
+        per_token = v.get("per_token_vs_unpacked")
+        per_token = ("-" if per_token is None else f"{per_token:.2f}x" + (
+            "" if per_token <= goal else f" (over {goal:.2f}x)"))
+        path = v.get("path", "stock")
+        if path != "stock":
+            warned = v.get("fallback_warnings", 0)
+            path = ("HyScale" if path == "hyscale" else "**stock fallback**") + (
+                f" ({warned} fallback warnings)" if warned else "")
+        lines.append(f"| {r['T']} | {k} | {v.get('documents')} {v.get('split')} ({size}) | "
+                     f"{fmt(v.get('fwd_bwd_ms'))} ({fmt(v.get('peak_extra_gib'), '.1f')}) | "
+                     f"{fmt(v.get('selection_in_step_ms'))} | {per_token} | "
+                     f"{fmt(v.get('visible_keys_vs_unpacked'), '.3f')} | {path} |")
     return lines
 
 

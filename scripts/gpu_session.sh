@@ -17,6 +17,15 @@
 #                                         # 64K and 128K (stock at 16K), then the Triton forward
 #                                         # alone at the DSA shapes                  (~5 min)
 #   bash scripts/gpu_session.sh layer [T...]  # bench_layer.py, DSA, GLM-5.1 geometry   (~3 min)
+#   bash scripts/gpu_session.sh layer-packed [T...]  # issue #22 item 5: bench_layer.py --seq
+#                                         # 131072 --packed 8 64 --skip-stock: HyScale's DSA
+#                                         # layer on one 128K THD sequence of 8 / 64 equal
+#                                         # documents against the unpacked 128K sequence (goal:
+#                                         # at most 1.10x per token), fallback warnings counted,
+#                                         # $REPEATS timed steps (3)                     (~2 min)
+#                                         # PACKED_SPLIT=both adds the seeded uneven lengths
+#                                         # (+1-3 min: HyTopK compiles once per document shorter
+#                                         # than top-k, 43 of the uneven 64); PACKED_DOCS="8 64"
 #   bash scripts/gpu_session.sh models [csa|hca|qsa...] [T...] # bench_layer.py for
 #                                         # DeepSeek-V4's CSA and HCA layers and the QSA layer
 #                                         # against their baseline modes, 32K-256K (QSA
@@ -82,10 +91,10 @@ set -uo pipefail
 stage=${1:-}
 shift || true
 case "$stage" in
-  verify|kernels|attention|attention-table|fwd-split|layer|models|memory|qsa-selection|selection|cp2|cp2-1m|side1|side2\
+  verify|kernels|attention|attention-table|fwd-split|layer|layer-packed|models|memory|qsa-selection|selection|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
-       "|fwd-split|layer" \
+       "|fwd-split|layer|layer-packed" \
        "|models|memory|qsa-selection|selection|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer} [ARGS...]" >&2
      exit 2 ;;
@@ -222,6 +231,16 @@ case "$stage" in
     seqs=${*:-8192 16384 32768 65536 131072 262144}
     timeout 560 python3 scripts/bench_layer.py --seq $seqs --repeats 1 --out "$out" 2>&1 \
       | tee "$out/bench_layer.log"
+    ;;
+  layer-packed)
+    seqs=${*:-131072}
+    # The whole log in bench_layer.log; the tables, errors and any HyScale fallback warning
+    # (the JSON counts them per row: fallback_warnings, path) in the call's output. The
+    # benchmarks/results record (benchmark_tables.py renders it) lands in the stage's folder.
+    HYSCALE_RESULTS=$out timeout 420 python3 scripts/bench_layer.py --seq $seqs --packed ${PACKED_DOCS:-8 64} \
+      --packed-split "${PACKED_SPLIT:-even}" --skip-stock --repeats "${REPEATS:-3}" \
+      --out "$out" 2>&1 | tee "$out/bench_layer.log" \
+      | grep -E "^\||Error|Traceback|T=.*floor|HyScaleDSAttention"
     ;;
   models)
     models=(); seqs=()

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -282,3 +283,185 @@ def test_layer_floor_at_glm5_1_geometry() -> None:
     scan = bench_layer.selection_floor_ms("dsa", T, args, rate, layer)
     assert scan == pytest.approx(2 * rows * rows * 4096 / 1e12)
     assert bench_layer.layer_floor_ms("csa", T, args, rate, layer) is None
+
+
+# --- --packed: the same tokens as one packed THD sequence of N documents ----------------------
+
+def test_tiny_cpu_packed_rows(tmp_path: Path) -> None:
+    """`--packed 3` (both splits): HyScale's own path on the packed rows (no fallback
+    warning, its selection computed once and replayed), the stock rows packed beside them."""
+    proc = _run(["--model", "dsa", "--packed", "3", "--packed-split", "both"], tmp_path)
+    data = _load(tmp_path, "dsa", proc)
+    assert data["packed"]["documents"] == [3] and data["packed"]["splits"] == ["even", "uneven"]
+    assert data["packed"]["goal_per_token_vs_unpacked"] == bench_layer.PACKED_GOAL
+    (row,) = data["rows"]
+    assert {"hyscale_packed_3", "hyscale_packed_3_uneven", "stock_packed_3",
+            "stock_packed_3_uneven"} <= set(row)
+    unpacked = row["hyscale"]
+    assert (unpacked["fallback_warnings"], unpacked["path"]) == (0, "hyscale")
+    for name in ("hyscale_packed_3", "hyscale_packed_3_uneven", "stock_packed_3",
+                 "stock_packed_3_uneven"):
+        rec = row[name]
+        hyscale = name.startswith("hyscale")
+        _check_record(rec, selects=True, replays=hyscale)
+        assert rec["documents"] == 3 and sum(rec["doc_lengths"]) == 128
+        base = row["hyscale" if hyscale else "stock"]
+        assert rec["per_token_vs_unpacked"] == pytest.approx(rec["fwd_bwd_ms"]
+                                                             / base["fwd_bwd_ms"])
+        assert rec["within_goal"] == (rec["per_token_vs_unpacked"] <= bench_layer.PACKED_GOAL)
+        assert 0 < rec["visible_keys_vs_unpacked"] < 0.5  # three documents: about a third
+        if hyscale:
+            assert (rec["fallback_warnings"], rec["fallback_reasons"], rec["path"]) == (
+                0, [], "hyscale")
+        else:
+            assert "path" not in rec
+    assert row["hyscale_packed_3"]["doc_lengths"] == [43, 43, 42]
+    assert row["hyscale_packed_3_uneven"]["doc_lengths"] == bench_layer.packed_lengths(
+        128, 3, "uneven")
+    assert "| T | packed row | documents |" in proc.stdout
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("| 128 | hyscale_packed_3 |"))
+    assert "3 even, 42-43 tokens" in line and line.endswith("| HyScale (0 fallback warnings) |")
+    assert "HyScaleDSAttention" not in proc.stderr  # no fallback warning was given
+
+
+def test_packed_flag_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    args = bench_layer.parse_args(["--packed", "8", "64", "8", "--seq", "131072"])
+    assert (args.packed, args.packed_split) == ([8, 64], "even")
+    assert bench_layer.parse_args([]).packed is None
+    assert bench_layer.parse_args(["--packed", "2", "--packed-split", "both"]).packed_split \
+        == "both"
+    refused = {("--packed", "3", "--model", "csa"): "--packed applies to --model dsa only",
+               ("--packed", "3", "--model", "qsa"): "--packed applies to --model dsa only",
+               ("--packed", "3", "--cp", "2"): "--packed runs at --cp 1 --dp 1 only",
+               ("--packed", "3", "--dp", "2"): "--packed runs at --cp 1 --dp 1 only",
+               ("--packed", "3", "--row-chunk", "64"): "--packed does not combine",
+               ("--packed", "0"): "--packed N must be between 1 and",
+               ("--packed", "129", "--tiny"): "--packed N must be between 1 and the shortest",
+               ("--packed-split", "uneven"): "--packed-split needs --packed"}
+    for argv, message in refused.items():
+        with pytest.raises(SystemExit) as exc:
+            bench_layer.parse_args(list(argv))
+        assert exc.value.code == 2, argv
+        assert message in capsys.readouterr().err, argv
+
+
+def test_packed_lengths() -> None:
+    assert bench_layer.packed_lengths(131072, 8, "even") == [16384] * 8
+    assert bench_layer.packed_lengths(130, 3, "even") == [44, 43, 43]
+    assert bench_layer.packed_lengths(5, 5, "uneven") == [1] * 5
+    for T, n in ((131072, 8), (131072, 64), (128, 3), (1000, 999)):
+        lengths = bench_layer.packed_lengths(T, n, "uneven")
+        assert len(lengths) == n and sum(lengths) == T and min(lengths) >= 1
+        assert lengths == bench_layer.packed_lengths(T, n, "uneven")  # seeded
+    uneven = bench_layer.packed_lengths(131072, 64, "uneven")
+    assert max(uneven) > 4 * min(uneven)
+    assert bench_layer.visible_pairs([4, 4]) == 20 and bench_layer.visible_pairs([8]) == 36
+
+
+def test_fallback_is_counted_and_marks_the_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward that declines HyScale's path calls dsa.warn_once: each call counts (the
+    warning itself shows once a process), and the row says it ran the stock fallback."""
+    from megatron_hyscale.layers import dsa
+    from megatron_hyscale.ops import checks
+
+    original = dsa.warn_once
+    monkeypatch.setattr(checks, "_warned", set())
+
+    def fake_measure(layer: Any, T: int, args: Any) -> dict[str, Any]:
+        for _ in range(3):
+            dsa.warn_once("hyscale-dsa:why", "HyScaleDSAttention: why; running stock")
+        dsa.warn_once("other:key", "not a DSA fallback")
+        return {"fwd_bwd_ms": 2.0, "peak_extra_gib": 0.0, "selections_computed": 0,
+                "selections_replayed": 0, "selection_in_step_ms": 1.0, "selection_share": 0.5}
+
+    monkeypatch.setattr(bench_layer, "measure", fake_measure)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rec = bench_layer.measure_hyscale(None, 128, None)
+    # the warnings still go out as before: once a key
+    assert [str(w.message) for w in caught] == ["HyScaleDSAttention: why; running stock",
+                                                "not a DSA fallback"]
+    assert dsa.warn_once is original
+    assert rec["fallback_warnings"] == 3 and rec["path"] == "stock fallback"
+    assert rec["fallback_reasons"] == ["HyScaleDSAttention: why; running stock"]
+    args = bench_layer.parse_args(["--packed", "2", "--tiny", "--device", "cpu"])
+    monkeypatch.setattr(bench_layer, "packed_seq_params", lambda lengths, device: None)
+    monkeypatch.setattr(bench_layer, "packed_layer", lambda layer, params: layer)
+    packed = bench_layer.measure_packed(None, 128, args, 2, "even", {"fwd_bwd_ms": 4.0},
+                                        hyscale=True)
+    assert packed["path"] == "stock fallback" and packed["per_token_vs_unpacked"] == 0.5
+    assert packed["within_goal"] is True and packed["doc_lengths"] == [64, 64]
+    cells = bench_layer.packed_cells(packed)
+    assert cells[-1].startswith("STOCK FALLBACK (3 fallback warnings: HyScaleDSAttention: why")
+    assert bench_layer.packed_cells("OOM")[0] == "OOM"
+
+
+def _tables(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+            path: Path) -> list[list[dict[str, str]]]:
+    """benchmark_tables.py on one record: its tables, each a list of {header: cell}."""
+    spec = importlib.util.spec_from_file_location("_packed_tables",
+                                                  ROOT / "scripts" / "benchmark_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["benchmark_tables.py", str(path)])
+    assert module.main() == 0
+    found: list[list[dict[str, str]]] = []
+    head = None
+    for line in capsys.readouterr().out.splitlines():
+        if not line.startswith("|"):
+            head = None
+        elif not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if head is None:
+                head = cells
+                found.append([])
+            else:
+                found[-1].append(dict(zip(head, cells)))
+    return found
+
+
+def test_benchmark_tables_render_packed_rows(monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str],
+                                             tmp_path: Path) -> None:
+    def rec(ms: float, **extra: Any) -> dict[str, Any]:
+        return {"fwd_bwd_ms": ms, "peak_extra_gib": 50.0, "selection_in_step_ms": 100.0,
+                "selection_share": 0.1, "selections_computed": 1, "selections_replayed": 1,
+                **extra}
+
+    def packed(ms: float, n: int, split: str, lengths: list[int], **extra: Any) -> dict:
+        return rec(ms, documents=n, split=split, doc_lengths=lengths,
+                   per_token_vs_unpacked=ms / 1300.0, within_goal=ms / 1300.0 <= 1.1,
+                   visible_keys_vs_unpacked=1 / n, **extra)
+
+    ok = dict(fallback_warnings=0, fallback_reasons=[], path="hyscale")
+    row = {"T": 131072, "cp": 1, "T_local": 131072, "selection_floor_ms": 90.0,
+           "layer_floor_ms": 620.0, "hyscale": rec(1300.0, **ok), "stock": "skipped",
+           "hyscale_packed_8": packed(1170.0, 8, "even", [16384] * 8, **ok),
+           "hyscale_packed_8_uneven": packed(1235.0, 8, "uneven", [6979, 36508, 87585], **ok),
+           "hyscale_packed_64": packed(1560.0, 64, "even", [2048] * 64,
+                                       fallback_warnings=5, path="stock fallback",
+                                       fallback_reasons=["HyScaleDSAttention: why"]),
+           "hyscale_packed_64_uneven": "error: RuntimeError: boom"}
+    meta = {"device": "NVIDIA H200", "date": "2026-12-02 04:00:00 UTC", "commit": "abc1234",
+            "matmul_tflops": 750.0, "command": "synthetic",
+            "packed": {"documents": [8, 64], "goal_per_token_vs_unpacked": 1.1}}
+    path = tmp_path / "2026-12-02-nvidia-h200-bench_layer-dsa-cp1-packed.json"
+    path.write_text(json.dumps({"meta": meta, "records": [row]}))
+    main, extra = _tables(monkeypatch, capsys, path)
+    assert list(main[0]) == ["T", "layer floor ms", "hyscale fwd+bwd ms (GiB)",
+                             "stock fwd+bwd ms (GiB)", "hyscale vs stock"]  # no packed column
+    by_row = {r["packed row"]: r for r in extra}
+    assert list(by_row) == ["hyscale_packed_8", "hyscale_packed_8_uneven", "hyscale_packed_64",
+                            "hyscale_packed_64_uneven"]
+    even = by_row["hyscale_packed_8"]
+    assert even["documents (tokens each)"] == "8 even (16384)"
+    assert even["fwd+bwd ms (GiB)"] == "1170.0 (50.0)"
+    assert even["per-token time vs unpacked"] == "0.90x"
+    assert even["causal key pairs vs unpacked"] == "0.125" and even["path"] == "HyScale"
+    assert by_row["hyscale_packed_8_uneven"]["documents (tokens each)"] == \
+        "8 uneven (6979-87585)"
+    slow = by_row["hyscale_packed_64"]
+    assert slow["per-token time vs unpacked"] == "1.20x (over 1.10x)"
+    assert slow["path"] == "**stock fallback** (5 fallback warnings)"
+    assert by_row["hyscale_packed_64_uneven"]["documents (tokens each)"] == \
+        "error: RuntimeError: boom"
