@@ -17,6 +17,10 @@
 #                                         # 64K and 128K (stock at 16K), then the Triton forward
 #                                         # alone at the DSA shapes                  (~5 min)
 #   bash scripts/gpu_session.sh layer [T...]  # bench_layer.py, DSA, GLM-5.1 geometry   (~3 min)
+#   bash scripts/gpu_session.sh accuracy  # accuracy.py: bf16 HyScale and stock against
+#                                         # float64 on the same weights, every tensor: DSA at
+#                                         # 4K (GLM-5.1) and 16K (8 + 8 heads), dense and
+#                                         # sparse loss; CSA and QSA at 16K      (~4-6 min)
 #   bash scripts/gpu_session.sh models [csa|hca|qsa...] [T...] # bench_layer.py for
 #                                         # DeepSeek-V4's CSA and HCA layers and the QSA layer
 #                                         # against their baseline modes, 32K-256K (QSA
@@ -82,10 +86,10 @@ set -uo pipefail
 stage=${1:-}
 shift || true
 case "$stage" in
-  verify|kernels|attention|attention-table|fwd-split|layer|models|memory|qsa-selection|selection|cp2|cp2-1m|side1|side2\
+  verify|kernels|attention|attention-table|fwd-split|layer|accuracy|models|memory|qsa-selection|selection|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
-       "|fwd-split|layer" \
+       "|fwd-split|layer|accuracy" \
        "|models|memory|qsa-selection|selection|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer} [ARGS...]" >&2
      exit 2 ;;
@@ -222,6 +226,14 @@ case "$stage" in
     seqs=${*:-8192 16384 32768 65536 131072 262144}
     timeout 560 python3 scripts/bench_layer.py --seq $seqs --repeats 1 --out "$out" 2>&1 \
       | tee "$out/bench_layer.log"
+    ;;
+  accuracy)
+    # Two processes (each compiles its kernels once): DSA at 4K and 16K, both loss forms, then
+    # CSA and QSA at 16K; records in benchmarks/results/, tables in the logs.
+    timeout 300 python3 scripts/accuracy.py --model dsa --seq 4096 16384 --loss dense sparse \
+      --out "$out" 2>&1 | grep -v Warning | tee "$out/accuracy_dsa.log"
+    timeout 210 python3 scripts/accuracy.py --model csa qsa --seq 16384 --loss dense sparse \
+      --out "$out/v4_qsa" 2>&1 | grep -v Warning | tee "$out/accuracy_csa_qsa.log"
     ;;
   models)
     models=(); seqs=()
