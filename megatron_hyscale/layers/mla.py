@@ -157,7 +157,8 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
         sq, b = hidden_states.shape[:2]
         q_compressed, key, freqs, mscale = self._latents(hidden_states)
         # (The key stands in for the query: the check reads only its width.)
-        reason = core._unsupported_reason(key, key, None, self.attn_mask_type, None)
+        reason = core._unsupported_reason(key, key, None, self.attn_mask_type, None,
+                                          hidden_states)
         if reason is not None:
             raise NotImplementedError(f"HyScaleMLASelfAttention(row_chunk={self.row_chunk}): "
                                       f"{reason}")
