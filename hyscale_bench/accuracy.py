@@ -43,9 +43,12 @@ Design choices:
   tables are per row block). Stock DSA's plain path materializes fp32 [sq, H, sk] tables and
   runs out of memory at 16K with GLM-5.1's 64 attention and 32 indexer heads, so by default
   dsa above 8K runs with 8 attention heads and 8 indexer heads (everything else GLM-5.1's;
-  the table header says so), and above 16K (where even one head's tables do not fit with
-  stock's copies) the real geometry without the stock column. `--heads` / `--indexer-heads`
-  choose the heads instead.
+  the table header says so; HyScale's forward then runs its Triton kernel, the Hopper Gluon
+  one taking 64 heads a block), and above 16K, where even one head's tables do not fit with
+  stock's copies, HyScale against float64 alone, with 16 attention heads (the float64
+  module's activations at 64 heads, [T, 64, 576] per tensor, would need about 130 GB at 64K)
+  and GLM-5.1's 32 indexer heads. `--heads` / `--indexer-heads` choose the heads instead. A
+  run out of memory is recorded as "OOM" for that column (stock) or case (reference).
 - **Indexer losses.** dsa's loss as configured (`--loss`; coefficient `--loss-coeff`); csa and
   qsa switch on their optional DSA-style KL loss (v4_indexer_loss_coeff,
   qsa_indexer_loss_coeff) with the same coefficient and form, so that their indexers'
@@ -88,6 +91,7 @@ FULL_DSA_MAX_SEQ = 8192
 REDUCED_DSA_MAX_SEQ = 16384
 REDUCED_DSA_HEADS = 8
 REDUCED_DSA_INDEXER_HEADS = 8
+LONG_DSA_HEADS = 16  # above REDUCED_DSA_MAX_SEQ: the float64 module's activations fit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "their optional loss on with it)")
     p.add_argument("--heads", type=int, default=None,
                    help="dsa: attention heads (default: GLM-5.1's 64 up to 8K, "
-                        f"{REDUCED_DSA_HEADS} to 16K so that stock fits, 64 beyond)")
+                        f"{REDUCED_DSA_HEADS} to 16K so that stock fits, {LONG_DSA_HEADS} "
+                        "beyond so that the float64 reference fits)")
     p.add_argument("--indexer-heads", type=int, default=None,
                    help="dsa: indexer heads (default: GLM-5.1's 32 up to 8K, "
                         f"{REDUCED_DSA_INDEXER_HEADS} to 16K, 32 beyond)")
@@ -460,7 +465,7 @@ def dsa_heads(args: argparse.Namespace, T: int) -> tuple[dict[str, Any], str, bo
     elif T <= REDUCED_DSA_MAX_SEQ:
         auto = (REDUCED_DSA_HEADS, REDUCED_DSA_INDEXER_HEADS)
     else:
-        auto = full
+        auto = (LONG_DSA_HEADS, full[1])
     heads = args.heads or auto[0]
     indexer_heads = args.indexer_heads or auto[1]
     stock_max = args.stock_max_seq or (1 << 62 if args.tiny else REDUCED_DSA_MAX_SEQ)
@@ -536,20 +541,32 @@ def run_case(args: argparse.Namespace, model: str, T: int, loss: str) -> dict[st
         result_s = "skipped"
     ref_layer = build(model, largs, baseline=False, dtype=torch.float64, overrides=overrides)
     ref_layer.module.load_state_dict(state)  # the low-precision weights, upcast exactly
-    ref_h, (low_matmuls, matmuls) = run_reference(ref_layer, hidden, grad,
-                                                  result_h.selection())
-    err_h = errors(result_h, ref_h)
+    reference_status = "ran"
+    try:
+        ref_h, (low_matmuls, matmuls) = run_reference(ref_layer, hidden, grad,
+                                                      result_h.selection())
+    except torch.OutOfMemoryError:
+        reference_status, low_matmuls, matmuls = "OOM", 0, 0
+        ref_h = None
+        _free(args.device)
+    err_h = {name: None for name in result_h.tensors()} if ref_h is None else \
+        errors(result_h, ref_h)
     err_s, differ = None, None
-    if isinstance(result_s, RunResult):
+    if ref_h is not None and isinstance(result_s, RunResult):
         differ = selection_rows_differ(result_h.selection(), result_s.selection())
         ref_s = ref_h
         if differ:  # stock's own selection: a reference run of its own
             del ref_h, ref_s
             _free(args.device)
-            ref_s, (low_s, total_s) = run_reference(ref_layer, hidden, grad,
-                                                    result_s.selection())
-            low_matmuls, matmuls = low_matmuls + low_s, matmuls + total_s
-        err_s = errors(result_s, ref_s)
+            try:
+                ref_s, (low_s, total_s) = run_reference(ref_layer, hidden, grad,
+                                                        result_s.selection())
+                low_matmuls, matmuls = low_matmuls + low_s, matmuls + total_s
+            except torch.OutOfMemoryError:
+                reference_status, ref_s = "OOM on stock's selection", None
+                _free(args.device)
+        if ref_s is not None:
+            err_s = errors(result_s, ref_s)
         del ref_s
     del ref_layer
     _free(args.device)
@@ -559,6 +576,7 @@ def run_case(args: argparse.Namespace, model: str, T: int, loss: str) -> dict[st
         "model": model, "T": T, "loss": loss, "geometry": geometry,
         "low_precision": str(low).removeprefix("torch."), "stock": stock_name,
         "stock_status": "ran" if isinstance(result_s, RunResult) else result_s,
+        "reference_status": reference_status,
         "selection_rows_differ": differ,
         "recompute_selection_changed": _recompute_changed(result_h)
         or (isinstance(result_s, RunResult) and _recompute_changed(result_s)),
@@ -583,7 +601,8 @@ def case_header(case: dict[str, Any]) -> str:
     differ = "-" if differ is None else f"{differ:.2%}"
     return (f"### {case['model']} T={case['T']} loss={case['loss']} ({case['geometry']}; "
             f"{case['low_precision']} against float64; stock = {case['stock']}: "
-            f"{case['stock_status']}; rows whose selection differs HyScale vs stock: {differ}; "
+            f"{case['stock_status']}; float64 reference: {case['reference_status']}; "
+            f"rows whose selection differs HyScale vs stock: {differ}; "
             f"reference matmuls not in float64: {case['reference_low_precision_matmuls']} of "
             f"{case['reference_matmuls']})")
 

@@ -146,7 +146,9 @@ def accuracy(records, meta):
         differ = case.get("selection_rows_differ")
         lines += [f"**{case['model']} T={case['T']}, {case['loss']} loss** ({case['geometry']}; "
                   f"{case['low_precision']} against float64; stock = {case['stock']}: "
-                  f"{case['stock_status']}; rows whose selection differs HyScale vs stock: "
+                  f"{case['stock_status']}; float64 reference: "
+                  f"{case.get('reference_status', 'ran')}; rows whose selection differs "
+                  "HyScale vs stock: "
                   f"{'-' if differ is None else format(differ, '.2%')}; reference matmuls not "
                   f"in float64: {case.get('reference_low_precision_matmuls')})", "",
                   f"| tensor | HyScale err | stock err | HyScale / stock | HyScale <= stock "
