@@ -229,7 +229,9 @@ case "$stage" in
     ;;
   accuracy)
     # Two processes (each compiles its kernels once): DSA at 4K and 16K, both loss forms, then
-    # CSA and QSA at 16K; records in benchmarks/results/, tables in the logs.
+    # CSA and QSA at 16K. The two records land in $out itself (7 files in all, so the device
+    # tool brings every one back): copy them to benchmarks/results/; tables in the logs.
+    export HYSCALE_RESULTS=$out
     timeout 300 python3 scripts/accuracy.py --model dsa --seq 4096 16384 --loss dense sparse \
       --out "$out" 2>&1 | grep -v Warning | tee "$out/accuracy_dsa.log"
     timeout 210 python3 scripts/accuracy.py --model csa qsa --seq 16384 --loss dense sparse \
