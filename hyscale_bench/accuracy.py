@@ -54,7 +54,11 @@ Design choices:
   qsa_indexer_loss_coeff) with the same coefficient and form, so that their indexers'
   parameters get gradients to compare.
 - `--device cpu --tiny`: fp32 plays the low precision (tiny geometry, seconds); the smoke test
-  of the whole path.
+  of the whole path. On a CPU HyScale's layer runs its plain-torch reference ops too, so
+  there the table compares those (in fp32) with stock's plain path, not HyScale's kernels.
+  It found one real difference: the indexer loss's backward through torch's log_softmax
+  lost a factor growing with the number of keys on the indexer's gradients (fixed in
+  `ops/reference.py`, see BENCHMARKS.md).
 
 Run as `python -m hyscale_bench.accuracy` or `python scripts/accuracy.py`:
 
