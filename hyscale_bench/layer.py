@@ -381,20 +381,34 @@ def _dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.device == "cuda" else torch.float32
 
 
-def build_dsa(args: argparse.Namespace, baseline: bool, kernel_backend: str = "none") -> Layer:
-    """GLM-5.1's attention: HyScale, or (`baseline`) the stock DSAttention on `kernel_backend`."""
+def _precision_fields(dtype: torch.dtype) -> dict[str, Any]:
+    """The config fields of a module built in `dtype` (params_dtype, bf16)."""
+    return dict(params_dtype=dtype, bf16=dtype == torch.bfloat16)
+
+
+def build_dsa(args: argparse.Namespace, baseline: bool, kernel_backend: str = "none", *,
+              dtype: torch.dtype | None = None, overrides: dict[str, Any] | None = None
+              ) -> Layer:
+    """GLM-5.1's attention: HyScale, or (`baseline`) the stock DSAttention on `kernel_backend`.
+
+    `dtype`: the parameters' and config's precision (default: bf16 on CUDA, fp32 on the CPU);
+    `overrides`: config fields that win over the geometry and the command line's (e.g. fewer
+    heads)."""
     from megatron.core.transformer.spec_utils import build_module
 
     from hyscale_bench.models import tiny_dsa_config
     from megatron_hyscale.specs import get_dsa_layer_specs
 
     geometry = TINY["dsa"] if args.tiny else GLM51
-    cfg = tiny_dsa_config(
+    dtype = dtype or _dtype(args)
+    fields = dict(
         ffn_hidden_size=4 * geometry["hidden_size"], dsa_indexer_loss_coeff=args.loss_coeff,
         dsa_indexer_use_sparse_loss=not args.dense_loss,
         dsa_indexer_scoring_relu=not args.no_relu, dsa_kernel_backend=kernel_backend,
         **_common_fields(args), **geometry,
     )
+    fields.update(_precision_fields(dtype), **(overrides or {}))
+    cfg = tiny_dsa_config(**fields)
     row_chunk = None if baseline else args.row_chunk
     spec = get_dsa_layer_specs(cfg, stock=baseline, row_chunk=row_chunk)[0].submodules \
         .self_attention
@@ -403,7 +417,7 @@ def build_dsa(args: argparse.Namespace, baseline: bool, kernel_backend: str = "n
     # TransformerLayer passes the config's cp_comm_type to its attention; built alone, the
     # attention would default to "p2p", which DSA under CP refuses.
     attn = build_module(spec, config=cfg, layer_number=1, cp_comm_type=cfg.cp_comm_type
-                        ).to(args.device, _dtype(args))
+                        ).to(args.device, dtype)
     core = attn.core_attention
     if baseline:
         # stock: the indexer projections, then the module-level score table + torch.topk
@@ -430,7 +444,7 @@ def build_dsa(args: argparse.Namespace, baseline: bool, kernel_backend: str = "n
         # cuDNN's score chunks + radix top-k are its selection (inside the fused hooks too).
         hooks += [(dsa_cudnn_kernels, "_indexer_topk_bshd")]
         fused = [(dsa_kernels, name) for name in (*FUSED_DSA_HOOKS, "run_fused_dsa_attention")]
-    return Layer(attn, lambda h: attn(h, None)[0], geometry["hidden_size"], hooks, fused)
+    return Layer(attn, lambda h: attn(h, None)[0], cfg.hidden_size, hooks, fused)
 
 
 # megatron's backend-neutral hooks (dsa_kernels), each returning None when its backend declines.
@@ -438,7 +452,9 @@ FUSED_DSA_HOOKS = ("run_fused_qk_topk", "run_fused_qk_topk_with_loss",
                    "run_fused_absorbed_sparse_attention")
 
 
-def build_v4(args: argparse.Namespace, baseline: bool) -> Layer:
+def build_v4(args: argparse.Namespace, baseline: bool, *, dtype: torch.dtype | None = None,
+             overrides: dict[str, Any] | None = None) -> Layer:
+    """DeepSeek-V4-Flash's CSA / HCA attention (args.model); `dtype`, `overrides`: as build_dsa."""
     from megatron.core.transformer.spec_utils import build_module
 
     from hyscale_bench.models import LOCAL_UNFUSED_FIELDS
@@ -454,15 +470,19 @@ def build_v4(args: argparse.Namespace, baseline: bool) -> Layer:
         **_common_fields(args), **geometry,
         v4_row_chunk=None if baseline else args.row_chunk,
     )
+    dtype = dtype or _dtype(args)
+    fields.update(_precision_fields(dtype), **(overrides or {}))
     cfg = DeepseekV4TransformerConfig(**fields)
     spec = get_v4_layer_specs(cfg, baseline=baseline)[0].submodules.self_attention
     torch.manual_seed(0)
-    attn = build_module(spec, config=cfg, layer_number=1).to(args.device, _dtype(args))
+    attn = build_module(spec, config=cfg, layer_number=1).to(args.device, dtype)
     hooks = [(attn, "_csa_select")] if attn.is_csa else []
-    return Layer(attn, lambda h: attn(h)[0], geometry["hidden_size"], hooks)
+    return Layer(attn, lambda h: attn(h)[0], cfg.hidden_size, hooks)
 
 
-def build_qsa(args: argparse.Namespace, baseline: bool) -> Layer:
+def build_qsa(args: argparse.Namespace, baseline: bool, *, dtype: torch.dtype | None = None,
+              overrides: dict[str, Any] | None = None) -> Layer:
+    """Qwen3.8-Flash-Next's QSA attention; `dtype`, `overrides`: as build_dsa."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.spec_utils import build_module
 
@@ -471,15 +491,18 @@ def build_qsa(args: argparse.Namespace, baseline: bool) -> Layer:
     from megatron_hyscale.specs.qsa import get_qsa_attention_spec
 
     geometry = TINY["qsa"] if args.tiny else QSA_REAL
-    cfg = QSATransformerConfig(
+    dtype = dtype or _dtype(args)
+    fields = dict(
         ffn_hidden_size=2 * geometry["hidden_size"], normalization="RMSNorm",
         layernorm_epsilon=1e-6, add_bias_linear=False, hidden_dropout=0.0,
         **LOCAL_UNFUSED_FIELDS, **_common_fields(args), **geometry,
     )
+    fields.update(_precision_fields(dtype), **(overrides or {}))
+    cfg = QSATransformerConfig(**fields)
     spec = get_qsa_attention_spec(cfg, baseline=baseline)
     torch.manual_seed(0)
     attn = build_module(spec, config=cfg, layer_number=1, cp_comm_type=cfg.cp_comm_type
-                        ).to(args.device, _dtype(args))
+                        ).to(args.device, dtype)
     rope = RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=QSA_ROTARY_PERCENT,
                            rotary_base=10000, use_cpu_initialization=True)
     rope.inv_freq = rope.inv_freq.to(args.device)  # a plain attribute, not a buffer
@@ -490,7 +513,7 @@ def build_qsa(args: argparse.Namespace, baseline: bool) -> Layer:
         return attn(h, None, rotary_pos_emb=emb)[0]
 
     core = attn.core_attention
-    return Layer(attn, call, geometry["hidden_size"],
+    return Layer(attn, call, cfg.hidden_size,
                  [(core.indexer, "forward"), (core, "_select_blocks")])
 
 

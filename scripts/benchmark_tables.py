@@ -7,11 +7,12 @@ bench_selection (HyTopK, cuDNN's chunked scores + radix top-k through HyScale's 
 megatron-core's own cudnn and tilelang selections, table-then-select, the GEMM floor),
 bench_attention (HyScale's forward / backward against FlashMLA's / cuDNN's and megatron-core's
 TileLang sparse MLA), bench_indexer_loss (Triton against cuDNN's kernels, both given the
-attention's lse, and megatron-core's TileLang loss) and bench_layer (HyScale's layer against
+attention's lse, and megatron-core's TileLang loss), bench_layer (HyScale's layer against
 each stock backend; with `--packed`, a second table of the packed THD rows against the unpacked
-ones: per-token time, causal key pairs, and whether HyScale's own path ran). A column whose
-method is not in the record shows "-". Each table names its record, commit, command and the
-matmul rate it was measured against; nothing in it is typed by hand.
+ones: per-token time, causal key pairs, and whether HyScale's own path ran) and accuracy (each
+tensor's error against float64, HyScale's and stock's). A column whose method is not in the
+record shows "-". Each table names its record, commit, command and the matmul rate it was
+measured against; nothing in it is typed by hand.
 """
 
 from __future__ import annotations
@@ -169,8 +170,38 @@ def packed_layer(records, meta):
     return lines
 
 
+def _err(x):
+    return fmt(x, ".2e")
+
+
+def accuracy(records, meta):
+    """accuracy records (hyscale_bench.accuracy): per case, every tensor's relative error
+    against float64, HyScale's and stock's, their ratio and the verdict."""
+    slack = meta.get("slack", 1.05)
+    lines = [f"HyScale <= stock (x{slack:g}) for {meta.get('passed')} of "
+             f"{meta.get('compared')} tensors compared.", ""]
+    for case in records:
+        differ = case.get("selection_rows_differ")
+        lines += [f"**{case['model']} T={case['T']}, {case['loss']} loss** ({case['geometry']}; "
+                  f"{case['low_precision']} against float64; stock = {case['stock']}: "
+                  f"{case['stock_status']}; float64 reference: "
+                  f"{case.get('reference_status', 'ran')}; rows whose selection differs "
+                  "HyScale vs stock: "
+                  f"{'-' if differ is None else format(differ, '.2%')}; reference matmuls not "
+                  f"in float64: {case.get('reference_low_precision_matmuls')})", "",
+                  f"| tensor | HyScale err | stock err | HyScale / stock | HyScale <= stock "
+                  f"(x{slack:g}) |", "|---|---|---|---|---|"]
+        for r in case["rows"]:
+            ok = "n/a" if r["ok"] is None else ("yes" if r["ok"] else "NO")
+            lines.append(f"| {r['tensor']} | {_err(r['hyscale_err'])} | {_err(r['stock_err'])} "
+                         f"| {fmt(r['ratio'], '.3f')} | {ok} |")
+        lines.append("")
+    return lines
+
+
 RENDER = {"bench_selection": selection, "bench_attention": attention,
           "bench_indexer_loss": indexer_loss}
+WITH_META = {"bench_layer": layer, "accuracy": accuracy}
 
 
 def main() -> int:
@@ -182,13 +213,14 @@ def main() -> int:
             data = json.load(f)
         meta, records = data["meta"], data["records"]
         name = os.path.basename(path)
-        script = next((s for s in (*RENDER, "bench_layer") if s in name), None)
+        script = next((s for s in (*RENDER, *WITH_META) if f"-{s}-" in name), None)
         if script is None:
             print(f"<!-- {name}: no table for this record -->")
             continue
         print(f"`{name}` ({meta['device']}, {meta['date']}, commit {meta['commit']}, matmul "
               f"{fmt(meta.get('matmul_tflops'), '.0f')} TFLOP/s): `{meta['command']}`\n")
-        lines = layer(records, meta) if script == "bench_layer" else RENDER[script](records)
+        lines = (WITH_META[script](records, meta) if script in WITH_META
+                 else RENDER[script](records))
         print("\n".join(lines) + "\n")
     return 0
 

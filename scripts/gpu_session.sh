@@ -26,6 +26,10 @@
 #                                         # PACKED_SPLIT=both adds the seeded uneven lengths
 #                                         # (+1-3 min: HyTopK compiles once per document shorter
 #                                         # than top-k, 43 of the uneven 64); PACKED_DOCS="8 64"
+#   bash scripts/gpu_session.sh accuracy  # accuracy.py: bf16 HyScale and stock against
+#                                         # float64 on the same weights, every tensor: DSA at
+#                                         # 4K (GLM-5.1) and 16K (8 + 8 heads), dense and
+#                                         # sparse loss; CSA and QSA at 16K      (~4-6 min)
 #   bash scripts/gpu_session.sh models [csa|hca|qsa...] [T...] # bench_layer.py for
 #                                         # DeepSeek-V4's CSA and HCA layers and the QSA layer
 #                                         # against their baseline modes, 32K-256K (QSA
@@ -91,10 +95,10 @@ set -uo pipefail
 stage=${1:-}
 shift || true
 case "$stage" in
-  verify|kernels|attention|attention-table|fwd-split|layer|layer-packed|models|memory|qsa-selection|selection|cp2|cp2-1m|side1|side2\
+  verify|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
-       "|fwd-split|layer|layer-packed" \
+       "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer} [ARGS...]" >&2
      exit 2 ;;
@@ -241,6 +245,16 @@ case "$stage" in
       --packed-split "${PACKED_SPLIT:-even}" --skip-stock --repeats "${REPEATS:-3}" \
       --out "$out" 2>&1 | tee "$out/bench_layer.log" \
       | grep -E "^\||Error|Traceback|T=.*floor|HyScaleDSAttention"
+    ;;
+  accuracy)
+    # Two processes (each compiles its kernels once): DSA at 4K and 16K, both loss forms, then
+    # CSA and QSA at 16K. The two records land in $out itself (7 files in all, so the device
+    # tool brings every one back): copy them to benchmarks/results/; tables in the logs.
+    export HYSCALE_RESULTS=$out
+    timeout 300 python3 scripts/accuracy.py --model dsa --seq 4096 16384 --loss dense sparse \
+      --out "$out" 2>&1 | grep -v Warning | tee "$out/accuracy_dsa.log"
+    timeout 210 python3 scripts/accuracy.py --model csa qsa --seq 16384 --loss dense sparse \
+      --out "$out/v4_qsa" 2>&1 | grep -v Warning | tee "$out/accuracy_csa_qsa.log"
     ;;
   models)
     models=(); seqs=()

@@ -55,6 +55,7 @@ STALE_FLAGS = ("DKV_CHANNELS_ON_M", "BWD_FUSED", "MIN_CAP", "GROUP_SLACK_DIV", "
 # (script, arguments) of every GPU-only invocation; each also gets --out where it has one.
 CUDA_LINE = "needs a CUDA GPU (none is visible); "
 GPU_ONLY = [
+    ("accuracy.py", []),  # --device cuda is the default
     ("bench_selection.py", []),
     ("bench_selection.py", ["--quick"]),
     ("bench_selection.py", ["--captured", "indexer_capture.pt"]),
@@ -73,7 +74,8 @@ GPU_ONLY = [
     ("profile_layer_memory.py", []),
 ]
 # What the line names: the script, and the mode where only some modes need the GPU.
-LABEL = {"bench_layer.py": "bench_layer.py --device cuda",
+LABEL = {"accuracy.py": "accuracy.py --device cuda",
+         "bench_layer.py": "bench_layer.py --device cuda",
          "check_cp.py": "check_cp.py --device cuda"}
 NO_OUT = ("check_cudnn_backend.py",)  # writes nothing, has no --out
 
