@@ -396,3 +396,16 @@ def _child_main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(_child_main(sys.argv[1:]))
+
+
+# What megatron's and torch's checkpoint code say on every save / load (pytest filters).
+CHECKPOINT_WARNING_FILTERS = (
+    # megatron's own deprecation notice, printed on every dist_checkpointing.save
+    "ignore:MCore's async save is deprecated",
+    # importing megatron.core.optimizer imports its experimental MIMO config
+    "ignore:MimoModelConfig is experimental:UserWarning",
+    # torch.distributed.checkpoint's notices on every save / load
+    "ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning",
+    "ignore:The argument order of load has been changed:UserWarning",
+    "ignore:Please use DTensor instead and we are deprecating ShardedTensor:FutureWarning",
+)

@@ -21,6 +21,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 
 from megatron_hyscale import replay
 from megatron_hyscale.testing.training import (
+    CHECKPOINT_WARNING_FILTERS,
     FULL_RECOMPUTE,
     KINDS,
     Trainer,
@@ -28,16 +29,7 @@ from megatron_hyscale.testing.training import (
     topk_ties_by_index,
 )
 
-pytestmark = pytest.mark.filterwarnings(
-    # megatron's own deprecation notice, printed on every dist_checkpointing.save
-    "ignore:MCore's async save is deprecated",
-    # importing megatron.core.optimizer imports its experimental MIMO config
-    "ignore:MimoModelConfig is experimental:UserWarning",
-    # torch.distributed.checkpoint's notices on every save / load
-    "ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning",
-    "ignore:The argument order of load has been changed:UserWarning",
-    "ignore:Please use DTensor instead and we are deprecating ShardedTensor:FutureWarning",
-)
+pytestmark = pytest.mark.filterwarnings(*CHECKPOINT_WARNING_FILTERS)
 
 def overrides(kind: str, **extra) -> dict:
     return {**FULL_RECOMPUTE, **extra}

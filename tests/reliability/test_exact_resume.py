@@ -30,15 +30,9 @@ import torch
 import megatron_hyscale
 from hyscale_bench.distributed import free_port
 from megatron_hyscale import replay
-from megatron_hyscale.testing.training import FULL_RECOMPUTE, Trainer
+from megatron_hyscale.testing.training import CHECKPOINT_WARNING_FILTERS, FULL_RECOMPUTE, Trainer
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:MCore's async save is deprecated",
-    "ignore:MimoModelConfig is experimental:UserWarning",
-    "ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning",
-    "ignore:The argument order of load has been changed:UserWarning",
-    "ignore:Please use DTensor instead and we are deprecating ShardedTensor:FutureWarning",
-)
+pytestmark = pytest.mark.filterwarnings(*CHECKPOINT_WARNING_FILTERS)
 
 N, M = 3, 3
 CHILD_TIMEOUT_S = 240
