@@ -71,6 +71,11 @@
 #                                         # 1M tokens, CP 2, attention rows in parts of 128K (DSA
 #                                         # 98 GiB a GPU by launch/layer_memory.py, 213 GiB
 #                                         # unchunked; CSA 92 / 235)                   (~5 min)
+#   bash scripts/gpu_session.sh tilelang-kernels [selection|attention-loss]  # after
+#                                         # gpu_cudnn.sh 1, 2 and gpu_tilelang.sh 1, 2 (machine
+#                                         # warm): megatron's TileLang kernels beside HyScale's
+#                                         # and cuDNN's, same runs; selection (~4-5 min), then
+#                                         # attention + indexer loss (~5-6 min): two calls
 #   bash scripts/gpu_session.sh side1 [ARGS...]  # one H200, after gpu_cudnn.sh 1 and 2
 #                                         # (machine warm), carry [".whl",
 #                                         # ".carry/megatron_lm"]: Megatron-LM side by side,
@@ -96,11 +101,11 @@ stage=${1:-}
 shift || true
 case "$stage" in
   verify|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|cp2|cp2-1m|side1|side2\
-  |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer) ;;
+  |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
-       "|cudnn-tests|cudnn-kernels|cudnn-layer} [ARGS...]" >&2
+       "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels} [ARGS...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -116,7 +121,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
   export PYTHONPATH=$(pwd)/.carry/site:$(pwd)/.carry/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 fi
 case "$stage" in
-  cudnn-*)
+  cudnn-*|tilelang-kernels)
     [ -d .carry/site/nvidia_cutlass_dsl ] || {
       echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" >&2
       exit 2; }
@@ -331,6 +336,23 @@ case "$stage" in
     rm -f "$out/current.log"
     grep -h -E "^(FAILED|ERROR|E  )" "$out/tests.log" | cut -c1-400 | head -30 || true
     exit $fail
+    ;;
+  tilelang-kernels)
+    python3 -c "import tilelang" 2>/dev/null || {
+      echo "gpu_session.sh tilelang-kernels: run scripts/gpu_tilelang.sh 1 and 2 first" >&2
+      exit 2; }
+    if [ "${1:-selection}" = selection ]; then
+      timeout 400 python3 scripts/bench_selection.py --T 16384 65536 131072 262144 \
+        --configs dsv32 glm51 --secondary-max-T 131072 --reps 2 \
+        --methods hytopk cudnn stock_tilelang --out "$out" 2>&1 | grep -v -i warn \
+        | tee "$out/bench_selection.log" | grep -E "T=|not run|Error"
+    else
+      timeout 330 python3 scripts/bench_attention.py --t 16384 65536 131072 --shapes glm51 v32 \
+        --reps 2 --no-stock --no-deterministic --out "$out" 2>&1 | grep -v -i warn \
+        | tee "$out/bench_attention.log" | grep -E "T=|not run|Error"
+      timeout 240 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 --reps 2 \
+        --warmup 1 --out "$out" 2>&1 | grep -v -i warn | tee "$out/bench_indexer_loss.log"
+    fi
     ;;
   cudnn-layer)
     seqs=${*:-8192 16384 32768 131072 262144}
