@@ -84,6 +84,8 @@ from unittest import mock
 
 import torch
 
+from hyscale_bench.measure import GPU_SCRIPT_EPILOG
+
 MODELS = ("dsa", "csa", "qsa")
 LOSSES = ("dense", "sparse")
 SLACK = 1.05
@@ -101,9 +103,7 @@ LONG_DSA_HEADS = 16  # above REDUCED_DSA_MAX_SEQ: the float64 module's activatio
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="--device cuda (the default) needs a CUDA GPU: without "
-                                       "one it exits with status 2 before writing anything;\n"
-                                       "--device cpu --tiny is a CPU smoke run (seconds).")
+                                epilog=GPU_SCRIPT_EPILOG)
     p.add_argument("--model", nargs="+", choices=MODELS, default=list(MODELS),
                    help="layers: dsa (GLM-5.1), csa (DeepSeek-V4-Flash), qsa (Qwen3.8)")
     p.add_argument("--seq", type=int, nargs="+", default=None,

@@ -83,6 +83,8 @@ from typing import Any
 
 import torch
 
+from hyscale_bench.measure import GPU_SCRIPT_EPILOG
+
 MODELS = ("dsa", "csa", "hca", "qsa")
 STOCK_KERNEL_BACKENDS = ("none", "tilelang", "cudnn")
 TILELANG_FLAG = "--stock-kernel-backend tilelang"
@@ -136,9 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The script's argument parser (the launch examples' tests parse their commands with it)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="--device cuda (the default) needs a CUDA GPU: without "
-                                       "one it exits with status 2 before writing anything;\n"
-                                       "--device cpu --tiny is a CPU smoke run (seconds).")
+                                epilog=GPU_SCRIPT_EPILOG)
     p.add_argument("--model", choices=MODELS, default="dsa",
                    help="layer: dsa (GLM-5.1), csa / hca (DeepSeek-V4-Flash), qsa (Qwen3.8)")
     p.add_argument("--seq", type=int, nargs="+", default=None,

@@ -23,6 +23,12 @@ MATMUL_N = 8192
 COPY_BYTES = 4 << 30
 
 
+# The epilog of every GPU benchmark's --help (require_cuda enforces it).
+GPU_SCRIPT_EPILOG = ("--device cuda (the default) needs a CUDA GPU: without one it exits with "
+                     "status 2 before writing anything;\n--device cpu --tiny is a CPU smoke run "
+                     "(seconds).")
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 

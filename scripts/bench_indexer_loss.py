@@ -103,9 +103,30 @@ def flops(shape, n_valid):
                 bwd_useful=2 * index)
 
 
+def time_loss(loss_fn, params, warmup, reps):
+    """Median forward, backward and forward+backward ms, peak memory over the inputs (GiB)
+    and the value of the loss `loss_fn()` returns, differentiated in `params`."""
+    with torch.no_grad():
+        fwd_ms = time_ms(loss_fn, reps=reps, warmup=warmup)
+    loss = loss_fn()
+    bwd_ms = time_ms(lambda: torch.autograd.grad(loss, params, retain_graph=True),
+                     reps=reps, warmup=warmup)
+    loss = None  # frees the graph before the memory measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.autograd.grad(loss_fn(), params)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    with torch.no_grad():
+        value = loss_fn().item()
+    return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, total_ms=fwd_ms + bwd_ms, extra_peak_gib=peak,
+                loss=value)
+
+
 def bench(x, idx, backend, warmup, reps, deterministic=False, attention_lse=None):
-    """Median forward, backward and forward+backward ms, peak memory (GiB) and the loss value
-    of one backend (attention_lse: the attention forward's, as the DSA layer passes it)."""
+    """time_loss() of one backend (attention_lse: the attention forward's, as the DSA layer
+    passes it)."""
     scale = x["query"].shape[-1] ** -0.5
     params = (x["q_index"], x["weights"], x["k_index"])
     kw = dict(deterministic=deterministic) if backend == "triton" else {}
@@ -117,25 +138,7 @@ def bench(x, idx, backend, warmup, reps, deterministic=False, attention_lse=None
                                sparse=True, backend=backend, attention_lse=attention_lse,
                                check_values=False, **kw)
 
-    def fwd_bwd():
-        torch.autograd.grad(fwd(), params)
-
-    with torch.no_grad():
-        fwd_ms = time_ms(fwd, reps=reps, warmup=warmup)
-    loss = fwd()
-    bwd_ms = time_ms(lambda: torch.autograd.grad(loss, params, retain_graph=True),
-                     reps=reps, warmup=warmup)
-    loss = None  # frees the graph before the memory measurement
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fwd_bwd()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-    with torch.no_grad():
-        value = fwd().item()
-    return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, total_ms=fwd_ms + bwd_ms, extra_peak_gib=peak,
-                loss=value)
+    return time_loss(fwd, params, warmup, reps)
 
 
 def cudnn_unavailable():
@@ -225,27 +228,12 @@ def tilelang_scores(x, idx):
 
 
 def bench_tilelang(x, idx, warmup, reps):
-    """bench() for megatron's TileLang loss: forward, backward, forward + backward ms, peak
-    memory over the inputs (GiB), the loss value, and the score pass alone ("scores_ms")."""
+    """time_loss() of megatron's TileLang loss, and its score pass alone ("scores_ms")."""
     scale = x["query"].shape[-1] ** -0.5
     params = (x["q_index"], x["weights"], x["k_index"])
-    with torch.no_grad():
-        fwd_ms = time_ms(lambda: tilelang_loss(x, idx, scale), reps=reps, warmup=warmup)
-    loss = tilelang_loss(x, idx, scale)
-    bwd_ms = time_ms(lambda: torch.autograd.grad(loss, params, retain_graph=True),
-                     reps=reps, warmup=warmup)
-    loss = None  # frees the graph before the memory measurement
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    torch.autograd.grad(tilelang_loss(x, idx, scale), params)
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-    with torch.no_grad():
-        value = tilelang_loss(x, idx, scale).item()
-    scores_ms = time_ms(lambda: tilelang_scores(x, idx), reps=reps, warmup=warmup)
-    return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, total_ms=fwd_ms + bwd_ms, extra_peak_gib=peak,
-                loss=value, scores_ms=scores_ms)
+    row = time_loss(lambda: tilelang_loss(x, idx, scale), params, warmup, reps)
+    row["scores_ms"] = time_ms(lambda: tilelang_scores(x, idx), reps=reps, warmup=warmup)
+    return row
 
 
 def tilelang_entry(x, idx, warmup, reps, said):

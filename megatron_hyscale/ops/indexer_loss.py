@@ -212,7 +212,7 @@ def indexer_kl_loss(
             q_index, weights, k_index, query, key, topk_indices, scale, coeff, backend=backend,
             sparse=sparse, relu=relu, qpos=qpos, kpos=None if k_positions is None else kpos,
             per_token=calculate_per_token_loss, tp_group=tp_group, attention_lse=attention_lse,
-            deterministic=deterministic, hytopk_slots=hytopk_layout)
+            deterministic=deterministic, hytopk_layout=hytopk_layout)
         if got is not None:
             return got
         backend = "auto"

@@ -185,7 +185,7 @@ def sparse_attention(
     if backend in LIBRARY_BACKENDS:
         got = dispatch.attention(q, k, v, indices, scale, backend=backend, dv=dv, sink=sink,
                                  deterministic=deterministic, prefix_lengths=prefix_lengths,
-                                 hytopk_slots=hytopk_layout)
+                                 hytopk_layout=hytopk_layout)
         if got is not None:
             return got if return_lse else got[0]
         backend = "auto"

@@ -136,19 +136,19 @@ def test_default_positions_and_trusted_slots_reach_the_library(fake_library):
     query, key, idx = attention_inputs()
     sparse_attention(query, key, None, idx, 0.5, backend="cudnn", check_values=False,
                      hytopk_layout=True)
-    assert fake_library["attention"]["hytopk_slots"] is True
+    assert fake_library["attention"]["hytopk_layout"] is True
     sparse_attention(query, key, None, idx, 0.5, backend="cudnn", check_values=False)
-    assert fake_library["attention"]["hytopk_slots"] is False
+    assert fake_library["attention"]["hytopk_layout"] is False
 
     qi, ki, wi = selection_inputs()
     lse = torch.zeros(query.shape[:3])
     indexer_kl_loss(qi, wi, ki, query, key, idx, 0.5, 0.1, sparse=True, backend="cudnn",
                     attention_lse=lse, check_values=False, hytopk_layout=True)
-    assert fake_library["loss"]["hytopk_slots"] is True
+    assert fake_library["loss"]["hytopk_layout"] is True
     assert fake_library["cudnn_indexer_loss_unsupported"]["kpos"] is None
     indexer_kl_loss(qi, wi, ki, query, key, idx, 0.5, 0.1, sparse=True, backend="cudnn",
                     attention_lse=lse, k_positions=torch.arange(16))
-    assert fake_library["loss"]["hytopk_slots"] is False
+    assert fake_library["loss"]["hytopk_layout"] is False
     assert fake_library["cudnn_indexer_loss_unsupported"]["kpos"] is not None
 
 

@@ -205,7 +205,7 @@ def test_host_known_positions_and_trusted_slots_change_nothing():
     outs = []
     for trusted in (False, True):
         ql, kl = query.clone().requires_grad_(), key.clone().requires_grad_()
-        out, lse = library_attention(ql, kl, idx, D**-0.5, hytopk_slots=trusted)
+        out, lse = library_attention(ql, kl, idx, D**-0.5, hytopk_layout=trusted)
         out.float().pow(2).sum().backward()
         outs.append((out, lse, ql.grad, kl.grad))
     # forward bit for bit; the gradients within the backward's atomic-order noise (cuDNN adds
@@ -221,7 +221,7 @@ def test_host_known_positions_and_trusted_slots_change_nothing():
     for trusted in (False, True):
         leaves = [x.clone().requires_grad_() for x in (qi, wi, ki)]
         loss = cudnn_indexer_loss(*leaves, query, key, idx, D**-0.5, 0.01, qpos=qpos,
-                                  attention_lse=outs[0][1].detach(), hytopk_slots=trusted)
+                                  attention_lse=outs[0][1].detach(), hytopk_layout=trusted)
         loss.backward()
         losses.append((loss, *(x.grad for x in leaves)))
     assert_same_forward_close_grads(losses, n_forward=1)  # loss; then its three grads

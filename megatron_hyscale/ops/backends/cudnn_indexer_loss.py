@@ -24,7 +24,12 @@ from megatron_hyscale.ops.backends.library_attention import (
     library_attention,
     library_attention_unsupported,
 )
-from megatron_hyscale.ops.backends.slots import flat_key_ids, round_up, valid_first
+from megatron_hyscale.ops.backends.slots import (
+    flat_key_ids,
+    keys_off_default_positions,
+    round_up,
+    valid_first,
+)
 from megatron_hyscale.ops.reference import INDEXER_LOSS_EPS
 
 # cuDNN's SM90 indexer backward runs heads in tiles of 64 (megatron pads with zero heads) and
@@ -61,8 +66,7 @@ def cudnn_indexer_loss_unsupported(q_index: torch.Tensor, weights: torch.Tensor,
     if key.shape[2] != 1:
         return f"cuDNN's DSA target kernel takes one shared KV head (got {key.shape[2]})"
     S = key.shape[1]
-    if kpos is not None and not torch.equal(kpos, torch.arange(S, device=kpos.device)
-                                             .expand_as(kpos)):
+    if keys_off_default_positions(kpos, S):
         return "cuDNN's DSA kernels take keys at positions 0 .. S-1 (k_positions given)"
     if attention_lse is None:
         no_slots = torch.empty(0, 0, 0, dtype=torch.int32, device=query.device)
@@ -86,13 +90,13 @@ class CudnnIndexerLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_index, weights, k_index, query, key, topk_indices, qpos, scale, coeff,
-                per_token, tp_group, attention_lse, hytopk_slots):
+                per_token, tp_group, attention_lse, hytopk_layout):
         DSA = cudnn_dsa()
         B, T, H_I, _ = q_index.shape
         S = key.shape[1]
         Hq = query.shape[2]
         rows = topk_indices.reshape(B, T, -1)
-        if hytopk_slots:  # visible and valid-first by construction
+        if hytopk_layout:  # visible and valid-first by construction
             slots, length = valid_first(rows, known_valid_first=True)
         else:
             visible = (rows >= 0) & (rows.long() <= qpos.unsqueeze(-1))
@@ -110,7 +114,7 @@ class CudnnIndexerLoss(torch.autograd.Function):
         if attention_lse is None:
             with torch.no_grad():
                 _, attention_lse = library_attention(query, key, rows, scale,
-                                                      hytopk_slots=hytopk_slots)
+                                                      hytopk_layout=hytopk_layout)
         Hp = max(Hq, MIN_INDEXER_HEADS)  # the target kernel's head tile, as the attention's
         q_attn = _pad_dim(query.detach(), 2, Hp).contiguous()
         lse = _pad_dim(attention_lse.detach().float(), 2, Hp, float("inf")).contiguous()
@@ -175,15 +179,15 @@ def cudnn_indexer_loss(q_index: torch.Tensor, weights: torch.Tensor, k_index: to
                        calculate_per_token_loss: bool = False,
                        tp_group: torch.distributed.ProcessGroup | None = None,
                        attention_lse: torch.Tensor | None = None,
-                       hytopk_slots: bool = False) -> torch.Tensor:
+                       hytopk_layout: bool = False) -> torch.Tensor:
     """`ops.indexer_kl_loss(sparse=True, relu=True)` on cuDNN's kernels (scope: the
     `_unsupported` check). q_index [B, T, H_I, 128] bf16, weights [B, T, H_I] bf16, k_index
     [B, S, 128], query [B, T, Hq, 576], key [B, S, 1, 576], topk_indices [B, T, K] (-1 padded;
     keys after a row's position are ignored; indices distinct within a row, as HyTopK's are:
     a repeated one would count twice here), attention_lse [B, T, Hq] or None (then
-    FlashMLA's forward computes it). `hytopk_slots`: the caller vouches that the indices are
+    FlashMLA's forward computes it). `hytopk_layout`: the caller vouches that the indices are
     HyTopK's for these rows (visible, valid slots first), sparing the layout test and its
     host sync. Differentiable in q_index, weights and k_index."""
     return CudnnIndexerLoss.apply(q_index, weights, k_index, query, key, topk_indices, qpos,
                                   softmax_scale, loss_coeff, calculate_per_token_loss, tp_group,
-                                  attention_lse, hytopk_slots)
+                                  attention_lse, hytopk_layout)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from megatron_hyscale.ops.backends.availability import CUDNN, cudnn_dsa, library_unavailable
+from megatron_hyscale.ops.backends.slots import keys_off_default_positions
 
 # megatron-core's score chunk: the table for one chunk of query rows stays under 1 GiB.
 CHUNK_BYTES = 1 << 30
@@ -39,8 +40,7 @@ def cudnn_selection_unsupported(q: torch.Tensor, k: torch.Tensor, weights: torch
     if q.shape[3] not in SUPPORTED_HEAD_DIMS:
         return f"cuDNN's SM90 indexer takes head dim {SUPPORTED_HEAD_DIMS} (got {q.shape[3]})"
     S = k.shape[1]
-    if kpos is not None and not torch.equal(kpos, torch.arange(S, device=kpos.device)
-                                             .expand_as(kpos)):
+    if keys_off_default_positions(kpos, S):
         return "cuDNN's DSA indexer takes keys at positions 0 .. S-1 (k_positions given)"
     return None
 

@@ -63,7 +63,7 @@ def selection(q, k, weights, topk, *, backend, relu, causal, qpos, kpos, ordered
 
 
 def attention(q, k, v, indices, scale, *, backend, dv, sink, deterministic, prefix_lengths,
-              hytopk_slots=False):
+              hytopk_layout=False):
     """(out, lse) on FlashMLA + cuDNN, or None."""
     from megatron_hyscale.ops.backends.library_attention import (
         library_attention,
@@ -75,12 +75,12 @@ def attention(q, k, v, indices, scale, *, backend, dv, sink, deterministic, pref
     shape = measured.attention_shape(q.shape[2], q.shape[3], dv or q.shape[3], sink is not None)
     if not _use_library(backend, "attention", shape, q.shape[1], reason):
         return None
-    return library_attention(q, k, indices, scale, sink=sink, hytopk_slots=hytopk_slots)
+    return library_attention(q, k, indices, scale, sink=sink, hytopk_layout=hytopk_layout)
 
 
 def indexer_loss(q_index, weights, k_index, query, key, topk_indices, scale, coeff, *, backend,
                  sparse, relu, qpos, kpos, per_token, tp_group, attention_lse, deterministic,
-                 hytopk_slots=False):
+                 hytopk_layout=False):
     from megatron_hyscale.ops.backends.cudnn_indexer_loss import (
         cudnn_indexer_loss,
         cudnn_indexer_loss_unsupported,
@@ -99,5 +99,5 @@ def indexer_loss(q_index, weights, k_index, query, key, topk_indices, scale, coe
         return None
     return cudnn_indexer_loss(q_index, weights, k_index, query, key, topk_indices, scale, coeff,
                               qpos=qpos, calculate_per_token_loss=per_token, tp_group=tp_group,
-                              attention_lse=attention_lse, hytopk_slots=hytopk_slots)
+                              attention_lse=attention_lse, hytopk_layout=hytopk_layout)
 

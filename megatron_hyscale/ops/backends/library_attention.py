@@ -66,13 +66,13 @@ class LibrarySparseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, scale: float,
-                sink: torch.Tensor | None, hytopk_slots: bool
+                sink: torch.Tensor | None, hytopk_layout: bool
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, Hq, D = q.shape
         S = k.shape[1]
         Hp = _padded_heads(Hq)
         rows = indices.reshape(B, T, indices.shape[-1])
-        slots, length = valid_first(rows, known_valid_first=hytopk_slots)
+        slots, length = valid_first(rows, known_valid_first=hytopk_layout)
         K = slots.shape[-1]
         if K % TOPK_ALIGNMENT:
             slots = torch.nn.functional.pad(slots, (0, round_up(K, TOPK_ALIGNMENT) - K),
@@ -92,12 +92,12 @@ class LibrarySparseAttention(torch.autograd.Function):
                                                        topk_length=length)
         # FlashMLA's value for a row without slots is not the contract's. HyTopK's rows all
         # hold a slot (key 0 is visible to every row): no test, no host sync.
-        empty = None if hytopk_slots else length == 0
+        empty = None if hytopk_layout else length == 0
         if empty is not None and bool(empty.any()):
             out = out.masked_fill(empty.view(-1, 1, 1), 0.0)
             lse = lse.masked_fill(empty.view(-1, 1), float("-inf"))
         ctx.save_for_backward(q_flat, kv, ids, length, out, lse, sink_p)
-        ctx.rows_all_hold_slots = hytopk_slots
+        ctx.rows_all_hold_slots = hytopk_layout
         ctx.shape = (B, T, Hq, D, S)
         ctx.scale = scale
         ctx.has_sink = sink is not None
@@ -141,13 +141,13 @@ class LibrarySparseAttention(torch.autograd.Function):
 
 
 def library_attention(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, scale: float, *,
-                      sink: torch.Tensor | None = None, hytopk_slots: bool = False
+                      sink: torch.Tensor | None = None, hytopk_layout: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, T, Hq, 512], lse [B, T, Hq]) of `ops.sparse_attention` on FlashMLA + cuDNN.
 
     q [B, T, Hq, 576 or 512] bf16, k [B, S, 1, same], indices [B, T, K] or [B, T, 1, K];
-    sink [Hq] or None. `hytopk_slots`: the caller vouches that every row lists its valid
+    sink [Hq] or None. `hytopk_layout`: the caller vouches that every row lists its valid
     slots first and holds at least one (HyTopK's causal output), which spares the layout and
     empty-row tests and their host syncs. Differentiable in q, k and sink.
     """
-    return LibrarySparseAttention.apply(q, k, indices, scale, sink, hytopk_slots)
+    return LibrarySparseAttention.apply(q, k, indices, scale, sink, hytopk_layout)

@@ -23,6 +23,13 @@ def valid_first(indices: torch.Tensor, *, known_valid_first: bool = False
     return indices.to(torch.int32).contiguous(), length
 
 
+def keys_off_default_positions(kpos: torch.Tensor | None, S: int) -> bool:
+    """Whether key positions differ from 0 .. S-1 (the library kernels' only layout); kpos
+    None means the defaults, known without reading anything back."""
+    return kpos is not None and not torch.equal(
+        kpos, torch.arange(S, device=kpos.device).expand_as(kpos))
+
+
 def flat_key_ids(indices: torch.Tensor, keys_per_batch: int) -> torch.Tensor:
     """[B, T, K] per-batch key ids -> ids into the [B * S] flattened keys; -1 stays -1."""
     B = indices.shape[0]
