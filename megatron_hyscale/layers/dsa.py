@@ -18,13 +18,17 @@ table-based indexer loss with HyScale's ops:
   indexer loss run for the local query rows against the gathered keys, with the local rows'
   global positions. Indices are [local rows, gathered keys], so replay and index sharing are
   unchanged.
-- packed THD sequences (`qkv_format="thd"`, without CP): each document selects over its own
-  keys (HyTopK per document, the indices then global rows of the packed sequence), so the
-  attention and the sparse indexer loss need nothing more; the dense loss runs per document.
-Layouts the fast path does not cover (packed THD with CP or with padded rows masked out of the
-loss, sequence-parallel TP, non-causal masks) warn once, naming why, and run the stock
-forward; a CP communication type other than allgather raises (the stock layer does not
-support it either).
+- packed THD sequences (`qkv_format="thd"`): each document selects over its own keys (HyTopK
+  per document, the indices then global rows of the packed sequence), so the attention and the
+  sparse indexer loss need nothing more; the dense loss runs per document. Under CP the
+  cu_seqlens cover the whole sequence and each rank holds chunks r and 2cp-1-r of every
+  document (megatron's THD split, `parallel.thd_split`): the keys are all-gathered into the
+  global packed order (`layers.packed.packed_layout`'s `key_order`), and a document's local
+  query rows select over its gathered keys at their positions within the document.
+Layouts the fast path does not cover (packed THD with padded rows masked out of the loss,
+sequence-parallel TP, non-causal masks) warn once, naming why, and run the stock forward; a
+CP communication type other than allgather raises (the stock layer does not support it
+either).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from megatron.core.utils import get_pg_size
 from megatron_hyscale import ops, parallel, phase_spans, replay
 from megatron_hyscale.layers.kernel_backend import kernel_backend
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
-from megatron_hyscale.layers.packed import Documents, packed_documents
+from megatron_hyscale.layers.packed import PackedLayout, packed_layout
 from megatron_hyscale.ops import hytopk
 from megatron_hyscale.ops.checks import warn_once
 from megatron_hyscale.parallel import CPRowLayout, cp_row_layout
@@ -71,7 +75,7 @@ class DSARowState:
     cp_group: Any
     rows: int
     loss_coeff: float  # 0: no indexer loss this forward
-    documents: Documents | None = None  # packed THD: each document's rows; None: one sequence
+    packed: PackedLayout | None = None  # packed THD: the documents' rows; None: one sequence
 
 
 class HyScaleDSAttention(DSAttention):
@@ -92,9 +96,6 @@ class HyScaleDSAttention(DSAttention):
         if value is not None or key.size(2) != 1 or query.size(-1) != absorbed_dim:
             return "only the absorbed MLA layout (one latent KV head, value=None) is fused"
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            if (get_pg_size(getattr(self.pg_collection, "cp", None)) > 1
-                    or getattr(cfg, "context_parallel_size", 1) > 1):
-                return "packed THD sequences with context parallelism are not supported yet"
             if getattr(packed_seq_params, "real_token_mask_q", None) is not None:
                 return ("packed THD with real_token_mask_q (padded rows left out of the indexer "
                         "loss) is not supported yet")
@@ -176,9 +177,12 @@ class HyScaleDSAttention(DSAttention):
         cfg = self.config
         layout = self._cp_layout(sq, key.size(0), key.device)
         cp_group, q_positions = layout.group, layout.positions
-        documents = None
+        packed = key_order = None
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            documents = packed_documents(packed_seq_params, sq, layer="HyScaleDSAttention")
+            packed = packed_layout(packed_seq_params, sq, key.device, layer="HyScaleDSAttention",
+                                   group=cp_group)
+            if packed.positions is not None:
+                q_positions, key_order = packed.positions, packed.key_order
         # The indexer learns only from its KL loss: no gradient into the main model.
         x, qr = x.detach(), qr.detach()
         loss_coeff = cfg.dsa_indexer_loss_coeff or 0.0
@@ -193,12 +197,12 @@ class HyScaleDSAttention(DSAttention):
                 q_idx, k_idx, weights = self.indexer.forward_before_topk(x, qr, packed_seq_params)
                 # Indexer keys [sq, b, d] -> [cp * sq, b, d]; their gradient (indexer loss
                 # only) also goes back to the owner rank.
-                pending_k_idx = start_all_gather_to_global(k_idx, cp_group)
+                pending_k_idx = start_all_gather_to_global(k_idx, cp_group, key_order)
         # The main KV [sq, b, 1, d] -> [cp * sq, b, 1, d] in global order (no-op without CP),
         # queued behind the indexer keys on the CP group and waited on only after the
         # selection: HyTopK runs while it transfers. Backward reduce-scatters the key gradient
         # (the sum over the ranks whose queries read it) back to this rank.
-        pending_key = start_all_gather_to_global(key, cp_group)
+        pending_key = start_all_gather_to_global(key, cp_group, key_order)
         if pending_k_idx is not None:
             with torch.enable_grad() if use_indexer_loss else torch.no_grad():
                 k_idx = pending_k_idx.wait()
@@ -208,11 +212,11 @@ class HyScaleDSAttention(DSAttention):
         # Without CP the rows sit at HyTopK's default positions, which its library path then
         # knows on the host instead of reading them back.
         indices = self._selection(q_idx, k_idx, weights, b, sq, packed_seq_params, attention_mask,
-                                  None if cp_group is None else q_positions, documents)
+                                  None if cp_group is None else q_positions, packed)
         return DSARowState(
             key_b=pending_key.wait().transpose(0, 1), indices=indices, q_idx=q_idx,
             k_idx=k_idx, weights=weights, q_positions=q_positions, cp_group=cp_group,
-            rows=sq, loss_coeff=loss_coeff if use_indexer_loss else 0.0, documents=documents,
+            rows=sq, loss_coeff=loss_coeff if use_indexer_loss else 0.0, packed=packed,
         )
 
     def attend_rows(
@@ -240,7 +244,7 @@ class HyScaleDSAttention(DSAttention):
                                     backend=kernel_backend(cfg), check_values=False,
                                     hytopk_layout=True)
         indexer_loss = None
-        if state.loss_coeff > 0 and state.documents is not None and not (
+        if state.loss_coeff > 0 and state.packed is not None and not (
                 cfg.dsa_indexer_use_sparse_loss):
             indexer_loss = self._dense_loss_per_document(query_b, state)
         elif state.loss_coeff > 0:
@@ -273,18 +277,21 @@ class HyScaleDSAttention(DSAttention):
     def _dense_loss_per_document(self, query_b: torch.Tensor,
                                  state: DSARowState) -> torch.Tensor:
         """The dense (warm-up) indexer loss of packed documents: each over its own keys, with
-        its share of the rows-mean, so the documents' losses add up to stock's."""
+        its share of the (local) rows-mean, so the documents' losses add up to stock's. Under
+        CP a document's local rows read its gathered keys at their positions in it."""
         cfg = self.config
         per_token = bool(cfg.calculate_per_token_loss)
+        packed = state.packed
         total = None
-        for start, end in state.documents:
-            doc = slice(start, end)
+        for (start, end), (r0, r1) in zip(packed.documents, packed.local, strict=True):
+            rows, keys = slice(r0, r1), slice(start, end)
             loss = indexer_kl_loss(
-                state.q_idx[:, doc], state.weights[:, doc], state.k_idx[:, doc],
-                query_b[:, doc].detach(), state.key_b[:, doc].detach(), None,
+                state.q_idx[:, rows], state.weights[:, rows], state.k_idx[:, keys],
+                query_b[:, rows].detach(), state.key_b[:, keys].detach(), None,
                 self.softmax_scale,
-                state.loss_coeff * (1.0 if per_token else (end - start) / state.rows),
+                state.loss_coeff * (1.0 if per_token else (r1 - r0) / state.rows),
                 sparse=False, relu=bool(cfg.dsa_indexer_scoring_relu),
+                q_positions=None if packed.offsets is None else packed.offsets[rows],
                 calculate_per_token_loss=per_token,
                 tp_group=getattr(self.pg_collection, "tp", None),
                 deterministic=bool(cfg.deterministic_mode), backend=kernel_backend(cfg),
@@ -301,14 +308,17 @@ class HyScaleDSAttention(DSAttention):
         self, q_idx: torch.Tensor | None, k_idx: torch.Tensor | None,
         weights: torch.Tensor | None, b: int, sq: int, packed_seq_params: Any,
         attention_mask: torch.Tensor | None, q_positions: torch.Tensor | None,
-        documents: Documents | None = None,
+        packed: PackedLayout | None = None,
     ) -> torch.Tensor:
         """int32 [b, sq, topk] indices into the (gathered) keys: replayed, shared or computed.
 
         `q_positions` ([sq] int64) are the local rows' global positions, None where they are
         HyTopK's default (no CP); the keys are the whole sequence in global order, so their
-        positions are arange (HyTopK's default). The selection's output is distinct, visible
-        and valid-first by construction, so its consumers skip their value checks.
+        positions are arange (HyTopK's default). Packed documents select each over its own
+        keys: its local rows (`packed.local`) against its rows of the keys (`packed.documents`)
+        at their positions in the document (`packed.offsets`; HyTopK's default without CP).
+        The selection's output is distinct, visible and valid-first by construction, so its
+        consumers skip their value checks.
         """
         shape = (b, sq, self.index_topk)
         if self.skip_topk:
@@ -316,9 +326,9 @@ class HyScaleDSAttention(DSAttention):
                 shape, lambda: self._shared_selection(packed_seq_params, attention_mask),
                 shared=True)
         else:
-            def select(rows: slice, positions: torch.Tensor | None) -> torch.Tensor:
+            def select(rows: slice, keys: slice, positions: torch.Tensor | None) -> torch.Tensor:
                 return hytopk(
-                    q_idx[:, rows].detach(), k_idx[:, rows].detach(),
+                    q_idx[:, rows].detach(), k_idx[:, keys].detach(),
                     weights[:, rows].detach(), self.index_topk,
                     relu=bool(self.config.dsa_indexer_scoring_relu), q_positions=positions,
                     backend=kernel_backend(self.config), check_values=False,
@@ -326,13 +336,15 @@ class HyScaleDSAttention(DSAttention):
 
             def compute() -> torch.Tensor:
                 with torch.no_grad():
-                    if documents is None:
-                        return select(slice(None), q_positions)
+                    if packed is None:
+                        return select(slice(None), slice(None), q_positions)
                     # Each document over its own keys; its indices become packed rows.
                     indices = torch.full(shape, -1, dtype=torch.int32, device=q_idx.device)
-                    for start, end in documents:
-                        got = select(slice(start, end), None)
-                        indices[:, start:end] = torch.where(got >= 0, got + start, got)
+                    for (start, end), (r0, r1) in zip(packed.documents, packed.local,
+                                                      strict=True):
+                        got = select(slice(r0, r1), slice(start, end),
+                                     None if packed.offsets is None else packed.offsets[r0:r1])
+                        indices[:, r0:r1] = torch.where(got >= 0, got + start, got)
                     return indices
 
             indices = self.selection_replay.select(shape, compute)

@@ -7,6 +7,10 @@ over ranks, so the gradient is put back in rank-major order and reduce-scattered
 same contract as megatron's `gather_from_sequence_parallel_region` (whose backward is a
 reduce-scatter), plus the zigzag reorder folded in.
 
+Both take an optional `order` (`layout.RowOrder`): the rows of a packed THD sequence, which
+megatron splits per document (`layout.thd_split`), are put in global order by that index
+instead of the zigzag chunk reorder.
+
 `start_all_gather_to_global` is the same all-gather started asynchronously: the caller keeps
 computing (HyScaleDSAttention runs the indexer projections, gathers the indexer keys and runs
 HyTopK, which need none of the main KV) and calls `.wait()` where it needs the result; the
@@ -20,42 +24,71 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_hyscale.parallel.layout import global_to_rank_major, rank_major_to_global
+from megatron_hyscale.parallel.layout import RowOrder, global_to_rank_major, rank_major_to_global
+
+
+def _to_global(gathered: torch.Tensor, size: int, order: RowOrder | None) -> torch.Tensor:
+    if order is None:
+        return rank_major_to_global(gathered, size, dim=0)
+    return gathered.index_select(0, order.to_global)
+
+
+def _to_rank_major(grad: torch.Tensor, size: int, order: RowOrder | None) -> torch.Tensor:
+    if order is None:
+        return global_to_rank_major(grad, size, dim=0).contiguous()
+    return grad.index_select(0, order.to_rank_major)
+
+
+def _reduce_scatter_to_owners(grad: torch.Tensor, group: dist.ProcessGroup,
+                              order: RowOrder | None) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    grad = _to_rank_major(grad, size, order)
+    out = grad.new_empty((grad.size(0) // size, *grad.shape[1:]))
+    dist.reduce_scatter_tensor(out, grad, group=group)
+    return out
 
 
 class _AllGatherToGlobal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup,
+                order: RowOrder | None) -> torch.Tensor:
+        ctx.group, ctx.order = group, order
         size = dist.get_world_size(group)
         x = x.contiguous()
         out = x.new_empty((size * x.size(0), *x.shape[1:]))
         dist.all_gather_into_tensor(out, x, group=group)
-        return rank_major_to_global(out, size, dim=0)
+        return _to_global(out, size, order)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        size = dist.get_world_size(ctx.group)
-        grad = global_to_rank_major(grad, size, dim=0).contiguous()
-        out = grad.new_empty((grad.size(0) // size, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
-        return out, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _reduce_scatter_to_owners(grad, ctx.group, ctx.order), None, None
 
 
-def all_gather_to_global(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """[L, ...] local zigzag shard -> [cp * L, ...] global order; gradients reduce to owners.
+def _check_local(x: torch.Tensor, group: dist.ProcessGroup, order: RowOrder | None,
+                 what: str) -> None:
+    if order is None and x.size(0) % 2 != 0:
+        raise ValueError(f"{what}: local length {x.size(0)} must be even (two zigzag chunks "
+                         "per rank)")
+    if order is not None and order.to_global.numel() != dist.get_world_size(group) * x.size(0):
+        raise ValueError(f"{what}: the order covers {order.to_global.numel()} rows, the "
+                         f"gather gives {dist.get_world_size(group)} x {x.size(0)}")
+
+
+def all_gather_to_global(x: torch.Tensor, group: dist.ProcessGroup | None,
+                         order: RowOrder | None = None) -> torch.Tensor:
+    """[L, ...] local shard -> [cp * L, ...] global order; gradients reduce to owners.
 
     Args:
         x: this rank's tokens along dim 0 (sequence-first, megatron's [s, b, ...] layout);
-            L must be even (two zigzag chunks).
+            L must be even (two zigzag chunks) when `order` is None.
         group: the context-parallel group; None or size 1 returns `x` unchanged.
+        order: None for megatron's zigzag chunks; a packed THD sequence's
+            `layout.thd_gather_order`.
     """
     if group is None or dist.get_world_size(group) == 1:
         return x
-    if x.size(0) % 2 != 0:
-        raise ValueError(f"all_gather_to_global: local length {x.size(0)} must be even "
-                         "(two zigzag chunks per rank)")
-    return _AllGatherToGlobal.apply(x, group)
+    _check_local(x, group, order, "all_gather_to_global")
+    return _AllGatherToGlobal.apply(x, group, order)
 
 
 class _FinishGather(torch.autograd.Function):
@@ -64,20 +97,21 @@ class _FinishGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, gathered: torch.Tensor,
-                group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return rank_major_to_global(gathered, dist.get_world_size(group), dim=0)
+                group: dist.ProcessGroup, order: RowOrder | None) -> torch.Tensor:
+        ctx.group, ctx.order = group, order
+        return _to_global(gathered, dist.get_world_size(group), order)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _AllGatherToGlobal.backward(ctx, grad)[0], None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _reduce_scatter_to_owners(grad, ctx.group, ctx.order), None, None, None
 
 
 class PendingGather:
     """An all-gather in flight (from start_all_gather_to_global); `wait()` gives the result."""
 
-    def __init__(self, x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-        self.x, self.group, self.work, self.out = x, group, None, None
+    def __init__(self, x: torch.Tensor, group: dist.ProcessGroup | None,
+                 order: RowOrder | None = None) -> None:
+        self.x, self.group, self.order, self.work, self.out = x, group, order, None, None
         if group is not None and dist.get_world_size(group) > 1:
             size = dist.get_world_size(group)
             self.out = x.new_empty((size * x.size(0), *x.shape[1:]))
@@ -93,13 +127,12 @@ class PendingGather:
             return self.x
         self.work.wait()
         self.work = None
-        return _FinishGather.apply(self.x, self.out, self.group)
+        return _FinishGather.apply(self.x, self.out, self.group, self.order)
 
 
-def start_all_gather_to_global(x: torch.Tensor, group: dist.ProcessGroup | None
-                               ) -> PendingGather:
-    """Start `all_gather_to_global(x, group)` asynchronously; see PendingGather.wait."""
-    if group is not None and dist.get_world_size(group) > 1 and x.size(0) % 2 != 0:
-        raise ValueError(f"start_all_gather_to_global: local length {x.size(0)} must be even "
-                         "(two zigzag chunks per rank)")
-    return PendingGather(x, group)
+def start_all_gather_to_global(x: torch.Tensor, group: dist.ProcessGroup | None,
+                               order: RowOrder | None = None) -> PendingGather:
+    """Start `all_gather_to_global(x, group, order)` asynchronously; see PendingGather.wait."""
+    if group is not None and dist.get_world_size(group) > 1:
+        _check_local(x, group, order, "start_all_gather_to_global")
+    return PendingGather(x, group, order)

@@ -11,12 +11,19 @@ An all-gather over the CP group concatenates the ranks' local sequences in rank 
 global order and `global_to_rank_major` is its inverse. Both move whole chunks (one copy, no
 index tensor) along dimension `dim`.
 
+A packed THD sequence (documents back to back, `cu_seqlens`) is split per document instead:
+each document's rows are cut into 2 * cp chunks and rank r holds chunks r and 2cp-1-r of every
+document, documents in order (megatron's `get_batch_on_this_cp_rank` for THD, through
+Transformer Engine's `thd_get_partitioned_indices`): `thd_positions`, `thd_split`,
+`thd_gather_order` (the all-gather's rows back in global order) and `thd_merge`.
+
 `cp_row_layout` is what a HyScale attention layer reads at the top of its forward: its CP group
 and the global positions of its local query rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +90,69 @@ def global_to_rank_major(x: torch.Tensor, cp_size: int, dim: int = 0) -> torch.T
 def zigzag_merge(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     """Reassemble the full sequence from every rank's `zigzag_split` part (rank order)."""
     return rank_major_to_global(torch.cat(parts, dim=dim), len(parts), dim=dim)
+
+
+def _thd_lengths(cu_seqlens: Sequence[int], cp_size: int, what: str) -> list[int]:
+    """The documents' lengths, each checked divisible by 2 * cp_size (ValueError naming `what`)."""
+    cu = [int(v) for v in cu_seqlens]
+    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{what}: cu_seqlens must rise from 0, got {cu}")
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    bad = [n for n in lengths if n % (2 * cp_size)]
+    if cp_size > 1 and bad:
+        raise ValueError(f"{what}: every packed document's length must be divisible by 2 * cp = "
+                         f"{2 * cp_size} (each is cut into 2 * cp chunks), got lengths {lengths}")
+    return lengths
+
+
+def thd_positions(cu_seqlens: Sequence[int], cp_size: int, cp_rank: int,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """int64 global rows of this rank's share of a packed THD sequence (host `cu_seqlens`):
+    for each document, its chunks r and 2cp-1-r of 2cp, documents in order. As TE's
+    `thd_get_partitioned_indices` (megatron's `get_batch_on_this_cp_rank` for THD). Raises
+    ValueError when a document's length is not divisible by 2 * cp_size."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} out of range for cp_size {cp_size}")
+    lengths = _thd_lengths(cu_seqlens, cp_size, "thd_positions")
+    if cp_size == 1:
+        return torch.arange(sum(lengths), dtype=torch.int64, device=device)
+    parts, start = [], 0
+    for n in lengths:
+        c = n // (2 * cp_size)
+        for chunk in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            parts.append(torch.arange(start + chunk * c, start + (chunk + 1) * c))
+        start += n
+    out = torch.cat(parts) if parts else torch.zeros(0)
+    return out.to(device=device, dtype=torch.int64)
+
+
+def thd_split(x: torch.Tensor, cu_seqlens: Sequence[int], cp_size: int, cp_rank: int,
+              dim: int) -> torch.Tensor:
+    """This rank's share of a packed THD sequence along `dim` (`thd_positions`' rows)."""
+    return x.index_select(dim, thd_positions(cu_seqlens, cp_size, cp_rank, x.device))
+
+
+@dataclass(frozen=True)
+class RowOrder:
+    """The rows of a CP all-gather (the ranks' local rows, rank after rank) in global order."""
+
+    to_global: torch.Tensor  # int64 [S]: global row g is gathered row to_global[g]
+    to_rank_major: torch.Tensor  # int64 [S]: gathered row m is global row to_rank_major[m]
+
+
+def thd_gather_order(cu_seqlens: Sequence[int], cp_size: int,
+                     device: torch.device | str | None = None) -> RowOrder:
+    """How an all-gather of every rank's `thd_split` share maps to the global packed rows."""
+    owners = torch.cat([thd_positions(cu_seqlens, cp_size, r) for r in range(cp_size)])
+    to_global = torch.empty_like(owners)
+    to_global[owners] = torch.arange(owners.numel(), dtype=torch.int64)
+    return RowOrder(to_global.to(device), owners.to(device))
+
+
+def thd_merge(parts: list[torch.Tensor], cu_seqlens: Sequence[int], dim: int) -> torch.Tensor:
+    """Reassemble a packed THD sequence from every rank's `thd_split` part (rank order)."""
+    order = thd_gather_order(cu_seqlens, len(parts), parts[0].device)
+    return torch.cat(parts, dim=dim).index_select(dim, order.to_global)
 
 
 @dataclass(frozen=True)
