@@ -5,6 +5,9 @@ process group on 127.0.0.1 (one intra-op thread), runs the body, which fills the
 and saves it with `torch.save` (rank 0 always; another rank when it fails, under the key
 "worker_error" holding the traceback). A body builds megatron's groups with
 `hyscale_bench.distributed.init_model_parallel`.
+
+`FakeGroup(size, rank)` stands in for a process group where only its size and rank are read
+(layout code tested without processes).
 """
 
 from __future__ import annotations
@@ -21,6 +24,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hyscale_bench.distributed import free_port
+
+
+class FakeGroup:
+    """A process group's size() and rank(), nothing else."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
 
 
 def _rank_main(rank: int, port: int, out_path: str, nprocs: int,

@@ -35,7 +35,7 @@ from megatron_hyscale.parallel import (
     thd_positions,
     thd_split,
 )
-from megatron_hyscale.testing.distributed import run_workers
+from megatron_hyscale.testing.distributed import FakeGroup, run_workers
 
 WORLD = 2
 HIDDEN, TOPK = 64, 16
@@ -102,17 +102,6 @@ def test_thd_layout_rejects_documents_not_divisible():
         thd_positions([0, 8], 2, 2)
     with pytest.raises(ValueError, match="must rise from 0"):
         thd_positions([0, 8, 4], 1, 0)
-
-
-class FakeGroup:
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
 
 
 def test_packed_layout_under_cp():

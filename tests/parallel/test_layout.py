@@ -10,17 +10,7 @@ import torch
 
 from megatron_hyscale.parallel import cp_row_layout, zigzag_positions
 from megatron_hyscale.parallel import layout as layout_module
-
-
-class FakeGroup:
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
+from megatron_hyscale.testing.distributed import FakeGroup
 
 
 @pytest.fixture
