@@ -696,9 +696,10 @@ def write_report(plan: Plan, codes: dict[str, int | None], matmul: float | None,
     lines += ["## Loss", ""]
     if gaps:
         worst = max(gaps, key=lambda g: g[3])
+        mean_gap = sum(g[3] for g in gaps) / len(gaps)
         lines += ["![lm loss](loss.png)", "",
                   f"{len(gaps)} iterations logged by both; largest relative gap "
-                  f"{worst[3]:.3e} at iteration {worst[0]}; mean {sum(g[3] for g in gaps) / len(gaps):.3e}; "
+                  f"{worst[3]:.3e} at iteration {worst[0]}; mean {mean_gap:.3e}; "
                   f"last: stock {gaps[-1][1]:.6f}, HyScale {gaps[-1][2]:.6f}.", "",
                   "| iteration | stock lm loss | HyScale lm loss | relative gap |",
                   "| ---: | ---: | ---: | ---: |"]
@@ -771,14 +772,15 @@ def write_report(plan: Plan, codes: dict[str, int | None], matmul: float | None,
     else:
         lines.append("No agreement lines in the HyScale log (see its log).")
     lines.append("")
+    no_price = "no --usd-per-gpu-hour"
     lines += ["## Cost", "",
               "| | stock | HyScale |", "| --- | ---: | ---: |",
               f"| {unit}-hours per billion tokens | "
               f"{_f(runs['stock']['gpu_hours_per_billion_tokens'], ',.2f')} | "
               f"{_f(runs['hyscale']['gpu_hours_per_billion_tokens'], ',.2f')} |",
               f"| USD per billion tokens at {_f(a.usd_per_gpu_hour, '.2f', 'no price')} per "
-              f"{unit}-hour | {_f(runs['stock']['usd_per_billion_tokens'], ',.2f', 'no --usd-per-gpu-hour')} | "
-              f"{_f(runs['hyscale']['usd_per_billion_tokens'], ',.2f', 'no --usd-per-gpu-hour')} |",
+              f"{unit}-hour | {_f(runs['stock']['usd_per_billion_tokens'], ',.2f', no_price)} | "
+              f"{_f(runs['hyscale']['usd_per_billion_tokens'], ',.2f', no_price)} |",
               ""]
     commit = logparse._git_commit(REPO_ROOT)
     lines += ["## Commands and versions", "",

@@ -98,15 +98,28 @@ def same_scores(scores: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     return (close | both_inf).all(-1)
 
 
+def stock_topk(q_rows: torch.Tensor, k: torch.Tensor, w_rows: torch.Tensor, topk: int,
+               positions: torch.Tensor, *, relu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron-core's stock selection (`fused_qk_topk_naive`) for some query rows: q_rows
+    [rows, b, H, D], k [S, b, D], w_rows [rows, b, H] (megatron's sbhd layout), positions
+    int64 [rows] (key s visible iff s <= position). Returns its fp32 scores [b, rows, S] and
+    indices [b, rows, topk] (-1 where fewer keys are visible)."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        fused_qk_topk_naive,
+    )
+
+    seq = k.size(0)
+    keys = torch.arange(seq, device=k.device)
+    mask = torch.zeros(positions.numel(), seq, device=k.device)
+    mask = mask.masked_fill(keys[None, :] > positions[:, None], float("-inf"))
+    return fused_qk_topk_naive(q_rows, k, w_rows, topk, mask, use_relu=relu)
+
+
 def compare_layer(module: Any, x: torch.Tensor, qr: torch.Tensor, rows: int = DEFAULT_ROWS
                   ) -> dict[str, float]:
     """HyScale's and stock's top-k of one DSA core-attention module's indexer on its inputs x
     [sq, b, h] and qr [sq, b, q_lora]: {'jaccard', 'score_match', 'rows'} (means over the
     sampled rows and the batch)."""
-    from megatron.core.transformer.experimental_attention_variant.dsa import (
-        fused_qk_topk_naive,
-    )
-
     from megatron_hyscale.layers.kernel_backend import kernel_backend
     from megatron_hyscale.ops import hytopk
 
@@ -121,10 +134,7 @@ def compare_layer(module: Any, x: torch.Tensor, qr: torch.Tensor, rows: int = DE
         ours, _ = hytopk(q_rows.transpose(0, 1).float(), k.transpose(0, 1).float(),
                          w_rows.transpose(0, 1).float(), topk, relu=relu, q_positions=picked,
                          backend=kernel_backend(config))
-        keys = torch.arange(seq, device=q.device)
-        mask = torch.zeros(picked.numel(), seq, device=q.device)
-        mask = mask.masked_fill(keys[None, :] > picked[:, None], float("-inf"))
-        scores, theirs = fused_qk_topk_naive(q_rows, k, w_rows, topk, mask, use_relu=relu)
+        scores, theirs = stock_topk(q_rows, k, w_rows, topk, picked, relu=relu)
         overlap = jaccard(ours, theirs)
         match = same_scores(scores, ours, theirs).float()
     return {"jaccard": overlap.mean().item(), "score_match": match.mean().item(),

@@ -10,7 +10,6 @@ is skipped, saying so.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
@@ -19,9 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch_dryrun import ROOT, clean_env, printed_commands
 
 from megatron_hyscale import evaluate
-from launch_dryrun import ROOT, clean_env, printed_commands
 
 
 def run_evaluate(*args: str, env: dict[str, str] | None = None, timeout: int = 120
