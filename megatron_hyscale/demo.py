@@ -420,13 +420,16 @@ def measure_recall(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], task: RecallTask, topk: int,
     device: torch.device, mass: float = 0.9,
 ) -> list[dict[str, float]]:
-    """Per layer: the indexer's recall of the 90%-mass keys of the far answer rows (eval mode).
+    """Per layer: the indexer's recall of the 90%-mass keys of the far answer rows (eval mode),
+    and the Jaccard overlap of its top-k (HyScale's `hytopk`) with stock megatron-core's
+    selection (`fused_qk_topk_naive`) on the same weights and rows (`jaccard_vs_stock`).
 
     The core-attention inputs are captured by a forward pre-hook (so this works whatever the
     module does inside); the indexer's selection is recomputed from them with `hytopk`, the
     exact DSA top-k, and compared with the dense attention from the same query and key.
     """
     from megatron_hyscale.ops import hytopk
+    from megatron_hyscale.selection_agreement import jaccard, stock_topk
     from megatron_hyscale.testing.recall import head_mean_attention, selection_recall
 
     modules = core_attentions(model)
@@ -448,11 +451,15 @@ def measure_recall(
                 w.index_select(0, rows).transpose(0, 1).float(), topk, relu=relu,
                 q_positions=rows,
             )
-            selections[module.layer_number] = selected
+            # stock megatron-core's selection on the same weights and rows
+            _, stock_selected = stock_topk(q.index_select(0, rows), k, w.index_select(0, rows),
+                                           topk, rows, relu=relu)
+            selections[module.layer_number] = selected, stock_selected
         else:  # an index-sharing layer reuses its source layer's selection
-            selected = selections[module.source_layer]
+            selected, stock_selected = selections[module.source_layer]
         probs = head_mean_attention(a["query"], a["key"], rows, module.softmax_scale)
         stats = selection_recall(probs, selected, mass=mass)
+        stats["jaccard_vs_stock"] = jaccard(selected, stock_selected).mean().item()
         stats["fact_hit"] = (selected.long() == fact_pos[..., None]).any(-1).float().mean().item()
         results.append(stats)
     return results
@@ -547,13 +554,17 @@ def curves_figure(history: dict[str, list[dict[str, Any]]], recall_log: list[dic
     axes[1].set(title="answer accuracy (per training batch)", xlabel="step", ylim=(0, 1.02))
     for layer in range(len(recall_log[0]["hyscale"]) if recall_log else 0):
         steps = [r["step"] for r in recall_log]
-        n = len(RECALL_COLOURS)  # beyond 4 layers the colours repeat
+        n = len(RECALL_COLOURS)  # beyond 2 layers the colours repeat
         axes[2].plot(steps, [r["hyscale"][layer]["recall"] for r in recall_log], marker="o",
-                     color=RECALL_COLOURS[2 * layer % n], label=f"layer {layer + 1}: recall@90%")
+                     color=RECALL_COLOURS[3 * layer % n], label=f"layer {layer + 1}: recall@90%")
         axes[2].plot(steps, [r["hyscale"][layer]["fact_hit"] for r in recall_log], marker="x",
-                     ls=":", color=RECALL_COLOURS[(2 * layer + 1) % n],
+                     ls=":", color=RECALL_COLOURS[(3 * layer + 1) % n],
                      label=f"layer {layer + 1}: fact in top-k")
-    axes[2].set(title="HyScale indexer recall (far answer rows, held-out batch)", xlabel="step",
+        axes[2].plot(steps, [r["hyscale"][layer]["jaccard_vs_stock"] for r in recall_log],
+                     marker="s", ls="--", lw=0.8, color=RECALL_COLOURS[(3 * layer + 2) % n],
+                     label=f"layer {layer + 1}: Jaccard vs stock top-k")
+    axes[2].set(title="HyScale indexer recall and agreement with stock (far answer rows, "
+                "held-out batch)", xlabel="step",
                 ylim=(0, 1.02))
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -690,7 +701,8 @@ def _train_and_report(args: argparse.Namespace, task: RecallTask) -> dict[str, A
             "holding >= 90% of the row's dense causal attention probability (mean over heads) "
             "and the share of it inside the indexer's exact top-k (recall), the attention mass "
             "on the top-k (covered_mass), and how often the top-k held the fact token the "
-            "answer needs (fact_hit)"
+            "answer needs (fact_hit); jaccard_vs_stock: |A & B| / |A | B| of HyScale's top-k "
+            "and stock megatron-core's (fused_qk_topk_naive) on the same weights and rows"
         ),
         # Exactness: at every step, the stock layer scored on HyScale's current weights.
         "max_abs_loss_diff_same_weights": max_same_diff if both else None,
@@ -714,7 +726,8 @@ def _train_and_report(args: argparse.Namespace, task: RecallTask) -> dict[str, A
     for name, s in summary.items():
         per_layer = ", ".join(
             f"layer {i + 1}: recall {r['recall']:.3f}, covered mass {r['covered_mass']:.3f}, "
-            f"fact in top-k {r['fact_hit']:.3f} (90%-mass set: {r['mass_set_size']:.1f} keys)"
+            f"fact in top-k {r['fact_hit']:.3f} (90%-mass set: {r['mass_set_size']:.1f} keys), "
+            f"Jaccard vs stock's top-k {r['jaccard_vs_stock']:.3f}"
             for i, r in enumerate(s["recall"])
         )
         print(f"{name:>7}: final loss {s['final_loss']:.4f}, accuracy {s['final_accuracy']:.3f}, "

@@ -81,9 +81,13 @@ def test_recall_in_unit_interval(tiny_run: tuple[dict, Path]) -> None:
             layers = entry[name]
             assert len(layers) == 2
             for r in layers:
-                for key in ("recall", "covered_mass", "fact_hit"):
+                for key in ("recall", "covered_mass", "fact_hit", "jaccard_vs_stock"):
                     assert 0.0 <= r[key] <= 1.0, (name, key, r[key])
                 assert r["mass_set_size"] >= 1
+                # ReLU off (the default): continuous scores, no ties, so HyScale's exact top-k
+                # and stock's are the same set on the same weights
+                assert r["jaccard_vs_stock"] == pytest.approx(1.0, abs=0.02), (name, r)
+    assert "jaccard_vs_stock" in metrics["recall_definition"]
 
 
 @pytest.mark.parametrize(
@@ -139,7 +143,9 @@ def test_plot_gives_every_curve_its_own_colour_and_legend_entry(
     try:
         loss, accuracy, recall = fig.axes
         assert len(accuracy.get_lines()) == 5  # far and near of both models, and chance
-        assert len(recall.get_lines()) == 4  # recall and fact-in-top-k of both layers
+        # recall, fact-in-top-k and Jaccard against stock's top-k of both layers
+        assert len(recall.get_lines()) == 6
+        assert "layer 2: Jaccard vs stock top-k" in [x.get_label() for x in recall.get_lines()]
         for ax in fig.axes:
             lines = ax.get_lines()
             colours = [matplotlib.colors.to_hex(line.get_color()) for line in lines]

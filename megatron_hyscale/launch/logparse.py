@@ -36,6 +36,14 @@ PHASE_TIMES_ENV = "HYSCALE_PHASE_TIMES"
 PHASE_LINE_PREFIX = "[hyscale phases]"
 _PHASE_LINE = re.compile(r"\[hyscale phases\] rank (\d+) step (\d+): (.*)$")
 _PHASE_ITEM = re.compile(r"(\w+) ([0-9.]+) ms \((\d+)\)")
+# megatron_hyscale.selection_agreement (HYSCALE_SELECTION_AGREEMENT=N) prints, per DSA layer:
+#   [hyscale agreement] rank 0 step 5 layer 1: jaccard 0.998047 score_match 1.000000 rows 256
+AGREEMENT_ENV = "HYSCALE_SELECTION_AGREEMENT"
+AGREEMENT_ROWS_ENV = "HYSCALE_SELECTION_AGREEMENT_ROWS"
+AGREEMENT_LINE_PREFIX = "[hyscale agreement]"
+_AGREEMENT_LINE = re.compile(
+    r"\[hyscale agreement\] rank (\d+) step (\d+) layer (\d+): jaccard ([0-9.eE+-]+) "
+    r"score_match ([0-9.eE+-]+) rows (\d+)")
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
 _MAX_ALLOCATED = re.compile(r"memory \(MB\).*?\|\s*max allocated:\s*([0-9.]+)")
 _FIELD = re.compile(r"^\s*([A-Za-z][A-Za-z0-9 _()/\-]*?)\s*:\s*([-+0-9.eEnaNinf]+)\s*$")
@@ -131,6 +139,31 @@ def phase_times(text: str, skip: int = 2) -> dict[str, float]:
     if not timed:
         return {}
     return {p: sum(per_step[s].get(p, 0.0) for s in timed) / len(timed) for p in PHASES}
+
+
+@dataclass
+class AgreementPoint:
+    """One layer at one iteration: HyScale's top-k against stock's on the same weights."""
+
+    step: int
+    layer: int
+    jaccard: float
+    score_match: float
+    rows: int
+
+
+def selection_agreement(text: str) -> list[AgreementPoint]:
+    """Every agreement line of a log, averaged over the ranks that printed the same (step,
+    layer) (their batches differ under data parallelism), sorted by step then layer."""
+    found: dict[tuple[int, int], list[tuple[float, float, int]]] = {}
+    for line in text.splitlines():
+        m = _AGREEMENT_LINE.search(line)
+        if m:
+            found.setdefault((int(m.group(2)), int(m.group(3))), []).append(
+                (float(m.group(4)), float(m.group(5)), int(m.group(6))))
+    return [AgreementPoint(step, layer, sum(v[0] for v in vals) / len(vals),
+                           sum(v[1] for v in vals) / len(vals), sum(v[2] for v in vals))
+            for (step, layer), vals in sorted(found.items())]
 
 
 def summarize(name: str, records: list[IterationRecord], *, seq_length: int, gpus: int,

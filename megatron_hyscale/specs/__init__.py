@@ -49,6 +49,7 @@ from megatron_hyscale.layers.linear import LocalLinear
 from megatron_hyscale.layers.mla import HyScaleMLASelfAttention
 from megatron_hyscale.layers.row_chunks import check_row_chunk
 from megatron_hyscale.phase_times import enable_from_env as enable_phase_times
+from megatron_hyscale.selection_agreement import attach_from_env as attach_selection_agreement
 
 # Megatron-LM's `--spec` entry points read the row-chunk size from here (HyScaleMLASelfAttention).
 ROW_CHUNK_ENV = "HYSCALE_ROW_CHUNK"
@@ -196,6 +197,10 @@ class DSATransformerLayer(TransformerLayer):
         spec = get_dsa_layer_specs(config, stock=stock, row_chunk=row_chunk)[layer_number - 1]
         super().__init__(config, spec.submodules, layer_number=layer_number,
                          **{**spec.params, **kwargs})
+        if not stock:
+            # HYSCALE_SELECTION_AGREEMENT=N: HyScale's top-k against stock's on the same
+            # weights every N iterations, in the log (megatron_hyscale.selection_agreement)
+            attach_selection_agreement(self.self_attention.core_attention)
 
 
 # Entry points for Megatron-LM: `--spec megatron_hyscale.specs hyscale_dsa_layer_spec` (HyScale)
