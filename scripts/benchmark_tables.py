@@ -217,8 +217,12 @@ def main() -> int:
         if script is None:
             print(f"<!-- {name}: no table for this record -->")
             continue
-        print(f"`{name}` ({meta['device']}, {meta['date']}, commit {meta['commit']}, matmul "
-              f"{fmt(meta.get('matmul_tflops'), '.0f')} TFLOP/s): `{meta['command']}`\n")
+        rate = meta.get("matmul_tflops")
+        # An accuracy run measures no rate (its record holds NaN): say so, not "nan TFLOP/s".
+        rate = (f"matmul {fmt(rate, '.0f')} TFLOP/s" if isinstance(rate, (int, float))
+                and rate == rate else "matmul rate not measured")
+        print(f"`{name}` ({meta['device']}, {meta['date']}, commit {meta['commit']}, {rate}): "
+              f"`{meta['command']}`\n")
         lines = (WITH_META[script](records, meta) if script in WITH_META
                  else RENDER[script](records))
         print("\n".join(lines) + "\n")
