@@ -5,14 +5,23 @@ A part is recomputed by `torch.utils.checkpoint` in backward. Megatron recompute
 layers through Transformer Engine's own checkpoint (a plain recompute would update the amax
 history a second time and quantize with other scales), and skips recompute while capturing
 CUDA graphs; delayed weight-gradient computation splits the backward the parts rely on.
+
+Tensors every part reads (the whole sequence's keys, weights shared by all rows) receive their
+gradient as one addend per part, and autograd adds addends in the tensor's dtype: with bf16
+keys and 16 parts, 15 bf16 roundings of a growing sum instead of one. `run_in_row_parts` takes
+them as `shared`, upcasts each once to fp32 (`ops.reference.fp32_accumulating`) and gives each
+part a copy in the original dtype made inside the part's checkpoint, so the parts' addends are
+summed in fp32 and the total is cast back once (the same rule as the chunked op references).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from megatron_hyscale.ops.reference import fp32_accumulating
 
 
 def check_row_chunk(value: object, name: str = "row_chunk") -> int | None:
@@ -40,15 +49,30 @@ def row_chunk_conflict(config: Any) -> str | None:
     return None
 
 
-def run_in_row_parts(rows_forward: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
-                     rows: int, chunk: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rows_forward(r0, r1)` -> (the output of rows r0 .. r1 - 1, their detached loss) for each
-    part of `chunk` rows, each under its own activation checkpoint (recomputed in backward);
-    returns the outputs concatenated along `dim` and the losses summed."""
+def run_in_row_parts(rows_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                     rows: int, chunk: int, dim: int,
+                     shared: Sequence[torch.Tensor | None] = ()
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows_forward(r0, r1, *shared)` -> (the output of rows r0 .. r1 - 1, their detached
+    loss) for each part of `chunk` rows, each under its own activation checkpoint (recomputed
+    in backward); returns the outputs concatenated along `dim` and the losses summed.
+
+    `shared`: tensors (or None) every part reads whole; each part gets them in their own dtype,
+    their gradient is summed over the parts in fp32 (see the module doc).
+    """
+    dtypes = [None if x is None else x.dtype for x in shared]
+    wide = [fp32_accumulating(x) for x in shared]
+
+    def part(r0: int, r1: int, *xs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # The cast runs inside the checkpoint: the narrow copy is not kept between forward and
+        # backward, and its backward hands the part's addend to the fp32 sum.
+        narrow = [x if x is None else x.to(dtype) for x, dtype in zip(xs, dtypes, strict=True)]
+        return rows_forward(r0, r1, *narrow)
+
     outputs, losses = [], []
     for r0 in range(0, rows, chunk):
         output, loss = torch.utils.checkpoint.checkpoint(
-            rows_forward, r0, min(rows, r0 + chunk), use_reentrant=False,
+            part, r0, min(rows, r0 + chunk), *wide, use_reentrant=False,
             preserve_rng_state=False)
         outputs.append(output)
         losses.append(loss)
