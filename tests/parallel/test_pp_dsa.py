@@ -542,3 +542,24 @@ def test_stock_index_sharing_under_recompute(results, schedule, recompute):
     pytest.xfail(f"megatron-core's DSA index sharing under PP {schedule} + {recompute} "
                  f"recompute reads other micro-batches' top-k: {'; '.join(wrong_reads)}; "
                  f"gradients vs its run without recompute: {'; '.join(grad_errors) or 'equal'}")
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_public_failure_index_sharing_recompute_several_micro_batches(results, schedule,
+                                                                      recompute):
+    """Guards the public report "DSA index sharing picks the wrong top-k during recompute
+    (silently wrong logits)" (DESIGN.md, known user pain; tests/reliability/
+    test_public_failure_modes.py lists the others): index sharing
+    (`dsa_indexer_topk_freq=2`) with full or selective recompute and several micro-batches in
+    flight (PP 2, 1F1B and interleaved with virtual stages). HyScale's step equals its own
+    run without recompute (losses per micro-batch, logged indexer losses, every gradient)
+    and the whole model's reference step; every shared read got its own micro-batch's top-k."""
+    hyscale = results[(schedule, "index-share", recompute, "hyscale")]
+    assert_same_step(hyscale, results[(schedule, "index-share", "none", "hyscale")],
+                     f"{schedule} index-share {recompute}: HyScale vs no recompute")
+    assert_matches_reference(hyscale, results[(schedule, "index-share", "reference")],
+                             f"{schedule} index-share {recompute}: HyScale vs the whole model")
+    for rank, res in enumerate(hyscale):
+        assert res["holder"], f"rank {rank}: no index-sharing read"
+        assert all(got == mb for _, _, mb, got in res["holder"]), (rank, res["holder"])
