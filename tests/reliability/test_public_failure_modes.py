@@ -5,6 +5,9 @@ training stacks (issue #23). Each test's docstring names the report it guards ag
   silently wrong logits: tests/parallel/test_pp_dsa.py::
   test_public_failure_index_sharing_recompute_several_micro_batches (it reuses that module's
   PP 2 + virtual-pipeline runs, which take minutes to make).
+- Pipeline stages dropping packed-sequence metadata: tests/parallel/test_pp_dsa.py::
+  test_public_failure_packed_metadata_reaches_the_second_stage (PP 2 with packed THD
+  micro-batches, on that module's pipeline helpers).
 - HyTopK's index arithmetic crossing 2^31 at 256K tokens: `test_hytopk_offsets_past_2_31_*`.
 - DSA with multi-token-prediction layers: `test_dsa_with_mtp_layers_*`.
 """
