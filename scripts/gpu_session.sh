@@ -75,8 +75,8 @@
 #                                         # at 128K / 256K / 512K                      (~9 min)
 #   bash scripts/gpu_session.sh cp2-1m [dsa|csa|hca|qsa]  # on nvidia-h200-x2: the layer at
 #                                         # 1M tokens, CP 2, attention rows in parts of 128K (DSA
-#                                         # 98 GiB a GPU by launch/layer_memory.py, 213 GiB
-#                                         # unchunked; CSA 92 / 235)                   (~5 min)
+#                                         # 102 GiB a GPU by launch/layer_memory.py, 213 GiB
+#                                         # unchunked; CSA 94 / 235)                   (~5 min)
 #   bash scripts/gpu_session.sh tilelang-kernels [selection|attention-loss]  # after
 #                                         # gpu_cudnn.sh 1, 2 and gpu_tilelang.sh 1, 2 (machine
 #                                         # warm): megatron's TileLang kernels beside HyScale's

@@ -116,7 +116,7 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def fp32_accumulating(x: torch.Tensor | None) -> torch.Tensor | None:
+def _fp32_accumulating(x: torch.Tensor | None) -> torch.Tensor | None:
     """x upcast once to fp32 when autograd will add gradient parts into it; else x itself.
 
     A tensor every chunk reads (keys, values, sink), or one a chunk gathers rows of (a key
@@ -236,9 +236,9 @@ def sparse_attention_reference(
     needs_grad = _needs_grad(q, k, v, sink)
     # Every chunk reads (gathers from) the whole k, v and sink: their gradients add up in fp32
     # and are cast once (q's rows belong to one chunk each and need no copy).
-    k_flat = _flat_rows(fp32_accumulating(k))
-    v_flat = None if v is None else _flat_rows(fp32_accumulating(v))
-    sink = fp32_accumulating(sink)
+    k_flat = _flat_rows(_fp32_accumulating(k))
+    v_flat = None if v is None else _flat_rows(_fp32_accumulating(v))
+    sink = _fp32_accumulating(sink)
     # Per query row: the gathered K and V (fp32 copies too) and a few [Hq, K] logit buffers.
     step = rows_per_chunk(B * (2 * Hkv * K * (D + Dv) + 4 * Hq * K), device=q.device)
     fn = lambda qc, kf, vf, ic, sk: _sparse_attention_chunk(qc, kf, vf, ic, sk, S, Dv,
@@ -450,7 +450,7 @@ def indexer_loss_reference(
     query, key = query.detach(), key.detach()
     needs_grad = _needs_grad(q_index, weights, k_index)
     # Every chunk reads (gathers from) k_index: its gradient adds up in fp32 and is cast once.
-    k_index = fp32_accumulating(k_index)
+    k_index = _fp32_accumulating(k_index)
     total = torch.zeros((), dtype=torch.float32, device=q_index.device)
     if sparse:
         if topk_indices.shape[-1] == 0:  # one empty slot keeps the reductions defined

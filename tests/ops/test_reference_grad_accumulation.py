@@ -101,8 +101,8 @@ def test_indexer_loss_key_gradient_accumulates_in_fp32(many_chunks, sparse):
 def test_no_fp32_copy_without_autograd(monkeypatch):
     """Without gradients nothing is upcast (no extra memory): the forward reads k as it is."""
     calls = []
-    original = reference.fp32_accumulating
-    monkeypatch.setattr(reference, "fp32_accumulating",
+    original = reference._fp32_accumulating
+    monkeypatch.setattr(reference, "_fp32_accumulating",
                         lambda x: calls.append(x is original(x)) or original(x))
     q = torch.randn(1, 4, 2, 8).bfloat16()
     k = torch.randn(1, 6, 1, 8).bfloat16()
