@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import types
 import warnings
@@ -212,9 +213,12 @@ def _global_name(name: str, offset: int) -> str:
     return f"{prefix}{int(index) + offset}.{rest}"
 
 
-def _forward_step(data_iterator, model):
+def _forward_step(data_iterator, model, packed: bool = False):
+    """packed: with the packed-sequence metadata (`_packed_params`), made on every stage as
+    Megatron-LM's forward step does (the first stage's inputs never travel down the pipeline)."""
     ids, pos, labels = next(data_iterator)
-    output = model(ids, pos, None, labels=labels)
+    output = model(ids, pos, None, labels=labels,
+                   packed_seq_params=_packed_params() if packed else None)
 
     def loss_func(token_losses):
         loss = token_losses.float().mean()
@@ -593,19 +597,6 @@ def _packed_micro_batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tens
     return [(ids[:1], positions, labels[:1]) for ids, _, labels in _micro_batches()]
 
 
-def _packed_forward_step(data_iterator, model):
-    """`_forward_step` with the packed-sequence metadata, made on every stage as Megatron-LM's
-    forward step does (the first stage's inputs never travel down the pipeline)."""
-    ids, pos, labels = next(data_iterator)
-    output = model(ids, pos, None, labels=labels, packed_seq_params=_packed_params())
-
-    def loss_func(token_losses):
-        loss = token_losses.float().mean()
-        return loss, {"lm loss": loss.detach().clone()}
-
-    return output, loss_func
-
-
 def _packed_body(rank: int, result: dict) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -621,7 +612,8 @@ def _packed_body(rank: int, result: dict) -> None:
         seen.append((self.layer_number, None if params is None else params.qkv_format))
         return original(self, *args, **kwargs)
 
-    step = dict(forward_step=_packed_forward_step, data=_packed_micro_batches(),
+    step = dict(forward_step=functools.partial(_forward_step, packed=True),
+                data=_packed_micro_batches(),
                 micro_batch_size=1)
     with _cpu_pp_patches(), warnings.catch_warnings(), \
             mock.patch.object(HyScaleDSAttention, "forward", spy):
