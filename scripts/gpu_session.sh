@@ -40,6 +40,12 @@
 #   bash scripts/gpu_session.sh qsa-selection [T]  # HyTopK on QSA's shape (4 heads over
 #                                         # T / 4 blocks, top 512): launch sweep, score-only
 #                                         # split, the finishing sort; default T 524288 (~3 min)
+#   bash scripts/gpu_session.sh soak [STEPS]  # issue #23 item 7: STEPS (300) training steps
+#                                         # of the tiny DSA GPT under full recompute, the
+#                                         # replay store on the GPU, then offloaded: no growth
+#                                         # of the store, allocated memory or step time
+#                                         # (megatron_hyscale.testing.soak); its record in the
+#                                         # stage's folder, exit 1 if a check failed  (~2 min)
 #   bash scripts/gpu_session.sh selection # HyTopK and its score-only split at 128K for
 #                                         # DeepSeek-V3.2 and V4-Flash's CSA, at 512K for QSA,
 #                                         # each kernel default as it stands         (~2 min)
@@ -69,8 +75,8 @@
 #                                         # at 128K / 256K / 512K                      (~9 min)
 #   bash scripts/gpu_session.sh cp2-1m [dsa|csa|hca|qsa]  # on nvidia-h200-x2: the layer at
 #                                         # 1M tokens, CP 2, attention rows in parts of 128K (DSA
-#                                         # 98 GiB a GPU by launch/layer_memory.py, 213 GiB
-#                                         # unchunked; CSA 92 / 235)                   (~5 min)
+#                                         # 102 GiB a GPU by launch/layer_memory.py, 213 GiB
+#                                         # unchunked; CSA 94 / 235)                   (~5 min)
 #   bash scripts/gpu_session.sh tilelang-kernels [selection|attention-loss]  # after
 #                                         # gpu_cudnn.sh 1, 2 and gpu_tilelang.sh 1, 2 (machine
 #                                         # warm): megatron's TileLang kernels beside HyScale's
@@ -100,11 +106,11 @@ set -uo pipefail
 stage=${1:-}
 shift || true
 case "$stage" in
-  verify|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|cp2|cp2-1m|side1|side2\
+  verify|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
-       "|models|memory|qsa-selection|selection|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
+       "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels} [ARGS...]" >&2
      exit 2 ;;
 esac
@@ -240,6 +246,13 @@ case "$stage" in
     seqs=${*:-8192 16384 32768 65536 131072 262144}
     timeout 560 python3 scripts/bench_layer.py --seq $seqs --repeats 1 --out "$out" 2>&1 \
       | tee "$out/bench_layer.log"
+    ;;
+  soak)
+    # The checks' figures and verdicts in the call's output and soak.log, the record (one
+    # entry per mode) in the stage's folder.
+    HYSCALE_RESULTS=$out timeout 170 python3 -m megatron_hyscale.testing.soak \
+      --steps "${1:-300}" --device cuda 2>&1 | grep -v -i warn | tee "$out/soak.log"
+    exit "${PIPESTATUS[0]}"
     ;;
   layer-packed)
     seqs=${*:-131072}

@@ -177,10 +177,11 @@ def _attention_working(g: LayerGeometry, T: int, n: int, cp: int, c: int
     items["output projection in/out"] = (c * H * g.v_dim + n * h) * bf
     items["kernel workspaces, allocator rounding"] = WORKSPACE_GIB * GIB
     if c < n:
-        # Autograd sums the parts' gradients of the keys they all read into one more buffer,
-        # and a part's indexer loss holds its fp32 [rows, topk] target.
-        items["row parts: shared-key gradient sums, a part's loss target"] = \
-            shared_keys * bf + c * g.topk * f32
+        # The parts' gradients of the keys they all read are summed in fp32 (layers.row_chunks:
+        # the sum and one part's fp32 addend), and a part's indexer loss holds its fp32
+        # [rows, topk] target.
+        items["row parts: shared-key fp32 gradient sums, a part's loss target"] = \
+            shared_keys * 2 * f32 + c * g.topk * f32
     return items
 
 

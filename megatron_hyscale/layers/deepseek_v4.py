@@ -649,22 +649,29 @@ class HyScaleV4Attention(MegatronModule):
         if chunk is not None and T > chunk and (conflict := row_chunk_conflict(cfg)):
             raise NotImplementedError(f"HyScaleV4Attention(v4_row_chunk={chunk}): {conflict} "
                                       "is not supported with row chunks")
+        # What every part reads whole: the keys, the sinks and the indexer keys (their
+        # gradients are summed over the parts in fp32, `run_in_row_parts`).
+        shared = (keys, self.sinks, None if selection is None else selection.k_idx)
         if chunk is None or T <= chunk:
-            out, loss = self._rows_forward(rows, 0, T)
+            out, loss = self._rows_forward(rows, 0, T, *shared)
         else:
             # Parts of `chunk` rows, each checkpointed: one part's queries, attention output
             # and their gradients at a time. The selection above ran once; the parts' own
             # recompute in backward only repeats the per-row work.
-            out, loss = run_in_row_parts(partial(self._rows_forward, rows), T, chunk, dim=1)
+            out, loss = run_in_row_parts(partial(self._rows_forward, rows), T, chunk, dim=1,
+                                         shared=shared)
         if selection is not None and selection.use_loss:
             # Logged here, outside the parts: their recompute in backward must not log again.
             log_indexer_loss(loss, cfg, self.layer_number, cp_group)
         return out.transpose(0, 1).contiguous(), None  # [s, b, hidden]
 
-    def _rows_forward(self, rows: _RowInputs, r0: int, r1: int
+    def _rows_forward(self, rows: _RowInputs, r0: int, r1: int, keys: torch.Tensor,
+                      sinks: torch.Tensor, k_idx: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Output [B, r1 - r0, hidden] of the local rows r0 .. r1 - 1 (the indexer loss of
-        those rows attached for backward) and that loss, detached (0 without one)."""
+        those rows attached for backward) and that loss, detached (0 without one). keys,
+        sinks and k_idx stand in for rows.keys, self.sinks and the selection's indexer keys
+        (a part's copies, `run_in_row_parts`)."""
         cfg = self.config
         H, D = self.n_heads, self.head_dim
         whole = r0 == 0 and r1 == rows.indices.shape[1]
@@ -675,8 +682,8 @@ class HyScaleV4Attention(MegatronModule):
         q = self.linear_q_b(q_latent)[0].view(B, n, H, D)
         q = apply_interleaved_rope(rms_norm(q, None, cfg.layernorm_epsilon), cos, sin,
                                    heads=True)
-        out = sparse_attention(q, rows.keys.unsqueeze(2), None, part(rows.indices),
-                               self.softmax_scale, sink=self.sinks,
+        out = sparse_attention(q, keys.unsqueeze(2), None, part(rows.indices),
+                               self.softmax_scale, sink=sinks,
                                prefix_lengths=None if rows.prefix is None else part(rows.prefix),
                                deterministic=bool(cfg.deterministic_mode),  # [B, n, H, D]
                                options=getattr(cfg, "attention_kernel_options", None),
@@ -694,7 +701,7 @@ class HyScaleV4Attention(MegatronModule):
         per_token = bool(cfg.calculate_per_token_loss)
         share = 1.0 if whole or per_token else n / T
         loss = indexer_kl_loss(
-            part(sel.q_idx), part(sel.weights), sel.k_idx, q.detach(),
+            part(sel.q_idx), part(sel.weights), k_idx, q.detach(),
             sel.entries.detach().unsqueeze(2), part(sel.indices), self.softmax_scale,
             sel.coeff * share, sparse=bool(cfg.v4_indexer_use_sparse_loss), relu=True,
             q_positions=sel.q_positions[r0:r1], k_positions=sel.k_positions,

@@ -26,6 +26,7 @@ attention), and megatron's core_attn checkpoint is not applied on top.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Any
 
@@ -136,15 +137,14 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
         key = torch.cat([kv_compressed.unsqueeze(-2), k_pos_emb], dim=-1).contiguous()
         return q_compressed, key, freqs, mscale
 
-    def _query_rows(self, q_compressed: torch.Tensor, freqs: torch.Tensor, mscale: float
-                    ) -> torch.Tensor:
+    def _query_rows(self, q_compressed: torch.Tensor, freqs: torch.Tensor, mscale: float,
+                    k_up_weight: torch.Tensor) -> torch.Tensor:
         """Absorbed queries [rows, b, heads, kv_lora + rope] of some rows (as AbsorbedMLA)."""
         cfg = self.config
         up = self.linear_q_up_proj if cfg.q_lora_rank is not None else self.linear_q_proj
         q, _ = up(q_compressed)
         q = q.view(*q.shape[:-1], self.num_attention_heads_per_partition, self.q_head_dim)
         q_no_pe, q_pos_emb = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
-        k_up_weight, _ = self._get_kv_up_weights()
         q_absorbed = torch.einsum("...nd,ndk->...nk", q_no_pe, k_up_weight)
         q_pos_emb = apply_rotary_pos_emb(
             q_pos_emb, freqs, config=cfg, cu_seqlens=None, mscale=mscale,
@@ -163,20 +163,29 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
             raise NotImplementedError(f"HyScaleMLASelfAttention(row_chunk={self.row_chunk}): "
                                       f"{reason}")
         state = core.prepare(key, attention_mask, hidden_states, q_compressed, sq=sq, b=b)
-        rows_forward = partial(self._rows_forward, q_compressed, freqs, state,
-                               self._get_v_up_weight(), mscale)
-        output, loss = run_in_row_parts(rows_forward, sq, self.row_chunk, dim=0)
+        rows_forward = partial(self._rows_forward, q_compressed, freqs, state, mscale)
+        # Every part reads the whole (gathered) key, the indexer keys and both absorbed
+        # weights: their gradients are summed over the parts in fp32 (row_chunks' doc).
+        # q_compressed and freqs are read in disjoint slices: nothing to sum there.
+        k_up_weight, v_up_weight = self._get_kv_up_weights()
+        output, loss = run_in_row_parts(
+            rows_forward, sq, self.row_chunk, dim=0,
+            shared=(state.key_b, state.k_idx, k_up_weight, v_up_weight))
         if state.loss_coeff > 0:
             # Logged here, outside the parts: their recompute in backward must not log again.
             core.log_indexer_loss(loss, state)
         return output
 
     def _rows_forward(self, q_compressed: torch.Tensor, freqs: torch.Tensor,
-                      state: DSARowState, v_up_weight: torch.Tensor, mscale: float, r0: int,
-                      r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      state: DSARowState, mscale: float, r0: int, r1: int,
+                      key_b: torch.Tensor, k_idx: torch.Tensor | None,
+                      k_up_weight: torch.Tensor, v_up_weight: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """[r1 - r0, b, h] output of rows r0 .. r1 - 1 (recomputed in backward) and their
-        detached indexer loss (0 without one); q_compressed and freqs cover all local rows."""
-        query = self._query_rows(q_compressed[r0:r1], freqs[r0:r1], mscale)
+        detached indexer loss (0 without one); q_compressed and freqs cover all local rows;
+        key_b and k_idx stand in for the state's (this part's copies, `run_in_row_parts`)."""
+        query = self._query_rows(q_compressed[r0:r1], freqs[r0:r1], mscale, k_up_weight)
+        state = dataclasses.replace(state, key_b=key_b, k_idx=k_idx)
         out, loss = self.core_attention.attend_rows(query, state, r0, r1, v_up_weight)
         output, _ = self.linear_proj(out)
         return output, loss if loss is not None else output.new_zeros((), dtype=torch.float32)

@@ -34,6 +34,11 @@ which micro-batch's top-k each stock recompute read; it xfails naming them while
 another micro-batch's top-k and passes once stock gets it right. HyScale is held to stock's
 run without recompute (and to the whole-model reference), never to stock's recompute.
 
+Packed THD micro-batches (`test_public_failure_packed_metadata_reaches_the_second_stage`, its
+own pair of workers): 1F1B with full recompute, one sequence of 3 documents a micro-batch; the
+second stage's layers must get the packing metadata and the step must equal stock's whole
+model.
+
 Practicalities: stock selects with `torch.topk` (ties unspecified); it gets a top-k that breaks
 ties by the smaller key index, HyScale's documented order, as in tests/layers/test_dsa_layer.py.
 megatron's schedules on CPU: besides `megatron_on_cpu()`, the schedules' token counter is made
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import types
 import warnings
@@ -207,9 +213,12 @@ def _global_name(name: str, offset: int) -> str:
     return f"{prefix}{int(index) + offset}.{rest}"
 
 
-def _forward_step(data_iterator, model):
+def _forward_step(data_iterator, model, packed: bool = False):
+    """packed: with the packed-sequence metadata (`_packed_params`), made on every stage as
+    Megatron-LM's forward step does (the first stage's inputs never travel down the pipeline)."""
     ids, pos, labels = next(data_iterator)
-    output = model(ids, pos, None, labels=labels)
+    output = model(ids, pos, None, labels=labels,
+                   packed_seq_params=_packed_params() if packed else None)
 
     def loss_func(token_losses):
         loss = token_losses.float().mean()
@@ -223,9 +232,11 @@ def _dsa_modules(models: list) -> list:
     return [m for c in models for m in c.modules() if hasattr(m, "index_topk_freq")]
 
 
-def _run(models: list, offsets: list[int]) -> dict:
+def _run(models: list, offsets: list[int], *, forward_step=_forward_step,
+         data: list | None = None, micro_batch_size: int = B) -> dict:
     """One training step of MICRO micro-batches through the schedule megatron picks for its
-    parallel state (PP: 1F1B or interleaved when `models` are chunks; no PP: one model)."""
+    parallel state (PP: 1F1B or interleaved when `models` are chunks; no PP: one model);
+    `data`: the micro-batches (default `_micro_batches()`), each `micro_batch_size` rows."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.experimental_attention_variant.dsa import (
@@ -245,16 +256,16 @@ def _run(models: list, offsets: list[int]) -> dict:
         model.zero_grad(set_to_none=True)
     DSAIndexerLossLoggingHelper.tracker.clear()
     replay.reset_stats()
-    data = _micro_batches()
+    data = _micro_batches() if data is None else data
     chunked = parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None
     fb = get_forward_backward_func()
     store = fb(
-        forward_step_func=_forward_step,
+        forward_step_func=forward_step,
         data_iterator=[iter(data) for _ in models] if chunked else iter(data),
         model=models if chunked else models[0],
         num_microbatches=MICRO,
         seq_length=T,
-        micro_batch_size=B,
+        micro_batch_size=micro_batch_size,
         forward_only=False,
     )
     try:
@@ -542,3 +553,109 @@ def test_stock_index_sharing_under_recompute(results, schedule, recompute):
     pytest.xfail(f"megatron-core's DSA index sharing under PP {schedule} + {recompute} "
                  f"recompute reads other micro-batches' top-k: {'; '.join(wrong_reads)}; "
                  f"gradients vs its run without recompute: {'; '.join(grad_errors) or 'equal'}")
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_public_failure_index_sharing_recompute_several_micro_batches(results, schedule,
+                                                                      recompute):
+    """Guards the public report "DSA index sharing picks the wrong top-k during recompute
+    (silently wrong logits)" (DESIGN.md, known user pain; tests/reliability/
+    test_public_failure_modes.py lists the others): index sharing
+    (`dsa_indexer_topk_freq=2`) with full or selective recompute and several micro-batches in
+    flight (PP 2, 1F1B and interleaved with virtual stages). HyScale's step equals its own
+    run without recompute (losses per micro-batch, logged indexer losses, every gradient)
+    and the whole model's reference step; every shared read got its own micro-batch's top-k."""
+    hyscale = results[(schedule, "index-share", recompute, "hyscale")]
+    assert_same_step(hyscale, results[(schedule, "index-share", "none", "hyscale")],
+                     f"{schedule} index-share {recompute}: HyScale vs no recompute")
+    assert_matches_reference(hyscale, results[(schedule, "index-share", "reference")],
+                             f"{schedule} index-share {recompute}: HyScale vs the whole model")
+    for rank, res in enumerate(hyscale):
+        assert res["holder"], f"rank {rank}: no index-sharing read"
+        assert all(got == mb for _, _, mb, got in res["holder"]), (rank, res["holder"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed THD sequences through the pipeline
+# ---------------------------------------------------------------------------------------------
+PACKED_LENGTHS = (20, 28, 16)  # T tokens in one THD sequence of 3 documents
+
+
+def _packed_params():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    longest = max(PACKED_LENGTHS)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def _packed_micro_batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """MICRO micro-batches of one packed sequence each: positions restart per document."""
+    positions = torch.cat([torch.arange(n) for n in PACKED_LENGTHS])[None]
+    return [(ids[:1], positions, labels[:1]) for ids, _, labels in _micro_batches()]
+
+
+def _packed_body(rank: int, result: dict) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from hyscale_bench.models import build_gpt
+    from megatron_hyscale.layers.dsa import HyScaleDSAttention
+
+    seen: list[tuple[int, str | None]] = []  # (layer, qkv_format HyScale's forward was given)
+    original = HyScaleDSAttention.forward
+
+    def spy(self, *args, **kwargs):
+        params = kwargs.get("packed_seq_params")
+        seen.append((self.layer_number, None if params is None else params.qkv_format))
+        return original(self, *args, **kwargs)
+
+    step = dict(forward_step=functools.partial(_forward_step, packed=True),
+                data=_packed_micro_batches(),
+                micro_batch_size=1)
+    with _cpu_pp_patches(), warnings.catch_warnings(), \
+            mock.patch.object(HyScaleDSAttention, "forward", spy):
+        # A fallback to the stock forward (e.g. packing metadata it cannot use) would warn.
+        warnings.filterwarnings("error", message="HyScaleDSAttention", category=RuntimeWarning)
+        _init_pipeline(None)
+        cfg = _config("1f1b", "dense", "full", pipeline=True)
+        torch.manual_seed(SEED)
+        chunks = _build_chunks(cfg, stock=False, vp=None)
+        models, offsets = [c for c, _ in chunks], [o for _, o in chunks]
+        state = {_global_name(n, offsets[0]): t for n, t in models[0].state_dict().items()}
+        run = _run(models, offsets, **step)
+        gathered: list = [None] * WORLD
+        dist.all_gather_object(gathered, dict(run=run, seen=seen, state=state))
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(SEED)
+        if rank == 0:  # stock megatron-core, the whole model, no recompute, same micro-batches
+            whole = {k: v for r in gathered for k, v in r["state"].items()}
+            torch.manual_seed(SEED)
+            model = build_gpt(_config("1f1b", "dense", "none", pipeline=False), stock=True,
+                              vocab_size=VOCAB, max_sequence_length=T, device="cpu")
+            model.load_state_dict(whole, strict=True)
+            result["reference"] = _run([model], [0], **step)
+    result["ranks"] = [r["run"] for r in gathered]
+    result["seen"] = [r["seen"] for r in gathered]
+
+
+def test_public_failure_packed_metadata_reaches_the_second_stage():
+    """Guards the public reports of pipeline stages dropping packed-sequence metadata (later
+    stages attending across document boundaries): one THD sequence of 3 documents per
+    micro-batch, PP 2 over megatron's 1F1B schedule with full recompute. HyScale's DSA layers
+    on both stages are given the packed_seq_params (qkv_format "thd") in every first forward
+    and recompute and run their own packed path (a fallback to the stock forward is an
+    error here), and the step equals stock megatron-core's whole model without PP on the same
+    weights and packed micro-batches (losses, logged indexer losses, every gradient)."""
+    out = run_workers(_packed_body, WORLD, WORKER_TIMEOUT_S)
+    layers_per_rank = SCHEDULES["1f1b"]["num_layers"] // WORLD
+    for rank, seen in enumerate(out["seen"]):
+        layers = {layer for layer, _ in seen}
+        assert layers == set(range(1 + rank * layers_per_rank, 1 + (rank + 1) * layers_per_rank))
+        # Every layer: MICRO first forwards and MICRO recomputes, each with the metadata.
+        assert len(seen) == 2 * MICRO * layers_per_rank, (rank, seen)
+        assert all(fmt == "thd" for _, fmt in seen), (rank, seen)
+    assert_matches_reference(out["ranks"], out["reference"], "packed THD, PP 2 1f1b full")
