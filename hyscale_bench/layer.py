@@ -186,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fused-stock-max-seq", type=int, default=1 << 30, metavar="T",
                    help="longest T the --stock-kernel-backend row runs at (default: every T; "
                         "an out-of-memory length is recorded as such)")
+    p.add_argument("--transformer-impl", choices=("local", "transformer_engine"),
+                   default="local",
+                   help="dsa: the layer's linears and norms from megatron's local (torch) "
+                        "modules (default) or Transformer Engine's (transformer_engine must "
+                        "import; scripts/te_carry.sh and scripts/gpu_te.sh bring it to the lent "
+                        "H200)")
     p.add_argument("--row-chunk", type=int, default=None, metavar="ROWS",
                    help="dsa / csa / hca: HyScale's attention runs its local query rows ROWS "
                         "at a time, each part checkpointed (HyScaleMLASelfAttention, "
@@ -224,6 +230,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--stock-kernel-backend applies to --model dsa only (the stock DSAttention)")
         if args.skip_baseline:
             p.error("--stock-kernel-backend times a stock layer: drop --skip-stock")
+    if args.transformer_impl == "transformer_engine":
+        if args.model != "dsa":
+            p.error("--transformer-impl transformer_engine applies to --model dsa only")
+        from megatron_hyscale.specs import te_available
+
+        if not te_available():
+            p.error("--transformer-impl transformer_engine: transformer_engine does not import "
+                    "here (on the lent H200: scripts/te_carry.sh, then scripts/gpu_te.sh 1-5)")
     if args.packed is not None:
         if args.model != "dsa":
             p.error("--packed applies to --model dsa only (HyScale's DSA layer runs packed THD "
@@ -405,7 +419,7 @@ def build_dsa(args: argparse.Namespace, baseline: bool, kernel_backend: str = "n
         ffn_hidden_size=4 * geometry["hidden_size"], dsa_indexer_loss_coeff=args.loss_coeff,
         dsa_indexer_use_sparse_loss=not args.dense_loss,
         dsa_indexer_scoring_relu=not args.no_relu, dsa_kernel_backend=kernel_backend,
-        **_common_fields(args), **geometry,
+        transformer_impl=args.transformer_impl, **_common_fields(args), **geometry,
     )
     fields.update(_precision_fields(dtype), **(overrides or {}))
     cfg = tiny_dsa_config(**fields)

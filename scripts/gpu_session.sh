@@ -82,6 +82,10 @@
 #                                         # warm): megatron's TileLang kernels beside HyScale's
 #                                         # and cuDNN's, same runs; selection (~4-5 min), then
 #                                         # attention + indexer loss (~5-6 min): two calls
+#   bash scripts/gpu_session.sh te [T...]  # after gpu_cudnn.sh 1, 2 and gpu_te.sh 1-5 (machine
+#                                         # warm): the Transformer Engine layer test and
+#                                         # bench_layer.py with TE against stock cudnn, 8K and
+#                                         # 32K by default                          (~4 min)
 #   bash scripts/gpu_session.sh side1 [ARGS...]  # one H200, after gpu_cudnn.sh 1 and 2
 #                                         # (machine warm), carry [".whl",
 #                                         # ".carry/megatron_lm"]: Megatron-LM side by side,
@@ -107,11 +111,11 @@ stage=${1:-}
 shift || true
 case "$stage" in
   verify|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
-  |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels) ;;
+  |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
-       "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels} [ARGS...]" >&2
+       "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te} [ARGS...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -253,6 +257,21 @@ case "$stage" in
     HYSCALE_RESULTS=$out timeout 170 python3 -m megatron_hyscale.testing.soak \
       --steps "${1:-300}" --device cuda 2>&1 | grep -v -i warn | tee "$out/soak.log"
     exit "${PIPESTATUS[0]}"
+    ;;
+  te)
+    # Issue #22 item 6, after scripts/gpu_cudnn.sh 1-2 and scripts/gpu_te.sh 1-5 (warm): the
+    # TE layer test (HyScale == stock on TE's linears, under recompute), then one bench_layer.py
+    # row pair with TE against stock cudnn. The side by side takes TE by itself from here on
+    # (side1 picks transformer_engine whenever it imports).
+    python3 -c "import transformer_engine.pytorch" 2>/dev/null || {
+      echo "gpu_session.sh te: transformer_engine does not import: run scripts/gpu_te.sh 1-5" >&2
+      exit 2; }
+    timeout 240 python3 -m pytest -q -m gpu tests/layers/test_dsa_te_gpu.py \
+      tests/layers/test_stock_cudnn_gpu.py 2>&1 | tail -15 | tee "$out/tests.log"
+    HYSCALE_RESULTS=$out timeout 300 python3 scripts/bench_layer.py --seq ${*:-8192 32768} \
+      --transformer-impl transformer_engine --stock-kernel-backend cudnn --stock-max-seq 32768 \
+      --repeats "${REPEATS:-3}" --out "$out" 2>&1 | tee "$out/bench_layer.log" \
+      | grep -E "^\||Error|Traceback|T=.*floor"
     ;;
   layer-packed)
     seqs=${*:-131072}

@@ -20,7 +20,9 @@ chunks are asked for: `row_chunk=` here, HYSCALE_ROW_CHUNK for the `--spec` entr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import warnings
 
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
@@ -72,11 +74,22 @@ class LocalDSASpecProvider(LocalSpecProvider):
 
 def get_backend(config: TransformerConfig) -> BackendSpecProvider:
     """TE linears when TE imports and the config asks for it; local (torch) linears otherwise."""
-    if config.transformer_impl == "transformer_engine" and te_available():
-        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+    if config.transformer_impl == "transformer_engine":
+        if te_available():
+            from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
-        return TESpecProvider()
+            return TESpecProvider()
+        _warn_local_linears()
     return LocalDSASpecProvider()
+
+
+@functools.cache
+def _warn_local_linears() -> None:
+    # megatron-core's default transformer_impl is "transformer_engine": without TE the specs
+    # still build, on local linears, and the user is told once rather than finding out later.
+    warnings.warn("HyScale specs: transformer_impl='transformer_engine' but transformer_engine "
+                  "does not import; the layers use megatron's local (torch) linears and norms "
+                  "(set transformer_impl='local' to silence this)", stacklevel=3)
 
 
 def _use_core_attention(attention: ModuleSpec, core_cls: type, local: bool) -> None:
