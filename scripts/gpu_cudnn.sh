@@ -15,10 +15,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
 stash=.carry/stash
-site=.carry/site
-py=${PYTHON:-python3}
-pip_install=("$py" -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --upgrade
-             --target "$site")
+# shellcheck source=scripts/carry_install.sh
+source scripts/carry_install.sh  # site, py, pip_install
 shopt -s nullglob
 
 case "$part" in

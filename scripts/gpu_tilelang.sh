@@ -16,11 +16,8 @@ case "$part" in
   1|2) src=.carry/tl$part ;;
   *) echo "usage: bash scripts/gpu_tilelang.sh {1|2}" >&2; exit 2 ;;
 esac
-site=.carry/site
-py=${PYTHON:-python3}
-# --upgrade: a repeated part replaces its packages instead of skipping them with a warning.
-pip_install=("$py" -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --upgrade
-             --target "$site")
+# shellcheck source=scripts/carry_install.sh
+source scripts/carry_install.sh  # site, py, pip_install
 
 shopt -s nullglob
 wheels=("$src"/*.whl)

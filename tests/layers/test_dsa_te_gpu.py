@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_stock_cudnn_gpu import GEOMETRY, T, cos  # the same shape and measure
 
 from megatron_hyscale.specs import te_available
 
@@ -17,13 +18,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     pytest.mark.skipif(not te_available(), reason="transformer_engine does not import"),
 ]
-
-# GLM-5.1's indexer shape at a size the stock `none` path's fp32 score table holds.
-GEOMETRY = dict(hidden_size=1024, num_attention_heads=16, q_lora_rank=256, kv_lora_rank=512,
-                qk_head_dim=64, qk_pos_emb_head_dim=64, v_head_dim=64, dsa_indexer_n_heads=32,
-                dsa_indexer_head_dim=128, dsa_indexer_topk=2048)
-T = 4096
-
 
 def build(stock: bool):
     from megatron.core.transformer.spec_utils import build_module
@@ -50,10 +44,6 @@ def step(attn, hidden):
     out.float().pow(2).mean().backward()
     grads = {n: p.grad.float().clone() for n, p in attn.named_parameters() if p.grad is not None}
     return out.float().detach(), h.grad.float(), grads
-
-
-def cos(a, b):
-    return torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0).item()
 
 
 def test_te_linears_in_hyscale_and_stock_layers_agree_under_recompute():

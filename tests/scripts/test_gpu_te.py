@@ -17,7 +17,8 @@ def _layout(tmp_path: Path, *, cudnn: bool = True, checksum_of: bytes | None = N
     them (a fake 'wheel' split in five pieces) and, if `cudnn`, gpu_cudnn.sh's .carry/site."""
     work = tmp_path / "work"
     (work / "scripts").mkdir(parents=True)
-    (work / "scripts" / "gpu_te.sh").write_text((ROOT / "scripts" / "gpu_te.sh").read_text())
+    for script in ("gpu_te.sh", "carry_install.sh"):
+        (work / "scripts" / script).write_text((ROOT / "scripts" / script).read_text())
     payload = bytes(range(256)) * 40
     size = -(-len(payload) // 5)
     for i in range(5):
