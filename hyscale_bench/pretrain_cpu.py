@@ -1,14 +1,20 @@
 """Run Megatron-LM's `pretrain_gpt.py` on CPUs (gloo): the evaluation's CPU smoke run.
 
     torchrun --nproc-per-node 1 -m hyscale_bench.pretrain_cpu PRETRAIN_GPT_PY [megatron args]
+    torchrun --nproc-per-node 1 -m hyscale_bench.pretrain_cpu -m megatron_hyscale.launch.train_gpt \
+        [megatron args]
+
+The second form runs HyScale's own entry point (the evaluation's `--trainer hyscale`, for a
+machine without a Megatron-LM checkout) the same way: it calls the same megatron.training.
 
 Megatron-LM's training loop (`megatron.training`) assumes CUDA throughout: `device='cuda'`
 factory calls, `.cuda()` moves, `torch.cuda.synchronize` in its timers, `set_device` in its
 distributed setup, the allocator's statistics in its memory report. Nothing of that changes the
 arithmetic, so this module redirects those calls to the CPU for the whole process and then runs
-the script as `python pretrain_gpt.py` would (same `__main__`, same argv). Why not a CPU mode in
-Megatron-LM: it has none (`initialize_megatron(allow_no_cuda=True)` is not reachable from
-`pretrain`), and the CI machine has no GPU but must run the real script.
+the script as `python pretrain_gpt.py` would (same `__main__`, same argv; a module as
+`python -m` would). Why not a CPU mode in Megatron-LM: it has none
+(`initialize_megatron(allow_no_cuda=True)` is not reachable from `pretrain`), and the CI
+machine has no GPU but must run the real training loop.
 
 What a CPU run reports differently, by design:
 - the allocator's "max allocated" is the process's peak resident memory (`ru_maxrss`), the only
@@ -157,24 +163,36 @@ def megatron_training_on_cpu() -> Iterator[None]:
         yield
 
 
+USAGE = ("usage: torchrun ... -m hyscale_bench.pretrain_cpu {PRETRAIN_GPT_PY | -m MODULE} "
+         "[ARGS]")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run `argv[0]` (pretrain_gpt.py) with `argv[1:]` as its arguments, on the CPU."""
+    """Run `argv[0]` (pretrain_gpt.py), or the module after `-m` (HyScale's
+    megatron_hyscale.launch.train_gpt), with the rest as its arguments, on the CPU."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or not argv[0].endswith(".py"):
-        print("usage: torchrun ... -m hyscale_bench.pretrain_cpu PRETRAIN_GPT_PY [ARGS]",
-              file=sys.stderr)
+    module = None
+    if argv[:1] == ["-m"] and len(argv) > 1:
+        module, args = argv[1], argv[2:]
+    elif argv and argv[0].endswith(".py"):
+        script, args = Path(argv[0]), argv[1:]
+        if not script.is_file():
+            print(f"error: {script} does not exist (the pretrain_gpt.py to run)",
+                  file=sys.stderr)
+            return 2
+    else:
+        print(USAGE, file=sys.stderr)
         return 2
-    script = Path(argv[0])
-    if not script.is_file():
-        print(f"error: {script} does not exist (the pretrain_gpt.py to run)", file=sys.stderr)
-        return 2
-    args = argv[1:]
     if "--distributed-backend" not in args:
         args += ["--distributed-backend", "gloo"]
-    sys.argv = [str(script), *args]
-    sys.path.insert(0, str(script.parent))  # its gpt_builders / model_provider imports
     with megatron_training_on_cpu():
-        runpy.run_path(str(script), run_name="__main__")
+        if module is not None:
+            sys.argv = [module, *args]  # run_module puts the module's file in argv[0]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [str(script), *args]
+            sys.path.insert(0, str(script.parent))  # its gpt_builders / model_provider imports
+            runpy.run_path(str(script), run_name="__main__")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The go / no-go evaluation: Megatron-LM's pretrain_gpt.py run twice, stock DSA then HyScale.
+"""The go / no-go evaluation: a GPT pretraining run twice, stock DSA then HyScale.
 
     python -m megatron_hyscale.evaluate [options]          run both, write the report
     python -m megatron_hyscale.evaluate --dry-run ...      print the plan, run nothing
@@ -19,12 +19,20 @@ indexer-loss / communication times per iteration; selection agreement per layer 
 run's indexer loss; GPU-hours and cost per billion tokens at --usd-per-gpu-hour; the exact
 commands, versions, device and commit.
 
+The trainer (`--trainer`): megatron-lm, Megatron-LM's own pretrain_gpt.py, found through
+MEGATRON_LM_DIR or the checkout's .carry/megatron_lm (pretrain_gpt.py and the two files it
+imports: scripts/megatron_lm_carry.sh copies them); the default when one is found, and what real
+evaluations should run. Or hyscale: megatron_hyscale.launch.train_gpt, HyScale's own minimal
+entry point on the megatron-core wheel's megatron.training (same arguments, same training loop
+and log; no SFT / FIM / packed documents), for a machine without a Megatron-LM checkout (CI).
+Without a checkout and without `--trainer hyscale` the evaluation stops, saying so: it never
+switches trainer by itself. The report names the trainer.
+
 Configurations: `tiny` (a 2-layer GLM-shaped model for a CPU smoke run: CI runs it on gloo),
 `small` and `scaled` (examples/glm5_1: GLM-5.1's attention geometry; `scaled` is its full
 attention width). On a machine without a GPU (`--device cpu`) the runs go through
-`hyscale_bench.pretrain_cpu`, which redirects Megatron-LM's CUDA calls; timings there are for
-plumbing only. Megatron-LM is found through MEGATRON_LM_DIR (pretrain_gpt.py and the two files
-it imports: scripts/megatron_lm_carry.sh copies them).
+`hyscale_bench.pretrain_cpu`, which redirects megatron.training's CUDA calls; timings there
+are for plumbing only.
 
 A run longer than one sitting: `--checkpoint-dir` saves each run every `--checkpoint-interval`
 iterations and resumes it from there when the same command runs again (logs are appended),
@@ -50,10 +58,14 @@ from typing import Any
 
 from megatron_hyscale.launch import logparse
 from megatron_hyscale.launch.command import (
+    CARRIED_MEGATRON_LM,
+    HYSCALE_TRAINER,
+    MEGATRON_ENV,
     REPO_ROOT,
+    TRAINERS,
     Command,
     LaunchError,
-    megatron_lm_dir,
+    find_megatron_lm,
     print_command,
 )
 from megatron_hyscale.launch.memory import STOCK_BACKENDS, Layout, ModelGeometry
@@ -168,8 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "without Transformer Engine needs). Default: transformer_engine when "
                         "the training interpreter imports it, else local")
     g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="auto: cuda when the training interpreter sees a GPU; cpu runs "
-                        "pretrain_gpt.py through hyscale_bench.pretrain_cpu on gloo (fp32)")
+                   help="auto: cuda when the training interpreter sees a GPU; cpu runs the "
+                        "trainer through hyscale_bench.pretrain_cpu on gloo (fp32)")
+    g.add_argument("--trainer", choices=TRAINERS,
+                   help="the training entry point: megatron-lm (Megatron-LM's pretrain_gpt.py "
+                        "from $MEGATRON_LM_DIR, else .carry/megatron_lm; the default when one "
+                        "is found, and an error when none is) or hyscale (python -m "
+                        f"{HYSCALE_TRAINER}: HyScale's own minimal entry point on "
+                        "megatron.training, for machines without a Megatron-LM checkout, e.g. "
+                        "CI; real evaluations should use megatron-lm)")
     g.add_argument("--python", default=sys.executable,
                    help="interpreter of the training processes (torch, megatron-core, HyScale; "
                         "default: this one)")
@@ -238,6 +257,8 @@ class Plan:
     model: ModelGeometry
     layout: Layout
     device: str
+    trainer: str
+    checkout: Path | None  # the Megatron-LM checkout (trainer megatron-lm; None in a dry run)
     stock_backend: str
     backend_reasons: list[str]
     data: str
@@ -326,6 +347,36 @@ def choose_stock_backend(requested: str, probe: dict[str, Any]) -> tuple[str, li
     return "reference", reasons
 
 
+def resolve_trainer(args: argparse.Namespace) -> tuple[str, Path | None]:
+    """(trainer, Megatron-LM checkout): --trainer, else megatron-lm when a checkout is found.
+    Without one, megatron-lm is an error (a dry run prints $MEGATRON_LM_DIR instead): the
+    evaluation never falls back to the other trainer by itself."""
+    if args.trainer == "hyscale":
+        return "hyscale", None
+    checkout = find_megatron_lm()
+    if checkout is None and not args.dry_run:
+        raise LaunchError(
+            f"no Megatron-LM checkout: {MEGATRON_ENV} is not set and "
+            f"{CARRIED_MEGATRON_LM} has no pretrain_gpt.py. Point "
+            f"{MEGATRON_ENV} at one, or run `bash scripts/megatron_lm_carry.sh "
+            "MEGATRON_LM_GIT_DIR`, or pass `--trainer hyscale` to train with HyScale's own "
+            f"entry point ({HYSCALE_TRAINER}) instead of Megatron-LM's pretrain_gpt.py")
+    return "megatron-lm", checkout
+
+
+def trainer_note(plan: Plan) -> str:
+    """The trainer, in words, for the plan and the report."""
+    if plan.trainer == "hyscale":
+        return (f"hyscale: `python -m {HYSCALE_TRAINER}`, HyScale's own minimal GPT entry "
+                "point on megatron-core's megatron.training (not Megatron-LM's "
+                "pretrain_gpt.py)")
+    if plan.checkout is None:
+        return f"megatron-lm: ${MEGATRON_ENV}/pretrain_gpt.py"
+    source = plan.checkout / "SOURCE"  # scripts/megatron_lm_carry.sh writes the ref and commit
+    return (f"megatron-lm: Megatron-LM's pretrain_gpt.py from {plan.checkout}"
+            + (f" ({source.read_text().strip()})" if source.is_file() else ""))
+
+
 def resolve_model(args: argparse.Namespace) -> tuple[ModelGeometry, Layout]:
     """The model and layout of --config with the overrides (validated)."""
     cfg = glm_config()
@@ -376,11 +427,14 @@ def resolve_data(args: argparse.Namespace, model: ModelGeometry, *, build: bool
             f"the indexed dataset {prefix}")
 
 
-def _cpu_command(cmd: Command, script: str) -> Command:
-    """A GPU command turned into a CPU one: pretrain_gpt.py run by hyscale_bench.pretrain_cpu,
-    the GPU-only flags dropped."""
+def _cpu_command(cmd: Command, trainer: str) -> Command:
+    """A GPU command turned into a CPU one: the trainer (pretrain_gpt.py, or `-m` HyScale's)
+    run by hyscale_bench.pretrain_cpu, the GPU-only flags dropped."""
     argv = [a for a in cmd.argv if a not in CPU_DROPPED_FLAGS]
-    at = argv.index(script)
+    if trainer == "hyscale":
+        at = argv.index(HYSCALE_TRAINER) - 1  # its `-m`
+    else:
+        at = next(i for i, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))
     return Command(argv=argv[:at] + ["-m", CPU_RUNNER] + argv[at:],
                    env={**cmd.env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
                    label=cmd.label)
@@ -401,6 +455,7 @@ def build_plan(args: argparse.Namespace, probe: dict[str, Any] | None, *, build_
     if device == "cpu" and stock_backend != "reference":
         raise ValueError(f"--stock-backend {stock_backend} needs a GPU; on a CPU stock runs "
                          "its reference (torch) path")
+    trainer, checkout = resolve_trainer(args)
     impl = args.transformer_impl or ("transformer_engine" if probe.get("te") else "local")
     data_args, data, data_note = resolve_data(args, model, build=build_data)
     ns = argparse.Namespace(command="side-by-side", python=args.python, transformer_impl=impl,
@@ -424,15 +479,15 @@ def build_plan(args: argparse.Namespace, probe: dict[str, Any] | None, *, build_
             own += ["--save", ckpt, "--load", ckpt, "--save-interval",
                     str(args.checkpoint_interval)]
         cmd = launch.make_command(model, layout, False, ns, variant, own,
-                                  dry_run=args.dry_run, iters=args.train_iters, label=variant)
+                                  dry_run=args.dry_run, iters=args.train_iters, label=variant,
+                                  trainer=trainer, checkout=checkout)
         if variant == "hyscale":
             cmd.env[logparse.AGREEMENT_ENV] = str(args.agreement_every)
             cmd.env[logparse.AGREEMENT_ROWS_ENV] = str(args.agreement_rows)
         if data != "mock":
             cmd.argv = [w for w in cmd.argv if w != "--mock-data"]
         if device == "cpu":
-            script = next(a for a in cmd.argv if a.endswith("pretrain_gpt.py"))
-            cmd = _cpu_command(cmd, script)
+            cmd = _cpu_command(cmd, trainer)
         cmd.argv += list(args.megatron_extra)  # after `--`: the user's last word
         commands[variant] = cmd
     capacity = args.gpu_mem_gib or (80.0 if args.config in ("tiny", "small") else 140.0)
@@ -441,8 +496,8 @@ def build_plan(args: argparse.Namespace, probe: dict[str, Any] | None, *, build_
         launch.fit_lengths(model, layout, capacity, stock_backend),
         *(w for v in VARIANTS
           if (w := launch.check_fit(model, layout, capacity, v, stock_backend)))])
-    return Plan(args, model, layout, device, stock_backend, reasons, data, data_note,
-                commands, estimate)
+    return Plan(args, model, layout, device, trainer, checkout, stock_backend, reasons, data,
+                data_note, commands, estimate)
 
 
 def print_plan(plan: Plan) -> None:
@@ -452,6 +507,7 @@ def print_plan(plan: Plan) -> None:
           f"{plan.layout.gpus} {'GPU' if plan.device == 'cuda' else 'process'}"
           f"{'s' if plan.layout.gpus > 1 else ''} ({plan.device}), {a.train_iters} iterations "
           f"each, seed {a.seed}")
+    print(f"# trainer: {trainer_note(plan)}")
     print(f"# stock DSA backend: {plan.stock_backend}"
           + (f" (passed over: {'; '.join(plan.backend_reasons)})" if plan.backend_reasons
              else ""))
@@ -787,7 +843,7 @@ def write_report(plan: Plan, codes: dict[str, int | None], matmul: float | None,
               f"- device: {probe.get('device', 'unknown')} ({plan.device})",
               f"- torch {probe.get('torch')}, triton {probe.get('triton')}, megatron-core "
               f"{probe.get('megatron_core')}, HyScale commit {commit}",
-              f"- Megatron-LM: {_megatron_lm_source()}",
+              f"- trainer: {trainer_note(plan)}",
               "- evaluation: `" + " ".join(shlex.quote(w) for w in
                                           ["python", "-m", "megatron_hyscale.evaluate",
                                            *a.invocation]) + "`", ""]
@@ -799,7 +855,8 @@ def write_report(plan: Plan, codes: dict[str, int | None], matmul: float | None,
         "meta": {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit,
                  "device": probe.get("device"), "torch": probe.get("torch"),
                  "triton": probe.get("triton"), "megatron_core": probe.get("megatron_core"),
-                 "stock_backend": plan.stock_backend, "data": plan.data,
+                 "trainer": plan.trainer, "stock_backend": plan.stock_backend,
+                 "data": plan.data,
                  "matmul_tflops": matmul, "flops_per_iteration": data["flops_per_iteration"]},
         "runs": {v: logparse.summary_record(
             r["summary"], r["records"], seq_length=plan.layout.seq_length,
@@ -812,14 +869,6 @@ def write_report(plan: Plan, codes: dict[str, int | None], matmul: float | None,
     }
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     return report
-
-
-def _megatron_lm_source() -> str:
-    checkout = megatron_lm_dir(required=False)
-    if checkout is None:
-        return "MEGATRON_LM_DIR not set"
-    source = checkout / "SOURCE"  # scripts/megatron_lm_carry.sh writes the ref and commit
-    return f"{checkout}" + (f" ({source.read_text().strip()})" if source.is_file() else "")
 
 
 # --------------------------------------------------------------------------- main
@@ -840,8 +889,7 @@ def main(argv: list[str] | None = None) -> int:
                              "neither --dry-run nor --only")
         if args.skip_iters < 0:
             raise ValueError(f"--skip-iters must be >= 0, got {args.skip_iters}")
-        if not args.dry_run and not args.report_only:
-            megatron_lm_dir(required=True)  # fail before anything is built or printed
+        resolve_trainer(args)  # fail before anything is built or printed
         probe = None
         if not args.dry_run or args.device == "auto":
             try:

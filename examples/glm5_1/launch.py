@@ -31,9 +31,11 @@ import glm5_1_config as cfg  # noqa: E402  (also puts the repository root on sys
 
 from megatron_hyscale.launch import logparse  # noqa: E402
 from megatron_hyscale.launch.command import (  # noqa: E402
+    HYSCALE_TRAINER,
     TIMED_OUT,
     Command,
     LaunchError,
+    launch_env,
     megatron_lm_dir,
     pretrain_script,
     print_command,
@@ -279,8 +281,16 @@ def train_iters(args: argparse.Namespace, is_full: bool) -> int:
 
 def make_command(model: ModelGeometry, layout: Layout, is_full: bool, args: argparse.Namespace,
                  spec: str, extra: list[str], *, dry_run: bool, iters: int | None = None,
-                 label: str | None = None) -> Command:
-    checkout = megatron_lm_dir(required=not dry_run)
+                 label: str | None = None, trainer: str = "megatron-lm",
+                 checkout: Path | None = None) -> Command:
+    """The launch of one run. trainer: megatron-lm (pretrain_gpt.py from `checkout`, default
+    $MEGATRON_LM_DIR) or hyscale (`python -m megatron_hyscale.launch.train_gpt`, HyScale's own
+    minimal entry point: same arguments, no Megatron-LM checkout needed)."""
+    if trainer == "hyscale":
+        script, module, env = HYSCALE_TRAINER, True, launch_env()
+    else:
+        checkout = checkout or megatron_lm_dir(required=not dry_run)
+        script, module, env = pretrain_script(checkout), False, training_env(checkout)
     iters = iters or train_iters(args, is_full)
     own = []
     if args.command == "side-by-side":
@@ -289,8 +299,6 @@ def make_command(model: ModelGeometry, layout: Layout, is_full: bool, args: argp
         own = ["--log-memory-interval", str(iters)]
     margs = cfg.megatron_args(model, layout, spec=spec, train_iters=iters, extra=own + extra,
                               transformer_impl=args.transformer_impl)
-    script = pretrain_script(checkout)
-    env = training_env(checkout)
     if args.command == "side-by-side":
         # per-iteration selection / attention / indexer-loss / communication times in both
         # logs (megatron_hyscale.phase_times; the summary reads them back)
@@ -300,9 +308,9 @@ def make_command(model: ModelGeometry, layout: Layout, is_full: bool, args: argp
     if is_full:
         master = slurm_master_addr(required=not dry_run)
         argv = srun_torchrun(args.python, args.nodes, args.gpus_per_node, script, margs,
-                             master_addr=master, port=args.port)
+                             master_addr=master, port=args.port, module=module)
     else:
-        argv = torchrun(args.python, layout.gpus, script, margs)
+        argv = torchrun(args.python, layout.gpus, script, margs, module=module)
     return Command(argv=argv, env=env, label=label or spec)
 
 

@@ -19,6 +19,14 @@ from pathlib import Path
 
 MEGATRON_ENV = "MEGATRON_LM_DIR"
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Where scripts/megatron_lm_carry.sh puts Megatron-LM's pretrain_gpt.py (and its two imports).
+CARRIED_MEGATRON_LM = REPO_ROOT / ".carry" / "megatron_lm"
+# The training entry points: Megatron-LM's pretrain_gpt.py, or HyScale's own minimal one
+# (megatron_hyscale/launch/train_gpt.py, for machines without a Megatron-LM checkout).
+TRAINERS = ("megatron-lm", "hyscale")
+HYSCALE_TRAINER = "megatron_hyscale.launch.train_gpt"
+# The line it logs first: which entry point trained, in the log itself.
+HYSCALE_TRAINER_BANNER = f"> trainer: {HYSCALE_TRAINER} (HyScale's minimal GPT entry point)"
 
 
 class LaunchError(RuntimeError):
@@ -162,6 +170,17 @@ def megatron_lm_dir(*, required: bool) -> Path | None:
             "of a Megatron-LM checkout."
         )
     return path
+
+
+def find_megatron_lm() -> Path | None:
+    """The Megatron-LM checkout to run: MEGATRON_LM_DIR when set (checked by
+    `megatron_lm_dir`), else the checkout's .carry/megatron_lm when it holds pretrain_gpt.py,
+    else None."""
+    if os.environ.get(MEGATRON_ENV, "").strip():
+        return megatron_lm_dir(required=True)
+    if (CARRIED_MEGATRON_LM / "pretrain_gpt.py").is_file():
+        return CARRIED_MEGATRON_LM
+    return None
 
 
 def pretrain_script(checkout: Path | None) -> str:

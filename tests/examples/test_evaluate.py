@@ -1,15 +1,18 @@
 """`python -m megatron_hyscale.evaluate`: its command line, its plan, and a real CPU run.
 
-The CPU run trains the tiny GLM-shaped model for a few iterations with Megatron-LM's
-pretrain_gpt.py on gloo (through hyscale_bench.pretrain_cpu), stock then HyScale, on the
-standard-library corpus, and checks that every section of report.md is filled from the runs'
-numbers. It needs Megatron-LM's three files: $MEGATRON_LM_DIR, else the checkout's
-.carry/megatron_lm (`bash scripts/megatron_lm_carry.sh MEGATRON_LM_GIT_DIR`); without either it
-is skipped, saying so.
+The CPU run trains the tiny GLM-shaped model for a few iterations on gloo (through
+hyscale_bench.pretrain_cpu), stock then HyScale, on the standard-library corpus, and checks that
+every section of report.md is filled from the runs' numbers. Its trainer: megatron-lm
+(Megatron-LM's pretrain_gpt.py) where a checkout is found ($MEGATRON_LM_DIR, else the
+checkout's .carry/megatron_lm from `bash scripts/megatron_lm_carry.sh MEGATRON_LM_GIT_DIR`),
+else hyscale (megatron_hyscale.launch.train_gpt, which needs only the megatron-core wheel: what
+CI, which cannot fetch Megatron-LM, runs). One trainer a session: each run takes about 80 s on
+2 cores; the test's id names the one that ran.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -21,6 +24,7 @@ import pytest
 from launch_dryrun import ROOT, clean_env, printed_commands
 
 from megatron_hyscale import evaluate
+from megatron_hyscale.launch.command import HYSCALE_TRAINER_BANNER
 
 
 def run_evaluate(*args: str, env: dict[str, str] | None = None, timeout: int = 120
@@ -38,7 +42,8 @@ def test_help_documents_every_option() -> None:
     assert not undocumented
     text = parser.format_help()
     for option in ("--data", "--usd-per-gpu-hour", "--matmul-tflops", "--agreement-every",
-                   "--checkpoint-dir", "--time-limit", "--dry-run", "--stock-backend"):
+                   "--checkpoint-dir", "--time-limit", "--dry-run", "--stock-backend",
+                   "--trainer"):
         assert option in text
 
 
@@ -120,6 +125,27 @@ def test_model_flops_count_the_sparse_attention() -> None:
     assert long > 2 * short  # twice the tokens, and each sees more keys
 
 
+def test_trainer_choice(tmp_path: Path) -> None:
+    """hyscale runs HyScale's entry point through the CPU runner; megatron-lm without a
+    checkout is an error that names --trainer hyscale (no silent fallback)."""
+    result = run_evaluate("--dry-run", "--device", "cpu", "--trainer", "hyscale",
+                          "--data", "mock")
+    assert result.returncode == 0, result.stderr
+    assert "# trainer: hyscale" in result.stdout
+    for _, env, argv in printed_commands(result.stdout):
+        runner = argv.index("hyscale_bench.pretrain_cpu")
+        assert argv[runner + 1:runner + 3] == ["-m", "megatron_hyscale.launch.train_gpt"]
+        assert not any(a.endswith("pretrain_gpt.py") for a in argv)
+        assert "MEGATRON_LM_DIR" not in env["PYTHONPATH"]
+    if megatron_lm() is None:  # a bare clone: the default needs a checkout
+        result = run_evaluate("--device", "cpu", "--data", "mock", "--train-iters", "1",
+                              "--output-dir", str(tmp_path / "never"))
+        assert result.returncode == 2
+        assert "no Megatron-LM checkout" in result.stderr
+        assert "--trainer hyscale" in result.stderr and "Traceback" not in result.stderr
+        assert not (tmp_path / "never").exists()
+
+
 def megatron_lm() -> Path | None:
     for candidate in (os.environ.get("MEGATRON_LM_DIR"), str(ROOT / ".carry" / "megatron_lm")):
         if candidate and (Path(candidate) / "pretrain_gpt.py").is_file():
@@ -152,15 +178,16 @@ def as_number(cell: str) -> float:
 
 
 @pytest.mark.slow
-def test_cpu_evaluation_fills_every_section(tmp_path: Path) -> None:
-    """Both runs of pretrain_gpt.py on the CPU, then every report section from their numbers."""
+@pytest.mark.parametrize("trainer", ["megatron-lm" if megatron_lm() else "hyscale"])
+def test_cpu_evaluation_fills_every_section(tmp_path: Path, trainer: str) -> None:
+    """Both runs on the CPU with `trainer`, then every report section from their numbers."""
     checkout = megatron_lm()
-    if checkout is None:
-        pytest.skip("Megatron-LM's pretrain_gpt.py not found: set MEGATRON_LM_DIR or run "
-                    "`bash scripts/megatron_lm_carry.sh MEGATRON_LM_GIT_DIR`")
     out = tmp_path / "eval"
-    env = clean_env(MEGATRON_LM_DIR=str(checkout), OMP_NUM_THREADS="1")
+    env = clean_env(OMP_NUM_THREADS="1")
+    if trainer == "megatron-lm":
+        env["MEGATRON_LM_DIR"] = str(checkout)
     result = run_evaluate(
+        "--trainer", trainer,
         "--device", "cpu", "--train-iters", "4", "--agreement-every", "2",
         "--agreement-rows", "32", "--data", "stdlib", "--corpus-limit-mb", "0.25",
         "--data-cache", str(tmp_path / "corpus"), "--output-dir", str(out),
@@ -211,5 +238,16 @@ def test_cpu_evaluation_fills_every_section(tmp_path: Path) -> None:
     assert usd == pytest.approx([2.5 * v for v in hours], rel=1e-2)
 
     versions = section(report, "Commands and versions")
-    assert "megatron-core 0.19" in versions and "pretrain_gpt.py" in versions
+    assert "megatron-core 0.19" in versions and f"- trainer: {trainer}: " in versions
+    hyscale_entry = "megatron_hyscale.launch.train_gpt"
+    for variant in evaluate.VARIANTS:
+        log = (out / f"{variant}.log").read_text()
+        assert (HYSCALE_TRAINER_BANNER in log) == (trainer == "hyscale"), variant
+    if trainer == "hyscale":
+        commands = "".join(versions.split("```")[1::2])
+        assert hyscale_entry in commands and "pretrain_gpt.py" not in commands
+    else:
+        assert f"pretrain_gpt.py from {checkout}" in versions and hyscale_entry not in versions
+    assert json.loads((out / "results.json").read_text())["meta"]["trainer"] == trainer
     assert re.search(r"HyScale commit [0-9a-f]{7}", versions)
+
