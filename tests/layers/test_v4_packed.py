@@ -57,7 +57,7 @@ def packed_params(lengths, padded=None) -> PackedSeqParams:
 
 
 def run(layer, x, r, params=None, recompute=False):
-    """(output [T, 1, h], input grad, parameter grads, logged indexer loss) for loss sum(out * r)."""
+    """(output [T, 1, h], input grad, parameter grads, logged indexer loss); loss sum(out * r)."""
     layer.train()
     layer.zero_grad(set_to_none=True)
     DSAIndexerLossLoggingHelper.tracker.clear()
