@@ -65,8 +65,22 @@ whole sequence's entries and attend over [compressed entries ; raw keys]. Select
 unchanged (the selected indices point into the entries). `HyScaleV4Attention.forward` lists
 the volumes at 1M tokens.
 
-Not covered yet (they raise): tensor / sequence parallelism, packed sequences, inference
-caches.
+Packed THD sequences (`packed_seq_params`, qkv_format "thd"; cu_seqlens or their padded
+variants, whose padding rows then belong to their document, after its real rows): every
+document is its own sequence, so a packed batch gives each document exactly the output and
+gradients of the layer on that document alone. Positions (RoPE, window, visibility) restart at
+each document's first row; the window stops there; each compressor pools every document on its
+own (its tail window partial and dropped) and concatenates the documents' entries; a CSA
+layer's rows select (HyTopK, replayed) among their own document's entries, k = min(top-k, the
+most entries of a document); an HCA layer lists each row's visible entries of its document
+(int32 [T, most entries of a document], instead of the unpacked prefix generated in-kernel);
+the dense indexer loss runs per document (the sparse one reads the selection at packed
+positions). Under CP (megatron's per-document THD split: rank r holds chunks r and 2cp-1-r of
+every document) the raw K = V and the compressors' projections are all-gathered in the packed
+global order (the "gather" modes above) and the local rows work as at CP 1.
+
+Not covered yet (they raise): tensor / sequence parallelism, inference caches, packed THD with
+`real_token_mask_q` when the indexer loss is on.
 """
 
 from __future__ import annotations
@@ -546,7 +560,8 @@ class HyScaleV4Attention(MegatronModule):
 
     Input and output are megatron's [s, b, hidden]; forward returns (output, None) like
     megatron's attention modules. Positions are 0..s-1, or under context parallelism the global
-    positions of this rank's zigzag rows (no packing). The CP group is `pg_collection.cp`
+    positions of this rank's zigzag rows; packed THD sequences restart them per document (module
+    docstring). The CP group is `pg_collection.cp`
     (TransformerLayer passes it), else megatron's global CP group when the config asks for
     context_parallel_size > 1 (a layer built on its own, as in the benchmarks).
     """

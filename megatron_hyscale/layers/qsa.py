@@ -56,9 +56,21 @@ reduce-scatters to the owners; K and V asynchronously, transferring while HyTopK
 blocks are pooled over the global sequence, and the local query rows select and attend with
 their global positions (allgather CP, as the DSA layer).
 
-Not covered yet (raise NotImplementedError naming it): inference / KV cache, packed THD
-sequences, tensor parallelism > 1 with a sequence-parallel layout (the indexer projection is
-duplicated on every TP rank, so plain TP works), padding or document masks.
+Packed THD sequences (`packed_seq_params`, qkv_format "thd"; cu_seqlens or their padded
+variants, whose padding rows then belong to their document): each document is its own sequence,
+so a packed batch gives each document exactly the output and gradients of the layer on that
+document alone. `HyScaleQSASelfAttention` applies megatron's THD RoPE (as its Attention does,
+batch size 1); the indexer's RoPE reads megatron's table by position in the document (or by
+packed row when the table covers the packed length, as megatron's THD RoPE); each document's
+complete blocks are pooled on their own and concatenated; its rows select (replayed) among its
+own blocks and attend to their tokens plus their causal tail within the document; the dense
+indexer loss runs per document. Under CP (megatron's per-document THD split) K, V and the
+indexer keys are all-gathered in the packed global order and the local rows work as at CP 1.
+
+Not covered yet (raise NotImplementedError naming it): inference / KV cache, tensor
+parallelism > 1 with a sequence-parallel layout (the indexer projection is duplicated on every
+TP rank, so plain TP works), padding or document masks (packed documents come as
+`packed_seq_params`).
 """
 
 from __future__ import annotations
