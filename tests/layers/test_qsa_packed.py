@@ -17,9 +17,7 @@ import copy
 
 import pytest
 import torch
-from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexerLossLoggingHelper,
 )
@@ -28,9 +26,16 @@ from megatron.core.transformer.spec_utils import build_module
 import megatron_hyscale.layers.qsa as qsa
 from megatron_hyscale import replay
 from megatron_hyscale.specs.qsa import get_qsa_attention_spec
+from megatron_hyscale.testing.packed import (
+    Step,
+    assert_steps_close,
+    cu_seqlens,
+    joined,
+    thd_params,
+    train_step,
+)
 from megatron_hyscale.testing.qsa import tiny_qsa_configs
 
-TOL = dict(rtol=1e-5, atol=1e-6)
 LENGTHS = (13, 46, 27)  # 3, 11, 6 complete blocks (budget 8)
 LENGTHS_WITH_EMPTY = (3, 38, 21)  # the first has no complete block
 
@@ -62,51 +67,28 @@ def rope(hcfg, rows: int) -> torch.Tensor:
                            rotary_base=params["rope_theta"], use_cpu_initialization=True)(rows)
 
 
-def packed_params(lengths, padded=None) -> PackedSeqParams:
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    extra = {}
-    if padded is not None:
-        pad = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
-        extra = dict(cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad)
-    longest = max(padded or lengths)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=longest, max_seqlen_kv=longest, **extra)
+def packed_params(lengths, padded=None):
+    return thd_params(lengths, padded)
 
 
-def run(layer, x, r, freqs, params=None, recompute=False):
-    """(output, input grad, parameter grads, logged indexer loss) for the loss sum(out * r)."""
-    layer.train()
-    layer.zero_grad(set_to_none=True)
-    DSAIndexerLossLoggingHelper.tracker.clear()
-    h = x.clone().requires_grad_()
-    call = lambda t: layer(t, None, rotary_pos_emb=freqs, packed_seq_params=params)[0]  # noqa: E731
-    out = tensor_parallel.checkpoint(call, False, h) if recompute else call(h)
-    (out * r).sum().backward()
-    values = DSAIndexerLossLoggingHelper.tracker.get("values")
-    logged = float(values.sum()) if values is not None else 0.0
-    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
-    return out.detach(), h.grad, grads, logged
+def run(layer, x, r, freqs, params=None, recompute=False) -> Step:
+    return train_step(layer, lambda t: layer(t, None, rotary_pos_emb=freqs,
+                                             packed_seq_params=params)[0], x, r, recompute)
 
 
-def per_document(layer, hcfg, x, r, lengths, coeff_share=None):
-    """The layer on each document alone (RoPE from 0): outputs and input grads concatenated,
-    parameter grads and logged losses summed; coeff_share: each document's indexer-loss
-    coefficient scaled by its share of the rows (as the packed rows-mean weighs it)."""
-    outs, xgrads, grads, logged, start = [], [], {}, 0.0, 0
-    core, base = layer.core_attention, layer.core_attention.config
-    for n in lengths:
+def per_document(layer, hcfg, x, r, lengths, coeff_share=None) -> Step:
+    """The layer on each document alone (RoPE from 0), joined; coeff_share: each document's
+    indexer-loss coefficient scaled by its share of the rows (as the packed rows-mean weighs
+    it)."""
+    steps, core = [], layer.core_attention
+    base = core.config
+    for a, n in zip(cu_seqlens(lengths), lengths):
         if coeff_share is not None:
             core.config = copy.copy(base)
             core.config.qsa_indexer_loss_coeff = base.qsa_indexer_loss_coeff * n / coeff_share
-        o, g, p, loss = run(layer, x[start:start + n], r[start:start + n], rope(hcfg, n))
+        steps.append(run(layer, x[a:a + n], r[a:a + n], rope(hcfg, n)))
         core.config = base
-        outs.append(o)
-        xgrads.append(g)
-        for name, grad in p.items():
-            grads[name] = grads[name] + grad if name in grads else grad
-        logged += loss
-        start += n
-    return torch.cat(outs), torch.cat(xgrads), grads, logged
+    return joined(steps)
 
 
 def inputs(rows, hidden=64, seed=1):
@@ -114,14 +96,7 @@ def inputs(rows, hidden=64, seed=1):
     return torch.randn(rows, 1, hidden, generator=g), torch.randn(rows, 1, hidden, generator=g)
 
 
-def assert_same(got, want):
-    torch.testing.assert_close(got[0], want[0], **TOL)
-    torch.testing.assert_close(got[1], want[1], **TOL)
-    assert set(got[2]) == set(want[2])
-    for name in want[2]:
-        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-5, atol=1e-5,
-                                   msg=lambda m, n=name: f"{n}: {m}")
-    assert got[3] == pytest.approx(want[3], rel=1e-5, abs=1e-7)
+assert_same = assert_steps_close
 
 
 @pytest.mark.parametrize("table", ["max_seqlen", "packed"])
@@ -184,7 +159,7 @@ def test_packed_recompute_replays_and_matches():
     assert stats["selections_computed"] == 1 and stats["selections_replayed"] == 1
     replay.assert_drained()
     assert_same(got, plain)
-    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+    assert torch.equal(got.out, plain.out) and torch.equal(got.x_grad, plain.x_grad)
 
 
 def test_packed_baseline_selector_equals_each_document_alone_and_reselects():
@@ -212,8 +187,8 @@ def test_packed_indexer_loss_equals_each_document_alone(sparse, per_token, recom
     got = run(layer, x, r, rope(hcfg, max(lengths)), packed_params(lengths), recompute)
     assert replay.get_stats()["selections_replayed"] == int(recompute)
     want = per_document(layer, hcfg, x, r, lengths, None if per_token else sum(lengths))
-    assert any(".indexer." in n for n in want[2]), "the indexer loss never ran"
-    assert want[3] > 0
+    assert any(".indexer." in n for n in want.grads), "the indexer loss never ran"
+    assert want.logged > 0
     assert_same(got, want)
 
 
@@ -229,10 +204,10 @@ def test_padded_documents_give_their_real_rows_alone():
     r_real[real] = r[real]
     got = run(layer, x, r_real, rope(hcfg, max(padded)), packed_params(lengths, padded))
     want = per_document(layer, hcfg, x[real], r[real], lengths)
-    assert_same((got[0][real], got[1][real], got[2], got[3]), want)
+    assert_same(got._replace(out=got.out[real], x_grad=got.x_grad[real]), want)
     padding = torch.ones(sum(padded), dtype=torch.bool)
     padding[real] = False
-    assert bool((got[1][padding] == 0).all())  # real rows never read the padding
+    assert bool((got.x_grad[padding] == 0).all())  # real rows never read the padding
 
 
 def test_bad_cu_seqlens_name_the_argument():

@@ -16,7 +16,6 @@ import copy
 
 import pytest
 import torch
-from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexerLossLoggingHelper,
@@ -26,8 +25,15 @@ import megatron_hyscale.layers.deepseek_v4 as v4
 from hyscale_bench.models import randomize_, tiny_v4_config
 from megatron_hyscale import replay
 from megatron_hyscale.layers.deepseek_v4 import HyScaleV4Attention
+from megatron_hyscale.testing.packed import (
+    Step,
+    assert_steps_close,
+    cu_seqlens,
+    joined,
+    thd_params,
+    train_step,
+)
 
-TOL = dict(rtol=1e-5, atol=1e-6)
 LAYERS = {"window": 0, "csa": 1, "hca": 2}  # compress ratios 0, 4, 8 (tiny_v4_config)
 LENGTHS = (9, 30, 22)  # CSA entries 2, 7, 5 (top-k 3); HCA entries 1, 3, 2
 LENGTHS_WITH_EMPTY = (3, 17, 26)  # the first has no complete CSA window
@@ -46,50 +52,27 @@ def build(kind: str, seed: int = 0, **overrides) -> HyScaleV4Attention:
     return layer
 
 
-def packed_params(lengths, padded=None) -> PackedSeqParams:
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    extra = {}
-    if padded is not None:
-        pad = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
-        extra = dict(cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths), **extra)
+def packed_params(lengths, padded=None):
+    return thd_params(lengths, padded)
 
 
-def run(layer, x, r, params=None, recompute=False):
-    """(output [T, 1, h], input grad, parameter grads, logged indexer loss); loss sum(out * r)."""
-    layer.train()
-    layer.zero_grad(set_to_none=True)
-    DSAIndexerLossLoggingHelper.tracker.clear()
-    h = x.clone().requires_grad_()
-    call = lambda t: layer(t, None, packed_seq_params=params)[0]  # noqa: E731
-    out = tensor_parallel.checkpoint(call, False, h) if recompute else call(h)
-    (out * r).sum().backward()
-    values = DSAIndexerLossLoggingHelper.tracker.get("values")
-    logged = float(values.sum()) if values is not None else 0.0
-    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
-    return out.detach(), h.grad, grads, logged
+def run(layer, x, r, params=None, recompute=False) -> Step:
+    return train_step(layer, lambda t: layer(t, None, packed_seq_params=params)[0], x, r,
+                      recompute)
 
 
-def per_document(layer, x, r, lengths, coeff_share=None):
-    """The layer on each document alone: outputs and input grads concatenated, parameter
-    grads and logged losses summed. coeff_share: scale each document's indexer-loss
-    coefficient by its share of the rows (the packed rows-mean loss weighs it so)."""
-    outs, xgrads, grads, logged, start = [], [], {}, 0.0, 0
-    base = layer.config
-    for n in lengths:
+def per_document(layer, x, r, lengths, coeff_share=None) -> Step:
+    """The layer on each document alone, joined. coeff_share: scale each document's
+    indexer-loss coefficient by its share of the rows (the packed rows-mean loss weighs it so;
+    the logged loss then holds the scaled coefficient)."""
+    steps, base = [], layer.config
+    for a, n in zip(cu_seqlens(lengths), lengths):
         if coeff_share is not None:
             layer.config = copy.copy(base)
             layer.config.v4_indexer_loss_coeff = base.v4_indexer_loss_coeff * n / coeff_share
-        o, g, p, loss = run(layer, x[start:start + n], r[start:start + n])
+        steps.append(run(layer, x[a:a + n], r[a:a + n]))
         layer.config = base
-        outs.append(o)
-        xgrads.append(g)
-        for name, grad in p.items():
-            grads[name] = grads[name] + grad if name in grads else grad
-        logged += loss  # the coefficient (scaled) is in it
-        start += n
-    return torch.cat(outs), torch.cat(xgrads), grads, logged
+    return joined(steps)
 
 
 def inputs(rows, hidden, seed=1):
@@ -97,15 +80,7 @@ def inputs(rows, hidden, seed=1):
     return torch.randn(rows, 1, hidden, generator=g), torch.randn(rows, 1, hidden, generator=g)
 
 
-def assert_same(got, want, *, loss=True):
-    torch.testing.assert_close(got[0], want[0], **TOL)
-    torch.testing.assert_close(got[1], want[1], **TOL)
-    assert set(got[2]) == set(want[2])
-    for name in want[2]:
-        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-5, atol=1e-5,
-                                   msg=lambda m, n=name: f"{n}: {m}")
-    if loss:
-        assert got[3] == pytest.approx(want[3], rel=1e-5, abs=1e-7)
+assert_same = assert_steps_close
 
 
 def spy_indices(monkeypatch, layer):
@@ -191,7 +166,7 @@ def test_packed_recompute_replays_and_matches(kind):
     assert stats["selections_computed"] == csa and stats["selections_replayed"] == csa
     replay.assert_drained()
     assert_same(got, plain)
-    assert torch.equal(got[0], plain[0])
+    assert torch.equal(got.out, plain.out)
 
 
 def test_packed_baseline_selector_equals_hyscale_and_reselects():
@@ -220,8 +195,8 @@ def test_packed_indexer_loss_equals_each_document_alone(sparse, per_token, recom
     got = run(layer, x, r, packed_params(lengths), recompute=recompute)
     assert replay.get_stats()["selections_replayed"] == int(recompute)
     want = per_document(layer, x, r, lengths, None if per_token else sum(lengths))
-    assert any(n.startswith("indexer.") for n in want[2]), "the indexer loss never ran"
-    assert want[3] > 0
+    assert any(n.startswith("indexer.") for n in want.grads), "the indexer loss never ran"
+    assert want.logged > 0
     assert_same(got, want)
 
 
@@ -252,10 +227,10 @@ def test_padded_documents_give_their_real_rows_alone(kind):
     r_real[real] = r[real]  # the loss reads the real rows only
     got = run(layer, x, r_real, packed_params(lengths, padded))
     want = per_document(layer, x[real], r[real], lengths)
-    assert_same((got[0][real], got[1][real], got[2], got[3]), want)
+    assert_same(got._replace(out=got.out[real], x_grad=got.x_grad[real]), want)
     padding = torch.ones(sum(padded), dtype=torch.bool)
     padding[real] = False
-    assert bool((got[1][padding] == 0).all())  # real rows never read the padding
+    assert bool((got.x_grad[padding] == 0).all())  # real rows never read the padding
 
 
 def test_bad_cu_seqlens_name_the_argument():

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from hyscale_bench.distributed import init_model_parallel
 from megatron_hyscale.parallel import thd_merge, thd_split
 from megatron_hyscale.testing.distributed import run_workers
+from megatron_hyscale.testing.packed import cu_seqlens, thd_params
 
 WORLD = 2
 LENGTHS = (8, 40, 28)  # divisible by 2 * CP
@@ -48,20 +49,8 @@ SCENARIOS: dict[str, tuple] = {
 }
 
 
-def _cu(lengths) -> list[int]:
-    return [0, *torch.tensor(lengths).cumsum(0).tolist()]
-
-
 def _params(padded: bool):
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = torch.tensor(_cu(REAL if padded else LENGTHS), dtype=torch.int32)
-    extra = {}
-    if padded:
-        storage = torch.tensor(_cu(LENGTHS), dtype=torch.int32)
-        extra = dict(cu_seqlens_q_padded=storage, cu_seqlens_kv_padded=storage)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS), **extra)
+    return thd_params(REAL, LENGTHS) if padded else thd_params(LENGTHS)
 
 
 def _build(kind, cp: int, overrides: dict):
@@ -118,7 +107,7 @@ def _step(name: str, cp_group) -> dict:
     rank = 0 if cp_group is None else cp_group.rank()
     layer, call = _build(kind, cp, overrides)
     layer.train()
-    cu = _cu(LENGTHS)
+    cu = cu_seqlens(LENGTHS)
     g = torch.Generator().manual_seed(3)
     full = torch.randn(cu[-1], 1, layer.config.hidden_size, generator=g)
     weights = torch.randn(cu[-1], 1, layer.config.hidden_size, generator=g)
