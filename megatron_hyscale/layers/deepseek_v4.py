@@ -65,8 +65,22 @@ whole sequence's entries and attend over [compressed entries ; raw keys]. Select
 unchanged (the selected indices point into the entries). `HyScaleV4Attention.forward` lists
 the volumes at 1M tokens.
 
-Not covered yet (they raise): tensor / sequence parallelism, packed sequences, inference
-caches.
+Packed THD sequences (`packed_seq_params`, qkv_format "thd"; cu_seqlens or their padded
+variants, whose padding rows then belong to their document, after its real rows): every
+document is its own sequence, so a packed batch gives each document exactly the output and
+gradients of the layer on that document alone. Positions (RoPE, window, visibility) restart at
+each document's first row; the window stops there; each compressor pools every document on its
+own (its tail window partial and dropped) and concatenates the documents' entries; a CSA
+layer's rows select (HyTopK, replayed) among their own document's entries, k = min(top-k, the
+most entries of a document); an HCA layer lists each row's visible entries of its document
+(int32 [T, most entries of a document], instead of the unpacked prefix generated in-kernel);
+the dense indexer loss runs per document (the sparse one reads the selection at packed
+positions). Under CP (megatron's per-document THD split: rank r holds chunks r and 2cp-1-r of
+every document) the raw K = V and the compressors' projections are all-gathered in the packed
+global order (the "gather" modes above) and the local rows work as at CP 1.
+
+Not covered yet (they raise): tensor / sequence parallelism, inference caches, packed THD with
+`real_token_mask_q` when the indexer loss is on.
 """
 
 from __future__ import annotations
@@ -89,6 +103,15 @@ from megatron_hyscale import ops, parallel, phase_spans, replay
 from megatron_hyscale.layers.kernel_backend import kernel_backend
 from megatron_hyscale.layers.linear import LocalLinear
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
+from megatron_hyscale.layers.packed import (
+    DocumentRows,
+    Documents,
+    PackedLayout,
+    checked_packed_layout,
+    document_rows,
+    per_row,
+    pooled_ranges,
+)
 from megatron_hyscale.layers.row_chunks import (
     check_row_chunk,
     row_chunk_conflict,
@@ -106,7 +129,7 @@ from megatron_hyscale.ops.compress import (
     yarn_inv_freq,
 )
 from megatron_hyscale.ops.rms_norm import rms_norm
-from megatron_hyscale.parallel import cp_row_layout
+from megatron_hyscale.parallel import RowOrder, cp_row_layout
 
 # The ops this layer's phases are timed by (`phase_spans`: plain calls unless phase_times
 # records); its selection is timed by `replay.SelectionReplay.select`.
@@ -174,16 +197,18 @@ def _norm(submodule: Any, size: int, config: TransformerConfig) -> torch.nn.Modu
     return build_module(submodule, config=config, hidden_size=size, eps=config.layernorm_epsilon)
 
 
-def _gather_tokens(x: torch.Tensor, cp_group: Any) -> torch.Tensor:
+def _gather_tokens(x: torch.Tensor, cp_group: Any, order: RowOrder | None = None
+                   ) -> torch.Tensor:
     """[B, L, C] this rank's zigzag rows -> [B, cp * L, C] the whole sequence in global order.
 
     A private wrapper of `parallel.all_gather_to_global` (sequence-first) for batch-first
     tensors; the backward reduce-scatters (sums) the gradient to the rows' owners. None or a
-    size-1 group returns x unchanged.
+    size-1 group returns x unchanged. `order`: a packed THD sequence's gather order
+    (`PackedLayout.key_order`; None: the zigzag chunks).
     """
     if cp_group is None:
         return x
-    return all_gather_to_global(x.transpose(0, 1), cp_group).transpose(0, 1)
+    return all_gather_to_global(x.transpose(0, 1), cp_group, order).transpose(0, 1)
 
 
 class GroupedLinear(MegatronModule):
@@ -238,9 +263,14 @@ class V4Compressor(MegatronModule):
             torch.zeros(ratio, width, dtype=config.params_dtype))
         self.kv_norm = _norm(submodules.kv_norm, dim, config)
 
-    def forward(self, x: torch.Tensor, inv_freq: torch.Tensor | None, cp_group: Any = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inv_freq: torch.Tensor | None, cp_group: Any = None,
+                packed: PackedLayout | None = None) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T // ratio, dim] (RMSNorm'd, RoPE'd at i * ratio).
+
+        Packed THD (`packed`): each document is pooled on its own (its tail window partial and
+        dropped, RoPE at i * ratio within the document) and the documents' entries are
+        concatenated in order (`layers.packed.pooled_ranges`); under CP the projections are
+        all-gathered into the packed global order first (`cp_mode` "gather").
 
         Under context parallelism (`cp_group` of size cp > 1) x holds this rank's L zigzag rows
         and the result is [B, cp * L // ratio, dim], the entries of the whole sequence. When
@@ -254,6 +284,14 @@ class V4Compressor(MegatronModule):
         kv, _ = self.linear_kv(x)
         gate, _ = self.linear_gate(x)
         self.cp_mode = None
+        if packed is not None:
+            if cp_group is not None:
+                self.cp_mode = "gather"
+                width = kv.shape[-1]
+                kv, gate = _gather_tokens(torch.cat([kv, gate], dim=-1), cp_group,
+                                          packed.key_order).split(width, -1)
+            return torch.cat([self._pool(kv[:, a:b], gate[:, a:b], inv_freq)
+                              for a, b in packed.documents], dim=1)
         if cp_group is not None:
             chunk = x.shape[1] // 2
             if x.shape[1] % 2 == 0 and chunk >= self.ratio and chunk % self.ratio == 0:
@@ -327,18 +365,21 @@ class V4Indexer(MegatronModule):
                                        ratio=ratio, overlap=True)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, inv_freq: torch.Tensor, cp_group: Any = None
+                sin: torch.Tensor, inv_freq: torch.Tensor, cp_group: Any = None,
+                packed: PackedLayout | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [B, T, H_I, D_I], k [B, N, D_I], weights [B, T, H_I]) for HyTopK.
 
         cos / sin [T, R/2] are at the rows' (global) positions; with a CP group the keys are
         the whole sequence's entries (N = cp * T // ratio), the queries this rank's rows.
+        Packed THD: cos / sin at the rows' positions in their documents, the keys pooled per
+        document (`V4Compressor.forward`).
         """
         B, T = x.shape[:2]
         q, _ = self.linear_q_b(q_latent)
         q = apply_interleaved_rope(q.view(B, T, self.n_heads, self.head_dim), cos, sin,
                                    heads=True)
-        k = self.compressor(x, inv_freq, cp_group)
+        k = self.compressor(x, inv_freq, cp_group, packed)
         w, _ = self.linear_weights(x)
         return q, k, w * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
 
@@ -489,6 +530,16 @@ class _CSASelection:
     entries: torch.Tensor  # [B, N, D] the compressed keys
     q_positions: torch.Tensor  # int64 [T]
     k_positions: torch.Tensor  # int64 [N]
+    packed: _PackedRows | None = None  # packed THD: the documents (dense loss per document)
+
+
+@dataclass(frozen=True)
+class _PackedRows:
+    """A packed THD forward's documents, as a V4 layer's rows and compressed entries see them."""
+
+    layout: PackedLayout
+    rows: DocumentRows  # the local rows' document starts and positions in their documents
+    entries: Documents  # each document's compressed entries (none for window layers)
 
 
 @dataclass
@@ -509,7 +560,8 @@ class HyScaleV4Attention(MegatronModule):
 
     Input and output are megatron's [s, b, hidden]; forward returns (output, None) like
     megatron's attention modules. Positions are 0..s-1, or under context parallelism the global
-    positions of this rank's zigzag rows (no packing). The CP group is `pg_collection.cp`
+    positions of this rank's zigzag rows; packed THD sequences restart them per document (module
+    docstring). The CP group is `pg_collection.cp`
     (TransformerLayer passes it), else megatron's global CP group when the config asks for
     context_parallel_size > 1 (a layer built on its own, as in the benchmarks).
     """
@@ -603,8 +655,6 @@ class HyScaleV4Attention(MegatronModule):
         """
         if key_value_states is not None or inference_context is not None:
             raise NotImplementedError("HyScaleV4Attention: self-attention training only")
-        if packed_seq_params is not None:
-            raise NotImplementedError("HyScaleV4Attention: packed sequences are not supported")
         cfg = self.config
         T, B, _ = hidden_states.shape
         device = hidden_states.device
@@ -614,6 +664,9 @@ class HyScaleV4Attention(MegatronModule):
         layout = cp_row_layout(self.pg_collection, T, device, layer="HyScaleV4Attention",
                                config=cfg)
         cp_group, positions = layout.group, layout.positions
+        packed = self._packed(packed_seq_params, T, device, cp_group)
+        if packed is not None:  # each document as its own sequence: positions within it
+            positions = packed.rows.offsets
         if self.inv_freq.device != device:
             self.inv_freq = self.inv_freq.to(device)
         inv_freq = self.inv_freq
@@ -623,19 +676,22 @@ class HyScaleV4Attention(MegatronModule):
         kv = apply_interleaved_rope(self.kv_norm(self.linear_kv(x)[0]), cos, sin)  # [B, T, D]
         # The raw keys the window reads (under CP, other chunks' tokens too, each rotated at
         # its own global position) and each row's window into them.
-        kv, window = self._window_keys(kv, positions, cp_group)
+        kv, window = self._window_keys(kv, positions, cp_group, packed)
 
         prefix = selection = None
         if self.compressor is None:
             keys, num_entries, parts = kv, 0, []
         else:
-            entries = self.compressor(x, inv_freq, cp_group)  # [B, N, D] (whole sequence)
+            entries = self.compressor(x, inv_freq, cp_group,  # [B, N, D] (whole sequence)
+                                      None if packed is None else packed.layout)
             num_entries = entries.shape[1]
             keys = torch.cat([entries, kv], dim=1)  # [compressed ; raw tokens]
             if self.is_csa:
                 selection = self._csa_select(x, q_latent, entries, cos, sin, inv_freq,
-                                             positions, cp_group)
+                                             positions, cp_group, packed)
                 parts = [selection.indices]
+            elif packed is not None:  # every visible entry of the row's own document
+                parts = [self._hca_indices(packed).expand(B, -1, -1)]
             else:  # every visible entry: a dense prefix of the keys, generated in-kernel
                 parts = []
                 prefix = compressed_visible_count(_rows(T, positions, device),
@@ -699,6 +755,9 @@ class HyScaleV4Attention(MegatronModule):
             return out, out.new_zeros((), dtype=torch.float32)
         T = rows.indices.shape[1]
         per_token = bool(cfg.calculate_per_token_loss)
+        if sel.packed is not None and not cfg.v4_indexer_use_sparse_loss:
+            loss = self._dense_loss_per_document(sel, q, r0, r1, k_idx, T)
+            return DSAIndexerLossAutoScaler.apply(out, loss), loss.detach()
         share = 1.0 if whole or per_token else n / T
         loss = indexer_kl_loss(
             part(sel.q_idx), part(sel.weights), k_idx, q.detach(),
@@ -709,9 +768,71 @@ class HyScaleV4Attention(MegatronModule):
         )
         return DSAIndexerLossAutoScaler.apply(out, loss), loss.detach()
 
-    def _window_keys(self, kv: torch.Tensor, positions: torch.Tensor, cp_group: Any
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dense_loss_per_document(self, sel: _CSASelection, q: torch.Tensor, r0: int, r1: int,
+                                 k_idx: torch.Tensor, T: int) -> torch.Tensor:
+        """The dense indexer loss of the local rows r0 .. r1 - 1 (q holds them) of packed
+        documents: each document's rows over its own entries, with their share of the T rows'
+        mean (all of it when per-token), so the documents' losses add up to the rows' loss. A
+        document with no compressed entry has none (as the layer on that document alone)."""
+        cfg = self.config
+        per_token = bool(cfg.calculate_per_token_loss)
+        m, packed = self.compress_ratio, sel.packed
+        total = q.new_zeros((), dtype=torch.float32)
+        for (a, b), (e0, e1) in zip(packed.layout.local, packed.entries, strict=True):
+            a, b = max(a, r0), min(b, r1)
+            if b <= a or e1 == e0:
+                continue
+            rows = slice(a, b)
+            total = total + indexer_kl_loss(
+                sel.q_idx[:, rows], sel.weights[:, rows], k_idx[:, e0:e1],
+                q[:, a - r0:b - r0].detach(), sel.entries[:, e0:e1].detach().unsqueeze(2), None,
+                self.softmax_scale, sel.coeff * (1.0 if per_token else (b - a) / T),
+                sparse=False, relu=True, q_positions=packed.rows.offsets[rows],
+                k_positions=compressed_key_positions(e1 - e0, m, q.device),
+                calculate_per_token_loss=per_token, deterministic=bool(cfg.deterministic_mode),
+            )
+        return total
+
+    def _packed(self, packed_seq_params: Any, T: int, device: torch.device, cp_group: Any
+                ) -> _PackedRows | None:
+        """The packed THD documents of the T local rows (None: one sequence per batch row)."""
+        if packed_seq_params is None:
+            return None
+        fmt = getattr(packed_seq_params, "qkv_format", None)
+        if fmt != "thd":
+            raise NotImplementedError(f"HyScaleV4Attention: packed_seq_params with qkv_format="
+                                      f"{fmt!r} is not supported (only 'thd')")
+        if (getattr(packed_seq_params, "real_token_mask_q", None) is not None
+                and self.is_csa and (self.config.v4_indexer_loss_coeff or 0.0) > 0):
+            raise NotImplementedError("HyScaleV4Attention: packed THD with real_token_mask_q "
+                                      "(padded rows left out of the indexer loss) is not "
+                                      "supported with v4_indexer_loss_coeff > 0")
+        layout = checked_packed_layout(packed_seq_params, T, device,
+                                       layer="HyScaleV4Attention", group=cp_group)
+        m = self.compress_ratio
+        entries = pooled_ranges(layout.documents, m) if m else ()
+        return _PackedRows(layout, document_rows(layout, device), entries)
+
+    def _hca_indices(self, packed: _PackedRows) -> torch.Tensor:
+        """int32 [T, n]: each row's visible compressed entries of its own document (n the
+        most entries a document has), -1 padded: HCA's dense prefix, per document."""
+        m, device = self.compress_ratio, packed.rows.offsets.device
+        width = max((e - s for s, e in packed.entries), default=0)
+        counts = [e - s for s, e in packed.entries]
+        first = per_row((s for s, _ in packed.entries), packed.layout.local, device)
+        visible = torch.minimum(compressed_visible_count(packed.rows.offsets, m),
+                                per_row(counts, packed.layout.local, device))
+        slots = torch.arange(width, device=device)
+        index = torch.where(slots < visible[:, None], first[:, None] + slots, -1)
+        return index.to(torch.int32)
+
+    def _window_keys(self, kv: torch.Tensor, positions: torch.Tensor, cp_group: Any,
+                     packed: _PackedRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(raw keys [B, R, D], int32 [T, window] indices into them, -1 before position 0).
+
+        Packed THD: positions are the rows' positions in their documents, so the window stops
+        at the document's first row; the raw keys are the whole packed sequence (under CP
+        all-gathered into its global order, `window_cp_mode` "gather") and the indices its rows.
 
         Without CP the raw keys are kv itself. Under CP, when the window's W - 1 earlier tokens
         fit in one zigzag chunk (W - 1 <= T / 2), each chunk gets a halo: the last W - 1
@@ -722,6 +843,13 @@ class HyScaleV4Attention(MegatronModule):
         T = kv.shape[1]
         W = self.config.v4_sliding_window
         self.window_cp_mode = None
+        if packed is not None:
+            if cp_group is not None:
+                self.window_cp_mode = "gather"
+                kv = _gather_tokens(kv, cp_group, packed.layout.key_order)
+            index = window_indices(T, W, 0, kv.device, positions)  # within the document
+            starts = packed.rows.starts.to(index.dtype)[:, None]
+            return kv, torch.where(index >= 0, index + starts, -1)
         if cp_group is None:
             return kv, window_indices(T, W, 0, kv.device, positions)
         chunk, halo = T // 2, W - 1
@@ -751,24 +879,40 @@ class HyScaleV4Attention(MegatronModule):
 
     def _csa_select(self, x: torch.Tensor, q_latent: torch.Tensor, entries: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, inv_freq: torch.Tensor,
-                    q_positions: torch.Tensor | None = None, cp_group: Any = None
-                    ) -> _CSASelection:
+                    q_positions: torch.Tensor | None = None, cp_group: Any = None,
+                    packed: _PackedRows | None = None) -> _CSASelection:
         """The rows' selection: int32 [B, T, k] compressed-entry indices, -1 padded (recorded
         or replayed under recompute), and what the indexer loss of any of the rows needs.
 
         x [B, T, hidden], q_latent [B, T, q_lora] are this rank's rows at positions
         q_positions [T] (None: 0..T-1); entries [B, N, D] cover the whole sequence.
+        Packed THD: q_positions are the rows' positions in their documents and each document's
+        rows select among its own entries (`packed.entries`), k = min(topk, most entries of a
+        document); the selection's positions for the indexer loss are then the packed rows
+        and each entry's last row in the packed sequence (visibility within a document, and
+        the selected entries are all the row's own).
         """
         cfg = self.config
         B, T = x.shape[:2]
         N = entries.shape[1]
-        topk = min(cfg.v4_index_topk, N)
+        m = self.compress_ratio
         q_positions = _rows(T, q_positions, x.device)
-        k_positions = compressed_key_positions(N, self.compress_ratio, x.device)
+        if packed is None:
+            topk = min(cfg.v4_index_topk, N)
+            select_positions = q_positions
+            k_positions = compressed_key_positions(N, m, x.device)
+        else:
+            topk = min(cfg.v4_index_topk, max((e - s for s, e in packed.entries), default=0))
+            select_positions = q_positions
+            q_positions = packed.rows.starts + packed.rows.offsets
+            k_positions = torch.cat(
+                [a + compressed_key_positions(e - s, m, x.device)
+                 for (a, _), (s, e) in zip(packed.layout.documents, packed.entries, strict=True)]
+                or [torch.zeros(0, dtype=torch.int64, device=x.device)])
         if topk == 0:  # T < ratio: nothing compressed yet
             return _CSASelection(torch.empty(B, T, 0, dtype=torch.int32, device=x.device),
                                  False, 0.0, None, None, None, entries, q_positions,
-                                 k_positions)
+                                 k_positions, packed)
         coeff = cfg.v4_indexer_loss_coeff or 0.0
         use_loss = self.training and torch.is_grad_enabled() and coeff > 0
         q_idx = k_idx = weights = None
@@ -776,13 +920,29 @@ class HyScaleV4Attention(MegatronModule):
             # The indexer learns from its own loss only (DSA recipe): detached inputs.
             with torch.enable_grad() if use_loss else torch.no_grad():
                 q_idx, k_idx, weights = self.indexer(x.detach(), q_latent.detach(), cos, sin,
-                                                     inv_freq, cp_group)
+                                                     inv_freq, cp_group,
+                                                     None if packed is None else packed.layout)
+
+        def select(rows: slice, keys: slice, k: int, positions: torch.Tensor) -> torch.Tensor:
+            n = k_idx[:, keys].shape[1]
+            return self.selector(q_idx[:, rows].detach(), k_idx[:, keys].detach(),
+                                 weights[:, rows].detach(), k, q_positions=positions,
+                                 k_positions=compressed_key_positions(n, m, x.device))
 
         def compute() -> torch.Tensor:
             with torch.no_grad():
-                return self.selector(q_idx.detach(), k_idx.detach(), weights.detach(), topk,
-                                     q_positions=q_positions, k_positions=k_positions)
+                if packed is None:
+                    return select(slice(None), slice(None), topk, select_positions)
+                # Each document's rows over its own entries; its picks become packed entries.
+                indices = torch.full((B, T, topk), -1, dtype=torch.int32, device=x.device)
+                for (r0, r1), (e0, e1) in zip(packed.layout.local, packed.entries, strict=True):
+                    k = min(topk, e1 - e0)
+                    if k == 0 or r1 == r0:
+                        continue
+                    got = select(slice(r0, r1), slice(e0, e1), k, select_positions[r0:r1])
+                    indices[:, r0:r1, :k] = torch.where(got >= 0, got + e0, got)
+                return indices
 
         indices = self.selection_replay.select((B, T, topk), compute)
         return _CSASelection(indices, use_loss, coeff, q_idx, k_idx, weights, entries,
-                             q_positions, k_positions)
+                             q_positions, k_positions, packed)

@@ -114,3 +114,72 @@ def _cp_layout(cu: tuple[int, ...], cp: int, rank: int, device: str) -> PackedLa
                            or [torch.zeros(0, dtype=torch.int64)])
     return PackedLayout(documents, tuple(local), positions.to(device),
                         (positions - doc_starts).to(device), thd_gather_order(cu, cp, device))
+
+
+@dataclass(frozen=True)
+class DocumentRows:
+    """Per local row of a packed layout: where its document starts and where the row sits in it.
+
+    For layers that position their own tokens (RoPE, sliding windows, pooled blocks) per
+    document: a row's global row is starts + offsets.
+    """
+
+    starts: torch.Tensor  # int64 [rows] the row's document's first row in the whole sequence
+    offsets: torch.Tensor  # int64 [rows] the row's position within its document
+
+
+def document_rows(layout: PackedLayout, device: torch.device) -> DocumentRows:
+    """The local rows' document starts and in-document positions (cached per layout, device)."""
+    if layout.offsets is not None:  # CP: the layout has them
+        return DocumentRows(layout.positions - layout.offsets, layout.offsets)
+    return _document_rows(layout.documents, str(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _document_rows(documents: Documents, device: str) -> DocumentRows:
+    rows = documents[-1][1] if documents else 0
+    starts = torch.cat([torch.full((b - a,), a, dtype=torch.int64) for a, b in documents]
+                       or [torch.zeros(0, dtype=torch.int64)])
+    return DocumentRows(starts.to(device), (torch.arange(rows) - starts).to(device))
+
+
+def pooled_ranges(documents: Documents, size: int) -> Documents:
+    """Each document's range of pooled entries (complete blocks of `size` rows, pooled per
+    document and concatenated in document order): document i has length // size of them."""
+    out, start = [], 0
+    for a, b in documents:
+        out.append((start, start + (b - a) // size))
+        start += (b - a) // size
+    return tuple(out)
+
+
+def per_row(values: Any, local: Documents, device: torch.device) -> torch.Tensor:
+    """int64 [rows]: values[i] repeated over document i's local rows (`PackedLayout.local`)."""
+    lengths = torch.tensor([b - a for a, b in local], dtype=torch.int64)
+    return torch.repeat_interleave(torch.tensor(list(values), dtype=torch.int64),
+                                   lengths).to(device)
+
+
+def checked_packed_layout(packed_seq_params: Any, rows: int, device: torch.device, *,
+                          layer: str, group: dist.ProcessGroup | None = None) -> PackedLayout:
+    """`packed_layout`, its ValueErrors naming the `packed_seq_params` argument read
+    (cu_seqlens_q_padded where given, else cu_seqlens_q); with padded cu_seqlens also checks
+    that each document's cu_seqlens_q length fits in its padded rows (the padding rows then
+    belong to their document: later rows of it, which its real rows never read causally)."""
+    name = ("cu_seqlens_q_padded" if getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+            is not None else "cu_seqlens_q")
+    try:
+        layout = packed_layout(packed_seq_params, rows, device, layer=layer, group=group)
+    except ValueError as err:
+        if name in str(err):
+            raise
+        raise ValueError(f"{err} (read from packed_seq_params.{name})") from err
+    real = getattr(packed_seq_params, "cu_seqlens_q", None)
+    if name == "cu_seqlens_q_padded" and real is not None:
+        padded, real = _host(packed_seq_params.cu_seqlens_q_padded), _host(real)
+        lengths = [b - a for a, b in zip(real, real[1:])]
+        room = [b - a for a, b in zip(padded, padded[1:])]
+        if len(lengths) != len(room) or any(n < 0 or n > r for n, r in zip(lengths, room)):
+            raise ValueError(f"{layer}: packed_seq_params.cu_seqlens_q {real} must give every "
+                             f"document at most its rows in cu_seqlens_q_padded {padded}")
+    return layout

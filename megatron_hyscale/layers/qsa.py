@@ -56,20 +56,34 @@ reduce-scatters to the owners; K and V asynchronously, transferring while HyTopK
 blocks are pooled over the global sequence, and the local query rows select and attend with
 their global positions (allgather CP, as the DSA layer).
 
-Not covered yet (raise NotImplementedError naming it): inference / KV cache, packed THD
-sequences, tensor parallelism > 1 with a sequence-parallel layout (the indexer projection is
-duplicated on every TP rank, so plain TP works), padding or document masks.
+Packed THD sequences (`packed_seq_params`, qkv_format "thd"; cu_seqlens or their padded
+variants, whose padding rows then belong to their document): each document is its own sequence,
+so a packed batch gives each document exactly the output and gradients of the layer on that
+document alone. `HyScaleQSASelfAttention` applies megatron's THD RoPE (as its Attention does,
+batch size 1); the indexer's RoPE reads megatron's table by position in the document (or by
+packed row when the table covers the packed length, as megatron's THD RoPE); each document's
+complete blocks are pooled on their own and concatenated; its rows select (replayed) among its
+own blocks and attend to their tokens plus their causal tail within the document; the dense
+indexer loss runs per document. Under CP (megatron's per-document THD split) K, V and the
+indexer keys are all-gathered in the packed global order and the local rows work as at CP 1.
+
+Not covered yet (raise NotImplementedError naming it): inference / KV cache, tensor
+parallelism > 1 with a sequence-parallel layout (the indexer projection is duplicated on every
+TP rank, so plain TP works), padding or document masks (packed documents come as
+`packed_seq_params`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar, Protocol
 
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.experimental_attention_variant import dsa_layout
 from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexerLossAutoScaler,
 )
@@ -81,6 +95,15 @@ from megatron.core.utils import get_pg_size
 from megatron_hyscale import ops, parallel, phase_spans, replay
 from megatron_hyscale.layers.kernel_backend import kernel_backend
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
+from megatron_hyscale.layers.packed import (
+    DocumentRows,
+    Documents,
+    PackedLayout,
+    checked_packed_layout,
+    document_rows,
+    per_row,
+    pooled_ranges,
+)
 from megatron_hyscale.ops import hytopk
 from megatron_hyscale.ops.block_pool import (
     block_first_positions,
@@ -236,6 +259,59 @@ class QSASelfAttentionSubmodules(SelfAttentionSubmodules):
     """megatron's SelfAttentionSubmodules; core_attention is a HyScaleQSAttention spec."""
 
 
+@dataclass(frozen=True)
+class PackedBlocks:
+    """A packed THD forward's documents, as QSA's local rows and pooled blocks see them."""
+
+    layout: PackedLayout
+    rows: DocumentRows  # the local rows' document starts and positions in their documents
+    blocks: Documents  # each document's complete blocks, in the concatenated block keys
+    row_emb: torch.Tensor | None  # [sq, 1, 1, rot] RoPE frequencies of the local rows
+    block_emb: torch.Tensor | None  # [NB, 1, 1, rot] at each block's first row
+
+
+def _whole_rope_table(pos_emb: torch.Tensor, layout: PackedLayout) -> bool:
+    """Whether a packed THD RoPE table has a row per packed row (else one per position in a
+    document; ValueError when it is shorter than the longest document)."""
+    if pos_emb.size(0) == (layout.documents[-1][1] if layout.documents else 0):
+        return True
+    longest = max((e - a for a, e in layout.documents), default=0)
+    if pos_emb.size(0) < longest:
+        raise ValueError(f"HyScaleQSAttention: the RoPE table has {pos_emb.size(0)} rows, "
+                         f"fewer than the longest packed document ({longest} rows; "
+                         "max_seqlen_q too small?)")
+    return False
+
+
+def packed_blocks(packed_seq_params: Any, sq: int, device: torch.device, cp_group: Any,
+                  pos_emb: torch.Tensor | None, block_size: int) -> PackedBlocks:
+    """The documents of a packed THD sequence for QSA (ValueError naming the cu_seqlens
+    argument read when they do not cover the rows, `layers.packed.checked_packed_layout`).
+
+    The RoPE frequencies are read as megatron's THD RoPE reads them
+    (`rope_utils._apply_rotary_pos_emb_thd`): a table of the whole packed sequence's rows
+    (its length is the packed length) is indexed by packed row, any other table (megatron's
+    `RotaryEmbedding(max_seqlen, packed_seq=True)`) by the position within the document.
+    """
+    fmt = getattr(packed_seq_params, "qkv_format", None)
+    if fmt != "thd":
+        raise NotImplementedError(f"HyScaleQSAttention: packed_seq_params with qkv_format="
+                                  f"{fmt!r} is not supported (only 'thd')")
+    layout = checked_packed_layout(packed_seq_params, sq, device, layer="HyScaleQSAttention",
+                                   group=cp_group)
+    rows = document_rows(layout, device)
+    blocks = pooled_ranges(layout.documents, block_size)
+    row_emb = block_emb = None
+    if pos_emb is not None:
+        whole_table = _whole_rope_table(pos_emb, layout)
+        row_emb = pos_emb.index_select(0, rows.offsets + (rows.starts if whole_table else 0))
+        firsts = [(a if whole_table else 0) + block_first_positions(e - s, block_size, device)
+                  for (a, _), (s, e) in zip(layout.documents, blocks, strict=True)]
+        block_emb = pos_emb.index_select(
+            0, torch.cat(firsts or [torch.zeros(0, dtype=torch.int64, device=device)]))
+    return PackedBlocks(layout, rows, blocks, row_emb, block_emb)
+
+
 class QSAIndexer(MegatronModule):
     """QSA indexer: H_I query heads and one key head of D_I, keys pooled over blocks.
 
@@ -280,6 +356,7 @@ class QSAIndexer(MegatronModule):
     def forward(
         self, x: torch.Tensor, rotary_pos_emb: torch.Tensor | None,
         cp_group: torch.distributed.ProcessGroup | None = None,
+        packed: PackedBlocks | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Indexer queries (this rank's rows) and block keys (the whole sequence).
 
@@ -291,6 +368,10 @@ class QSAIndexer(MegatronModule):
             cp_group: the context-parallel group (None or size 1: no CP). The raw keys and the
                 frequencies are all-gathered into global order before pooling, since blocks
                 are global (they straddle the zigzag chunk borders).
+            packed: packed THD documents (`PackedBlocks`): rotary_pos_emb then holds these
+                rows' frequencies at their positions in their documents, the raw keys are
+                gathered in the packed global order (under CP) and each document's blocks are
+                pooled on their own and rotated at `packed.block_emb`.
 
         Returns:
             q: [b, sq, H_I, D_I] normalized, rotated queries;
@@ -303,10 +384,20 @@ class QSAIndexer(MegatronModule):
         q = self.q_layernorm(q.reshape(sq, b, self.n_heads, self.head_dim))
         # [S, b, D_I] raw keys in global order; the backward (indexer loss only) reduce-scatters
         # their gradient to the owner ranks.
-        k = all_gather_to_global(k, cp_group)
-        keys = pool_blocks(k.transpose(0, 1), self.block_size)  # [b, nb, D_I], raw keys' mean
+        k = all_gather_to_global(k, cp_group, None if packed is None else packed.layout.key_order)
+        if packed is not None:  # [b, nb, D_I]: each document's blocks, in document order
+            k = k.transpose(0, 1)
+            keys = torch.cat([pool_blocks(k[:, a:e], self.block_size)
+                              for a, e in packed.layout.documents], dim=1)
+        else:
+            keys = pool_blocks(k.transpose(0, 1), self.block_size)  # [b, nb, D_I], keys' mean
         keys = self.k_layernorm(keys)
-        if rotary_pos_emb is not None:
+        if rotary_pos_emb is not None and packed is not None:
+            q = apply_rotary_pos_emb(q, rotary_pos_emb, config=self.config, cp_group=cp_group)
+            keys = apply_rotary_pos_emb(keys.transpose(0, 1).unsqueeze(2), packed.block_emb,
+                                        config=self.config, cp_group=cp_group)
+            keys = keys.squeeze(2).transpose(0, 1)
+        elif rotary_pos_emb is not None:
             q = apply_rotary_pos_emb(q, rotary_pos_emb, config=self.config, cp_group=cp_group)
             # Each block is rotated at its first token's position (transformers' group_starts),
             # a global position: take it from the gathered frequencies.
@@ -370,9 +461,6 @@ class HyScaleQSAttention(MegatronModule):
         if x is None:
             raise ValueError("HyScaleQSAttention needs the layer input x (use "
                              "HyScaleQSASelfAttention)")
-        if packed_seq_params is not None:
-            raise NotImplementedError("HyScaleQSAttention: packed (THD) sequences are not "
-                                      "supported yet")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"HyScaleQSAttention supports causal masks only, got "
@@ -431,18 +519,27 @@ class HyScaleQSAttention(MegatronModule):
                                key_rows=key.size(0), config=cfg)
         cp_group, q_positions = layout.group, layout.positions
         seq_len = key.size(0) * layout.size
+        packed = order = None
+        if packed_seq_params is not None:
+            packed = packed_blocks(packed_seq_params, sq, query.device, cp_group, pos_emb,
+                                   self.block_size)
+            pos_emb, order = packed.row_emb, packed.layout.key_order
 
         q_idx = block_keys = None
         if use_loss or not self.selection_replay.replaying():
             with torch.enable_grad() if use_loss else torch.no_grad():
-                q_idx, block_keys = self.indexer(x, pos_emb, cp_group)
+                q_idx, block_keys = self.indexer(x, pos_emb, cp_group, packed)
         # [sq, b, ng, hn] local -> [S, b, ng, hn] global order (no-op without CP), started after
         # the indexer's own gather and waited on after the selection, so K and V transfer while
         # HyTopK runs; backward reduce-scatters the gradients to the owner ranks. Indices below
         # address this global sequence.
-        pending = [start_all_gather_to_global(t, cp_group) for t in (key, value)]
-        blocks = self._select_blocks(q_idx, block_keys, b, sq, seq_len, q_positions)
-        indices = expand_blocks(blocks, q_positions, self.block_size)  # [b, sq, 4 Kb + 3]
+        pending = [start_all_gather_to_global(t, cp_group, order) for t in (key, value)]
+        if packed is None:
+            blocks = self._select_blocks(q_idx, block_keys, b, sq, seq_len, q_positions)
+            indices = expand_blocks(blocks, q_positions, self.block_size)  # [b, sq, 4 Kb + 3]
+        else:
+            blocks = self._select_packed_blocks(q_idx, block_keys, b, sq, packed)
+            indices = self._expand_packed_blocks(blocks, packed)
         key, value = (p.wait() for p in pending)
 
         query_b, key_b, value_b = (t.transpose(0, 1) for t in (query, key, value))
@@ -453,7 +550,8 @@ class HyScaleQSAttention(MegatronModule):
                                backend=kernel_backend(cfg), check_values=False)
         output = out.transpose(0, 1).reshape(sq, b, -1)
         if use_loss and blocks.shape[-1] > 0:
-            loss = self._indexer_loss(q_idx, block_keys, query_b, key_b, blocks, q_positions)
+            args = (q_idx, block_keys, query_b, key_b, blocks, q_positions)
+            loss = self._indexer_loss(*args, *(() if packed is None else (packed,)))
             # Logged and back-propagated the way megatron's DSA indexer loss is.
             log_indexer_loss(loss, cfg, self.layer_number, cp_group)
             output = DSAIndexerLossAutoScaler.apply(output, loss)
@@ -480,30 +578,95 @@ class HyScaleQSAttention(MegatronModule):
 
         return self.selection_replay.select((b, sq, kb), compute)
 
+    def _select_packed_blocks(
+        self, q_idx: torch.Tensor | None, block_keys: torch.Tensor | None, b: int, sq: int,
+        packed: PackedBlocks,
+    ) -> torch.Tensor:
+        """int32 [b, sq, min(block_topk, most blocks of a document)] selected blocks of packed
+        documents (ids into the concatenated block keys, -1 padded): each document's rows pick
+        among its own blocks at their positions in it; replayed, or picked by the selector."""
+        kb = min(self.block_topk, max((e - s for s, e in packed.blocks), default=0))
+        if kb == 0:  # no document has a complete block: every query attends to its tail only
+            return torch.empty((b, sq, 0), dtype=torch.int32, device=packed.rows.offsets.device)
+
+        def compute() -> torch.Tensor:
+            blocks = torch.full((b, sq, kb), -1, dtype=torch.int32, device=q_idx.device)
+            with torch.no_grad():
+                for (r0, r1), (e0, e1) in zip(packed.layout.local, packed.blocks, strict=True):
+                    k = min(kb, e1 - e0)
+                    if k == 0 or r1 == r0:
+                        continue
+                    got = self.selector(q_idx[:, r0:r1].detach(), block_keys[:, e0:e1].detach(),
+                                        k, scale=self.index_scale,
+                                        q_positions=packed.rows.offsets[r0:r1],
+                                        block_size=self.block_size,
+                                        deterministic=bool(self.config.deterministic_mode))
+                    blocks[:, r0:r1, :k] = torch.where(got >= 0, got + e0, got)
+            return blocks
+
+        return self.selection_replay.select((b, sq, kb), compute)
+
+    def _expand_packed_blocks(self, blocks: torch.Tensor, packed: PackedBlocks) -> torch.Tensor:
+        """Token indices (rows of the whole packed sequence) of packed documents' selected
+        blocks plus each row's causal tail within its document, as `expand_blocks`."""
+        first = per_row((s for s, _ in packed.blocks), packed.layout.local, blocks.device)
+        local = torch.where(blocks >= 0, blocks - first[:, None].to(blocks.dtype), -1)
+        tokens = expand_blocks(local, packed.rows.offsets, self.block_size)
+        starts = packed.rows.starts.to(tokens.dtype)[:, None]
+        return torch.where(tokens >= 0, tokens + starts, -1)
+
     def _indexer_loss(
         self, q_idx: torch.Tensor, block_keys: torch.Tensor, query_b: torch.Tensor,
         key_b: torch.Tensor, blocks: torch.Tensor, q_positions: torch.Tensor,
+        packed: PackedBlocks | None = None,
     ) -> torch.Tensor:
-        """Optional KL indexer loss over blocks (see the class docstring)."""
+        """Optional KL indexer loss over blocks (see the class docstring).
+
+        Packed documents: the main keys are pooled per document; the sparse loss reads the
+        selected blocks at packed positions (each block's last row, the rows' own rows: the
+        selection is the row's document's), the dense loss runs per document over its own
+        blocks with its share of the rows' mean (all of it when per-token)."""
         cfg = self.config
         nb = block_keys.shape[1]
         bs = self.block_size
         b, sq, hkv, hn = key_b.shape
+        sparse = bool(cfg.qsa_indexer_use_sparse_loss)
+        per_token = bool(cfg.calculate_per_token_loss)
         # Main keys averaged per block: [b, nb, hkv, hn] (fp32 mean, as the indexer's pooling).
-        main_blocks = key_b[:, : nb * bs].detach().reshape(b, nb, bs, hkv, hn)
-        main_blocks = main_blocks.float().mean(dim=2).to(key_b.dtype)
+        key_b = key_b.detach()
+        if packed is None:
+            main_blocks = pool_blocks(key_b.flatten(2), bs).unflatten(2, (hkv, hn))
+            k_positions = block_visibility_positions(nb, bs, q_idx.device)
+        else:
+            main_blocks = torch.cat([pool_blocks(key_b[:, a:e].flatten(2), bs)
+                                     for a, e in packed.layout.documents], dim=1)
+            main_blocks = main_blocks.unflatten(2, (hkv, hn))
+            q_positions = packed.rows.starts + packed.rows.offsets
+            k_positions = torch.cat(
+                [a + block_visibility_positions(e - s, bs, q_idx.device)
+                 for (a, _), (s, e) in zip(packed.layout.documents, packed.blocks, strict=True)])
         weights = torch.full(q_idx.shape[:3], self.index_scale, dtype=torch.float32,
                              device=q_idx.device)
-        return indexer_kl_loss(
-            q_idx, weights, block_keys, query_b.detach(), main_blocks, blocks,
-            self.softmax_scale, float(cfg.qsa_indexer_loss_coeff),
-            sparse=bool(cfg.qsa_indexer_use_sparse_loss), relu=True,
-            q_positions=q_positions,
-            k_positions=block_visibility_positions(nb, bs, q_idx.device),
-            calculate_per_token_loss=bool(cfg.calculate_per_token_loss),
-            tp_group=getattr(self.pg_collection, "tp", None),
-            deterministic=bool(cfg.deterministic_mode),
-        )
+        loss = partial(indexer_kl_loss, softmax_scale=self.softmax_scale, relu=True,
+                       calculate_per_token_loss=per_token,
+                       tp_group=getattr(self.pg_collection, "tp", None),
+                       deterministic=bool(cfg.deterministic_mode))
+        coeff = float(cfg.qsa_indexer_loss_coeff)
+        if packed is None or sparse:
+            return loss(q_idx, weights, block_keys, query_b.detach(), main_blocks, blocks,
+                        loss_coeff=coeff, sparse=sparse, q_positions=q_positions,
+                        k_positions=k_positions)
+        total = None
+        for (r0, r1), (e0, e1) in zip(packed.layout.local, packed.blocks, strict=True):
+            if r1 == r0 or e1 == e0:  # alone, this document would have no loss
+                continue
+            part = loss(q_idx[:, r0:r1], weights[:, r0:r1], block_keys[:, e0:e1],
+                        query_b[:, r0:r1].detach(), main_blocks[:, e0:e1], None,
+                        loss_coeff=coeff * (1.0 if per_token else (r1 - r0) / sq), sparse=False,
+                        q_positions=packed.rows.offsets[r0:r1],
+                        k_positions=block_visibility_positions(e1 - e0, bs, q_idx.device))
+            total = part if total is None else total + part
+        return total
 
 
 class HyScaleQSASelfAttention(SelfAttention):
@@ -556,14 +719,26 @@ class HyScaleQSASelfAttention(SelfAttention):
         query, key, value, gate = self.get_query_key_value_tensors(
             hidden_states, output_gate=True
         )  # query / gate [sq, b, np, hn], key / value [sq, b, ng, hn]; q/k normalized
+        cu_q = cu_kv = None
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            # megatron's THD RoPE (as its Attention: per document, the padded cu_seqlens
+            # where given), on the batch-free [t, heads, dim] layout it takes.
+            if hidden_states.size(1) != 1:
+                raise NotImplementedError(f"HyScaleQSASelfAttention: packed THD sequences "
+                                          f"have batch size 1, got {hidden_states.size(1)}")
+            cp = self.pg_collection.cp
+            # Checked before megatron's RoPE splits by them (ValueError naming the argument).
+            layout = checked_packed_layout(packed_seq_params, hidden_states.size(0),
+                                           hidden_states.device, layer="HyScaleQSAttention",
+                                           group=cp if get_pg_size(cp) > 1 else None)
+            for emb in (q_emb, k_emb):
+                if emb is not None:
+                    _whole_rope_table(emb, layout)
+            cu_q, cu_kv = dsa_layout.get_packed_qk_cu_seqlens(packed_seq_params)
         if q_emb is not None:
-            query = apply_rotary_pos_emb(query, q_emb, config=self.config,
-                                         mscale=self._yarn_concentration_factor,
-                                         cp_group=self.pg_collection.cp)
+            query = self._rotate(query, q_emb, cu_q)
         if k_emb is not None:
-            key = apply_rotary_pos_emb(key, k_emb, config=self.config,
-                                       mscale=self._yarn_concentration_factor,
-                                       cp_group=self.pg_collection.cp)
+            key = self._rotate(key, k_emb, cu_kv)
 
         extra = {"x": hidden_states, "pos_emb": q_emb}
         if self.checkpoint_core_attention and self.training:
@@ -582,4 +757,13 @@ class HyScaleQSASelfAttention(SelfAttention):
             core_out.dtype)
         output, bias = self.linear_proj(core_out)
         return output, bias
+
+    def _rotate(self, t: torch.Tensor, freqs: torch.Tensor, cu_seqlens: torch.Tensor | None
+                ) -> torch.Tensor:
+        """megatron's RoPE of [sq, b, heads, dim] (per packed document with cu_seqlens)."""
+        thd = cu_seqlens is not None
+        out = apply_rotary_pos_emb(t.squeeze(1) if thd else t, freqs, config=self.config,
+                                   cu_seqlens=cu_seqlens, mscale=self._yarn_concentration_factor,
+                                   cp_group=self.pg_collection.cp)
+        return out.unsqueeze(1) if thd else out
 
