@@ -46,6 +46,7 @@ from megatron_hyscale.layers.deepseek_v4 import DeepseekV4TransformerConfig, HyS
 from megatron_hyscale.layers.dsa import HyScaleDSAttention
 from megatron_hyscale.specs import get_dsa_block_spec
 from megatron_hyscale.specs.deepseek_v4 import get_v4_block_spec
+from megatron_hyscale.testing.mtp import assert_dsa_everywhere, assert_mtp_model_matches_stock
 
 DEVICE = default_device()
 VOCAB = 61
@@ -118,10 +119,31 @@ def core_attentions(model: torch.nn.Module) -> list[type]:
     return [type(layer.self_attention.core_attention) for layer in model.decoder.layers]
 
 
-def dsa_config() -> MLATransformerConfig:
+def dsa_config(**overrides: Any) -> MLATransformerConfig:
     # ReLU off: with it, keys whose heads are all negative tie at 0 and the stock layer's
     # torch.topk breaks ties arbitrarily (HyScale by the smaller index).
-    return tiny_dsa_config(dsa_indexer_scoring_relu=False)
+    return tiny_dsa_config(dsa_indexer_scoring_relu=False, **overrides)
+
+
+def bridge_mtp_block_spec(provider: Any, vp_stage: int | None = None) -> Any:
+    """What Bridge 0.6.2's `gpt_provider.mtp_block_spec` hands GPTModel as `mtp_block_spec` in
+    `GPTModelProvider.provide()`: megatron-core's `get_gpt_mtp_block_spec` on the provider's
+    own (here HyScale's) block spec, whose last layer the MTP layers repeat. Bridge asks for
+    Transformer Engine norms and projection in the MTP layers; local ones here (no TE on CPU)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_layer_specs,
+        get_gpt_mtp_block_spec,
+    )
+
+    if not getattr(provider, "mtp_num_layers", None):
+        return None
+    spec = call_like_bridge(provider.transformer_layer_spec, provider, vp_stage)
+    if hasattr(spec, "layer_specs") and len(spec.layer_specs) == 0:  # no decoder layer here
+        spec = get_gpt_decoder_layer_specs(provider, use_transformer_engine=True,
+                                           normalization=provider.normalization,
+                                           qk_l2_norm=provider.qk_l2_norm)[-1]
+    return get_gpt_mtp_block_spec(provider, spec, use_transformer_engine=False,
+                                  vp_stage=vp_stage)
 
 
 def stand_in_v4_provider() -> MLATransformerConfig:
@@ -169,6 +191,34 @@ def test_dsa_provider_gets_hyscale_spec_and_matches_stock() -> None:
     stock.load_state_dict(hyscale.state_dict(), strict=True)  # same parameter names
     torch.testing.assert_close(logits(hyscale, DSA_T), logits(stock, DSA_T), rtol=1e-5,
                                atol=1e-5)
+
+
+def mtp_provider(**use_hyscale_kwargs: Any) -> MLATransformerConfig:
+    provider = dsa_config(mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
+    provider.transformer_layer_spec = "bridge's own spec"
+    return use_hyscale(provider, **use_hyscale_kwargs)
+
+
+def mtp_gpt(provider: Any) -> GPTModel:
+    torch.manual_seed(0)
+    return GPTModel(config=provider, vocab_size=VOCAB, max_sequence_length=DSA_T,
+                    transformer_layer_spec=call_like_bridge(provider.transformer_layer_spec,
+                                                            provider),
+                    mtp_block_spec=bridge_mtp_block_spec(provider), pre_process=True,
+                    post_process=True, share_embeddings_and_output_weights=False,
+                    position_embedding_type="none").to(DEVICE)
+
+
+def test_dsa_provider_with_mtp_layers_runs_hyscale_dsa_there_too() -> None:
+    """GLM-5's recipes set `mtp_num_layers = 1`: the MTP layer Bridge builds from HyScale's
+    block spec runs HyScale's DSA, and a training step equals the baseline's (stock DSA) on
+    the same weights, the MTP layer's loss and gradients included."""
+    hyscale = mtp_gpt(mtp_provider())
+    assert_dsa_everywhere(hyscale, HyScaleDSAttention)
+    stock = mtp_gpt(mtp_provider(baseline=True))
+    assert_dsa_everywhere(stock, DSAttention)
+    assert_mtp_model_matches_stock(hyscale, stock, vocab=VOCAB, seq=DSA_T,
+                                   what="MTP (Bridge stand-in)")
 
 
 def test_spec_takes_vp_stage_and_row_chunk() -> None:
@@ -380,6 +430,22 @@ def test_real_bridge_glm5_provider_builds_hyscale_dsa(
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None for n, p in hyscale.named_parameters() if ".indexer." in n)
+
+
+def test_real_bridge_glm5_provider_with_mtp_layers(
+        bridge_providers: types.SimpleNamespace) -> None:
+    """`provider.provide()` with one MTP layer (GLM-5's recipes): Bridge builds the MTP layer
+    from HyScale's spec. Bridge's MTP spec asks for Transformer Engine's norms and projection
+    (it cannot be built without TE; the stand-in test above runs its logic on local ones)."""
+    from megatron_hyscale.specs import te_available
+
+    if not te_available():
+        pytest.skip("Bridge builds the MTP layers' norms and projection with Transformer Engine")
+    provider = glm5_style_provider(bridge_providers)
+    provider.mtp_num_layers = 1
+    provider.mtp_loss_scaling_factor = 0.3
+    hyscale = provide(use_hyscale(provider))
+    assert_dsa_everywhere(hyscale, HyScaleDSAttention)
 
 
 def test_real_bridge_v4_provider_builds_hyscale_v4(

@@ -179,21 +179,9 @@ def _mtp_gpt(config: Any, *, stock: bool) -> Any:
 
 
 def _mtp_step(model: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    from megatron.core.transformer.experimental_attention_variant.dsa import (
-        DSAIndexerLossLoggingHelper,
-    )
+    from megatron_hyscale.testing.mtp import mtp_step
 
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE)
-    labels = torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE)
-    model.train()
-    model.zero_grad(set_to_none=True)
-    DSAIndexerLossLoggingHelper.tracker.clear()
-    loss = model(ids, torch.arange(T, device=DEVICE).expand(B, T), None, labels=labels).mean()
-    loss.backward()
-    DSAIndexerLossLoggingHelper.tracker.clear()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                           if p.grad is not None}
+    return mtp_step(model, vocab=VOCAB, seq=T, batch=B)
 
 
 @pytest.mark.parametrize("variant", list(MTP_VARIANTS))
