@@ -243,8 +243,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--packed applies to --model dsa only (HyScale's DSA layer runs packed THD "
                     "sequences itself; the CSA, HCA and QSA layers do not take them)")
         if args.cp != 1 or args.dp != 1:
-            p.error("--packed runs at --cp 1 --dp 1 only (HyScale's DSA layer does not run "
-                    "packed THD sequences under context parallelism yet)")
+            p.error("--packed runs at --cp 1 --dp 1 only (this benchmark's packed rows do "
+                    "not split the packed sequence per document over the ranks, megatron's THD "
+                    "split, nor replicate it over data parallelism; the layer itself runs "
+                    "packed THD under context parallelism: tests/parallel/"
+                    "test_cp_dsa_packed.py)")
         if args.row_chunk is not None:
             p.error("--packed does not combine with --row-chunk (the row-chunked attention "
                     "does not take packed sequences)")

@@ -25,10 +25,13 @@ table-based indexer loss with HyScale's ops:
   document (megatron's THD split, `parallel.thd_split`): the keys are all-gathered into the
   global packed order (`layers.packed.packed_layout`'s `key_order`), and a document's local
   query rows select over its gathered keys at their positions within the document.
-Layouts the fast path does not cover (packed THD with padded rows masked out of the loss,
-sequence-parallel TP, non-causal masks) warn once, naming why, and run the stock forward; a
-CP communication type other than allgather raises (the stock layer does not support it
-either).
+- padded query rows (`packed_seq_params.real_token_mask_q`, this rank's local rows under CP):
+  as stock, they still select and attend, but take no part in the indexer loss, whose mean
+  is over the valid rows (`indexer_kl_loss(query_valid_rows=...)`; the rows' parts and the
+  documents each add their valid rows' KL sum, divided once by the layer's valid-row count).
+Layouts the fast path does not cover (sequence-parallel TP, non-causal masks) warn once,
+naming why, and run the stock forward; a CP communication type other than allgather raises
+(the stock layer does not support it either).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.experimental_attention_variant import dsa_layout
+from megatron.core.transformer.experimental_attention_variant import dsa_layout, dsa_masking
 from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexerLossAutoScaler,
     DSAttention,
@@ -76,6 +79,10 @@ class DSARowState:
     rows: int
     loss_coeff: float  # 0: no indexer loss this forward
     packed: PackedLayout | None = None  # packed THD: the documents' rows; None: one sequence
+    # real_token_mask_q as bool [b, rows] (rows outside it are left out of the indexer loss)
+    # and its fp32 count, at least 1 (the loss's mean is over it); None: every row counts.
+    valid_rows: torch.Tensor | None = None
+    valid_count: torch.Tensor | None = None
 
 
 class HyScaleDSAttention(DSAttention):
@@ -95,10 +102,6 @@ class HyScaleDSAttention(DSAttention):
         absorbed_dim = kv_lora + int(getattr(cfg, "qk_pos_emb_head_dim", 0) or 0)
         if value is not None or key.size(2) != 1 or query.size(-1) != absorbed_dim:
             return "only the absorbed MLA layout (one latent KV head, value=None) is fused"
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            if getattr(packed_seq_params, "real_token_mask_q", None) is not None:
-                return ("packed THD with real_token_mask_q (padded rows left out of the indexer "
-                        "loss) is not supported yet")
         tp = get_pg_size(getattr(self.pg_collection, "tp", None))
         if cfg.sequence_parallel and tp > 1 and not (
                 query.size(0) == key.size(0) == x.size(0) * tp):
@@ -213,10 +216,18 @@ class HyScaleDSAttention(DSAttention):
         # knows on the host instead of reading them back.
         indices = self._selection(q_idx, k_idx, weights, b, sq, packed_seq_params, attention_mask,
                                   None if cp_group is None else q_positions, packed)
+        # Padded query rows (local rows, as stock reads them): out of the loss, not the attention.
+        valid_rows = valid_count = None
+        if use_indexer_loss:
+            valid_rows = dsa_masking.extract_query_valid_rows_from_packed_seq_params(
+                packed_seq_params, b=b, sq=sq, device=key.device)
+            if valid_rows is not None:
+                valid_count = valid_rows.sum(dtype=torch.float32).clamp_min(1.0)
         return DSARowState(
             key_b=pending_key.wait().transpose(0, 1), indices=indices, q_idx=q_idx,
             k_idx=k_idx, weights=weights, q_positions=q_positions, cp_group=cp_group,
             rows=sq, loss_coeff=loss_coeff if use_indexer_loss else 0.0, packed=packed,
+            valid_rows=valid_rows, valid_count=valid_count,
         )
 
     def attend_rows(
@@ -229,7 +240,8 @@ class HyScaleDSAttention(DSAttention):
         the caller logs once per layer (`log_indexer_loss`).
 
         A part of the rows gets the share (r1 - r0) / rows of the rows-mean indexer loss (all
-        of it when per-token), so the parts' losses and gradients add up to the whole's.
+        of it when per-token; with a row mask, its valid rows' KL sum over the layer's valid
+        rows), so the parts' losses and gradients add up to the whole's.
         """
         cfg = self.config
         rows, b = query.shape[:2]
@@ -244,29 +256,37 @@ class HyScaleDSAttention(DSAttention):
                                     backend=kernel_backend(cfg), check_values=False,
                                     hytopk_layout=True)
         indexer_loss = None
-        if state.loss_coeff > 0 and state.packed is not None and not (
-                cfg.dsa_indexer_use_sparse_loss):
-            indexer_loss = self._dense_loss_per_document(query_b, state)
-        elif state.loss_coeff > 0:
+        if state.loss_coeff > 0:
             per_token = bool(cfg.calculate_per_token_loss)
-            share = 1.0 if whole or per_token else rows / state.rows
-            part = (lambda t: t) if whole else (lambda t: t[:, r0:r1])
-            q_positions = state.q_positions if whole else state.q_positions[r0:r1]
-            sparse_loss = bool(cfg.dsa_indexer_use_sparse_loss)
-            indexer_loss = indexer_kl_loss(
-                part(state.q_idx), part(state.weights), state.k_idx, query_b.detach(),
-                state.key_b.detach(), indices, self.softmax_scale, state.loss_coeff * share,
-                sparse=sparse_loss,
-                relu=bool(cfg.dsa_indexer_scoring_relu),
-                q_positions=q_positions,
-                calculate_per_token_loss=per_token,
-                tp_group=getattr(self.pg_collection, "tp", None),
-                deterministic=bool(cfg.deterministic_mode),
-                # The selection's indices are distinct and visible, so the attention ran over
-                # exactly the loss's slots: its log-sum-exp is the target's denominator.
-                attention_lse=lse.detach() if sparse_loss else None,
-                backend=kernel_backend(cfg), check_values=False, hytopk_layout=True,
-            )
+            # With a row mask a part adds its valid rows' KL sum, divided below by the
+            # layer's valid-row count, so the parts add up to the mean over the valid rows.
+            masked = state.valid_rows is not None
+            sums = per_token or masked
+            if state.packed is not None and not cfg.dsa_indexer_use_sparse_loss:
+                indexer_loss = self._dense_loss_per_document(query_b, state, r0, r1, sums)
+            else:
+                share = 1.0 if whole or sums else rows / state.rows
+                part = (lambda t: t) if whole else (lambda t: t[:, r0:r1])
+                q_positions = state.q_positions if whole else state.q_positions[r0:r1]
+                sparse_loss = bool(cfg.dsa_indexer_use_sparse_loss)
+                indexer_loss = indexer_kl_loss(
+                    part(state.q_idx), part(state.weights), state.k_idx, query_b.detach(),
+                    state.key_b.detach(), indices, self.softmax_scale, state.loss_coeff * share,
+                    sparse=sparse_loss,
+                    relu=bool(cfg.dsa_indexer_scoring_relu),
+                    q_positions=q_positions,
+                    calculate_per_token_loss=sums,
+                    tp_group=getattr(self.pg_collection, "tp", None),
+                    deterministic=bool(cfg.deterministic_mode),
+                    # The selection's indices are distinct and visible, so the attention ran
+                    # over exactly the loss's slots: its log-sum-exp is the target's
+                    # denominator.
+                    attention_lse=lse.detach() if sparse_loss else None,
+                    backend=kernel_backend(cfg), check_values=False, hytopk_layout=True,
+                    query_valid_rows=part(state.valid_rows) if masked else None,
+                )
+            if masked and not per_token:
+                indexer_loss = indexer_loss / state.valid_count
 
         up_v_weight = up_v_weight.to(device=query.device, dtype=query.dtype)
         output = torch.einsum("bshc,hdc->sbhd", out, up_v_weight).reshape(rows, b, -1)
@@ -274,28 +294,39 @@ class HyScaleDSAttention(DSAttention):
             return output, None
         return DSAIndexerLossAutoScaler.apply(output, indexer_loss), indexer_loss.detach()
 
-    def _dense_loss_per_document(self, query_b: torch.Tensor,
-                                 state: DSARowState) -> torch.Tensor:
-        """The dense (warm-up) indexer loss of packed documents: each over its own keys, with
-        its share of the (local) rows-mean, so the documents' losses add up to stock's. Under
-        CP a document's local rows read its gathered keys at their positions in it."""
+    def _dense_loss_per_document(self, query_b: torch.Tensor, state: DSARowState, r0: int,
+                                 r1: int, sums: bool) -> torch.Tensor:
+        """The dense (warm-up) indexer loss of the local rows r0 .. r1 - 1 (query_b holds just
+        those) of packed documents: each document's rows among them over its own keys, with
+        their share of the (local) rows-mean, so the documents' and the parts' losses add up
+        to stock's; `sums`: their KL sums instead (per-token loss, or a row mask, whose mean
+        the caller takes). Under CP a document's local rows read its gathered keys at their
+        positions in it."""
         cfg = self.config
-        per_token = bool(cfg.calculate_per_token_loss)
         packed = state.packed
         total = None
-        for (start, end), (r0, r1) in zip(packed.documents, packed.local, strict=True):
-            rows, keys = slice(r0, r1), slice(start, end)
+        for (start, end), (a, b) in zip(packed.documents, packed.local, strict=True):
+            lo, hi = max(a, r0), min(b, r1)
+            if lo >= hi:
+                continue
+            rows, keys = slice(lo, hi), slice(start, end)
+            if packed.offsets is not None:
+                positions = packed.offsets[rows]
+            elif (lo, hi) != (a, b):  # part of a document: its rows' positions in it
+                positions = torch.arange(lo - a, hi - a, device=query_b.device)
+            else:
+                positions = None  # the whole document: HyTopK's default positions
             loss = indexer_kl_loss(
                 state.q_idx[:, rows], state.weights[:, rows], state.k_idx[:, keys],
-                query_b[:, rows].detach(), state.key_b[:, keys].detach(), None,
+                query_b[:, lo - r0:hi - r0].detach(), state.key_b[:, keys].detach(), None,
                 self.softmax_scale,
-                state.loss_coeff * (1.0 if per_token else (r1 - r0) / state.rows),
+                state.loss_coeff * (1.0 if sums else (hi - lo) / state.rows),
                 sparse=False, relu=bool(cfg.dsa_indexer_scoring_relu),
-                q_positions=None if packed.offsets is None else packed.offsets[rows],
-                calculate_per_token_loss=per_token,
+                q_positions=positions, calculate_per_token_loss=sums,
                 tp_group=getattr(self.pg_collection, "tp", None),
                 deterministic=bool(cfg.deterministic_mode), backend=kernel_backend(cfg),
                 check_values=False,
+                query_valid_rows=None if state.valid_rows is None else state.valid_rows[:, rows],
             )
             total = loss if total is None else total + loss
         return total

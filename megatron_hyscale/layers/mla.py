@@ -17,7 +17,8 @@ projection's input exist for one part at a time (in backward as in forward), and
 selection runs once per layer forward, never inside a part's recompute. The result equals the
 unchunked layer's up to floating-point summation order (the indexer loss is a sum of the parts'
 row-weighted means). Covered: the HyScale DSA core (absorbed MLA), tensor-parallel size 1,
-non-packed sequences, RoPE without fusion, context parallelism (allgather); other settings
+non-packed sequences (packed THD raises, naming packed_seq_params: megatron's RoPE runs per
+whole document), RoPE without fusion, context parallelism (allgather); other settings
 raise, naming the setting (chunking was asked for, so it is never silently skipped; see
 `layers.row_chunks` for FP8 / FP4, CUDA graphs and delayed weight gradients). Selective
 recompute of `core_attn` is subsumed: the parts are checkpointed (more than the core
@@ -57,7 +58,13 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
         if not isinstance(self.core_attention, HyScaleDSAttention):
             return f"the core attention is {type(self.core_attention).__name__}, not HyScale's"
         if packed_seq_params is not None:
-            return "packed sequences"
+            # The core attention takes packed rows in parts (`attend_rows`), but RoPE does
+            # not: megatron applies it per whole document (cu_seqlens, zigzag chunks under CP,
+            # offsets when the frequencies span the packed batch), and the parts would need
+            # each row's position from that logic.
+            return ("packed_seq_params (packed THD sequences: megatron's RoPE runs per whole "
+                    "document and a part of the rows cuts documents; use row_chunk=None for "
+                    "packed batches)")
         if get_pg_size(self.tp_group) > 1:
             return "tensor parallelism (size > 1)"
         if cfg.apply_rope_fusion:

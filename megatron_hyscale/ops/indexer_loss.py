@@ -127,6 +127,7 @@ def indexer_kl_loss(
     options: IndexerLossKernelOptions | None = None,
     check_values: bool = True,
     hytopk_layout: bool = False,
+    query_valid_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KL(main-attention target || indexer distribution), megatron-core's DSA indexer loss.
 
@@ -181,6 +182,12 @@ def indexer_kl_loss(
         hytopk_layout: topk_indices are HyTopK's causal output for these rows (visible,
             valid slots first), so the library kernels skip their visibility mask and layout
             test, and the host sync it costs (the DSA layer passes True).
+        query_valid_rows: bool [T] or [B, T] (or [1, T]), or None: the rows that take part
+            (megatron's query_valid_rows, from a packed batch's real_token_mask_q). The others
+            add nothing to the loss and get zero gradient, and the mean is over the valid
+            rows (at least 1) instead of B * T (a device sum: no host sync). The library
+            kernels take no row mask: with one, "cudnn" warns once and "best" says once that
+            HyScale's kernel runs.
 
     Returns:
         fp32 scalar loss, differentiable in q_index, weights and k_index only.
@@ -195,6 +202,7 @@ def indexer_kl_loss(
         q_index, weights, k_index, query, key, topk_indices, softmax_scale, loss_coeff, sparse,
         q_positions, k_positions, check_values,
     )
+    valid_rows = normalize_valid_rows(query_valid_rows, q_index)
     if attention_lse is not None:
         if not sparse:
             raise ValueError("indexer_kl_loss: attention_lse needs sparse=True (the dense loss "
@@ -212,7 +220,8 @@ def indexer_kl_loss(
             q_index, weights, k_index, query, key, topk_indices, scale, coeff, backend=backend,
             sparse=sparse, relu=relu, qpos=qpos, kpos=None if k_positions is None else kpos,
             per_token=calculate_per_token_loss, tp_group=tp_group, attention_lse=attention_lse,
-            deterministic=deterministic, hytopk_layout=hytopk_layout)
+            deterministic=deterministic, hytopk_layout=hytopk_layout,
+            row_mask=valid_rows is not None)
         if got is not None:
             return got
         backend = "auto"
@@ -230,6 +239,7 @@ def indexer_kl_loss(
             q_positions=qpos, k_positions=kpos,
             calculate_per_token_loss=calculate_per_token_loss, tp_group=tp_group,
             deterministic=deterministic, attention_lse=attention_lse, options=options,
+            query_valid_rows=valid_rows,
         )
     if backend == "auto" and q_index.is_cuda and not sparse:
         warn_once("indexer-loss-dense", "indexer_kl_loss: the Triton kernel covers the sparse "
@@ -239,5 +249,22 @@ def indexer_kl_loss(
         q_index, weights, k_index, query, key, topk_indices, scale, coeff, sparse=sparse,
         relu=relu, q_positions=qpos, k_positions=kpos,
         calculate_per_token_loss=calculate_per_token_loss, tp_group=tp_group,
-        attention_lse=attention_lse,
+        attention_lse=attention_lse, query_valid_rows=valid_rows,
     )
+
+
+def normalize_valid_rows(query_valid_rows: torch.Tensor | None,
+                         q_index: torch.Tensor) -> torch.Tensor | None:
+    """query_valid_rows checked (bool [T], [1, T] or [B, T], q_index's device) and expanded to
+    [B, T]; None stays None."""
+    if query_valid_rows is None:
+        return None
+    B, T = q_index.shape[:2]
+    check_tensor("query_valid_rows", query_valid_rows, ndim=(1, 2), dtypes=(torch.bool,))
+    check_same_device(q_index=q_index, query_valid_rows=query_valid_rows)
+    if query_valid_rows.dim() == 1:
+        query_valid_rows = query_valid_rows.unsqueeze(0)
+    if query_valid_rows.shape[1] != T or query_valid_rows.shape[0] not in (1, B):
+        raise ValueError(f"query_valid_rows must be [T={T}], [1, T] or [B={B}, T], got "
+                         f"{tuple(query_valid_rows.shape)}")
+    return query_valid_rows.expand(B, T)

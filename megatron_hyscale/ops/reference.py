@@ -342,11 +342,15 @@ def _indexer_kl_dense_chunk(
     softmax_scale: float,
     relu: bool,
     tp_group: object | None,
+    row_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """KL sum over one chunk of rows, softmax over every visible key (dense warm-up loss)."""
+    """KL sum over one chunk of rows, softmax over every visible key (dense warm-up loss).
+    row_valid [B, t] bool: rows outside it have no valid key, so they add exactly 0."""
     B, t, Hq, D = query.shape
     Hkv = key.shape[2]
     valid = k_positions[:, None, :] <= q_positions[:, :, None]  # [B, t, n]
+    if row_valid is not None:
+        valid = valid & row_valid[:, :, None]
     with torch.no_grad():
         logits = torch.einsum(
             "btkgd,bskd->btkgs", query.float().reshape(B, t, Hkv, Hq // Hkv, D), key.float()
@@ -370,11 +374,13 @@ def _indexer_kl_sparse_chunk(
     relu: bool,
     tp_group: object | None,
     attention_lse: torch.Tensor | None = None,
+    row_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KL sum over one chunk of rows, restricted to the selected visible keys (sparse loss).
 
     Works on the K gathered keys only; equal to megatron's full-width masked form because
-    every other key has target 0 and log-probability 0 there.
+    every other key has target 0 and log-probability 0 there. row_valid [B, t] bool: rows
+    outside it have no valid slot, so they add exactly 0.
     """
     B, t, Hq, D = query.shape
     S, Hkv = key.shape[1], key.shape[2]
@@ -388,6 +394,8 @@ def _indexer_kl_sparse_chunk(
     dup = torch.zeros_like(valid)
     dup[..., 1:] = (order.values[..., 1:] == order.values[..., :-1]) & (order.values[..., 1:] < S)
     valid &= ~torch.zeros_like(valid).scatter_(-1, order.indices, dup)
+    if row_valid is not None:
+        valid &= row_valid[..., None]
     b_rows = (torch.arange(B, device=sel.device).view(B, 1, 1) * S + sel).reshape(-1)
     with torch.no_grad():
         key_sel = key.reshape(B * S, Hkv, D).index_select(0, b_rows).view(B, t, K, Hkv, D)
@@ -423,6 +431,7 @@ def indexer_loss_reference(
     calculate_per_token_loss: bool,
     tp_group: object | None = None,
     attention_lse: torch.Tensor | None = None,
+    query_valid_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference DSA indexer KL loss on validated inputs (see ops.indexer_kl_loss).
 
@@ -433,10 +442,13 @@ def indexer_loss_reference(
         topk_indices [B, T, K] (-1 padded), needed when sparse.
         q_positions [B, T], k_positions [B, S] int64: key s visible to row t iff
             k_positions[s] <= q_positions[t].
+        query_valid_rows [B, T] bool or None: rows outside it take no part (KL and gradient
+            0) and the mean is over the rows inside it (at least 1), as megatron's
+            query_valid_rows.
 
     Returns:
-        fp32 scalar: loss_coeff * sum of per-row KL / (B * T) (or the plain sum when
-        calculate_per_token_loss).
+        fp32 scalar: loss_coeff * sum of per-row KL / (B * T) (or / the valid rows; the plain
+        sum when calculate_per_token_loss).
 
     Memory: query rows in chunks; the dense form only touches keys up to the last one visible
     in the chunk; with autograd each chunk is checkpointed (its target and scores are
@@ -458,18 +470,20 @@ def indexer_loss_reference(
         K = topk_indices.shape[-1]
         step = rows_per_chunk(B * K * (2 * Hkv * query.shape[-1] + 4 * Hq + 3 * H_I + 2 * D_I),
                               device=q_index.device)
-        fn = lambda *a, lse=None: _indexer_kl_sparse_chunk(*a, softmax_scale, relu, tp_group,
-                                                           lse)
+        fn = lambda *a, lse=None, rows=None: _indexer_kl_sparse_chunk(
+            *a, softmax_scale, relu, tp_group, lse, rows)
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
-            chunk_fn = fn if attention_lse is None else partial(fn, lse=attention_lse[:, t0:t1])
+            chunk_fn = partial(fn, lse=None if attention_lse is None else attention_lse[:, t0:t1],
+                               rows=_rows(query_valid_rows, t0, t1))
             total = total + _run_chunk(
                 chunk_fn, needs_grad, q_index[:, t0:t1], weights[:, t0:t1], k_index,
                 query[:, t0:t1], key, topk_indices[:, t0:t1], q_positions[:, t0:t1], k_positions,
             )
     else:
         step = rows_per_chunk(B * S * (3 * Hq + 3 * H_I + 4), device=q_index.device)
-        fn = lambda *a: _indexer_kl_dense_chunk(*a, softmax_scale, relu, tp_group)
+        fn = lambda *a, rows=None: _indexer_kl_dense_chunk(*a, softmax_scale, relu, tp_group,
+                                                            rows)
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
             # Keys past the last one any row of the chunk sees contribute exactly 0: skip them.
@@ -479,9 +493,22 @@ def indexer_loss_reference(
                 continue
             n = int(seen[-1]) + 1
             total = total + _run_chunk(
-                fn, needs_grad, q_index[:, t0:t1], weights[:, t0:t1], k_index[:, :n],
+                partial(fn, rows=_rows(query_valid_rows, t0, t1)), needs_grad,
+                q_index[:, t0:t1], weights[:, t0:t1], k_index[:, :n],
                 query[:, t0:t1], key[:, :n], q_positions[:, t0:t1], k_positions[:, :n],
             )
     if not calculate_per_token_loss:
-        total = total / max(B * T, 1)
+        total = total / valid_row_count(query_valid_rows, B * T)
     return total * loss_coeff
+
+
+def _rows(query_valid_rows: torch.Tensor | None, t0: int, t1: int) -> torch.Tensor | None:
+    return None if query_valid_rows is None else query_valid_rows[:, t0:t1]
+
+
+def valid_row_count(query_valid_rows: torch.Tensor | None, rows: int) -> torch.Tensor | int:
+    """The mean's denominator: the valid rows, at least 1 (an fp32 device scalar, no host
+    sync), or max(rows, 1) without a mask."""
+    if query_valid_rows is None:
+        return max(rows, 1)
+    return query_valid_rows.sum(dtype=torch.float32).clamp_min(1.0)

@@ -3,7 +3,8 @@
 Three documents of uneven length (one shorter than top-k) packed in one sequence: the output,
 the input gradient, every parameter gradient (the indexer's come from the indexer loss only)
 and the logged indexer loss equal stock's, dense and sparse loss, with and without activation
-recompute; HyScale's own path runs (no fallback warning) and replays its selection.
+recompute, also with padded rows masked out of the indexer loss (real_token_mask_q); HyScale's
+own path runs (no fallback warning) and replays its selection.
 """
 
 from __future__ import annotations
@@ -157,12 +158,73 @@ def test_padded_documents_use_their_storage_rows():
         torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-6)
 
 
-def test_real_token_mask_falls_back_naming_why():
-    _, hyscale = build_pair()
+def real_token_mask(padded, lengths, shape=(80,)):
+    """True at each document's real tokens (its first `lengths` storage rows)."""
+    mask = torch.zeros(80, dtype=torch.bool)
+    for start, n in zip(padded.tolist(), lengths):
+        mask[start:start + n] = True
+    return mask.view(shape).to(DEVICE)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("sparse,per_token", [(False, False), (True, False), (True, True)])
+def test_real_token_mask_matches_stock(sparse, per_token, recompute):
+    """Padded documents whose padding rows are masked out of the indexer loss
+    (real_token_mask_q): they still select and attend, as stock, and the loss is the mean over
+    the real rows. Outputs, logged loss and every gradient equal stock's, on HyScale's own
+    path (no fallback warning), its selection replayed under recompute."""
+    stock, hyscale = build_pair(dsa_indexer_use_sparse_loss=sparse,
+                                calculate_per_token_loss=per_token)
+    padded = torch.tensor([0, 16, 56, 80], dtype=torch.int32, device=DEVICE)
+    params = packed_params(padded=padded)  # real documents 13, 40, 27 in 16, 40, 24 rows
+    params.real_token_mask_q = real_token_mask(padded, (13, 33, 20), shape=(1, 80))
+    hidden = torch.randn(80, 1, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    want = step(stock, hidden, params, recompute)
+    replay.reset_stats()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="HyScaleDSAttention", category=RuntimeWarning)
+        got = step(hyscale, hidden, params, recompute)
+    stats = replay.get_stats()
+    assert (stats["selections_computed"], stats["selections_replayed"]) == (
+        1, 1 if recompute else 0)
+    replay.assert_drained()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-7)
+    assert set(got[2]) == set(want[2])
+    assert any(".indexer." in n for n in want[2])
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    assert want[3].abs().sum() > 0
+    # A row's KL (~1e-5 here) is a sum of O(1) terms that cancel: fp32 rounding leaves up to
+    # ~1e-8 of it (either implementation, at random sign); the mean divides that by the rows.
+    torch.testing.assert_close(got[3], want[3], rtol=1e-4,
+                               atol=1e-8 * (int(params.real_token_mask_q.sum())
+                                            if per_token else 1))
+    # The mask changes the loss and the indexer's gradients: the test can fail.
+    params.real_token_mask_q = None
+    unmasked = step(hyscale, hidden, params, recompute)
+    assert not torch.allclose(unmasked[3], got[3])
+    weight = "core_attention.indexer.linear_wq_b.weight"
+    assert not torch.allclose(unmasked[2][weight], got[2][weight])
+
+
+def test_real_token_mask_leaves_padding_rows_without_indexer_gradient():
+    """Rows outside the mask add nothing to the indexer loss: with only the first document's
+    rows valid, the indexer's query projection sees no gradient from the others' rows; all
+    rows masked: the loss is 0 (the count clamped at 1, as stock's)."""
+    _, hyscale = build_pair(dsa_indexer_use_sparse_loss=True)
     params = packed_params()
-    params.real_token_mask_q = torch.ones(80, dtype=torch.bool, device=DEVICE)
-    with pytest.warns(RuntimeWarning, match="real_token_mask_q"):
-        hyscale(torch.randn(80, 1, 64).to(DEVICE), None, packed_seq_params=params)
+    hidden = torch.randn(80, 1, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    params.real_token_mask_q = torch.zeros(80, dtype=torch.bool, device=DEVICE)
+    *_, logged = step(hyscale, hidden, params, recompute=False)
+    assert logged.abs().sum() == 0
+    # The first document alone, masked or cut out: the same loss.
+    params.real_token_mask_q = torch.arange(80, device=DEVICE) < 13
+    *_, masked = step(hyscale, hidden, params, recompute=False)
+    *_, alone = step(hyscale, hidden[:13], packed_params(lengths=(13,)), recompute=False)
+    assert masked.abs().sum() > 0
+    torch.testing.assert_close(masked, alone, rtol=1e-5, atol=0.0)
 
 
 def test_documents_are_read_once_and_again_after_an_in_place_change():
@@ -175,3 +237,44 @@ def test_documents_are_read_once_and_again_after_an_in_place_change():
     assert packed_documents(params, 80, layer="L") == ((0, 20), (20, 53), (53, 80))
     with pytest.raises(ValueError, match="L: packed cu_seqlens must rise from 0 to the 81"):
         packed_documents(params, 81, layer="L")
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_row_parts_of_packed_documents_add_up_to_the_whole(sparse):
+    """The core attention's row parts (`prepare` once, `attend_rows` per part, as the
+    row-chunked MLA layer runs them) on packed documents with padded rows masked out of the
+    loss: parts that cut documents give the whole's output, indexer loss and gradients (the
+    dense loss per document per part, at the part's positions in the document)."""
+    _, hyscale = build_pair(dsa_indexer_use_sparse_loss=sparse)
+    core = hyscale.core_attention
+    core.train()
+    padded = torch.tensor([0, 16, 56, 80], dtype=torch.int32, device=DEVICE)
+    params = packed_params(padded=padded)
+    params.real_token_mask_q = real_token_mask(padded, (13, 33, 20))
+    g = torch.Generator().manual_seed(8)
+    x, qr = torch.randn(80, 1, 64, generator=g), torch.randn(80, 1, 32, generator=g)
+    key = torch.randn(80, 1, 1, 40, generator=g)
+    query = torch.randn(80, 1, 4, 40, generator=g)
+    up_v = torch.randn(4, 16, 32, generator=g)
+    x, qr, key, query, up_v = (t.to(DEVICE) for t in (x, qr, key, query, up_v))
+
+    def run(bounds):
+        core.zero_grad(set_to_none=True)
+        state = core.prepare(key, None, x, qr, sq=80, b=1, packed_seq_params=params)
+        outs, losses = [], []
+        for r0, r1 in zip(bounds, bounds[1:]):
+            out, loss = core.attend_rows(query[r0:r1], state, r0, r1, up_v)
+            outs.append(out)
+            losses.append(loss)
+        torch.cat(outs).pow(2).mean().backward()
+        grads = {n: p.grad.clone() for n, p in core.named_parameters() if p.grad is not None}
+        return torch.cat(outs).detach(), sum(losses), grads
+
+    whole = run([0, 80])
+    parts = run([0, 10, 30, 61, 80])  # cutting the first and the second document
+    torch.testing.assert_close(parts[0], whole[0], rtol=1e-5, atol=1e-6)
+    assert whole[1] > 0
+    torch.testing.assert_close(parts[1], whole[1], rtol=1e-5, atol=1e-9)
+    assert set(parts[2]) == set(whole[2]) and any("indexer." in n for n in whole[2])
+    for name in whole[2]:
+        torch.testing.assert_close(parts[2][name], whole[2][name], rtol=1e-4, atol=1e-7)

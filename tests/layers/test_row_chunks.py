@@ -155,6 +155,20 @@ def test_the_stock_forwards_argument_checks_hold_with_row_chunks():
         attn(x, None, key_value_states=x)
 
 
+def test_packed_sequences_are_refused_naming_the_argument():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model = build(CHUNK)
+    attn = next(m for m in model.modules() if isinstance(m, HyScaleMLASelfAttention))
+    cu = torch.tensor([0, 40, T], dtype=torch.int32, device=DEVICE)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=60, max_seqlen_kv=60)
+    x = torch.zeros(T, 1, model.config.hidden_size, device=DEVICE)
+    with pytest.raises(NotImplementedError, match=r"row_chunk=36\): packed_seq_params .*"
+                       r"use row_chunk=None"):
+        attn(x, None, packed_seq_params=params)
+
+
 # GLM-5.1's attention geometry (DESIGN.md; scripts/bench_layer.py's GLM51).
 GLM51 = dict(hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512,
              qk_head_dim=192, qk_pos_emb_head_dim=64, v_head_dim=256, dsa_indexer_n_heads=32,

@@ -47,7 +47,7 @@ def to_megatron(x, Hq):
 
 
 def megatron_fused(x, topk, scale, coeff, sparse, relu, per_token, q_positions=None,
-                   key_positions=None):
+                   key_positions=None, query_valid_rows=None):
     """FusedDSAIndexerLoss (selection, value, custom backward) as DSAttention calls it."""
     q, w, k, query, key = to_megatron(x, x["query"].shape[2])
     sq, sk = q.shape[0], k.shape[0]
@@ -56,7 +56,7 @@ def megatron_fused(x, topk, scale, coeff, sparse, relu, per_token, q_positions=N
     ends = (qpos.to(torch.int64) + 1).clamp(max=sk) if key_positions is None else qpos + 1
     topk_indices, loss = mdsa.FusedDSAIndexerLoss.apply(
         q, w, k, query.detach(), key.detach(), scale, topk, coeff, None, sparse, PG_TP1,
-        starts, ends, key_positions, None, per_token, relu,
+        starts, ends, key_positions, query_valid_rows, per_token, relu,
     )
     grads = torch.autograd.grad(loss, (x["q_index"], x["weights"], x["k_index"]))
     return topk_indices, loss.detach(), grads, (starts, ends)
@@ -154,6 +154,44 @@ def test_rows_without_visible_keys_match_megatron():
             assert torch.isfinite(g).all()
             assert_close(g, mg)
         assert (grads[0][:, :5] == 0).all()
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_query_valid_rows_match_megatron(sparse, per_token):
+    """Rows outside query_valid_rows (a packed batch's padding, real_token_mask_q) add nothing
+    and get no gradient; the mean is over the valid rows, per batch entry ([B, T]) or shared
+    ([T]); none valid: loss 0 (the count is clamped at 1), as megatron's."""
+    x = make_inputs(B=2, T=16, seed=17 + int(sparse) + 2 * int(per_token))
+    g = torch.Generator().manual_seed(5)
+    shared = torch.rand(16, generator=g) > 0.4
+    per_row = torch.rand(2, 16, generator=g) > 0.5
+    for mask in (shared, per_row, torch.zeros(16, dtype=torch.bool)):
+        full = mask.expand(2, 16)
+        idx, m_loss, m_grads, _ = megatron_fused(x, 6, 0.3, 0.7, sparse, True, per_token,
+                                                 query_valid_rows=full)
+        loss, grads = ours(x, idx, 0.3, 0.7, sparse, True, per_token, query_valid_rows=mask)
+        assert_close(loss, m_loss)
+        for gr, mg in zip(grads, m_grads):
+            assert_close(gr, mg)
+        assert (grads[0][~full] == 0).all() and (grads[1][~full] == 0).all()
+        if not full.any():
+            assert loss == 0
+    # The mask changes the value: the test can fail.
+    unmasked, _ = ours(x, idx, 0.3, 0.7, sparse, True, per_token)
+    masked, _ = ours(x, idx, 0.3, 0.7, sparse, True, per_token, query_valid_rows=shared)
+    assert not torch.allclose(unmasked, masked)
+
+
+def test_query_valid_rows_are_validated():
+    x = make_inputs(B=2, T=8, seed=19)
+    args = (x["q_index"], x["weights"], x["k_index"], x["query"], x["key"], None, 0.3, 1.0)
+    for bad, match in ((torch.ones(8), "query_valid_rows dtype"),
+                       (torch.ones(7, dtype=torch.bool), r"query_valid_rows must be \[T=8\]"),
+                       (torch.ones(3, 8, dtype=torch.bool), r"\[B=2, T\]"),
+                       (torch.ones(2, 8, 1, dtype=torch.bool), "1 or 2 dims")):
+        with pytest.raises(ValueError, match=match):
+            indexer_kl_loss(*args, sparse=False, backend="reference", query_valid_rows=bad)
 
 
 def test_target_is_detached():

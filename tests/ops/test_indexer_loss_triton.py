@@ -53,11 +53,13 @@ def make_case(B=2, T=10, S=12, H_I=3, D_I=8, Hq=4, Hkv=1, Dqk=24, K=20, seed=0):
     return x, idx.to(DEVICE), qpos, kpos
 
 
-def ref_loss(x, idx, qpos, kpos, relu=True, per_token=False, query=None):
+def ref_loss(x, idx, qpos, kpos, relu=True, per_token=False, query=None,
+             query_valid_rows=None):
     loss = reference.indexer_loss_reference(
         x["q_index"], x["weights"], x["k_index"], x["query"] if query is None else query,
         x["key"], idx, SCALE, COEFF, sparse=True, relu=relu, q_positions=qpos,
-        k_positions=kpos, calculate_per_token_loss=per_token)
+        k_positions=kpos, calculate_per_token_loss=per_token,
+        query_valid_rows=query_valid_rows)
     return loss.detach(), torch.autograd.grad(loss, (x["q_index"], x["weights"], x["k_index"]))
 
 
@@ -79,8 +81,8 @@ def assert_close(a, b, rtol=2e-5):
 
 
 def check_against_reference(x, idx, qpos, kpos, **kw):
-    r_loss, r_grads = ref_loss(x, idx, qpos, kpos, **{k: v for k, v in kw.items()
-                                                      if k in ("relu", "per_token", "query")})
+    r_loss, r_grads = ref_loss(x, idx, qpos, kpos, **{
+        k: v for k, v in kw.items() if k in ("relu", "per_token", "query", "query_valid_rows")})
     t_loss, t_grads = tri_loss(x, idx, qpos, kpos, **kw)
     assert r_loss > 0
     assert_close(t_loss, r_loss)
@@ -142,6 +144,24 @@ def test_large_logits_stay_finite():
         x["q_index"].mul_(10)
     loss, grads = check_against_reference(x, idx, qpos, kpos)
     assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("relu,per_token", [(True, False), (False, False), (True, True)])
+def test_query_valid_rows(relu, per_token):
+    """Rows outside query_valid_rows (bool [B, T]; a [1, T] mask broadcast over the batch)
+    get no valid slot: zero KL and gradient, and the mean is over the valid rows."""
+    x, idx, qpos, kpos = make_case(seed=31 + int(relu))
+    g = torch.Generator().manual_seed(2)
+    mask = (torch.rand(2, 10, generator=g) > 0.4).to(DEVICE)
+    mask[1, 0] = True  # the row whose slots are invisible
+    _, grads = check_against_reference(x, idx, qpos, kpos, relu=relu, per_token=per_token,
+                                       query_valid_rows=mask)
+    assert (grads[0][~mask] == 0).all() and (grads[1][~mask] == 0).all()
+    shared = mask[:1].expand(2, 10)
+    check_against_reference(x, idx, qpos, kpos, query_valid_rows=shared)
+    none = torch.zeros(2, 10, dtype=torch.bool, device=DEVICE)
+    loss, grads = tri_loss(x, idx, qpos, kpos, query_valid_rows=none)
+    assert loss.item() == 0.0 and all((gr == 0).all() for gr in grads)
 
 
 def test_deterministic_dk_is_repeatable_and_matches():

@@ -86,6 +86,37 @@ def test_cudnn_backend_on_cpu_warns_once_and_runs_hyscale(recwarn):
     assert torch.equal(loss, want)
 
 
+def test_a_row_mask_keeps_the_loss_off_the_library(monkeypatch):
+    """cuDNN's indexer kernels weigh every row: with query_valid_rows the op does not take
+    them, even where they could run the call (stood in here), and says why once."""
+    import warnings
+
+    from megatron_hyscale.ops import indexer_kl_loss
+    from megatron_hyscale.ops.backends import cudnn_indexer_loss as lib
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the library ran a masked indexer loss")
+
+    monkeypatch.setattr(lib, "cudnn_indexer_loss_unsupported", lambda *a, **kw: None)
+    monkeypatch.setattr(lib, "cudnn_indexer_loss", refuse)
+    g = torch.Generator().manual_seed(1)
+    q, k, w = (torch.randn(1, 16, 2, 8, generator=g), torch.randn(1, 16, 8, generator=g),
+               torch.randn(1, 16, 2, generator=g))
+    qa, ka = torch.randn(1, 16, 2, 8, generator=g), torch.randn(1, 16, 1, 8, generator=g)
+    idx = torch.arange(4, dtype=torch.int32).expand(1, 16, 4).contiguous()
+    mask = torch.arange(16) % 3 != 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            loss = indexer_kl_loss(q, w, k, qa, ka, idx, 0.3, 0.1, sparse=True,
+                                   backend="cudnn", query_valid_rows=mask)
+    msgs = [str(c.message) for c in caught if "backend='cudnn'" in str(c.message)]
+    assert len(msgs) == 1 and "query_valid_rows" in msgs[0], msgs
+    want = indexer_kl_loss(q, w, k, qa, ka, idx, 0.3, 0.1, sparse=True, backend="reference",
+                           query_valid_rows=mask)
+    assert torch.equal(loss, want)
+
+
 def test_unknown_backend_is_refused_by_name():
     import pytest
 

@@ -6,13 +6,18 @@ CP each rank holds chunks r and 3 - r of every document (megatron's THD split,
 `parallel.thd_split`, as TE's `thd_get_partitioned_indices`), the cu_seqlens describe the whole
 sequence. The MLA + DSA self-attention layer (stock and HyScale on identical weights) runs one
 training step per scenario: dense / sparse indexer loss, per-token loss, full recompute (the
-selection replayed), padded documents (cu_seqlens_q_padded, real tokens fewer), and two layers
-sharing one selection (dsa_indexer_topk_freq=2). Rank 0 keeps what it saw; the tests compare
+selection replayed), padded documents (cu_seqlens_q_padded, real tokens fewer), padded rows
+masked out of the indexer loss (real_token_mask_q, each rank's local rows: mean and per-token
+loss), and two layers sharing one selection (dsa_indexer_topk_freq=2). Rank 0 keeps what it
+saw; the tests compare
 - outputs (reassembled), the logged indexer loss (reduced over CP as megatron's tracker does
   with the groups the layer gave it), every parameter gradient (averaged over CP; summed for
   per-token losses) and the input gradient;
 - HyScale CP = 2 against stock CP = 2 and against HyScale CP = 1 (whose selection must equal
-  the CP = 2 rows at their global rows exactly), and stock CP = 2 against stock CP = 1;
+  the CP = 2 rows at their global rows exactly), and stock CP = 2 against stock CP = 1 (with
+  a row mask and a mean loss each rank's mean is over its own valid rows, which differ in
+  number, so the logged loss and the indexer's gradients differ from CP = 1's by design, in
+  stock as in HyScale: the rest is compared);
 - that HyScale's own path ran: no forward fell back to the stock one (counted, as the layer
   benchmark counts them) and its selection ran (replay counters), replayed under recompute.
 """
@@ -52,6 +57,9 @@ SCENARIOS: dict[str, dict] = {
                                           dsa_indexer_scoring_relu=False, recompute=True),
     "per-token-loss": dict(calculate_per_token_loss=True),
     "padded-documents": dict(padded=True, dsa_indexer_use_sparse_loss=True),
+    "real-token-mask": dict(padded=True, masked=True, dsa_indexer_use_sparse_loss=True),
+    "real-token-mask-per-token-recompute": dict(padded=True, masked=True, recompute=True,
+                                                calculate_per_token_loss=True),
     "index-share": dict(num_layers=2, dsa_indexer_topk_freq=2),
     # The indexer's head weights zeroed: every score is 0 and the selection is decided by the
     # tie order alone (key index ascending, in global rows), exactly.
@@ -164,7 +172,9 @@ def _cpu_patches() -> Iterator[None]:
         yield
 
 
-def _params(padded: bool):
+def _params(padded: bool, masked: bool = False, cp: int = 1, rank: int = 0):
+    """The packed layout; `masked`: real_token_mask_q marks each document's real tokens (its
+    first REAL_LENGTHS rows), as this rank's local rows (megatron's THD split of the mask)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     lengths = REAL_LENGTHS if padded else LENGTHS
@@ -173,8 +183,12 @@ def _params(padded: bool):
     if padded:
         cu_padded = torch.tensor(_cu(LENGTHS), dtype=torch.int32)
         extra = dict(cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS), **extra)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS), **extra)
+    if masked:
+        real = torch.cat([torch.arange(n) < r for n, r in zip(LENGTHS, REAL_LENGTHS)])
+        params.real_token_mask_q = thd_split(real, _cu(LENGTHS), cp, rank, dim=0)
+    return params
 
 
 def _build(cfg, stock: bool, state: dict | None, tied: bool = False):
@@ -302,6 +316,7 @@ def _body(rank: int, result: dict) -> None:
                 overrides = dict(overrides)
                 recompute = overrides.pop("recompute", False)
                 padded = overrides.pop("padded", False)
+                masked = overrides.pop("masked", False)
                 tied = overrides.pop("tied", False)
                 cfg = tiny_dsa_config(dsa_indexer_topk=TOPK, context_parallel_size=cp,
                                       cp_comm_type="allgather" if cp > 1 else None,
@@ -311,7 +326,9 @@ def _body(rank: int, result: dict) -> None:
                         layers = _build(cfg, stock=kind == "stock", state=states.get(name),
                                         tied=tied)
                         states.setdefault(name, layers.state_dict())
-                        result[(name, kind, cp)] = _step(layers, cfg, cp_group, _params(padded),
+                        params = _params(padded, masked, cp,
+                                         0 if cp_group is None else cp_group.rank())
+                        result[(name, kind, cp)] = _step(layers, cfg, cp_group, params,
                                                          recompute, record)
                     except Exception:
                         # Both ranks fail alike (the checks are symmetric); the tests say why.
@@ -334,18 +351,30 @@ def _ok(results: dict, key: tuple) -> dict:
     return results[key]
 
 
-def assert_same_step(got: dict, expected: dict, what: str, *, loss_atol: float = 1e-12) -> None:
-    """Outputs, input gradient, indexer loss and every parameter gradient."""
+# A row mask with a mean loss: each CP rank's mean is over its own valid rows (34 and 40 of
+# 40 here), so the loss logged as their average and the indexer's gradients are not CP = 1's.
+CP_MEANS_DIFFER = {"real-token-mask"}
+
+
+def assert_same_step(got: dict, expected: dict, what: str, *, loss_atol: float = 1e-12,
+                     indexer: bool = True) -> None:
+    """Outputs, input gradient, indexer loss and every parameter gradient (`indexer` False:
+    not the indexer loss and the indexer's gradients, which come from it alone)."""
     torch.testing.assert_close(got["out"], expected["out"], rtol=RTOL, atol=ATOL,
                                msg=lambda m: f"{what} output: {m}")
     torch.testing.assert_close(got["h_grad"], expected["h_grad"], rtol=GRAD_RTOL,
                                atol=GRAD_ATOL, msg=lambda m: f"{what} input gradient: {m}")
     assert expected["indexer_loss"].abs().sum() > 0, "the indexer loss never ran"
-    torch.testing.assert_close(got["indexer_loss"], expected["indexer_loss"], rtol=RTOL,
-                               atol=loss_atol, msg=lambda m: f"{what} indexer loss: {m}")
+    if indexer:
+        torch.testing.assert_close(got["indexer_loss"], expected["indexer_loss"], rtol=RTOL,
+                                   atol=loss_atol, msg=lambda m: f"{what} indexer loss: {m}")
+    else:
+        assert not torch.allclose(got["indexer_loss"], expected["indexer_loss"])
     assert set(got["grads"]) == set(expected["grads"])
     assert any(".indexer." in n for n in expected["grads"]), "no indexer gradient"
     for name, grad in expected["grads"].items():
+        if not indexer and ".indexer." in name:
+            continue
         torch.testing.assert_close(got["grads"][name], grad, rtol=GRAD_RTOL, atol=GRAD_ATOL,
                                    msg=lambda m, n=name: f"{what} grad {n}: {m}")
 
@@ -370,7 +399,8 @@ def test_hyscale_cp2_matches_stock_cp2(results, scenario):
 def test_hyscale_cp2_matches_cp1(results, scenario):
     cp1, cp2 = _ok(results, (scenario, "hyscale", 1)), _ok(results, (scenario, "hyscale", WORLD))
     assert_own_path(cp1, scenario)
-    assert_same_step(cp2, cp1, f"{scenario} HyScale CP=2 vs CP=1")
+    assert_same_step(cp2, cp1, f"{scenario} HyScale CP=2 vs CP=1",
+                     indexer=scenario not in CP_MEANS_DIFFER)
     # The same selection, row for row, in global packed rows.
     assert len(cp2["indices"]) == len(cp1["indices"]) > 0
     for n, (a, b) in enumerate(zip(cp2["indices"], cp1["indices"], strict=True)):
@@ -381,7 +411,7 @@ def test_hyscale_cp2_matches_cp1(results, scenario):
 def test_stock_cp2_matches_cp1(results, scenario):
     assert_same_step(_ok(results, (scenario, "stock", WORLD)),
                      _ok(results, (scenario, "stock", 1)), f"{scenario} stock CP=2 vs CP=1",
-                     loss_atol=ATOL)
+                     loss_atol=ATOL, indexer=scenario not in CP_MEANS_DIFFER)
 
 
 def test_selection_stays_in_each_document(results):

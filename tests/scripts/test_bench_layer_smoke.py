@@ -332,7 +332,8 @@ def test_packed_flag_checks(capsys: pytest.CaptureFixture[str]) -> None:
         == "both"
     refused = {("--packed", "3", "--model", "csa"): "--packed applies to --model dsa only",
                ("--packed", "3", "--model", "qsa"): "--packed applies to --model dsa only",
-               ("--packed", "3", "--cp", "2"): "--packed runs at --cp 1 --dp 1 only",
+               ("--packed", "3", "--cp", "2"): "--packed runs at --cp 1 --dp 1 only (this "
+                                                 "benchmark's packed rows do not split",
                ("--packed", "3", "--dp", "2"): "--packed runs at --cp 1 --dp 1 only",
                ("--packed", "3", "--row-chunk", "64"): "--packed does not combine",
                ("--packed", "0"): "--packed N must be between 1 and",

@@ -80,7 +80,7 @@ def attention(q, k, v, indices, scale, *, backend, dv, sink, deterministic, pref
 
 def indexer_loss(q_index, weights, k_index, query, key, topk_indices, scale, coeff, *, backend,
                  sparse, relu, qpos, kpos, per_token, tp_group, attention_lse, deterministic,
-                 hytopk_layout=False):
+                 hytopk_layout=False, row_mask=False):
     from megatron_hyscale.ops.backends.cudnn_indexer_loss import (
         cudnn_indexer_loss,
         cudnn_indexer_loss_unsupported,
@@ -88,6 +88,9 @@ def indexer_loss(q_index, weights, k_index, query, key, topk_indices, scale, coe
 
     reason = cudnn_indexer_loss_unsupported(q_index, weights, query, key, sparse=sparse,
                                             relu=relu, kpos=kpos, attention_lse=attention_lse)
+    if reason is None and row_mask:
+        reason = ("a query row mask (query_valid_rows): cuDNN's indexer kernels weigh every "
+                  "row")
     if reason is None and deterministic:
         reason = "cuDNN's SM90 indexer backward has no deterministic mode"
     if reason is None and backend == "best" and attention_lse is None:

@@ -76,13 +76,15 @@ def _dup_combine(last_l, flag_l, last_r, flag_r):
 
 @triton.jit
 def _select_kernel(
-    idx_ptr, qpos_ptr, kpos_ptr, p_ptr, T, S, NK,
-    sib, sit, sik, sqpb, sqpt, skpb, skps, spb, spt, spk,
-    KP: tl.constexpr,
+    idx_ptr, qpos_ptr, kpos_ptr, p_ptr, rv_ptr, T, S, NK,
+    sib, sit, sik, sqpb, sqpt, skpb, skps, spb, spt, spk, srvb, srvt,
+    KP: tl.constexpr, HAS_ROW_MASK: tl.constexpr,
 ):
     """p[b, t, slot] = 0 where the slot's key is selected, visible and first of its value; else -1.
 
     Sorting (index * KP + slot) puts repeats of an index next to each other, smallest slot first.
+    HAS_ROW_MASK: a row whose rv (bool [B, T]) is False gets no valid slot, so the later
+    kernels give it zero KL and zero gradient.
     """
     pid = tl.program_id(0).to(tl.int64)
     b = pid // T
@@ -91,6 +93,8 @@ def _select_kernel(
     idx = tl.load(idx_ptr + b * sib + t * sit + slots * sik, mask=slots < NK, other=-1)
     idx = idx.to(tl.int64)
     sel = idx >= 0
+    if HAS_ROW_MASK:
+        sel = sel & (tl.load(rv_ptr + b * srvb + t * srvt) != 0)
     kp = tl.load(kpos_ptr + b * skpb + tl.where(sel, idx, 0) * skps, mask=sel, other=0)
     qp = tl.load(qpos_ptr + b * sqpb + t * sqpt)
     visible = sel & (kp <= qp)
@@ -382,21 +386,27 @@ def _target_geometry(query, key, max_block_h):
 
 def attention_target(query, key, indices, q_positions, k_positions, softmax_scale,
                      attention_lse=None,
-                     options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT):
+                     options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT,
+                     query_valid_rows=None):
     """fp32 [B, T, K]: head-summed main-attention probabilities at the valid slots, -1 elsewhere.
 
     Not yet normalized (a tp all-reduce may add other ranks' heads first). attention_lse: fp32
     [B, T, Hq], the attention's log-sum-exp over exactly the valid slots (one pass, not two).
+    query_valid_rows: bool [B, T] or None; the rows outside it have no valid slot.
     """
     B, T = query.shape[:2]
     S, Hkv = key.shape[1], key.shape[2]
     NK = indices.shape[-1]
     p = torch.empty((B, T, NK), device=query.device, dtype=torch.float32)
     grid = (B * T,)
+    has_mask = query_valid_rows is not None
+    # Read as bytes (a bool pointer's loads differ between Triton's backends).
+    rv = query_valid_rows.view(torch.uint8) if has_mask else p
     _select_kernel[grid](
-        indices, q_positions, k_positions, p, T, S, NK, *indices.stride(),
+        indices, q_positions, k_positions, p, rv, T, S, NK, *indices.stride(),
         *q_positions.stride(), *k_positions.stride(), *p.stride(),
-        KP=max(MIN_DOT, triton.next_power_of_2(NK)), num_warps=4,
+        *(rv.stride() if has_mask else (0, 0)),
+        KP=max(MIN_DOT, triton.next_power_of_2(NK)), HAS_ROW_MASK=has_mask, num_warps=4,
     )
     G, nhb, const, num_warps = _target_geometry(query, key, options.max_block_h)
     has_lse = attention_lse is not None
@@ -471,9 +481,10 @@ class IndexerKLLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_index, weights, k_index, query, key, indices, q_positions, k_positions,
-                softmax_scale, coeff, relu, tp_group, deterministic, options, attention_lse):
+                softmax_scale, coeff, relu, tp_group, deterministic, options, attention_lse,
+                query_valid_rows=None):
         p = attention_target(query, key, indices, q_positions, k_positions, softmax_scale,
-                             attention_lse, options)
+                             attention_lse, options, query_valid_rows)
         if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
             torch.distributed.all_reduce(p, group=tp_group)  # the other ranks' query heads
         kl, lse, psum = indexer_loss_rows(q_index, weights, k_index, indices, p, relu, options)
@@ -486,20 +497,22 @@ class IndexerKLLossFunction(torch.autograd.Function):
         q_index, weights, k_index, indices, p, lse, psum = ctx.saved_tensors
         dq, dw, dk = indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad,
                                       ctx.coeff, ctx.relu, ctx.deterministic, ctx.options)
-        return (dq, dw, dk) + (None,) * 12
+        return (dq, dw, dk) + (None,) * 13
 
 
 def indexer_kl_loss_triton(q_index, weights, k_index, query, key, topk_indices, softmax_scale,
                            loss_coeff, *, relu, q_positions, k_positions,
                            calculate_per_token_loss, tp_group=None, deterministic=False,
                            attention_lse=None,
-                           options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT):
+                           options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT,
+                           query_valid_rows=None):
     """Sparse DSA indexer KL loss on validated inputs (see ops.indexer_kl_loss).
 
     q_positions / k_positions: int64 [B, T] / [B, S]. `deterministic=True` makes dk_index
     bitwise repeatable (fixed-point accumulation, one extra backward pass). attention_lse: see
     ops.indexer_kl_loss. options: the kernels' tilings (options.block_n forces the keys per
-    step, tests), forward and backward.
+    step, tests), forward and backward. query_valid_rows: bool [B, T] or None, the rows that
+    take part; the mean is then over them (a device scalar: no host sync).
     """
     B, T = q_index.shape[:2]
     rows = B * T
@@ -507,13 +520,18 @@ def indexer_kl_loss_triton(q_index, weights, k_index, query, key, topk_indices, 
         return (q_index.sum() + weights.sum() + k_index.sum()).float() * 0.0
     if topk_indices.shape[-1] == 0:  # one empty slot keeps the kernels' tiles non-empty
         topk_indices = topk_indices.new_full((B, T, 1), -1)
-    coeff = float(loss_coeff) if calculate_per_token_loss else float(loss_coeff) / rows
+    masked_mean = query_valid_rows is not None and not calculate_per_token_loss
+    coeff = float(loss_coeff) if calculate_per_token_loss or masked_mean else (
+        float(loss_coeff) / rows)
     if not relu:
         # sum_h w_h (q_h . k) = (sum_h w_h q_h) . k: one fp32 query a row, 1/H_I of the work;
         # autograd carries the gradient back through the fold to q_index and weights.
         q_index = torch.einsum("bthd,bth->btd", q_index.float(), weights.float()).unsqueeze(2)
         weights = torch.ones((B, T, 1), device=q_index.device, dtype=torch.float32)
-    return IndexerKLLossFunction.apply(
+    loss = IndexerKLLossFunction.apply(
         q_index, weights, k_index, query.detach(), key.detach(), topk_indices, q_positions,
         k_positions, float(softmax_scale), coeff, relu, tp_group, bool(deterministic), options,
-        None if attention_lse is None else attention_lse.detach())
+        None if attention_lse is None else attention_lse.detach(), query_valid_rows)
+    if masked_mean:  # the mean over the valid rows (at least one), as megatron's
+        loss = loss / query_valid_rows.sum(dtype=torch.float32).clamp_min(1.0)
+    return loss
