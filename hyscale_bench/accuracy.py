@@ -455,7 +455,7 @@ def layer_args(args: argparse.Namespace, model: str, loss: str) -> argparse.Name
     """The namespace `hyscale_bench.layer`'s builders read."""
     return argparse.Namespace(model=model, tiny=args.tiny, device=args.device, cp=1, dp=1,
                               loss_coeff=args.loss_coeff, dense_loss=loss == "dense",
-                              no_relu=False, row_chunk=None)
+                              no_relu=False, row_chunk=None, transformer_impl="local")
 
 
 def dsa_heads(args: argparse.Namespace, T: int) -> tuple[dict[str, Any], str, bool]:
