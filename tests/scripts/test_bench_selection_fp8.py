@@ -7,9 +7,7 @@ CUDA, so they are rebuilt on the CPU here. The table renders from hand-made reco
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,16 +15,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+from test_stock_tilelang_columns import load  # noqa: E402
+
 from megatron_hyscale.ops import hytopk  # noqa: E402
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_fp8_test_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
