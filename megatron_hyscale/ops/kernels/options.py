@@ -82,6 +82,10 @@ class HyTopKOptions:
     # about 14 bits while it accumulates). 32 adds each 32-channel wgmma step to an fp32
     # accumulator (fp32 accumulation proper) at four CUDA-core additions a logit, in the
     # epilogue that already limits the kernel. Exact either way on integer-valued inputs.
+    # Compiled for sm_90a (2026-12-02, `scripts/inspect_sm90.py --preset hytopk-dsv32-fp8
+    # hytopk-dsv32-fp8-promote32`, 64 heads, 64-key tiles): None runs 4 QGMMA (fp8 wgmma) and
+    # 416 SASS instructions a tile (bf16: 8 HGMMA, 460) without local memory in the loop; 32
+    # runs 689 with 200 FADD, 50 local-memory loads (404 bytes spilled) and serialized wgmma.
     # Not yet timed on a GPU (bench_selection.py: hytopk_fp8 against hytopk_fp8_promote32).
     fp8_imprecise_acc: int | None = None
 
