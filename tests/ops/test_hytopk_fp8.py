@@ -276,7 +276,8 @@ def test_gpu_integer_inputs_exact(T, H, topk, acc):
 def test_gpu_random_matches_reference_on_quantized_inputs(acc):
     # The fp8 MMA sums its products in its own precision (acc None: all 128 channels), so the
     # scores differ from the fp32 reference's by more than fp32 rounding: compare the scores to
-    # a loose tolerance and the selections by overlap, and record both.
+    # a loose tolerance and the selections by overlap (floors well under what a correct kernel
+    # gives, not measured figures: the print records those).
     q, k, w = random_inputs(1, 16384, 16384, 64, 128, seed=21)
     ref = hytopk(q, k, w, 2048, backend="reference", precision="fp8")
     out = hytopk(q, k, w, 2048, backend="triton", precision="fp8",
@@ -285,8 +286,8 @@ def test_gpu_random_matches_reference_on_quantized_inputs(acc):
     same = selection_overlap(out[0], ref[0]).mean().item()
     vs_bf16 = selection_overlap(out[0], bf16[0]).mean().item()
     print(f"fp8 acc={acc}: overlap with the fp8 reference {same:.6f}, with bf16 {vs_bf16:.4f}")
-    assert same > 0.999
-    assert vs_bf16 > 0.8
+    assert same > 0.98
+    assert vs_bf16 > 0.7
     assert torch.equal(out[0] < 0, ref[0] < 0)
     scale = ref[1][..., :1].abs().clamp_min(1e-6)  # each row's top score
     assert ((out[1] - ref[1]).abs().nan_to_num(0.0) <= 1e-2 * scale).all()
