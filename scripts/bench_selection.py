@@ -14,6 +14,16 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
   hytopk_scan_slots  HyTopK with the other candidate append (a CTA-wide test and prefix sum per
              tile instead of a slot per survivor from an atomic counter;
              HyTopKOptions.atomic_slots=False)
+  hytopk_fp8  HyTopK with precision="fp8" (ops/fp8_quant.py): e4m3 q and k with per-token
+             power-of-two scales, fp8 tensor-core products; timed with its quantization (also
+             reported alone, quant_ms), x_floor against the same bf16 GEMM floor (issue #21's
+             goal: at most 0.65x at 128K), and overlap_vs_bf16: the mean share of each row's
+             bf16 HyTopK selection that the fp8 one keeps (to 128K; per input kind, so
+             --inputs structured recency give it on trained-like scores)
+  hytopk_fp8_promote32  the same with HyTopKOptions.fp8_imprecise_acc=32 (each 32-channel
+             fp8 MMA step added to an fp32 accumulator)
+  scoreonly_fp8  the score-only kernel on the quantized q and k (splits the fp8 GEMM from the
+             selection; quantization not timed)
   finish     HyTopK's last pass alone (the torch sort that orders and decodes each row)
   naive      megatron-core 0.19.2 `fused_qk_topk_naive` (full [T, H, S] fp32 logits); OOM shown
   chunked    the common chunked path: per-head bf16 logits for a row block, ReLU, head sum as a
@@ -85,6 +95,7 @@ from hyscale_bench.measure import (  # noqa: E402
 from hyscale_bench.stock_kernels import tilelang_unavailable  # noqa: E402
 from megatron_hyscale.ops import hytopk  # noqa: E402
 from megatron_hyscale.ops.block_pool import block_visibility_positions  # noqa: E402
+from megatron_hyscale.ops.fp8_quant import quantize_indexer, selection_overlap  # noqa: E402
 from megatron_hyscale.ops.kernels import hytopk as hk  # noqa: E402
 from megatron_hyscale.ops.kernels.options import HyTopKOptions  # noqa: E402
 
@@ -121,7 +132,8 @@ ALL_T = [16384, 32768, 65536, 131072, 262144, 1048576]
 # lengths for S = T and 64 heads, other configs compared by their work T x S x H.
 MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072,
          "hytopk_prune": 131072, "hytopk_heads_on_m": 131072, "scoreonly_heads_on_m": 131072,
-         "hytopk_scan_slots": 131072, "finish": 1048576,
+         "hytopk_scan_slots": 131072, "finish": 1048576, "hytopk_fp8_promote32": 131072,
+         "scoreonly_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
          "stock_cudnn": 65536,
@@ -241,6 +253,41 @@ def run_hytopk_heads_on_m(q, k, w, topk, relu):
 
 def run_hytopk_prune(q, k, w, topk, relu):
     return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, prune=True))
+
+
+def run_hytopk_fp8(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT):
+    """What hytopk(..., precision="fp8", backend="triton") runs after its input checks: the
+    quantization, then the kernel on e4m3 q and k."""
+    q8, q_scale, k8, k_scale = quantize_indexer(q, k)
+    qpos, kpos = positions(q.shape[1], k.shape[1])
+    return hk.hytopk_triton(q8, k8, w, topk, relu=relu, q_positions=qpos, k_positions=kpos,
+                            causal=True, options=options, q_scale=q_scale, k_scale=k_scale)
+
+
+def run_hytopk_fp8_promote32(q, k, w, topk, relu):
+    return run_hytopk_fp8(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT,
+                                                       fp8_imprecise_acc=32))
+
+
+# Quantized copies for scoreonly_fp8, made once an input (their time is not the kernel's).
+_FP8_INPUTS: dict = {}
+
+
+def run_scoreonly_fp8(q, k, w, topk, relu):
+    key = (q.data_ptr(), k.data_ptr(), q.shape, k.shape)
+    if key not in _FP8_INPUTS:
+        _FP8_INPUTS.clear()
+        _FP8_INPUTS[key] = quantize_indexer(q, k)
+    q8, q_scale, k8, k_scale = _FP8_INPUTS[key]
+    qpos, kpos = positions(q.shape[1], k.shape[1])
+    return hk._launch(q8, k8, w, 1, relu=relu, q_positions=qpos, k_positions=kpos, causal=True,
+                      mode=hk.MODE_SCORES_ONLY, q_scale=q_scale, k_scale=k_scale)
+
+
+def overlap_with_bf16(idx, q, k, w, topk, relu):
+    """Mean over rows of the share of the bf16 HyTopK selection that `idx` also selected."""
+    ref = run_hytopk(q, k, w, topk, relu)[0]
+    return selection_overlap(idx, ref).mean().item()
 
 
 def pruned_share(q, k, w, topk, relu):
@@ -374,6 +421,9 @@ METHODS = {
     "hytopk_scan_slots": run_hytopk_scan_slots,
     "scoreonly": run_scoreonly,
     "scoreonly_heads_on_m": run_scoreonly_heads_on_m,
+    "hytopk_fp8": run_hytopk_fp8,
+    "hytopk_fp8_promote32": run_hytopk_fp8_promote32,
+    "scoreonly_fp8": run_scoreonly_fp8,
     "finish": run_finish,
     "naive": run_naive,
     "chunked": run_chunked,
@@ -394,7 +444,12 @@ COMPARED_METHODS = LIBRARY_METHODS + ("stock_tilelang",)
 # the methods that launch the HyTopK kernel (table-then-select's scoring pass included).
 WIDE_COMPILED = set()
 KERNEL_METHODS = ("hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
-                  "scoreonly", "scoreonly_heads_on_m", "table")
+                  "scoreonly", "scoreonly_heads_on_m", "table", "hytopk_fp8",
+                  "hytopk_fp8_promote32", "scoreonly_fp8")
+# The fp8 selections, compared with the bf16 one (overlap_vs_bf16) at every length to 128K.
+FP8_METHODS = ("hytopk_fp8", "hytopk_fp8_promote32")
+# Issue #21's goal for the fp8 selection at 128K: this fraction of the bf16 GEMM floor.
+FP8_GOAL_X_FLOOR = 0.65
 
 
 def bench_one(method, T, cfg, kind, rate, reps):
@@ -442,6 +497,12 @@ def bench_one(method, T, cfg, kind, rate, reps):
         if method == "hytopk_prune":
             share, same = pruned_share(q, k, w, topk, relu)
             rec.update(pruned_share=share, same_as_unpruned=same)
+        if method == "hytopk_fp8":
+            rec.update(quant_ms=time_ms(lambda: quantize_indexer(q, k), reps=n, warmup=1),
+                       goal_x_floor=FP8_GOAL_X_FLOOR)
+        if method in FP8_METHODS and T <= SAME_SET_MAX_T:
+            rec.update(overlap_vs_bf16=overlap_with_bf16(fn(q, k, w, topk, relu)[0], q, k, w,
+                                                         topk, relu))
         if method in COMPARED_METHODS and T <= SAME_SET_MAX_T:
             rec.update(same_rows_as_hytopk=same_sets_as_hytopk(fn(q, k, w, topk, relu),
                                                                 q, k, w, topk, relu))
@@ -767,7 +828,9 @@ def main():
                         f"{fmt(rec.get('ms'), '10.2f')} ms  {fmt(rec.get('mem_gib'), '7.2f')} GiB"
                         f"  x{fmt(rec.get('x_floor'), '.2f')} floor {rec.get('status', '')}"
                         + (f"  pruned {rec['pruned_share']:.1%} identical "
-                           f"{rec['same_as_unpruned']}" if "pruned_share" in rec else ""))
+                           f"{rec['same_as_unpruned']}" if "pruned_share" in rec else "")
+                        + (f"  overlap with bf16 {rec['overlap_vs_bf16']:.4f}"
+                           if "overlap_vs_bf16" in rec else ""))
     if "structured" in args.inputs:
         share = check_structured_exact(16384, "dsv32")
         log(f"structured T=16384: share of rows identical to the reference {share:.4f}")

@@ -64,6 +64,34 @@ def selection(records):
                      f"{same} |")
     if any(r.get("reps") == 1 for r in records):
         lines.append("\n\\* a single first call (over 2 s), no median: it may hold JIT compiles")
+    return lines + fp8_selection(records)
+
+
+def fp8_selection(records):
+    """HyTopK's fp8 selection beside the bf16 one, per input kind (random and trained-like):
+    time against the bf16 GEMM floor (issue #21's goal: 0.65x at 128K) and the share of the
+    bf16 selection it keeps. No lines for a record without fp8 rows."""
+    by = {(r["inputs"], r["config"], r["T"], r["method"]): r for r in records}
+    keys = sorted({(i, c, T) for i, c, T, m in by if m == "hytopk_fp8"})
+    if not keys:
+        return []
+    lines = ["", "| inputs | config | T | bf16 HyTopK ms | fp8 HyTopK ms | fp8 x bf16 floor "
+             "(goal) | of which quantization ms | fp8 speed vs bf16 | fp8 rows' share of the "
+             "bf16 selection | promote-every-32 ms (share) | fp8 score-only ms |",
+             "|---" * 11 + "|"]
+    for key in keys:
+        def get(m, field="ms", key=key):
+            return (by.get(key + (m,)) or {}).get(field)
+
+        lines.append(
+            f"| {' | '.join(map(str, key))} | {fmt(get('hytopk'))} | {fmt(get('hytopk_fp8'))} | "
+            f"{fmt(get('hytopk_fp8', 'x_floor'), '.2f')} "
+            f"({fmt(get('hytopk_fp8', 'goal_x_floor'), '.2f')}) | "
+            f"{fmt(get('hytopk_fp8', 'quant_ms'))} | {ratio(get('hytopk_fp8'), get('hytopk'))} | "
+            f"{fmt(get('hytopk_fp8', 'overlap_vs_bf16'), '.2%')} | "
+            f"{fmt(get('hytopk_fp8_promote32'))} "
+            f"({fmt(get('hytopk_fp8_promote32', 'overlap_vs_bf16'), '.2%')}) | "
+            f"{fmt(get('scoreonly_fp8'))} |")
     return lines
 
 

@@ -7,8 +7,8 @@ tensors of the real shapes and dtypes, the `kernel[grid](...)` call is intercept
 arguments are specialized with Triton's own rules (ints equal to 1 become constants, 16-byte
 alignment and divisibility by 16 become attributes). ptxas and cuobjdump come with the Triton
 wheel. The hot loop is the smallest loop that holds the kernel's first tensor-core instruction
-(HGMMA / HMMA). Use it to compare kernel variants before spending GPU time: instruction counts
-and spills are facts about the binary; time still has to be measured on the GPU.
+(HGMMA / QGMMA / HMMA). Use it to compare kernel variants before spending GPU time: instruction
+counts and spills are facts about the binary; time still has to be measured on the GPU.
 
     python scripts/inspect_sm90.py --preset hytopk-dsv32 [--sass-out DIR]
     python scripts/inspect_sm90.py --list
@@ -46,8 +46,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 TARGET = GPUTarget("cuda", 90, 32)
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 # Instructions shown in the loop summary, by opcode (the rest are counted in the total).
-SHOWN_OPS = ("HGMMA", "WARPGROUP", "HMMA", "BAR", "SHFL", "STS", "LDS", "LDG", "STG", "LDGSTS",
-             "RED", "ATOM", "FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "LDL", "STL")
+# QGMMA: Hopper's fp8 wgmma (HyTopK's precision="fp8").
+SHOWN_OPS = ("HGMMA", "QGMMA", "WARPGROUP", "HMMA", "BAR", "SHFL", "STS", "LDS", "LDG", "STG",
+             "LDGSTS", "RED", "ATOM", "FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "LDL", "STL")
 
 
 @dataclass
@@ -141,7 +142,7 @@ def hot_loop(sass: str) -> list[str]:
     """Instructions of the smallest loop (a backward branch) around the first MMA."""
     ins = [(int(m.group(1), 16), m.group(2).strip())
            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    mma = [a for a, t in ins if "HGMMA" in t or "HMMA" in t]
+    mma = [a for a, t in ins if "HGMMA" in t or "QGMMA" in t or "HMMA" in t]
     if not mma:
         return []
     best = None
@@ -180,21 +181,26 @@ def report(name: str, launch: Launch) -> Report:
 
 
 def _hytopk(H: int, D: int, topk: int, relu: bool, T: int = 8192, mode: int = 0,
-            **options: Any) -> list[Launch]:
-    """HyTopK's launch in `mode` (hytopk.MODE_*); options: HyTopKOptions fields to change."""
+            fp8: bool = False, **options: Any) -> list[Launch]:
+    """HyTopK's launch in `mode` (hytopk.MODE_*); fp8: on e4m3 q and k with their scales
+    (precision="fp8"); options: HyTopKOptions fields to change."""
+    from megatron_hyscale.ops.fp8_quant import quantize_indexer
     from megatron_hyscale.ops.kernels import hytopk as hk
     from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
     q = torch.zeros(1, T, H, D, dtype=torch.bfloat16)
     k = torch.zeros(1, T, D, dtype=torch.bfloat16)
     w = torch.zeros(1, T, H, dtype=torch.float32)
+    scales = {}
+    if fp8:
+        q, scales["q_scale"], k, scales["k_scale"] = quantize_indexer(q, k)
     pos = torch.arange(T)[None]
     default = HyTopKOptions.DEFAULT
     # On CPU the wrapper sizes the persistent grid by interpret_programs: the H200's 132 SMs.
     opts = replace(default, interpret_programs=132 * default.programs_per_sm, **options)
     with intercept(hk, "_hytopk_kernel") as calls:
         hk._launch(q, k, w, topk, relu=relu, q_positions=pos, k_positions=pos, causal=True,
-                   options=opts, mode=mode)
+                   options=opts, mode=mode, **scales)
     return calls
 
 
@@ -277,6 +283,10 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-dsv32-scoreonly-heads-on-m": lambda: _hytopk(64, 128, 1, True, mode=1,
                                                          keys_on_m=False),
     "hytopk-dsv32-scan-slots": lambda: _hytopk(64, 128, 2048, True, atomic_slots=False),
+    "hytopk-dsv32-fp8": lambda: _hytopk(64, 128, 2048, True, fp8=True),
+    "hytopk-dsv32-fp8-scoreonly": lambda: _hytopk(64, 128, 1, True, mode=1, fp8=True),
+    "hytopk-dsv32-fp8-promote32": lambda: _hytopk(64, 128, 2048, True, fp8=True,
+                                                  fp8_imprecise_acc=32),
     "hytopk-glm51": lambda: _hytopk(32, 128, 2048, True),
     "hytopk-qsa": lambda: _hytopk(4, 128, 512, True),
     "hytopk-qsa-scoreonly": lambda: _hytopk(4, 128, 1, True, mode=1),

@@ -4,7 +4,9 @@ Same constructor, forward signature, class flags and parameters as the stock cla
 subclass), so a stock checkpoint loads with strict=True and the spec swap is one line. The
 forward replaces the stock score table + torch.topk, the unfused sparse attention and the
 table-based indexer loss with HyScale's ops:
-- selection: `ops.hytopk` (exact total order; Triton on CUDA, chunked reference on CPU);
+- selection: `ops.hytopk` (exact total order; Triton on CUDA, chunked reference on CPU; fp8
+  when `config.hyscale_indexer_precision == "fp8"`, `layers/kernel_backend.py`, while the
+  indexer loss keeps the bf16 tensors);
 - attention: `ops.sparse_attention` over the selected keys (V = first kv_lora_rank channels);
 - indexer loss: `ops.indexer_kl_loss` (dense or sparse KL), attached and logged as stock does;
 - recompute: the selection is recorded in the first forward and replayed by the recompute
@@ -50,7 +52,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 from megatron.core.utils import get_pg_size
 
 from megatron_hyscale import ops, parallel, phase_spans, replay
-from megatron_hyscale.layers.kernel_backend import kernel_backend
+from megatron_hyscale.layers.kernel_backend import indexer_precision, kernel_backend
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
 from megatron_hyscale.layers.packed import PackedLayout, packed_layout
 from megatron_hyscale.ops import hytopk
@@ -363,6 +365,7 @@ class HyScaleDSAttention(DSAttention):
                     weights[:, rows].detach(), self.index_topk,
                     relu=bool(self.config.dsa_indexer_scoring_relu), q_positions=positions,
                     backend=kernel_backend(self.config), check_values=False,
+                    precision=indexer_precision(self.config),
                 )[0]
 
             def compute() -> torch.Tensor:

@@ -9,21 +9,40 @@ command line), else "best":
   call. Each op says once which it runs.
 - "own": HyScale's Triton / Gluon kernels only (the reference on CPU).
 - "cudnn": the library wherever it can run the call (one warning names each case it cannot).
+
+The indexer's selection precision comes the same way: `config.hyscale_indexer_precision`, else
+$HYSCALE_INDEXER_PRECISION, else "bf16"; "fp8" selects on e4m3 copies of the indexer's q and k
+(`ops.hytopk(precision="fp8")`). Only the selection: the indexer loss and its gradients keep
+the bf16 tensors.
 """
 
 from __future__ import annotations
 
 import os
 
+from megatron_hyscale.ops.fp8_quant import PRECISIONS
+
 ENV = "HYSCALE_KERNEL_BACKEND"
 CHOICES = {"best": "best", "own": "auto", "cudnn": "cudnn"}
+PRECISION_ENV = "HYSCALE_INDEXER_PRECISION"
+
+
+def _setting(config: object, attr: str, env: str, default: str, choices) -> str:
+    """config.<attr>, else $<env>, else `default`; ValueError naming the source if not in
+    `choices`."""
+    from_config = getattr(config, attr, None)
+    value = from_config or os.environ.get(env) or default
+    if value not in choices:
+        source = f"config.{attr}" if from_config else env
+        raise ValueError(f"{source} must be one of {sorted(choices)}, got {value!r}")
+    return value
 
 
 def kernel_backend(config: object) -> str:
     """The ops' `backend=` argument for a layer built from `config`."""
-    value = getattr(config, "hyscale_kernel_backend", None) or os.environ.get(ENV) or "best"
-    if value not in CHOICES:
-        source = ("config.hyscale_kernel_backend" if getattr(config, "hyscale_kernel_backend",
-                                                             None) else ENV)
-        raise ValueError(f"{source} must be one of {sorted(CHOICES)}, got {value!r}")
-    return CHOICES[value]
+    return CHOICES[_setting(config, "hyscale_kernel_backend", ENV, "best", CHOICES)]
+
+
+def indexer_precision(config: object) -> str:
+    """The selection's `precision=` argument (`ops.hytopk`) for a layer built from `config`."""
+    return _setting(config, "hyscale_indexer_precision", PRECISION_ENV, "bf16", PRECISIONS)

@@ -1,7 +1,8 @@
 """HyTopK: exact top-k over lightning-indexer scores, without a score table.
 
 score[b, t, s] = sum_h weights[b, t, h] * act(q[b, t, h] . k[b, s]) (fp32 accumulation),
-act = ReLU or identity. Key s is visible to query t iff k_positions[s] <= q_positions[t]
+act = ReLU or identity. precision="fp8" scores e4m3 copies of q and k with per-token scales
+(`fp8_quant`) instead. Key s is visible to query t iff k_positions[s] <= q_positions[t]
 (when causal). Each row keeps the top-k visible keys under the total order
 (score descending, then key index ascending); -0.0 and +0.0 tie.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_hyscale.ops import reference
+from megatron_hyscale.ops import fp8_quant, reference
 from megatron_hyscale.ops.backends import dispatch
 from megatron_hyscale.ops.backends.dispatch import BACKEND_CHOICES, LIBRARY_BACKENDS
 from megatron_hyscale.ops.checks import (
@@ -71,6 +72,7 @@ def hytopk(
     ordered: bool = True,
     options: HyTopKOptions | None = None,
     check_values: bool = True,
+    precision: str = "bf16",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of indexer scores per query row.
 
@@ -99,6 +101,14 @@ def hytopk(
             or Inf then gives an undefined selection and a NaN attention downstream, which
             Megatron's loss check reports, as with stock. Shapes, dtypes and devices are
             always checked.
+        precision: "bf16" (default) scores q and k as given (bf16, fp16 or fp32). "fp8"
+            scores their e4m3 copies with per-token power-of-two scales (q per token and head,
+            k per token: DeepSeek-V3.2's inference indexer, `ops/fp8_quant.py`), with fp32
+            accumulation: the outputs are those of the bf16 path on the dequantized q and k
+            (the reference runs exactly that; the Triton kernel runs fp8 tensor-core products,
+            exact on integer-valued inputs). relu=False folds the heads into one fp32 query, so
+            its kernel scores the dequantized values. Neither the cuDNN backend nor
+            options.prune takes fp8: "cudnn" warns once and runs HyScale's kernel, prune raises.
 
     Returns:
         indices: int32 [B, T, topk], sorted by (score desc, index asc) when ordered; -1 past
@@ -119,6 +129,10 @@ def hytopk(
     check_backend(backend, BACKEND_CHOICES)
     options = check_options("options", options, HyTopKOptions)
     check_bool("check_values", check_values)
+    fp8 = fp8_quant.check_precision(precision) == "fp8"
+    if fp8 and options.prune:
+        raise ValueError("options.prune is not supported with precision='fp8': its score bound "
+                         "assumes the bf16 kernel's products and one scale for every key")
     qpos, kpos = validate_hytopk_inputs(q, k, weights, topk, q_positions, k_positions,
                                         check_values)
     check_triton_device(backend, q)
@@ -126,11 +140,15 @@ def hytopk(
         got = dispatch.selection(
             q, k, weights, topk, backend=backend, relu=relu, causal=causal, qpos=qpos,
             kpos=None if k_positions is None else kpos, ordered=ordered,
-            q_start=k.shape[1] - q.shape[1] if q_positions is None else None)
+            q_start=k.shape[1] - q.shape[1] if q_positions is None else None,
+            precision=precision)
         if got is not None:
             return got
         backend = "auto"
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
+    q_scale = k_scale = None
+    if fp8:
+        q, q_scale, k, k_scale = fp8_quant.quantize_indexer(q, k)
     if use_triton:
         try:
             from megatron_hyscale.ops.kernels import hytopk as hytopk_kernel
@@ -142,8 +160,11 @@ def hytopk(
         else:
             return hytopk_kernel.hytopk_triton(
                 q, k, weights, topk, relu=relu, q_positions=qpos, k_positions=kpos,
-                causal=causal, ordered=ordered, options=options,
+                causal=causal, ordered=ordered, options=options, q_scale=q_scale,
+                k_scale=k_scale,
             )
+    if fp8:  # the reference on the same quantized inputs, dequantized exactly in fp32
+        q, k = fp8_quant.dequantize(q, q_scale), fp8_quant.dequantize(k, k_scale)
     return reference.hytopk_reference(
         q, k, weights, topk, relu=relu, q_positions=qpos, k_positions=kpos, causal=causal
     )

@@ -6,7 +6,12 @@ import types
 
 import pytest
 
-from megatron_hyscale.layers.kernel_backend import ENV, kernel_backend
+from megatron_hyscale.layers.kernel_backend import (
+    ENV,
+    PRECISION_ENV,
+    indexer_precision,
+    kernel_backend,
+)
 
 
 def test_default_is_the_measured_best(monkeypatch):
@@ -31,3 +36,16 @@ def test_bad_value_names_its_source(monkeypatch, where):
     name = "config.hyscale_kernel_backend" if where == "config" else ENV
     with pytest.raises(ValueError, match=name):
         kernel_backend(cfg)
+
+
+def test_indexer_precision_config_env_default(monkeypatch):
+    monkeypatch.delenv(PRECISION_ENV, raising=False)
+    assert indexer_precision(types.SimpleNamespace()) == "bf16"
+    monkeypatch.setenv(PRECISION_ENV, "fp8")
+    assert indexer_precision(types.SimpleNamespace()) == "fp8"
+    assert indexer_precision(types.SimpleNamespace(hyscale_indexer_precision="bf16")) == "bf16"
+    with pytest.raises(ValueError, match="config.hyscale_indexer_precision"):
+        indexer_precision(types.SimpleNamespace(hyscale_indexer_precision="fp4"))
+    monkeypatch.setenv(PRECISION_ENV, "e4m3")
+    with pytest.raises(ValueError, match=PRECISION_ENV):
+        indexer_precision(types.SimpleNamespace())

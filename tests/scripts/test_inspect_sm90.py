@@ -89,3 +89,16 @@ def test_hopper_sparse_mla_forward_keeps_its_wgmma_pipeline(tmp_path: Path) -> N
         assert rep["loop_ops"]["WARPGROUP"] <= 6
         assert rep["loop_ops"]["LDGSTS"] > 0  # the next tile's gather is in the loop
         assert rep["shared_bytes"] <= 232448  # the H200's shared memory a block
+
+
+def test_fp8_hytopk_runs_fp8_wgmma(tmp_path: Path) -> None:
+    """precision="fp8": the select kernel's tile loop multiplies e4m3 operands on Hopper's fp8
+    wgmma (QGMMA, 32 channels a step: 4 for a 128-channel head), not bf16 or CUDA-core FMAs,
+    and k's per-key scale adds no local-memory traffic to it."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "hytopk-dsv32-fp8", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (rep,) = json.loads(out.read_text())
+    assert rep["constexprs"]["K_SCALED"] is True and rep["constexprs"]["BD"] == 128
+    assert rep["loop_ops"]["QGMMA"] == 4 and rep["loop_ops"]["HGMMA"] == 0
+    assert rep["loop_ops"].get("LDL", 0) == 0 and rep["loop_ops"].get("STL", 0) == 0

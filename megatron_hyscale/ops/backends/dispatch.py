@@ -49,13 +49,16 @@ def _use_library(backend: str, op: str, shape: str, T: int, reason: str | None) 
 # arange(T) + q_start) and kpos None (keys at 0 .. S-1) spare the backends reading them back.
 
 
-def selection(q, k, weights, topk, *, backend, relu, causal, qpos, kpos, ordered, q_start=None):
+def selection(q, k, weights, topk, *, backend, relu, causal, qpos, kpos, ordered, q_start=None,
+              precision="bf16"):
     from megatron_hyscale.ops.backends.cudnn_selection import (
         cudnn_selection,
         cudnn_selection_unsupported,
     )
 
     reason = cudnn_selection_unsupported(q, k, weights, relu=relu, causal=causal, kpos=kpos)
+    if reason is None and precision != "bf16":
+        reason = f"precision={precision!r}: cuDNN's SM90 indexer scores bf16 q and k"
     shape = measured.selection_shape(q.shape[2], q.shape[3], topk)
     if not _use_library(backend, "selection", shape, q.shape[1], reason):
         return None

@@ -1,7 +1,8 @@
 """HyTopK Triton kernel: fused indexer scoring and exact streaming top-k, no score table.
 
-Shapes: q [B, T, H, D], k [B, S, D] (bf16, fp16 or fp32), weights [B, T, H] (any float),
-positions int64 [B, T] / [B, S]. Returns indices int32 [B, T, topk] and scores fp32 [B, T, topk].
+Shapes: q [B, T, H, D], k [B, S, D] (bf16, fp16 or fp32; or e4m3 with fp32 scales q_scale
+[B, T, H] and k_scale [B, S], `ops/fp8_quant.py`), weights [B, T, H] (any float), positions int64
+[B, T] / [B, S]. Returns indices int32 [B, T, topk] and scores fp32 [B, T, topk].
 Algorithm: a persistent grid; each program takes blocks of R query rows (R x H (row, head)
 pairs: the GEMM's N with the key tile as M, `HyTopKOptions.keys_on_m`), streams key tiles from
 the diagonal backwards, computes fp32 scores, drops those under the row's running threshold,
@@ -11,6 +12,11 @@ atomic counter, `atomic_slots`), and when the buffer may overflow keeps its top-
 bitwise radix select (the k-th key becomes the new threshold). The row's top-k set is written
 unsorted; a row-chunked torch pass decodes it, sorted unless the caller asks for the set only.
 Variants and tunings come in a `HyTopKOptions` (`kernels/options.py`).
+
+FP8 (e4m3 q and k): the same kernel with fp8 tensor-core products accumulated in fp32; q's
+per-(token, head) scale is folded into the head weight before the launch and k's per-token scale
+multiplies each key's head sum (scales are positive powers of two, so both commute with the ReLU
+and are exact), as DeepSeek-V3.2's fp8_index applies them.
 
 Key-tile pruning (`HyTopKOptions.prune`): a pre-pass (_key_tile_bounds) stores, per key tile j
 of BN keys, a centroid c_j and a radius rho_j that covers the rounding of the kernel's own dot
@@ -27,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_hyscale.ops.fp8_quant import FP8_DTYPE, dequantize
 from megatron_hyscale.ops.kernels.common import MIN_DOT, fix_interpreter
 from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
@@ -55,6 +62,8 @@ _KEY_MIN = -(1 << 63)
 FP32_DOT_PRECISION = tl.constexpr("tf32x3")
 # fp32 operations per product term that the pruning bound counts for such a dot (see _launch).
 TF32X3_OPS_PER_TERM = 4
+# Smallest K of an fp8 product: Hopper's fp8 wgmma takes 32 channels a step.
+FP8_MIN_DOT = 32
 
 # Modes: the real kernel, and two measurement variants that share the same GEMM loop.
 MODE_SELECT = 0  # exact top-k
@@ -101,14 +110,16 @@ def _unpack_index(key):
 
 
 @triton.jit
-def _logits(a, b, RELU: tl.constexpr, IEEE: tl.constexpr):
+def _logits(a, b, RELU: tl.constexpr, IEEE: tl.constexpr, FP8_ACC: tl.constexpr):
     """a @ b^T with fp32 accumulation, ReLU'd when RELU; fp32 operands (IEEE: fp32 inputs or
-    the folded relu=False query) go through FP32_DOT_PRECISION."""
+    the folded relu=False query) go through FP32_DOT_PRECISION. FP8_ACC: e4m3 operands' channels
+    summed in the tensor core's own adder before each fp32 addition (None: Triton's default,
+    all of them on Hopper; `HyTopKOptions.fp8_imprecise_acc`)."""
     if IEEE:
         out = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)),
                      input_precision=FP32_DOT_PRECISION)
     else:
-        out = tl.dot(a, tl.trans(b))
+        out = tl.dot(a, tl.trans(b), max_num_imprecise_acc=FP8_ACC)
     if RELU:
         out = tl.maximum(out, 0.0)
     return out
@@ -191,7 +202,7 @@ def _compact_row(row_ptr, offs_c, n, k):
 
 @triton.jit
 def _hytopk_kernel(
-    q_ptr, k_ptr, w_ptr, qpos_ptr, kpos_ptr, hi_ptr, order_ptr,
+    q_ptr, k_ptr, w_ptr, qpos_ptr, kpos_ptr, ks_ptr, hi_ptr, order_ptr,
     out_idx_ptr, out_score_ptr, scratch_ptr, count_ptr, table_ptr, cent_ptr, rho_ptr, stats_ptr,
     T, S, H, n_blocks, blocks_per_batch, table_t0, n_key_tiles, slack,
     stride_qb, stride_qt, stride_qh, stride_qd,
@@ -201,7 +212,7 @@ def _hytopk_kernel(
     R: tl.constexpr, HP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr,
     RELU: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MODE: tl.constexpr,
     NPROG: tl.constexpr, PRUNE: tl.constexpr, G: tl.constexpr, KEYS_ON_M: tl.constexpr,
-    ATOMIC_SLOTS: tl.constexpr,
+    ATOMIC_SLOTS: tl.constexpr, K_SCALED: tl.constexpr, FP8_ACC: tl.constexpr,
 ):
     """One persistent program: blocks of R query rows (R * HP GEMM rows), key tiles of BN.
 
@@ -215,6 +226,9 @@ def _hytopk_kernel(
       X[t, j] = U[t, j] + slack * sum_h |w[t, h]| (|A| + n * rho)   >= every score of tile j,
     and tile j is skipped when X[t, j] < thr_score[t] for every row t that sees it. The
     threshold only changes between groups, so one decision per group is exact.
+
+    With K_SCALED (e4m3 q and k), ks_ptr [B, S] fp32 holds k's per-token scales, multiplied
+    into each key's head sum (q's scales are already in w_ptr).
     """
     M: tl.constexpr = R * HP
     pid = tl.program_id(0)
@@ -287,7 +301,7 @@ def _hytopk_kernel(
                                mask=in_g[:, None] & d_ok[None, :], other=0.0)
                 rho = tl.load(rho_ptr + b.to(tl.int64) * n_key_tiles + tile_g, mask=in_g,
                               other=0.0)
-                a_c = _logits(qt, cent, False, IEEE)  # computed like the key tiles' logits
+                a_c = _logits(qt, cent, False, IEEE, FP8_ACC)  # computed like the key tiles' logits
                 reach = q_norm[:, None] * rho[None, :]
                 bnd = a_c + reach
                 if RELU:
@@ -339,14 +353,18 @@ def _hytopk_kernel(
                 if KEYS_ON_M:
                     # K_tile @ Q^T: the (row, head) pairs are the MMA's N, so the head sum
                     # reduces within each thread and its quad (no shared memory).
-                    logits_t = _logits(kt, qt, RELU, IEEE) * w[None, :]
+                    logits_t = _logits(kt, qt, RELU, IEEE, FP8_ACC) * w[None, :]
                     scores = tl.sum(tl.reshape(logits_t, [BN, R, HP]), axis=2)
                 else:
-                    logits = _logits(qt, kt, RELU, IEEE) * w[:, None]
+                    logits = _logits(qt, kt, RELU, IEEE, FP8_ACC) * w[:, None]
                     if HP == 1:
                         scores = logits
                     else:
                         scores = tl.sum(tl.reshape(logits, [R, HP, BN]), axis=1)
+                if K_SCALED:
+                    # k's scale after the head sum: one multiply a score, not one a logit.
+                    k_scale = tl.load(ks_ptr + b * S + s, mask=s_ok, other=0.0)
+                    scores = scores * _per_key(k_scale, KEYS_ON_M)
                 vis = _per_row(row_ok, KEYS_ON_M) & _per_key(s_ok, KEYS_ON_M)
                 if CAUSAL:
                     kpos = tl.load(kpos_ptr + b * S + s, mask=s_ok, other=0)
@@ -463,13 +481,17 @@ def _visible_hi(q_positions, k_positions, causal, T, S):
     return hi.to(torch.int32)
 
 
-def _prepare(q, k, weights, relu, rows):
-    """Kernel operands: for relu=False the weights fold into q (one dot product per key)."""
+def _prepare(q, k, weights, relu, rows, q_scale=None):
+    """Kernel operands: for relu=False the weights fold into q (one dot product per key); for
+    e4m3 q under ReLU, q's per-(token, head) scale folds into the weights (exact: powers of
+    two; the caller dequantizes fp8 inputs for relu=False, see _launch)."""
     if relu:
         H = q.shape[2]
         hp = triton.next_power_of_2(H)
         gemm_rows = SMALL_HEADS_GEMM_ROWS if 1 < hp < SMALL_HEADS else GEMM_ROWS
         r = rows or max(1, gemm_rows // hp)
+        if q_scale is not None:
+            weights = weights.float() * q_scale
         return q, k, weights, hp, r, q.dtype == torch.float32
     # sum_h w[t,h] * (q[t,h] . k[s]) == (sum_h w[t,h] q[t,h]) . k[s]: an fp32 query, so the dot
     # runs in fp32 (ieee) to stay within fp32 rounding of the reference.
@@ -561,15 +583,29 @@ def _slack_coef(hp: int) -> float:
 
 def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
             options: HyTopKOptions = HyTopKOptions.DEFAULT, mode=MODE_SELECT, table=None,
-            table_rows=None, prune_stats=None, ordered=True):
+            table_rows=None, prune_stats=None, ordered=True, q_scale=None, k_scale=None):
     """Run the kernel in `mode` with the variant and tiling of `options` (pruning in
     MODE_SELECT only; with one head a row the rows stay on the MMA's M whatever keys_on_m
     says). prune_stats: optional int64 tensor [2] that receives (key tiles pruned, key tiles
     considered), each counted once per row block. ordered: sort each row (else the set in
-    kernel order, -1 slots last)."""
+    kernel order, -1 slots last). q_scale [B, T, H], k_scale [B, S]: fp32 scales of e4m3 q
+    and k (both required then, neither otherwise)."""
     B, T, _, D = q.shape
     S = k.shape[1]
-    qk, kk_, w, hp, r, ieee = _prepare(q, k, weights, relu, options.rows)
+    fp8 = q.dtype == FP8_DTYPE
+    if (fp8, fp8) != (k.dtype == FP8_DTYPE, q_scale is not None) or (q_scale is None) != (
+            k_scale is None):
+        raise ValueError("e4m3 q and k come with q_scale and k_scale, other dtypes without")
+    if fp8 and options.prune:
+        raise ValueError("options.prune is not supported with e4m3 q and k: its bound assumes "
+                         "the bf16 kernel's products and one scale for every key")
+    if fp8 and not relu:
+        # One folded fp32 query a row: its product is 1/H of the ReLU kernel's and runs in
+        # fp32 anyway, so the kernel scores the exactly dequantized values.
+        q, k = dequantize(q, q_scale), dequantize(k, k_scale)
+        q_scale = k_scale = None
+        fp8 = False
+    qk, kk_, w, hp, r, ieee = _prepare(q, k, weights, relu, options.rows, q_scale)
     H = qk.shape[2]
     bn = options.block_n
     kk = min(topk, S)
@@ -608,7 +644,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
         table = scratch
     out_scores = scores.view(torch.int32) if mode == MODE_SELECT else scores
     prune = options.prune and mode == MODE_SELECT
-    bd = max(MIN_DOT, triton.next_power_of_2(D))
+    bd = max(FP8_MIN_DOT if fp8 else MIN_DOT, triton.next_power_of_2(D))
     if prune:
         # fp32 operands run as three TF32 products: 3 D accumulations plus the split's
         # rounding (< 3 more operations), so the dot-product bound counts 4 D operations.
@@ -616,9 +652,14 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
         stats = torch.zeros(nprog, 2, dtype=torch.int64, device=q.device)
     else:
         cent = rho = stats = scratch
+    # k's scales (fp8), else any tensor: the kernel never reads it.
+    k_scales = k_scale.contiguous() if fp8 else kpos
+    fp8_acc = None
+    if fp8 and options.fp8_imprecise_acc is not None:
+        fp8_acc = min(options.fp8_imprecise_acc, bd)  # Triton rejects more than the dot's K
     _hytopk_kernel[(nprog,)](
-        qk, kk_, w, qpos, kpos, hi, order, indices, out_scores, scratch, counts, table, cent, rho,
-        stats,
+        qk, kk_, w, qpos, kpos, k_scales, hi, order, indices, out_scores, scratch, counts, table,
+        cent, rho, stats,
         T, S, H, n_blocks, blocks_per_batch, t_lo, triton.cdiv(S, bn), _slack_coef(hp),
         qk.stride(0), qk.stride(1), qk.stride(2), qk.stride(3),
         kk_.stride(0), kk_.stride(1), kk_.stride(2),
@@ -627,6 +668,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
         RELU=relu, CAUSAL=causal, IEEE=ieee, MODE=mode, NPROG=nprog,
         PRUNE=prune, G=max(16, triton.next_power_of_2(nt)),
         KEYS_ON_M=options.keys_on_m and hp > 1, ATOMIC_SLOTS=options.atomic_slots,
+        K_SCALED=fp8, FP8_ACC=fp8_acc,
         num_warps=options.num_warps, num_stages=options.num_stages,
     )
     if prune_stats is not None:
@@ -665,16 +707,18 @@ def _finish(indices, scores, ordered=True):
 def hytopk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *,
                   relu: bool, q_positions: torch.Tensor, k_positions: torch.Tensor,
                   causal: bool, options: HyTopKOptions = HyTopKOptions.DEFAULT,
-                  prune_stats: torch.Tensor | None = None, ordered: bool = True
+                  prune_stats: torch.Tensor | None = None, ordered: bool = True,
+                  q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact HyTopK on validated inputs (positions int64 [B, T] / [B, S]); see module doc.
 
     options: the kernel variant (the outputs are identical for every one). prune_stats:
     optional int64 [2] tensor that receives (key tiles pruned, key tiles considered) when
-    options.prune. ordered=False: each row's set in kernel order."""
+    options.prune. ordered=False: each row's set in kernel order. q_scale, k_scale: the fp32
+    scales of e4m3 q and k (`fp8_quant.quantize_indexer`)."""
     return _launch(q, k, weights, topk, relu=relu, q_positions=q_positions,
                    k_positions=k_positions, causal=causal, options=options,
-                   prune_stats=prune_stats, ordered=ordered)
+                   prune_stats=prune_stats, ordered=ordered, q_scale=q_scale, k_scale=k_scale)
 
 
 def score_table(q, k, weights, *, relu, q_positions, k_positions, causal, t0, t1, table,

@@ -74,6 +74,20 @@ class HyTopKOptions:
     # costs time; the GPU benchmark measures both settings (bench_selection.py --methods
     # hytopk hytopk_prune).
     prune: bool = False
+    # precision="fp8" only (the outputs may differ in fp32 rounding between values): how many
+    # channels of an e4m3 product the tensor core sums in its own adder before the sum joins
+    # an fp32 register (Triton's max_num_imprecise_acc; capped at the padded head dim). None
+    # keeps Triton's Hopper default, every channel: a 128-channel head is one fp32 addition,
+    # which is DeepSeek-V3's promotion interval of 128 (its report: Hopper's fp8 MMA keeps
+    # about 14 bits while it accumulates). 32 adds each 32-channel wgmma step to an fp32
+    # accumulator (fp32 accumulation proper) at four CUDA-core additions a logit, in the
+    # epilogue that already limits the kernel. Exact either way on integer-valued inputs.
+    # Compiled for sm_90a (2026-12-02, `scripts/inspect_sm90.py --preset hytopk-dsv32-fp8
+    # hytopk-dsv32-fp8-promote32`, 64 heads, 64-key tiles): None runs 4 QGMMA (fp8 wgmma) and
+    # 416 SASS instructions a tile (bf16: 8 HGMMA, 460) without local memory in the loop; 32
+    # runs 689 with 200 FADD, 50 local-memory loads (404 bytes spilled) and serialized wgmma.
+    # Not yet timed on a GPU (bench_selection.py: hytopk_fp8 against hytopk_fp8_promote32).
+    fp8_imprecise_acc: int | None = None
 
     DEFAULT: ClassVar[HyTopKOptions]
 

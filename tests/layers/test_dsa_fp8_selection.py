@@ -1,0 +1,69 @@
+"""HyScaleDSAttention with config.hyscale_indexer_precision = "fp8": only the selection changes.
+
+A tiny GPT (MLA + DSA, 2 layers, T = 256 > top-32, dense indexer loss) runs a training step
+and an eval forward (`test_dsa_layer.run_step`) with the fp8 selection, then with the bf16 one,
+then bf16 again with the fp8 run's indices replayed: the last must give the fp8 run's loss,
+logits, indexer losses and gradients bit for bit, so the indexer loss and every gradient path
+saw the same (unquantized) tensors and only the choice of keys differed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_dsa_layer import VOCAB, T, run_step
+
+import megatron_hyscale.layers.dsa as dsa_layer
+from hyscale_bench.models import build_gpt, tiny_dsa_config
+from megatron_hyscale.layers.kernel_backend import PRECISION_ENV
+
+
+def test_fp8_precision_changes_only_the_selection(monkeypatch):
+    monkeypatch.delenv(PRECISION_ENV, raising=False)
+    torch.manual_seed(1234)
+    model = build_gpt(tiny_dsa_config(), stock=False, vocab_size=VOCAB, max_sequence_length=T)
+    real_hytopk = dsa_layer.hytopk
+    calls: list[tuple[str, torch.Tensor]] = []
+
+    def spy(*args, **kwargs):
+        out = real_hytopk(*args, **kwargs)
+        if kwargs["precision"] == "fp8":  # the fp8 reference on the layer's indexer tensors
+            want = real_hytopk(*args, **dict(kwargs, backend="reference"))
+            assert torch.equal(out[0], want[0])
+        calls.append((kwargs["precision"], out[0].clone()))
+        return out
+
+    monkeypatch.setattr(dsa_layer, "hytopk", spy)
+    model.config.hyscale_indexer_precision = "fp8"
+    fp8_step = run_step(model)
+    fp8_calls, calls[:] = list(calls), []
+    assert [p for p, _ in fp8_calls] == ["fp8"] * 4  # a selection a layer a forward
+
+    model.config.hyscale_indexer_precision = "bf16"
+    bf16_step = run_step(model)
+    assert [p for p, _ in calls] == ["bf16"] * 4
+    # Quantization moved some selections (else the replay below would prove nothing).
+    assert any(not torch.equal(a, b) for (_, a), (_, b) in zip(fp8_calls, calls, strict=True))
+    assert not torch.equal(fp8_step[0], bf16_step[0])
+
+    # bf16 with the fp8 run's indices: the same step bit for bit.
+    replayed = iter([idx for _, idx in fp8_calls])
+    monkeypatch.setattr(dsa_layer, "hytopk", lambda *a, **kw: (next(replayed), None))
+    *replay_outputs, grads_replay = run_step(model)
+    *fp8_outputs, grads_fp8 = fp8_step
+    for got, want in zip(replay_outputs, fp8_outputs, strict=True):  # loss, logits, KL losses
+        assert torch.equal(got, want)
+    assert set(grads_replay) == set(grads_fp8)
+    indexer = [n for n in grads_fp8 if ".indexer." in n]
+    assert indexer and any(grads_fp8[n].abs().sum() > 0 for n in indexer)
+    for name, grad in grads_fp8.items():
+        assert torch.equal(grads_replay[name], grad), name
+
+
+def test_bad_precision_names_the_config_field(monkeypatch):
+    monkeypatch.delenv(PRECISION_ENV, raising=False)
+    torch.manual_seed(0)
+    model = build_gpt(tiny_dsa_config(), stock=False, vocab_size=VOCAB, max_sequence_length=T)
+    model.config.hyscale_indexer_precision = "fp4"
+    with pytest.raises(ValueError, match="config.hyscale_indexer_precision"):
+        run_step(model)
