@@ -82,6 +82,9 @@
 #                                         # warm): megatron's TileLang kernels beside HyScale's
 #                                         # and cuDNN's, same runs; selection (~4-5 min), then
 #                                         # attention + indexer loss (~5-6 min): two calls
+#   bash scripts/gpu_session.sh fp8       # the FP8 indexer: its GPU tests, then bench_selection.py
+#                                         # fp8 against bf16 (floor ratio, overlap), 16K-128K
+#                                         # random and 128K trained-like inputs     (~8 min)
 #   bash scripts/gpu_session.sh te [T...]  # after gpu_cudnn.sh 1, 2 and gpu_te.sh 1-5 (machine
 #                                         # warm): the Transformer Engine layer test and
 #                                         # bench_layer.py with TE against stock cudnn, 8K and
@@ -111,11 +114,11 @@ stage=${1:-}
 shift || true
 case "$stage" in
   verify|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
-  |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te) ;;
+  |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
-       "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te} [ARGS...]" >&2
+       "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8} [ARGS...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -328,6 +331,19 @@ case "$stage" in
     timeout 150 python3 scripts/bench_selection.py --T "$seq" --configs qsa --reps 2 \
       --secondary-max-T "$seq" --methods hytopk scoreonly finish --tag _qsa --out "$out" 2>&1 \
       | tail -5 | tee "$out/bench_selection_qsa.log"
+    ;;
+  fp8)
+    # The FP8 indexer (ops.hytopk precision="fp8"): its GPU tests (exact on integer inputs,
+    # equal to the reference on the same quantized random inputs), then speed against the
+    # bf16 GEMM floor with the overlap against bf16 selection, random and trained-like inputs.
+    timeout 150 python3 -m pytest -q -m gpu tests/ops/test_hytopk_fp8.py -p no:cacheprovider \
+      2>&1 | tail -8 | tee "$out/tests.log"
+    timeout 240 python3 scripts/bench_selection.py --configs dsv32 glm51 --T 16384 65536 131072 \
+      --reps 2 --methods hytopk hytopk_fp8 hytopk_fp8_promote32 scoreonly scoreonly_fp8 \
+      --inputs random --tag _fp8 --out "$out" 2>&1 | tail -30 | tee "$out/bench_selection_fp8.log"
+    timeout 150 python3 scripts/bench_selection.py --configs dsv32 --T 131072 --reps 2 \
+      --methods hytopk hytopk_fp8 --inputs structured recency --tag _fp8_trained --out "$out" \
+      2>&1 | tail -12 | tee "$out/bench_selection_fp8_trained.log"
     ;;
   selection)
     timeout 150 python3 scripts/bench_selection.py --T 131072 --configs dsv32 v4flash --reps 2 \
