@@ -70,7 +70,7 @@ indexer keys are all-gathered in the packed global order and the local rows work
 Not covered yet (raise NotImplementedError naming it): inference / KV cache, tensor
 parallelism > 1 with a sequence-parallel layout (the indexer projection is duplicated on every
 TP rank, so plain TP works), padding or document masks (packed documents come as
-`packed_seq_params`).
+`packed_seq_params`), `real_token_mask_q` when the indexer loss is on.
 """
 
 from __future__ import annotations
@@ -521,6 +521,11 @@ class HyScaleQSAttention(MegatronModule):
         seq_len = key.size(0) * layout.size
         packed = order = None
         if packed_seq_params is not None:
+            if getattr(packed_seq_params, "real_token_mask_q", None) is not None and use_loss:
+                # Padded rows would count in the indexer loss: refuse rather than train on them.
+                raise NotImplementedError("HyScaleQSAttention: packed THD with real_token_mask_q "
+                                          "(padded rows left out of the indexer loss) is not "
+                                          "supported with qsa_indexer_loss_coeff > 0")
             packed = packed_blocks(packed_seq_params, sq, query.device, cp_group, pos_emb,
                                    self.block_size)
             pos_emb, order = packed.row_emb, packed.layout.key_order

@@ -227,3 +227,19 @@ def test_bad_cu_seqlens_name_the_argument():
     with pytest.raises(ValueError, match="fewer than the longest packed document"):
         layer(x[:-1], None, rotary_pos_emb=rope(hcfg, 20),
               packed_seq_params=packed_params(LENGTHS))
+
+
+def test_real_token_mask_with_the_indexer_loss_is_refused_naming_it():
+    """Padded rows would count in the indexer loss: the layer refuses instead of training on
+    them; without the loss the mask changes nothing (as stock's DSA: rows still attend)."""
+    lengths, padded = LENGTHS, (16, 48, 28)
+    params = packed_params(lengths, padded)
+    params.real_token_mask_q = torch.ones(sum(padded), dtype=torch.bool)
+    x, r = inputs(sum(padded), seed=12)
+    layer, hcfg = build(seed=12, qsa_indexer_loss_coeff=0.5)
+    with pytest.raises(NotImplementedError, match=r"real_token_mask_q .*qsa_indexer_loss_coeff"):
+        run(layer, x, r, rope(hcfg, max(padded)), params)
+    layer, hcfg = build(seed=12)
+    masked = run(layer, x, r, rope(hcfg, max(padded)), params)
+    plain = run(layer, x, r, rope(hcfg, max(padded)), packed_params(lengths, padded))
+    assert torch.equal(masked.out, plain.out)
