@@ -17,6 +17,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 from unittest import mock
 
 import torch
@@ -81,3 +82,14 @@ def run_workers(body: Callable[[int, dict], None], nprocs: int, timeout_s: float
     if errors:
         raise RuntimeError("\n".join(errors))
     return found[0]
+
+
+def worker_result(results: dict, key: Any) -> dict:
+    """`results[key]` from a `run_workers` body that stores {"error": traceback} for a case
+    that raised (so the other cases still run): the test of that case fails with it."""
+    import pytest
+
+    got = results[key]
+    if "error" in got:
+        pytest.fail(got["error"], pytrace=False)
+    return got

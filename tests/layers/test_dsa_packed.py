@@ -79,6 +79,20 @@ def step(attn, hidden, params, recompute):
     return out.detach(), h.grad, grads, logged
 
 
+def hyscale_step(hyscale, hidden, params, recompute):
+    """`step` on HyScale's layer, which must keep to its own path (a fallback warning fails)
+    and compute the selection once, replaying it under recompute, with the store drained."""
+    replay.reset_stats()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="HyScaleDSAttention", category=RuntimeWarning)
+        got = step(hyscale, hidden, params, recompute)
+    stats = replay.get_stats()
+    assert (stats["selections_computed"], stats["selections_replayed"]) == (
+        1, 1 if recompute else 0)
+    replay.assert_drained()
+    return got
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("sparse", [False, True])
 def test_packed_thd_matches_stock(sparse, recompute):
@@ -87,14 +101,7 @@ def test_packed_thd_matches_stock(sparse, recompute):
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(sum(LENGTHS), 1, 64, generator=g).to(DEVICE)
     want = step(stock, hidden, params, recompute)
-    replay.reset_stats()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="HyScaleDSAttention", category=RuntimeWarning)
-        got = step(hyscale, hidden, params, recompute)
-    stats = replay.get_stats()
-    assert stats["selections_computed"] == 1
-    assert stats["selections_replayed"] == (1 if recompute else 0)
-    replay.assert_drained()
+    got = hyscale_step(hyscale, hidden, params, recompute)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-7)
     assert set(got[2]) == set(want[2])
@@ -150,9 +157,7 @@ def test_padded_documents_use_their_storage_rows():
     params = packed_params(padded=padded)
     hidden = torch.randn(80, 1, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     want = step(stock, hidden, params, recompute=False)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="HyScaleDSAttention", category=RuntimeWarning)
-        got = step(hyscale, hidden, params, recompute=False)
+    got = hyscale_step(hyscale, hidden, params, recompute=False)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     for name in want[2]:
         torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-6)
@@ -180,14 +185,7 @@ def test_real_token_mask_matches_stock(sparse, per_token, recompute):
     params.real_token_mask_q = real_token_mask(padded, (13, 33, 20), shape=(1, 80))
     hidden = torch.randn(80, 1, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     want = step(stock, hidden, params, recompute)
-    replay.reset_stats()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="HyScaleDSAttention", category=RuntimeWarning)
-        got = step(hyscale, hidden, params, recompute)
-    stats = replay.get_stats()
-    assert (stats["selections_computed"], stats["selections_replayed"]) == (
-        1, 1 if recompute else 0)
-    replay.assert_drained()
+    got = hyscale_step(hyscale, hidden, params, recompute)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-7)
     assert set(got[2]) == set(want[2])

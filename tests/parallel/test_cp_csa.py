@@ -28,7 +28,7 @@ from hyscale_bench.distributed import init_model_parallel
 from hyscale_bench.models import randomize_
 from megatron_hyscale.parallel import zigzag_merge, zigzag_split
 from megatron_hyscale.testing.compare import assert_grads_close
-from megatron_hyscale.testing.distributed import run_workers
+from megatron_hyscale.testing.distributed import run_workers, worker_result
 
 WORLD = 2
 T, B = 44, 2
@@ -220,10 +220,7 @@ def results() -> dict:
 
 
 def _get(results: dict, name: str, cp: int) -> dict:
-    res = results[(name, cp)]
-    if "error" in res:
-        pytest.fail(res["error"], pytrace=False)
-    return res
+    return worker_result(results, (name, cp))
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hyscale_bench.distributed import init_model_parallel
 from megatron_hyscale.parallel import zigzag_merge, zigzag_split
-from megatron_hyscale.testing.distributed import run_workers
+from megatron_hyscale.testing.distributed import run_workers, worker_result
 
 WORLD = 2
 VOCAB, T, B = 97, 72, 2
@@ -121,10 +121,7 @@ def results() -> dict:
 
 
 def _get(results: dict, name: str, cp: int) -> dict:
-    res = results[(name, cp)]
-    if "error" in res:
-        pytest.fail(res["error"], pytrace=False)
-    return res
+    return worker_result(results, (name, cp))
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

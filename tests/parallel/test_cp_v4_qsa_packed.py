@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hyscale_bench.distributed import init_model_parallel
 from megatron_hyscale.parallel import thd_merge, thd_split
-from megatron_hyscale.testing.distributed import run_workers
+from megatron_hyscale.testing.distributed import run_workers, worker_result
 from megatron_hyscale.testing.packed import cu_seqlens, thd_params
 
 WORLD = 2
@@ -152,10 +152,7 @@ def results() -> dict:
 
 
 def _get(results: dict, name: str, cp: int) -> dict:
-    got = results[(name, cp)]
-    if "error" in got:
-        pytest.fail(got["error"])
-    return got
+    return worker_result(results, (name, cp))
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
