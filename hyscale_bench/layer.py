@@ -207,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "whole tokens allow, the default), uneven (log-normal lengths from a "
                         f"generator seeded {PACKED_SEED} + N, rows hyscale_packed_N_uneven) or "
                         "both")
+    p.add_argument("--profile-kernels", type=int, default=0, metavar="N",
+                   help="after each row's timing, profile one more step (torch.profiler) and "
+                        "record its N most expensive operators by self device time "
+                        "(`kernel_profile`: name, ms, calls), the device-busy total and the "
+                        "step's wall time, so a row's time can be split into its kernels and "
+                        "host stalls (default 0: off)")
     p.add_argument("--out", default="outputs/bench_layer", help="output folder")
     return p
 
@@ -719,8 +725,43 @@ def measure(layer: Layer, T: int, args: argparse.Namespace) -> dict[str, Any]:
         result["selection_share"] = None
     if layer.fused_hooks:
         result["fused_kernels"] = fused.counts
+    if args.profile_kernels > 0:
+        result["kernel_profile"] = profile_step(layer, hidden, grad, args)
     replay.clear()
     return result
+
+
+def profile_step(layer: Layer, hidden: torch.Tensor, grad: torch.Tensor,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """One step under torch.profiler: its wall ms, the device-busy ms (every operator's self
+    device time) and the `args.profile_kernels` operators with the most self device time (on
+    the CPU: self CPU time), each {name, ms, calls}. Busy well under wall means the host (launch
+    overhead, syncs, Python loops) sets the pace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = args.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(args.device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        layer_step(layer, hidden, grad)
+        sync(args.device)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+
+    def self_us(e: Any) -> float:
+        if not cuda:
+            return float(e.self_cpu_time_total)
+        return float(getattr(e, "self_device_time_total", None)
+                     or getattr(e, "self_cuda_time_total", 0.0))
+
+    events = sorted(prof.key_averages(), key=self_us, reverse=True)
+    top = [{"name": e.key[:120], "ms": self_us(e) / 1e3, "calls": int(e.count)}
+           for e in events[:args.profile_kernels] if self_us(e) > 0]
+    busy_ms = sum(self_us(e) for e in events) / 1e3
+    log(f"  profile: wall {wall_ms:.1f} ms, {'device' if cuda else 'cpu'} busy {busy_ms:.1f} ms")
+    for item in top:
+        log(f"    {item['ms']:9.2f} ms {item['calls']:6d}x  {item['name']}")
+    return {"wall_ms": wall_ms, "busy_ms": busy_ms, "top": top}
 
 
 # ---------------------------------------------------------------------------------------------

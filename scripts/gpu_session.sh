@@ -281,10 +281,12 @@ case "$stage" in
     # The whole log in bench_layer.log; the tables, errors and any HyScale fallback warning
     # (the JSON counts them per row: fallback_warnings, path) in the call's output. The
     # benchmarks/results record (benchmark_tables.py renders it) lands in the stage's folder.
-    HYSCALE_RESULTS=$out timeout 420 python3 scripts/bench_layer.py --seq $seqs --packed ${PACKED_DOCS:-8 64} \
+    # PROFILE=N: one profiled step a row, its N costliest operators in the log and the JSON.
+    HYSCALE_RESULTS=$out timeout "${LAYER_PACKED_TIMEOUT:-420}" python3 scripts/bench_layer.py \
+      --seq $seqs --packed ${PACKED_DOCS:-8 64} \
       --packed-split "${PACKED_SPLIT:-even}" --skip-stock --repeats "${REPEATS:-3}" \
-      --out "$out" 2>&1 | tee "$out/bench_layer.log" \
-      | grep -E "^\||Error|Traceback|T=.*floor|HyScaleDSAttention"
+      --profile-kernels "${PROFILE:-0}" --out "$out" 2>&1 | tee "$out/bench_layer.log" \
+      | grep -E "^\||Error|Traceback|T=.*floor|HyScaleDSAttention|profile:|^ +[0-9.]+ ms +[0-9]+x"
     ;;
   accuracy)
     # Two processes (each compiles its kernels once): DSA at 4K and 16K, both loss forms, then

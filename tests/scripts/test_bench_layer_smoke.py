@@ -466,3 +466,23 @@ def test_benchmark_tables_render_packed_rows(monkeypatch: pytest.MonkeyPatch,
     assert slow["path"] == "**stock fallback** (5 fallback warnings)"
     assert by_row["hyscale_packed_64_uneven"]["documents (tokens each)"] == \
         "error: RuntimeError: boom"
+
+
+def test_profile_kernels_records_top_operators(tmp_path: Path) -> None:
+    """`--profile-kernels N`: each HyScale row gets one profiled step with at most N operators,
+    sorted by time, whose times fit inside the busy total; without the flag no row has one."""
+    proc = _run(["--model", "dsa", "--skip-stock", "--profile-kernels", "4", "--packed", "2"],
+                tmp_path)
+    data = _load(tmp_path, "dsa", proc)
+    row = data["rows"][0]
+    for name in ("hyscale", "hyscale_packed_2"):
+        prof = row[name]["kernel_profile"]
+        assert _finite(prof["wall_ms"]) and prof["wall_ms"] > 0
+        assert _finite(prof["busy_ms"]) and prof["busy_ms"] > 0
+        top = prof["top"]
+        assert 1 <= len(top) <= 4
+        times = [item["ms"] for item in top]
+        assert times == sorted(times, reverse=True) and sum(times) <= prof["busy_ms"] + 1e-6
+        assert all(item["calls"] >= 1 and item["name"] for item in top)
+    assert "  profile: wall " in proc.stdout
+    assert bench_layer.parse_args([]).profile_kernels == 0
