@@ -46,6 +46,11 @@
 #                                         # of the store, allocated memory or step time
 #                                         # (megatron_hyscale.testing.soak); its record in the
 #                                         # stage's folder, exit 1 if a check failed  (~2 min)
+#   bash scripts/gpu_session.sh reliability  # issue #23: tests/reliability on CUDA, slow
+#                                         # cases and the 256K HyTopK test included
+#                                         # (checkpoint round trips, resume, failure modes)
+#   bash scripts/gpu_session.sh accuracy-64k  # accuracy.py, DSA at 64K, HyScale against
+#                                         # float64 alone, dense and sparse loss      (~4 min)
 #   bash scripts/gpu_session.sh selection # HyTopK and its score-only split at 128K for
 #                                         # DeepSeek-V3.2 and V4-Flash's CSA, at 512K for QSA,
 #                                         # each kernel default as it stands         (~2 min)
@@ -114,11 +119,13 @@ stage=${1:-}
 shift || true
 case "$stage" in
   verify|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
-  |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8) ;;
+  |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
+  |accuracy-64k) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
-       "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8} [ARGS...]" >&2
+       "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
+       "|accuracy-64k} [ARGS...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -297,6 +304,24 @@ case "$stage" in
       --out "$out" 2>&1 | grep -v Warning | tee "$out/accuracy_dsa.log"
     timeout 210 python3 scripts/accuracy.py --model csa qsa --seq 16384 --loss dense sparse \
       --out "$out/v4_qsa" 2>&1 | grep -v Warning | tee "$out/accuracy_csa_qsa.log"
+    ;;
+  accuracy-64k)
+    # Issue #23 item 4 at 64K: HyScale's DSA layer against float64 alone (stock's plain path
+    # builds fp32 score tables that do not fit there), both loss forms; the record in $out.
+    HYSCALE_RESULTS=$out timeout "${ACCURACY_TIMEOUT:-300}" python3 scripts/accuracy.py \
+      --model dsa --seq 65536 --loss dense sparse --out "$out" 2>&1 | grep -v Warning \
+      | tee "$out/accuracy_dsa_64k.log" | tail -40
+    ;;
+  reliability)
+    # Issue #23 on the GPU: checkpoint round trips (stock <-> HyScale specs, DSA, V4, QSA),
+    # exact resume after SIGKILL, the public failure modes (the 256K HyTopK test included) and
+    # the soak, on CUDA (testing.training picks it when there is one); slow cases included.
+    timeout "${RELIABILITY_TIMEOUT:-420}" python3 -m pytest -q -rfEs -m "slow or not slow" \
+      tests/reliability -p no:cacheprovider > "$out/tests.log" 2>&1
+    rc=$?
+    grep -E "^(FAILED|ERROR|SKIPPED|E  )" "$out/tests.log" | cut -c1-300 | head -30
+    tail -3 "$out/tests.log"
+    exit $rc
     ;;
   models)
     models=(); seqs=()

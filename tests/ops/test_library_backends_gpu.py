@@ -143,8 +143,12 @@ def test_library_attention_matches_reference(H, D, K, sink):
     assert torch.equal(ql.grad[:, 3], torch.zeros_like(ql.grad[:, 3]))
 
 
-@pytest.mark.parametrize("B,H_I,with_lse", [(1, 64, True), (2, 32, False)])
-def test_cudnn_indexer_loss_matches_reference(B, H_I, with_lse):
+@pytest.mark.parametrize("B,H_I,with_lse,K", [(1, 64, True, 512), (2, 32, False, 512),
+                                               (2, 32, True, 2048)])
+def test_cudnn_indexer_loss_matches_reference(B, H_I, with_lse, K):
+    """K = 2048 over 2048 keys: every row but the last holds fewer than K keys (half the slots
+    empty on average, as in a packed sequence of short documents); the empty slots reach cuDNN's
+    backward as key -1 and must add nothing, key 0's gradient included."""
     needs(CUDNN, FLASHMLA)
     from megatron_hyscale.ops.backends.cudnn_indexer_loss import (
         cudnn_indexer_loss,
@@ -152,7 +156,7 @@ def test_cudnn_indexer_loss_matches_reference(B, H_I, with_lse):
     )
     from megatron_hyscale.ops.checks import normalize_positions
 
-    T, H, D, K = 2048, 64, 576, 512
+    T, H, D = 2048, 64, 576
     g = torch.Generator(device="cuda").manual_seed(B * H_I)
     qi = torch.randn(B, T, H_I, 128, device="cuda", generator=g).to(torch.bfloat16)
     ki = torch.randn(B, T, 128, device="cuda", generator=g).to(torch.bfloat16)
@@ -181,6 +185,9 @@ def test_cudnn_indexer_loss_matches_reference(B, H_I, with_lse):
         assert cos.item() > 0.999, (name, cos.item())
         ratio = a.grad.float().norm() / (3.0 * b.grad.float().norm())
         assert abs(ratio.item() - 1) < 1e-2, (name, ratio.item())
+    # Key 0 is visible to every row: the row megatron's layout sends every empty slot to.
+    k0, want0 = mine[2].grad[:, 0].float(), 3.0 * leaves[2].grad[:, 0].float()
+    assert (k0 - want0).norm() <= 2e-2 * want0.norm(), ((k0 - want0).norm(), want0.norm())
 
 
 def test_host_known_positions_and_trusted_slots_change_nothing():

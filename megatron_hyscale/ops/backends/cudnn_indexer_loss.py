@@ -151,10 +151,15 @@ def _indexer_grads(DSA, q_index, weights, k_index, target, predict, slots, slot_
     w_p = _pad_dim(weights, 2, MIN_INDEXER_HEADS).contiguous()
     K = slots.shape[-1]
     Kp = round_up(K, BLOCK_I)
-    ids = flat_key_ids(slots.masked_fill(~slot_valid, 0), S).masked_fill(~slot_valid, 0)
+    # Slots past a row's length go in as key -1 with zero predict and target: the kernel gates
+    # them off (no gradient signal), zero-fills their K rows and skips their dK reduction.
+    # megatron points them at key 0 instead, and every such slot then adds (zeros) into that
+    # one key row with atomics: in a packed sequence of short documents, where most rows hold
+    # fewer than top-k keys, that serialized the backward (BENCHMARKS.md, packed THD).
+    ids = flat_key_ids(slots.masked_fill(~slot_valid, -1), S)
     attn = _pad_dim(target.contiguous(), 2, Kp)
-    pred = _pad_dim(predict.clamp_min(MIN_PROBABILITY), 2, Kp)
-    ids = _pad_dim(ids, 2, Kp).contiguous()
+    pred = _pad_dim(torch.where(slot_valid, predict.clamp_min(MIN_PROBABILITY), 0.0), 2, Kp)
+    ids = _pad_dim(ids, 2, Kp, value=-1).contiguous()
     unit = torch.ones((), device=q_index.device, dtype=torch.float32)
     step = T if T <= GRID_Y_ROWS else CHUNK_ROWS
     dq = torch.empty_like(q_p)
