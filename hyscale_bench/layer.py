@@ -733,10 +733,10 @@ def measure(layer: Layer, T: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def profile_step(layer: Layer, hidden: torch.Tensor, grad: torch.Tensor,
                  args: argparse.Namespace) -> dict[str, Any]:
-    """One step under torch.profiler: its wall ms, the device-busy ms (every operator's self
-    device time) and the `args.profile_kernels` operators with the most self device time (on
-    the CPU: self CPU time), each {name, ms, calls}. Busy well under wall means the host (launch
-    overhead, syncs, Python loops) sets the pace."""
+    """One step under torch.profiler: its wall ms, the device-busy ms (the device-side
+    events' time: kernels, copies) and the `args.profile_kernels` operators with the most self
+    device time (on the CPU: self CPU time), each {name, ms, calls}. Busy well under wall means
+    the host (launch overhead, syncs, Python loops) sets the pace."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = args.device == "cuda"
@@ -754,10 +754,14 @@ def profile_step(layer: Layer, hidden: torch.Tensor, grad: torch.Tensor,
         return float(getattr(e, "self_device_time_total", None)
                      or getattr(e, "self_cuda_time_total", 0.0))
 
+    # On a GPU an operator launched from Python (an autograd Function) is charged its kernels'
+    # time as well: the busy total counts device-side events (kernels, copies) only.
     events = sorted(prof.key_averages(), key=self_us, reverse=True)
     top = [{"name": e.key[:120], "ms": self_us(e) / 1e3, "calls": int(e.count)}
            for e in events[:args.profile_kernels] if self_us(e) > 0]
-    busy_ms = sum(self_us(e) for e in events) / 1e3
+    on_device = [e for e in events
+                 if not cuda or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(self_us(e) for e in on_device) / 1e3
     log(f"  profile: wall {wall_ms:.1f} ms, {'device' if cuda else 'cpu'} busy {busy_ms:.1f} ms")
     for item in top:
         log(f"    {item['ms']:9.2f} ms {item['calls']:6d}x  {item['name']}")
