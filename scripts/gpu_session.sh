@@ -46,9 +46,10 @@
 #                                         # of the store, allocated memory or step time
 #                                         # (megatron_hyscale.testing.soak); its record in the
 #                                         # stage's folder, exit 1 if a check failed  (~2 min)
-#   bash scripts/gpu_session.sh reliability  # issue #23: tests/reliability on CUDA, slow
-#                                         # cases and the 256K HyTopK test included
-#                                         # (checkpoint round trips, resume, failure modes)
+#   bash scripts/gpu_session.sh reliability [FILES]  # issue #23: tests/reliability on
+#                                         # CUDA, one pytest a file, slow cases and the 256K
+#                                         # HyTopK test included (checkpoint round trips,
+#                                         # resume, failure modes, soak)               (~8 min)
 #   bash scripts/gpu_session.sh accuracy-64k  # accuracy.py, DSA at 64K, HyScale against
 #                                         # float64 alone, dense and sparse loss      (~4 min)
 #   bash scripts/gpu_session.sh selection # HyTopK and its score-only split at 128K for
@@ -316,11 +317,20 @@ case "$stage" in
     # Issue #23 on the GPU: checkpoint round trips (stock <-> HyScale specs, DSA, V4, QSA),
     # exact resume after SIGKILL, the public failure modes (the 256K HyTopK test included) and
     # the soak, on CUDA (testing.training picks it when there is one); slow cases included.
-    timeout "${RELIABILITY_TIMEOUT:-420}" python3 -m pytest -q -rfEs -m "slow or not slow" \
-      tests/reliability -p no:cacheprovider > "$out/tests.log" 2>&1
-    rc=$?
-    grep -E "^(FAILED|ERROR|SKIPPED|E  )" "$out/tests.log" | cut -c1-300 | head -30
-    tail -3 "$out/tests.log"
+    # One pytest a file, each test bounded (pytest-timeout, on the image), so a slow case cannot
+    # swallow the other files' summaries; the first failures' messages in the call's output.
+    per_test=()
+    python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${PER_TEST_TIMEOUT:-150}")
+    rc=0
+    for f in ${*:-tests/reliability/test_checkpoint_roundtrip.py tests/reliability/test_exact_resume.py \
+               tests/reliability/test_public_failure_modes.py tests/reliability/test_soak.py}; do
+      timeout "${RELIABILITY_TIMEOUT:-240}" python3 -m pytest -q -rfEs --tb=short "${per_test[@]}" \
+        -m "slow or not slow" "$f" -p no:cacheprovider > "$out/current.log" 2>&1 || rc=1
+      cat "$out/current.log" >> "$out/tests.log"
+      echo "$f: $(tail -1 "$out/current.log")" | tee -a "$out/summary.txt"
+      grep -E "^(FAILED|ERROR)|^E  " "$out/current.log" | cut -c1-300 | head -12
+    done
+    rm -f "$out/current.log"
     exit $rc
     ;;
   models)

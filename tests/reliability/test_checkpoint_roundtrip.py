@@ -31,8 +31,15 @@ from megatron_hyscale.testing.training import (
 
 pytestmark = pytest.mark.filterwarnings(*CHECKPOINT_WARNING_FILTERS)
 
+# On the GPU the backward kernels (HyScale's Triton ones, which the V4 / QSA counterparts share)
+# add key gradients with atomics, so two runs agree bitwise only in megatron's deterministic
+# mode, the contract these bitwise checks hold HyScale to there; the CPU runs (CI) keep the
+# default configuration, where the reference ops are deterministic anyway.
+ON_GPU = torch.cuda.is_available()
+
+
 def overrides(kind: str, **extra) -> dict:
-    return {**FULL_RECOMPUTE, **extra}
+    return {**FULL_RECOMPUTE, "deterministic_mode": ON_GPU, **extra}
 
 
 def needs_transformers(kind: str) -> None:
@@ -235,6 +242,9 @@ def _two_rank_body(directory: str, rank: int, result: dict) -> None:
                                     for n, p in stock.module.named_parameters()})
 
 
+@pytest.mark.skipif(ON_GPU and torch.cuda.device_count() < 2,
+                    reason="two ranks on one GPU: gloo takes no CUDA all-gather and NCCL no "
+                           "shared device; the CPU run (CI) covers the sharded layout")
 def test_counterpart_to_hyscale_at_two_data_parallel_ranks(tmp_path):
     import functools
 
