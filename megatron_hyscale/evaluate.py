@@ -35,9 +35,11 @@ attention width). On a machine without a GPU (`--device cpu`) the runs go throug
 are for plumbing only.
 
 A run longer than one sitting: `--checkpoint-dir` saves each run every `--checkpoint-interval`
-iterations and resumes it from there when the same command runs again (logs are appended),
-`--time-limit` stops a run in time to save (Megatron-LM's --exit-duration-in-mins), and
-`--only stock|hyscale` / `--report-only` split the work between calls.
+iterations and resumes it from there when the same command runs again (its log is appended
+after a `[hyscale] resumed` line, and each process's warm-up iterations are left out of the
+timing: megatron_hyscale.launch.logparse), `--time-limit` stops a run in time to save
+(Megatron-LM's --exit-duration-in-mins, whole minutes), and `--only stock|hyscale` /
+`--report-only` split the work between calls (megatron_hyscale.launch.resume).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from megatron_hyscale.launch import logparse
+from megatron_hyscale.launch import logparse, resume
 from megatron_hyscale.launch.command import (
     CARRIED_MEGATRON_LM,
     HYSCALE_TRAINER,
@@ -232,13 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--checkpoint-dir", type=Path,
                    help="save each run here (DIR/stock, DIR/hyscale) every "
                         "--checkpoint-interval iterations and resume from it when the command "
-                        "runs again; logs are appended")
+                        "runs again; logs are appended (after a '[hyscale] resumed' line)")
     o.add_argument("--checkpoint-interval", type=_positive_int, default=100,
                    help="iterations between checkpoints (default 100)")
     o.add_argument("--time-limit", type=_nonnegative_float, metavar="SECONDS",
                    help="wall-clock budget of this call: each run is asked to save and exit "
-                        "(Megatron-LM's --exit-duration-in-mins) before it is spent, and "
-                        "stopped if it overruns")
+                        "(Megatron-LM's --exit-duration-in-mins: the whole minutes that end "
+                        "at least a minute before its share) before it is spent, and stopped "
+                        "if it overruns")
     o.add_argument("--report-only", action="store_true",
                    help="run nothing: write the report from the logs in --output-dir")
     o.add_argument("--dry-run", action="store_true",
@@ -466,18 +469,16 @@ def build_plan(args: argparse.Namespace, probe: dict[str, Any] | None, *, build_
         common += ["--moe-token-dispatcher-type", "allgather"]
     if args.time_limit:
         # Megatron-LM checks this after each iteration; leave room to save and start the other
-        share = args.time_limit / (1 if args.only else len(VARIANTS))
-        minutes = max(share / 60.0 - 1.0, 0.5)
-        common += ["--exit-duration-in-mins", f"{minutes:.2f}"]
+        common += resume.exit_duration_args(
+            args.time_limit / (1 if args.only else len(VARIANTS)))
     commands = {}
     for variant in VARIANTS:
         own = list(common)
         if variant == "stock" and stock_backend != "reference":
             own += ["--dsa-kernel-backend", stock_backend]
         if args.checkpoint_dir is not None:
-            ckpt = str(args.checkpoint_dir / variant)
-            own += ["--save", ckpt, "--load", ckpt, "--save-interval",
-                    str(args.checkpoint_interval)]
+            own += resume.checkpoint_args(args.checkpoint_dir / variant,
+                                          args.checkpoint_interval)
         cmd = launch.make_command(model, layout, False, ns, variant, own,
                                   dry_run=args.dry_run, iters=args.train_iters, label=variant,
                                   trainer=trainer, checkout=checkout)
@@ -523,7 +524,8 @@ def print_plan(plan: Plan) -> None:
 
 def run_plan(plan: Plan) -> dict[str, int | None]:
     """Run stock then HyScale (or --only one); each run's output is teed to its log (appended
-    when resuming from --checkpoint-dir). Returns the exit codes."""
+    after a resume marker when its --checkpoint-dir holds a checkpoint to resume from:
+    megatron_hyscale.launch.resume). Returns the exit codes."""
     a = plan.args
     a.output_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -534,17 +536,13 @@ def run_plan(plan: Plan) -> dict[str, int | None]:
         if a.time_limit:
             left = a.time_limit - (time.monotonic() - started)
             left = left / (len(variants) - i)  # an equal share of what is left
-        log = plan.logs[variant]
-        resumed = a.checkpoint_dir is not None and (a.checkpoint_dir / variant).is_dir()
+        resumed = (a.checkpoint_dir is not None
+                   and resume.has_checkpoint(a.checkpoint_dir / variant))
         print(f"\n=== {variant} ({i + 1}/{len(variants)}): {time.strftime('%H:%M:%S')}"
               f"{', resuming from ' + str(a.checkpoint_dir / variant) if resumed else ''} ===",
               flush=True)
-        if resumed and log.is_file():
-            earlier = log.read_text(errors="replace")
-            codes[variant] = plan.commands[variant].run(log, timeout_s=left)
-            log.write_text(earlier + log.read_text(errors="replace"))
-        else:
-            codes[variant] = plan.commands[variant].run(log, timeout_s=left)
+        codes[variant] = resume.run_logged(plan.commands[variant], plan.logs[variant],
+                                           resume=resumed, timeout_s=left)
         print(f"=== {variant}: exit {codes[variant]} ===", flush=True)
     return codes
 

@@ -5,7 +5,9 @@
     launch.py small         the scaled-down model on 1 or 2 GPUs (torchrun)
     launch.py side-by-side  stock DSA spec, then HyScale's, same configuration; prints both
                             (optionally then HyScale alone at a longer length: one H200 runs
-                            stock cudnn at L, HyScale at L and HyScale at 2L in one call)
+                            stock cudnn at L, HyScale at L and HyScale at 2L in one call);
+                            --checkpoint-dir splits runs longer than one call (checkpoint,
+                            exit before --time-limit, resume: megatron_hyscale/launch/resume.py)
     launch.py memory        the per-GPU memory estimate of a configuration
 
 Every subcommand takes --dry-run: print the memory estimate and the exact commands (with their
@@ -29,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import glm5_1_config as cfg  # noqa: E402  (also puts the repository root on sys.path)
 
-from megatron_hyscale.launch import logparse  # noqa: E402
+from megatron_hyscale.launch import logparse, resume  # noqa: E402
 from megatron_hyscale.launch.command import (  # noqa: E402
     HYSCALE_TRAINER,
     TIMED_OUT,
@@ -156,7 +158,24 @@ def build_parser() -> argparse.ArgumentParser:
                                 "when it is spent is stopped (its process group killed; the "
                                 "summary marks it) and later runs are not started; summary.txt "
                                 "is rewritten after every run, the JSON record written at the "
-                                "end either way")
+                                "end either way. With --checkpoint-dir each run is also passed "
+                                "Megatron-LM's --exit-duration-in-mins (the whole minutes that "
+                                "end at least a minute before what is left of the budget when "
+                                "it starts), so that it saves a checkpoint and exits before the "
+                                "kill")
+            p.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                           help="runs longer than one call: each run saves to and resumes from "
+                                "DIR/stock, DIR/hyscale, DIR/hyscale-alone (Megatron-LM's --save "
+                                "/ --load / --save-interval); the same command run again "
+                                "continues from the last checkpoint, appending to the run's log "
+                                "after a '[hyscale] resumed' line (the timing leaves each "
+                                "process's first --skip-iters out), and does not re-run a run "
+                                "whose log already shows its last iteration (--train-iters, "
+                                "--alone-iters); exit status 1 while a run is unfinished")
+            p.add_argument("--checkpoint-interval", type=int, default=100, metavar="N",
+                           help="with --checkpoint-dir: iterations between checkpoints "
+                                "(default 100; a run stopped by --exit-duration-in-mins saves "
+                                "one as it stops, and Megatron-LM saves one at the end)")
             p.add_argument("--min-loss-steps", type=int, default=20,
                            help="iterations both runs must log an lm loss at for the loss "
                                 "comparison to pass (default 20)")
@@ -339,6 +358,42 @@ ALONE = "hyscale-alone"  # label of the --hyscale-alone-at run
 LOG_NAMES = {"stock": "stock.log", "hyscale": "hyscale.log", ALONE: "hyscale_alone.log"}
 
 
+def side_command(args: argparse.Namespace, model: ModelGeometry, layout: Layout,
+                 alone: Layout | None, is_full: bool, variant: str, extra: list[str], *,
+                 budget_s: float | None = None) -> Command:
+    """The launch of one side-by-side run: stock and HyScale identical but for the spec and,
+    for stock, its kernel backend (HyScale's layer has its own kernels); HyScale alone at its
+    length and --alone-iters. With --checkpoint-dir, its checkpoint arguments (DIR/<variant>)
+    and, given `budget_s` (the seconds it may take), --exit-duration-in-mins."""
+    own = []
+    if args.checkpoint_dir is not None:
+        own += resume.checkpoint_args(args.checkpoint_dir / variant, args.checkpoint_interval)
+        if budget_s is not None:
+            own += resume.exit_duration_args(budget_s)
+    if variant == ALONE:
+        return make_command(model, alone, is_full, args, "hyscale", own + extra,
+                            dry_run=args.dry_run, iters=args.alone_iters, label=ALONE)
+    if variant == "stock" and args.stock_backend != "reference":
+        own += ["--dsa-kernel-backend", args.stock_backend]
+    return make_command(model, layout, is_full, args, variant, own + extra,
+                        dry_run=args.dry_run)
+
+
+def final_iteration(args: argparse.Namespace, label: str) -> int:
+    """The last iteration of a side-by-side run: --alone-iters for HyScale alone, else
+    --train-iters (or its default)."""
+    return args.alone_iters if label == ALONE else train_iters(args, args.config == "full")
+
+
+def finished_earlier(args: argparse.Namespace, label: str, log: Path) -> int | None:
+    """With --checkpoint-dir, the last iteration `log` shows when it is the run's final one
+    (the run is not started again); else None."""
+    if args.checkpoint_dir is None:
+        return None
+    last = resume.last_iteration(log)
+    return last if last is not None and last >= final_iteration(args, label) else None
+
+
 def run_side_by_side(args: argparse.Namespace, extra: list[str]) -> int:
     started = time.monotonic()
     if not args.parse_only:
@@ -351,6 +406,8 @@ def run_side_by_side(args: argparse.Namespace, extra: list[str]) -> int:
     logs = {label: out / name for label, name in LOG_NAMES.items()}
     codes: dict[str, int | None] = {label: None for label in LOG_NAMES}
     variants = [args.only] if args.only else ["stock", "hyscale"]
+    if args.checkpoint_interval < 1:
+        raise ValueError(f"--checkpoint-interval must be >= 1, got {args.checkpoint_interval}")
     if alone is not None:
         variants.append(ALONE)
     if args.parse_only:
@@ -377,39 +434,51 @@ def run_side_by_side(args: argparse.Namespace, extra: list[str]) -> int:
             if warning:
                 print(warning)
         # stock first, then HyScale: identical arguments except --spec (same seed, same data)
-        # and, for stock, its kernel backend (HyScale's layer has its own kernels)
-        stock_extra = (["--dsa-kernel-backend", args.stock_backend]
-                       if args.stock_backend != "reference" else [])
-        cmds = []
-        for variant in variants:
-            if variant == ALONE:
-                cmds.append(make_command(model, alone, is_full, args, "hyscale", extra,
-                                         dry_run=args.dry_run, iters=args.alone_iters,
-                                         label=ALONE))
-            else:
-                cmds.append(make_command(model, layout, is_full, args, variant,
-                                         (stock_extra if variant == "stock" else []) + extra,
-                                         dry_run=args.dry_run))
+        # and, for stock, its kernel backend
+        def command(variant: str, budget_s: float | None) -> Command:
+            return side_command(args, model, layout, alone, is_full, variant, extra,
+                                budget_s=budget_s)
+
+        shown = None  # the budget of a run started now (its --exit-duration-in-mins)
+        if args.time_limit and args.checkpoint_dir is not None:
+            shown = args.time_limit - (time.monotonic() - started)
         print()
-        for cmd in cmds:
-            print(f"# log: {logs[cmd.label]}")
-            print_command(cmd)
+        for variant in variants:
+            print(f"# log: {logs[variant]}")
+            print_command(command(variant, shown))
         if args.time_limit:
-            print(f"# time limit: {args.time_limit:.0f} s for all {len(cmds)} runs")
+            print(f"# time limit: {args.time_limit:.0f} s for all {len(variants)} runs")
+            if shown is not None:
+                print("# --exit-duration-in-mins: from what is left of it when each run "
+                      f"starts (shown: {shown:.0f} s, as if it started now)")
         if args.dry_run:
             print("# dry run: nothing was started")
             return 0
         out.mkdir(parents=True, exist_ok=True)
-        for cmd in cmds:
+        for variant in variants:
+            log, ckpt = logs[variant], None
+            if args.checkpoint_dir is not None:
+                ckpt = args.checkpoint_dir / variant
+                done = finished_earlier(args, variant, log)
+                if done is not None:
+                    print(f"\n=== {variant}: finished in an earlier call ({log} shows "
+                          f"iteration {done}), not run again ===", flush=True)
+                    codes[variant] = 0
+                    continue
             left = None
             if args.time_limit:
                 left = args.time_limit - (time.monotonic() - started)
-            print(f"\n=== {cmd.label}: {time.strftime('%H:%M:%S')} ===", flush=True)
-            codes[cmd.label] = cmd.run(logs[cmd.label], timeout_s=left)
+            resumed = ckpt is not None and resume.has_checkpoint(ckpt)
+            print(f"\n=== {variant}: {time.strftime('%H:%M:%S')}"
+                  f"{', resuming from ' + str(ckpt) if resumed else ''} ===", flush=True)
+            codes[variant] = resume.run_logged(command(variant, left), log, resume=resumed,
+                                               timeout_s=left)
             write_summary(args, model, layout, alone, logs, codes, variants)
         table = write_summary(args, model, layout, alone, logs, codes, variants, record=True)
         print("\n" + table)
-        return 0 if all(codes[v] == 0 for v in variants) else 1
+        unfinished = [v for v in variants if args.checkpoint_dir is not None
+                      and finished_earlier(args, v, logs[v]) is None]
+        return 0 if all(codes[v] == 0 for v in variants) and not unfinished else 1
     table = summary_text(args, layout, alone, logs, codes, variants)
     print("\n" + table)
     return 0
@@ -440,6 +509,13 @@ def run_summaries(args: argparse.Namespace, layout: Layout, alone: Layout | None
         if code == TIMED_OUT:
             summary.note = "stopped at --time-limit" + (
                 f" after {summary.iterations} iterations" if recs else " (see its log)")
+        last = max((r.iteration for r in recs), default=0)
+        if (args.checkpoint_dir is not None and code is not None
+                and last < final_iteration(args, label)):
+            # stopped by --exit-duration-in-mins (saved) or killed: the next call resumes
+            unfinished = (f"at iteration {last} of {final_iteration(args, label)}: the same "
+                          "command resumes it")
+            summary.note = f"{summary.note}; {unfinished}" if summary.note else unfinished
         found[label] = (summary, recs, seq)
     return found
 

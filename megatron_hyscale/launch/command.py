@@ -62,8 +62,10 @@ class Command:
         lines.append(current)
         return " \\\n".join(lines)
 
-    def run(self, log_path: Path | None = None, *, timeout_s: float | None = None) -> int:
-        """Run it (environment merged over os.environ); stream and tee the output to log_path.
+    def run(self, log_path: Path | None = None, *, timeout_s: float | None = None,
+            append: bool = False) -> int:
+        """Run it (environment merged over os.environ); stream and tee the output to log_path
+        (appended to what it holds with `append`, else written afresh).
 
         timeout_s: after that many seconds the run's whole process group (torchrun and its
         workers) is sent SIGTERM, then SIGKILL 20 s later; the return is then TIMED_OUT and
@@ -72,14 +74,16 @@ class Command:
         env = {**os.environ, **self.env}
         if log_path is None and timeout_s is None:
             return subprocess.call(self.argv, env=env)
+        mode = "a" if append else "w"
         if timeout_s is not None and timeout_s <= 0:
             if log_path is not None:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
-                log_path.write_text("# not started: no time left under the time limit\n")
+                with open(log_path, mode, encoding="utf-8") as log:
+                    log.write("# not started: no time left under the time limit\n")
             return TIMED_OUT
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(log_path, "w", encoding="utf-8") if log_path is not None else None
+        log = open(log_path, mode, encoding="utf-8") if log_path is not None else None
         timed_out = threading.Event()
         proc: subprocess.Popen | None = None
 

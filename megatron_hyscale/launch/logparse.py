@@ -15,6 +15,24 @@ reports its CUDA allocator after the first logged iterations:
     reserved: 86016.00 | max reserved: 86016.00
 
 of which `peak_allocated_mib` keeps the largest `max allocated` over ranks and iterations.
+
+Process segments. A run split over several calls (checkpoint, exit, load and continue:
+`megatron_hyscale/launch/resume.py`) appends each new process's output to the same log, so a
+log is one or more segments, one per process. The rule: a segment boundary is either line
+that says a new process starts here,
+
+    [hyscale] resumed ...                      (RESUME_MARKER, at the start of the line: the
+                                                launchers write it before appending)
+      successfully loaded checkpoint from DIR [ t 1/1, ... ] at iteration 12
+                                               (Megatron-LM's checkpointing.load_checkpoint)
+
+and a boundary opens a new segment only once the current one has logged a training iteration
+or a phase-times step, so the marker followed by the resumed process's load line is one
+boundary, and a first process that loads a checkpoint (--load on a fresh log) stays segment 0.
+Each process warms up again (compiles, allocator), so `summarize` and `phase_times` leave the
+first `skip` iterations (steps) of EACH segment out of the timing; the phase-times step number
+counts the steps of its process (it restarts at 1), so phase steps are keyed by (segment,
+step). A log without a boundary is one segment, parsed as it always was.
 """
 
 from __future__ import annotations
@@ -44,6 +62,10 @@ AGREEMENT_LINE_PREFIX = "[hyscale agreement]"
 _AGREEMENT_LINE = re.compile(
     r"\[hyscale agreement\] rank (\d+) step (\d+) layer (\d+): jaccard ([0-9.eE+-]+) "
     r"score_match ([0-9.eE+-]+) rows (\d+)")
+# The line the launchers write before appending a resumed process's output to a log.
+RESUME_MARKER = "[hyscale] resumed"
+# Megatron-LM's `print_rank_0` once a checkpoint is loaded (megatron/training/checkpointing.py).
+_CHECKPOINT_LOADED = re.compile(r"successfully loaded checkpoint from .* at iteration\s+\d+")
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
 _MAX_ALLOCATED = re.compile(r"memory \(MB\).*?\|\s*max allocated:\s*([0-9.]+)")
 _FIELD = re.compile(r"^\s*([A-Za-z][A-Za-z0-9 _()/\-]*?)\s*:\s*([-+0-9.eEnaNinf]+)\s*$")
@@ -59,14 +81,41 @@ class IterationRecord:
     indexer_loss: float | None = None
     global_batch_size: int | None = None
     fields: dict[str, float] = field(default_factory=dict)
+    segment: int = 0  # the process that logged it (0: the first; see the module doc)
+
+
+def _iteration_match(line: str) -> re.Match | None:
+    """The `iteration N/M |` of a training-iteration line (None for any other line)."""
+    match = _ITERATION.search(line)
+    return match if match is not None and "elapsed time per iteration (ms)" in line else None
+
+
+def is_segment_boundary(line: str) -> bool:
+    """Whether `line` says a new process starts: the launchers' RESUME_MARKER or Megatron-LM's
+    `successfully loaded checkpoint from ... at iteration N` (the module doc has the rule)."""
+    return line.startswith(RESUME_MARKER) or _CHECKPOINT_LOADED.search(line) is not None
+
+
+def segment_lines(text: str) -> list[tuple[int, str]]:
+    """(segment, line) of every line of a log, segments numbered from 0 (the module doc)."""
+    found, segment, logged = [], 0, False
+    for line in text.splitlines():
+        if is_segment_boundary(line):
+            if logged:
+                segment, logged = segment + 1, False
+        elif _iteration_match(line) is not None or _PHASE_LINE.search(line) is not None:
+            logged = True
+        found.append((segment, line))
+    return found
 
 
 def parse_megatron_log(text: str) -> list[IterationRecord]:
-    """Every training-iteration line of a Megatron-LM log, in order (skips evaluation lines)."""
+    """Every training-iteration line of a Megatron-LM log, in order (skips evaluation lines),
+    each with the process segment it is in."""
     records = []
-    for line in text.splitlines():
-        match = _ITERATION.search(line)
-        if match is None or "elapsed time per iteration (ms)" not in line:
+    for segment, line in segment_lines(text):
+        match = _iteration_match(line)
+        if match is None:
             continue
         fields: dict[str, float] = {}
         for part in line[match.end():].split("|"):
@@ -84,6 +133,7 @@ def parse_megatron_log(text: str) -> list[IterationRecord]:
             indexer_loss=fields.get("indexer loss"),
             global_batch_size=int(gbs) if gbs is not None else None,
             fields=fields,
+            segment=segment,
         ))
     return records
 
@@ -122,20 +172,21 @@ def parse_phase_line(line: str) -> tuple[int, int, dict[str, float]] | None:
 
 
 def phase_times(text: str, skip: int = 2) -> dict[str, float]:
-    """Mean ms per step of each phase over the steps after the first `skip`, each step taken
-    at its slowest rank ({} when the log has no phase-times lines). As `summarize`, if every
-    step falls in the warm-up window the last one counts."""
-    per_step: dict[int, dict[str, float]] = {}
-    for line in text.splitlines():
+    """Mean ms per step of each phase over the steps after the first `skip` of each process
+    segment (steps keyed by (segment, step): a resumed process counts from 1 again), each
+    step taken at its slowest rank ({} when the log has no phase-times lines). As `summarize`,
+    if every step falls in the warm-up windows the last one counts."""
+    per_step: dict[tuple[int, int], dict[str, float]] = {}
+    for segment, line in segment_lines(text):
         parsed = parse_phase_line(line)
         if parsed is None:
             continue
         _, step, phases = parsed
-        slot = per_step.setdefault(step, {})
+        slot = per_step.setdefault((segment, step), {})
         for p, ms in phases.items():
             slot[p] = max(slot.get(p, 0.0), ms)
     steps = sorted(per_step)
-    timed = [s for s in steps if s > skip] or steps[-1:]
+    timed = [s for s in steps if s[1] > skip] or steps[-1:]
     if not timed:
         return {}
     return {p: sum(per_step[s].get(p, 0.0) for s in timed) / len(timed) for p in PHASES}
@@ -170,7 +221,8 @@ def summarize(name: str, records: list[IterationRecord], *, seq_length: int, gpu
               skip: int = 2, exit_code: int | None = 0,
               peak_allocated_mib: float | None = None,
               phase_ms: dict[str, float] | None = None) -> RunSummary:
-    """Mean time over the iterations after the first `skip` (compile, allocator warm-up).
+    """Mean time over the iterations after the first `skip` of each process segment (compile,
+    allocator warm-up: a resumed process warms up again; the module doc has the segments).
 
     tokens/s = global batch size x seq_length / mean iteration time. If every iteration falls
     in the warm-up window, the last one is timed rather than none. `peak_allocated_mib`: what
@@ -183,7 +235,10 @@ def summarize(name: str, records: list[IterationRecord], *, seq_length: int, gpu
         return RunSummary(name, 0, 0, None, None, None, None, None, None,
                           note=f"{note} (see its log)", peak_allocated_mib=peak_allocated_mib,
                           phase_ms=dict(phase_ms or {}))
-    timed = records[skip:] or records[-1:]
+    by_segment: dict[int, list[IterationRecord]] = {}
+    for r in records:
+        by_segment.setdefault(r.segment, []).append(r)
+    timed = [r for seg in by_segment.values() for r in seg[skip:]] or records[-1:]
     mean_ms = sum(r.elapsed_ms for r in timed) / len(timed)
     gbs = timed[-1].global_batch_size
     tokens_per_s = gbs * seq_length / (mean_ms / 1000.0) if gbs and mean_ms > 0 else None
@@ -263,10 +318,12 @@ class LossAgreement:
 def loss_agreement(records_a: list[IterationRecord],
                    records_b: list[IterationRecord]) -> LossAgreement:
     """The largest relative lm-loss gap |a - b| / |a| over the iterations both runs logged
-    (a: the reference run, stock)."""
+    (a: the reference run, stock). An iteration logged twice (a process stopped after it and
+    before its checkpoint, then resumed from an earlier one) counts once, at its last value."""
+    by_a = {r.iteration: r.lm_loss for r in records_a if r.lm_loss is not None}
     by_b = {r.iteration: r.lm_loss for r in records_b if r.lm_loss is not None}
-    gaps = [(abs(r.lm_loss - by_b[r.iteration]) / max(abs(r.lm_loss), 1e-30), r.iteration)
-            for r in records_a if r.lm_loss is not None and r.iteration in by_b]
+    gaps = [(abs(loss - by_b[it]) / max(abs(loss), 1e-30), it)
+            for it, loss in by_a.items() if it in by_b]
     if not gaps:
         return LossAgreement(0, None, None)
     gap, at = max(gaps)

@@ -24,6 +24,7 @@ import pytest
 from launch_dryrun import ROOT, clean_env, printed_commands
 
 from megatron_hyscale import evaluate
+from megatron_hyscale.launch import logparse, resume
 from megatron_hyscale.launch.command import HYSCALE_TRAINER_BANNER
 
 
@@ -84,7 +85,50 @@ def test_gpu_plan_passes_the_stock_backend() -> None:
     assert stock_env["HYSCALE_KERNEL_BACKEND"] == "best"
     assert stock[stock.index("--save") + 1] == "ckpt/stock"
     assert stock[stock.index("--load") + 1] == "ckpt/stock"
-    assert float(stock[stock.index("--exit-duration-in-mins") + 1]) == pytest.approx(3.5)
+    assert stock[stock.index("--save-interval") + 1] == "100"
+    # half of 540 s each, in the whole minutes Megatron-LM parses (an int), a minute to spare
+    assert stock[stock.index("--exit-duration-in-mins") + 1] == "3"
+    assert hys[hys.index("--save") + 1] == hys[hys.index("--load") + 1] == "ckpt/hyscale"
+
+
+def test_a_run_with_a_checkpoint_continues_its_log(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """--checkpoint-dir: a run whose folder holds a completed checkpoint (Megatron-LM's tracker
+    file) appends to its log after the resume marker, so that logparse times each process
+    apart; a run without one (no folder, or a save that never completed) starts it afresh."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    args = evaluate.build_parser().parse_args([
+        "--device", "cpu", "--trainer", "hyscale", "--stock-backend", "reference", "--data",
+        "mock", "--train-iters", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-interval",
+        "2", "--output-dir", str(out), "--time-limit", "540"])
+    args.invocation, args.megatron_extra = [], []
+    plan = evaluate.build_plan(args, None, build_data=False)
+    for variant, cmd in plan.commands.items():
+        argv = cmd.argv
+        assert argv[argv.index("--save") + 1] == argv[argv.index("--load") + 1] == str(
+            ckpt / variant)
+        assert argv[argv.index("--save-interval") + 1] == "2"
+    ran = []
+
+    def fake_run(cmd: object, log: Path | None = None, *, timeout_s: float | None = None,
+                 append: bool = False) -> int:
+        ran.append((cmd.label, append))
+        with open(log, "a" if append else "w") as f:
+            f.write(f"{cmd.label} process {len(ran)}\n")
+        return 0
+
+    monkeypatch.setattr(evaluate.Command, "run", fake_run)
+    assert evaluate.run_plan(plan) == {"stock": 0, "hyscale": 0}
+    assert ran == [("stock", False), ("hyscale", False)]
+    (ckpt / "stock").mkdir(parents=True)
+    (ckpt / "stock" / resume.TRACKER).write_text("2")
+    (ckpt / "hyscale").mkdir()  # a save that never completed: Megatron-LM starts afresh
+    assert evaluate.run_plan(plan) == {"stock": 0, "hyscale": 0}
+    assert ran[2:] == [("stock", True), ("hyscale", False)]
+    first, marker, second = (out / "stock.log").read_text().splitlines()
+    assert (first, second) == ("stock process 1", "stock process 3")
+    assert marker.startswith(logparse.RESUME_MARKER)
+    assert (out / "hyscale.log").read_text() == "hyscale process 4\n"
 
 
 @pytest.mark.parametrize("args, message", [

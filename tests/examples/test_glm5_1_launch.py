@@ -5,7 +5,10 @@
   megatron's validate_args at the script's world size, build a TransformerConfig, and build
   HyScale's DSA layer specs (dense first layers, MoE after);
 - the memory estimator's numbers are consistent and the 512-GPU layout fits 96 GB;
-- the Megatron-LM log parser reads a sample log and the side-by-side summary is right;
+- the Megatron-LM log parser reads a sample log and the side-by-side summary is right, a log
+  appended over resumed processes included (each process's warm-up left out of the timing);
+- side-by-side's --checkpoint-dir: the checkpoint and exit-duration arguments, resuming, and
+  no second run of a finished side;
 - without --dry-run, a missing MEGATRON_LM_DIR stops every script with a message naming it.
 """
 
@@ -30,7 +33,7 @@ import glm5_1_config as cfg  # noqa: E402
 import launch_dryrun  # noqa: E402
 from launch_dryrun import clean_env  # noqa: E402
 
-from megatron_hyscale.launch import logparse  # noqa: E402
+from megatron_hyscale.launch import logparse, resume  # noqa: E402
 from megatron_hyscale.launch.command import TIMED_OUT, Command  # noqa: E402
 from megatron_hyscale.launch.memory import (  # noqa: E402
     GIB,
@@ -618,23 +621,29 @@ def test_local_arguments_build_a_model_that_trains(
 
 def synthetic_log(iterations: int, *, loss0: float = 10.5, scale: float = 1.0,
                   ms: float = 3000.0, max_allocated_mib: float = 60000.0,
-                  phases: dict[str, float] | None = None) -> str:
+                  phases: dict[str, float] | None = None, first: int = 1,
+                  last: int | None = None, slow: int = 1) -> str:
     """A one-GPU Megatron-LM log as pretrain_gpt.py prints it: an iteration line per step
-    (lm loss loss0 - 0.01 i, times `scale`), the phase-times line after each, and the memory
-    reports after iterations 1, 2 and the last (--log-memory-interval)."""
+    (lm loss loss0 - 0.01 i, times `scale`; the first `slow` of the process 3 times `ms`),
+    the phase-times line after each (steps counted from 1 in the process), and the memory
+    reports after the process's steps 1, 2 and its last (--log-memory-interval). A run of
+    `iterations`, or the process of it that logs iterations `first` to `last` (resumed)."""
     lines = ["using world size: 1, data-parallel size: 1, context-parallel size: 1"]
-    for i in range(1, iterations + 1):
+    last = last or iterations
+    for i in range(first, last + 1):
+        step = i - first + 1
         lines.append(
             f" [2026-12-02 03:00:{i:02d}.000000] iteration {i:8d}/{iterations:8d} | consumed "
-            f"samples: {i:12d} | elapsed time per iteration (ms): {ms * (3 if i == 1 else 1):.1f}"
+            f"samples: {i:12d} | elapsed time per iteration (ms): "
+            f"{ms * (3 if step <= slow else 1):.1f}"
             f" | learning rate: 1.000000E-05 | global batch size:     1 | lm loss: "
             f"{(loss0 - 0.01 * i) * scale:.6E} | indexer loss: 2.500000E-01 | loss scale: 1.0 |"
             f" grad norm: 1.000 | number of skipped iterations:   0 | number of nan "
             f"iterations:   0 |")
         if phases is not None:
-            lines.append(f"[hyscale phases] rank 0 step {i}: " + ", ".join(
-                f"{p} {v:.1f} ms (2)" for p, v in phases.items()))
-        if i in (1, 2, iterations):
+            lines.append(f"[hyscale phases] rank 0 step {step}: " + ", ".join(
+                f"{p} {v * (3 if step <= slow else 1):.1f} ms (2)" for p, v in phases.items()))
+        if step in (1, 2) or i == last:
             peak = max_allocated_mib * (0.9 if i == 1 else 1.0)
             lines.append(f"[Rank 0] (after {i} iterations) memory (MB) | allocated: 31000.00 | "
                          f"max allocated: {peak:.2f} | reserved: 70000.00 | max reserved: "
@@ -829,3 +838,221 @@ def test_sigterm_to_the_launcher_stops_the_run(tmp_path: Path) -> None:
     assert launcher.wait(30) == 128 + signal.SIGTERM
     with pytest.raises(ProcessLookupError):
         os.kill(run_pid, 0)
+
+
+# ---------------------------------------------------------------- runs split over calls
+
+
+def loaded_line(ckpt: str, iteration: int) -> str:
+    """Megatron-LM's line once a resumed process has loaded its checkpoint."""
+    return (f"  successfully loaded checkpoint from {ckpt} [ t 1/1, gtp_remat 1/1, p 1/1 ] at "
+            f"iteration {iteration}\n")
+
+
+RESUMED = f"{logparse.RESUME_MARKER} 2026-12-02 03:10:00: a new process continues this log\n"
+A_PHASES = {"selection": 60.0, "attention": 250.0, "indexer_loss": 110.0, "communication": 0.0}
+B_PHASES = {"selection": 80.0, "attention": 250.0, "indexer_loss": 110.0, "communication": 0.0}
+
+
+def two_process_log(*, marker: bool = True, loaded: bool = True) -> str:
+    """22 iterations: a process logs 1-12 (saves, exits), a resumed one 13-22; each process's
+    first two iterations and phase steps 3x slower; selection 60 ms in the first, 80 in the
+    second."""
+    first = synthetic_log(22, last=12, slow=2, phases=A_PHASES)
+    second = synthetic_log(22, first=13, slow=2, phases=B_PHASES)
+    return (first + (RESUMED if marker else "") + (loaded_line("/ckpt/stock", 12) if loaded
+                                                   else "") + second)
+
+
+@pytest.mark.parametrize("marker,loaded", [(True, True), (True, False), (False, True)],
+                         ids=["marker and load line", "marker", "load line"])
+def test_appended_log_is_timed_per_process(marker: bool, loaded: bool) -> None:
+    """Either boundary line (or both: one boundary) starts a segment; each segment's first
+    --skip-iters iterations and phase steps are left out, and the two processes' phase steps
+    (both counting from 1) are not merged."""
+    text = two_process_log(marker=marker, loaded=loaded)
+    records = logparse.parse_megatron_log(text)
+    assert [r.iteration for r in records] == list(range(1, 23))
+    assert [r.segment for r in records] == [0] * 12 + [1] * 10
+    s = logparse.summarize("stock", records, seq_length=32768, gpus=1, skip=2)
+    assert s.iterations == 22 and s.timed_iterations == 10 + 8
+    assert s.mean_iteration_ms == 3000.0  # iterations 13 and 14 (9000 ms) not timed
+    assert s.tokens_per_s == pytest.approx(32768 / 3.0)
+    phases = logparse.phase_times(text, skip=2)
+    # steps 3-12 of the first process at 60 ms, steps 3-10 of the second at 80
+    assert phases["selection"] == pytest.approx((10 * 60.0 + 8 * 80.0) / 18)
+    assert phases["attention"] == 250.0
+    # the whole log as one process would time 13, 14 and merge the steps
+    whole = logparse.parse_megatron_log(text.replace(RESUMED, "").replace(
+        loaded_line("/ckpt/stock", 12), ""))
+    assert {r.segment for r in whole} == {0}
+    assert logparse.summarize("stock", whole, seq_length=32768, gpus=1).mean_iteration_ms \
+        == pytest.approx((18 * 3000.0 + 2 * 9000.0) / 20)
+
+
+def test_segment_rule() -> None:
+    """A boundary opens a segment only after the current one logged something: a first
+    process that loads a checkpoint stays segment 0, a marker then Megatron's load line is one
+    boundary, and a log without any is one segment (parsed as before)."""
+    assert {r.segment for r in logparse.parse_megatron_log(SAMPLE_LOG)} == {0}
+    loads_first = loaded_line("/pretrained", 100) + synthetic_log(4)
+    assert {r.segment for r in logparse.parse_megatron_log(loads_first)} == {0}
+    twice = two_process_log() + RESUMED + loaded_line("/ckpt/stock", 22) + RESUMED
+    assert [s for s, line in logparse.segment_lines(twice)
+            if line.startswith(logparse.RESUME_MARKER)] == [1, 2, 2]
+    assert logparse.is_segment_boundary(loaded_line("/c", 7).rstrip("\n"))
+    assert not logparse.is_segment_boundary(" loading distributed checkpoint from /c at "
+                                            "iteration 7")
+    assert not logparse.is_segment_boundary(f"x {logparse.RESUME_MARKER}")  # not at the start
+
+
+def test_loss_agreement_counts_a_repeated_iteration_once() -> None:
+    """A process killed after iteration 12 but before its checkpoint, resumed from the one
+    at 10, logs 11 and 12 again: they are compared once, at the later values."""
+    a = logparse.parse_megatron_log(synthetic_log(22))
+    killed = synthetic_log(22, last=12) + RESUMED + synthetic_log(22, first=11, scale=1.001)
+    b = logparse.parse_megatron_log(killed)
+    assert [r.iteration for r in b].count(11) == 2
+    gap = logparse.loss_agreement(a, b)
+    assert gap.compared == 22 and gap.max_rel_gap == pytest.approx(1e-3, rel=1e-4)
+    assert gap.at_iteration >= 11
+
+
+def checkpoint_flags(argv: list[str]) -> dict[str, str]:
+    return {f: argv[argv.index(f) + 1] for f in ("--save", "--load", "--save-interval",
+                                                "--exit-duration-in-mins") if f in argv}
+
+
+def test_side_by_side_checkpoint_arguments(
+    megatron_parser: argparse.ArgumentParser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--checkpoint-dir: each run saves to and loads from its own folder, every
+    --checkpoint-interval iterations, and with --time-limit exits itself at least a minute
+    before the budget (whole minutes: Megatron-LM parses an int; 600 s less the second the
+    launcher took: 8); the arguments pass megatron's parser and validate_args. Without
+    --checkpoint-dir none of them is passed."""
+    args = [*ONE_GPU, "--train-iters", "22", "--transformer-impl", "local",
+            "--checkpoint-dir", "ckpt", "--checkpoint-interval", "5", "--time-limit", "600"]
+    result = run_script("side_by_side.sh", "--dry-run", *args, "--", "--lr", "3e-5")
+    assert result.returncode == 0, result.stderr
+    cmds = commands(result.stdout)
+    assert [label for label, _, _ in cmds] == ["stock", "hyscale", "hyscale-alone"]
+    for label, env, argv in cmds:
+        assert checkpoint_flags(argv) == {"--save": f"ckpt/{label}", "--load": f"ckpt/{label}",
+                                          "--save-interval": "5",
+                                          "--exit-duration-in-mins": "8"}
+        assert argv[-2:] == ["--lr", "3e-5"]  # the user's arguments stay last
+        validate_with_megatron(argv, 1, megatron_parser, monkeypatch, env)
+    assert cmds[0][2][cmds[0][2].index("--dsa-kernel-backend") + 1] == "cudnn"
+    no_limit = run_script("side_by_side.sh", "--dry-run", *ONE_GPU, "--checkpoint-dir", "c")
+    assert all(checkpoint_flags(argv) == {"--save": f"c/{label}", "--load": f"c/{label}",
+                                          "--save-interval": "100"}
+               for label, _, argv in commands(no_limit.stdout))
+    plain = run_script("side_by_side.sh", "--dry-run", *ONE_GPU, "--time-limit", "540")
+    assert all(checkpoint_flags(argv) == {} for _, _, argv in commands(plain.stdout))
+    help_text = run_script("side_by_side.sh", "--help").stdout
+    for option in ("--checkpoint-dir", "--checkpoint-interval", "--exit-duration-in-mins"):
+        assert option in help_text
+
+
+def test_exit_duration_from_a_budget() -> None:
+    assert resume.exit_duration_args(540) == ["--exit-duration-in-mins", "8"]
+    assert resume.exit_duration_args(539.5) == ["--exit-duration-in-mins", "7"]  # a minute left
+    assert resume.exit_duration_args(599.9) == ["--exit-duration-in-mins", "8"]  # whole minutes
+    assert resume.exit_duration_args(270) == ["--exit-duration-in-mins", "3"]
+    assert resume.exit_duration_args(30) == ["--exit-duration-in-mins", "1"]  # 0 = no limit
+    assert resume.checkpoint_args(Path("d/stock"), 7) == [
+        "--save", "d/stock", "--load", "d/stock", "--save-interval", "7"]
+
+
+class FakeMegatron:
+    """Command.run for side-by-side's runs: each process resumes from its checkpoint folder's
+    tracker, logs at most `per_call` iterations (its first two slow), saves, exits 0."""
+
+    def __init__(self, per_call: dict[str, int]) -> None:
+        self.per_call, self.ran = per_call, []
+
+    def __call__(self, cmd: Command, log: Path | None = None, *,
+                 timeout_s: float | None = None, append: bool = False) -> int:
+        flags = checkpoint_flags(cmd.argv)
+        assert flags["--save"] == flags["--load"]
+        ckpt = Path(flags["--save"])
+        tracker = ckpt / resume.TRACKER
+        start = int(tracker.read_text()) + 1 if tracker.is_file() else 1
+        total = int(cmd.argv[cmd.argv.index("--train-iters") + 1])
+        stop = min(start + self.per_call[cmd.label] - 1, total)
+        text = synthetic_log(total, first=start, last=stop, slow=2, phases=A_PHASES,
+                             scale=1 + 1e-4 if cmd.label != "stock" else 1.0)
+        if start > 1:
+            text = loaded_line(str(ckpt), start - 1) + text
+        with open(log, "a" if append else "w") as f:
+            f.write(text)
+        ckpt.mkdir(parents=True, exist_ok=True)
+        tracker.write_text(str(stop))
+        self.ran.append((cmd.label, append, flags.get("--exit-duration-in-mins")))
+        return 0
+
+
+def test_side_by_side_split_over_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launch_module
+) -> None:
+    """Call 1 runs stock until it saves and exits (the invocation exits 1: unfinished), call 2
+    resumes it (its log appended after the marker) to the last iteration, call 3 finds it
+    finished and runs nothing, `--only hyscale` runs HyScale alone; a last call without --only
+    runs nothing and summarizes both, each process's warm-up left out of the timing."""
+    fake = FakeMegatron({"stock": 12, "hyscale": 22})
+    monkeypatch.setattr(launch_module.Command, "run", lambda cmd, *a, **k: fake(cmd, *a, **k))
+    monkeypatch.setattr(launch_module.time, "monotonic", lambda: 0.0)  # each run has 540 s
+    out, ckpt = tmp_path / "side", tmp_path / "ckpt"
+    base = ["side-by-side", "--gpus", "1", "--config", "scaled", "--stock-backend", "cudnn",
+            "--num-layers", "2", "--global-batch-size", "1", "--seq-length", "32768",
+            "--train-iters", "22", "--output-dir", str(out), "--checkpoint-dir", str(ckpt),
+            "--time-limit", "540"]
+    assert launch_module.main([*base, "--only", "stock"]) == 1
+    assert fake.ran == [("stock", False, "8")]
+    assert "at iteration 12 of 22: the same command resumes it" in (
+        out / "summary.txt").read_text()
+    assert launch_module.main([*base, "--only", "stock"]) == 0
+    assert fake.ran[1] == ("stock", True, "8")
+    log = (out / "stock.log").read_text()
+    assert log.count(logparse.RESUME_MARKER) == 1 and "successfully loaded checkpoint" in log
+    records = logparse.parse_megatron_log(log)
+    assert [r.iteration for r in records] == list(range(1, 23))
+    assert launch_module.main([*base, "--only", "stock"]) == 0
+    assert len(fake.ran) == 2  # finished: not run again
+    assert launch_module.main([*base, "--only", "hyscale"]) == 0
+    assert fake.ran[2] == ("hyscale", False, "8")
+    assert launch_module.main(base) == 0
+    assert len(fake.ran) == 3
+    summary = (out / "summary.txt").read_text()
+    assert "lm loss agreement: 22 iterations compared" in summary and "PASS" in summary
+    # stock: 10 + 8 timed iterations at 3000 ms (13 and 14, the resumed warm-up, left out)
+    assert re.search(r"iterations logged \(timed\)\s+22 \(18\)\s+22 \(20\)", summary), summary
+    assert re.search(r"mean iteration time \(ms\)\s+3000\.0\s+3000\.0", summary), summary
+    assert "resumes it" not in summary
+
+
+def test_run_logged_appends_after_the_marker(tmp_path: Path) -> None:
+    """resume.run_logged: a fresh log without resume (or without a log); with resume, the
+    earlier output kept, the marker on a line of its own (after a process killed mid-line
+    too), then the new output; a run given no time starts nothing and adds no marker."""
+    log = tmp_path / "run.log"
+    echo = lambda text: Command(["bash", "-c", f"printf '{text}'"], label="echo")  # noqa: E731
+    assert resume.run_logged(echo("first\n"), log, resume=True) == 0  # no log yet: fresh
+    assert log.read_text() == "first\n"
+    assert resume.run_logged(echo("second\n"), log, resume=True, note=" (from c)") == 0
+    first, marker, second = log.read_text().splitlines()
+    assert (first, second) == ("first", "second")
+    assert marker.startswith(logparse.RESUME_MARKER) and marker.endswith(" (from c)")
+    assert resume.run_logged(echo("cut"), log, resume=False) == 0
+    assert log.read_text() == "cut"  # written afresh
+    assert resume.run_logged(echo("more\n"), log, resume=True) == 0
+    assert log.read_text().splitlines()[0] == "cut"
+    assert log.read_text().splitlines()[1].startswith(logparse.RESUME_MARKER)
+    before = log.read_text()
+    assert resume.run_logged(echo("never\n"), log, resume=True, timeout_s=0) == TIMED_OUT
+    assert log.read_text() == before + "# not started: no time left under the time limit\n"
+    assert resume.has_checkpoint(tmp_path) is False
+    (tmp_path / resume.TRACKER).write_text("12")
+    assert resume.has_checkpoint(tmp_path) is True
+    assert resume.last_iteration(log) is None and resume.last_iteration(tmp_path / "x") is None
