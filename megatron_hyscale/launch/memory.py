@@ -19,11 +19,20 @@ checked on paper before a 512-GPU job is submitted. What it counts (bytes; 1 GiB
   context-parallel all-gather of the latent KV and the indexer keys over the whole sequence;
 - DSA selection buffers: HyScale keeps O(T_local x k) (indices + scores); stock megatron-core
   writes a score table, [T_local, H_I, T] fp32 logits plus the head sum with its reference
-  backend, or [8192, T] fp32 per query block with the TileLang backend; its cudnn backend
-  (`cudnn_selection_bytes`) scores row chunks of at most 1 GiB (after the first, per head in
-  fp32), runs the radix top-k with up to 2 GiB of scratch and keeps a dozen [T_local, k]
-  buffers for its fused sparse indexer loss in the forward, and in the backward copies the
-  attention's q, output and output gradient twice (cat + index_select) around cuDNN's kernel;
+  backend, or [8192, T] fp32 per query block with the TileLang backend (both counted on top of
+  the working set); its cudnn backend (`cudnn_selection_bytes`) scores row chunks of at most 1
+  GiB (after the first, per head in fp32), runs the radix top-k with up to 2 GiB of scratch and
+  keeps a dozen [T_local, k] buffers for its fused sparse indexer loss in the forward, and in
+  the backward copies the attention's q, output, output gradient and indices twice (cat +
+  index_select) around cuDNN's kernel. Those parts are alive in different phases of the layer's
+  recompute and backward, never with the logits (the loss's backward has run before any
+  layer's recompute), so stock cudnn's peak is the largest of them (`cudnn_layer_phases`): the
+  attention forward (its forward parts on the attention's saved tensors), the MLP's recompute
+  and backward (the attention's and MLP's saved tensors and the larger transient, as HyScale's
+  working set, plus the int32 indices and indexer gradients the fused function keeps for its
+  backward), the attention backward (the MLP's tensors freed: the attention's saved tensors
+  and transient, its output gradient, the row copies and what the fused function kept), or
+  the logits;
 - the logits of the output layer on the last stage ([T/CP, V/TP]: bf16 logits, the fp32
   softmax the loss keeps and the fp32 gradient before its cast, LOGITS_BYTES per entry);
 - a fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation.
@@ -35,18 +44,42 @@ said 18.9 and 35.0. Two terms were fitted to it, the logits (6 to 10 bytes an en
 stock score table (STOCK_TABLE_COPIES copies of [T_local, H_I + 1, T] fp32 live at once, 1
 before): it now says 23.6 and 72.7. One point fits two numbers, so treat other layouts'
 figures as estimates to a few GiB; `tests/examples/test_glm5_1_launch.py` keeps this point.
+The reference and TileLang tables are added to the working set (a sum over phases, which the
+fitted copies absorb; TileLang's block is not measured).
 
-The cudnn backend's terms are counted from megatron-core 0.19.2's source and checked against
-one measurement (BENCHMARKS.md, "The DSA layer against stock cudnn", one H200, 2026-12-01: one
-GLM-5.1 DSA layer forward + backward with recompute, stock cudnn's peak minus HyScale's: 10.8
-GiB at 32K, 43.0 at 128K), which they overstate by about 12 % (12.0 and 48.0): a conservative
-estimate, and it adds the layer's stock extra to the MLP's working set although the attention
-backward, where that extra peaks, runs after the MLP's backward has freed its own.
+The cudnn backend's terms are counted from megatron-core 0.19.2's source
+(dsa_cudnn_kernels.py), nothing fitted. Two measured training runs check them (BENCHMARKS.md,
+"Megatron-LM side by side on one H200" and "... at 64K on one H200", 2026-12-02, records
+`benchmarks/results/2026-12-02-nvidia-h200-side_by_side-glm5_1-scaled-1gpu-cudnn{,-64k}.json`:
+GLM-5.1 at full attention width, 2 layers, one H200, `--transformer-impl local`; `max
+allocated`, reserve left out): stock cudnn 52.9 / 78.5 GiB at 32K / 64K, HyScale 52.5 / 77.7.
+Until 2026-12-02 this model added the layer's whole cudnn extra to the working set and to the
+logits' phase alike and said 60.4 / 93.6 for stock (+14 % / +19 %); by phases it says 53.3 /
+79.5 (+0.9 % / +1.3 %): stock's peak is its attention backward (row copies 13.0 / 26.0 GiB on
+the attention's tensors), which is about as large as the MLP phase that sets HyScale's; the
+logits (10 / 20 GiB) are below both. HyScale's figure, unchanged, is 48.9 / 70.6 (-7 % / -9 %):
+its MLP phase is short. A CPU profile (torch's memory timeline, 2026-12-02) of megatron-core's
+MoE layer as this run builds it (local SequentialMLP, all-to-all dispatcher at EP 1) holds
+three [T x router top-k, h] bf16 copies beside the experts' saved tensors at its forward's peak
+(the dispatched tokens kept by MoELayer.forward, the experts' outputs and their concatenation),
+where `_mlp_working` counts two (3.0 GiB at 32K); HyScale's library kernels also keep int32
+indices and the indexer gradients (0.5 GiB); with both it would say 52.4 / 77.6. Not changed
+here: the same term moves every variant's figure in every MoE layout, and its count with EP > 1
+or Transformer Engine's grouped experts is not measured. The `tests/examples` calibration test
+keeps both runs within stated bounds.
+
+The layer-level comparison (BENCHMARKS.md, "The DSA layer against stock cudnn", one H200,
+2026-12-01: one GLM-5.1 DSA layer forward + backward with recompute, stock cudnn's peak minus
+HyScale's: 10.8 GiB at 32K, 43.0 at 128K): `selection_bytes`'s "stock_cudnn" (the larger of the
+forward's parts and the backward's row copies) minus HyScale's buffers says 12.5 and 50.0,
+about 16 % high.
 
 Known simplifications (kept because they shift totals by a few GiB at most): norms and biases
 are ignored, MoE tokens are assumed evenly spread over experts (no capacity factor: a hot
 expert adds to the MoE working set), the loss/logits and the layer working set are not alive
-together (the larger one counts).
+together (the larger one counts), and the layer's working set adds the attention's and the
+MLP's saved tensors to the larger of their transients (the attention's backward runs after the
+MLP's has freed its tensors: an upper bound, kept for HyScale, the reference and TileLang).
 """
 
 from __future__ import annotations
@@ -81,9 +114,14 @@ CUDNN_INDEXER_BWD_HEADS = 64
 # backward indices (int32).
 CUDNN_TOPK_ENTRY_BYTES = 48
 # Copies of the attention's q [T, H, kv_lora + rope], output and output gradient [T, H, kv_lora]
-# (bf16) alive in the cudnn backend's sparse-attention backward: each is concatenated with a
-# zero row, then index_select-ed to the rows with a selection, before cuDNN's kernel runs.
+# (bf16) and of its int32 [T, k] indices alive in the cudnn backend's sparse-attention backward:
+# each is concatenated with a zero row, then index_select-ed to the rows with a selection, before
+# cuDNN's kernel runs.
 CUDNN_BWD_ROW_COPIES = 2
+# The stock-only row of `estimate` per backend: the score table counted on top of the working
+# set (reference, tilelang), or what cudnn's largest phase adds to it.
+STOCK_EXTRA_ROWS = {"reference": "stock score table", "tilelang": "stock score table",
+                    "cudnn": "stock cudnn extra at its peak"}
 
 
 @dataclass(frozen=True)
@@ -269,7 +307,7 @@ class StageMemory:
     layers: int
     rows: dict[str, float] = field(default_factory=dict)
     hyscale_only: tuple[str, ...] = ("selection replay store", "HyScale selection buffers")
-    stock_only: tuple[str, ...] = ("stock score table",)
+    stock_only: tuple[str, ...] = ("stock score table", "stock cudnn extra at its peak")
 
     def total(self, variant: str = "hyscale") -> float:
         skip = self.stock_only if variant == "hyscale" else self.hyscale_only
@@ -324,12 +362,20 @@ def _chunk_rows(rows: int, bytes_per_row: int, max_bytes: int, alignment: int) -
     return min(rows, chunk)
 
 
+def _cudnn_indexer_grads(model: ModelGeometry, t: int) -> int:
+    """Bytes of the indexer gradients the cudnn backend's fused forward precomputes for t query
+    rows and keeps for its backward (q, k bf16, head weights fp32)."""
+    return t * (2 * model.indexer_heads * model.indexer_dim + 2 * model.indexer_dim
+                + 4 * model.indexer_heads)
+
+
 def cudnn_selection_bytes(model: ModelGeometry, layout: Layout) -> dict[str, float]:
     """Stock megatron-core's cudnn backend, one layer on one rank, by part (bytes; see
     dsa_cudnn_kernels.py of megatron-core 0.19.2). The forward parts (selection and the fused
     sparse indexer loss) are all taken as live at once, though the score chunks and the top-k
     scratch are freed before the loss allocates its buffers; "stock_cudnn" in selection_bytes
-    is the larger of their sum and the backward's row copies (module docstring)."""
+    is the larger of their sum and the backward's row copies (the layer-level extra), and
+    `cudnn_layer_phases` places them in the layer's phases for `estimate` (module docstring)."""
     t = layout.seq_length // layout.cp * layout.micro_batch
     full = layout.seq_length  # keys (all-gathered under CP)
     score_rows = _chunk_rows(t, 4 * full, CUDNN_SCORE_CHUNK_BYTES, CUDNN_ROW_ALIGNMENT)
@@ -347,17 +393,46 @@ def cudnn_selection_bytes(model: ModelGeometry, layout: Layout) -> dict[str, flo
         "radix top-k scratch": float(2 * 4 * topk_rows * full),
         "[T, k] buffers (top-k, indexer loss)": float(CUDNN_TOPK_ENTRY_BYTES * t * model.topk),
         # the indexer backward's padded q and its gradient (bf16), plus the indexer gradients
-        # its forward precomputes and keeps for backward (q, k bf16, head weights fp32)
+        # its forward precomputes and keeps for backward
         "indexer backward": float(2 * 2 * t * heads * model.indexer_dim
-                                  + t * (2 * model.indexer_heads * model.indexer_dim
-                                         + 2 * model.indexer_dim + 4 * model.indexer_heads)),
+                                  + _cudnn_indexer_grads(model, t)),
         # backward, not alive with the parts above
-        "attention backward row copies": float(
-            CUDNN_BWD_ROW_COPIES * 2 * t * attn_heads * (latent + 2 * model.kv_lora_rank)),
+        "attention backward row copies": float(CUDNN_BWD_ROW_COPIES * (
+            2 * t * attn_heads * (latent + 2 * model.kv_lora_rank) + 4 * t * model.topk)),
     }
 
 
 _CUDNN_BWD = "attention backward row copies"
+
+
+def cudnn_layer_phases(model: ModelGeometry, layout: Layout, *, moe: bool) -> dict[str, float]:
+    """Stock cudnn: the working set of the layer (MoE or dense) being recomputed and
+    back-propagated, on one rank, in each phase where part of the backend's extra is alive
+    (bytes; the module docstring). The layer peaks at the largest; the output layer's logits
+    are alive with none of them.
+
+    - attention forward (the first forward's and the recompute's fused call): the attention's
+      saved tensors (at most) and all of the forward's parts of `cudnn_selection_bytes`;
+    - MLP (its recompute and backward): the attention's and the MLP's saved tensors, the larger
+      transient (as HyScale's working set) and what the fused function keeps for its backward
+      (the clamped int32 [T_local, k] indices and the indexer gradients it precomputes);
+    - attention backward (the MLP's saved tensors are freed by then): the attention's saved
+      tensors and transient, the attention output's gradient dO [T_local, H, kv_lora] bf16,
+      the row copies and what the fused function kept.
+    """
+    parts = cudnn_selection_bytes(model, layout)
+    t = layout.seq_length // layout.cp * layout.micro_batch
+    heads = model.num_heads // layout.tp
+    kept = 4 * t * model.topk + _cudnn_indexer_grads(model, t)
+    d_out = 2 * t * heads * model.kv_lora_rank
+    attn_saved, attn_transient = _attention_working(model, layout)
+    mlp_saved, mlp_transient = _mlp_working(model, layout, moe)
+    forward = sum(v for k, v in parts.items() if k != _CUDNN_BWD)
+    return {
+        "attention forward": attn_saved + forward,
+        "MLP": attn_saved + mlp_saved + max(attn_transient, mlp_transient) + kept,
+        "attention backward": attn_saved + attn_transient + d_out + parts[_CUDNN_BWD] + kept,
+    }
 
 
 def selection_bytes(model: ModelGeometry, layout: Layout) -> dict[str, float]:
@@ -374,7 +449,8 @@ def selection_bytes(model: ModelGeometry, layout: Layout) -> dict[str, float]:
         # TileLang backend: one [8192, T] fp32 block (plus torch.topk over it).
         "stock_tilelang": float(4 * min(t, STOCK_TILELANG_BLOCK_ROWS) * full),
         # cudnn backend: the forward's score chunks, top-k scratch and [T_local, k] loss
-        # buffers, or the backward's row copies, whichever is larger
+        # buffers, or the backward's row copies, whichever is larger (one layer's extra; in a
+        # training step `estimate` counts it by phases, `cudnn_layer_phases`)
         "stock_cudnn": max(sum(v for k, v in cudnn.items() if k != _CUDNN_BWD),
                            cudnn[_CUDNN_BWD]),
     }
@@ -422,16 +498,20 @@ def estimate(
         nonexpert /= layout.tp
         expert = moe_layers * model.expert_params() / (layout.ep * layout.etp)
         in_flight = layout.in_flight(stage)
-        saved, transient = attn_saved, attn_transient
-        if moe_layers:
-            saved, transient = saved + moe_saved, max(transient, moe_transient)
-        else:
-            saved, transient = saved + dense_saved, max(transient, dense_transient)
-        working = saved + transient + sel["hyscale"]
+        mlp = (moe_saved, moe_transient) if moe_layers else (dense_saved, dense_transient)
+        layer = attn_saved + mlp[0] + max(attn_transient, mlp[1])
         logits = 0.0
         if stage == len(stages) - 1:
             logits = t * padded_vocab / layout.tp * LOGITS_BYTES
-        stock_table = sel[f"stock_{stock_backend}"]
+        # the layer being recomputed and back-propagated, or the loss, whichever is larger
+        common = max(layer, logits)
+        if stock_backend == "cudnn":
+            # its extra is alive in phases of the layer, never with the logits: stock's peak is
+            # the largest phase (or the logits), above the common working set by this much
+            phases = cudnn_layer_phases(model, layout, moe=moe_layers > 0)
+            stock_extra = max(logits, *phases.values()) - common
+        else:
+            stock_extra = sel[f"stock_{stock_backend}"]
         rows = {
             "weights (bf16)": 2 * (nonexpert + expert),
             f"main grads ({'fp32' if layout.grad_bytes == 4 else 'bf16'})":
@@ -441,10 +521,9 @@ def estimate(
                 + expert * (per_param_expert - 2 - layout.grad_bytes),
             "layer inputs (full recompute)": layer_input * count * in_flight,
             "selection replay store": replay_entry * count * in_flight,
-            # the layer being recomputed and back-propagated, or the loss, whichever is larger
-            "working set (1 layer / logits)": max(working - sel["hyscale"], logits),
+            "working set (1 layer / logits)": common,
             "HyScale selection buffers": sel["hyscale"],
-            "stock score table": stock_table,
+            STOCK_EXTRA_ROWS[stock_backend]: stock_extra,
             "reserve (context, NCCL, fragments)": reserve_gib * GIB,
         }
         result.append(StageMemory(stage=stage, layers=count, rows=rows))
