@@ -46,6 +46,10 @@
 #                                         # of the store, allocated memory or step time
 #                                         # (megatron_hyscale.testing.soak); its record in the
 #                                         # stage's folder, exit 1 if a check failed  (~2 min)
+#   bash scripts/gpu_session.sh side1-long PART  # issue #19 item 3: the one-H200 pair at
+#                                         # 128K (stock's longest fit) over several calls
+#                                         # with checkpoint and resume: PART stock (2-3
+#                                         # calls), hyscale, alone (155,648), summary
 #   bash scripts/gpu_session.sh reliability [FILES]  # issue #23: tests/reliability on
 #                                         # CUDA, one pytest a file, slow cases and the 256K
 #                                         # HyTopK test included (checkpoint round trips,
@@ -121,12 +125,12 @@ shift || true
 case "$stage" in
   verify|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
-  |accuracy-64k) ;;
+  |accuracy-64k|side1-long) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
-       "|accuracy-64k} [ARGS...]" >&2
+       "|accuracy-64k|side1-long} [ARGS...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -498,7 +502,7 @@ case "$stage" in
       --skip-stock --repeats 1 --out "$out" 2>&1 | grep -v Warning \
       | tee "$out/bench_layer_cp2_1m_$model.log"
     ;;
-  side1|side2)
+  side1|side1-long|side2)
     [ -f .carry/megatron_lm/pretrain_gpt.py ] || {
       echo "gpu_session.sh $stage: carry .carry/megatron_lm (scripts/megatron_lm_carry.sh)" >&2
       exit 2; }
@@ -511,6 +515,38 @@ case "$stage" in
     # The lent H200s have no Transformer Engine: megatron's torch modules.
     impl=transformer_engine
     python3 -c "import transformer_engine" 2>/dev/null || impl=local
+    if [ "$stage" = side1-long ]; then
+      # Issue #19 item 3 at stock cudnn's longest fitting length on one H200 (131,072 tokens by
+      # the recalibrated estimate; SIDE1_SEQ), 22 iterations each, over several calls on one
+      # warm machine (examples/glm5_1/README.md, "Runs longer than one call"): PART stock (2-3
+      # calls, ~40 s an iteration), hyscale, alone (HyScale at SIDE1_ALONE: the longest it
+      # fits, 155,648 by the estimate; twice stock's length fits neither), summary.
+      [ -d .carry/site/nvidia_cutlass_dsl ] || {
+        echo "gpu_session.sh side1-long: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" >&2
+        exit 2; }
+      part=${1:-}; shift || true
+      run_dir=outputs/side1_long  # kept on the machine between calls (ignored by git)
+      only=()
+      case "$part" in
+        stock) only=(--only stock) ;;
+        hyscale) rm -rf "$run_dir/ckpt/stock"; only=(--only hyscale) ;;  # 2 x 23 GB on 64 GB
+        alone) rm -rf "$run_dir/ckpt/stock" "$run_dir/ckpt/hyscale"; only=(--only hyscale) ;;
+        summary) ;;
+        *) echo "usage: gpu_session.sh side1-long {stock|hyscale|alone|summary}" >&2; exit 2 ;;
+      esac
+      alone=()
+      [ "$part" = alone ] || [ "$part" = summary ] && alone=(--hyscale-alone-at
+        "${SIDE1_ALONE:-155648}" --alone-iters 4)
+      MEGATRON_LM_DIR=$(pwd)/.carry/megatron_lm HYSCALE_PYTHON=python3 timeout 575 \
+        bash examples/glm5_1/side_by_side.sh --gpus 1 --config scaled --stock-backend cudnn \
+        --num-layers 2 --global-batch-size 1 --seq-length "${SIDE1_SEQ:-131072}" \
+        --train-iters 22 --transformer-impl $impl --output-dir "$run_dir/out" \
+        --checkpoint-dir "$run_dir/ckpt" --time-limit 540 "${alone[@]}" "${only[@]}" "$@" 2>&1 \
+        | grep -v Warning | tail -60
+      rc=${PIPESTATUS[0]}
+      cp "$run_dir"/out/*.log "$run_dir"/out/summary.txt "$run_dir"/out/*.json "$out"/ 2>/dev/null
+      exit "$rc"
+    fi
     if [ "$stage" = side1 ]; then
       # One H200 against stock cudnn (examples/glm5_1/README.md): the pair at 32K (stock's
       # per-head fp32 selection makes longer pairs outlast a call), HyScale alone at 2x.
