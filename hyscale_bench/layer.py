@@ -77,7 +77,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from functools import partial
-from itertools import accumulate
+from itertools import accumulate, product
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "whole tokens allow, the default), uneven (log-normal lengths from a "
                         f"generator seeded {PACKED_SEED} + N, rows hyscale_packed_N_uneven) or "
                         "both")
+    p.add_argument("--packed-selection", choices=("per_document", "batched", "both"),
+                   default=None,
+                   help="with --packed: how HyScale's packed rows select (config."
+                        "hyscale_packed_selection): one call a document (per_document, the "
+                        "default), documents batched into few calls (batched, rows "
+                        "hyscale_packed_N_batched), or both side by side")
     p.add_argument("--profile-kernels", type=int, default=0, metavar="N",
                    help="after each row's timing, profile one more step (torch.profiler) and "
                         "record its N most expensive operators by self device time "
@@ -265,6 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.packed_split = args.packed_split or "even"
     elif args.packed_split is not None:
         p.error("--packed-split needs --packed N")
+    if args.packed_selection is not None and args.packed is None:
+        p.error("--packed-selection needs --packed N")
     if args.row_chunk is not None:
         if args.model == "qsa":
             p.error("--row-chunk applies to --model dsa, csa and hca")
@@ -803,12 +811,19 @@ def packed_splits(args: argparse.Namespace) -> list[str]:
     return ["even", "uneven"] if args.packed_split == "both" else [args.packed_split]
 
 
-def packed_name(base: str, n: int, split: str) -> str:
-    """The row key: hyscale_packed_8, stock_packed_8_uneven, ..."""
-    return f"{base}_packed_{n}" + ("_uneven" if split == "uneven" else "")
+def packed_selections(args: argparse.Namespace) -> list[str]:
+    """HyScale's packed rows' selection modes (layers/kernel_backend.packed_selection)."""
+    mode = args.packed_selection or "per_document"
+    return ["per_document", "batched"] if mode == "both" else [mode]
 
 
-PACKED_KEY = re.compile(r"_packed_\d+(_uneven)?$")
+def packed_name(base: str, n: int, split: str, selection: str = "per_document") -> str:
+    """The row key: hyscale_packed_8, stock_packed_8_uneven, hyscale_packed_64_batched, ..."""
+    return (f"{base}_packed_{n}" + ("_uneven" if split == "uneven" else "")
+            + ("_batched" if selection == "batched" else ""))
+
+
+PACKED_KEY = re.compile(r"_packed_\d+(_uneven)?(_batched)?$")
 
 
 def packed_seq_params(lengths: list[int], device: str) -> Any:
@@ -1121,10 +1136,18 @@ def run(args: argparse.Namespace) -> int:
         row["hyscale"] = combine(gather_ranks(rec))
         replay.clear()
         packed = [(n, split) for n in args.packed or () for split in packed_splits(args)]
-        for n, split in packed:  # the same module and hidden states, packed (CP 1 only)
-            name = packed_name("hyscale", n, split)
+        config = hyscale.module.config
+        for (n, split), mode in product(packed, packed_selections(args)):
+            # the same module and hidden states, packed (CP 1 only), each selection mode
+            name = packed_name("hyscale", n, split, mode)
             log(f"[T={T}] {name} ...")
-            row[name] = measure_packed(hyscale, T, args, n, split, row["hyscale"], hyscale=True)
+            config.hyscale_packed_selection = mode
+            try:
+                row[name] = measure_packed(hyscale, T, args, n, split, row["hyscale"],
+                                           hyscale=True)
+            finally:
+                config.hyscale_packed_selection = None
+            row[name]["packed_selection"] = mode if isinstance(row[name], dict) else None
             replay.clear()
         for name, base in bases:
             # the fused stock backends are not bound by the unfused path's score table
@@ -1188,6 +1211,7 @@ def write_json(out_dir: Path, args: argparse.Namespace, device: str, rate: float
 def packed_meta(args: argparse.Namespace) -> dict[str, Any]:
     """What the packed rows are (the JSON's "packed" entry)."""
     return {"documents": args.packed, "split": args.packed_split, "splits": packed_splits(args),
+            "selections": packed_selections(args),
             "goal_per_token_vs_unpacked": PACKED_GOAL, "uneven_seed": PACKED_SEED,
             "uneven_lengths": "log-normal(0, 1) shares of T from random.Random(seed + N)",
             "stock_rows_packed_where_timed": list(PACKED_STOCK_ROWS)}

@@ -140,7 +140,7 @@ def indexer_loss(records):
     return lines
 
 
-PACKED_KEY = re.compile(r"_packed_\d+(_uneven)?$")  # bench_layer --packed rows
+PACKED_KEY = re.compile(r"_packed_\d+(_uneven)?(_batched)?$")  # bench_layer --packed rows
 
 
 def layer(records, meta):

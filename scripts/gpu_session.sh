@@ -294,10 +294,12 @@ case "$stage" in
     # (the JSON counts them per row: fallback_warnings, path) in the call's output. The
     # benchmarks/results record (benchmark_tables.py renders it) lands in the stage's folder.
     # PROFILE=N: one profiled step a row, its N costliest operators in the log and the JSON.
+    # PACKED_SELECTION: per_document, batched or both (default: both, rows side by side).
     HYSCALE_RESULTS=$out timeout "${LAYER_PACKED_TIMEOUT:-420}" python3 scripts/bench_layer.py \
       --seq $seqs --packed ${PACKED_DOCS:-8 64} \
       --packed-split "${PACKED_SPLIT:-even}" --skip-stock --repeats "${REPEATS:-3}" \
-      --profile-kernels "${PROFILE:-0}" --out "$out" 2>&1 | tee "$out/bench_layer.log" \
+      --profile-kernels "${PROFILE:-0}" --packed-selection "${PACKED_SELECTION:-both}" \
+      --out "$out" 2>&1 | tee "$out/bench_layer.log" \
       | grep -E "^\||Error|Traceback|T=.*floor|HyScaleDSAttention|profile:|^ +[0-9.]+ ms +[0-9]+x"
     ;;
   accuracy)

@@ -52,9 +52,14 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 from megatron.core.utils import get_pg_size
 
 from megatron_hyscale import ops, parallel, phase_spans, replay
-from megatron_hyscale.layers.kernel_backend import indexer_precision, kernel_backend
+from megatron_hyscale.layers.kernel_backend import (
+    indexer_precision,
+    kernel_backend,
+    packed_selection,
+)
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
 from megatron_hyscale.layers.packed import PackedLayout, packed_layout
+from megatron_hyscale.layers.packed_selection import batched_document_selection
 from megatron_hyscale.ops import hytopk
 from megatron_hyscale.ops.checks import warn_once
 from megatron_hyscale.parallel import CPRowLayout, cp_row_layout
@@ -359,19 +364,25 @@ class HyScaleDSAttention(DSAttention):
                 shape, lambda: self._shared_selection(packed_seq_params, attention_mask),
                 shared=True)
         else:
-            def select(rows: slice, keys: slice, positions: torch.Tensor | None) -> torch.Tensor:
+            def select_from(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
+                            positions: torch.Tensor | None) -> torch.Tensor:
                 return hytopk(
-                    q_idx[:, rows].detach(), k_idx[:, keys].detach(),
-                    weights[:, rows].detach(), self.index_topk,
+                    q.detach(), k.detach(), w.detach(), self.index_topk,
                     relu=bool(self.config.dsa_indexer_scoring_relu), q_positions=positions,
                     backend=kernel_backend(self.config), check_values=False,
                     precision=indexer_precision(self.config),
                 )[0]
 
+            def select(rows: slice, keys: slice, positions: torch.Tensor | None) -> torch.Tensor:
+                return select_from(q_idx[:, rows], k_idx[:, keys], weights[:, rows], positions)
+
             def compute() -> torch.Tensor:
                 with torch.no_grad():
                     if packed is None:
                         return select(slice(None), slice(None), q_positions)
+                    if packed_selection(self.config) == "batched" and b == 1:
+                        return batched_document_selection(select_from, q_idx, k_idx, weights,
+                                                          packed, self.index_topk)
                     # Each document over its own keys; its indices become packed rows.
                     indices = torch.full(shape, -1, dtype=torch.int32, device=q_idx.device)
                     for (start, end), (r0, r1) in zip(packed.documents, packed.local,

@@ -14,17 +14,24 @@ The indexer's selection precision comes the same way: `config.hyscale_indexer_pr
 $HYSCALE_INDEXER_PRECISION, else "bf16"; "fp8" selects on e4m3 copies of the indexer's q and k
 (`ops.hytopk(precision="fp8")`). Only the selection: the indexer loss and its gradients keep
 the bf16 tensors.
+
+Packed THD sequences select per document: `config.hyscale_packed_selection`, else
+$HYSCALE_PACKED_SELECTION, else "per_document" (one selection call a document) or "batched"
+(documents of similar length batched into one call, `layers/packed_selection.py`: the same
+indices in fewer launches; the default once measured faster on the GPU).
 """
 
 from __future__ import annotations
 
 import os
 
+from megatron_hyscale.layers.packed_selection import MODES as PACKED_SELECTION_MODES
 from megatron_hyscale.ops.fp8_quant import PRECISIONS
 
 ENV = "HYSCALE_KERNEL_BACKEND"
 CHOICES = {"best": "best", "own": "auto", "cudnn": "cudnn"}
 PRECISION_ENV = "HYSCALE_INDEXER_PRECISION"
+PACKED_SELECTION_ENV = "HYSCALE_PACKED_SELECTION"
 
 
 def _setting(config: object, attr: str, env: str, default: str, choices) -> str:
@@ -46,3 +53,9 @@ def kernel_backend(config: object) -> str:
 def indexer_precision(config: object) -> str:
     """The selection's `precision=` argument (`ops.hytopk`) for a layer built from `config`."""
     return _setting(config, "hyscale_indexer_precision", PRECISION_ENV, "bf16", PRECISIONS)
+
+
+def packed_selection(config: object) -> str:
+    """How a packed THD sequence's documents select: "per_document" or "batched"."""
+    return _setting(config, "hyscale_packed_selection", PACKED_SELECTION_ENV, "per_document",
+                    PACKED_SELECTION_MODES)

@@ -486,3 +486,22 @@ def test_profile_kernels_records_top_operators(tmp_path: Path) -> None:
         assert all(item["calls"] >= 1 and item["name"] for item in top)
     assert "  profile: wall " in proc.stdout
     assert bench_layer.parse_args([]).profile_kernels == 0
+
+
+def test_packed_selection_both_modes_rows(tmp_path: Path) -> None:
+    """`--packed-selection both`: each packed HyScale row twice, per document and batched, on
+    HyScale's own path, the batched row named `_batched` and in the packed table; the mode
+    needs --packed."""
+    proc = _run(["--model", "dsa", "--skip-stock", "--packed", "3", "--packed-selection",
+                 "both"], tmp_path)
+    data = _load(tmp_path, "dsa", proc)
+    row = data["rows"][0]
+    assert data["packed"]["selections"] == ["per_document", "batched"]
+    for name, mode in (("hyscale_packed_3", "per_document"),
+                       ("hyscale_packed_3_batched", "batched")):
+        rec = row[name]
+        assert rec["packed_selection"] == mode and rec["path"] == "hyscale"
+        _check_record(rec, selects=True, replays=True)
+    assert any(x.startswith("| 128 | hyscale_packed_3_batched |") for x in proc.stdout.splitlines())
+    with pytest.raises(SystemExit):
+        bench_layer.parse_args(["--packed-selection", "batched"])
