@@ -179,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "ReLU, keys whose heads are all negative score exactly 0 and tie; stock's "
                    "torch.topk breaks such ties arbitrarily, HyScale by the smaller index, so "
                    "the two runs may pick different keys and their losses drift apart")
+    p.add_argument("--indexer-precision", choices=("bf16", "fp8"), default="bf16",
+                   help="HyScale's selection precision (config.hyscale_indexer_precision): bf16 "
+                   "scores the indexer's q and k as they are (fp32 on a CPU), fp8 their e4m3 "
+                   "copies with per-token scales (ops.hytopk(precision='fp8')); the indexer loss "
+                   "keeps the unquantized tensors. Stock always selects unquantized")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (0: torch's default, one per core). One is the "
                    "fastest for the demo's many small ops, and it keeps its speed when other "
@@ -281,6 +286,8 @@ def build_models(args: argparse.Namespace, device: torch.device) -> dict[str, to
     hyscale = build_gpt(config, stock=False, vocab_size=VOCAB_SIZE,
                         max_sequence_length=args.seq_len)
     hyscale.load_state_dict(stock.state_dict(), strict=True)
+    for attention in core_attentions(hyscale):  # the stock layers never read it
+        attention.config.hyscale_indexer_precision = args.indexer_precision
     models = {"hyscale": hyscale.to(device)}
     if not args.no_stock:
         models["stock"] = stock.to(device)
@@ -637,7 +644,9 @@ def _train_and_report(args: argparse.Namespace, task: RecallTask) -> dict[str, A
               f"{threads} intra-op thread{'' if threads == 1 else 's'} (--threads); "
               f"{task.n_pairs} facts, {task.n_near} near and {task.n_far} far queries; chance "
               f"accuracy "
-              f"{1 / task.n_values:.3f}" + ("; HyScale / stock side by side" if both else ""))
+              f"{1 / task.n_values:.3f}" + ("; HyScale / stock side by side" if both else "")
+              + ("; HyScale selects on fp8 copies of the indexer's q and k"
+                 if args.indexer_precision == "fp8" else ""))
         rows.append(format_row(0, {n: [] for n in models}, log_recall(0)))
         print("\n".join(table_lines(rows, both)))
         window: dict[str, list[dict[str, Any]]] = {n: [] for n in models}
