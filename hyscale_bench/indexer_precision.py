@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=400, help="optimizer steps of each run")
     p.add_argument("--seed", type=int, default=1234, help="the demo's seed (weights and data)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="runs per precision, seeds --seed, --seed + 1, ...: a tiny model's runs "
+                        "that differ in one selection drift apart (as two seeds do), so the "
+                        "final figures are compared over seeds")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--out", type=Path, default=Path("outputs/indexer_precision"),
                    help="folder for comparison.json, curves.png and the two demo runs")
@@ -51,10 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def demo_args(args: argparse.Namespace, precision: str) -> list[str]:
-    return ["--steps", str(args.steps), "--seed", str(args.seed), "--device", args.device,
+def demo_args(args: argparse.Namespace, precision: str, seed: int) -> list[str]:
+    return ["--steps", str(args.steps), "--seed", str(seed), "--device", args.device,
             "--no-stock", "--no-progress", "--indexer-precision", precision,
-            "--out", str(args.out / precision), *args.demo_args]
+            "--out", str(args.out / f"{precision}-seed{seed}"), *args.demo_args]
 
 
 def jaccard_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
@@ -81,16 +85,32 @@ def overlap(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, relu: 
     return {"jaccard": mean, "rows_equal": same}
 
 
-def run_demo(args: argparse.Namespace, precision: str) -> dict[str, Any]:
+def run_demo(args: argparse.Namespace, precision: str, seed: int) -> dict[str, Any]:
     from megatron_hyscale import demo
 
-    print(f"=== {precision} selection: python -m megatron_hyscale.demo "
-          f"{' '.join(demo_args(args, precision))}", flush=True)
-    return demo.run(demo.build_parser().parse_args(demo_args(args, precision)))
+    argv = demo_args(args, precision, seed)
+    print(f"=== {precision} selection: python -m megatron_hyscale.demo {' '.join(argv)}",
+          flush=True)
+    return demo.run(demo.build_parser().parse_args(argv))
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    runs = {p: run_demo(args, p) for p in PRECISIONS}
+    """The first seed's runs in full (curves, gaps, overlaps), and every seed's final figures
+    (`per_seed`, with their means: `mean_final`)."""
+    seeds = [args.seed + i for i in range(args.seeds)]
+    per_seed = []
+    for seed in seeds:
+        runs_s = {p: run_demo(args, p, seed) for p in PRECISIONS}
+        per_seed.append({"seed": seed, **{p: {
+            "loss": runs_s[p]["summary"]["hyscale"]["final_loss"],
+            "accuracy": runs_s[p]["summary"]["hyscale"]["final_accuracy"],
+            "fact_in_topk": [r["fact_hit"] for r in runs_s[p]["summary"]["hyscale"]["recall"]],
+            "recall": [r["recall"] for r in runs_s[p]["summary"]["hyscale"]["recall"]]}
+            for p in PRECISIONS}})
+        if seed == seeds[0]:
+            runs = runs_s
+    mean_final = {p: {key: sum(s[p][key] for s in per_seed) / len(per_seed)
+                      for key in ("loss", "accuracy")} for p in PRECISIONS}
     hist = {p: runs[p]["history"]["hyscale"] for p in PRECISIONS}
     steps = [r["step"] for r in hist["bf16"]]
     gaps = [abs(a["loss"] - b["loss"]) / max(abs(a["loss"]), 1e-12)
@@ -121,8 +141,10 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "final": {p: {"loss": s["final_loss"], "accuracy": s["final_accuracy"],
                       "recall": s["recall"]} for p, s in summary.items()},
         "topk_overlap": overlaps,
+        "per_seed": per_seed,
+        "mean_final": mean_final,
         "device": runs["bf16"]["device"],
-        "demo_args": {p: demo_args(args, p) for p in PRECISIONS},
+        "demo_args": {p: demo_args(args, p, args.seed) for p in PRECISIONS},
     }
 
 
@@ -156,8 +178,19 @@ def report(result: dict[str, Any]) -> str:
         r = f[p]["recall"][0]
         lines.append(f"| {p} | {f[p]['loss']:.4f} | {f[p]['accuracy']:.3f} | "
                      f"{r['recall']:.3f} | {r['fact_hit']:.3f} |")
+    if len(result["per_seed"]) > 1:
+        lines += ["", "| seed | " + " | ".join(f"{p} final loss | {p} accuracy"
+                                              for p in PRECISIONS) + " |",
+                  "|---" * (1 + 2 * len(PRECISIONS)) + "|"]
+        for s in result["per_seed"]:
+            lines.append(f"| {s['seed']} | " + " | ".join(
+                f"{s[p]['loss']:.4f} | {s[p]['accuracy']:.3f}" for p in PRECISIONS) + " |")
+        m = result["mean_final"]
+        lines.append("| mean | " + " | ".join(
+            f"{m[p]['loss']:.4f} | {m[p]['accuracy']:.3f}" for p in PRECISIONS) + " |")
     lines.append("")
-    lines.append(f"loss curves: largest relative gap {result['max_relative_loss_gap']:.2e}, "
+    lines.append(f"loss curves (seed {result['per_seed'][0]['seed']}): largest relative gap "
+                 f"{result['max_relative_loss_gap']:.2e}, "
                  f"final {result['final_relative_loss_gap']:.2e}; within {AGREE_TOL:g} "
                  f"(absolute) up to step {result['agree_until_step']}")
     for name, o in result["topk_overlap"].items():
@@ -168,8 +201,9 @@ def report(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
-    if args.steps <= 0:
-        raise SystemExit(f"--steps must be > 0, got {args.steps}")
+    for name in ("steps", "seeds"):
+        if getattr(args, name) <= 0:
+            raise SystemExit(f"--{name} must be > 0, got {getattr(args, name)}")
     result = compare(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "comparison.json").write_text(json.dumps(result, indent=1))
