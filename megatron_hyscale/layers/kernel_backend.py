@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import os
 
-from megatron_hyscale.layers.packed_selection import MODES as PACKED_SELECTION_MODES
 from megatron_hyscale.ops.fp8_quant import PRECISIONS
 
 ENV = "HYSCALE_KERNEL_BACKEND"
 CHOICES = {"best": "best", "own": "auto", "cudnn": "cudnn"}
 PRECISION_ENV = "HYSCALE_INDEXER_PRECISION"
 PACKED_SELECTION_ENV = "HYSCALE_PACKED_SELECTION"
+PACKED_SELECTION_MODES = ("per_document", "batched")
 
 
 def _setting(config: object, attr: str, env: str, default: str, choices) -> str:

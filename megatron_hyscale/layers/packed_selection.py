@@ -23,7 +23,6 @@ import torch
 
 from megatron_hyscale.layers.packed import PackedLayout
 
-MODES = ("per_document", "batched")
 # A document joins a group while len^2 >= MIN_FILL * L_max^2 (at most 2x its own work padded).
 MIN_FILL = 0.5
 # Documents this short or shorter are batched together whatever their lengths.
