@@ -260,9 +260,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "split, nor replicate it over data parallelism; the layer itself runs "
                     "packed THD under context parallelism: tests/parallel/"
                     "test_cp_dsa_packed.py)")
-        if args.row_chunk is not None:
-            p.error("--packed does not combine with --row-chunk (the row-chunked attention "
-                    "does not take packed sequences)")
         too_many = [n for n in args.packed if n < 1 or n > min(args.seq)]
         if too_many:
             p.error(f"--packed N must be between 1 and the shortest --seq ({min(args.seq)}): "

@@ -17,8 +17,9 @@ projection's input exist for one part at a time (in backward as in forward), and
 selection runs once per layer forward, never inside a part's recompute. The result equals the
 unchunked layer's up to floating-point summation order (the indexer loss is a sum of the parts'
 row-weighted means). Covered: the HyScale DSA core (absorbed MLA), tensor-parallel size 1,
-non-packed sequences (packed THD raises, naming packed_seq_params: megatron's RoPE runs per
-whole document), RoPE without fusion, context parallelism (allgather); other settings
+packed THD sequences (each row's RoPE at its position in its document, as megatron's
+per-document RoPE, so a part may cut a document), RoPE without fusion, context parallelism
+(allgather), both together; other settings
 raise, naming the setting (chunking was asked for, so it is never silently skipped; see
 `layers.row_chunks` for FP8 / FP4, CUDA graphs and delayed weight gradients). Selective
 recompute of `core_attn` is subsumed: the parts are checkpointed (more than the core
@@ -39,6 +40,7 @@ from megatron.core.transformer.experimental_attention_variant.absorbed_mla impor
 from megatron.core.utils import get_pg_size
 
 from megatron_hyscale.layers.dsa import DSARowState, HyScaleDSAttention
+from megatron_hyscale.layers.packed import document_rows, packed_layout
 from megatron_hyscale.layers.row_chunks import (
     check_row_chunk,
     row_chunk_conflict,
@@ -57,14 +59,8 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
         cfg = self.config
         if not isinstance(self.core_attention, HyScaleDSAttention):
             return f"the core attention is {type(self.core_attention).__name__}, not HyScale's"
-        if packed_seq_params is not None:
-            # The core attention takes packed rows in parts (`attend_rows`), but RoPE does
-            # not: megatron applies it per whole document (cu_seqlens, zigzag chunks under CP,
-            # offsets when the frequencies span the packed batch), and the parts would need
-            # each row's position from that logic.
-            return ("packed_seq_params (packed THD sequences: megatron's RoPE runs per whole "
-                    "document and a part of the rows cuts documents; use row_chunk=None for "
-                    "packed batches)")
+        if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
+            return f"packed_seq_params with qkv_format={packed_seq_params.qkv_format!r}"
         if get_pg_size(self.tp_group) > 1:
             return "tensor parallelism (size > 1)"
         if cfg.apply_rope_fusion:
@@ -115,21 +111,39 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
         if reason is not None:
             raise NotImplementedError(f"HyScaleMLASelfAttention(row_chunk={self.row_chunk}): "
                                       f"{reason} is not supported with row chunks")
-        return self._chunked_forward(hidden_states, attention_mask), None
+        return self._chunked_forward(hidden_states, attention_mask, packed_seq_params), None
 
-    def _latents(self, hidden_states: torch.Tensor
+    def _rope(self, length: int, packed: bool) -> tuple[torch.Tensor, float]:
+        """RoPE frequencies [length, 1, 1, dim] (this CP rank's rows unless `packed`, which
+        gives positions 0 .. length - 1) and mscale, as AbsorbedMLA makes them."""
+        if self.config.rope_type == "rope":
+            return self.rotary_pos_emb(length, packed_seq=packed), 1.0
+        return self.rotary_pos_emb(length, packed_seq=packed)
+
+    def _latents(self, hidden_states: torch.Tensor, packed_seq_params: Any = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
         """q_compressed [sq, b, q_lora], key [sq, b, 1, kv_lora + rope] (RoPE applied), the
         RoPE frequencies of the local rows and mscale: AbsorbedMLA's projections without the
-        q up projection (tensor-parallel size 1, no packing, no fusion)."""
+        q up projection (tensor-parallel size 1, no fusion). A packed THD sequence's rows
+        take the frequencies of their positions in their document (megatron's per-document
+        RoPE, zigzag chunks under CP), gathered per row, so that any part of the rows has
+        its own."""
         cfg = self.config
-        rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states, cfg,
-                                                                None)
-        if cfg.rope_type == "rope":
-            freqs, mscale = self.rotary_pos_emb(rotary_seq_len, packed_seq=False), 1.0
+        sq = hidden_states.size(0)
+        if packed_seq_params is not None:
+            cp = self.pg_collection.cp
+            layout = packed_layout(packed_seq_params, sq, hidden_states.device,
+                                   layer="HyScaleMLASelfAttention",
+                                   group=cp if get_pg_size(cp) > 1 else None)
+            offsets = document_rows(layout, hidden_states.device).offsets
+            longest = max((b - a for a, b in layout.documents), default=1)
+            freqs, mscale = self._rope(longest, packed=True)
+            freqs = freqs[offsets]
         else:
-            freqs, mscale = self.rotary_pos_emb(rotary_seq_len, packed_seq=False)
-        freqs = freqs[: hidden_states.size(0)]
+            rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states,
+                                                                    cfg, None)
+            freqs, mscale = self._rope(rotary_seq_len, packed=False)
+            freqs = freqs[:sq]
         if cfg.q_lora_rank is not None:
             q_compressed = self.q_layernorm(self.linear_q_down_proj(hidden_states)[0])
         else:
@@ -159,17 +173,19 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
         return torch.cat([q_absorbed, q_pos_emb], dim=-1).contiguous()
 
     def _chunked_forward(self, hidden_states: torch.Tensor,
-                         attention_mask: torch.Tensor | None) -> torch.Tensor:
+                         attention_mask: torch.Tensor | None,
+                         packed_seq_params: Any = None) -> torch.Tensor:
         core: HyScaleDSAttention = self.core_attention
         sq, b = hidden_states.shape[:2]
-        q_compressed, key, freqs, mscale = self._latents(hidden_states)
+        q_compressed, key, freqs, mscale = self._latents(hidden_states, packed_seq_params)
         # (The key stands in for the query: the check reads only its width.)
-        reason = core._unsupported_reason(key, key, None, self.attn_mask_type, None,
-                                          hidden_states)
+        reason = core._unsupported_reason(key, key, None, self.attn_mask_type,
+                                          packed_seq_params, hidden_states)
         if reason is not None:
             raise NotImplementedError(f"HyScaleMLASelfAttention(row_chunk={self.row_chunk}): "
                                       f"{reason}")
-        state = core.prepare(key, attention_mask, hidden_states, q_compressed, sq=sq, b=b)
+        state = core.prepare(key, attention_mask, hidden_states, q_compressed, sq=sq, b=b,
+                             packed_seq_params=packed_seq_params)
         rows_forward = partial(self._rows_forward, q_compressed, freqs, state, mscale)
         # Every part reads the whole (gathered) key, the indexer keys and both absorbed
         # weights: their gradients are summed over the parts in fp32 (row_chunks' doc).

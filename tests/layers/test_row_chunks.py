@@ -155,18 +155,87 @@ def test_the_stock_forwards_argument_checks_hold_with_row_chunks():
         attn(x, None, key_value_states=x)
 
 
-def test_packed_sequences_are_refused_naming_the_argument():
+def _attention(row_chunk: int | None, **overrides) -> torch.nn.Module:
+    from megatron.core.transformer.spec_utils import build_module
+
+    cfg = tiny_dsa_config(num_layers=1, deterministic_mode=True, **overrides)
+    spec = get_dsa_layer_specs(cfg, row_chunk=row_chunk)[0].submodules.self_attention
+    torch.manual_seed(0)
+    return build_module(spec, config=cfg, layer_number=1).to(DEVICE)
+
+
+def _packed_step(attn, hidden, params, recompute):
+    from megatron.core import tensor_parallel
+
+    attn.train()
+    attn.zero_grad(set_to_none=True)
+    DSAIndexerLossLoggingHelper.tracker.clear()
+    h = hidden.clone().requires_grad_()
+    call = lambda x: attn(x, None, packed_seq_params=params)[0]  # noqa: E731
+    out = tensor_parallel.checkpoint(call, False, h) if recompute else call(h)
+    out.pow(2).mean().backward()
+    logged = DSAIndexerLossLoggingHelper.tracker["values"].clone()
+    DSAIndexerLossLoggingHelper.tracker.clear()
+    grads = {n: p.grad.clone() for n, p in attn.named_parameters() if p.grad is not None}
+    return out.detach(), h.grad, logged, grads
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "full-recompute"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-loss", "sparse-loss"])
+def test_packed_documents_in_row_parts_match_the_whole_layer(sparse, recompute):
+    """Parts of 36 rows cut the packed documents (13, 40, 27, 20 rows): each row takes the
+    RoPE of its position in its document, as megatron's per-document RoPE in the unchunked
+    layer (whose packed path equals stock's, tests/layers/test_dsa_packed.py)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    model = build(CHUNK)
-    attn = next(m for m in model.modules() if isinstance(m, HyScaleMLASelfAttention))
-    cu = torch.tensor([0, 40, T], dtype=torch.int32, device=DEVICE)
+    whole = _attention(None, dsa_indexer_use_sparse_loss=sparse)
+    chunked = _attention(CHUNK, dsa_indexer_use_sparse_loss=sparse)
+    chunked.load_state_dict(whole.state_dict())
+    cu = torch.tensor([0, 13, 53, 80, T], dtype=torch.int32, device=DEVICE)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=60, max_seqlen_kv=60)
-    x = torch.zeros(T, 1, model.config.hidden_size, device=DEVICE)
-    with pytest.raises(NotImplementedError, match=r"row_chunk=36\): packed_seq_params .*"
-                       r"use row_chunk=None"):
-        attn(x, None, packed_seq_params=params)
+                             max_seqlen_q=40, max_seqlen_kv=40)
+    hidden = torch.randn(T, 1, whole.config.hidden_size,
+                         generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    expected = _packed_step(whole, hidden, params, recompute)
+    got = _packed_step(chunked, hidden, params, recompute)
+    out, h_grad, logged, grads = got
+    torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h_grad, expected[1], rtol=1e-4, atol=1e-7)
+    assert expected[2].abs().sum() > 0
+    torch.testing.assert_close(logged, expected[2], rtol=1e-4, atol=1e-9)
+    assert any(".indexer." in n for n in expected[3])
+    assert_grads_close(grads, expected[3], rtol=1e-4, atol=1e-7)
+
+
+def test_packed_positions_are_per_document():
+    """The comparison can fail: RoPE at other positions than the rows' own changes the output;
+    a single document spanning the rows equals the unpacked layer."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    whole, chunked = _attention(None), _attention(CHUNK)
+    chunked.load_state_dict(whole.state_dict())
+    cu = torch.tensor([0, 13, 53, 80, T], dtype=torch.int32, device=DEVICE)
+    one = torch.tensor([0, T], dtype=torch.int32, device=DEVICE)
+    two = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          max_seqlen_q=40, max_seqlen_kv=40)
+    hidden = torch.randn(T, 1, whole.config.hidden_size,
+                         generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    with torch.no_grad():
+        whole.eval()
+        chunked.eval()
+        want = whole(hidden, None, packed_seq_params=two)[0]
+        got = chunked(hidden, None, packed_seq_params=two)[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        with pytest.MonkeyPatch.context() as mp:  # every row at position 0
+            mp.setattr("megatron_hyscale.layers.mla.document_rows",
+                       lambda layout, device: type("Rows", (), {"offsets": torch.zeros(
+                           T, dtype=torch.int64, device=device)})())
+            shifted = chunked(hidden, None, packed_seq_params=two)[0]
+        assert not torch.allclose(shifted, want, atol=1e-4)
+        single = PackedSeqParams(qkv_format="thd", cu_seqlens_q=one, cu_seqlens_kv=one,
+                                 max_seqlen_q=T, max_seqlen_kv=T)
+        torch.testing.assert_close(chunked(hidden, None, packed_seq_params=single)[0],
+                                   whole(hidden, None)[0], rtol=1e-5, atol=1e-6)
 
 
 # GLM-5.1's attention geometry (DESIGN.md; scripts/bench_layer.py's GLM51).

@@ -8,7 +8,8 @@ sequence. The MLA + DSA self-attention layer (stock and HyScale on identical wei
 training step per scenario: dense / sparse indexer loss, per-token loss, full recompute (the
 selection replayed), padded documents (cu_seqlens_q_padded, real tokens fewer), padded rows
 masked out of the indexer loss (real_token_mask_q, each rank's local rows: mean and per-token
-loss), and two layers sharing one selection (dsa_indexer_topk_freq=2). Rank 0 keeps what it
+loss), two layers sharing one selection (dsa_indexer_topk_freq=2), and HyScale's MLA layer in
+checkpointed row parts that cut documents (row_chunk; stock whole). Rank 0 keeps what it
 saw; the tests compare
 - outputs (reassembled), the logged indexer loss (reduced over CP as megatron's tracker does
   with the groups the layer gave it), every parameter gradient (averaged over CP; summed for
@@ -64,7 +65,13 @@ SCENARIOS: dict[str, dict] = {
     # The indexer's head weights zeroed: every score is 0 and the selection is decided by the
     # tie order alone (key index ascending, in global rows), exactly.
     "tied-scores": dict(tied=True),
+    # HyScale's MLA layer in checkpointed parts of ROW_CHUNK local rows (parts cut documents:
+    # each row's RoPE at its position in its document); stock runs whole.
+    "row-chunks-sparse-recompute": dict(row_chunk=True, dsa_indexer_use_sparse_loss=True,
+                                        recompute=True),
+    "row-chunks-dense-masked": dict(row_chunk=True, padded=True, masked=True),
 }
+ROW_CHUNK = 14  # local rows: 80 at CP = 1 (6 parts), 40 at CP = 2 (3 parts)
 
 
 def _cu(lengths) -> list[int]:
@@ -191,9 +198,11 @@ def _params(padded: bool, masked: bool = False, cp: int = 1, rank: int = 0):
     return params
 
 
-def _build(cfg, stock: bool, state: dict | None, tied: bool = False):
+def _build(cfg, stock: bool, state: dict | None, tied: bool = False,
+           row_chunk: int | None = None):
     """The scenario's attention layers (one per layer), on the weights in `state` if given;
-    `tied`: the indexer's head weights zeroed (all index scores tie)."""
+    `tied`: the indexer's head weights zeroed (all index scores tie); `row_chunk`: HyScale's
+    layers in parts of that many rows."""
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_hyscale.specs import get_dsa_layer_specs
@@ -203,7 +212,8 @@ def _build(cfg, stock: bool, state: dict | None, tied: bool = False):
     extra = {} if cfg.cp_comm_type is None else dict(cp_comm_type=cfg.cp_comm_type)
     layers = torch.nn.ModuleList(
         build_module(spec.submodules.self_attention, config=cfg, layer_number=n + 1, **extra)
-        for n, spec in enumerate(get_dsa_layer_specs(cfg, stock=stock)))
+        for n, spec in enumerate(get_dsa_layer_specs(cfg, stock=stock,
+                                                     row_chunk=None if stock else row_chunk)))
     if state is not None:
         layers.load_state_dict(state, strict=True)
     if tied:
@@ -318,13 +328,14 @@ def _body(rank: int, result: dict) -> None:
                 padded = overrides.pop("padded", False)
                 masked = overrides.pop("masked", False)
                 tied = overrides.pop("tied", False)
+                row_chunk = ROW_CHUNK if overrides.pop("row_chunk", False) else None
                 cfg = tiny_dsa_config(dsa_indexer_topk=TOPK, context_parallel_size=cp,
                                       cp_comm_type="allgather" if cp > 1 else None,
                                       **{"num_layers": 1, **overrides})
                 for kind in ("stock", "hyscale"):
                     try:
                         layers = _build(cfg, stock=kind == "stock", state=states.get(name),
-                                        tied=tied)
+                                        tied=tied, row_chunk=row_chunk)
                         states.setdefault(name, layers.state_dict())
                         params = _params(padded, masked, cp,
                                          0 if cp_group is None else cp_group.rank())
@@ -353,7 +364,7 @@ def _ok(results: dict, key: tuple) -> dict:
 
 # A row mask with a mean loss: each CP rank's mean is over its own valid rows (34 and 40 of
 # 40 here), so the loss logged as their average and the indexer's gradients are not CP = 1's.
-CP_MEANS_DIFFER = {"real-token-mask"}
+CP_MEANS_DIFFER = {"real-token-mask", "row-chunks-dense-masked"}
 
 
 def assert_same_step(got: dict, expected: dict, what: str, *, loss_atol: float = 1e-12,

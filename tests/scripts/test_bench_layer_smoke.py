@@ -335,7 +335,6 @@ def test_packed_flag_checks(capsys: pytest.CaptureFixture[str]) -> None:
                ("--packed", "3", "--cp", "2"): "--packed runs at --cp 1 --dp 1 only (this "
                                                  "benchmark's packed rows do not split",
                ("--packed", "3", "--dp", "2"): "--packed runs at --cp 1 --dp 1 only",
-               ("--packed", "3", "--row-chunk", "64"): "--packed does not combine",
                ("--packed", "0"): "--packed N must be between 1 and",
                ("--packed", "129", "--tiny"): "--packed N must be between 1 and the shortest",
                ("--packed-split", "uneven"): "--packed-split needs --packed"}
@@ -505,3 +504,12 @@ def test_packed_selection_both_modes_rows(tmp_path: Path) -> None:
     assert any(x.startswith("| 128 | hyscale_packed_3_batched |") for x in proc.stdout.splitlines())
     with pytest.raises(SystemExit):
         bench_layer.parse_args(["--packed-selection", "batched"])
+
+
+def test_tiny_cpu_packed_rows_in_row_chunks(tmp_path: Path) -> None:
+    """`--packed 3 --row-chunk 48`: the row-chunked layer on packed documents, own path."""
+    proc = _run(["--model", "dsa", "--skip-stock", "--packed", "3", "--row-chunk", "48"],
+                tmp_path)
+    rec = _load(tmp_path, "dsa", proc)["rows"][0]["hyscale_packed_3"]
+    assert rec["path"] == "hyscale"
+    _check_record(rec, selects=True, replays=True)
