@@ -59,6 +59,14 @@ def step(model):
     return loss.detach(), logits, logged, grads
 
 
+def assert_same_losses_and_grads(logged, e_logged, grads, e_grads) -> None:
+    """The logged indexer losses and every gradient agree (the indexer's included)."""
+    assert e_logged.abs().sum() > 0
+    torch.testing.assert_close(logged, e_logged, rtol=1e-4, atol=1e-9)
+    assert any(".indexer." in n for n in e_grads)
+    assert_grads_close(grads, e_grads, rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "full-recompute"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_row_chunks_match_the_whole_layer(variant, recompute):
@@ -83,10 +91,7 @@ def test_row_chunks_match_the_whole_layer(variant, recompute):
     e_loss, e_logits, e_logged, e_grads = expected
     torch.testing.assert_close(loss, e_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logits, e_logits, rtol=1e-5, atol=1e-5)
-    assert e_logged.abs().sum() > 0
-    torch.testing.assert_close(logged, e_logged, rtol=1e-4, atol=1e-9)
-    assert any(".indexer." in n for n in e_grads)
-    assert_grads_close(grads, e_grads, rtol=1e-4, atol=1e-7)
+    assert_same_losses_and_grads(logged, e_logged, grads, e_grads)
 
 
 def test_a_wrong_part_is_caught(monkeypatch):
@@ -164,22 +169,6 @@ def _attention(row_chunk: int | None, **overrides) -> torch.nn.Module:
     return build_module(spec, config=cfg, layer_number=1).to(DEVICE)
 
 
-def _packed_step(attn, hidden, params, recompute):
-    from megatron.core import tensor_parallel
-
-    attn.train()
-    attn.zero_grad(set_to_none=True)
-    DSAIndexerLossLoggingHelper.tracker.clear()
-    h = hidden.clone().requires_grad_()
-    call = lambda x: attn(x, None, packed_seq_params=params)[0]  # noqa: E731
-    out = tensor_parallel.checkpoint(call, False, h) if recompute else call(h)
-    out.pow(2).mean().backward()
-    logged = DSAIndexerLossLoggingHelper.tracker["values"].clone()
-    DSAIndexerLossLoggingHelper.tracker.clear()
-    grads = {n: p.grad.clone() for n, p in attn.named_parameters() if p.grad is not None}
-    return out.detach(), h.grad, logged, grads
-
-
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "full-recompute"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-loss", "sparse-loss"])
 def test_packed_documents_in_row_parts_match_the_whole_layer(sparse, recompute):
@@ -196,15 +185,13 @@ def test_packed_documents_in_row_parts_match_the_whole_layer(sparse, recompute):
                              max_seqlen_q=40, max_seqlen_kv=40)
     hidden = torch.randn(T, 1, whole.config.hidden_size,
                          generator=torch.Generator().manual_seed(8)).to(DEVICE)
-    expected = _packed_step(whole, hidden, params, recompute)
-    got = _packed_step(chunked, hidden, params, recompute)
-    out, h_grad, logged, grads = got
-    torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(h_grad, expected[1], rtol=1e-4, atol=1e-7)
-    assert expected[2].abs().sum() > 0
-    torch.testing.assert_close(logged, expected[2], rtol=1e-4, atol=1e-9)
-    assert any(".indexer." in n for n in expected[3])
-    assert_grads_close(grads, expected[3], rtol=1e-4, atol=1e-7)
+    from tests.layers.test_dsa_packed import step  # one training step on packed rows
+
+    out, h_grad, e_grads, e_logged = step(whole, hidden, params, recompute)
+    got_out, got_h_grad, grads, logged = step(chunked, hidden, params, recompute)
+    torch.testing.assert_close(got_out, out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_h_grad, h_grad, rtol=1e-4, atol=1e-7)
+    assert_same_losses_and_grads(logged, e_logged, grads, e_grads)
 
 
 def test_packed_positions_are_per_document():
