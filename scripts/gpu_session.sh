@@ -50,6 +50,10 @@
 #                                         # 128K (stock's longest fit) over several calls
 #                                         # with checkpoint and resume: PART stock (2-3
 #                                         # calls), hyscale, alone (155,648), summary
+#   bash scripts/gpu_session.sh evaluate PART  # issue #24: the evaluation report on the
+#                                         # H200 at 32K, 300 iterations each, real text,
+#                                         # over calls with checkpoints: PART stock (2
+#                                         # calls), hyscale, report (~20 min in all)
 #   bash scripts/gpu_session.sh reliability [FILES]  # issue #23: tests/reliability on
 #                                         # CUDA, one pytest a file, slow cases and the 256K
 #                                         # HyTopK test included (checkpoint round trips,
@@ -125,12 +129,12 @@ shift || true
 case "$stage" in
   verify|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
-  |accuracy-64k|side1-long) ;;
+  |accuracy-64k|side1-long|evaluate) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
-       "|accuracy-64k|side1-long} [ARGS...]" >&2
+       "|accuracy-64k|side1-long|evaluate} [ARGS...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -318,6 +322,38 @@ case "$stage" in
     HYSCALE_RESULTS=$out timeout "${ACCURACY_TIMEOUT:-300}" python3 scripts/accuracy.py \
       --model dsa --seq 65536 --loss dense sparse --out "$out" 2>&1 | grep -v Warning \
       | tee "$out/accuracy_dsa_64k.log" | tail -40
+    ;;
+  evaluate)
+    # Issue #24 item 3: python -m megatron_hyscale.evaluate on the H200, GLM-5.1 at full
+    # attention width (2 layers), EVAL_SEQ tokens (32768: stock cudnn's 2.9 s an iteration
+    # makes 300 of them two calls; HyScale one), 300 iterations each on the standard library
+    # corpus, over several calls on one warm machine: PART stock (2 calls), hyscale (1), then
+    # report (writes report.md and the PNGs; or run --report-only on the logs anywhere).
+    # After scripts/gpu_cudnn.sh 1 and 2 (stock cudnn) with .carry/megatron_lm carried.
+    [ -f .carry/megatron_lm/pretrain_gpt.py ] || {
+      echo "gpu_session.sh evaluate: carry .carry/megatron_lm (scripts/megatron_lm_carry.sh)" >&2
+      exit 2; }
+    ds=$(python3 -c "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))")
+    [ -f "$ds/Makefile" ] || printf 'default:\n\t@true\n' > "$ds/Makefile"
+    part=${1:-}; shift || true
+    run_dir=outputs/evaluate_h200  # kept on the machine between calls (ignored by git)
+    only=()
+    case "$part" in
+      stock) only=(--only stock) ;;
+      hyscale) rm -rf "$run_dir/ckpt/stock"; only=(--only hyscale) ;;  # 23 GB checkpoints
+      report) only=(--report-only) ;;
+      *) echo "usage: gpu_session.sh evaluate {stock|hyscale|report}" >&2; exit 2 ;;
+    esac
+    MEGATRON_LM_DIR=$(pwd)/.carry/megatron_lm timeout 580 python3 -m megatron_hyscale.evaluate \
+      --config scaled --gpus 1 --num-layers 2 --global-batch-size 1 \
+      --seq-length "${EVAL_SEQ:-32768}" --train-iters "${EVAL_ITERS:-300}" \
+      --stock-backend cudnn --transformer-impl local --output-dir "$run_dir/out" \
+      --checkpoint-dir "$run_dir/ckpt" --checkpoint-interval 1000 --time-limit 540 \
+      --usd-per-gpu-hour "${USD_PER_GPU_HOUR:-3.5}" "${only[@]}" "$@" 2>&1 \
+      | grep -v Warning | tail -40
+    rc=${PIPESTATUS[0]}
+    cp -r "$run_dir/out/." "$out/" 2>/dev/null
+    exit "$rc"
     ;;
   reliability)
     # Issue #23 on the GPU: checkpoint round trips (stock <-> HyScale specs, DSA, V4, QSA),
