@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="runs per precision, seeds --seed, --seed + 1, ...: a tiny model's runs "
                         "that differ in one selection drift apart (as two seeds do), so the "
                         "final figures are compared over seeds")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda when available (the demo's --device)")
     p.add_argument("--out", type=Path, default=Path("outputs/indexer_precision"),
                    help="folder for comparison.json, curves.png and the two demo runs")
     p.add_argument("--record", action="store_true",

@@ -99,7 +99,8 @@ def _run(cmd: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProc
 
 def test_every_script_is_covered() -> None:
     # A new script that needs CUDA belongs in GPU_ONLY; one that runs on CPU in cpu_scripts.
-    cpu_scripts = {"benchmark_tables.py", "build_corpus.py", "compare_megatron_lm_csa.py",
+    cpu_scripts = {"benchmark_tables.py", "build_corpus.py", "compare_indexer_precision.py",
+                   "compare_megatron_lm_csa.py",
                    "inspect_sm90.py", "measured_defaults.py"}
     gpu_scripts = {s for s, _ in GPU_ONLY} | {"build_flashmla.py"}
     assert set(ALL_SCRIPTS) == cpu_scripts | gpu_scripts
