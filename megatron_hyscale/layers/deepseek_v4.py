@@ -79,8 +79,14 @@ positions). Under CP (megatron's per-document THD split: rank r holds chunks r a
 every document) the raw K = V and the compressors' projections are all-gathered in the packed
 global order (the "gather" modes above) and the local rows work as at CP 1.
 
-Not covered yet (they raise): tensor / sequence parallelism, inference caches, packed THD with
-`real_token_mask_q` when the indexer loss is on.
+Padded query rows (`packed_seq_params.real_token_mask_q`, this rank's local rows under CP, as
+megatron's DSA reads it): as in DSA, they still select and attend; a CSA layer's indexer loss
+leaves them out, its mean over the valid rows (`layers.loss_rows`: the row parts and the
+documents each add their valid rows' KL sum, divided once by the layer's valid-row count; the
+KL sum over the valid rows when per-token). Window and HCA layers have no indexer loss, so the
+mask changes nothing there.
+
+Not covered yet (they raise): tensor / sequence parallelism, inference caches.
 """
 
 from __future__ import annotations
@@ -103,6 +109,7 @@ from megatron_hyscale import ops, parallel, phase_spans, replay
 from megatron_hyscale.layers.kernel_backend import kernel_backend
 from megatron_hyscale.layers.linear import LocalLinear
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
+from megatron_hyscale.layers.loss_rows import IndexerLossRows, indexer_loss_rows
 from megatron_hyscale.layers.packed import (
     DocumentRows,
     Documents,
@@ -531,6 +538,8 @@ class _CSASelection:
     q_positions: torch.Tensor  # int64 [T]
     k_positions: torch.Tensor  # int64 [N]
     packed: _PackedRows | None = None  # packed THD: the documents (dense loss per document)
+    # How the indexer loss weighs the rows (real_token_mask_q's valid rows; None: no loss).
+    loss_rows: IndexerLossRows | None = None
 
 
 @dataclass(frozen=True)
@@ -688,7 +697,7 @@ class HyScaleV4Attention(MegatronModule):
             keys = torch.cat([entries, kv], dim=1)  # [compressed ; raw tokens]
             if self.is_csa:
                 selection = self._csa_select(x, q_latent, entries, cos, sin, inv_freq,
-                                             positions, cp_group, packed)
+                                             positions, cp_group, packed, packed_seq_params)
                 parts = [selection.indices]
             elif packed is not None:  # every visible entry of the row's own document
                 parts = [self._hca_indices(packed).expand(B, -1, -1)]
@@ -753,29 +762,32 @@ class HyScaleV4Attention(MegatronModule):
         sel = rows.selection
         if sel is None or not sel.use_loss:
             return out, out.new_zeros((), dtype=torch.float32)
-        T = rows.indices.shape[1]
-        per_token = bool(cfg.calculate_per_token_loss)
+        # With a row mask each part adds its valid rows' KL sum, divided by the layer's
+        # valid-row count (`finish`): the parts add up to the mean over the valid rows.
+        weigh = sel.loss_rows
         if sel.packed is not None and not cfg.v4_indexer_use_sparse_loss:
-            loss = self._dense_loss_per_document(sel, q, r0, r1, k_idx, T)
-            return DSAIndexerLossAutoScaler.apply(out, loss), loss.detach()
-        share = 1.0 if whole or per_token else n / T
-        loss = indexer_kl_loss(
-            part(sel.q_idx), part(sel.weights), k_idx, q.detach(),
-            sel.entries.detach().unsqueeze(2), part(sel.indices), self.softmax_scale,
-            sel.coeff * share, sparse=bool(cfg.v4_indexer_use_sparse_loss), relu=True,
-            q_positions=sel.q_positions[r0:r1], k_positions=sel.k_positions,
-            calculate_per_token_loss=per_token, deterministic=bool(cfg.deterministic_mode),
-        )
+            loss = self._dense_loss_per_document(sel, q, r0, r1, k_idx)
+        else:
+            loss = indexer_kl_loss(
+                part(sel.q_idx), part(sel.weights), k_idx, q.detach(),
+                sel.entries.detach().unsqueeze(2), part(sel.indices), self.softmax_scale,
+                sel.coeff * weigh.share(n), sparse=bool(cfg.v4_indexer_use_sparse_loss),
+                relu=True, q_positions=sel.q_positions[r0:r1], k_positions=sel.k_positions,
+                calculate_per_token_loss=weigh.sums,
+                deterministic=bool(cfg.deterministic_mode), query_valid_rows=weigh.part(r0, r1),
+            )
+        loss = weigh.finish(loss)
         return DSAIndexerLossAutoScaler.apply(out, loss), loss.detach()
 
     def _dense_loss_per_document(self, sel: _CSASelection, q: torch.Tensor, r0: int, r1: int,
-                                 k_idx: torch.Tensor, T: int) -> torch.Tensor:
+                                 k_idx: torch.Tensor) -> torch.Tensor:
         """The dense indexer loss of the local rows r0 .. r1 - 1 (q holds them) of packed
-        documents: each document's rows over its own entries, with their share of the T rows'
-        mean (all of it when per-token), so the documents' losses add up to the rows' loss. A
-        document with no compressed entry has none (as the layer on that document alone)."""
+        documents: each document's rows over its own entries, with their share of the rows'
+        mean (their KL sum when per-token or with a row mask, whose mean the caller takes:
+        `IndexerLossRows`), so the documents' losses add up to the rows' loss. A document
+        with no compressed entry has none (as the layer on that document alone)."""
         cfg = self.config
-        per_token = bool(cfg.calculate_per_token_loss)
+        weigh = sel.loss_rows
         m, packed = self.compress_ratio, sel.packed
         total = q.new_zeros((), dtype=torch.float32)
         for (a, b), (e0, e1) in zip(packed.layout.local, packed.entries, strict=True):
@@ -786,10 +798,11 @@ class HyScaleV4Attention(MegatronModule):
             total = total + indexer_kl_loss(
                 sel.q_idx[:, rows], sel.weights[:, rows], k_idx[:, e0:e1],
                 q[:, a - r0:b - r0].detach(), sel.entries[:, e0:e1].detach().unsqueeze(2), None,
-                self.softmax_scale, sel.coeff * (1.0 if per_token else (b - a) / T),
+                self.softmax_scale, sel.coeff * weigh.share(b - a),
                 sparse=False, relu=True, q_positions=packed.rows.offsets[rows],
                 k_positions=compressed_key_positions(e1 - e0, m, q.device),
-                calculate_per_token_loss=per_token, deterministic=bool(cfg.deterministic_mode),
+                calculate_per_token_loss=weigh.sums, deterministic=bool(cfg.deterministic_mode),
+                query_valid_rows=weigh.part(a, b),
             )
         return total
 
@@ -802,11 +815,6 @@ class HyScaleV4Attention(MegatronModule):
         if fmt != "thd":
             raise NotImplementedError(f"HyScaleV4Attention: packed_seq_params with qkv_format="
                                       f"{fmt!r} is not supported (only 'thd')")
-        if (getattr(packed_seq_params, "real_token_mask_q", None) is not None
-                and self.is_csa and (self.config.v4_indexer_loss_coeff or 0.0) > 0):
-            raise NotImplementedError("HyScaleV4Attention: packed THD with real_token_mask_q "
-                                      "(padded rows left out of the indexer loss) is not "
-                                      "supported with v4_indexer_loss_coeff > 0")
         layout = checked_packed_layout(packed_seq_params, T, device,
                                        layer="HyScaleV4Attention", group=cp_group)
         m = self.compress_ratio
@@ -880,7 +888,8 @@ class HyScaleV4Attention(MegatronModule):
     def _csa_select(self, x: torch.Tensor, q_latent: torch.Tensor, entries: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, inv_freq: torch.Tensor,
                     q_positions: torch.Tensor | None = None, cp_group: Any = None,
-                    packed: _PackedRows | None = None) -> _CSASelection:
+                    packed: _PackedRows | None = None, packed_seq_params: Any = None
+                    ) -> _CSASelection:
         """The rows' selection: int32 [B, T, k] compressed-entry indices, -1 padded (recorded
         or replayed under recompute), and what the indexer loss of any of the rows needs.
 
@@ -890,7 +899,8 @@ class HyScaleV4Attention(MegatronModule):
         rows select among its own entries (`packed.entries`), k = min(topk, most entries of a
         document); the selection's positions for the indexer loss are then the packed rows
         and each entry's last row in the packed sequence (visibility within a document, and
-        the selected entries are all the row's own).
+        the selected entries are all the row's own). `packed_seq_params.real_token_mask_q`
+        (where given; this rank's rows) leaves padded rows out of the indexer loss only.
         """
         cfg = self.config
         B, T = x.shape[:2]
@@ -944,5 +954,10 @@ class HyScaleV4Attention(MegatronModule):
                 return indices
 
         indices = self.selection_replay.select((B, T, topk), compute)
+        # Padded query rows (local rows, as stock reads them): out of the loss, not the
+        # selection or the attention.
+        loss_rows = None if not use_loss else indexer_loss_rows(
+            packed_seq_params, b=B, rows=T, per_token=bool(cfg.calculate_per_token_loss),
+            device=x.device, layer="HyScaleV4Attention")
         return _CSASelection(indices, use_loss, coeff, q_idx, k_idx, weights, entries,
-                             q_positions, k_positions, packed)
+                             q_positions, k_positions, packed, loss_rows)

@@ -30,7 +30,8 @@ table-based indexer loss with HyScale's ops:
 - padded query rows (`packed_seq_params.real_token_mask_q`, this rank's local rows under CP):
   as stock, they still select and attend, but take no part in the indexer loss, whose mean
   is over the valid rows (`indexer_kl_loss(query_valid_rows=...)`; the rows' parts and the
-  documents each add their valid rows' KL sum, divided once by the layer's valid-row count).
+  documents each add their valid rows' KL sum, divided once by the layer's valid-row count:
+  `layers.loss_rows`, shared with the V4 CSA and QSA layers).
 Layouts the fast path does not cover (sequence-parallel TP, non-causal masks) warn once,
 naming why, and run the stock forward; a CP communication type other than allgather raises
 (the stock layer does not support it either).
@@ -43,7 +44,7 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.experimental_attention_variant import dsa_layout, dsa_masking
+from megatron.core.transformer.experimental_attention_variant import dsa_layout
 from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexerLossAutoScaler,
     DSAttention,
@@ -58,6 +59,7 @@ from megatron_hyscale.layers.kernel_backend import (
     packed_selection,
 )
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
+from megatron_hyscale.layers.loss_rows import IndexerLossRows, indexer_loss_rows
 from megatron_hyscale.layers.packed import PackedLayout, packed_layout
 from megatron_hyscale.layers.packed_selection import batched_document_selection
 from megatron_hyscale.ops import hytopk
@@ -86,10 +88,8 @@ class DSARowState:
     rows: int
     loss_coeff: float  # 0: no indexer loss this forward
     packed: PackedLayout | None = None  # packed THD: the documents' rows; None: one sequence
-    # real_token_mask_q as bool [b, rows] (rows outside it are left out of the indexer loss)
-    # and its fp32 count, at least 1 (the loss's mean is over it); None: every row counts.
-    valid_rows: torch.Tensor | None = None
-    valid_count: torch.Tensor | None = None
+    # How the indexer loss weighs the rows (real_token_mask_q's valid rows; None: no loss).
+    loss_rows: IndexerLossRows | None = None
 
 
 class HyScaleDSAttention(DSAttention):
@@ -224,17 +224,16 @@ class HyScaleDSAttention(DSAttention):
         indices = self._selection(q_idx, k_idx, weights, b, sq, packed_seq_params, attention_mask,
                                   None if cp_group is None else q_positions, packed)
         # Padded query rows (local rows, as stock reads them): out of the loss, not the attention.
-        valid_rows = valid_count = None
+        loss_rows = None
         if use_indexer_loss:
-            valid_rows = dsa_masking.extract_query_valid_rows_from_packed_seq_params(
-                packed_seq_params, b=b, sq=sq, device=key.device)
-            if valid_rows is not None:
-                valid_count = valid_rows.sum(dtype=torch.float32).clamp_min(1.0)
+            loss_rows = indexer_loss_rows(packed_seq_params, b=b, rows=sq,
+                                          per_token=bool(cfg.calculate_per_token_loss),
+                                          device=key.device, layer="HyScaleDSAttention")
         return DSARowState(
             key_b=pending_key.wait().transpose(0, 1), indices=indices, q_idx=q_idx,
             k_idx=k_idx, weights=weights, q_positions=q_positions, cp_group=cp_group,
             rows=sq, loss_coeff=loss_coeff if use_indexer_loss else 0.0, packed=packed,
-            valid_rows=valid_rows, valid_count=valid_count,
+            loss_rows=loss_rows,
         )
 
     def attend_rows(
@@ -264,25 +263,23 @@ class HyScaleDSAttention(DSAttention):
                                     hytopk_layout=True)
         indexer_loss = None
         if state.loss_coeff > 0:
-            per_token = bool(cfg.calculate_per_token_loss)
-            # With a row mask a part adds its valid rows' KL sum, divided below by the
-            # layer's valid-row count, so the parts add up to the mean over the valid rows.
-            masked = state.valid_rows is not None
-            sums = per_token or masked
+            # With a row mask a part adds its valid rows' KL sum, divided by the layer's
+            # valid-row count (`finish`), so the parts add up to the mean over the valid rows.
+            weigh = state.loss_rows
             if state.packed is not None and not cfg.dsa_indexer_use_sparse_loss:
-                indexer_loss = self._dense_loss_per_document(query_b, state, r0, r1, sums)
+                indexer_loss = self._dense_loss_per_document(query_b, state, r0, r1)
             else:
-                share = 1.0 if whole or sums else rows / state.rows
                 part = (lambda t: t) if whole else (lambda t: t[:, r0:r1])
                 q_positions = state.q_positions if whole else state.q_positions[r0:r1]
                 sparse_loss = bool(cfg.dsa_indexer_use_sparse_loss)
                 indexer_loss = indexer_kl_loss(
                     part(state.q_idx), part(state.weights), state.k_idx, query_b.detach(),
-                    state.key_b.detach(), indices, self.softmax_scale, state.loss_coeff * share,
+                    state.key_b.detach(), indices, self.softmax_scale,
+                    state.loss_coeff * weigh.share(rows),
                     sparse=sparse_loss,
                     relu=bool(cfg.dsa_indexer_scoring_relu),
                     q_positions=q_positions,
-                    calculate_per_token_loss=sums,
+                    calculate_per_token_loss=weigh.sums,
                     tp_group=getattr(self.pg_collection, "tp", None),
                     deterministic=bool(cfg.deterministic_mode),
                     # The selection's indices are distinct and visible, so the attention ran
@@ -290,10 +287,9 @@ class HyScaleDSAttention(DSAttention):
                     # denominator.
                     attention_lse=lse.detach() if sparse_loss else None,
                     backend=kernel_backend(cfg), check_values=False, hytopk_layout=True,
-                    query_valid_rows=part(state.valid_rows) if masked else None,
+                    query_valid_rows=weigh.part(r0, r1),
                 )
-            if masked and not per_token:
-                indexer_loss = indexer_loss / state.valid_count
+            indexer_loss = weigh.finish(indexer_loss)
 
         up_v_weight = up_v_weight.to(device=query.device, dtype=query.dtype)
         output = torch.einsum("bshc,hdc->sbhd", out, up_v_weight).reshape(rows, b, -1)
@@ -302,13 +298,13 @@ class HyScaleDSAttention(DSAttention):
         return DSAIndexerLossAutoScaler.apply(output, indexer_loss), indexer_loss.detach()
 
     def _dense_loss_per_document(self, query_b: torch.Tensor, state: DSARowState, r0: int,
-                                 r1: int, sums: bool) -> torch.Tensor:
+                                 r1: int) -> torch.Tensor:
         """The dense (warm-up) indexer loss of the local rows r0 .. r1 - 1 (query_b holds just
         those) of packed documents: each document's rows among them over its own keys, with
         their share of the (local) rows-mean, so the documents' and the parts' losses add up
-        to stock's; `sums`: their KL sums instead (per-token loss, or a row mask, whose mean
-        the caller takes). Under CP a document's local rows read its gathered keys at their
-        positions in it."""
+        to stock's; their KL sums instead with a per-token loss or a row mask, whose mean the
+        caller takes (`IndexerLossRows`). Under CP a document's local rows read its gathered
+        keys at their positions in it."""
         cfg = self.config
         packed = state.packed
         total = None
@@ -327,13 +323,13 @@ class HyScaleDSAttention(DSAttention):
                 state.q_idx[:, rows], state.weights[:, rows], state.k_idx[:, keys],
                 query_b[:, lo - r0:hi - r0].detach(), state.key_b[:, keys].detach(), None,
                 self.softmax_scale,
-                state.loss_coeff * (1.0 if sums else (hi - lo) / state.rows),
+                state.loss_coeff * state.loss_rows.share(hi - lo),
                 sparse=False, relu=bool(cfg.dsa_indexer_scoring_relu),
-                q_positions=positions, calculate_per_token_loss=sums,
+                q_positions=positions, calculate_per_token_loss=state.loss_rows.sums,
                 tp_group=getattr(self.pg_collection, "tp", None),
                 deterministic=bool(cfg.deterministic_mode), backend=kernel_backend(cfg),
                 check_values=False,
-                query_valid_rows=None if state.valid_rows is None else state.valid_rows[:, rows],
+                query_valid_rows=state.loss_rows.part(lo, hi),
             )
             total = loss if total is None else total + loss
         return total

@@ -66,11 +66,14 @@ complete blocks are pooled on their own and concatenated; its rows select (repla
 own blocks and attend to their tokens plus their causal tail within the document; the dense
 indexer loss runs per document. Under CP (megatron's per-document THD split) K, V and the
 indexer keys are all-gathered in the packed global order and the local rows work as at CP 1.
+Padded query rows (`packed_seq_params.real_token_mask_q`, this rank's local rows under CP, as
+megatron's DSA reads it) still select and attend; the indexer loss leaves them out, its mean
+over the valid rows (`layers.loss_rows`; the KL sum over them when per-token).
 
 Not covered yet (raise NotImplementedError naming it): inference / KV cache, tensor
 parallelism > 1 with a sequence-parallel layout (the indexer projection is duplicated on every
 TP rank, so plain TP works), padding or document masks (packed documents come as
-`packed_seq_params`), `real_token_mask_q` when the indexer loss is on.
+`packed_seq_params`).
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ from megatron.core.utils import get_pg_size
 from megatron_hyscale import ops, parallel, phase_spans, replay
 from megatron_hyscale.layers.kernel_backend import kernel_backend
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
+from megatron_hyscale.layers.loss_rows import IndexerLossRows, indexer_loss_rows
 from megatron_hyscale.layers.packed import (
     DocumentRows,
     Documents,
@@ -521,11 +525,6 @@ class HyScaleQSAttention(MegatronModule):
         seq_len = key.size(0) * layout.size
         packed = order = None
         if packed_seq_params is not None:
-            if getattr(packed_seq_params, "real_token_mask_q", None) is not None and use_loss:
-                # Padded rows would count in the indexer loss: refuse rather than train on them.
-                raise NotImplementedError("HyScaleQSAttention: packed THD with real_token_mask_q "
-                                          "(padded rows left out of the indexer loss) is not "
-                                          "supported with qsa_indexer_loss_coeff > 0")
             packed = packed_blocks(packed_seq_params, sq, query.device, cp_group, pos_emb,
                                    self.block_size)
             pos_emb, order = packed.row_emb, packed.layout.key_order
@@ -555,7 +554,11 @@ class HyScaleQSAttention(MegatronModule):
                                backend=kernel_backend(cfg), check_values=False)
         output = out.transpose(0, 1).reshape(sq, b, -1)
         if use_loss and blocks.shape[-1] > 0:
-            args = (q_idx, block_keys, query_b, key_b, blocks, q_positions)
+            # Padded query rows (local rows, as stock reads them): out of the loss only.
+            weigh = indexer_loss_rows(packed_seq_params, b=b, rows=sq,
+                                      per_token=bool(cfg.calculate_per_token_loss),
+                                      device=query.device, layer="HyScaleQSAttention")
+            args = (q_idx, block_keys, query_b, key_b, blocks, q_positions, weigh)
             loss = self._indexer_loss(*args, *(() if packed is None else (packed,)))
             # Logged and back-propagated the way megatron's DSA indexer loss is.
             log_indexer_loss(loss, cfg, self.layer_number, cp_group)
@@ -623,20 +626,23 @@ class HyScaleQSAttention(MegatronModule):
     def _indexer_loss(
         self, q_idx: torch.Tensor, block_keys: torch.Tensor, query_b: torch.Tensor,
         key_b: torch.Tensor, blocks: torch.Tensor, q_positions: torch.Tensor,
-        packed: PackedBlocks | None = None,
+        weigh: IndexerLossRows, packed: PackedBlocks | None = None,
     ) -> torch.Tensor:
-        """Optional KL indexer loss over blocks (see the class docstring).
+        """Optional KL indexer loss over blocks (see the class docstring), weighing the rows
+        as `weigh` says (the mean over the rows, or over the valid rows of a row mask; the
+        KL sum when per-token).
 
         Packed documents: the main keys are pooled per document; the sparse loss reads the
         selected blocks at packed positions (each block's last row, the rows' own rows: the
         selection is the row's document's), the dense loss runs per document over its own
-        blocks with its share of the rows' mean (all of it when per-token)."""
+        blocks with its share of the rows' mean (its KL sum when per-token or with a row
+        mask, whose mean `weigh.finish` takes)."""
         cfg = self.config
         nb = block_keys.shape[1]
         bs = self.block_size
-        b, sq, hkv, hn = key_b.shape
+        b, _, hkv, hn = key_b.shape  # the (gathered) keys: all rows of the sequence
+        rows = q_idx.shape[1]  # the local query rows, whose mean the loss is
         sparse = bool(cfg.qsa_indexer_use_sparse_loss)
-        per_token = bool(cfg.calculate_per_token_loss)
         # Main keys averaged per block: [b, nb, hkv, hn] (fp32 mean, as the indexer's pooling).
         key_b = key_b.detach()
         if packed is None:
@@ -653,25 +659,27 @@ class HyScaleQSAttention(MegatronModule):
         weights = torch.full(q_idx.shape[:3], self.index_scale, dtype=torch.float32,
                              device=q_idx.device)
         loss = partial(indexer_kl_loss, softmax_scale=self.softmax_scale, relu=True,
-                       calculate_per_token_loss=per_token,
+                       calculate_per_token_loss=weigh.sums,
                        tp_group=getattr(self.pg_collection, "tp", None),
                        deterministic=bool(cfg.deterministic_mode))
         coeff = float(cfg.qsa_indexer_loss_coeff)
         if packed is None or sparse:
-            return loss(q_idx, weights, block_keys, query_b.detach(), main_blocks, blocks,
-                        loss_coeff=coeff, sparse=sparse, q_positions=q_positions,
-                        k_positions=k_positions)
+            return weigh.finish(loss(
+                q_idx, weights, block_keys, query_b.detach(), main_blocks, blocks,
+                loss_coeff=coeff * weigh.share(rows), sparse=sparse, q_positions=q_positions,
+                k_positions=k_positions, query_valid_rows=weigh.part(0, rows)))
         total = None
         for (r0, r1), (e0, e1) in zip(packed.layout.local, packed.blocks, strict=True):
             if r1 == r0 or e1 == e0:  # alone, this document would have no loss
                 continue
             part = loss(q_idx[:, r0:r1], weights[:, r0:r1], block_keys[:, e0:e1],
                         query_b[:, r0:r1].detach(), main_blocks[:, e0:e1], None,
-                        loss_coeff=coeff * (1.0 if per_token else (r1 - r0) / sq), sparse=False,
+                        loss_coeff=coeff * weigh.share(r1 - r0), sparse=False,
                         q_positions=packed.rows.offsets[r0:r1],
-                        k_positions=block_visibility_positions(e1 - e0, bs, q_idx.device))
+                        k_positions=block_visibility_positions(e1 - e0, bs, q_idx.device),
+                        query_valid_rows=weigh.part(r0, r1))
             total = part if total is None else total + part
-        return total
+        return weigh.finish(total)
 
 
 class HyScaleQSASelfAttention(SelfAttention):

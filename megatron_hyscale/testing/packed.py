@@ -20,6 +20,21 @@ def cu_seqlens(lengths: Sequence[int]) -> list[int]:
     return [0, *torch.tensor(list(lengths)).cumsum(0).tolist()]
 
 
+def document_prefix_rows(valid: Sequence[int], stored: Sequence[int]) -> torch.Tensor:
+    """int64 packed rows of each document's first `valid` rows, the documents occupying
+    `stored` rows each (back to back)."""
+    return torch.cat([torch.arange(a, a + n) for a, n in zip(cu_seqlens(stored)[:-1], valid,
+                                                              strict=True)])
+
+
+def prefix_mask(valid: Sequence[int], stored: Sequence[int]) -> torch.Tensor:
+    """bool [sum(stored)]: True at each document's first `valid` rows (a real_token_mask_q that
+    leaves the other rows out of the indexer loss)."""
+    mask = torch.zeros(sum(stored), dtype=torch.bool)
+    mask[document_prefix_rows(valid, stored)] = True
+    return mask
+
+
 def thd_params(lengths: Sequence[int], padded: Sequence[int] | None = None,
                device: torch.device | str | None = None) -> PackedSeqParams:
     """megatron's PackedSeqParams of documents of `lengths` (and `padded` storage rows)."""
@@ -75,3 +90,65 @@ def assert_steps_close(got: Step, want: Step, rtol: float = 1e-5, atol: float = 
                                    msg=lambda m, n=name: f"{n}: {m}")
     assert math.isclose(got.logged, want.logged, rel_tol=rtol, abs_tol=1e-7), \
         f"indexer loss {got.logged} != {want.logged}"
+
+
+def check_prefix_mask(run: Callable[[torch.Tensor, torch.Tensor, PackedSeqParams], Step],
+                      alone: Callable[[torch.Tensor, torch.Tensor, Sequence[int], int | None],
+                                      Step],
+                      x: torch.Tensor, r: torch.Tensor, lengths: Sequence[int],
+                      valid: Sequence[int], *, padded: Sequence[int] | None = None,
+                      per_token: bool = False, indexer: str = "indexer.",
+                      atol: float = 1e-6) -> None:
+    """A layer's packed step with each document's rows after its first `valid` left out of the
+    indexer loss (real_token_mask_q) against its references (`assert_mask_changes_the_loss_only`).
+
+    run(x, r, params): the layer's packed training step (`train_step`); alone(x, r, lengths,
+    coeff_share): the layer on each document of x alone, joined, each document's indexer-loss
+    coefficient scaled by its rows / coeff_share (None: unscaled, per-token). Documents of
+    `lengths` (stored in `padded` rows each where given, cu_seqlens_q_padded); the loss
+    weights r are zeroed on the masked rows. atol: the outputs' and the input gradients'
+    against the alone runs (`assert_steps_close`).
+    """
+    stored = padded or lengths
+    rows = document_prefix_rows(valid, stored)
+    r_valid = torch.zeros_like(r)
+    r_valid[rows] = r[rows]
+    masked = thd_params(lengths, padded)
+    masked.real_token_mask_q = prefix_mask(valid, stored)
+    got = run(x, r_valid, masked)
+    want = alone(x[rows], r[rows], valid, None if per_token else sum(valid))
+    assert want.logged > 0
+    unmasked = run(x, r_valid, thd_params(lengths, padded))
+    assert_mask_changes_the_loss_only(got, want, unmasked, rows, indexer, atol)
+
+
+def assert_mask_changes_the_loss_only(masked: Step, alone: Step, unmasked: Step,
+                                      valid_rows: torch.Tensor, indexer: str,
+                                      atol: float = 1e-6) -> None:
+    """A packed step with rows masked out of the indexer loss (real_token_mask_q; its loss
+    weights zero on the masked rows) against
+    - `alone`: the layer on each document's valid rows alone (joined; each document's rows-mean
+      loss coefficient scaled by its share of the valid rows, as the masked mean weighs it):
+      the valid rows' outputs and input gradients, every parameter gradient (the indexer's
+      from the masked loss) and the logged loss; the masked rows get no input gradient;
+    - `unmasked`: the same step without the mask: the same outputs on every row (the masked
+      rows still select and attend), input gradient and gradients outside the indexer
+      (parameter names containing `indexer`); the indexer's gradients and the logged loss
+      differ (the mask changes the loss only, and this comparison can fail).
+    """
+    assert_steps_close(masked._replace(out=masked.out[valid_rows],
+                                       x_grad=masked.x_grad[valid_rows]), alone, atol=atol)
+    rest = torch.ones(masked.out.shape[0], dtype=torch.bool)
+    rest[valid_rows] = False
+    assert bool(rest.any()), "the mask leaves no row out"
+    assert bool((masked.x_grad[rest] == 0).all())
+    assert torch.equal(masked.out, unmasked.out)
+    torch.testing.assert_close(masked.x_grad, unmasked.x_grad, rtol=1e-6, atol=1e-7)
+    assert set(masked.grads) == set(unmasked.grads)
+    assert any(indexer in n for n in masked.grads), "the indexer loss never ran"
+    for name, grad in masked.grads.items():
+        if indexer not in name:
+            torch.testing.assert_close(grad, unmasked.grads[name], rtol=1e-6, atol=1e-7)
+    weights = [n for n in masked.grads if indexer in n]
+    assert any(not torch.allclose(masked.grads[n], unmasked.grads[n]) for n in weights)
+    assert not math.isclose(masked.logged, unmasked.logged, rel_tol=1e-4)

@@ -379,7 +379,7 @@ def test_indexer_loss_value_is_the_block_kl(sparse):
     core._indexer_loss = spy
     x, dy = inputs(70)
     run_ours(ours, hcfg, x, dy)
-    q_idx, keys, query, key, blocks, qpos = (a.detach() for a in captured["args"])
+    q_idx, keys, query, key, blocks, qpos = (a.detach() for a in captured["args"][:6])
     Bn, T, Hq, hn = query.shape
     nb, hkv = keys.shape[1], key.shape[2]
     kbar = key[:, : nb * 4].reshape(Bn, nb, 4, hkv, hn).mean(2)

@@ -8,11 +8,18 @@ tokens than the HCA window of 8 plus the sliding window), none is a multiple of 
 4, and in the second set one is shorter than the CSA ratio (no compressed entry at all). Also:
 recompute with selection replay, the baseline selector, the indexer loss (dense, sparse,
 per-token and rows-mean), padded cu_seqlens, row chunks, and bad cu_seqlens.
+
+Rows left out of the indexer loss (real_token_mask_q, the last rows of some documents, or a
+padded document's padding): they still select and attend (the outputs are the unmasked run's),
+and the CSA indexer loss and its gradients are those of each document's valid rows run alone
+(the mean over the valid rows, or their KL sum when per-token), also in row parts; window and
+HCA layers have no indexer loss, so the mask changes nothing there.
 """
 
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -28,8 +35,10 @@ from megatron_hyscale.layers.deepseek_v4 import HyScaleV4Attention
 from megatron_hyscale.testing.packed import (
     Step,
     assert_steps_close,
+    check_prefix_mask,
     cu_seqlens,
     joined,
+    prefix_mask,
     thd_params,
     train_step,
 )
@@ -37,6 +46,10 @@ from megatron_hyscale.testing.packed import (
 LAYERS = {"window": 0, "csa": 1, "hca": 2}  # compress ratios 0, 4, 8 (tiny_v4_config)
 LENGTHS = (9, 30, 22)  # CSA entries 2, 7, 5 (top-k 3); HCA entries 1, 3, 2
 LENGTHS_WITH_EMPTY = (3, 17, 26)  # the first has no complete CSA window
+# real_token_mask_q's valid rows: each document's first ones (the first document whole; in the
+# second set the second cut down to no compressed entry, its valid rows' KL 0 but counted)
+VALID = (9, 21, 13)
+VALID_WITH_EMPTY = (3, 3, 19)
 
 
 @pytest.fixture(autouse=True)
@@ -249,3 +262,58 @@ def test_bad_cu_seqlens_name_the_argument():
         layer(x, None, packed_seq_params=packed_params((9, 33, 19), (9, 30, 22)))
     with pytest.raises(NotImplementedError, match="qkv_format='sbhd'"):
         layer(x, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_real_token_mask_loss_is_the_valid_rows_alone(sparse, per_token, recompute):
+    """The last rows of some documents masked out of the indexer loss: the valid rows' output,
+    the indexer loss (their mean, or KL sum when per-token) and every gradient are those of
+    each document's valid rows run alone (the same selection: causal, per document); the
+    outputs are the unmasked run's, the indexer's gradients and loss are not."""
+    layer = build("csa", seed=12, v4_indexer_loss_coeff=0.5, v4_indexer_use_sparse_loss=sparse,
+                  calculate_per_token_loss=per_token)
+    lengths, valid = (LENGTHS_WITH_EMPTY, VALID_WITH_EMPTY) if sparse else (LENGTHS, VALID)
+    x, r = inputs(sum(lengths), layer.config.hidden_size, seed=13)
+    replay.reset_stats()
+    check_prefix_mask(lambda x, r, p: run(layer, x, r, p, recompute),
+                      partial(per_document, layer), x, r, lengths, valid, per_token=per_token)
+    replay.assert_drained()
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_real_token_mask_of_padded_documents(sparse):
+    """cu_seqlens_q_padded and a mask of the real rows (megatron's real_token_mask_q): the loss
+    is each real document's alone; the padding rows still attend."""
+    layer = build("csa", seed=14, v4_indexer_loss_coeff=0.5, v4_indexer_use_sparse_loss=sparse)
+    lengths, padded = LENGTHS, (12, 32, 24)
+    x, r = inputs(sum(padded), layer.config.hidden_size, seed=15)
+    check_prefix_mask(partial(run, layer), partial(per_document, layer), x, r, lengths,
+                      lengths, padded=padded)
+
+
+@pytest.mark.parametrize(("sparse", "per_token"), [(False, False), (True, False), (True, True)])
+def test_real_token_mask_row_chunks(sparse, per_token):
+    """Row parts of 16 rows cutting the documents (9 | 30 | 22), some of their rows masked:
+    each part adds its valid rows' KL sum, divided once by the layer's valid-row count, so the
+    parts give each document's valid rows alone (the whole layer's, unchunked)."""
+    cfg = dict(v4_indexer_loss_coeff=0.5, v4_indexer_use_sparse_loss=sparse,
+               calculate_per_token_loss=per_token)
+    parts, whole = build("csa", seed=16, v4_row_chunk=16, **cfg), build("csa", seed=16, **cfg)
+    x, r = inputs(sum(LENGTHS), parts.config.hidden_size, seed=17)
+    check_prefix_mask(partial(run, parts), partial(per_document, whole), x, r, LENGTHS, VALID,
+                      per_token=per_token)
+
+
+@pytest.mark.parametrize("kind", ["window", "hca"])
+def test_real_token_mask_without_an_indexer_changes_nothing(kind):
+    """Window and HCA layers have no indexer loss: with the loss coefficient set and a mask,
+    their step is the unmasked one."""
+    layer = build(kind, seed=18, v4_indexer_loss_coeff=0.5)
+    x, r = inputs(sum(LENGTHS), layer.config.hidden_size, seed=19)
+    params = packed_params(LENGTHS)
+    params.real_token_mask_q = prefix_mask(VALID, LENGTHS)
+    got = run(layer, x, r, params)
+    assert got.logged == 0
+    assert_same(got, run(layer, x, r, packed_params(LENGTHS)))

@@ -10,6 +10,14 @@ fewer blocks than the budget; the padded scenarios (cu_seqlens_q_padded) have re
 that are multiples of neither. Compared: the output and the input gradient (reassembled), every
 parameter gradient (summed over CP: the loss is a sum over tokens), the logged indexer loss
 (per-token, summed over CP), and the replay counters under full recompute.
+
+The masked scenarios leave each document's rows after its first MASKS[name] out of the
+indexer loss (real_token_mask_q, this rank's rows of it: megatron's THD split of the mask;
+with padded documents, their real rows). A per-token loss is the KL sum over the valid rows,
+summed over CP. A mean loss is each rank's mean over its own (valid) rows (as stock DSA's),
+and megatron averages the ranks' gradients: with as many (valid) rows on each rank (HALVES, or
+no mask) that average is the CP = 1 mean, so the indexer's gradients and the logged loss summed
+over CP are compared at CP times CP = 1's.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import torch.distributed as dist
 from hyscale_bench.distributed import init_model_parallel
 from megatron_hyscale.parallel import thd_merge, thd_split
 from megatron_hyscale.testing.distributed import run_workers, worker_result
-from megatron_hyscale.testing.packed import cu_seqlens, thd_params
+from megatron_hyscale.testing.packed import cu_seqlens, prefix_mask, thd_params
 
 WORLD = 2
 LENGTHS = (8, 40, 28)  # divisible by 2 * CP
@@ -46,11 +54,42 @@ SCENARIOS: dict[str, tuple] = {
                                               qsa_indexer_use_sparse_loss=True, **LOSS),
                                   True, False),
     "qsa-padded": ("qsa", {}, False, True),
+    "csa-dense-loss-masked": (1, dict(v4_indexer_loss_coeff=0.5, v4_indexer_use_sparse_loss=False,
+                                      **LOSS), False, False),
+    "csa-sparse-loss-masked-recompute": (1, dict(v4_indexer_loss_coeff=0.5, **LOSS), True,
+                                         False),
+    "csa-sparse-loss-padded-masked": (1, dict(v4_indexer_loss_coeff=0.5, **LOSS), False, True),
+    "csa-sparse-mean-loss-masked": (1, dict(v4_indexer_loss_coeff=0.5), False, False),
+    "csa-dense-mean-loss-masked-row-chunks": (1, dict(v4_indexer_loss_coeff=0.5, v4_row_chunk=16,
+                                                      v4_indexer_use_sparse_loss=False),
+                                              False, False),
+    "qsa-dense-loss-masked": ("qsa", dict(qsa_indexer_loss_coeff=0.5, **LOSS), False, False),
+    "qsa-sparse-loss-masked-recompute": ("qsa", dict(qsa_indexer_loss_coeff=0.5,
+                                                     qsa_indexer_use_sparse_loss=True, **LOSS),
+                                         True, False),
+    "qsa-dense-mean-loss-masked": ("qsa", dict(qsa_indexer_loss_coeff=0.5), False, False),
+    # Each document's share of the dense mean is of the local rows (it was of the gathered
+    # sequence's, half the loss at CP 2).
+    "qsa-dense-mean-loss": ("qsa", dict(qsa_indexer_loss_coeff=0.5), False, False),
 }
+# The masked scenarios' valid rows: each document's first ones. VALID cuts the second document
+# across both ranks' chunks (chunks of 10: rows 25..39 are in chunk 2, rank 1, and chunk 3,
+# rank 0) and the third within rank 0's last chunk; HALVES keeps the first two of the four
+# chunks of the second and third documents, one a rank: 21 valid rows on each.
+VALID = (8, 25, 21)
+HALVES = (8, 20, 14)
+MASKS = {name: (REAL if SCENARIOS[name][3] else HALVES if "mean" in name else VALID)
+         for name in SCENARIOS if "masked" in name}
 
 
-def _params(padded: bool):
-    return thd_params(REAL, LENGTHS) if padded else thd_params(LENGTHS)
+def _params(name: str, cp: int, rank: int):
+    """The scenario's packed layout, with its real_token_mask_q (this rank's rows) if masked."""
+    padded = SCENARIOS[name][3]
+    params = thd_params(REAL, LENGTHS) if padded else thd_params(LENGTHS)
+    if name in MASKS:
+        params.real_token_mask_q = thd_split(prefix_mask(MASKS[name], LENGTHS),
+                                             cu_seqlens(LENGTHS), cp, rank, dim=0)
+    return params
 
 
 def _build(kind, cp: int, overrides: dict):
@@ -102,7 +141,7 @@ def _step(name: str, cp_group) -> dict:
 
     from megatron_hyscale import replay
 
-    kind, overrides, recompute, padded = SCENARIOS[name]
+    kind, overrides, recompute, _ = SCENARIOS[name]
     cp = 1 if cp_group is None else cp_group.size()
     rank = 0 if cp_group is None else cp_group.rank()
     layer, call = _build(kind, cp, overrides)
@@ -113,7 +152,7 @@ def _step(name: str, cp_group) -> dict:
     weights = torch.randn(cu[-1], 1, layer.config.hidden_size, generator=g)
     h = thd_split(full, cu, cp, rank, dim=0).clone().requires_grad_(True)
     r = thd_split(weights, cu, cp, rank, dim=0)
-    params = _params(padded)
+    params = _params(name, cp, rank)
     DSAIndexerLossLoggingHelper.tracker.clear()
     replay.reset_stats()
     fn = lambda x: call(x, params)  # noqa: E731
@@ -161,10 +200,13 @@ def test_cp2_packed_equals_cp1(results, name):
     torch.testing.assert_close(two["out"], one["out"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(two["h_grad"], one["h_grad"], rtol=1e-5, atol=1e-6)
     assert set(two["grads"]) == set(one["grads"])
+    # A mean indexer loss: each rank's mean (module doc), so the sums over CP are CP times.
+    times = WORLD if "mean" in name else 1
     for param, grad in one["grads"].items():
-        torch.testing.assert_close(two["grads"][param], grad, rtol=1e-5, atol=1e-5,
+        scale = times if "indexer" in param else 1
+        torch.testing.assert_close(two["grads"][param] / scale, grad, rtol=1e-5, atol=1e-5,
                                    msg=lambda m, p=param: f"{p}: {m}")
-    torch.testing.assert_close(two["loss"], one["loss"], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(two["loss"] / times, one["loss"], rtol=1e-5, atol=1e-7)
     if "loss" in name:
         assert float(one["loss"].sum()) > 0
         assert any("indexer" in p for p in one["grads"]), "the indexer loss never ran"
