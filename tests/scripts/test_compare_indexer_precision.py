@@ -1,16 +1,21 @@
-"""hyscale_bench.indexer_precision (scripts/compare_indexer_precision.py): the demo trained with
+"""scripts/compare_indexer_precision.py: the demo trained with
 unquantized and with fp8 selection, compared. CPU smoke: both runs happen (the fp8 one really
 selects on quantized tensors: its first-step loss differs), every field is filled, and the
 overlap measure is right on known sets."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+from pathlib import Path
 
 import torch
 
-from hyscale_bench import indexer_precision as ip
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compare_indexer_precision.py"
+_spec = importlib.util.spec_from_file_location("_compare_indexer_precision", SCRIPT)
+ip = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ip)
 
 
 def test_jaccard_rows_on_known_sets():
