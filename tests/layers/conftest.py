@@ -16,3 +16,16 @@ def megatron_env():
     with megatron_on_cpu() if DEVICE.type == "cpu" else contextlib.nullcontext():
         init_single_process()
         yield
+
+
+@pytest.fixture(autouse=True)
+def empty_loss_tracker():
+    """megatron's indexer-loss tracker is a process-wide dict sized by the first model that
+    logs: a test's models (often one layer) must not leave it behind for the next test's."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexerLossLoggingHelper,
+    )
+
+    DSAIndexerLossLoggingHelper.tracker.clear()
+    yield
+    DSAIndexerLossLoggingHelper.tracker.clear()

@@ -35,14 +35,6 @@ def stock_ties_by_index():
         yield
 
 
-@pytest.fixture(autouse=True)
-def empty_loss_tracker():
-    """megatron's indexer-loss tracker is a process-wide dict sized by the first model that
-    logs: these one-layer modules must not leave it behind for the next test's models."""
-    yield
-    DSAIndexerLossLoggingHelper.tracker.clear()
-
-
 def packed_params(lengths=LENGTHS, padded=None):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
                       device=DEVICE)

@@ -24,9 +24,6 @@ from functools import partial
 import pytest
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.transformer.experimental_attention_variant.dsa import (
-    DSAIndexerLossLoggingHelper,
-)
 from megatron.core.transformer.spec_utils import build_module
 
 import megatron_hyscale.layers.qsa as qsa
@@ -50,13 +47,6 @@ LENGTHS_WITH_EMPTY = (3, 38, 21)  # the first has no complete block
 # second set the second cut down to no complete block, its valid rows' KL 0 but counted)
 VALID = (13, 29, 17)
 VALID_WITH_EMPTY = (3, 2, 15)
-
-
-@pytest.fixture(autouse=True)
-def empty_loss_tracker():
-    DSAIndexerLossLoggingHelper.tracker.clear()
-    yield
-    DSAIndexerLossLoggingHelper.tracker.clear()
 
 
 def build(seed: int = 0, baseline: bool = False, **overrides):
