@@ -141,7 +141,7 @@ class SoakResult:
                 "step_ms_last_tenth": self.median_ms(True), "failures": self.failures}
 
 
-def _end_checks(r: SoakResult) -> list[str]:
+def _end_checks(r: SoakResult, time_growth: float | None) -> list[str]:
     s, e = r.start, r.end
     out = []
     if e.bookkeeping != s.bookkeeping:
@@ -159,14 +159,17 @@ def _end_checks(r: SoakResult) -> list[str]:
             out.append(f"CUDA allocated {s.cuda_allocated} -> {e.cuda_allocated}")
         if r.cuda_peaks[1] > r.cuda_peaks[0]:
             out.append(f"CUDA peak of a step {r.cuda_peaks[0]} -> {r.cuda_peaks[1]}")
-    if r.median_ms(True) >= TIME_GROWTH * r.median_ms(False):
+    if time_growth is not None and r.median_ms(True) >= time_growth * r.median_ms(False):
         out.append(f"step time {r.median_ms(False):.2f} -> {r.median_ms(True):.2f} ms")
     return out
 
 
-def run_soak(steps: int, *, offload: bool, max_failures: int = 10) -> SoakResult:
+def run_soak(steps: int, *, offload: bool, max_failures: int = 10,
+             time_growth: float | None = TIME_GROWTH) -> SoakResult:
     """`steps` training steps (megatron set up for this process's device already); the
-    per-step and end-of-run checks of the module doc, failed ones in `failures`."""
+    per-step and end-of-run checks of the module doc, failed ones in `failures`.
+    `time_growth` None: the step times are measured and reported, not checked (the CPU
+    tests: even process CPU time varied 1.5x between tenths on a shared 2-core machine)."""
     cuda = torch.cuda.is_available()
     replay.configure(offload=offload)
     try:
@@ -207,7 +210,7 @@ def run_soak(steps: int, *, offload: bool, max_failures: int = 10) -> SoakResult
                 start = Snapshot.take(cuda)
         result = SoakResult(steps, offload, str(default_device()), n_layers, times, start,
                             Snapshot.take(cuda), tuple(peaks) if cuda else None, failures)
-        result.failures.extend(_end_checks(result))
+        result.failures.extend(_end_checks(result, time_growth))
         return result
     finally:
         replay.configure(offload=False)
