@@ -1144,7 +1144,8 @@ def run(args: argparse.Namespace) -> int:
                                            hyscale=True)
             finally:
                 config.hyscale_packed_selection = None
-            row[name]["packed_selection"] = mode if isinstance(row[name], dict) else None
+            if isinstance(row[name], dict):  # else the row's error message
+                row[name]["packed_selection"] = mode
             replay.clear()
         for name, base in bases:
             # the fused stock backends are not bound by the unfused path's score table

@@ -79,7 +79,9 @@ def run_logged(cmd: Command, log: Path, *, resume: bool, timeout_s: float | None
         return cmd.run(log, timeout_s=timeout_s)
     if timeout_s is None or timeout_s > 0:
         # the marker starts a line of its own even after a process killed mid-line
-        newline = "" if log.read_bytes()[-1:] in (b"", b"\n") else "\n"
+        with open(log, "rb") as f:
+            f.seek(max(f.seek(0, 2) - 1, 0))
+            newline = "" if f.read(1) in (b"", b"\n") else "\n"
         marker = (f"{RESUME_MARKER} {time.strftime('%Y-%m-%d %H:%M:%S')}: a new process "
                   f"continues this log{note}\n")
         print(marker, end="", flush=True)

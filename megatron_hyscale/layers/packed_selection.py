@@ -51,16 +51,16 @@ def document_groups(lengths: list[int], *, min_fill: float = MIN_FILL,
     return groups
 
 
-def _row_table(ranges: list[tuple[int, int]], width: int, device: torch.device
+def _row_table(ranges: list[tuple[int, int]], width: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [n, width] int64: range i's rows, the last one repeated past its end; valid
-    [n, width] bool)."""
+    """On the host: (rows [n, width] int64: range i's rows, the last one repeated past its end;
+    slots int64: the flat positions in [n * width] of the real ones, in order)."""
     starts = torch.tensor([a for a, _ in ranges], dtype=torch.int64)
     counts = torch.tensor([b - a for a, b in ranges], dtype=torch.int64)
     j = torch.arange(width, dtype=torch.int64)
-    valid = j[None, :] < counts[:, None]
     rows = starts[:, None] + torch.minimum(j[None, :], (counts - 1).clamp_min(0)[:, None])
-    return rows.to(device), valid.to(device)
+    slots = torch.nonzero((j[None, :] < counts[:, None]).flatten()).flatten()
+    return rows, slots
 
 
 def batched_document_selection(select: SelectFn, q_idx: torch.Tensor, k_idx: torch.Tensor,
@@ -89,15 +89,18 @@ def batched_document_selection(select: SelectFn, q_idx: torch.Tensor, k_idx: tor
         local = [docs[i][1] for i in group]
         k_width = max(b - a for a, b in keys)
         q_width = max(b - a for a, b in local)
-        key_rows, _ = _row_table(keys, k_width, device)
-        q_rows, q_valid = _row_table(local, q_width, device)
+        # Index tables built on the host from the host-known documents: no device read-back.
+        key_rows, _ = _row_table(keys, k_width)
+        q_rows, q_slots = _row_table(local, q_width)
+        first = torch.tensor([a for a, _ in keys], dtype=torch.int32)
+        key_rows, q_dest = key_rows.to(device), q_rows.flatten()[q_slots].to(device)
+        q_rows, q_slots, first = q_rows.to(device), q_slots.to(device), first.to(device)
         positions = None
         if packed.offsets is not None:
             positions = packed.offsets[q_rows]
         elif q_width != k_width:
             raise ValueError("without context parallelism a document's local rows are its keys")
         got = select(q_idx[0][q_rows], k_idx[0][key_rows], weights[0][q_rows], positions)
-        first = torch.tensor([a for a, _ in keys], dtype=torch.int32, device=device)
         got = torch.where(got >= 0, got + first[:, None, None], got)
-        out[0, q_rows[q_valid]] = got[q_valid]
+        out[0, q_dest] = got.reshape(-1, topk)[q_slots]
     return out
