@@ -241,7 +241,9 @@ def main() -> int:
             data = json.load(f)
         meta, records = data["meta"], data["records"]
         name = os.path.basename(path)
-        script = next((s for s in (*RENDER, *WITH_META) if f"-{s}-" in name), None)
+        # a record's script, with or without the run's --tag (bench_selection_fp8-...)
+        script = next((s for s in (*RENDER, *WITH_META)
+                       if re.search(rf"-{s}(_[A-Za-z0-9_]+)?-", name)), None)
         if script is None:
             print(f"<!-- {name}: no table for this record -->")
             continue

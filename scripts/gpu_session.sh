@@ -139,6 +139,10 @@ case "$stage" in
 esac
 out=${OUT:-outputs/gpu_session}/$stage
 mkdir -p "$out"
+# pytest's closing count line of a log ("3 passed, 1 failed in 9.5s"; the last line can be a
+# NCCL shutdown warning), else its last line (a run cut off by its timeout)
+verdict() { grep -E "^=* *[0-9]+ (passed|failed|error|skipped|deselected)" "$1" | tail -1 \
+  | grep . || tail -1 "$1"; }
 if ! python3 -c "import megatron.core" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --target /tmp/site .whl/*.whl || exit 1
@@ -179,16 +183,19 @@ case "$stage" in
       rc=$?
       [ $rc -eq 0 ] || fail=1
       cat "$out/current.log" >> "$out/tests.log"
-      echo "$name rc=$rc: $(tail -1 "$out/current.log")" | tee -a "$out/summary.txt"
+      echo "$name rc=$rc: $(verdict "$out/current.log")" | tee -a "$out/summary.txt"
     done
     echo "=== layers" >> "$out/tests.log"
-    timeout 160 python3 -m pytest -q -rfE tests/layers -p no:cacheprovider > "$out/current.log" 2>&1
+    # 85 s with the kernels compiled, over 160 s on a fresh machine; a test's failure line
+    # (--tb=line) is in the summary even when a later test runs out of time.
+    timeout "${LAYERS_TIMEOUT:-300}" python3 -m pytest -q -rfE --tb=line tests/layers \
+      -p no:cacheprovider > "$out/current.log" 2>&1
     rc=$?
     [ $rc -eq 0 ] || fail=1
     cat "$out/current.log" >> "$out/tests.log"
-    echo "layers rc=$rc: $(tail -1 "$out/current.log")" | tee -a "$out/summary.txt"
+    echo "layers rc=$rc: $(verdict "$out/current.log")" | tee -a "$out/summary.txt"
     rm -f "$out/current.log"
-    grep -h -E "^(FAILED|ERROR|E  )" "$out/tests.log" | cut -c1-400 | head -30 || true
+    grep -h -E "^(FAILED|ERROR|E  )|^/.*\.py:[0-9]+: " "$out/tests.log" | cut -c1-400 | head -40 || true
     exit $fail
     ;;
   kernels)
@@ -369,7 +376,7 @@ case "$stage" in
       timeout "${RELIABILITY_TIMEOUT:-240}" python3 -m pytest -q -rfEs --tb=short "${per_test[@]}" \
         -m "slow or not slow" "$f" -p no:cacheprovider > "$out/current.log" 2>&1 || rc=1
       cat "$out/current.log" >> "$out/tests.log"
-      echo "$f: $(tail -1 "$out/current.log")" | tee -a "$out/summary.txt"
+      echo "$f: $(verdict "$out/current.log")" | tee -a "$out/summary.txt"
       grep -E "^(FAILED|ERROR)|^E  " "$out/current.log" | cut -c1-300 | head -12
     done
     rm -f "$out/current.log"
@@ -458,10 +465,10 @@ case "$stage" in
       timeout 200 python3 -m pytest -q -rfE -m gpu "$f" -p no:cacheprovider \
         > "$out/current.log" 2>&1 || fail=1
       cat "$out/current.log" >> "$out/tests.log"
-      echo "$f: $(tail -1 "$out/current.log")" | tee -a "$out/summary.txt"
+      echo "$f: $(verdict "$out/current.log")" | tee -a "$out/summary.txt"
     done
     rm -f "$out/current.log"
-    grep -h -E "^(FAILED|ERROR|E  )" "$out/tests.log" | cut -c1-400 | head -30 || true
+    grep -h -E "^(FAILED|ERROR|E  )|^/.*\.py:[0-9]+: " "$out/tests.log" | cut -c1-400 | head -40 || true
     exit $fail
     ;;
   tilelang-kernels)

@@ -583,7 +583,12 @@ class HyScaleV4Attention(MegatronModule):
         super().__init__(config)
         submodules = submodules or V4AttentionSubmodules()
         if config.tensor_model_parallel_size != 1:
-            raise NotImplementedError("HyScaleV4Attention supports TP = 1 only for now")
+            # Megatron-LM's own DeepSeek-V4 attention (DSv4HybridAttention, dev branch)
+            # asserts TP size 1 as well: a layout stock does not run either.
+            raise NotImplementedError(
+                f"HyScaleV4Attention supports tensor_model_parallel_size=1 only (got "
+                f"{config.tensor_model_parallel_size}), as Megatron-LM's DeepSeek-V4 attention; "
+                "scale V4 layers with context, pipeline and expert parallelism")
         # Any cp_comm_type runs the all-gather design (module docstring): the compressors and
         # the window need neighbours' tokens, which ring (p2p) attention does not provide.
         self.pg_collection = pg_collection

@@ -214,7 +214,10 @@ def test_real_token_mask_leaves_padding_rows_without_indexer_gradient():
     *_, masked = step(hyscale, hidden, params, recompute=False)
     *_, alone = step(hyscale, hidden[:13], packed_params(lengths=(13,)), recompute=False)
     assert masked.abs().sum() > 0
-    torch.testing.assert_close(masked, alone, rtol=1e-5, atol=0.0)
+    # The KL (~1e-6 here) is a difference of near-equal O(1) terms: on the GPU the kernels
+    # tile 80 rows and 13 rows differently, and fp32 rounding shows up at ~1e-4 relative
+    # (measured 1.4e-4 on an H200); on the CPU the reference's sums agree to 1e-5.
+    torch.testing.assert_close(masked, alone, rtol=1e-3 if masked.is_cuda else 1e-5, atol=0.0)
 
 
 def test_documents_are_read_once_and_again_after_an_in_place_change():

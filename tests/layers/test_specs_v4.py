@@ -121,3 +121,14 @@ def test_row_chunks_refuse_fp8():
             grads(model)
     finally:
         model.config.fp8 = None
+
+
+def test_tensor_parallelism_is_refused_naming_the_setting():
+    """V4 attention at TP > 1 is refused as Megatron-LM's own DeepSeek-V4 attention refuses it
+    (no stock path to fall back to); the config field is set after construction so that no
+    TP group has to exist."""
+    cfg, _ = tiny_v4_configs(compress_ratios=[0, 4, 128], hca_ratio=128, index_topk=8,
+                             window=16)
+    cfg.tensor_model_parallel_size = 2
+    with pytest.raises(NotImplementedError, match="tensor_model_parallel_size=1 only"):
+        HyScaleV4Attention(cfg, layer_number=2)
