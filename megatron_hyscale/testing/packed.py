@@ -20,18 +20,20 @@ def cu_seqlens(lengths: Sequence[int]) -> list[int]:
     return [0, *torch.tensor(list(lengths)).cumsum(0).tolist()]
 
 
-def document_prefix_rows(valid: Sequence[int], stored: Sequence[int]) -> torch.Tensor:
+def document_prefix_rows(valid: Sequence[int], stored: Sequence[int],
+                         device: torch.device | str | None = None) -> torch.Tensor:
     """int64 packed rows of each document's first `valid` rows, the documents occupying
-    `stored` rows each (back to back)."""
-    return torch.cat([torch.arange(a, a + n) for a, n in zip(cu_seqlens(stored)[:-1], valid,
-                                                              strict=True)])
+    `stored` rows each (back to back), on `device` (default the CPU)."""
+    return torch.cat([torch.arange(a, a + n, device=device)
+                      for a, n in zip(cu_seqlens(stored)[:-1], valid, strict=True)])
 
 
-def prefix_mask(valid: Sequence[int], stored: Sequence[int]) -> torch.Tensor:
+def prefix_mask(valid: Sequence[int], stored: Sequence[int],
+                device: torch.device | str | None = None) -> torch.Tensor:
     """bool [sum(stored)]: True at each document's first `valid` rows (a real_token_mask_q that
-    leaves the other rows out of the indexer loss)."""
-    mask = torch.zeros(sum(stored), dtype=torch.bool)
-    mask[document_prefix_rows(valid, stored)] = True
+    leaves the other rows out of the indexer loss), on `device` (default the CPU)."""
+    mask = torch.zeros(sum(stored), dtype=torch.bool, device=device)
+    mask[document_prefix_rows(valid, stored, device)] = True
     return mask
 
 
@@ -107,18 +109,19 @@ def check_prefix_mask(run: Callable[[torch.Tensor, torch.Tensor, PackedSeqParams
     coefficient scaled by its rows / coeff_share (None: unscaled, per-token). Documents of
     `lengths` (stored in `padded` rows each where given, cu_seqlens_q_padded); the loss
     weights r are zeroed on the masked rows. atol: the outputs' and the input gradients'
-    against the alone runs (`assert_steps_close`).
+    against the alone runs (`assert_steps_close`). The rows, the mask and the cu_seqlens are
+    made on x's device, the layer's: megatron's RoPE and the layer read them with x.
     """
-    stored = padded or lengths
-    rows = document_prefix_rows(valid, stored)
+    stored, device = padded or lengths, x.device
+    rows = document_prefix_rows(valid, stored, device)
     r_valid = torch.zeros_like(r)
     r_valid[rows] = r[rows]
-    masked = thd_params(lengths, padded)
-    masked.real_token_mask_q = prefix_mask(valid, stored)
+    masked = thd_params(lengths, padded, device)
+    masked.real_token_mask_q = prefix_mask(valid, stored, device)
     got = run(x, r_valid, masked)
     want = alone(x[rows], r[rows], valid, None if per_token else sum(valid))
     assert want.logged > 0
-    unmasked = run(x, r_valid, thd_params(lengths, padded))
+    unmasked = run(x, r_valid, thd_params(lengths, padded, device))
     assert_mask_changes_the_loss_only(got, want, unmasked, rows, indexer, atol)
 
 
@@ -138,7 +141,7 @@ def assert_mask_changes_the_loss_only(masked: Step, alone: Step, unmasked: Step,
     """
     assert_steps_close(masked._replace(out=masked.out[valid_rows],
                                        x_grad=masked.x_grad[valid_rows]), alone, atol=atol)
-    rest = torch.ones(masked.out.shape[0], dtype=torch.bool)
+    rest = torch.ones(masked.out.shape[0], dtype=torch.bool, device=masked.out.device)
     rest[valid_rows] = False
     assert bool(rest.any()), "the mask leaves no row out"
     assert bool((masked.x_grad[rest] == 0).all())

@@ -1,4 +1,4 @@
-"""HyScale's QSA attention on packed THD sequences (fp32, CPU, no CP).
+"""HyScale's QSA attention on packed THD sequences (fp32, no CP, on the GPU where there is one).
 
 The defining property: a packed sequence of documents gives, per document, exactly the output,
 the input gradient, the block selection and the indexer loss of the layer run on that document
@@ -27,6 +27,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.transformer.spec_utils import build_module
 
 import megatron_hyscale.layers.qsa as qsa
+from hyscale_bench.models import default_device
 from megatron_hyscale import replay
 from megatron_hyscale.specs.qsa import get_qsa_attention_spec
 from megatron_hyscale.testing.packed import (
@@ -34,12 +35,15 @@ from megatron_hyscale.testing.packed import (
     assert_steps_close,
     check_prefix_mask,
     cu_seqlens,
+    document_prefix_rows,
     joined,
     prefix_mask,
     thd_params,
     train_step,
 )
 from megatron_hyscale.testing.qsa import tiny_qsa_configs
+
+DEVICE = default_device()
 
 LENGTHS = (13, 46, 27)  # 3, 11, 6 complete blocks (budget 8)
 LENGTHS_WITH_EMPTY = (3, 38, 21)  # the first has no complete block
@@ -53,7 +57,8 @@ def build(seed: int = 0, baseline: bool = False, **overrides):
     pytest.importorskip("transformers.models.qwen4_exp")
     cfg, hcfg = tiny_qsa_configs(**{"deterministic_mode": True, **overrides})
     layer = build_module(get_qsa_attention_spec(cfg, baseline=baseline), config=cfg,
-                         layer_number=1)
+                         layer_number=1).to(DEVICE)
+    # CPU noise, copied to the device: the same weights on every device.
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(layer.named_parameters()):
@@ -66,11 +71,12 @@ def rope(hcfg, rows: int) -> torch.Tensor:
     params = hcfg.rope_parameters
     return RotaryEmbedding(kv_channels=hcfg.head_dim,
                            rotary_percent=params["partial_rotary_factor"],
-                           rotary_base=params["rope_theta"], use_cpu_initialization=True)(rows)
+                           rotary_base=params["rope_theta"],
+                           use_cpu_initialization=True)(rows).to(DEVICE)
 
 
 def packed_params(lengths, padded=None):
-    return thd_params(lengths, padded)
+    return thd_params(lengths, padded, device=DEVICE)
 
 
 def run(layer, x, r, freqs, params=None, recompute=False) -> Step:
@@ -94,8 +100,10 @@ def per_document(layer, hcfg, x, r, lengths, coeff_share=None) -> Step:
 
 
 def inputs(rows, hidden=64, seed=1):
+    """(x, r) drawn on the CPU (the same values on every device), on DEVICE."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, 1, hidden, generator=g), torch.randn(rows, 1, hidden, generator=g)
+    return (torch.randn(rows, 1, hidden, generator=g).to(DEVICE),
+            torch.randn(rows, 1, hidden, generator=g).to(DEVICE))
 
 
 assert_same = assert_steps_close
@@ -200,28 +208,27 @@ def test_padded_documents_give_their_real_rows_alone():
     layer, hcfg = build(seed=10)
     lengths, padded = LENGTHS, (16, 48, 28)
     x, r = inputs(sum(padded), seed=11)
-    real = torch.cat([torch.arange(a, a + n) for a, n in
-                      zip(torch.tensor((0, *padded)).cumsum(0).tolist(), lengths)])
+    real = document_prefix_rows(lengths, padded, DEVICE)
     r_real = torch.zeros_like(r)
     r_real[real] = r[real]
     got = run(layer, x, r_real, rope(hcfg, max(padded)), packed_params(lengths, padded))
     want = per_document(layer, hcfg, x[real], r[real], lengths)
     assert_same(got._replace(out=got.out[real], x_grad=got.x_grad[real]), want)
-    padding = torch.ones(sum(padded), dtype=torch.bool)
+    padding = torch.ones(sum(padded), dtype=torch.bool, device=DEVICE)
     padding[real] = False
     assert bool((got.x_grad[padding] == 0).all())  # real rows never read the padding
 
 
 def test_bad_cu_seqlens_name_the_argument():
     layer, hcfg = build()
-    x = torch.randn(sum(LENGTHS) + 1, 1, 64)
+    x = torch.randn(sum(LENGTHS) + 1, 1, 64).to(DEVICE)
     freqs = rope(hcfg, 64)
     call = lambda h, p: layer(h, None, rotary_pos_emb=freqs, packed_seq_params=p)  # noqa: E731
     with pytest.raises(ValueError, match=r"HyScaleQSAttention: packed cu_seqlens must rise .*"
                                          r"packed_seq_params\.cu_seqlens_q\)"):
         call(x[:-2], packed_params(LENGTHS))
     params = packed_params(LENGTHS)
-    params.cu_seqlens_kv = torch.tensor([0, 40, 86], dtype=torch.int32)
+    params.cu_seqlens_kv = torch.tensor([0, 40, 86], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="HyScaleQSAttention: packed THD with different"):
         call(x[:-1], params)
     with pytest.raises(ValueError, match="cu_seqlens_q .* must give every document at most"):
@@ -269,7 +276,7 @@ def test_real_token_mask_without_the_indexer_loss_changes_nothing():
     """Without the indexer loss the mask changes nothing (as stock's DSA: rows still attend)."""
     lengths, padded = LENGTHS, (16, 48, 28)
     params = packed_params(lengths, padded)
-    params.real_token_mask_q = prefix_mask(lengths, padded)
+    params.real_token_mask_q = prefix_mask(lengths, padded, DEVICE)
     x, r = inputs(sum(padded), seed=16)
     layer, hcfg = build(seed=16)
     masked = run(layer, x, r, rope(hcfg, max(padded)), params)

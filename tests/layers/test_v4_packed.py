@@ -1,4 +1,5 @@
-"""HyScaleV4Attention (window / CSA / HCA) on packed THD sequences (fp32, CPU, no CP).
+"""HyScaleV4Attention (window / CSA / HCA) on packed THD sequences (fp32, no CP, on the GPU
+where there is one).
 
 The defining property: a packed sequence of documents gives, per document, exactly the output,
 the input gradient, the selection and the indexer loss of the layer run on that document alone
@@ -29,7 +30,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 )
 
 import megatron_hyscale.layers.deepseek_v4 as v4
-from hyscale_bench.models import randomize_, tiny_v4_config
+from hyscale_bench.models import default_device, randomize_, tiny_v4_config
 from megatron_hyscale import replay
 from megatron_hyscale.layers.deepseek_v4 import HyScaleV4Attention
 from megatron_hyscale.testing.packed import (
@@ -37,12 +38,14 @@ from megatron_hyscale.testing.packed import (
     assert_steps_close,
     check_prefix_mask,
     cu_seqlens,
+    document_prefix_rows,
     joined,
     prefix_mask,
     thd_params,
     train_step,
 )
 
+DEVICE = default_device()
 LAYERS = {"window": 0, "csa": 1, "hca": 2}  # compress ratios 0, 4, 8 (tiny_v4_config)
 LENGTHS = (9, 30, 22)  # CSA entries 2, 7, 5 (top-k 3); HCA entries 1, 3, 2
 LENGTHS_WITH_EMPTY = (3, 17, 26)  # the first has no complete CSA window
@@ -60,13 +63,13 @@ def empty_loss_tracker():
 
 def build(kind: str, seed: int = 0, **overrides) -> HyScaleV4Attention:
     cfg = tiny_v4_config(csa_ratio=4, hca_ratio=8, window=5, index_topk=3, **overrides)
-    layer = HyScaleV4Attention(cfg, layer_number=LAYERS[kind] + 1)
-    randomize_(layer, seed=seed)
+    layer = HyScaleV4Attention(cfg, layer_number=LAYERS[kind] + 1).to(DEVICE)
+    randomize_(layer, seed=seed)  # CPU noise, copied: the same weights on every device
     return layer
 
 
 def packed_params(lengths, padded=None):
-    return thd_params(lengths, padded)
+    return thd_params(lengths, padded, device=DEVICE)
 
 
 def run(layer, x, r, params=None, recompute=False) -> Step:
@@ -89,8 +92,10 @@ def per_document(layer, x, r, lengths, coeff_share=None) -> Step:
 
 
 def inputs(rows, hidden, seed=1):
+    """(x, r) drawn on the CPU (the same values on every device), on DEVICE."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, 1, hidden, generator=g), torch.randn(rows, 1, hidden, generator=g)
+    return (torch.randn(rows, 1, hidden, generator=g).to(DEVICE),
+            torch.randn(rows, 1, hidden, generator=g).to(DEVICE))
 
 
 assert_same = assert_steps_close
@@ -234,26 +239,25 @@ def test_padded_documents_give_their_real_rows_alone(kind):
     layer = build(kind, seed=10)
     lengths, padded = LENGTHS, (12, 32, 24)
     x, r = inputs(sum(padded), layer.config.hidden_size, seed=11)
-    real = torch.cat([torch.arange(a, a + n) for a, n in
-                      zip(torch.tensor((0, *padded)).cumsum(0).tolist(), lengths)])
+    real = document_prefix_rows(lengths, padded, DEVICE)
     r_real = torch.zeros_like(r)
     r_real[real] = r[real]  # the loss reads the real rows only
     got = run(layer, x, r_real, packed_params(lengths, padded))
     want = per_document(layer, x[real], r[real], lengths)
     assert_same(got._replace(out=got.out[real], x_grad=got.x_grad[real]), want)
-    padding = torch.ones(sum(padded), dtype=torch.bool)
+    padding = torch.ones(sum(padded), dtype=torch.bool, device=DEVICE)
     padding[real] = False
     assert bool((got.x_grad[padding] == 0).all())  # real rows never read the padding
 
 
 def test_bad_cu_seqlens_name_the_argument():
     layer = build("csa")
-    x = torch.randn(61, 1, layer.config.hidden_size)
+    x = torch.randn(61, 1, layer.config.hidden_size).to(DEVICE)
     with pytest.raises(ValueError, match=r"HyScaleV4Attention: packed cu_seqlens must rise .*"
                                          r"packed_seq_params\.cu_seqlens_q\)"):
         layer(x[:60], None, packed_seq_params=packed_params(LENGTHS))
     params = packed_params(LENGTHS)
-    params.cu_seqlens_kv = torch.tensor([0, 30, 61], dtype=torch.int32)
+    params.cu_seqlens_kv = torch.tensor([0, 30, 61], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="HyScaleV4Attention: packed THD with different"):
         layer(x, None, packed_seq_params=params)
     with pytest.raises(ValueError, match=r"cu_seqlens_q_padded\)"):
@@ -313,7 +317,7 @@ def test_real_token_mask_without_an_indexer_changes_nothing(kind):
     layer = build(kind, seed=18, v4_indexer_loss_coeff=0.5)
     x, r = inputs(sum(LENGTHS), layer.config.hidden_size, seed=19)
     params = packed_params(LENGTHS)
-    params.real_token_mask_q = prefix_mask(VALID, LENGTHS)
+    params.real_token_mask_q = prefix_mask(VALID, LENGTHS, DEVICE)
     got = run(layer, x, r, params)
     assert got.logged == 0
     assert_same(got, run(layer, x, r, packed_params(LENGTHS)))
