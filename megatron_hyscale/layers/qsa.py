@@ -70,10 +70,19 @@ Padded query rows (`packed_seq_params.real_token_mask_q`, this rank's local rows
 megatron's DSA reads it) still select and attend; the indexer loss leaves them out, its mean
 over the valid rows (`layers.loss_rows`; the KL sum over them when per-token).
 
-Not covered yet (raise NotImplementedError naming it): inference / KV cache, tensor
-parallelism > 1 with a sequence-parallel layout (the indexer projection is duplicated on every
-TP rank, so plain TP works), padding or document masks (packed documents come as
-`packed_seq_params`).
+Tensor parallelism (with or without sequence parallelism): the main attention's heads split
+over TP as megatron splits them (linear_qkv column-parallel, linear_proj row-parallel); the
+indexer is replicated, every rank running it whole on the whole sequence: under SP the layer
+input is this rank's rows [sq / tp, b, h], which the core attention all-gathers over TP for the
+indexer (linear_qkv gathers the same rows for the heads). Each rank selects the same blocks.
+The indexer loss's target sums the attention probabilities over the heads, so it is summed over
+the TP group (`indexer_kl_loss(tp_group=...)`); every rank then has the same loss and the full
+indexer gradient, so the indexer's parameters are marked for megatron's TP gradient average
+(`average_gradients_across_tp_domain`, as megatron's DSA indexer), not its sum. Tested at TP 2
+and TP 2 + SP (plain and packed) against TP 1 (`tests/parallel/test_tp_sp_qsa.py`).
+
+Not covered yet (raise NotImplementedError naming it): inference / KV cache, padding or
+document masks (packed documents come as `packed_seq_params`).
 """
 
 from __future__ import annotations
@@ -84,6 +93,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant import dsa_layout
@@ -356,6 +366,15 @@ class QSAIndexer(MegatronModule):
             submodules.k_layernorm, config=config, hidden_size=self.head_dim,
             eps=config.layernorm_epsilon,
         )
+        # Every TP rank runs this whole indexer on the whole sequence (gathered under SP) with
+        # the loss's target summed over the TP group's heads, so each rank's gradient is
+        # already the full one. megatron's finalize_model_grads would otherwise SUM some of
+        # them over TP (TP times too large): the norms by name under qk_layernorm
+        # ("q_layernorm" / "k_layernorm"), and under SP whatever Transformer Engine marks
+        # `sequence_parallel` (its duplicated linear, its norms). Its average keeps the equal
+        # per-rank values and takes precedence over those sums (as for megatron's DSA indexer).
+        for param in self.parameters():
+            param.average_gradients_across_tp_domain = True
 
     def forward(
         self, x: torch.Tensor, rotary_pos_emb: torch.Tensor | None,
@@ -366,7 +385,8 @@ class QSAIndexer(MegatronModule):
 
         Args:
             x: [sq, b, hidden] the attention layer's input (under context parallelism this
-                rank's two zigzag chunks).
+                rank's two zigzag chunks; under sequence parallelism already gathered over
+                TP: every row the query has).
             rotary_pos_emb: [sq, 1, 1, rot] megatron RoPE frequencies of these rows (the main
                 attention's; rot <= D_I), or None for no RoPE.
             cp_group: the context-parallel group (None or size 1: no CP). The raw keys and the
@@ -461,7 +481,8 @@ class HyScaleQSAttention(MegatronModule):
         return not self.selector.replays
 
     def _check_supported(self, attn_mask_type: AttnMaskType | None, packed_seq_params: Any,
-                         x: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
+                         x: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                         sq: int) -> None:
         if x is None:
             raise ValueError("HyScaleQSAttention needs the layer input x (use "
                              "HyScaleQSASelfAttention)")
@@ -469,16 +490,18 @@ class HyScaleQSAttention(MegatronModule):
         if mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"HyScaleQSAttention supports causal masks only, got "
                                       f"{mask_type}")
+        # Under SP x is this rank's shard of the rows the (gathered) query has.
         tp_size = get_pg_size(getattr(self.pg_collection, "tp", None))
-        if self.config.sequence_parallel and tp_size > 1:
-            # x holds this rank's sequence shard; the indexer needs every token.
-            raise NotImplementedError("HyScaleQSAttention: sequence parallelism is not "
-                                      "supported yet")
+        x_rows = x.size(0) * (tp_size if self.config.sequence_parallel else 1)
+        if x_rows != sq:
+            raise ValueError(f"HyScaleQSAttention: x has {x.size(0)} rows, the query {sq}"
+                             + (f" (sequence parallel over {tp_size} TP ranks: x must be "
+                                f"this rank's {sq // tp_size} rows)"
+                                if self.config.sequence_parallel and tp_size > 1 else ""))
         if attention_mask is not None:
             # Causality is in the selection and the mask is not read: refuse any other mask
             # (padding, reset document masks), whose QSA blocks would start elsewhere.
             # megatron's convention: True = masked.
-            sq = x.shape[0]
             causal = torch.ones(sq, sq, dtype=torch.bool, device=x.device).triu(1)
             mask = attention_mask.bool()
             if get_pg_size(getattr(self.pg_collection, "cp", None)) > 1:
@@ -502,15 +525,16 @@ class HyScaleQSAttention(MegatronModule):
         x: torch.Tensor | None = None,
         pos_emb: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query [sq, b, np, hn], key / value [sq, b, ng, hn] (normalized, rotated), x [sq, b, h],
-        pos_emb [sq, 1, 1, rot] (RoPE frequencies for the indexer) -> [sq, b, np * hn].
+        """query [sq, b, np, hn], key / value [sq, b, ng, hn] (normalized, rotated), x [sq, b, h]
+        (under sequence parallelism this rank's rows, [sq / tp, b, h]), pos_emb [sq, 1, 1, rot]
+        (RoPE frequencies for the indexer) -> [sq, b, np * hn].
 
         `attention_mask` (None, or megatron's plain causal mask, True = masked: checked) is not
         read otherwise: causality is in the selected indices.
         """
-        self._check_supported(attn_mask_type, packed_seq_params, x, attention_mask)
-        cfg = self.config
         sq, b = query.shape[:2]
+        self._check_supported(attn_mask_type, packed_seq_params, x, attention_mask, sq)
+        cfg = self.config
         # The indexer learns only from its own loss (if any): no gradient into the main model.
         x = x.detach()
         pos_emb = pos_emb.detach() if pos_emb is not None else None
@@ -532,7 +556,8 @@ class HyScaleQSAttention(MegatronModule):
         q_idx = block_keys = None
         if use_loss or not self.selection_replay.replaying():
             with torch.enable_grad() if use_loss else torch.no_grad():
-                q_idx, block_keys = self.indexer(x, pos_emb, cp_group, packed)
+                q_idx, block_keys = self.indexer(self._indexer_rows(x), pos_emb, cp_group,
+                                                 packed)
         # [sq, b, ng, hn] local -> [S, b, ng, hn] global order (no-op without CP), started after
         # the indexer's own gather and waited on after the selection, so K and V transfer while
         # HyTopK runs; backward reduce-scatters the gradients to the owner ranks. Indices below
@@ -564,6 +589,23 @@ class HyScaleQSAttention(MegatronModule):
             log_indexer_loss(loss, cfg, self.layer_number, cp_group)
             output = DSAIndexerLossAutoScaler.apply(output, loss)
         return output
+
+    def _indexer_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The indexer's input: x [sq, b, h], or under sequence parallelism x
+        [sq / tp, b, h] (this rank's shard) all-gathered over the TP group into the query's
+        rows (megatron's linear_qkv gathers the same rows for the heads).
+
+        Gathered only where the indexer runs (not when a recompute replays the selection
+        without a loss). x is detached, so no gradient crosses this gather; were it not,
+        each rank's gradient wrt the gathered rows would be the whole gradient (every rank
+        computes the same replicated indexer and loss, its target summed over TP), so the
+        backward must take this rank's slice (tensor_parallel_output_grad=False), not
+        reduce-scatter (TP times the gradient)."""
+        tp_group = getattr(self.pg_collection, "tp", None)
+        if not self.config.sequence_parallel or get_pg_size(tp_group) == 1:
+            return x
+        return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False,
+                                                    group=tp_group)
 
     def _select_blocks(
         self, q_idx: torch.Tensor | None, block_keys: torch.Tensor | None, b: int, sq: int,
@@ -741,7 +783,8 @@ class HyScaleQSASelfAttention(SelfAttention):
                                           f"have batch size 1, got {hidden_states.size(1)}")
             cp = self.pg_collection.cp
             # Checked before megatron's RoPE splits by them (ValueError naming the argument).
-            layout = checked_packed_layout(packed_seq_params, hidden_states.size(0),
+            # The query's rows: under sequence parallelism linear_qkv has gathered them.
+            layout = checked_packed_layout(packed_seq_params, query.size(0),
                                            hidden_states.device, layer="HyScaleQSAttention",
                                            group=cp if get_pg_size(cp) > 1 else None)
             for emb in (q_emb, k_emb):
