@@ -53,8 +53,8 @@
 #   bash scripts/gpu_session.sh evaluate PART  # issue #24: the evaluation report on the
 #                                         # H200 at 32K, 300 iterations each, real text,
 #                                         # over calls with checkpoints: PART stock (2
-#                                         # calls), hyscale, report (~25 min in all with
-#                                         # the set-up; EVAL_LAYERS=1: ~17)
+#                                         # calls), hyscale, report (~28 min in all with
+#                                         # the set-up: a session of its own)
 #   bash scripts/gpu_session.sh reliability [FILES]  # issue #23: tests/reliability on
 #                                         # CUDA, one pytest a file, slow cases and the 256K
 #                                         # HyTopK test included (checkpoint round trips,
@@ -337,10 +337,9 @@ case "$stage" in
     # makes 300 of them two calls; HyScale one), 300 iterations each on the standard library
     # corpus, over several calls on one warm machine: PART stock (2 calls), hyscale (1), then
     # report (writes report.md and the PNGs; or run --report-only on the logs anywhere).
-    # Device time at 2 layers: stock 300 x 2.93 s + two starts (~1060 s), HyScale ~370 s, so
-    # with the machine's start and cuDNN's install about 1700 of a session's 1800 s;
-    # EVAL_LAYERS=1 (estimated from the 2-layer phases: stock ~1.6 s, HyScale ~0.55 s an
-    # iteration) leaves about 12 minutes for other stages.
+    # Device time: stock 300 x 2.93 s + two starts (~1060 s), HyScale ~370 s, so with the
+    # machine's start and cuDNN's install about 1700 of a session's 1800 s (2 layers is the
+    # launcher's least: a dense and a MoE layer).
     # After scripts/gpu_cudnn.sh 1 and 2 (stock cudnn) with .carry/megatron_lm carried.
     [ -f .carry/megatron_lm/pretrain_gpt.py ] || {
       echo "gpu_session.sh evaluate: carry .carry/megatron_lm (scripts/megatron_lm_carry.sh)" >&2
@@ -357,7 +356,7 @@ case "$stage" in
       *) echo "usage: gpu_session.sh evaluate {stock|hyscale|report}" >&2; exit 2 ;;
     esac
     MEGATRON_LM_DIR=$(pwd)/.carry/megatron_lm timeout 580 python3 -m megatron_hyscale.evaluate \
-      --config scaled --gpus 1 --num-layers "${EVAL_LAYERS:-2}" --global-batch-size 1 \
+      --config scaled --gpus 1 --num-layers 2 --global-batch-size 1 \
       --seq-length "${EVAL_SEQ:-32768}" --train-iters "${EVAL_ITERS:-300}" \
       --stock-backend cudnn --transformer-impl local --output-dir "$run_dir/out" \
       --checkpoint-dir "$run_dir/ckpt" --checkpoint-interval 1000 --time-limit 540 \
