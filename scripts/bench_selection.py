@@ -569,6 +569,23 @@ SWEEP_VARIANTS_SMALL_HEADS = ((4, 3, 2, 64, True, None, None), (4, 2, 2, 64, Tru
                               (4, 2, 2, 64, True, 32, 2048), (4, 2, 2, 64, True, None, 1024))
 
 
+# Without ReLU each row is one folded fp32 query (three TF32 products a key), so the GEMM is R
+# rows tall: ROWS_NO_RELU (32) rows read every key tile once per 32 rows. Taller row blocks
+# read each key tile fewer times per FLOP but hold more rows' candidates per program.
+SWEEP_VARIANTS_FOLDED = ((4, 3, 2, 64, True, None, None), (4, 3, 2, 64, True, 64, None),
+                         (8, 3, 1, 64, True, 128, None), (4, 3, 2, 128, True, None, None),
+                         (8, 3, 2, 128, True, 64, None), (4, 2, 2, 64, True, 16, None),
+                         (4, 3, 2, 64, True, None, 8192))
+
+
+def _sweep_variants(cfg):
+    """The launch variants `sweep` times for config `cfg`."""
+    heads, _, _, relu = CONFIGS[cfg]
+    if not relu:
+        return SWEEP_VARIANTS_FOLDED
+    return SWEEP_VARIANTS_SMALL_HEADS if heads < hk.SMALL_HEADS else SWEEP_VARIANTS
+
+
 def _sweep_setup(T, cfg):
     """Random inputs of config `cfg` at length T, their positions, and the GEMM floor (ms)."""
     H, D, _, _ = CONFIGS[cfg]
@@ -595,7 +612,7 @@ def sweep(T, cfg, reps):
     """Time kernel launch variants (warps, pipeline stages, programs per SM, tile) for tuning."""
     inputs, qpos, kpos, floor = _sweep_setup(T, cfg)
     relu = CONFIGS[cfg][3]
-    variants = SWEEP_VARIANTS_SMALL_HEADS if CONFIGS[cfg][0] < hk.SMALL_HEADS else SWEEP_VARIANTS
+    variants = _sweep_variants(cfg)
     for mode in (hk.MODE_SCORES_ONLY, hk.MODE_SELECT):
         for nw, ns, pps, bn, kom, rows, cap in variants:
             if mode == hk.MODE_SCORES_ONLY and cap is not None:

@@ -55,6 +55,9 @@
 #                                         # over calls with checkpoints: PART stock (2
 #                                         # calls), hyscale, report (~28 min in all with
 #                                         # the set-up: a session of its own)
+#   bash scripts/gpu_session.sh selection-variants  # issue #21: HyTopK's untimed variants
+#                                         # (heads on M, scan slots) and the folded no-ReLU
+#                                         # kernel's row blocks, at 128K (~5 min)
 #   bash scripts/gpu_session.sh reliability [FILES]  # issue #23: tests/reliability on
 #                                         # CUDA, one pytest a file, slow cases and the 256K
 #                                         # HyTopK test included (checkpoint round trips,
@@ -130,12 +133,12 @@ shift || true
 case "$stage" in
   verify|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
-  |accuracy-64k|side1-long|evaluate) ;;
+  |accuracy-64k|side1-long|evaluate|selection-variants) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
-       "|accuracy-64k|side1-long|evaluate} [ARGS...]" >&2
+       "|accuracy-64k|side1-long|evaluate|selection-variants} [ARGS...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -434,6 +437,18 @@ case "$stage" in
     timeout 150 python3 scripts/bench_selection.py --configs dsv32 --T 131072 --reps 2 \
       --methods hytopk hytopk_fp8 --inputs structured recency --tag _fp8_trained --out "$out" \
       2>&1 | tail -12 | tee "$out/bench_selection_fp8_trained.log"
+    ;;
+  selection-variants)
+    # Issue #21: the HyTopK variants no GPU has timed (heads on M, scan slots) beside the
+    # defaults and their scoring alone, for V3.2's 64 heads and the folded no-ReLU query; then
+    # the folded kernel's row-block height and tile (SWEEP_VARIANTS_FOLDED), all at 128K.
+    timeout 240 python3 scripts/bench_selection.py --T 131072 --configs dsv32 norelu --reps 2 \
+      --methods hytopk hytopk_heads_on_m hytopk_scan_slots scoreonly scoreonly_heads_on_m \
+      finish --tag _variants --out "$out" 2>&1 | tail -24 \
+      | tee "$out/bench_selection_variants.log"
+    timeout 150 python3 scripts/bench_selection.py --sweep --T 131072 --configs norelu \
+      --reps 2 --out "$out" 2>&1 | grep -E "^sweep|Error|Timeout" \
+      | tee "$out/bench_selection_sweep_norelu.log"
     ;;
   selection)
     timeout 150 python3 scripts/bench_selection.py --T 131072 --configs dsv32 v4flash --reps 2 \
