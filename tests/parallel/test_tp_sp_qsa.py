@@ -31,13 +31,13 @@ from __future__ import annotations
 import copy
 import traceback
 import warnings
-from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
 
 from megatron_hyscale.testing.distributed import run_workers
+from megatron_hyscale.testing.tensor_parallel import load_tp_shards, reduce_tp_grads, tp_shards
 
 WORLD = 2
 B, T = 2, 96  # 24 blocks of 4; the budget (8 blocks) binds for the later rows
@@ -71,19 +71,6 @@ def _weights(layer) -> dict[str, torch.Tensor]:
     return out
 
 
-def _shard(param: torch.Tensor, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    """This rank's part of a TP-1 tensor, by megatron's marks on the TP-2 parameter."""
-    if getattr(param, "tensor_model_parallel", False):
-        return full.chunk(tp, dim=param.partition_dim)[rank]
-    return full
-
-
-def _load(layer, weights: dict[str, torch.Tensor], tp: int, rank: int) -> None:
-    with torch.no_grad():
-        for n, p in layer.named_parameters():
-            p.copy_(_shard(p, weights[n], tp, rank))
-
-
 def _rope(hcfg) -> torch.Tensor:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
@@ -111,10 +98,6 @@ def _step(layer, cfg, hcfg, x: torch.Tensor, dy: torch.Tensor, tp_group,
     """One training step under full recompute: forward, backward of sum(out * dy), megatron's
     TP gradient reduction; what the comparison reads."""
     from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import (
-        _allreduce_non_tensor_model_parallel_grads,
-    )
     from megatron.core.transformer.experimental_attention_variant.dsa import (
         DSAIndexerLossLoggingHelper,
     )
@@ -139,9 +122,7 @@ def _step(layer, cfg, hcfg, x: torch.Tensor, dy: torch.Tensor, tp_group,
     replay.assert_drained()
     raw = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
     if tp_group is not None:
-        # What megatron's DDP step does to the replicated parameters' gradients over TP.
-        chunk = SimpleNamespace(ddp_config=DistributedDataParallelConfig(), module=layer)
-        _allreduce_non_tensor_model_parallel_grads([chunk], cfg, tp_group)
+        reduce_tp_grads(layer, cfg, tp_group)
     values = DSAIndexerLossLoggingHelper.tracker.get("values")
     DSAIndexerLossLoggingHelper.tracker.clear()
     return dict(
@@ -156,9 +137,8 @@ def _step(layer, cfg, hcfg, x: torch.Tensor, dy: torch.Tensor, tp_group,
 
 def _expected(ref: dict, layer, rank: int, rows: slice) -> dict:
     """TP 1's step as this TP-2 rank should see it: its rows, its parameter slices."""
-    params = dict(layer.named_parameters())
     return dict(out=ref["out"][rows], dx=ref["dx"][rows],
-                grads={n: _shard(params[n], g, WORLD, rank) for n, g in ref["grads"].items()},
+                grads=tp_shards(layer, ref["grads"], WORLD, rank),
                 indexer_loss=ref["indexer_loss"])
 
 
@@ -189,7 +169,7 @@ def _body(rank: int, result: dict) -> None:
         for case, spec in CASES.items():
             layer, cfg, hcfg = _build(1, False, spec["sparse"])
             weights[case] = _weights(layer)
-            _load(layer, weights[case], 1, 0)
+            load_tp_shards(layer, weights[case], 1, 0)
             documents = spec.get("documents")
             batch = slice(0, 1) if documents else slice(None)
             refs[case] = _step(layer, cfg, hcfg, x[:, batch], dy[:, batch], None, documents)
@@ -201,7 +181,7 @@ def _body(rank: int, result: dict) -> None:
                 (a, b) for a in LAYOUTS.items() for b in CASES.items()):
             try:
                 layer, cfg, hcfg = _build(WORLD, sp, spec["sparse"])
-                _load(layer, weights[case], WORLD, rank)
+                load_tp_shards(layer, weights[case], WORLD, rank)
                 documents = spec.get("documents")
                 batch = slice(0, 1) if documents else slice(None)
                 rows = slice(rank * T // WORLD, (rank + 1) * T // WORLD) if sp else slice(None)
