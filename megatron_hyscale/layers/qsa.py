@@ -79,7 +79,8 @@ The indexer loss's target sums the attention probabilities over the heads, so it
 the TP group (`indexer_kl_loss(tp_group=...)`); every rank then has the same loss and the full
 indexer gradient, so the indexer's parameters are marked for megatron's TP gradient average
 (`average_gradients_across_tp_domain`, as megatron's DSA indexer), not its sum. Tested at TP 2
-and TP 2 + SP (plain and packed) against TP 1 (`tests/parallel/test_tp_sp_qsa.py`).
+and TP 2 + SP (plain and packed) against TP 1 (`tests/parallel/test_tp_sp_qsa.py`), and at
+TP 2 x CP 2 with and without SP against TP 1 x CP 1 (`tests/parallel/test_tp_cp_qsa.py`).
 
 Not covered yet (raise NotImplementedError naming it): inference / KV cache, padding or
 document masks (packed documents come as `packed_seq_params`).
