@@ -6,15 +6,13 @@ indexer replicated: it gathers the sequence-parallel rows itself, and the indexe
 target is summed over the TP group); each rank feeds its sequence-parallel half of one input.
 Output rows, the input gradient and every parameter gradient (per rank) must match, dense and
 sparse loss, with full recompute. megatron's torch norms refuse sequence parallelism (TE's
-mark their weights for the TP gradient all-reduce); the norms here are built as torch's, which
-changes nothing that the comparison sees.
+mark their weights for the TP gradient all-reduce); the norms here are built as torch's
+(`testing.sp_norms`), which changes nothing that the comparison sees.
 """
 
 from __future__ import annotations
 
-import copy
 import warnings
-from unittest import mock
 
 import pytest
 import torch
@@ -35,23 +33,16 @@ def _body(rank: int, result: dict) -> None:
         DSAIndexerLossLoggingHelper,
     )
     from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from hyscale_bench.cpu import megatron_on_cpu
     from hyscale_bench.models import tiny_dsa_config
     from megatron_hyscale import replay
     from megatron_hyscale.specs import get_dsa_layer_specs
+    from megatron_hyscale.testing.sp_norms import torch_norms_accept_sequence_parallel
     from megatron_hyscale.testing.stock import stock_topk_breaks_ties_by_index
 
-    build_norm = WrappedTorchNorm.__new__
-
-    def norm_without_sp(cls, config, *args, **kwargs):
-        plain = copy.copy(config)
-        plain.sequence_parallel = False
-        return build_norm(cls, plain, *args, **kwargs)
-
     with megatron_on_cpu(), stock_topk_breaks_ties_by_index(), \
-            mock.patch.object(WrappedTorchNorm, "__new__", norm_without_sp):
+            torch_norms_accept_sequence_parallel():
         parallel_state.initialize_model_parallel(WORLD, 1)
         model_parallel_cuda_manual_seed(1234)
         for name, fields in SCENARIOS.items():
