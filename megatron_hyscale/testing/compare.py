@@ -14,6 +14,13 @@ def assert_grads_close(got: dict[str, torch.Tensor], expected: dict[str, torch.T
                                    msg=lambda m, n=name: f"{what} {n}: {m}".strip())
 
 
+def assert_close_to_scale(got: torch.Tensor, want: torch.Tensor, what: str, rel: float) -> None:
+    """Within `rel` of the expected tensor's own scale (rtol and atol = rel x max|want|):
+    gradients of one layer span 1e-8 .. 1e-4, so any fixed atol leaves the smallest unchecked."""
+    torch.testing.assert_close(got, want, rtol=rel, atol=rel * want.abs().max().item(),
+                               msg=lambda m: f"{what}: {m}")
+
+
 def assert_rows_hold_sorted_sets(indices: torch.Tensor, scores: torch.Tensor,
                                  sorted_indices: torch.Tensor, sorted_scores: torch.Tensor
                                  ) -> None:

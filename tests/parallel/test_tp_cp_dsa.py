@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hyscale.parallel import zigzag_split
+from megatron_hyscale.testing.compare import assert_close_to_scale
 from megatron_hyscale.testing.distributed import run_workers, worker_result
 
 TP, CP = 2, 2
@@ -172,13 +173,6 @@ def runs() -> dict:
     return run_workers(_body, WORLD, WORKER_TIMEOUT_S)
 
 
-def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str, rel: float) -> None:
-    """Within `rel` of the tensor's own scale: the gradients here are 1e-8 .. 1e-4, so any
-    fixed atol would leave the smallest ones unchecked."""
-    torch.testing.assert_close(got, want, rtol=rel, atol=rel * want.abs().max().item(),
-                               msg=lambda m: f"{what}: {m}")
-
-
 @pytest.mark.parametrize("rank", range(WORLD))
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_tp2_sp_cp2_matches_stock_on_its_own_path(runs, scenario, rank):
@@ -190,8 +184,8 @@ def test_tp2_sp_cp2_matches_stock_on_its_own_path(runs, scenario, rank):
     stats = hyscale["stats"]
     assert (stats["selections_computed"], stats["selections_replayed"]) == (1, replayed), stats
     assert stock["out"].shape == (T // WORLD, B, HIDDEN)
-    _assert_close(hyscale["out"], stock["out"], "output", 1e-5)
-    _assert_close(hyscale["dh"], stock["dh"], "input gradient", 1e-5)
+    assert_close_to_scale(hyscale["out"], stock["out"], "output", 1e-5)
+    assert_close_to_scale(hyscale["dh"], stock["dh"], "input gradient", 1e-5)
     # Stock logs the per-rank loss with the CP group to average (per-token: to sum) it over.
     cp_peers = [rank % TP + TP * c for c in range(CP)]
     want_groups = (cp_peers, None) if "per-token" in scenario else (None, cp_peers)
@@ -201,9 +195,10 @@ def test_tp2_sp_cp2_matches_stock_on_its_own_path(runs, scenario, rank):
     # The KL is a small difference of near-equal terms: the sparse loss's value, summed in
     # another order than stock's table, differs by ~1e-4 relative (as without TP or CP), while
     # its gradients agree far closer.
-    _assert_close(hyscale["indexer_loss"], stock["indexer_loss"], "indexer loss", 5e-4)
+    assert_close_to_scale(hyscale["indexer_loss"], stock["indexer_loss"], "indexer loss", 5e-4)
     assert set(hyscale["grads"]) == set(stock["grads"])
     assert any(".indexer." in n for n in stock["grads"]), "no indexer gradient"
     for name, want in stock["grads"].items():
         # The indexer's gradients come from that KL alone: looser than the main path's.
-        _assert_close(hyscale["grads"][name], want, name, 1e-4 if ".indexer." in name else 1e-5)
+        assert_close_to_scale(hyscale["grads"][name], want, name,
+                              1e-4 if ".indexer." in name else 1e-5)

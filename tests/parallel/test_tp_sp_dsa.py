@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 
+from megatron_hyscale.testing.compare import assert_close_to_scale
 from megatron_hyscale.testing.distributed import run_workers
 
 WORLD = 2
@@ -94,10 +95,11 @@ def test_tp2_sp_matches_stock_on_its_own_path(runs, scenario):
     stock, hyscale = runs[scenario]["stock"], runs[scenario]["hyscale"]
     assert hyscale["fallback"] == [], hyscale["fallback"]
     assert hyscale["stats"]["selections_computed"] == 1
-    torch.testing.assert_close(hyscale["out"], stock["out"], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(hyscale["dh"], stock["dh"], rtol=1e-4, atol=1e-7)
+    assert_close_to_scale(hyscale["out"], stock["out"], "output", 1e-5)
+    assert_close_to_scale(hyscale["dh"], stock["dh"], "input gradient", 1e-5)
     assert set(hyscale["grads"]) == set(stock["grads"])
     assert any(".indexer." in n for n in stock["grads"]), "the indexer loss never ran"
     for name, want in stock["grads"].items():
-        torch.testing.assert_close(hyscale["grads"][name], want, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        # The indexer's gradients come from the KL alone: looser than the main path's.
+        assert_close_to_scale(hyscale["grads"][name], want, name,
+                              1e-4 if ".indexer." in name else 1e-5)
