@@ -36,10 +36,8 @@ gradient reduction sees the marks of a real SP run.
 
 from __future__ import annotations
 
-import copy
 import traceback
 import warnings
-from unittest import mock
 
 import pytest
 import torch
@@ -208,24 +206,14 @@ def _body(rank: int, result: dict) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from hyscale_bench.cpu import megatron_on_cpu
-
-    build_norm = WrappedTorchNorm.__new__
-
-    def norm_marked_like_te(cls, config, *args, **kwargs):
-        plain = copy.copy(config)
-        plain.sequence_parallel = False
-        norm = build_norm(cls, plain, *args, **kwargs)
-        for p in norm.parameters():  # TENorm's mark: megatron sums these over TP under SP
-            p.sequence_parallel = config.sequence_parallel
-        return norm
+    from megatron_hyscale.testing.sp_norms import torch_norms_accept_sequence_parallel
 
     g = torch.Generator().manual_seed(5)
     rows = max(T, sum(DOCUMENTS))
     x, dy = torch.randn(rows, B, H, generator=g), torch.randn(rows, B, H, generator=g)
-    with megatron_on_cpu(), mock.patch.object(WrappedTorchNorm, "__new__", norm_marked_like_te):
+    with megatron_on_cpu(), torch_norms_accept_sequence_parallel():
         parallel_state.initialize_model_parallel(1, 1)
         model_parallel_cuda_manual_seed(1234)
         refs, weights = {}, {}
