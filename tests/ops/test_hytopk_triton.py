@@ -110,6 +110,31 @@ def test_fewer_visible_than_k_and_topk_above_s():
     assert (out_i[0, 0, 1:] == -1).all()
 
 
+def test_documents_shorter_than_topk_share_one_compiled_kernel(monkeypatch):
+    """Packed documents shorter than topk (each a selection of its own length S < topk) launch
+    the kernel with the same compiled-in values, so a batch of many document lengths costs one
+    compile, not one per length; each length is still exact against the reference."""
+    launches = []
+    real = kernel._hytopk_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append({n: v for n, v in kwargs.items() if n.isupper()})
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(kernel, "_hytopk_kernel", Recorder())
+    topk = 24
+    for S, seed in ((7, 1), (13, 2), (24, 3), (40, 4)):
+        q, k, w = int_inputs(1, S, S, 4, 16, seed=seed)
+        out_i, _, _ = check(q, k, w, topk, prunes=(False,), min_cap=64)
+        assert (out_i[0, -1, min(S, topk):] == -1).all()
+    assert len(launches) == 4
+    assert all(c == launches[0] for c in launches), [
+        {n: v for n, v in c.items() if v != launches[0][n]} for c in launches]
+
+
 @pytest.mark.parametrize("keys_on_m,atomic_slots,min_cap",
                          [(False, False, None), (True, False, None), (False, True, None),
                           (True, True, None), (True, True, 64)])

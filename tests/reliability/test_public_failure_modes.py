@@ -37,7 +37,7 @@ INT32_LIMIT = 2**31
 T_256K, H_V32, D_V32, TOPK_V32 = 256 * 1024, 64, 128, 2048
 # Kernel arguments whose products with a row / batch / key index reach 2^31 at 256K tokens.
 WIDE_STRIDES = ("stride_qb", "stride_qt", "stride_kb", "stride_ks", "stride_wb", "stride_wt",
-                "OUT_K")
+                "TOPK")
 
 
 class _Recorder:
@@ -81,8 +81,8 @@ def test_hytopk_offsets_past_2_31_are_64_bit_on_the_host(monkeypatch):
     assert mangle_type(args["stride_qt"]) == "i32"
     last_row = (T_256K - 1) * args["stride_qt"] + (H_V32 - 1) * args["stride_qh"] + D_V32 - 1
     assert last_row >= INT32_LIMIT // 2 and (B - 1) * args["stride_qb"] + last_row > INT32_LIMIT
-    # The outputs' rows: (b * T + t) * OUT_K reaches 2^31 from B = 4 at 256K tokens.
-    assert 4 * T_256K * args["OUT_K"] >= INT32_LIMIT
+    # The outputs' rows: (b * T + t) * TOPK reaches 2^31 from B = 4 at 256K tokens.
+    assert 4 * T_256K * args["TOPK"] >= INT32_LIMIT
 
 
 def _products_with(tree: ast.AST, names: tuple[str, ...]) -> Iterator[tuple[ast.BinOp, ast.expr]]:
@@ -115,7 +115,7 @@ def test_hytopk_offsets_past_2_31_are_widened_in_the_kernel():
     products = list(_products_with(ast.parse(source), WIDE_STRIDES))
     seen = {ast.unparse(p) for p, _ in products}
     # The products this test exists for (a rename must not make it vacuous).
-    for needed in ("stride_qb", "stride_qt", "stride_kb", "stride_ks", "stride_wb", "OUT_K"):
+    for needed in ("stride_qb", "stride_qt", "stride_kb", "stride_ks", "stride_wb", "TOPK"):
         assert any(needed in p for p in seen), f"no product with {needed} in the kernel"
     narrow = [ast.unparse(p) for p, other in products if not _is_int64_cast(other)]
     assert not narrow, f"products that may wrap in int32 at 256K tokens: {narrow}"

@@ -208,17 +208,17 @@ def _hytopk_kernel(
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kd,
     stride_wb, stride_wt, stride_wh,
-    D: tl.constexpr, TOPK: tl.constexpr, OUT_K: tl.constexpr, CAP: tl.constexpr,
+    D: tl.constexpr, TOPK: tl.constexpr, CAP: tl.constexpr,
     R: tl.constexpr, HP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr,
     RELU: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MODE: tl.constexpr,
-    NPROG: tl.constexpr, PRUNE: tl.constexpr, G: tl.constexpr, KEYS_ON_M: tl.constexpr,
+    PRUNE: tl.constexpr, G: tl.constexpr, KEYS_ON_M: tl.constexpr,
     ATOMIC_SLOTS: tl.constexpr, K_SCALED: tl.constexpr, FP8_ACC: tl.constexpr,
 ):
     """One persistent program: blocks of R query rows (R * HP GEMM rows), key tiles of BN.
 
     With PRUNE (MODE_SELECT only), cent_ptr [B, n_key_tiles, D] (k's dtype) and rho_ptr
     [B, n_key_tiles] fp32 come from _key_tile_bounds, slack from _slack_coef, and stats_ptr
-    int64 [NPROG, 2] receives each program's (tiles pruned, tiles considered). Each group of
+    int64 [programs, 2] receives each program's (tiles pruned, tiles considered). Each group of
     NT tiles (padded to G >= 16 for tl.dot) gets its bound before its first tile:
       A[m, j] = q_m . c_j (computed like the main GEMM), n_m = ||q_m|| (fp32),
       B[m, j] = A[m, j] + n_m * rho_j          >= every logit the kernel computes in tile j,
@@ -250,7 +250,9 @@ def _hytopk_kernel(
     n_considered = tl.zeros([], dtype=tl.int64)
 
     # Blocks come sorted by decreasing work; striding them over programs balances the load.
-    for it in range(pid, n_blocks, NPROG):
+    # The grid's size, read on the device: as a compiled-in value it would change with the
+    # row count of short sequences (fewer row blocks than programs).
+    for it in range(pid, n_blocks, tl.num_programs(0)):
         blk = tl.load(order_ptr + it)
         b = blk // blocks_per_batch
         t0 = (blk % blocks_per_batch) * R
@@ -433,7 +435,7 @@ def _hytopk_kernel(
                         tl.store(counts + offs_r, count)
                         tl.debug_barrier()
 
-        out_row = (b * T + rows).to(tl.int64) * OUT_K
+        out_row = (b * T + rows).to(tl.int64) * TOPK
         if MODE == 0:
             # Each row's exact top-k set, unsorted, as the two 32-bit halves of its packed keys
             # (high half in the scores, low half in the indices); _finish sorts and decodes.
@@ -608,11 +610,14 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     qk, kk_, w, hp, r, ieee = _prepare(q, k, weights, relu, options.rows, q_scale)
     H = qk.shape[2]
     bn = options.block_n
-    kk = min(topk, S)
-    cap = triton.next_power_of_2(max(kk + bn, options.min_cap))
+    # topk, not min(topk, S), sizes the buffer and is the kernel's TOPK: a compiled-in value
+    # that would otherwise change with every packed document shorter than topk, each length a
+    # compile. Such rows never fill their buffer and leave their empty slots, as rows with
+    # fewer than topk visible keys always do.
+    cap = triton.next_power_of_2(max(topk + bn, options.min_cap))
     # Tiles per group: 1/group_slack_div of the buffer's slack, so a row compacts only after
     # the rest of the slack has filled (compactions stay rare) while a group cannot overflow.
-    nt = max(1, (cap - kk) // (options.group_slack_div * bn))
+    nt = max(1, (cap - topk) // (options.group_slack_div * bn))
     hi = _visible_hi(q_positions, k_positions, causal, T, S)
     qpos = q_positions.contiguous()
     kpos = k_positions.contiguous()
@@ -633,9 +638,6 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
 
     indices = torch.empty(B, T, topk, dtype=torch.int32, device=q.device)
     scores = torch.empty(B, T, topk, dtype=torch.float32, device=q.device)
-    if kk < topk:
-        indices[..., kk:] = -1
-        scores[..., kk:] = float("-inf")
     scratch_elems = nprog * r * cap if mode == MODE_SELECT else 1
     scratch = torch.empty(scratch_elems, dtype=torch.int64, device=q.device)
     counts = torch.empty(nprog * r if mode == MODE_SELECT else 1, dtype=torch.int32,
@@ -664,8 +666,8 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
         qk.stride(0), qk.stride(1), qk.stride(2), qk.stride(3),
         kk_.stride(0), kk_.stride(1), kk_.stride(2),
         w.stride(0), w.stride(1), w.stride(2),
-        D=D, TOPK=kk, OUT_K=topk, CAP=cap, R=r, HP=hp, BD=bd, BN=bn, NT=nt,
-        RELU=relu, CAUSAL=causal, IEEE=ieee, MODE=mode, NPROG=nprog,
+        D=D, TOPK=topk, CAP=cap, R=r, HP=hp, BD=bd, BN=bn, NT=nt,
+        RELU=relu, CAUSAL=causal, IEEE=ieee, MODE=mode,
         PRUNE=prune, G=max(16, triton.next_power_of_2(nt)),
         KEYS_ON_M=options.keys_on_m and hp > 1, ATOMIC_SLOTS=options.atomic_slots,
         K_SCALED=fp8, FP8_ACC=fp8_acc,
@@ -674,7 +676,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     if prune_stats is not None:
         prune_stats.copy_(stats.sum(0) if prune else torch.zeros_like(prune_stats))
     if mode == MODE_SELECT:
-        _finish(indices[..., :kk], scores[..., :kk], ordered)
+        _finish(indices, scores, ordered)
     return indices, scores
 
 
