@@ -569,12 +569,12 @@ SWEEP_VARIANTS_SMALL_HEADS = ((4, 3, 2, 64, True, None, None), (4, 2, 2, 64, Tru
                               (4, 2, 2, 64, True, 32, 2048), (4, 2, 2, 64, True, None, 1024))
 
 
-# Without ReLU each row is one folded fp32 query (three TF32 products a key), so the GEMM is R
-# rows tall: ROWS_NO_RELU (32) rows read every key tile once per 32 rows. Taller row blocks
-# read each key tile fewer times per FLOP but hold more rows' candidates per program.
-SWEEP_VARIANTS_FOLDED = ((4, 3, 2, 64, True, None, None), (4, 3, 2, 64, True, 64, None),
-                         (8, 3, 1, 64, True, 128, None), (4, 3, 2, 128, True, None, None),
-                         (8, 3, 2, 128, True, 64, None), (4, 2, 2, 64, True, 16, None),
+# Without ReLU each row is one folded query, which with bf16 keys runs as three bf16 parts on
+# the keys-on-M path (4 padded heads, 16 rows a program by default): rows a program and the
+# tile, as for QSA's 4 heads, and a larger buffer (top-2048 here against QSA's 512).
+SWEEP_VARIANTS_FOLDED = ((4, 3, 2, 64, True, None, None), (4, 3, 2, 64, True, 8, None),
+                         (4, 3, 2, 64, True, 32, None), (4, 3, 2, 128, True, None, None),
+                         (4, 2, 2, 64, True, None, None), (4, 3, 3, 64, True, None, None),
                          (4, 3, 2, 64, True, None, 8192))
 
 

@@ -169,6 +169,53 @@ def test_relu_false_noncausal_negative_weights():
     check(q, k, w, 11, relu=False, causal=False)
 
 
+def test_bf16_parts_sum_to_the_fp32_value_exactly():
+    """The folded query's three bf16 parts add up to it exactly over 2^-110 .. 2^127 (values
+    with all 24 significand bits set, both signs, 0 and -0.0), and miss it by less than bf16's
+    subnormal step 2^-133 below that."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4096, generator=g).sign() * torch.logspace(-110, 126.9, 4096, base=2.0)
+    x = x * (1 + torch.rand(4096, generator=g))
+    full = torch.tensor([1 + 2.0**-23 - 2.0**-22, 2 - 2.0**-23, 2.0**126 * (2 - 2.0**-23),
+                         2.0**-110 * (2 - 2.0**-23), 0.0, -0.0])
+    x = torch.cat([x.float(), full, -full]).view(-1, 4)
+    parts = kernel.bf16_parts(x)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (x.shape[0], 3, 4)
+    hi, mid, lo = parts.double().unbind(-2)
+    assert torch.equal(hi + mid + lo, x.double())
+    assert (lo != 0).any()  # the third part is needed
+    tiny = torch.tensor([1e-41, -3e-40, 2.0**-120 * 1.999, 1e-45]).view(1, 4)
+    err = kernel.bf16_parts(tiny).double().sum(-2) - tiny.double()
+    assert (err.abs() < 2.0**-133).all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_relu_false_bf16_keys_take_the_folded_parts_exactly(monkeypatch, causal):
+    """relu=False with bf16 keys: the folded query goes in as three bf16 parts on the
+    keys-on-M path (4 padded heads); integer inputs keep every product and sum exact, so the
+    selection equals the reference's bit for bit: ties, negative weights, -0.0, batch 2,
+    fewer visible keys than topk, non-contiguous inputs, a tiny topk that compacts."""
+    launches = []
+    real = kernel._hytopk_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((args[0].dtype, kwargs["HP"], kwargs["KEYS_ON_M"]))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(kernel, "_hytopk_kernel", Recorder())
+    q, k, w = int_inputs(2, 20, 40, 4, 16, seed=8, lo=-1, hi=2, wlo=-3, whi=3)
+    q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
+    q[1, 3] = -0.0
+    check(q, k, w, 6, relu=False, causal=causal)
+    check(q, k, w, 50, relu=False, causal=causal, prunes=(False,))  # topk > visible keys
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous views
+    check(qt[:, 2:17], k[:, ::1], w[:, 2:17], 9, relu=False, causal=causal, prunes=(False,))
+    assert launches and all(x == (torch.bfloat16, 4, True) for x in launches), launches
+
+
 def test_shard_positions_per_batch_noncontiguous():
     # Context-parallel style: two non-contiguous query chunks, per-batch positions, and
     # non-contiguous q / k / weights views.

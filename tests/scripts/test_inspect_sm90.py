@@ -91,6 +91,20 @@ def test_hopper_sparse_mla_forward_keeps_its_wgmma_pipeline(tmp_path: Path) -> N
         assert rep["shared_bytes"] <= 232448  # the H200's shared memory a block
 
 
+def test_folded_hytopk_runs_bf16_wgmma(tmp_path: Path) -> None:
+    """relu=False with bf16 keys: the folded query's three bf16 parts run as padded heads on
+    the keys-on-M path, so the tile loop multiplies on bf16 wgmma without local memory (the
+    fp32 tf32x3 form ran 192 mma.sync and 170 local-memory accesses a tile)."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "hytopk-norelu", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (rep,) = json.loads(out.read_text())
+    assert rep["constexprs"]["HP"] == 4 and rep["constexprs"]["KEYS_ON_M"] is True
+    assert rep["constexprs"]["IEEE"] is False
+    assert rep["loop_ops"]["HGMMA"] > 0 and rep["loop_ops"].get("HMMA", 0) == 0
+    assert rep["loop_ops"].get("LDL", 0) == 0 and rep["loop_ops"].get("STL", 0) == 0
+
+
 def test_fp8_hytopk_runs_fp8_wgmma(tmp_path: Path) -> None:
     """precision="fp8": the select kernel's tile loop multiplies e4m3 operands on Hopper's fp8
     wgmma (QGMMA, 32 channels a step: 4 for a 128-channel head), not bf16 or CUDA-core FMAs,

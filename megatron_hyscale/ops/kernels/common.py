@@ -102,14 +102,19 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def fix_interpreter() -> None:
-    """Under TRITON_INTERPRET=1, let run-time loop bounds work with numpy >= 2.4 (else nothing).
+    """Under TRITON_INTERPRET=1, fix two of Triton 3.6's interpreter bugs (else nothing).
 
-    Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(),
-    which numpy 2.4 rejects for arrays of one dimension; read the single element instead.
-    Every kernel module with run-time loop bounds calls this at import.
+    - Run-time loop bounds with numpy >= 2.4: the interpreter holds scalars as 1-element
+      arrays and converts them with int(), which numpy 2.4 rejects for arrays of one
+      dimension; read the single element instead.
+    - bf16 products: the interpreter stores bf16 as raw uint16 bits and its tl.dot multiplies
+      those bits as integers; widen bf16 operands to fp32 first (exact), as it already widens
+      fp8 ones.
+    Every kernel module calls this at import.
     """
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
+    import numpy as np  # the interpreter's own dependency
     from triton.runtime import interpreter
 
     original = interpreter._patch_lang_tensor
@@ -122,3 +127,18 @@ def fix_interpreter() -> None:
 
     patched._hyscale_fixed = True
     interpreter._patch_lang_tensor = patched
+
+    builder = interpreter.InterpreterBuilder
+    create_dot = builder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None)
+        return interpreter.TensorHandle(data.view(np.float32), tl.float32)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widened(a), widened(b), d, input_precision,
+                          max_num_imprecise_acc)
+
+    builder.create_dot = dot

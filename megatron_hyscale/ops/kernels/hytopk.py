@@ -18,6 +18,10 @@ per-(token, head) scale is folded into the head weight before the launch and k's
 multiplies each key's head sum (scales are positive powers of two, so both commute with the ReLU
 and are exact), as DeepSeek-V3.2's fp8_index applies them.
 
+Without ReLU the head sum folds into one fp32 query a row (sum_h w_h q_h); with bf16 keys the
+kernel takes it as three bf16 parts whose sum is that query exactly (`bf16_parts`), each a head
+of weight 1, so it runs the same keys-on-M bf16 path as a four-head indexer.
+
 Key-tile pruning (`HyTopKOptions.prune`): a pre-pass (_key_tile_bounds) stores, per key tile j
 of BN keys, a centroid c_j and a radius rho_j that covers the rounding of the kernel's own dot
 products. Before a group of tiles, each program computes an upper bound U[t, j] on every score
@@ -47,7 +51,10 @@ GEMM_ROWS = 128
 # without spills where 32 rows ran 3686 (heads on M) with 129 spill loads / stores.
 SMALL_HEADS = 32
 SMALL_HEADS_GEMM_ROWS = 64
-# Query rows per program when relu=False (one folded query per row, so the GEMM is R tall).
+# relu=False folds the heads into one fp32 query a row; with bf16 keys the kernel takes it as
+# this many bf16 parts (bf16_parts), each a head of weight 1 (padded to 4: QSA's path).
+FOLDED_PARTS = 3
+# Query rows per program for the folded query of other key dtypes (fp32 operands, rows on M).
 ROWS_NO_RELU = 32
 # Temporary bytes per row chunk of the final sort-and-decode pass.
 FINISH_CHUNK_BYTES = 256 << 20
@@ -271,7 +278,8 @@ def _hytopk_kernel(
         w = tl.load(w_ptr + w_off + m_head * stride_wh, mask=m_ok, other=0.0).to(tl.float32)
         if PRUNE:
             # Per GEMM row: ||q_m|| in fp32, and the weight of its bound (heads with w <= 0
-            # add at most 0 to a ReLU score; without ReLU the single folded head has w == 1).
+            # add at most 0 to a ReLU score; without ReLU the folded query, or each of its bf16
+            # parts, has w == 1).
             q_f32 = qt.to(tl.float32)
             q_norm = tl.sqrt_rn(tl.sum(q_f32 * q_f32, axis=1))
             if RELU:
@@ -495,11 +503,36 @@ def _prepare(q, k, weights, relu, rows, q_scale=None):
         if q_scale is not None:
             weights = weights.float() * q_scale
         return q, k, weights, hp, r, q.dtype == torch.float32
-    # sum_h w[t,h] * (q[t,h] . k[s]) == (sum_h w[t,h] q[t,h]) . k[s]: an fp32 query, so the dot
-    # runs in fp32 (ieee) to stay within fp32 rounding of the reference.
-    q_eff = torch.einsum("bthd,bth->btd", q.float(), weights.float()).unsqueeze(2)
+    # sum_h w[t,h] * (q[t,h] . k[s]) == (sum_h w[t,h] q[t,h]) . k[s]: one fp32 query a row.
+    q_eff = torch.einsum("bthd,bth->btd", q.float(), weights.float())
+    if k.dtype == torch.bfloat16:
+        # Its three bf16 parts, each a "head" of weight 1: bf16 products (exact, as k is bf16)
+        # on the keys-on-M path QSA's four heads take, instead of fp32 operands on CUDA-core
+        # tf32x3 products with the rows on M (compiled for sm_90a: 664 bytes spilled, 108
+        # local loads in the tile loop).
+        parts = bf16_parts(q_eff)
+        ones = torch.ones(parts.shape[:3], dtype=torch.float32, device=q.device)
+        hp = triton.next_power_of_2(FOLDED_PARTS)
+        return parts, k, ones, hp, rows or max(1, SMALL_HEADS_GEMM_ROWS // hp), False
+    # Other key dtypes: the dot runs in fp32 (tf32x3) to stay within fp32 rounding.
     ones = torch.ones(q.shape[:2] + (1,), dtype=torch.float32, device=q.device)
-    return q_eff, k, ones, 1, rows or ROWS_NO_RELU, True
+    return q_eff.unsqueeze(2), k, ones, 1, rows or ROWS_NO_RELU, True
+
+
+def bf16_parts(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x [..., D] as FOLDED_PARTS bf16 terms [..., 3, D] whose sum is x exactly.
+
+    Each part is the round-to-nearest bf16 (8 significant bits) of what the earlier parts left:
+    x - hi is exact in fp32 and spans at most 16 of x's 24 significand bits, its remainder
+    after the second part at most 8, which the third holds exactly. Exact for 2^-110 <= |x| <
+    2^127 and for 0 (bf16 has fp32's exponents but a subnormal step of 2^-133): below, the
+    parts miss x by less than 2^-133; at or past 2^127 hi may round to inf.
+    """
+    hi = x.to(torch.bfloat16)
+    rest = x - hi.float()
+    mid = rest.to(torch.bfloat16)
+    lo = (rest - mid.float()).to(torch.bfloat16)
+    return torch.stack((hi, mid, lo), dim=-2)
 
 
 def _gamma(n: int) -> float:
@@ -569,7 +602,8 @@ def _slack_coef(hp: int) -> float:
     - the score: under ReLU, s^ = fl(sum_h fl(w_h relu(L^_h))) <= sum_h w_h relu(L^_h)
       + gamma_H Mag' with Mag' = sum_h |w_h| relu(L^_h) <= Mag (relu(L^) <= relu(B) <= m), and
       heads with w <= 0 add at most 0, so sum_h w_h relu(L^_h) <= sum_h w+_h relu(B_h).
-      Without ReLU, H = 1 and w = 1 (the folded query): s^ = L^ <= B exactly.
+      Without ReLU the heads are the folded query (H = 1) or its bf16 parts, all with w = 1 >=
+      0, so sum_h w_h L^_h <= sum_h w_h B_h and the same bound holds with act = identity.
     - B^_h = fl(A_h + fl(n_h rho)) (2 roundings): act(B_h) <= act(B^_h) + gamma_2 m_h.
     - U^ = fl(sum_h fl(w+_h act(B^_h))) >= sum_h w+_h act(B^_h) - gamma_H (1 + gamma_2) Mag.
     - Mag^ (computed) >= (1 - gamma_{H+2}) Mag (non-negative terms, H + 2 operations).

@@ -58,8 +58,9 @@ class HyTopKOptions:
     # `scripts/inspect_sm90.py`, 64 heads, 64-key tiles), the scores-only tile loop has 397 SASS
     # instructions a thread against 931 (104 SHFL, 78 shared-memory accesses against 16 and 12),
     # the select loop 456 against 1851. Not yet timed on a GPU (bench_selection.py compares
-    # both). With one head a row (relu=False's folded query) there is no head sum, and the rows
-    # stay on M whatever this says.
+    # both). relu=False folds the heads into one query a row: with bf16 keys its three bf16 parts
+    # are the heads (this setting applies); with other key dtypes it is one fp32 head and the
+    # rows stay on M whatever this says.
     keys_on_m: bool = True
     # Candidate append: each survivor takes its buffer slot with an atomic add on its row's
     # counter (global memory; only lanes holding a survivor issue it) and is stored one tile
