@@ -14,6 +14,8 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
   hytopk_scan_slots  HyTopK with the other candidate append (a CTA-wide test and prefix sum per
              tile instead of a slot per survivor from an atomic counter;
              HyTopKOptions.atomic_slots=False)
+  hytopk_folded_fp32  relu=False only: the folded query as one fp32 head on tf32x3 products
+             (HyTopKOptions.folded_parts=False) against the default's three bf16 parts
   hytopk_fp8  HyTopK with precision="fp8" (ops/fp8_quant.py): e4m3 q and k with per-token
              power-of-two scales, fp8 tensor-core products; timed with its quantization (also
              reported alone, quant_ms), x_floor against the same bf16 GEMM floor (issue #21's
@@ -132,8 +134,8 @@ ALL_T = [16384, 32768, 65536, 131072, 262144, 1048576]
 # lengths for S = T and 64 heads, other configs compared by their work T x S x H.
 MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072,
          "hytopk_prune": 131072, "hytopk_heads_on_m": 131072, "scoreonly_heads_on_m": 131072,
-         "hytopk_scan_slots": 131072, "finish": 1048576, "hytopk_fp8_promote32": 131072,
-         "scoreonly_fp8": 131072,
+         "hytopk_scan_slots": 131072, "hytopk_folded_fp32": 131072, "finish": 1048576,
+         "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
          "stock_cudnn": 65536,
@@ -249,6 +251,10 @@ def run_hytopk_scan_slots(q, k, w, topk, relu):
 
 def run_hytopk_heads_on_m(q, k, w, topk, relu):
     return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, keys_on_m=False))
+
+
+def run_hytopk_folded_fp32(q, k, w, topk, relu):
+    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, folded_parts=False))
 
 
 def run_hytopk_prune(q, k, w, topk, relu):
@@ -419,6 +425,7 @@ METHODS = {
     "hytopk_prune": run_hytopk_prune,
     "hytopk_heads_on_m": run_hytopk_heads_on_m,
     "hytopk_scan_slots": run_hytopk_scan_slots,
+    "hytopk_folded_fp32": run_hytopk_folded_fp32,
     "scoreonly": run_scoreonly,
     "scoreonly_heads_on_m": run_scoreonly_heads_on_m,
     "hytopk_fp8": run_hytopk_fp8,
@@ -444,6 +451,7 @@ COMPARED_METHODS = LIBRARY_METHODS + ("stock_tilelang",)
 # the methods that launch the HyTopK kernel (table-then-select's scoring pass included).
 WIDE_COMPILED = set()
 KERNEL_METHODS = ("hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
+                  "hytopk_folded_fp32",
                   "scoreonly", "scoreonly_heads_on_m", "table", "hytopk_fp8",
                   "hytopk_fp8_promote32", "scoreonly_fp8")
 # The fp8 selections, compared with the bf16 one (overlap_vs_bf16) at every length to 128K.

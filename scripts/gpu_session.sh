@@ -439,12 +439,13 @@ case "$stage" in
       2>&1 | tail -12 | tee "$out/bench_selection_fp8_trained.log"
     ;;
   selection-variants)
-    # Issue #21: the HyTopK variants no GPU has timed (heads on M, scan slots) beside the
-    # defaults and their scoring alone, for V3.2's 64 heads and the folded no-ReLU query; then
+    # Issue #21: the HyTopK variants no GPU has timed (heads on M, scan slots, the folded
+    # no-ReLU query's bf16 parts against its fp32 form) beside the defaults and their scoring
+    # alone, for V3.2's 64 heads and the folded query; then
     # the folded kernel's row-block height and tile (SWEEP_VARIANTS_FOLDED), all at 128K.
     timeout 240 python3 scripts/bench_selection.py --T 131072 --configs dsv32 norelu --reps 2 \
-      --methods hytopk hytopk_heads_on_m hytopk_scan_slots scoreonly scoreonly_heads_on_m \
-      finish --tag _variants --out "$out" 2>&1 | tail -24 \
+      --methods hytopk hytopk_heads_on_m hytopk_scan_slots hytopk_folded_fp32 scoreonly \
+      scoreonly_heads_on_m finish --tag _variants --out "$out" 2>&1 | tail -24 \
       | tee "$out/bench_selection_variants.log"
     timeout 150 python3 scripts/bench_selection.py --sweep --T 131072 --configs norelu \
       --reps 2 --out "$out" 2>&1 | grep -E "^sweep|Error|Timeout" \

@@ -491,7 +491,7 @@ def _visible_hi(q_positions, k_positions, causal, T, S):
     return hi.to(torch.int32)
 
 
-def _prepare(q, k, weights, relu, rows, q_scale=None):
+def _prepare(q, k, weights, relu, rows, q_scale=None, folded_parts=True):
     """Kernel operands: for relu=False the weights fold into q (one dot product per key); for
     e4m3 q under ReLU, q's per-(token, head) scale folds into the weights (exact: powers of
     two; the caller dequantizes fp8 inputs for relu=False, see _launch)."""
@@ -505,7 +505,7 @@ def _prepare(q, k, weights, relu, rows, q_scale=None):
         return q, k, weights, hp, r, q.dtype == torch.float32
     # sum_h w[t,h] * (q[t,h] . k[s]) == (sum_h w[t,h] q[t,h]) . k[s]: one fp32 query a row.
     q_eff = torch.einsum("bthd,bth->btd", q.float(), weights.float())
-    if k.dtype == torch.bfloat16:
+    if folded_parts and k.dtype == torch.bfloat16:
         # Its three bf16 parts, each a "head" of weight 1: bf16 products (exact, as k is bf16)
         # on the keys-on-M path QSA's four heads take, instead of fp32 operands on CUDA-core
         # tf32x3 products with the rows on M (compiled for sm_90a: 664 bytes spilled, 108
@@ -641,7 +641,8 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
         q, k = dequantize(q, q_scale), dequantize(k, k_scale)
         q_scale = k_scale = None
         fp8 = False
-    qk, kk_, w, hp, r, ieee = _prepare(q, k, weights, relu, options.rows, q_scale)
+    qk, kk_, w, hp, r, ieee = _prepare(q, k, weights, relu, options.rows, q_scale,
+                                       options.folded_parts)
     H = qk.shape[2]
     bn = options.block_n
     # topk, not min(topk, S), sizes the buffer and is the kernel's TOPK: a compiled-in value

@@ -75,6 +75,13 @@ class HyTopKOptions:
     # costs time; the GPU benchmark measures both settings (bench_selection.py --methods
     # hytopk hytopk_prune).
     prune: bool = False
+    # relu=False with bf16 keys: the folded query (sum_h w_h q_h, fp32) as three bf16 parts
+    # whose sum is it exactly, run as 4 padded heads on the keys-on-M bf16 path (compiled for
+    # sm_90a, 2026-12-03: 887 SASS instructions a tile on wgmma, no local memory in the loop);
+    # False: one fp32 head on tf32x3 products with the rows on M (2724 instructions, 192
+    # mma.sync and 170 local-memory accesses a tile). Not yet timed on a GPU
+    # (bench_selection.py: hytopk against hytopk_folded_fp32, config norelu).
+    folded_parts: bool = True
     # precision="fp8" only (the outputs may differ in fp32 rounding between values): how many
     # channels of an e4m3 product the tensor core sums in its own adder before the sum joins
     # an fp32 register (Triton's max_num_imprecise_acc; capped at the padded head dim). None
