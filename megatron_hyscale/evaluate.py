@@ -543,7 +543,24 @@ def run_plan(plan: Plan) -> dict[str, int | None]:
               flush=True)
         codes[variant] = resume.run_logged(plan.commands[variant], plan.logs[variant],
                                            resume=resumed, timeout_s=left)
+        _exit_code_file(a.output_dir, variant).write_text(f"{codes[variant]}\n")
         print(f"=== {variant}: exit {codes[variant]} ===", flush=True)
+    return codes
+
+
+def _exit_code_file(output_dir: Path, variant: str) -> Path:
+    return output_dir / f"{variant}.exit"
+
+
+def recorded_exit_codes(output_dir: Path) -> dict[str, int | None]:
+    """Each variant's exit code as its last run wrote it into output_dir (None: never run
+    there), so a report written in a later call (--only, --report-only) still has it."""
+    codes: dict[str, int | None] = {}
+    for variant in VARIANTS:
+        try:
+            codes[variant] = int(_exit_code_file(output_dir, variant).read_text().strip())
+        except (OSError, ValueError):
+            codes[variant] = None
     return codes
 
 
@@ -903,9 +920,9 @@ def main(argv: list[str] | None = None) -> int:
             print("# dry run: nothing was started")
             return 0
         assert probe is not None
-        codes: dict[str, int | None] = {v: None for v in VARIANTS}
         if not args.report_only:
-            codes = run_plan(plan)
+            run_plan(plan)
+        codes = recorded_exit_codes(args.output_dir)
         matmul = args.matmul_tflops
         if matmul is None and plan.device == "cuda":
             matmul = measure_matmul_tflops(args.python)

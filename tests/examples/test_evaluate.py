@@ -131,6 +131,24 @@ def test_a_run_with_a_checkpoint_continues_its_log(tmp_path: Path,
     assert (out / "hyscale.log").read_text() == "hyscale process 4\n"
 
 
+def test_exit_codes_outlive_the_call_that_ran_them(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """--only stock, then --only hyscale in another call (the H200 runs split so): the report
+    written by the second call still has the first run's exit code."""
+    out = tmp_path / "out"
+    codes = {"stock": 3, "hyscale": 0}
+    monkeypatch.setattr(evaluate.Command, "run",
+                        lambda cmd, log=None, **kw: codes[cmd.label])
+    assert evaluate.recorded_exit_codes(out) == {"stock": None, "hyscale": None}
+    for only in ("stock", "hyscale"):
+        args = evaluate.build_parser().parse_args([
+            "--device", "cpu", "--trainer", "hyscale", "--stock-backend", "reference",
+            "--data", "mock", "--train-iters", "4", "--output-dir", str(out), "--only", only])
+        args.invocation, args.megatron_extra = [], []
+        evaluate.run_plan(evaluate.build_plan(args, None, build_data=False))
+    assert evaluate.recorded_exit_codes(out) == {"stock": 3, "hyscale": 0}
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data", "/nonexistent/prefix"], "--data /nonexistent/prefix"),
     (["--config", "tiny", "--num-layers", "3"], "--num-layers"),
