@@ -51,10 +51,9 @@
 #                                         # with checkpoint and resume: PART stock (2-3
 #                                         # calls), hyscale, alone (155,648), summary
 #   bash scripts/gpu_session.sh evaluate PART  # issue #24: the evaluation report on the
-#                                         # H200 at 32K, 300 iterations each, real text,
-#                                         # over calls with checkpoints: PART stock (2
-#                                         # calls), hyscale, report (~28 min in all with
-#                                         # the set-up: a session of its own)
+#                                         # H200, 300 iterations each on real text: PART
+#                                         # stock, hyscale (which writes the report),
+#                                         # report; at 16K one call each (~6 and ~5 min)
 #   bash scripts/gpu_session.sh selection-variants  # issue #21: HyTopK's untimed variants
 #                                         # (heads on M, scan slots) and the folded no-ReLU
 #                                         # kernel's row blocks, at 128K (~5 min)
@@ -336,13 +335,14 @@ case "$stage" in
     ;;
   evaluate)
     # Issue #24 item 3: python -m megatron_hyscale.evaluate on the H200, GLM-5.1 at full
-    # attention width (2 layers), EVAL_SEQ tokens (32768: stock cudnn's 2.9 s an iteration
-    # makes 300 of them two calls; HyScale one), 300 iterations each on the standard library
-    # corpus, over several calls on one warm machine: PART stock (2 calls), hyscale (1), then
-    # report (writes report.md and the PNGs; or run --report-only on the logs anywhere).
-    # Device time: stock 300 x 2.93 s + two starts (~1060 s), HyScale ~370 s, so with the
-    # machine's start and cuDNN's install about 1700 of a session's 1800 s (2 layers is the
-    # launcher's least: a dense and a MoE layer).
+    # attention width (2 layers: the launcher's least, a dense and a MoE layer), EVAL_SEQ
+    # tokens, 300 iterations each on the standard library corpus, over calls on one warm
+    # machine: PART stock, hyscale (its call writes report.md and the PNGs from both logs),
+    # report (again, e.g. after a failed part; or --report-only on the logs anywhere).
+    # Measured 2026-12-03 at 16384 (the default): stock 549 ms an iteration, its call 368 s;
+    # HyScale 485 ms, 320 s; each call with a 50-70 s checkpoint save at the end, which only
+    # EVAL_CHECKPOINT=1 asks for (a run longer than a call: 32K's stock takes ~2.9 s an
+    # iteration, ~1,300 s over three calls, more than a session with cuDNN's install).
     # After scripts/gpu_cudnn.sh 1 and 2 (stock cudnn) with .carry/megatron_lm carried.
     [ -f .carry/megatron_lm/pretrain_gpt.py ] || {
       echo "gpu_session.sh evaluate: carry .carry/megatron_lm (scripts/megatron_lm_carry.sh)" >&2
@@ -358,12 +358,13 @@ case "$stage" in
       report) only=(--report-only) ;;
       *) echo "usage: gpu_session.sh evaluate {stock|hyscale|report}" >&2; exit 2 ;;
     esac
+    ckpt=()
+    [ "${EVAL_CHECKPOINT:-0}" = 1 ] && ckpt=(--checkpoint-dir "$run_dir/ckpt" --checkpoint-interval 1000)
     MEGATRON_LM_DIR=$(pwd)/.carry/megatron_lm timeout 580 python3 -m megatron_hyscale.evaluate \
       --config scaled --gpus 1 --num-layers 2 --global-batch-size 1 \
-      --seq-length "${EVAL_SEQ:-32768}" --train-iters "${EVAL_ITERS:-300}" \
+      --seq-length "${EVAL_SEQ:-16384}" --train-iters "${EVAL_ITERS:-300}" \
       --stock-backend cudnn --transformer-impl local --output-dir "$run_dir/out" \
-      --checkpoint-dir "$run_dir/ckpt" --checkpoint-interval 1000 --time-limit 540 \
-      --usd-per-gpu-hour "${USD_PER_GPU_HOUR:-3.5}" "${only[@]}" "$@" 2>&1 \
+      "${ckpt[@]}" --time-limit 540 --usd-per-gpu-hour "${USD_PER_GPU_HOUR:-3.5}" "${only[@]}" "$@" 2>&1 \
       | grep -v Warning | tail -40
     rc=${PIPESTATUS[0]}
     cp -r "$run_dir/out/." "$out/" 2>/dev/null
