@@ -77,7 +77,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -87,6 +86,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hyscale_bench.measure import (  # noqa: E402
+    commit,
     copy_tbps,
     log,
     matmul_tflops,
@@ -603,17 +603,23 @@ def _sweep_setup(T, cfg):
 
 
 def _time_variant(tag, cfg, T, name, programs_per_sm, inputs, launch, floor, reps):
-    """Time hk._launch(*inputs, top-k, **launch) with `programs_per_sm` and log one line; a
-    variant that fails (e.g. does not fit in shared memory) is logged as such."""
+    """Time hk._launch(*inputs, top-k, **launch) with `programs_per_sm`, log one line and
+    return its record; a variant that fails (e.g. does not fit in shared memory) is logged and
+    recorded as such."""
     q, k, w = inputs
     topk = CONFIGS[cfg][2]
     launch = dict(launch, options=replace(launch["options"], programs_per_sm=programs_per_sm))
     label = f"{tag} {cfg} T={T} mode={launch['mode']} {name}"
+    rec = {"config": cfg, "T": T, "mode": "select" if launch["mode"] == hk.MODE_SELECT
+           else "scores_only", "variant": name, "floor_ms": floor}
     try:
         ms = time_ms(lambda: hk._launch(q, k, w, topk, **launch), reps=reps)
         log(f"{label}: {ms:.2f} ms  x{ms / floor:.2f} floor")
+        rec.update(ms=ms, x_floor=ms / floor)
     except Exception as err:
         log(f"{label} failed: {err!r:.200}")
+        rec.update(error=f"{err!r:.200}")
+    return rec
 
 
 def sweep(T, cfg, reps):
@@ -621,6 +627,7 @@ def sweep(T, cfg, reps):
     inputs, qpos, kpos, floor = _sweep_setup(T, cfg)
     relu = CONFIGS[cfg][3]
     variants = _sweep_variants(cfg)
+    recs = []
     for mode in (hk.MODE_SCORES_ONLY, hk.MODE_SELECT):
         for nw, ns, pps, bn, kom, rows, cap in variants:
             if mode == hk.MODE_SCORES_ONLY and cap is not None:
@@ -632,7 +639,8 @@ def sweep(T, cfg, reps):
                           mode=mode, options=options)
             name = (f"warps={nw} stages={ns} per_sm={pps} bn={bn} keys_on_m={kom} "
                     f"rows={rows or 'default'} min_cap={cap or 'default'}")
-            _time_variant("sweep", cfg, T, name, pps, inputs, launch, floor, reps)
+            recs.append(_time_variant("sweep", cfg, T, name, pps, inputs, launch, floor, reps))
+    return recs
 
 
 # Tile-group variants (buffer slack divisor, i.e. HyTopKOptions.group_slack_div, pipeline
@@ -650,6 +658,7 @@ def group_sweep(T, cfg, reps):
     `scoreonly` method launches top-1, whose larger slack makes longer groups; the group size
     did not change the score-only time on the H200, 2026-11-30)."""
     inputs, qpos, kpos, floor = _sweep_setup(T, cfg)
+    recs = []
     for div, ns, pps, cap in GROUP_SWEEP_VARIANTS:
         for mode in (hk.MODE_SCORES_ONLY, hk.MODE_SELECT):
             options = replace(HyTopKOptions.DEFAULT, num_stages=ns, group_slack_div=div,
@@ -657,7 +666,8 @@ def group_sweep(T, cfg, reps):
             launch = dict(relu=CONFIGS[cfg][3], q_positions=qpos, k_positions=kpos, causal=True,
                           mode=mode, options=options)
             name = f"div={div} stages={ns} per_sm={pps} min_cap={cap or 'default'}"
-            _time_variant("groups", cfg, T, name, pps, inputs, launch, floor, reps)
+            recs.append(_time_variant("groups", cfg, T, name, pps, inputs, launch, floor, reps))
+    return recs
 
 
 def write_json(records, dev, rate, bw, out):
@@ -666,8 +676,7 @@ def write_json(records, dev, rate, bw, out):
                     matmul=rate / 1e12, copy=bw / 1e12)
     meta = {"device": dev, "matmul_tflops": rate / 1e12, "copy_tbps": bw / 1e12,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv,
-            "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                  text=True).stdout.strip()}
+            "git": commit()}
     with open(os.path.join(out, f"bench_selection{TAG}.json"), "w") as f:
         json.dump({"meta": meta, "records": records}, f, indent=1)
 
@@ -810,9 +819,12 @@ def main():
     os.makedirs(args.out, exist_ok=True)
 
     if args.sweep or args.group_sweep:
-        for T in Ts:
-            for cfg in args.configs:
-                (group_sweep if args.group_sweep else sweep)(T, cfg, reps)
+        kind, fn = ("groups", group_sweep) if args.group_sweep else ("sweep", sweep)
+        rate, bw = matmul_tflops(), copy_tbps()
+        for cfg in args.configs:
+            recs = [r for T in Ts for r in fn(T, cfg, reps)]
+            path = save_record(f"bench_selection_{kind}{TAG}", cfg, recs, matmul=rate, copy=bw)
+            log(f"record: {path}")
         return
     dev = torch.cuda.get_device_name()
     rate = matmul_tflops() * 1e12
