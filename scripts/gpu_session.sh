@@ -142,6 +142,10 @@ case "$stage" in
 esac
 out=${OUT:-outputs/gpu_session}/$stage
 mkdir -p "$out"
+# The device's copy of the tree may carry a stale .git: records name the commit measured only
+# if the caller exports it (HYSCALE_COMMIT=$(git rev-parse --short HEAD) here, before the call).
+[ -n "${HYSCALE_COMMIT:-}" ] || echo "gpu_session.sh: HYSCALE_COMMIT is not set; records will" \
+  "name the copy's git HEAD, which may not be the tree measured" >&2
 # pytest's closing count line of a log ("3 passed, 1 failed in 9.5s"; the last line can be a
 # NCCL shutdown warning), else its last line (a run cut off by its timeout)
 verdict() { grep -E "^=* *[0-9]+ (passed|failed|error|skipped|deselected)" "$1" | tail -1 \
