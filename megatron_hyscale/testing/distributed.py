@@ -84,6 +84,18 @@ def run_workers(body: Callable[[int, dict], None], nprocs: int, timeout_s: float
     return found[0]
 
 
+def worker_ranks(results: dict, key: Any) -> list[dict]:
+    """`results[key]["ranks"]`, every rank's dict of one case (a body that all-gathers them),
+    where a rank that raised stored {"error": traceback}: the test fails with the first."""
+    import pytest
+
+    ranks = results[key]["ranks"]
+    for got in ranks:
+        if "error" in got:
+            pytest.fail(got["error"], pytrace=False)
+    return ranks
+
+
 def worker_result(results: dict, key: Any) -> dict:
     """`results[key]` from a `run_workers` body that stores {"error": traceback} for a case
     that raised (so the other cases still run): the test of that case fails with it."""

@@ -43,7 +43,8 @@ import pytest
 import torch
 
 from megatron_hyscale.parallel import thd_split, zigzag_split
-from megatron_hyscale.testing.distributed import run_workers
+from megatron_hyscale.testing.compare import assert_close_to_scale
+from megatron_hyscale.testing.distributed import run_workers, worker_ranks
 from megatron_hyscale.testing.packed import cu_seqlens, prefix_mask, thd_params
 from megatron_hyscale.testing.tensor_parallel import load_tp_shards, reduce_tp_grads, tp_shards
 
@@ -262,24 +263,10 @@ def results() -> dict:
     return run_workers(_body, WORLD, WORKER_TIMEOUT_S)
 
 
-def _ranks(results: dict, layout: str, case: str) -> list[dict]:
-    ranks = results[(layout, case)]["ranks"]
-    for got in ranks:
-        if "error" in got:  # a rank raised (NotImplementedError included): its traceback
-            pytest.fail(got["error"], pytrace=False)
-    return ranks
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """fp32 agreement relative to the tensor's scale (the sums run in another order)."""
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()),
-                               msg=lambda m: f"{what}: {m}")
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tp2_cp2_matches_tp1_cp1(results, layout, case):
-    ranks = _ranks(results, layout, case)
+    ranks = worker_ranks(results, (layout, case))
     ref = results["refs"][case]
     assert float(ref["indexer_loss"].abs().sum()) > 0, "the indexer loss never ran"
     assert any(".indexer." in n for n in ref["grads"]), "the indexer got no gradient"
@@ -295,12 +282,12 @@ def test_tp2_cp2_matches_tp1_cp1(results, layout, case):
         assert got["indexer_rows"] == [want["indexer_rows"]] * 2, got["indexer_rows"]
         torch.testing.assert_close(got["out"], want["out"], rtol=1e-5, atol=1e-6,
                                    msg=lambda m, w=where: f"{w} output: {m}")
-        _close(got["dx"], want["dx"], f"{where} input gradient")
+        assert_close_to_scale(got["dx"], want["dx"], f"{where} input gradient", 1e-5)
         torch.testing.assert_close(got["indexer_loss"], want["indexer_loss"], rtol=1e-5,
                                    atol=1e-7, msg=lambda m, w=where: f"{w} indexer loss: {m}")
         assert set(got["grads"]) == set(want["grads"])
         for name, grad in want["grads"].items():
-            _close(got["grads"][name], grad, f"{where} {name}")
+            assert_close_to_scale(got["grads"][name], grad, f"{where} {name}", 1e-5)
     # The replicated indexer is computed whole on each TP rank of a CP rank: equal raw
     # gradients on both.
     indexer = [n for n in ranks[0]["raw"] if ".indexer." in n]

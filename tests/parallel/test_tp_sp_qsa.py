@@ -34,7 +34,7 @@ import warnings
 import pytest
 import torch
 
-from megatron_hyscale.testing.distributed import run_workers
+from megatron_hyscale.testing.distributed import run_workers, worker_ranks
 from megatron_hyscale.testing.tensor_parallel import load_tp_shards, reduce_tp_grads, tp_shards
 
 WORLD = 2
@@ -189,18 +189,10 @@ def results() -> dict:
     return run_workers(_body, WORLD, WORKER_TIMEOUT_S)
 
 
-def _ranks(results: dict, layout: str, case: str) -> list[dict]:
-    ranks = results[(layout, case)]["ranks"]
-    for got in ranks:
-        if "error" in got:  # a rank raised (NotImplementedError included): its traceback
-            pytest.fail(got["error"], pytrace=False)
-    return ranks
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tp2_matches_tp1(results, layout, case):
-    ranks = _ranks(results, layout, case)
+    ranks = worker_ranks(results, (layout, case))
     ref = results["refs"][case]
     assert float(ref["indexer_loss"].abs().sum()) > 0, "the indexer loss never ran"
     assert any(".indexer." in n for n in ref["grads"]), "the indexer got no gradient"

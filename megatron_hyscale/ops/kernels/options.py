@@ -57,18 +57,18 @@ class HyTopKOptions:
     # through shared memory. Compiled for sm_90a here (2026-11-30, Triton 3.6,
     # `scripts/inspect_sm90.py`, 64 heads, 64-key tiles), the scores-only tile loop has 397 SASS
     # instructions a thread against 931 (104 SHFL, 78 shared-memory accesses against 16 and 12),
-    # the select loop 456 against 1851. Not yet timed on a GPU (bench_selection.py compares
-    # both). relu=False folds the heads into one query a row: with bf16 keys its three bf16 parts
-    # are the heads (this setting applies); with other key dtypes it is one fp32 head and the
-    # rows stay on M whatever this says.
+    # the select loop 456 against 1851. Timed on the H200 (2026-12-03, V3.2's indexer at 128K):
+    # 487.6 ms against 1217.2 with the heads on M. relu=False folds the heads into one query a
+    # row: with bf16 keys its three bf16 parts are the heads (this setting applies); with other
+    # key dtypes it is one fp32 head and the rows stay on M whatever this says.
     keys_on_m: bool = True
     # Candidate append: each survivor takes its buffer slot with an atomic add on its row's
     # counter (global memory; only lanes holding a survivor issue it) and is stored one tile
     # later, so the next tile's GEMM hides the atomic's round trip. False: a CTA-wide test and
     # prefix sum on every tile with a candidate, which on random inputs at 128K is nearly every
     # tile. Compiled for sm_90a (64 heads, keys on M), the select loop has 456 SASS instructions
-    # and 3 barriers a tile against 554 and 16. Not yet timed on a GPU (bench_selection.py
-    # compares both).
+    # and 3 barriers a tile against 554 and 16. Timed on the H200 (2026-12-03, V3.2's indexer
+    # at 128K): 487.6 ms against 524.9 with the scan.
     atomic_slots: bool = True
     # Key-tile pruning by a centroid / radius score bound (the select mode only). Off by
     # default: on inputs without structure (random) no tile is ever pruned and the bound only
@@ -79,8 +79,9 @@ class HyTopKOptions:
     # whose sum is it exactly, run as 4 padded heads on the keys-on-M bf16 path (compiled for
     # sm_90a, 2026-12-03: 887 SASS instructions a tile on wgmma, no local memory in the loop);
     # False: one fp32 head on tf32x3 products with the rows on M (2724 instructions, 192
-    # mma.sync and 170 local-memory accesses a tile). Not yet timed on a GPU
-    # (bench_selection.py: hytopk against hytopk_folded_fp32, config norelu).
+    # mma.sync and 170 local-memory accesses a tile). Timed on the H200 (2026-12-03,
+    # bench_selection.py hytopk against hytopk_folded_fp32): 10.8 / 62.9 / 172.9 ms at 16K /
+    # 64K / 128K against 12.9 / 87.0 / 259.4.
     folded_parts: bool = True
     # precision="fp8" only (the outputs may differ in fp32 rounding between values): how many
     # channels of an e4m3 product the tensor core sums in its own adder before the sum joins
