@@ -584,7 +584,8 @@ case "$stage" in
     ds=$(python3 -c "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))")
     [ -n "$ds" ] || { echo "gpu_session.sh $stage: megatron.core does not import" >&2; exit 1; }
     [ -f "$ds/Makefile" ] || printf 'default:\n\t@true\n' > "$ds/Makefile"
-    # The lent H200s have no Transformer Engine: megatron's torch modules.
+    # Transformer Engine where scripts/gpu_te.sh installed it on this warm machine (the image
+    # has none), else megatron's torch modules.
     impl=transformer_engine
     python3 -c "import transformer_engine" 2>/dev/null || impl=local
     if [ "$stage" = side1-long ]; then

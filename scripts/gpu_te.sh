@@ -63,7 +63,10 @@ fi
 [ -f "$build/setup.py" ] || {
   echo "gpu_te.sh build: no sources in $build: run part 5 first" >&2; exit 1; }
 # The sources try to download a prebuilt wheel first (no network here): build them. SM90 only.
-export NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_CUDA_ARCHS=90 NVTE_FRAMEWORK=pytorch
+# NVTE_NO_LOCAL_VERSION: without it the version takes the enclosing git checkout's commit
+# ("2.20.2+e8f0dae", 2026-12-03), and transformer_engine refuses to load an extension whose
+# version differs from transformer-engine's.
+export NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_CUDA_ARCHS=90 NVTE_FRAMEWORK=pytorch NVTE_NO_LOCAL_VERSION=1
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 started=$(date +%s)
 set +e
@@ -80,7 +83,13 @@ if [ $rc -eq 124 ]; then
   exit 3
 fi
 [ $rc -eq 0 ] || exit $rc
-"${pip_install[@]}" "$build"/dist/transformer_engine_torch-*.whl
+# One pip run for TE's wheels and the extension's: they share the transformer_engine folder, and
+# pip's --target --upgrade replaces a top-level folder whole, so the extension's wheel installed
+# alone removed transformer_engine.pytorch (2026-12-03). Merged into $site afterwards.
+rm -rf "$build/te_site"
+"$py" -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --target "$build/te_site" \
+  "$stash"/*.whl "$build"/dist/transformer_engine_torch-*.whl
+cp -a "$build/te_site/." "$site/"
 "$py" - <<'EOF'
 import torch
 import transformer_engine

@@ -9,8 +9,8 @@ saw the same (unquantized) tensors and only the choice of keys differed.
 On the GPU the model runs in `deterministic_mode` (the backward kernels' fp32 atomics off, so
 the replayed step can be bitwise), and the fp8 Triton selection is checked against the fp8
 reference by its selected scores: the kernel and the reference sum the same products in a
-different order, so keys whose scores tie to within fp32 rounding may swap (the GPU op tests
-hold the indices exactly on integer-valued inputs).
+different precision (the fp8 MMA's own adder), so keys whose scores nearly tie may swap (the
+GPU op tests hold the indices exactly on integer-valued inputs).
 """
 
 from __future__ import annotations
@@ -38,8 +38,14 @@ def test_fp8_precision_changes_only_the_selection(monkeypatch):
         if kwargs["precision"] == "fp8":  # the fp8 reference on the layer's indexer tensors
             want = real_hytopk(*args, **dict(kwargs, backend="reference"))
             if out[0].is_cuda:
-                torch.testing.assert_close(out[1].sort(-1).values, want[1].sort(-1).values,
-                                           rtol=1e-5, atol=1e-6)
+                # The fp8 MMA sums a head's products in its own precision (about 14 bits),
+                # the reference in fp32: scores agree to 1e-2 of the row's top score, as in
+                # tests/ops/test_hytopk_fp8.py (measured on the H200: up to 8e-3 relative
+                # elementwise, 5.5e-6 absolute).
+                got_s, want_s = out[1].sort(-1).values, want[1].sort(-1).values
+                assert torch.equal(out[0] < 0, want[0] < 0)
+                scale = want[1][..., :1].abs().clamp_min(1e-6)
+                assert ((got_s - want_s).abs().nan_to_num(0.0) <= 1e-2 * scale).all()
             else:
                 assert torch.equal(out[0], want[0])
         calls.append((kwargs["precision"], out[0].clone()))

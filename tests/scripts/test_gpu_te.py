@@ -82,3 +82,49 @@ def test_build_without_sources_and_a_bad_part(tmp_path: Path) -> None:
     assert proc.returncode == 1 and "run part 5 first" in proc.stderr
     proc = _run(work, "6")
     assert proc.returncode == 2 and "usage: bash scripts/gpu_te.sh" in proc.stderr
+
+
+def _wheel(path: Path, dist: str, files: dict[str, str]) -> None:
+    """A minimal pure-Python wheel at `path` holding `files` (name -> text)."""
+    import zipfile
+
+    info = f"{dist}-2.20.2.dist-info"
+    meta = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: 2.20.2\n",
+            f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                             "Tag: py3-none-any\n"}
+    entries = {**files, **meta}
+    record = "".join(f"{name},,\n" for name in entries) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, text in {**entries, f"{info}/RECORD": record}.items():
+            zf.writestr(name, text)
+
+
+def test_build_installs_the_extension_beside_te_without_a_local_version(tmp_path: Path) -> None:
+    """The built extension's wheel and TE's core wheel share the transformer_engine folder: after
+    `build` both are in .carry/site (2026-12-03 on the H200 the extension's wheel, installed
+    alone with --upgrade, replaced the folder and with it transformer_engine.pytorch), and the
+    build ran with NVTE_NO_LOCAL_VERSION=1 (else its version carries the checkout's commit and
+    TE refuses to load it)."""
+    import sys
+
+    work = _layout(tmp_path)
+    stash, build = work / ".carry" / "stash_te", work / ".carry" / "te_build"
+    stash.mkdir(parents=True)
+    build.mkdir(parents=True)
+    _wheel(stash / WHEEL.replace("manylinux_2_28_x86_64", "any"), "transformer_engine_cu13",
+           {"transformer_engine/__init__.py": "", "transformer_engine/pytorch/__init__.py": ""})
+    _wheel(build / "ext.whl", "transformer_engine_torch",
+           {"transformer_engine/wheel_lib/extension.txt": "built"})
+    (build / "setup.py").write_text(
+        "import os, shutil\n"
+        "assert os.environ.get('NVTE_NO_LOCAL_VERSION') == '1', 'local version on'\n"
+        "os.makedirs('dist', exist_ok=True)\n"
+        "shutil.copy('ext.whl', 'dist/transformer_engine_torch-2.20.2-py3-none-any.whl')\n")
+    proc = subprocess.run(["bash", str(work / "scripts" / "gpu_te.sh"), "build"],
+                          capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "HOME": "/tmp"})
+    assert "[te build] exit 0" in proc.stdout, proc.stdout + proc.stderr
+    site = work / ".carry" / "site" / "transformer_engine"
+    assert (site / "pytorch" / "__init__.py").is_file()
+    assert (site / "wheel_lib" / "extension.txt").read_text() == "built"
+    assert proc.returncode != 0  # the closing import check needs the real TE and a GPU
