@@ -3,6 +3,10 @@
 # from the repository root on the H200 with `carry: [".whl"]`:
 #   bash scripts/gpu_session.sh verify    # GPU op tests (HyTopK, sparse attention, indexer
 #                                         # loss) + the layer tests on CUDA            (~4 min)
+#   bash scripts/gpu_session.sh tests PATH...  # the named test files or nodes on CUDA in one
+#                                         # pytest (GPU-marked ones included), each failure's
+#                                         # traceback to failures.log as it happens; the limit
+#                                         # TESTS_TIMEOUT (400 s)
 #   bash scripts/gpu_session.sh kernels   # HyTopK variants, launch and tile-group sweeps at
 #                                         # 128K, pruning on structured inputs, the captured
 #                                         # indexer                                    (~9 min)
@@ -130,10 +134,10 @@ set -uo pipefail
 stage=${1:-}
 shift || true
 case "$stage" in
-  verify|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
+  verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |accuracy-64k|side1-long|evaluate|selection-variants) ;;
-  *) echo "usage: bash scripts/gpu_session.sh {verify|kernels|attention|attention-table" \
+  *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
@@ -206,6 +210,18 @@ case "$stage" in
     rm -f "$out/current.log"
     grep -h -E "^(FAILED|E  )|^[^ ]*\.py:[0-9]+: " "$out/failures.log" | cut -c1-400 | head -40 || true
     exit $fail
+    ;;
+  tests)
+    [ $# -gt 0 ] || { echo "gpu_session.sh tests: name the test files or nodes" >&2; exit 2; }
+    : > "$out/failures.log"
+    HYSCALE_FAILURE_LOG=$(cd "$out" && pwd)/failures.log; export HYSCALE_FAILURE_LOG
+    timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider "$@" \
+      > "$out/tests.log" 2>&1
+    rc=$?
+    echo "tests rc=$rc: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -40 || true
+    grep -h -E "^E  |^[^ ]*\.py:[0-9]+: " "$out/failures.log" | cut -c1-300 | head -40 || true
+    exit $rc
     ;;
   kernels)
     timeout 180 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
