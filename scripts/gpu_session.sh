@@ -91,6 +91,10 @@
 #                                         # pair 'models csa hca' 'models qsa' or
 #                                         # pair kernels attention; files in results.tgz;
 #                                         # 'STAGE A; STAGE B' runs two stages in turn
+#   bash scripts/gpu_session.sh pp2       # on nvidia-h200-x2 with carry [".whl",
+#                                         # ".carry/megatron_lm"], after gpu_cudnn.sh 1 and 2:
+#                                         # Megatron-LM at PP 2 x VPP 2, stock cudnn then
+#                                         # HyScale, losses compared (issue #22)    (~6 min)
 #   bash scripts/gpu_session.sh cp2 [T...]  # on nvidia-h200-x2: CP 2 against CP 1 (NCCL,
 #                                         # DSA / CSA / QSA layers at 32K), then DSA at CP 2
 #                                         # at 128K / 256K / 512K                      (~9 min)
@@ -136,12 +140,12 @@ shift || true
 case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
-  |accuracy-64k|side1-long|evaluate|selection-variants) ;;
+  |accuracy-64k|side1-long|evaluate|selection-variants|pp2) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
-       "|accuracy-64k|side1-long|evaluate|selection-variants} [ARGS...]" >&2
+       "|accuracy-64k|side1-long|evaluate|selection-variants|pp2} [ARGS...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -590,7 +594,7 @@ case "$stage" in
       --skip-stock --repeats 1 --out "$out" 2>&1 | grep -v Warning \
       | tee "$out/bench_layer_cp2_1m_$model.log"
     ;;
-  side1|side1-long|side2)
+  side1|side1-long|side2|pp2)
     [ -f .carry/megatron_lm/pretrain_gpt.py ] || {
       echo "gpu_session.sh $stage: carry .carry/megatron_lm (scripts/megatron_lm_carry.sh)" >&2
       exit 2; }
@@ -635,6 +639,22 @@ case "$stage" in
       rc=${PIPESTATUS[0]}
       cp "$run_dir"/out/*.log "$run_dir"/out/summary.txt "$run_dir"/out/*.json "$out"/ 2>/dev/null
       exit "$rc"
+    fi
+    if [ "$stage" = pp2 ]; then
+      # Issue #22 item 3 on nvidia-h200-x2, after gpu_cudnn.sh 1 and 2 (warm): Megatron-LM's
+      # pretrain_gpt.py with PP 2 x VPP 2 (GLM-5.1's attention width, 4 layers, one a virtual
+      # stage; 8 micro-batches a step, so several are in flight per layer and full recompute
+      # runs them in reverse), stock cudnn then HyScale on the same seed and data: the losses
+      # agree step by step, HyScale's log has its replay counters.            (~6 min)
+      [ -d .carry/site/nvidia_cutlass_dsl ] || {
+        echo "gpu_session.sh pp2: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" >&2
+        exit 2; }
+      MEGATRON_LM_DIR=$(pwd)/.carry/megatron_lm HYSCALE_PYTHON=python3 timeout 560 \
+        bash examples/glm5_1/side_by_side.sh --gpus 2 --config scaled --cp 1 --ep 1 --pp 2 \
+        --vpp 2 --num-layers 4 --global-batch-size 8 --seq-length "${PP2_SEQ:-16384}" \
+        --train-iters 10 --stock-backend cudnn --transformer-impl $impl --time-limit 500 \
+        --output-dir "$out" "$@" 2>&1 | grep -v Warning | tail -60
+      exit "${PIPESTATUS[0]}"
     fi
     if [ "$stage" = side1 ]; then
       # One H200 against stock cudnn (examples/glm5_1/README.md): the pair at 32K (stock's

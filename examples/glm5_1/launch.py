@@ -82,7 +82,9 @@ def _add_layout_options(p: argparse.ArgumentParser, *, full: bool) -> None:
         p.add_argument("--nodes", type=int, default=64, help="Slurm nodes (default 64)")
         p.add_argument("--gpus-per-node", type=int, default=8)
         for name in ("tp", "cp", "pp", "ep", "vpp"):
-            p.add_argument(f"--{name}", type=int, help=f"override the {name.upper()} size")
+            p.add_argument(f"--{name}", type=int,
+                           help=f"override the {name.upper()} size (small and scaled "
+                                "configurations: CP = EP = GPUs unless given)")
         p.add_argument("--first-stage-layers", type=int,
                        help="layers on the first pipeline stage (default 9)")
         p.add_argument("--last-stage-layers", type=int,
@@ -211,17 +213,22 @@ def alone_layout(args: argparse.Namespace, layout: Layout) -> Layout | None:
     return Layout(**{**layout.__dict__, "seq_length": seq})
 
 
+LAYOUT_OVERRIDES = ("tp", "cp", "pp", "ep", "vpp", "first_stage_layers", "last_stage_layers")
+
+
+def _layout_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The parallel sizes given on the command line (--tp, --cp, --pp, --ep, --vpp, the stage
+    layer counts), for every configuration: the small and scaled ones start from CP = EP = GPUs,
+    so e.g. PP 2 on 2 GPUs needs --cp 1 as well (Layout.validate names the mismatch)."""
+    return {k: getattr(args, k) for k in LAYOUT_OVERRIDES if getattr(args, k, None) is not None}
+
+
 def resolve(args: argparse.Namespace) -> tuple[ModelGeometry, Layout, bool]:
     """(model, layout, is_full) from the subcommand and the overrides."""
     is_full = args.command == "full" or getattr(args, "config", "small") == "full"
     if is_full:
         layout = cfg.FULL_LAYOUT
-        overrides = {k: getattr(args, k) for k in ("tp", "cp", "pp", "ep", "vpp")
-                     if getattr(args, k, None) is not None}
-        for key, attr in (("first_stage_layers", "first_stage_layers"),
-                          ("last_stage_layers", "last_stage_layers")):
-            if getattr(args, attr, None) is not None:
-                overrides[key] = getattr(args, attr)
+        overrides = _layout_overrides(args)
         overrides["gpus"] = args.nodes * args.gpus_per_node
         if args.seq_length:
             overrides["seq_length"] = args.seq_length
@@ -233,6 +240,7 @@ def resolve(args: argparse.Namespace) -> tuple[ModelGeometry, Layout, bool]:
         model = cfg.GLM5_1
     elif getattr(args, "config", "small") == "scaled":
         layout = cfg.scaled_layout(args.gpus or 8, args.seq_length, args.global_batch_size or 2)
+        layout = replace(layout, **_layout_overrides(args))
         model = cfg.with_layers(cfg.GLM5_1_SCALED, getattr(args, "num_layers", None))
     else:
         gpus = args.gpus or (2 if args.command == "side-by-side" else 1)
@@ -240,6 +248,7 @@ def resolve(args: argparse.Namespace) -> tuple[ModelGeometry, Layout, bool]:
                        else cfg.SMALL_SEQ_LENGTH)
         layout = cfg.small_layout(gpus, args.seq_length or default_seq,
                                   args.global_batch_size or 4)
+        layout = replace(layout, **_layout_overrides(args))
         model = cfg.with_layers(cfg.GLM5_1_SMALL, getattr(args, "num_layers", None))
     if is_full and getattr(args, "num_layers", None) is not None:
         raise ValueError("--num-layers applies to the small and scaled configurations; the "

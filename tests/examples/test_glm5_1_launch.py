@@ -70,6 +70,10 @@ DRY_RUNS = [
     ("side_by_side.sh", ["--config", "scaled", "--gpus", "2", "--transformer-impl", "local"],
      2, 2),
     ("train_small.sh", ["--gpus", "2", "--transformer-impl", "local"], 2, 1),
+    # issue 22's pipeline run on two H200s (gpu_session.sh pp2): PP 2 x VPP 2, no CP or EP
+    ("side_by_side.sh", ["--config", "scaled", "--gpus", "2", "--cp", "1", "--ep", "1", "--pp",
+                         "2", "--vpp", "2", "--num-layers", "4", "--global-batch-size", "8",
+                         "--seq-length", "16384", "--stock-backend", "cudnn"], 2, 2),
 ]
 
 # Megatron-LM arguments that need Transformer Engine when the config is built (not parsed).
@@ -146,6 +150,12 @@ def test_dry_run_emits_valid_megatron_arguments(
         spec = argv[argv.index("--spec") + 1: argv.index("--spec") + 3]
         assert spec == list(cfg.SPECS[label.split("-")[0]])  # hyscale-alone: HyScale's spec
         config = validate_with_megatron(argv, world, megatron_parser, monkeypatch, env)
+        for flag, field in (("--pp", "pipeline_model_parallel_size"),
+                            ("--vpp", "virtual_pipeline_model_parallel_size"),
+                            ("--cp", "context_parallel_size"),
+                            ("--ep", "expert_model_parallel_size")):
+            if flag in extra:  # every configuration takes the layout options
+                assert getattr(config, field) == int(extra[extra.index(flag) + 1]), flag
         impl = "local" if "local" in extra else "transformer_engine"
         assert config.transformer_impl == impl
         if impl == "local":  # nothing that needs Transformer Engine is asked for
@@ -193,6 +203,15 @@ def test_dry_run_emits_valid_megatron_arguments(
         assert "--num-layers" in c and c[c.index("--num-layers") + 1] == "2"
         assert "longest sequence within 140 GiB" in result.stdout
         assert "HyScale alone at 65536 tokens" in result.stdout
+
+
+def test_layout_options_apply_to_the_scaled_configuration() -> None:
+    """--pp on the scaled configuration (CP = EP = GPUs by default) is used, not dropped: on 2
+    GPUs it needs --cp 1, and the error says why."""
+    result = run_script("side_by_side.sh", "--dry-run", "--config", "scaled",
+                        "--gpus", "2", "--pp", "2")
+    assert result.returncode != 0
+    assert "gpus=2 is not a multiple of TP x CP x PP = 4" in result.stderr
 
 
 def test_full_configuration_is_glm5_1(
