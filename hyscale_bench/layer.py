@@ -33,8 +33,8 @@ shares drawn from random.Random(PACKED_SEED + N): a few long documents, many sho
 lengths, `per_token_vs_unpacked` (its step time over the unpacked row's, the same tokens; the
 goal is at most PACKED_GOAL = 1.10), `visible_keys_vs_unpacked` (causal key pairs), and
 `fallback_warnings` / `fallback_reasons` / `path`: every forward in which HyScale's layer
-declined its own path and ran megatron's DSAttention is counted (its warn_once call, which shows
-each reason once a process), and a row with any says path "stock fallback". The unpacked
+ran megatron's DSAttention forward instead of its own path is counted (each call of it), and a
+row with any says path "stock fallback". The unpacked
 `hyscale` row carries the same count. The stock rows of backend none (`stock`) and cudnn
 (`stock_cudnn`), which take THD, get packed rows too where they run (`stock_packed_N`, ...);
 stock_tilelang does not.
@@ -845,35 +845,39 @@ def visible_pairs(lengths: list[int]) -> int:
 
 
 class FallbackCounter:
-    """Counts the forwards in which HyScale's DSA layer declined its own path.
-
-    Each such forward calls `warn_once` with a "hyscale-dsa:" key, naming why, and then runs
-    megatron-core's DSAttention forward; warn_once shows each reason once a process, so the calls
-    are counted here (the warning still goes out as before), with their messages.
+    """Counts the forwards in which HyScale's DSA layer ran megatron-core's DSAttention forward
+    (a stock fallback): every call of `DSAttention.forward` on a HyScale layer, however reached
+    (a warning would show once a process; this counts each), with the layer class that made it
+    as the reason. HyScale's layer has no fallback today: a count says one came back.
     """
+
+    REASON = "{cls} ran megatron-core's DSAttention.forward"
 
     def __init__(self) -> None:
         self.count = 0
         self.reasons: dict[str, int] = {}
 
     def __enter__(self) -> FallbackCounter:
-        from megatron_hyscale.layers import dsa
+        from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
 
-        self.original = original = dsa.warn_once
+        from megatron_hyscale.layers.dsa import HyScaleDSAttention
 
-        def counted(key: str, message: str, stacklevel: int = 3) -> None:
-            if key.startswith("hyscale-dsa:"):
+        self.original = original = DSAttention.forward
+
+        def counted(layer: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(layer, HyScaleDSAttention):
                 self.count += 1
-                self.reasons[message] = self.reasons.get(message, 0) + 1
-            original(key, message, stacklevel=stacklevel + 1)
+                reason = self.REASON.format(cls=type(layer).__name__)
+                self.reasons[reason] = self.reasons.get(reason, 0) + 1
+            return original(layer, *args, **kwargs)
 
-        dsa.warn_once = counted
+        DSAttention.forward = counted
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from megatron_hyscale.layers import dsa
+        from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
 
-        dsa.warn_once = self.original
+        DSAttention.forward = self.original
 
 
 def measure_hyscale(layer: Layer, T: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -19,7 +19,7 @@ unchunked layer's up to floating-point summation order (the indexer loss is a su
 row-weighted means). Covered: the HyScale DSA core (absorbed MLA), tensor-parallel size 1,
 packed THD sequences (each row's RoPE at its position in its document, as megatron's
 per-document RoPE, so a part may cut a document), RoPE without fusion, context parallelism
-(allgather), both together; other settings
+(allgather), both together, an explicit attention mask (attn_mask_type=None); other settings
 raise, naming the setting (chunking was asked for, so it is never silently skipped; see
 `layers.row_chunks` for FP8 / FP4, CUDA graphs and delayed weight gradients). Selective
 recompute of `core_attn` is subsumed: the parts are checkpointed (more than the core
@@ -178,14 +178,10 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
         core: HyScaleDSAttention = self.core_attention
         sq, b = hidden_states.shape[:2]
         q_compressed, key, freqs, mscale = self._latents(hidden_states, packed_seq_params)
-        # (The key stands in for the query: the check reads only its width.)
-        reason = core._unsupported_reason(key, key, None, self.attn_mask_type,
-                                          packed_seq_params, hidden_states)
-        if reason is not None:
-            raise NotImplementedError(f"HyScaleMLASelfAttention(row_chunk={self.row_chunk}): "
-                                      f"{reason}")
+        # The core's own checks (the mask type, an explicit attention_mask) run in prepare.
         state = core.prepare(key, attention_mask, hidden_states, q_compressed, sq=sq, b=b,
-                             packed_seq_params=packed_seq_params)
+                             packed_seq_params=packed_seq_params,
+                             attn_mask_type=self.attn_mask_type)
         rows_forward = partial(self._rows_forward, q_compressed, freqs, state, mscale)
         # Every part reads the whole (gathered) key, the indexer keys and both absorbed
         # weights: their gradients are summed over the parts in fp32 (row_chunks' doc).

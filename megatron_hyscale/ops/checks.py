@@ -187,6 +187,26 @@ def normalize_positions(
     return positions.to(torch.int64)
 
 
+def normalize_visible(
+    name: str, visible: torch.Tensor | None, batch: int, rows: int, keys: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """An explicit key mask (True: row t may see key s) checked and viewed as [batch or 1,
+    rows, keys]: bool [rows, keys], [1, rows, keys] or [batch, rows, keys] on `device`. None
+    stays None."""
+    if visible is None:
+        return None
+    check_tensor(name, visible, ndim=(2, 3), dtypes=(torch.bool,))
+    if visible.device != device:
+        raise ValueError(f"{name} is on {visible.device} but q is on {device}")
+    if visible.dim() == 2:
+        visible = visible.unsqueeze(0)
+    if tuple(visible.shape[1:]) != (rows, keys) or visible.shape[0] not in (1, batch):
+        raise ValueError(f"{name} must be [T={rows}, S={keys}], [1, T, S] or [B={batch}, T, S], "
+                         f"got {tuple(visible.shape)}")
+    return visible
+
+
 # Keys of the warnings given so far (this process).
 _warned: set[str] = set()
 

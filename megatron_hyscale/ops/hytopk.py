@@ -3,8 +3,9 @@
 score[b, t, s] = sum_h weights[b, t, h] * act(q[b, t, h] . k[b, s]) (fp32 accumulation),
 act = ReLU or identity. precision="fp8" scores e4m3 copies of q and k with per-token scales
 (`fp8_quant`) instead. Key s is visible to query t iff k_positions[s] <= q_positions[t]
-(when causal). Each row keeps the top-k visible keys under the total order
-(score descending, then key index ascending); -0.0 and +0.0 tie.
+(when causal) and, given an explicit mask `visible`, where it is True. Each row keeps the top-k
+visible keys under the total order (score descending, then key index ascending); -0.0 and
++0.0 tie.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from megatron_hyscale.ops.checks import (
     check_tensor,
     check_triton_device,
     normalize_positions,
+    normalize_visible,
     warn_once,
 )
 from megatron_hyscale.ops.kernels.options import HyTopKOptions
@@ -68,6 +70,7 @@ def hytopk(
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
     causal: bool = True,
+    visible: torch.Tensor | None = None,
     backend: str = "auto",
     ordered: bool = True,
     options: HyTopKOptions | None = None,
@@ -84,7 +87,13 @@ def hytopk(
         relu: apply ReLU to each head's logit before weighting.
         q_positions, k_positions: [T] / [S] or per batch [B, T] / [B, S] integer positions;
             default k_positions = arange(S), q_positions = arange(T) + (S - T).
-        causal: when False every key is visible.
+        causal: when False every key is visible (to the position rule).
+        visible: bool [T, S], [1, T, S] or [B, T, S], or None: an explicit mask, True where
+            row t may select key s (megatron's attention_mask with attn_mask_type=None, negated),
+            on top of the position rule when causal. The plain-torch reference runs it (row
+            chunks of the score table, bounded memory, the same total order): a mask is
+            O(T * S) anyway. backend "auto", "best" and "reference" take it; "triton" and
+            "cudnn" raise ValueError (their kernels read positions, not a mask).
         backend: "auto" (Triton on CUDA, reference elsewhere), "triton", "reference",
             "cudnn" (cuDNN-frontend's SM90 score chunks + radix top-k, the stock cudnn
             backend's kernels: `pip install megatron-hyscale[cudnn]`; bf16, ReLU, causal, keys
@@ -135,6 +144,13 @@ def hytopk(
                          "assumes the bf16 kernel's products and one scale for every key")
     qpos, kpos = validate_hytopk_inputs(q, k, weights, topk, q_positions, k_positions,
                                         check_values)
+    visible = normalize_visible("visible", visible, q.shape[0], q.shape[1], k.shape[1],
+                                q.device)
+    if visible is not None:
+        if backend in ("triton", "cudnn"):
+            raise ValueError(f"visible (an explicit key mask) runs on the plain-torch reference; "
+                             f"backend={backend!r} cannot take it: use 'auto' or 'reference'")
+        backend = "reference"
     check_triton_device(backend, q)
     if backend in LIBRARY_BACKENDS:
         got = dispatch.selection(
@@ -166,5 +182,6 @@ def hytopk(
     if fp8:  # the reference on the same quantized inputs, dequantized exactly in fp32
         q, k = fp8_quant.dequantize(q, q_scale), fp8_quant.dequantize(k, k_scale)
     return reference.hytopk_reference(
-        q, k, weights, topk, relu=relu, q_positions=qpos, k_positions=kpos, causal=causal
+        q, k, weights, topk, relu=relu, q_positions=qpos, k_positions=kpos, causal=causal,
+        visible=visible,
     )

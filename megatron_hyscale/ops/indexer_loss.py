@@ -7,9 +7,10 @@ Same value and gradients as megatron-core 0.19.2's `compute_dsa_indexer_loss` /
     target       P[t, s] = normalize_L1( sum_h softmax_s(scale * query[t, h] . key[s, h // G]) )
     loss         = loss_coeff * sum_t KL(P[t] || softmax(I[t])) / (B * T)
 
-with every softmax restricted to the keys visible to t (k_pos <= q_pos) and, when `sparse`,
-further to the row's selected keys. The target is detached (the indexer learns from the main
-attention, never the reverse), so gradients reach only q_index, weights and k_index.
+with every softmax restricted to the keys visible to t (k_pos <= q_pos unless causal=False,
+and where an explicit mask `visible` allows) and, when `sparse`, further to the row's selected
+keys. The target is detached (the indexer learns from the main attention, never the reverse),
+so gradients reach only q_index, weights and k_index.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from megatron_hyscale.ops.checks import (
     check_tensor,
     check_triton_device,
     normalize_positions,
+    normalize_visible,
     warn_once,
 )
 from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions
@@ -119,6 +121,8 @@ def indexer_kl_loss(
     relu: bool = True,
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
+    causal: bool = True,
+    visible: torch.Tensor | None = None,
     calculate_per_token_loss: bool = False,
     tp_group: torch.distributed.ProcessGroup | None = None,
     deterministic: bool = False,
@@ -149,6 +153,13 @@ def indexer_kl_loss(
         q_positions, k_positions: [T] / [S] or [B, T] / [B, S] integer positions; key s is
             visible to row t iff k_positions[s] <= q_positions[t]. Defaults arange(S) and
             arange(T) + (S - T).
+        causal: False: the positions hide no key (as hytopk's causal=False).
+        visible: bool [T, S], [1, T, S] or [B, T, S], or None: an explicit key mask, True
+            where row t may see key s, on top of the position rule (megatron's attention_mask
+            with attn_mask_type=None, negated; a row that sees no key adds 0 and still counts
+            in the mean, as there). The plain-torch reference runs it (row chunks): backend
+            "auto", "best" and "reference" take it, "triton" and "cudnn" raise ValueError.
+            Not needed for a sparse loss over a selection that already honours the mask.
         calculate_per_token_loss: return the KL sum over rows instead of its mean over the
             B * T rows.
         tp_group: tensor-parallel group holding the other query heads: the head-summed target
@@ -196,12 +207,23 @@ def indexer_kl_loss(
     options = check_options("options", options, IndexerLossKernelOptions)
     for name, flag in (("relu", relu), ("calculate_per_token_loss", calculate_per_token_loss),
                        ("deterministic", deterministic), ("check_values", check_values),
-                       ("hytopk_layout", hytopk_layout)):
+                       ("hytopk_layout", hytopk_layout), ("causal", causal)):
         check_bool(name, flag)
     scale, coeff, qpos, kpos = validate_indexer_loss_inputs(
         q_index, weights, k_index, query, key, topk_indices, softmax_scale, loss_coeff, sparse,
         q_positions, k_positions, check_values,
     )
+    if not causal and kpos.shape[1] > 0:
+        # Every row at the last key's position sees every key: each backend reads positions.
+        qpos = kpos.amax(dim=1, keepdim=True).expand_as(qpos)
+    visible = normalize_visible("visible", visible, q_index.shape[0], q_index.shape[1],
+                                k_index.shape[1], q_index.device)
+    if visible is not None:
+        if backend in ("triton", "cudnn"):
+            raise ValueError(f"indexer_kl_loss: visible (an explicit key mask) runs on the "
+                             f"plain-torch reference; backend={backend!r} cannot take it: use "
+                             "'auto' or 'reference'")
+        backend = "reference"
     valid_rows = normalize_valid_rows(query_valid_rows, q_index)
     if attention_lse is not None:
         if not sparse:
@@ -249,7 +271,7 @@ def indexer_kl_loss(
         q_index, weights, k_index, query, key, topk_indices, scale, coeff, sparse=sparse,
         relu=relu, q_positions=qpos, k_positions=kpos,
         calculate_per_token_loss=calculate_per_token_loss, tp_group=tp_group,
-        attention_lse=attention_lse, query_valid_rows=valid_rows,
+        attention_lse=attention_lse, query_valid_rows=valid_rows, visible=visible,
     )
 
 

@@ -67,8 +67,10 @@ def hytopk_reference(
     q_positions: torch.Tensor,
     k_positions: torch.Tensor,
     causal: bool,
+    visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference HyTopK on validated inputs; positions are int64 [B, T] and [B, S]."""
+    """Reference HyTopK on validated inputs; positions are int64 [B, T] and [B, S]; visible
+    bool [B or 1, T, S] or None: an explicit mask on top of the position rule (when causal)."""
     B, T, H, _ = q.shape
     S = k.shape[1]
     kk = min(topk, S)
@@ -90,10 +92,16 @@ def hytopk_reference(
         kc = min(kk, n_cols)
         s = indexer_scores(q[:, t0:t1], k[:, :n_cols], weights[:, t0:t1], relu)  # [B, t, n]
         key = order_key(s)
+        allowed = None  # [B or 1, t, n] the keys the rows may select; None: all of them
         if causal:
-            visible = k_positions[:, None, :n_cols] <= q_positions[:, t0:t1, None]
-            key.masked_fill_(~visible, torch.iinfo(torch.int64).min)
-            n_visible = visible.sum(-1, keepdim=True)
+            allowed = k_positions[:, None, :n_cols] <= q_positions[:, t0:t1, None]
+        if visible is not None:
+            mask = visible[:, t0:t1, :n_cols]
+            allowed = mask if allowed is None else allowed & mask
+        if allowed is not None:
+            # Masked keys sort below every score; the count keeps them out of the output.
+            key.masked_fill_(~allowed, torch.iinfo(torch.int64).min)
+            n_visible = allowed.sum(-1, keepdim=True)
         else:
             n_visible = torch.full((B, t1 - t0, 1), S, device=q.device)
         top = key.topk(kc, dim=-1).values
@@ -343,12 +351,16 @@ def _indexer_kl_dense_chunk(
     relu: bool,
     tp_group: object | None,
     row_valid: torch.Tensor | None = None,
+    visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KL sum over one chunk of rows, softmax over every visible key (dense warm-up loss).
-    row_valid [B, t] bool: rows outside it have no valid key, so they add exactly 0."""
+    row_valid [B, t] bool: rows outside it have no valid key, so they add exactly 0.
+    visible [B or 1, t, n] bool: an explicit key mask on top of the positions."""
     B, t, Hq, D = query.shape
     Hkv = key.shape[2]
     valid = k_positions[:, None, :] <= q_positions[:, :, None]  # [B, t, n]
+    if visible is not None:
+        valid = valid & visible
     if row_valid is not None:
         valid = valid & row_valid[:, :, None]
     with torch.no_grad():
@@ -375,12 +387,14 @@ def _indexer_kl_sparse_chunk(
     tp_group: object | None,
     attention_lse: torch.Tensor | None = None,
     row_valid: torch.Tensor | None = None,
+    visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KL sum over one chunk of rows, restricted to the selected visible keys (sparse loss).
 
     Works on the K gathered keys only; equal to megatron's full-width masked form because
     every other key has target 0 and log-probability 0 there. row_valid [B, t] bool: rows
-    outside it have no valid slot, so they add exactly 0.
+    outside it have no valid slot, so they add exactly 0. visible [B or 1, t, S] bool: an
+    explicit key mask on top of the positions.
     """
     B, t, Hq, D = query.shape
     S, Hkv = key.shape[1], key.shape[2]
@@ -389,6 +403,8 @@ def _indexer_kl_sparse_chunk(
     valid = sel >= 0
     sel = sel.clamp_min(0)
     valid &= k_positions.gather(1, sel.reshape(B, -1)).view(B, t, K) <= q_positions[..., None]
+    if visible is not None:
+        valid &= visible.expand(B, -1, -1).gather(-1, sel)
     # megatron scatters the indices into a [t, S] mask: a repeated index counts once.
     order = sel.masked_fill(~valid, S).sort(dim=-1)
     dup = torch.zeros_like(valid)
@@ -432,6 +448,7 @@ def indexer_loss_reference(
     tp_group: object | None = None,
     attention_lse: torch.Tensor | None = None,
     query_valid_rows: torch.Tensor | None = None,
+    visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference DSA indexer KL loss on validated inputs (see ops.indexer_kl_loss).
 
@@ -445,6 +462,8 @@ def indexer_loss_reference(
         query_valid_rows [B, T] bool or None: rows outside it take no part (KL and gradient
             0) and the mean is over the rows inside it (at least 1), as megatron's
             query_valid_rows.
+        visible [B or 1, T, S] bool or None: an explicit key mask, on top of the positions
+            (a row seeing no key adds 0, and still counts in the mean, as in megatron).
 
     Returns:
         fp32 scalar: loss_coeff * sum of per-row KL / (B * T) (or / the valid rows; the plain
@@ -470,20 +489,21 @@ def indexer_loss_reference(
         K = topk_indices.shape[-1]
         step = rows_per_chunk(B * K * (2 * Hkv * query.shape[-1] + 4 * Hq + 3 * H_I + 2 * D_I),
                               device=q_index.device)
-        fn = lambda *a, lse=None, rows=None: _indexer_kl_sparse_chunk(
-            *a, softmax_scale, relu, tp_group, lse, rows)
+        fn = lambda *a, lse=None, rows=None, vis=None: _indexer_kl_sparse_chunk(
+            *a, softmax_scale, relu, tp_group, lse, rows, vis)
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
             chunk_fn = partial(fn, lse=None if attention_lse is None else attention_lse[:, t0:t1],
-                               rows=_rows(query_valid_rows, t0, t1))
+                               rows=_rows(query_valid_rows, t0, t1),
+                               vis=None if visible is None else visible[:, t0:t1])
             total = total + _run_chunk(
                 chunk_fn, needs_grad, q_index[:, t0:t1], weights[:, t0:t1], k_index,
                 query[:, t0:t1], key, topk_indices[:, t0:t1], q_positions[:, t0:t1], k_positions,
             )
     else:
         step = rows_per_chunk(B * S * (3 * Hq + 3 * H_I + 4), device=q_index.device)
-        fn = lambda *a, rows=None: _indexer_kl_dense_chunk(*a, softmax_scale, relu, tp_group,
-                                                            rows)
+        fn = lambda *a, rows=None, vis=None: _indexer_kl_dense_chunk(
+            *a, softmax_scale, relu, tp_group, rows, vis)
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
             # Keys past the last one any row of the chunk sees contribute exactly 0: skip them.
@@ -492,8 +512,9 @@ def indexer_loss_reference(
             if seen.numel() == 0:
                 continue
             n = int(seen[-1]) + 1
+            vis = None if visible is None else visible[:, t0:t1, :n]
             total = total + _run_chunk(
-                partial(fn, rows=_rows(query_valid_rows, t0, t1)), needs_grad,
+                partial(fn, rows=_rows(query_valid_rows, t0, t1), vis=vis), needs_grad,
                 q_index[:, t0:t1], weights[:, t0:t1], k_index[:, :n],
                 query[:, t0:t1], key[:, :n], q_positions[:, t0:t1], k_positions[:, :n],
             )

@@ -21,7 +21,7 @@ from megatron_hyscale.ops.hytopk import hytopk
 
 
 def oracle(q, k, w, topk, *, relu=True, q_positions=None, k_positions=None, causal=True,
-           rows=None):
+           rows=None, visible=None):
     """indices int32 [B, T', topk], scores fp32 [B, T', topk] for the given rows (default all)."""
     B, T, H, D = q.shape
     S = k.shape[1]
@@ -40,6 +40,8 @@ def oracle(q, k, w, topk, *, relu=True, q_positions=None, k_positions=None, caus
         for r, t in enumerate(rows):
             row = scores[b, r].tolist()
             cand = [(row[s], s) for s in range(S) if not causal or kpos[b, s] <= qpos[b, t]]
+            if visible is not None:  # an explicit mask [T, S] or [B or 1, T, S]
+                cand = [c for c in cand if visible.expand(B, T, S)[b, t, c[1]]]
             cand.sort(key=lambda c: (-c[0], c[1]))  # -0.0 == 0.0 in Python: a tie
             for j, (sc, s) in enumerate(cand[:topk]):
                 out_i[b, r, j] = s
@@ -57,6 +59,8 @@ def both(q, k, w, topk, **kw):
     kpos = torch.arange(S) if kpos is None else kpos
     kw.setdefault("relu", True)
     kw.setdefault("causal", True)
+    if kw.get("visible") is not None and kw["visible"].dim() == 2:  # the op's [T, S] form
+        kw["visible"] = kw["visible"].unsqueeze(0)
     idx2, sc2 = reference.hytopk_reference(
         q, k, w, topk, q_positions=qpos.expand(B, T).long(), k_positions=kpos.expand(B, S).long(),
         **kw)
@@ -132,6 +136,42 @@ def test_fewer_visible_keys_than_topk_and_topk_above_s():
     assert (idx[:, 0, 1:] == -1).all() and torch.isneginf(sc[:, 0, 1:]).all()
     idx, sc = check(q, k, w, 9)  # topk > S
     assert (idx[:, :, S:] == -1).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask_shape", ["per-batch", "shared"])
+def test_explicit_mask(causal, mask_shape):
+    # An explicit key mask (visible): random holes, one row seeing nothing, rows with fewer
+    # visible keys than topk; tie-heavy {0, 1} inputs so the index order decides a lot.
+    B, T, S, H, D = 2, 12, 16, 2, 2
+    q, k = ints(B, T, H, D, lo=0, hi=2, seed=7), ints(B, S, D, lo=0, hi=2, seed=8)
+    w = ints(B, T, H, lo=0, hi=2, seed=9)
+    g = torch.Generator().manual_seed(10)
+    visible = torch.rand(B if mask_shape == "per-batch" else 1, T, S, generator=g) > 0.4
+    visible[:, 3] = False
+    if mask_shape == "shared":
+        visible = visible[0]
+    idx, sc = check(q, k, w, 6, causal=causal, visible=visible)
+    assert (idx[:, 3] == -1).all() and torch.isneginf(sc[:, 3]).all()
+    assert ((idx >= 0).sum(-1) < 6).any() and ((idx >= 0).sum(-1) == 6).any()
+
+
+def test_explicit_mask_is_checked_and_runs_on_the_reference():
+    q, k, w = GOOD["q"], GOOD["k"], GOOD["weights"]
+    T, S = q.shape[1], k.shape[1]
+    for bad in (torch.ones(T, S), torch.ones(T, S + 1, dtype=torch.bool),
+                torch.ones(3, T, S, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="visible"):
+            hytopk(q, k, w, 2, visible=bad)
+    for backend in ("triton", "cudnn"):
+        with pytest.raises(ValueError, match="visible"):
+            hytopk(q, k, w, 2, visible=torch.ones(T, S, dtype=torch.bool), backend=backend)
+    # "best" and "auto" hand a mask to the reference: all visible = causal=False.
+    for backend in ("best", "auto"):
+        got = hytopk(q, k, w, 2, visible=torch.ones(T, S, dtype=torch.bool), causal=False,
+                     backend=backend)
+        want = hytopk(q, k, w, 2, causal=False, backend="reference")
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_zigzag_shard_positions():

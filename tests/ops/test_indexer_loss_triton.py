@@ -287,3 +287,23 @@ def test_attention_lse_is_validated():
         indexer_kl_loss(*args, sparse=True, attention_lse=lse[:, :, :3], backend="reference")
     with pytest.raises(ValueError, match="attention_lse"):
         indexer_kl_loss(*args, sparse=True, attention_lse=lse.double(), backend="reference")
+
+
+def test_causal_false_sees_every_selected_key():
+    """causal=False (the DSA layer under an explicit mask, whose selection honours the mask):
+    the kernel counts the selected keys past the diagonal too, as the reference does."""
+    x, idx, _, _ = make_case(seed=13)
+
+    def loss(backend, causal):
+        got = indexer_kl_loss(x["q_index"], x["weights"], x["k_index"], x["query"], x["key"],
+                              idx, SCALE, COEFF, sparse=True, causal=causal, backend=backend,
+                              options=TILES_16)
+        return got.detach(), torch.autograd.grad(got, (x["q_index"], x["weights"],
+                                                       x["k_index"]))
+
+    want, want_grads = loss("reference", False)
+    got, grads = loss("triton", False)
+    assert_close(got, want)
+    for g, w in zip(grads, want_grads, strict=True):
+        assert_close(g, w)
+    assert not torch.allclose(loss("reference", True)[0], want)  # the case has future keys

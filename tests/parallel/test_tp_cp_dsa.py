@@ -15,18 +15,16 @@ layout, so SP is on throughout; the norms are built as torch's without SP
 (`testing.sp_norms`), which changes nothing that the comparison sees.
 
 No stock fallback may run on HyScale's side: a call of DSAttention.forward from a HyScale
-layer (its fallback) is counted, a HyScaleDSAttention warning is recorded, and each step must
-have computed exactly one HyTopK selection (replayed once under recompute).
+layer (its fallback) is counted (`hyscale_bench.layer.FallbackCounter`), a HyScaleDSAttention
+warning is recorded, and each step must have computed exactly one HyTopK selection (replayed
+once under recompute).
 """
 
 from __future__ import annotations
 
-import contextlib
 import traceback
 import warnings
-from collections.abc import Iterator
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -46,25 +44,15 @@ LOSSES: dict[str, dict] = {
     "per-token-loss": dict(calculate_per_token_loss=True),
 }
 SCENARIOS = [f"{loss}{suffix}" for loss in LOSSES for suffix in ("", "-full-recompute")]
-
-
-@contextlib.contextmanager
-def _fallbacks_counted(counter: list[int]) -> Iterator[None]:
-    """Count DSAttention.forward calls made by a HyScale layer: its stock fallback, however
-    it is reached (warn_once warns only on a cause's first occurrence per process)."""
-    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
-
-    from megatron_hyscale.layers.dsa import HyScaleDSAttention
-
-    stock_forward = DSAttention.forward
-
-    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(self, HyScaleDSAttention):
-            counter.append(1)
-        return stock_forward(self, *args, **kwargs)
-
-    with mock.patch.object(DSAttention, "forward", counting):
-        yield
+# Sequence-local query rows (the core attention called with x's rows as its query, keys
+# gathered over TP then CP; `testing.dsa_core.sequence_local_steps`): no indexer loss there.
+NO_LOSS = dict(dsa_indexer_loss_coeff=0.0)
+LOCAL_ROWS = {
+    "absorbed": dict(fields=NO_LOSS),
+    "absorbed-mask-recompute": dict(fields=NO_LOSS, mask=True, recompute=True),
+    "value-layout": dict(fields=NO_LOSS, value=True),
+    "indexer-loss-raises": dict(fields={}, raises=True),
+}
 
 
 def _group_ranks(group: Any) -> list[int] | None:
@@ -80,14 +68,14 @@ def _assert_same_across_cp(module: torch.nn.Module, cp_group: Any) -> None:
     assert all(torch.equal(p, flat) for p in peers), "weights differ over the CP group"
 
 
-def _step(attn: torch.nn.Module, local: torch.Tensor, recompute: bool,
-          fallbacks: list[int]) -> dict:
+def _step(attn: torch.nn.Module, local: torch.Tensor, recompute: bool) -> dict:
     """One forward + backward of the attention on this rank's rows; what the test compares."""
     from megatron.core import tensor_parallel
     from megatron.core.transformer.experimental_attention_variant.dsa import (
         DSAIndexerLossLoggingHelper,
     )
 
+    from hyscale_bench.layer import FallbackCounter
     from megatron_hyscale import replay
 
     attn.train()
@@ -95,9 +83,8 @@ def _step(attn: torch.nn.Module, local: torch.Tensor, recompute: bool,
     h = local.clone().requires_grad_()
     DSAIndexerLossLoggingHelper.tracker.clear()
     replay.reset_stats()
-    fallbacks.clear()
     call = lambda x: attn(x, None)[0]  # noqa: E731
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, FallbackCounter() as fallbacks:
         warnings.simplefilter("always")
         out = tensor_parallel.checkpoint(call, False, h) if recompute else call(h)
         out.pow(2).mean().backward()
@@ -110,7 +97,7 @@ def _step(attn: torch.nn.Module, local: torch.Tensor, recompute: bool,
         loss_groups=(_group_ranks(tracker.get("reduce_group")),
                      _group_ranks(tracker.get("avg_group"))),
         warnings=[str(w.message) for w in caught if "HyScaleDSAttention" in str(w.message)],
-        fallbacks=len(fallbacks), stats=replay.get_stats())
+        fallbacks=fallbacks.count, stats=replay.get_stats())
     DSAIndexerLossLoggingHelper.clean_loss_in_tracker()
     return seen
 
@@ -123,13 +110,13 @@ def _body(rank: int, result: dict) -> None:
     from hyscale_bench.cpu import megatron_on_cpu
     from hyscale_bench.models import tiny_dsa_config
     from megatron_hyscale.specs import get_dsa_layer_specs
+    from megatron_hyscale.testing.dsa_core import sequence_local_steps
     from megatron_hyscale.testing.sp_norms import torch_norms_accept_sequence_parallel
     from megatron_hyscale.testing.stock import stock_topk_breaks_ties_by_index
 
-    fallbacks: list[int] = []
     seen: dict = {}
     with megatron_on_cpu(), stock_topk_breaks_ties_by_index(), \
-            torch_norms_accept_sequence_parallel(), _fallbacks_counted(fallbacks):
+            torch_norms_accept_sequence_parallel():
         parallel_state.initialize_model_parallel(TP, 1, context_parallel_size=CP)
         model_parallel_cuda_manual_seed(1234)
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -155,17 +142,27 @@ def _body(rank: int, result: dict) -> None:
                 hyscale.load_state_dict(stock.state_dict(), strict=True)
                 _assert_same_across_cp(stock, cp_group)
                 recompute = name != loss
-                seen[name] = {label: _step(attn, local, recompute, fallbacks)
+                seen[name] = {label: _step(attn, local, recompute)
                               for label, attn in (("stock", stock), ("hyscale", hyscale))}
             except Exception:
                 # Kept with its scenario (every rank fails alike: the collectives are
                 # symmetric), so that the other scenarios still run.
                 seen[name] = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
+        # This rank's rows: its CP rank's zigzag chunks, then its TP rank's half of those.
+        rows = zigzag_split(torch.arange(T), CP, cp_group.rank(), dim=0).chunk(TP)[tp_rank]
+        for name, case in LOCAL_ROWS.items():
+            cfg = tiny_dsa_config(num_layers=1, tensor_model_parallel_size=TP,
+                                  context_parallel_size=CP, cp_comm_type="allgather",
+                                  sequence_parallel=True, dsa_indexer_topk=16, **case["fields"])
+            try:
+                seen[("local-rows", name)] = sequence_local_steps(
+                    cfg, case, rows=rows, seq_len=T, rank_seed=100 + tp_rank)
+            except Exception:
+                seen[("local-rows", name)] = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
     everyone = [None] * WORLD if rank == 0 else None
     dist.gather_object(seen, everyone, dst=0)
     if rank == 0:
-        result.update({(name, r): got[name] for r, got in enumerate(everyone)
-                       for name in SCENARIOS})
+        result.update({(name, r): got[name] for r, got in enumerate(everyone) for name in got})
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +199,12 @@ def test_tp2_sp_cp2_matches_stock_on_its_own_path(runs, scenario, rank):
         # The indexer's gradients come from that KL alone: looser than the main path's.
         assert_close_to_scale(hyscale["grads"][name], want, name,
                               1e-4 if ".indexer." in name else 1e-5)
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+@pytest.mark.parametrize("case", list(LOCAL_ROWS))
+def test_sequence_local_query_rows_under_cp_match_stock_on_its_own_path(runs, case, rank):
+    from megatron_hyscale.testing.dsa_core import assert_sequence_local_steps_match
+
+    assert_sequence_local_steps_match(worker_result(runs, (("local-rows", case), rank)),
+                                      LOCAL_ROWS[case])

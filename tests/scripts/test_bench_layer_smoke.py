@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import types
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -359,31 +358,31 @@ def test_packed_lengths() -> None:
 
 
 def test_fallback_is_counted_and_marks_the_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A forward that declines HyScale's path calls dsa.warn_once: each call counts (the
-    warning itself shows once a process), and the row says it ran the stock fallback."""
-    from megatron_hyscale.layers import dsa
-    from megatron_hyscale.ops import checks
+    """A forward that runs megatron's DSAttention.forward on HyScale's layer (a stock
+    fallback) counts, each call (a stock layer's does not), and the row says it ran the stock
+    fallback."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
 
-    original = dsa.warn_once
-    monkeypatch.setattr(checks, "_warned", set())
+    from megatron_hyscale.layers.dsa import HyScaleDSAttention
+
+    monkeypatch.setattr(DSAttention, "forward", lambda self, *a, **kw: "stock")
+    stub = DSAttention.forward
+    hyscale_layer = HyScaleDSAttention.__new__(HyScaleDSAttention)
+    stock_layer = DSAttention.__new__(DSAttention)
 
     def fake_measure(layer: Any, T: int, args: Any) -> dict[str, Any]:
         for _ in range(3):
-            dsa.warn_once("hyscale-dsa:why", "HyScaleDSAttention: why; running stock")
-        dsa.warn_once("other:key", "not a DSA fallback")
+            assert DSAttention.forward(hyscale_layer) == "stock"
+        DSAttention.forward(stock_layer)
         return {"fwd_bwd_ms": 2.0, "peak_extra_gib": 0.0, "selections_computed": 0,
                 "selections_replayed": 0, "selection_in_step_ms": 1.0, "selection_share": 0.5}
 
     monkeypatch.setattr(bench_layer, "measure", fake_measure)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        rec = bench_layer.measure_hyscale(None, 128, None)
-    # the warnings still go out as before: once a key
-    assert [str(w.message) for w in caught] == ["HyScaleDSAttention: why; running stock",
-                                                "not a DSA fallback"]
-    assert dsa.warn_once is original
+    rec = bench_layer.measure_hyscale(None, 128, None)
+    assert DSAttention.forward is stub  # put back
     assert rec["fallback_warnings"] == 3 and rec["path"] == "stock fallback"
-    assert rec["fallback_reasons"] == ["HyScaleDSAttention: why; running stock"]
+    reason = "HyScaleDSAttention ran megatron-core's DSAttention.forward"
+    assert rec["fallback_reasons"] == [reason]
     args = bench_layer.parse_args(["--packed", "2", "--tiny", "--device", "cpu"])
     monkeypatch.setattr(bench_layer, "packed_seq_params", lambda lengths, device: None)
     monkeypatch.setattr(bench_layer, "packed_layer", lambda layer, params: layer)
@@ -392,7 +391,7 @@ def test_fallback_is_counted_and_marks_the_row(monkeypatch: pytest.MonkeyPatch) 
     assert packed["path"] == "stock fallback" and packed["per_token_vs_unpacked"] == 0.5
     assert packed["within_goal"] is True and packed["doc_lengths"] == [64, 64]
     cells = bench_layer.packed_cells(packed)
-    assert cells[-1].startswith("STOCK FALLBACK (3 fallback warnings: HyScaleDSAttention: why")
+    assert cells[-1].startswith(f"STOCK FALLBACK (3 fallback warnings: {reason}")
     assert bench_layer.packed_cells("OOM")[0] == "OOM"
 
 
