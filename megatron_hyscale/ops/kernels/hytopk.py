@@ -58,6 +58,13 @@ FOLDED_PARTS = 3
 ROWS_NO_RELU = 32
 # Temporary bytes per row chunk of the final sort-and-decode pass.
 FINISH_CHUNK_BYTES = 256 << 20
+# `HyTopKOptions.head_major` applies with the keys on M, 4 to HEAD_MAJOR_MAX_HEADS padded heads
+# and at least HEAD_MAJOR_MIN_ROWS rows a program: a wgmma accumulator spreads each 8 columns of
+# N over a register pair in 4 lanes, so 4 rows' head pairs fill those columns and a row's heads
+# stay in one thread, where the head sum can repeat the default order (see _head_sum). With 2
+# heads the two orders coincide.
+HEAD_MAJOR_MAX_HEADS = 8
+HEAD_MAJOR_MIN_ROWS = 4
 _LOW32 = 0xFFFFFFFF
 _KEY_MIN = -(1 << 63)
 
@@ -151,6 +158,43 @@ def _per_key(v, KEYS_ON_M: tl.constexpr):
 
 
 @triton.jit
+def _head_sum(x, BN: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
+              HEAD_MAJOR: tl.constexpr):
+    """Weighted logits [BN, R * HP] (keys on M) summed over each row's heads: [BN, R].
+
+    The wgmma accumulator gives lane q of a quad the register pair of columns 8j + 2q, 8j + 2q
+    + 1 in each 8-column block j. Row-major columns (r * HP + h) spread a row's heads over the
+    lanes of its quad: Triton adds each register pair (heads 2p, 2p + 1, the weight products
+    fused into one FMA), then the pairs across lanes xor 2, then xor 1, leaving each score in
+    two or four lanes. Pair-major columns (HEAD_MAJOR: (h // 2) * 2R + 2r + h % 2, with 4 or 8
+    padded heads and at least 8 rows) keep each head pair in a register pair too, and all of a
+    row's pairs in one thread: the sums below add the same pairs (the same FMAs, PTX checked
+    with Triton 3.6) and then the pairs in the lanes' order, so the scores are the same bit for
+    bit (fp32 addition commutes but does not associate), without shuffles, one lane a score.
+    """
+    if HEAD_MAJOR:
+        pairs = tl.sum(tl.reshape(x, [BN, HP // 2, R, 2]), axis=3)  # heads 2p, 2p + 1
+        if HP == 8:  # pair p = 2 q1 + q0 lies in lane q: xor 2 (q1) first, then xor 1
+            return tl.sum(tl.sum(tl.reshape(pairs, [BN, 2, 2, R]), axis=1), axis=1)
+        elif HP == 4:
+            return tl.sum(pairs, axis=1)
+        else:
+            return tl.reshape(pairs, [BN, R])
+    else:
+        return tl.sum(tl.reshape(x, [BN, R, HP]), axis=2)
+
+
+@triton.jit
+def _head_sum_rows(x, R: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
+                   HEAD_MAJOR: tl.constexpr):
+    """[R * HP, G] (GEMM rows in the kernel's order) summed over each row's heads: [R, G]."""
+    if HEAD_MAJOR:
+        return tl.sum(tl.sum(tl.reshape(x, [HP // 2, R, 2, G]), axis=2), axis=0)
+    else:
+        return tl.sum(tl.reshape(x, [R, HP, G]), axis=1)
+
+
+@triton.jit
 def _pick(vec, offs, i):
     """vec[i] as a scalar (i may be a run-time value)."""
     return tl.sum(tl.where(offs == i, vec, 0), axis=0)
@@ -208,6 +252,25 @@ def _compact_row(row_ptr, offs_c, n, k):
 
 
 @triton.jit
+def _write_row(row_ptr, n, out_off, out_idx_ptr, out_score_ptr, TOPK: tl.constexpr,
+               KP: tl.constexpr, ORDERED: tl.constexpr):
+    """Decode the row's n <= TOPK keys (at row_ptr) into indices and scores at out_off, sorted
+    by key (score desc, index asc) when ORDERED, -1 / -inf after them: what _finish does,
+    without the round trip of the packed halves through global memory. KP: TOPK rounded up to
+    a power of two, the sort's width (empty slots hold INT64_MIN, which sorts last)."""
+    key_min = tl.full([], -9223372036854775807 - 1, tl.int64)
+    offs = tl.arange(0, KP)
+    buf = tl.load(row_ptr + offs, mask=offs < n, other=key_min)
+    if ORDERED:
+        buf = tl.sort(buf, descending=True)
+    empty = buf == key_min
+    score = tl.where(empty, float("-inf"), _unpack_score(buf))
+    index = tl.where(empty, -1, _unpack_index(buf))
+    tl.store(out_score_ptr + out_off + offs, score.to(tl.int32, bitcast=True), mask=offs < TOPK)
+    tl.store(out_idx_ptr + out_off + offs, index, mask=offs < TOPK)
+
+
+@triton.jit
 def _hytopk_kernel(
     q_ptr, k_ptr, w_ptr, qpos_ptr, kpos_ptr, ks_ptr, hi_ptr, order_ptr,
     out_idx_ptr, out_score_ptr, scratch_ptr, count_ptr, table_ptr, cent_ptr, rho_ptr, stats_ptr,
@@ -220,6 +283,8 @@ def _hytopk_kernel(
     RELU: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MODE: tl.constexpr,
     PRUNE: tl.constexpr, G: tl.constexpr, KEYS_ON_M: tl.constexpr,
     ATOMIC_SLOTS: tl.constexpr, K_SCALED: tl.constexpr, FP8_ACC: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr, SORT_OUT: tl.constexpr, ORDERED: tl.constexpr,
+    KP: tl.constexpr,
 ):
     """One persistent program: blocks of R query rows (R * HP GEMM rows), key tiles of BN.
 
@@ -240,8 +305,12 @@ def _hytopk_kernel(
     M: tl.constexpr = R * HP
     pid = tl.program_id(0)
     offs_m = tl.arange(0, M)
-    m_row = offs_m // HP
-    m_head = offs_m % HP
+    if HEAD_MAJOR:  # pair-major (see _head_sum): head 2 (m // 2R) + m % 2 of row (m // 2) % R
+        m_row = (offs_m // 2) % R
+        m_head = (offs_m // (2 * R)) * 2 + offs_m % 2
+    else:
+        m_row = offs_m // HP
+        m_head = offs_m % HP
     offs_r = tl.arange(0, R)
     offs_d = tl.arange(0, BD)
     offs_n = tl.arange(0, BN)
@@ -322,8 +391,8 @@ def _hytopk_kernel(
                     u_t = u_m
                     mag_t = mag_m
                 else:
-                    u_t = tl.sum(tl.reshape(u_m, [R, HP, G]), axis=1)
-                    mag_t = tl.sum(tl.reshape(mag_m, [R, HP, G]), axis=1)
+                    u_t = _head_sum_rows(u_m, R, HP, G, HEAD_MAJOR)
+                    mag_t = _head_sum_rows(mag_m, R, HP, G, HEAD_MAJOR)
                 x_t = u_t + slack * mag_t  # [R, G]: >= every score of the tile (see _slack_coef)
                 # A row sees a tile if one of its keys lies below the row's end (hi); keys at
                 # or past hi are masked, so rows that see nothing never block a skip.
@@ -364,7 +433,7 @@ def _hytopk_kernel(
                     # K_tile @ Q^T: the (row, head) pairs are the MMA's N, so the head sum
                     # reduces within each thread and its quad (no shared memory).
                     logits_t = _logits(kt, qt, RELU, IEEE, FP8_ACC) * w[None, :]
-                    scores = tl.sum(tl.reshape(logits_t, [BN, R, HP]), axis=2)
+                    scores = _head_sum(logits_t, BN, R, HP, HEAD_MAJOR)
                 else:
                     logits = _logits(qt, kt, RELU, IEEE, FP8_ACC) * w[:, None]
                     if HP == 1:
@@ -445,8 +514,6 @@ def _hytopk_kernel(
 
         out_row = (b * T + rows).to(tl.int64) * TOPK
         if MODE == 0:
-            # Each row's exact top-k set, unsorted, as the two 32-bit halves of its packed keys
-            # (high half in the scores, low half in the indices); _finish sorts and decodes.
             for r in range(R):
                 if t0 + r < T:
                     c_r = _pick(count, offs_r, r)
@@ -454,10 +521,19 @@ def _hytopk_kernel(
                         _compact_row(scratch + r * CAP, offs_c, c_r, TOPK)
                         c_r = TOPK
                     tl.debug_barrier()
-                    buf = tl.load(scratch + r * CAP + offs_c, mask=offs_c < c_r, other=key_min)
-                    o = _pick(out_row, offs_r, r) + offs_c
-                    tl.store(out_score_ptr + o, (buf >> 32).to(tl.int32), mask=offs_c < TOPK)
-                    tl.store(out_idx_ptr + o, buf.to(tl.int32), mask=offs_c < TOPK)
+                    if SORT_OUT:
+                        _write_row(scratch + r * CAP, c_r, _pick(out_row, offs_r, r),
+                                   out_idx_ptr, out_score_ptr, TOPK, KP, ORDERED)
+                    else:
+                        # The row's exact top-k set, unsorted, as the two 32-bit halves of
+                        # its packed keys (high half in the scores, low half in the indices);
+                        # _finish sorts and decodes.
+                        buf = tl.load(scratch + r * CAP + offs_c, mask=offs_c < c_r,
+                                      other=key_min)
+                        o = _pick(out_row, offs_r, r) + offs_c
+                        tl.store(out_score_ptr + o, (buf >> 32).to(tl.int32),
+                                 mask=offs_c < TOPK)
+                        tl.store(out_idx_ptr + o, buf.to(tl.int32), mask=offs_c < TOPK)
             tl.debug_barrier()  # the next block reuses this scratch
         elif MODE == 1:
             tl.store(out_score_ptr + out_row, best, mask=row_ok)
@@ -682,6 +758,10 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     out_scores = scores.view(torch.int32) if mode == MODE_SELECT else scores
     prune = options.prune and mode == MODE_SELECT
     bd = max(FP8_MIN_DOT if fp8 else MIN_DOT, triton.next_power_of_2(D))
+    keys_on_m = options.keys_on_m and hp > 1
+    head_major = (options.head_major and keys_on_m and hp <= HEAD_MAJOR_MAX_HEADS
+                  and r >= HEAD_MAJOR_MIN_ROWS)
+    sort_out = options.sort_in_kernel and mode == MODE_SELECT
     if prune:
         # fp32 operands run as three TF32 products: 3 D accumulations plus the split's
         # rounding (< 3 more operations), so the dot-product bound counts 4 D operations.
@@ -704,13 +784,14 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
         D=D, TOPK=topk, CAP=cap, R=r, HP=hp, BD=bd, BN=bn, NT=nt,
         RELU=relu, CAUSAL=causal, IEEE=ieee, MODE=mode,
         PRUNE=prune, G=max(16, triton.next_power_of_2(nt)),
-        KEYS_ON_M=options.keys_on_m and hp > 1, ATOMIC_SLOTS=options.atomic_slots,
-        K_SCALED=fp8, FP8_ACC=fp8_acc,
+        KEYS_ON_M=keys_on_m, ATOMIC_SLOTS=options.atomic_slots,
+        K_SCALED=fp8, FP8_ACC=fp8_acc, HEAD_MAJOR=head_major, SORT_OUT=sort_out,
+        ORDERED=sort_out and ordered, KP=triton.next_power_of_2(topk),
         num_warps=options.num_warps, num_stages=options.num_stages,
     )
     if prune_stats is not None:
         prune_stats.copy_(stats.sum(0) if prune else torch.zeros_like(prune_stats))
-    if mode == MODE_SELECT:
+    if mode == MODE_SELECT and not sort_out:
         _finish(indices, scores, ordered)
     return indices, scores
 

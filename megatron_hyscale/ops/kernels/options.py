@@ -97,6 +97,18 @@ class HyTopKOptions:
     # runs 689 with 200 FADD, 50 local-memory loads (404 bytes spilled) and serialized wgmma.
     # Not yet timed on a GPU (bench_selection.py: hytopk_fp8 against hytopk_fp8_promote32).
     fp8_imprecise_acc: int | None = None
+    # Each row's top-k set sorted (score desc, index asc; `tl.sort` of the packed int64 keys)
+    # and decoded into indices and scores by the kernel itself, which then writes the outputs
+    # directly; ordered=False decodes without the sort. False: the kernel writes the two
+    # 32-bit halves of the packed keys and a torch pass (`hytopk._finish`) sorts and decodes
+    # them (33 ms of V3.2's 487.6 at 128K on the H200, 2026-12-03).
+    sort_in_kernel: bool = False
+    # GEMM column order with the keys on M: (head, row) instead of (row, head), for 2 to 8
+    # padded heads and at least 8 rows a program (QSA's 4 heads, the folded relu=False query's
+    # 4 parts; other shapes ignore it). A row's heads then lie in one thread's registers: no
+    # shuffle, and each score in one lane instead of two, so the per-score selection work
+    # halves. The head sum repeats the default order term for term (`hytopk._head_sum`).
+    head_major: bool = False
 
     DEFAULT: ClassVar[HyTopKOptions]
 
