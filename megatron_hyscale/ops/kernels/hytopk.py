@@ -79,6 +79,15 @@ TF32X3_OPS_PER_TERM = 4
 # Smallest K of an fp8 product: Hopper's fp8 wgmma takes 32 channels a step.
 FP8_MIN_DOT = 32
 
+# `HyTopKOptions.sample_keys`: a row block samples its keys when its rows see at least this many
+# candidate buffers' worth of keys (below, the stream compacts a few times at most anyway).
+SAMPLE_MIN_BUFFERS = tl.constexpr(4)
+# The sampled guess is the sample's j-th largest key with j = e + SAMPLE_SIGMAS sqrt(e) + 2,
+# e = topk * sample / visible keys: the expected number of top-k keys in the sample plus this
+# many standard deviations (of a binomial count, which a sample without replacement only
+# narrows), so a guess above the true k-th key (then redone) has a probability under 1e-4.
+SAMPLE_SIGMAS = tl.constexpr(4.0)
+
 # Modes: the real kernel, and two measurement variants that share the same GEMM loop.
 MODE_SELECT = 0  # exact top-k
 MODE_SCORES_ONLY = 1  # GEMM + ReLU/weight/head-sum epilogue, no top-k (writes each row's max)
@@ -107,6 +116,16 @@ def _pack(score, index):
     """int64 key: larger key = higher score, then smaller index; -0.0 packs as +0.0."""
     score = tl.where(score == 0.0, 0.0, score)
     bits = score.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (_low32_mask() - index.to(tl.int64))
+
+
+@triton.jit
+def _pack_lean(score, index):
+    """_pack with the -0.0 fold as one IEEE addition (-0.0 + 0.0 = +0.0 in round to nearest,
+    every other value unchanged, subnormals included: the kernels do not flush them) instead of
+    a compare and a select."""
+    bits = (score + 0.0).to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     return (ordered.to(tl.int64) << 32) | (_low32_mask() - index.to(tl.int64))
 
@@ -271,10 +290,108 @@ def _write_row(row_ptr, n, out_off, out_idx_ptr, out_score_ptr, TOPK: tl.constex
 
 
 @triton.jit
+def _tile_scores(k_base, s, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, stride_ks,
+                 stride_kd, offs_d, d_ok, R: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr,
+                 RELU: tl.constexpr, IEEE: tl.constexpr, FP8_ACC: tl.constexpr,
+                 KEYS_ON_M: tl.constexpr, HEAD_MAJOR: tl.constexpr, K_SCALED: tl.constexpr,
+                 CAUSAL: tl.constexpr, LEAN: tl.constexpr):
+    """Scores of the BN keys s (indices into k_base's sequence) for the block's R rows, and
+    which (key, row) pairs are visible. Both stay in the GEMM's orientation: [BN, R] (keys x
+    rows) with KEYS_ON_M, [R, BN] otherwise; transposing them to one orientation costs a
+    shared-memory round trip and barriers on every tile (compiled for sm_90a with QSA's 4
+    heads: 8 barriers a tile)."""
+    s_ok = s < S
+    kt = tl.load(k_base + s[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
+                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    if KEYS_ON_M:
+        # K_tile @ Q^T: the (row, head) pairs are the MMA's N, so the head sum reduces within
+        # each thread and its quad (no shared memory).
+        logits_t = _logits(kt, qt, RELU, IEEE, FP8_ACC) * w[None, :]
+        scores = _head_sum(logits_t, BN, R, HP, HEAD_MAJOR)
+    else:
+        logits = _logits(qt, kt, RELU, IEEE, FP8_ACC) * w[:, None]
+        if HP == 1:
+            scores = logits
+        else:
+            scores = tl.sum(tl.reshape(logits, [R, HP, BN]), axis=1)
+    if K_SCALED:
+        # k's scale after the head sum: one multiply a score, not one a logit.
+        k_scale = tl.load(ks_ptr + b * S + s, mask=s_ok, other=0.0)
+        scores = scores * _per_key(k_scale, KEYS_ON_M)
+    if CAUSAL and LEAN:
+        # Positions as int32 ranks (see _position_ranks), -1 for rows past T, INT32_MAX for
+        # keys past S: one compare says it all (s < hi follows from kpos <= qpos).
+        k_rank = tl.load(kpos_ptr + b * S + s, mask=s_ok, other=2147483647)
+        vis = _per_key(k_rank, KEYS_ON_M) <= _per_row(qpos, KEYS_ON_M)
+    else:
+        vis = _per_row(row_ok, KEYS_ON_M) & _per_key(s_ok, KEYS_ON_M)
+        if CAUSAL:
+            kpos = tl.load(kpos_ptr + b * S + s, mask=s_ok, other=0)
+            vis = (vis & (_per_key(s, KEYS_ON_M) < _per_row(hi, KEYS_ON_M))
+                   & (_per_key(kpos, KEYS_ON_M) <= _per_row(qpos, KEYS_ON_M)))
+    return scores, vis
+
+
+@triton.jit
+def _sample_guess(scratch, thr, thr_score, k_base, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos,
+                  row_ok, stride_ks, stride_kd, offs_d, d_ok, offs_n, offs_r, R: tl.constexpr,
+                  HP: tl.constexpr, BN: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr,
+                  FP8_ACC: tl.constexpr, KEYS_ON_M: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+                  K_SCALED: tl.constexpr, CAUSAL: tl.constexpr, LEAN: tl.constexpr,
+                  CAP: tl.constexpr, TOPK: tl.constexpr, NSAMP: tl.constexpr):
+    """A first threshold for each row of the block, guessed from NSAMP evenly spaced keys
+    (`HyTopKOptions.sample_keys`): returns the rows' thr, thr_score and which rows got a guess.
+
+    The sample is scored like any tile and written to the rows' buffers (slots 0 .. NSAMP - 1,
+    INT64_MIN where not visible); a row's guess is the j-th largest of its sample (see
+    SAMPLE_SIGMAS), and its stream then keeps only keys at or above it. That is exact if at
+    least TOPK of the row's keys reach the guess, which the caller checks at the end of the
+    stream (else the block is redone without guesses); the buffer slots are free again once
+    this returns. Rows that see fewer than SAMPLE_MIN_BUFFERS buffers' worth of keys, or
+    whose sample holds fewer than j visible keys, keep thr = INT64_MIN.
+    """
+    key_min = tl.full([], -9223372036854775807 - 1, tl.int64)
+    n_max = tl.max(hi, axis=0)
+    guessed = offs_r < 0
+    if n_max >= SAMPLE_MIN_BUFFERS * CAP:
+        m_vis = tl.zeros([R], dtype=tl.int32)
+        for i in range(NSAMP // BN):
+            j = i * BN + offs_n
+            s = (j.to(tl.int64) * n_max // NSAMP).to(tl.int32)  # distinct: n_max > NSAMP
+            scores, vis = _tile_scores(
+                k_base, s, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, stride_ks,
+                stride_kd, offs_d, d_ok, R, HP, BN, RELU, IEEE, FP8_ACC, KEYS_ON_M,
+                HEAD_MAJOR, K_SCALED, CAUSAL, LEAN)
+            if LEAN:
+                keys = tl.where(vis, _pack_lean(scores, _per_key(s, KEYS_ON_M)), key_min)
+            else:
+                keys = tl.where(vis, _pack(scores, _per_key(s, KEYS_ON_M)), key_min)
+            tl.store(scratch + _per_row(offs_r, KEYS_ON_M) * CAP + _per_key(j, KEYS_ON_M), keys)
+            if KEYS_ON_M:
+                m_vis += tl.sum(vis.to(tl.int32), axis=0)
+            else:
+                m_vis += tl.sum(vis.to(tl.int32), axis=1)
+        tl.debug_barrier()  # the sample is stored
+        offs_s = tl.arange(0, NSAMP)
+        for r in range(R):
+            m = _pick(m_vis, offs_r, r)
+            n = _pick(hi, offs_r, r)
+            e = TOPK * m.to(tl.float32) / tl.maximum(n, 1).to(tl.float32)
+            j_r = (e + SAMPLE_SIGMAS * tl.sqrt(e)).to(tl.int32) + 2
+            if (n >= SAMPLE_MIN_BUFFERS * CAP) & (j_r <= m):
+                g = _kth_largest(tl.load(scratch + r * CAP + offs_s), j_r)
+                thr = tl.where(offs_r == r, g - 1, thr)  # keys > g - 1: keys >= g
+                thr_score = tl.where(offs_r == r, _unpack_score(g), thr_score)
+                guessed = guessed | (offs_r == r)
+        tl.debug_barrier()  # every thread has read the sample before the stream appends
+    return thr, thr_score, guessed
+
+
+@triton.jit
 def _hytopk_kernel(
     q_ptr, k_ptr, w_ptr, qpos_ptr, kpos_ptr, ks_ptr, hi_ptr, order_ptr,
     out_idx_ptr, out_score_ptr, scratch_ptr, count_ptr, table_ptr, cent_ptr, rho_ptr, stats_ptr,
-    T, S, H, n_blocks, blocks_per_batch, table_t0, n_key_tiles, slack,
+    fail_ptr, T, S, H, n_blocks, blocks_per_batch, table_t0, n_key_tiles, slack,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kd,
     stride_wb, stride_wt, stride_wh,
@@ -284,7 +401,8 @@ def _hytopk_kernel(
     PRUNE: tl.constexpr, G: tl.constexpr, KEYS_ON_M: tl.constexpr,
     ATOMIC_SLOTS: tl.constexpr, K_SCALED: tl.constexpr, FP8_ACC: tl.constexpr,
     HEAD_MAJOR: tl.constexpr, SORT_OUT: tl.constexpr, ORDERED: tl.constexpr,
-    KP: tl.constexpr,
+    KP: tl.constexpr, NSAMP: tl.constexpr, N_BLOCKS_ON_DEVICE: tl.constexpr,
+    LEAN: tl.constexpr,
 ):
     """One persistent program: blocks of R query rows (R * HP GEMM rows), key tiles of BN.
 
@@ -325,6 +443,8 @@ def _hytopk_kernel(
     n_pruned = tl.zeros([], dtype=tl.int64)
     n_considered = tl.zeros([], dtype=tl.int64)
 
+    if N_BLOCKS_ON_DEVICE:  # a redo of the blocks whose sampled guesses failed (see _launch)
+        n_blocks = tl.load(fail_ptr)
     # Blocks come sorted by decreasing work; striding them over programs balances the load.
     # The grid's size, read on the device: as a compiled-in value it would change with the
     # row count of short sequences (fewer row blocks than programs).
@@ -335,7 +455,10 @@ def _hytopk_kernel(
         rows = t0 + offs_r
         row_ok = rows < T
         hi = tl.load(hi_ptr + b * T + rows, mask=row_ok, other=0)
-        qpos = tl.load(qpos_ptr + b * T + rows, mask=row_ok, other=0)
+        if LEAN:  # int32 ranks (causal), -1 past T: such rows see no key
+            qpos = tl.load(qpos_ptr + b * T + rows, mask=row_ok, other=-1)
+        else:
+            qpos = tl.load(qpos_ptr + b * T + rows, mask=row_ok, other=0)
         n_tiles = tl.cdiv(tl.max(hi, axis=0), BN)
 
         m_ok = ((t0 + m_row) < T) & (m_head < H)
@@ -367,6 +490,11 @@ def _hytopk_kernel(
         thr_score = tl.full([R], float("-inf"), tl.float32)
         best = tl.full([R], float("-inf"), tl.float32)
         k_base = k_ptr + b.to(tl.int64) * stride_kb
+        if MODE == 0 and NSAMP > 0:
+            thr, thr_score, guessed = _sample_guess(
+                scratch, thr, thr_score, k_base, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos,
+                row_ok, stride_ks, stride_kd, offs_d, d_ok, offs_n, offs_r, R, HP, BN, RELU,
+                IEEE, FP8_ACC, KEYS_ON_M, HEAD_MAJOR, K_SCALED, CAUSAL, LEAN, CAP, TOPK, NSAMP)
         # Diagonal first: under causal masking the nearest keys tend to score highest, so the
         # threshold rises early and later tiles are rejected by one compare. Tiles come in
         # groups of NT: the inner loop has no nested loop, so Triton pipelines its loads, and
@@ -421,41 +549,21 @@ def _hytopk_kernel(
                 else:
                     tile = n_tiles - 1 - i
                 s = tile * BN + offs_n
-                s_ok = s < S
-                kt = tl.load(k_base + s[:, None].to(tl.int64) * stride_ks
-                             + offs_d[None, :] * stride_kd,
-                             mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-                # The tile's scores stay in the GEMM's orientation: [BN, R] (keys x rows) with
-                # KEYS_ON_M, [R, BN] otherwise. Transposing them to one orientation costs a
-                # shared-memory round trip and barriers on every tile (compiled for sm_90a with
-                # QSA's 4 heads: 8 barriers a tile).
-                if KEYS_ON_M:
-                    # K_tile @ Q^T: the (row, head) pairs are the MMA's N, so the head sum
-                    # reduces within each thread and its quad (no shared memory).
-                    logits_t = _logits(kt, qt, RELU, IEEE, FP8_ACC) * w[None, :]
-                    scores = _head_sum(logits_t, BN, R, HP, HEAD_MAJOR)
-                else:
-                    logits = _logits(qt, kt, RELU, IEEE, FP8_ACC) * w[:, None]
-                    if HP == 1:
-                        scores = logits
-                    else:
-                        scores = tl.sum(tl.reshape(logits, [R, HP, BN]), axis=1)
-                if K_SCALED:
-                    # k's scale after the head sum: one multiply a score, not one a logit.
-                    k_scale = tl.load(ks_ptr + b * S + s, mask=s_ok, other=0.0)
-                    scores = scores * _per_key(k_scale, KEYS_ON_M)
-                vis = _per_row(row_ok, KEYS_ON_M) & _per_key(s_ok, KEYS_ON_M)
-                if CAUSAL:
-                    kpos = tl.load(kpos_ptr + b * S + s, mask=s_ok, other=0)
-                    vis = (vis & (_per_key(s, KEYS_ON_M) < _per_row(hi, KEYS_ON_M))
-                           & (_per_key(kpos, KEYS_ON_M) <= _per_row(qpos, KEYS_ON_M)))
+                scores, vis = _tile_scores(
+                    k_base, s, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, stride_ks,
+                    stride_kd, offs_d, d_ok, R, HP, BN, RELU, IEEE, FP8_ACC, KEYS_ON_M,
+                    HEAD_MAJOR, K_SCALED, CAUSAL, LEAN)
                 if MODE == 0 and ATOMIC_SLOTS:
                     # Each survivor takes its slot from its row's counter (an atomic add in
                     # L2, predicated off for the other lanes): no scan and no barrier per tile.
                     # Slots come in any order; the buffer is a set, compacted by value.
-                    cand = vis & (scores >= _per_row(thr_score, KEYS_ON_M))
-                    keys = _pack(scores, _per_key(s, KEYS_ON_M))
-                    surv = cand & (keys > _per_row(thr, KEYS_ON_M))
+                    if LEAN:  # keys > thr implies scores >= thr_score: one int64 compare
+                        keys = _pack_lean(scores, _per_key(s, KEYS_ON_M))
+                        surv = vis & (keys > _per_row(thr, KEYS_ON_M))
+                    else:
+                        cand = vis & (scores >= _per_row(thr_score, KEYS_ON_M))
+                        keys = _pack(scores, _per_key(s, KEYS_ON_M))
+                        surv = cand & (keys > _per_row(thr, KEYS_ON_M))
                     # The previous tile's survivors are stored now, a tile after their atomics
                     # were issued: the GEMM in between hides the atomics' L2 round trip.
                     tl.store(scratch + _per_row(offs_r, KEYS_ON_M) * CAP + p_slot, p_keys,
@@ -470,7 +578,10 @@ def _hytopk_kernel(
                     # a candidate (a score equal to the threshold's can still win on its index).
                     cand = vis & (scores >= _per_row(thr_score, KEYS_ON_M))
                     if tl.max(cand.to(tl.int32)) > 0:
-                        keys = _pack(scores, _per_key(s, KEYS_ON_M))
+                        if LEAN:
+                            keys = _pack_lean(scores, _per_key(s, KEYS_ON_M))
+                        else:
+                            keys = _pack(scores, _per_key(s, KEYS_ON_M))
                         surv = (cand & (keys > _per_row(thr, KEYS_ON_M))).to(tl.int32)
                         if KEYS_ON_M:
                             slot = count[None, :] + tl.cumsum(surv, axis=0) - 1
@@ -487,6 +598,7 @@ def _hytopk_kernel(
                     else:
                         best = tl.maximum(best, tl.max(masked, axis=1))
                 else:
+                    s_ok = s < S
                     t_row = (rows - table_t0).to(tl.int64)
                     tl.store(table_ptr + _per_row(t_row, KEYS_ON_M) * S
                              + _per_key(s, KEYS_ON_M),
@@ -513,6 +625,12 @@ def _hytopk_kernel(
                         tl.debug_barrier()
 
         out_row = (b * T + rows).to(tl.int64) * TOPK
+        if MODE == 0 and NSAMP > 0:
+            # A guessed row that kept fewer than TOPK keys had a guess above its k-th key: the
+            # block goes on the list that the launch without guesses redoes.
+            if tl.max((guessed & (count < TOPK)).to(tl.int32), axis=0) > 0:
+                tl.store(fail_ptr + 2 + tl.atomic_add(fail_ptr, 1), blk)
+            tl.atomic_add(fail_ptr + 1, tl.sum(guessed.to(tl.int32), axis=0))
         if MODE == 0:
             for r in range(R):
                 if t0 + r < T:
@@ -565,6 +683,16 @@ def _visible_hi(q_positions, k_positions, causal, T, S):
     suffix_min = k_positions.flip(-1).cummin(-1).values.flip(-1).contiguous()
     hi = torch.searchsorted(suffix_min, q_positions.contiguous(), right=True)
     return hi.to(torch.int32)
+
+
+def _position_ranks(q_positions, k_positions):
+    """int32 ranks [B, T] / [B, S] of the positions among each batch's q and k positions
+    together: equal positions share a rank, so kpos[s] <= qpos[t] iff krank[s] <= qrank[t]
+    (`HyTopKOptions.lean_filter`: one int32 compare a score instead of two int64 ones)."""
+    merged = torch.cat([q_positions, k_positions], dim=-1).sort(dim=-1).values.contiguous()
+    rank = [torch.searchsorted(merged, p.contiguous()).to(torch.int32)
+            for p in (q_positions, k_positions)]
+    return rank[0], rank[1]
 
 
 def _prepare(q, k, weights, relu, rows, q_scale=None, folded_parts=True):
@@ -695,13 +823,16 @@ def _slack_coef(hp: int) -> float:
 
 def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
             options: HyTopKOptions = HyTopKOptions.DEFAULT, mode=MODE_SELECT, table=None,
-            table_rows=None, prune_stats=None, ordered=True, q_scale=None, k_scale=None):
+            table_rows=None, prune_stats=None, ordered=True, q_scale=None, k_scale=None,
+            sample_stats=None):
     """Run the kernel in `mode` with the variant and tiling of `options` (pruning in
     MODE_SELECT only; with one head a row the rows stay on the MMA's M whatever keys_on_m
     says). prune_stats: optional int64 tensor [2] that receives (key tiles pruned, key tiles
     considered), each counted once per row block. ordered: sort each row (else the set in
     kernel order, -1 slots last). q_scale [B, T, H], k_scale [B, S]: fp32 scales of e4m3 q
-    and k (both required then, neither otherwise)."""
+    and k (both required then, neither otherwise). sample_stats: optional int32 tensor [2]
+    that receives (rows given a sampled guess, row blocks redone because a guess failed)
+    under options.sample_keys."""
     B, T, _, D = q.shape
     S = k.shape[1]
     fp8 = q.dtype == FP8_DTYPE
@@ -730,8 +861,12 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     # the rest of the slack has filled (compactions stay rare) while a group cannot overflow.
     nt = max(1, (cap - topk) // (options.group_slack_div * bn))
     hi = _visible_hi(q_positions, k_positions, causal, T, S)
-    qpos = q_positions.contiguous()
-    kpos = k_positions.contiguous()
+    lean = options.lean_filter and mode == MODE_SELECT
+    if lean and causal:
+        qpos, kpos = _position_ranks(q_positions, k_positions)
+    else:
+        qpos = q_positions.contiguous()
+        kpos = k_positions.contiguous()
 
     blocks_per_batch = triton.cdiv(T, r)
     t_lo, t_hi = (0, T) if table_rows is None else table_rows
@@ -774,23 +909,45 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     fp8_acc = None
     if fp8 and options.fp8_imprecise_acc is not None:
         fp8_acc = min(options.fp8_imprecise_acc, bd)  # Triton rejects more than the dot's K
-    _hytopk_kernel[(nprog,)](
-        qk, kk_, w, qpos, kpos, k_scales, hi, order, indices, out_scores, scratch, counts, table,
-        cent, rho, stats,
-        T, S, H, n_blocks, blocks_per_batch, t_lo, triton.cdiv(S, bn), _slack_coef(hp),
-        qk.stride(0), qk.stride(1), qk.stride(2), qk.stride(3),
-        kk_.stride(0), kk_.stride(1), kk_.stride(2),
-        w.stride(0), w.stride(1), w.stride(2),
-        D=D, TOPK=topk, CAP=cap, R=r, HP=hp, BD=bd, BN=bn, NT=nt,
-        RELU=relu, CAUSAL=causal, IEEE=ieee, MODE=mode,
-        PRUNE=prune, G=max(16, triton.next_power_of_2(nt)),
-        KEYS_ON_M=keys_on_m, ATOMIC_SLOTS=options.atomic_slots,
-        K_SCALED=fp8, FP8_ACC=fp8_acc, HEAD_MAJOR=head_major, SORT_OUT=sort_out,
-        ORDERED=sort_out and ordered, KP=triton.next_power_of_2(topk),
-        num_warps=options.num_warps, num_stages=options.num_stages,
-    )
+    nsamp = options.sample_keys if mode == MODE_SELECT else 0
+    if nsamp and (nsamp & (nsamp - 1) or not bn <= nsamp <= cap):
+        raise ValueError(f"options.sample_keys must be a power of two from block_n ({bn}) to "
+                         f"the candidate buffer ({cap} entries), or 0; got {nsamp}")
+    # With sampled guesses: the count of blocks to redo without them, the count of rows that
+    # got a guess, and the list of the blocks to redo.
+    fails = torch.zeros(2 + n_blocks if nsamp else 1, dtype=torch.int32, device=q.device)
+
+    def launch(order, n_blocks, stats, nsamp, redo):
+        _hytopk_kernel[(nprog,)](
+            qk, kk_, w, qpos, kpos, k_scales, hi, order, indices, out_scores, scratch, counts,
+            table, cent, rho, stats, fails,
+            T, S, H, n_blocks, blocks_per_batch, t_lo, triton.cdiv(S, bn), _slack_coef(hp),
+            qk.stride(0), qk.stride(1), qk.stride(2), qk.stride(3),
+            kk_.stride(0), kk_.stride(1), kk_.stride(2),
+            w.stride(0), w.stride(1), w.stride(2),
+            D=D, TOPK=topk, CAP=cap, R=r, HP=hp, BD=bd, BN=bn, NT=nt,
+            RELU=relu, CAUSAL=causal, IEEE=ieee, MODE=mode,
+            PRUNE=prune, G=max(16, triton.next_power_of_2(nt)),
+            KEYS_ON_M=keys_on_m, ATOMIC_SLOTS=options.atomic_slots,
+            K_SCALED=fp8, FP8_ACC=fp8_acc, HEAD_MAJOR=head_major, SORT_OUT=sort_out,
+            ORDERED=sort_out and ordered, KP=triton.next_power_of_2(topk), NSAMP=nsamp,
+            N_BLOCKS_ON_DEVICE=redo, LEAN=lean,
+            num_warps=options.num_warps, num_stages=options.num_stages,
+        )
+
+    launch(order, n_blocks, stats, nsamp, False)
+    if nsamp:
+        # The blocks whose guesses failed, redone without guesses (their outputs overwritten);
+        # the count stays on the device, so no host sync: without failures every program
+        # reads 0 and exits.
+        redo_stats = torch.zeros_like(stats) if prune else stats
+        launch(fails[2:], 0, redo_stats, 0, True)
+        if prune:
+            stats += redo_stats
     if prune_stats is not None:
         prune_stats.copy_(stats.sum(0) if prune else torch.zeros_like(prune_stats))
+    if sample_stats is not None:
+        sample_stats.copy_(fails[:2].flip(0) if nsamp else torch.zeros_like(sample_stats))
     if mode == MODE_SELECT and not sort_out:
         _finish(indices, scores, ordered)
     return indices, scores

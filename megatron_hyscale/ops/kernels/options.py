@@ -109,6 +109,22 @@ class HyTopKOptions:
     # shuffle, and each score in one lane instead of two, so the per-score selection work
     # halves. The head sum repeats the default order term for term (`hytopk._head_sum`).
     head_major: bool = False
+    # Keys a row block samples (evenly spaced over its visible range; a power of two from
+    # block_n to the candidate buffer) to guess each row's threshold before its stream; 0: no
+    # guess. Without one a row's threshold starts at -inf and only rises when its buffer fills
+    # (on random inputs about 2048 ln(N / 2048) appends and 8 compactions a row at 64K keys);
+    # with the guess (the sample's j-th largest, j a few standard deviations above the
+    # expected count of top-k keys in the sample) a row appends about 1.7 topk keys and
+    # compacts once or twice. A guess above the row's k-th key is caught by the count at the
+    # end and the block redone without guesses (`hytopk._sample_guess`), so the outputs are the
+    # same whatever the inputs.
+    sample_keys: int = 0
+    # Less per-score work in the select tile loop: visibility as one int32 compare of position
+    # ranks (`hytopk._position_ranks`, computed with the launch) instead of two int64 compares
+    # and two int32 ones, no fp32 pre-compare before the int64 key compare in the atomic
+    # append (the key compare implies it), and -0.0 folded by an addition of +0.0 instead of a
+    # compare and a select.
+    lean_filter: bool = False
 
     DEFAULT: ClassVar[HyTopKOptions]
 
