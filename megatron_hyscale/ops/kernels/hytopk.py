@@ -256,13 +256,71 @@ def _kth_largest(buf, k):
 
 
 @triton.jit
-def _compact_row(row_ptr, offs_c, n, k):
+def _bit_length(x):
+    """Bits of the uint32 x (0 for 0), or one more when the nearest fp32 of x is the next power
+    of two (x = 2^b - small): never fewer. The fp32 exponent gives it without a count-leading-
+    zeros instruction (which the interpreter lacks)."""
+    e = (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126
+    return tl.where(x == 0, 0, tl.minimum(e, 32))
+
+
+@triton.jit
+def _high_bits(x, n_low):
+    """x (uint32) with its n_low lowest bits cleared (0 <= n_low <= 32)."""
+    ones = tl.full([], 0xFFFFFFFF, tl.uint32)
+    low = tl.where(n_low > 0, ones >> (tl.maximum(32 - n_low, 0) + x * 0), x * 0)
+    return x ^ (x & low)
+
+
+@triton.jit
+def _kth_largest_bounded(buf, k, floor, n_index):
+    """_kth_largest when every real key of buf is >= floor and every index < n_index (keys
+    hold 2^32 - 1 - index in their low half): the bits that all keys from floor to the largest
+    one share are the answer's too, and so are the low halves' top bits (all ones), so the
+    select starts below them. One max reduction buys 32 - bit_length(floor ^ max) score rounds
+    (the buffer's scores span a few binades above the row's threshold: most exponent bits are
+    shared) and 32 - bit_length(n_index - 1) index rounds."""
+    sign = tl.full([], -9223372036854775807 - 1, tl.int64)
+    ukey = (buf ^ sign).to(tl.uint64, bitcast=True)  # signed order -> unsigned order
+    hi = (ukey >> 32).to(tl.uint32)
+    lo = (ukey & 0xFFFFFFFF).to(tl.uint32)
+    one = tl.full([], 1, tl.uint32)
+    top = tl.max(hi, axis=0)
+    f_hi = (((floor ^ sign).to(tl.uint64, bitcast=True)) >> 32).to(tl.uint32)
+    free = _bit_length(f_hi ^ top)
+    p_hi = _high_bits(top, free)
+    for i in range(32 - free, 32):
+        trial = p_hi | (one << (p_hi * 0 + (31 - i)))
+        if tl.sum((hi >= trial).to(tl.int32), axis=0) >= k:
+            p_hi = trial
+    tie = hi == p_hi
+    n_tie = tl.sum(tie.to(tl.int32), axis=0)
+    if n_tie == 1:
+        p_lo = tl.max(tl.where(tie, lo, 0), axis=0)
+    else:
+        rank = k - tl.sum((hi > p_hi).to(tl.int32), axis=0)
+        free = _bit_length((n_index - 1).to(tl.uint32))
+        p_lo = _high_bits(tl.full([], 0xFFFFFFFF, tl.uint32), free)
+        for i in range(32 - free, 32):
+            trial = p_lo | (one << (p_lo * 0 + (31 - i)))
+            if tl.sum((tie & (lo >= trial)).to(tl.int32), axis=0) >= rank:
+                p_lo = trial
+    kth = (p_hi.to(tl.uint64) << 32) | p_lo.to(tl.uint64)
+    return kth.to(tl.int64, bitcast=True) ^ sign
+
+
+@triton.jit
+def _compact_row(row_ptr, offs_c, n, k, floor=None, n_index=None):
     """Keep the k largest of the n keys at row_ptr (keys are distinct), packed to the front, in
-    their current order; return the k-th largest key (the row's new threshold)."""
+    their current order; return the k-th largest key (the row's new threshold). With floor (a
+    key no larger than any of them) and n_index (indices are below it): the bounded select."""
     key_min = tl.full([], -9223372036854775807 - 1, tl.int64)
     tl.debug_barrier()  # appends by other threads are visible
     buf = tl.load(row_ptr + offs_c, mask=offs_c < n, other=key_min)
-    kth = _kth_largest(buf, k)
+    if floor is None:
+        kth = _kth_largest(buf, k)
+    else:
+        kth = _kth_largest_bounded(buf, k, floor, n_index)
     keep = (buf >= kth) & (offs_c < n)
     slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.debug_barrier()  # every thread has read the row before it is overwritten
@@ -338,7 +396,8 @@ def _sample_guess(scratch, thr, thr_score, k_base, qt, w, ks_ptr, kpos_ptr, b, S
                   HP: tl.constexpr, BN: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr,
                   FP8_ACC: tl.constexpr, KEYS_ON_M: tl.constexpr, HEAD_MAJOR: tl.constexpr,
                   K_SCALED: tl.constexpr, CAUSAL: tl.constexpr, LEAN: tl.constexpr,
-                  CAP: tl.constexpr, TOPK: tl.constexpr, NSAMP: tl.constexpr):
+                  CAP: tl.constexpr, TOPK: tl.constexpr, NSAMP: tl.constexpr,
+                  BOUNDED_SELECT: tl.constexpr):
     """A first threshold for each row of the block, guessed from NSAMP evenly spaced keys
     (`HyTopKOptions.sample_keys`): returns the rows' thr, thr_score and which rows got a guess.
 
@@ -379,7 +438,12 @@ def _sample_guess(scratch, thr, thr_score, k_base, qt, w, ks_ptr, kpos_ptr, b, S
             e = TOPK * m.to(tl.float32) / tl.maximum(n, 1).to(tl.float32)
             j_r = (e + SAMPLE_SIGMAS * tl.sqrt(e)).to(tl.int32) + 2
             if (n >= SAMPLE_MIN_BUFFERS * CAP) & (j_r <= m):
-                g = _kth_largest(tl.load(scratch + r * CAP + offs_s), j_r)
+                sample = tl.load(scratch + r * CAP + offs_s)
+                if BOUNDED_SELECT:
+                    lowest = tl.min(tl.where(sample == key_min, -key_min - 1, sample), axis=0)
+                    g = _kth_largest_bounded(sample, j_r, lowest, S)
+                else:
+                    g = _kth_largest(sample, j_r)
                 thr = tl.where(offs_r == r, g - 1, thr)  # keys > g - 1: keys >= g
                 thr_score = tl.where(offs_r == r, _unpack_score(g), thr_score)
                 guessed = guessed | (offs_r == r)
@@ -402,7 +466,7 @@ def _hytopk_kernel(
     ATOMIC_SLOTS: tl.constexpr, K_SCALED: tl.constexpr, FP8_ACC: tl.constexpr,
     HEAD_MAJOR: tl.constexpr, SORT_OUT: tl.constexpr, ORDERED: tl.constexpr,
     KP: tl.constexpr, NSAMP: tl.constexpr, N_BLOCKS_ON_DEVICE: tl.constexpr,
-    LEAN: tl.constexpr,
+    LEAN: tl.constexpr, BOUNDED_SELECT: tl.constexpr,
 ):
     """One persistent program: blocks of R query rows (R * HP GEMM rows), key tiles of BN.
 
@@ -494,7 +558,8 @@ def _hytopk_kernel(
             thr, thr_score, guessed = _sample_guess(
                 scratch, thr, thr_score, k_base, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos,
                 row_ok, stride_ks, stride_kd, offs_d, d_ok, offs_n, offs_r, R, HP, BN, RELU,
-                IEEE, FP8_ACC, KEYS_ON_M, HEAD_MAJOR, K_SCALED, CAUSAL, LEAN, CAP, TOPK, NSAMP)
+                IEEE, FP8_ACC, KEYS_ON_M, HEAD_MAJOR, K_SCALED, CAUSAL, LEAN, CAP, TOPK, NSAMP,
+                BOUNDED_SELECT)
         # Diagonal first: under causal masking the nearest keys tend to score highest, so the
         # threshold rises early and later tiles are rejected by one compare. Tiles come in
         # groups of NT: the inner loop has no nested loop, so Triton pipelines its loads, and
@@ -615,7 +680,11 @@ def _hytopk_kernel(
                     for r in range(R):
                         c_r = _pick(count, offs_r, r)
                         if c_r > CAP - NT * BN:
-                            thr_r = _compact_row(scratch + r * CAP, offs_c, c_r, TOPK)
+                            if BOUNDED_SELECT:
+                                thr_r = _compact_row(scratch + r * CAP, offs_c, c_r, TOPK,
+                                                     _pick(thr, offs_r, r), S)
+                            else:
+                                thr_r = _compact_row(scratch + r * CAP, offs_c, c_r, TOPK)
                             thr = tl.where(offs_r == r, thr_r, thr)
                             thr_score = tl.where(offs_r == r, _unpack_score(thr_r), thr_score)
                             count = tl.where(offs_r == r, TOPK, count)
@@ -636,7 +705,11 @@ def _hytopk_kernel(
                 if t0 + r < T:
                     c_r = _pick(count, offs_r, r)
                     if c_r > TOPK:
-                        _compact_row(scratch + r * CAP, offs_c, c_r, TOPK)
+                        if BOUNDED_SELECT:
+                            _compact_row(scratch + r * CAP, offs_c, c_r, TOPK,
+                                         _pick(thr, offs_r, r), S)
+                        else:
+                            _compact_row(scratch + r * CAP, offs_c, c_r, TOPK)
                         c_r = TOPK
                     tl.debug_barrier()
                     if SORT_OUT:
@@ -931,7 +1004,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
             KEYS_ON_M=keys_on_m, ATOMIC_SLOTS=options.atomic_slots,
             K_SCALED=fp8, FP8_ACC=fp8_acc, HEAD_MAJOR=head_major, SORT_OUT=sort_out,
             ORDERED=sort_out and ordered, KP=triton.next_power_of_2(topk), NSAMP=nsamp,
-            N_BLOCKS_ON_DEVICE=redo, LEAN=lean,
+            N_BLOCKS_ON_DEVICE=redo, LEAN=lean, BOUNDED_SELECT=options.bounded_select,
             num_warps=options.num_warps, num_stages=options.num_stages,
         )
 

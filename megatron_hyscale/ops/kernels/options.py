@@ -125,6 +125,11 @@ class HyTopKOptions:
     # append (the key compare implies it), and -0.0 folded by an addition of +0.0 instead of a
     # compare and a select.
     lean_filter: bool = False
+    # The compaction's bitwise select starts below the bits that every candidate shares: in
+    # the score half those of the row's threshold and its largest candidate (one max reduction
+    # first), in the index half the top bits that every index below S leaves set
+    # (`hytopk._kth_largest_bounded`). Each skipped bit is one count reduction fewer.
+    bounded_select: bool = False
 
     DEFAULT: ClassVar[HyTopKOptions]
 
