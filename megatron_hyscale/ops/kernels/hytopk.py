@@ -1056,17 +1056,21 @@ def hytopk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk:
                   relu: bool, q_positions: torch.Tensor, k_positions: torch.Tensor,
                   causal: bool, options: HyTopKOptions = HyTopKOptions.DEFAULT,
                   prune_stats: torch.Tensor | None = None, ordered: bool = True,
-                  q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None
+                  q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                  sample_stats: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact HyTopK on validated inputs (positions int64 [B, T] / [B, S]); see module doc.
 
     options: the kernel variant (the outputs are identical for every one). prune_stats:
     optional int64 [2] tensor that receives (key tiles pruned, key tiles considered) when
     options.prune. ordered=False: each row's set in kernel order. q_scale, k_scale: the fp32
-    scales of e4m3 q and k (`fp8_quant.quantize_indexer`)."""
+    scales of e4m3 q and k (`fp8_quant.quantize_indexer`). sample_stats: optional int32 [2]
+    tensor that receives (rows given a sampled threshold, row blocks redone without) when
+    options.sample_keys."""
     return _launch(q, k, weights, topk, relu=relu, q_positions=q_positions,
                    k_positions=k_positions, causal=causal, options=options,
-                   prune_stats=prune_stats, ordered=ordered, q_scale=q_scale, k_scale=k_scale)
+                   prune_stats=prune_stats, ordered=ordered, q_scale=q_scale, k_scale=k_scale,
+                   sample_stats=sample_stats)
 
 
 def score_table(q, k, weights, *, relu, q_positions, k_positions, causal, t0, t1, table,
