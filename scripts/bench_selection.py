@@ -87,6 +87,7 @@ Needs a CUDA GPU (every mode).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -784,9 +785,7 @@ def summary(records, kinds, configs, Ts):
             " | table/HyTopK | pruned HyTopK ms | pruned share | prune speed-up"
             " | table/pruned | heads-on-M HyTopK ms | heads-on-M score-only ms"
             " | scan-slots HyTopK ms | finish ms |")
-    log("")
-    log(head)
-    log("|" + "---|" * (head.count("|") - 1))
+    log_table_head(head)
     for kind in kinds:
         for cfg in configs:
             for T in Ts:
@@ -838,21 +837,22 @@ def variant_summary(records, kinds, configs, Ts):
             text += f" ({r['redone_blocks']} redone)"
         return text
 
-    head = ("| inputs | config | T | HyTopK ms | finish ms | score-only ms"
-            " | score-only head-major ms | " + " | ".join(c for c, _ in VARIANT_COLUMNS) + " |")
+    log_table_head("| inputs | config | T | HyTopK ms | finish ms | score-only ms"
+                   " | score-only head-major ms | "
+                   + " | ".join(c for c, _ in VARIANT_COLUMNS) + " |")
+    for key in itertools.product(kinds, configs, Ts):
+        if any(key + (m,) in by for _, m in VARIANT_COLUMNS):
+            methods = ("hytopk", "finish", "scoreonly", "scoreonly_head_major") + tuple(
+                m for _, m in VARIANT_COLUMNS)
+            log("| " + " | ".join([str(x) for x in key] + [cell(key + (m,)) for m in methods])
+                + " |")
+
+
+def log_table_head(head):
+    """A blank line, a markdown table's head and its separator row."""
     log("")
     log(head)
     log("|" + "---|" * (head.count("|") - 1))
-    for kind in kinds:
-        for cfg in configs:
-            for T in Ts:
-                key = (kind, cfg, T)
-                if not any(key + (m,) in by for _, m in VARIANT_COLUMNS):
-                    continue
-                log(f"| {kind} | {cfg} | {T} | {cell(key + ('hytopk',))} "
-                    f"| {cell(key + ('finish',))} | {cell(key + ('scoreonly',))} "
-                    f"| {cell(key + ('scoreonly_head_major',))} | "
-                    + " | ".join(cell(key + (m,)) for _, m in VARIANT_COLUMNS) + " |")
 
 
 def fmt(x, spec):

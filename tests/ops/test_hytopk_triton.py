@@ -387,25 +387,36 @@ def _kth_probe(buf_ptr, k_ptr, out_ptr, N: tl.constexpr):
     tl.store(out_ptr, kernel._kth_largest(buf, tl.load(k_ptr)))
 
 
-@pytest.mark.parametrize("ties", ["none", "score", "all_equal_scores"])
-def test_kth_largest_radix_select(ties):
-    """The compaction's k-th largest packed key: exact with and without tied scores (the index
-    half decides), with key_min padding, for every k."""
+# Indices of the keys select_buffer packs are below this.
+PROBE_INDICES = 5000
+
+
+def select_buffer(ties, n_real=40, N=64):
+    """n_real packed (score, index) keys, as the kernel compacts them, at random places of an
+    N-entry buffer padded with key_min; returns the buffer and the keys sorted descending.
+    ties: "none", "score" (scores in -3..2) or "all_equal_scores" (the index half decides)."""
     g = torch.Generator().manual_seed(3)
-    n_real, N = 40, 64
     if ties == "none":
         scores = torch.randperm(1000, generator=g)[:n_real].float() - 500.0
     elif ties == "score":
         scores = torch.randint(-3, 3, (n_real,), generator=g).float()
     else:
         scores = torch.zeros(n_real)
-    idx = torch.randperm(5000, generator=g)[:n_real]
-    row = torch.zeros(5000)
+    idx = torch.randperm(PROBE_INDICES, generator=g)[:n_real]
+    row = torch.zeros(PROBE_INDICES)
     row[idx] = scores
-    keys = order_key(row)[idx]  # the packed (score, index) keys the kernel compacts
+    keys = order_key(row)[idx]
     buf = torch.full((N,), -(1 << 63), dtype=torch.int64)
     buf[torch.randperm(N, generator=g)[:n_real]] = keys
-    expected = keys.sort(descending=True).values
+    return buf, keys.sort(descending=True).values
+
+
+@pytest.mark.parametrize("ties", ["none", "score", "all_equal_scores"])
+def test_kth_largest_radix_select(ties):
+    """The compaction's k-th largest packed key: exact with and without tied scores (the index
+    half decides), with key_min padding, for every k."""
+    buf, expected = select_buffer(ties)
+    N, n_real = buf.numel(), expected.numel()
     for k in (1, 2, n_real // 2, n_real - 1, n_real):
         out = torch.zeros(1, dtype=torch.int64, device=DEVICE)
         _kth_probe[(1,)](buf.to(DEVICE), torch.tensor([k], device=DEVICE), out, N=N)
@@ -563,24 +574,12 @@ def _kth_bounded_probe(buf_ptr, k_ptr, floor_ptr, out_ptr, n_index, N: tl.conste
 def test_kth_largest_bounded_select(ties):
     """The bounded select gives _kth_largest's answer for every k, with the floor at the
     smallest key, below it, and at the floor's extremes (INT64_MIN: nothing skipped)."""
-    g = torch.Generator().manual_seed(3)
-    n_real, N, n_index = 40, 64, 5000
-    if ties == "none":
-        scores = torch.randperm(1000, generator=g)[:n_real].float() - 500.0
-    elif ties == "score":
-        scores = torch.randint(-3, 3, (n_real,), generator=g).float()
-    else:
-        scores = torch.zeros(n_real)
-    idx = torch.randperm(n_index, generator=g)[:n_real]
-    row = torch.zeros(n_index)
-    row[idx] = scores
-    keys = order_key(row)[idx]
-    buf = torch.full((N,), -(1 << 63), dtype=torch.int64)
-    buf[torch.randperm(N, generator=g)[:n_real]] = keys
-    expected = keys.sort(descending=True).values
+    buf, expected = select_buffer(ties)
+    N, n_real = buf.numel(), expected.numel()
     for floor in (expected[-1].item(), expected[-1].item() - (5 << 32), -(1 << 63)):
         for k in (1, 2, n_real // 2, n_real - 1, n_real):
             out = torch.zeros(1, dtype=torch.int64, device=DEVICE)
             _kth_bounded_probe[(1,)](buf.to(DEVICE), torch.tensor([k], device=DEVICE),
-                                     torch.tensor([floor], device=DEVICE), out, n_index, N=N)
+                                     torch.tensor([floor], device=DEVICE), out,
+                                     PROBE_INDICES, N=N)
             assert out.item() == expected[k - 1].item(), (ties, floor, k)

@@ -1,36 +1,21 @@
 """bench_selection's select-variant methods (issue #21) and their table, on CPU.
 
 The methods run through the Triton interpreter on tiny integer-valued inputs (the bench builds
-its positions on CUDA, so they are rebuilt on the CPU here): each equals the op, and the
-comparison with the default kernel that the bench records says so; the table renders from
-hand-made records.
+its positions on CUDA, so they are rebuilt on the CPU here, as for the fp8 methods, whose
+module sets the interpreter up): each equals the op, and the comparison with the default kernel
+that the bench records says so; the table renders from hand-made records.
 """
 
 from __future__ import annotations
 
-import os
-
-import pytest
 import torch
+from test_bench_selection_fp8 import cpu_positions, sel  # noqa: F401 (sel: a fixture)
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from test_stock_tilelang_columns import load  # noqa: E402
-
-from megatron_hyscale.ops import hytopk  # noqa: E402
-from megatron_hyscale.testing.compare import assert_rows_hold_sorted_sets  # noqa: E402
+from megatron_hyscale.ops import hytopk
+from megatron_hyscale.testing.compare import assert_rows_hold_sorted_sets
 
 
-@pytest.fixture(scope="module")
-def sel():
-    return load("bench_selection")
-
-
-def test_select_methods_select_as_the_op(sel, monkeypatch):
-    def cpu_positions(T, S):
-        return (torch.arange(T) + S - T)[None], torch.arange(S)[None]
-
+def test_select_methods_select_as_the_op(sel, monkeypatch):  # noqa: F811
     monkeypatch.setattr(sel, "positions", cpu_positions)
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-2, 3, (1, 16, 4, 32), generator=g).float()
@@ -56,7 +41,7 @@ def test_select_methods_select_as_the_op(sel, monkeypatch):
     assert torch.equal(best, want[1][..., 0])
 
 
-def test_variant_table_renders_times_and_flags(sel, capsys):
+def test_variant_table_renders_times_and_flags(sel, capsys):  # noqa: F811
     base = {"config": "norelu", "T": 131072, "inputs": "random"}
     records = [dict(base, method="hytopk", ms=172.9), dict(base, method="finish", ms=33.0),
                dict(base, method="scoreonly", ms=37.5),

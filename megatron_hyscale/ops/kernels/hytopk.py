@@ -230,11 +230,18 @@ def _kth_largest(buf, k):
     """
     sign = tl.full([], -9223372036854775807 - 1, tl.int64)
     ukey = (buf ^ sign).to(tl.uint64, bitcast=True)  # signed order -> unsigned order
-    hi = (ukey >> 32).to(tl.uint32)
-    lo = (ukey & 0xFFFFFFFF).to(tl.uint32)
+    zero = tl.zeros([], dtype=tl.uint32)
+    return _kth_of_halves((ukey >> 32).to(tl.uint32), (ukey & 0xFFFFFFFF).to(tl.uint32), k,
+                          zero, 0, zero, 0) ^ sign
+
+
+@triton.jit
+def _kth_of_halves(hi, lo, k, p_hi, hi_from, p_lo, lo_from):
+    """_kth_largest on the unsigned halves of the keys (unsigned order), the select of each
+    half starting at bit 31 - *_from with the bits above it given (p_hi, p_lo: what every
+    candidate shares); returns the key in unsigned order."""
     one = tl.full([], 1, tl.uint32)
-    p_hi = tl.zeros([], dtype=tl.uint32)
-    for i in range(32):
+    for i in range(hi_from, 32):
         trial = p_hi | (one << (p_hi * 0 + (31 - i)))
         if tl.sum((hi >= trial).to(tl.int32), axis=0) >= k:
             p_hi = trial
@@ -246,13 +253,12 @@ def _kth_largest(buf, k):
         p_lo = tl.max(tl.where(tie, lo, 0), axis=0)
     else:
         rank = k - tl.sum((hi > p_hi).to(tl.int32), axis=0)
-        p_lo = tl.zeros([], dtype=tl.uint32)
-        for i in range(32):
+        for i in range(lo_from, 32):
             trial = p_lo | (one << (p_lo * 0 + (31 - i)))
             if tl.sum((tie & (lo >= trial)).to(tl.int32), axis=0) >= rank:
                 p_lo = trial
     kth = (p_hi.to(tl.uint64) << 32) | p_lo.to(tl.uint64)
-    return kth.to(tl.int64, bitcast=True) ^ sign
+    return kth.to(tl.int64, bitcast=True)
 
 
 @triton.jit
@@ -283,30 +289,13 @@ def _kth_largest_bounded(buf, k, floor, n_index):
     sign = tl.full([], -9223372036854775807 - 1, tl.int64)
     ukey = (buf ^ sign).to(tl.uint64, bitcast=True)  # signed order -> unsigned order
     hi = (ukey >> 32).to(tl.uint32)
-    lo = (ukey & 0xFFFFFFFF).to(tl.uint32)
-    one = tl.full([], 1, tl.uint32)
     top = tl.max(hi, axis=0)
-    f_hi = (((floor ^ sign).to(tl.uint64, bitcast=True)) >> 32).to(tl.uint32)
-    free = _bit_length(f_hi ^ top)
-    p_hi = _high_bits(top, free)
-    for i in range(32 - free, 32):
-        trial = p_hi | (one << (p_hi * 0 + (31 - i)))
-        if tl.sum((hi >= trial).to(tl.int32), axis=0) >= k:
-            p_hi = trial
-    tie = hi == p_hi
-    n_tie = tl.sum(tie.to(tl.int32), axis=0)
-    if n_tie == 1:
-        p_lo = tl.max(tl.where(tie, lo, 0), axis=0)
-    else:
-        rank = k - tl.sum((hi > p_hi).to(tl.int32), axis=0)
-        free = _bit_length((n_index - 1).to(tl.uint32))
-        p_lo = _high_bits(tl.full([], 0xFFFFFFFF, tl.uint32), free)
-        for i in range(32 - free, 32):
-            trial = p_lo | (one << (p_lo * 0 + (31 - i)))
-            if tl.sum((tie & (lo >= trial)).to(tl.int32), axis=0) >= rank:
-                p_lo = trial
-    kth = (p_hi.to(tl.uint64) << 32) | p_lo.to(tl.uint64)
-    return kth.to(tl.int64, bitcast=True) ^ sign
+    free_hi = _bit_length((((floor ^ sign).to(tl.uint64, bitcast=True)) >> 32).to(tl.uint32)
+                          ^ top)
+    free_lo = _bit_length((n_index - 1).to(tl.uint32))
+    return _kth_of_halves(hi, (ukey & 0xFFFFFFFF).to(tl.uint32), k, _high_bits(top, free_hi),
+                          32 - free_hi, _high_bits(tl.full([], 0xFFFFFFFF, tl.uint32), free_lo),
+                          32 - free_lo) ^ sign
 
 
 @triton.jit
