@@ -10,8 +10,11 @@ appends survivors as packed int64 keys (order-preserving score bits << 32 | ~ind
 per-row buffer of CAP >= max(topk + block_n, min_cap) entries (each at a slot from the row's
 atomic counter, `atomic_slots`), and when the buffer may overflow keeps its top-k, found by a
 bitwise radix select (the k-th key becomes the new threshold). The row's top-k set is written
-unsorted; a row-chunked torch pass decodes it, sorted unless the caller asks for the set only.
-Variants and tunings come in a `HyTopKOptions` (`kernels/options.py`).
+unsorted; a row-chunked torch pass decodes it, sorted unless the caller asks for the set only
+(`sort_in_kernel`: the kernel sorts and decodes each row itself). `sample_keys`: each row's
+threshold starts from a guess made on a sample of its keys, and a block whose guess proves
+too high is redone without one by a second launch. Variants and tunings come in a
+`HyTopKOptions` (`kernels/options.py`).
 
 FP8 (e4m3 q and k): the same kernel with fp8 tensor-core products accumulated in fp32; q's
 per-(token, head) scale is folded into the head weight before the launch and k's per-token scale
@@ -84,8 +87,9 @@ FP8_MIN_DOT = 32
 SAMPLE_MIN_BUFFERS = tl.constexpr(4)
 # The sampled guess is the sample's j-th largest key with j = e + SAMPLE_SIGMAS sqrt(e) + 2,
 # e = topk * sample / visible keys: the expected number of top-k keys in the sample plus this
-# many standard deviations (of a binomial count, which a sample without replacement only
-# narrows), so a guess above the true k-th key (then redone) has a probability under 1e-4.
+# many standard deviations. That count is binomial (a sample without replacement only narrows
+# it), about Poisson(e), whose tail past j is 5e-5 to 2.4e-4 for e from 128 down to 2: the
+# chance that a row's guess lies above its k-th key and its block is redone.
 SAMPLE_SIGMAS = tl.constexpr(4.0)
 
 # Modes: the real kernel, and two measurement variants that share the same GEMM loop.
@@ -186,7 +190,7 @@ def _head_sum(x, BN: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
     lanes of its quad: Triton adds each register pair (heads 2p, 2p + 1, the weight products
     fused into one FMA), then the pairs across lanes xor 2, then xor 1, leaving each score in
     two or four lanes. Pair-major columns (HEAD_MAJOR: (h // 2) * 2R + 2r + h % 2, with 4 or 8
-    padded heads and at least 8 rows) keep each head pair in a register pair too, and all of a
+    padded heads and at least 4 rows) keep each head pair in a register pair too, and all of a
     row's pairs in one thread: the sums below add the same pairs (the same FMAs, PTX checked
     with Triton 3.6) and then the pairs in the lanes' order, so the scores are the same bit for
     bit (fp32 addition commutes but does not associate), without shuffles, one lane a score.
