@@ -339,9 +339,10 @@ def test_select_variants_identical_to_default(shape, variant):
 @pytest.mark.parametrize("kind", ["random", "recency"])
 def test_sampled_thresholds_at_scale(kind):
     """sample_keys at 32K tokens (rows past 16K keys sample 1024 of them): the outputs are the
-    default kernel's bit for bit. Random inputs: the rows past 16K get a guess and no block is
-    redone (a guess fails with probability under 1e-4 a row). Recency-biased inputs (recent
-    keys score highest, as a trained indexer's): guesses may fail, and are redone."""
+    default kernel's bit for bit. Random inputs: the rows past 16K get a guess and almost no
+    block is redone (a guess fails with probability about 1e-4 a row: some 16K rows guessed,
+    about one block redone). Recency-biased inputs (recent keys score highest, as a trained
+    indexer's): guesses may fail more often, and are redone."""
     T, H, D, topk = 32768, 32, 128, 2048
     q, k, w = random_bf16(T, H, D, seed=17)
     if kind == "recency":
@@ -358,5 +359,5 @@ def test_sampled_thresholds_at_scale(kind):
         assert torch.equal(out[0], base[0]) and torch.equal(out[1], base[1]), relu
         guessed, redone = stats.tolist()
         print(f"{kind} relu={relu}: {guessed} of {T} rows guessed, {redone} blocks redone")
-        if kind == "random":
-            assert guessed >= T // 3 and redone <= 2
+        if kind == "random":  # at most 1% of the 2048 (relu=False) or 8192 row blocks
+            assert guessed >= T // 3 and redone <= 20

@@ -341,19 +341,16 @@ def _write_row(row_ptr, n, out_off, out_idx_ptr, out_score_ptr, TOPK: tl.constex
 
 
 @triton.jit
-def _tile_scores(k_base, s, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, stride_ks,
-                 stride_kd, offs_d, d_ok, R: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr,
-                 RELU: tl.constexpr, IEEE: tl.constexpr, FP8_ACC: tl.constexpr,
-                 KEYS_ON_M: tl.constexpr, HEAD_MAJOR: tl.constexpr, K_SCALED: tl.constexpr,
-                 CAUSAL: tl.constexpr, LEAN: tl.constexpr):
-    """Scores of the BN keys s (indices into k_base's sequence) for the block's R rows, and
+def _tile_scores(kt, s, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, R: tl.constexpr,
+                 HP: tl.constexpr, BN: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr,
+                 FP8_ACC: tl.constexpr, KEYS_ON_M: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+                 K_SCALED: tl.constexpr, CAUSAL: tl.constexpr, LEAN: tl.constexpr):
+    """Scores of the BN keys kt (key indices s; rows past S zero) for the block's R rows, and
     which (key, row) pairs are visible. Both stay in the GEMM's orientation: [BN, R] (keys x
     rows) with KEYS_ON_M, [R, BN] otherwise; transposing them to one orientation costs a
     shared-memory round trip and barriers on every tile (compiled for sm_90a with QSA's 4
     heads: 8 barriers a tile)."""
     s_ok = s < S
-    kt = tl.load(k_base + s[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
-                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     if KEYS_ON_M:
         # K_tile @ Q^T: the (row, head) pairs are the MMA's N, so the head sum reduces within
         # each thread and its quad (no shared memory).
@@ -410,10 +407,11 @@ def _sample_guess(scratch, thr, thr_score, k_base, qt, w, ks_ptr, kpos_ptr, b, S
         for i in range(NSAMP // BN):
             j = i * BN + offs_n
             s = (j.to(tl.int64) * n_max // NSAMP).to(tl.int32)  # distinct: n_max > NSAMP
+            kt = tl.load(k_base + s[:, None].to(tl.int64) * stride_ks
+                         + offs_d[None, :] * stride_kd, mask=d_ok[None, :], other=0.0)
             scores, vis = _tile_scores(
-                k_base, s, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, stride_ks,
-                stride_kd, offs_d, d_ok, R, HP, BN, RELU, IEEE, FP8_ACC, KEYS_ON_M,
-                HEAD_MAJOR, K_SCALED, CAUSAL, LEAN)
+                kt, s, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, R, HP, BN, RELU, IEEE,
+                FP8_ACC, KEYS_ON_M, HEAD_MAJOR, K_SCALED, CAUSAL, LEAN)
             if LEAN:
                 keys = tl.where(vis, _pack_lean(scores, _per_key(s, KEYS_ON_M)), key_min)
             else:
@@ -607,10 +605,12 @@ def _hytopk_kernel(
                 else:
                     tile = n_tiles - 1 - i
                 s = tile * BN + offs_n
+                kt = tl.load(k_base + s[:, None].to(tl.int64) * stride_ks
+                             + offs_d[None, :] * stride_kd,
+                             mask=(s < S)[:, None] & d_ok[None, :], other=0.0)
                 scores, vis = _tile_scores(
-                    k_base, s, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, stride_ks,
-                    stride_kd, offs_d, d_ok, R, HP, BN, RELU, IEEE, FP8_ACC, KEYS_ON_M,
-                    HEAD_MAJOR, K_SCALED, CAUSAL, LEAN)
+                    kt, s, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, R, HP, BN, RELU,
+                    IEEE, FP8_ACC, KEYS_ON_M, HEAD_MAJOR, K_SCALED, CAUSAL, LEAN)
                 if MODE == 0 and ATOMIC_SLOTS:
                     # Each survivor takes its slot from its row's counter (an atomic add in
                     # L2, predicated off for the other lanes): no scan and no barrier per tile.
