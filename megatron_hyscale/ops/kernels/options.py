@@ -113,7 +113,8 @@ class HyTopKOptions:
     # lane instead of two, so the per-score selection work halves. The head sum repeats the
     # default order term for term (`hytopk._head_sum`). Compiled for sm_90a (2026-12-03,
     # `inspect_sm90.py --preset hytopk-norelu hytopk-norelu-head-major`): the folded query's
-    # select loop 887 -> 603 SASS instructions a tile, QSA's 847 -> 608. Not yet timed.
+    # select loop 887 -> 609 SASS instructions a tile (scores alone 433 -> 322), QSA's 847 ->
+    # 608. Not yet timed (bench_selection.py hytopk_head_major, scoreonly_head_major).
     head_major: bool = False
     # Keys a row block samples (evenly spaced over its visible range; a power of two from
     # block_n to the candidate buffer) to guess each row's threshold before its stream; 0: no
@@ -131,8 +132,8 @@ class HyTopKOptions:
     # and two int32 ones, no fp32 pre-compare before the int64 key compare in the atomic
     # append (the key compare implies it), and -0.0 folded by an addition of +0.0 instead of a
     # compare and a select. Compiled for sm_90a (2026-12-03): the folded query's select loop
-    # 887 -> 641 SASS instructions a tile (576 with head_major), V3.2's 460 -> 425. Not yet
-    # timed (bench_selection.py hytopk_lean).
+    # 887 -> 641 SASS instructions a tile (about 590 with head_major), V3.2's 460 -> 419. Not
+    # yet timed (bench_selection.py hytopk_lean).
     lean_filter: bool = False
     # The compaction's bitwise select starts below the bits that every candidate shares: in
     # the score half those of the row's threshold and its largest candidate (one max reduction
