@@ -26,6 +26,19 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              fp8 MMA step added to an fp32 accumulator)
   scoreonly_fp8  the score-only kernel on the quantized q and k (splits the fp8 GEMM from the
              selection; quantization not timed)
+  hytopk_sort, hytopk_head_major, hytopk_lean, hytopk_sample, hytopk_bounded  HyTopK with one
+             select variant of HyTopKOptions each (issue #21: a select that costs little
+             whatever the head count): sort_in_kernel (each row sorted and decoded in the
+             kernel, no `finish` pass), head_major (pair-major GEMM columns: with 4 or 8 padded
+             heads, each score in one lane), lean_filter (one int32 visibility compare, one key
+             compare), sample_keys=1024 (a sampled first threshold a row; reports the share of
+             rows that got one and the row blocks redone), bounded_select (the compaction's
+             select skips the bits all candidates share)
+  hytopk_select  all of them together; hytopk_select_unordered the same with ordered=False
+             (decode without the sort: the difference is the in-kernel sort's time)
+  scoreonly_head_major  the score-only kernel with head_major (the GEMM and head sum alone)
+  (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
+  128K)
   finish     HyTopK's last pass alone (the torch sort that orders and decodes each row)
   naive      megatron-core 0.19.2 `fused_qk_topk_naive` (full [T, H, S] fp32 logits); OOM shown
   chunked    the common chunked path: per-head bf16 logits for a row block, ReLU, head sum as a
@@ -74,6 +87,7 @@ Needs a CUDA GPU (every mode).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -236,13 +250,64 @@ def floor_ms(T, S, H, D, rate):
     return pairs * H * D * 2 / rate * 1e3
 
 
-def run_hytopk(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT, prune_stats=None):
+def run_hytopk(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT, prune_stats=None,
+               ordered=True, sample_stats=None):
     # The kernel entry that hytopk(..., backend="triton") calls after validating its inputs:
     # the validation's isfinite pass allocates a bool copy of q (8 GiB at 1M tokens), which is
     # not part of the selection and would hide the kernel's own peak memory.
     qpos, kpos = positions(q.shape[1], k.shape[1])
     return hk.hytopk_triton(q, k, w, topk, relu=relu, q_positions=qpos, k_positions=kpos,
-                            causal=True, options=options, prune_stats=prune_stats)
+                            causal=True, options=options, prune_stats=prune_stats,
+                            ordered=ordered, sample_stats=sample_stats)
+
+
+# The select variants (issue #21), each as HyTopKOptions fields; hytopk_select takes them all.
+SELECT_VARIANTS = {
+    "hytopk_sort": dict(sort_in_kernel=True),
+    "hytopk_head_major": dict(head_major=True),
+    "hytopk_lean": dict(lean_filter=True),
+    "hytopk_sample": dict(sample_keys=1024),
+    "hytopk_bounded": dict(bounded_select=True),
+}
+SELECT_VARIANTS["hytopk_select"] = {f: v for fields in SELECT_VARIANTS.values()
+                                    for f, v in fields.items()}
+
+
+def select_variant(name, ordered=True):
+    """A method running HyTopK with the HyTopKOptions fields of SELECT_VARIANTS[name]."""
+    options = replace(HyTopKOptions.DEFAULT, **SELECT_VARIANTS[name])
+
+    def run(q, k, w, topk, relu, sample_stats=None):
+        return run_hytopk(q, k, w, topk, relu, options, ordered=ordered,
+                          sample_stats=sample_stats)
+
+    return run
+
+
+def run_scoreonly_head_major(q, k, w, topk, relu):
+    return run_scoreonly(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, head_major=True))
+
+
+# The default's outputs for the last (inputs, T) a variant was compared at (one at a time: two
+# 128K x 2048 outputs take 2 GiB).
+_DEFAULT_OUTPUTS: dict = {}
+
+
+def same_as_default(out, q, k, w, topk, relu, ordered=True):
+    """Whether a variant's outputs equal the default kernel's bit for bit (unordered: the
+    same sets, each row sorted by index first)."""
+    key = (q.data_ptr(), k.data_ptr(), q.shape, topk)
+    if key not in _DEFAULT_OUTPUTS:
+        _DEFAULT_OUTPUTS.clear()
+        _DEFAULT_OUTPUTS[key] = run_hytopk(q, k, w, topk, relu)
+    ref_i, ref_s = _DEFAULT_OUTPUTS[key]
+    got_i, got_s = out
+    if not ordered:
+        order = got_i.to(torch.int64).masked_fill(got_i < 0, 1 << 40).argsort(-1)
+        got_i, got_s = got_i.gather(-1, order), got_s.gather(-1, order)
+        order = ref_i.to(torch.int64).masked_fill(ref_i < 0, 1 << 40).argsort(-1)
+        ref_i, ref_s = ref_i.gather(-1, order), ref_s.gather(-1, order)
+    return torch.equal(got_i, ref_i) and torch.equal(got_s, ref_s)
 
 
 def run_hytopk_scan_slots(q, k, w, topk, relu):
@@ -431,6 +496,9 @@ METHODS = {
     "hytopk_fp8": run_hytopk_fp8,
     "hytopk_fp8_promote32": run_hytopk_fp8_promote32,
     "scoreonly_fp8": run_scoreonly_fp8,
+    **{name: select_variant(name) for name in SELECT_VARIANTS},
+    "hytopk_select_unordered": select_variant("hytopk_select", ordered=False),
+    "scoreonly_head_major": run_scoreonly_head_major,
     "finish": run_finish,
     "naive": run_naive,
     "chunked": run_chunked,
@@ -450,7 +518,10 @@ COMPARED_METHODS = LIBRARY_METHODS + ("stock_tilelang",)
 # (method, config) pairs already compiled with 64-bit integer arguments (see bench_one), and
 # the methods that launch the HyTopK kernel (table-then-select's scoring pass included).
 WIDE_COMPILED = set()
-KERNEL_METHODS = ("hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
+# The select variants, compared with the default kernel's outputs (same_as_hytopk).
+VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered",)
+KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major",) + (
+                  "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
                   "hytopk_folded_fp32",
                   "scoreonly", "scoreonly_heads_on_m", "table", "hytopk_fp8",
                   "hytopk_fp8_promote32", "scoreonly_fp8")
@@ -511,6 +582,16 @@ def bench_one(method, T, cfg, kind, rate, reps):
         if method in FP8_METHODS and T <= SAME_SET_MAX_T:
             rec.update(overlap_vs_bf16=overlap_with_bf16(fn(q, k, w, topk, relu)[0], q, k, w,
                                                          topk, relu))
+        if method in VARIANT_METHODS and T <= SAME_SET_MAX_T:
+            rec.update(same_as_hytopk=same_as_default(
+                fn(q, k, w, topk, relu), q, k, w, topk, relu,
+                ordered=method != "hytopk_select_unordered"))
+        if "sample_keys" in SELECT_VARIANTS.get(method.removesuffix("_unordered"), {}):
+            stats = torch.zeros(2, dtype=torch.int32, device="cuda")
+            fn(q, k, w, topk, relu, sample_stats=stats)
+            guessed, redone = stats.tolist()
+            rec.update(sampled_rows_share=guessed / (q.shape[0] * q.shape[1]),
+                       redone_blocks=redone)
         if method in COMPARED_METHODS and T <= SAME_SET_MAX_T:
             rec.update(same_rows_as_hytopk=same_sets_as_hytopk(fn(q, k, w, topk, relu),
                                                                 q, k, w, topk, relu))
@@ -704,9 +785,7 @@ def summary(records, kinds, configs, Ts):
             " | table/HyTopK | pruned HyTopK ms | pruned share | prune speed-up"
             " | table/pruned | heads-on-M HyTopK ms | heads-on-M score-only ms"
             " | scan-slots HyTopK ms | finish ms |")
-    log("")
-    log(head)
-    log("|" + "---|" * (head.count("|") - 1))
+    log_table_head(head)
     for kind in kinds:
         for cfg in configs:
             for T in Ts:
@@ -733,6 +812,47 @@ def summary(records, kinds, configs, Ts):
                     f"| {ratio(key + ('table',), hp) if hp else '-'} "
                     f"| {fmt(hm.get('ms'), '.1f')} | {fmt(sm.get('ms'), '.1f')} "
                     f"| {fmt(ss.get('ms'), '.1f')} | {fmt(fi.get('ms'), '.1f')} |")
+
+
+# The select variants' table: (column, method).
+VARIANT_COLUMNS = (("sort ms", "hytopk_sort"), ("head-major ms", "hytopk_head_major"),
+                   ("lean ms", "hytopk_lean"), ("sample ms", "hytopk_sample"),
+                   ("bounded ms", "hytopk_bounded"), ("all ms", "hytopk_select"),
+                   ("all unordered ms", "hytopk_select_unordered"))
+
+
+def variant_summary(records, kinds, configs, Ts):
+    """Markdown table of the select variants against HyTopK's default, its finish pass and
+    scoring alone; a variant whose outputs differ from the default's is marked NOT EXACT."""
+    by = {(r["inputs"], r["config"], r["T"], r["method"]): r for r in records}
+    if not any(m for *_, m in by if m in VARIANT_METHODS):
+        return
+
+    def cell(key):
+        r = by.get(key) or {}
+        text = fmt(r.get("ms"), ".1f")
+        if r.get("same_as_hytopk") is False:
+            text += " NOT EXACT"
+        if r.get("redone_blocks"):
+            text += f" ({r['redone_blocks']} redone)"
+        return text
+
+    log_table_head("| inputs | config | T | HyTopK ms | finish ms | score-only ms"
+                   " | score-only head-major ms | "
+                   + " | ".join(c for c, _ in VARIANT_COLUMNS) + " |")
+    for key in itertools.product(kinds, configs, Ts):
+        if any(key + (m,) in by for _, m in VARIANT_COLUMNS):
+            methods = ("hytopk", "finish", "scoreonly", "scoreonly_head_major") + tuple(
+                m for _, m in VARIANT_COLUMNS)
+            log("| " + " | ".join([str(x) for x in key] + [cell(key + (m,)) for m in methods])
+                + " |")
+
+
+def log_table_head(head):
+    """A blank line, a markdown table's head and its separator row."""
+    log("")
+    log(head)
+    log("|" + "---|" * (head.count("|") - 1))
 
 
 def fmt(x, spec):
@@ -867,12 +987,17 @@ def main():
                         + (f"  pruned {rec['pruned_share']:.1%} identical "
                            f"{rec['same_as_unpruned']}" if "pruned_share" in rec else "")
                         + (f"  overlap with bf16 {rec['overlap_vs_bf16']:.4f}"
-                           if "overlap_vs_bf16" in rec else ""))
+                           if "overlap_vs_bf16" in rec else "")
+                        + (f"  same as hytopk {rec['same_as_hytopk']}"
+                           if "same_as_hytopk" in rec else "")
+                        + (f"  sampled rows {rec['sampled_rows_share']:.1%} redone blocks "
+                           f"{rec['redone_blocks']}" if "sampled_rows_share" in rec else ""))
     if "structured" in args.inputs:
         share = check_structured_exact(16384, "dsv32")
         log(f"structured T=16384: share of rows identical to the reference {share:.4f}")
 
     summary(records, args.inputs, args.configs, Ts)
+    variant_summary(records, args.inputs, args.configs, Ts)
     write_json(records, dev, rate, bw, args.out)
     try:
         plot(records, os.path.join(args.out, f"bench_selection{TAG}.png"))

@@ -6,9 +6,10 @@ Each kernel is compiled exactly as its launch wrapper would launch it: the wrapp
 tensors of the real shapes and dtypes, the `kernel[grid](...)` call is intercepted, and its
 arguments are specialized with Triton's own rules (ints equal to 1 become constants, 16-byte
 alignment and divisibility by 16 become attributes). ptxas and cuobjdump come with the Triton
-wheel. The hot loop is the smallest loop that holds the kernel's first tensor-core instruction
-(HGMMA / QGMMA / HMMA). Use it to compare kernel variants before spending GPU time: instruction
-counts and spills are facts about the binary; time still has to be measured on the GPU.
+wheel. The hot loop is the innermost loop that holds a tensor-core instruction (HGMMA / QGMMA /
+HMMA); of several (HyTopK's sampling pass before its key-tile loop), the last in the binary.
+Use it to compare kernel variants before spending GPU time: instruction counts and spills are
+facts about the binary; time still has to be measured on the GPU.
 
     python scripts/inspect_sm90.py --preset hytopk-dsv32 [--sass-out DIR]
     python scripts/inspect_sm90.py --list
@@ -64,6 +65,7 @@ class Launch:
 @dataclass
 class Report:
     name: str
+    instructions: int  # in the whole kernel
     registers: int
     spill_stores: int
     spill_loads: int
@@ -78,7 +80,8 @@ class Report:
     def line(self) -> str:
         ops = " ".join(f"{k}={v}" for k, v in self.loop_ops.items() if v)
         notes = "".join(f"\n  ptxas: {w}" for w in self.perf_warnings)
-        return (f"{self.name}: {self.registers} regs, spills {self.spill_stores}/"
+        return (f"{self.name}: {self.instructions} instrs, {self.registers} regs, spills "
+                f"{self.spill_stores}/"
                 f"{self.spill_loads} B st/ld, stack {self.stack_bytes} B, smem "
                 f"{self.shared_bytes} B | hot loop {self.loop_instructions} instrs: {ops}{notes}")
 
@@ -138,23 +141,31 @@ def _ptxas(ptx: str, workdir: str) -> tuple[str, str]:
     return info, sass
 
 
+def _instructions(sass: str) -> list[tuple[int, str]]:
+    return [(int(m.group(1), 16), m.group(2).strip())
+            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
 def hot_loop(sass: str) -> list[str]:
-    """Instructions of the smallest loop (a backward branch) around the first MMA."""
-    ins = [(int(m.group(1), 16), m.group(2).strip())
-           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    mma = [a for a, t in ins if "HGMMA" in t or "QGMMA" in t or "HMMA" in t]
-    if not mma:
-        return []
-    best = None
+    """Instructions of the hot loop: for each MMA the smallest loop (a backward branch's span)
+    around it; of those, the innermost ones (a loop around a pruning bound's MMA also holds
+    the key-tile loop); of those, the last."""
+    ins = _instructions(sass)
+    spans = [(int(m.group(1), 16), a) for a, t in ins
+             for m in [re.search(r"BRA\b.*?(0x[0-9a-f]+)", t)]
+             if m and int(m.group(1), 16) <= a]
+    around = set()
     for a, t in ins:
-        m = re.search(r"BRA\b.*?(0x[0-9a-f]+)", t)
-        if m and a > mma[0] and int(m.group(1), 16) <= mma[0]:
-            span = (int(m.group(1), 16), a)
-            if best is None or span[1] - span[0] < best[1] - best[0]:
-                best = span
-    if best is None:
+        if "HGMMA" in t or "QGMMA" in t or "HMMA" in t:
+            inside = [sp for sp in spans if sp[0] <= a <= sp[1]]
+            if inside:
+                around.add(min(inside, key=lambda sp: sp[1] - sp[0]))
+    inner = [sp for sp in around
+             if not any(o != sp and sp[0] <= o[0] and o[1] <= sp[1] for o in around)]
+    if not inner:
         return []
-    return [t for a, t in ins if best[0] <= a <= best[1]]
+    lo, hi = max(inner)
+    return [t for a, t in ins if lo <= a <= hi]
 
 
 def report(name: str, launch: Launch) -> Report:
@@ -171,7 +182,8 @@ def report(name: str, launch: Launch) -> Report:
     for t in loop:
         op = re.sub(r"^@!?U?P[T\d]+\s+", "", t).split()[0].split(".")[0]
         counts[op] += 1
-    return Report(name, num(r"Used (\d+) registers"), num(r"(\d+) bytes spill stores"),
+    return Report(name, len(_instructions(sass)), num(r"Used (\d+) registers"),
+                  num(r"(\d+) bytes spill stores"),
                   num(r"(\d+) bytes spill loads"), num(r"(\d+) bytes stack frame"),
                   compiled.metadata.shared, len(loop), {k: counts[k] for k in SHOWN_OPS},
                   re.findall(r"Potential Performance Loss[^\n]*", info), sass)
@@ -276,6 +288,10 @@ def _indexer_loss(hi: int, di: int, hq: int, d: int, topk: int, T: int = 256, **
     return calls
 
 
+# Every select variant of HyTopKOptions at once (bench_selection.py's hytopk_select).
+SELECT_VARIANTS = dict(head_major=True, lean_filter=True, sort_in_kernel=True,
+                       sample_keys=1024, bounded_select=True)
+
 PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-dsv32": lambda: _hytopk(64, 128, 2048, True),
     "hytopk-dsv32-heads-on-m": lambda: _hytopk(64, 128, 2048, True, keys_on_m=False),
@@ -291,6 +307,18 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-qsa": lambda: _hytopk(4, 128, 512, True),
     "hytopk-qsa-scoreonly": lambda: _hytopk(4, 128, 1, True, mode=1),
     "hytopk-norelu": lambda: _hytopk(32, 128, 2048, False),
+    # HyTopKOptions' select variants (issue #21): one at a time, then all together.
+    "hytopk-norelu-head-major": lambda: _hytopk(32, 128, 2048, False, head_major=True),
+    "hytopk-norelu-lean": lambda: _hytopk(32, 128, 2048, False, lean_filter=True),
+    "hytopk-norelu-sort": lambda: _hytopk(32, 128, 2048, False, sort_in_kernel=True),
+    "hytopk-norelu-sample": lambda: _hytopk(32, 128, 2048, False, sample_keys=1024),
+    "hytopk-norelu-bounded": lambda: _hytopk(32, 128, 2048, False, bounded_select=True),
+    "hytopk-norelu-select": lambda: _hytopk(32, 128, 2048, False, **SELECT_VARIANTS),
+    "hytopk-dsv32-lean": lambda: _hytopk(64, 128, 2048, True, lean_filter=True),
+    "hytopk-dsv32-sort": lambda: _hytopk(64, 128, 2048, True, sort_in_kernel=True),
+    "hytopk-dsv32-sample": lambda: _hytopk(64, 128, 2048, True, sample_keys=1024),
+    "hytopk-dsv32-select": lambda: _hytopk(64, 128, 2048, True, **SELECT_VARIANTS),
+    "hytopk-qsa-head-major": lambda: _hytopk(4, 128, 512, True, head_major=True),
     # A head dim below tl.dot's 16 (tests' tiny geometries): must still compile.
     "hytopk-tiny-head-dim": lambda: _hytopk(4, 8, 16, True, T=256),
     "sparse-attention-glm51": lambda: _sparse_attention(64, 1, 576, None, 2048),

@@ -270,3 +270,95 @@ def test_unordered_rows_are_the_ordered_sets(H, topk, ratio):
     un_i, un_s = hytopk(q, k, w, topk, backend="triton", ordered=False, **kw)
     assert (ord_i == -1).any()
     assert_rows_hold_sorted_sets(un_i, un_s, ord_i, ord_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Select variants (issue #21): bit for bit the default kernel's outputs, on random bf16 inputs
+# too (where any change in the fp32 summation order would show)
+# ---------------------------------------------------------------------------------------------
+
+SELECT_VARIANTS = {
+    "sort": dict(sort_in_kernel=True),
+    "head_major": dict(head_major=True),
+    "lean": dict(lean_filter=True),
+    "bounded": dict(bounded_select=True),
+    "sample": dict(sample_keys=1024),
+}
+SELECT_VARIANTS["all"] = {f: v for fields in SELECT_VARIANTS.values() for f, v in fields.items()}
+# (T, H, D, topk, relu): the folded relu=False query (its 3 bf16 parts: pair-major columns
+# with 4 padded heads), V3.2's indexer, QSA's 4 heads and 6 heads padded to 8 (pair-major
+# columns with 8 rows; their head sums must repeat the default's order term for term).
+SELECT_SHAPES = {"norelu": (8192, 32, 128, 2048, False), "dsv32": (8192, 64, 128, 2048, True),
+                 "heads4": (8192, 4, 128, 512, True), "heads6": (8192, 6, 128, 512, True)}
+# Every variant on the folded query (issue #21's target); the pair-major columns with real
+# head weights; all variants on V3.2's 64 heads. About 15 kernels to compile.
+SELECT_CASES = ([("norelu", v) for v in SELECT_VARIANTS]
+                + [("heads4", "head_major"), ("heads6", "head_major"), ("dsv32", "all")])
+
+
+def run_options(q, k, w, topk, relu, fields=None, ordered=True, sample_stats=None):
+    from megatron_hyscale.ops.kernels.hytopk import hytopk_triton
+    from megatron_hyscale.ops.kernels.options import HyTopKOptions
+
+    pos = torch.arange(q.shape[1], device="cuda")[None]
+    out = hytopk_triton(q, k, w, topk, relu=relu, q_positions=pos, k_positions=pos,
+                        causal=True, options=replace(HyTopKOptions.DEFAULT, **(fields or {})),
+                        ordered=ordered, sample_stats=sample_stats)
+    torch.cuda.synchronize()
+    return out
+
+
+def random_bf16(T, H, D, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, T, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(1, T, D, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(1, T, H, device="cuda", generator=g) * (H * D) ** -0.5
+    return q, k, w
+
+
+@pytest.mark.parametrize("shape,variant", SELECT_CASES)
+def test_select_variants_identical_to_default(shape, variant):
+    """Integer inputs: the variant equals the reference. Random bf16 inputs: it equals the
+    default kernel bit for bit (indices and scores), sorted and, for the in-kernel sort alone,
+    as unordered sets."""
+    T, H, D, topk, relu = SELECT_SHAPES[shape]
+    fields = SELECT_VARIANTS[variant]
+    q, k, w = int_inputs(1, T, T, H, D, torch.bfloat16, seed=T + H)
+    ref_i, ref_s = hytopk(q, k, w, topk, relu=relu, backend="reference")
+    out_i, out_s = run_options(q, k, w, topk, relu, fields)
+    assert torch.equal(out_i, ref_i) and torch.equal(out_s, ref_s), "integer inputs"
+    q, k, w = random_bf16(T, H, D, seed=T + H + 1)
+    base_i, base_s = run_options(q, k, w, topk, relu)
+    out_i, out_s = run_options(q, k, w, topk, relu, fields)
+    mism = (out_i != base_i).any(-1).sum().item()
+    assert mism == 0 and torch.equal(out_s, base_s), f"{mism} rows differ from the default"
+    if variant == "sort":
+        un_i, un_s = run_options(q, k, w, topk, relu, fields, ordered=False)
+        assert_rows_hold_sorted_sets(un_i, un_s, base_i, base_s)
+
+
+@pytest.mark.parametrize("kind", ["random", "recency"])
+def test_sampled_thresholds_at_scale(kind):
+    """sample_keys at 32K tokens (rows past 16K keys sample 1024 of them), all variants, the
+    folded query (the kernels the cases above compiled): the outputs are the default kernel's
+    bit for bit. Random inputs: the rows past 16K get a guess and almost no block is redone
+    (a guess fails with probability about 1e-4 a row: some 16K rows guessed, about one block
+    redone). Recency-biased inputs (recent keys score highest, as a trained indexer's):
+    guesses may fail more often, and are redone."""
+    T, H, D, topk = 32768, 32, 128, 2048
+    q, k, w = random_bf16(T, H, D, seed=17)
+    if kind == "recency":
+        pos = torch.arange(T, device="cuda")
+        k = (k.float() * 0.1).index_put_((torch.zeros_like(pos), pos, torch.zeros_like(pos)),
+                                         pos / 256.0).to(torch.bfloat16)
+        q = q.clone()
+        q[..., 0] = 1.0
+        w = w.abs()
+    stats = torch.zeros(2, dtype=torch.int32, device="cuda")
+    base = run_options(q, k, w, topk, False)
+    out = run_options(q, k, w, topk, False, dict(SELECT_VARIANTS["all"]), sample_stats=stats)
+    assert torch.equal(out[0], base[0]) and torch.equal(out[1], base[1])
+    guessed, redone = stats.tolist()
+    print(f"{kind}: {guessed} of {T} rows guessed, {redone} blocks redone")
+    if kind == "random":  # at most 1% of the 2048 row blocks
+        assert guessed >= T // 3 and redone <= 20

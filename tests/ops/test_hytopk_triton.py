@@ -49,9 +49,11 @@ def kernel_options(block_n=16, min_cap=None, **fields):
 
 
 def check(q, k, w, topk, block_n=16, rows=None, num_programs=None, group_slack_div=None,
-          prunes=(False, True), keys_on_m=None, atomic_slots=None, min_cap=None, **kw):
-    """Kernel (with the given tiling), with key-tile pruning off and on, against the reference;
-    exact equality. Returns the last run's outputs and its (tiles pruned, tiles considered)."""
+          prunes=(False, True), keys_on_m=None, atomic_slots=None, min_cap=None, variant=None,
+          **kw):
+    """Kernel (with the given tiling, and the HyTopKOptions fields in `variant`), with key-tile
+    pruning off and on, against the reference; exact equality. Returns the last run's outputs
+    and its (tiles pruned, tiles considered)."""
     ref_i, ref_s = hytopk(q, k, w, topk, backend="reference", **kw)
     qpos, kpos = validate_hytopk_inputs(q, k, w, topk, kw.get("q_positions"),
                                         kw.get("k_positions"))
@@ -59,7 +61,8 @@ def check(q, k, w, topk, block_n=16, rows=None, num_programs=None, group_slack_d
         stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
         options = kernel_options(block_n, min_cap, rows=rows, num_programs=num_programs,
                                  group_slack_div=group_slack_div, prune=prune,
-                                 keys_on_m=keys_on_m, atomic_slots=atomic_slots)
+                                 keys_on_m=keys_on_m, atomic_slots=atomic_slots,
+                                 **(variant or {}))
         out_i, out_s = kernel._launch(
             q, k, w, topk, relu=kw.get("relu", True), causal=kw.get("causal", True),
             q_positions=qpos, k_positions=kpos, options=options, prune_stats=stats)
@@ -384,25 +387,36 @@ def _kth_probe(buf_ptr, k_ptr, out_ptr, N: tl.constexpr):
     tl.store(out_ptr, kernel._kth_largest(buf, tl.load(k_ptr)))
 
 
-@pytest.mark.parametrize("ties", ["none", "score", "all_equal_scores"])
-def test_kth_largest_radix_select(ties):
-    """The compaction's k-th largest packed key: exact with and without tied scores (the index
-    half decides), with key_min padding, for every k."""
+# Indices of the keys select_buffer packs are below this.
+PROBE_INDICES = 5000
+
+
+def select_buffer(ties, n_real=40, N=64):
+    """n_real packed (score, index) keys, as the kernel compacts them, at random places of an
+    N-entry buffer padded with key_min; returns the buffer and the keys sorted descending.
+    ties: "none", "score" (scores in -3..2) or "all_equal_scores" (the index half decides)."""
     g = torch.Generator().manual_seed(3)
-    n_real, N = 40, 64
     if ties == "none":
         scores = torch.randperm(1000, generator=g)[:n_real].float() - 500.0
     elif ties == "score":
         scores = torch.randint(-3, 3, (n_real,), generator=g).float()
     else:
         scores = torch.zeros(n_real)
-    idx = torch.randperm(5000, generator=g)[:n_real]
-    row = torch.zeros(5000)
+    idx = torch.randperm(PROBE_INDICES, generator=g)[:n_real]
+    row = torch.zeros(PROBE_INDICES)
     row[idx] = scores
-    keys = order_key(row)[idx]  # the packed (score, index) keys the kernel compacts
+    keys = order_key(row)[idx]
     buf = torch.full((N,), -(1 << 63), dtype=torch.int64)
     buf[torch.randperm(N, generator=g)[:n_real]] = keys
-    expected = keys.sort(descending=True).values
+    return buf, keys.sort(descending=True).values
+
+
+@pytest.mark.parametrize("ties", ["none", "score", "all_equal_scores"])
+def test_kth_largest_radix_select(ties):
+    """The compaction's k-th largest packed key: exact with and without tied scores (the index
+    half decides), with key_min padding, for every k."""
+    buf, expected = select_buffer(ties)
+    N, n_real = buf.numel(), expected.numel()
     for k in (1, 2, n_real // 2, n_real - 1, n_real):
         out = torch.zeros(1, dtype=torch.int64, device=DEVICE)
         _kth_probe[(1,)](buf.to(DEVICE), torch.tensor([k], device=DEVICE), out, N=N)
@@ -427,3 +441,145 @@ def test_unordered_rows_hold_the_same_set(keys_on_m, atomic_slots):
     assert (ref_i == -1).any()  # the case is there
     for out_i, out_s in runs:
         assert_rows_hold_sorted_sets(out_i, out_s, ref_i, ref_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Select variants (issue #21): in-kernel sort, pair-major GEMM columns, lean filter, bounded
+# select, sampled first threshold; each must give the default's outputs exactly
+# ---------------------------------------------------------------------------------------------
+
+# Every select variant at once; sample_keys=16 is one 16-key tile of samples.
+ALL_SELECT = dict(sort_in_kernel=True, head_major=True, lean_filter=True, bounded_select=True,
+                  sample_keys=16)
+
+
+def shard_case():
+    """5 heads padded to 8 (pair-major columns with 8 rows) at context-parallel shard
+    positions; 33 keys with topk 10 in 32-entry buffers compact every 16-key tile."""
+    q, k, w = int_inputs(1, 21, 33, 5, 8, seed=13)
+    pos = torch.cat([torch.arange(4, 12), torch.arange(36, 49)]).view(1, -1).to(DEVICE)
+    return (q, k, w, 10), dict(q_positions=pos)
+
+
+def negative_zero_case():
+    """All-zero ReLU rows with -0.0 scores (negative weights): the order by index alone."""
+    q, k, w = int_inputs(1, 16, 40, 2, 16, seed=2)
+    q[0, :8] = -q[0, :8].abs()
+    w[0, :8] = -1.0
+    return (q, k.abs(), w, 7), {}
+
+
+def unsorted_positions_case():
+    q, k, w = int_inputs(1, 12, 36, 4, 16, seed=7)
+    kpos = torch.randperm(36, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    return (q, k, w, 8), dict(q_positions=torch.arange(0, 36, 3).to(DEVICE), k_positions=kpos)
+
+
+def test_all_select_variants_on_the_adversarial_cases():
+    """All select variants together: all-zero ReLU rows with -0.0 (ties everywhere),
+    pair-major columns at shard positions (a compaction every tile), unsorted key positions,
+    relu=False with fewer visible keys than topk, non-contiguous q / k / weights at per-batch
+    positions (batch 2)."""
+    v = dict(variant=ALL_SELECT, prunes=(False,))
+    for case in (negative_zero_case, shard_case, unsorted_positions_case):
+        args, kw = case()
+        check(*args, **kw, **v)
+    q, k, w = int_inputs(1, 10, 10, 4, 16, seed=3)
+    check(q, k, w, 16, relu=False, **v)
+    qb, kb, wb = int_inputs(2, 16, 48, 4, 32, seed=6)
+    qpos = torch.cat([torch.arange(4, 12), torch.arange(36, 44)])
+    check(qb[..., ::2], kb[..., 1::2], wb.transpose(1, 2).contiguous().transpose(1, 2), 5,
+          q_positions=torch.stack([qpos, qpos + 3]).to(DEVICE), **v)
+
+
+def test_all_select_variants_on_the_other_paths():
+    """The same with the heads on M and the prefix-sum append (lean_filter's rank compare and
+    the sort meet other layouts; pair-major columns do not apply)."""
+    for case in (negative_zero_case, shard_case, unsorted_positions_case):
+        args, kw = case()
+        check(*args, **kw, keys_on_m=False, atomic_slots=False, prunes=(False,),
+              variant=ALL_SELECT)
+
+
+@pytest.mark.parametrize("field", ["sort_in_kernel", "head_major", "lean_filter",
+                                   "bounded_select"])
+def test_each_select_variant_alone(field):
+    """Each variant by itself, with key-tile pruning on (its bound sums the heads in the
+    GEMM's row order too)."""
+    args, kw = shard_case()
+    check(*args, **kw, prunes=(True,), variant={field: True})
+
+
+def sampled(q, k, w, topk, variant, **kw):
+    """The kernel with sampled thresholds against the reference; returns (rows given a guess,
+    row blocks redone)."""
+    stats = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    ref_i, ref_s = hytopk(q, k, w, topk, backend="reference", **kw)
+    qpos, kpos = validate_hytopk_inputs(q, k, w, topk, None, None)
+    out_i, out_s = kernel._launch(q, k, w, topk, relu=True, causal=kw.get("causal", True),
+                                  q_positions=qpos, k_positions=kpos, sample_stats=stats,
+                                  options=kernel_options(block_n=32, **variant))
+    assert torch.equal(out_i, ref_i) and torch.equal(out_s, ref_s)
+    return stats.tolist()
+
+
+def test_sampled_thresholds_guess_and_stay_exact():
+    """512 keys, top 8 in 64-entry buffers: every row samples 32 keys and starts from a guess
+    (non-causal: all rows see all keys); ties in {-1, 0, 1}; with the other variants."""
+    q, k, w = int_inputs(1, 8, 512, 4, 16, seed=3, lo=-1, hi=2)
+    assert sampled(q, k, w, 8, dict(ALL_SELECT, sample_keys=32), causal=False) == [8, 0]
+
+
+def test_sampled_threshold_above_the_kth_key_is_redone():
+    """The sample hits the only high keys: 8 keys score 10, all of them at sampled positions
+    (every 8th key from 0), the rest at most 5. Each row's guess (its sample's 8th largest)
+    then lies above its 12th key, the count at the end of the stream says so, and the block is
+    redone without guesses: the outputs are still the reference's."""
+    S, T = 256, 6
+    k = torch.zeros(1, S, 16)
+    k[0, :, 0] = torch.randint(0, 6, (S,), generator=torch.Generator().manual_seed(1)).float()
+    k[0, torch.arange(8) * 8, 0] = 10.0
+    q = torch.zeros(1, T, 4, 16)
+    q[..., 0] = 1.0
+    w = torch.zeros(1, T, 4)
+    w[..., 0] = 1.0
+    q, k, w = q.to(DEVICE), k.to(DEVICE), w.to(DEVICE)
+    assert sampled(q, k, w, 12, dict(sample_keys=32), causal=False) == [T, 1]
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_sort_in_kernel_unordered_and_public_api(ordered):
+    """sort_in_kernel through the public API: ordered rows equal the reference; ordered=False
+    rows hold its sets with the -1 slots last (S = T causal: early rows see fewer than topk)."""
+    q, k, w = int_inputs(2, 16, 16, 4, 16, seed=5, lo=-1, hi=2)
+    ref_i, ref_s = hytopk(q, k, w, 12, backend="reference")
+    out_i, out_s = hytopk(q, k, w, 12, backend="triton", ordered=ordered,
+                          options=kernel_options(sort_in_kernel=True, lean_filter=True))
+    assert (ref_i == -1).any()
+    if ordered:
+        assert torch.equal(out_i, ref_i) and torch.equal(out_s, ref_s)
+    else:
+        assert_rows_hold_sorted_sets(out_i, out_s, ref_i, ref_s)
+
+
+@triton.jit
+def _kth_bounded_probe(buf_ptr, k_ptr, floor_ptr, out_ptr, n_index, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    buf = tl.load(buf_ptr + offs)
+    tl.store(out_ptr, kernel._kth_largest_bounded(buf, tl.load(k_ptr), tl.load(floor_ptr),
+                                                  n_index))
+
+
+@pytest.mark.parametrize("ties", ["none", "score", "all_equal_scores"])
+def test_kth_largest_bounded_select(ties):
+    """The bounded select gives _kth_largest's answer for every k, with the floor at the
+    smallest key, below it, and at the floor's extremes (INT64_MIN: nothing skipped)."""
+    buf, expected = select_buffer(ties)
+    N, n_real = buf.numel(), expected.numel()
+    for floor in (expected[-1].item(), expected[-1].item() - (5 << 32), -(1 << 63)):
+        for k in (1, 2, n_real // 2, n_real - 1, n_real):
+            out = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+            _kth_bounded_probe[(1,)](buf.to(DEVICE), torch.tensor([k], device=DEVICE),
+                                     torch.tensor([floor], device=DEVICE), out,
+                                     PROBE_INDICES, N=N)
+            assert out.item() == expected[k - 1].item(), (ties, floor, k)

@@ -25,10 +25,12 @@ def sel():
     return load("bench_selection")
 
 
-def test_fp8_methods_select_as_the_op(sel, monkeypatch):
-    def cpu_positions(T, S):
-        return (torch.arange(T) + S - T)[None], torch.arange(S)[None]
+def cpu_positions(T, S):
+    """bench_selection.positions for S = T token keys, on the CPU."""
+    return (torch.arange(T) + S - T)[None], torch.arange(S)[None]
 
+
+def test_fp8_methods_select_as_the_op(sel, monkeypatch):
     monkeypatch.setattr(sel, "positions", cpu_positions)
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-3, 4, (1, 24, 4, 32), generator=g).float()

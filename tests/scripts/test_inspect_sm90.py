@@ -116,3 +116,30 @@ def test_fp8_hytopk_runs_fp8_wgmma(tmp_path: Path) -> None:
     assert rep["constexprs"]["K_SCALED"] is True and rep["constexprs"]["BD"] == 128
     assert rep["loop_ops"]["QGMMA"] == 4 and rep["loop_ops"]["HGMMA"] == 0
     assert rep["loop_ops"].get("LDL", 0) == 0 and rep["loop_ops"].get("STL", 0) == 0
+
+
+def test_select_variants_compile_lean_tile_loops(tmp_path: Path) -> None:
+    """HyTopKOptions' select variants all together (issue #21) on the folded relu=False query:
+    the key-tile loop (the last loop with wgmma: the sampling pass comes first) keeps wgmma and
+    no local memory, and is shorter than the default's (pair-major columns: each score in one
+    lane; one compare a score); the in-kernel 2048-key sort compiles without spilling more than
+    a few bytes; the launch that redoes failed guesses is recorded too."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "hytopk-norelu-select", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    select, redo = json.loads(out.read_text())
+    assert select["constexprs"]["HEAD_MAJOR"] is True and select["constexprs"]["SORT_OUT"]
+    assert select["constexprs"]["NSAMP"] == 1024 and redo["constexprs"]["NSAMP"] == 0
+    assert redo["constexprs"]["N_BLOCKS_ON_DEVICE"] is True
+    for rep in (select, redo):
+        assert rep["loop_ops"]["HGMMA"] > 0
+        assert rep["loop_ops"].get("LDL", 0) == 0 and rep["loop_ops"].get("STL", 0) == 0
+        assert rep["loop_instructions"] < DEFAULT_NORELU_LOOP * 3 // 4  # 587 on 2026-12-03
+        assert rep["spill_stores"] <= 256
+        assert rep["instructions"] > DEFAULT_NORELU_KERNEL + 4000  # the unrolled sort
+
+
+# The default select kernel for the folded relu=False query (Triton 3.6, 2026-12-03): SASS
+# instructions in its tile loop and in all.
+DEFAULT_NORELU_LOOP = 887
+DEFAULT_NORELU_KERNEL = 7080

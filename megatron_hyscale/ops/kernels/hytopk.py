@@ -10,8 +10,11 @@ appends survivors as packed int64 keys (order-preserving score bits << 32 | ~ind
 per-row buffer of CAP >= max(topk + block_n, min_cap) entries (each at a slot from the row's
 atomic counter, `atomic_slots`), and when the buffer may overflow keeps its top-k, found by a
 bitwise radix select (the k-th key becomes the new threshold). The row's top-k set is written
-unsorted; a row-chunked torch pass decodes it, sorted unless the caller asks for the set only.
-Variants and tunings come in a `HyTopKOptions` (`kernels/options.py`).
+unsorted; a row-chunked torch pass decodes it, sorted unless the caller asks for the set only
+(`sort_in_kernel`: the kernel sorts and decodes each row itself). `sample_keys`: each row's
+threshold starts from a guess made on a sample of its keys, and a block whose guess proves
+too high is redone without one by a second launch. Variants and tunings come in a
+`HyTopKOptions` (`kernels/options.py`).
 
 FP8 (e4m3 q and k): the same kernel with fp8 tensor-core products accumulated in fp32; q's
 per-(token, head) scale is folded into the head weight before the launch and k's per-token scale
@@ -58,6 +61,13 @@ FOLDED_PARTS = 3
 ROWS_NO_RELU = 32
 # Temporary bytes per row chunk of the final sort-and-decode pass.
 FINISH_CHUNK_BYTES = 256 << 20
+# `HyTopKOptions.head_major` applies with the keys on M, 4 to HEAD_MAJOR_MAX_HEADS padded heads
+# and at least HEAD_MAJOR_MIN_ROWS rows a program: a wgmma accumulator spreads each 8 columns of
+# N over a register pair in 4 lanes, so 4 rows' head pairs fill those columns and a row's heads
+# stay in one thread, where the head sum can repeat the default order (see _head_sum). With 2
+# heads the two orders coincide.
+HEAD_MAJOR_MAX_HEADS = 8
+HEAD_MAJOR_MIN_ROWS = 4
 _LOW32 = 0xFFFFFFFF
 _KEY_MIN = -(1 << 63)
 
@@ -71,6 +81,16 @@ FP32_DOT_PRECISION = tl.constexpr("tf32x3")
 TF32X3_OPS_PER_TERM = 4
 # Smallest K of an fp8 product: Hopper's fp8 wgmma takes 32 channels a step.
 FP8_MIN_DOT = 32
+
+# `HyTopKOptions.sample_keys`: a row block samples its keys when its rows see at least this many
+# candidate buffers' worth of keys (below, the stream compacts a few times at most anyway).
+SAMPLE_MIN_BUFFERS = tl.constexpr(4)
+# The sampled guess is the sample's j-th largest key with j = e + SAMPLE_SIGMAS sqrt(e) + 2,
+# e = topk * sample / visible keys: the expected number of top-k keys in the sample plus this
+# many standard deviations. That count is binomial (a sample without replacement only narrows
+# it), about Poisson(e), whose tail past j is 5e-5 to 2.4e-4 for e from 128 down to 2: the
+# chance that a row's guess lies above its k-th key and its block is redone.
+SAMPLE_SIGMAS = tl.constexpr(4.0)
 
 # Modes: the real kernel, and two measurement variants that share the same GEMM loop.
 MODE_SELECT = 0  # exact top-k
@@ -100,6 +120,16 @@ def _pack(score, index):
     """int64 key: larger key = higher score, then smaller index; -0.0 packs as +0.0."""
     score = tl.where(score == 0.0, 0.0, score)
     bits = score.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (_low32_mask() - index.to(tl.int64))
+
+
+@triton.jit
+def _pack_lean(score, index):
+    """_pack with the -0.0 fold as one IEEE addition (-0.0 + 0.0 = +0.0 in round to nearest,
+    every other value unchanged, subnormals included: the kernels do not flush them) instead of
+    a compare and a select."""
+    bits = (score + 0.0).to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     return (ordered.to(tl.int64) << 32) | (_low32_mask() - index.to(tl.int64))
 
@@ -151,6 +181,43 @@ def _per_key(v, KEYS_ON_M: tl.constexpr):
 
 
 @triton.jit
+def _head_sum(x, BN: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
+              HEAD_MAJOR: tl.constexpr):
+    """Weighted logits [BN, R * HP] (keys on M) summed over each row's heads: [BN, R].
+
+    The wgmma accumulator gives lane q of a quad the register pair of columns 8j + 2q, 8j + 2q
+    + 1 in each 8-column block j. Row-major columns (r * HP + h) spread a row's heads over the
+    lanes of its quad: Triton adds each register pair (heads 2p, 2p + 1, the weight products
+    fused into one FMA), then the pairs across lanes xor 2, then xor 1, leaving each score in
+    two or four lanes. Pair-major columns (HEAD_MAJOR: (h // 2) * 2R + 2r + h % 2, with 4 or 8
+    padded heads and at least 4 rows) keep each head pair in a register pair too, and all of a
+    row's pairs in one thread: the sums below add the same pairs (the same FMAs, PTX checked
+    with Triton 3.6) and then the pairs in the lanes' order, so the scores are the same bit for
+    bit (fp32 addition commutes but does not associate), without shuffles, one lane a score.
+    """
+    if HEAD_MAJOR:
+        pairs = tl.sum(tl.reshape(x, [BN, HP // 2, R, 2]), axis=3)  # heads 2p, 2p + 1
+        if HP == 8:  # pair p = 2 q1 + q0 lies in lane q: xor 2 (q1) first, then xor 1
+            return tl.sum(tl.sum(tl.reshape(pairs, [BN, 2, 2, R]), axis=1), axis=1)
+        elif HP == 4:
+            return tl.sum(pairs, axis=1)
+        else:
+            return tl.reshape(pairs, [BN, R])
+    else:
+        return tl.sum(tl.reshape(x, [BN, R, HP]), axis=2)
+
+
+@triton.jit
+def _head_sum_rows(x, R: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
+                   HEAD_MAJOR: tl.constexpr):
+    """[R * HP, G] (GEMM rows in the kernel's order) summed over each row's heads: [R, G]."""
+    if HEAD_MAJOR:
+        return tl.sum(tl.sum(tl.reshape(x, [HP // 2, R, 2, G]), axis=2), axis=0)
+    else:
+        return tl.sum(tl.reshape(x, [R, HP, G]), axis=1)
+
+
+@triton.jit
 def _pick(vec, offs, i):
     """vec[i] as a scalar (i may be a run-time value)."""
     return tl.sum(tl.where(offs == i, vec, 0), axis=0)
@@ -167,11 +234,18 @@ def _kth_largest(buf, k):
     """
     sign = tl.full([], -9223372036854775807 - 1, tl.int64)
     ukey = (buf ^ sign).to(tl.uint64, bitcast=True)  # signed order -> unsigned order
-    hi = (ukey >> 32).to(tl.uint32)
-    lo = (ukey & 0xFFFFFFFF).to(tl.uint32)
+    zero = tl.zeros([], dtype=tl.uint32)
+    return _kth_of_halves((ukey >> 32).to(tl.uint32), (ukey & 0xFFFFFFFF).to(tl.uint32), k,
+                          zero, 0, zero, 0) ^ sign
+
+
+@triton.jit
+def _kth_of_halves(hi, lo, k, p_hi, hi_from, p_lo, lo_from):
+    """_kth_largest on the unsigned halves of the keys (unsigned order), the select of each
+    half starting at bit 31 - *_from with the bits above it given (p_hi, p_lo: what every
+    candidate shares); returns the key in unsigned order."""
     one = tl.full([], 1, tl.uint32)
-    p_hi = tl.zeros([], dtype=tl.uint32)
-    for i in range(32):
+    for i in range(hi_from, 32):
         trial = p_hi | (one << (p_hi * 0 + (31 - i)))
         if tl.sum((hi >= trial).to(tl.int32), axis=0) >= k:
             p_hi = trial
@@ -183,23 +257,63 @@ def _kth_largest(buf, k):
         p_lo = tl.max(tl.where(tie, lo, 0), axis=0)
     else:
         rank = k - tl.sum((hi > p_hi).to(tl.int32), axis=0)
-        p_lo = tl.zeros([], dtype=tl.uint32)
-        for i in range(32):
+        for i in range(lo_from, 32):
             trial = p_lo | (one << (p_lo * 0 + (31 - i)))
             if tl.sum((tie & (lo >= trial)).to(tl.int32), axis=0) >= rank:
                 p_lo = trial
     kth = (p_hi.to(tl.uint64) << 32) | p_lo.to(tl.uint64)
-    return kth.to(tl.int64, bitcast=True) ^ sign
+    return kth.to(tl.int64, bitcast=True)
 
 
 @triton.jit
-def _compact_row(row_ptr, offs_c, n, k):
+def _bit_length(x):
+    """Bits of the uint32 x (0 for 0), or one more when the nearest fp32 of x is the next power
+    of two (x = 2^b - small): never fewer. The fp32 exponent gives it without a count-leading-
+    zeros instruction (which the interpreter lacks)."""
+    e = (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126
+    return tl.where(x == 0, 0, tl.minimum(e, 32))
+
+
+@triton.jit
+def _high_bits(x, n_low):
+    """x (uint32) with its n_low lowest bits cleared (0 <= n_low <= 32)."""
+    ones = tl.full([], 0xFFFFFFFF, tl.uint32)
+    low = tl.where(n_low > 0, ones >> (tl.maximum(32 - n_low, 0) + x * 0), x * 0)
+    return x ^ (x & low)
+
+
+@triton.jit
+def _kth_largest_bounded(buf, k, floor, n_index):
+    """_kth_largest when every real key of buf is >= floor and every index < n_index (keys
+    hold 2^32 - 1 - index in their low half): the bits that all keys from floor to the largest
+    one share are the answer's too, and so are the low halves' top bits (all ones), so the
+    select starts below them. One max reduction buys 32 - bit_length(floor ^ max) score rounds
+    (the buffer's scores span a few binades above the row's threshold: most exponent bits are
+    shared) and 32 - bit_length(n_index - 1) index rounds."""
+    sign = tl.full([], -9223372036854775807 - 1, tl.int64)
+    ukey = (buf ^ sign).to(tl.uint64, bitcast=True)  # signed order -> unsigned order
+    hi = (ukey >> 32).to(tl.uint32)
+    top = tl.max(hi, axis=0)
+    free_hi = _bit_length((((floor ^ sign).to(tl.uint64, bitcast=True)) >> 32).to(tl.uint32)
+                          ^ top)
+    free_lo = _bit_length((n_index - 1).to(tl.uint32))
+    return _kth_of_halves(hi, (ukey & 0xFFFFFFFF).to(tl.uint32), k, _high_bits(top, free_hi),
+                          32 - free_hi, _high_bits(tl.full([], 0xFFFFFFFF, tl.uint32), free_lo),
+                          32 - free_lo) ^ sign
+
+
+@triton.jit
+def _compact_row(row_ptr, offs_c, n, k, floor=None, n_index=None):
     """Keep the k largest of the n keys at row_ptr (keys are distinct), packed to the front, in
-    their current order; return the k-th largest key (the row's new threshold)."""
+    their current order; return the k-th largest key (the row's new threshold). With floor (a
+    key no larger than any of them) and n_index (indices are below it): the bounded select."""
     key_min = tl.full([], -9223372036854775807 - 1, tl.int64)
     tl.debug_barrier()  # appends by other threads are visible
     buf = tl.load(row_ptr + offs_c, mask=offs_c < n, other=key_min)
-    kth = _kth_largest(buf, k)
+    if floor is None:
+        kth = _kth_largest(buf, k)
+    else:
+        kth = _kth_largest_bounded(buf, k, floor, n_index)
     keep = (buf >= kth) & (offs_c < n)
     slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.debug_barrier()  # every thread has read the row before it is overwritten
@@ -208,10 +322,131 @@ def _compact_row(row_ptr, offs_c, n, k):
 
 
 @triton.jit
+def _write_row(row_ptr, n, out_off, out_idx_ptr, out_score_ptr, TOPK: tl.constexpr,
+               KP: tl.constexpr, ORDERED: tl.constexpr):
+    """Decode the row's n <= TOPK keys (at row_ptr) into indices and scores at out_off, sorted
+    by key (score desc, index asc) when ORDERED, -1 / -inf after them: what _finish does,
+    without the round trip of the packed halves through global memory. KP: TOPK rounded up to
+    a power of two, the sort's width (empty slots hold INT64_MIN, which sorts last)."""
+    key_min = tl.full([], -9223372036854775807 - 1, tl.int64)
+    offs = tl.arange(0, KP)
+    buf = tl.load(row_ptr + offs, mask=offs < n, other=key_min)
+    if ORDERED:
+        buf = tl.sort(buf, descending=True)
+    empty = buf == key_min
+    score = tl.where(empty, float("-inf"), _unpack_score(buf))
+    index = tl.where(empty, -1, _unpack_index(buf))
+    tl.store(out_score_ptr + out_off + offs, score.to(tl.int32, bitcast=True), mask=offs < TOPK)
+    tl.store(out_idx_ptr + out_off + offs, index, mask=offs < TOPK)
+
+
+@triton.jit
+def _tile_scores(kt, s, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, R: tl.constexpr,
+                 HP: tl.constexpr, BN: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr,
+                 FP8_ACC: tl.constexpr, KEYS_ON_M: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+                 K_SCALED: tl.constexpr, CAUSAL: tl.constexpr, LEAN: tl.constexpr):
+    """Scores of the BN keys kt (key indices s; rows past S zero) for the block's R rows, and
+    which (key, row) pairs are visible. Both stay in the GEMM's orientation: [BN, R] (keys x
+    rows) with KEYS_ON_M, [R, BN] otherwise; transposing them to one orientation costs a
+    shared-memory round trip and barriers on every tile (compiled for sm_90a with QSA's 4
+    heads: 8 barriers a tile)."""
+    s_ok = s < S
+    if KEYS_ON_M:
+        # K_tile @ Q^T: the (row, head) pairs are the MMA's N, so the head sum reduces within
+        # each thread and its quad (no shared memory).
+        logits_t = _logits(kt, qt, RELU, IEEE, FP8_ACC) * w[None, :]
+        scores = _head_sum(logits_t, BN, R, HP, HEAD_MAJOR)
+    else:
+        logits = _logits(qt, kt, RELU, IEEE, FP8_ACC) * w[:, None]
+        if HP == 1:
+            scores = logits
+        else:
+            scores = tl.sum(tl.reshape(logits, [R, HP, BN]), axis=1)
+    if K_SCALED:
+        # k's scale after the head sum: one multiply a score, not one a logit.
+        k_scale = tl.load(ks_ptr + b * S + s, mask=s_ok, other=0.0)
+        scores = scores * _per_key(k_scale, KEYS_ON_M)
+    if CAUSAL and LEAN:
+        # Positions as int32 ranks (see _position_ranks), -1 for rows past T, INT32_MAX for
+        # keys past S: one compare says it all (s < hi follows from kpos <= qpos).
+        k_rank = tl.load(kpos_ptr + b * S + s, mask=s_ok, other=2147483647)
+        vis = _per_key(k_rank, KEYS_ON_M) <= _per_row(qpos, KEYS_ON_M)
+    else:
+        vis = _per_row(row_ok, KEYS_ON_M) & _per_key(s_ok, KEYS_ON_M)
+        if CAUSAL:
+            kpos = tl.load(kpos_ptr + b * S + s, mask=s_ok, other=0)
+            vis = (vis & (_per_key(s, KEYS_ON_M) < _per_row(hi, KEYS_ON_M))
+                   & (_per_key(kpos, KEYS_ON_M) <= _per_row(qpos, KEYS_ON_M)))
+    return scores, vis
+
+
+@triton.jit
+def _sample_guess(scratch, thr, thr_score, k_base, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos,
+                  row_ok, stride_ks, stride_kd, offs_d, d_ok, offs_n, offs_r, R: tl.constexpr,
+                  HP: tl.constexpr, BN: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr,
+                  FP8_ACC: tl.constexpr, KEYS_ON_M: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+                  K_SCALED: tl.constexpr, CAUSAL: tl.constexpr, LEAN: tl.constexpr,
+                  CAP: tl.constexpr, TOPK: tl.constexpr, NSAMP: tl.constexpr,
+                  BOUNDED_SELECT: tl.constexpr):
+    """A first threshold for each row of the block, guessed from NSAMP evenly spaced keys
+    (`HyTopKOptions.sample_keys`): returns the rows' thr, thr_score and which rows got a guess.
+
+    The sample is scored like any tile and written to the rows' buffers (slots 0 .. NSAMP - 1,
+    INT64_MIN where not visible); a row's guess is the j-th largest of its sample (see
+    SAMPLE_SIGMAS), and its stream then keeps only keys at or above it. That is exact if at
+    least TOPK of the row's keys reach the guess, which the caller checks at the end of the
+    stream (else the block is redone without guesses); the buffer slots are free again once
+    this returns. Rows that see fewer than SAMPLE_MIN_BUFFERS buffers' worth of keys, or
+    whose sample holds fewer than j visible keys, keep thr = INT64_MIN.
+    """
+    key_min = tl.full([], -9223372036854775807 - 1, tl.int64)
+    n_max = tl.max(hi, axis=0)
+    guessed = offs_r < 0
+    if n_max >= SAMPLE_MIN_BUFFERS * CAP:
+        m_vis = tl.zeros([R], dtype=tl.int32)
+        for i in range(NSAMP // BN):
+            j = i * BN + offs_n
+            s = (j.to(tl.int64) * n_max // NSAMP).to(tl.int32)  # distinct: n_max > NSAMP
+            kt = tl.load(k_base + s[:, None].to(tl.int64) * stride_ks
+                         + offs_d[None, :] * stride_kd, mask=d_ok[None, :], other=0.0)
+            scores, vis = _tile_scores(
+                kt, s, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, R, HP, BN, RELU, IEEE,
+                FP8_ACC, KEYS_ON_M, HEAD_MAJOR, K_SCALED, CAUSAL, LEAN)
+            if LEAN:
+                keys = tl.where(vis, _pack_lean(scores, _per_key(s, KEYS_ON_M)), key_min)
+            else:
+                keys = tl.where(vis, _pack(scores, _per_key(s, KEYS_ON_M)), key_min)
+            tl.store(scratch + _per_row(offs_r, KEYS_ON_M) * CAP + _per_key(j, KEYS_ON_M), keys)
+            if KEYS_ON_M:
+                m_vis += tl.sum(vis.to(tl.int32), axis=0)
+            else:
+                m_vis += tl.sum(vis.to(tl.int32), axis=1)
+        tl.debug_barrier()  # the sample is stored
+        offs_s = tl.arange(0, NSAMP)
+        for r in range(R):
+            m = _pick(m_vis, offs_r, r)
+            n = _pick(hi, offs_r, r)
+            e = TOPK * m.to(tl.float32) / tl.maximum(n, 1).to(tl.float32)
+            j_r = (e + SAMPLE_SIGMAS * tl.sqrt(e)).to(tl.int32) + 2
+            if (n >= SAMPLE_MIN_BUFFERS * CAP) & (j_r <= m):
+                sample = tl.load(scratch + r * CAP + offs_s)
+                if BOUNDED_SELECT:
+                    lowest = tl.min(tl.where(sample == key_min, -key_min - 1, sample), axis=0)
+                    g = _kth_largest_bounded(sample, j_r, lowest, S)
+                else:
+                    g = _kth_largest(sample, j_r)
+                thr = tl.where(offs_r == r, g - 1, thr)  # keys > g - 1: keys >= g
+                thr_score = tl.where(offs_r == r, _unpack_score(g), thr_score)
+                guessed = guessed | (offs_r == r)
+        tl.debug_barrier()  # every thread has read the sample before the stream appends
+    return thr, thr_score, guessed
+
+
+@triton.jit
 def _hytopk_kernel(
     q_ptr, k_ptr, w_ptr, qpos_ptr, kpos_ptr, ks_ptr, hi_ptr, order_ptr,
     out_idx_ptr, out_score_ptr, scratch_ptr, count_ptr, table_ptr, cent_ptr, rho_ptr, stats_ptr,
-    T, S, H, n_blocks, blocks_per_batch, table_t0, n_key_tiles, slack,
+    fail_ptr, T, S, H, n_blocks, blocks_per_batch, table_t0, n_key_tiles, slack,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kd,
     stride_wb, stride_wt, stride_wh,
@@ -220,6 +455,9 @@ def _hytopk_kernel(
     RELU: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MODE: tl.constexpr,
     PRUNE: tl.constexpr, G: tl.constexpr, KEYS_ON_M: tl.constexpr,
     ATOMIC_SLOTS: tl.constexpr, K_SCALED: tl.constexpr, FP8_ACC: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr, SORT_OUT: tl.constexpr, ORDERED: tl.constexpr,
+    KP: tl.constexpr, NSAMP: tl.constexpr, N_BLOCKS_ON_DEVICE: tl.constexpr,
+    LEAN: tl.constexpr, BOUNDED_SELECT: tl.constexpr,
 ):
     """One persistent program: blocks of R query rows (R * HP GEMM rows), key tiles of BN.
 
@@ -240,8 +478,12 @@ def _hytopk_kernel(
     M: tl.constexpr = R * HP
     pid = tl.program_id(0)
     offs_m = tl.arange(0, M)
-    m_row = offs_m // HP
-    m_head = offs_m % HP
+    if HEAD_MAJOR:  # pair-major (see _head_sum): head 2 (m // 2R) + m % 2 of row (m // 2) % R
+        m_row = (offs_m // 2) % R
+        m_head = (offs_m // (2 * R)) * 2 + offs_m % 2
+    else:
+        m_row = offs_m // HP
+        m_head = offs_m % HP
     offs_r = tl.arange(0, R)
     offs_d = tl.arange(0, BD)
     offs_n = tl.arange(0, BN)
@@ -256,6 +498,8 @@ def _hytopk_kernel(
     n_pruned = tl.zeros([], dtype=tl.int64)
     n_considered = tl.zeros([], dtype=tl.int64)
 
+    if N_BLOCKS_ON_DEVICE:  # a redo of the blocks whose sampled guesses failed (see _launch)
+        n_blocks = tl.load(fail_ptr)
     # Blocks come sorted by decreasing work; striding them over programs balances the load.
     # The grid's size, read on the device: as a compiled-in value it would change with the
     # row count of short sequences (fewer row blocks than programs).
@@ -266,7 +510,10 @@ def _hytopk_kernel(
         rows = t0 + offs_r
         row_ok = rows < T
         hi = tl.load(hi_ptr + b * T + rows, mask=row_ok, other=0)
-        qpos = tl.load(qpos_ptr + b * T + rows, mask=row_ok, other=0)
+        if LEAN:  # int32 ranks (causal), -1 past T: such rows see no key
+            qpos = tl.load(qpos_ptr + b * T + rows, mask=row_ok, other=-1)
+        else:
+            qpos = tl.load(qpos_ptr + b * T + rows, mask=row_ok, other=0)
         n_tiles = tl.cdiv(tl.max(hi, axis=0), BN)
 
         m_ok = ((t0 + m_row) < T) & (m_head < H)
@@ -298,6 +545,12 @@ def _hytopk_kernel(
         thr_score = tl.full([R], float("-inf"), tl.float32)
         best = tl.full([R], float("-inf"), tl.float32)
         k_base = k_ptr + b.to(tl.int64) * stride_kb
+        if MODE == 0 and NSAMP > 0:
+            thr, thr_score, guessed = _sample_guess(
+                scratch, thr, thr_score, k_base, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos,
+                row_ok, stride_ks, stride_kd, offs_d, d_ok, offs_n, offs_r, R, HP, BN, RELU,
+                IEEE, FP8_ACC, KEYS_ON_M, HEAD_MAJOR, K_SCALED, CAUSAL, LEAN, CAP, TOPK, NSAMP,
+                BOUNDED_SELECT)
         # Diagonal first: under causal masking the nearest keys tend to score highest, so the
         # threshold rises early and later tiles are rejected by one compare. Tiles come in
         # groups of NT: the inner loop has no nested loop, so Triton pipelines its loads, and
@@ -322,8 +575,8 @@ def _hytopk_kernel(
                     u_t = u_m
                     mag_t = mag_m
                 else:
-                    u_t = tl.sum(tl.reshape(u_m, [R, HP, G]), axis=1)
-                    mag_t = tl.sum(tl.reshape(mag_m, [R, HP, G]), axis=1)
+                    u_t = _head_sum_rows(u_m, R, HP, G, HEAD_MAJOR)
+                    mag_t = _head_sum_rows(mag_m, R, HP, G, HEAD_MAJOR)
                 x_t = u_t + slack * mag_t  # [R, G]: >= every score of the tile (see _slack_coef)
                 # A row sees a tile if one of its keys lies below the row's end (hi); keys at
                 # or past hi are masked, so rows that see nothing never block a skip.
@@ -352,41 +605,23 @@ def _hytopk_kernel(
                 else:
                     tile = n_tiles - 1 - i
                 s = tile * BN + offs_n
-                s_ok = s < S
                 kt = tl.load(k_base + s[:, None].to(tl.int64) * stride_ks
                              + offs_d[None, :] * stride_kd,
-                             mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-                # The tile's scores stay in the GEMM's orientation: [BN, R] (keys x rows) with
-                # KEYS_ON_M, [R, BN] otherwise. Transposing them to one orientation costs a
-                # shared-memory round trip and barriers on every tile (compiled for sm_90a with
-                # QSA's 4 heads: 8 barriers a tile).
-                if KEYS_ON_M:
-                    # K_tile @ Q^T: the (row, head) pairs are the MMA's N, so the head sum
-                    # reduces within each thread and its quad (no shared memory).
-                    logits_t = _logits(kt, qt, RELU, IEEE, FP8_ACC) * w[None, :]
-                    scores = tl.sum(tl.reshape(logits_t, [BN, R, HP]), axis=2)
-                else:
-                    logits = _logits(qt, kt, RELU, IEEE, FP8_ACC) * w[:, None]
-                    if HP == 1:
-                        scores = logits
-                    else:
-                        scores = tl.sum(tl.reshape(logits, [R, HP, BN]), axis=1)
-                if K_SCALED:
-                    # k's scale after the head sum: one multiply a score, not one a logit.
-                    k_scale = tl.load(ks_ptr + b * S + s, mask=s_ok, other=0.0)
-                    scores = scores * _per_key(k_scale, KEYS_ON_M)
-                vis = _per_row(row_ok, KEYS_ON_M) & _per_key(s_ok, KEYS_ON_M)
-                if CAUSAL:
-                    kpos = tl.load(kpos_ptr + b * S + s, mask=s_ok, other=0)
-                    vis = (vis & (_per_key(s, KEYS_ON_M) < _per_row(hi, KEYS_ON_M))
-                           & (_per_key(kpos, KEYS_ON_M) <= _per_row(qpos, KEYS_ON_M)))
+                             mask=(s < S)[:, None] & d_ok[None, :], other=0.0)
+                scores, vis = _tile_scores(
+                    kt, s, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, R, HP, BN, RELU,
+                    IEEE, FP8_ACC, KEYS_ON_M, HEAD_MAJOR, K_SCALED, CAUSAL, LEAN)
                 if MODE == 0 and ATOMIC_SLOTS:
                     # Each survivor takes its slot from its row's counter (an atomic add in
                     # L2, predicated off for the other lanes): no scan and no barrier per tile.
                     # Slots come in any order; the buffer is a set, compacted by value.
-                    cand = vis & (scores >= _per_row(thr_score, KEYS_ON_M))
-                    keys = _pack(scores, _per_key(s, KEYS_ON_M))
-                    surv = cand & (keys > _per_row(thr, KEYS_ON_M))
+                    if LEAN:  # keys > thr implies scores >= thr_score: one int64 compare
+                        keys = _pack_lean(scores, _per_key(s, KEYS_ON_M))
+                        surv = vis & (keys > _per_row(thr, KEYS_ON_M))
+                    else:
+                        cand = vis & (scores >= _per_row(thr_score, KEYS_ON_M))
+                        keys = _pack(scores, _per_key(s, KEYS_ON_M))
+                        surv = cand & (keys > _per_row(thr, KEYS_ON_M))
                     # The previous tile's survivors are stored now, a tile after their atomics
                     # were issued: the GEMM in between hides the atomics' L2 round trip.
                     tl.store(scratch + _per_row(offs_r, KEYS_ON_M) * CAP + p_slot, p_keys,
@@ -401,7 +636,10 @@ def _hytopk_kernel(
                     # a candidate (a score equal to the threshold's can still win on its index).
                     cand = vis & (scores >= _per_row(thr_score, KEYS_ON_M))
                     if tl.max(cand.to(tl.int32)) > 0:
-                        keys = _pack(scores, _per_key(s, KEYS_ON_M))
+                        if LEAN:
+                            keys = _pack_lean(scores, _per_key(s, KEYS_ON_M))
+                        else:
+                            keys = _pack(scores, _per_key(s, KEYS_ON_M))
                         surv = (cand & (keys > _per_row(thr, KEYS_ON_M))).to(tl.int32)
                         if KEYS_ON_M:
                             slot = count[None, :] + tl.cumsum(surv, axis=0) - 1
@@ -418,6 +656,7 @@ def _hytopk_kernel(
                     else:
                         best = tl.maximum(best, tl.max(masked, axis=1))
                 else:
+                    s_ok = s < S
                     t_row = (rows - table_t0).to(tl.int64)
                     tl.store(table_ptr + _per_row(t_row, KEYS_ON_M) * S
                              + _per_key(s, KEYS_ON_M),
@@ -434,7 +673,11 @@ def _hytopk_kernel(
                     for r in range(R):
                         c_r = _pick(count, offs_r, r)
                         if c_r > CAP - NT * BN:
-                            thr_r = _compact_row(scratch + r * CAP, offs_c, c_r, TOPK)
+                            if BOUNDED_SELECT:
+                                thr_r = _compact_row(scratch + r * CAP, offs_c, c_r, TOPK,
+                                                     _pick(thr, offs_r, r), S)
+                            else:
+                                thr_r = _compact_row(scratch + r * CAP, offs_c, c_r, TOPK)
                             thr = tl.where(offs_r == r, thr_r, thr)
                             thr_score = tl.where(offs_r == r, _unpack_score(thr_r), thr_score)
                             count = tl.where(offs_r == r, TOPK, count)
@@ -444,20 +687,37 @@ def _hytopk_kernel(
                         tl.debug_barrier()
 
         out_row = (b * T + rows).to(tl.int64) * TOPK
+        if MODE == 0 and NSAMP > 0:
+            # A guessed row that kept fewer than TOPK keys had a guess above its k-th key: the
+            # block goes on the list that the launch without guesses redoes.
+            if tl.max((guessed & (count < TOPK)).to(tl.int32), axis=0) > 0:
+                tl.store(fail_ptr + 2 + tl.atomic_add(fail_ptr, 1), blk)
+            tl.atomic_add(fail_ptr + 1, tl.sum(guessed.to(tl.int32), axis=0))
         if MODE == 0:
-            # Each row's exact top-k set, unsorted, as the two 32-bit halves of its packed keys
-            # (high half in the scores, low half in the indices); _finish sorts and decodes.
             for r in range(R):
                 if t0 + r < T:
                     c_r = _pick(count, offs_r, r)
                     if c_r > TOPK:
-                        _compact_row(scratch + r * CAP, offs_c, c_r, TOPK)
+                        if BOUNDED_SELECT:
+                            _compact_row(scratch + r * CAP, offs_c, c_r, TOPK,
+                                         _pick(thr, offs_r, r), S)
+                        else:
+                            _compact_row(scratch + r * CAP, offs_c, c_r, TOPK)
                         c_r = TOPK
                     tl.debug_barrier()
-                    buf = tl.load(scratch + r * CAP + offs_c, mask=offs_c < c_r, other=key_min)
-                    o = _pick(out_row, offs_r, r) + offs_c
-                    tl.store(out_score_ptr + o, (buf >> 32).to(tl.int32), mask=offs_c < TOPK)
-                    tl.store(out_idx_ptr + o, buf.to(tl.int32), mask=offs_c < TOPK)
+                    if SORT_OUT:
+                        _write_row(scratch + r * CAP, c_r, _pick(out_row, offs_r, r),
+                                   out_idx_ptr, out_score_ptr, TOPK, KP, ORDERED)
+                    else:
+                        # The row's exact top-k set, unsorted, as the two 32-bit halves of
+                        # its packed keys (high half in the scores, low half in the indices);
+                        # _finish sorts and decodes.
+                        buf = tl.load(scratch + r * CAP + offs_c, mask=offs_c < c_r,
+                                      other=key_min)
+                        o = _pick(out_row, offs_r, r) + offs_c
+                        tl.store(out_score_ptr + o, (buf >> 32).to(tl.int32),
+                                 mask=offs_c < TOPK)
+                        tl.store(out_idx_ptr + o, buf.to(tl.int32), mask=offs_c < TOPK)
             tl.debug_barrier()  # the next block reuses this scratch
         elif MODE == 1:
             tl.store(out_score_ptr + out_row, best, mask=row_ok)
@@ -489,6 +749,16 @@ def _visible_hi(q_positions, k_positions, causal, T, S):
     suffix_min = k_positions.flip(-1).cummin(-1).values.flip(-1).contiguous()
     hi = torch.searchsorted(suffix_min, q_positions.contiguous(), right=True)
     return hi.to(torch.int32)
+
+
+def _position_ranks(q_positions, k_positions):
+    """int32 ranks [B, T] / [B, S] of the positions among each batch's q and k positions
+    together: equal positions share a rank, so kpos[s] <= qpos[t] iff krank[s] <= qrank[t]
+    (`HyTopKOptions.lean_filter`: one int32 compare a score instead of two int64 ones)."""
+    merged = torch.cat([q_positions, k_positions], dim=-1).sort(dim=-1).values.contiguous()
+    rank = [torch.searchsorted(merged, p.contiguous()).to(torch.int32)
+            for p in (q_positions, k_positions)]
+    return rank[0], rank[1]
 
 
 def _prepare(q, k, weights, relu, rows, q_scale=None, folded_parts=True):
@@ -619,13 +889,16 @@ def _slack_coef(hp: int) -> float:
 
 def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
             options: HyTopKOptions = HyTopKOptions.DEFAULT, mode=MODE_SELECT, table=None,
-            table_rows=None, prune_stats=None, ordered=True, q_scale=None, k_scale=None):
+            table_rows=None, prune_stats=None, ordered=True, q_scale=None, k_scale=None,
+            sample_stats=None):
     """Run the kernel in `mode` with the variant and tiling of `options` (pruning in
     MODE_SELECT only; with one head a row the rows stay on the MMA's M whatever keys_on_m
     says). prune_stats: optional int64 tensor [2] that receives (key tiles pruned, key tiles
     considered), each counted once per row block. ordered: sort each row (else the set in
     kernel order, -1 slots last). q_scale [B, T, H], k_scale [B, S]: fp32 scales of e4m3 q
-    and k (both required then, neither otherwise)."""
+    and k (both required then, neither otherwise). sample_stats: optional int32 tensor [2]
+    that receives (rows given a sampled guess, row blocks redone because a guess failed)
+    under options.sample_keys."""
     B, T, _, D = q.shape
     S = k.shape[1]
     fp8 = q.dtype == FP8_DTYPE
@@ -654,8 +927,12 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     # the rest of the slack has filled (compactions stay rare) while a group cannot overflow.
     nt = max(1, (cap - topk) // (options.group_slack_div * bn))
     hi = _visible_hi(q_positions, k_positions, causal, T, S)
-    qpos = q_positions.contiguous()
-    kpos = k_positions.contiguous()
+    lean = options.lean_filter and mode == MODE_SELECT
+    if lean and causal:
+        qpos, kpos = _position_ranks(q_positions, k_positions)
+    else:
+        qpos = q_positions.contiguous()
+        kpos = k_positions.contiguous()
 
     blocks_per_batch = triton.cdiv(T, r)
     t_lo, t_hi = (0, T) if table_rows is None else table_rows
@@ -682,6 +959,10 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     out_scores = scores.view(torch.int32) if mode == MODE_SELECT else scores
     prune = options.prune and mode == MODE_SELECT
     bd = max(FP8_MIN_DOT if fp8 else MIN_DOT, triton.next_power_of_2(D))
+    keys_on_m = options.keys_on_m and hp > 1
+    head_major = (options.head_major and keys_on_m and hp <= HEAD_MAJOR_MAX_HEADS
+                  and r >= HEAD_MAJOR_MIN_ROWS)
+    sort_out = options.sort_in_kernel and mode == MODE_SELECT
     if prune:
         # fp32 operands run as three TF32 products: 3 D accumulations plus the split's
         # rounding (< 3 more operations), so the dot-product bound counts 4 D operations.
@@ -694,23 +975,46 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     fp8_acc = None
     if fp8 and options.fp8_imprecise_acc is not None:
         fp8_acc = min(options.fp8_imprecise_acc, bd)  # Triton rejects more than the dot's K
-    _hytopk_kernel[(nprog,)](
-        qk, kk_, w, qpos, kpos, k_scales, hi, order, indices, out_scores, scratch, counts, table,
-        cent, rho, stats,
-        T, S, H, n_blocks, blocks_per_batch, t_lo, triton.cdiv(S, bn), _slack_coef(hp),
-        qk.stride(0), qk.stride(1), qk.stride(2), qk.stride(3),
-        kk_.stride(0), kk_.stride(1), kk_.stride(2),
-        w.stride(0), w.stride(1), w.stride(2),
-        D=D, TOPK=topk, CAP=cap, R=r, HP=hp, BD=bd, BN=bn, NT=nt,
-        RELU=relu, CAUSAL=causal, IEEE=ieee, MODE=mode,
-        PRUNE=prune, G=max(16, triton.next_power_of_2(nt)),
-        KEYS_ON_M=options.keys_on_m and hp > 1, ATOMIC_SLOTS=options.atomic_slots,
-        K_SCALED=fp8, FP8_ACC=fp8_acc,
-        num_warps=options.num_warps, num_stages=options.num_stages,
-    )
+    nsamp = options.sample_keys if mode == MODE_SELECT else 0
+    if nsamp and (nsamp & (nsamp - 1) or not bn <= nsamp <= cap):
+        raise ValueError(f"options.sample_keys must be a power of two from block_n ({bn}) to "
+                         f"the candidate buffer ({cap} entries), or 0; got {nsamp}")
+    # With sampled guesses: the count of blocks to redo without them, the count of rows that
+    # got a guess, and the list of the blocks to redo.
+    fails = torch.zeros(2 + n_blocks if nsamp else 1, dtype=torch.int32, device=q.device)
+
+    def launch(order, n_blocks, stats, nsamp, redo):
+        _hytopk_kernel[(nprog,)](
+            qk, kk_, w, qpos, kpos, k_scales, hi, order, indices, out_scores, scratch, counts,
+            table, cent, rho, stats, fails,
+            T, S, H, n_blocks, blocks_per_batch, t_lo, triton.cdiv(S, bn), _slack_coef(hp),
+            qk.stride(0), qk.stride(1), qk.stride(2), qk.stride(3),
+            kk_.stride(0), kk_.stride(1), kk_.stride(2),
+            w.stride(0), w.stride(1), w.stride(2),
+            D=D, TOPK=topk, CAP=cap, R=r, HP=hp, BD=bd, BN=bn, NT=nt,
+            RELU=relu, CAUSAL=causal, IEEE=ieee, MODE=mode,
+            PRUNE=prune, G=max(16, triton.next_power_of_2(nt)),
+            KEYS_ON_M=keys_on_m, ATOMIC_SLOTS=options.atomic_slots,
+            K_SCALED=fp8, FP8_ACC=fp8_acc, HEAD_MAJOR=head_major, SORT_OUT=sort_out,
+            ORDERED=sort_out and ordered, KP=triton.next_power_of_2(topk), NSAMP=nsamp,
+            N_BLOCKS_ON_DEVICE=redo, LEAN=lean, BOUNDED_SELECT=options.bounded_select,
+            num_warps=options.num_warps, num_stages=options.num_stages,
+        )
+
+    launch(order, n_blocks, stats, nsamp, False)
+    if nsamp:
+        # The blocks whose guesses failed, redone without guesses (their outputs overwritten);
+        # the count stays on the device, so no host sync: without failures every program
+        # reads 0 and exits.
+        redo_stats = torch.zeros_like(stats) if prune else stats
+        launch(fails[2:], 0, redo_stats, 0, True)
+        if prune:
+            stats += redo_stats
     if prune_stats is not None:
         prune_stats.copy_(stats.sum(0) if prune else torch.zeros_like(prune_stats))
-    if mode == MODE_SELECT:
+    if sample_stats is not None:
+        sample_stats.copy_(fails[:2].flip(0) if nsamp else torch.zeros_like(sample_stats))
+    if mode == MODE_SELECT and not sort_out:
         _finish(indices, scores, ordered)
     return indices, scores
 
@@ -745,17 +1049,21 @@ def hytopk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk:
                   relu: bool, q_positions: torch.Tensor, k_positions: torch.Tensor,
                   causal: bool, options: HyTopKOptions = HyTopKOptions.DEFAULT,
                   prune_stats: torch.Tensor | None = None, ordered: bool = True,
-                  q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None
+                  q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                  sample_stats: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact HyTopK on validated inputs (positions int64 [B, T] / [B, S]); see module doc.
 
     options: the kernel variant (the outputs are identical for every one). prune_stats:
     optional int64 [2] tensor that receives (key tiles pruned, key tiles considered) when
     options.prune. ordered=False: each row's set in kernel order. q_scale, k_scale: the fp32
-    scales of e4m3 q and k (`fp8_quant.quantize_indexer`)."""
+    scales of e4m3 q and k (`fp8_quant.quantize_indexer`). sample_stats: optional int32 [2]
+    tensor that receives (rows given a sampled threshold, row blocks redone without) when
+    options.sample_keys."""
     return _launch(q, k, weights, topk, relu=relu, q_positions=q_positions,
                    k_positions=k_positions, causal=causal, options=options,
-                   prune_stats=prune_stats, ordered=ordered, q_scale=q_scale, k_scale=k_scale)
+                   prune_stats=prune_stats, ordered=ordered, q_scale=q_scale, k_scale=k_scale,
+                   sample_stats=sample_stats)
 
 
 def score_table(q, k, weights, *, relu, q_positions, k_positions, causal, t0, t1, table,

@@ -1,0 +1,59 @@
+"""bench_selection's select-variant methods (issue #21) and their table, on CPU.
+
+The methods run through the Triton interpreter on tiny integer-valued inputs (the bench builds
+its positions on CUDA, so they are rebuilt on the CPU here, as for the fp8 methods, whose
+module sets the interpreter up): each equals the op, and the comparison with the default kernel
+that the bench records says so; the table renders from hand-made records.
+"""
+
+from __future__ import annotations
+
+import torch
+from test_bench_selection_fp8 import cpu_positions, sel  # noqa: F401 (sel: a fixture)
+
+from megatron_hyscale.ops import hytopk
+from megatron_hyscale.testing.compare import assert_rows_hold_sorted_sets
+
+
+def test_select_methods_select_as_the_op(sel, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(sel, "positions", cpu_positions)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-2, 3, (1, 16, 4, 32), generator=g).float()
+    k = torch.randint(-2, 3, (1, 16, 32), generator=g).float()
+    w = torch.randint(-2, 3, (1, 16, 4), generator=g).float()
+    want = hytopk(q, k, w, 6, backend="reference")
+    assert set(sel.SELECT_VARIANTS) <= set(sel.VARIANT_METHODS) <= set(sel.KERNEL_METHODS)
+    assert sel.SELECT_VARIANTS["hytopk_select"]["sort_in_kernel"] is True
+    for method in sel.VARIANT_METHODS:
+        got = sel.METHODS[method](q, k, w, 6, True)
+        ordered = method != "hytopk_select_unordered"
+        if ordered:
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), method
+        else:
+            assert_rows_hold_sorted_sets(got[0], got[1], want[0], want[1])
+        assert sel.same_as_default(got, q, k, w, 6, True, ordered=ordered), method
+    # The comparison can fail: a row out of order is not the default's output.
+    assert not sel.same_as_default((want[0].flip(-1), want[1].flip(-1)), q, k, w, 6, True)
+    stats = torch.zeros(2, dtype=torch.int32)
+    sel.METHODS["hytopk_sample"](q, k, w, 6, True, sample_stats=stats)
+    assert stats.tolist() == [0, 0]  # 16 keys: too few to sample
+    best = sel.run_scoreonly_head_major(q, k, w, 6, True)[1][..., 0]  # each row's max score
+    assert torch.equal(best, want[1][..., 0])
+
+
+def test_variant_table_renders_times_and_flags(sel, capsys):  # noqa: F811
+    base = {"config": "norelu", "T": 131072, "inputs": "random"}
+    records = [dict(base, method="hytopk", ms=172.9), dict(base, method="finish", ms=33.0),
+               dict(base, method="scoreonly", ms=37.5),
+               dict(base, method="hytopk_sort", ms=140.0, same_as_hytopk=True),
+               dict(base, method="hytopk_sample", ms=90.0, same_as_hytopk=True,
+                    sampled_rows_share=0.87, redone_blocks=3),
+               dict(base, method="hytopk_select", ms=60.0, same_as_hytopk=False)]
+    sel.variant_summary(records, ["random"], ["norelu"], [131072])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| random")]
+    (row,) = lines
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:6] == ["random", "norelu", "131072", "172.9", "33.0", "37.5"]
+    assert "140.0" in cells and "90.0 (3 redone)" in cells and "60.0 NOT EXACT" in cells
+    sel.variant_summary(records[:3], ["random"], ["norelu"], [131072])
+    assert capsys.readouterr().out == ""  # no variant timed, no table
