@@ -26,15 +26,18 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              fp8 MMA step added to an fp32 accumulator)
   scoreonly_fp8  the score-only kernel on the quantized q and k (splits the fp8 GEMM from the
              selection; quantization not timed)
+  hytopk_plain  HyTopK with every select variant of HyTopKOptions off (the kernel before
+             them; all on is the default since 2026-12-03)
   hytopk_sort, hytopk_head_major, hytopk_lean, hytopk_sample, hytopk_bounded  HyTopK with one
-             select variant of HyTopKOptions each (issue #21: a select that costs little
-             whatever the head count): sort_in_kernel (each row sorted and decoded in the
-             kernel, no `finish` pass), head_major (pair-major GEMM columns: with 4 or 8 padded
-             heads, each score in one lane), lean_filter (one int32 visibility compare, one key
-             compare), sample_keys=1024 (a sampled first threshold a row; reports the share of
-             rows that got one and the row blocks redone), bounded_select (the compaction's
-             select skips the bits all candidates share)
-  hytopk_select  all of them together; hytopk_select_unordered the same with ordered=False
+             select variant of HyTopKOptions each, the others off (issue #21: a select that costs
+             little whatever the head count): sort_in_kernel (each row sorted and decoded in the
+             kernel, no `finish` pass), head_major (pair-major GEMM columns: with 4 padded heads,
+             each score in one lane), lean_filter (one int32 visibility compare, one key compare),
+             sample_keys=1024 (a sampled first threshold a row; reports the share of rows that got
+             one and the row blocks redone), bounded_select (the compaction's select skips the bits
+             all candidates share)
+  hytopk_select  all of them together (= hytopk); hytopk_select_unordered the same with
+             ordered=False
              (decode without the sort: the difference is the in-kernel sort's time)
   scoreonly_head_major  the score-only kernel with head_major (the GEMM and head sum alone)
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
@@ -261,7 +264,10 @@ def run_hytopk(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT, prune_stats=N
                             ordered=ordered, sample_stats=sample_stats)
 
 
-# The select variants (issue #21), each as HyTopKOptions fields; hytopk_select takes them all.
+# The select variants (issue #21), each as HyTopKOptions fields; hytopk_select takes them all
+# (the default), hytopk_plain none. A method turns on its fields and the others off.
+NO_SELECT = dict(sort_in_kernel=False, head_major=False, lean_filter=False,
+                 bounded_select=False, sample_keys=0)
 SELECT_VARIANTS = {
     "hytopk_sort": dict(sort_in_kernel=True),
     "hytopk_head_major": dict(head_major=True),
@@ -271,11 +277,13 @@ SELECT_VARIANTS = {
 }
 SELECT_VARIANTS["hytopk_select"] = {f: v for fields in SELECT_VARIANTS.values()
                                     for f, v in fields.items()}
+SELECT_VARIANTS["hytopk_plain"] = {}
 
 
 def select_variant(name, ordered=True):
-    """A method running HyTopK with the HyTopKOptions fields of SELECT_VARIANTS[name]."""
-    options = replace(HyTopKOptions.DEFAULT, **SELECT_VARIANTS[name])
+    """A method running HyTopK with the HyTopKOptions fields of SELECT_VARIANTS[name] on and
+    the other select variants off."""
+    options = replace(HyTopKOptions.DEFAULT, **dict(NO_SELECT, **SELECT_VARIANTS[name]))
 
     def run(q, k, w, topk, relu, sample_stats=None):
         return run_hytopk(q, k, w, topk, relu, options, ordered=ordered,
@@ -815,8 +823,9 @@ def summary(records, kinds, configs, Ts):
 
 
 # The select variants' table: (column, method).
-VARIANT_COLUMNS = (("sort ms", "hytopk_sort"), ("head-major ms", "hytopk_head_major"),
-                   ("lean ms", "hytopk_lean"), ("sample ms", "hytopk_sample"),
+VARIANT_COLUMNS = (("none ms", "hytopk_plain"), ("sort ms", "hytopk_sort"),
+                   ("head-major ms", "hytopk_head_major"), ("lean ms", "hytopk_lean"),
+                   ("sample ms", "hytopk_sample"),
                    ("bounded ms", "hytopk_bounded"), ("all ms", "hytopk_select"),
                    ("all unordered ms", "hytopk_select_unordered"))
 

@@ -23,6 +23,7 @@ Assumptions where the public config does not settle a training argument (see REA
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -229,8 +230,13 @@ def impl_args(transformer_impl: str = "transformer_engine") -> list[str]:
         # the fused weight-gradient accumulation of its local linears.
         return ["--transformer-impl", "local", "--no-persist-layer-norm",
                 "--no-gradient-accumulation-fusion"]
-    return ["--transformer-impl", "transformer_engine", "--moe-grouped-gemm",
+    args = ["--transformer-impl", "transformer_engine", "--moe-grouped-gemm",
             "--moe-permute-fusion"]
+    # Megatron's output layer is its own ColumnParallelLinear even under TE, and its fused
+    # weight-gradient accumulation is apex's extension: without apex, Megatron stops at start-up.
+    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        args.append("--no-gradient-accumulation-fusion")
+    return args
 
 
 def parallel_args(layout: Layout) -> list[str]:

@@ -39,13 +39,17 @@ def test_fp8_precision_changes_only_the_selection(monkeypatch):
             want = real_hytopk(*args, **dict(kwargs, backend="reference"))
             if out[0].is_cuda:
                 # The fp8 MMA sums a head's products in its own precision (about 14 bits),
-                # the reference in fp32: scores agree to 1e-2 of the row's top score, as in
-                # tests/ops/test_hytopk_fp8.py (measured on the H200: up to 8e-3 relative
-                # elementwise, 5.5e-6 absolute).
+                # the reference in fp32: selected scores agree to 1e-2 of the row's largest
+                # selected |score| (measured on the H200: up to 8e-3 relative elementwise,
+                # 5.5e-6 absolute). Not the top score: near a row's start the top can be
+                # close to 0 while the other selected scores are large and negative.
                 got_s, want_s = out[1].sort(-1).values, want[1].sort(-1).values
                 assert torch.equal(out[0] < 0, want[0] < 0)
-                scale = want[1][..., :1].abs().clamp_min(1e-6)
-                assert ((got_s - want_s).abs().nan_to_num(0.0) <= 1e-2 * scale).all()
+                finite = torch.isfinite(want_s)
+                assert torch.equal(finite, torch.isfinite(got_s))
+                scale = torch.where(finite, want_s.abs(), 0.0).amax(-1, keepdim=True)
+                gap = torch.where(finite, (got_s - want_s).abs(), 0.0)
+                assert (gap <= 1e-2 * scale.clamp_min(1e-6)).all()
             else:
                 assert torch.equal(out[0], want[0])
         calls.append((kwargs["precision"], out[0].clone()))

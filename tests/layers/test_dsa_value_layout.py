@@ -61,8 +61,8 @@ def test_value_layout_matches_stock(scenario):
     case = SCENARIOS[scenario]
     cfg = tiny_dsa_config(num_layers=1, dsa_indexer_topk=TOPK, **case["loss"])
     mask = case.get("mask", False)
-    stock, hyscale = build_core_pair(cfg, k_channels=HN, v_channels=HNV,
-                                     attn_mask_type=None if mask else "causal")
+    stock, hyscale = (m.to(DEVICE) for m in build_core_pair(
+        cfg, k_channels=HN, v_channels=HNV, attn_mask_type=None if mask else "causal"))
     tensors, rest = inputs(case.get("key_heads", HEADS))
     rest.update(attention_mask=random_mask(), attn_mask_type=None) if mask else rest.update(
         attn_mask_type=AttnMaskType.causal)

@@ -285,9 +285,13 @@ SELECT_VARIANTS = {
     "sample": dict(sample_keys=1024),
 }
 SELECT_VARIANTS["all"] = {f: v for fields in SELECT_VARIANTS.values() for f, v in fields.items()}
+# The baseline: every select variant off (the kernel before them; all on is the default).
+NO_SELECT = dict(sort_in_kernel=False, head_major=False, lean_filter=False,
+                 bounded_select=False, sample_keys=0)
 # (T, H, D, topk, relu): the folded relu=False query (its 3 bf16 parts: pair-major columns
-# with 4 padded heads), V3.2's indexer, QSA's 4 heads and 6 heads padded to 8 (pair-major
-# columns with 8 rows; their head sums must repeat the default's order term for term).
+# with 4 padded heads), V3.2's indexer, QSA's 4 heads (pair-major columns; their head sums
+# must repeat the row-major order term for term) and 6 heads padded to 8 (row-major whatever
+# head_major says: `hytopk.HEAD_MAJOR_MAX_HEADS`).
 SELECT_SHAPES = {"norelu": (8192, 32, 128, 2048, False), "dsv32": (8192, 64, 128, 2048, True),
                  "heads4": (8192, 4, 128, 512, True), "heads6": (8192, 6, 128, 512, True)}
 # Every variant on the folded query (issue #21's target); the pair-major columns with real
@@ -297,12 +301,14 @@ SELECT_CASES = ([("norelu", v) for v in SELECT_VARIANTS]
 
 
 def run_options(q, k, w, topk, relu, fields=None, ordered=True, sample_stats=None):
+    """HyTopK with the select variants in `fields` on and the others off."""
     from megatron_hyscale.ops.kernels.hytopk import hytopk_triton
     from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
     pos = torch.arange(q.shape[1], device="cuda")[None]
+    options = replace(HyTopKOptions.DEFAULT, **dict(NO_SELECT, **(fields or {})))
     out = hytopk_triton(q, k, w, topk, relu=relu, q_positions=pos, k_positions=pos,
-                        causal=True, options=replace(HyTopKOptions.DEFAULT, **(fields or {})),
+                        causal=True, options=options,
                         ordered=ordered, sample_stats=sample_stats)
     torch.cuda.synchronize()
     return out
@@ -319,8 +325,8 @@ def random_bf16(T, H, D, seed):
 @pytest.mark.parametrize("shape,variant", SELECT_CASES)
 def test_select_variants_identical_to_default(shape, variant):
     """Integer inputs: the variant equals the reference. Random bf16 inputs: it equals the
-    default kernel bit for bit (indices and scores), sorted and, for the in-kernel sort alone,
-    as unordered sets."""
+    kernel with every select variant off bit for bit (indices and scores), sorted and, for the
+    in-kernel sort alone, as unordered sets."""
     T, H, D, topk, relu = SELECT_SHAPES[shape]
     fields = SELECT_VARIANTS[variant]
     q, k, w = int_inputs(1, T, T, H, D, torch.bfloat16, seed=T + H)
@@ -340,11 +346,11 @@ def test_select_variants_identical_to_default(shape, variant):
 @pytest.mark.parametrize("kind", ["random", "recency"])
 def test_sampled_thresholds_at_scale(kind):
     """sample_keys at 32K tokens (rows past 16K keys sample 1024 of them), all variants, the
-    folded query (the kernels the cases above compiled): the outputs are the default kernel's
-    bit for bit. Random inputs: the rows past 16K get a guess and almost no block is redone
-    (a guess fails with probability about 1e-4 a row: some 16K rows guessed, about one block
-    redone). Recency-biased inputs (recent keys score highest, as a trained indexer's):
-    guesses may fail more often, and are redone."""
+    folded query (the kernels the cases above compiled): the outputs are those of the kernel with
+    every select variant off, bit for bit. Random inputs: the rows past 16K get a guess and almost
+    no block is redone (a guess fails with probability about 1e-4 a row: some 16K rows guessed,
+    about one block redone). Recency-biased inputs (recent keys score highest, as a trained
+    indexer's): guesses may fail more often, and are redone."""
     T, H, D, topk = 32768, 32, 128, 2048
     q, k, w = random_bf16(T, H, D, seed=17)
     if kind == "recency":

@@ -445,12 +445,17 @@ def test_unordered_rows_hold_the_same_set(keys_on_m, atomic_slots):
 
 # ---------------------------------------------------------------------------------------------
 # Select variants (issue #21): in-kernel sort, pair-major GEMM columns, lean filter, bounded
-# select, sampled first threshold; each must give the default's outputs exactly
+# select, sampled first threshold (all on by default since 2026-12-03); each on or off must give
+# the reference's outputs exactly
 # ---------------------------------------------------------------------------------------------
 
 # Every select variant at once; sample_keys=16 is one 16-key tile of samples.
 ALL_SELECT = dict(sort_in_kernel=True, head_major=True, lean_filter=True, bounded_select=True,
                   sample_keys=16)
+# Every select variant off: the kernel as it was before them (torch sort-and-decode pass,
+# row-major columns, threshold from -inf).
+NO_SELECT = dict(sort_in_kernel=False, head_major=False, lean_filter=False,
+                 bounded_select=False, sample_keys=0)
 
 
 def shard_case():
@@ -475,12 +480,13 @@ def unsorted_positions_case():
     return (q, k, w, 8), dict(q_positions=torch.arange(0, 36, 3).to(DEVICE), k_positions=kpos)
 
 
-def test_all_select_variants_on_the_adversarial_cases():
-    """All select variants together: all-zero ReLU rows with -0.0 (ties everywhere),
-    pair-major columns at shard positions (a compaction every tile), unsorted key positions,
-    relu=False with fewer visible keys than topk, non-contiguous q / k / weights at per-batch
-    positions (batch 2)."""
-    v = dict(variant=ALL_SELECT, prunes=(False,))
+@pytest.mark.parametrize("variants", ["all", "none"])
+def test_all_select_variants_on_the_adversarial_cases(variants):
+    """All select variants together, and none of them: all-zero ReLU rows with -0.0 (ties
+    everywhere), pair-major columns at shard positions (a compaction every tile), unsorted key
+    positions, relu=False with fewer visible keys than topk, non-contiguous q / k / weights at
+    per-batch positions (batch 2)."""
+    v = dict(variant=ALL_SELECT if variants == "all" else NO_SELECT, prunes=(False,))
     for case in (negative_zero_case, shard_case, unsorted_positions_case):
         args, kw = case()
         check(*args, **kw, **v)
@@ -504,10 +510,29 @@ def test_all_select_variants_on_the_other_paths():
 @pytest.mark.parametrize("field", ["sort_in_kernel", "head_major", "lean_filter",
                                    "bounded_select"])
 def test_each_select_variant_alone(field):
-    """Each variant by itself, with key-tile pruning on (its bound sums the heads in the
-    GEMM's row order too)."""
+    """Each variant by itself (the others off), with key-tile pruning on (its bound sums the
+    heads in the GEMM's row order too)."""
     args, kw = shard_case()
-    check(*args, **kw, prunes=(True,), variant={field: True})
+    check(*args, **kw, prunes=(True,), variant=dict(NO_SELECT, **{field: True}))
+
+
+def test_default_sample_keys_fit_small_buffers():
+    """The default sample (1024 keys) caps at the candidate buffer, so small top-k run with the
+    defaults: topk 40 with 32-key tiles has 128-entry buffers, and rows that see 600 keys
+    (non-causal; at least 4 buffers' worth) sample 128 of them and stay exact; rows that see
+    at most 64 keys take no guess; a sample size that is no power of two, or below one key
+    tile, is refused by name."""
+    assert HyTopKOptions.DEFAULT.sample_keys == 1024
+    q, k, w = int_inputs(1, 8, 600, 4, 16, seed=4, lo=-1, hi=2)
+    guessed, _ = sampled(q, k, w, 40, dict(sample_keys=1024), causal=False)
+    assert guessed == 8
+    q, k, w = int_inputs(1, 8, 64, 4, 16, seed=5)
+    assert sampled(q, k, w, 5, {}) == [0, 0]
+    qpos, kpos = validate_hytopk_inputs(q, k, w, 5, None, None)
+    for bad in (48, 8):
+        with pytest.raises(ValueError, match="sample_keys"):
+            kernel._launch(q, k, w, 5, relu=True, causal=True, q_positions=qpos,
+                           k_positions=kpos, options=kernel_options(sample_keys=bad))
 
 
 def sampled(q, k, w, topk, variant, **kw):

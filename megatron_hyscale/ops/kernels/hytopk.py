@@ -64,9 +64,12 @@ FINISH_CHUNK_BYTES = 256 << 20
 # `HyTopKOptions.head_major` applies with the keys on M, 4 to HEAD_MAJOR_MAX_HEADS padded heads
 # and at least HEAD_MAJOR_MIN_ROWS rows a program: a wgmma accumulator spreads each 8 columns of
 # N over a register pair in 4 lanes, so 4 rows' head pairs fill those columns and a row's heads
-# stay in one thread, where the head sum can repeat the default order (see _head_sum). With 2
-# heads the two orders coincide.
-HEAD_MAJOR_MAX_HEADS = 8
+# stay in one thread, where the head sum can repeat the row-major order (see _head_sum). With 2
+# heads the two orders coincide. Not 8 padded heads: on the H200 (2026-12-03) 6 heads padded to
+# 8 selected differently from the row-major order in 14 of 8192 random rows (near-ties, so the
+# sums differ in rounding), although the PTX shows the same FMA pairs and sum tree; until the
+# cause is found, 5 to 8 heads keep the row-major columns.
+HEAD_MAJOR_MAX_HEADS = 4
 HEAD_MAJOR_MIN_ROWS = 4
 _LOW32 = 0xFFFFFFFF
 _KEY_MIN = -(1 << 63)
@@ -976,9 +979,13 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     if fp8 and options.fp8_imprecise_acc is not None:
         fp8_acc = min(options.fp8_imprecise_acc, bd)  # Triton rejects more than the dot's K
     nsamp = options.sample_keys if mode == MODE_SELECT else 0
-    if nsamp and (nsamp & (nsamp - 1) or not bn <= nsamp <= cap):
-        raise ValueError(f"options.sample_keys must be a power of two from block_n ({bn}) to "
-                         f"the candidate buffer ({cap} entries), or 0; got {nsamp}")
+    if nsamp and (nsamp & (nsamp - 1) or nsamp < bn):
+        raise ValueError(f"options.sample_keys must be a power of two of at least block_n "
+                         f"({bn}), or 0; got {nsamp}")
+    # The sample lands in the candidate buffer (a power of two of at least topk + block_n).
+    nsamp = min(nsamp, cap)
+    if S < SAMPLE_MIN_BUFFERS.value * cap:
+        nsamp = 0  # no row can see enough keys to sample: spare the redo launch
     # With sampled guesses: the count of blocks to redo without them, the count of rows that
     # got a guess, and the list of the blocks to redo.
     fails = torch.zeros(2 + n_blocks if nsamp else 1, dtype=torch.int32, device=q.device)

@@ -105,37 +105,38 @@ class HyTopKOptions:
     # them (33 ms of V3.2's 487.6 at 128K on the H200, 2026-12-03). Compiled for sm_90a
     # (2026-12-03, `inspect_sm90.py`), the 2048-key sort adds about 8600 SASS instructions to
     # the kernel, outside its tile loop (the folded query's 7080 -> 15712, V3.2's 6128 ->
-    # 14896), without new spills in the loop. Not yet timed (bench_selection.py hytopk_sort).
-    sort_in_kernel: bool = False
-    # GEMM column order with the keys on M: pair-major ((head pair, row, head of the pair))
-    # instead of (row, head), for 4 or 8 padded heads and at least 4 rows a program (QSA's 4
-    # heads, the folded relu=False query's 3 bf16 parts, 5 to 8 heads; other shapes ignore
-    # it). A row's heads then lie in one thread's registers: no shuffle, and each score in one
-    # lane instead of two, so the per-score selection work halves. The head sum repeats the
-    # default order term for term (`hytopk._head_sum`). Compiled for sm_90a (2026-12-03,
-    # `inspect_sm90.py --preset hytopk-norelu hytopk-norelu-head-major`): the folded query's
-    # select loop 887 -> 609 SASS instructions a tile (scores alone 433 -> 322), QSA's 847 ->
-    # 608. Not yet timed (bench_selection.py hytopk_head_major, scoreonly_head_major).
-    head_major: bool = False
-    # Keys a row block samples (evenly spaced over its visible range; a power of two from
-    # block_n to the candidate buffer) to guess each row's threshold before its stream; 0: no
-    # guess. Without one a row's threshold starts at -inf and only rises when its buffer fills:
+    # 14896), without new spills in the loop. On by default: no slower alone on the H200 and
+    # it drops the pass's 0.9 GiB at 128K (BENCHMARKS.md, "HyTopK's select variants").
+    sort_in_kernel: bool = True
+    # GEMM column order with the keys on M: pair-major ((head pair, row, head of the pair)) instead
+    # of (row, head), for 4 padded heads and at least 4 rows a program (QSA's 4 heads, the folded
+    # relu=False query's 3 bf16 parts; other shapes ignore it, see `hytopk.HEAD_MAJOR_MAX_HEADS`). A
+    # row's heads then lie in one thread's registers: no shuffle, and each score in one lane instead
+    # of two, so the per-score selection work halves. The head sum repeats the row-major order term
+    # for term (`hytopk._head_sum`). Compiled for sm_90a (2026-12-03, `inspect_sm90.py --preset
+    # hytopk-norelu hytopk-norelu-head-major`): the folded query's select loop 887 -> 609 SASS
+    # instructions a tile (scores alone 433 -> 322), QSA's 847 -> 608. On by default (the folded
+    # query's selection 10% faster at 128K on the H200).
+    head_major: bool = True
+    # Keys a row block samples (evenly spaced over its visible range; a power of two from block_n
+    # up, capped at the candidate buffer's size) to guess each row's threshold before its stream; 0:
+    # no guess. Without one a row's threshold starts at -inf and only rises when its buffer fills:
     # on random inputs a row of 64K keys appends some 12K of them and compacts about 8 times
-    # (top-2048, 4096-entry buffers). With the guess (the sample's j-th largest, j a few
-    # standard deviations above the expected count of top-k keys in the sample) it appends
-    # about 1.8 topk keys and compacts once or twice, for 16 more key tiles a block (1024
-    # keys). A guess above the row's k-th key is caught by the count at the end and the block
-    # redone without guesses by a second launch (`hytopk._sample_guess`), so the outputs are
-    # the same whatever the inputs. Not yet timed (bench_selection.py hytopk_sample).
-    sample_keys: int = 0
+    # (top-2048, 4096-entry buffers). With the guess (the sample's j-th largest, j a few standard
+    # deviations above the expected count of top-k keys in the sample) it appends about 1.8 topk
+    # keys and compacts once or twice, for 16 more key tiles a block (1024 keys). A guess above the
+    # row's k-th key is caught by the count at the end and the block redone without guesses by a
+    # second launch (`hytopk._sample_guess`), so the outputs are the same whatever the inputs. 1024
+    # by default (the largest single gain of the variants on the H200 at 128K).
+    sample_keys: int = 1024
     # Less per-score work in the select tile loop: visibility as one int32 compare of position
     # ranks (`hytopk._position_ranks`, computed with the launch) instead of two int64 compares
     # and two int32 ones, no fp32 pre-compare before the int64 key compare in the atomic
     # append (the key compare implies it), and -0.0 folded by an addition of +0.0 instead of a
     # compare and a select. Compiled for sm_90a (2026-12-03): the folded query's select loop
-    # 887 -> 641 SASS instructions a tile (about 590 with head_major), V3.2's 460 -> 419. Not
-    # yet timed (bench_selection.py hytopk_lean).
-    lean_filter: bool = False
+    # 887 -> 641 SASS instructions a tile (about 590 with head_major), V3.2's 460 -> 419. On by
+    # default (V3.2's selection 8% faster at 128K on the H200).
+    lean_filter: bool = True
     # The compaction's bitwise select starts below the bits that every candidate shares: in
     # the score half those of the row's threshold and its largest candidate (one max reduction
     # first), in the index half the top bits that every index below S leaves set
@@ -143,8 +144,8 @@ class HyTopKOptions:
     # of shuffles, shared memory and a barrier over the 4096-entry buffer). Rows compacted
     # together were tried instead (one reduction for several rows' counts): compiled for
     # sm_90a, 2 rows at a time spilled into the tile loop (52 local loads a tile, 2026-12-03).
-    # Not yet timed (bench_selection.py hytopk_bounded).
-    bounded_select: bool = False
+    # On by default (alone within 1% on the H200; no slower with the others).
+    bounded_select: bool = True
 
     DEFAULT: ClassVar[HyTopKOptions]
 
