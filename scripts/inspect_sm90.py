@@ -48,8 +48,10 @@ TARGET = GPUTarget("cuda", 90, 32)
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 # Instructions shown in the loop summary, by opcode (the rest are counted in the total).
 # QGMMA: Hopper's fp8 wgmma (HyTopK's precision="fp8").
+# Global atomics are REDG / ATOMG (their width is in the suffix: REDG.E.ADD.F32x4 adds 4 floats).
 SHOWN_OPS = ("HGMMA", "QGMMA", "WARPGROUP", "HMMA", "BAR", "SHFL", "STS", "LDS", "LDG", "STG",
-             "LDGSTS", "RED", "ATOM", "FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "LDL", "STL")
+             "LDGSTS", "REDG", "ATOMG", "RED", "ATOM", "FFMA", "FMUL", "FADD", "FMNMX", "MUFU",
+             "LDL", "STL")
 
 
 @dataclass
