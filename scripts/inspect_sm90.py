@@ -290,6 +290,9 @@ def _indexer_loss(hi: int, di: int, hq: int, d: int, topk: int, T: int = 256, **
     return calls
 
 
+# Sequence length of the presets with sampled thresholds: a row block samples only when its rows
+# see 4 candidate buffers' worth of keys (16K at top-2048), so 8K would compile no sampling.
+SAMPLED_T = 16384
 # Every select variant of HyTopKOptions at once (bench_selection.py's hytopk_select).
 SELECT_VARIANTS = dict(head_major=True, lean_filter=True, sort_in_kernel=True,
                        sample_keys=1024, bounded_select=True)
@@ -313,13 +316,13 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-norelu-head-major": lambda: _hytopk(32, 128, 2048, False, head_major=True),
     "hytopk-norelu-lean": lambda: _hytopk(32, 128, 2048, False, lean_filter=True),
     "hytopk-norelu-sort": lambda: _hytopk(32, 128, 2048, False, sort_in_kernel=True),
-    "hytopk-norelu-sample": lambda: _hytopk(32, 128, 2048, False, sample_keys=1024),
+    "hytopk-norelu-sample": lambda: _hytopk(32, 128, 2048, False, sample_keys=1024, T=SAMPLED_T),
     "hytopk-norelu-bounded": lambda: _hytopk(32, 128, 2048, False, bounded_select=True),
-    "hytopk-norelu-select": lambda: _hytopk(32, 128, 2048, False, **SELECT_VARIANTS),
+    "hytopk-norelu-select": lambda: _hytopk(32, 128, 2048, False, **SELECT_VARIANTS, T=SAMPLED_T),
     "hytopk-dsv32-lean": lambda: _hytopk(64, 128, 2048, True, lean_filter=True),
     "hytopk-dsv32-sort": lambda: _hytopk(64, 128, 2048, True, sort_in_kernel=True),
-    "hytopk-dsv32-sample": lambda: _hytopk(64, 128, 2048, True, sample_keys=1024),
-    "hytopk-dsv32-select": lambda: _hytopk(64, 128, 2048, True, **SELECT_VARIANTS),
+    "hytopk-dsv32-sample": lambda: _hytopk(64, 128, 2048, True, sample_keys=1024, T=SAMPLED_T),
+    "hytopk-dsv32-select": lambda: _hytopk(64, 128, 2048, True, **SELECT_VARIANTS, T=SAMPLED_T),
     "hytopk-qsa-head-major": lambda: _hytopk(4, 128, 512, True, head_major=True),
     # A head dim below tl.dot's 16 (tests' tiny geometries): must still compile.
     "hytopk-tiny-head-dim": lambda: _hytopk(4, 8, 16, True, T=256),

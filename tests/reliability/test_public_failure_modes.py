@@ -74,7 +74,10 @@ def test_hytopk_offsets_past_2_31_are_64_bit_on_the_host(monkeypatch):
     recorder = _Recorder(kernels._hytopk_kernel)
     monkeypatch.setattr(kernels, "_hytopk_kernel", recorder)
     kernels._launch(q, k, w, TOPK_V32, relu=True, q_positions=pos, k_positions=pos, causal=True)
-    (args,) = recorder.calls
+    # The launch with sampled thresholds, then the one that redoes failed guesses: same strides.
+    args, redo = recorder.calls
+    assert args["NSAMP"] > 0 and redo["N_BLOCKS_ON_DEVICE"]
+    assert redo["stride_qb"] == args["stride_qb"]
     assert args["q_ptr"].shape == q.shape  # the operand the strides below describe
     assert args["stride_qb"] == T_256K * H_V32 * D_V32 == INT32_LIMIT
     assert mangle_type(args["stride_qb"]) == "i64"
