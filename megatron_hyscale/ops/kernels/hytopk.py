@@ -67,8 +67,9 @@ FINISH_CHUNK_BYTES = 256 << 20
 # stay in one thread, where the head sum can repeat the row-major order (see _head_sum). With 2
 # heads the two orders coincide. Not 8 padded heads: on the H200 (2026-12-03) 6 heads padded to
 # 8 selected differently from the row-major order in 14 of 8192 random rows (near-ties, so the
-# sums differ in rounding), although the PTX shows the same FMA pairs and sum tree; until the
-# cause is found, 5 to 8 heads keep the row-major columns.
+# sums differ in rounding), although the score-only kernel's PTX shows the same FMA pairs and
+# sum tree (the select kernel's was not compared); until the cause is found, 5 to 8 heads keep
+# the row-major columns (no model HyScale targets has 5 to 8 indexer heads).
 HEAD_MAJOR_MAX_HEADS = 4
 HEAD_MAJOR_MIN_ROWS = 4
 _LOW32 = 0xFFFFFFFF
