@@ -66,10 +66,12 @@ FINISH_CHUNK_BYTES = 256 << 20
 # N over a register pair in 4 lanes, so 4 rows' head pairs fill those columns and a row's heads
 # stay in one thread, where the head sum can repeat the row-major order (see _head_sum). With 2
 # heads the two orders coincide. Not 8 padded heads: on the H200 (2026-12-03) 6 heads padded to
-# 8 selected differently from the row-major order in 14 of 8192 random rows (near-ties, so the
-# sums differ in rounding), although the score-only kernel's PTX shows the same FMA pairs and
-# sum tree (the select kernel's was not compared); until the cause is found, 5 to 8 heads keep
-# the row-major columns (no model HyScale targets has 5 to 8 indexer heads).
+# 8 selected differently from the row-major order in 14 of 8192 random rows (near-ties). The
+# sum tree is the same; the select kernel's PTX (`inspect_sm90.py`, HEAD_MAJOR at HP 8) fuses a
+# head pair's two weight products into one FMA the other way round in half of the rows
+# (fma(x1, w1, x0 * w0) where row-major has fma(x0, w0, x1 * w1)): the compiler's contraction,
+# which the kernel does not pin. So 5 to 8 heads keep the row-major columns (no model HyScale
+# targets has 5 to 8 indexer heads).
 HEAD_MAJOR_MAX_HEADS = 4
 HEAD_MAJOR_MIN_ROWS = 4
 _LOW32 = 0xFFFFFFFF
