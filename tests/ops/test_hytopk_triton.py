@@ -555,6 +555,30 @@ def test_sampled_thresholds_guess_and_stay_exact():
     assert sampled(q, k, w, 8, dict(ALL_SELECT, sample_keys=32), causal=False) == [8, 0]
 
 
+@pytest.mark.parametrize("layout", ["cp_shard", "unsorted_keys"])
+def test_sampled_thresholds_at_shard_and_unsorted_positions(layout):
+    """The default sample (capped at 128-entry buffers: topk 40, 32-key tiles) with rows at
+    context-parallel shard positions (two chunks, causal) and with keys in a random position
+    order (a row's visible keys are not a prefix of its index range, so its sample also holds
+    keys it cannot see): exact against the reference either way, batch 2 with per-batch
+    positions, and the rows that see 512 keys or more take a guess."""
+    S = 640
+    q, k, w = int_inputs(2, 16, S, 4, 16, seed=8, lo=-1, hi=2)
+    qpos = torch.cat([torch.arange(560, 568), torch.arange(632, 640)])
+    kw = dict(q_positions=torch.stack([qpos, qpos - 1]).to(DEVICE))
+    if layout == "unsorted_keys":
+        perm = torch.randperm(S, generator=torch.Generator().manual_seed(3))
+        kw["k_positions"] = torch.stack([perm, perm.flip(0)]).to(DEVICE)
+    stats = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    ref_i, ref_s = hytopk(q, k, w, 40, backend="reference", **kw)
+    qp, kp = validate_hytopk_inputs(q, k, w, 40, kw["q_positions"], kw.get("k_positions"))
+    out_i, out_s = kernel._launch(q, k, w, 40, relu=True, causal=True, q_positions=qp,
+                                  k_positions=kp, sample_stats=stats,
+                                  options=kernel_options(block_n=32, sample_keys=1024))
+    assert torch.equal(out_i, ref_i) and torch.equal(out_s, ref_s)
+    assert stats[0].item() > 0  # rows that took a guess
+
+
 def test_sampled_threshold_above_the_kth_key_is_redone():
     """The sample hits the only high keys: 8 keys score 10, all of them at sampled positions
     (every 8th key from 0), the rest at most 5. Each row's guess (its sample's 8th largest)
