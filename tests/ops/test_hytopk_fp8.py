@@ -30,6 +30,8 @@ from megatron_hyscale.ops.fp8_quant import (  # noqa: E402
     quantize_rows,
     selection_overlap,
 )
+from megatron_hyscale.ops.hytopk import validate_hytopk_inputs  # noqa: E402
+from megatron_hyscale.ops.kernels import hytopk as kernel  # noqa: E402
 
 
 def both_backends(q, k, w, topk, block_n=16, **kw):
@@ -133,6 +135,21 @@ def test_exact_ties_compaction_batch2_and_per_row_scales():
     q = q * 2.0 ** torch.randint(-3, 4, (2, 20, 4, 1), generator=torch.Generator().manual_seed(0))
     k = k * 4.0
     assert_fp8_equals_bf16(q, k, w, 6)
+
+
+def test_exact_with_sampled_thresholds():
+    """fp8 scores through the sampling pass (rows that see 640 keys sample 128 of them: topk 40
+    in 128-entry buffers with 32-key tiles; non-causal) and the stream: the bf16 outputs."""
+    q, k, w = int_inputs(1, 8, 640, 4, 32, seed=21, lo=-1, hi=2)
+    bf16 = hytopk(q, k, w, 40, backend="reference", causal=False)
+    qpos, kpos = validate_hytopk_inputs(q, k, w, 40, None, None)
+    q8, qs, k8, ks = quantize_indexer(q, k)
+    stats = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    out = kernel._launch(q8, k8, w, 40, relu=True, causal=False, q_positions=qpos,
+                         k_positions=kpos, q_scale=qs, k_scale=ks, sample_stats=stats,
+                         options=kernel_options(block_n=32, sample_keys=1024))
+    assert torch.equal(out[0], bf16[0]) and torch.equal(out[1], bf16[1])
+    assert stats[0].item() == 8  # every row took a guess
 
 
 def test_exact_all_zero_rows_negative_zero_and_fewer_visible_than_k():
