@@ -1152,3 +1152,22 @@ def test_run_logged_appends_after_the_marker(tmp_path: Path) -> None:
     (tmp_path / resume.TRACKER).write_text("12")
     assert resume.has_checkpoint(tmp_path) is True
     assert resume.last_iteration(log) is None and resume.last_iteration(tmp_path / "x") is None
+
+
+@pytest.mark.parametrize("apex", [False, True])
+def test_transformer_engine_args_turn_off_apex_fusion_without_apex(monkeypatch, apex):
+    """Under TE, Megatron's output layer (its own ColumnParallelLinear) still asks for apex's
+    fused weight-gradient kernel and stops at start-up without it: the launcher turns the
+    fusion off exactly when apex's extension is missing (as on the lent H200)."""
+    real = cfg.importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == "fused_weight_gradient_mlp_cuda":
+            return object() if apex else None
+        return real(name, *args)
+
+    monkeypatch.setattr(cfg.importlib.util, "find_spec", find_spec)
+    args = cfg.impl_args("transformer_engine")
+    assert args[:2] == ["--transformer-impl", "transformer_engine"]
+    assert ("--no-gradient-accumulation-fusion" in args) is not apex
+    assert "--no-gradient-accumulation-fusion" in cfg.impl_args("local")
