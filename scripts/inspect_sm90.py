@@ -326,6 +326,13 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "sparse-attention-glm51": lambda: _sparse_attention(64, 1, 576, None, 2048),
     "sparse-attention-glm51-no-softmax": lambda: _sparse_attention(64, 1, 576, None, 2048,
                                                                    fwd_softmax=False),
+    # AttentionKernelOptions' backward variants (2026-12-03), each beside the default above.
+    "sparse-attention-glm51-dkv-carry": lambda: _sparse_attention(64, 1, 576, None, 2048,
+                                                                  dkv_carry=True),
+    "sparse-attention-hca-dkv-carry": lambda: _sparse_attention(64, 1, 512, None, 128,
+                                                                prefix=True, dkv_carry=True),
+    "sparse-attention-qsa-dkv-carry": lambda: _sparse_attention(24, 2, 256, 256, 2052,
+                                                                dkv_carry=True),
     "sparse-mla-fwd-sm90-glm51": lambda: _sparse_mla_fwd_sm90(64, 576, 2048),
     "sparse-mla-fwd-sm90-v32": lambda: _sparse_mla_fwd_sm90(128, 576, 2048),
     "sparse-attention-hca": lambda: _sparse_attention(64, 1, 512, None, 128, prefix=True),

@@ -201,6 +201,10 @@ class AttentionKernelOptions:
     # M = 512 / 576, every product wgmma-sized; q and dO in one layout each, so no head-block
     # halving).
     dkv_channels_on_m: bool = True
+    # dK/dV kernel with the channels on M: each key tile's P and dS are carried to the next
+    # iteration, whose dK / dV products use them (one tile later; the last after the loop).
+    # PLACEHOLDER
+    dkv_carry: bool = False
     # The dK/dV kernel with the keys on M reads q and dO in two MMA layouts (B of K @ q^T and of
     # dS^T @ q), which Triton keeps as two shared-memory copies; its head block is halved until
     # both copies fit in this many bytes (measured on the H200: 64 heads x (576 + 512) dims

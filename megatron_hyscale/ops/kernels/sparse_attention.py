@@ -246,6 +246,70 @@ def _dkv_add(base, stat_base, scale_base, rows, valid, tile, offs, s_row, s_col,
 
 
 @triton.jit
+def _dkv_gather(k_base, v_base, rows, valid, sks, skd, svs, svd, D: tl.constexpr,
+                D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, DV: tl.constexpr,
+                DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr):
+    """The key tile's main and tail channels and its V tile (k_main again for an absent tail or
+    when V is K's main part), as the dK/dV kernel's loop gathers them."""
+    offs_dm = tl.arange(0, D_MAIN)
+    k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
+                     mask=valid[:, None], other=0.0)
+    k_tail = k_main
+    if D_TAIL > 0:
+        offs_dt = D_MAIN + tl.arange(0, D_TAIL)
+        k_tail = tl.load(k_base + rows[:, None] * sks + offs_dt[None, :] * skd,
+                         mask=valid[:, None] & (offs_dt[None, :] < D), other=0.0)
+    v_tile = k_main
+    if not V_IS_K_MAIN:
+        offs_v = tl.arange(0, DV_PAD)
+        v_tile = tl.load(v_base + rows[:, None] * svs + offs_v[None, :] * svd,
+                         mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0)
+    return k_main, k_tail, v_tile
+
+
+@triton.jit
+def _dkv_p_ds(q_main, q_tail, do, k_main, k_tail, v_tile, valid, lse2, delta, qk_scale,
+              sm_scale, D_TAIL: tl.constexpr, PRECISION: tl.constexpr):
+    """P and scale * dS of one key tile, [heads x keys] in q's dtype, with the heads on the
+    MMA's M (the channels-on-M dK/dV kernel's first half: the same operations in the same
+    order as its inline code)."""
+    s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
+    if D_TAIL > 0:
+        # Both products pass a select (invalid keys score -inf below anyway) so that Triton
+        # does not fold the addition into one's accumulator: that makes the other a chained
+        # dot, laid out with every warp on M (the tail product first, then a layout change).
+        s = (tl.where(valid[None, :], s, 0.0)
+             + tl.where(valid[None, :],
+                        tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION), 0.0))
+    p = tl.exp2(tl.where(valid[None, :], s * qk_scale, float("-inf")) - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v_tile), input_precision=PRECISION)
+    ds = (p * (dp - delta[:, None]) * sm_scale).to(q_main.dtype)
+    return p.to(do.dtype), ds
+
+
+@triton.jit
+def _dkv_add_tile_channels_on_m(q_main, q_tail, do, p, ds, rows, valid, dk_base, dv_base,
+                                rmk_base, rmv_base, fxk_base, fxv_base, sdks, sdkd, sdvs, sdvd,
+                                srs, D: tl.constexpr, D_MAIN: tl.constexpr,
+                                D_TAIL: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+                                V_IS_K_MAIN: tl.constexpr, MODE: tl.constexpr,
+                                PRECISION: tl.constexpr):
+    """The channels-on-M dK/dV kernel's second half for one key tile: dK^T = q^T dS (+ dV^T =
+    dO^T P) and the tail, added into the key rows in the inline code's order (dV, dK main, dK
+    tail). p is already in dO's dtype (the inline code converts it inside the product)."""
+    dk_main, dv_tt = _dkv_tiles_channels_on_m(q_main, do, p, ds, V_IS_K_MAIN, PRECISION)
+    if not V_IS_K_MAIN:
+        _dkv_add(dv_base, rmv_base, fxv_base, rows, valid, tl.trans(dv_tt),
+                 tl.arange(0, DV_PAD), sdvs, sdvd, DV, srs, MODE)
+    _dkv_add(dk_base, rmk_base, fxk_base, rows, valid, dk_main, tl.arange(0, D_MAIN), sdks,
+             sdkd, D, srs, MODE)
+    if D_TAIL > 0:
+        dk_tail = tl.trans(tl.dot(tl.trans(q_tail), ds, input_precision=PRECISION))
+        _dkv_add(dk_base, rmk_base, fxk_base, rows, valid, dk_tail,
+                 D_MAIN + tl.arange(0, D_TAIL), sdks, sdkd, D, srs, MODE)
+
+
+@triton.jit
 def _bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr,
     dq_ptr, delta_ptr, dsink_ptr,
@@ -366,6 +430,7 @@ def _bwd_dkv_kernel(
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr,
     MODE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, CHANNELS_ON_M: tl.constexpr, NG: tl.constexpr,
+    CARRY: tl.constexpr = False,
 ):
     """dK / dV contributions of one query's head block, added into the selected key rows.
 
@@ -398,6 +463,38 @@ def _bwd_dkv_kernel(
     dk_base, dv_base, rmk_base, rmv_base, fxk_base, fxv_base = _dkv_bases(
         dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr, b, kvh, sdkb, sdkh,
         sdvb, sdvh, srb, srh)
+    if CARRY:
+        # dkv_carry (channels on M only): tile n's P and dS are carried to the next iteration,
+        # which adds tile n's dK / dV before computing tile n + 1's P and dS. S and dP then
+        # feed no product of their own iteration, so Triton does not take them for a chained
+        # dot (which it lays out with every warp on M: at 64 heads and 8 warps both
+        # warpgroups computed the whole of S and dP) and splits them over the two
+        # warpgroups. Only P and dS cross iterations: the key rows are reloaded for the
+        # atomics, since rows carried in each layout the atomics use spilled (800 B).
+        rows, valid = _load_rows(idx_base, sik, 0, NK, n_pre, BLOCK_N, HAS_PREFIX)
+        k_main, k_tail, v_tile = _dkv_gather(k_base, v_base, rows, valid, sks, skd, svs, svd, D,
+                                             D_MAIN, D_TAIL, DV, DV_PAD, V_IS_K_MAIN)
+        p_c, ds_c = _dkv_p_ds(q_main, q_tail, do, k_main, k_tail, v_tile, valid, lse2, delta,
+                              qk_scale, sm_scale, D_TAIL, PRECISION)
+        for n0 in range(BLOCK_N, n_pre + NK, BLOCK_N):
+            rows, valid = _load_rows(idx_base, sik, n0 - BLOCK_N, NK, n_pre, BLOCK_N, HAS_PREFIX)
+            _dkv_add_tile_channels_on_m(q_main, q_tail, do, p_c, ds_c, rows, valid, dk_base,
+                                        dv_base, rmk_base, rmv_base, fxk_base, fxv_base, sdks,
+                                        sdkd, sdvs, sdvd, srs, D, D_MAIN, D_TAIL, DV, DV_PAD,
+                                        V_IS_K_MAIN, MODE, PRECISION)
+            rows, valid = _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N, HAS_PREFIX)
+            k_main, k_tail, v_tile = _dkv_gather(k_base, v_base, rows, valid, sks, skd, svs,
+                                                 svd, D, D_MAIN, D_TAIL, DV, DV_PAD,
+                                                 V_IS_K_MAIN)
+            p_c, ds_c = _dkv_p_ds(q_main, q_tail, do, k_main, k_tail, v_tile, valid, lse2,
+                                  delta, qk_scale, sm_scale, D_TAIL, PRECISION)
+        n_last = tl.maximum((n_pre + NK - 1) // BLOCK_N, 0) * BLOCK_N
+        rows, valid = _load_rows(idx_base, sik, n_last, NK, n_pre, BLOCK_N, HAS_PREFIX)
+        _dkv_add_tile_channels_on_m(q_main, q_tail, do, p_c, ds_c, rows, valid, dk_base,
+                                    dv_base, rmk_base, rmv_base, fxk_base, fxv_base, sdks, sdkd,
+                                    sdvs, sdvd, srs, D, D_MAIN, D_TAIL, DV, DV_PAD, V_IS_K_MAIN,
+                                    MODE, PRECISION)
+        return
     for n0 in range(0, n_pre + NK, BLOCK_N):
         rows, valid = _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N, HAS_PREFIX)
         k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
@@ -737,7 +834,8 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
                 *_strides4(dout), *lse.stride(), *acc.strides())
         const = dict(geo.const(), MODE=mode, BLOCK_H=bh_dkv,
                      HAS_PREFIX=prefix_lengths is not None,
-                     CHANNELS_ON_M=options.dkv_channels_on_m, NG=ng_dkv)
+                     CHANNELS_ON_M=options.dkv_channels_on_m, NG=ng_dkv,
+                     CARRY=options.dkv_carry and options.dkv_channels_on_m)
         tilings = _bwd_tilings(geo, options.dkv_tilings, options.narrow_dkv_tilings)
         _launch(_bwd_dkv_kernel, grid_dkv, args, const, geo, tilings, copies * bh_dkv * dims,
                 elem, ("dkv", q.dtype, tilings, tuple(sorted(const.items()))), options)
