@@ -69,6 +69,26 @@ def test_default_kernels_keep_their_compiled_shape(tmp_path: Path) -> None:
     assert dkv["loop_ops"]["HGMMA"] > 0
 
 
+def test_dkv_carry_splits_s_and_dp_over_the_warpgroups(tmp_path: Path) -> None:
+    """AttentionKernelOptions.dkv_carry reaches the dK/dV kernel (CARRY) and does what it is
+    for: at 64 heads and 8 warps the default computes S and dP in both warpgroups (a chained
+    dot is laid out with every warp on M), 68 of its 172 HGMMA a tile being that copy; the
+    carried variant issues 104. It must keep fitting the H200's shared memory (232448 bytes a
+    block) at the default 64 x 1 tiling, or the launch would fall back to a slower one."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "sparse-attention-glm51", "sparse-attention-glm51-dkv-carry",
+                "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dkv = [r for r in json.loads(out.read_text()) if r["name"].endswith("_bwd_dkv_kernel")]
+    (default,), (carry,) = ([r for r in dkv if r["preset"] == p]
+                            for p in ("sparse-attention-glm51", "sparse-attention-glm51-dkv-carry"))
+    assert default["constexprs"]["CARRY"] is False and carry["constexprs"]["CARRY"] is True
+    assert carry["constexprs"]["BLOCK_N"] == 64 and carry["shared_bytes"] <= 232448
+    assert carry["loop_ops"]["HGMMA"] < default["loop_ops"]["HGMMA"] - 48
+    assert carry["loop_instructions"] < default["loop_instructions"]
+    assert carry["loop_ops"]["BAR"] <= default["loop_ops"]["BAR"]
+
+
 def test_hopper_sparse_mla_forward_keeps_its_wgmma_pipeline(tmp_path: Path) -> None:
     """The Gluon forward (ops/kernels/sparse_mla_fwd_sm90.py) compiles for sm_90a without spills
     and without ptxas serializing its wgmma: any accumulator read while a product is in flight

@@ -201,9 +201,23 @@ class AttentionKernelOptions:
     # M = 512 / 576, every product wgmma-sized; q and dO in one layout each, so no head-block
     # halving).
     dkv_channels_on_m: bool = True
-    # dK/dV kernel with the channels on M: each key tile's P and dS are carried to the next
-    # iteration, whose dK / dV products use them (one tile later; the last after the loop).
-    # PLACEHOLDER
+    # The channels-on-M dK/dV kernel adds each key tile's dK / dV one loop iteration later: tile
+    # n's P and dS (bf16) are carried and their products run before tile n + 1's S and dP, the
+    # last tile's after the loop. Why: Triton lays a dot out with every warp on M when its
+    # result feeds another dot in the same iteration (a "chained" dot); at 64 heads (M = 64)
+    # and 8 warps that put both warpgroups on all 64 rows, so each computed the whole of S and
+    # dP (68 of the loop's 172 HGMMA a thread were that copy, and the softmax's FMUL / MUFU
+    # doubled). Carried, S and dP are split over the warpgroups. Same products, same order of
+    # the atomics within a program: bitwise the default under the interpreter, fp32 rounding
+    # (S's 512 + 64 channel parts added in fp32, not in one accumulator) and the atomics'
+    # order on a GPU. Compiled for sm_90a (2026-12-03, `inspect_sm90.py --preset
+    # sparse-attention-glm51 sparse-attention-glm51-dkv-carry`, 64 x 1): 255 -> 255 registers,
+    # spills 132 -> 388 B (stores; loads 132 -> 316 B, mostly outside the loop), hot loop 2499
+    # -> 2071 instructions, HGMMA 172 -> 104, FMUL 96 -> 48, MUFU 32 -> 16, BAR 22 -> 22, LDL /
+    # STL 22 / 3 -> 30 / 0, shared memory 212992 B either way; HCA (512 dims, prefix) 2919 ->
+    # 2321 instructions, HGMMA 160 -> 96, but spills 0 -> 204 B (LDL 20 a tile); QSA (16-head
+    # blocks, mma.sync) 779 -> 715. Not yet timed (`bench_attention.py --bwd-sweep
+    # --bwd-variants carry`). Ignored with the keys on M.
     dkv_carry: bool = False
     # The dK/dV kernel with the keys on M reads q and dO in two MMA layouts (B of K @ q^T and of
     # dS^T @ q), which Triton keeps as two shared-memory copies; its head block is halved until

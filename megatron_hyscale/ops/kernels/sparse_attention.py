@@ -19,8 +19,9 @@ at 128K.
 Backward: one kernel per query computes dQ (no atomics), the row's Delta = dO . O and the sink
 gradient terms; a second kernel recomputes P and dS per query and adds dK / dV tiles into fp32
 buffers with atomics, computing dK^T = q^T dS and dV^T = dO^T P with the channels as the MMA's M
-(`dkv_channels_on_m`; the keys as M before). `bwd_fused` does both in the dQ kernel's single
-pass. Variants and tilings come in an `AttentionKernelOptions` (`kernels/options.py`).
+(`dkv_channels_on_m`; the keys as M before; `dkv_carry` adds each key tile's dK / dV one
+iteration later). `bwd_fused` does both in the dQ kernel's single pass. Variants and tilings
+come in an `AttentionKernelOptions` (`kernels/options.py`).
 `deterministic=True` replaces the fp32 atomics by two passes: an order-free atomic max of each
 key row's contributions, then int64 fixed-point atomic adds on a per-row power-of-two scale
 (integer addition is associative, so the result does not depend on the order of the atomics;
@@ -438,7 +439,8 @@ def _bwd_dkv_kernel(
     CHANNELS_ON_M: dK^T = scale * q^T @ dS and dV^T = dO^T @ P (the channels as the MMA's M);
     else the same with the keys as M (dK_tile = scale * dS^T @ q, dV_tile = P^T @ dO). dV is
     merged into dK's first channels when V is K's main part; tiles are accumulated per MODE
-    (fp32 atomics or fixed point).
+    (fp32 atomics or fixed point). CARRY (channels on M only): each tile's products run one
+    iteration later (AttentionKernelOptions.dkv_carry).
     """
     b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
     heads = kvh * G + offs_h
