@@ -39,7 +39,7 @@ TileLang (scripts/gpu_tilelang.sh): without it the run says why once and goes on
   python scripts/bench_attention.py --shapes glm51 v32 --t 131072 --out /tmp/res
   python scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768
   python scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768 --tilings 64x1 \
-      --bwd-variants carry                        # a dK/dV variant beside the default
+      --bwd-variants carry tail_first             # backward variants beside the default
   python scripts/bench_attention.py --shapes v32 --t 131072 --head-blocks split
   python scripts/bench_attention.py --shapes glm51 --t 131072 --fwd-no-softmax  # forward split
   python scripts/bench_attention.py --shapes glm51 v32 --fwd-only --fwd-kernel triton
@@ -49,7 +49,8 @@ fits: dQ, dK/dV with its fp32 atomics, dK/dV in the measurement-only discard mod
 products, no accumulation; the difference is the cost of the atomics), dK/dV in its
 previous orientation (keys on the MMA's M, AttentionKernelOptions.dkv_channels_on_m=False),
 and the single fused backward pass (AttentionKernelOptions.bwd_fused=True); with
---bwd-variants, dK/dV with each named variant on (BWD_VARIANTS), with and without atomics.
+--bwd-variants, the kernel each named variant changes, with it on (BWD_VARIANTS; dK/dV ones
+with and without atomics).
 Table and JSON (bench_attention_bwd_sweep.json).
 
 Needs a CUDA GPU (every mode).
@@ -378,11 +379,13 @@ def bench_stock(shape, inp, warmup, reps):
 
 
 SWEEP_TILINGS = ((16, 1), (16, 2), (32, 1), (32, 2), (64, 1), (64, 2))
-# Backward variants --bwd-sweep can time beside the default (--bwd-variants): name ->
-# AttentionKernelOptions fields. Each adds the columns dkv_<name>_ms and
-# dkv_<name>_no_atomics_ms, timed in the same process and tiling as the default's dkv_ms.
+# Backward variants --bwd-sweep can time beside the default (--bwd-variants): name -> (the
+# kernel it changes, AttentionKernelOptions fields). A dK/dV variant adds the columns
+# dkv_<name>_ms and dkv_<name>_no_atomics_ms, a dQ variant dq_<name>_ms, timed in the same
+# process and tiling as the default's dkv_ms / dq_ms.
 BWD_VARIANTS = {
-    "carry": dict(dkv_carry=True),
+    "carry": ("dkv", dict(dkv_carry=True)),
+    "tail_first": ("dq", dict(dq_tail_first=True)),
 }
 
 
@@ -428,7 +431,13 @@ def bwd_sweep(shapes, Ts, reps, out_dir, mm, tilings=SWEEP_TILINGS,
                                         prefix_lengths=pre, options=fused),
                 }
                 for variant in variants:
-                    with_variant = replace(at_tiling, **BWD_VARIANTS[variant])
+                    kernel, fields = BWD_VARIANTS[variant]
+                    with_variant = replace(at_tiling, **fields)
+                    if kernel == "dq":
+                        parts[f"dq_{variant}_ms"] = partial(
+                            kern.sparse_attention_bwd_dq, *dq_args, dv=dv, sink=sink,
+                            prefix_lengths=pre, options=with_variant)
+                        continue
                     parts[f"dkv_{variant}_ms"] = partial(
                         kern.sparse_attention_bwd_dkv, *dkv_args, dv=dv, prefix_lengths=pre,
                         options=with_variant)
@@ -461,6 +470,12 @@ def bwd_sweep(shapes, Ts, reps, out_dir, mm, tilings=SWEEP_TILINGS,
             f"{fmt(r['dkv_no_atomics_ms'], '.1f')} | {fmt(r['dkv_keys_on_m_ms'], '.1f')} | "
             f"{fmt(r['fused_ms'], '.1f')} | {fmt(r.get('bwd_frac', '-'), '.1%')} |")
     for variant in variants:
+        if BWD_VARIANTS[variant][0] == "dq":
+            log(f"\n| shape | T | keys x stages | dQ ms | dQ {variant} ms |\n|---|---|---|---|---|")
+            for r in rows:
+                log(f"| {r['shape']} | {r['T']} | {r['block_n']} x {r['stages']} | "
+                    f"{fmt(r['dq_ms'], '.1f')} | {fmt(r[f'dq_{variant}_ms'], '.1f')} |")
+            continue
         log(f"\n| shape | T | keys x stages | dK/dV ms | dK/dV {variant} ms | dK/dV without "
             f"atomics ms | dK/dV {variant} without atomics ms |\n|---|---|---|---|---|---|---|")
         for r in rows:
@@ -514,9 +529,10 @@ def main():
                     metavar="NxS", help="--bwd-sweep's tilings, keys per step x stages (a "
                     "tiling that faults ends the process: give one a run to isolate it)")
     ap.add_argument("--bwd-variants", nargs="+", default=[], choices=list(BWD_VARIANTS),
-                    help="--bwd-sweep: also time the dK/dV kernel with these variants "
-                         "(carry: AttentionKernelOptions.dkv_carry), with and without atomics, "
-                         "beside the default in the same process")
+                    help="--bwd-sweep: also time the backward kernels with these variants "
+                         "beside the default, in the same process (carry: the dK/dV kernel with "
+                         "AttentionKernelOptions.dkv_carry, with and without atomics; "
+                         "tail_first: the dQ kernel with dq_tail_first)")
     ap.add_argument("--head-blocks", choices=("adjacent", "split"), default="adjacent",
                     help="launch order of a query's head-block programs: next to each other "
                          "(the default, AttentionKernelOptions.head_blocks_adjacent) or a "

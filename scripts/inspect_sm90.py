@@ -329,6 +329,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     # AttentionKernelOptions' backward variants (2026-12-03), each beside the default above.
     "sparse-attention-glm51-dkv-carry": lambda: _sparse_attention(64, 1, 576, None, 2048,
                                                                   dkv_carry=True),
+    "sparse-attention-glm51-dq-tail-first": lambda: _sparse_attention(
+        64, 1, 576, None, 2048, dq_tail_first=True),
     "sparse-attention-hca-dkv-carry": lambda: _sparse_attention(64, 1, 512, None, 128,
                                                                 prefix=True, dkv_carry=True),
     "sparse-attention-qsa-dkv-carry": lambda: _sparse_attention(24, 2, 256, 256, 2052,

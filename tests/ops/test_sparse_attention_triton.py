@@ -130,15 +130,18 @@ def run_both(q, k, v, idx, sink, dv, scale, deterministic, lse_weight=None, seed
     return results
 
 
-@pytest.mark.parametrize("variant", ["dkv-channels-on-m", "dkv-keys-on-m", "fused", "dkv-carry"])
+@pytest.mark.parametrize("variant", ["dkv-channels-on-m", "dkv-keys-on-m", "fused", "dkv-carry",
+                                     "dq-tail-first"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_values_and_gradients(case, deterministic, variant):
     # Every backward layout against the oracle: the separate dK/dV kernel in both orientations
-    # (dkv_channels_on_m), the single pass that fuses it into the dQ kernel (bwd_fused), and
-    # the channels-on-M kernel that adds each tile's dK / dV one iteration later (dkv_carry).
+    # (dkv_channels_on_m), the single pass that fuses it into the dQ kernel (bwd_fused), the
+    # channels-on-M kernel that adds each tile's dK / dV one iteration later (dkv_carry), and
+    # the dQ kernel taking S's tail channels first (dq_tail_first).
     options = replace(SMALL, dkv_channels_on_m=variant != "dkv-keys-on-m",
-                      bwd_fused=variant == "fused", dkv_carry=variant == "dkv-carry")
+                      bwd_fused=variant == "fused", dkv_carry=variant == "dkv-carry",
+                      dq_tail_first=variant == "dq-tail-first")
     q, k, v, idx, sink, dv, scale = build(case, seed=len(case))
     (out, lse, grads), (rout, rlse, rgrads) = run_both(q, k, v, idx, sink, dv, scale,
                                                        deterministic, options=options)
@@ -405,15 +408,21 @@ def ties_case(seed):
     return q, k, None, idx, None, 16, D ** -0.5
 
 
+# Backward variants that change only the order of independent operations: option fields.
+BITWISE_VARIANTS = {"dkv-carry": dict(dkv_carry=True), "dq-tail-first": dict(dq_tail_first=True)}
+
+
+@pytest.mark.parametrize("variant", list(BITWISE_VARIANTS))
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", [*CASES, "ties", "non_contiguous", "prefix"])
-def test_dkv_carry_equals_the_default(case, deterministic):
+def test_bwd_variant_equals_the_default(case, deterministic, variant):
     """dkv_carry adds each key tile's dK / dV one loop iteration later with the same products in
-    the same order, so under the interpreter (one program at a time) every output and gradient
-    is bitwise the default's; on a GPU the atomics' order and the compiled products' rounding
-    differ, so there it is close. Also against the oracle (so that a wrong default cannot hide a
-    wrong variant): ties, -1 slots and empty rows, B = 2, non-contiguous inputs, dense prefixes
-    (rows whose last tile holds only prefix keys or only -1 slots)."""
+    the same order; dq_tail_first adds S's main channels onto its tail's instead of the
+    reverse (fp32 addition commutes). So under the interpreter (one program at a time) every
+    output and gradient is bitwise the default's; on a GPU the atomics' order and the compiled
+    products' rounding differ, so there it is close. Also against the oracle (so that a wrong
+    default cannot hide a wrong variant): ties, -1 slots and empty rows, B = 2, non-contiguous
+    inputs, dense prefixes (rows whose last tile holds only prefix keys or only -1 slots)."""
     prefix = None
     if case == "ties":
         q, k, v, idx, sink, dv, scale = ties_case(seed=13)
@@ -436,8 +445,8 @@ def test_dkv_carry_equals_the_default(case, deterministic):
     else:
         q, k, v, idx, sink, dv, scale = build(case, seed=3 * len(case))
     runs = []
-    for carry in (False, True):
-        options = replace(SMALL, dkv_carry=carry)
+    for on in (False, True):
+        options = replace(SMALL, **BITWISE_VARIANTS[variant]) if on else SMALL
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, sink) if x is not None]
         it = iter(leaves)
         qq, kk = next(it), next(it)
@@ -453,11 +462,11 @@ def test_dkv_carry_equals_the_default(case, deterministic):
         if DEVICE == "cpu":
             assert torch.equal(a, b)
         else:
-            close("carry", b, a)
+            close(variant, b, a)
     if case != "prefix":  # the prefix rows' oracle is test_dense_prefix_equals_explicit_indices
         (out, _, grads), (rout, _, rgrads) = run_both(
             q, k, v, idx, sink, dv, scale, deterministic, seed=0,
-            options=replace(SMALL, dkv_carry=True))
+            options=replace(SMALL, **BITWISE_VARIANTS[variant]))
         close("out", out, rout)
         for got, ref in zip(grads, rgrads, strict=True):
             close("grad", got, ref)

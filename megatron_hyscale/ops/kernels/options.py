@@ -201,6 +201,24 @@ class AttentionKernelOptions:
     # M = 512 / 576, every product wgmma-sized; q and dO in one layout each, so no head-block
     # halving).
     dkv_channels_on_m: bool = True
+    # The dQ kernel gathers a key tile's tail channels (576 = 512 + 64) and takes their product
+    # with q first, then the main ones, accumulating S in the same fp32 tile. Why: in the
+    # default order the loop issues all of the tile's gathers at its top (16 + 2 LDG.128 a
+    # thread) and holds them in registers until they are stored to shared memory, so the key
+    # indices it loads early for P's validity mask (index pairs in S's accumulator layout) are
+    # spilled across the S product (STL.64 then LDL.64, 8 a tile). Tail first, the small tail
+    # tile is stored and its product issued before the main gathers, and those indices stay
+    # in registers; but the main gathers then go out in two waves (6, then 10 LDG.128 as the
+    # first ones are stored), which may expose more latency: only timing decides. Bitwise
+    # the default under the interpreter (fp32 addition commutes); on a GPU the tensor core
+    # adds the main part onto the tail's sum instead of the reverse (fp32 rounding). Compiled
+    # for sm_90a (2026-12-03, `inspect_sm90.py --preset sparse-attention-glm51
+    # sparse-attention-glm51-dq-tail-first`, dQ 64 x 1): 255 -> 255 registers, spills 252 ->
+    # 152 B, hot loop 1437 -> 1364 instructions, LDL / STL 38 / 20 -> 20 / 4, HGMMA 144 and BAR
+    # 3 unchanged. Not yet timed (`bench_attention.py --bwd-sweep --bwd-variants
+    # tail_first`). Not in the fused backward's pass (its loop went 1547 -> 1597 instructions,
+    # spills unchanged); no effect without a tail (power-of-two head dims).
+    dq_tail_first: bool = False
     # The channels-on-M dK/dV kernel adds each key tile's dK / dV one loop iteration later: tile
     # n's P and dS (bf16) are carried and their products run before tile n + 1's S and dP, the
     # last tile's after the loop. Why: Triton lays a dot out with every warp on M when its

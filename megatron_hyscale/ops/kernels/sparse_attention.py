@@ -324,6 +324,7 @@ def _bwd_dq_kernel(
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_DLSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, FUSE_DKV: tl.constexpr, MODE: tl.constexpr, NG: tl.constexpr,
+    TAIL_FIRST: tl.constexpr = False,
 ):
     """dQ for one query's head block; also writes Delta = dO . O - dlse and sink terms.
 
@@ -333,6 +334,7 @@ def _bwd_dq_kernel(
     FUSE_DKV: the same pass also adds this head block's dK / dV tiles into the key rows (the
     channels on M: dK^T = scale * q^T dS + dV^T, dV^T = dO^T P, per MODE, as _bwd_dkv_kernel),
     so S and dP are computed and the key rows gathered once for the whole backward.
+    TAIL_FIRST: S's tail channels first (AttentionKernelOptions.dq_tail_first).
     """
     b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
     heads = kvh * G + offs_h
@@ -373,13 +375,24 @@ def _bwd_dq_kernel(
         dq_tail = tl.zeros([BLOCK_H, D_TAIL], tl.float32)
     for n0 in range(0, n_pre + NK, BLOCK_N):
         rows, valid = _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N, HAS_PREFIX)
-        k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
-                         mask=valid[:, None], other=0.0)
-        s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
-        if D_TAIL > 0:
+        if TAIL_FIRST and D_TAIL > 0:
+            # dq_tail_first: the tail's gather and product before the main part's, so that
+            # the gathers are not all held in registers at once (the default order spills the
+            # mask's key indices across the product).
             k_tail = tl.load(k_base + rows[:, None] * sks + offs_dt[None, :] * skd,
                              mask=valid[:, None] & dt_mask, other=0.0)
-            s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+            s = tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+            k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
+                             mask=valid[:, None], other=0.0)
+            s = tl.dot(q_main, tl.trans(k_main), acc=s, input_precision=PRECISION)
+        else:
+            k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
+                             mask=valid[:, None], other=0.0)
+            s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
+            if D_TAIL > 0:
+                k_tail = tl.load(k_base + rows[:, None] * sks + offs_dt[None, :] * skd,
+                                 mask=valid[:, None] & dt_mask, other=0.0)
+                s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
         p = tl.exp2(tl.where(valid[None, :], s * qk_scale, float("-inf")) - lse2[:, None])
         if V_IS_K_MAIN:
             v_tile = k_main
@@ -787,7 +800,8 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
             *lse.stride(), *_strides4(dq), *dkv_strides)
     const = dict(geo.const(), HAS_SINK=sink is not None, HAS_DLSE=dlse is not None,
                  HAS_PREFIX=prefix_lengths is not None, FUSE_DKV=fused,
-                 MODE=mode if fused else MODE_ATOMIC, NG=ng)
+                 MODE=mode if fused else MODE_ATOMIC, NG=ng,
+                 TAIL_FIRST=options.dq_tail_first and not fused)
     if fused:
         tilings = options.bwd_fused_tilings
     else:
