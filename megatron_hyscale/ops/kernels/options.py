@@ -232,9 +232,11 @@ class AttentionKernelOptions:
     # sparse-attention-glm51 sparse-attention-glm51-dkv-carry`, 64 x 1): 255 -> 255 registers,
     # spills 132 -> 388 B (stores; loads 132 -> 316 B, mostly outside the loop), hot loop 2499
     # -> 2071 instructions, HGMMA 172 -> 104, FMUL 96 -> 48, MUFU 32 -> 16, BAR 22 -> 22, LDL /
-    # STL 22 / 3 -> 30 / 0, shared memory 212992 B either way; HCA (512 dims, prefix) 2919 ->
-    # 2321 instructions, HGMMA 160 -> 96, but spills 0 -> 204 B (LDL 20 a tile); QSA (16-head
-    # blocks, mma.sync) 779 -> 715. Not yet timed (`bench_attention.py --bwd-sweep
+    # STL 22 / 3 -> 30 / 0, shared memory 212992 B either way; CSA (512 dims, 640 keys) 2190
+    # -> 1795 and HCA (512 dims, prefix) 2919 -> 2321 instructions, HGMMA 160 -> 96, but
+    # spills 0 -> 200 and 204 B (LDL 20 a tile); QSA (16-head blocks, mma.sync) 779 -> 715; with
+    # deterministic=True (GLM-5.1) the fixed-point pass 4005 -> 3682 instructions, spills 1592
+    # -> 3048 B. Not yet timed (`bench_attention.py --bwd-sweep
     # --bwd-variants carry`). Ignored with the keys on M.
     dkv_carry: bool = False
     # The dK/dV kernel with the keys on M reads q and dO in two MMA layouts (B of K @ q^T and of

@@ -272,8 +272,8 @@ def _dkv_gather(k_base, v_base, rows, valid, sks, skd, svs, svd, D: tl.constexpr
 def _dkv_p_ds(q_main, q_tail, do, k_main, k_tail, v_tile, valid, lse2, delta, qk_scale,
               sm_scale, D_TAIL: tl.constexpr, PRECISION: tl.constexpr):
     """P and scale * dS of one key tile, [heads x keys] in q's dtype, with the heads on the
-    MMA's M (the channels-on-M dK/dV kernel's first half: the same operations in the same
-    order as its inline code)."""
+    MMA's M: the channels-on-M dK/dV kernel's first half, as its inline code computes it
+    except that S's main and tail parts are added as two fp32 tiles (see below)."""
     s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
     if D_TAIL > 0:
         # Both products pass a select (invalid keys score -inf below anyway) so that Triton
