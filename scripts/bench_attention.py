@@ -40,6 +40,8 @@ TileLang (scripts/gpu_tilelang.sh): without it the run says why once and goes on
   python scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768
   python scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768 --tilings 64x1 \
       --bwd-variants carry tail_first             # backward variants beside the default
+  python scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768 --tilings 32x2 \
+      --bwd-variants carry                        # carry fits 32 x 2 (the default does not)
   python scripts/bench_attention.py --shapes v32 --t 131072 --head-blocks split
   python scripts/bench_attention.py --shapes glm51 --t 131072 --fwd-no-softmax  # forward split
   python scripts/bench_attention.py --shapes glm51 v32 --fwd-only --fwd-kernel triton

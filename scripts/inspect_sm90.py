@@ -331,6 +331,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
                                                                   dkv_carry=True),
     "sparse-attention-glm51-dq-tail-first": lambda: _sparse_attention(
         64, 1, 576, None, 2048, dq_tail_first=True),
+    "sparse-attention-glm51-dkv-carry-32x2": lambda: _sparse_attention(
+        64, 1, 576, None, 2048, dkv_carry=True, dkv_tilings=((32, 2),)),
     "sparse-attention-hca-dkv-carry": lambda: _sparse_attention(64, 1, 512, None, 128,
                                                                 prefix=True, dkv_carry=True),
     "sparse-attention-qsa-dkv-carry": lambda: _sparse_attention(24, 2, 256, 256, 2052,

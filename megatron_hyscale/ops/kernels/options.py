@@ -225,19 +225,25 @@ class AttentionKernelOptions:
     # result feeds another dot in the same iteration (a "chained" dot); at 64 heads (M = 64)
     # and 8 warps that put both warpgroups on all 64 rows, so each computed the whole of S and
     # dP (68 of the loop's 172 HGMMA a thread were that copy, and the softmax's FMUL / MUFU
-    # doubled). Carried, S and dP are split over the warpgroups. Same products, same order of
-    # the atomics within a program: bitwise the default under the interpreter, fp32 rounding
-    # (S's 512 + 64 channel parts added in fp32, not in one accumulator) and the atomics'
-    # order on a GPU. Compiled for sm_90a (2026-12-03, `inspect_sm90.py --preset
-    # sparse-attention-glm51 sparse-attention-glm51-dkv-carry`, 64 x 1): 255 -> 255 registers,
-    # spills 132 -> 388 B (stores; loads 132 -> 316 B, mostly outside the loop), hot loop 2499
-    # -> 2071 instructions, HGMMA 172 -> 104, FMUL 96 -> 48, MUFU 32 -> 16, BAR 22 -> 22, LDL /
-    # STL 22 / 3 -> 30 / 0, shared memory 212992 B either way; CSA (512 dims, 640 keys) 2190
-    # -> 1795 and HCA (512 dims, prefix) 2919 -> 2321 instructions, HGMMA 160 -> 96, but
+    # doubled). Carried, S and dP are split over the warpgroups. The dK tail's product and
+    # atomics come before the main ones (other addresses), so dS's shared copy is free before
+    # the main tile's transposition needs its scratch: that makes 32 keys x 2 stages fit
+    # (229376 bytes of shared memory; the default needs 233600, over the H200's 232448). Same
+    # products, the same atomics per address in the same order within a program: bitwise the
+    # default under the interpreter; on a GPU, fp32 rounding (S's 512 + 64 channel parts added
+    # as two fp32 tiles, not in one accumulator) and the atomics' order. Compiled for sm_90a
+    # (2026-12-03, `inspect_sm90.py --preset sparse-attention-glm51
+    # sparse-attention-glm51-dkv-carry sparse-attention-glm51-dkv-carry-32x2`), 64 x 1: 255 ->
+    # 255 registers, spills 132 -> 404 B (stores; loads 132 -> 332 B, mostly outside the loop),
+    # hot loop 2499 -> 2114 instructions, HGMMA 172 -> 104, FMUL 96 -> 48, MUFU 32 -> 16, BAR 22
+    # -> 21, LDL / STL 22 / 3 -> 29 / 3, shared memory 212992 B either way; 32 x 2 (cp.async
+    # double buffer): 1292 instructions per 32 keys, 4 B of spills. CSA (512 dims, 640 keys)
+    # 2190 -> 1795 and HCA (512 dims, prefix) 2919 -> 2321 instructions, HGMMA 160 -> 96, but
     # spills 0 -> 200 and 204 B (LDL 20 a tile); QSA (16-head blocks, mma.sync) 779 -> 715; with
-    # deterministic=True (GLM-5.1) the fixed-point pass 4005 -> 3682 instructions, spills 1592
-    # -> 3048 B. Not yet timed (`bench_attention.py --bwd-sweep
-    # --bwd-variants carry`). Ignored with the keys on M.
+    # deterministic=True (GLM-5.1) the fixed-point pass 4005 -> 3623 instructions, spills 1592
+    # -> 2644 B. Not yet timed (`bench_attention.py --bwd-sweep --tilings 64x1 32x2
+    # --bwd-variants carry`; 32 x 2 is not in dkv_tilings until timed, and the channels-on-M
+    # kernel has faulted at 32 x 1). Ignored with the keys on M.
     dkv_carry: bool = False
     # The dK/dV kernel with the keys on M reads q and dO in two MMA layouts (B of K @ q^T and of
     # dS^T @ q), which Triton keeps as two shared-memory copies; its head block is halved until

@@ -296,18 +296,27 @@ def _dkv_add_tile_channels_on_m(q_main, q_tail, do, p, ds, rows, valid, dk_base,
                                 V_IS_K_MAIN: tl.constexpr, MODE: tl.constexpr,
                                 PRECISION: tl.constexpr):
     """The channels-on-M dK/dV kernel's second half for one key tile: dK^T = q^T dS (+ dV^T =
-    dO^T P) and the tail, added into the key rows in the inline code's order (dV, dK main, dK
-    tail). p is already in dO's dtype (the inline code converts it inside the product)."""
-    dk_main, dv_tt = _dkv_tiles_channels_on_m(q_main, do, p, ds, V_IS_K_MAIN, PRECISION)
+    dO^T P) and the tail, added into the key rows: a separate dV (its own product), the dK
+    tail, then the dK main part. Each address gets its addends in the inline code's order
+    (dV, dK main, dK tail: where dV and dK share a buffer, V = K's first dv channels, dV's
+    come first either way, and the tail and the main part are other channels). dK's tail
+    before its main part frees dS's shared copy before the main tile's transposition takes
+    its scratch. p is already in dO's dtype (the inline code converts it inside the
+    product)."""
     if not V_IS_K_MAIN:
+        dv_tt = tl.dot(tl.trans(do), p, input_precision=PRECISION)
         _dkv_add(dv_base, rmv_base, fxv_base, rows, valid, tl.trans(dv_tt),
                  tl.arange(0, DV_PAD), sdvs, sdvd, DV, srs, MODE)
-    _dkv_add(dk_base, rmk_base, fxk_base, rows, valid, dk_main, tl.arange(0, D_MAIN), sdks,
-             sdkd, D, srs, MODE)
     if D_TAIL > 0:
         dk_tail = tl.trans(tl.dot(tl.trans(q_tail), ds, input_precision=PRECISION))
         _dkv_add(dk_base, rmk_base, fxk_base, rows, valid, dk_tail,
                  D_MAIN + tl.arange(0, D_TAIL), sdks, sdkd, D, srs, MODE)
+    if V_IS_K_MAIN:
+        dk_main, _ = _dkv_tiles_channels_on_m(q_main, do, p, ds, True, PRECISION)
+    else:
+        dk_main = tl.trans(tl.dot(tl.trans(q_main), ds, input_precision=PRECISION))
+    _dkv_add(dk_base, rmk_base, fxk_base, rows, valid, dk_main, tl.arange(0, D_MAIN), sdks,
+             sdkd, D, srs, MODE)
 
 
 @triton.jit
