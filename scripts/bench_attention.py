@@ -38,6 +38,10 @@ TileLang (scripts/gpu_tilelang.sh): without it the run says why once and goes on
   python scripts/bench_attention.py --quick         # T = 16K, fewer repeats
   python scripts/bench_attention.py --shapes glm51 v32 --t 131072 --out /tmp/res
   python scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768
+  python scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768 --tilings 64x1 \
+      --bwd-variants carry tail_first             # backward variants beside the default
+  python scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768 --tilings 32x2 \
+      --bwd-variants carry                        # carry fits 32 x 2 (the default does not)
   python scripts/bench_attention.py --shapes v32 --t 131072 --head-blocks split
   python scripts/bench_attention.py --shapes glm51 --t 131072 --fwd-no-softmax  # forward split
   python scripts/bench_attention.py --shapes glm51 v32 --fwd-only --fwd-kernel triton
@@ -46,8 +50,10 @@ TileLang (scripts/gpu_tilelang.sh): without it the run says why once and goes on
 fits: dQ, dK/dV with its fp32 atomics, dK/dV in the measurement-only discard mode (the same
 products, no accumulation; the difference is the cost of the atomics), dK/dV in its
 previous orientation (keys on the MMA's M, AttentionKernelOptions.dkv_channels_on_m=False),
-and the single fused backward pass (AttentionKernelOptions.bwd_fused=True). Table and JSON
-(bench_attention_bwd_sweep.json).
+and the single fused backward pass (AttentionKernelOptions.bwd_fused=True); with
+--bwd-variants, the kernel each named variant changes, with it on (BWD_VARIANTS; dK/dV ones
+with and without atomics).
+Table and JSON (bench_attention_bwd_sweep.json).
 
 Needs a CUDA GPU (every mode).
 """
@@ -375,12 +381,20 @@ def bench_stock(shape, inp, warmup, reps):
 
 
 SWEEP_TILINGS = ((16, 1), (16, 2), (32, 1), (32, 2), (64, 1), (64, 2))
+# Backward variants --bwd-sweep can time beside the default (--bwd-variants): name -> (the
+# kernel it changes, AttentionKernelOptions fields). A dK/dV variant adds the columns
+# dkv_<name>_ms and dkv_<name>_no_atomics_ms, a dQ variant dq_<name>_ms, timed in the same
+# process and tiling as the default's dkv_ms / dq_ms.
+BWD_VARIANTS = {
+    "carry": ("dkv", dict(dkv_carry=True)),
+    "tail_first": ("dq", dict(dq_tail_first=True)),
+}
 
 
 def bwd_sweep(shapes, Ts, reps, out_dir, mm, tilings=SWEEP_TILINGS,
-              options=AttentionKernelOptions.DEFAULT):
-    """Time dQ, dK/dV and dK/dV without atomics per tiling (the other variants as `options`);
-    returns the rows."""
+              options=AttentionKernelOptions.DEFAULT, variants=()):
+    """Time dQ, dK/dV and dK/dV without atomics per tiling (the other variants as `options`),
+    and the dK/dV kernel with each of `variants` (BWD_VARIANTS' names) on; returns the rows."""
     rows = []
     names = ("dq_tilings", "dkv_tilings", "narrow_dq_tilings", "narrow_dkv_tilings")
     for T in Ts:
@@ -418,6 +432,20 @@ def bwd_sweep(shapes, Ts, reps, out_dir, mm, tilings=SWEEP_TILINGS,
                     "fused_ms": partial(kern.sparse_attention_bwd, *dq_args, dv=dv, sink=sink,
                                         prefix_lengths=pre, options=fused),
                 }
+                for variant in variants:
+                    kernel, fields = BWD_VARIANTS[variant]
+                    with_variant = replace(at_tiling, **fields)
+                    if kernel == "dq":
+                        parts[f"dq_{variant}_ms"] = partial(
+                            kern.sparse_attention_bwd_dq, *dq_args, dv=dv, sink=sink,
+                            prefix_lengths=pre, options=with_variant)
+                        continue
+                    parts[f"dkv_{variant}_ms"] = partial(
+                        kern.sparse_attention_bwd_dkv, *dkv_args, dv=dv, prefix_lengths=pre,
+                        options=with_variant)
+                    parts[f"dkv_{variant}_no_atomics_ms"] = partial(
+                        kern.sparse_attention_bwd_dkv, *dkv_args, dv=dv, mode=kern.MODE_DISCARD,
+                        prefix_lengths=pre, options=with_variant)
                 for name, fn in parts.items():
                     try:
                         row[name] = time_ms(fn, reps=reps, warmup=1)
@@ -443,6 +471,20 @@ def bwd_sweep(shapes, Ts, reps, out_dir, mm, tilings=SWEEP_TILINGS,
             f"{fmt(r['dq_ms'], '.1f')} | {fmt(r['dkv_ms'], '.1f')} | "
             f"{fmt(r['dkv_no_atomics_ms'], '.1f')} | {fmt(r['dkv_keys_on_m_ms'], '.1f')} | "
             f"{fmt(r['fused_ms'], '.1f')} | {fmt(r.get('bwd_frac', '-'), '.1%')} |")
+    for variant in variants:
+        if BWD_VARIANTS[variant][0] == "dq":
+            log(f"\n| shape | T | keys x stages | dQ ms | dQ {variant} ms |\n|---|---|---|---|---|")
+            for r in rows:
+                log(f"| {r['shape']} | {r['T']} | {r['block_n']} x {r['stages']} | "
+                    f"{fmt(r['dq_ms'], '.1f')} | {fmt(r[f'dq_{variant}_ms'], '.1f')} |")
+            continue
+        log(f"\n| shape | T | keys x stages | dK/dV ms | dK/dV {variant} ms | dK/dV without "
+            f"atomics ms | dK/dV {variant} without atomics ms |\n|---|---|---|---|---|---|---|")
+        for r in rows:
+            log(f"| {r['shape']} | {r['T']} | {r['block_n']} x {r['stages']} | "
+                f"{fmt(r['dkv_ms'], '.1f')} | {fmt(r[f'dkv_{variant}_ms'], '.1f')} | "
+                f"{fmt(r['dkv_no_atomics_ms'], '.1f')} | "
+                f"{fmt(r[f'dkv_{variant}_no_atomics_ms'], '.1f')} |")
     return rows
 
 
@@ -488,6 +530,11 @@ def main():
     ap.add_argument("--tilings", nargs="+", type=parse_tiling, default=list(SWEEP_TILINGS),
                     metavar="NxS", help="--bwd-sweep's tilings, keys per step x stages (a "
                     "tiling that faults ends the process: give one a run to isolate it)")
+    ap.add_argument("--bwd-variants", nargs="+", default=[], choices=list(BWD_VARIANTS),
+                    help="--bwd-sweep: also time the backward kernels with these variants "
+                         "beside the default, in the same process (carry: the dK/dV kernel with "
+                         "AttentionKernelOptions.dkv_carry, with and without atomics; "
+                         "tail_first: the dQ kernel with dq_tail_first)")
     ap.add_argument("--head-blocks", choices=("adjacent", "split"), default="adjacent",
                     help="launch order of a query's head-block programs: next to each other "
                          "(the default, AttentionKernelOptions.head_blocks_adjacent) or a "
@@ -516,7 +563,8 @@ def main():
     mm, bw = matmul_tflops(), copy_tbps()
     log(f"# bf16 matmul {mm:.0f} TFLOP/s, copy {bw:.2f} TB/s (measured now)")
     if args.bwd_sweep:
-        bwd_sweep(args.shapes, args.t, args.reps, args.out, mm, args.tilings, options)
+        bwd_sweep(args.shapes, args.t, args.reps, args.out, mm, args.tilings, options,
+                  args.bwd_variants)
         return
     meta = dict(device=dev, date=datetime.date.today().isoformat(), command=" ".join(sys.argv),
                 matmul_tflops=mm, copy_tbps=bw, head_blocks=args.head_blocks,

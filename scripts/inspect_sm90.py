@@ -329,6 +329,17 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "sparse-attention-glm51": lambda: _sparse_attention(64, 1, 576, None, 2048),
     "sparse-attention-glm51-no-softmax": lambda: _sparse_attention(64, 1, 576, None, 2048,
                                                                    fwd_softmax=False),
+    # AttentionKernelOptions' backward variants (2026-12-03), each beside the default above.
+    "sparse-attention-glm51-dkv-carry": lambda: _sparse_attention(64, 1, 576, None, 2048,
+                                                                  dkv_carry=True),
+    "sparse-attention-glm51-dq-tail-first": lambda: _sparse_attention(
+        64, 1, 576, None, 2048, dq_tail_first=True),
+    "sparse-attention-glm51-dkv-carry-32x2": lambda: _sparse_attention(
+        64, 1, 576, None, 2048, dkv_carry=True, dkv_tilings=((32, 2),)),
+    "sparse-attention-hca-dkv-carry": lambda: _sparse_attention(64, 1, 512, None, 128,
+                                                                prefix=True, dkv_carry=True),
+    "sparse-attention-qsa-dkv-carry": lambda: _sparse_attention(24, 2, 256, 256, 2052,
+                                                                dkv_carry=True),
     "sparse-mla-fwd-sm90-glm51": lambda: _sparse_mla_fwd_sm90(64, 576, 2048),
     "sparse-mla-fwd-sm90-v32": lambda: _sparse_mla_fwd_sm90(128, 576, 2048),
     "sparse-attention-hca": lambda: _sparse_attention(64, 1, 512, None, 128, prefix=True),

@@ -130,14 +130,18 @@ def run_both(q, k, v, idx, sink, dv, scale, deterministic, lse_weight=None, seed
     return results
 
 
-@pytest.mark.parametrize("variant", ["dkv-channels-on-m", "dkv-keys-on-m", "fused"])
+@pytest.mark.parametrize("variant", ["dkv-channels-on-m", "dkv-keys-on-m", "fused", "dkv-carry",
+                                     "dq-tail-first"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_values_and_gradients(case, deterministic, variant):
     # Every backward layout against the oracle: the separate dK/dV kernel in both orientations
-    # (dkv_channels_on_m), and the single pass that fuses it into the dQ kernel (bwd_fused).
+    # (dkv_channels_on_m), the single pass that fuses it into the dQ kernel (bwd_fused), the
+    # channels-on-M kernel that adds each tile's dK / dV one iteration later (dkv_carry), and
+    # the dQ kernel taking S's tail channels first (dq_tail_first).
     options = replace(SMALL, dkv_channels_on_m=variant != "dkv-keys-on-m",
-                      bwd_fused=variant == "fused")
+                      bwd_fused=variant == "fused", dkv_carry=variant == "dkv-carry",
+                      dq_tail_first=variant == "dq-tail-first")
     q, k, v, idx, sink, dv, scale = build(case, seed=len(case))
     (out, lse, grads), (rout, rlse, rgrads) = run_both(q, k, v, idx, sink, dv, scale,
                                                        deterministic, options=options)
@@ -386,3 +390,83 @@ def test_forward_without_softmax_is_raw_scores_times_v(case):
     s = s.masked_fill(~(full >= 0)[:, :, :, None, :], 0.0)
     ref = torch.einsum("btgxj,btgjd->btgxd", s, vv[bi, safe, gi]).reshape(B, T, Hq, -1)
     close("raw-score forward", out, ref)
+
+
+def ties_case(seed):
+    """MQA with V = K's first 16 channels whose keys come in identical pairs (every row's
+    scores tie pairwise), rows listing both keys of a pair and rows with fewer visible keys
+    than slots (-1), B = 2, non-contiguous q and k."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, S, Hq, D, NK = 2, 3, 24, 4, 24, 21
+    q = torch.randn(B, Hq, T, D, generator=g).to(DEVICE).transpose(1, 2)
+    half = torch.randn(B, S // 2, 1, D, generator=g)
+    k = torch.cat([half, half], dim=1).transpose(0, 1).contiguous().transpose(0, 1).to(DEVICE)
+    idx = make_indices(B, T, 1, S, NK, g, False, torch.int32)
+    idx[0, 0, :S // 2] = torch.arange(S // 2, device=DEVICE)  # both keys of each pair
+    idx[0, 0, S // 2:] = torch.arange(S // 2, S - 3, device=DEVICE)
+    assert not (q.is_contiguous() or k.is_contiguous())
+    return q, k, None, idx, None, 16, D ** -0.5
+
+
+# Backward variants that change only the order of independent operations: option fields.
+BITWISE_VARIANTS = {"dkv-carry": dict(dkv_carry=True), "dq-tail-first": dict(dq_tail_first=True)}
+
+
+@pytest.mark.parametrize("variant", list(BITWISE_VARIANTS))
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("case", [*CASES, "ties", "non_contiguous", "prefix"])
+def test_bwd_variant_equals_the_default(case, deterministic, variant):
+    """dkv_carry adds each key tile's dK / dV one loop iteration later with the same products in
+    the same order; dq_tail_first adds S's main channels onto its tail's instead of the
+    reverse (fp32 addition commutes). So under the interpreter (one program at a time) every
+    output and gradient is bitwise the default's; on a GPU the atomics' order and the compiled
+    products' rounding differ, so there it is close. Also against the oracle (so that a wrong
+    default cannot hide a wrong variant): ties, -1 slots and empty rows, B = 2, non-contiguous
+    inputs, dense prefixes (rows whose last tile holds only prefix keys or only -1 slots)."""
+    prefix = None
+    if case == "ties":
+        q, k, v, idx, sink, dv, scale = ties_case(seed=13)
+    elif case == "non_contiguous":
+        g = torch.Generator().manual_seed(5)
+        B, T, S, Hq, Hkv, D, NK = 2, 3, 48, 4, 2, 16, 20
+        q = torch.randn(B, Hq, T, D + 8, generator=g).to(DEVICE).transpose(1, 2)[..., 4:4 + D]
+        k = torch.randn(S, B, Hkv, D, generator=g).to(DEVICE).transpose(0, 1)
+        v = torch.randn(B, S, Hkv, 2 * D, generator=g).to(DEVICE)[..., ::2]
+        idx = make_indices(B, T, Hkv, S, 2 * NK, g, True, torch.int64)[..., ::2]
+        sink, dv, scale = None, None, D ** -0.5
+    elif case == "prefix":
+        g = torch.Generator().manual_seed(7)
+        B, T, S, Hq, D = 2, 3, 40, 4, 24
+        q = torch.randn(B, T, Hq, D, generator=g).to(DEVICE)
+        k = torch.randn(B, S, 1, D, generator=g).to(DEVICE)
+        sink = torch.randn(Hq, generator=g).to(DEVICE)
+        prefix, idx, full = prefix_case(B, T, S, 1, 9, False, seed=8)
+        v, dv, scale = None, 16, D ** -0.5
+    else:
+        q, k, v, idx, sink, dv, scale = build(case, seed=3 * len(case))
+    runs = []
+    for on in (False, True):
+        options = replace(SMALL, **BITWISE_VARIANTS[variant]) if on else SMALL
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, sink) if x is not None]
+        it = iter(leaves)
+        qq, kk = next(it), next(it)
+        vv = next(it) if v is not None else None
+        ss = next(it) if sink is not None else None
+        out, lse = kern.sparse_attention_triton(qq, kk, vv, idx, scale, dv=dv, sink=ss,
+                                                return_lse=True, deterministic=deterministic,
+                                                prefix_lengths=prefix, options=options)
+        go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        (out * go).sum().backward()
+        runs.append([out.detach(), *(x.grad for x in leaves)])
+    for a, b in zip(*runs, strict=True):
+        if DEVICE == "cpu":
+            assert torch.equal(a, b)
+        else:
+            close(variant, b, a)
+    if case != "prefix":  # the prefix rows' oracle is test_dense_prefix_equals_explicit_indices
+        (out, _, grads), (rout, _, rgrads) = run_both(
+            q, k, v, idx, sink, dv, scale, deterministic, seed=0,
+            options=replace(SMALL, **BITWISE_VARIANTS[variant]))
+        close("out", out, rout)
+        for got, ref in zip(grads, rgrads, strict=True):
+            close("grad", got, ref)

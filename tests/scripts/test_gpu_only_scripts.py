@@ -64,6 +64,8 @@ GPU_ONLY = [
     ("bench_attention.py", []),
     ("bench_attention.py", ["--quick"]),
     ("bench_attention.py", ["--bwd-sweep"]),
+    ("bench_attention.py", ["--bwd-sweep", "--tilings", "64x1", "--bwd-variants", "carry",
+                            "tail_first"]),
     ("bench_indexer_loss.py", []),
     ("bench_indexer_loss.py", ["--quick"]),
     ("bench_indexer_loss.py", ["--target-tilings", "32x2"]),

@@ -72,6 +72,40 @@ def test_default_kernels_keep_their_compiled_shape(tmp_path: Path) -> None:
     assert dkv["loop_ops"]["HGMMA"] > 0
 
 
+def test_bwd_variants_compile_as_documented(tmp_path: Path) -> None:
+    """The backward variants reach their kernels and do what they are for (the counts in
+    AttentionKernelOptions' comments). dkv_carry: at 64 heads and 8 warps the default dK/dV
+    kernel computes S and dP in both warpgroups (a chained dot is laid out with every warp on
+    M), 68 of its 172 HGMMA a tile being that copy; carried, it issues 104, and must keep
+    fitting the H200's shared memory (232448 bytes a block) at the default 64 x 1 tiling, or
+    the launch would fall back to a slower one; it also fits at 32 x 2, which the default does
+    not. dq_tail_first: the dQ kernel spills less and touches local memory less in its loop."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "sparse-attention-glm51", "sparse-attention-glm51-dkv-carry",
+                "sparse-attention-glm51-dkv-carry-32x2", "sparse-attention-glm51-dq-tail-first",
+                "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reports = {(r["preset"].removeprefix("sparse-attention-glm51"), r["name"].split("] ")[1]): r
+               for r in json.loads(out.read_text())}
+    default, carry = reports["", "_bwd_dkv_kernel"], reports["-dkv-carry", "_bwd_dkv_kernel"]
+    assert default["constexprs"]["CARRY"] is False and carry["constexprs"]["CARRY"] is True
+    assert carry["constexprs"]["BLOCK_N"] == 64 and carry["shared_bytes"] <= 232448
+    assert carry["loop_ops"]["HGMMA"] < default["loop_ops"]["HGMMA"] - 48
+    assert carry["loop_instructions"] < default["loop_instructions"]
+    assert carry["loop_ops"]["BAR"] <= default["loop_ops"]["BAR"]
+    # 32 keys x 2 stages fits with the carry (the default needs 233600 bytes)
+    carry32 = reports["-dkv-carry-32x2", "_bwd_dkv_kernel"]
+    assert (carry32["constexprs"]["BLOCK_N"], carry32["constexprs"]["num_stages"]) == (32, 2)
+    assert carry32["shared_bytes"] <= 232448 and carry32["spill_stores"] <= 16
+    dq, tail_first = reports["", "_bwd_dq_kernel"], reports["-dq-tail-first", "_bwd_dq_kernel"]
+    assert dq["constexprs"]["TAIL_FIRST"] is False and tail_first["constexprs"]["TAIL_FIRST"]
+    assert tail_first["spill_stores"] < dq["spill_stores"]
+    local = ("LDL", "STL")
+    assert (sum(tail_first["loop_ops"][o] for o in local)
+            < sum(dq["loop_ops"][o] for o in local))
+    assert tail_first["loop_ops"]["HGMMA"] == dq["loop_ops"]["HGMMA"]
+
+
 def test_hopper_sparse_mla_forward_keeps_its_wgmma_pipeline(tmp_path: Path) -> None:
     """The Gluon forward (ops/kernels/sparse_mla_fwd_sm90.py) compiles for sm_90a without spills
     and without ptxas serializing its wgmma: any accumulator read while a product is in flight

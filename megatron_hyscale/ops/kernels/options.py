@@ -201,6 +201,50 @@ class AttentionKernelOptions:
     # M = 512 / 576, every product wgmma-sized; q and dO in one layout each, so no head-block
     # halving).
     dkv_channels_on_m: bool = True
+    # The dQ kernel gathers a key tile's tail channels (576 = 512 + 64) and takes their product
+    # with q first, then the main ones, accumulating S in the same fp32 tile. Why: in the
+    # default order the loop issues all of the tile's gathers at its top (16 + 2 LDG.128 a
+    # thread) and holds them in registers until they are stored to shared memory, so the key
+    # indices it loads early for P's validity mask (index pairs in S's accumulator layout) are
+    # spilled across the S product (STL.64 then LDL.64, 8 a tile). Tail first, the small tail
+    # tile is stored and its product issued before the main gathers, and those indices stay
+    # in registers; but the main gathers then go out in two waves (6, then 10 LDG.128 as the
+    # first ones are stored), which may expose more latency: only timing decides. Bitwise
+    # the default under the interpreter (fp32 addition commutes); on a GPU the tensor core
+    # adds the main part onto the tail's sum instead of the reverse (fp32 rounding). Compiled
+    # for sm_90a (2026-12-03, `inspect_sm90.py --preset sparse-attention-glm51
+    # sparse-attention-glm51-dq-tail-first`, dQ 64 x 1): 255 -> 255 registers, spills 252 ->
+    # 152 B, hot loop 1437 -> 1364 instructions, LDL / STL 38 / 20 -> 20 / 4, HGMMA 144 and BAR
+    # 3 unchanged. Not yet timed (`bench_attention.py --bwd-sweep --bwd-variants
+    # tail_first`). Not in the fused backward's pass (its loop went 1547 -> 1597 instructions,
+    # spills unchanged); no effect without a tail (power-of-two head dims).
+    dq_tail_first: bool = False
+    # The channels-on-M dK/dV kernel adds each key tile's dK / dV one loop iteration later: tile
+    # n's P and dS (bf16) are carried and their products run before tile n + 1's S and dP, the
+    # last tile's after the loop. Why: Triton lays a dot out with every warp on M when its
+    # result feeds another dot in the same iteration (a "chained" dot); at 64 heads (M = 64)
+    # and 8 warps that put both warpgroups on all 64 rows, so each computed the whole of S and
+    # dP (68 of the loop's 172 HGMMA a thread were that copy, and the softmax's FMUL / MUFU
+    # doubled). Carried, S and dP are split over the warpgroups. The dK tail's product and
+    # atomics come before the main ones (other addresses), so dS's shared copy is free before
+    # the main tile's transposition needs its scratch: that makes 32 keys x 2 stages fit
+    # (229376 bytes of shared memory; the default needs 233600, over the H200's 232448). Same
+    # products, the same atomics per address in the same order within a program: bitwise the
+    # default under the interpreter; on a GPU, fp32 rounding (S's 512 + 64 channel parts added
+    # as two fp32 tiles, not in one accumulator) and the atomics' order. Compiled for sm_90a
+    # (2026-12-03, `inspect_sm90.py --preset sparse-attention-glm51
+    # sparse-attention-glm51-dkv-carry sparse-attention-glm51-dkv-carry-32x2`), 64 x 1: 255 ->
+    # 255 registers, spills 132 -> 404 B (stores; loads 132 -> 332 B, mostly outside the loop),
+    # hot loop 2499 -> 2114 instructions, HGMMA 172 -> 104, FMUL 96 -> 48, MUFU 32 -> 16, BAR 22
+    # -> 21, LDL / STL 22 / 3 -> 29 / 3, shared memory 212992 B either way; 32 x 2 (cp.async
+    # double buffer): 1292 instructions per 32 keys, 4 B of spills. CSA (512 dims, 640 keys)
+    # 2190 -> 1795 and HCA (512 dims, prefix) 2919 -> 2321 instructions, HGMMA 160 -> 96, but
+    # spills 0 -> 200 and 204 B (LDL 20 a tile); QSA (16-head blocks, mma.sync) 779 -> 715; with
+    # deterministic=True (GLM-5.1) the fixed-point pass 4005 -> 3623 instructions, spills 1592
+    # -> 2644 B. Not yet timed (`bench_attention.py --bwd-sweep --tilings 64x1 32x2
+    # --bwd-variants carry`; 32 x 2 is not in dkv_tilings until timed, and the channels-on-M
+    # kernel has faulted at 32 x 1). Ignored with the keys on M.
+    dkv_carry: bool = False
     # The dK/dV kernel with the keys on M reads q and dO in two MMA layouts (B of K @ q^T and of
     # dS^T @ q), which Triton keeps as two shared-memory copies; its head block is halved until
     # both copies fit in this many bytes (measured on the H200: 64 heads x (576 + 512) dims

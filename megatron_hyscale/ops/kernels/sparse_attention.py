@@ -19,8 +19,9 @@ at 128K.
 Backward: one kernel per query computes dQ (no atomics), the row's Delta = dO . O and the sink
 gradient terms; a second kernel recomputes P and dS per query and adds dK / dV tiles into fp32
 buffers with atomics, computing dK^T = q^T dS and dV^T = dO^T P with the channels as the MMA's M
-(`dkv_channels_on_m`; the keys as M before). `bwd_fused` does both in the dQ kernel's single
-pass. Variants and tilings come in an `AttentionKernelOptions` (`kernels/options.py`).
+(`dkv_channels_on_m`; the keys as M before; `dkv_carry` adds each key tile's dK / dV one
+iteration later). `bwd_fused` does both in the dQ kernel's single pass. Variants and tilings
+come in an `AttentionKernelOptions` (`kernels/options.py`).
 `deterministic=True` replaces the fp32 atomics by two passes: an order-free atomic max of each
 key row's contributions, then int64 fixed-point atomic adds on a per-row power-of-two scale
 (integer addition is associative, so the result does not depend on the order of the atomics;
@@ -246,6 +247,79 @@ def _dkv_add(base, stat_base, scale_base, rows, valid, tile, offs, s_row, s_col,
 
 
 @triton.jit
+def _dkv_gather(k_base, v_base, rows, valid, sks, skd, svs, svd, D: tl.constexpr,
+                D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, DV: tl.constexpr,
+                DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr):
+    """The key tile's main and tail channels and its V tile (k_main again for an absent tail or
+    when V is K's main part), as the dK/dV kernel's loop gathers them."""
+    offs_dm = tl.arange(0, D_MAIN)
+    k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
+                     mask=valid[:, None], other=0.0)
+    k_tail = k_main
+    if D_TAIL > 0:
+        offs_dt = D_MAIN + tl.arange(0, D_TAIL)
+        k_tail = tl.load(k_base + rows[:, None] * sks + offs_dt[None, :] * skd,
+                         mask=valid[:, None] & (offs_dt[None, :] < D), other=0.0)
+    v_tile = k_main
+    if not V_IS_K_MAIN:
+        offs_v = tl.arange(0, DV_PAD)
+        v_tile = tl.load(v_base + rows[:, None] * svs + offs_v[None, :] * svd,
+                         mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0)
+    return k_main, k_tail, v_tile
+
+
+@triton.jit
+def _dkv_p_ds(q_main, q_tail, do, k_main, k_tail, v_tile, valid, lse2, delta, qk_scale,
+              sm_scale, D_TAIL: tl.constexpr, PRECISION: tl.constexpr):
+    """P and scale * dS of one key tile, [heads x keys] in q's dtype, with the heads on the
+    MMA's M: the channels-on-M dK/dV kernel's first half, as its inline code computes it
+    except that S's main and tail parts are added as two fp32 tiles (see below)."""
+    s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
+    if D_TAIL > 0:
+        # Both products pass a select (invalid keys score -inf below anyway) so that Triton
+        # does not fold the addition into one's accumulator: that makes the other a chained
+        # dot, laid out with every warp on M (the tail product first, then a layout change).
+        s = (tl.where(valid[None, :], s, 0.0)
+             + tl.where(valid[None, :],
+                        tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION), 0.0))
+    p = tl.exp2(tl.where(valid[None, :], s * qk_scale, float("-inf")) - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v_tile), input_precision=PRECISION)
+    ds = (p * (dp - delta[:, None]) * sm_scale).to(q_main.dtype)
+    return p.to(do.dtype), ds
+
+
+@triton.jit
+def _dkv_add_tile_channels_on_m(q_main, q_tail, do, p, ds, rows, valid, dk_base, dv_base,
+                                rmk_base, rmv_base, fxk_base, fxv_base, sdks, sdkd, sdvs, sdvd,
+                                srs, D: tl.constexpr, D_MAIN: tl.constexpr,
+                                D_TAIL: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+                                V_IS_K_MAIN: tl.constexpr, MODE: tl.constexpr,
+                                PRECISION: tl.constexpr):
+    """The channels-on-M dK/dV kernel's second half for one key tile: dK^T = q^T dS (+ dV^T =
+    dO^T P) and the tail, added into the key rows: a separate dV (its own product), the dK
+    tail, then the dK main part. Each address gets its addends in the inline code's order
+    (dV, dK main, dK tail: where dV and dK share a buffer, V = K's first dv channels, dV's
+    come first either way, and the tail and the main part are other channels). dK's tail
+    before its main part frees dS's shared copy before the main tile's transposition takes
+    its scratch. p is already in dO's dtype (the inline code converts it inside the
+    product)."""
+    if not V_IS_K_MAIN:
+        dv_tt = tl.dot(tl.trans(do), p, input_precision=PRECISION)
+        _dkv_add(dv_base, rmv_base, fxv_base, rows, valid, tl.trans(dv_tt),
+                 tl.arange(0, DV_PAD), sdvs, sdvd, DV, srs, MODE)
+    if D_TAIL > 0:
+        dk_tail = tl.trans(tl.dot(tl.trans(q_tail), ds, input_precision=PRECISION))
+        _dkv_add(dk_base, rmk_base, fxk_base, rows, valid, dk_tail,
+                 D_MAIN + tl.arange(0, D_TAIL), sdks, sdkd, D, srs, MODE)
+    if V_IS_K_MAIN:
+        dk_main, _ = _dkv_tiles_channels_on_m(q_main, do, p, ds, True, PRECISION)
+    else:
+        dk_main = tl.trans(tl.dot(tl.trans(q_main), ds, input_precision=PRECISION))
+    _dkv_add(dk_base, rmk_base, fxk_base, rows, valid, dk_main, tl.arange(0, D_MAIN), sdks,
+             sdkd, D, srs, MODE)
+
+
+@triton.jit
 def _bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr,
     dq_ptr, delta_ptr, dsink_ptr,
@@ -259,6 +333,7 @@ def _bwd_dq_kernel(
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_DLSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, FUSE_DKV: tl.constexpr, MODE: tl.constexpr, NG: tl.constexpr,
+    TAIL_FIRST: tl.constexpr = False,
 ):
     """dQ for one query's head block; also writes Delta = dO . O - dlse and sink terms.
 
@@ -268,6 +343,7 @@ def _bwd_dq_kernel(
     FUSE_DKV: the same pass also adds this head block's dK / dV tiles into the key rows (the
     channels on M: dK^T = scale * q^T dS + dV^T, dV^T = dO^T P, per MODE, as _bwd_dkv_kernel),
     so S and dP are computed and the key rows gathered once for the whole backward.
+    TAIL_FIRST: S's tail channels first (AttentionKernelOptions.dq_tail_first).
     """
     b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
     heads = kvh * G + offs_h
@@ -308,13 +384,24 @@ def _bwd_dq_kernel(
         dq_tail = tl.zeros([BLOCK_H, D_TAIL], tl.float32)
     for n0 in range(0, n_pre + NK, BLOCK_N):
         rows, valid = _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N, HAS_PREFIX)
-        k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
-                         mask=valid[:, None], other=0.0)
-        s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
-        if D_TAIL > 0:
+        if TAIL_FIRST and D_TAIL > 0:
+            # dq_tail_first: the tail's gather and product before the main part's, so that
+            # the gathers are not all held in registers at once (the default order spills the
+            # mask's key indices across the product).
             k_tail = tl.load(k_base + rows[:, None] * sks + offs_dt[None, :] * skd,
                              mask=valid[:, None] & dt_mask, other=0.0)
-            s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+            s = tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+            k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
+                             mask=valid[:, None], other=0.0)
+            s = tl.dot(q_main, tl.trans(k_main), acc=s, input_precision=PRECISION)
+        else:
+            k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
+                             mask=valid[:, None], other=0.0)
+            s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
+            if D_TAIL > 0:
+                k_tail = tl.load(k_base + rows[:, None] * sks + offs_dt[None, :] * skd,
+                                 mask=valid[:, None] & dt_mask, other=0.0)
+                s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
         p = tl.exp2(tl.where(valid[None, :], s * qk_scale, float("-inf")) - lse2[:, None])
         if V_IS_K_MAIN:
             v_tile = k_main
@@ -366,6 +453,7 @@ def _bwd_dkv_kernel(
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr,
     MODE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, CHANNELS_ON_M: tl.constexpr, NG: tl.constexpr,
+    CARRY: tl.constexpr = False,
 ):
     """dK / dV contributions of one query's head block, added into the selected key rows.
 
@@ -373,7 +461,8 @@ def _bwd_dkv_kernel(
     CHANNELS_ON_M: dK^T = scale * q^T @ dS and dV^T = dO^T @ P (the channels as the MMA's M);
     else the same with the keys as M (dK_tile = scale * dS^T @ q, dV_tile = P^T @ dO). dV is
     merged into dK's first channels when V is K's main part; tiles are accumulated per MODE
-    (fp32 atomics or fixed point).
+    (fp32 atomics or fixed point). CARRY (channels on M only): each tile's products run one
+    iteration later (AttentionKernelOptions.dkv_carry).
     """
     b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
     heads = kvh * G + offs_h
@@ -398,6 +487,38 @@ def _bwd_dkv_kernel(
     dk_base, dv_base, rmk_base, rmv_base, fxk_base, fxv_base = _dkv_bases(
         dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr, b, kvh, sdkb, sdkh,
         sdvb, sdvh, srb, srh)
+    if CARRY:
+        # dkv_carry (channels on M only): tile n's P and dS are carried to the next iteration,
+        # which adds tile n's dK / dV before computing tile n + 1's P and dS. S and dP then
+        # feed no product of their own iteration, so Triton does not take them for a chained
+        # dot (which it lays out with every warp on M: at 64 heads and 8 warps both
+        # warpgroups computed the whole of S and dP) and splits them over the two
+        # warpgroups. Only P and dS cross iterations: the key rows are reloaded for the
+        # atomics, since rows carried in each layout the atomics use spilled (800 B).
+        rows, valid = _load_rows(idx_base, sik, 0, NK, n_pre, BLOCK_N, HAS_PREFIX)
+        k_main, k_tail, v_tile = _dkv_gather(k_base, v_base, rows, valid, sks, skd, svs, svd, D,
+                                             D_MAIN, D_TAIL, DV, DV_PAD, V_IS_K_MAIN)
+        p_c, ds_c = _dkv_p_ds(q_main, q_tail, do, k_main, k_tail, v_tile, valid, lse2, delta,
+                              qk_scale, sm_scale, D_TAIL, PRECISION)
+        for n0 in range(BLOCK_N, n_pre + NK, BLOCK_N):
+            rows, valid = _load_rows(idx_base, sik, n0 - BLOCK_N, NK, n_pre, BLOCK_N, HAS_PREFIX)
+            _dkv_add_tile_channels_on_m(q_main, q_tail, do, p_c, ds_c, rows, valid, dk_base,
+                                        dv_base, rmk_base, rmv_base, fxk_base, fxv_base, sdks,
+                                        sdkd, sdvs, sdvd, srs, D, D_MAIN, D_TAIL, DV, DV_PAD,
+                                        V_IS_K_MAIN, MODE, PRECISION)
+            rows, valid = _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N, HAS_PREFIX)
+            k_main, k_tail, v_tile = _dkv_gather(k_base, v_base, rows, valid, sks, skd, svs,
+                                                 svd, D, D_MAIN, D_TAIL, DV, DV_PAD,
+                                                 V_IS_K_MAIN)
+            p_c, ds_c = _dkv_p_ds(q_main, q_tail, do, k_main, k_tail, v_tile, valid, lse2,
+                                  delta, qk_scale, sm_scale, D_TAIL, PRECISION)
+        n_last = tl.maximum((n_pre + NK - 1) // BLOCK_N, 0) * BLOCK_N
+        rows, valid = _load_rows(idx_base, sik, n_last, NK, n_pre, BLOCK_N, HAS_PREFIX)
+        _dkv_add_tile_channels_on_m(q_main, q_tail, do, p_c, ds_c, rows, valid, dk_base,
+                                    dv_base, rmk_base, rmv_base, fxk_base, fxv_base, sdks, sdkd,
+                                    sdvs, sdvd, srs, D, D_MAIN, D_TAIL, DV, DV_PAD, V_IS_K_MAIN,
+                                    MODE, PRECISION)
+        return
     for n0 in range(0, n_pre + NK, BLOCK_N):
         rows, valid = _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N, HAS_PREFIX)
         k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
@@ -688,7 +809,8 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
             *lse.stride(), *_strides4(dq), *dkv_strides)
     const = dict(geo.const(), HAS_SINK=sink is not None, HAS_DLSE=dlse is not None,
                  HAS_PREFIX=prefix_lengths is not None, FUSE_DKV=fused,
-                 MODE=mode if fused else MODE_ATOMIC, NG=ng)
+                 MODE=mode if fused else MODE_ATOMIC, NG=ng,
+                 TAIL_FIRST=options.dq_tail_first and not fused)
     if fused:
         tilings = options.bwd_fused_tilings
     else:
@@ -737,7 +859,8 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
                 *_strides4(dout), *lse.stride(), *acc.strides())
         const = dict(geo.const(), MODE=mode, BLOCK_H=bh_dkv,
                      HAS_PREFIX=prefix_lengths is not None,
-                     CHANNELS_ON_M=options.dkv_channels_on_m, NG=ng_dkv)
+                     CHANNELS_ON_M=options.dkv_channels_on_m, NG=ng_dkv,
+                     CARRY=options.dkv_carry and options.dkv_channels_on_m)
         tilings = _bwd_tilings(geo, options.dkv_tilings, options.narrow_dkv_tilings)
         _launch(_bwd_dkv_kernel, grid_dkv, args, const, geo, tilings, copies * bh_dkv * dims,
                 elem, ("dkv", q.dtype, tilings, tuple(sorted(const.items()))), options)
