@@ -116,7 +116,7 @@ from megatron_hyscale.ops import hytopk  # noqa: E402
 from megatron_hyscale.ops.block_pool import block_visibility_positions  # noqa: E402
 from megatron_hyscale.ops.fp8_quant import quantize_indexer, selection_overlap  # noqa: E402
 from megatron_hyscale.ops.kernels import hytopk as hk  # noqa: E402
-from megatron_hyscale.ops.kernels.options import HyTopKOptions  # noqa: E402
+from megatron_hyscale.ops.kernels.options import SELECT_VARIANTS_OFF, HyTopKOptions  # noqa: E402
 
 GiB = 1 << 30
 TAG = ""
@@ -266,8 +266,6 @@ def run_hytopk(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT, prune_stats=N
 
 # The select variants (issue #21), each as HyTopKOptions fields; hytopk_select takes them all
 # (the default), hytopk_plain none. A method turns on its fields and the others off.
-NO_SELECT = dict(sort_in_kernel=False, head_major=False, lean_filter=False,
-                 bounded_select=False, sample_keys=0)
 SELECT_VARIANTS = {
     "hytopk_sort": dict(sort_in_kernel=True),
     "hytopk_head_major": dict(head_major=True),
@@ -283,7 +281,7 @@ SELECT_VARIANTS["hytopk_plain"] = {}
 def select_variant(name, ordered=True):
     """A method running HyTopK with the HyTopKOptions fields of SELECT_VARIANTS[name] on and
     the other select variants off."""
-    options = replace(HyTopKOptions.DEFAULT, **dict(NO_SELECT, **SELECT_VARIANTS[name]))
+    options = replace(HyTopKOptions.DEFAULT, **dict(SELECT_VARIANTS_OFF, **SELECT_VARIANTS[name]))
 
     def run(q, k, w, topk, relu, sample_stats=None):
         return run_hytopk(q, k, w, topk, relu, options, ordered=ordered,

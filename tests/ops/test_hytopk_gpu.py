@@ -285,9 +285,6 @@ SELECT_VARIANTS = {
     "sample": dict(sample_keys=1024),
 }
 SELECT_VARIANTS["all"] = {f: v for fields in SELECT_VARIANTS.values() for f, v in fields.items()}
-# The baseline: every select variant off (the kernel before them; all on is the default).
-NO_SELECT = dict(sort_in_kernel=False, head_major=False, lean_filter=False,
-                 bounded_select=False, sample_keys=0)
 # (T, H, D, topk, relu): the folded relu=False query (its 3 bf16 parts: pair-major columns
 # with 4 padded heads), V3.2's indexer, QSA's 4 heads (pair-major columns; their head sums
 # must repeat the row-major order term for term) and 6 heads padded to 8 (row-major whatever
@@ -303,10 +300,10 @@ SELECT_CASES = ([("norelu", v) for v in SELECT_VARIANTS]
 def run_options(q, k, w, topk, relu, fields=None, ordered=True, sample_stats=None):
     """HyTopK with the select variants in `fields` on and the others off."""
     from megatron_hyscale.ops.kernels.hytopk import hytopk_triton
-    from megatron_hyscale.ops.kernels.options import HyTopKOptions
+    from megatron_hyscale.ops.kernels.options import SELECT_VARIANTS_OFF, HyTopKOptions
 
     pos = torch.arange(q.shape[1], device="cuda")[None]
-    options = replace(HyTopKOptions.DEFAULT, **dict(NO_SELECT, **(fields or {})))
+    options = replace(HyTopKOptions.DEFAULT, **dict(SELECT_VARIANTS_OFF, **(fields or {})))
     out = hytopk_triton(q, k, w, topk, relu=relu, q_positions=pos, k_positions=pos,
                         causal=True, options=options,
                         ordered=ordered, sample_stats=sample_stats)

@@ -23,7 +23,10 @@ import triton.language as tl  # noqa: E402
 from megatron_hyscale.ops import hytopk  # noqa: E402
 from megatron_hyscale.ops.hytopk import validate_hytopk_inputs  # noqa: E402
 from megatron_hyscale.ops.kernels import hytopk as kernel  # noqa: E402
-from megatron_hyscale.ops.kernels.options import HyTopKOptions  # noqa: E402
+from megatron_hyscale.ops.kernels.options import (  # noqa: E402
+    SELECT_VARIANTS_OFF,
+    HyTopKOptions,
+)
 from megatron_hyscale.ops.reference import order_key  # noqa: E402
 from megatron_hyscale.testing.compare import assert_rows_hold_sorted_sets  # noqa: E402
 
@@ -452,10 +455,6 @@ def test_unordered_rows_hold_the_same_set(keys_on_m, atomic_slots):
 # Every select variant at once; sample_keys=16 is one 16-key tile of samples.
 ALL_SELECT = dict(sort_in_kernel=True, head_major=True, lean_filter=True, bounded_select=True,
                   sample_keys=16)
-# Every select variant off: the kernel as it was before them (torch sort-and-decode pass,
-# row-major columns, threshold from -inf).
-NO_SELECT = dict(sort_in_kernel=False, head_major=False, lean_filter=False,
-                 bounded_select=False, sample_keys=0)
 
 
 def shard_case():
@@ -486,7 +485,7 @@ def test_all_select_variants_on_the_adversarial_cases(variants):
     everywhere), pair-major columns at shard positions (a compaction every tile), unsorted key
     positions, relu=False with fewer visible keys than topk, non-contiguous q / k / weights at
     per-batch positions (batch 2)."""
-    v = dict(variant=ALL_SELECT if variants == "all" else NO_SELECT, prunes=(False,))
+    v = dict(variant=ALL_SELECT if variants == "all" else SELECT_VARIANTS_OFF, prunes=(False,))
     for case in (negative_zero_case, shard_case, unsorted_positions_case):
         args, kw = case()
         check(*args, **kw, **v)
@@ -513,7 +512,7 @@ def test_each_select_variant_alone(field):
     """Each variant by itself (the others off), with key-tile pruning on (its bound sums the
     heads in the GEMM's row order too)."""
     args, kw = shard_case()
-    check(*args, **kw, prunes=(True,), variant=dict(NO_SELECT, **{field: True}))
+    check(*args, **kw, prunes=(True,), variant=dict(SELECT_VARIANTS_OFF, **{field: True}))
 
 
 def test_default_sample_keys_fit_small_buffers():

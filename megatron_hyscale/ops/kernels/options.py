@@ -152,6 +152,12 @@ class HyTopKOptions:
 
 HyTopKOptions.DEFAULT = HyTopKOptions()
 
+# The HyTopKOptions fields of issue #21's select variants, each set to "off": the kernel as it
+# was before them (`dataclasses.replace(HyTopKOptions.DEFAULT, **SELECT_VARIANTS_OFF)`), which
+# tests and bench_selection.py compare the variants against.
+SELECT_VARIANTS_OFF = {"sort_in_kernel": False, "head_major": False, "lean_filter": False,
+                       "bounded_select": False, "sample_keys": 0}
+
 
 # (keys per step, pipeline stages) pairs, best first: a tiling that fails to compile or launch
 # for lack of shared memory or registers is skipped and the next one tried (`tiling.py`).
