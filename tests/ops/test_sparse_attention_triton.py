@@ -219,17 +219,23 @@ def test_lse_gradient():
         close(name, got, ref)
 
 
-def test_non_contiguous_inputs():
+def non_contiguous_case():
+    """q sliced out of a transposed tensor, k transposed, v and int64 indices strided: B = 2,
+    2 KV heads of 2 query heads each, no sink."""
     g = torch.Generator().manual_seed(5)
     B, T, S, Hq, Hkv, D, NK = 2, 3, 48, 4, 2, 16, 20
     q = torch.randn(B, Hq, T, D + 8, generator=g).to(DEVICE).transpose(1, 2)[..., 4:4 + D]
     k = torch.randn(S, B, Hkv, D, generator=g).to(DEVICE).transpose(0, 1)
     v = torch.randn(B, S, Hkv, 2 * D, generator=g).to(DEVICE)[..., ::2]
     idx = make_indices(B, T, Hkv, S, 2 * NK, g, True, torch.int64)[..., ::2]
+    return q, k, v, idx, None, None, D ** -0.5
+
+
+def test_non_contiguous_inputs():
+    q, k, v, idx, _, _, scale = non_contiguous_case()
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous()
                 or idx.is_contiguous())
-    (out, lse, grads), (rout, rlse, rgrads) = run_both(q, k, v, idx, None, None, D ** -0.5,
-                                                       False)
+    (out, lse, grads), (rout, rlse, rgrads) = run_both(q, k, v, idx, None, None, scale, False)
     close("out", out, rout)
     for name, got, ref in zip(["dq", "dk", "dv"], grads, rgrads, strict=True):
         close(name, got, ref)
@@ -427,13 +433,7 @@ def test_bwd_variant_equals_the_default(case, deterministic, variant):
     if case == "ties":
         q, k, v, idx, sink, dv, scale = ties_case(seed=13)
     elif case == "non_contiguous":
-        g = torch.Generator().manual_seed(5)
-        B, T, S, Hq, Hkv, D, NK = 2, 3, 48, 4, 2, 16, 20
-        q = torch.randn(B, Hq, T, D + 8, generator=g).to(DEVICE).transpose(1, 2)[..., 4:4 + D]
-        k = torch.randn(S, B, Hkv, D, generator=g).to(DEVICE).transpose(0, 1)
-        v = torch.randn(B, S, Hkv, 2 * D, generator=g).to(DEVICE)[..., ::2]
-        idx = make_indices(B, T, Hkv, S, 2 * NK, g, True, torch.int64)[..., ::2]
-        sink, dv, scale = None, None, D ** -0.5
+        q, k, v, idx, sink, dv, scale = non_contiguous_case()
     elif case == "prefix":
         g = torch.Generator().manual_seed(7)
         B, T, S, Hq, D = 2, 3, 40, 4, 24
