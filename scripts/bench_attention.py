@@ -39,9 +39,9 @@ TileLang (scripts/gpu_tilelang.sh): without it the run says why once and goes on
   python scripts/bench_attention.py --shapes glm51 v32 --t 131072 --out /tmp/res
   python scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768
   python scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768 --tilings 64x1 \
-      --bwd-variants carry tail_first             # backward variants beside the default
-  python scripts/bench_attention.py --bwd-sweep --shapes glm51 --t 32768 --tilings 32x2 \
-      --bwd-variants carry                        # carry fits 32 x 2 (the default does not)
+      --bwd-variants no_carry main_first          # the previous defaults beside today's
+  python scripts/bench_attention.py --bwd-sweep --shapes csa hca --t 65536 --tilings 32x2 \
+      64x1 --bwd-variants no_carry --sweep-parts dq dkv   # fewer columns (no slow ones)
   python scripts/bench_attention.py --shapes v32 --t 131072 --head-blocks split
   python scripts/bench_attention.py --shapes glm51 --t 131072 --fwd-no-softmax  # forward split
   python scripts/bench_attention.py --shapes glm51 v32 --fwd-only --fwd-kernel triton
@@ -52,8 +52,8 @@ products, no accumulation; the difference is the cost of the atomics), dK/dV in 
 previous orientation (keys on the MMA's M, AttentionKernelOptions.dkv_channels_on_m=False),
 and the single fused backward pass (AttentionKernelOptions.bwd_fused=True); with
 --bwd-variants, the kernel each named variant changes, with it on (BWD_VARIANTS; dK/dV ones
-with and without atomics).
-Table and JSON (bench_attention_bwd_sweep.json).
+with and without atomics); --sweep-parts keeps some of the default's columns.
+Table and JSON (bench_attention_bwd_sweep.json, and the record in benchmarks/results/).
 
 Needs a CUDA GPU (every mode).
 """
@@ -384,17 +384,21 @@ SWEEP_TILINGS = ((16, 1), (16, 2), (32, 1), (32, 2), (64, 1), (64, 2))
 # Backward variants --bwd-sweep can time beside the default (--bwd-variants): name -> (the
 # kernel it changes, AttentionKernelOptions fields). A dK/dV variant adds the columns
 # dkv_<name>_ms and dkv_<name>_no_atomics_ms, a dQ variant dq_<name>_ms, timed in the same
-# process and tiling as the default's dkv_ms / dq_ms.
+# process and tiling as the default's dkv_ms / dq_ms. no_carry and main_first are the
+# previous defaults (dkv_carry and dq_tail_first off).
 BWD_VARIANTS = {
-    "carry": ("dkv", dict(dkv_carry=True)),
-    "tail_first": ("dq", dict(dq_tail_first=True)),
+    "no_carry": ("dkv", dict(dkv_carry=False)),
+    "main_first": ("dq", dict(dq_tail_first=False)),
 }
+# --bwd-sweep's columns for the default options (--sweep-parts picks some).
+SWEEP_PARTS = ("dq", "dkv", "dkv_no_atomics", "dkv_keys_on_m", "fused")
 
 
 def bwd_sweep(shapes, Ts, reps, out_dir, mm, tilings=SWEEP_TILINGS,
-              options=AttentionKernelOptions.DEFAULT, variants=()):
-    """Time dQ, dK/dV and dK/dV without atomics per tiling (the other variants as `options`),
-    and the dK/dV kernel with each of `variants` (BWD_VARIANTS' names) on; returns the rows."""
+              options=AttentionKernelOptions.DEFAULT, variants=(), sweep_parts=SWEEP_PARTS):
+    """Time `sweep_parts` (SWEEP_PARTS' names: dQ, dK/dV, dK/dV without atomics, keys on M, the
+    fused pass) per tiling (the other variants as `options`), and the kernel each of
+    `variants` (BWD_VARIANTS' names) changes with it on; returns the rows."""
     rows = []
     names = ("dq_tilings", "dkv_tilings", "narrow_dq_tilings", "narrow_dkv_tilings")
     for T in Ts:
@@ -432,6 +436,7 @@ def bwd_sweep(shapes, Ts, reps, out_dir, mm, tilings=SWEEP_TILINGS,
                     "fused_ms": partial(kern.sparse_attention_bwd, *dq_args, dv=dv, sink=sink,
                                         prefix_lengths=pre, options=fused),
                 }
+                parts = {n: fn for n, fn in parts.items() if n.removesuffix("_ms") in sweep_parts}
                 for variant in variants:
                     kernel, fields = BWD_VARIANTS[variant]
                     with_variant = replace(at_tiling, **fields)
@@ -451,7 +456,7 @@ def bwd_sweep(shapes, Ts, reps, out_dir, mm, tilings=SWEEP_TILINGS,
                         row[name] = time_ms(fn, reps=reps, warmup=1)
                     except Exception as err:  # a tiling that does not fit is reported, not fatal
                         row[name] = f"failed: {type(err).__name__}"
-                if all(isinstance(row[n], float) for n in ("dq_ms", "dkv_ms")):
+                if all(isinstance(row.get(n), float) for n in ("dq_ms", "dkv_ms")):
                     row["bwd_frac"] = inp["flop_bwd"] / (row["dq_ms"] + row["dkv_ms"]) / 1e9 / mm
                 rows.append(row)
                 log(f"sweep {shape} T={T} tiling {tiling}: " + ", ".join(
@@ -468,22 +473,23 @@ def bwd_sweep(shapes, Ts, reps, out_dir, mm, tilings=SWEEP_TILINGS,
         "\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         log(f"| {r['shape']} | {r['T']} | {r['block_n']} x {r['stages']} | "
-            f"{fmt(r['dq_ms'], '.1f')} | {fmt(r['dkv_ms'], '.1f')} | "
-            f"{fmt(r['dkv_no_atomics_ms'], '.1f')} | {fmt(r['dkv_keys_on_m_ms'], '.1f')} | "
-            f"{fmt(r['fused_ms'], '.1f')} | {fmt(r.get('bwd_frac', '-'), '.1%')} |")
+            f"{fmt(r.get('dq_ms', '-'), '.1f')} | {fmt(r.get('dkv_ms', '-'), '.1f')} | "
+            f"{fmt(r.get('dkv_no_atomics_ms', '-'), '.1f')} | "
+            f"{fmt(r.get('dkv_keys_on_m_ms', '-'), '.1f')} | "
+            f"{fmt(r.get('fused_ms', '-'), '.1f')} | {fmt(r.get('bwd_frac', '-'), '.1%')} |")
     for variant in variants:
         if BWD_VARIANTS[variant][0] == "dq":
             log(f"\n| shape | T | keys x stages | dQ ms | dQ {variant} ms |\n|---|---|---|---|---|")
             for r in rows:
                 log(f"| {r['shape']} | {r['T']} | {r['block_n']} x {r['stages']} | "
-                    f"{fmt(r['dq_ms'], '.1f')} | {fmt(r[f'dq_{variant}_ms'], '.1f')} |")
+                    f"{fmt(r.get('dq_ms', '-'), '.1f')} | {fmt(r[f'dq_{variant}_ms'], '.1f')} |")
             continue
         log(f"\n| shape | T | keys x stages | dK/dV ms | dK/dV {variant} ms | dK/dV without "
             f"atomics ms | dK/dV {variant} without atomics ms |\n|---|---|---|---|---|---|---|")
         for r in rows:
             log(f"| {r['shape']} | {r['T']} | {r['block_n']} x {r['stages']} | "
-                f"{fmt(r['dkv_ms'], '.1f')} | {fmt(r[f'dkv_{variant}_ms'], '.1f')} | "
-                f"{fmt(r['dkv_no_atomics_ms'], '.1f')} | "
+                f"{fmt(r.get('dkv_ms', '-'), '.1f')} | {fmt(r[f'dkv_{variant}_ms'], '.1f')} | "
+                f"{fmt(r.get('dkv_no_atomics_ms', '-'), '.1f')} | "
                 f"{fmt(r[f'dkv_{variant}_no_atomics_ms'], '.1f')} |")
     return rows
 
@@ -532,9 +538,12 @@ def main():
                     "tiling that faults ends the process: give one a run to isolate it)")
     ap.add_argument("--bwd-variants", nargs="+", default=[], choices=list(BWD_VARIANTS),
                     help="--bwd-sweep: also time the backward kernels with these variants "
-                         "beside the default, in the same process (carry: the dK/dV kernel with "
-                         "AttentionKernelOptions.dkv_carry, with and without atomics; "
-                         "tail_first: the dQ kernel with dq_tail_first)")
+                         "beside the default, in the same process (no_carry: the dK/dV kernel "
+                         "with AttentionKernelOptions.dkv_carry off, with and without atomics; "
+                         "main_first: the dQ kernel with dq_tail_first off)")
+    ap.add_argument("--sweep-parts", nargs="+", default=list(SWEEP_PARTS), choices=SWEEP_PARTS,
+                    help="--bwd-sweep: the default options' columns to time (all by default; "
+                         "dkv_keys_on_m is about 8x the others' time)")
     ap.add_argument("--head-blocks", choices=("adjacent", "split"), default="adjacent",
                     help="launch order of a query's head-block programs: next to each other "
                          "(the default, AttentionKernelOptions.head_blocks_adjacent) or a "
@@ -563,8 +572,10 @@ def main():
     mm, bw = matmul_tflops(), copy_tbps()
     log(f"# bf16 matmul {mm:.0f} TFLOP/s, copy {bw:.2f} TB/s (measured now)")
     if args.bwd_sweep:
-        bwd_sweep(args.shapes, args.t, args.reps, args.out, mm, args.tilings, options,
-                  args.bwd_variants)
+        rows = bwd_sweep(args.shapes, args.t, args.reps, args.out, mm, args.tilings, options,
+                         args.bwd_variants, args.sweep_parts)
+        log("record: " + save_record("bench_attention_bwd_sweep", "-".join(args.shapes), rows,
+                                     matmul=mm, copy=bw))
         return
     meta = dict(device=dev, date=datetime.date.today().isoformat(), command=" ".join(sys.argv),
                 matmul_tflops=mm, copy_tbps=bw, head_blocks=args.head_blocks,

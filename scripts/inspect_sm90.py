@@ -297,6 +297,9 @@ SAMPLED_T = 16384
 SELECT_VARIANTS = dict(head_major=True, lean_filter=True, sort_in_kernel=True,
                        sample_keys=1024, bounded_select=True)
 
+# The backward's defaults before dkv_carry and dq_tail_first were timed (2026-12-03).
+PREVIOUS_BWD = dict(dkv_carry=False, dq_tail_first=False, dkv_tilings=((64, 1), (16, 2)))
+
 PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-dsv32": lambda: _hytopk(64, 128, 2048, True),
     "hytopk-dsv32-heads-on-m": lambda: _hytopk(64, 128, 2048, True, keys_on_m=False),
@@ -329,17 +332,16 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "sparse-attention-glm51": lambda: _sparse_attention(64, 1, 576, None, 2048),
     "sparse-attention-glm51-no-softmax": lambda: _sparse_attention(64, 1, 576, None, 2048,
                                                                    fwd_softmax=False),
-    # AttentionKernelOptions' backward variants (2026-12-03), each beside the default above.
-    "sparse-attention-glm51-dkv-carry": lambda: _sparse_attention(64, 1, 576, None, 2048,
-                                                                  dkv_carry=True),
-    "sparse-attention-glm51-dq-tail-first": lambda: _sparse_attention(
-        64, 1, 576, None, 2048, dq_tail_first=True),
-    "sparse-attention-glm51-dkv-carry-32x2": lambda: _sparse_attention(
-        64, 1, 576, None, 2048, dkv_carry=True, dkv_tilings=((32, 2),)),
-    "sparse-attention-hca-dkv-carry": lambda: _sparse_attention(64, 1, 512, None, 128,
-                                                                prefix=True, dkv_carry=True),
-    "sparse-attention-qsa-dkv-carry": lambda: _sparse_attention(24, 2, 256, 256, 2052,
-                                                                dkv_carry=True),
+    # AttentionKernelOptions' backward variants (timed 2026-12-03), beside the default above:
+    # the previous default (no carry, dK/dV at 64 x 1, the dQ tail last) and the carry at 64 x 1.
+    "sparse-attention-glm51-previous": lambda: _sparse_attention(
+        64, 1, 576, None, 2048, **PREVIOUS_BWD),
+    "sparse-attention-glm51-dkv-carry-64x1": lambda: _sparse_attention(
+        64, 1, 576, None, 2048, dkv_tilings=((64, 1),)),
+    "sparse-attention-hca-previous": lambda: _sparse_attention(64, 1, 512, None, 128,
+                                                               prefix=True, **PREVIOUS_BWD),
+    "sparse-attention-qsa-previous": lambda: _sparse_attention(24, 2, 256, 256, 2052,
+                                                               **PREVIOUS_BWD),
     "sparse-mla-fwd-sm90-glm51": lambda: _sparse_mla_fwd_sm90(64, 576, 2048),
     "sparse-mla-fwd-sm90-v32": lambda: _sparse_mla_fwd_sm90(128, 576, 2048),
     "sparse-attention-hca": lambda: _sparse_attention(64, 1, 512, None, 128, prefix=True),

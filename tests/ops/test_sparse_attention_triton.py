@@ -130,18 +130,19 @@ def run_both(q, k, v, idx, sink, dv, scale, deterministic, lse_weight=None, seed
     return results
 
 
-@pytest.mark.parametrize("variant", ["dkv-channels-on-m", "dkv-keys-on-m", "fused", "dkv-carry",
-                                     "dq-tail-first"])
+@pytest.mark.parametrize("variant", ["dkv-channels-on-m", "dkv-keys-on-m", "fused", "dkv-no-carry",
+                                     "dq-main-first"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_values_and_gradients(case, deterministic, variant):
     # Every backward layout against the oracle: the separate dK/dV kernel in both orientations
     # (dkv_channels_on_m), the single pass that fuses it into the dQ kernel (bwd_fused), the
-    # channels-on-M kernel that adds each tile's dK / dV one iteration later (dkv_carry), and
-    # the dQ kernel taking S's tail channels first (dq_tail_first).
+    # channels-on-M kernel adding each tile's dK / dV in its own iteration (dkv_carry off; the
+    # default carries them one iteration), and the dQ kernel taking S's main channels first
+    # (dq_tail_first off; the default takes the tail first).
     options = replace(SMALL, dkv_channels_on_m=variant != "dkv-keys-on-m",
-                      bwd_fused=variant == "fused", dkv_carry=variant == "dkv-carry",
-                      dq_tail_first=variant == "dq-tail-first")
+                      bwd_fused=variant == "fused", dkv_carry=variant != "dkv-no-carry",
+                      dq_tail_first=variant != "dq-main-first")
     q, k, v, idx, sink, dv, scale = build(case, seed=len(case))
     (out, lse, grads), (rout, rlse, rgrads) = run_both(q, k, v, idx, sink, dv, scale,
                                                        deterministic, options=options)
@@ -414,8 +415,10 @@ def ties_case(seed):
     return q, k, None, idx, None, 16, D ** -0.5
 
 
-# Backward variants that change only the order of independent operations: option fields.
-BITWISE_VARIANTS = {"dkv-carry": dict(dkv_carry=True), "dq-tail-first": dict(dq_tail_first=True)}
+# Backward variants that change only the order of independent operations: the option fields
+# that turn the default's order (dkv_carry and dq_tail_first on) back into the previous one.
+BITWISE_VARIANTS = {"dkv-no-carry": dict(dkv_carry=False),
+                    "dq-main-first": dict(dq_tail_first=False)}
 
 
 @pytest.mark.parametrize("variant", list(BITWISE_VARIANTS))
@@ -425,10 +428,11 @@ def test_bwd_variant_equals_the_default(case, deterministic, variant):
     """dkv_carry adds each key tile's dK / dV one loop iteration later with the same products in
     the same order; dq_tail_first adds S's main channels onto its tail's instead of the
     reverse (fp32 addition commutes). So under the interpreter (one program at a time) every
-    output and gradient is bitwise the default's; on a GPU the atomics' order and the compiled
-    products' rounding differ, so there it is close. Also against the oracle (so that a wrong
-    default cannot hide a wrong variant): ties, -1 slots and empty rows, B = 2, non-contiguous
-    inputs, dense prefixes (rows whose last tile holds only prefix keys or only -1 slots)."""
+    output and gradient with either off is bitwise the default's (both on); on a GPU the
+    atomics' order and the compiled products' rounding differ, so there it is close. Also
+    against the oracle (so that a wrong default cannot hide a wrong variant): ties, -1 slots
+    and empty rows, B = 2, non-contiguous inputs, dense prefixes (rows whose last tile holds
+    only prefix keys or only -1 slots)."""
     prefix = None
     if case == "ties":
         q, k, v, idx, sink, dv, scale = ties_case(seed=13)

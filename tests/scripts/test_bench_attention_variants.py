@@ -54,6 +54,15 @@ def test_sweep_times_each_variant_beside_the_default(tmp_path, monkeypatch):
         assert len(runs) == len(columns)
         assert all(fn == f"sparse_attention_bwd_{kernel}" for fn, _ in runs)
         assert all(o.dq_tilings == ((16, 1),) and o.dkv_tilings == ((16, 1),) for _, o in runs)
-    # the default columns ran without any variant on
-    default_fields = {f for _, fields in bench.BWD_VARIANTS.values() for f in fields}
-    assert sum(not any(getattr(o, f) for f in default_fields) for _, o in timed) == 5
+    # the default columns ran with the default options' values of every variant's fields
+    default = bench.AttentionKernelOptions.DEFAULT
+    fields = {f for _, changed in bench.BWD_VARIANTS.values() for f in changed}
+    assert sum(all(getattr(o, f) == getattr(default, f) for f in fields) for _, o in timed) == 5
+
+    # --sweep-parts: only the named default columns (and every variant's)
+    timed.clear()
+    (row,) = bench.bwd_sweep(["glm51"], [3], 1, str(tmp_path), 1.0, tilings=((16, 1),),
+                             variants=("no_carry",), sweep_parts=("dq", "dkv"))
+    assert {c for c in row if c.endswith("_ms")} == {
+        "dq_ms", "dkv_ms", "dkv_no_carry_ms", "dkv_no_carry_no_atomics_ms"}
+    assert len(timed) == 4

@@ -52,10 +52,8 @@ def test_bad_requests_are_named() -> None:
 def test_default_kernels_keep_their_compiled_shape(tmp_path: Path) -> None:
     """Guards on the defaults chosen from compiled code and GPU timings (Triton pinned at 3.6):
     HyTopK's select kernel (keys on M) runs wgmma in its hot loop without touching local
-    memory; the dK/dV
-    kernel (channels on M) runs wgmma and spills no more than the 132 bytes a thread of its
-    default 64 x 1 tiling, the fastest on the H200 all the same
-    (AttentionKernelOptions.dkv_tilings).
+    memory; the dK/dV kernel (channels on M, the carry) runs wgmma at its default 32 x 2 tiling
+    and spills almost nothing (AttentionKernelOptions.dkv_carry, dkv_tilings).
     A change that silently drops them to mma.sync or further into local memory fails here
     before it costs GPU time."""
     out = tmp_path / "r.json"
@@ -68,36 +66,35 @@ def test_default_kernels_keep_their_compiled_shape(tmp_path: Path) -> None:
     assert select["loop_ops"].get("LDL", 0) == 0 and select["loop_ops"].get("STL", 0) == 0
     assert select["loop_ops"]["SHFL"] < 32  # the head sum stays in registers (heads on N)
     dkv = reports["_bwd_dkv_kernel"]
-    assert dkv["spill_stores"] <= 132 and dkv["loop_ops"]["HMMA"] == 0
-    assert dkv["loop_ops"]["HGMMA"] > 0
+    assert dkv["constexprs"]["CARRY"] is True
+    assert (dkv["constexprs"]["BLOCK_N"], dkv["constexprs"]["num_stages"]) == (32, 2)
+    assert dkv["spill_stores"] <= 16 and dkv["loop_ops"]["HMMA"] == 0
+    assert dkv["loop_ops"]["HGMMA"] > 0 and dkv["shared_bytes"] <= 232448
+    assert reports["_bwd_dq_kernel"]["constexprs"]["TAIL_FIRST"] is True
 
 
 def test_bwd_variants_compile_as_documented(tmp_path: Path) -> None:
-    """The backward variants reach their kernels and do what they are for (the counts in
-    AttentionKernelOptions' comments). dkv_carry: at 64 heads and 8 warps the default dK/dV
+    """The backward's defaults against the previous ones do what they are for (the counts in
+    AttentionKernelOptions' comments). dkv_carry: at 64 heads and 8 warps the uncarried dK/dV
     kernel computes S and dP in both warpgroups (a chained dot is laid out with every warp on
-    M), 68 of its 172 HGMMA a tile being that copy; carried, it issues 104, and must keep
-    fitting the H200's shared memory (232448 bytes a block) at the default 64 x 1 tiling, or
-    the launch would fall back to a slower one; it also fits at 32 x 2, which the default does
-    not. dq_tail_first: the dQ kernel spills less and touches local memory less in its loop."""
+    M), 68 of its 172 HGMMA a tile being that copy; carried, it issues 104 at the same 64 x 1
+    tiling and still fits the H200's shared memory (232448 bytes a block). dq_tail_first: the
+    dQ kernel spills less and touches local memory less in its loop."""
     out = tmp_path / "r.json"
-    proc = _run("--preset", "sparse-attention-glm51", "sparse-attention-glm51-dkv-carry",
-                "sparse-attention-glm51-dkv-carry-32x2", "sparse-attention-glm51-dq-tail-first",
-                "--json", str(out))
+    proc = _run("--preset", "sparse-attention-glm51", "sparse-attention-glm51-previous",
+                "sparse-attention-glm51-dkv-carry-64x1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     reports = {(r["preset"].removeprefix("sparse-attention-glm51"), r["name"].split("] ")[1]): r
                for r in json.loads(out.read_text())}
-    default, carry = reports["", "_bwd_dkv_kernel"], reports["-dkv-carry", "_bwd_dkv_kernel"]
-    assert default["constexprs"]["CARRY"] is False and carry["constexprs"]["CARRY"] is True
-    assert carry["constexprs"]["BLOCK_N"] == 64 and carry["shared_bytes"] <= 232448
-    assert carry["loop_ops"]["HGMMA"] < default["loop_ops"]["HGMMA"] - 48
-    assert carry["loop_instructions"] < default["loop_instructions"]
-    assert carry["loop_ops"]["BAR"] <= default["loop_ops"]["BAR"]
-    # 32 keys x 2 stages fits with the carry (the default needs 233600 bytes)
-    carry32 = reports["-dkv-carry-32x2", "_bwd_dkv_kernel"]
-    assert (carry32["constexprs"]["BLOCK_N"], carry32["constexprs"]["num_stages"]) == (32, 2)
-    assert carry32["shared_bytes"] <= 232448 and carry32["spill_stores"] <= 16
-    dq, tail_first = reports["", "_bwd_dq_kernel"], reports["-dq-tail-first", "_bwd_dq_kernel"]
+    previous = reports["-previous", "_bwd_dkv_kernel"]
+    carry = reports["-dkv-carry-64x1", "_bwd_dkv_kernel"]
+    assert previous["constexprs"]["CARRY"] is False and carry["constexprs"]["CARRY"] is True
+    assert previous["constexprs"]["BLOCK_N"] == 64 and carry["constexprs"]["BLOCK_N"] == 64
+    assert carry["shared_bytes"] <= 232448
+    assert carry["loop_ops"]["HGMMA"] < previous["loop_ops"]["HGMMA"] - 48
+    assert carry["loop_instructions"] < previous["loop_instructions"]
+    assert carry["loop_ops"]["BAR"] <= previous["loop_ops"]["BAR"]
+    dq, tail_first = reports["-previous", "_bwd_dq_kernel"], reports["", "_bwd_dq_kernel"]
     assert dq["constexprs"]["TAIL_FIRST"] is False and tail_first["constexprs"]["TAIL_FIRST"]
     assert tail_first["spill_stores"] < dq["spill_stores"]
     local = ("LDL", "STL")

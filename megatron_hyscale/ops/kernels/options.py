@@ -221,10 +221,12 @@ class AttentionKernelOptions:
     # for sm_90a (2026-12-03, `inspect_sm90.py --preset sparse-attention-glm51
     # sparse-attention-glm51-dq-tail-first`, dQ 64 x 1): 255 -> 255 registers, spills 252 ->
     # 152 B, hot loop 1437 -> 1364 instructions, LDL / STL 38 / 20 -> 20 / 4, HGMMA 144 and BAR
-    # 3 unchanged. Not yet timed (`bench_attention.py --bwd-sweep --bwd-variants
-    # tail_first`). Not in the fused backward's pass (its loop went 1547 -> 1597 instructions,
-    # spills unchanged); no effect without a tail (power-of-two head dims).
-    dq_tail_first: bool = False
+    # 3 unchanged. Timed on the H200 (2026-12-03, `bench_attention.py --bwd-sweep --tilings
+    # 64x1 --bwd-variants tail_first`, random indices): GLM-5.1 dQ 65.3 -> 62.0 ms at 32K,
+    # 275.8 -> 260.4 at 128K; V3.2 532.8 -> 503.7 at 128K. Not in the fused backward's pass
+    # (its loop went 1547 -> 1597 instructions, spills unchanged); no effect without a tail
+    # (power-of-two head dims).
+    dq_tail_first: bool = True
     # The channels-on-M dK/dV kernel adds each key tile's dK / dV one loop iteration later: tile
     # n's P and dS (bf16) are carried and their products run before tile n + 1's S and dP, the
     # last tile's after the loop. Why: Triton lays a dot out with every warp on M when its
@@ -247,10 +249,14 @@ class AttentionKernelOptions:
     # 2190 -> 1795 and HCA (512 dims, prefix) 2919 -> 2321 instructions, HGMMA 160 -> 96, but
     # spills 0 -> 200 and 204 B (LDL 20 a tile); QSA (16-head blocks, mma.sync) 779 -> 715; with
     # deterministic=True (GLM-5.1) the fixed-point pass 4005 -> 3623 instructions, spills 1592
-    # -> 2644 B. Not yet timed (`bench_attention.py --bwd-sweep --tilings 64x1 32x2
-    # --bwd-variants carry`; 32 x 2 is not in dkv_tilings until timed, and the channels-on-M
-    # kernel has faulted at 32 x 1). Ignored with the keys on M.
-    dkv_carry: bool = False
+    # -> 2644 B. Timed on the H200 (2026-12-03, `bench_attention.py --bwd-sweep --tilings 64x1
+    # 32x2 --bwd-variants carry`, random indices): at 64 x 1 a little faster (GLM-5.1 152.9 ->
+    # 145.0 ms at 32K, 678.6 -> 657.5 at 128K), and at 32 x 2, which only the carry fits,
+    # GLM-5.1 94.7 / 213.8 / 462.2 ms at 32K / 64K / 128K against the default's 152.9 / 327.3 /
+    # 678.6 at 64 x 1, V3.2 364.9 / 733.7 against 552.0 / 1129.6 at 64K / 128K: hence 32 x 2
+    # first in dkv_tilings. With it off, 32 x 2 does not fit and the launch falls back to
+    # 64 x 1 (tiling.py). Ignored with the keys on M.
+    dkv_carry: bool = True
     # The dK/dV kernel with the keys on M reads q and dO in two MMA layouts (B of K @ q^T and of
     # dS^T @ q), which Triton keeps as two shared-memory copies; its head block is halved until
     # both copies fit in this many bytes (measured on the H200: 64 heads x (576 + 512) dims
@@ -263,10 +269,11 @@ class AttentionKernelOptions:
     # against 214 at 16 x 2 (64 x 1 spills 132 bytes a thread and is still the fastest); the
     # GLM-5.1 backward at 128K went from 1377 to 944 ms. dK/dV with the channels on M faults
     # (illegal address) at 32 x 1 and 16 x 1 for the 512 / 576-dim shapes (GLM-5.1, CSA; QSA
-    # runs them): not in the list until that is understood. 32 x 2 does not fit (233600 bytes
-    # of shared memory against the H200's 232448).
+    # runs them): not in the list until that is understood. dK/dV's 32 x 2 fits with dkv_carry
+    # only (without it 233600 bytes of shared memory against the H200's 232448), and is then
+    # the fastest (dkv_carry's timings).
     dq_tilings: Tilings = ((64, 1), (32, 2), (32, 1), (16, 1))
-    dkv_tilings: Tilings = ((64, 1), (16, 2))
+    dkv_tilings: Tilings = ((32, 2), (64, 1), (16, 2))
     # Programs of fewer heads (QSA: 12 query heads a KV head, 16-row blocks): the orders above
     # made the QSA backward at 128K slower (1296 against 904 ms), so they keep the earlier ones.
     narrow_dq_tilings: Tilings = ((32, 2), (64, 1), (32, 1), (16, 1))
