@@ -6,7 +6,8 @@ One table per record, HyScale beside the strongest stock kernels measured in the
 bench_selection (HyTopK, cuDNN's chunked scores + radix top-k through HyScale's backend,
 megatron-core's own cudnn and tilelang selections, table-then-select, the GEMM floor),
 bench_attention (HyScale's forward / backward against FlashMLA's / cuDNN's and megatron-core's
-TileLang sparse MLA), bench_indexer_loss (Triton against cuDNN's kernels, both given the
+TileLang sparse MLA), bench_attention_bwd_sweep (the backward kernels per tiling and variant),
+bench_indexer_loss (Triton against cuDNN's kernels, both given the
 attention's lse, and megatron-core's TileLang loss), bench_layer (HyScale's layer against
 each stock backend; with `--packed`, a second table of the packed THD rows against the unpacked
 ones: per-token time, causal key pairs, and whether HyScale's own path ran) and accuracy (each
@@ -227,8 +228,23 @@ def accuracy(records, meta):
     return lines
 
 
-RENDER = {"bench_selection": selection, "bench_attention": attention,
-          "bench_indexer_loss": indexer_loss}
+def bwd_sweep(records):
+    """bench_attention --bwd-sweep: the backward kernels timed apart per tiling, every column the
+    run timed (the default options' and each variant's), in the record's order."""
+    columns = list(dict.fromkeys(k for r in records for k in r if k.endswith("_ms")))
+    lines = ["| shape | T | keys x stages | " + " | ".join(c.removesuffix("_ms") + " ms"
+                                                         for c in columns) + " |",
+             "|---" * (3 + len(columns)) + "|"]
+    for r in sorted(records, key=lambda r: (r["shape"], r["T"], -r["block_n"], r["stages"])):
+        lines.append(f"| {r['shape']} | {r['T']} | {r['block_n']} x {r['stages']} | "
+                     + " | ".join(fmt(r.get(c)) for c in columns) + " |")
+    return lines
+
+
+# A record's script is matched in this order: bench_attention_bwd_sweep before bench_attention,
+# whose --tag'd records (bench_attention_<tag>) it would otherwise take.
+RENDER = {"bench_selection": selection, "bench_attention_bwd_sweep": bwd_sweep,
+          "bench_attention": attention, "bench_indexer_loss": indexer_loss}
 WITH_META = {"bench_layer": layer, "accuracy": accuracy}
 
 

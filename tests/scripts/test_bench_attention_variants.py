@@ -6,6 +6,8 @@ stand-in timer that calls each function once (under the interpreter on CPU)."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import sys
 from pathlib import Path
 
 import torch
@@ -66,3 +68,27 @@ def test_sweep_times_each_variant_beside_the_default(tmp_path, monkeypatch):
     assert {c for c in row if c.endswith("_ms")} == {
         "dq_ms", "dkv_ms", "dkv_no_carry_ms", "dkv_no_carry_no_atomics_ms"}
     assert len(timed) == 4
+
+
+def test_benchmark_tables_renders_a_sweep_record(tmp_path, monkeypatch, capsys):
+    """benchmark_tables.py takes a bench_attention_bwd_sweep record for what it is (not for a
+    --tag'd bench_attention record, whose renderer would fail on it): every timed column, the
+    failures as written."""
+    spec = importlib.util.spec_from_file_location("_tables", ROOT / "scripts" /
+                                                  "benchmark_tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    meta = {"device": "NVIDIA H200", "date": "2026-12-03 15:56 UTC", "commit": "abc1234",
+            "matmul_tflops": 780.0, "command": "synthetic"}
+    rows = [dict(shape="csa", T=65536, block_n=32, stages=2, dq_ms=81.9, dkv_ms=59.7,
+                 dkv_no_carry_ms="failed: RuntimeError"),
+            dict(shape="csa", T=65536, block_n=64, stages=1, dq_ms=37.1, dkv_ms=90.8,
+                 dkv_no_carry_ms=90.9)]
+    path = tmp_path / "2026-12-03-nvidia-h200-bench_attention_bwd_sweep-csa.json"
+    path.write_text(json.dumps({"meta": meta, "records": rows}))
+    monkeypatch.setattr(sys, "argv", ["benchmark_tables.py", str(path)])
+    assert tables.main() == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")]
+    assert lines[0] == "| shape | T | keys x stages | dq ms | dkv ms | dkv_no_carry ms |"
+    assert lines[1] == "| csa | 65536 | 64 x 1 | 37.1 | 90.8 | 90.9 |"
+    assert lines[2] == "| csa | 65536 | 32 x 2 | 81.9 | 59.7 | failed: RuntimeError |"
