@@ -53,7 +53,11 @@
 #   bash scripts/gpu_session.sh side1-long PART  # issue #19 item 3: the one-H200 pair at
 #                                         # 128K (stock's longest fit) over several calls
 #                                         # with checkpoint and resume: PART stock (2-3
-#                                         # calls), hyscale, alone (155,648), summary
+#                                         # calls), hyscale, alone (155,648), summary; about
+#                                         # 30 min of device time on one GPU. On
+#                                         # nvidia-h200-x2: PART pair (stock on GPU 0, HyScale
+#                                         # and HyScale alone on GPU 1 at the same time; ~3
+#                                         # calls), then summary: about 25 min
 #   bash scripts/gpu_session.sh evaluate PART  # issue #24: the evaluation report on the
 #                                         # H200, 300 iterations each on real text: PART
 #                                         # stock, hyscale (which writes the report),
@@ -621,11 +625,39 @@ case "$stage" in
       run_dir=outputs/side1_long  # kept on the machine between calls (ignored by git)
       only=()
       case "$part" in
+        pair)
+          # nvidia-h200-x2: stock on GPU 0 while GPU 1 runs HyScale's pair run and then HyScale
+          # alone, each a one-GPU run as on one H200 (separate GPUs, so neither slows the
+          # other's timing); the same command again resumes what is unfinished (stock needs
+          # about three calls at 128K, ~36 s an iteration), then `side1-long summary`.
+          [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || {
+            echo "gpu_session.sh side1-long pair: needs two GPUs (nvidia-h200-x2)" >&2; exit 2; }
+          common=(--gpus 1 --config scaled --stock-backend cudnn --num-layers 2
+            --global-batch-size 1 --seq-length "${SIDE1_SEQ:-131072}" --train-iters 22
+            --transformer-impl $impl --output-dir "$run_dir/out" --checkpoint-dir "$run_dir/ckpt")
+          export MEGATRON_LM_DIR=$(pwd)/.carry/megatron_lm HYSCALE_PYTHON=python3
+          CUDA_VISIBLE_DEVICES=0 timeout 575 bash examples/glm5_1/side_by_side.sh "${common[@]}" \
+            --time-limit 540 --only stock "$@" > "$out/pair_stock.log" 2>&1 &
+          stock_pid=$!
+          ( CUDA_VISIBLE_DEVICES=1 timeout 300 bash examples/glm5_1/side_by_side.sh \
+              "${common[@]}" --time-limit 290 --only hyscale "$@"
+            CUDA_VISIBLE_DEVICES=1 timeout 260 bash examples/glm5_1/side_by_side.sh \
+              "${common[@]}" --time-limit 250 --hyscale-alone-at "${SIDE1_ALONE:-155648}" \
+              --alone-iters 4 --only hyscale "$@" ) > "$out/pair_hyscale.log" 2>&1 &
+          hyscale_pid=$!
+          wait "$stock_pid"; rc=$?
+          wait "$hyscale_pid" || rc=1
+          grep -v Warning "$out/pair_stock.log" | tail -25
+          grep -v Warning "$out/pair_hyscale.log" | tail -25
+          cp "$run_dir"/out/*.log "$run_dir"/out/summary.txt "$run_dir"/out/*.json "$out"/ \
+            2>/dev/null
+          exit "$rc" ;;
         stock) only=(--only stock) ;;
         hyscale) rm -rf "$run_dir/ckpt/stock"; only=(--only hyscale) ;;  # 2 x 23 GB on 64 GB
         alone) rm -rf "$run_dir/ckpt/stock" "$run_dir/ckpt/hyscale"; only=(--only hyscale) ;;
         summary) ;;
-        *) echo "usage: gpu_session.sh side1-long {stock|hyscale|alone|summary}" >&2; exit 2 ;;
+        *) echo "usage: gpu_session.sh side1-long {stock|hyscale|alone|summary|pair}" >&2
+           exit 2 ;;
       esac
       alone=()
       [ "$part" = alone ] || [ "$part" = summary ] && alone=(--hyscale-alone-at
