@@ -219,22 +219,25 @@ def _hytopk(H: int, D: int, topk: int, relu: bool, T: int = 8192, mode: int = 0,
 
 
 def _sparse_attention(hq: int, hkv: int, d: int, dv: int | None, topk: int, T: int = 256,
-                      prefix: bool = False, **options: Any) -> list[Launch]:
+                      prefix: bool = False, dq_target: bool = False, **options: Any
+                      ) -> list[Launch]:
     """Forward, dQ and dK/dV launches; options: AttentionKernelOptions fields to change (such
-    as dq_tilings). prefix: rows also attend to a generated dense key prefix (HCA)."""
+    as dq_tilings). prefix: rows also attend to a generated dense key prefix (HCA). dq_target:
+    only the dQ launch, emitting the indexer loss's target (TARGET)."""
     from megatron_hyscale.ops.kernels import sparse_attention as sa
     from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 
     opts = replace(AttentionKernelOptions.DEFAULT, **options)
     sa._tiling_cache.clear()  # each launch records its first tiling, not a remembered one
     try:
-        return _sparse_attention_calls(sa, hq, hkv, d, dv, topk, T, prefix, opts)
+        return _sparse_attention_calls(sa, hq, hkv, d, dv, topk, T, prefix, opts, dq_target)
     finally:
         sa._tiling_cache.clear()
 
 
 def _sparse_attention_calls(sa: Any, hq: int, hkv: int, d: int, dv: int | None, topk: int,
-                            T: int, prefix: bool, options: Any) -> list[Launch]:
+                            T: int, prefix: bool, options: Any, dq_target: bool = False
+                            ) -> list[Launch]:
     q = torch.zeros(1, T, hq, d, dtype=torch.bfloat16)
     k = torch.zeros(1, T, hkv, d, dtype=torch.bfloat16)
     v = None if dv is None else torch.zeros(1, T, hkv, dv, dtype=torch.bfloat16)
@@ -243,6 +246,12 @@ def _sparse_attention_calls(sa: Any, hq: int, hkv: int, d: int, dv: int | None, 
               prefix_lengths=torch.zeros(1, T, dtype=torch.int32) if prefix else None,
               options=options)
     names = [n for n in dir(sa) if n.startswith("_") and n.endswith("_kernel")]
+    if dq_target:
+        out = torch.zeros(1, T, hq, kw["dv"] or dv, dtype=torch.bfloat16)
+        with intercept(sa, *names) as calls:
+            sa.sparse_attention_bwd_dq(q, k, v, idx, d ** -0.5, out, torch.zeros(1, T, hq),
+                                       torch.zeros_like(out), **kw, emit_target=True)
+        return calls
     with intercept(sa, *names) as calls:
         out, lse = sa.sparse_attention_fwd(q, k, v, idx, d ** -0.5, **kw)
         sa.sparse_attention_bwd(q, k, v, idx, d ** -0.5, out, lse, torch.zeros_like(out), **kw)
@@ -330,6 +339,9 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     # A head dim below tl.dot's 16 (tests' tiny geometries): must still compile.
     "hytopk-tiny-head-dim": lambda: _hytopk(4, 8, 16, True, T=256),
     "sparse-attention-glm51": lambda: _sparse_attention(64, 1, 576, None, 2048),
+    # The dQ kernel also emitting the indexer loss's target (sparse_attention_bwd_with_target).
+    "sparse-attention-glm51-dq-target": lambda: _sparse_attention(64, 1, 576, None, 2048,
+                                                                  dq_target=True),
     "sparse-attention-glm51-no-softmax": lambda: _sparse_attention(64, 1, 576, None, 2048,
                                                                    fwd_softmax=False),
     # AttentionKernelOptions' backward variants (timed 2026-12-03), beside the default above:

@@ -21,7 +21,9 @@ gradient terms; a second kernel recomputes P and dS per query and adds dK / dV t
 buffers with atomics, computing dK^T = q^T dS and dV^T = dO^T P with the channels as the MMA's M
 (`dkv_channels_on_m`; the keys as M before; `dkv_carry` adds each key tile's dK / dV one
 iteration later). `bwd_fused` does both in the dQ kernel's single pass. Variants and tilings
-come in an `AttentionKernelOptions` (`kernels/options.py`).
+come in an `AttentionKernelOptions` (`kernels/options.py`). `sparse_attention_bwd_with_target`
+also has the dQ kernel sum each P tile over its heads: the DSA indexer loss's target, without
+`indexer_loss.attention_target`'s second gather of the selected keys.
 `deterministic=True` replaces the fp32 atomics by two passes: an order-free atomic max of each
 key row's contributions, then int64 fixed-point atomic adds on a per-row power-of-two scale
 (integer addition is associative, so the result does not depend on the order of the atomics;
@@ -323,17 +325,18 @@ def _dkv_add_tile_channels_on_m(q_main, q_tail, do, p, ds, rows, valid, dk_base,
 def _bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr,
     dq_ptr, delta_ptr, dsink_ptr,
-    dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr,
+    dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr, tgt_ptr,
     T, NK, G, NHB, qk_scale, sm_scale,
     sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
     sib, sit, sih, sik, spb, spt, sob, sot, soh, sod, sdob, sdot, sdoh, sdod, slb, slt, slh,
     sdqb, sdqt, sdqh, sdqd,
-    sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd, srb, srs, srh,
+    sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd, srb, srs, srh, stg, stb, stt, stk,
     D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_DLSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, FUSE_DKV: tl.constexpr, MODE: tl.constexpr, NG: tl.constexpr,
-    TAIL_FIRST: tl.constexpr = False,
+    TAIL_FIRST: tl.constexpr = False, TARGET: tl.constexpr = False,
+    TARGET_ATOMIC: tl.constexpr = False,
 ):
     """dQ for one query's head block; also writes Delta = dO . O - dlse and sink terms.
 
@@ -344,6 +347,9 @@ def _bwd_dq_kernel(
     channels on M: dK^T = scale * q^T dS + dV^T, dV^T = dO^T P, per MODE, as _bwd_dkv_kernel),
     so S and dP are computed and the key rows gathered once for the whole backward.
     TAIL_FIRST: S's tail channels first (AttentionKernelOptions.dq_tail_first).
+    TARGET (no prefix, no sink): also the indexer loss's target, P's sum over this block's
+    heads at each listed slot, into slice stg * (KV head * NHB + head block) of tgt [B, T, NK]:
+    stored (-1 at invalid slots), or TARGET_ATOMIC added at the valid slots (two contributors).
     """
     b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
     heads = kvh * G + offs_h
@@ -370,6 +376,14 @@ def _bwd_dq_kernel(
         sink2 = tl.load(sink_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * LOG2E_JIT
         tl.store(dsink_ptr + stat, -tl.exp2(sink2 - lse2) * delta, mask=h_mask)
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # empty row: every p is exp2(-inf) = 0
+    if TARGET:
+        # Padded heads' p becomes exp2(s - inf) = 0 instead of 1, so the target's head sum
+        # needs no mask in the loop. Their dS is p * (0 - 0) = 0 and their dO and q are 0
+        # either way: dQ, dK and dV are bitwise the same.
+        lse2 = tl.where(h_mask, lse2, float("inf"))
+        # This program's slice: _coords' program group (KV head, head block).
+        grp = kvh * NHB + tl.min(offs_h, axis=0) // BLOCK_H
+        tgt_base = tgt_ptr + grp * stg + b * stb + t * stt
 
     k_base = k_ptr + b * skb + kvh * skh
     v_base = v_ptr + b * svb + kvh * svh
@@ -403,6 +417,16 @@ def _bwd_dq_kernel(
                                  mask=valid[:, None] & dt_mask, other=0.0)
                 s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
         p = tl.exp2(tl.where(valid[None, :], s * qk_scale, float("-inf")) - lse2[:, None])
+        if TARGET:
+            # A column sum of the tile in registers (across warps through shared memory when
+            # the heads span several warps); slot = n0 + j without a prefix.
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            head_sum = tl.sum(p, axis=0)
+            if TARGET_ATOMIC:
+                tl.atomic_add(tgt_base + offs_n * stk, head_sum, mask=valid, sem="relaxed")
+            else:
+                tl.store(tgt_base + offs_n * stk, tl.where(valid, head_sum, -1.0),
+                         mask=offs_n < NK)
         if V_IS_K_MAIN:
             v_tile = k_main
         else:
@@ -780,16 +804,85 @@ class _DkvAccumulators:
         return dk, dv
 
 
+class _TargetBuffer:
+    """The indexer loss's target emitted by the dQ kernel (TARGET): fp32 [B, T, NK], the
+    head sum of P at each slot (before L1 normalisation), -1 where indices < 0.
+
+    Each of a query's Hkv x NHB programs adds its heads' part. How the parts meet is chosen
+    for the cheapest hot loop that keeps the result bitwise repeatable: one program (GLM-5.1)
+    stores its tile, -1 included (no fill, no atomics, no pass on the host); two (V3.2's two
+    head blocks, two KV heads sharing indices) add into zeros with fp32 atomics, exact in
+    either order since 0 + a + b = 0 + b + a; more store into a slice each ([n, B, T, NK])
+    that the host sums in a fixed order (an fp32 atomic sum of three or more depends on the
+    order). In the loop an atomic is one REDG where the store is one STG, and it saves a
+    second [B, T, NK] buffer (1 GiB at 128K x 2048 slots) and the host's sum.
+
+    Compiled for sm_90a (`inspect_sm90.py --preset sparse-attention-glm51
+    sparse-attention-glm51-dq-target`, GLM-5.1, dQ 64 x 1; untimed): the head sum spans the
+    4 warps on M, so it runs through shuffles and shared memory: hot loop 1364 -> 1628
+    instructions (SHFL 0 -> 50, STS 18 -> 39, LDS 0 -> 18, BAR 3 -> 7, FADD 64 -> 130),
+    spills 152 / 156 -> 224 / 216 B (LDL / STL 20 / 4 -> 36 / 17 a tile: the kernel is at
+    255 registers already), shared memory +1 KiB, HGMMA 144 unchanged. V3.2 (128 heads, two
+    programs, atomics): 1392 -> 1660, LDL / STL 28 / 9 -> 51 / 32, spills 260 -> 360 B.
+    """
+
+    def __init__(self, q, k, indices, geo, sink, prefix_lengths):
+        self.check(indices, sink, prefix_lengths)
+        B, T = q.shape[:2]
+        NK = indices.shape[-1]
+        self.n = k.shape[2] * geo.nhb
+        self.atomic = self.n == 2
+        self.indices = indices if indices.dim() == 3 else indices[:, :, 0]
+        shape = (B, T, NK) if self.n <= 2 else (self.n, B, T, NK)
+        # The stores cover every slot < NK of their slice; the atomics add into zeros.
+        fill = torch.zeros if self.atomic else torch.empty
+        self.buf = fill(shape, device=q.device, dtype=torch.float32)
+
+    @staticmethod
+    def check(indices, sink, prefix_lengths):
+        """ValueError, naming the argument, for what the target does not cover."""
+        if sink is not None:
+            raise ValueError("emit_target: not with a sink (its probability is no slot's)")
+        if prefix_lengths is not None:
+            raise ValueError("emit_target: not with prefix_lengths (the target covers only "
+                             "the listed indices)")
+        if indices.dim() == 4 and indices.shape[2] > 1:
+            raise ValueError("emit_target: indices must be shared by the KV heads ([B, T, K] "
+                             f"or one KV head), got per-KV-head indices {tuple(indices.shape)}")
+
+    def args(self):
+        """(buffer, its (slice, b, t, slot) strides) for the kernel."""
+        strides = self.buf.stride()
+        return self.buf, (strides if self.n > 2 else (0, *strides))
+
+    def result(self):
+        """The target, once the kernel has run."""
+        if self.n == 1:
+            return self.buf  # the kernel stored every slot, -1 included
+        if self.atomic:
+            total = self.buf
+        else:
+            total = self.buf[0]
+            for part in self.buf[1:]:  # in slice order: bitwise repeatable
+                total = total + part
+        return torch.where(self.indices >= 0, total, -1.0)
+
+
 def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dlse=None,
                             dv=None, sink=None, prefix_lengths=None, dkv=None,
                             mode=MODE_ATOMIC,
-                            options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT):
-    """dQ launch: returns (dq, delta fp32 [B, T, Hq], dsink or None).
+                            options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT,
+                            emit_target: bool = False):
+    """dQ launch: returns (dq, delta fp32 [B, T, Hq], dsink or None), and the indexer loss's
+    target fp32 [B, T, K] as a fourth output under `emit_target` (`_TargetBuffer`; no sink or
+    prefix, indices shared by the KV heads: ValueError otherwise).
 
     dkv: a _DkvAccumulators to fuse the dK / dV accumulation (per `mode`) into this pass (at
     options.bwd_fused_tilings)."""
     B, T, Hq, _ = q.shape
     geo = _Geometry(q, k, v, dv)
+    target = (_TargetBuffer(q, k, indices, geo, sink, prefix_lengths) if emit_target
+              else None)
     NK = indices.shape[-1]
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     delta = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
@@ -802,15 +895,18 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
     fused = dkv is not None
     dkv_ptrs = dkv.ptrs() if fused else (lse,) * 6
     dkv_strides = dkv.strides() if fused else (0,) * 11
+    tgt, tgt_strides = target.args() if target is not None else (lse, (0,) * 4)
     args = (q, k, v_src, indices, pre, sink if sink is not None else lse, out, dout, lse,
-            dlse_t, dq, delta, dsink_part, *dkv_ptrs, T, NK, geo.G, geo.nhb,
+            dlse_t, dq, delta, dsink_part, *dkv_ptrs, tgt, T, NK, geo.G, geo.nhb,
             softmax_scale * LOG2E, softmax_scale, *_strides4(q), *_strides4(k), *v_str,
             *_index_strides(indices), *pre_str, *_strides4(out), *_strides4(dout),
-            *lse.stride(), *_strides4(dq), *dkv_strides)
+            *lse.stride(), *_strides4(dq), *dkv_strides, *tgt_strides)
     const = dict(geo.const(), HAS_SINK=sink is not None, HAS_DLSE=dlse is not None,
                  HAS_PREFIX=prefix_lengths is not None, FUSE_DKV=fused,
                  MODE=mode if fused else MODE_ATOMIC, NG=ng,
                  TAIL_FIRST=options.dq_tail_first and not fused)
+    if target is not None:  # absent otherwise: the default launch's constexprs as before
+        const.update(TARGET=True, TARGET_ATOMIC=target.atomic)
     if fused:
         tilings = options.bwd_fused_tilings
     else:
@@ -818,6 +914,8 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
     _launch(_bwd_dq_kernel, grid, args, const, geo, tilings, resident, q.element_size(),
             ("dq", q.dtype, tilings, tuple(sorted(const.items()))), options)
     dsink = dsink_part.sum(dim=(0, 1)).to(sink.dtype) if sink is not None else None
+    if target is not None:
+        return dq, delta, dsink, target.result()
     return dq, delta, dsink
 
 
@@ -884,27 +982,55 @@ def sparse_attention_bwd(q, k, v, indices, softmax_scale, out, lse, dout, dlse=N
 
     options.bwd_fused: one pass computes dQ and adds dK / dV (two passes when deterministic);
     else the dQ launch, then the dK / dV launch."""
+    return _backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, sink,
+                     deterministic, prefix_lengths, options, emit_target=False)[:4]
+
+
+def sparse_attention_bwd_with_target(
+        q, k, v, indices, softmax_scale, out, lse, dout, dlse=None, dv=None, sink=None,
+        deterministic=False, prefix_lengths=None,
+        options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """`sparse_attention_bwd`'s (dq, dk, dv or None, dsink or None) and the DSA indexer loss's
+    target: fp32 [B, T, K], sum_h softmax_j(scale * q_h . k_{indices_j}) at each slot j (not yet
+    L1-normalised), -1 where indices < 0. The dQ kernel sums the P tile it already has, in
+    place of `indexer_loss.attention_target`'s second gather of the selected keys; the same
+    values as that function given the forward's lse (where the indices are distinct and
+    visible, as the attention has them). Bitwise repeatable (`_TargetBuffer`), also without
+    `deterministic`. ValueError for a sink, prefix_lengths or per-KV-head indices of several
+    KV heads (one head-summed target per slot needs slots shared by every head)."""
+    return _backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, sink,
+                     deterministic, prefix_lengths, options, emit_target=True)
+
+
+def _backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, sink, deterministic,
+              prefix_lengths, options, emit_target):
+    """(dq, dk, dv or None, dsink or None, the target or None)."""
+    if emit_target:  # before any launch (the fused deterministic backward's first pass)
+        _TargetBuffer.check(indices, sink, prefix_lengths)
     kw = dict(dlse=dlse, dv=dv, sink=sink, prefix_lengths=prefix_lengths, options=options)
     if not options.bwd_fused:
-        dq, delta, dsink = sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse,
-                                                   dout, **kw)
+        dq, delta, dsink, *target = sparse_attention_bwd_dq(
+            q, k, v, indices, softmax_scale, out, lse, dout, **kw, emit_target=emit_target)
         dk, dvv = sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta,
                                            dv=dv, deterministic=deterministic,
                                            prefix_lengths=prefix_lengths, options=options)
-        return dq, dk, dvv, dsink
+        return dq, dk, dvv, dsink, (target or [None])[0]
     geo = _Geometry(q, k, v, dv)
     acc = _DkvAccumulators(q, k, v, geo, lse, deterministic, False)
     if deterministic:
+        # The target in the second pass only (an atomic one would be added twice).
         sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, **kw, dkv=acc,
                                 mode=MODE_ROWMAX)
         acc.set_scales(2 * q.shape[1] * geo.nhb)
         mode = MODE_FIXED
     else:
         mode = MODE_ATOMIC
-    dq, _, dsink = sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, **kw,
-                                           dkv=acc, mode=mode)
+    dq, _, dsink, *target = sparse_attention_bwd_dq(
+        q, k, v, indices, softmax_scale, out, lse, dout, **kw, dkv=acc, mode=mode,
+        emit_target=emit_target)
     dk, dvv = acc.result(k, v)
-    return dq, dk, dvv, dsink
+    return dq, dk, dvv, dsink, (target or [None])[0]
 
 
 class SparseAttentionFunction(torch.autograd.Function):
