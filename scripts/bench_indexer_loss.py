@@ -30,6 +30,10 @@ TileLang (scripts/gpu_tilelang.sh): without it the run says why once and goes on
   python scripts/bench_indexer_loss.py --shapes glm51 v32 --t 131072 --deterministic
   python scripts/bench_indexer_loss.py --t 32768 --target-tilings 32x2 64x2 64x1
 
+"from dQ" (--no-from-dq skips): the target emitted by the attention backward's dQ kernel
+(`sparse_attention_bwd_with_target`, issue #20 item 3): the attention backward with and without
+it, so the loss on that path costs the difference plus the loss and backward kernels.
+
 --target-tilings times the target pass (the heaviest launch) at each (keys per step x stages)
 tiling and exits; a tiling that does not fit is reported.
 
@@ -282,6 +286,30 @@ def bench_parts(x, idx, warmup, reps):
                 bwd_kernel_ms=ms_bwd)
 
 
+def bench_target_from_dq(x, idx, warmup, reps):
+    """The target from the attention backward's dQ kernel (issue #20 item 3): the attention
+    backward (dQ + dK/dV) with and without emitting it, and how far its target is from
+    `attention_target`'s (given the same lse). The loss's cost on that path is the difference
+    plus the loss and backward kernels (`loss_ms`, `bwd_kernel_ms`)."""
+    from megatron_hyscale.ops.kernels import sparse_attention as attn
+
+    scale = x["query"].shape[-1] ** -0.5
+    q, k = x["query"], x["key"]
+    dv = min(512, q.shape[-1])
+    out, lse = attn.sparse_attention_fwd(q, k, None, idx, scale, dv=dv)
+    dout = torch.randn_like(out)
+    args = (q, k, None, idx, scale, out, lse, dout)
+    plain = time_ms(lambda: attn.sparse_attention_bwd(*args, dv=dv), reps=reps, warmup=warmup)
+    with_target = time_ms(lambda: attn.sparse_attention_bwd_with_target(*args, dv=dv),
+                          reps=reps, warmup=warmup)
+    target = attn.sparse_attention_bwd_with_target(*args, dv=dv)[4]
+    pos = torch.arange(idx.shape[1], device=idx.device)[None]
+    ref = kern.attention_target(q, k, idx, pos, pos, scale, attention_lse=lse)
+    diff = float((target - ref).abs().max())
+    return dict(attn_bwd_ms=plain, attn_bwd_with_target_ms=with_target,
+                target_in_dq_ms=with_target - plain, target_from_dq_max_abs_diff=diff)
+
+
 def target_sweep(shapes, Ts, tilings, warmup, reps, out_dir):
     """ms of the target pass per tiling (IndexerLossKernelOptions.target_tilings forced to it);
     writes JSON."""
@@ -332,6 +360,9 @@ def main():
     ap.add_argument("--no-library", action="store_true",
                     help="skip cuDNN's loss kernels (the stock cudnn backend's), run where "
                          "scripts/gpu_cudnn.sh installed them")
+    ap.add_argument("--no-from-dq", action="store_true",
+                    help="skip the target from the attention backward's dQ kernel (the "
+                         "attention backward timed with and without it)")
     ap.add_argument("--no-tilelang", action="store_true",
                     help="skip megatron-core's TileLang loss kernels (the stock tilelang "
                          "backend's), run where scripts/gpu_tilelang.sh installed TileLang")
@@ -371,6 +402,15 @@ def main():
             row = dict(shape=shape, T=T, n_valid=n_valid, flops=f, Hq=Hq, Dqk=Dqk, H_I=H_I)
             row["triton"] = bench(x, idx, "triton", args.warmup, args.reps)
             row.update(bench_parts(x, idx, args.warmup, args.reps))
+            if not args.no_from_dq:
+                row.update(bench_target_from_dq(x, idx, args.warmup, args.reps))
+                row["from_dq_loss_ms"] = (row["target_in_dq_ms"] + row["loss_ms"]
+                                          + row["bwd_kernel_ms"])
+                log(f"{shape:6} {T:>7} target from the dQ kernel: attention backward "
+                    f"{row['attn_bwd_ms']:.2f} -> {row['attn_bwd_with_target_ms']:.2f} ms, so "
+                    f"the loss on that path {row['from_dq_loss_ms']:.2f} ms (target pass w/ "
+                    f"lse {row['target_with_lse_ms']:.2f} ms); largest difference from "
+                    f"attention_target {row['target_from_dq_max_abs_diff']:.2e}")
             if not args.no_library:
                 why_not = cudnn_unavailable()
                 if why_not:

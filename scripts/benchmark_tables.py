@@ -116,10 +116,11 @@ def attention(records):
 
 
 def indexer_loss(records):
-    lines = ["| shape | T | Triton fwd + bwd ms | Triton, attention lse given | cuDNN kernels,"
+    lines = ["| shape | T | Triton fwd + bwd ms | Triton, attention lse given | target from the"
+             " dQ kernel: its cost in the attention backward + loss + backward ms | cuDNN kernels,"
              " lse given | TileLang fwd + bwd ms (its score-table pass) | HyScale vs cuDNN |"
              " HyScale (lse given) vs TileLang | loss Triton / cuDNN / TileLang |",
-             "|---" * 9 + "|"]
+             "|---" * 10 + "|"]
     for r in sorted(records, key=lambda r: (r["shape"], r["T"])):
         t, tl, c = r.get("triton") or {}, r.get("triton_lse"), r.get("cudnn")
         g = r.get("tilelang")
@@ -134,7 +135,8 @@ def indexer_loss(records):
         else:
             losses = "-"
         lines.append(f"| {r['shape']} | {r['T']} | {fmt(t.get('total_ms'))} | "
-                     f"{fmt(tl.get('total_ms'))} | {fmt(c_ms)} | {g_ms} | "
+                     f"{fmt(tl.get('total_ms'))} | {fmt(r.get('from_dq_loss_ms'))} | "
+                     f"{fmt(c_ms)} | {g_ms} | "
                      f"{ratio(tl.get('total_ms'), c_ms if isinstance(c, dict) else None)} | "
                      f"{ratio(tl.get('total_ms'), g_total)} | "
                      f"{losses} |")

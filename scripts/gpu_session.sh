@@ -277,7 +277,7 @@ case "$stage" in
         --no-stock --no-deterministic --head-blocks $order --out "$out/heads_$order" 2>&1 \
         | grep -E "T=|Error" | sed "s/^/$order: /" | tee -a "$out/bench_attention_head_blocks.log"
     done
-    timeout 120 python3 scripts/bench_indexer_loss.py --out "$out" 2>&1 \
+    timeout 170 python3 scripts/bench_indexer_loss.py --out "$out" 2>&1 \
       | tee "$out/bench_indexer_loss.log"
     # The target pass (3x the attention forward on 2026-11-30) per tiling.
     timeout 60 python3 scripts/bench_indexer_loss.py --t 32768 --reps 3 \
@@ -507,7 +507,7 @@ case "$stage" in
     timeout 200 python3 scripts/bench_attention.py --t 16384 65536 131072 \
       --shapes glm51 v32 csa --reps 2 --no-stock --no-deterministic --out "$out" 2>&1 \
       | grep -v -i warn | tee "$out/bench_attention.log" | grep -E "T=|Error"
-    timeout 150 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 \
+    timeout 200 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 \
       --reps 2 --out "$out" 2>&1 | grep -v -i warn | tee "$out/bench_indexer_loss.log"
     ;;
   cudnn-tests)
