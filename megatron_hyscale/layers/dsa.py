@@ -70,6 +70,7 @@ from megatron.core.utils import get_pg_size
 from megatron_hyscale import ops, parallel, phase_spans, replay
 from megatron_hyscale.layers.kernel_backend import (
     indexer_precision,
+    indexer_target,
     kernel_backend,
     packed_selection,
 )
@@ -83,6 +84,8 @@ from megatron_hyscale.parallel import CPRowLayout, cp_row_layout
 # The ops this layer's phases are timed by (`phase_spans`: plain calls unless phase_times
 # records); its selection is timed by `replay.SelectionReplay.select`.
 sparse_attention = phase_spans.timed(phase_spans.ATTENTION, ops.sparse_attention)
+sparse_attention_indexer_loss = phase_spans.timed(phase_spans.ATTENTION,
+                                                  ops.sparse_attention_indexer_loss)
 indexer_kl_loss = phase_spans.timed(phase_spans.INDEXER_LOSS, ops.indexer_kl_loss)
 start_all_gather_to_global = phase_spans.timed_start(phase_spans.COMMUNICATION,
                                                      parallel.start_all_gather_to_global)
@@ -386,6 +389,10 @@ class HyScaleDSAttention(DSAttention):
         hytopk_layout = state.visible is None
         # Indices address the (gathered) key sequence; causality (or the mask) is in them.
         absorbed = state.value_b is None
+        if (state.loss_coeff > 0 and cfg.dsa_indexer_use_sparse_loss and state.visible is None
+                and indexer_target(cfg) == "attention_backward"):
+            return self._attend_rows_loss_in_backward(query_b, state, indices, r0, r1,
+                                                      up_v_weight)
         out, lse = sparse_attention(query_b, state.key_b, state.value_b, indices,
                                     self.softmax_scale,
                                     dv=cfg.kv_lora_rank if absorbed else None, return_lse=True,
@@ -429,14 +436,52 @@ class HyScaleDSAttention(DSAttention):
                 )
             indexer_loss = weigh.finish(indexer_loss)
 
-        if absorbed:
-            up_v_weight = up_v_weight.to(device=query.device, dtype=query.dtype)
-            output = torch.einsum("bshc,hdc->sbhd", out, up_v_weight).reshape(rows, b, -1)
-        else:
-            output = out.transpose(0, 1).reshape(rows, b, -1)
+        output = self._output_rows(out, state, up_v_weight)
         if indexer_loss is None:
             return output, None
         return DSAIndexerLossAutoScaler.apply(output, indexer_loss), indexer_loss.detach()
+
+    def _output_rows(self, out: torch.Tensor, state: DSARowState,
+                     up_v_weight: torch.Tensor | None) -> torch.Tensor:
+        """[rows, b, np * v_head_dim] from the attention's [b, rows, np, dv] output (the V up
+        projection applied in the absorbed layout)."""
+        b, rows = out.shape[:2]
+        if state.value_b is None:
+            up_v_weight = up_v_weight.to(device=out.device, dtype=out.dtype)
+            return torch.einsum("bshc,hdc->sbhd", out, up_v_weight).reshape(rows, b, -1)
+        return out.transpose(0, 1).reshape(rows, b, -1)
+
+    def _attend_rows_loss_in_backward(
+        self, query_b: torch.Tensor, state: DSARowState, indices: torch.Tensor, r0: int,
+        r1: int, up_v_weight: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, None]:
+        """`attend_rows` with the sparse indexer loss's target from the attention backward
+        (`config.hyscale_indexer_target == "attention_backward"`, `ops.
+        sparse_attention_indexer_loss`): the loss is attached through its anchor (its gradient
+        as stock's loss's) and logged from the backward, once per backward (a row part logs
+        its part: the tracker adds them), so None is returned for the forward's logging."""
+        cfg = self.config
+        rows = r1 - r0
+        whole = r0 == 0 and r1 == state.rows
+        part = (lambda t: t) if whole else (lambda t: t[:, r0:r1])
+        weigh = state.loss_rows
+
+        def log_from_backward(value: torch.Tensor) -> None:
+            self.log_indexer_loss(weigh.finish(value), state)
+
+        out, _, anchor = sparse_attention_indexer_loss(
+            query_b, state.key_b, state.value_b, indices, self.softmax_scale,
+            q_index=part(state.q_idx), weights=part(state.weights), k_index=state.k_idx,
+            loss_coeff=state.loss_coeff * weigh.share(rows),
+            relu=bool(cfg.dsa_indexer_scoring_relu),
+            dv=cfg.kv_lora_rank if state.value_b is None else None,
+            calculate_per_token_loss=weigh.sums, query_valid_rows=weigh.part(r0, r1),
+            tp_group=getattr(self.pg_collection, "tp", None),
+            deterministic=bool(cfg.deterministic_mode),
+            options=getattr(cfg, "attention_kernel_options", None),
+            on_loss=log_from_backward, check_values=False)
+        output = self._output_rows(out, state, up_v_weight)
+        return DSAIndexerLossAutoScaler.apply(output, weigh.finish(anchor)), None
 
     def _dense_loss_per_document(self, query_b: torch.Tensor, state: DSARowState, r0: int,
                                  r1: int) -> torch.Tensor:

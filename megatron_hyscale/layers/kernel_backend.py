@@ -15,6 +15,15 @@ $HYSCALE_INDEXER_PRECISION, else "bf16"; "fp8" selects on e4m3 copies of the ind
 (`ops.hytopk(precision="fp8")`). Only the selection: the indexer loss and its gradients keep
 the bf16 tensors.
 
+The sparse indexer loss's target (the head-summed attention probability of each selected key):
+`config.hyscale_indexer_target`, else $HYSCALE_INDEXER_TARGET, else "separate": its own pass
+over the selected keys in the layer's forward (`ops.indexer_kl_loss` with the attention's lse),
+or "attention_backward": emitted by the attention backward's dQ kernel, which then runs the
+loss and its gradient (`ops/kernels/attention_indexer_loss.py`; HyScale's Triton attention and
+loss kernels whatever the backend setting, the loss logged from the backward). Only for the
+sparse loss without an explicit attention mask and in a training forward with gradients; other
+calls run the separate path.
+
 Packed THD sequences select per document: `config.hyscale_packed_selection`, else
 $HYSCALE_PACKED_SELECTION, else "per_document" (one selection call a document) or "batched"
 (documents of similar length batched into one call, `layers/packed_selection.py`: the same
@@ -32,6 +41,8 @@ CHOICES = {"best": "best", "own": "auto", "cudnn": "cudnn"}
 PRECISION_ENV = "HYSCALE_INDEXER_PRECISION"
 PACKED_SELECTION_ENV = "HYSCALE_PACKED_SELECTION"
 PACKED_SELECTION_MODES = ("per_document", "batched")
+INDEXER_TARGET_ENV = "HYSCALE_INDEXER_TARGET"
+INDEXER_TARGETS = ("separate", "attention_backward")
 
 
 def _setting(config: object, attr: str, env: str, default: str, choices) -> str:
@@ -59,3 +70,9 @@ def packed_selection(config: object) -> str:
     """How a packed THD sequence's documents select: "per_document" or "batched"."""
     return _setting(config, "hyscale_packed_selection", PACKED_SELECTION_ENV, "per_document",
                     PACKED_SELECTION_MODES)
+
+
+def indexer_target(config: object) -> str:
+    """Where the sparse indexer loss's target comes from: "separate" or "attention_backward"."""
+    return _setting(config, "hyscale_indexer_target", INDEXER_TARGET_ENV, "separate",
+                    INDEXER_TARGETS)

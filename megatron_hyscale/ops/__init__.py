@@ -1,6 +1,8 @@
-"""Pure tensor ops (no Megatron imports): HyTopK, sparse attention, the indexer KL loss, and the
-option objects that choose their kernels' variants."""
+"""Pure tensor ops (no Megatron imports): HyTopK, sparse attention, the indexer KL loss, the two
+in one (the loss's target from the attention backward), and the option objects that choose
+their kernels' variants."""
 
+from megatron_hyscale.ops.attention_indexer_loss import sparse_attention_indexer_loss
 from megatron_hyscale.ops.hytopk import hytopk
 from megatron_hyscale.ops.indexer_loss import indexer_kl_loss
 from megatron_hyscale.ops.kernels.options import (
@@ -17,4 +19,5 @@ __all__ = [
     "hytopk",
     "indexer_kl_loss",
     "sparse_attention",
+    "sparse_attention_indexer_loss",
 ]

@@ -180,3 +180,29 @@ def test_deterministic_is_bitwise_repeatable():
     assert torch.equal(rep_a[0], rep_b[0])
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_public_op_checks_its_arguments():
+    """ops.sparse_attention_indexer_loss: the same result as the kernel function; ValueErrors
+    that name the argument for what it cannot take."""
+    from megatron_hyscale.ops import sparse_attention_indexer_loss
+
+    x, idx, _, dv = case(B=1, T=4, seed=17)
+    kw = dict(q_index=x["q_index"], weights=x["weights"], k_index=x["k_index"],
+              loss_coeff=COEFF, dv=dv, options=ATTN, loss_options=LOSS)
+    out, lse, anchor = sparse_attention_indexer_loss(x["q"], x["k"], None, idx, SCALE, **kw)
+    k_out, k_lse, _ = sparse_attention_indexer_loss_triton(x["q"], x["k"], None, idx, SCALE,
+                                                           relu=True, **kw)
+    assert torch.equal(out, k_out) and torch.equal(lse, k_lse) and anchor.item() == 0.0
+    two_heads = idx.unsqueeze(2).expand(-1, -1, 2, -1)
+    with pytest.raises(ValueError, match="indices must be shared by the KV heads"):
+        sparse_attention_indexer_loss(x["q"], x["k"].expand(-1, -1, 2, -1), None, two_heads,
+                                      SCALE, **kw)
+    with pytest.raises(ValueError, match="on_loss must be callable"):
+        sparse_attention_indexer_loss(x["q"], x["k"], None, idx, SCALE, on_loss=1, **kw)
+    with pytest.raises(ValueError, match="loss_options must be IndexerLossKernelOptions"):
+        sparse_attention_indexer_loss(x["q"], x["k"], None, idx, SCALE,
+                                      **{**kw, "loss_options": ATTN})
+    with pytest.raises(ValueError, match="weights must be"):
+        sparse_attention_indexer_loss(x["q"], x["k"], None, idx, SCALE,
+                                      **{**kw, "weights": x["weights"][:, :2]})

@@ -1,0 +1,153 @@
+"""config.hyscale_indexer_target = "attention_backward": the sparse indexer loss's target from the
+attention backward's dQ kernel (`ops.sparse_attention_indexer_loss`), against megatron-core's
+DSAttention on identical weights (fp32, CPU: HyScale's Triton kernels under the interpreter).
+
+A tiny GPTModel (MLA + DSA, 2 layers) built twice from one state dict: logits, LM loss, the
+logged indexer loss (now logged from the backward) and every parameter gradient (the
+indexer's from its loss) match stock's, with ReLU and folded scoring, with full recompute
+(the loss logged once per layer, not once per forward), and with a row mask (padded rows out
+of the loss's mean); the core attention with per-head K and V too. The setting is checked by
+name.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.experimental_attention_variant.dsa import (
+    DSAIndexerLossLoggingHelper,
+)
+
+from hyscale_bench.models import build_gpt, default_device, tiny_dsa_config
+from megatron_hyscale.layers import dsa
+from megatron_hyscale.layers.kernel_backend import indexer_target
+from megatron_hyscale.testing.dsa_core import assert_core_steps_match, build_core_pair, core_step
+from megatron_hyscale.testing.stock import stock_topk_breaks_ties_by_index
+
+DEVICE = default_device()
+VOCAB, T, B, TOPK = 97, 48, 2, 16
+RECOMPUTE = {"none": {}, "full-uniform": dict(recompute_granularity="full",
+                                              recompute_method="uniform",
+                                              recompute_num_layers=1)}
+
+
+@pytest.fixture(autouse=True)
+def stock_ties_by_index():
+    with stock_topk_breaks_ties_by_index():
+        yield
+
+
+def run_step(model):
+    """Forward + backward of the mean LM loss: loss, logits, logged indexer losses, grads, and
+    the indexer losses logged before the backward."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE)
+    labels = torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE)
+    pos = torch.arange(T, device=DEVICE).expand(B, T)
+    DSAIndexerLossLoggingHelper.tracker.clear()
+    loss = model(ids, pos, None, labels=labels).mean()
+    before = DSAIndexerLossLoggingHelper.tracker.get("values")
+    before = torch.zeros(0) if before is None else before.clone()
+    loss.backward()
+    values = DSAIndexerLossLoggingHelper.tracker["values"].clone()
+    DSAIndexerLossLoggingHelper.clean_loss_in_tracker()
+    with torch.no_grad():
+        model.eval()
+        logits = model(ids, pos, None)
+        model.train()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), logits.detach(), values, grads, before
+
+
+def count_calls(monkeypatch):
+    """The layer's calls of ops.sparse_attention_indexer_loss (a list that grows)."""
+    calls = []
+    real = dsa.sparse_attention_indexer_loss
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dsa, "sparse_attention_indexer_loss", spy)
+    return calls
+
+
+@pytest.mark.parametrize("recompute", list(RECOMPUTE))
+@pytest.mark.parametrize("relu", [True, False], ids=["relu", "folded"])
+def test_model_matches_stock(recompute, relu, monkeypatch):
+    cfg = tiny_dsa_config(dsa_indexer_use_sparse_loss=True, dsa_indexer_scoring_relu=relu,
+                          dsa_indexer_topk=TOPK, **RECOMPUTE[recompute])
+    torch.manual_seed(1234)
+    stock = build_gpt(cfg, stock=True, vocab_size=VOCAB, max_sequence_length=T).to(DEVICE)
+    hyscale = build_gpt(cfg, stock=False, vocab_size=VOCAB, max_sequence_length=T).to(DEVICE)
+    hyscale.load_state_dict(stock.state_dict(), strict=True)
+    want = run_step(stock)
+    calls = count_calls(monkeypatch)
+    cfg.hyscale_indexer_target = "attention_backward"  # stock ignores it
+    try:
+        got = run_step(hyscale)
+        # the op ran in each layer's forward with gradients (and in the recompute's, which
+        # the first forward of full recompute skips: no gradients there), never in eval
+        assert len(calls) == 2
+        cfg.hyscale_indexer_target = "separate"
+        separate = run_step(hyscale)
+        assert len(calls) == 2
+    finally:
+        del cfg.hyscale_indexer_target
+    # logged from the backward: nothing before it; the separate path logs in the forward
+    # (under full recompute in the recompute's forward, itself in the backward)
+    assert not got[4].any()
+    if recompute == "none":
+        torch.testing.assert_close(separate[4], separate[2])
+    for res in (got, separate):
+        torch.testing.assert_close(res[1], want[1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(res[0], want[0], rtol=1e-5, atol=1e-6)
+        assert want[2].abs().sum() > 0, "the indexer loss never ran"
+        # each layer's loss logged once a step, as stock's (not 0, not twice under recompute)
+        torch.testing.assert_close(res[2], want[2], rtol=1e-3, atol=0.0)
+        assert set(res[3]) == set(want[3])
+        assert any(".indexer." in n for n in want[3])
+        for name, grad in want[3].items():
+            torch.testing.assert_close(res[3][name], grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_core_with_per_head_values_matches_stock(recompute, monkeypatch):
+    """The non-absorbed layout (per-head K and V: four KV heads sharing the indices, whose
+    target parts the dQ kernel stores one slice each), through the core attention."""
+    heads, hn, hnv = 4, 24, 16
+    cfg = tiny_dsa_config(num_layers=1, dsa_indexer_topk=TOPK, dsa_indexer_use_sparse_loss=True)
+    stock, hyscale = (m.to(DEVICE) for m in build_core_pair(cfg, k_channels=hn, v_channels=hnv))
+    g = torch.Generator().manual_seed(3)
+    r = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    tensors = dict(query=r(T, B, heads, hn), key=r(T, B, heads, hn), value=r(T, B, heads, hnv))
+    rest = dict(x=r(T, B, 64), qr=r(T, B, 32), attn_mask_type=AttnMaskType.causal)
+    want = core_step(stock, tensors, recompute=recompute, **rest)
+    calls = count_calls(monkeypatch)
+    cfg.hyscale_indexer_target = "attention_backward"
+    try:
+        got = core_step(hyscale, tensors, recompute=recompute, **rest)
+    finally:
+        del cfg.hyscale_indexer_target
+    assert len(calls) == 1
+    assert want["indexer_loss"].abs().sum() > 0
+    assert_core_steps_match(got, want)
+
+
+def test_setting_is_checked_by_name(monkeypatch):
+    monkeypatch.delenv("HYSCALE_INDEXER_TARGET", raising=False)
+    assert indexer_target(types.SimpleNamespace()) == "separate"
+    monkeypatch.setenv("HYSCALE_INDEXER_TARGET", "attention_backward")
+    assert indexer_target(types.SimpleNamespace()) == "attention_backward"
+    assert indexer_target(types.SimpleNamespace(hyscale_indexer_target="separate")) == "separate"
+    with pytest.raises(ValueError, match="config.hyscale_indexer_target must be one of"):
+        indexer_target(types.SimpleNamespace(hyscale_indexer_target="dq"))
+    monkeypatch.setenv("HYSCALE_INDEXER_TARGET", "forward")
+    with pytest.raises(ValueError, match="HYSCALE_INDEXER_TARGET must be one of"):
+        indexer_target(types.SimpleNamespace())
