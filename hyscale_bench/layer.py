@@ -183,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-own-kernels", action="store_true",
                    help="also time HyScale's layer on its own kernels only (row hyscale_own), "
                         "on the same weights")
+    p.add_argument("--compare-indexer-target", action="store_true",
+                   help="dsa: also time HyScale's layer on its own kernels with the sparse "
+                        "indexer loss's target from the attention backward (row "
+                        "hyscale_own_target_in_bwd: config.hyscale_indexer_target = "
+                        "attention_backward), on the same weights; with --compare-own-kernels "
+                        "the row hyscale_own is the same layer with the separate target pass")
     p.add_argument("--fused-stock-max-seq", type=int, default=1 << 30, metavar="T",
                    help="longest T the --stock-kernel-backend row runs at (default: every T; "
                         "an out-of-memory length is recorded as such)")
@@ -270,6 +276,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--packed-split needs --packed N")
     if args.packed_selection is not None and args.packed is None:
         p.error("--packed-selection needs --packed N")
+    if args.compare_indexer_target and (args.model != "dsa" or args.dense_loss):
+        p.error("--compare-indexer-target needs --model dsa and the sparse loss (not "
+                "--dense-loss): the target from the attention backward is the sparse loss's")
     if args.row_chunk is not None:
         if args.model == "qsa":
             p.error("--row-chunk applies to --model dsa, csa and hca")
@@ -1108,6 +1117,12 @@ def run(args: argparse.Namespace) -> int:
         own.module.config.attention_kernel_options = attention_kernel_options(args)
         own.module.config.hyscale_kernel_backend = "own"
         bases.append(("hyscale_own", own))
+    if args.compare_indexer_target:
+        in_bwd = build(args, baseline=False)
+        in_bwd.module.config.attention_kernel_options = attention_kernel_options(args)
+        in_bwd.module.config.hyscale_kernel_backend = "own"
+        in_bwd.module.config.hyscale_indexer_target = "attention_backward"
+        bases.append(("hyscale_own_target_in_bwd", in_bwd))
     if not args.skip_baseline:
         bases.append((base_name, build(args, baseline=True)))
     if args.stock_kernel_backend in ("tilelang", "cudnn"):
@@ -1154,7 +1169,7 @@ def run(args: argparse.Namespace) -> int:
         for name, base in bases:
             # the fused stock backends are not bound by the unfused path's score table
             limit = (args.baseline_max_seq if name == base_name else
-                     1 << 62 if name == "hyscale_own" else args.fused_stock_max_seq)
+                     1 << 62 if name.startswith("hyscale_own") else args.fused_stock_max_seq)
             if T > limit:
                 row[name] = "skipped"
                 continue

@@ -79,6 +79,7 @@ from megatron_hyscale.layers.loss_rows import IndexerLossRows, indexer_loss_rows
 from megatron_hyscale.layers.packed import PackedLayout, packed_layout
 from megatron_hyscale.layers.packed_selection import batched_document_selection
 from megatron_hyscale.ops import hytopk
+from megatron_hyscale.ops.checks import triton_interpret, warn_once
 from megatron_hyscale.parallel import CPRowLayout, cp_row_layout
 
 # The ops this layer's phases are timed by (`phase_spans`: plain calls unless phase_times
@@ -391,8 +392,13 @@ class HyScaleDSAttention(DSAttention):
         absorbed = state.value_b is None
         if (state.loss_coeff > 0 and cfg.dsa_indexer_use_sparse_loss and state.visible is None
                 and indexer_target(cfg) == "attention_backward"):
-            return self._attend_rows_loss_in_backward(query_b, state, indices, r0, r1,
-                                                      up_v_weight)
+            if query.is_cuda or triton_interpret():
+                return self._attend_rows_loss_in_backward(query_b, state, indices, r0, r1,
+                                                          up_v_weight)
+            warn_once("dsa-indexer-target-device", "HyScaleDSAttention: "
+                      "hyscale_indexer_target='attention_backward' needs HyScale's Triton "
+                      f"kernels, which do not run on {query.device} (CUDA, or TRITON_INTERPRET=1 "
+                      "on CPU): the indexer loss computes its target in its own pass")
         out, lse = sparse_attention(query_b, state.key_b, state.value_b, indices,
                                     self.softmax_scale,
                                     dv=cfg.kv_lora_rank if absorbed else None, return_lse=True,

@@ -151,3 +151,29 @@ def test_setting_is_checked_by_name(monkeypatch):
     monkeypatch.setenv("HYSCALE_INDEXER_TARGET", "forward")
     with pytest.raises(ValueError, match="HYSCALE_INDEXER_TARGET must be one of"):
         indexer_target(types.SimpleNamespace())
+
+
+def test_without_triton_it_says_why_and_runs_the_separate_pass(monkeypatch):
+    """Off CUDA and without Triton's interpreter the kernels cannot run: one warning naming
+    the setting, then the separate target pass (the same results as stock)."""
+    from megatron_hyscale.ops import checks
+
+    monkeypatch.setattr(checks, "_warned", set())
+    monkeypatch.setattr(dsa, "triton_interpret", lambda: False)
+    calls = count_calls(monkeypatch)
+    cfg = tiny_dsa_config(num_layers=1, dsa_indexer_topk=TOPK, dsa_indexer_use_sparse_loss=True)
+    stock, hyscale = build_core_pair(cfg, k_channels=24, v_channels=16)
+    g = torch.Generator().manual_seed(4)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    tensors = dict(query=r(T, B, 4, 24), key=r(T, B, 4, 24), value=r(T, B, 4, 16))
+    rest = dict(x=r(T, B, 64), qr=r(T, B, 32), attn_mask_type=AttnMaskType.causal)
+    want = core_step(stock, tensors, **rest)
+    cfg.hyscale_indexer_target = "attention_backward"
+    try:
+        with pytest.warns(RuntimeWarning, match="hyscale_indexer_target='attention_backward' "
+                                                "needs HyScale's Triton kernels"):
+            got = core_step(hyscale, tensors, **rest)
+    finally:
+        del cfg.hyscale_indexer_target
+    assert not calls
+    assert_core_steps_match(got, want)

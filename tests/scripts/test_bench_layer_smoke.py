@@ -512,3 +512,21 @@ def test_tiny_cpu_packed_rows_in_row_chunks(tmp_path: Path) -> None:
     rec = _load(tmp_path, "dsa", proc)["rows"][0]["hyscale_packed_3"]
     assert rec["path"] == "hyscale"
     _check_record(rec, selects=True, replays=True)
+
+
+def test_compare_indexer_target_row(tmp_path: Path) -> None:
+    """`--compare-indexer-target`: the row hyscale_own_target_in_bwd (own kernels, the sparse
+    loss's target from the attention backward, under Triton's interpreter here) beside
+    hyscale_own, finite; refused for other models and the dense loss."""
+    proc = _run(["--model", "dsa", "--skip-stock", "--compare-own-kernels",
+                 "--compare-indexer-target"], tmp_path)
+    data = _load(tmp_path, "dsa", proc)
+    row = data["rows"][0]
+    for name in ("hyscale_own", "hyscale_own_target_in_bwd"):
+        _check_record(row[name], selects=True, replays=True)
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # tests/conftest.py, off CUDA
+    assert "needs HyScale's Triton kernels" not in proc.stderr  # the row ran its path
+    for bad in (["--model", "csa", "--compare-indexer-target"],
+                ["--dense-loss", "--compare-indexer-target"]):
+        with pytest.raises(SystemExit):
+            bench_layer.parse_args(bad)
