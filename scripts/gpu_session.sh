@@ -62,6 +62,10 @@
 #                                         # H200, 300 iterations each on real text: PART
 #                                         # stock, hyscale (which writes the report),
 #                                         # report; at 16K one call each (~6 and ~5 min)
+#   bash scripts/gpu_session.sh indexer-target  # issue #20 item 3: the loss's target from
+#                                         # the attention backward: GPU tests, the dQ kernel
+#                                         # with it against the target pass, the layer with
+#                                         # and without it (own kernels)          (~8 min)
 #   bash scripts/gpu_session.sh selection-variants  # issue #21: HyTopK's untimed variants
 #                                         # (heads on M, scan slots) and the folded no-ReLU
 #                                         # kernel's row blocks, at 128K (~5 min)
@@ -144,12 +148,12 @@ shift || true
 case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
-  |accuracy-64k|side1-long|evaluate|selection-variants|pp2) ;;
+  |accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
-       "|accuracy-64k|side1-long|evaluate|selection-variants|pp2} [ARGS...]" >&2
+       "|accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target} [ARGS...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -468,6 +472,27 @@ case "$stage" in
     timeout 150 python3 scripts/bench_selection.py --configs dsv32 --T 131072 --reps 2 \
       --methods hytopk hytopk_fp8 --inputs structured recency --tag _fp8_trained --out "$out" \
       2>&1 | tail -12 | tee "$out/bench_selection_fp8_trained.log"
+    ;;
+  indexer-target)
+    # Issue #20 item 3: the sparse indexer loss's target from the attention backward's dQ
+    # kernel. Its GPU tests (op, layer), then the dQ kernel with and without the target beside
+    # the target pass (bench_indexer_loss's "from dQ" columns, GLM-5.1 and V3.2), then the
+    # GLM-5.1 layer on HyScale's own kernels with the separate target pass (hyscale_own) and
+    # with the target from the backward (hyscale_own_target_in_bwd).              (~8 min)
+    : > "$out/failures.log"
+    HYSCALE_FAILURE_LOG=$(cd "$out" && pwd)/failures.log; export HYSCALE_FAILURE_LOG
+    timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider \
+      tests/ops/test_attention_target_from_dq.py tests/ops/test_attention_indexer_loss.py \
+      tests/layers/test_dsa_indexer_target.py > "$out/tests.log" 2>&1
+    rc=$?
+    echo "tests rc=$rc: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+    timeout 150 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 v32 \
+      --reps 2 --warmup 1 --no-library --no-tilelang --out "$out" 2>&1 | grep -v -i warn \
+      | tee "$out/bench_indexer_loss.log" | grep -E "from the dQ|Error"
+    timeout 200 python3 scripts/bench_layer.py --model dsa --seq 32768 131072 --skip-stock \
+      --hyscale-kernel-backend own --compare-own-kernels --compare-indexer-target --repeats 2 \
+      --out "$out" 2>&1 | grep -v -i warn | tail -12 | tee "$out/bench_layer.log"
+    exit $rc
     ;;
   selection-variants)
     # Issue #21: the HyTopK variants no GPU has timed (heads on M, scan slots, the folded
