@@ -103,6 +103,27 @@ def test_bwd_variants_compile_as_documented(tmp_path: Path) -> None:
     assert tail_first["loop_ops"]["HGMMA"] == dq["loop_ops"]["HGMMA"]
 
 
+def test_dq_target_keeps_the_dq_kernels_products(tmp_path: Path) -> None:
+    """The dQ kernel with the indexer loss's target (TARGET, sparse_attention_bwd_with_target)
+    issues the same wgmma as without it and sums P after dS, so that P is not held across dP's
+    product: a few more local-memory accesses a tile than the default, not twice as many."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "sparse-attention-glm51", "sparse-attention-glm51-dq-target",
+                "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reports = {(r["preset"], r["name"].split("] ")[1]): r for r in json.loads(out.read_text())}
+    default = reports["sparse-attention-glm51", "_bwd_dq_kernel"]
+    target = reports["sparse-attention-glm51-dq-target", "_bwd_dq_kernel"]
+    assert target["constexprs"]["TARGET"] is True
+    assert not default["constexprs"].get("TARGET", False)  # the default launch passes none
+    assert target["loop_ops"]["HGMMA"] == default["loop_ops"]["HGMMA"]
+    assert target["shared_bytes"] <= 232448
+    local = ("LDL", "STL")
+    assert (sum(target["loop_ops"].get(o, 0) for o in local)
+            <= sum(default["loop_ops"].get(o, 0) for o in local) + 12)
+    assert target["spill_stores"] <= 192
+
+
 def test_hopper_sparse_mla_forward_keeps_its_wgmma_pipeline(tmp_path: Path) -> None:
     """The Gluon forward (ops/kernels/sparse_mla_fwd_sm90.py) compiles for sm_90a without spills
     and without ptxas serializing its wgmma: any accumulator read while a product is in flight

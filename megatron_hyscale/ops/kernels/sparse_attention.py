@@ -417,16 +417,6 @@ def _bwd_dq_kernel(
                                  mask=valid[:, None] & dt_mask, other=0.0)
                 s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
         p = tl.exp2(tl.where(valid[None, :], s * qk_scale, float("-inf")) - lse2[:, None])
-        if TARGET:
-            # A column sum of the tile in registers (across warps through shared memory when
-            # the heads span several warps); slot = n0 + j without a prefix.
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            head_sum = tl.sum(p, axis=0)
-            if TARGET_ATOMIC:
-                tl.atomic_add(tgt_base + offs_n * stk, head_sum, mask=valid, sem="relaxed")
-            else:
-                tl.store(tgt_base + offs_n * stk, tl.where(valid, head_sum, -1.0),
-                         mask=offs_n < NK)
         if V_IS_K_MAIN:
             v_tile = k_main
         else:
@@ -438,6 +428,16 @@ def _bwd_dq_kernel(
             ds = (p * (dp - delta[:, None]) * sm_scale).to(k_main.dtype)
         else:
             ds = (p * (dp - delta[:, None])).to(k_main.dtype)
+        if TARGET:
+            # A column sum of the tile in registers (across warps through shared memory when
+            # the heads span several warps); slot = n0 + j without a prefix.
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            head_sum = tl.sum(p, axis=0)
+            if TARGET_ATOMIC:
+                tl.atomic_add(tgt_base + offs_n * stk, head_sum, mask=valid, sem="relaxed")
+            else:
+                tl.store(tgt_base + offs_n * stk, tl.where(valid, head_sum, -1.0),
+                         mask=offs_n < NK)
         dq_main += tl.dot(ds, k_main, input_precision=PRECISION)
         if D_TAIL > 0:
             dq_tail += tl.dot(ds, k_tail, input_precision=PRECISION)
@@ -819,11 +819,13 @@ class _TargetBuffer:
 
     Compiled for sm_90a (`inspect_sm90.py --preset sparse-attention-glm51
     sparse-attention-glm51-dq-target`, GLM-5.1, dQ 64 x 1; untimed): the head sum spans the
-    4 warps on M, so it runs through shuffles and shared memory: hot loop 1364 -> 1628
+    4 warps on M, so it runs through shuffles and shared memory: hot loop 1364 -> 1631
     instructions (SHFL 0 -> 50, STS 18 -> 39, LDS 0 -> 18, BAR 3 -> 7, FADD 64 -> 130),
-    spills 152 / 156 -> 224 / 216 B (LDL / STL 20 / 4 -> 36 / 17 a tile: the kernel is at
-    255 registers already), shared memory +1 KiB, HGMMA 144 unchanged. V3.2 (128 heads, two
-    programs, atomics): 1392 -> 1660, LDL / STL 28 / 9 -> 51 / 32, spills 260 -> 360 B.
+    spills 152 / 156 -> 184 / 176 B (LDL / STL 20 / 4 -> 25 / 6 a tile: the kernel is at 255
+    registers already), shared memory +1 KiB, HGMMA 144 unchanged. The sum runs after dS,
+    which reads the same P: placed before dP's product it kept P live across it and spilled
+    224 / 216 B (LDL / STL 36 / 17). V3.2 (128 heads, two programs, atomics), the sum before
+    dP: 1392 -> 1660, LDL / STL 28 / 9 -> 51 / 32, spills 260 -> 360 B.
     """
 
     def __init__(self, q, k, indices, geo, sink, prefix_lengths):
