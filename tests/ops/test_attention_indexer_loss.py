@@ -93,6 +93,15 @@ def separate_run(x, idx, qpos, dv, *, grad_out, relu=True, per_token=False,
     return out.detach(), lse.detach(), loss.detach(), {n: t.grad for n, t in y.items()}
 
 
+def same_attention_grad(a, b, name):
+    """Bitwise under the interpreter; on a GPU dK's fp32 atomics add in any order, so close
+    (dQ has no atomics: bitwise there too)."""
+    if DEVICE == "cpu" or name == "q":
+        assert torch.equal(a, b), name
+    else:
+        assert_close(a, b)
+
+
 def assert_close(a, b, rtol=2e-5):
     # Indexer gradients are sums of (softmax - target) terms that cancel: the absolute
     # tolerance is taken relative to the tensor's largest entry.
@@ -121,7 +130,7 @@ def test_equals_the_two_ops(relu, per_token, masked):
     assert float(s_loss) > 0
     assert_close(reported[0], s_loss)
     for name in ("q", "k"):  # the target leaves the attention's gradients as they were
-        assert torch.equal(grads[name], s_grads[name]), name
+        same_attention_grad(grads[name], s_grads[name], name)
     for name in ("q_index", "weights", "k_index"):
         assert s_grads[name].abs().max() > 0, name
         assert_close(grads[name], s_grads[name])
@@ -157,7 +166,7 @@ def test_anchor_carries_the_loss_gradient_linearly():
     *_, reported, three = fused_run(x, idx, dv, grad_out=grad_out, anchor_grad=3.0, relu=True)
     assert len(reported) == 1
     for name in ("q", "k"):
-        assert torch.equal(one[name], three[name])
+        same_attention_grad(one[name], three[name], name)
     for name in ("q_index", "weights", "k_index"):
         assert_close(three[name], 3.0 * one[name])
     y = leaves(x)
