@@ -21,10 +21,9 @@ over the selected keys in the layer's forward (`ops.indexer_kl_loss` with the at
 or "attention_backward": emitted by the attention backward's dQ kernel, which then runs the
 loss and its gradient (`ops/kernels/attention_indexer_loss.py`; HyScale's Triton attention and
 loss kernels whatever the backend setting, the loss logged from the backward, its time
-counted in the attention's phase). Only for the
-sparse loss without an explicit attention mask and in a training forward with gradients; other
-calls run the separate path, as do tensors off CUDA without Triton's interpreter (one warning
-says so).
+counted in the attention's phase). Only for the sparse loss without an explicit attention mask
+and in a training forward with gradients; other calls run the separate path, as do tensors off
+CUDA without Triton's interpreter (one warning says so).
 
 Packed THD sequences select per document: `config.hyscale_packed_selection`, else
 $HYSCALE_PACKED_SELECTION, else "per_document" (one selection call a document) or "batched"
