@@ -18,10 +18,15 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_hyscale.ops.kernels.common import MIN_DOT
-from megatron_hyscale.ops.kernels.indexer_loss import indexer_loss_bwd, indexer_loss_rows
+from megatron_hyscale.ops.kernels.indexer_loss import (
+    fold_index_query,
+    indexer_loss_bwd,
+    indexer_loss_rows,
+    loss_scaling,
+)
 from megatron_hyscale.ops.kernels.options import AttentionKernelOptions, IndexerLossKernelOptions
 from megatron_hyscale.ops.kernels.sparse_attention import (
+    pad_head_dim,
     sparse_attention_bwd_with_target,
     sparse_attention_fwd,
 )
@@ -61,7 +66,7 @@ class SparseAttentionIndexerLossFunction(torch.autograd.Function):
             q, k, v, indices, ctx.softmax_scale, out, lse, dout, dlse=dlse, dv=ctx.dv,
             deterministic=ctx.deterministic, options=ctx.options)
         if query_valid_rows is not None:  # rows outside the mask have no valid slot
-            target = target.masked_fill(~query_valid_rows.unsqueeze(-1), -1.0)
+            target.masked_fill_(~query_valid_rows.unsqueeze(-1), -1.0)
         group = ctx.tp_group
         if group is not None and torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(target, group=group)  # the other ranks' query heads
@@ -102,29 +107,16 @@ def sparse_attention_indexer_loss_triton(
     scalar, the same scaling as `indexer_kl_loss`'s result) during the backward.
     """
     B, T = q.shape[:2]
-    rows = B * T
-    masked_mean = query_valid_rows is not None and not calculate_per_token_loss
-    coeff = float(loss_coeff) if calculate_per_token_loss or masked_mean else (
-        float(loss_coeff) / max(rows, 1))
+    coeff, count = loss_scaling(loss_coeff, max(B * T, 1), calculate_per_token_loss,
+                                query_valid_rows)
     if not relu:
-        # As indexer_kl_loss_triton: sum_h w_h (q_h . k) = (sum_h w_h q_h) . k, one fp32 query a
-        # row; autograd carries the gradient back through the fold.
-        q_index = torch.einsum("bthd,bth->btd", q_index.float(), weights.float()).unsqueeze(2)
-        weights = torch.ones((B, T, 1), device=q_index.device, dtype=torch.float32)
+        q_index, weights = fold_index_query(q_index, weights)
     report = on_loss
-    if masked_mean and on_loss is not None:
-        count = query_valid_rows.sum(dtype=torch.float32).clamp_min(1.0)
-
+    if count is not None and on_loss is not None:
         def report(value: torch.Tensor) -> None:
             on_loss(value / count)
-    if q.shape[-1] < MIN_DOT:  # as sparse_attention_triton: zero channels change no q . k
-        if v is None:
-            dv = q.shape[-1] if dv is None else dv
-        pad = (0, MIN_DOT - q.shape[-1])
-        q, k = torch.nn.functional.pad(q, pad), torch.nn.functional.pad(k, pad)
+    q, k, dv = pad_head_dim(q, k, v, dv)
     out, lse, anchor = SparseAttentionIndexerLossFunction.apply(
         q, k, v, indices, float(softmax_scale), dv, bool(deterministic), options, q_index,
         weights, k_index, coeff, bool(relu), tp_group, query_valid_rows, loss_options, report)
-    if masked_mean:  # the mean over the valid rows, as indexer_kl_loss_triton
-        anchor = anchor / query_valid_rows.sum(dtype=torch.float32).clamp_min(1.0)
-    return out, lse, anchor
+    return out, lse, anchor if count is None else anchor / count

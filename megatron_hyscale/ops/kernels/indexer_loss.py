@@ -520,18 +520,30 @@ def indexer_kl_loss_triton(q_index, weights, k_index, query, key, topk_indices, 
         return (q_index.sum() + weights.sum() + k_index.sum()).float() * 0.0
     if topk_indices.shape[-1] == 0:  # one empty slot keeps the kernels' tiles non-empty
         topk_indices = topk_indices.new_full((B, T, 1), -1)
-    masked_mean = query_valid_rows is not None and not calculate_per_token_loss
-    coeff = float(loss_coeff) if calculate_per_token_loss or masked_mean else (
-        float(loss_coeff) / rows)
+    coeff, count = loss_scaling(loss_coeff, rows, calculate_per_token_loss, query_valid_rows)
     if not relu:
-        # sum_h w_h (q_h . k) = (sum_h w_h q_h) . k: one fp32 query a row, 1/H_I of the work;
-        # autograd carries the gradient back through the fold to q_index and weights.
-        q_index = torch.einsum("bthd,bth->btd", q_index.float(), weights.float()).unsqueeze(2)
-        weights = torch.ones((B, T, 1), device=q_index.device, dtype=torch.float32)
+        q_index, weights = fold_index_query(q_index, weights)
     loss = IndexerKLLossFunction.apply(
         q_index, weights, k_index, query.detach(), key.detach(), topk_indices, q_positions,
         k_positions, float(softmax_scale), coeff, relu, tp_group, bool(deterministic), options,
         None if attention_lse is None else attention_lse.detach(), query_valid_rows)
-    if masked_mean:  # the mean over the valid rows (at least one), as megatron's
-        loss = loss / query_valid_rows.sum(dtype=torch.float32).clamp_min(1.0)
-    return loss
+    return loss if count is None else loss / count
+
+
+def loss_scaling(loss_coeff, rows, per_token, query_valid_rows):
+    """(the kernels' coefficient, the count the loss is then divided by or None): the KL sum
+    times loss_coeff when per-token; with a row mask the mean over its valid rows (at least
+    one, a device scalar: no host sync), as megatron's; else the mean over the rows."""
+    if per_token:
+        return float(loss_coeff), None
+    if query_valid_rows is not None:
+        return float(loss_coeff), query_valid_rows.sum(dtype=torch.float32).clamp_min(1.0)
+    return float(loss_coeff) / rows, None
+
+
+def fold_index_query(q_index, weights):
+    """Without ReLU, sum_h w_h (q_h . k) = (sum_h w_h q_h) . k: one fp32 query a row (1/H_I of
+    the work) and unit weights; autograd carries the gradient back through the fold."""
+    B, T = q_index.shape[:2]
+    folded = torch.einsum("bthd,bth->btd", q_index.float(), weights.float()).unsqueeze(2)
+    return folded, torch.ones((B, T, 1), device=q_index.device, dtype=torch.float32)

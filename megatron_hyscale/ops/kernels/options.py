@@ -252,10 +252,9 @@ class AttentionKernelOptions:
     # -> 2644 B. Timed on the H200 (2026-12-03, `bench_attention.py --bwd-sweep --tilings 64x1
     # 32x2 --bwd-variants carry` at e808e04, random indices): at 64 x 1 a little faster
     # (GLM-5.1 152.9 -> 145.0 ms at 32K, 678.6 -> 657.5 at 128K), and at 32 x 2, which only the
-    # carry fits,
-    # GLM-5.1 94.7 / 213.8 / 462.2 ms at 32K / 64K / 128K against the default's 152.9 / 327.3 /
-    # 678.6 at 64 x 1, V3.2 364.9 / 733.7 against 552.0 / 1129.6 at 64K / 128K; at 64K
-    # DeepSeek-V4's CSA 90.9 -> 59.7 ms and HCA 41.6 -> 36.0, QSA (16 x 2) 359.3 -> 360.0
+    # carry fits, GLM-5.1 94.7 / 213.8 / 462.2 ms at 32K / 64K / 128K against the default's
+    # 152.9 / 327.3 / 678.6 at 64 x 1, V3.2 364.9 / 733.7 against 552.0 / 1129.6 at 64K / 128K;
+    # at 64K DeepSeek-V4's CSA 90.9 -> 59.7 ms and HCA 41.6 -> 36.0, QSA (16 x 2) 359.3 -> 360.0
     # (2f36847, `--shapes csa hca --tilings 32x2 64x1 --bwd-variants no_carry`): hence 32 x 2
     # first in dkv_tilings. With it off, 32 x 2 does not fit and the launch falls back to
     # 64 x 1 (tiling.py). Ignored with the keys on M.

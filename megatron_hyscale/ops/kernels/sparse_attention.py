@@ -1068,6 +1068,19 @@ class SparseAttentionFunction(torch.autograd.Function):
         return dq, dk, dvv, None, dsink, None, None, None, None, None
 
 
+def pad_head_dim(q, k, v, dv):
+    """(q, k, dv) with the head dim zero-padded to MIN_DOT where it is under it: the kernels
+    read channels in tiles of at least MIN_DOT (tl.dot's smallest K); zero channels leave every
+    q . k unchanged, and F.pad's backward slices the gradients. dv: V's width when V is K's
+    first channels (v None), which padding must not widen."""
+    if q.shape[-1] >= MIN_DOT:
+        return q, k, dv
+    if v is None:
+        dv = q.shape[-1] if dv is None else dv
+    pad = (0, MIN_DOT - q.shape[-1])
+    return torch.nn.functional.pad(q, pad), torch.nn.functional.pad(k, pad), dv
+
+
 def sparse_attention_triton(q, k, v, indices, softmax_scale, *, dv=None, sink=None,
                             return_lse=False, deterministic=False, prefix_lengths=None,
                             options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT):
@@ -1079,13 +1092,7 @@ def sparse_attention_triton(q, k, v, indices, softmax_scale, *, dv=None, sink=No
     the kernels, never materialized; the loops run n + K slots a row). `options`: the kernels'
     variants and tilings, forward and backward.
     """
-    if q.shape[-1] < MIN_DOT:
-        # The kernels read channels in tiles of at least MIN_DOT (tl.dot's smallest K): zero
-        # channels leave every q . k unchanged, and F.pad's backward slices the gradients.
-        if v is None:
-            dv = q.shape[-1] if dv is None else dv
-        pad = (0, MIN_DOT - q.shape[-1])
-        q, k = torch.nn.functional.pad(q, pad), torch.nn.functional.pad(k, pad)
+    q, k, dv = pad_head_dim(q, k, v, dv)
     out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, float(softmax_scale), dv,
                                              bool(deterministic), prefix_lengths, options)
     return (out, lse) if return_lse else out
