@@ -187,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dsa: also time HyScale's layer on its own kernels with the sparse "
                         "indexer loss's target from the attention backward (row "
                         "hyscale_own_target_in_bwd: config.hyscale_indexer_target = "
-                        "attention_backward), on the same weights; with --compare-own-kernels "
-                        "the row hyscale_own is the same layer with the separate target pass")
+                        "attention_backward, which the default 'auto' picks on own "
+                        "kernels), on the same weights; with --compare-own-kernels the row "
+                        "hyscale_own is then the same layer with the separate target pass")
     p.add_argument("--fused-stock-max-seq", type=int, default=1 << 30, metavar="T",
                    help="longest T the --stock-kernel-backend row runs at (default: every T; "
                         "an out-of-memory length is recorded as such)")
@@ -1116,6 +1117,8 @@ def run(args: argparse.Namespace) -> int:
         own = build(args, baseline=False)
         own.module.config.attention_kernel_options = attention_kernel_options(args)
         own.module.config.hyscale_kernel_backend = "own"
+        if args.compare_indexer_target:  # the other side of that comparison
+            own.module.config.hyscale_indexer_target = "separate"
         bases.append(("hyscale_own", own))
     if args.compare_indexer_target:
         in_bwd = build(args, baseline=False)

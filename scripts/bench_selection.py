@@ -131,6 +131,13 @@ def warm_length(cfg):
     the first timed call at 512K paid the compile (2157.7 ms recorded on 2026-11-30, one
     sample, against 460 ms in the sweep)."""
     return WARM_T * KEY_RATIO.get(cfg, 1)
+
+
+# Keys from which every config's rows sample a first threshold (`HyTopKOptions.sample_keys`:
+# S >= SAMPLE_MIN_BUFFERS candidate buffers, 4 x 4096 slots for top-2048), a second binary that
+# the 4K warm-up does not build: on 2026-12-03 the first 16K call of each config compiled it
+# inside its timing (9.9-24.0 s recorded for a ~7 ms selection).
+SAMPLED_WARM_KEYS = 16384
 CONFIGS = {
     # name: (H, D, topk, relu)
     "dsv32": (64, 128, 2048, True),  # DeepSeek-V3.2 / GLM-5 DSA indexer
@@ -982,6 +989,10 @@ def main():
                         warm = (make_inputs(WARM_T, H, D, "captured") if args.captured
                                 else config_inputs(warm_length(cfg), cfg, "random"))
                         METHODS[method](*warm, topk, relu)
+                        if method in KERNEL_METHODS and not args.captured:
+                            METHODS[method](*config_inputs(
+                                SAMPLED_WARM_KEYS * KEY_RATIO.get(cfg, 1), cfg, "random"),
+                                topk, relu)
                         warmed.add((cfg, method))
                     if kind != "random" and method in ("naive", "chunked"):
                         continue  # dense paths: their time does not depend on the inputs

@@ -79,6 +79,7 @@ from megatron_hyscale.layers.loss_rows import IndexerLossRows, indexer_loss_rows
 from megatron_hyscale.layers.packed import PackedLayout, packed_layout
 from megatron_hyscale.layers.packed_selection import batched_document_selection
 from megatron_hyscale.ops import hytopk
+from megatron_hyscale.ops.backends.dispatch import attention_uses_library
 from megatron_hyscale.ops.checks import triton_interpret, warn_once
 from megatron_hyscale.parallel import CPRowLayout, cp_row_layout
 
@@ -390,15 +391,9 @@ class HyScaleDSAttention(DSAttention):
         hytopk_layout = state.visible is None
         # Indices address the (gathered) key sequence; causality (or the mask) is in them.
         absorbed = state.value_b is None
-        if (state.loss_coeff > 0 and cfg.dsa_indexer_use_sparse_loss and state.visible is None
-                and indexer_target(cfg) == "attention_backward"):
-            if query.is_cuda or triton_interpret():
-                return self._attend_rows_loss_in_backward(query_b, state, indices, r0, r1,
-                                                          up_v_weight)
-            warn_once("dsa-indexer-target-device", "HyScaleDSAttention: "
-                      "hyscale_indexer_target='attention_backward' needs HyScale's Triton "
-                      f"kernels, which do not run on {query.device} (CUDA, or TRITON_INTERPRET=1 "
-                      "on CPU): the indexer loss computes its target in its own pass")
+        if self._target_from_attention_backward(query_b, state, indices):
+            return self._attend_rows_loss_in_backward(query_b, state, indices, r0, r1,
+                                                      up_v_weight)
         out, lse = sparse_attention(query_b, state.key_b, state.value_b, indices,
                                     self.softmax_scale,
                                     dv=cfg.kv_lora_rank if absorbed else None, return_lse=True,
@@ -456,6 +451,31 @@ class HyScaleDSAttention(DSAttention):
             up_v_weight = up_v_weight.to(device=out.device, dtype=out.dtype)
             return torch.einsum("bshc,hdc->sbhd", out, up_v_weight).reshape(rows, b, -1)
         return out.transpose(0, 1).reshape(rows, b, -1)
+
+    def _target_from_attention_backward(self, query_b: torch.Tensor, state: DSARowState,
+                                        indices: torch.Tensor) -> bool:
+        """Whether the sparse indexer loss takes its target from the attention backward
+        (`kernel_backend.indexer_target`): asked for, or under "auto" where the attention runs
+        HyScale's Triton kernels anyway (CUDA, and the backend does not pick the library)."""
+        cfg = self.config
+        if not (state.loss_coeff > 0 and cfg.dsa_indexer_use_sparse_loss
+                and state.visible is None):
+            return False
+        target = indexer_target(cfg)
+        if target == "separate":
+            return False
+        if target == "auto":
+            return query_b.is_cuda and not attention_uses_library(
+                query_b, state.key_b, state.value_b, indices, backend=kernel_backend(cfg),
+                dv=cfg.kv_lora_rank if state.value_b is None else None, sink=None,
+                deterministic=bool(cfg.deterministic_mode), prefix_lengths=None)
+        if query_b.is_cuda or triton_interpret():
+            return True
+        warn_once("dsa-indexer-target-device", "HyScaleDSAttention: "
+                  "hyscale_indexer_target='attention_backward' needs HyScale's Triton "
+                  f"kernels, which do not run on {query_b.device} (CUDA, or TRITON_INTERPRET=1 "
+                  "on CPU): the indexer loss computes its target in its own pass")
+        return False
 
     def _attend_rows_loss_in_backward(
         self, query_b: torch.Tensor, state: DSARowState, indices: torch.Tensor, r0: int,

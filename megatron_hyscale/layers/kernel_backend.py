@@ -16,14 +16,18 @@ $HYSCALE_INDEXER_PRECISION, else "bf16"; "fp8" selects on e4m3 copies of the ind
 the bf16 tensors.
 
 The sparse indexer loss's target (the head-summed attention probability of each selected key):
-`config.hyscale_indexer_target`, else $HYSCALE_INDEXER_TARGET, else "separate": its own pass
-over the selected keys in the layer's forward (`ops.indexer_kl_loss` with the attention's lse),
-or "attention_backward": emitted by the attention backward's dQ kernel, which then runs the
+`config.hyscale_indexer_target`, else $HYSCALE_INDEXER_TARGET, else "auto". "separate": its own
+pass over the selected keys in the layer's forward (`ops.indexer_kl_loss` with the attention's
+lse); "attention_backward": emitted by the attention backward's dQ kernel, which then runs the
 loss and its gradient (`ops/kernels/attention_indexer_loss.py`; HyScale's Triton attention and
 loss kernels whatever the backend setting, the loss logged from the backward, its time
-counted in the attention's phase). Only for the sparse loss without an explicit attention mask
-and in a training forward with gradients; other calls run the separate path, as do tensors off
-CUDA without Triton's interpreter (one warning says so).
+counted in the attention's phase); "auto": "attention_backward" where the attention runs
+HyScale's Triton kernels anyway (CUDA tensors, and the backend setting does not pick the
+library pair for the call), "separate" elsewhere (the library pair's backward emits no target,
+and cuDNN's loss beside it was measured faster than HyScale's attention backward with the
+target: see BENCHMARKS.md). Only for the sparse loss without an explicit attention mask and in a
+training forward with gradients; other calls run the separate path, as do tensors off CUDA
+without Triton's interpreter (an explicit "attention_backward" warns once).
 
 Packed THD sequences select per document: `config.hyscale_packed_selection`, else
 $HYSCALE_PACKED_SELECTION, else "per_document" (one selection call a document) or "batched"
@@ -43,7 +47,7 @@ PRECISION_ENV = "HYSCALE_INDEXER_PRECISION"
 PACKED_SELECTION_ENV = "HYSCALE_PACKED_SELECTION"
 PACKED_SELECTION_MODES = ("per_document", "batched")
 INDEXER_TARGET_ENV = "HYSCALE_INDEXER_TARGET"
-INDEXER_TARGETS = ("separate", "attention_backward")
+INDEXER_TARGETS = ("auto", "separate", "attention_backward")
 
 
 def _setting(config: object, attr: str, env: str, default: str, choices) -> str:
@@ -74,6 +78,7 @@ def packed_selection(config: object) -> str:
 
 
 def indexer_target(config: object) -> str:
-    """Where the sparse indexer loss's target comes from: "separate" or "attention_backward"."""
-    return _setting(config, "hyscale_indexer_target", INDEXER_TARGET_ENV, "separate",
+    """Where the sparse indexer loss's target comes from: "auto", "separate" or
+    "attention_backward"."""
+    return _setting(config, "hyscale_indexer_target", INDEXER_TARGET_ENV, "auto",
                     INDEXER_TARGETS)

@@ -13,6 +13,7 @@ name.
 from __future__ import annotations
 
 import types
+import warnings
 
 import pytest
 import torch
@@ -142,7 +143,7 @@ def test_core_with_per_head_values_matches_stock(recompute, monkeypatch):
 
 def test_setting_is_checked_by_name(monkeypatch):
     monkeypatch.delenv("HYSCALE_INDEXER_TARGET", raising=False)
-    assert indexer_target(types.SimpleNamespace()) == "separate"
+    assert indexer_target(types.SimpleNamespace()) == "auto"
     monkeypatch.setenv("HYSCALE_INDEXER_TARGET", "attention_backward")
     assert indexer_target(types.SimpleNamespace()) == "attention_backward"
     assert indexer_target(types.SimpleNamespace(hyscale_indexer_target="separate")) == "separate"
@@ -153,6 +154,46 @@ def test_setting_is_checked_by_name(monkeypatch):
         indexer_target(types.SimpleNamespace())
 
 
+def core_tensors(seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    tensors = dict(query=r(T, B, 4, 24), key=r(T, B, 4, 24), value=r(T, B, 4, 16))
+    return tensors, dict(x=r(T, B, 64), qr=r(T, B, 32), attn_mask_type=AttnMaskType.causal)
+
+
+@pytest.mark.parametrize("library", [False, True], ids=["own-kernels", "library-attention"])
+def test_auto_takes_the_target_from_the_backward_where_hyscale_kernels_run(library,
+                                                                           monkeypatch):
+    """The default ("auto"): on CUDA the fused op runs unless the backend gives the attention
+    to the library pair (whose backward emits no target); off CUDA the separate pass (the
+    reference ops), without a warning. The same results as stock either way."""
+    from megatron_hyscale.ops import checks
+
+    monkeypatch.delenv("HYSCALE_INDEXER_TARGET", raising=False)
+    monkeypatch.setattr(checks, "_warned", set())
+    asked = []
+
+    def library_pair(*args, **kwargs):
+        asked.append(kwargs["backend"])
+        return library
+
+    monkeypatch.setattr(dsa, "attention_uses_library", library_pair)
+    calls = count_calls(monkeypatch)
+    cfg = tiny_dsa_config(num_layers=1, dsa_indexer_topk=TOPK, dsa_indexer_use_sparse_loss=True)
+    stock, hyscale = (m.to(DEVICE) for m in build_core_pair(cfg, k_channels=24, v_channels=16))
+    tensors, rest = core_tensors(5)
+    want = core_step(stock, tensors, **rest)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = core_step(hyscale, tensors, **rest)
+    on_gpu = DEVICE.type == "cuda"
+    assert len(calls) == (1 if on_gpu and not library else 0)
+    assert asked == (["best"] if on_gpu else [])  # the layer's default kernel backend
+    assert want["indexer_loss"].abs().sum() > 0
+    assert_core_steps_match(got, want)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the case of tensors off CUDA (the CPU suite)")
 def test_without_triton_it_says_why_and_runs_the_separate_pass(monkeypatch):
     """Off CUDA and without Triton's interpreter the kernels cannot run: one warning naming
     the setting, then the separate target pass (the same results as stock)."""

@@ -65,19 +65,27 @@ def selection(q, k, weights, topk, *, backend, relu, causal, qpos, kpos, ordered
     return cudnn_selection(q, k, weights, topk, qpos=qpos, ordered=ordered, q_start=q_start)
 
 
-def attention(q, k, v, indices, scale, *, backend, dv, sink, deterministic, prefix_lengths,
-              hytopk_layout=False):
-    """(out, lse) on FlashMLA + cuDNN, or None."""
-    from megatron_hyscale.ops.backends.library_attention import (
-        library_attention,
-        library_attention_unsupported,
-    )
+def attention_uses_library(q, k, v, indices, *, backend, dv, sink, deterministic,
+                           prefix_lengths) -> bool:
+    """Whether `attention` would run the library pair for this call (said once, as there)."""
+    if backend not in LIBRARY_BACKENDS:
+        return False
+    from megatron_hyscale.ops.backends.library_attention import library_attention_unsupported
 
     reason = library_attention_unsupported(q, k, v, indices, dv, prefix_lengths=prefix_lengths,
                                            deterministic=deterministic)
     shape = measured.attention_shape(q.shape[2], q.shape[3], dv or q.shape[3], sink is not None)
-    if not _use_library(backend, "attention", shape, q.shape[1], reason):
+    return _use_library(backend, "attention", shape, q.shape[1], reason)
+
+
+def attention(q, k, v, indices, scale, *, backend, dv, sink, deterministic, prefix_lengths,
+              hytopk_layout=False):
+    """(out, lse) on FlashMLA + cuDNN, or None."""
+    if not attention_uses_library(q, k, v, indices, backend=backend, dv=dv, sink=sink,
+                                  deterministic=deterministic, prefix_lengths=prefix_lengths):
         return None
+    from megatron_hyscale.ops.backends.library_attention import library_attention
+
     return library_attention(q, k, indices, scale, sink=sink, hytopk_layout=hytopk_layout)
 
 
