@@ -14,6 +14,8 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
   hytopk_scan_slots  HyTopK with the other candidate append (a CTA-wide test and prefix sum per
              tile instead of a slot per survivor from an atomic counter;
              HyTopKOptions.atomic_slots=False)
+  hytopk_sort_regs  HyTopK with HyTopKOptions.row_sort="bitonic_regs" (the in-kernel row sort
+             with its most used steps inside a thread); reports same_as_hytopk
   hytopk_folded_fp32  relu=False only: the folded query as one fp32 head on tf32x3 products
              (HyTopKOptions.folded_parts=False) against the default's three bf16 parts
   hytopk_fp8  HyTopK with precision="fp8" (ops/fp8_quant.py): e4m3 q and k with per-token
@@ -159,6 +161,7 @@ ALL_T = [16384, 32768, 65536, 131072, 262144, 1048576]
 MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072,
          "hytopk_prune": 131072, "hytopk_heads_on_m": 131072, "scoreonly_heads_on_m": 131072,
          "hytopk_scan_slots": 131072, "hytopk_folded_fp32": 131072, "finish": 1048576,
+         "hytopk_sort_regs": 131072,
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
@@ -329,6 +332,43 @@ def run_hytopk_scan_slots(q, k, w, topk, relu):
 
 def run_hytopk_heads_on_m(q, k, w, topk, relu):
     return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, keys_on_m=False))
+
+
+def run_hytopk_sort_regs(q, k, w, topk, relu):
+    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, row_sort="bitonic_regs"))
+
+
+def row_sort_micro(rows, topk, reps):
+    """Time the row output alone (`hk.write_rows`: load, sort, decode, store) on rows of
+    topk random distinct packed keys, for every HyTopKOptions.row_sort and torch.sort of the
+    same keys; checks each against the default bit for bit. The grid is the select kernel's
+    (programs_per_sm programs an SM)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    scores = torch.randn(rows, topk, device="cuda", generator=g)
+    bits = scores.view(torch.int32)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
+    index = torch.randperm(4 * topk, device="cuda", generator=g)[:topk].to(torch.int64)
+    keys = torch.cat([(ordered << 32) | (0xFFFFFFFF - index),
+                      torch.zeros_like(ordered)], dim=1)  # cap = 2 topk, as the kernel's
+    counts = torch.full((rows,), topk, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    programs = sms * HyTopKOptions.DEFAULT.programs_per_sm
+    recs, ref = [], None
+    for name in hk.ROW_SORTS:
+        opts = replace(HyTopKOptions.DEFAULT, row_sort=name)
+        out = hk.write_rows(keys, counts, topk, options=opts, programs=programs)
+        ref = ref or out
+        same = torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+        ms = time_ms(lambda o=opts: hk.write_rows(keys, counts, topk, options=o,
+                                                  programs=programs), reps=reps, warmup=1)
+        recs.append({"method": f"write_rows_{name}", "rows": rows, "topk": topk, "ms": ms,
+                     "same_as_default": same})
+    ms = time_ms(lambda: keys[:, :topk].sort(dim=-1, descending=True), reps=reps, warmup=1)
+    recs.append({"method": "torch_sort", "rows": rows, "topk": topk, "ms": ms})
+    for r in recs:
+        log(f"row sort micro {r['method']:24s} {r['ms']:8.3f} ms"
+            + (f"  same as default {r['same_as_default']}" if "same_as_default" in r else ""))
+    return recs
 
 
 def run_hytopk_folded_fp32(q, k, w, topk, relu):
@@ -504,6 +544,7 @@ METHODS = {
     "hytopk_heads_on_m": run_hytopk_heads_on_m,
     "hytopk_scan_slots": run_hytopk_scan_slots,
     "hytopk_folded_fp32": run_hytopk_folded_fp32,
+    "hytopk_sort_regs": run_hytopk_sort_regs,
     "scoreonly": run_scoreonly,
     "scoreonly_heads_on_m": run_scoreonly_heads_on_m,
     "hytopk_fp8": run_hytopk_fp8,
@@ -532,7 +573,7 @@ COMPARED_METHODS = LIBRARY_METHODS + ("stock_tilelang",)
 # the methods that launch the HyTopK kernel (table-then-select's scoring pass included).
 WIDE_COMPILED = set()
 # The select variants, compared with the default kernel's outputs (same_as_hytopk).
-VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered",)
+VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_sort_regs")
 KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major",) + (
                   "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
                   "hytopk_folded_fp32",
@@ -832,7 +873,8 @@ VARIANT_COLUMNS = (("none ms", "hytopk_plain"), ("sort ms", "hytopk_sort"),
                    ("head-major ms", "hytopk_head_major"), ("lean ms", "hytopk_lean"),
                    ("sample ms", "hytopk_sample"),
                    ("bounded ms", "hytopk_bounded"), ("all ms", "hytopk_select"),
-                   ("all unordered ms", "hytopk_select_unordered"))
+                   ("all unordered ms", "hytopk_select_unordered"),
+                   ("sort regs ms", "hytopk_sort_regs"))
 
 
 def variant_summary(records, kinds, configs, Ts):
@@ -934,6 +976,9 @@ def main():
     p.add_argument("--sweep", action="store_true", help="time kernel variants and exit")
     p.add_argument("--group-sweep", action="store_true",
                    help="time tile-group variants (GROUP_SWEEP_VARIANTS) and exit")
+    p.add_argument("--row-sort-micro", action="store_true",
+                   help="time only the row output (sort + decode) of each HyTopKOptions.row_sort "
+                        "and torch.sort on [T or 131072, 2048] random distinct keys, and exit")
     p.add_argument("--tag", default="", help="suffix for the JSON and PNG names")
     p.add_argument("--out", default=os.environ.get("OUT", "outputs"),
                    help="folder for bench_selection.json and the PNG (default: $OUT, else "
@@ -952,6 +997,13 @@ def main():
     reps = 2 if args.quick else args.reps
     os.makedirs(args.out, exist_ok=True)
 
+    if args.row_sort_micro:
+        rows = (args.T or [131072])[0]
+        rate, bw = matmul_tflops(), copy_tbps()
+        recs = row_sort_micro(rows, 2048, reps)
+        path = save_record(f"bench_selection_row_sort{TAG}", "micro", recs, matmul=rate, copy=bw)
+        log(f"record: {path}")
+        return
     if args.sweep or args.group_sweep:
         kind, fn = ("groups", group_sweep) if args.group_sweep else ("sweep", sweep)
         rate, bw = matmul_tflops(), copy_tbps()

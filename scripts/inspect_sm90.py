@@ -218,6 +218,21 @@ def _hytopk(H: int, D: int, topk: int, relu: bool, T: int = 8192, mode: int = 0,
     return calls
 
 
+def _write_rows(topk: int, rows: int = 264, **options: Any) -> list[Launch]:
+    """HyTopK's row output alone (`hytopk.write_rows`: load, sort, decode, store of each
+    row's packed keys) over rows of a 2 x topk buffer; options: HyTopKOptions fields (such as
+    row_sort). Straight-line code without an MMA: read the whole kernel's counts."""
+    from megatron_hyscale.ops.kernels import hytopk as hk
+    from megatron_hyscale.ops.kernels.options import HyTopKOptions
+
+    keys = torch.zeros(rows, 2 * topk, dtype=torch.int64)
+    counts = torch.zeros(rows, dtype=torch.int32)
+    with intercept(hk, "_write_rows_kernel") as calls:
+        hk.write_rows(keys, counts, topk, options=replace(HyTopKOptions.DEFAULT, **options),
+                      programs=132 * 2)
+    return calls
+
+
 def _sparse_attention(hq: int, hkv: int, d: int, dv: int | None, topk: int, T: int = 256,
                       prefix: bool = False, dq_target: bool = False, **options: Any
                       ) -> list[Launch]:
@@ -336,6 +351,10 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-dsv32-sample": lambda: _hytopk(64, 128, 2048, True, sample_keys=1024, T=SAMPLED_T),
     "hytopk-dsv32-select": lambda: _hytopk(64, 128, 2048, True, **SELECT_VARIANTS, T=SAMPLED_T),
     "hytopk-qsa-head-major": lambda: _hytopk(4, 128, 512, True, head_major=True),
+    # HyTopKOptions.row_sort: the row output alone, then in the select kernel (folded query).
+    "hytopk-write-rows": lambda: _write_rows(2048),
+    "hytopk-write-rows-regs": lambda: _write_rows(2048, row_sort="bitonic_regs"),
+    "hytopk-norelu-sort-regs": lambda: _hytopk(32, 128, 2048, False, row_sort="bitonic_regs"),
     # A head dim below tl.dot's 16 (tests' tiny geometries): must still compile.
     "hytopk-tiny-head-dim": lambda: _hytopk(4, 8, 16, True, T=256),
     "sparse-attention-glm51": lambda: _sparse_attention(64, 1, 576, None, 2048),

@@ -327,23 +327,148 @@ def _compact_row(row_ptr, offs_c, n, k, floor=None, n_index=None):
     return kth
 
 
+# HyTopKOptions.row_sort values, as the kernels' ROW_SORT constexpr.
+ROW_SORTS = {"bitonic": 0, "bitonic_regs": 1}
+# The row's sort-index bits that bitonic_regs compares inside a thread (see _sort_axis).
+SORT_REG_BITS = tl.constexpr(4)
+
+
+@triton.constexpr_function
+def _log2(n):
+    return n.bit_length() - 1
+
+
+@triton.constexpr_function
+def _sort_axis(n, j):
+    """Hypercube axis (0 outermost, of n) on which bitonic_regs runs its steps on sort-index bit
+    j. Any bijection sorts (the row starts as a set; the ranks come out permuted alike, see
+    _sort_desc_regs). This one serves the layout Triton gives a [2048] int64 load with 4 warps
+    (element bit 0: registers, 1-5: lanes, 6-7: warps, 8-10: registers): bit j takes part in
+    n - j of the 66 steps, so the low bits go to registers, the next to lanes (shuffles) and
+    the top two, used 3 times in all, to warps (shared memory and a barrier)."""
+    pref = [0] + list(range(8, n)) + list(range(1, min(n, 6))) + list(range(6, min(n, 8)))
+    return n - 1 - pref[j]
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+@triton.jit
+def _axis_bit(N: tl.constexpr, ax: tl.constexpr):
+    """0 / 1 along hypercube axis ax of [2] * N, broadcast along the others."""
+    return tl.reshape(tl.arange(0, 2), [1] * ax + [2] + [1] * (N - 1 - ax))
+
+
+@triton.jit
+def _exchange(h, ax: tl.constexpr, desc, N: tl.constexpr, PAIRED: tl.constexpr):
+    """One bitonic compare-exchange of the hypercube h ([2] * N int64) along axis ax: each pair
+    ordered ascending, or descending where desc (broadcast over h) is 1. PAIRED (an axis held in
+    registers): the pair split apart, one comparison and two selects a pair; else each element
+    takes its partner (an xor reduction over the axis: a shuffle across lanes) and keeps the
+    lower or the higher, one comparison an element."""
+    if PAIRED:
+        A: tl.constexpr = 2**ax
+        C: tl.constexpr = 2 ** (N - 1 - ax)
+        lo, hi = tl.split(tl.permute(tl.reshape(h, [A, 2, C]), (0, 2, 1)))
+        d, _ = tl.split(tl.permute(tl.reshape(desc + tl.zeros(h.shape, tl.int32), [A, 2, C]),
+                                   (0, 2, 1)))
+        swap = (lo > hi) != (d != 0)
+        pair = tl.join(tl.where(swap, hi, lo), tl.where(swap, lo, hi))
+        return tl.reshape(tl.permute(pair, (0, 2, 1)), [2] * N)
+    else:
+        other = h ^ tl.reduce(h, ax, _xor, keep_dims=True)
+        return tl.where((h > other) != (desc ^ _axis_bit(N, ax)), other, h)
+
+
+@triton.jit
+def _bitonic_merge_stage(h, s: tl.constexpr, N: tl.constexpr):
+    """Stage s (1..N) of a bitonic sort over sort-index bits: runs of 2^s sorted, alternately
+    ascending and descending by bit s (the last stage descending)."""
+    if s < N:
+        desc = _axis_bit(N, _sort_axis(N, s))
+    else:
+        desc = tl.full([1] * N, 1, tl.int32)
+    for i in tl.static_range(s):
+        h = _exchange(h, _sort_axis(N, s - 1 - i), desc, N, s - 1 - i < SORT_REG_BITS)
+    return h
+
+
+@triton.jit
+def _sort_desc_regs(buf, KP: tl.constexpr):
+    """buf [KP] int64 (KP a power of two >= 2) sorted descending by a bitonic network whose
+    steps on the most used sort-index bits run inside a thread (_sort_axis): returns the keys
+    and each one's rank (int32 [KP]). Element e holds rank sum_j bit _sort_axis(j) of e << j:
+    scattering by rank writes the row in order without moving the keys between threads."""
+    N: tl.constexpr = _log2(KP)
+    h = tl.reshape(buf, [2] * N)
+    rank = tl.zeros([1] * N, tl.int32)
+    for s in tl.static_range(1, N + 1):
+        h = _bitonic_merge_stage(h, s, N)
+        rank = rank + (_axis_bit(N, _sort_axis(N, s - 1)) << (s - 1))
+    return tl.reshape(h, [KP]), tl.reshape(rank + tl.zeros(h.shape, tl.int32), [KP])
+
+
 @triton.jit
 def _write_row(row_ptr, n, out_off, out_idx_ptr, out_score_ptr, TOPK: tl.constexpr,
-               KP: tl.constexpr, ORDERED: tl.constexpr):
+               KP: tl.constexpr, ORDERED: tl.constexpr, ROW_SORT: tl.constexpr):
     """Decode the row's n <= TOPK keys (at row_ptr) into indices and scores at out_off, sorted
     by key (score desc, index asc) when ORDERED, -1 / -inf after them: what _finish does,
     without the round trip of the packed halves through global memory. KP: TOPK rounded up to
-    a power of two, the sort's width (empty slots hold INT64_MIN, which sorts last)."""
+    a power of two, the sort's width (empty slots hold INT64_MIN, which sorts last). ROW_SORT:
+    `ROW_SORTS[HyTopKOptions.row_sort]` (tl.sort, or _sort_desc_regs)."""
     key_min = tl.full([], -9223372036854775807 - 1, tl.int64)
     offs = tl.arange(0, KP)
     buf = tl.load(row_ptr + offs, mask=offs < n, other=key_min)
+    pos = offs
     if ORDERED:
-        buf = tl.sort(buf, descending=True)
+        if ROW_SORT == 1 and KP > 1:
+            buf, pos = _sort_desc_regs(buf, KP)
+        else:
+            buf = tl.sort(buf, descending=True)
     empty = buf == key_min
     score = tl.where(empty, float("-inf"), _unpack_score(buf))
     index = tl.where(empty, -1, _unpack_index(buf))
-    tl.store(out_score_ptr + out_off + offs, score.to(tl.int32, bitcast=True), mask=offs < TOPK)
-    tl.store(out_idx_ptr + out_off + offs, index, mask=offs < TOPK)
+    tl.store(out_score_ptr + out_off + pos, score.to(tl.int32, bitcast=True), mask=pos < TOPK)
+    tl.store(out_idx_ptr + out_off + pos, index, mask=pos < TOPK)
+
+
+@triton.jit
+def _write_rows_kernel(keys_ptr, count_ptr, out_idx_ptr, out_score_ptr, n_rows, CAP,
+                       TOPK: tl.constexpr, KP: tl.constexpr, ORDERED: tl.constexpr,
+                       ROW_SORT: tl.constexpr):
+    """_write_row alone over rows (tests, `bench_selection.py --row-sort-micro`,
+    `inspect_sm90.py`): keys int64 [rows, CAP] (a row's first count[r] <= TOPK entries are its
+    distinct keys), outputs int32 [rows, TOPK] (scores as their fp32 bits)."""
+    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        r64 = r + tl.zeros([], tl.int64)
+        _write_row(keys_ptr + r64 * CAP, tl.load(count_ptr + r), r64 * TOPK, out_idx_ptr,
+                   out_score_ptr, TOPK, KP, ORDERED, ROW_SORT)
+
+
+def write_rows(keys: torch.Tensor, counts: torch.Tensor, topk: int, *, ordered: bool = True,
+               options: HyTopKOptions = HyTopKOptions.DEFAULT, programs: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The select kernel's row output alone: keys int64 [rows, cap] (packed, distinct within a
+    row's first counts[r] <= topk entries), counts int32 [rows] -> indices int32 and scores
+    fp32 [rows, topk], as the kernel writes them with options.row_sort. programs: the grid
+    (default: one program a row)."""
+    rows, cap = keys.shape
+    indices = torch.empty(rows, topk, dtype=torch.int32, device=keys.device)
+    scores = torch.empty(rows, topk, dtype=torch.float32, device=keys.device)
+    _write_rows_kernel[(programs or max(1, rows),)](
+        keys.contiguous(), counts.to(torch.int32).contiguous(), indices,
+        scores.view(torch.int32), rows, cap, TOPK=topk, KP=triton.next_power_of_2(topk),
+        ORDERED=ordered, ROW_SORT=_row_sort_code(options), num_warps=options.num_warps)
+    return indices, scores
+
+
+def _row_sort_code(options: HyTopKOptions) -> int:
+    if options.row_sort not in ROW_SORTS:
+        raise ValueError(f"options.row_sort must be one of {list(ROW_SORTS)}, got "
+                         f"{options.row_sort!r}")
+    return ROW_SORTS[options.row_sort]
 
 
 @triton.jit
@@ -463,7 +588,7 @@ def _hytopk_kernel(
     ATOMIC_SLOTS: tl.constexpr, K_SCALED: tl.constexpr, FP8_ACC: tl.constexpr,
     HEAD_MAJOR: tl.constexpr, SORT_OUT: tl.constexpr, ORDERED: tl.constexpr,
     KP: tl.constexpr, NSAMP: tl.constexpr, N_BLOCKS_ON_DEVICE: tl.constexpr,
-    LEAN: tl.constexpr, BOUNDED_SELECT: tl.constexpr,
+    LEAN: tl.constexpr, BOUNDED_SELECT: tl.constexpr, ROW_SORT: tl.constexpr,
 ):
     """One persistent program: blocks of R query rows (R * HP GEMM rows), key tiles of BN.
 
@@ -713,7 +838,7 @@ def _hytopk_kernel(
                     tl.debug_barrier()
                     if SORT_OUT:
                         _write_row(scratch + r * CAP, c_r, _pick(out_row, offs_r, r),
-                                   out_idx_ptr, out_score_ptr, TOPK, KP, ORDERED)
+                                   out_idx_ptr, out_score_ptr, TOPK, KP, ORDERED, ROW_SORT)
                     else:
                         # The row's exact top-k set, unsorted, as the two 32-bit halves of
                         # its packed keys (high half in the scores, low half in the indices);
@@ -969,6 +1094,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     head_major = (options.head_major and keys_on_m and hp <= HEAD_MAJOR_MAX_HEADS
                   and r >= HEAD_MAJOR_MIN_ROWS)
     sort_out = options.sort_in_kernel and mode == MODE_SELECT
+    row_sort = _row_sort_code(options)
     if prune:
         # fp32 operands run as three TF32 products: 3 D accumulations plus the split's
         # rounding (< 3 more operations), so the dot-product bound counts 4 D operations.
@@ -1008,6 +1134,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
             K_SCALED=fp8, FP8_ACC=fp8_acc, HEAD_MAJOR=head_major, SORT_OUT=sort_out,
             ORDERED=sort_out and ordered, KP=triton.next_power_of_2(topk), NSAMP=nsamp,
             N_BLOCKS_ON_DEVICE=redo, LEAN=lean, BOUNDED_SELECT=options.bounded_select,
+            ROW_SORT=row_sort,
             num_warps=options.num_warps, num_stages=options.num_stages,
         )
 

@@ -146,6 +146,20 @@ class HyTopKOptions:
     # sm_90a, 2 rows at a time spilled into the tile loop (52 local loads a tile, 2026-12-03).
     # On by default (alone within 1% on the H200; no slower with the others).
     bounded_select: bool = True
+    # The in-kernel sort of each row's packed keys (sort_in_kernel, ordered): "bitonic" is
+    # Triton's `tl.sort`, whose steps on the low sort-index bits (11 + 10 + 9 + ... of the 66
+    # for 2048 keys) cross lanes, and whose bits 6 and 7 cross warps (9 steps through shared
+    # memory). "bitonic_regs" (`hytopk._sort_desc_regs`) runs the same network with the
+    # sort-index bits mapped to the layout by use: bits 0-3 inside a thread (a pair compared
+    # once and selected twice), 4-8 across lanes, 9-10 across warps (3 steps); the same sorted
+    # row, written by rank (scattered stores). Compiled for sm_90a (2026-12-04,
+    # `inspect_sm90.py --preset hytopk-write-rows hytopk-write-rows-regs hytopk-norelu
+    # hytopk-norelu-sort-regs`, 2048 keys, 4 warps): the row write alone 8224 -> 6344 SASS
+    # instructions (ISETP 2871 -> 2173, SEL 2800 -> 2577, SHFL 1344 -> 896, STS / LDS 224 ->
+    # 104 each, BAR 21 -> 17, STG 8 -> 32); the folded query's select kernel 15608 -> 13184, tile
+    # loop unchanged (587). Untimed (`bench_selection.py --methods hytopk hytopk_sort_regs`,
+    # `--row-sort-micro`).
+    row_sort: str = "bitonic"
 
     DEFAULT: ClassVar[HyTopKOptions]
 
