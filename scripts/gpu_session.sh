@@ -66,6 +66,10 @@
 #                                         # the attention backward: GPU tests, the dQ kernel
 #                                         # with it against the target pass, the layer with
 #                                         # and without it (own kernels)          (~8 min)
+#   bash scripts/gpu_session.sh row-sort  # issue #21: HyTopKOptions.row_sort / sort_rows, their
+#                                         # tests on CUDA, then the select kernel with each at
+#                                         # 16K and 128K (folded, V3.2), the row write alone
+#                                         #                                            (~3 min)
 #   bash scripts/gpu_session.sh selection-variants  # issue #21: HyTopK's untimed variants
 #                                         # (heads on M, scan slots) and the folded no-ReLU
 #                                         # kernel's row blocks, at 128K (~5 min)
@@ -148,12 +152,13 @@ shift || true
 case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
-  |accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target) ;;
+  |accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
-       "|accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target} [ARGS...]" >&2
+       "|accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort}" \
+       "[ARGS...]" >&2
      exit 2 ;;
 esac
 out=${OUT:-outputs/gpu_session}/$stage
@@ -481,6 +486,7 @@ case "$stage" in
     # with the target from the backward (hyscale_own_target_in_bwd).              (~8 min)
     : > "$out/failures.log"
     HYSCALE_FAILURE_LOG=$(cd "$out" && pwd)/failures.log; export HYSCALE_FAILURE_LOG
+    export HYSCALE_RESULTS=$out/results  # the scripts' records come back with the stage
     timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider \
       tests/ops/test_attention_target_from_dq.py tests/ops/test_attention_indexer_loss.py \
       tests/layers/test_dsa_indexer_target.py > "$out/tests.log" 2>&1
@@ -493,6 +499,21 @@ case "$stage" in
       --hyscale-kernel-backend own --compare-own-kernels --compare-indexer-target --repeats 2 \
       --out "$out" 2>&1 | grep -v -i warn | tail -12 | tee "$out/bench_layer.log"
     exit $rc
+    ;;
+  row-sort)
+    # Issue #21: the in-kernel row sort's variants (HyTopKOptions.row_sort), bit-identical rows
+    # by their tests; then timed in the select kernel and alone. Records in $out/results.
+    export HYSCALE_RESULTS=$out/results
+    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_hytopk_row_sort.py \
+      > "$out/tests.log" 2>&1
+    echo "tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+    timeout 200 python3 scripts/bench_selection.py --T 16384 131072 --configs norelu dsv32 \
+      --reps 2 --methods hytopk hytopk_sort_regs hytopk_sort_rows2 hytopk_sort_rows4 \
+      --tag _rowsort --out "$out" 2>&1 | grep -v -i warn | tail -20 \
+      | tee "$out/bench_selection_rowsort.log"
+    timeout 90 python3 scripts/bench_selection.py --row-sort-micro --T 131072 --reps 5 \
+      --tag _rowsort --out "$out" 2>&1 | grep -v -i warn | tail -8 \
+      | tee "$out/bench_row_sort_micro.log"
     ;;
   selection-variants)
     # Issue #21: the HyTopK variants no GPU has timed (heads on M, scan slots, the folded

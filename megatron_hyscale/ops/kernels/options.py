@@ -152,7 +152,7 @@ class HyTopKOptions:
     # memory). "bitonic_regs" (`hytopk._sort_desc_regs`) runs the same network with the
     # sort-index bits mapped to the layout by use: bits 0-3 inside a thread (a pair compared
     # once and selected twice), 4-8 across lanes, 9-10 across warps (3 steps); the same sorted
-    # row, written by rank (scattered stores). Compiled for sm_90a (2026-12-04,
+    # row, written by rank (scattered stores). Compiled for sm_90a (2026-12-03,
     # `inspect_sm90.py --preset hytopk-write-rows hytopk-write-rows-regs hytopk-norelu
     # hytopk-norelu-sort-regs`, 2048 keys, 4 warps): the row write alone 8224 -> 6344 SASS
     # instructions (ISETP 2871 -> 2173, SEL 2800 -> 2577, SHFL 1344 -> 896, STS / LDS 224 ->
@@ -160,6 +160,12 @@ class HyTopKOptions:
     # loop unchanged (587). Untimed (`bench_selection.py --methods hytopk hytopk_sort_regs`,
     # `--row-sort-micro`).
     row_sort: str = "bitonic"
+    # Rows of a block whose output is written together, one [rows x topk] `tl.sort` (row_sort
+    # "bitonic" only; at most the block's rows). A row's sort is one chain of 66 dependent
+    # exchange steps (shuffles, shared memory, barriers) on 4 warps, so one row alone leaves the
+    # SM mostly waiting; several rows' chains run side by side. Untimed (`bench_selection.py
+    # --methods hytopk hytopk_sort_rows4`).
+    sort_rows: int = 1
 
     DEFAULT: ClassVar[HyTopKOptions]
 
