@@ -314,6 +314,34 @@ def _indexer_loss(hi: int, di: int, hq: int, d: int, topk: int, T: int = 256, **
     return calls
 
 
+def _indexer_loss_dense(hi: int, di: int, hq: int, hkv: int, d: int, T: int = 256,
+                        relu: bool = True, fold: bool = False, deterministic: bool = False,
+                        **options: Any
+                        ) -> list[Launch]:
+    """stats and loss (with gradients) launches of the dense indexer KL loss
+    (`kernels/indexer_loss_dense.py`), bf16 inputs; fold: relu=False's query folded into one fp32
+    head (what the sparse op does; the dense op keeps the heads); options:
+    IndexerLossKernelOptions fields to change."""
+    from megatron_hyscale.ops.kernels import indexer_loss_dense as dl
+    from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions
+
+    qi = torch.zeros(1, T, hi, di, dtype=torch.bfloat16)
+    w = torch.zeros(1, T, hi, dtype=torch.float32)
+    if fold:
+        qi, w = torch.zeros(1, T, 1, di), torch.ones(1, T, 1)
+    ki = torch.zeros(1, T, di, dtype=torch.bfloat16)
+    query = torch.zeros(1, T, hq, d, dtype=torch.bfloat16)
+    key = torch.zeros(1, T, hkv, d, dtype=torch.bfloat16)
+    pos = torch.arange(T)[None]
+    opts = replace(IndexerLossKernelOptions.DEFAULT, **options)
+    with intercept(dl, "_dense_stats_kernel", "_dense_loss_kernel") as calls:
+        dl._tiling_cache.clear()
+        dl.dense_indexer_loss_rows(qi, w, ki, query, key, pos, pos, dl.key_ends(pos, pos),
+                                   d ** -0.5, relu, 0.01, True, deterministic, options=opts)
+        dl._tiling_cache.clear()
+    return calls
+
+
 # Sequence length of the presets with sampled thresholds: a row block samples only when its rows
 # see 4 candidate buffers' worth of keys (16K at top-2048), so 8K would compile no sampling.
 SAMPLED_T = 16384
@@ -383,6 +411,16 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "sparse-attention-hca": lambda: _sparse_attention(64, 1, 512, None, 128, prefix=True),
     "sparse-attention-qsa": lambda: _sparse_attention(24, 2, 256, 256, 2052),
     "indexer-loss-glm51": lambda: _indexer_loss(32, 128, 64, 576, 2048),
+    # The dense (warm-up) loss: GLM-5.1 (one head block a row, its query resident), relu off
+    # (the heads kept; -folded: one fp32 query, as the sparse op's fold), V3.2 (two head
+    # blocks), QSA-like per-head keys (2 KV heads).
+    "indexer-loss-dense-glm51": lambda: _indexer_loss_dense(32, 128, 64, 1, 576),
+    "indexer-loss-dense-glm51-norelu": lambda: _indexer_loss_dense(32, 128, 64, 1, 576,
+                                                                   relu=False),
+    "indexer-loss-dense-glm51-norelu-folded": lambda: _indexer_loss_dense(
+        32, 128, 64, 1, 576, relu=False, fold=True),
+    "indexer-loss-dense-v32": lambda: _indexer_loss_dense(64, 128, 128, 1, 576),
+    "indexer-loss-dense-qsa": lambda: _indexer_loss_dense(4, 128, 24, 2, 256),
 }
 
 

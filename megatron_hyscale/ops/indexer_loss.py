@@ -11,6 +11,9 @@ with every softmax restricted to the keys visible to t (k_pos <= q_pos unless ca
 and where an explicit mask `visible` allows) and, when `sparse`, further to the row's selected
 keys. The target is detached (the indexer learns from the main attention, never the reverse),
 so gradients reach only q_index, weights and k_index.
+
+Triton kernels: `kernels/indexer_loss.py` (sparse) and `kernels/indexer_loss_dense.py` (dense
+warm-up: per-row statistics, then one streaming pass for the KL and the gradients).
 """
 
 from __future__ import annotations
@@ -164,17 +167,21 @@ def indexer_kl_loss(
             B * T rows.
         tp_group: tensor-parallel group holding the other query heads: the head-summed target
             is all-reduced over it when its size > 1 (also when backward recomputes a chunk,
-            so every rank must call this with the same shapes).
+            so every rank must call this with the same shapes). The dense loss's Triton
+            kernel holds no [T, S] target to all-reduce: a split dense call runs the reference.
         deterministic: Triton backward without fp32 atomics for k_index's gradient (bitwise
-            repeatable; one extra backward pass). The reference is always deterministic.
+            repeatable; one extra backward pass, for the dense loss one extra pass of its
+            loss kernel). The reference is always deterministic.
         attention_lse: fp32 [B, T, Hq] or None, sparse only: the main attention's log-sum-exp
             (`sparse_attention(query, key, ..., topk_indices, softmax_scale, return_lse=True)`
             without sink or prefix). The target's per-head softmax then takes it as its
             denominator instead of a pass of its own over the keys. Valid only when the
             attention ran over exactly the loss's slots: topk_indices distinct and visible
             (HyTopK's output is); detached.
-        backend: "auto" (Triton on CUDA tensors when sparse, the reference elsewhere),
-            "triton" (sparse only; CPU tensors need TRITON_INTERPRET=1, else ValueError),
+        backend: "auto" (Triton on CUDA tensors, the reference elsewhere and for the dense
+            loss with a tp_group of size > 1, said once), "triton" (sparse, or dense without
+            a tp split and without `visible`, else ValueError; CPU tensors need
+            TRITON_INTERPRET=1, else ValueError),
             "reference", "cudnn" (cuDNN-frontend's sparse indexer-score / target recompute
             and indexer backward, the stock cudnn backend's kernels; sparse, ReLU, bf16
             inputs and weights, one KV head, keys at 0 .. S-1, distinct indices, not
@@ -247,12 +254,24 @@ def indexer_kl_loss(
         if got is not None:
             return got
         backend = "auto"
-    if backend == "triton" and not sparse:
-        raise ValueError("indexer_kl_loss: backend='triton' needs sparse=True; the dense "
-                         "warm-up loss (sparse=False) has no Triton kernel, use backend="
-                         "'reference' or 'auto'")
+    # The dense kernel streams the target per row: another rank's heads cannot join it.
+    tp_split = (not sparse and tp_group is not None
+                and torch.distributed.get_world_size(tp_group) > 1)
+    if backend == "triton" and tp_split:
+        raise ValueError("indexer_kl_loss: backend='triton' cannot take the dense warm-up loss "
+                         "(sparse=False) with a tp_group of size > 1 (the other ranks' heads "
+                         "would need a [T, S] exchange of the target); use backend='reference' "
+                         "or 'auto'")
     check_triton_device(backend, q_index)
-    auto_triton = backend == "auto" and q_index.is_cuda and sparse
+    auto_triton = backend == "auto" and q_index.is_cuda and not tp_split
+    if (backend == "triton" or auto_triton) and not sparse:
+        from megatron_hyscale.ops.kernels.indexer_loss_dense import dense_indexer_kl_loss_triton
+
+        return dense_indexer_kl_loss_triton(
+            q_index, weights, k_index, query, key, scale, coeff, relu=relu, q_positions=qpos,
+            k_positions=kpos, calculate_per_token_loss=calculate_per_token_loss,
+            deterministic=deterministic, options=options, query_valid_rows=valid_rows,
+        )
     if backend == "triton" or auto_triton:
         from megatron_hyscale.ops.kernels.indexer_loss import indexer_kl_loss_triton
 
@@ -263,10 +282,11 @@ def indexer_kl_loss(
             deterministic=deterministic, attention_lse=attention_lse, options=options,
             query_valid_rows=valid_rows,
         )
-    if backend == "auto" and q_index.is_cuda and not sparse:
-        warn_once("indexer-loss-dense", "indexer_kl_loss: the Triton kernel covers the sparse "
-                  "loss only; the dense warm-up loss (sparse=False) uses the plain-torch "
-                  "reference (slow, memory-bounded)")
+    if backend == "auto" and q_index.is_cuda and tp_split:
+        warn_once("indexer-loss-dense-tp", "indexer_kl_loss: the dense warm-up loss "
+                  "(sparse=False) with a tp_group of size > 1 uses the plain-torch reference "
+                  "(slow, memory-bounded): the Triton kernel would need the other ranks' "
+                  "heads' [T, S] target")
     return reference.indexer_loss_reference(
         q_index, weights, k_index, query, key, topk_indices, scale, coeff, sparse=sparse,
         relu=relu, q_positions=qpos, k_positions=kpos,

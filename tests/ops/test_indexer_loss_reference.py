@@ -333,13 +333,18 @@ def test_nan_inf_rejected(name):
         indexer_kl_loss(*a.values(), **kw)
 
 
-def test_triton_backend_is_sparse_only():
-    # The Triton kernel covers the sparse loss (tests/ops/test_indexer_loss_triton.py); the
-    # dense warm-up loss has none, and asking for it names `sparse`.
+def test_triton_dense_declines_what_it_cannot_take(monkeypatch):
+    # The dense warm-up loss has a Triton kernel (tests/ops/test_indexer_loss_dense_triton.py);
+    # an explicit mask or a tensor-parallel split of the heads stays on the reference, and
+    # asking backend='triton' for them names the cause.
     a, kw = _args()
     kw["sparse"] = False
-    with pytest.raises(ValueError, match="sparse"):
-        indexer_kl_loss(*a.values(), **kw, backend="triton")
+    with pytest.raises(ValueError, match="visible"):
+        indexer_kl_loss(*a.values(), **kw, backend="triton",
+                        visible=torch.ones(6, 6, dtype=torch.bool))
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with pytest.raises(ValueError, match="tp_group"):
+        indexer_kl_loss(*a.values(), **kw, backend="triton", tp_group=object())
 
 
 def test_large_logits_stay_finite_and_match_megatron():
