@@ -37,6 +37,14 @@ it, so the loss on that path costs the difference plus the loss and backward ker
 --target-tilings times the target pass (the heaviest launch) at each (keys per step x stages)
 tiling and exits; a tiling that does not fit is reported.
 
+--variants NAME... times the loss row pass and the backward kernel under IndexerLossKernelOptions
+variants (LOSS_VARIANTS) beside the default, in one run, then exits: each alone and back to
+back as the attention op's backward runs them (rows then backward, or the fused kernel), with
+each variant's largest difference from the default's outputs; writes
+bench_indexer_loss_variants.json.
+
+  python scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 v32 --variants all
+
 Needs a CUDA GPU (every mode).
 """
 
@@ -336,6 +344,113 @@ def target_sweep(shapes, Ts, tilings, warmup, reps, out_dir):
         json.dump(dict(command=" ".join(sys.argv), default=default, rows=rows), f, indent=1)
 
 
+# IndexerLossKernelOptions fields of the row-pass and backward variants (see options.py).
+LOSS_VARIANTS = {
+    "one_pass": dict(loss_one_pass=True),
+    "fused": dict(fused_rows_bwd=True),
+    "warps8": dict(bwd_num_warps=8, loss_num_warps=8),
+    "warps8_r128": dict(bwd_num_warps=8, bwd_maxnreg=128),
+    "r168": dict(bwd_maxnreg=168),
+    "n32x2": dict(index_tilings=((32, 2),)),
+    "n32x2_r128": dict(index_tilings=((32, 2),), bwd_maxnreg=128),
+    "fused_warps8": dict(fused_rows_bwd=True, bwd_num_warps=8),
+    "fused_warps8_r128": dict(fused_rows_bwd=True, bwd_num_warps=8, bwd_maxnreg=128),
+    "one_pass_fused_warps8_r128": dict(loss_one_pass=True, fused_rows_bwd=True,
+                                       bwd_num_warps=8, bwd_maxnreg=128),
+}
+
+
+def loss_variant_row(x, idx, options, warmup, reps, deterministic, reference=None):
+    """ms of the row pass, the backward kernel and the two back to back under `options` (and
+    the deterministic pair when asked); the outputs' largest differences from `reference`
+    (the default's (kl, dq, dw, dk)). Returns (row, outputs)."""
+    scale = x["query"].shape[-1] ** -0.5
+    T = idx.shape[1]
+    pos = torch.arange(T, device=idx.device)[None]
+    q, w, k = (x[n].detach() for n in ("q_index", "weights", "k_index"))
+    p0 = kern.attention_target(x["query"], x["key"], idx, pos, pos, scale)
+    grad = torch.ones((), device=idx.device)
+    kern._tiling_cache.clear()
+    p = p0.clone()
+    if options.fused_rows_bwd:
+        kl, dq, dw, dk = kern.indexer_loss_rows_bwd(q, w, k, idx, p, grad, 1.0 / T, True,
+                                                    options=options)
+    else:
+        kl, lse, psum = kern.indexer_loss_rows(q, w, k, idx, p, True, options)
+        dq, dw, dk = kern.indexer_loss_bwd(q, w, k, idx, p, lse, psum, grad, 1.0 / T, True,
+                                           options=options)
+    # The row pass normalizes p in place; normalizing a normalized p repeats the same work.
+    rows = partial(kern.indexer_loss_rows, q, w, k, idx, p, True, options)
+    _, lse, psum = rows()
+    bwd = partial(kern.indexer_loss_bwd, q, w, k, idx, p, lse, psum, grad, 1.0 / T, True,
+                  options=options)
+
+    def pair(det=False):
+        if options.fused_rows_bwd:
+            return kern.indexer_loss_rows_bwd(q, w, k, idx, p, grad, 1.0 / T, True, det,
+                                              options)
+        kl_, lse_, psum_ = kern.indexer_loss_rows(q, w, k, idx, p, True, options)
+        return kern.indexer_loss_bwd(q, w, k, idx, p, lse_, psum_, grad, 1.0 / T, True, det,
+                                     options)
+
+    row = dict(rows_ms=time_ms(rows, reps=reps, warmup=warmup),
+               bwd_kernel_ms=time_ms(bwd, reps=reps, warmup=warmup),
+               rows_bwd_ms=time_ms(pair, reps=reps, warmup=warmup),
+               tilings={"/".join(map(str, key[:1])): v for key, v in kern._tiling_cache.items()})
+    if deterministic:
+        row["rows_bwd_det_ms"] = time_ms(partial(pair, True), reps=reps, warmup=warmup)
+    outputs = (kl.sum(), dq, dw, dk)
+    if reference is not None:
+        row["kl_sum_rel_diff"] = float((outputs[0] - reference[0]).abs()
+                                       / reference[0].abs().clamp_min(1e-30))
+        for name, a, b in zip(("dq", "dw", "dk"), outputs[1:], reference[1:]):
+            row[f"{name}_max_abs_diff"] = float((a.float() - b.float()).abs().max())
+            row[f"{name}_max_abs"] = float(b.float().abs().max())
+    kern._tiling_cache.clear()
+    return row, outputs
+
+
+def loss_variant_sweep(shapes, Ts, names, deterministic, warmup, reps, out_dir):
+    """Each of `names` (LOSS_VARIANTS, or "all") beside the default per shape and T; JSON."""
+    names = list(LOSS_VARIANTS) if names == ["all"] else names
+    mm = matmul_tflops()
+    meta = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                command=" ".join(sys.argv), torch=torch.__version__, matmul_tflops=mm,
+                variants={n: {k: list(v) if isinstance(v, tuple) else v
+                              for k, v in LOSS_VARIANTS[n].items()} for n in names},
+                results=[])
+    path = os.path.join(out_dir, "bench_indexer_loss_variants.json")
+    for shape in shapes:
+        for T in Ts:
+            x, idx = make_inputs(shape, T)
+            entry = dict(shape=shape, T=T)
+            default, ref = loss_variant_row(x, idx, IndexerLossKernelOptions.DEFAULT, warmup,
+                                            reps, deterministic)
+            entry["default"] = default
+            log(f"{shape} T={T} default: rows {default['rows_ms']:.2f} bwd "
+                f"{default['bwd_kernel_ms']:.2f} both {default['rows_bwd_ms']:.2f} ms")
+            for name in names:
+                options = replace(IndexerLossKernelOptions.DEFAULT, **LOSS_VARIANTS[name])
+                try:
+                    row, _ = loss_variant_row(x, idx, options, warmup, reps, deterministic, ref)
+                except RuntimeError as err:  # no tiling fits: reported, not fatal
+                    row = f"failed: {str(err)[:120]}"
+                    log(f"{shape} T={T} {name}: {row}")
+                else:
+                    log(f"{shape} T={T} {name}: rows {row['rows_ms']:.2f} bwd "
+                        f"{row['bwd_kernel_ms']:.2f} both {row['rows_bwd_ms']:.2f} ms "
+                        f"({row['rows_bwd_ms'] / default['rows_bwd_ms']:.3f}x); kl rel diff "
+                        f"{row['kl_sum_rel_diff']:.1e}, dk max diff "
+                        f"{row['dk_max_abs_diff']:.1e} of {row['dk_max_abs']:.1e}")
+                entry[name] = row
+            meta["results"].append(entry)
+            with open(path, "w") as fh:
+                json.dump(meta, fh, indent=1)
+            del x, idx
+            torch.cuda.empty_cache()
+    log(f"wrote {path}")
+
+
 def fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
 
@@ -373,6 +488,11 @@ def main():
                     metavar="NxS",
                     help="time the target pass at each tiling (keys per step x stages, e.g. "
                          "32x2), write bench_indexer_loss_target_sweep.json, then exit")
+    ap.add_argument("--variants", nargs="+", default=None, metavar="NAME",
+                    choices=sorted(LOSS_VARIANTS) + ["all"],
+                    help="time the row pass and backward under these IndexerLossKernelOptions "
+                         "variants beside the default (--deterministic adds the deterministic "
+                         "pair), write bench_indexer_loss_variants.json, then exit")
     args = ap.parse_args()
     require_cuda("bench_indexer_loss.py")
     if args.quick:
@@ -380,6 +500,10 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     if args.target_tilings:
         target_sweep(args.shapes, args.t, args.target_tilings, args.warmup, args.reps, args.out)
+        return
+    if args.variants:
+        loss_variant_sweep(args.shapes, args.t, args.variants, args.deterministic, args.warmup,
+                           args.reps, args.out)
         return
     json_path = os.path.join(args.out, "bench_indexer_loss.json")
     mm = matmul_tflops()

@@ -342,6 +342,61 @@ def _indexer_loss_dense(hi: int, di: int, hq: int, hkv: int, d: int, T: int = 25
     return calls
 
 
+def _indexer_loss_index(hi: int, T: int = 256, fused: bool = False, **options: Any
+                        ) -> list[Launch]:
+    """The indexer loss's index-score kernels alone (GLM-5.1: hi = 32, V3.2: 64; 128 dims,
+    top-2048): the row pass and the backward, or with fused=True the fused row pass +
+    backward (`indexer_loss_rows_bwd`); options: IndexerLossKernelOptions fields to change."""
+    from megatron_hyscale.ops.kernels import indexer_loss as il
+    from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions
+
+    qi = torch.zeros(1, T, hi, 128, dtype=torch.bfloat16)
+    w = torch.zeros(1, T, hi, dtype=torch.float32)
+    ki = torch.zeros(1, T, 128, dtype=torch.bfloat16)
+    idx = torch.zeros(1, T, 2048, dtype=torch.int32)
+    p = torch.zeros(1, T, 2048)
+    opts = replace(IndexerLossKernelOptions.DEFAULT, **options)
+    with intercept(il, "_loss_kernel", "_bwd_kernel", "_rows_bwd_kernel") as calls:
+        il._tiling_cache.clear()
+        if fused:
+            il.indexer_loss_rows_bwd(qi, w, ki, idx, p, torch.ones(()), 0.01, True,
+                                     options=opts)
+        else:
+            row = torch.zeros(1, T)
+            il.indexer_loss_rows(qi, w, ki, idx, p, True, options=opts)
+            il.indexer_loss_bwd(qi, w, ki, idx, p, row, row, torch.ones(()), 0.01, True,
+                                options=opts)
+        il._tiling_cache.clear()
+    return calls
+
+
+# The indexer loss's row pass and backward variants (IndexerLossKernelOptions, issue: the
+# backward at ~10% of the matmul rate), beside their default.
+INDEXER_LOSS_VARIANT_PRESETS: dict[str, Callable[[], list[Launch]]] = {
+    "indexer-loss-glm51-index": lambda: _indexer_loss_index(32),
+    "indexer-loss-glm51-one-pass": lambda: _indexer_loss_index(32, loss_one_pass=True),
+    "indexer-loss-glm51-fused": lambda: _indexer_loss_index(32, fused=True),
+    "indexer-loss-glm51-bwd-w8": lambda: _indexer_loss_index(32, bwd_num_warps=8,
+                                                             loss_num_warps=8),
+    "indexer-loss-glm51-fused-w8": lambda: _indexer_loss_index(32, fused=True, bwd_num_warps=8),
+    "indexer-loss-glm51-n32x2": lambda: _indexer_loss_index(32, index_tilings=((32, 2),)),
+    "indexer-loss-glm51-n128x2": lambda: _indexer_loss_index(32, index_tilings=((128, 2),),
+                                                             bwd_num_warps=8, loss_num_warps=8),
+    "indexer-loss-glm51-n64x3": lambda: _indexer_loss_index(32, index_tilings=((64, 3),)),
+    "indexer-loss-v32-index": lambda: _indexer_loss_index(64),
+    "indexer-loss-v32-fused": lambda: _indexer_loss_index(64, fused=True),
+    "indexer-loss-glm51-r168": lambda: _indexer_loss_index(32, bwd_maxnreg=168),
+    "indexer-loss-glm51-w8-r128": lambda: _indexer_loss_index(32, bwd_num_warps=8,
+                                                              bwd_maxnreg=128),
+    "indexer-loss-glm51-fused-w8-r128": lambda: _indexer_loss_index(
+        32, fused=True, bwd_num_warps=8, bwd_maxnreg=128),
+    "indexer-loss-glm51-n32x2-r128": lambda: _indexer_loss_index(
+        32, index_tilings=((32, 2),), bwd_maxnreg=128),
+    "indexer-loss-v32-bwd-w8": lambda: _indexer_loss_index(64, bwd_num_warps=8,
+                                                           loss_num_warps=8),
+    "indexer-loss-v32-fused-w8": lambda: _indexer_loss_index(64, fused=True, bwd_num_warps=8),
+}
+
 # Sequence length of the presets with sampled thresholds: a row block samples only when its rows
 # see 4 candidate buffers' worth of keys (16K at top-2048), so 8K would compile no sampling.
 SAMPLED_T = 16384
@@ -421,6 +476,7 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
         32, 128, 64, 1, 576, relu=False, fold=True),
     "indexer-loss-dense-v32": lambda: _indexer_loss_dense(64, 128, 128, 1, 576),
     "indexer-loss-dense-qsa": lambda: _indexer_loss_dense(4, 128, 24, 2, 256),
+    **INDEXER_LOSS_VARIANT_PRESETS,
 }
 
 

@@ -22,6 +22,7 @@ from megatron_hyscale.ops.kernels.indexer_loss import (
     fold_index_query,
     indexer_loss_bwd,
     indexer_loss_rows,
+    indexer_loss_rows_bwd,
     loss_scaling,
 )
 from megatron_hyscale.ops.kernels.options import AttentionKernelOptions, IndexerLossKernelOptions
@@ -71,12 +72,17 @@ class SparseAttentionIndexerLossFunction(torch.autograd.Function):
         if group is not None and torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(target, group=group)  # the other ranks' query heads
         loss_indices = indices if indices.dim() == 3 else indices[:, :, 0]
-        kl, index_lse, psum = indexer_loss_rows(q_index, weights, k_index, loss_indices, target,
-                                                ctx.relu, ctx.loss_options)
+        dqi = dw = dki = None
+        if danchor is not None and ctx.loss_options.fused_rows_bwd:
+            kl, dqi, dw, dki = indexer_loss_rows_bwd(
+                q_index, weights, k_index, loss_indices, target, danchor, ctx.coeff, ctx.relu,
+                ctx.deterministic, ctx.loss_options)
+        else:
+            kl, index_lse, psum = indexer_loss_rows(q_index, weights, k_index, loss_indices,
+                                                    target, ctx.relu, ctx.loss_options)
         if ctx.on_loss is not None:
             ctx.on_loss((kl.sum() * ctx.coeff).detach())
-        dqi = dw = dki = None
-        if danchor is not None:
+        if danchor is not None and not ctx.loss_options.fused_rows_bwd:
             dqi, dw, dki = indexer_loss_bwd(q_index, weights, k_index, loss_indices, target,
                                             index_lse, psum, danchor, ctx.coeff, ctx.relu,
                                             ctx.deterministic, ctx.loss_options)

@@ -21,7 +21,9 @@ dq = (g w act') @ K_sel, dw = act(L) @ g, dk rows += (g w act')^T @ q with fp32 
 sparse-attention kernel's order-free fixed-point mode when deterministic).
 
 Saved for backward: p (fp32 [B, T, K], the normalized target; < 0 at invalid slots) and two
-fp32 [B, T] row statistics, besides the inputs.
+fp32 [B, T] row statistics, besides the inputs. A caller that has the loss's gradient when its
+rows run (the attention backward emitting the target) may run 3 and the backward as one kernel
+(`indexer_loss_rows_bwd`, IndexerLossKernelOptions.fused_rows_bwd).
 """
 
 from __future__ import annotations
@@ -233,28 +235,10 @@ def _load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd, swb, swt, s
 
 
 @triton.jit
-def _loss_kernel(
-    qi_ptr, w_ptr, ki_ptr, idx_ptr, p_ptr, kl_ptr, lse_ptr, psum_ptr,
-    T, NK, H, D,
-    sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, sib, sit, sik, spb, spt, spk, srb, srt,
-    RELU: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Row KL(p / sum p || softmax(s)) over the valid slots; p normalized in place.
-
-    s_j = sum_h w_h act(q_h . k_index[idx_j]). Pass 1: log-sum-exp of s and sum of p; pass 2:
-    recompute s (cheaper than keeping it) and sum pn * (log max(pn, eps) - (s - lse)).
-    Writes the row's KL, lse (0 for an empty row) and sum of the normalized target.
-    """
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // T
-    t = pid % T
-    q, w, offs_h, offs_d = _load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd,
-                                             swb, swt, swh, BLOCK_H, D_PAD)
-    k_base = ki_ptr + b * skb
-    idx_base = idx_ptr + b * sib + t * sit
-    p_base = p_ptr + b * spb + t * spt
-
+def _row_stats(q, w, k_base, sks, skd, idx_base, sik, p_base, spk, offs_d, NK, D,
+               RELU: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Pass 1 of a row: the index scores' log-sum-exp (natural; 0 for an empty row) and the
+    target's clamped sum (the normalization's denominator)."""
     m_i = tl.full([], float("-inf"), tl.float32)
     l_i = tl.zeros([], tl.float32)
     total = tl.zeros([], tl.float32)
@@ -270,23 +254,113 @@ def _loss_kernel(
         total += tl.sum(tl.where(valid, p, 0.0), axis=0)
     nonempty = l_i > 0.0
     lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_JIT, 0.0)
-    den = tl.maximum(total, _EPS)
+    return lse, tl.maximum(total, _EPS)
+
+
+@triton.jit
+def _target_sum(p_base, spk, NK, BLOCK_N: tl.constexpr):
+    """The target's clamped sum over the row's valid slots (p alone, no gather), summed tile
+    by tile as `_row_stats` sums it."""
+    total = tl.zeros([], tl.float32)
+    for n0 in range(0, NK, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        p = tl.load(p_base + offs * spk, mask=offs < NK, other=_INVALID)
+        total += tl.sum(tl.where(p >= 0.0, p, 0.0), axis=0)
+    return tl.maximum(total, _EPS)
+
+
+@triton.jit
+def _loss_kernel(
+    qi_ptr, w_ptr, ki_ptr, idx_ptr, p_ptr, kl_ptr, lse_ptr, psum_ptr,
+    T, NK, H, D,
+    sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, sib, sit, sik, spb, spt, spk, srb, srt,
+    RELU: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, ONE_PASS: tl.constexpr = False,
+):
+    """Row KL(p / sum p || softmax(s)) over the valid slots; p normalized in place.
+
+    s_j = sum_h w_h act(q_h . k_index[idx_j]). Pass 1: log-sum-exp of s and sum of p; pass 2:
+    recompute s (cheaper than keeping it) and sum pn * (log max(pn, eps) - (s - lse)).
+    Writes the row's KL, lse (0 for an empty row) and sum of the normalized target.
+    ONE_PASS: sum p first (no gather), then one gathered pass with an online log-sum-exp;
+    KL = sum pn log pn - sum pn (s - c) + (lse - c) sum pn, c the first valid tile's max.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // T
+    t = pid % T
+    q, w, offs_h, offs_d = _load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd,
+                                             swb, swt, swh, BLOCK_H, D_PAD)
+    k_base = ki_ptr + b * skb
+    idx_base = idx_ptr + b * sib + t * sit
+    p_base = p_ptr + b * spb + t * spt
 
     kl = tl.zeros([], tl.float32)
     psum = tl.zeros([], tl.float32)
-    for n0 in range(0, NK, BLOCK_N):
-        rows, valid, p, p_ptrs = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
-        _, _, _, s = _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
-                                   PRECISION)
-        pn = tl.where(valid, p / den, 0.0)
-        term = pn * (tl.log(tl.maximum(pn, _EPS)) - (s - lse))
-        kl += tl.sum(tl.where(valid, term, 0.0), axis=0)
-        psum += tl.sum(pn, axis=0)
-        tl.store(p_ptrs, pn, mask=valid)
+    if ONE_PASS:
+        den = _target_sum(p_base, spk, NK, BLOCK_N)
+        m_i = tl.full([], float("-inf"), tl.float32)
+        l_i = tl.zeros([], tl.float32)
+        # Reference shift c (natural log): keeps sum pn s and lse sum pn from cancelling at
+        # large scores; the first tile with a valid slot sets it (no pn > 0 before it).
+        c = tl.zeros([], tl.float32)
+        plogp = tl.zeros([], tl.float32)
+        ps = tl.zeros([], tl.float32)
+        for n0 in range(0, NK, BLOCK_N):
+            rows, valid, p, p_ptrs = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
+            _, _, _, s = _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
+                                       PRECISION)
+            s2 = tl.where(valid, s * LOG2E_JIT, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s2, axis=0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(s2 - m_use), axis=0)
+            c = tl.where(m_i == float("-inf"), m_use * LN2_JIT, c)
+            m_i = m_new
+            pn = tl.where(valid, p / den, 0.0)
+            plogp += tl.sum(tl.where(valid, pn * tl.log(tl.maximum(pn, _EPS)), 0.0), axis=0)
+            ps += tl.sum(tl.where(valid, pn * (s - c), 0.0), axis=0)
+            psum += tl.sum(pn, axis=0)
+            tl.store(p_ptrs, pn, mask=valid)
+        nonempty = l_i > 0.0
+        lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_JIT, 0.0)
+        kl = plogp - ps + tl.where(nonempty, lse - c, 0.0) * psum
+    else:
+        lse, den = _row_stats(q, w, k_base, sks, skd, idx_base, sik, p_base, spk, offs_d, NK,
+                              D, RELU, BLOCK_N, PRECISION)
+        for n0 in range(0, NK, BLOCK_N):
+            rows, valid, p, p_ptrs = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
+            _, _, _, s = _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
+                                       PRECISION)
+            pn = tl.where(valid, p / den, 0.0)
+            term = pn * (tl.log(tl.maximum(pn, _EPS)) - (s - lse))
+            kl += tl.sum(tl.where(valid, term, 0.0), axis=0)
+            psum += tl.sum(pn, axis=0)
+            tl.store(p_ptrs, pn, mask=valid)
     row = b * srb + t * srt
     tl.store(kl_ptr + row, kl)
     tl.store(lse_ptr + row, lse)
     tl.store(psum_ptr + row, psum)
+
+
+@triton.jit
+def _grad_step(q, w, dq, dw, rows, valid, pn, lse, psum, g_scale, k_base, sks, skd, offs_d, D,
+               dk_base, sdks, sdkd, d_mask, rm_base, fx_base, srms,
+               RELU: tl.constexpr, PRECISION: tl.constexpr, MODE: tl.constexpr):
+    """One key tile of the backward: dq and dw accumulated, dk rows added by MODE; also the
+    tile's recomputed scores s (the fused row pass's KL needs them)."""
+    kt, logits, act, s = _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
+                                       PRECISION)
+    # -inf at invalid slots: their s is from a zeroed key row and exp(s - lse) could overflow.
+    prob = tl.exp(tl.where(valid, s - lse, float("-inf")))
+    g = tl.where(valid, (prob * psum - pn) * g_scale, 0.0)
+    dw += tl.sum(act * g[None, :], axis=1)
+    g_l = w[:, None] * g[None, :]
+    if RELU:
+        g_l = tl.where(logits > 0.0, g_l, 0.0)  # ReLU'(0) = 0, as torch's
+    dq += tl.dot(g_l.to(kt.dtype), kt, input_precision=PRECISION)
+    dk_t = tl.dot(tl.trans(g_l).to(q.dtype), q, input_precision=PRECISION)
+    accumulate(dk_base + rows[:, None] * sdks + offs_d[None, :] * sdkd, dk_t, rows, valid,
+               d_mask, rm_base, fx_base, srms, MODE)
+    return dq, dw, s
 
 
 @triton.jit
@@ -326,25 +400,82 @@ def _bwd_kernel(
     dw = tl.zeros([BLOCK_H], tl.float32)
     for n0 in range(0, NK, BLOCK_N):
         rows, valid, pn, _ = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
-        kt, logits, act, s = _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D,
-                                           RELU, PRECISION)
-        # -inf at invalid slots: their s is from a zeroed key row and exp(s - lse) could overflow.
-        prob = tl.exp(tl.where(valid, s - lse, float("-inf")))
-        g = tl.where(valid, (prob * psum - pn) * g_scale, 0.0)
-        dw += tl.sum(act * g[None, :], axis=1)
-        g_l = w[:, None] * g[None, :]
-        if RELU:
-            g_l = tl.where(logits > 0.0, g_l, 0.0)  # ReLU'(0) = 0, as torch's
-        dq += tl.dot(g_l.to(kt.dtype), kt, input_precision=PRECISION)
-        dk_t = tl.dot(tl.trans(g_l).to(q.dtype), q, input_precision=PRECISION)
-        accumulate(dk_base + rows[:, None] * sdks + offs_d[None, :] * sdkd, dk_t, rows, valid,
-                    d_mask, rm_base, fx_base, srms, MODE)
+        dq, dw, _ = _grad_step(q, w, dq, dw, rows, valid, pn, lse, psum, g_scale, k_base, sks,
+                               skd, offs_d, D, dk_base, sdks, sdkd, d_mask, rm_base, fx_base,
+                               srms, RELU, PRECISION, MODE)
     if MODE != 1:  # the row-max pass of the deterministic mode writes only its maxima
-        h_mask = offs_h < H
-        tl.store(dq_ptr + b * sdqb + t * sdqt + offs_h[:, None] * sdqh + offs_d[None, :] * sdqd,
-                 dq.to(dq_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask)
-        tl.store(dw_ptr + b * sdwb + t * sdwt + offs_h * sdwh, dw.to(dw_ptr.dtype.element_ty),
-                 mask=h_mask)
+        _store_row_grads(dq_ptr, dw_ptr, dq, dw, b, t, offs_h, offs_d, H, d_mask, sdqb, sdqt,
+                         sdqh, sdqd, sdwb, sdwt, sdwh)
+
+
+@triton.jit
+def _store_row_grads(dq_ptr, dw_ptr, dq, dw, b, t, offs_h, offs_d, H, d_mask, sdqb, sdqt, sdqh,
+                     sdqd, sdwb, sdwt, sdwh):
+    h_mask = offs_h < H
+    tl.store(dq_ptr + b * sdqb + t * sdqt + offs_h[:, None] * sdqh + offs_d[None, :] * sdqd,
+             dq.to(dq_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask)
+    tl.store(dw_ptr + b * sdwb + t * sdwt + offs_h * sdwh, dw.to(dw_ptr.dtype.element_ty),
+             mask=h_mask)
+
+
+@triton.jit
+def _rows_bwd_kernel(
+    qi_ptr, w_ptr, ki_ptr, idx_ptr, p_ptr, kl_ptr, lse_ptr, psum_ptr, grad_ptr, coeff,
+    dq_ptr, dw_ptr, dk_ptr, rowmax_ptr, scale_ptr,
+    T, NK, H, D,
+    sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, sib, sit, sik, spb, spt, spk, srb, srt,
+    sdqb, sdqt, sdqh, sdqd, sdwb, sdwt, sdwh, sdkb, sdks, sdkd, srmb, srms,
+    RELU: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, MODE: tl.constexpr,
+):
+    """`_loss_kernel` and `_bwd_kernel` of one row in one program, when the gradient is known.
+
+    Pass 1 (`_row_stats`): lse and the target's sum; a p-only pass: sum of pn; pass 2: the
+    backward's tile step, whose recomputed scores also give the KL terms (the loss kernel's
+    second pass). Writes what both kernels write (kl, lse, psum, pn in p, the gradients).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // T
+    t = pid % T
+    q, w, offs_h, offs_d = _load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd,
+                                             swb, swt, swh, BLOCK_H, D_PAD)
+    k_base = ki_ptr + b * skb
+    idx_base = idx_ptr + b * sib + t * sit
+    p_base = p_ptr + b * spb + t * spt
+    lse, den = _row_stats(q, w, k_base, sks, skd, idx_base, sik, p_base, spk, offs_d, NK, D,
+                          RELU, BLOCK_N, PRECISION)
+    # The gradient needs sum(pn) before its first tile: the sum the loss kernel takes in its
+    # second pass, in the same tile order.
+    psum = tl.zeros([], tl.float32)
+    for n0 in range(0, NK, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        p = tl.load(p_base + offs * spk, mask=offs < NK, other=_INVALID)
+        psum += tl.sum(tl.where(p >= 0.0, p / den, 0.0), axis=0)
+
+    g_scale = tl.load(grad_ptr).to(tl.float32) * coeff
+    dk_base = dk_ptr + b * sdkb
+    rm_base = rowmax_ptr + b * srmb
+    fx_base = scale_ptr + b * srmb
+    d_mask = offs_d[None, :] < D
+    dq = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+    dw = tl.zeros([BLOCK_H], tl.float32)
+    kl = tl.zeros([], tl.float32)
+    for n0 in range(0, NK, BLOCK_N):
+        rows, valid, p, p_ptrs = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
+        pn = tl.where(valid, p / den, 0.0)
+        dq, dw, s = _grad_step(q, w, dq, dw, rows, valid, pn, lse, psum, g_scale, k_base, sks,
+                               skd, offs_d, D, dk_base, sdks, sdkd, d_mask, rm_base, fx_base,
+                               srms, RELU, PRECISION, MODE)
+        term = pn * (tl.log(tl.maximum(pn, _EPS)) - (s - lse))
+        kl += tl.sum(tl.where(valid, term, 0.0), axis=0)
+        tl.store(p_ptrs, pn, mask=valid)
+    row = b * srb + t * srt
+    tl.store(kl_ptr + row, kl)
+    tl.store(lse_ptr + row, lse)
+    tl.store(psum_ptr + row, psum)
+    if MODE != 1:
+        _store_row_grads(dq_ptr, dw_ptr, dq, dw, b, t, offs_h, offs_d, H, d_mask, sdqb, sdqt,
+                         sdqh, sdqd, sdwb, sdwt, sdwh)
 
 
 # --------------------------------------------------------------------------- launch wrappers
@@ -365,11 +496,14 @@ def _launch(kernel, grid, args, const, tilings: Tilings, num_warps, key,
                          key + (tilings,), "indexer-loss")
 
 
-def _index_geometry(q_index):
+def _index_geometry(q_index, num_warps=None):
+    """The loss and backward kernels' constexprs and warps (num_warps: the options' override
+    or None)."""
     H, D = q_index.shape[2], q_index.shape[3]
     block_h = max(MIN_DOT, triton.next_power_of_2(H))
     d_pad = max(MIN_DOT, triton.next_power_of_2(D))
-    num_warps = 8 if block_h * d_pad >= WIDE_TILE else 4  # 8 once the resident tile is large
+    if num_warps is None:
+        num_warps = 8 if block_h * d_pad >= WIDE_TILE else 4  # 8 once the resident tile is large
     return dict(BLOCK_H=block_h, D_PAD=d_pad, PRECISION=dot_precision(q_index.dtype)), num_warps
 
 
@@ -428,8 +562,8 @@ def indexer_loss_rows(q_index, weights, k_index, indices, p, relu,
     NK = indices.shape[-1]
     kl, lse, psum = (torch.empty((B, T), device=q_index.device, dtype=torch.float32)
                      for _ in range(3))
-    const, num_warps = _index_geometry(q_index)
-    const["RELU"] = relu
+    const, num_warps = _index_geometry(q_index, options.loss_num_warps)
+    const.update(RELU=relu, ONE_PASS=options.loss_one_pass)
     args = (q_index, weights, k_index, indices, p, kl, lse, psum, T, NK, H, D,
             *q_index.stride(), *weights.stride(), *k_index.stride(), *indices.stride(),
             *p.stride(), *kl.stride())
@@ -452,8 +586,10 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
                          dtype=torch.int64 if deterministic else torch.float32)
     rowmax = torch.zeros((B, S), device=dev, dtype=torch.float32) if deterministic else lse
     grad = grad.detach().reshape(1).to(device=dev, dtype=torch.float32)
-    const, num_warps = _index_geometry(q_index)
+    const, num_warps = _index_geometry(q_index, options.bwd_num_warps)
     const["RELU"] = relu
+    if options.bwd_maxnreg is not None:  # a launch option, passed with the constexprs
+        const["maxnreg"] = options.bwd_maxnreg
 
     def run(mode, scale):
         args = (q_index, weights, k_index, indices, p, lse, psum, grad, coeff, dq, dw, dk_acc,
@@ -473,6 +609,51 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
     run(MODE_FIXED, scale)
     dk = torch.ldexp(dk_acc.double(), -exp.unsqueeze(-1)).to(k_index.dtype)
     return dq, dw, dk
+
+
+def indexer_loss_rows_bwd(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor,
+                          indices: torch.Tensor, p: torch.Tensor, grad: torch.Tensor,
+                          coeff: float, relu: bool, deterministic: bool = False,
+                          options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`indexer_loss_rows` then `indexer_loss_bwd` (the row KL fp32 [B, T] and the gradients),
+    for a caller that has the loss's gradient when it needs the rows: one launch, two gathered
+    passes over a row instead of three (the deterministic mode adds its fixed-point pass)."""
+    B, T, H, D = q_index.shape
+    S = k_index.shape[1]
+    NK = indices.shape[-1]
+    dev = q_index.device
+    kl, lse, psum = (torch.empty((B, T), device=dev, dtype=torch.float32) for _ in range(3))
+    dq = torch.empty(q_index.shape, device=dev, dtype=q_index.dtype)
+    dw = torch.empty(weights.shape, device=dev, dtype=weights.dtype)
+    dk_acc = torch.zeros((B, S, D), device=dev,
+                         dtype=torch.int64 if deterministic else torch.float32)
+    rowmax = torch.zeros((B, S), device=dev, dtype=torch.float32) if deterministic else lse
+    grad = grad.detach().reshape(1).to(device=dev, dtype=torch.float32)
+    const, num_warps = _index_geometry(q_index, options.bwd_num_warps)
+    const.update(RELU=relu, MODE=MODE_ROWMAX if deterministic else MODE_ATOMIC)
+    if options.bwd_maxnreg is not None:
+        const["maxnreg"] = options.bwd_maxnreg
+    args = (q_index, weights, k_index, indices, p, kl, lse, psum, grad, coeff, dq, dw, dk_acc,
+            rowmax, rowmax, T, NK, H, D, *q_index.stride(), *weights.stride(),
+            *k_index.stride(), *indices.stride(), *p.stride(), *kl.stride(), *dq.stride(),
+            *dw.stride(), *dk_acc.stride(), *rowmax.stride())
+    _launch(_rows_bwd_kernel, (B * T,), args, const, options.index_tilings, num_warps,
+            ("rows_bwd", q_index.dtype, k_index.dtype, tuple(sorted(const.items()))), options)
+    if not deterministic:
+        return kl, dq, dw, dk_acc.to(k_index.dtype)
+    # p now holds the normalized target, lse and psum the row statistics: the plain backward's
+    # fixed-point pass (with the row maxima just taken) completes the gradients.
+    scale, exp = fixed_point_scale(rowmax, T)
+    args = (q_index, weights, k_index, indices, p, lse, psum, grad, coeff, dq, dw, dk_acc,
+            rowmax, scale, T, NK, H, D, *q_index.stride(), *weights.stride(),
+            *k_index.stride(), *indices.stride(), *p.stride(), *lse.stride(), *dq.stride(),
+            *dw.stride(), *dk_acc.stride(), *rowmax.stride())
+    c = dict(const, MODE=MODE_FIXED)
+    _launch(_bwd_kernel, (B * T,), args, c, options.index_tilings, num_warps,
+            ("bwd", q_index.dtype, k_index.dtype, tuple(sorted(c.items()))), options)
+    dk = torch.ldexp(dk_acc.double(), -exp.unsqueeze(-1)).to(k_index.dtype)
+    return kl, dq, dw, dk
 
 
 class IndexerKLLossFunction(torch.autograd.Function):

@@ -332,6 +332,48 @@ class IndexerLossKernelOptions:
     # Keys per step forced for every kernel, one stage (tests); None: the first tiling above
     # that fits.
     block_n: int | None = None
+    # The variants below: compiled for sm_90a (2026-12-04, Triton 3.6, 64 keys x 2 stages,
+    # `inspect_sm90.py --preset indexer-loss-glm51-index ...`; counts are SASS instructions a
+    # thread per 64-key tile, x warps = per program). GLM-5.1 (32 x 128) default: row pass 4
+    # warps, 92 registers, pass 1 408 + pass 2 505; backward 4 warps, 255 registers (8 / 4 B
+    # spilled), 1048 (16 REDG.E.ADD.F32x4, 2 HGMMA, 64 HMMA, 9 BAR: dk's tile goes through
+    # shared memory to reach 4-wide atomics), so an SM holds 2 backward programs (8 warps).
+    # V3.2 (64 x 128): row pass 716 + 1098, backward 1386 at 255 registers (20 / 12 B spilled).
+    #
+    # Warps a program of the backward kernel (and of the fused row pass + backward); None: 4,
+    # or 8 once the resident [heads x D] tile is large (`indexer_loss._index_geometry`). GLM-5.1
+    # at 8: 166 registers, no spill, 539 a tile (x 8 warps: 4312 against 4192), still 1 program
+    # (8 warps) an SM; V3.2 at 8: 201 registers, 1095 (8760 against 5544). Untimed.
+    bwd_num_warps: int | None = None
+    # The same for the loss row pass (GLM-5.1 at 8: 324 + 411, 80 registers). Untimed.
+    loss_num_warps: int | None = None
+    # Registers a thread at most for the backward kernel (and the fused one), ptxas's
+    # .maxnreg, passed as a launch option; None: the compiler's choice. Why: occupancy. GLM-5.1
+    # with 8 warps at 128: 126 registers, no spill, 585 a tile (4680 a program against 4192),
+    # and 2 programs (16 warps) an SM instead of 8 warps: the gathers' and atomics' latency
+    # has twice the warps to hide behind. 4 warps at 168: 108 / 100 B spilled, 23 local loads
+    # a tile (3 programs an SM). Untimed.
+    bwd_maxnreg: int | None = None
+    # The loss row pass in one gathered pass instead of two: sum p first (p alone, no gather),
+    # then one pass that takes the online log-sum-exp and sum pn log pn, sum pn (s - c) (c the
+    # first valid tile's max), KL = sum pn log pn - sum pn (s - c) + (lse - c) sum pn. p's
+    # normalized values, lse and sum pn are the default's bitwise under the interpreter (the
+    # same sums in the same order), so the gradients too; the KL to fp32 rounding (another
+    # association). For `indexer_kl_loss`'s forward (the fused path below doesn't use it).
+    # Compiled: GLM-5.1 537 a tile once (against 408 + 505 in two gathered passes), 86
+    # registers. Untimed.
+    loss_one_pass: bool = False
+    # Where the loss's gradient is known when its rows run (the attention backward that emits
+    # the target, `attention_indexer_loss.py`): the row pass and the backward as one kernel
+    # (`indexer_loss.indexer_loss_rows_bwd`): pass 1 (lse, target sum), a p-only pass (sum pn),
+    # pass 2 the backward's tile step, whose recomputed scores also give the KL terms. Two
+    # gathered passes over a row instead of three and one launch fewer. Bitwise the separate
+    # kernels under the interpreter (every sum in the same order; dk to the atomics' order, or
+    # bitwise in the deterministic mode). Compiled: GLM-5.1 4 warps 416 + 1378 a tile (7176 a
+    # program against 7844 for the two kernels), 255 registers, 28 / 16 B spilled; with 8 warps
+    # and bwd_maxnreg 128, 329 + 740 (8552), 60 B spilled, 16 warps an SM. V3.2 at 4 warps
+    # spills 248 / 260 B (61 local loads a tile): likely slower there. Untimed.
+    fused_rows_bwd: bool = False
 
     DEFAULT: ClassVar[IndexerLossKernelOptions]
 
