@@ -446,6 +446,8 @@ def loss_variant_sweep(shapes, Ts, names, deterministic, warmup, reps, out_dir):
             meta["results"].append(entry)
             with open(path, "w") as fh:
                 json.dump(meta, fh, indent=1)
+            save_record("bench_indexer_loss_variants", "-".join(shapes), meta["results"],
+                        matmul=mm, copy=float("nan"), extra={"variants": meta["variants"]})
             del x, idx
             torch.cuda.empty_cache()
     log(f"wrote {path}")

@@ -70,6 +70,11 @@
 #                                         # tests on CUDA, then the select kernel with each at
 #                                         # 16K and 128K (folded, V3.2), the row write alone
 #                                         #                                            (~3 min)
+#   bash scripts/gpu_session.sh loss-variants  # issue #20: the indexer loss's row-pass and
+#                                         # backward variants (IndexerLossKernelOptions) at 32K
+#                                         # and 128K, GLM-5.1 and V3.2; the dense (warm-up)
+#                                         # loss's GPU tests and its Triton path against the
+#                                         # reference, 4K-16K                       (~5 min)
 #   bash scripts/gpu_session.sh selection-variants  # issue #21: HyTopK's untimed variants
 #                                         # (heads on M, scan slots) and the folded no-ReLU
 #                                         # kernel's row blocks, at 128K (~5 min)
@@ -152,12 +157,13 @@ shift || true
 case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
-  |accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort) ;;
+  |accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort|loss-variants) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
-       "|accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort}" \
+       "|accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort" \
+       "|loss-variants}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -182,10 +188,13 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
   export PYTHONPATH=$(pwd)/.carry/site:$(pwd)/.carry/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 fi
 case "$stage" in
-  cudnn-*|tilelang-kernels)
-    [ -d .carry/site/nvidia_cutlass_dsl ] || {
-      echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" >&2
-      exit 2; }
+  cudnn-*|tilelang-kernels|row-sort|loss-variants)
+    case "$stage" in cudnn-*|tilelang-kernels)
+      [ -d .carry/site/nvidia_cutlass_dsl ] || {
+        echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
+          >&2
+        exit 2; } ;;
+    esac
     # The device tool brings back 8 files, 2 folders deep: the stage packs its folder at the end.
     pack=${OUT:-outputs/gpu_session}/$stage.tgz
     out=/tmp/gpu_session/$stage
@@ -503,7 +512,6 @@ case "$stage" in
   row-sort)
     # Issue #21: the in-kernel row sort's variants (HyTopKOptions.row_sort), bit-identical rows
     # by their tests; then timed in the select kernel and alone. Records in $out/results.
-    export HYSCALE_RESULTS=$out/results
     timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_hytopk_row_sort.py \
       > "$out/tests.log" 2>&1
     echo "tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
@@ -514,6 +522,19 @@ case "$stage" in
     timeout 90 python3 scripts/bench_selection.py --row-sort-micro --T 131072 --reps 5 \
       --tag _rowsort --out "$out" 2>&1 | grep -v -i warn | tail -8 \
       | tee "$out/bench_row_sort_micro.log"
+    ;;
+  loss-variants)
+    # Issue #20: IndexerLossKernelOptions' variants beside the default (each one's largest
+    # difference from it recorded), then the dense loss's Triton path. Records in $out/results.
+    timeout 240 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 v32 \
+      --variants fused warps8_r128 fused_warps8_r128 one_pass one_pass_fused_warps8_r128 \
+      --out "$out" 2>&1 | grep -v -i warn | grep -E "T=|Error|failed" \
+      | tee "$out/bench_indexer_loss_variants.log"
+    timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+      tests/ops/test_indexer_loss_dense_triton.py > "$out/tests_dense.log" 2>&1
+    echo "dense tests rc=$?: $(verdict "$out/tests_dense.log")" | tee "$out/summary.txt"
+    timeout 150 python3 scripts/bench_indexer_loss_dense.py --deterministic 2>&1 \
+      | grep -v -i warn | tail -12 | tee "$out/bench_indexer_loss_dense.log"
     ;;
   selection-variants)
     # Issue #21: the HyTopK variants no GPU has timed (heads on M, scan slots, the folded
