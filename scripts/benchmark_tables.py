@@ -65,14 +65,87 @@ def selection(records):
                      f"{same} |")
     if any(r.get("reps") == 1 for r in records):
         lines.append("\n\\* a single first call (over 2 s), no median: it may hold JIT compiles")
-    return lines + fp8_selection(records)
+    return lines + kernel_variants(records) + fp8_selection(records)
+
+
+# bench_selection methods the two tables above show; any other hytopk_* method is a variant.
+SHOWN_METHODS = {"hytopk", "hytopk_fp8", "hytopk_fp8_promote32"}
+
+
+def kernel_variants(records):
+    """HyTopK's kernel variants (hytopk_* methods, HyTopKOptions) beside the default of the same
+    run: time, its ratio to the default, and whether every row equals the default's."""
+    by = {(r["config"], r["T"], r["method"]): r for r in records if "method" in r}
+    methods = list(dict.fromkeys(m for _, _, m in by
+                                 if m.startswith("hytopk_") and m not in SHOWN_METHODS))
+    if not methods:
+        return []
+    lines = ["", "| config | T | HyTopK ms | " + " | ".join(f"{m} ms (speed-up, rows equal)"
+                                                         for m in methods) + " |",
+             "|---" * (3 + len(methods)) + "|"]
+    for cfg, T in sorted({(c, T) for c, T, _ in by}):
+        base = (by.get((cfg, T, "hytopk")) or {}).get("ms")
+        cells = []
+        for m in methods:
+            r = by.get((cfg, T, m)) or {}
+            same = {True: "yes", False: "NO"}.get(r.get("same_as_hytopk"), "-")
+            cells.append(f"{fmt(r.get('ms'))} ({ratio(r.get('ms'), base)}, {same})")
+        lines.append(f"| {cfg} | {T} | {fmt(base)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def row_sort_micro(records):
+    """bench_selection --row-sort-micro: the row output alone per HyTopKOptions.row_sort, and
+    torch.sort of the same keys."""
+    lines = ["| method | rows x topk | ms | same as the default |", "|---" * 4 + "|"]
+    for r in records:
+        same = {True: "yes", False: "NO"}.get(r.get("same_as_default"), "-")
+        lines.append(f"| {r['method']} | {r['rows']} x {r['topk']} | {fmt(r['ms'], '.2f')} | "
+                     f"{same} |")
+    return lines
+
+
+def indexer_loss_variants(records):
+    """bench_indexer_loss --variants: the row pass, the backward kernel and both (or the fused
+    kernel) per IndexerLossKernelOptions variant beside the default of the same run."""
+    names = list(dict.fromkeys(k for r in records for k in r if k not in ("shape", "T")))
+    lines = ["| shape | T | variant | row pass ms | backward ms | both ms (speed-up) | KL rel."
+             " diff | dk max diff |", "|---" * 8 + "|"]
+    for r in sorted(records, key=lambda r: (r["shape"], r["T"])):
+        base = r["default"]["rows_bwd_ms"]
+        for n in names:
+            v = r.get(n)
+            if not isinstance(v, dict):
+                lines.append(f"| {r['shape']} | {r['T']} | {n} | {v or '-'} | | | | |")
+                continue
+            lines.append(f"| {r['shape']} | {r['T']} | {n} | {fmt(v['rows_ms'])} | "
+                         f"{fmt(v['bwd_kernel_ms'])} | {fmt(v['rows_bwd_ms'])} "
+                         f"({ratio(v['rows_bwd_ms'], base)}) | "
+                         f"{fmt(v.get('kl_sum_rel_diff'), '.1e')} | "
+                         f"{fmt(v.get('dk_max_abs_diff'), '.1e')} |")
+    return lines
+
+
+def indexer_loss_dense(records):
+    """bench_indexer_loss_dense: the dense (warm-up) loss, Triton against the reference."""
+    lines = ["| shape | T | Triton fwd + bwd ms (GiB) | / matmul | reference fwd + bwd ms (GiB) |"
+             " Triton speed-up | loss rel. diff | k_index grad rel. L2 |", "|---" * 8 + "|"]
+    for r in sorted(records, key=lambda r: (r["shape"], r["T"])):
+        t, ref, acc = r.get("triton") or {}, r.get("reference") or {}, r.get("accuracy") or {}
+        lines.append(f"| {r['shape']} | {r['T']} | {fmt(t.get('fwd_bwd_ms'))} "
+                     f"({fmt(t.get('peak_gib'), '.2f')}) | {fmt(r.get('frac_matmul'), '.0%')} | "
+                     f"{fmt(ref.get('fwd_bwd_ms'))} ({fmt(ref.get('peak_gib'), '.2f')}) | "
+                     f"{ratio(t.get('fwd_bwd_ms'), ref.get('fwd_bwd_ms'))} | "
+                     f"{fmt(acc.get('loss_rel'), '.1e')} | "
+                     f"{fmt(acc.get('k_index_rel_l2'), '.1e')} |")
+    return lines
 
 
 def fp8_selection(records):
     """HyTopK's fp8 selection beside the bf16 one, per input kind (random and trained-like):
     time against the bf16 GEMM floor (issue #21's goal: 0.65x at 128K) and the share of the
     bf16 selection it keeps. No lines for a record without fp8 rows."""
-    by = {(r["inputs"], r["config"], r["T"], r["method"]): r for r in records}
+    by = {(r["inputs"], r["config"], r["T"], r["method"]): r for r in records if "inputs" in r}
     keys = sorted({(i, c, T) for i, c, T, m in by if m == "hytopk_fp8"})
     if not keys:
         return []
@@ -244,9 +317,12 @@ def bwd_sweep(records):
 
 
 # A record's script is matched in this order: bench_attention_bwd_sweep before bench_attention,
-# whose --tag'd records (bench_attention_<tag>) it would otherwise take.
-RENDER = {"bench_selection": selection, "bench_attention_bwd_sweep": bwd_sweep,
-          "bench_attention": attention, "bench_indexer_loss": indexer_loss}
+# whose --tag'd records (bench_attention_<tag>) it would otherwise take; the same for
+# bench_selection_row_sort and the bench_indexer_loss_* records.
+RENDER = {"bench_selection_row_sort": row_sort_micro, "bench_selection": selection,
+          "bench_attention_bwd_sweep": bwd_sweep, "bench_attention": attention,
+          "bench_indexer_loss_variants": indexer_loss_variants,
+          "bench_indexer_loss_dense": indexer_loss_dense, "bench_indexer_loss": indexer_loss}
 WITH_META = {"bench_layer": layer, "accuracy": accuracy}
 
 

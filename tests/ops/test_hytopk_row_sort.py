@@ -24,7 +24,7 @@ from megatron_hyscale.ops.kernels.options import HyTopKOptions  # noqa: E402
 from megatron_hyscale.ops.reference import order_key  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-VARIANTS = [v for v in kernel.ROW_SORTS if v != HyTopKOptions.DEFAULT.row_sort]
+VARIANTS = [v for v in kernel.ROW_SORTS if v != "bitonic"]  # against Triton's tl.sort
 
 
 def options(row_sort, **fields):
@@ -143,7 +143,10 @@ def test_select_kernel_unordered_ignores_row_sort(row_sort):
                            k_positions=kpos, ordered=False,
                            options=options(rs, block_n=16, num_programs=2))
             for rs in ("bitonic", row_sort)]
-    assert_same(outs[1], outs[0])
+    # unordered rows come in the atomic slots' order, which varies run to run on a GPU: the
+    # same sets, each row's keys in any order
+    assert_same(*(tuple(t.sort(dim=-1).values for t in (o[0], o[1].view(torch.int32)))
+                  for o in outs))
 
 
 @pytest.mark.parametrize("sort_rows", [2, 8], ids=["2-of-4", "8-capped-at-4"])

@@ -157,14 +157,21 @@ class HyTopKOptions:
     # hytopk-norelu-sort-regs`, 2048 keys, 4 warps): the row write alone 8224 -> 6344 SASS
     # instructions (ISETP 2871 -> 2173, SEL 2800 -> 2577, SHFL 1344 -> 896, STS / LDS 224 ->
     # 104 each, BAR 21 -> 17, STG 8 -> 32); the folded query's select kernel 15608 -> 13184, tile
-    # loop unchanged (587). Untimed (`bench_selection.py --methods hytopk hytopk_sort_regs`,
-    # `--row-sort-micro`).
-    row_sort: str = "bitonic"
+    # loop unchanged (587). Timed on the H200 (2026-12-03, `bench_selection.py --methods hytopk
+    # hytopk_sort_regs`, rows bit-identical): the folded query at 128K 121.3 -> 106.5 ms, at 16K
+    # 11.4 -> 9.0 ms; V3.2's indexer at 128K 390.6 -> 384.9 ms; the row write alone on 131072
+    # rows (`--row-sort-micro`) 23.3 -> 13.1 ms (torch.sort of the same keys 14.8). Default
+    # since; "bitonic" is the previous kernel.
+    row_sort: str = "bitonic_regs"
     # Rows of a block whose output is written together, one [rows x topk] `tl.sort` (row_sort
     # "bitonic" only; at most the block's rows). A row's sort is one chain of 66 dependent
     # exchange steps (shuffles, shared memory, barriers) on 4 warps, so one row alone leaves the
-    # SM mostly waiting; several rows' chains run side by side. Untimed (`bench_selection.py
-    # --methods hytopk hytopk_sort_rows4`).
+    # SM mostly waiting; several rows' chains run side by side. Compiled for sm_90a (folded
+    # query, 32-row blocks): 2 rows double the row write's instructions a thread, tile loop
+    # unchanged; 4 rows spill into the tile loop (5 local loads a tile). Timed on the H200
+    # (2026-12-03, 2 rows, row_sort "bitonic"): no gain (folded 128K 121.3 -> 122.2 ms, V3.2
+    # 390.6 -> 386.2, folded 16K 11.39 -> 11.49): the other program on the SM already fills
+    # the wait. Kept for the record; ignored under "bitonic_regs" (1-D).
     sort_rows: int = 1
 
     DEFAULT: ClassVar[HyTopKOptions]
@@ -343,7 +350,9 @@ class IndexerLossKernelOptions:
     # Warps a program of the backward kernel (and of the fused row pass + backward); None: 4,
     # or 8 once the resident [heads x D] tile is large (`indexer_loss._index_geometry`). GLM-5.1
     # at 8: 166 registers, no spill, 539 a tile (x 8 warps: 4312 against 4192), still 1 program
-    # (8 warps) an SM; V3.2 at 8: 201 registers, 1095 (8760 against 5544). Untimed.
+    # (8 warps) an SM; V3.2 at 8: 201 registers, 1095 (8760 against 5544). Timed on the H200
+    # (2026-12-03, `bench_indexer_loss.py --variants`, 128K) with bwd_maxnreg 128: GLM-5.1's
+    # backward 91.8 -> 83.0 ms, V3.2's 102.7 -> 143.1 ms; so not a default for every shape.
     bwd_num_warps: int | None = None
     # The same for the loss row pass (GLM-5.1 at 8: 324 + 411, 80 registers). Untimed.
     loss_num_warps: int | None = None
@@ -352,7 +361,7 @@ class IndexerLossKernelOptions:
     # with 8 warps at 128: 126 registers, no spill, 585 a tile (4680 a program against 4192),
     # and 2 programs (16 warps) an SM instead of 8 warps: the gathers' and atomics' latency
     # has twice the warps to hide behind. 4 warps at 168: 108 / 100 B spilled, 23 local loads
-    # a tile (3 programs an SM). Untimed.
+    # a tile (3 programs an SM). Timed with bwd_num_warps 8 (above).
     bwd_maxnreg: int | None = None
     # The loss row pass in one gathered pass instead of two: sum p first (p alone, no gather),
     # then one pass that takes the online log-sum-exp and sum pn log pn, sum pn (s - c) (c the
@@ -361,8 +370,11 @@ class IndexerLossKernelOptions:
     # same sums in the same order), so the gradients too; the KL to fp32 rounding (another
     # association). For `indexer_kl_loss`'s forward (the fused path below doesn't use it).
     # Compiled: GLM-5.1 537 a tile once (against 408 + 505 in two gathered passes), 86
-    # registers. Untimed.
-    loss_one_pass: bool = False
+    # registers. Timed on the H200 (2026-12-03, `bench_indexer_loss.py --variants`, 128K): the
+    # row pass 37.9 -> 26.9 ms for GLM-5.1, 67.3 -> 31.7 ms for V3.2 (KL relative difference
+    # 6e-7, gradients as the default's); on by default since (also on the path where the
+    # attention backward emits the target, which runs the same row pass).
+    loss_one_pass: bool = True
     # Where the loss's gradient is known when its rows run (the attention backward that emits
     # the target, `attention_indexer_loss.py`): the row pass and the backward as one kernel
     # (`indexer_loss.indexer_loss_rows_bwd`): pass 1 (lse, target sum), a p-only pass (sum pn),
@@ -372,7 +384,9 @@ class IndexerLossKernelOptions:
     # bitwise in the deterministic mode). Compiled: GLM-5.1 4 warps 416 + 1378 a tile (7176 a
     # program against 7844 for the two kernels), 255 registers, 28 / 16 B spilled; with 8 warps
     # and bwd_maxnreg 128, 329 + 740 (8552), 60 B spilled, 16 warps an SM. V3.2 at 4 warps
-    # spills 248 / 260 B (61 local loads a tile): likely slower there. Untimed.
+    # spills 248 / 260 B (61 local loads a tile). Timed on the H200 (2026-12-03, 128K, row pass
+    # + backward): slower, GLM-5.1 129.5 -> 144.7 ms, V3.2 169.5 -> 179.3 ms (with 8 warps and
+    # bwd_maxnreg 128: 155.3 / 295.8). Off.
     fused_rows_bwd: bool = False
 
     DEFAULT: ClassVar[IndexerLossKernelOptions]

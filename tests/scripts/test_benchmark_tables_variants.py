@@ -1,0 +1,66 @@
+"""benchmark_tables' variant tables on CPU: HyTopK's kernel variants beside the default of the
+same run, the row-sort micro-benchmark, the indexer loss's variants and the dense loss, and
+which renderer a record's file name picks."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark_tables.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("benchmark_tables", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rows(lines):
+    table = [[c.strip() for c in line.strip("|").split("|")] for line in lines
+             if line.startswith("|") and not line.startswith("|---")]
+    return [dict(zip(table[0], r)) for r in table[1:]]
+
+
+def test_selection_variants_speed_up_and_equality():
+    tables = load()
+    base = {"config": "norelu", "T": 131072, "inputs": "random", "reps": 2, "floor_ms": 95.6}
+    records = [dict(base, method="hytopk", ms=121.3),
+               dict(base, method="hytopk_sort_regs", ms=106.5, same_as_hytopk=True),
+               dict(base, method="hytopk_sort_rows2", ms=122.2, same_as_hytopk=False)]
+    (row,) = rows(tables.kernel_variants(records))
+    assert row["HyTopK ms"] == "121.3"
+    assert row["hytopk_sort_regs ms (speed-up, rows equal)"] == "106.5 (1.14x, yes)"
+    assert row["hytopk_sort_rows2 ms (speed-up, rows equal)"] == "122.2 (0.99x, NO)"
+    assert tables.kernel_variants(records[:1]) == []  # no variant, no table
+    assert tables.selection(records)[-4:] == tables.kernel_variants(records)
+
+
+def test_loss_variants_and_dense_tables():
+    tables = load()
+    default = dict(rows_ms=37.9, bwd_kernel_ms=91.8, rows_bwd_ms=129.5)
+    one_pass = dict(rows_ms=26.9, bwd_kernel_ms=91.8, rows_bwd_ms=118.2, kl_sum_rel_diff=6.2e-7,
+                    dk_max_abs_diff=1.9e-9)
+    got = rows(tables.indexer_loss_variants([dict(shape="glm51", T=131072, default=default,
+                                                  one_pass=one_pass, fused="failed: x")]))
+    assert [r["variant"] for r in got] == ["default", "one_pass", "fused"]
+    assert got[1]["both ms (speed-up)"] == "118.2 (1.10x)"
+    assert got[2]["row pass ms"] == "failed: x"
+    dense = rows(tables.indexer_loss_dense([dict(
+        shape="glm51", T=4096, frac_matmul=0.11, triton=dict(fwd_bwd_ms=18.3, peak_gib=0.16),
+        reference=dict(fwd_bwd_ms=322.8, peak_gib=0.29), accuracy=dict(loss_rel=5.9e-7))]))
+    assert dense[0]["Triton speed-up"] == "17.64x"
+    assert dense[0]["reference fwd + bwd ms (GiB)"] == "322.8 (0.29)"
+
+
+def test_record_names_pick_their_renderer():
+    tables = load()
+    micro = rows(tables.row_sort_micro([dict(method="write_rows_bitonic", rows=8, topk=4,
+                                             ms=1.5, same_as_default=True)]))
+    assert micro[0]["same as the default"] == "yes"
+    order = list(tables.RENDER)
+    # the longer names first: a tagged bench_selection record would otherwise take them
+    assert order.index("bench_selection_row_sort") < order.index("bench_selection")
+    assert order.index("bench_indexer_loss_variants") < order.index("bench_indexer_loss")
+    assert order.index("bench_indexer_loss_dense") < order.index("bench_indexer_loss")
