@@ -372,9 +372,13 @@ class IndexerLossKernelOptions:
     # Compiled: GLM-5.1 537 a tile once (against 408 + 505 in two gathered passes), 86
     # registers. Timed on the H200 (2026-12-03, `bench_indexer_loss.py --variants`, 128K): the
     # row pass 37.9 -> 26.9 ms for GLM-5.1, 67.3 -> 31.7 ms for V3.2 (KL relative difference
-    # 6e-7, gradients as the default's); on by default since (also on the path where the
-    # attention backward emits the target, which runs the same row pass).
-    loss_one_pass: bool = True
+    # 6e-7 there, gradients as the default's). Off: the formula subtracts terms of order log K
+    # to get the KL, so a small KL loses digits (the tiny GPT test, KL 6e-6: 1.3e-3 relative
+    # against stock's, where the two passes add per-slot terms that are small themselves);
+    # gradients are bitwise either way. To keep the speed, the KL terms could come from the
+    # backward's recomputed scores where the loss is only read there (the attention-backward
+    # path).
+    loss_one_pass: bool = False
     # Where the loss's gradient is known when its rows run (the attention backward that emits
     # the target, `attention_indexer_loss.py`): the row pass and the backward as one kernel
     # (`indexer_loss.indexer_loss_rows_bwd`): pass 1 (lse, target sum), a p-only pass (sum pn),
