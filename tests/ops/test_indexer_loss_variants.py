@@ -228,3 +228,22 @@ def test_fused_rows_bwd_all_invalid_rows():
                                                 True, False, VARIANTS["fused"])
     for t in (kl, dq, dw, dk):
         assert not t.abs().any()
+
+
+def test_backward_launch_narrow_heads_default_and_overrides():
+    """Up to narrow_max_heads index heads the backward runs the narrow warps and register cap
+    (measured faster for GLM-5.1's 32 heads, slower for V3.2's 64); explicit options win."""
+    from megatron_hyscale.ops.kernels.indexer_loss import _bwd_launch
+
+    base = IndexerLossKernelOptions.DEFAULT
+    narrow, wide = torch.zeros(1, 4, 32, 128), torch.zeros(1, 4, 64, 128)
+    const, warps = _bwd_launch(narrow, base)
+    assert (warps, const["maxnreg"]) == (base.narrow_bwd_warps, base.narrow_bwd_maxnreg)
+    const, warps = _bwd_launch(wide, base)
+    assert warps == 4 and "maxnreg" not in const
+    const, warps = _bwd_launch(narrow, replace(base, bwd_num_warps=4))
+    assert warps == 4 and "maxnreg" not in const
+    const, warps = _bwd_launch(narrow, replace(base, bwd_maxnreg=168))
+    assert (warps, const["maxnreg"]) == (base.narrow_bwd_warps, 168)
+    const, warps = _bwd_launch(narrow, replace(base, narrow_max_heads=16))
+    assert warps == 4 and "maxnreg" not in const

@@ -507,6 +507,22 @@ def _index_geometry(q_index, num_warps=None):
     return dict(BLOCK_H=block_h, D_PAD=d_pad, PRECISION=dot_precision(q_index.dtype)), num_warps
 
 
+def _bwd_launch(q_index, options: IndexerLossKernelOptions):
+    """The backward kernels' constexprs (with Triton's `maxnreg` launch option when set) and
+    warps: the options' bwd_num_warps / bwd_maxnreg, else the narrow setting for at most
+    narrow_max_heads index heads, else `_index_geometry`'s."""
+    narrow = q_index.shape[2] <= options.narrow_max_heads
+    warps = options.bwd_num_warps
+    maxnreg = options.bwd_maxnreg
+    if warps is None and narrow:
+        warps = options.narrow_bwd_warps
+        maxnreg = options.narrow_bwd_maxnreg if maxnreg is None else maxnreg
+    const, num_warps = _index_geometry(q_index, warps)
+    if maxnreg is not None:  # a launch option, passed with the constexprs
+        const["maxnreg"] = maxnreg
+    return const, num_warps
+
+
 def _target_geometry(query, key, max_block_h):
     Hq, D = query.shape[2], query.shape[3]
     G = Hq // key.shape[2]
@@ -586,10 +602,8 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
                          dtype=torch.int64 if deterministic else torch.float32)
     rowmax = torch.zeros((B, S), device=dev, dtype=torch.float32) if deterministic else lse
     grad = grad.detach().reshape(1).to(device=dev, dtype=torch.float32)
-    const, num_warps = _index_geometry(q_index, options.bwd_num_warps)
+    const, num_warps = _bwd_launch(q_index, options)
     const["RELU"] = relu
-    if options.bwd_maxnreg is not None:  # a launch option, passed with the constexprs
-        const["maxnreg"] = options.bwd_maxnreg
 
     def run(mode, scale):
         args = (q_index, weights, k_index, indices, p, lse, psum, grad, coeff, dq, dw, dk_acc,
@@ -630,10 +644,8 @@ def indexer_loss_rows_bwd(q_index: torch.Tensor, weights: torch.Tensor, k_index:
                          dtype=torch.int64 if deterministic else torch.float32)
     rowmax = torch.zeros((B, S), device=dev, dtype=torch.float32) if deterministic else lse
     grad = grad.detach().reshape(1).to(device=dev, dtype=torch.float32)
-    const, num_warps = _index_geometry(q_index, options.bwd_num_warps)
+    const, num_warps = _bwd_launch(q_index, options)
     const.update(RELU=relu, MODE=MODE_ROWMAX if deterministic else MODE_ATOMIC)
-    if options.bwd_maxnreg is not None:
-        const["maxnreg"] = options.bwd_maxnreg
     args = (q_index, weights, k_index, indices, p, kl, lse, psum, grad, coeff, dq, dw, dk_acc,
             rowmax, rowmax, T, NK, H, D, *q_index.stride(), *weights.stride(),
             *k_index.stride(), *indices.stride(), *p.stride(), *kl.stride(), *dq.stride(),

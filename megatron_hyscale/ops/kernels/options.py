@@ -352,7 +352,8 @@ class IndexerLossKernelOptions:
     # at 8: 166 registers, no spill, 539 a tile (x 8 warps: 4312 against 4192), still 1 program
     # (8 warps) an SM; V3.2 at 8: 201 registers, 1095 (8760 against 5544). Timed on the H200
     # (2026-12-03, `bench_indexer_loss.py --variants`, 128K) with bwd_maxnreg 128: GLM-5.1's
-    # backward 91.8 -> 83.0 ms, V3.2's 102.7 -> 143.1 ms; so not a default for every shape.
+    # backward 91.8 -> 83.0 ms, V3.2's 102.7 -> 143.1 ms: the default for narrow heads only
+    # (narrow_* below).
     bwd_num_warps: int | None = None
     # The same for the loss row pass (GLM-5.1 at 8: 324 + 411, 80 registers). Untimed.
     loss_num_warps: int | None = None
@@ -363,6 +364,12 @@ class IndexerLossKernelOptions:
     # has twice the warps to hide behind. 4 warps at 168: 108 / 100 B spilled, 23 local loads
     # a tile (3 programs an SM). Timed with bwd_num_warps 8 (above).
     bwd_maxnreg: int | None = None
+    # Where both of the above are None: up to narrow_max_heads index heads the backward runs
+    # narrow_bwd_warps warps at narrow_bwd_maxnreg registers (the timing above: GLM-5.1's 32
+    # heads 91.8 -> 83.0 ms at 128K, V3.2's 64 slower); more heads keep `_index_geometry`'s.
+    narrow_max_heads: int = 32
+    narrow_bwd_warps: int = 8
+    narrow_bwd_maxnreg: int | None = 128
     # The loss row pass in one gathered pass instead of two: sum p first (p alone, no gather),
     # then one pass that takes the online log-sum-exp and sum pn log pn, sum pn (s - c) (c the
     # first valid tile's max), KL = sum pn log pn - sum pn (s - c) + (lse - c) sum pn. p's
