@@ -116,7 +116,9 @@ def main():
                                         "before writing anything.")
     ap.add_argument("--t", type=int, nargs="+", default=[4096, 8192, 16384],
                     help="sequence lengths T (queries = keys; default 4K, 8K, 16K)")
-    ap.add_argument("--shapes", nargs="+", default=["glm51"], choices=sorted(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=["glm51"], choices=sorted(SHAPES),
+                    help="model shapes: GLM-5.1 (32 index heads, 64 x 576 attention) and / or "
+                         "DeepSeek-V3.2 (64 index heads, 128 x 576; default: glm51)")
     ap.add_argument("--ref-max-t", type=int, default=16384,
                     help="longest T at which the reference is timed and compared")
     ap.add_argument("--deterministic", action="store_true",

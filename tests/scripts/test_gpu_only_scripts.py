@@ -70,6 +70,10 @@ GPU_ONLY = [
     ("bench_indexer_loss.py", []),
     ("bench_indexer_loss.py", ["--quick"]),
     ("bench_indexer_loss.py", ["--target-tilings", "32x2"]),
+    ("bench_indexer_loss.py", ["--variants", "all"]),
+    ("bench_indexer_loss_dense.py", []),
+    ("bench_indexer_loss_dense.py", ["--deterministic", "--tilings", "32x2"]),
+    ("bench_selection.py", ["--row-sort-micro"]),
     ("bench_layer.py", []),  # --device cuda is the default
     ("bench_layer.py", ["--stock-kernel-backend", "cudnn"]),
     ("check_cp.py", ["--device", "cuda"]),
@@ -80,7 +84,8 @@ GPU_ONLY = [
 LABEL = {"accuracy.py": "accuracy.py --device cuda",
          "bench_layer.py": "bench_layer.py --device cuda",
          "check_cp.py": "check_cp.py --device cuda"}
-NO_OUT = ("check_cudnn_backend.py",)  # writes nothing, has no --out
+# no --out: the first writes nothing, the second only its record (HYSCALE_RESULTS)
+NO_OUT = ("check_cudnn_backend.py", "bench_indexer_loss_dense.py")
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
