@@ -14,10 +14,8 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
   hytopk_scan_slots  HyTopK with the other candidate append (a CTA-wide test and prefix sum per
              tile instead of a slot per survivor from an atomic counter;
              HyTopKOptions.atomic_slots=False)
-  hytopk_sort_regs  HyTopK with HyTopKOptions.row_sort="bitonic_regs" (the in-kernel row sort
-             with its most used steps inside a thread); reports same_as_hytopk
-  hytopk_sort_rows2, hytopk_sort_rows4  HyTopK with HyTopKOptions.sort_rows=2 / 4 (a block's
-             rows sorted together, one 2-D sort); reports same_as_hytopk
+  hytopk_sort_bitonic  HyTopK with HyTopKOptions.row_sort="bitonic" (Triton's tl.sort, the
+             in-kernel row sort before "bitonic_regs"); reports same_as_hytopk
   hytopk_folded_fp32  relu=False only: the folded query as one fp32 head on tf32x3 products
              (HyTopKOptions.folded_parts=False) against the default's three bf16 parts
   hytopk_fp8  HyTopK with precision="fp8" (ops/fp8_quant.py): e4m3 q and k with per-token
@@ -163,7 +161,7 @@ ALL_T = [16384, 32768, 65536, 131072, 262144, 1048576]
 MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072,
          "hytopk_prune": 131072, "hytopk_heads_on_m": 131072, "scoreonly_heads_on_m": 131072,
          "hytopk_scan_slots": 131072, "hytopk_folded_fp32": 131072, "finish": 1048576,
-         "hytopk_sort_regs": 131072, "hytopk_sort_rows2": 131072, "hytopk_sort_rows4": 131072,
+         "hytopk_sort_bitonic": 131072,
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
@@ -336,16 +334,8 @@ def run_hytopk_heads_on_m(q, k, w, topk, relu):
     return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, keys_on_m=False))
 
 
-def run_hytopk_sort_regs(q, k, w, topk, relu):
-    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, row_sort="bitonic_regs"))
-
-
-def run_hytopk_sort_rows2(q, k, w, topk, relu):
-    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, sort_rows=2))
-
-
-def run_hytopk_sort_rows4(q, k, w, topk, relu):
-    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, sort_rows=4))
+def run_hytopk_sort_bitonic(q, k, w, topk, relu):
+    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, row_sort="bitonic"))
 
 
 def row_sort_micro(rows, topk, reps):
@@ -554,9 +544,7 @@ METHODS = {
     "hytopk_heads_on_m": run_hytopk_heads_on_m,
     "hytopk_scan_slots": run_hytopk_scan_slots,
     "hytopk_folded_fp32": run_hytopk_folded_fp32,
-    "hytopk_sort_regs": run_hytopk_sort_regs,
-    "hytopk_sort_rows2": run_hytopk_sort_rows2,
-    "hytopk_sort_rows4": run_hytopk_sort_rows4,
+    "hytopk_sort_bitonic": run_hytopk_sort_bitonic,
     "scoreonly": run_scoreonly,
     "scoreonly_heads_on_m": run_scoreonly_heads_on_m,
     "hytopk_fp8": run_hytopk_fp8,
@@ -585,8 +573,7 @@ COMPARED_METHODS = LIBRARY_METHODS + ("stock_tilelang",)
 # the methods that launch the HyTopK kernel (table-then-select's scoring pass included).
 WIDE_COMPILED = set()
 # The select variants, compared with the default kernel's outputs (same_as_hytopk).
-VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_sort_regs",
-                                                 "hytopk_sort_rows2", "hytopk_sort_rows4")
+VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_sort_bitonic")
 KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major",) + (
                   "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
                   "hytopk_folded_fp32",
@@ -887,8 +874,7 @@ VARIANT_COLUMNS = (("none ms", "hytopk_plain"), ("sort ms", "hytopk_sort"),
                    ("sample ms", "hytopk_sample"),
                    ("bounded ms", "hytopk_bounded"), ("all ms", "hytopk_select"),
                    ("all unordered ms", "hytopk_select_unordered"),
-                   ("sort regs ms", "hytopk_sort_regs"), ("sort rows2 ms", "hytopk_sort_rows2"),
-                   ("sort rows4 ms", "hytopk_sort_rows4"))
+                   ("tl.sort ms", "hytopk_sort_bitonic"))
 
 
 def variant_summary(records, kinds, configs, Ts):

@@ -66,7 +66,7 @@
 #                                         # the attention backward: GPU tests, the dQ kernel
 #                                         # with it against the target pass, the layer with
 #                                         # and without it (own kernels)          (~8 min)
-#   bash scripts/gpu_session.sh row-sort  # issue #21: HyTopKOptions.row_sort / sort_rows, their
+#   bash scripts/gpu_session.sh row-sort  # issue #21: HyTopKOptions.row_sort, its
 #                                         # tests on CUDA, then the select kernel with each at
 #                                         # 16K and 128K (folded, V3.2), the row write alone
 #                                         #                                            (~3 min)
@@ -516,7 +516,7 @@ case "$stage" in
       > "$out/tests.log" 2>&1
     echo "tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
     timeout 200 python3 scripts/bench_selection.py --T 16384 131072 --configs norelu dsv32 \
-      --reps 2 --methods hytopk hytopk_sort_regs hytopk_sort_rows2 hytopk_sort_rows4 \
+      --reps 2 --methods hytopk hytopk_sort_bitonic \
       --tag _rowsort --out "$out" 2>&1 | grep -v -i warn | tail -20 \
       | tee "$out/bench_selection_rowsort.log"
     timeout 90 python3 scripts/bench_selection.py --row-sort-micro --T 131072 --reps 5 \

@@ -438,11 +438,6 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-write-rows": lambda: _write_rows(2048),
     "hytopk-write-rows-regs": lambda: _write_rows(2048, row_sort="bitonic_regs"),
     "hytopk-norelu-sort-regs": lambda: _hytopk(32, 128, 2048, False, row_sort="bitonic_regs"),
-    # HyTopKOptions.sort_rows: a block's rows sorted together (folded query: 32-row blocks;
-    # V3.2's 64 heads: 2-row blocks).
-    "hytopk-norelu-sort-rows2": lambda: _hytopk(32, 128, 2048, False, sort_rows=2),
-    "hytopk-norelu-sort-rows4": lambda: _hytopk(32, 128, 2048, False, sort_rows=4),
-    "hytopk-dsv32-sort-rows2": lambda: _hytopk(64, 128, 2048, True, sort_rows=2),
     # A head dim below tl.dot's 16 (tests' tiny geometries): must still compile.
     "hytopk-tiny-head-dim": lambda: _hytopk(4, 8, 16, True, T=256),
     "sparse-attention-glm51": lambda: _sparse_attention(64, 1, 576, None, 2048),

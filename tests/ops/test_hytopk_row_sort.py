@@ -148,20 +148,3 @@ def test_select_kernel_unordered_ignores_row_sort(row_sort):
     assert_same(*(tuple(t.sort(dim=-1).values for t in (o[0], o[1].view(torch.int32)))
                   for o in outs))
 
-
-@pytest.mark.parametrize("sort_rows", [2, 8], ids=["2-of-4", "8-capped-at-4"])
-def test_rows_sorted_together_bitwise_equal(sort_rows):
-    """HyTopKOptions.sort_rows: a block's rows written in groups by one 2-D sort, the same rows
-    bit for bit as one at a time: ties in batch 2, fewer visible keys than topk, relu off, a
-    block that ends past T (13 rows in blocks of 4); only powers of two."""
-    cases = {name: case for name, *case in adversarial_cases()}
-    for name in ("ties_batch2", "relu_false", "fewer_visible_than_topk"):
-        q, k, w, topk, relu = cases[name]
-        want = run(q, k, w, topk, "bitonic", relu=relu, rows=4)
-        got = run(q, k, w, topk, "bitonic", relu=relu, rows=4, sort_rows=sort_rows)
-        assert_same(got, want, name)
-    q, k, w = int_inputs(2, 13, 40, 2, 8, seed=5)
-    got = run(q, k, w, 9, "bitonic", rows=4, sort_rows=sort_rows)
-    assert_same(got, hytopk(q, k, w, 9, backend="reference"), "13 rows vs reference")
-    with pytest.raises(ValueError, match="sort_rows"):
-        run(q, k, w, 9, "bitonic", sort_rows=3)

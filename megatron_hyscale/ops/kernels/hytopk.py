@@ -435,34 +435,6 @@ def _write_row(row_ptr, n, out_off, out_idx_ptr, out_score_ptr, TOPK: tl.constex
 
 
 @triton.jit
-def _write_row_group(rows_ptr, first, CAP: tl.constexpr, n, out_off, row_ok, offs_r,
-                     out_idx_ptr, out_score_ptr, TOPK: tl.constexpr, KP: tl.constexpr,
-                     ORDERED: tl.constexpr, G: tl.constexpr):
-    """_write_row for the G rows first .. first + G - 1 of a block at once (one [G, KP] sort):
-    n, out_off, row_ok are the block's per-row [R] vectors (keys, output offset, row < T).
-    The rows' sorts are independent chains, so the G-fold work hides the latency of each
-    step's exchange (one row's sort leaves the SM waiting on shuffles and barriers)."""
-    key_min = tl.full([], -9223372036854775807 - 1, tl.int64)
-    sel = offs_r[None, :] == (first + tl.arange(0, G))[:, None]  # [G, R]
-    n_g = tl.sum(tl.where(sel, n[None, :], 0), axis=1)
-    off_g = tl.sum(tl.where(sel, out_off[None, :], 0), axis=1)
-    ok_g = tl.sum(tl.where(sel, row_ok[None, :].to(tl.int32), 0), axis=1) > 0
-    offs = tl.arange(0, KP)
-    r_g = (first + tl.arange(0, G)).to(tl.int64)
-    buf = tl.load(rows_ptr + r_g[:, None] * CAP + offs[None, :],
-                  mask=offs[None, :] < n_g[:, None], other=key_min)
-    if ORDERED:
-        buf = tl.sort(buf, dim=1, descending=True)
-    empty = buf == key_min
-    score = tl.where(empty, float("-inf"), _unpack_score(buf))
-    index = tl.where(empty, -1, _unpack_index(buf))
-    o = off_g[:, None] + offs[None, :]
-    keep = ok_g[:, None] & (offs[None, :] < TOPK)
-    tl.store(out_score_ptr + o, score.to(tl.int32, bitcast=True), mask=keep)
-    tl.store(out_idx_ptr + o, index, mask=keep)
-
-
-@triton.jit
 def _write_rows_kernel(keys_ptr, count_ptr, out_idx_ptr, out_score_ptr, n_rows, CAP,
                        TOPK: tl.constexpr, KP: tl.constexpr, ORDERED: tl.constexpr,
                        ROW_SORT: tl.constexpr):
@@ -490,17 +462,6 @@ def write_rows(keys: torch.Tensor, counts: torch.Tensor, topk: int, *, ordered: 
         scores.view(torch.int32), rows, cap, TOPK=topk, KP=triton.next_power_of_2(topk),
         ORDERED=ordered, ROW_SORT=_row_sort_code(options), num_warps=options.num_warps)
     return indices, scores
-
-
-def _sort_rows(options: HyTopKOptions, rows: int, sort_out: bool, row_sort: int) -> int:
-    """Rows of a block written (and sorted) together: options.sort_rows, at most the block's
-    rows; 1 where the rows are not sorted in the kernel or sorted by bitonic_regs (1-D)."""
-    g = options.sort_rows
-    if g < 1 or g & (g - 1):
-        raise ValueError(f"options.sort_rows must be a power of two >= 1, got {g}")
-    if not sort_out or row_sort != ROW_SORTS["bitonic"]:
-        return 1
-    return min(g, rows)
 
 
 def _row_sort_code(options: HyTopKOptions) -> int:
@@ -628,7 +589,6 @@ def _hytopk_kernel(
     HEAD_MAJOR: tl.constexpr, SORT_OUT: tl.constexpr, ORDERED: tl.constexpr,
     KP: tl.constexpr, NSAMP: tl.constexpr, N_BLOCKS_ON_DEVICE: tl.constexpr,
     LEAN: tl.constexpr, BOUNDED_SELECT: tl.constexpr, ROW_SORT: tl.constexpr,
-    SORT_ROWS: tl.constexpr,
 ):
     """One persistent program: blocks of R query rows (R * HP GEMM rows), key tiles of BN.
 
@@ -876,9 +836,7 @@ def _hytopk_kernel(
                             _compact_row(scratch + r * CAP, offs_c, c_r, TOPK)
                         c_r = TOPK
                     tl.debug_barrier()
-                    if SORT_ROWS > 1:
-                        pass  # written by row groups below, once every row is compacted
-                    elif SORT_OUT:
+                    if SORT_OUT:
                         _write_row(scratch + r * CAP, c_r, _pick(out_row, offs_r, r),
                                    out_idx_ptr, out_score_ptr, TOPK, KP, ORDERED, ROW_SORT)
                     else:
@@ -891,11 +849,6 @@ def _hytopk_kernel(
                         tl.store(out_score_ptr + o, (buf >> 32).to(tl.int32),
                                  mask=offs_c < TOPK)
                         tl.store(out_idx_ptr + o, buf.to(tl.int32), mask=offs_c < TOPK)
-            if SORT_ROWS > 1:
-                for g in range(R // SORT_ROWS):
-                    _write_row_group(scratch, g * SORT_ROWS, CAP, tl.minimum(count, TOPK),
-                                     out_row, row_ok, offs_r, out_idx_ptr, out_score_ptr,
-                                     TOPK, KP, ORDERED, SORT_ROWS)
             tl.debug_barrier()  # the next block reuses this scratch
         elif MODE == 1:
             tl.store(out_score_ptr + out_row, best, mask=row_ok)
@@ -1142,7 +1095,6 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
                   and r >= HEAD_MAJOR_MIN_ROWS)
     sort_out = options.sort_in_kernel and mode == MODE_SELECT
     row_sort = _row_sort_code(options)
-    sort_rows = _sort_rows(options, r, sort_out, row_sort)
     if prune:
         # fp32 operands run as three TF32 products: 3 D accumulations plus the split's
         # rounding (< 3 more operations), so the dot-product bound counts 4 D operations.
@@ -1182,7 +1134,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
             K_SCALED=fp8, FP8_ACC=fp8_acc, HEAD_MAJOR=head_major, SORT_OUT=sort_out,
             ORDERED=sort_out and ordered, KP=triton.next_power_of_2(topk), NSAMP=nsamp,
             N_BLOCKS_ON_DEVICE=redo, LEAN=lean, BOUNDED_SELECT=options.bounded_select,
-            ROW_SORT=row_sort, SORT_ROWS=sort_rows,
+            ROW_SORT=row_sort,
             num_warps=options.num_warps, num_stages=options.num_stages,
         )
 

@@ -209,7 +209,7 @@ def _target_kernel(
 
 
 @triton.jit
-def _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU: tl.constexpr,
+def index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU: tl.constexpr,
                   PRECISION: tl.constexpr):
     """Gathered k_index tile [keys x D], head logits L [heads x keys], act(L), scores [keys]."""
     kt = tl.load(k_base + rows[:, None] * sks + offs_d[None, :] * skd,
@@ -223,7 +223,7 @@ def _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU: tl.const
 
 
 @triton.jit
-def _load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd, swb, swt, swh,
+def load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd, swb, swt, swh,
                       BLOCK_H: tl.constexpr, D_PAD: tl.constexpr):
     """The row's indexer query [heads x D] (zero padded) and fp32 head weights [heads]."""
     offs_h = tl.arange(0, BLOCK_H)
@@ -232,6 +232,23 @@ def _load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd, swb, swt, s
                 mask=(offs_h[:, None] < H) & (offs_d[None, :] < D), other=0.0)
     w = tl.load(w_ptr + b * swb + t * swt + offs_h * swh, mask=offs_h < H, other=0.0)
     return q, w.to(tl.float32), offs_h, offs_d
+
+
+@triton.jit
+def lse_step(m_i, l_i, s, valid):
+    """One key tile of a running log-sum-exp of the scores s where valid (base 2 inside): the
+    new max, the shift this tile used (0 while no score was valid) and the new sum."""
+    s2 = tl.where(valid, s * LOG2E_JIT, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s2, axis=0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, m_use, l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(s2 - m_use), axis=0)
+
+
+@triton.jit
+def lse_of(m_i, l_i):
+    """The natural log-sum-exp of a finished lse_step run (0 for a run with no valid score)."""
+    nonempty = l_i > 0.0
+    return tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_JIT, 0.0)
 
 
 @triton.jit
@@ -244,17 +261,11 @@ def _row_stats(q, w, k_base, sks, skd, idx_base, sik, p_base, spk, offs_d, NK, D
     total = tl.zeros([], tl.float32)
     for n0 in range(0, NK, BLOCK_N):
         rows, valid, p, _ = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
-        _, _, _, s = _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
+        _, _, _, s = index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
                                    PRECISION)
-        s2 = tl.where(valid, s * LOG2E_JIT, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s2, axis=0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(s2 - m_use), axis=0)
-        m_i = m_new
+        m_i, _, l_i = lse_step(m_i, l_i, s, valid)
         total += tl.sum(tl.where(valid, p, 0.0), axis=0)
-    nonempty = l_i > 0.0
-    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_JIT, 0.0)
-    return lse, tl.maximum(total, _EPS)
+    return lse_of(m_i, l_i), tl.maximum(total, _EPS)
 
 
 @triton.jit
@@ -288,7 +299,7 @@ def _loss_kernel(
     pid = tl.program_id(0).to(tl.int64)
     b = pid // T
     t = pid % T
-    q, w, offs_h, offs_d = _load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd,
+    q, w, offs_h, offs_d = load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd,
                                              swb, swt, swh, BLOCK_H, D_PAD)
     k_base = ki_ptr + b * skb
     idx_base = idx_ptr + b * sib + t * sit
@@ -307,12 +318,9 @@ def _loss_kernel(
         ps = tl.zeros([], tl.float32)
         for n0 in range(0, NK, BLOCK_N):
             rows, valid, p, p_ptrs = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
-            _, _, _, s = _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
+            _, _, _, s = index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
                                        PRECISION)
-            s2 = tl.where(valid, s * LOG2E_JIT, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s2, axis=0))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(s2 - m_use), axis=0)
+            m_new, m_use, l_i = lse_step(m_i, l_i, s, valid)
             c = tl.where(m_i == float("-inf"), m_use * LN2_JIT, c)
             m_i = m_new
             pn = tl.where(valid, p / den, 0.0)
@@ -320,15 +328,14 @@ def _loss_kernel(
             ps += tl.sum(tl.where(valid, pn * (s - c), 0.0), axis=0)
             psum += tl.sum(pn, axis=0)
             tl.store(p_ptrs, pn, mask=valid)
-        nonempty = l_i > 0.0
-        lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_JIT, 0.0)
-        kl = plogp - ps + tl.where(nonempty, lse - c, 0.0) * psum
+        lse = lse_of(m_i, l_i)
+        kl = plogp - ps + tl.where(l_i > 0.0, lse - c, 0.0) * psum
     else:
         lse, den = _row_stats(q, w, k_base, sks, skd, idx_base, sik, p_base, spk, offs_d, NK,
                               D, RELU, BLOCK_N, PRECISION)
         for n0 in range(0, NK, BLOCK_N):
             rows, valid, p, p_ptrs = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
-            _, _, _, s = _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
+            _, _, _, s = index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
                                        PRECISION)
             pn = tl.where(valid, p / den, 0.0)
             term = pn * (tl.log(tl.maximum(pn, _EPS)) - (s - lse))
@@ -347,7 +354,7 @@ def _grad_step(q, w, dq, dw, rows, valid, pn, lse, psum, g_scale, k_base, sks, s
                RELU: tl.constexpr, PRECISION: tl.constexpr, MODE: tl.constexpr):
     """One key tile of the backward: dq and dw accumulated, dk rows added by MODE; also the
     tile's recomputed scores s (the fused row pass's KL needs them)."""
-    kt, logits, act, s = _index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
+    kt, logits, act, s = index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
                                        PRECISION)
     # -inf at invalid slots: their s is from a zeroed key row and exp(s - lse) could overflow.
     prob = tl.exp(tl.where(valid, s - lse, float("-inf")))
@@ -382,7 +389,7 @@ def _bwd_kernel(
     pid = tl.program_id(0).to(tl.int64)
     b = pid // T
     t = pid % T
-    q, w, offs_h, offs_d = _load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd,
+    q, w, offs_h, offs_d = load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd,
                                              swb, swt, swh, BLOCK_H, D_PAD)
     row = b * srb + t * srt
     lse = tl.load(lse_ptr + row)
@@ -437,7 +444,7 @@ def _rows_bwd_kernel(
     pid = tl.program_id(0).to(tl.int64)
     b = pid // T
     t = pid % T
-    q, w, offs_h, offs_d = _load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd,
+    q, w, offs_h, offs_d = load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd,
                                              swb, swt, swh, BLOCK_H, D_PAD)
     k_base = ki_ptr + b * skb
     idx_base = idx_ptr + b * sib + t * sit

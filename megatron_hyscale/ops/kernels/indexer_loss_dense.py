@@ -30,9 +30,7 @@ import triton
 import triton.language as tl
 
 from megatron_hyscale.ops.kernels.common import (
-    LN2_JIT,
     LOG2E,
-    LOG2E_JIT,
     MIN_DOT,
     MODE_ATOMIC,
     MODE_FIXED,
@@ -44,7 +42,14 @@ from megatron_hyscale.ops.kernels.common import (
     fix_interpreter,
     fixed_point_scale,
 )
-from megatron_hyscale.ops.kernels.indexer_loss import EPS, loss_scaling
+from megatron_hyscale.ops.kernels.indexer_loss import (
+    EPS,
+    index_scores,
+    load_index_query,
+    loss_scaling,
+    lse_of,
+    lse_step,
+)
 from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions, Tilings
 from megatron_hyscale.ops.kernels.tiling import launch_first_fitting
 
@@ -114,33 +119,6 @@ def _main_logits(q_main, q_tail, k_base, sks, skd, offs_n, inside, visible, D, q
 
 
 @triton.jit
-def _index_scores(qi, w, ki_base, skis, skid, offs_n, inside, DI, RELU: tl.constexpr,
-                  PRECISION: tl.constexpr, D_PAD: tl.constexpr):
-    """k_index tile [keys x D], head logits L [heads x keys], act(L) and scores [keys]."""
-    offs_d = tl.arange(0, D_PAD)
-    kt = tl.load(ki_base + offs_n[:, None] * skis + offs_d[None, :] * skid,
-                 mask=inside[:, None] & (offs_d[None, :] < DI), other=0.0).to(qi.dtype)
-    logits = tl.dot(qi, tl.trans(kt), input_precision=PRECISION)
-    if RELU:
-        act = tl.maximum(logits, 0.0)
-    else:
-        act = logits
-    return kt, logits, act, tl.sum(act * w[:, None], axis=0)
-
-
-@triton.jit
-def _index_query(qi_ptr, w_ptr, b, t, HI, DI, sqib, sqit, sqih, sqid, swb, swt, swh,
-                 BH_I: tl.constexpr, D_PAD: tl.constexpr):
-    """The row's indexer query [heads x D] (zero padded) and fp32 head weights [heads]."""
-    offs_h = tl.arange(0, BH_I)
-    offs_d = tl.arange(0, D_PAD)
-    qi = tl.load(qi_ptr + b * sqib + t * sqit + offs_h[:, None] * sqih + offs_d[None, :] * sqid,
-                 mask=(offs_h[:, None] < HI) & (offs_d[None, :] < DI), other=0.0)
-    w = tl.load(w_ptr + b * swb + t * swt + offs_h * swh, mask=offs_h < HI, other=0.0)
-    return qi, w.to(tl.float32), offs_h, offs_d
-
-
-@triton.jit
 def _dense_stats_kernel(
     q_ptr, k_ptr, qi_ptr, w_ptr, ki_ptr, qpos_ptr, kpos_ptr, nend_ptr, m_ptr, il_ptr, lse_ptr,
     B, T, G, NHB, NGRP, D, HI, DI, qk_scale2, inv_heads,
@@ -180,23 +158,17 @@ def _dense_stats_kernel(
         tl.store(m_row + heads * smh, m_use, mask=h_mask)
         tl.store(il_row + heads * smh, il, mask=h_mask)
 
-    qi, w, _offs_h, _offs_d = _index_query(qi_ptr, w_ptr, b, t, HI, DI, sqib, sqit, sqih,
-                                           sqid, swb, swt, swh, BH_I, D_PAD)
+    qi, w, _offs_h, offs_d = load_index_query(qi_ptr, w_ptr, b, t, HI, DI, sqib, sqit, sqih,
+                                              sqid, swb, swt, swh, BH_I, D_PAD)
     ki_base = ki_ptr + b * skib
     m_s = tl.full([], float("-inf"), tl.float32)
     l_s = tl.zeros([], tl.float32)
     for n0 in range(0, n_end, BLOCK_N):
         offs_n, inside, visible = _key_tile(kpos_base, skps, n0, n_end, qp, BLOCK_N)
-        _kt, _logits, _act, s = _index_scores(qi, w, ki_base, skis, skid, offs_n, inside, DI,
-                                              RELU, PRECISION_I, D_PAD)
-        s2 = tl.where(visible, s * LOG2E_JIT, float("-inf"))
-        m_new = tl.maximum(m_s, tl.max(s2, axis=0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_s = l_s * tl.exp2(m_s - m_use) + tl.sum(tl.exp2(s2 - m_use), axis=0)
-        m_s = m_new
-    nonempty = l_s > 0.0
-    lse = tl.where(nonempty, (m_s + tl.log2(tl.where(nonempty, l_s, 1.0))) * LN2_JIT, 0.0)
-    tl.store(lse_ptr + b * slb + t * slt, lse)
+        _kt, _logits, _act, s = index_scores(qi, w, ki_base, skis, skid, offs_n, inside,
+                                             offs_d, DI, RELU, PRECISION_I)
+        m_s, _, l_s = lse_step(m_s, l_s, s, visible)
+    tl.store(lse_ptr + b * slb + t * slt, lse_of(m_s, l_s))
 
 
 @triton.jit
@@ -237,8 +209,8 @@ def _dense_loss_kernel(
     m_row = m_ptr + b * smb + t * smt
     il_row = il_ptr + b * smb + t * smt
     k_ptr_b = k_ptr + b * skb
-    qi, w, offs_h, offs_d = _index_query(qi_ptr, w_ptr, b, t, HI, DI, sqib, sqit, sqih, sqid,
-                                         swb, swt, swh, BH_I, D_PAD)
+    qi, w, offs_h, offs_d = load_index_query(qi_ptr, w_ptr, b, t, HI, DI, sqib, sqit, sqih,
+                                             sqid, swb, swt, swh, BH_I, D_PAD)
     lse = tl.load(lse_ptr + b * slb + t * slt)
     ki_base = ki_ptr + b * skib
     dk_base = dk_ptr + b * sdkb
@@ -266,13 +238,15 @@ def _dense_loss_kernel(
                     D_MAIN, D_TAIL, BLOCK_H)
                 pn += _group_target(gq_main, gq_tail, gk_base, gm, gil, sks, skd, offs_n,
                                     inside, visible, D, qk_scale2, D_MAIN, D_TAIL, PRECISION)
-        kt, logits, act, s = _index_scores(qi, w, ki_base, skis, skid, offs_n, inside, DI, RELU,
-                                           PRECISION_I, D_PAD)
+        kt, logits, act, s = index_scores(qi, w, ki_base, skis, skid, offs_n, inside, offs_d,
+                                          DI, RELU, PRECISION_I)
         logp = s - lse
         term = pn * (tl.log(tl.maximum(pn, _EPS)) - logp)
         kl += tl.sum(tl.where(visible, term, 0.0), axis=0)
         if WITH_GRAD:
-            # -inf where not visible: an out-of-range key's s is from a zeroed row.
+            # -inf where not visible: an out-of-range key's s is from a zeroed row. The sparse
+            # backward's grad_step would do the same arithmetic, but its load masked by the
+            # visible keys and its psum factor compile to 15 more instructions a tile here.
             prob = tl.exp(tl.where(visible, logp, float("-inf")))
             g = tl.where(visible, (prob - pn) * gscale, 0.0)
             dw += tl.sum(act * g[None, :], axis=1)

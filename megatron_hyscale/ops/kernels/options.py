@@ -161,18 +161,9 @@ class HyTopKOptions:
     # hytopk_sort_regs`, rows bit-identical): the folded query at 128K 121.3 -> 106.5 ms, at 16K
     # 11.4 -> 9.0 ms; V3.2's indexer at 128K 390.6 -> 384.9 ms; the row write alone on 131072
     # rows (`--row-sort-micro`) 23.3 -> 13.1 ms (torch.sort of the same keys 14.8). Default
-    # since; "bitonic" is the previous kernel.
+    # since; "bitonic" is the previous kernel (`bench_selection.py` method
+    # `hytopk_sort_bitonic`).
     row_sort: str = "bitonic_regs"
-    # Rows of a block whose output is written together, one [rows x topk] `tl.sort` (row_sort
-    # "bitonic" only; at most the block's rows). A row's sort is one chain of 66 dependent
-    # exchange steps (shuffles, shared memory, barriers) on 4 warps, so one row alone leaves the
-    # SM mostly waiting; several rows' chains run side by side. Compiled for sm_90a (folded
-    # query, 32-row blocks): 2 rows double the row write's instructions a thread, tile loop
-    # unchanged; 4 rows spill into the tile loop (5 local loads a tile). Timed on the H200
-    # (2026-12-03, 2 rows, row_sort "bitonic"): no gain (folded 128K 121.3 -> 122.2 ms, V3.2
-    # 390.6 -> 386.2, folded 16K 11.39 -> 11.49): the other program on the SM already fills
-    # the wait. Kept for the record; ignored under "bitonic_regs" (1-D).
-    sort_rows: int = 1
 
     DEFAULT: ClassVar[HyTopKOptions]
 
