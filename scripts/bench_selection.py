@@ -161,7 +161,8 @@ ALL_T = [16384, 32768, 65536, 131072, 262144, 1048576]
 MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072,
          "hytopk_prune": 131072, "hytopk_heads_on_m": 131072, "scoreonly_heads_on_m": 131072,
          "hytopk_scan_slots": 131072, "hytopk_folded_fp32": 131072, "finish": 1048576,
-         "hytopk_sort_bitonic": 131072,
+         "hytopk_sort_bitonic": 131072, "hytopk_carry": 131072, "scoreonly_carry": 131072,
+         "hytopk_pairs": 131072, "scoreonly_pairs": 131072,
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
@@ -336,6 +337,25 @@ def run_hytopk_heads_on_m(q, k, w, topk, relu):
 
 def run_hytopk_sort_bitonic(q, k, w, topk, relu):
     return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, row_sort="bitonic"))
+
+
+def run_hytopk_carry(q, k, w, topk, relu):
+    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, score_pipeline="carry"))
+
+
+def run_scoreonly_carry(q, k, w, topk, relu):
+    return run_scoreonly(q, k, w, topk, relu,
+                         replace(HyTopKOptions.DEFAULT, score_pipeline="carry"))
+
+
+def run_hytopk_pairs(q, k, w, topk, relu):
+    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, score_pipeline="pairs",
+                                                   num_stages=2))
+
+
+def run_scoreonly_pairs(q, k, w, topk, relu):
+    return run_scoreonly(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT,
+                                                      score_pipeline="pairs", num_stages=2))
 
 
 def row_sort_micro(rows, topk, reps):
@@ -545,6 +565,10 @@ METHODS = {
     "hytopk_scan_slots": run_hytopk_scan_slots,
     "hytopk_folded_fp32": run_hytopk_folded_fp32,
     "hytopk_sort_bitonic": run_hytopk_sort_bitonic,
+    "hytopk_carry": run_hytopk_carry,
+    "scoreonly_carry": run_scoreonly_carry,
+    "hytopk_pairs": run_hytopk_pairs,
+    "scoreonly_pairs": run_scoreonly_pairs,
     "scoreonly": run_scoreonly,
     "scoreonly_heads_on_m": run_scoreonly_heads_on_m,
     "hytopk_fp8": run_hytopk_fp8,
@@ -573,8 +597,10 @@ COMPARED_METHODS = LIBRARY_METHODS + ("stock_tilelang",)
 # the methods that launch the HyTopK kernel (table-then-select's scoring pass included).
 WIDE_COMPILED = set()
 # The select variants, compared with the default kernel's outputs (same_as_hytopk).
-VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_sort_bitonic")
-KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major",) + (
+VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_sort_bitonic",
+                                             "hytopk_carry", "hytopk_pairs")
+KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_carry",
+                                    "scoreonly_pairs") + (
                   "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
                   "hytopk_folded_fp32",
                   "scoreonly", "scoreonly_heads_on_m", "table", "hytopk_fp8",

@@ -164,6 +164,9 @@ class HyTopKOptions:
     # since; "bitonic" is the previous kernel (`bench_selection.py` method
     # `hytopk_sort_bitonic`).
     row_sort: str = "bitonic_regs"
+    # Experiment: tile i's product issued before tile i - 1's epilogue ("carry": one tile an
+    # iteration, "pairs": two, the accumulators swapping roles); "off": product then epilogue.
+    score_pipeline: str = "off"
 
     DEFAULT: ClassVar[HyTopKOptions]
 
