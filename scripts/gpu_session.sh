@@ -158,13 +158,13 @@ case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort|loss-variants\
-  |score-pipeline) ;;
+  |score-pipeline|ncu-selection) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
        "|accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort" \
-       "|loss-variants|score-pipeline}" \
+       "|loss-variants|score-pipeline|ncu-selection}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -189,7 +189,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
   export PYTHONPATH=$(pwd)/.carry/site:$(pwd)/.carry/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 fi
 case "$stage" in
-  cudnn-*|tilelang-kernels|row-sort|loss-variants|score-pipeline)
+  cudnn-*|tilelang-kernels|row-sort|loss-variants|score-pipeline|ncu-selection)
     case "$stage" in cudnn-*|tilelang-kernels)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -547,6 +547,38 @@ case "$stage" in
     timeout 150 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
       --methods hytopk hytopk_pairs scoreonly scoreonly_pairs --tag _pairs --out "$out" 2>&1 \
       | grep -v -i warn | tail -12 | tee "$out/bench_selection_pairs.log"
+    ;;
+  ncu-selection)
+    # Issue #21: where HyTopK's time goes, from the hardware counters (Nsight Compute, full
+    # set: warp stall reasons, issue-slot use, per-SASS-line samples) for one call of each
+    # NCU_CASES entry (config:T:method, scripts/profile_selection.py). Per case the details
+    # and SASS pages as CSV (the .ncu-rep stays on the machine: too large to bring back).
+    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+    [ -n "$ncu_bin" ] || { echo "gpu_session.sh ncu-selection: no ncu on this machine" >&2
+      exit 1; }
+    for c in ${NCU_CASES:-norelu:131072:hytopk norelu:131072:scoreonly dsv32:65536:scoreonly \
+               dsv32:65536:hytopk}; do
+      IFS=: read -r cfg t method <<< "$c"
+      name=${cfg}_${t}_${method} rep=/tmp/gpu_session/ncu_${cfg}_${t}_${method}
+      timeout 240 "$ncu_bin" --profile-from-start off --kernel-name regex:_hytopk_kernel \
+        --launch-count 1 --set full --clock-control none -f -o "$rep" \
+        python3 scripts/profile_selection.py --config "$cfg" --T "$t" --method "$method" \
+        > "$out/$name.log" 2>&1
+      echo "$name rc=$?: $(grep -v -i warn "$out/$name.log" | tail -1)"
+      "$ncu_bin" --import "$rep.ncu-rep" --page details --csv > "$out/${name}_details.csv" 2>&1
+      "$ncu_bin" --import "$rep.ncu-rep" --page source --csv --print-source sass \
+        > "$out/${name}_sass.csv" 2>&1
+      python3 - "$out/${name}_details.csv" <<'PY'
+import csv, sys
+want = ("Duration", "Registers Per Thread", "Achieved Occupancy", "Issue Slots Busy",
+        "No Eligible", "Warp Cycles Per Issued Instruction", "Compute (SM) Throughput",
+        "L2 Cache Throughput", "Executed Ipc Active", "Block Limit Registers",
+        "Block Limit Shared Mem")
+for row in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"')):
+    if row.get("Metric Name") in want:
+        print(f"  {row['Metric Name']}: {row['Metric Value']} {row['Metric Unit']}")
+PY
+    done
     ;;
   selection-variants)
     # Issue #21: the HyTopK variants no GPU has timed (heads on M, scan slots, the folded
