@@ -162,7 +162,8 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_prune": 131072, "hytopk_heads_on_m": 131072, "scoreonly_heads_on_m": 131072,
          "hytopk_scan_slots": 131072, "hytopk_folded_fp32": 131072, "finish": 1048576,
          "hytopk_sort_bitonic": 131072, "hytopk_carry": 131072, "scoreonly_carry": 131072,
-         "hytopk_pairs": 131072, "scoreonly_pairs": 131072,
+         "hytopk_pairs": 131072, "scoreonly_pairs": 131072, "hytopk_occ3": 131072,
+         "hytopk_occ3_s3": 131072, "scoreonly_occ3": 131072,
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
@@ -356,6 +357,26 @@ def run_hytopk_pairs(q, k, w, topk, relu):
 def run_scoreonly_pairs(q, k, w, topk, relu):
     return run_scoreonly(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT,
                                                       score_pipeline="pairs", num_stages=2))
+
+
+# Three programs an SM instead of two (issue #21: the profiled kernels wait on their own
+# wgmma with 8 warps an SM): the select kernel capped at 168 registers (its 255 hold an SM to
+# 2 programs), two stages where three would not fit V3.2's shared memory three times.
+OCC3 = dict(programs_per_sm=3, maxnreg=168, num_stages=2)
+
+
+def run_hytopk_occ3(q, k, w, topk, relu):
+    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, **OCC3))
+
+
+def run_hytopk_occ3_s3(q, k, w, topk, relu):
+    return run_hytopk(q, k, w, topk, relu,
+                      replace(HyTopKOptions.DEFAULT, **dict(OCC3, num_stages=3)))
+
+
+def run_scoreonly_occ3(q, k, w, topk, relu):
+    return run_scoreonly(q, k, w, topk, relu,
+                         replace(HyTopKOptions.DEFAULT, **dict(OCC3, maxnreg=None)))
 
 
 def row_sort_micro(rows, topk, reps):
@@ -568,6 +589,9 @@ METHODS = {
     "hytopk_carry": run_hytopk_carry,
     "scoreonly_carry": run_scoreonly_carry,
     "hytopk_pairs": run_hytopk_pairs,
+    "hytopk_occ3": run_hytopk_occ3,
+    "hytopk_occ3_s3": run_hytopk_occ3_s3,
+    "scoreonly_occ3": run_scoreonly_occ3,
     "scoreonly_pairs": run_scoreonly_pairs,
     "scoreonly": run_scoreonly,
     "scoreonly_heads_on_m": run_scoreonly_heads_on_m,
@@ -598,9 +622,10 @@ COMPARED_METHODS = LIBRARY_METHODS + ("stock_tilelang",)
 WIDE_COMPILED = set()
 # The select variants, compared with the default kernel's outputs (same_as_hytopk).
 VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_sort_bitonic",
-                                             "hytopk_carry", "hytopk_pairs")
+                                             "hytopk_carry", "hytopk_pairs", "hytopk_occ3",
+                                             "hytopk_occ3_s3")
 KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_carry",
-                                    "scoreonly_pairs") + (
+                                    "scoreonly_pairs", "scoreonly_occ3") + (
                   "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
                   "hytopk_folded_fp32",
                   "scoreonly", "scoreonly_heads_on_m", "table", "hytopk_fp8",

@@ -158,13 +158,13 @@ case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort|loss-variants\
-  |score-pipeline|ncu-selection) ;;
+  |score-pipeline|ncu-selection|occupancy) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
        "|accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort" \
-       "|loss-variants|score-pipeline|ncu-selection}" \
+       "|loss-variants|score-pipeline|ncu-selection|occupancy}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -189,7 +189,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
   export PYTHONPATH=$(pwd)/.carry/site:$(pwd)/.carry/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 fi
 case "$stage" in
-  cudnn-*|tilelang-kernels|row-sort|loss-variants|score-pipeline|ncu-selection)
+  cudnn-*|tilelang-kernels|row-sort|loss-variants|score-pipeline|ncu-selection|occupancy)
     case "$stage" in cudnn-*|tilelang-kernels)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -547,6 +547,18 @@ case "$stage" in
     timeout 150 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
       --methods hytopk hytopk_pairs scoreonly scoreonly_pairs --tag _pairs --out "$out" 2>&1 \
       | grep -v -i warn | tail -12 | tee "$out/bench_selection_pairs.log"
+    ;;
+  occupancy)
+    # Issue #21: three programs an SM (bench_selection.OCC3: the select kernel capped at 168
+    # registers, two stages) against the default two, selected rows compared; the folded
+    # query also at three stages (its shared memory fits three times).
+    timeout 330 python3 scripts/bench_selection.py --T 16384 131072 --configs dsv32 glm51 \
+      --reps 2 --methods hytopk hytopk_occ3 scoreonly scoreonly_occ3 --tag _occ3 --out "$out" \
+      2>&1 | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_occ3.log"
+    timeout 200 python3 scripts/bench_selection.py --T 16384 131072 --configs norelu --reps 2 \
+      --methods hytopk hytopk_occ3 hytopk_occ3_s3 scoreonly scoreonly_occ3 --tag _occ3 \
+      --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
+      | tee "$out/bench_selection_occ3_norelu.log"
     ;;
   ncu-selection)
     # Issue #21: where HyTopK's time goes, from the hardware counters (Nsight Compute, full

@@ -1246,6 +1246,9 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     # got a guess, and the list of the blocks to redo.
     fails = torch.zeros(2 + n_blocks if nsamp else 1, dtype=torch.int32, device=q.device)
 
+    # Triton's register cap travels with the launch options, only when set.
+    reg_cap = {} if options.maxnreg is None else {"maxnreg": options.maxnreg}
+
     def launch(order, n_blocks, stats, nsamp, redo):
         _hytopk_kernel[(nprog,)](
             qk, kk_, w, qpos, kpos, k_scales, hi, order, indices, out_scores, scratch, counts,
@@ -1262,7 +1265,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
             ORDERED=sort_out and ordered, KP=triton.next_power_of_2(topk), NSAMP=nsamp,
             N_BLOCKS_ON_DEVICE=redo, LEAN=lean, BOUNDED_SELECT=options.bounded_select,
             ROW_SORT=row_sort, SCORE_CARRY=score_carry,
-            num_warps=options.num_warps, num_stages=options.num_stages,
+            num_warps=options.num_warps, num_stages=options.num_stages, **reg_cap,
         )
 
     launch(order, n_blocks, stats, nsamp, False)
