@@ -161,8 +161,7 @@ ALL_T = [16384, 32768, 65536, 131072, 262144, 1048576]
 MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072,
          "hytopk_prune": 131072, "hytopk_heads_on_m": 131072, "scoreonly_heads_on_m": 131072,
          "hytopk_scan_slots": 131072, "hytopk_folded_fp32": 131072, "finish": 1048576,
-         "hytopk_sort_bitonic": 131072, "hytopk_carry": 131072, "scoreonly_carry": 131072,
-         "hytopk_pairs": 131072, "scoreonly_pairs": 131072, "hytopk_occ3": 131072,
+         "hytopk_sort_bitonic": 131072, "hytopk_occ3": 131072,
          "hytopk_occ3_s3": 131072, "scoreonly_occ3": 131072,
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
@@ -338,25 +337,6 @@ def run_hytopk_heads_on_m(q, k, w, topk, relu):
 
 def run_hytopk_sort_bitonic(q, k, w, topk, relu):
     return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, row_sort="bitonic"))
-
-
-def run_hytopk_carry(q, k, w, topk, relu):
-    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, score_pipeline="carry"))
-
-
-def run_scoreonly_carry(q, k, w, topk, relu):
-    return run_scoreonly(q, k, w, topk, relu,
-                         replace(HyTopKOptions.DEFAULT, score_pipeline="carry"))
-
-
-def run_hytopk_pairs(q, k, w, topk, relu):
-    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, score_pipeline="pairs",
-                                                   num_stages=2))
-
-
-def run_scoreonly_pairs(q, k, w, topk, relu):
-    return run_scoreonly(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT,
-                                                      score_pipeline="pairs", num_stages=2))
 
 
 # Three programs an SM instead of two (issue #21: the profiled kernels wait on their own
@@ -586,13 +566,9 @@ METHODS = {
     "hytopk_scan_slots": run_hytopk_scan_slots,
     "hytopk_folded_fp32": run_hytopk_folded_fp32,
     "hytopk_sort_bitonic": run_hytopk_sort_bitonic,
-    "hytopk_carry": run_hytopk_carry,
-    "scoreonly_carry": run_scoreonly_carry,
-    "hytopk_pairs": run_hytopk_pairs,
     "hytopk_occ3": run_hytopk_occ3,
     "hytopk_occ3_s3": run_hytopk_occ3_s3,
     "scoreonly_occ3": run_scoreonly_occ3,
-    "scoreonly_pairs": run_scoreonly_pairs,
     "scoreonly": run_scoreonly,
     "scoreonly_heads_on_m": run_scoreonly_heads_on_m,
     "hytopk_fp8": run_hytopk_fp8,
@@ -622,10 +598,8 @@ COMPARED_METHODS = LIBRARY_METHODS + ("stock_tilelang",)
 WIDE_COMPILED = set()
 # The select variants, compared with the default kernel's outputs (same_as_hytopk).
 VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_sort_bitonic",
-                                             "hytopk_carry", "hytopk_pairs", "hytopk_occ3",
-                                             "hytopk_occ3_s3")
-KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_carry",
-                                    "scoreonly_pairs", "scoreonly_occ3") + (
+                                             "hytopk_occ3", "hytopk_occ3_s3")
+KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3") + (
                   "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
                   "hytopk_folded_fp32",
                   "scoreonly", "scoreonly_heads_on_m", "table", "hytopk_fp8",

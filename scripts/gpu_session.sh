@@ -158,13 +158,13 @@ case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort|loss-variants\
-  |score-pipeline|ncu-selection|occupancy) ;;
+  |ncu-selection|occupancy) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
        "|accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort" \
-       "|loss-variants|score-pipeline|ncu-selection|occupancy}" \
+       "|loss-variants|ncu-selection|occupancy}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -189,7 +189,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
   export PYTHONPATH=$(pwd)/.carry/site:$(pwd)/.carry/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 fi
 case "$stage" in
-  cudnn-*|tilelang-kernels|row-sort|loss-variants|score-pipeline|ncu-selection|occupancy)
+  cudnn-*|tilelang-kernels|row-sort|loss-variants|ncu-selection|occupancy)
     case "$stage" in cudnn-*|tilelang-kernels)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -536,17 +536,6 @@ case "$stage" in
     echo "dense tests rc=$?: $(verdict "$out/tests_dense.log")" | tee "$out/summary.txt"
     timeout 150 python3 scripts/bench_indexer_loss_dense.py --deterministic 2>&1 \
       | grep -v -i warn | tail -12 | tee "$out/bench_indexer_loss_dense.log"
-    ;;
-  score-pipeline)
-    # Issue #21 item 1: HyTopKOptions.score_pipeline (the next key tile's product issued before
-    # the last one's epilogue) against the default, selected rows compared (same_as_hytopk),
-    # for V3.2's 64 heads, GLM-5.1's 32 and the folded query; then the two-tile form at V3.2.
-    timeout 330 python3 scripts/bench_selection.py --T 16384 131072 --configs dsv32 glm51 \
-      norelu --reps 2 --methods hytopk hytopk_carry scoreonly scoreonly_carry --tag _carry \
-      --out "$out" 2>&1 | grep -v -i warn | tail -30 | tee "$out/bench_selection_carry.log"
-    timeout 150 python3 scripts/bench_selection.py --T 131072 --configs dsv32 --reps 2 \
-      --methods hytopk hytopk_pairs scoreonly scoreonly_pairs --tag _pairs --out "$out" 2>&1 \
-      | grep -v -i warn | tail -12 | tee "$out/bench_selection_pairs.log"
     ;;
   occupancy)
     # Issue #21: three programs an SM (bench_selection.OCC3: the select kernel capped at 168

@@ -481,51 +481,25 @@ def _tile_scores(kt, s, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, R: tl.c
     rows) with KEYS_ON_M, [R, BN] otherwise; transposing them to one orientation costs a
     shared-memory round trip and barriers on every tile (compiled for sm_90a with QSA's 4
     heads: 8 barriers a tile)."""
+    s_ok = s < S
     if KEYS_ON_M:
         # K_tile @ Q^T: the (row, head) pairs are the MMA's N, so the head sum reduces within
         # each thread and its quad (no shared memory).
-        scores, vis = _scores_of(_logits(kt, qt, False, IEEE, FP8_ACC), s, w, ks_ptr, kpos_ptr,
-                                 b, S, hi, qpos, row_ok, R, HP, BN, RELU, KEYS_ON_M, HEAD_MAJOR,
-                                 K_SCALED, CAUSAL, LEAN)
+        logits_t = _logits(kt, qt, RELU, IEEE, FP8_ACC) * w[None, :]
+        scores = _head_sum(logits_t, BN, R, HP, HEAD_MAJOR)
     else:
-        s_ok = s < S
         logits = _logits(qt, kt, RELU, IEEE, FP8_ACC) * w[:, None]
         if HP == 1:
             scores = logits
         else:
             scores = tl.sum(tl.reshape(logits, [R, HP, BN]), axis=1)
-        if K_SCALED:
-            # k's scale after the head sum: one multiply a score, not one a logit.
-            k_scale = tl.load(ks_ptr + b * S + s, mask=s_ok, other=0.0)
-            scores = scores * _per_key(k_scale, KEYS_ON_M)
-        if CAUSAL and LEAN:
-            # Positions as int32 ranks (see _position_ranks), -1 for rows past T, INT32_MAX for
-            # keys past S: one compare says it all (s < hi follows from kpos <= qpos).
-            k_rank = tl.load(kpos_ptr + b * S + s, mask=s_ok, other=2147483647)
-            vis = _per_key(k_rank, KEYS_ON_M) <= _per_row(qpos, KEYS_ON_M)
-        else:
-            vis = _per_row(row_ok, KEYS_ON_M) & _per_key(s_ok, KEYS_ON_M)
-            if CAUSAL:
-                kpos = tl.load(kpos_ptr + b * S + s, mask=s_ok, other=0)
-                vis = (vis & (_per_key(s, KEYS_ON_M) < _per_row(hi, KEYS_ON_M))
-                       & (_per_key(kpos, KEYS_ON_M) <= _per_row(qpos, KEYS_ON_M)))
-    return scores, vis
-
-
-@triton.jit
-def _scores_of(acc, s, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, R: tl.constexpr,
-               HP: tl.constexpr, BN: tl.constexpr, RELU: tl.constexpr, KEYS_ON_M: tl.constexpr,
-               HEAD_MAJOR: tl.constexpr, K_SCALED: tl.constexpr, CAUSAL: tl.constexpr,
-               LEAN: tl.constexpr):
-    """_tile_scores's epilogue (keys on M) on the raw product acc = K_tile @ Q^T [BN, R * HP]."""
-    s_ok = s < S
-    if RELU:
-        acc = tl.maximum(acc, 0.0)
-    scores = _head_sum(acc * w[None, :], BN, R, HP, HEAD_MAJOR)
     if K_SCALED:
+        # k's scale after the head sum: one multiply a score, not one a logit.
         k_scale = tl.load(ks_ptr + b * S + s, mask=s_ok, other=0.0)
         scores = scores * _per_key(k_scale, KEYS_ON_M)
     if CAUSAL and LEAN:
+        # Positions as int32 ranks (see _position_ranks), -1 for rows past T, INT32_MAX for
+        # keys past S: one compare says it all (s < hi follows from kpos <= qpos).
         k_rank = tl.load(kpos_ptr + b * S + s, mask=s_ok, other=2147483647)
         vis = _per_key(k_rank, KEYS_ON_M) <= _per_row(qpos, KEYS_ON_M)
     else:
@@ -600,50 +574,6 @@ def _sample_guess(scratch, thr, thr_score, k_base, qt, w, ks_ptr, kpos_ptr, b, S
 
 
 @triton.jit
-def _append_survivors(scores, vis, s, thr, thr_score, scratch, counts, offs_r, p_keys, p_slot,
-                      p_surv, CAP: tl.constexpr, KEYS_ON_M: tl.constexpr, LEAN: tl.constexpr):
-    """The atomic-slot append of one tile's survivors (see the tile loop); returns the new
-    pending (keys, slots, survivors), stored one tile later."""
-    if LEAN:
-        keys = _pack_lean(scores, _per_key(s, KEYS_ON_M))
-        surv = vis & (keys > _per_row(thr, KEYS_ON_M))
-    else:
-        cand = vis & (scores >= _per_row(thr_score, KEYS_ON_M))
-        keys = _pack(scores, _per_key(s, KEYS_ON_M))
-        surv = cand & (keys > _per_row(thr, KEYS_ON_M))
-    tl.store(scratch + _per_row(offs_r, KEYS_ON_M) * CAP + p_slot, p_keys, mask=p_surv)
-    p_slot = tl.atomic_add(counts + _per_row(offs_r, KEYS_ON_M) + 0 * _per_key(s, KEYS_ON_M), 1,
-                           mask=surv, sem="relaxed")
-    return keys, p_slot, surv
-
-
-@triton.jit
-def _key_tile(k_base, s, S, stride_ks, stride_kd, offs_d, d_ok):
-    """The key rows s ([BN, BD], zero past S)."""
-    return tl.load(k_base + s[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
-                   mask=(s < S)[:, None] & d_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _consume_tile(acc, s, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, thr, thr_score, scratch,
-                  counts, offs_r, p_keys, p_slot, p_surv, best, R: tl.constexpr,
-                  HP: tl.constexpr, BN: tl.constexpr, RELU: tl.constexpr,
-                  HEAD_MAJOR: tl.constexpr, K_SCALED: tl.constexpr, CAUSAL: tl.constexpr,
-                  LEAN: tl.constexpr, CAP: tl.constexpr, MODE: tl.constexpr):
-    """A key tile's epilogue from its raw product (keys on M): the select mode's atomic append,
-    or the scores-only mode's running max."""
-    scores, vis = _scores_of(acc, s, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, R, HP, BN,
-                             RELU, True, HEAD_MAJOR, K_SCALED, CAUSAL, LEAN)
-    if MODE == 0:
-        p_keys, p_slot, p_surv = _append_survivors(scores, vis, s, thr, thr_score, scratch,
-                                                   counts, offs_r, p_keys, p_slot, p_surv, CAP,
-                                                   True, LEAN)
-    else:
-        best = tl.maximum(best, tl.max(tl.where(vis, scores, float("-inf")), axis=0))
-    return p_keys, p_slot, p_surv, best
-
-
-@triton.jit
 def _hytopk_kernel(
     q_ptr, k_ptr, w_ptr, qpos_ptr, kpos_ptr, ks_ptr, hi_ptr, order_ptr,
     out_idx_ptr, out_score_ptr, scratch_ptr, count_ptr, table_ptr, cent_ptr, rho_ptr, stats_ptr,
@@ -659,7 +589,6 @@ def _hytopk_kernel(
     HEAD_MAJOR: tl.constexpr, SORT_OUT: tl.constexpr, ORDERED: tl.constexpr,
     KP: tl.constexpr, NSAMP: tl.constexpr, N_BLOCKS_ON_DEVICE: tl.constexpr,
     LEAN: tl.constexpr, BOUNDED_SELECT: tl.constexpr, ROW_SORT: tl.constexpr,
-    SCORE_CARRY: tl.constexpr,
 ):
     """One persistent program: blocks of R query rows (R * HP GEMM rows), key tiles of BN.
 
@@ -801,59 +730,7 @@ def _hytopk_kernel(
                     p_keys = tl.zeros([R, BN], dtype=tl.int64)
                     p_slot = tl.zeros([R, BN], dtype=tl.int32)
                     p_surv = tl.zeros([R, BN], dtype=tl.int1)
-            if SCORE_CARRY > 0:
-                # Tile i's product is issued before tile i - 1's epilogue, so the tensor core
-                # runs it while the warps filter the previous tile. SCORE_CARRY 2: two tiles an
-                # iteration, the two accumulators swapping roles (no register copy a tile).
-                if MODE != 0:
-                    p_keys = tl.zeros([BN, R], dtype=tl.int64)
-                    p_slot = tl.zeros([BN, R], dtype=tl.int32)
-                    p_surv = tl.zeros([BN, R], dtype=tl.int1)
-                s_a = (n_tiles - 1 - i_lo) * BN + offs_n
-                acc_a = _logits(_key_tile(k_base, s_a, S, stride_ks, stride_kd, offs_d, d_ok),
-                                qt, False, IEEE, FP8_ACC)
-                if SCORE_CARRY == 1:
-                    for i in range(i_lo + 1, i_hi):
-                        s = (n_tiles - 1 - i) * BN + offs_n
-                        acc = _logits(_key_tile(k_base, s, S, stride_ks, stride_kd, offs_d, d_ok),
-                                      qt, False, IEEE, FP8_ACC)
-                        p_keys, p_slot, p_surv, best = _consume_tile(
-                            acc_a, s_a, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, thr,
-                            thr_score, scratch, counts, offs_r, p_keys, p_slot, p_surv, best,
-                            R, HP, BN, RELU, HEAD_MAJOR, K_SCALED, CAUSAL, LEAN, CAP, MODE)
-                        acc_a = acc
-                        s_a = s
-                else:
-                    for j in range(0, (i_hi - i_lo - 1) // 2):
-                        s_b = (n_tiles - 2 - i_lo - 2 * j) * BN + offs_n
-                        acc_b = _logits(_key_tile(k_base, s_b, S, stride_ks, stride_kd, offs_d,
-                                                  d_ok), qt, False, IEEE, FP8_ACC)
-                        p_keys, p_slot, p_surv, best = _consume_tile(
-                            acc_a, s_a, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, thr,
-                            thr_score, scratch, counts, offs_r, p_keys, p_slot, p_surv, best,
-                            R, HP, BN, RELU, HEAD_MAJOR, K_SCALED, CAUSAL, LEAN, CAP, MODE)
-                        s_a = s_b - BN
-                        acc_a = _logits(_key_tile(k_base, s_a, S, stride_ks, stride_kd, offs_d,
-                                                  d_ok), qt, False, IEEE, FP8_ACC)
-                        p_keys, p_slot, p_surv, best = _consume_tile(
-                            acc_b, s_b, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, thr,
-                            thr_score, scratch, counts, offs_r, p_keys, p_slot, p_surv, best,
-                            R, HP, BN, RELU, HEAD_MAJOR, K_SCALED, CAUSAL, LEAN, CAP, MODE)
-                    if (i_hi - i_lo - 1) % 2 == 1:
-                        s_b = s_a - BN
-                        acc_b = _logits(_key_tile(k_base, s_b, S, stride_ks, stride_kd, offs_d,
-                                                  d_ok), qt, False, IEEE, FP8_ACC)
-                        p_keys, p_slot, p_surv, best = _consume_tile(
-                            acc_a, s_a, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, thr,
-                            thr_score, scratch, counts, offs_r, p_keys, p_slot, p_surv, best,
-                            R, HP, BN, RELU, HEAD_MAJOR, K_SCALED, CAUSAL, LEAN, CAP, MODE)
-                        acc_a = acc_b
-                        s_a = s_b
-                p_keys, p_slot, p_surv, best = _consume_tile(
-                    acc_a, s_a, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, thr, thr_score,
-                    scratch, counts, offs_r, p_keys, p_slot, p_surv, best, R, HP, BN, RELU,
-                    HEAD_MAJOR, K_SCALED, CAUSAL, LEAN, CAP, MODE)
-            for i in range(i_lo, i_hi if SCORE_CARRY == 0 else i_lo):
+            for i in range(i_lo, i_hi):
                 if PRUNE:  # the i-th kept tile of the group
                     tile = tl.sum(tl.where(keep & (keep_rank == i), tile_g, 0), axis=0)
                 else:
@@ -1218,10 +1095,6 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
                   and r >= HEAD_MAJOR_MIN_ROWS)
     sort_out = options.sort_in_kernel and mode == MODE_SELECT
     row_sort = _row_sort_code(options)
-    score_carry = {"off": 0, "carry": 1, "pairs": 2}[options.score_pipeline]
-    if not (keys_on_m and not prune and (mode == MODE_SCORES_ONLY or (
-            mode == MODE_SELECT and options.atomic_slots))):
-        score_carry = 0
     if prune:
         # fp32 operands run as three TF32 products: 3 D accumulations plus the split's
         # rounding (< 3 more operations), so the dot-product bound counts 4 D operations.
@@ -1264,7 +1137,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
             K_SCALED=fp8, FP8_ACC=fp8_acc, HEAD_MAJOR=head_major, SORT_OUT=sort_out,
             ORDERED=sort_out and ordered, KP=triton.next_power_of_2(topk), NSAMP=nsamp,
             N_BLOCKS_ON_DEVICE=redo, LEAN=lean, BOUNDED_SELECT=options.bounded_select,
-            ROW_SORT=row_sort, SCORE_CARRY=score_carry,
+            ROW_SORT=row_sort,
             num_warps=options.num_warps, num_stages=options.num_stages, **reg_cap,
         )
 

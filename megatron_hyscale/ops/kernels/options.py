@@ -164,9 +164,6 @@ class HyTopKOptions:
     # since; "bitonic" is the previous kernel (`bench_selection.py` method
     # `hytopk_sort_bitonic`).
     row_sort: str = "bitonic_regs"
-    # Experiment: tile i's product issued before tile i - 1's epilogue ("carry": one tile an
-    # iteration, "pairs": two, the accumulators swapping roles); "off": product then epilogue.
-    score_pipeline: str = "off"
     # Registers a thread (Triton's `maxnreg` launch option); None: the compiler's choice.
     # Experiment: the select kernel takes 255 (its end-of-block compaction and sort), which
     # holds an SM to 2 programs; 168 lets 3 fit (with num_stages 2 for V3.2's shared memory).
