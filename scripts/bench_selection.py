@@ -161,7 +161,7 @@ ALL_T = [16384, 32768, 65536, 131072, 262144, 1048576]
 MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072,
          "hytopk_prune": 131072, "hytopk_heads_on_m": 131072, "scoreonly_heads_on_m": 131072,
          "hytopk_scan_slots": 131072, "hytopk_folded_fp32": 131072, "finish": 1048576,
-         "hytopk_sort_bitonic": 131072, "hytopk_occ3": 131072,
+         "hytopk_sort_bitonic": 131072, "hytopk_occ3": 131072, "hytopk_append_tl": 1048576,
          "hytopk_occ3_s3": 131072, "scoreonly_occ3": 131072,
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
@@ -343,6 +343,11 @@ def run_hytopk_sort_bitonic(q, k, w, topk, relu):
 # wgmma with 8 warps an SM): the select kernel capped at 168 registers (its 255 hold an SM to
 # 2 programs), two stages where three would not fit V3.2's shared memory three times.
 OCC3 = dict(programs_per_sm=3, maxnreg=168, num_stages=2)
+
+
+def run_hytopk_append_tl(q, k, w, topk, relu):
+    """The atomic-slot append through tl.store / tl.atomic_add (before append_ptx)."""
+    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, append_ptx=False))
 
 
 def run_hytopk_occ3(q, k, w, topk, relu):
@@ -567,6 +572,7 @@ METHODS = {
     "hytopk_folded_fp32": run_hytopk_folded_fp32,
     "hytopk_sort_bitonic": run_hytopk_sort_bitonic,
     "hytopk_occ3": run_hytopk_occ3,
+    "hytopk_append_tl": run_hytopk_append_tl,
     "hytopk_occ3_s3": run_hytopk_occ3_s3,
     "scoreonly_occ3": run_scoreonly_occ3,
     "scoreonly": run_scoreonly,
@@ -598,7 +604,8 @@ COMPARED_METHODS = LIBRARY_METHODS + ("stock_tilelang",)
 WIDE_COMPILED = set()
 # The select variants, compared with the default kernel's outputs (same_as_hytopk).
 VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_sort_bitonic",
-                                             "hytopk_occ3", "hytopk_occ3_s3")
+                                             "hytopk_occ3", "hytopk_occ3_s3",
+                                             "hytopk_append_tl")
 KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3") + (
                   "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
                   "hytopk_folded_fp32",

@@ -158,13 +158,13 @@ case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort|loss-variants\
-  |ncu-selection|occupancy) ;;
+  |ncu-selection|occupancy|append-ptx) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
        "|accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort" \
-       "|loss-variants|ncu-selection|occupancy}" \
+       "|loss-variants|ncu-selection|occupancy|append-ptx}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -189,7 +189,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
   export PYTHONPATH=$(pwd)/.carry/site:$(pwd)/.carry/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 fi
 case "$stage" in
-  cudnn-*|tilelang-kernels|row-sort|loss-variants|ncu-selection|occupancy)
+  cudnn-*|tilelang-kernels|row-sort|loss-variants|ncu-selection|occupancy|append-ptx)
     case "$stage" in cudnn-*|tilelang-kernels)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -536,6 +536,22 @@ case "$stage" in
     echo "dense tests rc=$?: $(verdict "$out/tests_dense.log")" | tee "$out/summary.txt"
     timeout 150 python3 scripts/bench_indexer_loss_dense.py --deterministic 2>&1 \
       | grep -v -i warn | tail -12 | tee "$out/bench_indexer_loss_dense.log"
+    ;;
+  append-ptx)
+    # Issue #21: the atomic-slot append as inline PTX (HyTopKOptions.append_ptx, pair-major
+    # columns: the folded query, QSA) against tl.store / tl.atomic_add: the HyTopK GPU tests
+    # (its variant cases), then timed with the rows compared.
+    timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_hytopk_gpu.py \
+      > "$out/tests.log" 2>&1
+    echo "tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+    grep -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -20
+    timeout 150 python3 scripts/bench_selection.py --T 16384 131072 --configs norelu --reps 2 \
+      --methods hytopk hytopk_append_tl scoreonly --tag _append_ptx --out "$out" 2>&1 \
+      | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_norelu.log"
+    timeout 120 python3 scripts/bench_selection.py --T 524288 --configs qsa --reps 2 \
+      --secondary-max-T 524288 --methods hytopk hytopk_append_tl --tag _append_ptx_qsa \
+      --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
+      | tee "$out/bench_selection_qsa.log"
     ;;
   occupancy)
     # Issue #21: three programs an SM (bench_selection.OCC3: the select kernel capped at 168

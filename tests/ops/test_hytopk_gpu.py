@@ -283,6 +283,8 @@ SELECT_VARIANTS = {
     "lean": dict(lean_filter=True),
     "bounded": dict(bounded_select=True),
     "sample": dict(sample_keys=1024),
+    # inline PTX appends: applies with the pair-major columns only (hytopk._launch)
+    "append_ptx": dict(append_ptx=True, head_major=True),
 }
 SELECT_VARIANTS["all"] = {f: v for fields in SELECT_VARIANTS.values() for f, v in fields.items()}
 # (T, H, D, topk, relu): the folded relu=False query (its 3 bf16 parts: pair-major columns
@@ -294,7 +296,8 @@ SELECT_SHAPES = {"norelu": (8192, 32, 128, 2048, False), "dsv32": (8192, 64, 128
 # Every variant on the folded query (issue #21's target); the pair-major columns with real
 # head weights; all variants on V3.2's 64 heads. About 15 kernels to compile.
 SELECT_CASES = ([("norelu", v) for v in SELECT_VARIANTS]
-                + [("heads4", "head_major"), ("heads6", "head_major"), ("dsv32", "all")])
+                + [("heads4", "head_major"), ("heads6", "head_major"), ("dsv32", "all"),
+                   ("heads4", "append_ptx"), ("heads4", "all")])
 
 
 def run_options(q, k, w, topk, relu, fields=None, ordered=True, sample_stats=None):

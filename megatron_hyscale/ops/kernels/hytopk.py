@@ -36,6 +36,8 @@ skipped key could never have entered the buffer), so the outputs are bit-identic
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -471,6 +473,40 @@ def _row_sort_code(options: HyTopKOptions) -> int:
     return ROW_SORTS[options.row_sort]
 
 
+# The atomic-slot append in the scores' own register layout (`HyTopKOptions.append_ptx`):
+# inline PTX, one predicated instruction a score. tl.store and tl.atomic_add of the same values
+# first move them, their pointers and masks into the blocked layout of Triton's coalescing pass,
+# through shared memory and barriers on every key tile (the slots are scattered, so there is
+# nothing to coalesce).
+_STORE_B64_WHERE = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; "
+                                "@p st.global.b64 [$1], $2; mov.b32 $0, 0; }")
+_ADD_ONE_WHERE = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; "
+                              "@p atom.relaxed.gpu.global.add.u32 $0, [$1], 1; }")
+
+
+@triton.jit
+def _store_where(ptr, value, mask, PTX: tl.constexpr):
+    """tl.store(ptr, value, mask=mask) of int64 values; PTX: as one st.global each."""
+    if PTX:
+        tl.inline_asm_elementwise(_STORE_B64_WHERE, "=r,l,l,r",
+                                  [ptr.to(tl.int64), value, mask.to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptr, value, mask=mask)
+
+
+@triton.jit
+def _slot_add(ptr, mask, PTX: tl.constexpr):
+    """tl.atomic_add(ptr, 1, mask=mask, sem="relaxed") on int32 counters: the old values (0
+    where mask is off, with PTX); PTX: as one atom.global each."""
+    if PTX:
+        return tl.inline_asm_elementwise(_ADD_ONE_WHERE, "=r,l,r",
+                                         [ptr.to(tl.int64), mask.to(tl.int32)],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return tl.atomic_add(ptr, 1, mask=mask, sem="relaxed")
+
+
 @triton.jit
 def _tile_scores(kt, s, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, R: tl.constexpr,
                  HP: tl.constexpr, BN: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr,
@@ -589,6 +625,7 @@ def _hytopk_kernel(
     HEAD_MAJOR: tl.constexpr, SORT_OUT: tl.constexpr, ORDERED: tl.constexpr,
     KP: tl.constexpr, NSAMP: tl.constexpr, N_BLOCKS_ON_DEVICE: tl.constexpr,
     LEAN: tl.constexpr, BOUNDED_SELECT: tl.constexpr, ROW_SORT: tl.constexpr,
+    APPEND_PTX: tl.constexpr,
 ):
     """One persistent program: blocks of R query rows (R * HP GEMM rows), key tiles of BN.
 
@@ -755,11 +792,11 @@ def _hytopk_kernel(
                         surv = cand & (keys > _per_row(thr, KEYS_ON_M))
                     # The previous tile's survivors are stored now, a tile after their atomics
                     # were issued: the GEMM in between hides the atomics' L2 round trip.
-                    tl.store(scratch + _per_row(offs_r, KEYS_ON_M) * CAP + p_slot, p_keys,
-                             mask=p_surv)
-                    p_slot = tl.atomic_add(
-                        counts + _per_row(offs_r, KEYS_ON_M) + 0 * _per_key(s, KEYS_ON_M), 1,
-                        mask=surv, sem="relaxed")
+                    _store_where(scratch + _per_row(offs_r, KEYS_ON_M) * CAP + p_slot, p_keys,
+                                 p_surv, APPEND_PTX)
+                    p_slot = _slot_add(
+                        counts + _per_row(offs_r, KEYS_ON_M) + 0 * _per_key(s, KEYS_ON_M), surv,
+                        APPEND_PTX)
                     p_keys = keys
                     p_surv = surv
                 elif MODE == 0:
@@ -795,8 +832,8 @@ def _hytopk_kernel(
                              mask=_per_row(row_ok, KEYS_ON_M) & _per_key(s_ok, KEYS_ON_M))
             if MODE == 0:
                 if ATOMIC_SLOTS:
-                    tl.store(scratch + _per_row(offs_r, KEYS_ON_M) * CAP + p_slot, p_keys,
-                             mask=p_surv)
+                    _store_where(scratch + _per_row(offs_r, KEYS_ON_M) * CAP + p_slot, p_keys,
+                                 p_surv, APPEND_PTX)
                     tl.debug_barrier()  # every append of the group has its slot and is stored
                     count = tl.load(counts + offs_r, volatile=True)
                 if tl.max(count) > CAP - NT * BN:
@@ -1094,6 +1131,12 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     head_major = (options.head_major and keys_on_m and hp <= HEAD_MAJOR_MAX_HEADS
                   and r >= HEAD_MAJOR_MIN_ROWS)
     sort_out = options.sort_in_kernel and mode == MODE_SELECT
+    # Inline PTX runs once per register copy of a score: only the pair-major columns hold
+    # each score in one lane (the row-major head sum leaves it in every lane of the quad,
+    # whose copies would each append it). The interpreter has no PTX: tl.store /
+    # tl.atomic_add there.
+    append_ptx = (options.append_ptx and head_major
+                  and os.environ.get("TRITON_INTERPRET") != "1")
     row_sort = _row_sort_code(options)
     if prune:
         # fp32 operands run as three TF32 products: 3 D accumulations plus the split's
@@ -1137,7 +1180,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
             K_SCALED=fp8, FP8_ACC=fp8_acc, HEAD_MAJOR=head_major, SORT_OUT=sort_out,
             ORDERED=sort_out and ordered, KP=triton.next_power_of_2(topk), NSAMP=nsamp,
             N_BLOCKS_ON_DEVICE=redo, LEAN=lean, BOUNDED_SELECT=options.bounded_select,
-            ROW_SORT=row_sort,
+            ROW_SORT=row_sort, APPEND_PTX=append_ptx,
             num_warps=options.num_warps, num_stages=options.num_stages, **reg_cap,
         )
 

@@ -164,6 +164,11 @@ class HyTopKOptions:
     # since; "bitonic" is the previous kernel (`bench_selection.py` method
     # `hytopk_sort_bitonic`).
     row_sort: str = "bitonic_regs"
+    # The atomic-slot append (`atomic_slots`) as inline PTX in the scores' register layout
+    # (`hytopk._store_where`, `_slot_add`) instead of tl.store / tl.atomic_add, whose operands
+    # Triton first moves into a blocked layout through shared memory on every key tile. Under
+    # TRITON_INTERPRET=1 the tl forms run whatever this says (the interpreter has no PTX).
+    append_ptx: bool = True
     # Registers a thread (Triton's `maxnreg` launch option); None: the compiler's choice.
     # Experiment: the select kernel takes 255 (its end-of-block compaction and sort), which
     # holds an SM to 2 programs; 168 lets 3 fit (with num_stages 2 for V3.2's shared memory).
@@ -178,7 +183,7 @@ HyTopKOptions.DEFAULT = HyTopKOptions()
 # was before them (`dataclasses.replace(HyTopKOptions.DEFAULT, **SELECT_VARIANTS_OFF)`), which
 # tests and bench_selection.py compare the variants against.
 SELECT_VARIANTS_OFF = {"sort_in_kernel": False, "head_major": False, "lean_filter": False,
-                       "bounded_select": False, "sample_keys": 0}
+                       "bounded_select": False, "sample_keys": 0, "append_ptx": False}
 
 
 # (keys per step, pipeline stages) pairs, best first: a tiling that fails to compile or launch
