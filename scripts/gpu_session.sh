@@ -78,6 +78,15 @@
 #   bash scripts/gpu_session.sh selection-variants  # issue #21: HyTopK's untimed variants
 #                                         # (heads on M, scan slots) and the folded no-ReLU
 #                                         # kernel's row blocks, at 128K (~5 min)
+#   bash scripts/gpu_session.sh ncu-selection  # issue #21: Nsight Compute on one HyTopK
+#                                         # call a case (NCU_CASES, config:T:method): stall
+#                                         # reasons, issue slots, per-line SASS samples; a
+#                                         # record by ncu_summary.py                (~3 min)
+#   bash scripts/gpu_session.sh append-ptx  # issue #21: HyTopKOptions.append_ptx against the
+#                                         # tl append: the HyTopK GPU tests, the folded query
+#                                         # at 16K / 128K, QSA at 512K               (~4 min)
+#   bash scripts/gpu_session.sh occupancy  # issue #21: three programs an SM (maxnreg 168)
+#                                         # against two, V3.2 / GLM-5.1 / folded     (~4 min)
 #   bash scripts/gpu_session.sh reliability [FILES]  # issue #23: tests/reliability on
 #                                         # CUDA, one pytest a file, slow cases and the 256K
 #                                         # HyTopK test included (checkpoint round trips,
@@ -569,10 +578,12 @@ case "$stage" in
     # Issue #21: where HyTopK's time goes, from the hardware counters (Nsight Compute, full
     # set: warp stall reasons, issue-slot use, per-SASS-line samples) for one call of each
     # NCU_CASES entry (config:T:method, scripts/profile_selection.py). Per case the details
-    # and SASS pages as CSV (the .ncu-rep stays on the machine: too large to bring back).
+    # and SASS pages as CSV (the .ncu-rep stays on the machine: too large to bring back),
+    # summarised into a record by scripts/ncu_summary.py.
     ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
     [ -n "$ncu_bin" ] || { echo "gpu_session.sh ncu-selection: no ncu on this machine" >&2
       exit 1; }
+    cases=()
     for c in ${NCU_CASES:-norelu:131072:hytopk norelu:131072:scoreonly dsv32:65536:scoreonly \
                dsv32:65536:hytopk}; do
       IFS=: read -r cfg t method <<< "$c"
@@ -585,17 +596,12 @@ case "$stage" in
       "$ncu_bin" --import "$rep.ncu-rep" --page details --csv > "$out/${name}_details.csv" 2>&1
       "$ncu_bin" --import "$rep.ncu-rep" --page source --csv --print-source sass \
         > "$out/${name}_sass.csv" 2>&1
-      python3 - "$out/${name}_details.csv" <<'PY'
-import csv, sys
-want = ("Duration", "Registers Per Thread", "Achieved Occupancy", "Issue Slots Busy",
-        "No Eligible", "Warp Cycles Per Issued Instruction", "Compute (SM) Throughput",
-        "L2 Cache Throughput", "Executed Ipc Active", "Block Limit Registers",
-        "Block Limit Shared Mem")
-for row in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"')):
-    if row.get("Metric Name") in want:
-        print(f"  {row['Metric Name']}: {row['Metric Value']} {row['Metric Unit']}")
-PY
+      cases+=("$name")
     done
+    python3 scripts/ncu_summary.py --dir "$out" --cases "${cases[@]}" \
+      --commit "${HYSCALE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" \
+      --date "$(date -u '+%Y-%m-%d %H:%M UTC')" --command "bash scripts/gpu_session.sh $stage" \
+      --out "$HYSCALE_RESULTS/$(date -u +%F)-nvidia-h200-ncu_selection.json"
     ;;
   selection-variants)
     # Issue #21: the HyTopK variants no GPU has timed (heads on M, scan slots, the folded

@@ -1,4 +1,4 @@
-"""One HyTopK call inside a CUDA profiler range, for Nsight Compute (issue #21).
+"""One HyTopK call inside a CUDA profiler range, for Nsight Compute.
 
 Runs a `bench_selection.py` method (warmed up first, so the profiled call compiles nothing)
 between cudaProfilerStart and cudaProfilerStop, for example:
@@ -23,6 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_selection import CONFIGS, METHODS, make_inputs  # noqa: E402
 
+from hyscale_bench.measure import require_cuda  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -35,8 +37,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="input kind (bench_selection.make_inputs)")
     p.add_argument("--warmup", type=int, default=2, help="calls before the profiled one")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA device")
+    require_cuda("profile_selection.py")
     heads, dim, topk, relu = CONFIGS[args.config]
     q, k, w = make_inputs(args.T, heads, dim, args.inputs)
     fn = METHODS[args.method]

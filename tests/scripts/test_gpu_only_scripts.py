@@ -79,13 +79,14 @@ GPU_ONLY = [
     ("check_cp.py", ["--device", "cuda"]),
     ("check_cudnn_backend.py", []),
     ("profile_layer_memory.py", []),
+    ("profile_selection.py", []),
 ]
 # What the line names: the script, and the mode where only some modes need the GPU.
 LABEL = {"accuracy.py": "accuracy.py --device cuda",
          "bench_layer.py": "bench_layer.py --device cuda",
          "check_cp.py": "check_cp.py --device cuda"}
 # no --out: the first writes nothing, the second only its record (HYSCALE_RESULTS)
-NO_OUT = ("check_cudnn_backend.py", "bench_indexer_loss_dense.py")
+NO_OUT = ("check_cudnn_backend.py", "bench_indexer_loss_dense.py", "profile_selection.py")
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -109,7 +110,7 @@ def test_every_script_is_covered() -> None:
     # A new script that needs CUDA belongs in GPU_ONLY; one that runs on CPU in cpu_scripts.
     cpu_scripts = {"benchmark_tables.py", "build_corpus.py", "compare_indexer_precision.py",
                    "compare_megatron_lm_csa.py",
-                   "inspect_sm90.py", "measured_defaults.py"}
+                   "inspect_sm90.py", "measured_defaults.py", "ncu_summary.py"}
     gpu_scripts = {s for s, _ in GPU_ONLY} | {"build_flashmla.py"}
     assert set(ALL_SCRIPTS) == cpu_scripts | gpu_scripts
 

@@ -194,6 +194,25 @@ def test_select_variants_compile_lean_tile_loops(tmp_path: Path) -> None:
         assert rep["instructions"] > DEFAULT_NORELU_KERNEL + 4000  # the unrolled sort
 
 
+def test_append_ptx_keeps_the_append_out_of_shared_memory(tmp_path: Path) -> None:
+    """HyTopKOptions.append_ptx (default): with pair-major columns (the folded query) each
+    score's append is one predicated store and one atomic in the scores' own registers, with
+    no shared-memory round trip a tile (tl.store / tl.atomic_add: 12 STS.128, 13 LDS and 10
+    barriers a tile, 2026-12-04); row-major columns (V3.2's 64 heads, each score in four lanes)
+    keep the tl forms."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "hytopk-norelu", "hytopk-dsv32", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    folded, v32 = json.loads(out.read_text())
+    assert folded["constexprs"]["APPEND_PTX"] is True and folded["constexprs"]["HEAD_MAJOR"]
+    ops = folded["loop_ops"]
+    scores_a_thread = 64 * 16 // 128  # 64-key tiles x 16 rows over 128 threads
+    assert ops["STG"] == ops["ATOMG"] == scores_a_thread
+    assert ops.get("STS", 0) == 0 and ops["BAR"] <= 2
+    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
+    assert v32["constexprs"]["APPEND_PTX"] is False and v32["constexprs"]["HEAD_MAJOR"] is False
+
+
 # The default select kernel for the folded relu=False query (Triton 3.6, 2026-12-03): SASS
 # instructions in its tile loop and in all.
 DEFAULT_NORELU_LOOP = 887

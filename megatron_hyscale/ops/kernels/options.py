@@ -166,12 +166,23 @@ class HyTopKOptions:
     row_sort: str = "bitonic_regs"
     # The atomic-slot append (`atomic_slots`) as inline PTX in the scores' register layout
     # (`hytopk._store_where`, `_slot_add`) instead of tl.store / tl.atomic_add, whose operands
-    # Triton first moves into a blocked layout through shared memory on every key tile. Under
-    # TRITON_INTERPRET=1 the tl forms run whatever this says (the interpreter has no PTX).
+    # Triton's coalescing pass first moves into a blocked layout through shared memory on every
+    # key tile. Applies where each score lies in one lane (pair-major columns, `head_major`):
+    # the row-major head sum leaves a score in every lane of a quad, and PTX runs once per
+    # copy. Compiled for sm_90a (2026-12-04, `inspect_sm90.py --preset hytopk-norelu`): the
+    # folded query's tile loop 587 -> 441 SASS instructions (STS 12 -> 0, LDS 13 -> 3, BAR 10
+    # -> 2, no spills); Nsight Compute on the H200 had put 11% of its stall samples on barriers.
+    # Timed on the H200 (2026-12-04, `gpu_session.sh append-ptx`): folded query 8.49 -> 7.21 ms
+    # at 16K, 104.97 -> 83.28 at 128K; QSA at 512K 284.7 -> 209.3; rows bit-identical (GPU
+    # tests, and the benchmark's comparison up to 128K). Under TRITON_INTERPRET=1 the tl forms
+    # run whatever this says (the interpreter has no PTX).
     append_ptx: bool = True
-    # Registers a thread (Triton's `maxnreg` launch option); None: the compiler's choice.
-    # Experiment: the select kernel takes 255 (its end-of-block compaction and sort), which
-    # holds an SM to 2 programs; 168 lets 3 fit (with num_stages 2 for V3.2's shared memory).
+    # Registers a thread (Triton's `maxnreg` launch option); None: the compiler's choice. The
+    # select kernel takes 255 (its end-of-block compaction and sort), which holds an SM to two
+    # programs; 168 lets three fit (`programs_per_sm=3`, with num_stages 2 for V3.2's shared
+    # memory), at 22 / 40 spill loads a tile (V3.2 / folded). Timed on the H200 (2026-12-04,
+    # `bench_selection.py` hytopk_occ3): V3.2 13.1 -> 11.8 ms at 16K but 380.0 -> 388.5 at
+    # 128K, GLM-5.1 244.0 -> 270.9 at 128K, the folded query within 1.5%: not a default.
     maxnreg: int | None = None
 
     DEFAULT: ClassVar[HyTopKOptions]
