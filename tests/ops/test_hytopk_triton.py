@@ -534,6 +534,18 @@ def test_default_sample_keys_fit_small_buffers():
                            k_positions=kpos, options=kernel_options(sample_keys=bad))
 
 
+def test_maxnreg_checked_by_name_and_passed_to_the_launch():
+    """HyTopKOptions.maxnreg: a cap outside ptxas's 24-255 registers is refused by name before
+    anything runs; one inside runs exact (that it reaches ptxas: test_inspect_sm90.py)."""
+    q, k, w = int_inputs(1, 24, 24, 4, 16, seed=6)
+    qpos, kpos = validate_hytopk_inputs(q, k, w, 5, None, None)
+    for bad in (0, 16, 256):
+        with pytest.raises(ValueError, match="options.maxnreg"):
+            kernel._launch(q, k, w, 5, relu=True, causal=True, q_positions=qpos,
+                           k_positions=kpos, options=kernel_options(maxnreg=bad))
+    check(q, k, w, 5, prunes=(False,), variant=dict(maxnreg=168))
+
+
 def sampled(q, k, w, topk, variant, **kw):
     """The kernel with sampled thresholds against the reference (kw: causal, q_positions,
     k_positions); returns (rows given a guess, row blocks redone)."""

@@ -213,6 +213,16 @@ def test_append_ptx_keeps_the_append_out_of_shared_memory(tmp_path: Path) -> Non
     assert v32["constexprs"]["APPEND_PTX"] is False and v32["constexprs"]["HEAD_MAJOR"] is False
 
 
+def test_maxnreg_caps_the_compiled_registers(tmp_path: Path) -> None:
+    """HyTopKOptions.maxnreg reaches ptxas: the select kernel (255 registers uncapped) compiles
+    to at most 168 with maxnreg 168."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "hytopk-norelu-r168", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (rep,) = json.loads(out.read_text())
+    assert rep["registers"] <= 168
+
+
 # The default select kernel for the folded relu=False query (Triton 3.6, 2026-12-03): SASS
 # instructions in its tile loop and in all.
 DEFAULT_NORELU_LOOP = 887

@@ -8,8 +8,9 @@ pairs: the GEMM's N with the key tile as M, `HyTopKOptions.keys_on_m`), streams 
 the diagonal backwards, computes fp32 scores, drops those under the row's running threshold,
 appends survivors as packed int64 keys (order-preserving score bits << 32 | ~index) to a
 per-row buffer of CAP >= max(topk + block_n, min_cap) entries (each at a slot from the row's
-atomic counter, `atomic_slots`), and when the buffer may overflow keeps its top-k, found by a
-bitwise radix select (the k-th key becomes the new threshold). The row's top-k set is written
+atomic counter, `atomic_slots`; as inline PTX in the scores' registers, `append_ptx`), and
+when the buffer may overflow keeps its top-k, found by a bitwise radix select (the k-th key
+becomes the new threshold). The row's top-k set is written
 unsorted; a row-chunked torch pass decodes it, sorted unless the caller asks for the set only
 (`sort_in_kernel`: the kernel sorts and decodes each row itself). `sample_keys`: each row's
 threshold starts from a guess made on a sample of its keys, and a block whose guess proves
@@ -76,6 +77,9 @@ FINISH_CHUNK_BYTES = 256 << 20
 # targets has 5 to 8 indexer heads).
 HEAD_MAJOR_MAX_HEADS = 4
 HEAD_MAJOR_MIN_ROWS = 4
+# `HyTopKOptions.maxnreg`: ptxas's range of registers a thread on sm_90.
+MIN_MAXNREG = 24
+MAX_MAXNREG = 255
 _LOW32 = 0xFFFFFFFF
 _KEY_MIN = -(1 << 63)
 
@@ -1163,6 +1167,9 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     fails = torch.zeros(2 + n_blocks if nsamp else 1, dtype=torch.int32, device=q.device)
 
     # Triton's register cap travels with the launch options, only when set.
+    if options.maxnreg is not None and not MIN_MAXNREG <= options.maxnreg <= MAX_MAXNREG:
+        raise ValueError(f"options.maxnreg must be None or from {MIN_MAXNREG} to {MAX_MAXNREG} "
+                         f"registers a thread; got {options.maxnreg}")
     reg_cap = {} if options.maxnreg is None else {"maxnreg": options.maxnreg}
 
     def launch(order, n_blocks, stats, nsamp, redo):
