@@ -162,6 +162,7 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_prune": 131072, "hytopk_heads_on_m": 131072, "scoreonly_heads_on_m": 131072,
          "hytopk_scan_slots": 131072, "hytopk_folded_fp32": 131072, "finish": 1048576,
          "hytopk_sort_bitonic": 131072, "hytopk_occ3": 131072, "hytopk_append_tl": 1048576,
+         "hytopk_append_row_major": 1048576,
          "hytopk_occ3_s3": 131072, "scoreonly_occ3": 131072,
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
@@ -348,6 +349,12 @@ OCC3 = dict(programs_per_sm=3, maxnreg=168, num_stages=2)
 def run_hytopk_append_tl(q, k, w, topk, relu):
     """The atomic-slot append through tl.store / tl.atomic_add (before append_ptx)."""
     return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, append_ptx=False))
+
+
+def run_hytopk_append_row_major(q, k, w, topk, relu):
+    """The in-register append on row-major columns too (first copy of each score appends)."""
+    return run_hytopk(q, k, w, topk, relu,
+                      replace(HyTopKOptions.DEFAULT, append_ptx_row_major=True))
 
 
 def run_hytopk_occ3(q, k, w, topk, relu):
@@ -573,6 +580,7 @@ METHODS = {
     "hytopk_sort_bitonic": run_hytopk_sort_bitonic,
     "hytopk_occ3": run_hytopk_occ3,
     "hytopk_append_tl": run_hytopk_append_tl,
+    "hytopk_append_row_major": run_hytopk_append_row_major,
     "hytopk_occ3_s3": run_hytopk_occ3_s3,
     "scoreonly_occ3": run_scoreonly_occ3,
     "scoreonly": run_scoreonly,
@@ -605,7 +613,7 @@ WIDE_COMPILED = set()
 # The select variants, compared with the default kernel's outputs (same_as_hytopk).
 VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_sort_bitonic",
                                              "hytopk_occ3", "hytopk_occ3_s3",
-                                             "hytopk_append_tl")
+                                             "hytopk_append_tl", "hytopk_append_row_major")
 KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3") + (
                   "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
                   "hytopk_folded_fp32",

@@ -411,6 +411,10 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-dsv32": lambda: _hytopk(64, 128, 2048, True),
     "hytopk-dsv32-heads-on-m": lambda: _hytopk(64, 128, 2048, True, keys_on_m=False),
     "hytopk-dsv32-scoreonly": lambda: _hytopk(64, 128, 1, True, mode=1),
+    "hytopk-dsv32-append-row-major": lambda: _hytopk(64, 128, 2048, True,
+                                                     append_ptx_row_major=True),
+    "hytopk-glm51-append-row-major": lambda: _hytopk(32, 128, 2048, True,
+                                                     append_ptx_row_major=True),
     "hytopk-dsv32-r168": lambda: _hytopk(64, 128, 2048, True, maxnreg=168, num_stages=2),
     "hytopk-glm51-r168": lambda: _hytopk(32, 128, 2048, True, maxnreg=168, num_stages=2),
     "hytopk-norelu-r168": lambda: _hytopk(32, 128, 2048, False, maxnreg=168),
@@ -455,6 +459,14 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     # the previous default (no carry, dK/dV at 64 x 1, the dQ tail last) and the carry at 64 x 1.
     "sparse-attention-glm51-previous": lambda: _sparse_attention(
         64, 1, 576, None, 2048, **PREVIOUS_BWD),
+    "sparse-attention-glm51-dkv-red": lambda: _sparse_attention(64, 1, 576, None, 2048,
+                                                                dkv_red_ptx=True),
+    "sparse-attention-v32-dkv-red": lambda: _sparse_attention(128, 1, 576, None, 2048,
+                                                              dkv_red_ptx=True),
+    "sparse-attention-hca-dkv-red": lambda: _sparse_attention(64, 1, 512, None, 128, prefix=True,
+                                                              dkv_red_ptx=True),
+    "sparse-attention-qsa-dkv-red": lambda: _sparse_attention(24, 2, 256, 256, 2052,
+                                                              dkv_red_ptx=True),
     "sparse-attention-glm51-dkv-carry-64x1": lambda: _sparse_attention(
         64, 1, 576, None, 2048, dkv_tilings=((64, 1),)),
     "sparse-attention-hca-previous": lambda: _sparse_attention(64, 1, 512, None, 128,

@@ -33,6 +33,7 @@ resolution 2^-44 of the row's largest contribution).
 from __future__ import annotations
 
 import functools
+import os
 from types import ModuleType
 
 import torch
@@ -47,6 +48,7 @@ from megatron_hyscale.ops.kernels.common import (
     MAX_BLOCK_H,
     MIN_DOT,
     MODE_ATOMIC,
+    MODE_ATOMIC_REGS,
     MODE_DISCARD,
     MODE_FIXED,
     MODE_ROWMAX,
@@ -969,7 +971,8 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
         run(MODE_DISCARD)
         return acc.rowmax_k, None
     if not deterministic:
-        run(MODE_ATOMIC)
+        in_regs = options.dkv_red_ptx and os.environ.get("TRITON_INTERPRET") != "1"
+        run(MODE_ATOMIC_REGS if in_regs else MODE_ATOMIC)
         return acc.result(k, v)
     run(MODE_ROWMAX)
     acc.set_scales(2 * T * nhb_dkv)  # <= one dK and one dV addend per (query, head block)
