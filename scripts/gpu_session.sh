@@ -85,10 +85,11 @@
 #   bash scripts/gpu_session.sh append-ptx  # issue #21: HyTopKOptions.append_ptx against the
 #                                         # tl append: the HyTopK GPU tests, the folded query
 #                                         # at 16K / 128K, QSA at 512K               (~4 min)
-#   bash scripts/gpu_session.sh red-ptx tests|attention|selection  # issues #20, #21: the
-#                                         # untimed in-register atomics (dkv_red_ptx,
-#                                         # append_ptx_row_major): GPU tests, then each timed
-#                                         # against the kernel without it     (3 + 6 + 3 min)
+#   bash scripts/gpu_session.sh red-ptx tests|attention|loss|selection  # issues #20, #21:
+#                                         # the untimed in-register atomics (dkv_red_ptx,
+#                                         # dk_red_ptx, append_ptx_row_major): GPU tests, then
+#                                         # each timed against the kernel without it
+#                                         #                            (3 + 6 + 4 + 3 min)
 #   bash scripts/gpu_session.sh occupancy  # issue #21: three programs an SM (maxnreg 168)
 #                                         # against two, V3.2 / GLM-5.1 / folded     (~4 min)
 #   bash scripts/gpu_session.sh reliability [FILES]  # issue #23: tests/reliability on
@@ -571,12 +572,14 @@ case "$stage" in
     # in the same process. PART tests (~3 min): their GPU tests (the dK/dV adds at every
     # attention shape against the reference; HyTopK's row-major append against the reference
     # and the plain kernel). PART attention (~6 min): bench_attention.py --bwd-sweep, dK/dV
-    # with and without AttentionKernelOptions.dkv_red_ptx. PART selection (~3 min): HyTopK
+    # with and without AttentionKernelOptions.dkv_red_ptx. PART loss (~4 min): the indexer
+    # loss with and without IndexerLossKernelOptions.dk_red_ptx. PART selection (~3 min): HyTopK
     # with and without append_ptx_row_major, V3.2 and GLM-5.1 at 16K and 128K.
     case "${1:-}" in
       tests)
         timeout 330 python3 -m pytest -q -rfE -p no:cacheprovider \
-          "tests/ops/test_sparse_attention_gpu.py::test_backward_1k_by_8k" -k "red-ptx" \
+          "tests/ops/test_sparse_attention_gpu.py::test_backward_1k_by_8k" \
+          tests/ops/test_indexer_loss_gpu.py -k "red-ptx or dk_red_ptx" \
           > "$out/tests_attention.log" 2>&1
         echo "attention tests rc=$?: $(verdict "$out/tests_attention.log")" \
           | tee "$out/summary.txt"
@@ -584,6 +587,10 @@ case "$stage" in
           -k "append_row_major or integer_inputs_exact" > "$out/tests_hytopk.log" 2>&1
         echo "hytopk tests rc=$?: $(verdict "$out/tests_hytopk.log")" | tee -a "$out/summary.txt"
         grep -h -E "^(FAILED|ERROR)" "$out"/tests_*.log | cut -c1-300 | head -20 ;;
+      loss)
+        timeout 240 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 v32 \
+          --variants dk_red_ptx fused_dk_red_ptx --out "$out" 2>&1 | grep -v -i warn \
+          | grep -E "T=|Error|failed" | tee "$out/bench_indexer_loss_dk_red_ptx.log" ;;
       attention)
         timeout 300 python3 scripts/bench_attention.py --bwd-sweep --shapes glm51 v32 \
           --t 32768 131072 --reps 2 --tilings 32x2 --bwd-variants red_ptx \
@@ -600,7 +607,7 @@ case "$stage" in
           --reps 2 --methods hytopk hytopk_append_row_major --tag _append_row_major \
           --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
           | tee "$out/bench_selection_row_major.log" ;;
-      *) echo "usage: gpu_session.sh red-ptx {tests|attention|selection}" >&2; exit 2 ;;
+      *) echo "usage: gpu_session.sh red-ptx {tests|attention|loss|selection}" >&2; exit 2 ;;
     esac
     ;;
   occupancy)

@@ -264,6 +264,28 @@ def test_dkv_red_ptx_adds_each_element_once_from_registers(tmp_path: Path) -> No
         assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
 
 
+def test_dk_red_ptx_adds_each_element_once_from_registers(tmp_path: Path) -> None:
+    """IndexerLossKernelOptions.dk_red_ptx: the backward adds each dk_index element by one
+    scalar reduction from the products' registers (a tile held in two threads would be added
+    twice), with fewer shared-memory stores in its loop than tl.atomic_add's layout change
+    (GLM-5.1 13 -> 5, 2026-12-04): GLM-5.1's 32 and V3.2's 64 indexer heads."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "indexer-loss-glm51-dk-red", "indexer-loss-v32-dk-red",
+                "indexer-loss-glm51-index", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    bwd = [r for r in json.loads(out.read_text()) if r["name"].endswith(" _bwd_kernel")]
+    assert len(bwd) == 3
+    *red, plain = bwd
+    for rep in red:
+        c = rep["constexprs"]
+        assert c["MODE"] == 4  # common.MODE_ATOMIC_REGS
+        ops = rep["loop_ops"]
+        assert ops["REDG"] == c["BLOCK_N"] * 128 // (32 * c["num_warps"])  # 128 index dims
+        assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
+    assert plain["constexprs"]["MODE"] == 0
+    assert red[0]["loop_ops"]["STS"] < plain["loop_ops"]["STS"]
+
+
 # The default select kernel for the folded relu=False query (Triton 3.6, 2026-12-03): SASS
 # instructions in its tile loop and in all.
 DEFAULT_NORELU_LOOP = 887

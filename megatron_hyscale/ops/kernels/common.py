@@ -74,6 +74,17 @@ def accumulate(ptrs, tile, rows, valid, col_mask, rowmax_base, scale_base, srs,
         tl.atomic_add(ptrs, fixed, mask=mask, sem="relaxed")
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1), which has no PTX."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def atomic_mode(in_registers: bool) -> int:
+    """`accumulate`'s MODE for fp32 atomic adds: MODE_ATOMIC_REGS when asked for (a kernel
+    option) and PTX can run, else MODE_ATOMIC."""
+    return MODE_ATOMIC_REGS if in_registers and not interpreting() else MODE_ATOMIC
+
+
 def fixed_point_scale(rowmax: torch.Tensor, n_contrib: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row power-of-two scales (fp32) and their exponents so that n_contrib addends of size
     <= rowmax fit 2^FIXED_BITS (MODE_FIXED's accumulators)."""

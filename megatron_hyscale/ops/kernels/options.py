@@ -399,6 +399,14 @@ class IndexerLossKernelOptions:
     narrow_max_heads: int = 32
     narrow_bwd_warps: int = 8
     narrow_bwd_maxnreg: int | None = 128
+    # The backward's dk_index fp32 atomic adds (not deterministic mode) as inline PTX in the
+    # products' register layout (`common.MODE_ATOMIC_REGS`, as
+    # `AttentionKernelOptions.dkv_red_ptx`). Compiled for sm_90a (2026-12-04, `inspect_sm90.py
+    # --preset indexer-loss-v32-dk-red indexer-loss-glm51-dk-red`): V3.2's backward loop 1386
+    # -> 1213 SASS instructions (STS 34 -> 18, LDS 45 -> 29, spills 20 -> 0 bytes), GLM-5.1's
+    # 585 -> 539. Not yet timed: off until it is (`gpu_session.sh red-ptx loss`). The
+    # interpreter takes tl.atomic_add whatever this says.
+    dk_red_ptx: bool = False
     # The loss row pass in one gathered pass instead of two: sum p first (p alone, no gather),
     # then one pass that takes the online log-sum-exp and sum pn log pn, sum pn (s - c) (c the
     # first valid tile's max), KL = sum pn log pn - sum pn (s - c) + (lse - c) sum pn. p's

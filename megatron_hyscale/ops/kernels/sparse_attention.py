@@ -33,7 +33,6 @@ resolution 2^-44 of the row's largest contribution).
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 
 import torch
@@ -48,12 +47,12 @@ from megatron_hyscale.ops.kernels.common import (
     MAX_BLOCK_H,
     MIN_DOT,
     MODE_ATOMIC,
-    MODE_ATOMIC_REGS,
     MODE_DISCARD,
     MODE_FIXED,
     MODE_ROWMAX,
     WIDE_TILE,
     accumulate,
+    atomic_mode,
     channel_split,
     dot_precision,
     fix_interpreter,
@@ -971,8 +970,7 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
         run(MODE_DISCARD)
         return acc.rowmax_k, None
     if not deterministic:
-        in_regs = options.dkv_red_ptx and os.environ.get("TRITON_INTERPRET") != "1"
-        run(MODE_ATOMIC_REGS if in_regs else MODE_ATOMIC)
+        run(atomic_mode(options.dkv_red_ptx))
         return acc.result(k, v)
     run(MODE_ROWMAX)
     acc.set_scales(2 * T * nhb_dkv)  # <= one dK and one dV addend per (query, head block)
