@@ -38,7 +38,8 @@ MODE_FIXED = 2  # deterministic pass 2: int64 fixed-point atomic adds (order-fre
 # without its accumulation. Its output is not a gradient.
 MODE_DISCARD = 3
 # MODE_ATOMIC as inline PTX, one `red.global.add.f32` an element in the tile's own register
-# layout (`AttentionKernelOptions.dkv_red_ptx`): tl.atomic_add first moves the tile into the
+# layout (`AttentionKernelOptions.dkv_red_ptx`, `IndexerLossKernelOptions.dk_red_ptx`; see
+# `atomic_mode`): tl.atomic_add first moves the tile into the
 # blocked layout of Triton's coalescing pass through shared memory (64 KB for a 32 x 512 fp32
 # dK tile). Only for tiles that hold each element in one thread (MMA accumulators); no
 # interpreter (no PTX there).

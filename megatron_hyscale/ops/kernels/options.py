@@ -304,12 +304,13 @@ class AttentionKernelOptions:
     # first in dkv_tilings. With it off, 32 x 2 does not fit and the launch falls back to
     # 64 x 1 (tiling.py). Ignored with the keys on M.
     dkv_carry: bool = True
-    # The dK / dV kernel's fp32 atomic adds (not deterministic mode) as inline PTX in the
-    # products' register layout (`common.MODE_ATOMIC_REGS`: scalar `red.global.add.f32`, four
-    # keys' 32-byte sectors a warp instruction) instead of tl.atomic_add, which first moves
-    # each tile into a blocked layout (vector atomics along the channels) through shared
-    # memory. Compiled for sm_90a (2026-12-04, `inspect_sm90.py --preset
-    # sparse-attention-glm51-dkv-red`): GLM-5.1's dK/dV loop 1292 -> 1350 SASS instructions
+    # The dK / dV kernel's fp32 atomic adds (split backward, not deterministic mode; the fused
+    # pass keeps tl.atomic_add) as inline PTX in the products' register layout
+    # (`common.MODE_ATOMIC_REGS`: scalar `red.global.add.f32`, four keys' 32-byte sectors a warp
+    # instruction) instead of tl.atomic_add, which first moves each tile into a blocked layout
+    # (vector atomics along the channels) through shared memory. Compiled for sm_90a
+    # (2026-12-04, `inspect_sm90.py --preset sparse-attention-glm51-dkv-red`): GLM-5.1's
+    # dK/dV loop 1292 -> 1350 SASS instructions
     # (BAR 12 -> 3, STS 8 -> 0, LDS 34 -> 10; 18 vector -> 72 scalar reductions a thread, one
     # an element), shared memory 229376 -> 221184 bytes. Not yet timed: off until it is
     # (`gpu_session.sh red-ptx attention`). The interpreter takes tl.atomic_add whatever this
