@@ -302,9 +302,6 @@ def select_variant(name, ordered=True):
     return run
 
 
-def run_scoreonly_head_major(q, k, w, topk, relu):
-    return run_scoreonly(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, head_major=True))
-
 
 # The default's outputs for the last (inputs, T) a variant was compared at (one at a time: two
 # 128K x 2048 outputs take 2 GiB).
@@ -328,47 +325,14 @@ def same_as_default(out, q, k, w, topk, relu, ordered=True):
     return torch.equal(got_i, ref_i) and torch.equal(got_s, ref_s)
 
 
-def run_hytopk_scan_slots(q, k, w, topk, relu):
-    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, atomic_slots=False))
 
 
-def run_hytopk_heads_on_m(q, k, w, topk, relu):
-    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, keys_on_m=False))
 
 
-def run_hytopk_sort_bitonic(q, k, w, topk, relu):
-    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, row_sort="bitonic"))
 
 
-# Three programs an SM instead of two (issue #21: the profiled kernels wait on their own
-# wgmma with 8 warps an SM): the select kernel capped at 168 registers (its 255 hold an SM to
-# 2 programs), two stages where three would not fit V3.2's shared memory three times.
-OCC3 = dict(programs_per_sm=3, maxnreg=168, num_stages=2)
 
 
-def run_hytopk_append_tl(q, k, w, topk, relu):
-    """The atomic-slot append through tl.store / tl.atomic_add (before append_ptx)."""
-    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, append_ptx=False))
-
-
-def run_hytopk_append_row_major(q, k, w, topk, relu):
-    """The in-register append on row-major columns too (first copy of each score appends)."""
-    return run_hytopk(q, k, w, topk, relu,
-                      replace(HyTopKOptions.DEFAULT, append_ptx_row_major=True))
-
-
-def run_hytopk_occ3(q, k, w, topk, relu):
-    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, **OCC3))
-
-
-def run_hytopk_occ3_s3(q, k, w, topk, relu):
-    return run_hytopk(q, k, w, topk, relu,
-                      replace(HyTopKOptions.DEFAULT, **dict(OCC3, num_stages=3)))
-
-
-def run_scoreonly_occ3(q, k, w, topk, relu):
-    return run_scoreonly(q, k, w, topk, relu,
-                         replace(HyTopKOptions.DEFAULT, **dict(OCC3, maxnreg=None)))
 
 
 def row_sort_micro(rows, topk, reps):
@@ -404,12 +368,6 @@ def row_sort_micro(rows, topk, reps):
     return recs
 
 
-def run_hytopk_folded_fp32(q, k, w, topk, relu):
-    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, folded_parts=False))
-
-
-def run_hytopk_prune(q, k, w, topk, relu):
-    return run_hytopk(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, prune=True))
 
 
 def run_hytopk_fp8(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT):
@@ -420,10 +378,6 @@ def run_hytopk_fp8(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT):
     return hk.hytopk_triton(q8, k8, w, topk, relu=relu, q_positions=qpos, k_positions=kpos,
                             causal=True, options=options, q_scale=q_scale, k_scale=k_scale)
 
-
-def run_hytopk_fp8_promote32(q, k, w, topk, relu):
-    return run_hytopk_fp8(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT,
-                                                       fp8_imprecise_acc=32))
 
 
 # Quantized copies for scoreonly_fp8, made once an input (their time is not the kernel's).
@@ -463,9 +417,6 @@ def run_scoreonly(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT):
     return hk._launch(q, k, w, 1, relu=relu, q_positions=qpos, k_positions=kpos, causal=True,
                       mode=hk.MODE_SCORES_ONLY, options=options)
 
-
-def run_scoreonly_heads_on_m(q, k, w, topk, relu):
-    return run_scoreonly(q, k, w, topk, relu, replace(HyTopKOptions.DEFAULT, keys_on_m=False))
 
 
 _FINISH_BUFFERS: dict = {}
@@ -571,26 +522,47 @@ def run_stock_tilelang(q, k, w, topk, relu):
     return out[0]
 
 
+def with_options(run, **fields):
+    """A method: `run` (run_hytopk, run_scoreonly or run_hytopk_fp8) with these HyTopKOptions
+    fields changed from the defaults."""
+    options = replace(HyTopKOptions.DEFAULT, **fields)
+
+    def method(q, k, w, topk, relu):
+        return run(q, k, w, topk, relu, options)
+
+    return method
+
+
+# Three programs an SM instead of two (the profiled kernels wait on their own wgmma with 8 warps
+# an SM): the select kernel capped at 168 registers (its 255 hold an SM to 2 programs), two
+# stages where three would not fit V3.2's shared memory three times.
+OCC3 = dict(programs_per_sm=3, maxnreg=168, num_stages=2)
+# Methods that run a kernel with some HyTopKOptions fields changed: name -> (runner, fields).
+OPTION_METHODS = {
+    "hytopk_prune": (run_hytopk, dict(prune=True)),
+    "hytopk_heads_on_m": (run_hytopk, dict(keys_on_m=False)),
+    "hytopk_scan_slots": (run_hytopk, dict(atomic_slots=False)),
+    "hytopk_folded_fp32": (run_hytopk, dict(folded_parts=False)),
+    "hytopk_sort_bitonic": (run_hytopk, dict(row_sort="bitonic")),  # the previous row sort
+    "hytopk_append_tl": (run_hytopk, dict(append_ptx=False)),  # tl.store / tl.atomic_add
+    "hytopk_append_row_major": (run_hytopk, dict(append_ptx_row_major=True)),
+    "hytopk_occ3": (run_hytopk, OCC3),
+    "hytopk_occ3_s3": (run_hytopk, dict(OCC3, num_stages=3)),
+    "scoreonly_occ3": (run_scoreonly, dict(OCC3, maxnreg=None)),
+    "scoreonly_heads_on_m": (run_scoreonly, dict(keys_on_m=False)),
+    "scoreonly_head_major": (run_scoreonly, dict(head_major=True)),
+    "hytopk_fp8_promote32": (run_hytopk_fp8, dict(fp8_imprecise_acc=32)),
+}
+
+
 METHODS = {
     "hytopk": run_hytopk,
-    "hytopk_prune": run_hytopk_prune,
-    "hytopk_heads_on_m": run_hytopk_heads_on_m,
-    "hytopk_scan_slots": run_hytopk_scan_slots,
-    "hytopk_folded_fp32": run_hytopk_folded_fp32,
-    "hytopk_sort_bitonic": run_hytopk_sort_bitonic,
-    "hytopk_occ3": run_hytopk_occ3,
-    "hytopk_append_tl": run_hytopk_append_tl,
-    "hytopk_append_row_major": run_hytopk_append_row_major,
-    "hytopk_occ3_s3": run_hytopk_occ3_s3,
-    "scoreonly_occ3": run_scoreonly_occ3,
     "scoreonly": run_scoreonly,
-    "scoreonly_heads_on_m": run_scoreonly_heads_on_m,
     "hytopk_fp8": run_hytopk_fp8,
-    "hytopk_fp8_promote32": run_hytopk_fp8_promote32,
     "scoreonly_fp8": run_scoreonly_fp8,
+    **{name: with_options(run, **fields) for name, (run, fields) in OPTION_METHODS.items()},
     **{name: select_variant(name) for name in SELECT_VARIANTS},
     "hytopk_select_unordered": select_variant("hytopk_select", ordered=False),
-    "scoreonly_head_major": run_scoreonly_head_major,
     "finish": run_finish,
     "naive": run_naive,
     "chunked": run_chunked,

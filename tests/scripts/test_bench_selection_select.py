@@ -37,7 +37,7 @@ def test_select_methods_select_as_the_op(sel, monkeypatch):  # noqa: F811
     stats = torch.zeros(2, dtype=torch.int32)
     sel.METHODS["hytopk_sample"](q, k, w, 6, True, sample_stats=stats)
     assert stats.tolist() == [0, 0]  # 16 keys: too few to sample
-    best = sel.run_scoreonly_head_major(q, k, w, 6, True)[1][..., 0]  # each row's max score
+    best = sel.METHODS["scoreonly_head_major"](q, k, w, 6, True)[1][..., 0]  # each row's max score
     assert torch.equal(best, want[1][..., 0])
 
 
