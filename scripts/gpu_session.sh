@@ -574,7 +574,8 @@ case "$stage" in
     # and the plain kernel). PART attention (~6 min): bench_attention.py --bwd-sweep, dK/dV
     # with and without AttentionKernelOptions.dkv_red_ptx. PART loss (~4 min): the indexer
     # loss with and without IndexerLossKernelOptions.dk_red_ptx. PART selection (~3 min): HyTopK
-    # with and without append_ptx_row_major, V3.2 and GLM-5.1 at 16K and 128K.
+    # with and without append_ptx_row_major, V3.2 and GLM-5.1 at 16K and 128K; the folded
+    # query and QSA beside their baselines (~6 min in all).
     case "${1:-}" in
       tests)
         timeout 330 python3 -m pytest -q -rfE -p no:cacheprovider \
@@ -606,7 +607,16 @@ case "$stage" in
         timeout 240 python3 scripts/bench_selection.py --T 16384 131072 --configs dsv32 glm51 \
           --reps 2 --methods hytopk hytopk_append_row_major --tag _append_row_major \
           --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
-          | tee "$out/bench_selection_row_major.log" ;;
+          | tee "$out/bench_selection_row_major.log"
+        # The folded query and QSA against their strongest baselines in the same run (cuDNN's
+        # indexer always applies ReLU; stock `none` is the naive path, up to 32K).
+        timeout 200 python3 scripts/bench_selection.py --T 16384 32768 131072 --configs norelu \
+          --reps 2 --methods hytopk naive chunked table --tag _folded_stock --out "$out" 2>&1 \
+          | grep -v -i warn | grep -E "^random|Error|error" \
+          | tee "$out/bench_selection_folded_stock.log"
+        timeout 150 python3 scripts/bench_selection.py --T 131072 524288 --configs qsa --reps 2 \
+          --secondary-max-T 524288 --methods hytopk table --tag _qsa_table --out "$out" 2>&1 \
+          | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_qsa.log" ;;
       *) echo "usage: gpu_session.sh red-ptx {tests|attention|loss|selection}" >&2; exit 2 ;;
     esac
     ;;
