@@ -240,6 +240,16 @@ def test_maxnreg_caps_the_compiled_registers(tmp_path: Path) -> None:
     assert rep["registers"] <= 168
 
 
+def _assert_one_reduction_per_element(rep: dict, channels: int) -> None:
+    """A kernel compiled with common.MODE_ATOMIC_REGS adds each element of its [BLOCK_N x
+    channels] tile by exactly one scalar reduction a thread, without local memory in its loop."""
+    c, ops = rep["constexprs"], rep["loop_ops"]
+    assert c["MODE"] == 4  # common.MODE_ATOMIC_REGS
+    per_thread = c["BLOCK_N"] * channels // (32 * c["num_warps"])
+    assert ops["REDG"] == per_thread, (rep["name"], ops["REDG"], per_thread)
+    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
+
+
 def test_dkv_red_ptx_adds_each_element_once_from_registers(tmp_path: Path) -> None:
     """AttentionKernelOptions.dkv_red_ptx: the dK / dV tiles are added by one scalar
     `red.global.add.f32` an element in the products' register layout, so the tile loop has no
@@ -255,13 +265,9 @@ def test_dkv_red_ptx_adds_each_element_once_from_registers(tmp_path: Path) -> No
     assert len(dkv) == 2
     for rep in dkv:
         c = rep["constexprs"]
-        assert c["MODE"] == 4  # common.MODE_ATOMIC_REGS
-        channels = c["D_MAIN"] + c["D_TAIL"] + (0 if c["V_IS_K_MAIN"] else c["DV_PAD"])
-        per_thread = c["BLOCK_N"] * channels // (32 * c["num_warps"])
-        ops = rep["loop_ops"]
-        assert ops["REDG"] == per_thread, (rep["name"], ops["REDG"], per_thread)
-        assert ops.get("STS", 0) == 0 and ops["BAR"] <= 3
-        assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
+        _assert_one_reduction_per_element(
+            rep, c["D_MAIN"] + c["D_TAIL"] + (0 if c["V_IS_K_MAIN"] else c["DV_PAD"]))
+        assert rep["loop_ops"].get("STS", 0) == 0 and rep["loop_ops"]["BAR"] <= 3
 
 
 def test_dk_red_ptx_adds_each_element_once_from_registers(tmp_path: Path) -> None:
@@ -277,11 +283,7 @@ def test_dk_red_ptx_adds_each_element_once_from_registers(tmp_path: Path) -> Non
     assert len(bwd) == 3
     *red, plain = bwd
     for rep in red:
-        c = rep["constexprs"]
-        assert c["MODE"] == 4  # common.MODE_ATOMIC_REGS
-        ops = rep["loop_ops"]
-        assert ops["REDG"] == c["BLOCK_N"] * 128 // (32 * c["num_warps"])  # 128 index dims
-        assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
+        _assert_one_reduction_per_element(rep, 128)  # 128 index dims
     assert plain["constexprs"]["MODE"] == 0
     assert red[0]["loop_ops"]["STS"] < plain["loop_ops"]["STS"]
 

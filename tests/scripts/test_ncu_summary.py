@@ -13,35 +13,36 @@ SCRIPT = ROOT / "scripts" / "ncu_summary.py"
 STALLS = ("stall_barrier", "stall_wait", "stall_barrier (Not Issued)")
 
 
-def _write_details(path: Path) -> None:
-    cols = ["ID", "Kernel Name", "Block Size", "Section Name", "Metric Name", "Metric Unit",
-            "Metric Value"]
-    rows = [["0", "_k", "(128, 1, 1)", "GPU Speed Of Light Throughput", "Duration", "ms",
-             "96.80"],
-            ["0", "_k", "(128, 1, 1)", "Compute Workload Analysis", "Issue Slots Busy", "%",
-             "34.51"],
-            ["0", "_k", "(128, 1, 1)", "Other", "Something Else", "", "1"]]
+def _write_csv(path: Path, first_line: str, cols: list[str], rows: list[list[str]]) -> None:
+    """A CSV as ncu exports it: a line of its own first, then quoted columns and rows."""
     with path.open("w", newline="") as f:
-        f.write("==PROF== a line ncu prints first\n")
+        f.write(first_line + "\n")
         w = csv.writer(f, quoting=csv.QUOTE_ALL)
         w.writerow(cols)
         w.writerows(rows)
+
+
+def _write_details(path: Path) -> None:
+    kernel = ["0", "_k", "(128, 1, 1)"]
+    _write_csv(path, "==PROF== a line ncu prints first",
+               ["ID", "Kernel Name", "Block Size", "Section Name", "Metric Name", "Metric Unit",
+                "Metric Value"],
+               [kernel + ["GPU Speed Of Light Throughput", "Duration", "ms", "96.80"],
+                kernel + ["Compute Workload Analysis", "Issue Slots Busy", "%", "34.51"],
+                kernel + ["Other", "Something Else", "", "1"]])
 
 
 def _write_sass(path: Path) -> None:
-    cols = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
-            *STALLS]
     # A 3-instruction loop run 100 times, a prologue run once; the loop's wait has most samples.
-    rows = [["0x0", "      LDC R1, c[0x0][0x28]", "2", "1", "0", "2", "0"],
-            ["0x10", "      HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ", "10", "100", "0",
-             "10", "0"],
-            ["0x20", "      WARPGROUP.DEPBAR.LE gsb0, 0x0", "60", "100", "60", "0", "60"],
-            ["0x30", "      @P0 STG.E.64 desc[UR4][R2.64], R4", "28", "100", "8", "20", "0"]]
-    with path.open("w", newline="") as f:
-        f.write('"Kernel Name","_hytopk_kernel",\n')
-        w = csv.writer(f, quoting=csv.QUOTE_ALL)
-        w.writerow(cols)
-        w.writerows(rows)
+    _write_csv(path, '"Kernel Name","_hytopk_kernel",',
+               ["Address", "Source", "Warp Stall Sampling (All Samples)",
+                "Instructions Executed", *STALLS],
+               [["0x0", "      LDC R1, c[0x0][0x28]", "2", "1", "0", "2", "0"],
+                ["0x10", "      HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ", "10", "100", "0",
+                 "10", "0"],
+                ["0x20", "      WARPGROUP.DEPBAR.LE gsb0, 0x0", "60", "100", "60", "0", "60"],
+                ["0x30", "      @P0 STG.E.64 desc[UR4][R2.64], R4", "28", "100", "8", "20",
+                 "0"]])
 
 
 def test_record_from_csv_exports(tmp_path: Path) -> None:

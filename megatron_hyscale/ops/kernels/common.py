@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_hyscale.ops.checks import triton_interpret
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # The same constants inside @triton.jit bodies (globals read there must be constexpr).
@@ -75,15 +77,10 @@ def accumulate(ptrs, tile, rows, valid, col_mask, rowmax_base, scale_base, srs,
         tl.atomic_add(ptrs, fixed, mask=mask, sem="relaxed")
 
 
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1), which has no PTX."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def atomic_mode(in_registers: bool) -> int:
     """`accumulate`'s MODE for fp32 atomic adds: MODE_ATOMIC_REGS when asked for (a kernel
-    option) and PTX can run, else MODE_ATOMIC."""
-    return MODE_ATOMIC_REGS if in_registers and not interpreting() else MODE_ATOMIC
+    option) and PTX can run (not in Triton's interpreter), else MODE_ATOMIC."""
+    return MODE_ATOMIC_REGS if in_registers and not triton_interpret() else MODE_ATOMIC
 
 
 def fixed_point_scale(rowmax: torch.Tensor, n_contrib: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,8 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_hyscale.ops.checks import triton_interpret
 from megatron_hyscale.ops.fp8_quant import FP8_DTYPE, dequantize
-from megatron_hyscale.ops.kernels.common import MIN_DOT, fix_interpreter, interpreting
+from megatron_hyscale.ops.kernels.common import MIN_DOT, fix_interpreter
 from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
 fix_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1
@@ -1165,7 +1166,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     # has no PTX: tl.store / tl.atomic_add there.
     append_ptx = (options.append_ptx and options.atomic_slots and keys_on_m
                   and (head_major or options.append_ptx_row_major)
-                  and not interpreting())
+                  and not triton_interpret())
     row_sort = _row_sort_code(options)
     if prune:
         # fp32 operands run as three TF32 products: 3 D accumulations plus the split's
