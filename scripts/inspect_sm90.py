@@ -422,8 +422,6 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-dsv32-r168": lambda: _hytopk(64, 128, 2048, True, maxnreg=168, num_stages=2),
     "hytopk-glm51-r168": lambda: _hytopk(32, 128, 2048, True, maxnreg=168, num_stages=2),
     "hytopk-norelu-r168": lambda: _hytopk(32, 128, 2048, False, maxnreg=168),
-    "hytopk-norelu-r128": lambda: _hytopk(32, 128, 2048, False, maxnreg=128),
-    "hytopk-dsv32-r128": lambda: _hytopk(64, 128, 2048, True, maxnreg=128, num_stages=2),
     "hytopk-dsv32-scoreonly-heads-on-m": lambda: _hytopk(64, 128, 1, True, mode=1,
                                                          keys_on_m=False),
     "hytopk-dsv32-scan-slots": lambda: _hytopk(64, 128, 2048, True, atomic_slots=False),

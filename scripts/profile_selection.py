@@ -7,8 +7,8 @@ between cudaProfilerStart and cudaProfilerStop, for example:
         --set full --clock-control none -o norelu python3 scripts/profile_selection.py \\
         --config norelu --T 131072 --method hytopk
 
-`gpu_session.sh ncu-selection` runs the cases the issue asks about and prints the reports'
-stall reasons and their hottest SASS lines.
+`gpu_session.sh ncu-selection` runs its cases this way and `scripts/ncu_summary.py` turns the
+reports' CSV exports into a record (stall reasons, hot-loop size, the hottest SASS lines).
 """
 
 from __future__ import annotations
