@@ -385,12 +385,10 @@ SWEEP_TILINGS = ((16, 1), (16, 2), (32, 1), (32, 2), (64, 1), (64, 2))
 # kernel it changes, AttentionKernelOptions fields). A dK/dV variant adds the columns
 # dkv_<name>_ms and dkv_<name>_no_atomics_ms, a dQ variant dq_<name>_ms, timed in the same
 # process and tiling as the default's dkv_ms / dq_ms. no_carry and main_first are the
-# previous defaults (dkv_carry and dq_tail_first off); red_ptx adds dK / dV as inline PTX in the
-# products' registers (dkv_red_ptx).
+# previous defaults (dkv_carry and dq_tail_first off).
 BWD_VARIANTS = {
     "no_carry": ("dkv", dict(dkv_carry=False)),
     "main_first": ("dq", dict(dq_tail_first=False)),
-    "red_ptx": ("dkv", dict(dkv_red_ptx=True)),
 }
 # --bwd-sweep's columns for the default options (--sweep-parts picks some).
 SWEEP_PARTS = ("dq", "dkv", "dkv_no_atomics", "dkv_keys_on_m", "fused")
@@ -542,8 +540,7 @@ def main():
                     help="--bwd-sweep: also time the backward kernels with these variants "
                          "beside the default, in the same process (no_carry: the dK/dV kernel "
                          "with AttentionKernelOptions.dkv_carry off, with and without atomics; "
-                         "main_first: the dQ kernel with dq_tail_first off; red_ptx: the dK/dV "
-                         "kernel with dkv_red_ptx on)")
+                         "main_first: the dQ kernel with dq_tail_first off)")
     ap.add_argument("--sweep-parts", nargs="+", default=list(SWEEP_PARTS), choices=SWEEP_PARTS,
                     help="--bwd-sweep: the default options' columns to time (all by default; "
                          "dkv_keys_on_m is about 8x the others' time)")

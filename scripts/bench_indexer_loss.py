@@ -357,8 +357,6 @@ LOSS_VARIANTS = {
     "fused_warps8_r128": dict(fused_rows_bwd=True, bwd_num_warps=8, bwd_maxnreg=128),
     "one_pass_fused_warps8_r128": dict(loss_one_pass=True, fused_rows_bwd=True,
                                        bwd_num_warps=8, bwd_maxnreg=128),
-    "dk_red_ptx": dict(dk_red_ptx=True),
-    "fused_dk_red_ptx": dict(fused_rows_bwd=True, dk_red_ptx=True),
 }
 
 

@@ -162,7 +162,6 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_prune": 131072, "hytopk_heads_on_m": 131072, "scoreonly_heads_on_m": 131072,
          "hytopk_scan_slots": 131072, "hytopk_folded_fp32": 131072, "finish": 1048576,
          "hytopk_sort_bitonic": 131072, "hytopk_occ3": 131072, "hytopk_append_tl": 1048576,
-         "hytopk_append_row_major": 1048576,
          "hytopk_occ3_s3": 131072, "scoreonly_occ3": 131072,
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
@@ -545,7 +544,6 @@ OPTION_METHODS = {
     "hytopk_folded_fp32": (run_hytopk, dict(folded_parts=False)),
     "hytopk_sort_bitonic": (run_hytopk, dict(row_sort="bitonic")),  # the previous row sort
     "hytopk_append_tl": (run_hytopk, dict(append_ptx=False)),  # tl.store / tl.atomic_add
-    "hytopk_append_row_major": (run_hytopk, dict(append_ptx_row_major=True)),
     "hytopk_occ3": (run_hytopk, OCC3),
     "hytopk_occ3_s3": (run_hytopk, dict(OCC3, num_stages=3)),
     "scoreonly_occ3": (run_scoreonly, dict(OCC3, maxnreg=None)),
@@ -585,7 +583,7 @@ WIDE_COMPILED = set()
 # The select variants, compared with the default kernel's outputs (same_as_hytopk).
 VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_sort_bitonic",
                                              "hytopk_occ3", "hytopk_occ3_s3",
-                                             "hytopk_append_tl", "hytopk_append_row_major")
+                                             "hytopk_append_tl")
 KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3") + (
                   "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
                   "hytopk_folded_fp32",
@@ -1041,7 +1039,11 @@ def main():
                     if work > MAX_T.get(method, 1 << 40) ** 2 * 64:
                         continue
                     if cfg in KEY_RATIO and method in TOKEN_KEY_METHODS:
-                        continue  # their masks assume one key per token
+                        if (cfg, method) not in warmed:  # their masks assume a key per token
+                            log(f"{cfg} {method}: not run (token keys only; {cfg} has "
+                                f"{KEY_RATIO[cfg]} tokens a key)")
+                            warmed.add((cfg, method))
+                        continue
                     why_not = library_unavailable_reason(method, cfg)
                     if why_not:
                         if (cfg, method) not in warmed:

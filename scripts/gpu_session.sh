@@ -85,11 +85,6 @@
 #   bash scripts/gpu_session.sh append-ptx  # issue #21: HyTopKOptions.append_ptx against the
 #                                         # tl append: the HyTopK GPU tests, the folded query
 #                                         # at 16K / 128K, QSA at 512K               (~4 min)
-#   bash scripts/gpu_session.sh red-ptx tests|attention|loss|selection  # issues #20, #21:
-#                                         # the untimed in-register atomics (dkv_red_ptx,
-#                                         # dk_red_ptx, append_ptx_row_major): GPU tests, then
-#                                         # each timed against the kernel without it
-#                                         #                            (3 + 6 + 4 + 3 min)
 #   bash scripts/gpu_session.sh occupancy  # issue #21: three programs an SM (maxnreg 168)
 #                                         # against two, V3.2 / GLM-5.1 / folded     (~4 min)
 #   bash scripts/gpu_session.sh reliability [FILES]  # issue #23: tests/reliability on
@@ -100,7 +95,8 @@
 #                                         # float64 alone, dense and sparse loss      (~4 min)
 #   bash scripts/gpu_session.sh selection # HyTopK and its score-only split at 128K for
 #                                         # DeepSeek-V3.2 and V4-Flash's CSA, at 512K for QSA,
-#                                         # each kernel default as it stands         (~2 min)
+#                                         # each kernel default as it stands; the folded query
+#                                         # beside naive / chunked / table, 16K-128K (~5 min)
 #   bash scripts/gpu_session.sh cudnn-verify   # after scripts/gpu_cudnn.sh 1 and 2 in the
 #                                         # calls before (machine warm): the library backends'
 #                                         # GPU tests, then the verify stage           (~5 min)
@@ -172,13 +168,13 @@ case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort|loss-variants\
-  |ncu-selection|occupancy|append-ptx|red-ptx) ;;
+  |ncu-selection|occupancy|append-ptx) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
        "|accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort" \
-       "|loss-variants|ncu-selection|occupancy|append-ptx|red-ptx}" \
+       "|loss-variants|ncu-selection|occupancy|append-ptx}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -203,7 +199,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
   export PYTHONPATH=$(pwd)/.carry/site:$(pwd)/.carry/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 fi
 case "$stage" in
-  cudnn-*|tilelang-kernels|row-sort|loss-variants|ncu-selection|occupancy|append-ptx|red-ptx)
+  cudnn-*|tilelang-kernels|row-sort|loss-variants|ncu-selection|occupancy|append-ptx)
     case "$stage" in cudnn-*|tilelang-kernels)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -567,59 +563,6 @@ case "$stage" in
       --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
       | tee "$out/bench_selection_qsa.log"
     ;;
-  red-ptx)
-    # Issues #20 and #21: the untimed in-register atomics, each against the kernel without it
-    # in the same process. PART tests (~3 min): their GPU tests (the dK/dV adds at every
-    # attention shape against the reference; HyTopK's row-major append against the reference
-    # and the plain kernel). PART attention (~6 min): bench_attention.py --bwd-sweep, dK/dV
-    # with and without AttentionKernelOptions.dkv_red_ptx. PART loss (~4 min): the indexer
-    # loss with and without IndexerLossKernelOptions.dk_red_ptx. PART selection (~3 min): HyTopK
-    # with and without append_ptx_row_major, V3.2 and GLM-5.1 at 16K and 128K; the folded
-    # query and QSA beside their baselines (~6 min in all).
-    case "${1:-}" in
-      tests)
-        timeout 330 python3 -m pytest -q -rfE -p no:cacheprovider \
-          "tests/ops/test_sparse_attention_gpu.py::test_backward_1k_by_8k" \
-          tests/ops/test_indexer_loss_gpu.py -k "red-ptx or dk_red_ptx" \
-          > "$out/tests_attention.log" 2>&1
-        echo "attention tests rc=$?: $(verdict "$out/tests_attention.log")" \
-          | tee "$out/summary.txt"
-        timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_hytopk_gpu.py \
-          -k "append_row_major or integer_inputs_exact" > "$out/tests_hytopk.log" 2>&1
-        echo "hytopk tests rc=$?: $(verdict "$out/tests_hytopk.log")" | tee -a "$out/summary.txt"
-        grep -h -E "^(FAILED|ERROR)" "$out"/tests_*.log | cut -c1-300 | head -20 ;;
-      loss)
-        timeout 240 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 v32 \
-          --variants dk_red_ptx fused_dk_red_ptx --out "$out" 2>&1 | grep -v -i warn \
-          | grep -E "T=|Error|failed" | tee "$out/bench_indexer_loss_dk_red_ptx.log" ;;
-      attention)
-        timeout 300 python3 scripts/bench_attention.py --bwd-sweep --shapes glm51 v32 \
-          --t 32768 131072 --reps 2 --tilings 32x2 --bwd-variants red_ptx \
-          --sweep-parts dkv dkv_no_atomics --out "$out/dsa" 2>&1 | grep -E "^sweep|Error" \
-          | tee "$out/bench_attention_red_ptx.log"
-        timeout 150 python3 scripts/bench_attention.py --bwd-sweep --shapes csa hca \
-          --t 65536 --reps 2 --tilings 32x2 --bwd-variants red_ptx --sweep-parts dkv \
-          --out "$out/v4" 2>&1 | grep -E "^sweep|Error" | tee -a "$out/bench_attention_red_ptx.log"
-        timeout 100 python3 scripts/bench_attention.py --bwd-sweep --shapes qsa --t 65536 \
-          --reps 2 --tilings 16x2 --bwd-variants red_ptx --sweep-parts dkv --out "$out/qsa" \
-          2>&1 | grep -E "^sweep|Error" | tee -a "$out/bench_attention_red_ptx.log" ;;
-      selection)
-        timeout 240 python3 scripts/bench_selection.py --T 16384 131072 --configs dsv32 glm51 \
-          --reps 2 --methods hytopk hytopk_append_row_major --tag _append_row_major \
-          --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
-          | tee "$out/bench_selection_row_major.log"
-        # The folded query and QSA against their strongest baselines in the same run (cuDNN's
-        # indexer always applies ReLU; stock `none` is the naive path, up to 32K).
-        timeout 200 python3 scripts/bench_selection.py --T 16384 32768 131072 --configs norelu \
-          --reps 2 --methods hytopk naive chunked table --tag _folded_stock --out "$out" 2>&1 \
-          | grep -v -i warn | grep -E "^random|Error|error" \
-          | tee "$out/bench_selection_folded_stock.log"
-        timeout 150 python3 scripts/bench_selection.py --T 131072 524288 --configs qsa --reps 2 \
-          --secondary-max-T 524288 --methods hytopk table --tag _qsa_table --out "$out" 2>&1 \
-          | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_qsa.log" ;;
-      *) echo "usage: gpu_session.sh red-ptx {tests|attention|loss|selection}" >&2; exit 2 ;;
-    esac
-    ;;
   occupancy)
     # Issue #21: three programs an SM (bench_selection.OCC3: the select kernel capped at 168
     # registers, two stages) against the default two, selected rows compared; the folded
@@ -680,6 +623,11 @@ case "$stage" in
     timeout 100 python3 scripts/bench_selection.py --T 524288 --configs qsa --reps 2 \
       --secondary-max-T 524288 --methods hytopk finish --tag _qsa --out "$out" 2>&1 \
       | tail -3 | tee "$out/bench_selection_qsa.log"
+    # The folded (no-ReLU) query beside its stock paths in the same run: cuDNN's indexer always
+    # applies ReLU, so they are megatron's `none` (the naive table, to 32K) and the table paths.
+    timeout 200 python3 scripts/bench_selection.py --T 16384 32768 131072 --configs norelu \
+      --reps 2 --methods hytopk naive chunked table --tag _folded_stock --out "$out" 2>&1 \
+      | grep -E "^random|Error|error" | tee "$out/bench_selection_folded_stock.log"
     ;;
   cudnn-verify)
     fail=0

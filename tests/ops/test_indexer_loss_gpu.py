@@ -47,12 +47,11 @@ def make(B=1, T=4096, S=None, Hq=64, Hkv=1, Dqk=576, H_I=32, D_I=128, K=2048,
     return x, spread_indices(B, T, S, K, seed)
 
 
-def run(x, idx, backend, relu=True, deterministic=False, fp32=False, attention_lse=None,
-        options=None):
+def run(x, idx, backend, relu=True, deterministic=False, fp32=False, attention_lse=None):
     t = {n: v.detach().float().requires_grad_(v.requires_grad) if fp32 else v
          for n, v in x.items()}
     scale = x["query"].shape[-1] ** -0.5
-    kw = dict(deterministic=deterministic, options=options) if backend == "triton" else {}
+    kw = dict(deterministic=deterministic) if backend == "triton" else {}
     if attention_lse is not None:
         kw["attention_lse"] = attention_lse
     loss = indexer_kl_loss(t["q_index"], t["weights"], t["k_index"], t["query"], t["key"], idx,
@@ -61,9 +60,8 @@ def run(x, idx, backend, relu=True, deterministic=False, fp32=False, attention_l
     return loss.detach(), grads
 
 
-def check(x, idx, relu=True, grad_l2=1e-2, grad_max=2e-2, loss_rtol=1e-4, attention_lse=None,
-          options=None):
-    loss, grads = run(x, idx, "triton", relu=relu, attention_lse=attention_lse, options=options)
+def check(x, idx, relu=True, grad_l2=1e-2, grad_max=2e-2, loss_rtol=1e-4, attention_lse=None):
+    loss, grads = run(x, idx, "triton", relu=relu, attention_lse=attention_lse)
     r_loss, r_grads = run(x, idx, "reference", relu=relu, fp32=True)
     assert torch.isfinite(loss) and r_loss > 0
     torch.testing.assert_close(loss, r_loss, rtol=loss_rtol, atol=0)
@@ -98,20 +96,6 @@ def test_v32_shape_two_head_blocks_relu_off():
     x, idx = make(T=1024, Hq=128, H_I=64, seed=1)
     check(x, idx, relu=False)
     check(x, idx, relu=True)
-
-
-@pytest.mark.parametrize("shape", ["glm51", "v32"])
-def test_dk_red_ptx_within_the_same_bounds(shape):
-    """IndexerLossKernelOptions.dk_red_ptx: dk_index added by inline PTX from the products'
-    registers (no interpreter runs it), at GLM-5.1's 32 and V3.2's 64 indexer heads."""
-    from dataclasses import replace
-
-    from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions
-
-    options = replace(IndexerLossKernelOptions.DEFAULT, dk_red_ptx=True)
-    x, idx = make(T=2048, H_I=32, seed=6) if shape == "glm51" else make(
-        T=1024, Hq=128, H_I=64, seed=7)
-    check(x, idx, options=options)
 
 
 def test_batched_gqa_and_ragged_keys():

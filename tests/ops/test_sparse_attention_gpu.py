@@ -95,19 +95,17 @@ def test_forward_4k_by_8k(shape):
 
 
 @pytest.mark.parametrize("variant", ["split", "split-keys-on-m", "fused", "split-no-carry",
-                                     "split-no-tail-first", "split-red-ptx"])
+                                     "split-no-tail-first"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_backward_1k_by_8k(shape, variant):
     # The default (dQ pass with the tail first, then dK/dV with the channels on M and the carry,
     # 32 x 2 where it fits), the previous dK/dV orientation, the single fused pass, and the
     # default with dkv_carry (so 64 x 1) or dq_tail_first off (compiled at the real shapes: the
-    # interpreter tests cannot see a layout or tiling fault), and the dK / dV adds as inline
-    # PTX (dkv_red_ptx: no interpreter runs it).
+    # interpreter tests cannot see a layout or tiling fault).
     options = replace(AttentionKernelOptions.DEFAULT,
                       dkv_channels_on_m=variant != "split-keys-on-m", bwd_fused=variant == "fused",
                       dkv_carry=variant != "split-no-carry",
-                      dq_tail_first=variant != "split-no-tail-first",
-                      dkv_red_ptx=variant == "split-red-ptx")
+                      dq_tail_first=variant != "split-no-tail-first")
     q, k, v, idx, sink, dv, scale = inputs(shape, 1024, 8192, seed=2)
     g = torch.randn(q.shape[:3] + (dv or (v.shape[-1] if v is not None else q.shape[-1]),),
                     device="cuda").to(q.dtype)

@@ -213,23 +213,6 @@ def test_append_ptx_keeps_the_append_out_of_shared_memory(tmp_path: Path) -> Non
     assert v32["constexprs"]["APPEND_PTX"] is False and v32["constexprs"]["HEAD_MAJOR"] is False
 
 
-def test_append_ptx_row_major_checks_each_copy(tmp_path: Path) -> None:
-    """append_ptx_row_major: V3.2's row-major columns leave each score in the four lanes of a
-    quad; every copy runs the predicated store and atomic (one per copy a thread), each after
-    the first-copy check's two shuffles, and still nothing goes through shared memory."""
-    out = tmp_path / "r.json"
-    proc = _run("--preset", "hytopk-dsv32-append-row-major", "--json", str(out))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    (rep,) = json.loads(out.read_text())
-    assert rep["constexprs"]["APPEND_PTX"] is True and rep["constexprs"]["HEAD_MAJOR"] is False
-    ops = rep["loop_ops"]
-    copies_a_thread = 4 * 64 * 2 // 128  # 4 lanes x 64-key tiles x 2 rows over 128 threads
-    assert ops["STG"] == ops["ATOMG"] == copies_a_thread
-    assert ops["SHFL"] >= 2 * copies_a_thread
-    assert ops.get("STS", 0) == 0 and ops["BAR"] <= 2
-    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
-
-
 def test_maxnreg_caps_the_compiled_registers(tmp_path: Path) -> None:
     """HyTopKOptions.maxnreg reaches ptxas: the select kernel (255 registers uncapped) compiles
     to at most 168 with maxnreg 168."""
@@ -238,54 +221,6 @@ def test_maxnreg_caps_the_compiled_registers(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     (rep,) = json.loads(out.read_text())
     assert rep["registers"] <= 168
-
-
-def _assert_one_reduction_per_element(rep: dict, channels: int) -> None:
-    """A kernel compiled with common.MODE_ATOMIC_REGS adds each element of its [BLOCK_N x
-    channels] tile by exactly one scalar reduction a thread, without local memory in its loop."""
-    c, ops = rep["constexprs"], rep["loop_ops"]
-    assert c["MODE"] == 4  # common.MODE_ATOMIC_REGS
-    per_thread = c["BLOCK_N"] * channels // (32 * c["num_warps"])
-    assert ops["REDG"] == per_thread, (rep["name"], ops["REDG"], per_thread)
-    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
-
-
-def test_dkv_red_ptx_adds_each_element_once_from_registers(tmp_path: Path) -> None:
-    """AttentionKernelOptions.dkv_red_ptx: the dK / dV tiles are added by one scalar
-    `red.global.add.f32` an element in the products' register layout, so the tile loop has no
-    shared-memory stores for them (tl.atomic_add's layout change: 8 STS, 34 LDS and 12
-    barriers a tile for GLM-5.1, 2026-12-04) and exactly one reduction per element and thread
-    (a tile held in two threads would be added twice): GLM-5.1 (V = K's main part) and QSA
-    (its own V)."""
-    out = tmp_path / "r.json"
-    proc = _run("--preset", "sparse-attention-glm51-dkv-red", "sparse-attention-qsa-dkv-red",
-                "--json", str(out))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    dkv = [r for r in json.loads(out.read_text()) if r["name"].endswith("_bwd_dkv_kernel")]
-    assert len(dkv) == 2
-    for rep in dkv:
-        c = rep["constexprs"]
-        _assert_one_reduction_per_element(
-            rep, c["D_MAIN"] + c["D_TAIL"] + (0 if c["V_IS_K_MAIN"] else c["DV_PAD"]))
-        assert rep["loop_ops"].get("STS", 0) == 0 and rep["loop_ops"]["BAR"] <= 3
-
-
-def test_dk_red_ptx_adds_each_element_once_from_registers(tmp_path: Path) -> None:
-    """IndexerLossKernelOptions.dk_red_ptx: the backward adds each dk_index element by one
-    scalar reduction from the products' registers (a tile held in two threads would be added
-    twice), with fewer shared-memory stores in its loop than tl.atomic_add's layout change
-    (GLM-5.1 13 -> 5, 2026-12-04): GLM-5.1's 32 and V3.2's 64 indexer heads."""
-    out = tmp_path / "r.json"
-    proc = _run("--preset", "indexer-loss-glm51-dk-red", "indexer-loss-v32-dk-red",
-                "indexer-loss-glm51-index", "--json", str(out))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    bwd = [r for r in json.loads(out.read_text()) if r["name"].endswith(" _bwd_kernel")]
-    assert len(bwd) == 3
-    *red, plain = bwd
-    for rep in red:
-        _assert_one_reduction_per_element(rep, 128)  # 128 index dims
-    assert plain["constexprs"]["MODE"] == 0
-    assert red[0]["loop_ops"]["STS"] < plain["loop_ops"]["STS"]
 
 
 # The default select kernel for the folded relu=False query (Triton 3.6, 2026-12-03): SASS

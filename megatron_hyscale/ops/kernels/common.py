@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_hyscale.ops.checks import triton_interpret
-
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # The same constants inside @triton.jit bodies (globals read there must be constexpr).
@@ -39,15 +37,6 @@ MODE_FIXED = 2  # deterministic pass 2: int64 fixed-point atomic adds (order-fre
 # slot with a plain store (no atomics), so `bench_attention.py --bwd-sweep` can time the kernel
 # without its accumulation. Its output is not a gradient.
 MODE_DISCARD = 3
-# MODE_ATOMIC as inline PTX, one `red.global.add.f32` an element in the tile's own register
-# layout (`AttentionKernelOptions.dkv_red_ptx`, `IndexerLossKernelOptions.dk_red_ptx`; see
-# `atomic_mode`): tl.atomic_add first moves the tile into the
-# blocked layout of Triton's coalescing pass through shared memory (64 KB for a 32 x 512 fp32
-# dK tile). Only for tiles that hold each element in one thread (MMA accumulators); no
-# interpreter (no PTX there).
-MODE_ATOMIC_REGS = 4
-_RED_ADD_F32_WHERE = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-                                  "@p red.relaxed.gpu.global.add.f32 [$1], $3; mov.b32 $0, 0; }")
 # Bits of the int64 accumulators used by the sum of one element's contributions (63 is the
 # sign-free maximum; one bit spare for the rounding of each addend).
 FIXED_BITS = 62
@@ -62,10 +51,6 @@ def accumulate(ptrs, tile, rows, valid, col_mask, rowmax_base, scale_base, srs,
     mask = valid[:, None] & col_mask
     if MODE == 0:
         tl.atomic_add(ptrs, tile, mask=mask, sem="relaxed")
-    elif MODE == 4:
-        tl.inline_asm_elementwise(_RED_ADD_F32_WHERE, "=r,l,r,f",
-                                  [ptrs.to(tl.int64), mask.to(tl.int32), tile],
-                                  dtype=tl.int32, is_pure=False, pack=1)
     elif MODE == 1:
         tl.atomic_max(rowmax_base + rows * srs, tl.max(tl.abs(tile), axis=1), mask=valid,
                       sem="relaxed")
@@ -75,12 +60,6 @@ def accumulate(ptrs, tile, rows, valid, col_mask, rowmax_base, scale_base, srs,
         fx = tl.load(scale_base + rows * srs, mask=valid, other=0.0)
         fixed = tl.floor(tile * fx[:, None] + 0.5).to(tl.int64)
         tl.atomic_add(ptrs, fixed, mask=mask, sem="relaxed")
-
-
-def atomic_mode(in_registers: bool) -> int:
-    """`accumulate`'s MODE for fp32 atomic adds: MODE_ATOMIC_REGS when asked for (a kernel
-    option) and PTX can run (not in Triton's interpreter), else MODE_ATOMIC."""
-    return MODE_ATOMIC_REGS if in_registers and not triton_interpret() else MODE_ATOMIC
 
 
 def fixed_point_scale(rowmax: torch.Tensor, n_contrib: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -487,29 +487,6 @@ _ADD_ONE_WHERE = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0,
                               "@p atom.relaxed.gpu.global.add.u32 $0, [$1], 1; }")
 
 
-# 1 where this lane holds the first copy of element $1 (a unique id) among the lanes of its
-# quad, else 0: a reduction's copies of one element sit in the same register of each lane, so a
-# lane is a copy when its neighbour across lane bit 0 (or bit 1) holds the same id and lies
-# below it. $2 only ties the check to the scores' register layout (see _first_copy).
-_FIRST_COPY = tl.constexpr(
-    "{ .reg .pred d1, d2, q1, q2; .reg .b32 t1, t2, l, l1, l2; "
-    "shfl.sync.bfly.b32 t1, $1, 1, 0x1f, -1; shfl.sync.bfly.b32 t2, $1, 2, 0x1f, -1; "
-    "mov.u32 l, %laneid; and.b32 l1, l, 1; and.b32 l2, l, 2; "
-    "setp.eq.b32 d1, t1, $1; setp.eq.b32 d2, t2, $1; "
-    "setp.ne.and.b32 q1, l1, 0, d1; setp.ne.and.b32 q2, l2, 0, d2; "
-    "or.pred q1, q1, q2; selp.b32 $0, 0, 1, q1; }")
-
-
-@triton.jit
-def _first_copy(ids, anchor):
-    """Which scores this lane appends under `append_ptx_row_major`: the row-major head sum
-    leaves each score in every lane of a quad (the N columns of a wgmma accumulator), and
-    inline PTX runs once per copy. ids: a unique int32 per score; anchor: the scores' packed
-    keys, so that the check runs in their register layout."""
-    return tl.inline_asm_elementwise(_FIRST_COPY, "=r,r,l", [ids, anchor], dtype=tl.int32,
-                                     is_pure=True, pack=1) != 0
-
-
 @triton.jit
 def _store_where(ptr, value, mask, PTX: tl.constexpr):
     """tl.store(ptr, value, mask=mask) of int64 values; PTX: as one st.global each."""
@@ -816,9 +793,6 @@ def _hytopk_kernel(
                         cand = vis & (scores >= _per_row(thr_score, KEYS_ON_M))
                         keys = _pack(scores, _per_key(s, KEYS_ON_M))
                         surv = cand & (keys > _per_row(thr, KEYS_ON_M))
-                    if APPEND_PTX and not HEAD_MAJOR:
-                        surv = surv & _first_copy(
-                            _per_key(s, KEYS_ON_M) * R + _per_row(offs_r, KEYS_ON_M), keys)
                     # The previous tile's survivors are stored now, a tile after their atomics
                     # were issued: the GEMM in between hides the atomics' L2 round trip.
                     _store_where(scratch + _per_row(offs_r, KEYS_ON_M) * CAP + p_slot, p_keys,
@@ -1160,12 +1134,11 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     head_major = (options.head_major and keys_on_m and hp <= HEAD_MAJOR_MAX_HEADS
                   and r >= HEAD_MAJOR_MIN_ROWS)
     sort_out = options.sort_in_kernel and mode == MODE_SELECT
-    # Inline PTX runs once per register copy of a score: the pair-major columns hold each
-    # score in one lane; the row-major head sum leaves it in every lane of a quad, whose
-    # copies append it only with the first-copy check (append_ptx_row_major). The interpreter
-    # has no PTX: tl.store / tl.atomic_add there.
-    append_ptx = (options.append_ptx and options.atomic_slots and keys_on_m
-                  and (head_major or options.append_ptx_row_major)
+    # Inline PTX runs once per register copy of a score: only the pair-major columns hold
+    # each score in one lane (the row-major head sum leaves it in every lane of the quad,
+    # whose copies would each append it; a first-copy check there was timed slower,
+    # BENCHMARKS.md 2026-12-04). The interpreter has no PTX: tl.store / tl.atomic_add there.
+    append_ptx = (options.append_ptx and options.atomic_slots and head_major
                   and not triton_interpret())
     row_sort = _row_sort_code(options)
     if prune:

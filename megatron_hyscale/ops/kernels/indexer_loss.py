@@ -37,11 +37,11 @@ from megatron_hyscale.ops.kernels.common import (
     LOG2E,
     LOG2E_JIT,
     MIN_DOT,
+    MODE_ATOMIC,
     MODE_FIXED,
     MODE_ROWMAX,
     WIDE_TILE,
     accumulate,
-    atomic_mode,
     channel_split,
     dot_precision,
     fix_interpreter,
@@ -622,7 +622,7 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
                 ("bwd", q_index.dtype, k_index.dtype, tuple(sorted(c.items()))), options)
 
     if not deterministic:
-        run(atomic_mode(options.dk_red_ptx), rowmax)
+        run(MODE_ATOMIC, rowmax)
         return dq, dw, dk_acc.to(k_index.dtype)
     run(MODE_ROWMAX, rowmax)
     # Repeated indices are dropped, so a dk element gets at most one addend per query row.
@@ -652,8 +652,7 @@ def indexer_loss_rows_bwd(q_index: torch.Tensor, weights: torch.Tensor, k_index:
     rowmax = torch.zeros((B, S), device=dev, dtype=torch.float32) if deterministic else lse
     grad = grad.detach().reshape(1).to(device=dev, dtype=torch.float32)
     const, num_warps = _bwd_launch(q_index, options)
-    const.update(RELU=relu,
-                 MODE=MODE_ROWMAX if deterministic else atomic_mode(options.dk_red_ptx))
+    const.update(RELU=relu, MODE=MODE_ROWMAX if deterministic else MODE_ATOMIC)
     args = (q_index, weights, k_index, indices, p, kl, lse, psum, grad, coeff, dq, dw, dk_acc,
             rowmax, rowmax, T, NK, H, D, *q_index.stride(), *weights.stride(),
             *k_index.stride(), *indices.stride(), *p.stride(), *kl.stride(), *dq.stride(),

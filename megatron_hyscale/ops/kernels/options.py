@@ -177,12 +177,6 @@ class HyTopKOptions:
     # tests, and the benchmark's comparison up to 128K). Under TRITON_INTERPRET=1 the tl forms
     # run whatever this says (the interpreter has no PTX).
     append_ptx: bool = True
-    # append_ptx with the row-major columns too (V3.2's 64 heads, GLM-5.1's 32): of a score's
-    # four copies in its quad the first appends (`hytopk._first_copy`: two shuffles a score).
-    # Compiled for sm_90a (2026-12-04): V3.2's tile loop 416 -> 509 SASS instructions (SHFL 8
-    # -> 20, BAR 7 -> 2, no STS), GLM-5.1's 506 -> 725. Not yet timed: off until it is
-    # (`bench_selection.py` methods hytopk_append_ptx_row_major and hytopk).
-    append_ptx_row_major: bool = False
     # Registers a thread (Triton's `maxnreg` launch option); None: the compiler's choice. The
     # select kernel takes 255 (its end-of-block compaction and sort), which holds an SM to two
     # programs; 168 lets three fit (`programs_per_sm=3`, with num_stages 2 for V3.2's shared
@@ -200,8 +194,7 @@ HyTopKOptions.DEFAULT = HyTopKOptions()
 # was before them (`dataclasses.replace(HyTopKOptions.DEFAULT, **SELECT_VARIANTS_OFF)`), which
 # tests and bench_selection.py compare the variants against.
 SELECT_VARIANTS_OFF = {"sort_in_kernel": False, "head_major": False, "lean_filter": False,
-                       "bounded_select": False, "sample_keys": 0, "append_ptx": False,
-                       "append_ptx_row_major": False}
+                       "bounded_select": False, "sample_keys": 0, "append_ptx": False}
 
 
 # (keys per step, pipeline stages) pairs, best first: a tiling that fails to compile or launch
@@ -304,18 +297,6 @@ class AttentionKernelOptions:
     # first in dkv_tilings. With it off, 32 x 2 does not fit and the launch falls back to
     # 64 x 1 (tiling.py). Ignored with the keys on M.
     dkv_carry: bool = True
-    # The dK / dV kernel's fp32 atomic adds (split backward, not deterministic mode; the fused
-    # pass keeps tl.atomic_add) as inline PTX in the products' register layout
-    # (`common.MODE_ATOMIC_REGS`: scalar `red.global.add.f32`, four keys' 32-byte sectors a warp
-    # instruction) instead of tl.atomic_add, which first moves each tile into a blocked layout
-    # (vector atomics along the channels) through shared memory. Compiled for sm_90a
-    # (2026-12-04, `inspect_sm90.py --preset sparse-attention-glm51-dkv-red`): GLM-5.1's
-    # dK/dV loop 1292 -> 1350 SASS instructions
-    # (BAR 12 -> 3, STS 8 -> 0, LDS 34 -> 10; 18 vector -> 72 scalar reductions a thread, one
-    # an element), shared memory 229376 -> 221184 bytes. Not yet timed: off until it is
-    # (`gpu_session.sh red-ptx attention`). The interpreter takes tl.atomic_add whatever this
-    # says.
-    dkv_red_ptx: bool = False
     # The dK/dV kernel with the keys on M reads q and dO in two MMA layouts (B of K @ q^T and of
     # dS^T @ q), which Triton keeps as two shared-memory copies; its head block is halved until
     # both copies fit in this many bytes (measured on the H200: 64 heads x (576 + 512) dims
@@ -400,14 +381,6 @@ class IndexerLossKernelOptions:
     narrow_max_heads: int = 32
     narrow_bwd_warps: int = 8
     narrow_bwd_maxnreg: int | None = 128
-    # The backward's dk_index fp32 atomic adds (not deterministic mode) as inline PTX in the
-    # products' register layout (`common.MODE_ATOMIC_REGS`, as
-    # `AttentionKernelOptions.dkv_red_ptx`). Compiled for sm_90a (2026-12-04, `inspect_sm90.py
-    # --preset indexer-loss-v32-dk-red indexer-loss-glm51-dk-red`): V3.2's backward loop 1386
-    # -> 1213 SASS instructions (STS 34 -> 18, LDS 45 -> 29, spills 20 -> 0 bytes), GLM-5.1's
-    # 585 -> 539. Not yet timed: off until it is (`gpu_session.sh red-ptx loss`). The
-    # interpreter takes tl.atomic_add whatever this says.
-    dk_red_ptx: bool = False
     # The loss row pass in one gathered pass instead of two: sum p first (p alone, no gather),
     # then one pass that takes the online log-sum-exp and sum pn log pn, sum pn (s - c) (c the
     # first valid tile's max), KL = sum pn log pn - sum pn (s - c) + (lse - c) sum pn. p's

@@ -52,7 +52,6 @@ from megatron_hyscale.ops.kernels.common import (
     MODE_ROWMAX,
     WIDE_TILE,
     accumulate,
-    atomic_mode,
     channel_split,
     dot_precision,
     fix_interpreter,
@@ -970,7 +969,7 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
         run(MODE_DISCARD)
         return acc.rowmax_k, None
     if not deterministic:
-        run(atomic_mode(options.dkv_red_ptx))
+        run(MODE_ATOMIC)
         return acc.result(k, v)
     run(MODE_ROWMAX)
     acc.set_scales(2 * T * nhb_dkv)  # <= one dK and one dV addend per (query, head block)
