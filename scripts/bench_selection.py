@@ -42,6 +42,10 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              ordered=False
              (decode without the sort: the difference is the in-kernel sort's time)
   scoreonly_head_major  the score-only kernel with head_major (the GEMM and head sum alone)
+  scoreonly_sm90  the warp-specialized Gluon scores-only kernel (a TMA producer warp, two
+             consumer warpgroups ping-ponged; `kernels/indexer_scores_sm90.py`), ReLU configs
+             with 32 / 64 heads; reports max_diff_vs_scoreonly (its row maxima against the
+             Triton scores-only kernel's); scoreonly_sm90_free: the same without the ping-pong
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
   128K)
   finish     HyTopK's last pass alone (the torch sort that orders and decodes each row)
@@ -164,6 +168,7 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_sort_bitonic": 131072, "hytopk_occ3": 131072, "hytopk_append_tl": 1048576,
          "hytopk_occ3_s3": 131072, "scoreonly_occ3": 131072,
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
+         "scoreonly_sm90": 131072, "scoreonly_sm90_free": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
          "stock_cudnn": 65536,
@@ -417,6 +422,27 @@ def run_scoreonly(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT):
                       mode=hk.MODE_SCORES_ONLY, options=options)
 
 
+def run_scoreonly_sm90(q, k, w, topk, relu, pingpong=True):
+    """The warp-specialized Gluon scores (`kernels/indexer_scores_sm90.py`): each causal row's
+    largest score, as `scoreonly` writes; ReLU configs with 32 or 64 heads of 128 dims."""
+    from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_row_max_sm90
+
+    if not relu:
+        raise ValueError("scoreonly_sm90 scores under ReLU only")
+    return indexer_row_max_sm90(q, k, w, pingpong=pingpong)
+
+
+def max_diff_vs_scoreonly(out, q, k, w, relu):
+    """Largest |difference| between a scores-only method's row maxima and the Triton
+    scores-only kernel's (fp32 rounding order differs), over rows with a visible key."""
+    ref = run_scoreonly(q, k, w, 1, relu).reshape(-1)
+    got = out.reshape(-1)
+    ok = torch.isfinite(ref)
+    if not torch.equal(ok, torch.isfinite(got)):
+        return float("inf")
+    return (got[ok] - ref[ok]).abs().max().item()
+
+
 
 _FINISH_BUFFERS: dict = {}
 
@@ -558,6 +584,9 @@ METHODS = {
     "scoreonly": run_scoreonly,
     "hytopk_fp8": run_hytopk_fp8,
     "scoreonly_fp8": run_scoreonly_fp8,
+    "scoreonly_sm90": run_scoreonly_sm90,
+    "scoreonly_sm90_free": lambda q, k, w, topk, relu: run_scoreonly_sm90(q, k, w, topk, relu,
+                                                                         pingpong=False),
     **{name: with_options(run, **fields) for name, (run, fields) in OPTION_METHODS.items()},
     **{name: select_variant(name) for name in SELECT_VARIANTS},
     "hytopk_select_unordered": select_variant("hytopk_select", ordered=False),
@@ -656,6 +685,9 @@ def bench_one(method, T, cfg, kind, rate, reps):
             guessed, redone = stats.tolist()
             rec.update(sampled_rows_share=guessed / (q.shape[0] * q.shape[1]),
                        redone_blocks=redone)
+        if method in SM90_SCORE_METHODS:
+            rec.update(max_diff_vs_scoreonly=max_diff_vs_scoreonly(
+                fn(q, k, w, topk, relu), q, k, w, relu))
         if method in COMPARED_METHODS and T <= SAME_SET_MAX_T:
             rec.update(same_rows_as_hytopk=same_sets_as_hytopk(fn(q, k, w, topk, relu),
                                                                 q, k, w, topk, relu))
@@ -665,6 +697,8 @@ def bench_one(method, T, cfg, kind, rate, reps):
     return rec
 
 
+# The Gluon scores-only methods, compared with the Triton scores-only kernel's row maxima.
+SM90_SCORE_METHODS = ("scoreonly_sm90", "scoreonly_sm90_free")
 # Longest T at which the library paths' selections are compared with HyTopK's, row by row.
 SAME_SET_MAX_T = 131072
 
@@ -1074,6 +1108,8 @@ def main():
                            if "overlap_vs_bf16" in rec else "")
                         + (f"  same as hytopk {rec['same_as_hytopk']}"
                            if "same_as_hytopk" in rec else "")
+                        + (f"  max diff vs scoreonly {rec['max_diff_vs_scoreonly']:.2e}"
+                           if "max_diff_vs_scoreonly" in rec else "")
                         + (f"  sampled rows {rec['sampled_rows_share']:.1%} redone blocks "
                            f"{rec['redone_blocks']}" if "sampled_rows_share" in rec else ""))
     if "structured" in args.inputs:

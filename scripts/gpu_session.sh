@@ -85,6 +85,11 @@
 #   bash scripts/gpu_session.sh append-ptx  # issue #21: HyTopKOptions.append_ptx against the
 #                                         # tl append: the HyTopK GPU tests, the folded query
 #                                         # at 16K / 128K, QSA at 512K               (~4 min)
+#   bash scripts/gpu_session.sh scores-sm90  # issue #21 item 1: the warp-specialized Gluon
+#                                         # scores-only kernel, its GPU tests (a smoke case
+#                                         # first: a hang stops the stage), then timed beside
+#                                         # the Triton scores-only kernel, V3.2 / GLM-5.1 at
+#                                         # 16K and 128K                              (~3 min)
 #   bash scripts/gpu_session.sh occupancy  # issue #21: three programs an SM (maxnreg 168)
 #                                         # against two, V3.2 / GLM-5.1 / folded     (~4 min)
 #   bash scripts/gpu_session.sh reliability [FILES]  # issue #23: tests/reliability on
@@ -168,13 +173,13 @@ case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort|loss-variants\
-  |ncu-selection|occupancy|append-ptx) ;;
+  |ncu-selection|occupancy|append-ptx|scores-sm90) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
        "|accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort" \
-       "|loss-variants|ncu-selection|occupancy|append-ptx}" \
+       "|loss-variants|ncu-selection|occupancy|append-ptx|scores-sm90}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -199,7 +204,8 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
   export PYTHONPATH=$(pwd)/.carry/site:$(pwd)/.carry/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 fi
 case "$stage" in
-  cudnn-*|tilelang-kernels|row-sort|loss-variants|ncu-selection|occupancy|append-ptx)
+  cudnn-*|tilelang-kernels|row-sort|loss-variants|ncu-selection|occupancy|append-ptx\
+  |scores-sm90)
     case "$stage" in cudnn-*|tilelang-kernels)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -563,6 +569,23 @@ case "$stage" in
       --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
       | tee "$out/bench_selection_qsa.log"
     ;;
+  scores-sm90)
+    # Issue #21 item 1. A mbarrier protocol fault hangs rather than fails: one small case
+    # first under a short timeout, and nothing else runs if it does not pass.
+    timeout 120 python3 -m pytest -x -q -rfE -p no:cacheprovider -m gpu \
+      tests/ops/test_indexer_scores_sm90.py -k "adversarial and 64" > "$out/smoke.log" 2>&1
+    rc=$?
+    echo "smoke rc=$rc: $(verdict "$out/smoke.log")" | tee "$out/summary.txt"
+    [ $rc -eq 0 ] || { grep -h -E "^(FAILED|ERROR|E   )" "$out/smoke.log" | cut -c1-300 \
+      | head -20; exit 1; }
+    timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+      tests/ops/test_indexer_scores_sm90.py > "$out/tests.log" 2>&1
+    echo "tests rc=$?: $(verdict "$out/tests.log")" | tee -a "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -20
+    timeout 240 python3 scripts/bench_selection.py --T 16384 131072 --configs dsv32 glm51 \
+      --reps 3 --methods scoreonly scoreonly_sm90 scoreonly_sm90_free --tag _scores_sm90 \
+      --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
+      | tee "$out/bench_selection_scores_sm90.log" ;;
   occupancy)
     # Issue #21: three programs an SM (bench_selection.OCC3: the select kernel capped at 168
     # registers, two stages) against the default two, selected rows compared; the folded

@@ -285,6 +285,19 @@ def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256) -> list[Launc
     return calls
 
 
+def _indexer_scores_sm90(h: int, T: int = 4096) -> list[Launch]:
+    """The warp-specialized Gluon indexer scores (Hopper only; `indexer_row_max_sm90`: each
+    causal row's largest score, HyTopK's scores-only measurement), h heads of 128 dims."""
+    from megatron_hyscale.ops.kernels import indexer_scores_sm90 as scores
+
+    q = torch.zeros(1, T, h, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, T, 128, dtype=torch.bfloat16)
+    w = torch.zeros(1, T, h, dtype=torch.float32)
+    with intercept(scores, "_indexer_row_max_kernel") as calls:
+        scores.indexer_row_max_sm90(q, k, w)
+    return calls
+
+
 def _indexer_loss(hi: int, di: int, hq: int, d: int, topk: int, T: int = 256, **options: Any
                   ) -> list[Launch]:
     """select, target, loss and backward launches of the sparse indexer KL loss; options:
@@ -461,6 +474,9 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
                                                                **PREVIOUS_BWD),
     "sparse-mla-fwd-sm90-glm51": lambda: _sparse_mla_fwd_sm90(64, 576, 2048),
     "sparse-mla-fwd-sm90-v32": lambda: _sparse_mla_fwd_sm90(128, 576, 2048),
+    # The warp-specialized indexer scores (a TMA producer warp, two wgmma consumer warpgroups).
+    "indexer-scores-sm90-dsv32": lambda: _indexer_scores_sm90(64),
+    "indexer-scores-sm90-glm51": lambda: _indexer_scores_sm90(32),
     "sparse-attention-hca": lambda: _sparse_attention(64, 1, 512, None, 128, prefix=True),
     "sparse-attention-qsa": lambda: _sparse_attention(24, 2, 256, 256, 2052),
     "indexer-loss-glm51": lambda: _indexer_loss(32, 128, 64, 576, 2048),

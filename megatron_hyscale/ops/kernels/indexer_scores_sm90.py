@@ -1,0 +1,297 @@
+"""The DSA indexer's causal row maxima on Hopper (sm_90a): a warp-specialized Gluon kernel.
+
+Shapes: q bf16 [B, T, H, D] (D = 128, H = 32 or 64), k bf16 [B, S, D] (one key head, S == T),
+w fp32 [B, T, H]. out fp32 [B, T]: out[b, t] = max over s <= t of
+score[b, t, s] = sum_h w[b, t, h] * relu(q[b, t, h] . k[b, s]), fp32 accumulation. The scoring
+cost of HyTopK alone (`hytopk.MODE_SCORES_ONLY`), with the compute split FA3-style.
+
+Algorithm: one program per 2 x ROWS query rows. A one-warp producer streams the key tiles through
+a shared-memory ring (TMA, mbarriers); two consumer warpgroups each own ROWS rows (their heads on
+the wgmma's N, the keys on M) and multiply the same tiles, so one consumer's ReLU x weight x
+head-sum epilogue runs while the other's wgmma does.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# Head dimension: the wgmma's K (8 k-steps of 16).
+HEAD_DIM = 128
+# (query row, head) pairs a consumer: the wgmma's N. V3.2 (64 heads): 2 rows; GLM-5.1 (32): 4.
+PAIRS = 128
+# Keys a tile: the wgmma's M, one tile height for a warpgroup. The keys go on M so that the head
+# sum runs along N, inside a thread and its quad (no shared memory), and each consumer keeps its
+# rows' running maxima in registers as [keys x rows] until the end.
+BLOCK_S = 64
+# Key tiles in flight. Each is 16 KiB; with the two consumers' 32 KiB query blocks the program
+# takes 128 KiB of shared memory: one program an SM either way (its 12 warps hold the SM's
+# registers), and 4 tiles ahead are 4 x 2 products (~4K cycles) to hide a load behind.
+NUM_STAGES = 4
+# Warps: the default partition (consumer 0) is the kernel's num_warps; consumer 1 and the
+# producer are workers (9 warps, padded to 3 warpgroups: registers are set by warpgroup). The
+# producer only issues TMA and waits on barriers: the fewest registers setmaxnreg allows. Each
+# consumer holds a 64-register accumulator, its 32 weights and the epilogue: 240, the rest of
+# the 3 x 128 x MAXNREG registers after the producer's warpgroup (the default partition gets
+# what is left, also 240).
+CONSUMER_WARPS = 4
+PRODUCER_WARPS = 1
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+# Registers a thread at launch, before the partitions rebalance them: 384 threads x 168 fit the
+# SM's 64K.
+MAXNREG = 168
+HEADS = (32, 64)
+# TMA coordinates are int32.
+MAX_TMA_ROWS = 2**31 - 1
+
+# mbarrier protocol. A barrier counts arrivals; its phase completes when all arrived and, after an
+# `expect`, all the bytes announced landed. `wait(bar, p)` returns once the phase of parity p
+# completed; a fresh barrier counts its (previous) phase of parity 1 as completed. Arrivals from a
+# 4-warp consumer are one thread's, after Triton's partition barrier (bar.sync of its 128
+# threads), so they follow all four warps' preceding instructions.
+#   q_bar[c]  (count 1): the producer's expect (its arrival + 32 KiB) for consumer c's query
+#             block; consumer c waits parity 0, once.
+#   ready[i]  (count 1): the producer's expect (its arrival + 16 KiB) for the key tile in stage
+#             i. Tile j (stage j % NUM_STAGES, round u = j // NUM_STAGES): the consumers wait
+#             parity u & 1.
+#   empty[i]  (count 2): each consumer arrives once its wgmma on stage i completed
+#             (warpgroup_mma_wait). The producer waits parity (u & 1) ^ 1 before loading tile j
+#             into stage i: round 0 passes at once (the fresh barrier), round u waits for both
+#             consumers' release of round u - 1.
+#   turn[c]   (count 1, PINGPONG only): the other consumer's arrival right after issuing its
+#             wgmma for a tile. Consumer 0 issues tile j after consumer 1 issued tile j - 1
+#             (turn[0], parity (j & 1) ^ 1: tile 0 passes at once), consumer 1 issues tile j
+#             after consumer 0 issued tile j (turn[1], parity j & 1). The tensor core then runs
+#             their products alternately, one consumer's epilogue under the other's product;
+#             without it the two can settle in lockstep, both epilogues at once and the tensor
+#             core idle. It orders issue only: no data depends on it.
+# Every partition runs the same n_tiles iterations (a consumer whose rows end a tile earlier
+# multiplies a fully masked tile), so each phase of each barrier gets all its arrivals. No
+# barrier can complete a phase twice ahead of a waiter (which would flip the parity it waits
+# for): ready[i]'s next phase needs the producer past empty[i], which needs both consumers past
+# ready[i]; empty[i]'s next phase needs the next ready[i]; turn[c]'s next phase needs the other
+# consumer past turn[1 - c], which needs consumer c past turn[c].
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, k_row0, n_tiles,
+              ROWS: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr,
+              NUM_STAGES: gl.constexpr):
+    """Both consumers' query blocks, then key tiles 0 .. n_tiles - 1 through the ring."""
+    q_bar, ready, empty, _ = bars
+    for c in gl.static_range(2):
+        # A block of rows all past the last token starts at that token instead: its rows are
+        # never stored, and no box lies wholly outside the tensor (partly is TMA's zero fill).
+        row = gl.minimum(q_row0 + c * ROWS * H, q_row_cap)
+        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row, 0], q_bar.index(c), q_s.index(c))
+    for j in range(n_tiles):
+        i = j % NUM_STAGES
+        mbarrier.wait(empty.index(i), ((j // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(i), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row0 + j * BLOCK_S, 0], ready.index(i),
+                                        k_s.index(i))
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
+              swb, swt, swh, sob, sot,
+              ROWS: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr,
+              NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, red_layout: gl.constexpr):
+    """Rows t0 .. t0 + ROWS - 1 (t0 = t_base + c * ROWS): each key tile's scores as
+    [keys x (row, head)] = K_tile Q^T on wgmma, then ReLU x w, the head sum (N, in registers),
+    the causal mask and a running max per (key slot, row); the max over key slots at the end."""
+    q_bar, ready, empty, turn = bars
+    N: gl.constexpr = ROWS * H
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+    t0 = t_base + c * ROWS
+
+    # w for this thread's (row, head) columns, once; rows past T weigh 0 (never stored).
+    n = gl.arange(0, N, layout=gl.SliceLayout(0, acc_layout))
+    wt = t0 + n // H
+    w = gl.load(w_ptr + b * swb + wt * swt + (n % H) * swh, mask=wt < T, other=0.0)
+
+    keys = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, red_layout))
+    rows = t0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, red_layout))
+    m = gl.full([BLOCK_S, ROWS], float("-inf"), gl.float32, layout=red_layout)
+    zero = gl.zeros([BLOCK_S, N], gl.float32, layout=acc_layout)
+
+    mbarrier.wait(q_bar.index(c), 0)
+    q_op = q_s.index(c).permute((1, 0))  # [D x (row, head)]: K-major B operand
+    for j in range(n_tiles):
+        i = j % NUM_STAGES
+        mbarrier.wait(ready.index(i), (j // NUM_STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(c), (j & 1) ^ (1 - c))
+        acc = warpgroup_mma(k_s.index(i), q_op, zero, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - c), count=1)
+        # The stage is free once the product that reads it completed; the accumulator is not
+        # touched before this wait (ptxas would serialize every wgmma otherwise: C7514).
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(i), count=1)
+        x = gl.maximum(acc, 0.0) * w[None, :]
+        s = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, H]), axis=2)
+        s = gl.convert_layout(s, red_layout, assert_trivial=True)
+        visible = (j * BLOCK_S + keys)[:, None] <= rows[None, :]
+        m = gl.maximum(m, gl.where(visible, s, float("-inf")))
+
+    row_max = gl.max(m, axis=0)
+    gl.store(out_ptr + b * sob + rows * sot, row_max, mask=rows < T)
+
+
+@gluon.jit
+def _indexer_row_max_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
+                            swb, swt, swh, sob, sot,
+                            H: gl.constexpr, ROWS: gl.constexpr, BLOCK_S: gl.constexpr,
+                            NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                            red_layout: gl.constexpr,
+                            CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """One program: query rows t_base .. t_base + 2 * ROWS - 1 of batch b. Program 0 takes the
+    last row block (the most key tiles): the long programs start first, the short ones fill
+    the tail."""
+    pid = gl.program_id(0)
+    b = (pid % B).to(gl.int64)
+    t_base = (n_blocks - 1 - pid // B) * (2 * ROWS)
+    last_row = gl.minimum(t_base + 2 * ROWS - 1, T - 1)
+    n_tiles = last_row // BLOCK_S + 1
+    q_row0 = (b * T + t_base).to(gl.int32) * H
+    q_row_cap = (B * T - 1) * H
+    k_row0 = (b * T).to(gl.int32)
+
+    q_s = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_s = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape,
+                                    k_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(q_bar.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    # The initialized barriers must be visible to the TMA unit (async proxy) before its first
+    # complete_tx; the workers see them through warp_specialize's entry barrier.
+    fence_async_shared()
+    bars = (q_bar, ready, empty, turn)
+
+    gl.warp_specialize([
+        (_consumer, (0, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
+                     swb, swt, swh, sob, sot, ROWS, H, BLOCK_S, NUM_STAGES, PINGPONG,
+                     red_layout)),
+        (_consumer, (1, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
+                     swb, swt, swh, sob, sot, ROWS, H, BLOCK_S, NUM_STAGES, PINGPONG,
+                     red_layout)),
+        (_producer, (q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, k_row0, n_tiles,
+                     ROWS, H, BLOCK_S, NUM_STAGES)),
+    ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# --------------------------------------------------------------------------- launch
+
+
+def _reduced_layout(rows: int, heads: int) -> gl.DistributedLinearLayout:
+    """The head-summed scores' layout, [BLOCK_S keys x rows]: what summing the wgmma
+    accumulator [keys x (row, head)] over its heads leaves. Keys as in the accumulator (lanes
+    / 4 and one register bit: 8 apart, warps: 16 apart); the rows on the accumulator's column
+    register bits above the heads; the bits that held heads (a register pair, the quad's
+    lanes, the low column registers) broadcast."""
+    n = rows * heads
+    # accumulator columns of its register bits above the first two (the pair, +8 keys)
+    col_regs = [8 << i for i in range((n // 8).bit_length() - 1)]
+    reg = [[8, 0]] + [[0, col // heads] for col in col_regs if col >= heads]
+    lane = [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]]
+    warp = [[16, 0], [32, 0]]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [BLOCK_S, rows])
+
+
+_layouts: dict[int, tuple] = {}
+
+
+def _shared_layouts(heads: int) -> tuple:
+    if heads not in _layouts:
+        nv = gl.NVMMASharedLayout.get_default_for
+        _layouts[heads] = (nv([PAIRS, HEAD_DIM], gl.bfloat16),
+                           nv([BLOCK_S, HEAD_DIM], gl.bfloat16),
+                           _reduced_layout(PAIRS // heads, heads))
+    return _layouts[heads]
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> None:
+    """ValueError naming the argument that `indexer_row_max_sm90` cannot take."""
+    for name, x, dims in (("q", q, "[B, T, H, D]"), ("k", k, "[B, S, D]"), ("w", w, "[B, T, H]")):
+        if x.dim() != dims.count(",") + 1:
+            raise ValueError(f"{name} must be {dims}, got shape {tuple(x.shape)}")
+    B, T, H, D = q.shape
+    for name, x, dtype in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16),
+                           ("w", w, torch.float32)):
+        if x.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype}, got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+    if D != HEAD_DIM:
+        raise ValueError(f"q: head dim must be {HEAD_DIM}, got {D}")
+    if H not in HEADS:
+        raise ValueError(f"q: heads must be one of {HEADS}, got {H}")
+    if k.shape != (B, T, D):
+        raise ValueError(f"k must be [B, S, D] = {(B, T, D)} (S == T: causal), got "
+                         f"{tuple(k.shape)}")
+    if w.shape != (B, T, H):
+        raise ValueError(f"w must be [B, T, H] = {(B, T, H)}, got {tuple(w.shape)}")
+    # TMA reads q as [B * T * H, D] rows and k as [B * S, D] rows: 16-byte rows and row
+    # strides, 16-byte aligned data, the batch / token / head strides packed into one row index.
+    sqb, sqt, sqh, sqd = q.stride()
+    if sqd != 1 or sqh % 8 or sqt != H * sqh or (B > 1 and sqb != T * sqt):
+        raise ValueError(f"q must be readable as [B * T * H, D] rows (unit-stride channels, a "
+                         f"head stride that is a multiple of 8, packed heads, tokens and "
+                         f"batches); got strides {q.stride()}")
+    skb, sks, skd = k.stride()
+    if skd != 1 or sks % 8 or (B > 1 and skb != T * sks):
+        raise ValueError(f"k must be readable as [B * S, D] rows (unit-stride channels, a key "
+                         f"stride that is a multiple of 8, packed batches); got strides "
+                         f"{k.stride()}")
+    for name, x in (("q", q), ("k", k)):
+        if x.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned for TMA")
+    if B * T * H > MAX_TMA_ROWS:
+        raise ValueError(f"q: B * T * H = {B * T * H} rows exceed TMA's int32 coordinates")
+
+
+def indexer_row_max_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *,
+                         pingpong: bool = True) -> torch.Tensor:
+    """out fp32 [B, T]: each causal row's largest indexer score (key s visible to row t iff
+    s <= t). Hopper only: the caller checks the device. pingpong: order the two consumers'
+    products alternately (the `turn` barriers); False lets them issue freely."""
+    check_inputs(q, k, w)
+    B, T, H, D = q.shape
+    out = torch.empty((B, T), device=q.device, dtype=torch.float32)
+    if B * T == 0:
+        return out
+    rows = PAIRS // H
+    q_layout, k_layout, red_layout = _shared_layouts(H)
+    q_desc = TensorDescriptor(q, [B * T * H, D], [q.stride(2), 1], [PAIRS, D], q_layout)
+    k_desc = TensorDescriptor(k, [B * T, D], [k.stride(1), 1], [BLOCK_S, D], k_layout)
+    n_blocks = -(-T // (2 * rows))
+    _indexer_row_max_kernel[(B * n_blocks,)](
+        q_desc, k_desc, w, out, B, T, n_blocks, *w.stride(), *out.stride(),
+        H=H, ROWS=rows, BLOCK_S=BLOCK_S, NUM_STAGES=NUM_STAGES, PINGPONG=pingpong,
+        red_layout=red_layout,
+        CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
+    )
+    return out

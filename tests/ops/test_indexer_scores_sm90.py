@@ -1,0 +1,248 @@
+"""The warp-specialized Hopper indexer scores (ops/kernels/indexer_scores_sm90.py).
+
+CPU: the input checks, and the kernel's compiled form for sm_90a (scripts/inspect_sm90.py, run
+as a subprocess: this session may interpret Triton kernels, the tool needs them compiled).
+GPU (Hopper): each causal row's largest score against a plain-torch fp64 reference. Integer-valued
+inputs make every fp32 product and partial sum an integer below 2^24, so any summation order
+gives the reference bit for bit. Random bf16 inputs: one score is a length-D dot product, a ReLU
+and a length-H weighted sum, so the kernel's fp32 score is within (D + H + 1) * eps * A(t, s) of
+the exact one (eps = 2^-24, A(t, s) = sum_h |w_h| sum_d |q_hd k_sd|), and so is the max over s;
+by Cauchy-Schwarz A(t, s) <= A_t = sum_h |w_h| ||q_h|| max_s ||k_s||. Tested with twice that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
+                    reason="Gluon's Hopper API (tested with Triton 3.6)")
+from megatron_hyscale.ops.kernels import indexer_scores_sm90 as sm90  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "inspect_sm90.py"
+PRESETS = {"indexer-scores-sm90-dsv32": 64, "indexer-scores-sm90-glm51": 32}
+EPS32 = 2.0**-24
+# The H200's shared memory a block.
+SMEM_LIMIT = 232448
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+
+
+# --------------------------------------------------------------------------- CPU: inputs
+
+
+def _cpu(B=1, T=8, H=64, D=128):
+    return (torch.zeros(B, T, H, D, dtype=torch.bfloat16),
+            torch.zeros(B, T, D, dtype=torch.bfloat16), torch.zeros(B, T, H))
+
+
+def test_valid_inputs_pass_the_checks():
+    sm90.check_inputs(*_cpu())
+    sm90.check_inputs(*_cpu(B=2, H=32))
+    # padded rows: q's heads and k's keys 8-element multiples apart, still packed
+    q = torch.zeros(2, 8, 64, 136, dtype=torch.bfloat16)[..., :128]
+    k = torch.zeros(2, 8, 144, dtype=torch.bfloat16)[..., :128]
+    sm90.check_inputs(q, k, torch.zeros(2, 8, 64))
+
+
+def _misaligned_q():
+    flat = torch.zeros(8 * 64 * 128 + 1, dtype=torch.bfloat16)
+    return flat[1:].view(1, 8, 64, 128)
+
+
+@pytest.mark.parametrize("arg,change,pattern", [
+    ("q", lambda q, k, w: (q[0], k, w), r"^q must be \[B, T, H, D\]"),
+    ("k", lambda q, k, w: (q, k[..., None], w), r"^k must be \[B, S, D\]"),
+    ("w", lambda q, k, w: (q, k, w[..., 0]), r"^w must be \[B, T, H\]"),
+    ("q", lambda q, k, w: (q.half(), k, w), r"^q must be torch.bfloat16"),
+    ("k", lambda q, k, w: (q, k.float(), w), r"^k must be torch.bfloat16"),
+    ("w", lambda q, k, w: (q, k, w.bfloat16()), r"^w must be torch.float32"),
+    ("q", lambda q, k, w: (q[..., :64], k[..., :64], w), r"^q: head dim must be 128"),
+    ("q", lambda q, k, w: (q[:, :, :16], k, w[:, :, :16]), r"^q: heads must be one of"),
+    ("k", lambda q, k, w: (q, k[:, :4], w), r"^k must be \[B, S, D\].*S == T"),
+    ("w", lambda q, k, w: (q, k, w[:, :4]), r"^w must be \[B, T, H\]"),
+    ("q", lambda q, k, w: (torch.zeros(1, 64, 8, 128, dtype=torch.bfloat16).transpose(1, 2), k,
+                           w), r"^q must be readable as \[B \* T \* H, D\] rows"),
+    ("q", lambda q, k, w: (torch.zeros(1, 8, 64, 256, dtype=torch.bfloat16)[..., ::2], k, w),
+     r"^q must be readable"),
+    ("k", lambda q, k, w: (q, torch.zeros(1, 8, 132, dtype=torch.bfloat16)[..., :128], w),
+     r"^k must be readable as \[B \* S, D\] rows"),
+    ("q", lambda q, k, w: (_misaligned_q(), k, w), r"^q must be 16-byte aligned"),
+])
+def test_bad_inputs_raise_naming_the_argument(arg, change, pattern):
+    """Validation runs before anything is launched: these are CPU tensors."""
+    with pytest.raises(ValueError, match=pattern) as info:
+        sm90.indexer_row_max_sm90(*change(*_cpu()))
+    assert str(info.value).startswith(arg)
+
+
+def test_unpacked_batches_are_refused():
+    q, k, w = _cpu(B=2)
+    k2 = torch.zeros(2, 16, 128, dtype=torch.bfloat16)[:, :8]  # batch stride 16 keys, not 8
+    with pytest.raises(ValueError, match="^k must be readable"):
+        sm90.indexer_row_max_sm90(q, k2, w)
+    q2 = torch.zeros(2, 16, 64, 128, dtype=torch.bfloat16)[:, :8]
+    with pytest.raises(ValueError, match="^q must be readable"):
+        sm90.indexer_row_max_sm90(q2, k, w)
+
+
+# --------------------------------------------------------------------------- CPU: compiled
+
+
+def _inspect(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+
+
+def test_presets_compile_warp_specialized_without_spills(tmp_path: Path):
+    """Both presets compile for sm_90a: no local memory at all; the consumer's key-tile loop
+    issues one [64 keys x 128 pairs x 128 dims] product (8 HGMMA) and keeps the head sum in
+    registers (quad shuffles, no shared memory); two consumers' products in the kernel (16
+    HGMMA), a TMA producer (UTMALDG), the partitions' register budgets (setmaxnreg: 24 for the
+    producer's warpgroup, 240 for the consumers), and each consumer's two single-thread
+    mbarrier arrivals a tile (the stage's release, the other consumer's turn)."""
+    out = tmp_path / "r.json"
+    proc = _inspect("--preset", *PRESETS, "--json", str(out), "--sass-out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(out.read_text())
+    assert [r["preset"] for r in reports] == list(PRESETS)
+    for rep in reports:
+        heads = PRESETS[rep["preset"]]
+        c = rep["constexprs"]
+        assert (c["H"], c["ROWS"], c["BLOCK_S"]) == (heads, 128 // heads, 64)
+        assert c["PINGPONG"] is True and c["num_warps"] == 4
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["stack_bytes"] == 0
+        assert rep["perf_warnings"] == []  # no wgmma serialized (C7514)
+        assert 2 * 32768 + c["NUM_STAGES"] * 16384 <= rep["shared_bytes"] <= SMEM_LIMIT
+        ops = rep["loop_ops"]
+        assert ops["HGMMA"] == 8 and ops["HMMA"] == 0
+        assert ops["LDL"] == 0 and ops["STL"] == 0 and ops["LDS"] == 0 and ops["STS"] == 0
+        # head sum: log2(4 lanes) shuffle levels x 2 key rows x ROWS sums a thread
+        assert ops["SHFL"] == 2 * 2 * c["ROWS"]
+        assert ops["LDG"] == 0 and ops["STG"] == 0  # w loaded once, out stored once
+        sass = (tmp_path / f"{rep['preset']}_0__indexer_row_max_kernel.sass").read_text()
+        assert len(re.findall(r"\bHGMMA\.", sass)) == 16
+        assert not re.search(r"\b(LDL|STL)\b", sass)
+        assert "UTMALDG" in sass and "LDGSTS" not in sass
+        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x18\b", sass)  # producer: 24
+        assert re.search(r"USETMAXREG\.\w+\.CTAPOOL (UP0, )?0xf0\b", sass)  # consumers: 240
+        assert len(re.findall(r"SYNCS\.ARRIVE\.TRANS64\.A1T0", sass)) == 4
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, chunk: int = 128
+              ) -> torch.Tensor:
+    """fp64 [B, T]: max over s <= t of sum_h w[t, h] relu(q[t, h] . k[s]), a chunk of rows at a
+    time."""
+    B, T, H, _ = q.shape
+    out = torch.empty(B, T, dtype=torch.float64, device=q.device)
+    kd = k.double()
+    keys = torch.arange(T, device=q.device)
+    for t0 in range(0, T, chunk):
+        t1 = min(t0 + chunk, T)
+        dots = torch.einsum("bthd,bsd->bths", q[:, t0:t1].double(), kd[:, :t1])
+        scores = (dots.clamp_min(0) * w[:, t0:t1, :, None].double()).sum(2)
+        visible = keys[None, :t1] <= torch.arange(t0, t1, device=q.device)[:, None]
+        out[:, t0:t1] = scores.masked_fill(~visible, float("-inf")).amax(-1)
+    return out
+
+
+def int_inputs(B, T, H, seed, D=128):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randint(-3, 4, (B, T, H, D), device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randint(-3, 4, (B, T, D), device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randint(-2, 3, (B, T, H), device="cuda", generator=g).to(torch.float32)
+    return q, k, w
+
+
+def run(q, k, w, pingpong=True):
+    out = sm90.indexer_row_max_sm90(q, k, w, pingpong=pingpong)
+    torch.cuda.synchronize()
+    assert out.dtype == torch.float32 and out.shape == q.shape[:2]
+    return out
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("pingpong", [True, False])
+@pytest.mark.parametrize("H", [64, 32])
+@pytest.mark.parametrize("T", [128 + 7, 4096])
+def test_integer_inputs_exact(T, H, pingpong):
+    q, k, w = int_inputs(2, T, H, seed=T + H)
+    out = run(q, k, w, pingpong)
+    ref = reference(q, k, w)
+    assert torch.equal(out, ref.float()), (out - ref.float()).abs().max()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("H", [64, 32])
+@pytest.mark.parametrize("T", [128 + 7, 4096])
+def test_random_bf16_within_the_rounding_bound(T, H):
+    g = torch.Generator(device="cuda").manual_seed(T * H)
+    B, D = 2, 128
+    q = torch.randn(B, T, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(B, T, D, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(B, T, H, device="cuda", generator=g)
+    out = run(q, k, w)
+    ref = reference(q, k, w)
+    k_max = k.double().norm(dim=-1).amax(-1, keepdim=True)  # [B, 1]
+    a_t = (w.double().abs() * q.double().norm(dim=-1)).sum(-1) * k_max
+    bound = 2 * (D + H + 1) * EPS32 * a_t
+    err = (out.double() - ref).abs()
+    assert (err <= bound).all(), (err / bound).max()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("H", [64, 32])
+def test_adversarial_rows(H):
+    """All-zero query rows (every visible score 0), tied keys, a row whose dot products are all
+    negative (ReLU zeroes them: max 0), a row weighted only negatively, row 0 seeing exactly one
+    key, rows on both sides of the two consumers' and the tiles' boundaries; T off every tile."""
+    B, T = 2, 128 + 7
+    q, k, w = int_inputs(B, T, H, seed=H)
+    q[:, 5] = 0  # all-zero rows
+    q[1, T - 1] = 0  # ... also the last row of the last (partial) program
+    k[:, 40:60] = k[:, 20:21]  # ties: 20 copies of one key
+    k[:, :, 0] = 5  # every key's channel 0 large and positive
+    q[:, 70] = 0
+    q[:, 70, :, 0] = -100  # row 70: each dot product -500, ReLU'd to 0
+    w[:, 70] = w[:, 70].abs() + 1
+    w[:, 71] = -(w[:, 71].abs() + 1)  # row 71: only negative weights
+    out = run(q, k, w)
+    ref = reference(q, k, w).float()
+    assert torch.equal(out, ref)
+    assert (out[:, 5] == 0).all() and (out[:, 70] == 0).all() and (out[1, T - 1] == 0)
+    assert (out[:, 71] <= 0).all()
+    one_key = (torch.einsum("bhd,bd->bh", q[:, 0].double(), k[:, 0].double()).clamp_min(0)
+               * w[:, 0].double()).sum(-1)
+    assert torch.equal(out[:, 0], one_key.float())
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_padded_rows_and_batch_one():
+    """TMA row strides other than D (q's heads 136 elements apart, k's keys 144) and B = 1."""
+    q, k, w = int_inputs(1, 1000, 64, seed=3)
+    qp = torch.zeros(1, 1000, 64, 136, dtype=torch.bfloat16, device="cuda")[..., :128]
+    kp = torch.zeros(1, 1000, 144, dtype=torch.bfloat16, device="cuda")[..., :128]
+    qp.copy_(q)
+    kp.copy_(k)
+    assert torch.equal(run(qp, kp, w), reference(q, k, w).float())
