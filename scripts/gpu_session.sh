@@ -66,32 +66,20 @@
 #                                         # the attention backward: GPU tests, the dQ kernel
 #                                         # with it against the target pass, the layer with
 #                                         # and without it (own kernels)          (~8 min)
-#   bash scripts/gpu_session.sh row-sort  # issue #21: HyTopKOptions.row_sort, its
-#                                         # tests on CUDA, then the select kernel with each at
-#                                         # 16K and 128K (folded, V3.2), the row write alone
-#                                         #                                            (~3 min)
 #   bash scripts/gpu_session.sh loss-variants  # issue #20: the indexer loss's row-pass and
 #                                         # backward variants (IndexerLossKernelOptions) at 32K
 #                                         # and 128K, GLM-5.1 and V3.2; the dense (warm-up)
 #                                         # loss's GPU tests and its Triton path against the
 #                                         # reference, 4K-16K                       (~5 min)
-#   bash scripts/gpu_session.sh selection-variants  # issue #21: HyTopK's untimed variants
-#                                         # (heads on M, scan slots) and the folded no-ReLU
-#                                         # kernel's row blocks, at 128K (~5 min)
 #   bash scripts/gpu_session.sh ncu-selection  # issue #21: Nsight Compute on one HyTopK
 #                                         # call a case (NCU_CASES, config:T:method): stall
 #                                         # reasons, issue slots, per-line SASS samples; a
 #                                         # record by ncu_summary.py                (~3 min)
-#   bash scripts/gpu_session.sh append-ptx  # issue #21: HyTopKOptions.append_ptx against the
-#                                         # tl append: the HyTopK GPU tests, the folded query
-#                                         # at 16K / 128K, QSA at 512K               (~4 min)
 #   bash scripts/gpu_session.sh scores-sm90  # issue #21 item 1: the warp-specialized Gluon
 #                                         # scores-only kernel, its GPU tests (a smoke case
 #                                         # first: a hang stops the stage), then timed beside
 #                                         # the Triton scores-only kernel, V3.2 / GLM-5.1 at
 #                                         # 16K and 128K                              (~3 min)
-#   bash scripts/gpu_session.sh occupancy  # issue #21: three programs an SM (maxnreg 168)
-#                                         # against two, V3.2 / GLM-5.1 / folded     (~4 min)
 #   bash scripts/gpu_session.sh reliability [FILES]  # issue #23: tests/reliability on
 #                                         # CUDA, one pytest a file, slow cases and the 256K
 #                                         # HyTopK test included (checkpoint round trips,
@@ -172,14 +160,14 @@ shift || true
 case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
-  |accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort|loss-variants\
-  |ncu-selection|occupancy|append-ptx|scores-sm90) ;;
+  |accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
+  |scores-sm90) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
-       "|accuracy-64k|side1-long|evaluate|selection-variants|pp2|indexer-target|row-sort" \
-       "|loss-variants|ncu-selection|occupancy|append-ptx|scores-sm90}" \
+       "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
+       "|scores-sm90}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -204,8 +192,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
   export PYTHONPATH=$(pwd)/.carry/site:$(pwd)/.carry/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 fi
 case "$stage" in
-  cudnn-*|tilelang-kernels|row-sort|loss-variants|ncu-selection|occupancy|append-ptx\
-  |scores-sm90)
+  cudnn-*|tilelang-kernels|loss-variants|ncu-selection|scores-sm90)
     case "$stage" in cudnn-*|tilelang-kernels)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -526,20 +513,6 @@ case "$stage" in
       --out "$out" 2>&1 | grep -v -i warn | tail -12 | tee "$out/bench_layer.log"
     exit $rc
     ;;
-  row-sort)
-    # Issue #21: the in-kernel row sort's variants (HyTopKOptions.row_sort), bit-identical rows
-    # by their tests; then timed in the select kernel and alone. Records in $out/results.
-    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_hytopk_row_sort.py \
-      > "$out/tests.log" 2>&1
-    echo "tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
-    timeout 200 python3 scripts/bench_selection.py --T 16384 131072 --configs norelu dsv32 \
-      --reps 2 --methods hytopk hytopk_sort_bitonic \
-      --tag _rowsort --out "$out" 2>&1 | grep -v -i warn | tail -20 \
-      | tee "$out/bench_selection_rowsort.log"
-    timeout 90 python3 scripts/bench_selection.py --row-sort-micro --T 131072 --reps 5 \
-      --tag _rowsort --out "$out" 2>&1 | grep -v -i warn | tail -8 \
-      | tee "$out/bench_row_sort_micro.log"
-    ;;
   loss-variants)
     # Issue #20: IndexerLossKernelOptions' variants beside the default (each one's largest
     # difference from it recorded), then the dense loss's Triton path. Records in $out/results.
@@ -552,22 +525,6 @@ case "$stage" in
     echo "dense tests rc=$?: $(verdict "$out/tests_dense.log")" | tee "$out/summary.txt"
     timeout 150 python3 scripts/bench_indexer_loss_dense.py --deterministic 2>&1 \
       | grep -v -i warn | tail -12 | tee "$out/bench_indexer_loss_dense.log"
-    ;;
-  append-ptx)
-    # Issue #21: the atomic-slot append as inline PTX (HyTopKOptions.append_ptx, pair-major
-    # columns: the folded query, QSA) against tl.store / tl.atomic_add: the HyTopK GPU tests
-    # (its variant cases), then timed with the rows compared.
-    timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_hytopk_gpu.py \
-      > "$out/tests.log" 2>&1
-    echo "tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
-    grep -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -20
-    timeout 150 python3 scripts/bench_selection.py --T 16384 131072 --configs norelu --reps 2 \
-      --methods hytopk hytopk_append_tl scoreonly --tag _append_ptx --out "$out" 2>&1 \
-      | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_norelu.log"
-    timeout 120 python3 scripts/bench_selection.py --T 524288 --configs qsa --reps 2 \
-      --secondary-max-T 524288 --methods hytopk hytopk_append_tl --tag _append_ptx_qsa \
-      --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
-      | tee "$out/bench_selection_qsa.log"
     ;;
   scores-sm90)
     # Issue #21 item 1. A mbarrier protocol fault hangs rather than fails: one small case
@@ -586,18 +543,6 @@ case "$stage" in
       --reps 3 --methods scoreonly scoreonly_sm90 scoreonly_sm90_free --tag _scores_sm90 \
       --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
       | tee "$out/bench_selection_scores_sm90.log" ;;
-  occupancy)
-    # Issue #21: three programs an SM (bench_selection.OCC3: the select kernel capped at 168
-    # registers, two stages) against the default two, selected rows compared; the folded
-    # query also at three stages (its shared memory fits three times).
-    timeout 330 python3 scripts/bench_selection.py --T 16384 131072 --configs dsv32 glm51 \
-      --reps 2 --methods hytopk hytopk_occ3 scoreonly scoreonly_occ3 --tag _occ3 --out "$out" \
-      2>&1 | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_occ3.log"
-    timeout 200 python3 scripts/bench_selection.py --T 16384 131072 --configs norelu --reps 2 \
-      --methods hytopk hytopk_occ3 hytopk_occ3_s3 scoreonly scoreonly_occ3 --tag _occ3 \
-      --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
-      | tee "$out/bench_selection_occ3_norelu.log"
-    ;;
   ncu-selection)
     # Issue #21: where HyTopK's time goes, from the hardware counters (Nsight Compute, full
     # set: warp stall reasons, issue-slot use, per-SASS-line samples) for one call of each
@@ -626,19 +571,6 @@ case "$stage" in
       --commit "${HYSCALE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" \
       --date "$(date -u '+%Y-%m-%d %H:%M UTC')" --command "bash scripts/gpu_session.sh $stage" \
       --out "$HYSCALE_RESULTS/$(date -u +%F)-nvidia-h200-ncu_selection.json"
-    ;;
-  selection-variants)
-    # Issue #21: the HyTopK variants no GPU has timed (heads on M, scan slots, the folded
-    # no-ReLU query's bf16 parts against its fp32 form) beside the defaults and their scoring
-    # alone, for V3.2's 64 heads and the folded query; then
-    # the folded kernel's row-block height and tile (SWEEP_VARIANTS_FOLDED), all at 128K.
-    timeout 240 python3 scripts/bench_selection.py --T 131072 --configs dsv32 norelu --reps 2 \
-      --methods hytopk hytopk_heads_on_m hytopk_scan_slots hytopk_folded_fp32 scoreonly \
-      scoreonly_heads_on_m finish --tag _variants --out "$out" 2>&1 | tail -24 \
-      | tee "$out/bench_selection_variants.log"
-    timeout 150 python3 scripts/bench_selection.py --sweep --T 131072 --configs norelu \
-      --reps 2 --out "$out" 2>&1 | grep -E "^sweep|Error|Timeout" \
-      | tee "$out/bench_selection_sweep_norelu.log"
     ;;
   selection)
     timeout 150 python3 scripts/bench_selection.py --T 131072 --configs dsv32 v4flash --reps 2 \

@@ -172,10 +172,10 @@ class HyTopKOptions:
     # copy. Compiled for sm_90a (2026-12-04, `inspect_sm90.py --preset hytopk-norelu`): the
     # folded query's tile loop 587 -> 441 SASS instructions (STS 12 -> 0, LDS 13 -> 3, BAR 10
     # -> 2, no spills); Nsight Compute on the H200 had put 11% of its stall samples on barriers.
-    # Timed on the H200 (2026-12-04, `gpu_session.sh append-ptx`): folded query 8.49 -> 7.21 ms
-    # at 16K, 104.97 -> 83.28 at 128K; QSA at 512K 284.7 -> 209.3; rows bit-identical (GPU
-    # tests, and the benchmark's comparison up to 128K). Under TRITON_INTERPRET=1 the tl forms
-    # run whatever this says (the interpreter has no PTX).
+    # Timed on the H200 (2026-12-04, `bench_selection.py` methods hytopk, hytopk_append_tl):
+    # folded query 8.49 -> 7.21 ms at 16K, 104.97 -> 83.28 at 128K; QSA at 512K 284.7 ->
+    # 209.3; rows bit-identical (GPU tests, and the benchmark's comparison up to 128K).
+    # Under TRITON_INTERPRET=1 the tl forms run whatever this says (no PTX there).
     append_ptx: bool = True
     # Registers a thread (Triton's `maxnreg` launch option); None: the compiler's choice. The
     # select kernel takes 255 (its end-of-block compaction and sort), which holds an SM to two
