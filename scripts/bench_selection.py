@@ -96,6 +96,7 @@ Needs a CUDA GPU (every mode).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -585,8 +586,7 @@ METHODS = {
     "hytopk_fp8": run_hytopk_fp8,
     "scoreonly_fp8": run_scoreonly_fp8,
     "scoreonly_sm90": run_scoreonly_sm90,
-    "scoreonly_sm90_free": lambda q, k, w, topk, relu: run_scoreonly_sm90(q, k, w, topk, relu,
-                                                                         pingpong=False),
+    "scoreonly_sm90_free": functools.partial(run_scoreonly_sm90, pingpong=False),
     **{name: with_options(run, **fields) for name, (run, fields) in OPTION_METHODS.items()},
     **{name: select_variant(name) for name in SELECT_VARIANTS},
     "hytopk_select_unordered": select_variant("hytopk_select", ordered=False),
