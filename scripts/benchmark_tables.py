@@ -48,10 +48,12 @@ def selection(records):
         def get(m, key="ms", cfg=cfg, T=T):
             return (by.get((cfg, T, m)) or {}).get(key)
 
-        def cell(m):
+        def ms(m):
             first = " *" if get(m, "reps") == 1 else ""  # one call over 2 s: no median
-            return (f"{fmt(get(m))}{first} ({fmt(get(m, 'mem_gib'), '.2f')})" if get(m)
-                    else fmt(get(m, "status")))
+            return f"{fmt(get(m))}{first}" if get(m) else fmt(get(m, "status"))
+
+        def cell(m):
+            return f"{ms(m)} ({fmt(get(m, 'mem_gib'), '.2f')})" if get(m) else ms(m)
 
         def speed(m):
             return "-" if get(m, "reps") == 1 else ratio(get("hytopk"), get(m))
@@ -60,8 +62,8 @@ def selection(records):
                           for m in ("cudnn", "stock_tilelang"))
         floor = fmt(get("hytopk", "floor_ms") or get("stock_tilelang", "floor_ms"))
         lines.append(f"| {cfg} | {T} | {floor} | {cell('hytopk')} | "
-                     f"{cell('cudnn')} | {fmt(get('stock_cudnn'))} | {cell('stock_tilelang')} | "
-                     f"{fmt(get('table'))} | {speed('cudnn')} | {speed('stock_tilelang')} | "
+                     f"{cell('cudnn')} | {ms('stock_cudnn')} | {cell('stock_tilelang')} | "
+                     f"{ms('table')} | {speed('cudnn')} | {speed('stock_tilelang')} | "
                      f"{same} |")
     if any(r.get("reps") == 1 for r in records):
         lines.append("\n\\* a single first call (over 2 s), no median: it may hold JIT compiles")

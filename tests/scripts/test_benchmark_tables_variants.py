@@ -37,6 +37,25 @@ def test_selection_variants_speed_up_and_equality():
     assert tables.selection(records)[-4:] == tables.kernel_variants(records)
 
 
+def test_single_first_calls_are_starred_where_they_stand():
+    """A method timed by one first call (over 2 s, reps 1) carries the footnote's star in its
+    own cell, whichever column it is (megatron's cudnn selection at 64K on 2026-12-04)."""
+    tables = load()
+    base = {"config": "dsv32", "T": 65536, "inputs": "random", "floor_ms": 46.3, "reps": 2}
+    records = [dict(base, method="hytopk", ms=103.4, mem_gib=1.02),
+               dict(base, method="stock_cudnn", ms=3922.0, reps=1),
+               dict(base, method="table", ms=127.2)]
+    lines = tables.selection(records)
+    (row,) = rows(lines)
+    assert row["megatron cudnn selection ms"] == "3922.0 *"
+    assert row["HyTopK ms (GiB)"] == "103.4 (1.02)" and row["table-then-select ms"] == "127.2"
+    assert any("single first call" in line for line in lines)
+    records[1]["reps"] = 3
+    (row,) = rows(tables.selection(records))
+    assert row["megatron cudnn selection ms"] == "3922.0"
+    assert not any("single first call" in line for line in tables.selection(records))
+
+
 def test_loss_variants_and_dense_tables():
     tables = load()
     default = dict(rows_ms=37.9, bwd_kernel_ms=91.8, rows_bwd_ms=129.5)
