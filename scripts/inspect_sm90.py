@@ -43,6 +43,7 @@ except ImportError:
     GluonASTSource = None
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from megatron_hyscale.ops.checks import triton_interpret  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -502,8 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sass-out", default=None, help="also write each kernel's SASS here")
     p.add_argument("--json", default=None, help="also write the reports (without SASS) here")
     args = p.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        p.error("TRITON_INTERPRET=1 is set: the kernels would be interpreted, not compiled")
+    if triton_interpret():
+        p.error(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')} is set: the kernels "
+                "would be interpreted, not compiled")
     if args.list:
         print("\n".join(PRESETS))
         return 0

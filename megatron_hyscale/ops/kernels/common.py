@@ -7,11 +7,12 @@ One definition each, so that no kernel module reads another's private names.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from megatron_hyscale.ops.checks import triton_interpret
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -102,7 +103,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def fix_interpreter() -> None:
-    """Under TRITON_INTERPRET=1, fix two of Triton 3.6's interpreter bugs (else nothing).
+    """Under Triton's interpreter (TRITON_INTERPRET=1, or true / on / yes, which Triton also
+    reads), fix two of Triton 3.6's interpreter bugs (else nothing).
 
     - Run-time loop bounds with numpy >= 2.4: the interpreter holds scalars as 1-element
       arrays and converts them with int(), which numpy 2.4 rejects for arrays of one
@@ -112,7 +114,7 @@ def fix_interpreter() -> None:
       fp8 ones.
     Every kernel module calls this at import.
     """
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_interpret():
         return
     import numpy as np  # the interpreter's own dependency
     from triton.runtime import interpreter
