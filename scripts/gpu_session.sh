@@ -75,11 +75,12 @@
 #                                         # call a case (NCU_CASES, config:T:method): stall
 #                                         # reasons, issue slots, per-line SASS samples; a
 #                                         # record by ncu_summary.py                (~3 min)
-#   bash scripts/gpu_session.sh scores-sm90  # issue #21 item 1: the warp-specialized Gluon
-#                                         # scores-only kernel, its GPU tests (a smoke case
-#                                         # first: a hang stops the stage), then timed beside
-#                                         # the Triton scores-only kernel, V3.2 / GLM-5.1 at
-#                                         # 16K and 128K                              (~3 min)
+#   bash scripts/gpu_session.sh scores-sm90 [ncu]  # issue #21 item 1: the warp-specialized
+#                                         # Gluon scores-only kernel, its GPU tests (a smoke
+#                                         # case first: a hang stops the stage), then timed
+#                                         # beside the Triton scores-only kernel, V3.2 /
+#                                         # GLM-5.1 at 16K and 128K (~3 min); ncu: then both
+#                                         # under Nsight Compute, V3.2 at 64K      (+2 min)
 #   bash scripts/gpu_session.sh reliability [FILES]  # issue #23: tests/reliability on
 #                                         # CUDA, one pytest a file, slow cases and the 256K
 #                                         # HyTopK test included (checkpoint round trips,
@@ -542,7 +543,12 @@ case "$stage" in
     timeout 240 python3 scripts/bench_selection.py --T 16384 131072 --configs dsv32 glm51 \
       --reps 3 --methods scoreonly scoreonly_sm90 scoreonly_sm90_free --tag _scores_sm90 \
       --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
-      | tee "$out/bench_selection_scores_sm90.log" ;;
+      | tee "$out/bench_selection_scores_sm90.log"
+    # ARG ncu: then both scores-only kernels under Nsight Compute (~2 min), packed inside.
+    if [ "${1:-}" = ncu ]; then
+      NCU_CASES="dsv32:65536:scoreonly_sm90 dsv32:65536:scoreonly" OUT=$out bash "$0" \
+        ncu-selection
+    fi ;;
   ncu-selection)
     # Issue #21: where HyTopK's time goes, from the hardware counters (Nsight Compute, full
     # set: warp stall reasons, issue-slot use, per-SASS-line samples) for one call of each
@@ -557,7 +563,8 @@ case "$stage" in
                dsv32:65536:hytopk}; do
       IFS=: read -r cfg t method <<< "$c"
       name=${cfg}_${t}_${method} rep=/tmp/gpu_session/ncu_${cfg}_${t}_${method}
-      timeout 240 "$ncu_bin" --profile-from-start off --kernel-name regex:_hytopk_kernel \
+      timeout 240 "$ncu_bin" --profile-from-start off \
+        --kernel-name 'regex:_hytopk_kernel|_indexer_row_max_kernel' \
         --launch-count 1 --set full --clock-control none -f -o "$rep" \
         python3 scripts/profile_selection.py --config "$cfg" --T "$t" --method "$method" \
         > "$out/$name.log" 2>&1
