@@ -307,7 +307,6 @@ def select_variant(name, ordered=True):
     return run
 
 
-
 # The default's outputs for the last (inputs, T) a variant was compared at (one at a time: two
 # 128K x 2048 outputs take 2 GiB).
 _DEFAULT_OUTPUTS: dict = {}
@@ -328,16 +327,6 @@ def same_as_default(out, q, k, w, topk, relu, ordered=True):
         order = ref_i.to(torch.int64).masked_fill(ref_i < 0, 1 << 40).argsort(-1)
         ref_i, ref_s = ref_i.gather(-1, order), ref_s.gather(-1, order)
     return torch.equal(got_i, ref_i) and torch.equal(got_s, ref_s)
-
-
-
-
-
-
-
-
-
-
 
 
 def row_sort_micro(rows, topk, reps):
@@ -373,8 +362,6 @@ def row_sort_micro(rows, topk, reps):
     return recs
 
 
-
-
 def run_hytopk_fp8(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT):
     """What hytopk(..., precision="fp8", backend="triton") runs after its input checks: the
     quantization, then the kernel on e4m3 q and k."""
@@ -382,7 +369,6 @@ def run_hytopk_fp8(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT):
     qpos, kpos = positions(q.shape[1], k.shape[1])
     return hk.hytopk_triton(q8, k8, w, topk, relu=relu, q_positions=qpos, k_positions=kpos,
                             causal=True, options=options, q_scale=q_scale, k_scale=k_scale)
-
 
 
 # Quantized copies for scoreonly_fp8, made once an input (their time is not the kernel's).
@@ -442,7 +428,6 @@ def max_diff_vs_scoreonly(out, q, k, w, relu):
     if not torch.equal(ok, torch.isfinite(got)):
         return float("inf")
     return (got[ok] - ref[ok]).abs().max().item()
-
 
 
 _FINISH_BUFFERS: dict = {}

@@ -64,12 +64,12 @@ def _misaligned_q():
 
 
 @pytest.mark.parametrize("arg,change,pattern", [
-    ("q", lambda q, k, w: (q[0], k, w), r"^q must be \[B, T, H, D\]"),
-    ("k", lambda q, k, w: (q, k[..., None], w), r"^k must be \[B, S, D\]"),
-    ("w", lambda q, k, w: (q, k, w[..., 0]), r"^w must be \[B, T, H\]"),
-    ("q", lambda q, k, w: (q.half(), k, w), r"^q must be torch.bfloat16"),
-    ("k", lambda q, k, w: (q, k.float(), w), r"^k must be torch.bfloat16"),
-    ("w", lambda q, k, w: (q, k, w.bfloat16()), r"^w must be torch.float32"),
+    ("q", lambda q, k, w: (q[0], k, w), r"^q must have 4 dims"),
+    ("k", lambda q, k, w: (q, k[..., None], w), r"^k must have 3 dims"),
+    ("w", lambda q, k, w: (q, k, w[..., 0]), r"^w must have 3 dims"),
+    ("q", lambda q, k, w: (q.half(), k, w), r"^q dtype must be one of \['torch.bfloat16'\]"),
+    ("k", lambda q, k, w: (q, k.float(), w), r"^k dtype must be one of \['torch.bfloat16'\]"),
+    ("w", lambda q, k, w: (q, k, w.bfloat16()), r"^w dtype must be one of \['torch.float32'\]"),
     ("q", lambda q, k, w: (q[..., :64], k[..., :64], w), r"^q: head dim must be 128"),
     ("q", lambda q, k, w: (q[:, :, :16], k, w[:, :, :16]), r"^q: heads must be one of"),
     ("k", lambda q, k, w: (q, k[:, :4], w), r"^k must be \[B, S, D\].*S == T"),

@@ -25,6 +25,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from megatron_hyscale.ops.checks import check_same_device, check_tensor
+
 # Head dimension: the wgmma's K (8 k-steps of 16).
 HEAD_DIM = 128
 # (query row, head) pairs a consumer: the wgmma's N. V3.2 (64 heads): 2 rows; GLM-5.1 (32): 4.
@@ -233,16 +235,11 @@ def _shared_layouts(heads: int) -> tuple:
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> None:
     """ValueError naming the argument that `indexer_row_max_sm90` cannot take."""
-    for name, x, dims in (("q", q, "[B, T, H, D]"), ("k", k, "[B, S, D]"), ("w", w, "[B, T, H]")):
-        if x.dim() != dims.count(",") + 1:
-            raise ValueError(f"{name} must be {dims}, got shape {tuple(x.shape)}")
+    check_tensor("q", q, ndim=4, dtypes=(torch.bfloat16,))  # [B, T, H, D]
+    check_tensor("k", k, ndim=3, dtypes=(torch.bfloat16,))  # [B, S, D]
+    check_tensor("w", w, ndim=3, dtypes=(torch.float32,))  # [B, T, H]
+    check_same_device(q=q, k=k, w=w)
     B, T, H, D = q.shape
-    for name, x, dtype in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16),
-                           ("w", w, torch.float32)):
-        if x.dtype != dtype:
-            raise ValueError(f"{name} must be {dtype}, got {x.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
     if D != HEAD_DIM:
         raise ValueError(f"q: head dim must be {HEAD_DIM}, got {D}")
     if H not in HEADS:
