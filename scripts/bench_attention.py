@@ -2,7 +2,8 @@
 
 The forward of absorbed MLA (GLM-5.1, V3.2) runs the Hopper Gluon kernel on an H100 / H200
 (`ops/kernels/sparse_mla_fwd_sm90.py`; the table's "fwd kernel" column), the other shapes and
-the backward the Triton kernels; `--fwd-kernel triton` times the Triton forward there instead.
+the backward the Triton kernels; `--fwd-kernel triton` times the Triton forward there instead,
+`--fwd-kernel gluon_ws` the warp-specialized Gluon forward (`sparse_mla_fwd_ws_sm90.py`).
 
 Shapes: GLM-5.1 / DeepSeek-V3.2 absorbed MLA (1 KV head, Dqk 576, V = first 512
 channels of K, 64 / 128 heads, top-2048), DeepSeek-V4 CSA (K = V of 512, sink, 640 keys),
@@ -45,6 +46,7 @@ TileLang (scripts/gpu_tilelang.sh): without it the run says why once and goes on
   python scripts/bench_attention.py --shapes v32 --t 131072 --head-blocks split
   python scripts/bench_attention.py --shapes glm51 --t 131072 --fwd-no-softmax  # forward split
   python scripts/bench_attention.py --shapes glm51 v32 --fwd-only --fwd-kernel triton
+  python scripts/bench_attention.py --shapes glm51 v32 --fwd-only --fwd-kernel gluon_ws
 
 --bwd-sweep times the two backward kernels apart, for each (keys per step, stages) tiling that
 fits: dQ, dK/dV with its fp32 atomics, dK/dV in the measurement-only discard mode (the same
@@ -170,13 +172,15 @@ def explicit_indices(inp):
 
 def forward_kernel(inp, options):
     """Which forward `sparse_attention` ran on these inputs with these options: "gluon-sm90"
-    (the Hopper absorbed-MLA kernel) or "triton" (asked after the run: a variant that failed is
-    disabled)."""
+    (the Hopper absorbed-MLA kernel), "gluon-ws-sm90" (its warp-specialized form) or "triton"
+    (asked after the run: a variant that failed is disabled)."""
     q, k, v = inp["q"], inp["k"], inp["v"]
     dv = kern._Geometry(q, k, v, inp["dv"]).dv
     hopper = kern.hopper_forward(q, k, v, dv, inp["sink"], inp["prefix"], options=options,
                                  warn=False)
-    return "triton" if hopper is None else "gluon-sm90"
+    if hopper is None:
+        return "triton"
+    return "gluon-ws-sm90" if options.fwd_sm90_ws else "gluon-sm90"
 
 
 def bench_ours(inp, warmup, reps, deterministic_too, fwd_only=False,
@@ -554,16 +558,18 @@ def main():
                          "as P; AttentionKernelOptions.fwd_softmax=False), to split the "
                          "softmax's time from the gathers and MMAs; only the forward is timed")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
-    ap.add_argument("--fwd-kernel", choices=("auto", "triton"), default="auto",
+    ap.add_argument("--fwd-kernel", choices=("auto", "gluon_ws", "triton"), default="auto",
                     help="auto: the Hopper (Gluon) forward for absorbed MLA where it applies "
-                         "(AttentionKernelOptions.fwd_sm90), Triton elsewhere; triton: always the "
-                         "Triton forward")
+                         "(AttentionKernelOptions.fwd_sm90), Triton elsewhere; gluon_ws: its "
+                         "warp-specialized form there (fwd_sm90_ws); triton: always the Triton "
+                         "forward")
     args = ap.parse_args()
     require_cuda("bench_attention.py")
     options = replace(AttentionKernelOptions.DEFAULT,
                       head_blocks_adjacent=args.head_blocks == "adjacent",
                       fwd_softmax=not args.fwd_no_softmax,
-                      fwd_sm90=args.fwd_kernel == "auto")  # (no-softmax: Triton's only)
+                      fwd_sm90=args.fwd_kernel != "triton",  # (no-softmax: Triton's only)
+                      fwd_sm90_ws=args.fwd_kernel == "gluon_ws")
     if args.quick:
         args.t, args.reps = [16384], 3
     os.makedirs(args.out, exist_ok=True)

@@ -81,6 +81,13 @@
 #                                         # beside the Triton scores-only kernel, V3.2 /
 #                                         # GLM-5.1 at 16K and 128K (~3 min); ncu: then both
 #                                         # under Nsight Compute, V3.2 at 64K      (+2 min)
+#   bash scripts/gpu_session.sh fwd-ws    # issue #20 item 1: the warp-specialized Gluon
+#                                         # sparse-MLA forward: a smoke case first (a hang
+#                                         # stops the stage), the forward's GPU tests (both
+#                                         # Gluon kernels), then the forward alone, GLM-5.1 /
+#                                         # V3.2 at 16K-128K, plain Gluon then warp-specialized,
+#                                         # FlashMLA in both runs when scripts/gpu_cudnn.sh 1
+#                                         # and 2 ran before on this machine        (~5 min)
 #   bash scripts/gpu_session.sh reliability [FILES]  # issue #23: tests/reliability on
 #                                         # CUDA, one pytest a file, slow cases and the 256K
 #                                         # HyTopK test included (checkpoint round trips,
@@ -162,13 +169,13 @@ case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
-  |scores-sm90) ;;
+  |scores-sm90|fwd-ws) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
-       "|scores-sm90}" \
+       "|scores-sm90|fwd-ws}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -182,6 +189,21 @@ mkdir -p "$out"
 # NCCL shutdown warning), else its last line (a run cut off by its timeout)
 verdict() { grep -E "^=* *[0-9]+ (passed|failed|error|skipped|deselected)" "$1" | tail -1 \
   | grep . || tail -1 "$1"; }
+# A warp-specialized kernel's mbarrier fault hangs rather than fails: the cases of FILE
+# matching K_EXPR first under a short timeout (return 1 if they do not pass), then all of FILE's
+# GPU tests; verdicts in $out/summary.txt.
+smoke_then_tests() {
+  timeout 120 python3 -m pytest -x -q -rfE -p no:cacheprovider -m gpu "$1" -k "$2" \
+    > "$out/smoke.log" 2>&1
+  local rc=$?
+  echo "smoke rc=$rc: $(verdict "$out/smoke.log")" | tee "$out/summary.txt"
+  [ $rc -eq 0 ] || { grep -h -E "^(FAILED|ERROR|E   )" "$out/smoke.log" | cut -c1-300 \
+    | head -20; return 1; }
+  timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu "$1" > "$out/tests.log" 2>&1
+  echo "tests rc=$?: $(verdict "$out/tests.log")" | tee -a "$out/summary.txt"
+  grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -20
+  return 0
+}
 if ! python3 -c "import megatron.core" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --target /tmp/site .whl/*.whl || exit 1
@@ -193,7 +215,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
   export PYTHONPATH=$(pwd)/.carry/site:$(pwd)/.carry/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 fi
 case "$stage" in
-  cudnn-*|tilelang-kernels|loss-variants|ncu-selection|scores-sm90)
+  cudnn-*|tilelang-kernels|loss-variants|ncu-selection|scores-sm90|fwd-ws)
     case "$stage" in cudnn-*|tilelang-kernels)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -528,18 +550,8 @@ case "$stage" in
       | grep -v -i warn | tail -12 | tee "$out/bench_indexer_loss_dense.log"
     ;;
   scores-sm90)
-    # Issue #21 item 1. A mbarrier protocol fault hangs rather than fails: one small case
-    # first under a short timeout, and nothing else runs if it does not pass.
-    timeout 120 python3 -m pytest -x -q -rfE -p no:cacheprovider -m gpu \
-      tests/ops/test_indexer_scores_sm90.py -k "adversarial and 64" > "$out/smoke.log" 2>&1
-    rc=$?
-    echo "smoke rc=$rc: $(verdict "$out/smoke.log")" | tee "$out/summary.txt"
-    [ $rc -eq 0 ] || { grep -h -E "^(FAILED|ERROR|E   )" "$out/smoke.log" | cut -c1-300 \
-      | head -20; exit 1; }
-    timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
-      tests/ops/test_indexer_scores_sm90.py > "$out/tests.log" 2>&1
-    echo "tests rc=$?: $(verdict "$out/tests.log")" | tee -a "$out/summary.txt"
-    grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -20
+    # Issue #21 item 1.
+    smoke_then_tests tests/ops/test_indexer_scores_sm90.py "adversarial and 64" || exit 1
     timeout 240 python3 scripts/bench_selection.py --T 16384 131072 --configs dsv32 glm51 \
       --reps 3 --methods scoreonly scoreonly_sm90 scoreonly_sm90_free --tag _scores_sm90 \
       --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
@@ -549,6 +561,16 @@ case "$stage" in
       NCU_CASES="dsv32:65536:scoreonly_sm90 dsv32:65536:scoreonly" OUT=$out bash "$0" \
         ncu-selection
     fi ;;
+  fwd-ws)
+    # Issue #20 item 1: a small case of the warp-specialized kernel first.
+    smoke_then_tests tests/ops/test_sparse_mla_fwd_sm90_gpu.py \
+      "test_matches_reference and 64-130-True-ws" || exit 1
+    for kernel in auto gluon_ws; do
+      timeout 150 python3 scripts/bench_attention.py --t 16384 65536 131072 --shapes glm51 v32 \
+        --fwd-only --fwd-kernel $kernel --reps 3 --no-stock --no-tilelang \
+        --out "$out/$kernel" 2>&1 | grep -v -i warn | tee "$out/bench_attention_$kernel.log" \
+        | grep -E "T=|Error"
+    done ;;
   ncu-selection)
     # Issue #21: where HyTopK's time goes, from the hardware counters (Nsight Compute, full
     # set: warp stall reasons, issue-slot use, per-SASS-line samples) for one call of each

@@ -154,9 +154,12 @@ def hot_loop(sass: str) -> list[str]:
     around it; of those, the innermost ones (a loop around a pruning bound's MMA also holds
     the key-tile loop); of those, the last."""
     ins = _instructions(sass)
+    # Out-of-line blocks after the kernel's last EXIT (an mbarrier wait's retry: try again,
+    # then jump back into the loop) are no loop's back edge.
+    end = max((a for a, t in ins if t == "EXIT"), default=ins[-1][0] if ins else 0)
     spans = [(int(m.group(1), 16), a) for a, t in ins
              for m in [re.search(r"BRA\b.*?(0x[0-9a-f]+)", t)]
-             if m and int(m.group(1), 16) <= a]
+             if m and int(m.group(1), 16) <= a <= end]
     around = set()
     for a, t in ins:
         if "HGMMA" in t or "QGMMA" in t or "HMMA" in t:
@@ -274,15 +277,23 @@ def _sparse_attention_calls(sa: Any, hq: int, hkv: int, d: int, dv: int | None, 
     return calls
 
 
-def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256) -> list[Launch]:
-    """The Gluon sparse-MLA forward (Hopper only; absorbed MLA, one KV head)."""
+def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256, ws: bool = False
+                         ) -> list[Launch]:
+    """The Gluon sparse-MLA forward (Hopper only; absorbed MLA, one KV head); ws: its
+    warp-specialized form (`AttentionKernelOptions.fwd_sm90_ws`: a cp.async producer warpgroup,
+    two consumer warpgroups)."""
     from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as fwd
+    from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90 as fwd_ws
+    from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 
     q = torch.zeros(1, T, hq, d, dtype=torch.bfloat16)
     k = torch.zeros(1, T, 1, d, dtype=torch.bfloat16)
     idx = torch.zeros(1, T, topk, dtype=torch.int32)
-    with intercept(fwd, "_sparse_mla_fwd_kernel") as calls:
-        fwd.sparse_mla_fwd_sm90(q, k, idx, d ** -0.5)
+    options = replace(AttentionKernelOptions.DEFAULT, fwd_sm90_ws=ws)
+    module, kernel = (fwd_ws, "_sparse_mla_fwd_ws_kernel") if ws else (fwd,
+                                                                      "_sparse_mla_fwd_kernel")
+    with intercept(module, kernel) as calls:
+        fwd.sparse_mla_fwd_sm90(q, k, idx, d ** -0.5, options=options)
     return calls
 
 
@@ -475,6 +486,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
                                                                **PREVIOUS_BWD),
     "sparse-mla-fwd-sm90-glm51": lambda: _sparse_mla_fwd_sm90(64, 576, 2048),
     "sparse-mla-fwd-sm90-v32": lambda: _sparse_mla_fwd_sm90(128, 576, 2048),
+    "sparse-mla-fwd-ws-sm90-glm51": lambda: _sparse_mla_fwd_sm90(64, 576, 2048, ws=True),
+    "sparse-mla-fwd-ws-sm90-v32": lambda: _sparse_mla_fwd_sm90(128, 576, 2048, ws=True),
     # The warp-specialized indexer scores (a TMA producer warp, two wgmma consumer warpgroups).
     "indexer-scores-sm90-dsv32": lambda: _indexer_scores_sm90(64),
     "indexer-scores-sm90-glm51": lambda: _indexer_scores_sm90(32),

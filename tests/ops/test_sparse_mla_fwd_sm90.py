@@ -67,3 +67,16 @@ def test_warnings_are_once_per_cause_and_disable_is_per_variant(monkeypatch):
         assert sm90.variant(_qk(d=320)[0]) not in sm90._disabled  # other variants unaffected
     finally:
         sm90._disabled.discard(key)
+
+
+def test_the_warp_specialized_kernel_is_its_own_variant():
+    """A failure of one of the two Gluon forwards (plain, warp-specialized) leaves the other
+    selectable."""
+    q, _ = _qk()
+    key = sm90.variant(q, ws=True)
+    assert key != sm90.variant(q)
+    sm90._disabled.add(key)
+    try:
+        assert key in sm90._disabled and sm90.variant(q) not in sm90._disabled
+    finally:
+        sm90._disabled.discard(key)

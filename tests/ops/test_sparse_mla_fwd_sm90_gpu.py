@@ -2,7 +2,9 @@
 forward: GLM-5.1 and DeepSeek-V3.2 shapes, both launch orders, key counts off the 64-key tile
 and none at all, empty and half-empty rows, int64 and per-KV-head index layouts, batch 2,
 strided queries, fp16, the 128 / 256-channel variants, and the dispatch of `sparse_attention`
-(which kernel runs, the warning when it cannot).
+(which kernel runs, the warning when it cannot). Each case runs both kernels: the plain one and
+the warp-specialized one (`AttentionKernelOptions.fwd_sm90_ws`; odd tile counts leave its
+second consumer a tile of no key).
 """
 
 from __future__ import annotations
@@ -52,11 +54,15 @@ def reference(q, k, idx, scale):
                             backend="reference")
 
 
-def run(q, k, idx, scale, adjacent=True):
+KERNELS = pytest.mark.parametrize("ws", [False, True], ids=["gluon", "ws"])
+
+
+def run(q, k, idx, scale, adjacent=True, ws=False):
     from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import sparse_mla_fwd_sm90
 
     # adjacent: the launch order the Triton kernels share (common.launch_grid)
-    options = replace(AttentionKernelOptions.DEFAULT, head_blocks_adjacent=adjacent)
+    options = replace(AttentionKernelOptions.DEFAULT, head_blocks_adjacent=adjacent,
+                      fwd_sm90_ws=ws)
     return sparse_mla_fwd_sm90(q, k, idx, scale, options=options)
 
 
@@ -72,37 +78,41 @@ def check(out, lse, ref_out, ref_lse):
 
 
 @needs_hopper
+@KERNELS
 @pytest.mark.parametrize("hq,K,adjacent", [(64, 2048, True), (128, 2048, True),
                                            (128, 2048, False), (64, 2000, True),
-                                           (64, 100, True), (64, 5, True)])
-def test_matches_reference(hq, K, adjacent):
+                                           (64, 130, True), (64, 100, True), (64, 5, True)])
+def test_matches_reference(hq, K, adjacent, ws):
     q, k, idx, scale = inputs(hq, 64, 4096, K, seed=hq + K)
-    out, lse = run(q, k, idx, scale, adjacent)
+    out, lse = run(q, k, idx, scale, adjacent, ws)
     ref_out, ref_lse = reference(q, k, idx, scale)
     check(out, lse, ref_out, ref_lse)
 
 
 @needs_hopper
+@KERNELS
 @pytest.mark.parametrize("d", [192, 320])
-def test_narrower_variants_match_reference(d):
+def test_narrower_variants_match_reference(d, ws):
     q, k, idx, scale = inputs(64, 64, 2048, 700, seed=d, d=d)
-    check(*run(q, k, idx, scale), *reference(q, k, idx, scale))
+    check(*run(q, k, idx, scale, ws=ws), *reference(q, k, idx, scale))
 
 
 @needs_hopper
-def test_no_slot_at_all_gives_empty_rows():
+@KERNELS
+def test_no_slot_at_all_gives_empty_rows(ws):
     q, k, _, scale = inputs(64, 8, 256, 4, seed=1)
     idx = torch.empty(1, 8, 0, device="cuda", dtype=torch.int32)
-    out, lse = run(q, k, idx, scale)
+    out, lse = run(q, k, idx, scale, ws=ws)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
 
 
 @needs_hopper
-def test_agrees_with_the_triton_forward():
+@KERNELS
+def test_agrees_with_the_triton_forward(ws):
     from megatron_hyscale.ops.kernels import sparse_attention as sa
 
     q, k, idx, scale = inputs(64, 256, 8192, 2048, seed=3)
-    out, lse = run(q, k, idx, scale)
+    out, lse = run(q, k, idx, scale, ws=ws)
     t_out, t_lse = sa.sparse_attention_fwd(
         q, k, None, idx, scale, dv=512,
         options=replace(AttentionKernelOptions.DEFAULT, fwd_sm90=False))
@@ -113,19 +123,21 @@ def test_agrees_with_the_triton_forward():
 
 
 @needs_hopper
-def test_batch_int64_per_head_indices_strided_q_and_fp16():
+@KERNELS
+def test_batch_int64_per_head_indices_strided_q_and_fp16(ws):
     q, k, idx, scale = inputs(64, 48, 2048, 300, seed=5, B=2, dtype=torch.float16)
     # Strided queries: a view into wider rows (row stride 640, still 16-byte aligned).
     wide = torch.zeros(*q.shape[:-1], 640, device="cuda", dtype=q.dtype)
     wide[..., :576] = q
     qs = wide[..., :576]
-    out, lse = run(qs, k, idx.long()[:, :, None, :], scale)
+    out, lse = run(qs, k, idx.long()[:, :, None, :], scale, ws=ws)
     ref_out, ref_lse = reference(q, k, idx, scale)
     check(out, lse, ref_out, ref_lse)
 
 
 @needs_hopper
-def test_integer_valued_inputs_give_the_reference_scores():
+@KERNELS
+def test_integer_valued_inputs_give_the_reference_scores(ws):
     """Small integers make every q . k exact in fp32: the log-sum-exp then depends only on the
     softmax's own rounding, so it must match the reference to fp32 accuracy."""
     g = torch.Generator(device="cuda").manual_seed(9)
@@ -134,7 +146,7 @@ def test_integer_valued_inputs_give_the_reference_scores():
     idx = torch.rand(32, 1024, device="cuda", generator=g).topk(640, dim=-1).indices
     idx = idx.view(1, 32, 640).to(torch.int32)
     scale = 1 / 64  # a power of two: the scaled scores stay exact
-    out, lse = run(q, k, idx, scale)
+    out, lse = run(q, k, idx, scale, ws=ws)
     ref_out, ref_lse = reference(q, k, idx, scale)
     assert (lse - ref_lse).abs().max().item() < 1e-4
     assert rel(out, ref_out) < OUT_TOL
@@ -194,3 +206,38 @@ def test_unaligned_rows_warn_once_and_use_the_triton_forward(width, monkeypatch)
     assert not sm90._disabled  # a layout problem is not a failure: nothing disabled
     ref_out, _ = reference(q, k, idx, scale)
     assert rel(out, ref_out) < OUT_TOL
+
+
+@needs_hopper
+def test_warp_specialized_kernel_agrees_with_the_plain_one_and_is_dispatched():
+    """Both Gluon kernels on the same inputs (V3.2's two head blocks, a partial last tile), and
+    `sparse_attention` with fwd_sm90_ws runs the warp-specialized one without a warning."""
+    from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90
+    from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90 as ws_mod
+    from megatron_hyscale.ops.sparse_attention import sparse_attention
+
+    q, k, idx, scale = inputs(128, 128, 8192, 1984, seed=17)
+    out, lse = run(q, k, idx, scale)
+    ws_out, ws_lse = run(q, k, idx, scale, ws=True)
+    assert rel(ws_out, out) < 2e-3
+    assert torch.equal(torch.isfinite(ws_lse), torch.isfinite(lse))
+    fin = torch.isfinite(lse)
+    assert (ws_lse[fin] - lse[fin]).abs().max().item() < 1e-3
+    calls = []
+    real = ws_mod.launch
+
+    def counting(*a, **kw):
+        res = real(*a, **kw)
+        calls.append(1)
+        return res
+
+    ws_mod.launch = counting
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = sparse_attention(q, k, None, idx, scale, dv=512, options=replace(
+                AttentionKernelOptions.DEFAULT, fwd_sm90_ws=True))
+    finally:
+        ws_mod.launch = real
+    assert calls == [1] and not sm90._disabled
+    assert rel(got, ws_out) == 0.0

@@ -737,7 +737,7 @@ def hopper_forward(q, k, v, dv, sink, prefix_lengths, *,
                       f"cannot be loaded ({import_error}); using the Triton forward",
                       stacklevel=4)
         return None
-    if not sm90.applies(q, k, v, dv, sink, prefix_lengths):
+    if not sm90.applies(q, k, v, dv, sink, prefix_lengths, ws=options.fwd_sm90_ws):
         return None
     problem = sm90.layout_problem(q, k)
     if problem is not None:
@@ -759,7 +759,7 @@ def _sm90_forward(q, k, v, indices, softmax_scale, dv, sink, prefix_lengths, opt
     except torch.OutOfMemoryError:
         raise  # not the kernel's failure: the Triton forward would need the same memory
     except Exception as exc:  # this variant failed to compile or launch: say so, keep training
-        sm90.disable(sm90.variant(q), f"{type(exc).__name__}: {exc}")
+        sm90.disable(sm90.variant(q, options.fwd_sm90_ws), f"{type(exc).__name__}: {exc}")
         return None
 
 

@@ -74,6 +74,21 @@ def _tile_valid(idx_base, sik, n0, NK, layout: gl.constexpr, BLOCK_N: gl.constex
 
 
 @gluon.jit
+def program_coords(T, NG: gl.constexpr):
+    """(batch, query, head block) of this program: NG > 0, a 1-D grid with a query's NG head
+    blocks adjacent; NG = 0, a (B x T, blocks) grid (`common.launch_grid`; decoded as
+    `sparse_attention._coords` does: a Gluon kernel cannot call a Triton one)."""
+    if NG > 0:
+        pid = gl.program_id(0).to(gl.int64)
+        pid_q = pid // NG
+        hb = (pid % NG).to(gl.int32)
+    else:
+        pid_q = gl.program_id(0).to(gl.int64)
+        hb = gl.program_id(1)
+    return pid_q // T, pid_q % T, hb
+
+
+@gluon.jit
 def _sparse_mla_fwd_kernel(
     q_ptr, k_ptr, idx_ptr, out_ptr, lse_ptr,
     T, NK, qk_scale,
@@ -86,19 +101,9 @@ def _sparse_mla_fwd_kernel(
 
     Every channel stride is 1 and every row stride a multiple of STRIDE_MULTIPLE; NK >= 1 (the
     wrapper checks both).
-    NG > 0: a 1-D grid with a query's NG head blocks adjacent; NG = 0: a (B x T, blocks) grid
-    (`common.launch_grid`; decoded as `sparse_attention._coords` does: a Gluon kernel cannot
-    call a Triton one).
+    NG: the grid's form (`program_coords`).
     """
-    if NG > 0:
-        pid = gl.program_id(0).to(gl.int64)
-        pid_q = pid // NG
-        hb = (pid % NG).to(gl.int32)
-    else:
-        pid_q = gl.program_id(0).to(gl.int64)
-        hb = gl.program_id(1)
-    b = pid_q // T
-    t = pid_q % T
+    b, t, hb = program_coords(T, NG)
 
     # S [heads x keys] and O [heads x channels]: warps 4 x 2, so each warpgroup holds S for half
     # the keys and O for half the channels; P V reads P from shared memory (both halves).
@@ -205,18 +210,20 @@ def _sparse_mla_fwd_kernel(
 # --------------------------------------------------------------------------- launch
 
 
-def variant(q: torch.Tensor) -> tuple:
-    """The compiled variant a call needs (dtype, channels, query heads): what a failure
-    disables."""
-    return q.dtype, q.shape[-1], q.shape[2]
+def variant(q: torch.Tensor, ws: bool = False) -> tuple:
+    """The compiled variant a call needs (dtype, channels, query heads, the warp-specialized
+    kernel or not): what a failure disables."""
+    return q.dtype, q.shape[-1], q.shape[2], ws
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
-            sink: torch.Tensor | None, prefix_lengths: torch.Tensor | None) -> bool:
+            sink: torch.Tensor | None, prefix_lengths: torch.Tensor | None,
+            ws: bool = False) -> bool:
     """Whether these inputs are this kernel's case: absorbed MLA on Hopper, q and k both bf16 or
     both fp16, one KV head, query heads a multiple of BLOCK_H, no sink or dense prefix, and the
-    variant not disabled by an earlier failure. Channels: a main part of 128 / 256 / 512 (V)
-    and a tail of TAIL, the gathers' row width."""
+    variant (ws: the warp-specialized kernel's) not disabled by an earlier failure. Channels: a
+    main part of 128 / 256 / 512 (V) and a tail of TAIL, the gathers' row width (and the
+    warp-specialized kernel's P tile, written over the tail)."""
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     d = q.shape[-1]
@@ -224,7 +231,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
     return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v is None
             and dv == d_main and d_main in (128, 256, 512) and d - d_main == TAIL
             and k.shape[2] == 1 and q.shape[2] % BLOCK_H == 0 and sink is None
-            and prefix_lengths is None and variant(q) not in _disabled)
+            and prefix_lengths is None and variant(q, ws) not in _disabled)
 
 
 def layout_problem(q: torch.Tensor, k: torch.Tensor) -> tuple[str, str] | None:
@@ -260,7 +267,8 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, T, Hq, D_MAIN], lse fp32 [B, T, Hq]) on inputs that `applies` and
     `layout_problem` accept. A query's head blocks (V3.2: two) launch as the Triton kernels'
-    do (`common.launch_grid`, options.head_blocks_adjacent); the other options are the
+    do (`common.launch_grid`, options.head_blocks_adjacent); options.fwd_sm90_ws runs the
+    warp-specialized kernel (`sparse_mla_fwd_ws_sm90`) instead; the other options are the
     dispatcher's (`sparse_attention.hopper_forward`)."""
     B, T, Hq, d = q.shape
     d_main = 1 << (d.bit_length() - 1)
@@ -273,6 +281,11 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
     if indices.dim() == 4:
         indices = indices[:, :, 0]
     grid, ng = launch_grid(B * T, 1, Hq // BLOCK_H, options.head_blocks_adjacent)
+    if options.fwd_sm90_ws:
+        from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90
+
+        sparse_mla_fwd_ws_sm90.launch(q, k, indices, out, lse, softmax_scale, grid, ng)
+        return out, lse
     sqb, sqt, sqh, _ = q.stride()
     skb, sks, _, _ = k.stride()
     sib, sit, sik = indices.stride()

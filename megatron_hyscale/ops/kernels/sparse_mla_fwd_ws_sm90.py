@@ -1,0 +1,345 @@
+"""Sparse attention forward for absorbed MLA on Hopper (sm_90a), warp-specialized, in Gluon.
+
+Shapes and results as `sparse_mla_fwd_sm90` (q [B, T, Hq, D_MAIN + 64], k [B, S, 1, same],
+V = k[..., :D_MAIN], indices [B, T, K] with -1 unused; out [B, T, Hq, D_MAIN], lse fp32 natural
+log, -inf for a row without keys), up to fp32 rounding order. That module's wrapper runs this
+kernel (`launch`) under `AttentionKernelOptions.fwd_sm90_ws`.
+
+Algorithm: one program per (query, 64 heads), three warpgroups. A producer warpgroup gathers the
+selected key rows with cp.async into two stages, completion counted on mbarriers. Consumer c
+computes S = Q K^T for the key tiles of stage c (even tiles, odd tiles), the two exchange their
+running maxima and P through shared memory, and each accumulates O for its half of the value
+channels over both tiles (its own P from registers, the other's from shared memory): one
+consumer's softmax runs under the other's products, and no consumer issues a gather.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E
+from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import program_coords
+
+# Query heads a program: the products' M, one wgmma tile height, so each consumer holds all of
+# them (its S is [64 heads x 64 keys], its O [64 heads x D_MAIN / 2]).
+BLOCK_H = 64
+# Keys a tile. It must equal the tail width: a consumer's P tile [BLOCK_H x BLOCK_N] is written
+# over its stage's tail channels [BLOCK_N x 64] (same shape, same shared layout) once its S
+# product has read them, which is what lets the query, two key stages and both P tiles fit the
+# H200's 227 KiB (216 KiB used).
+BLOCK_N = 64
+TAIL = 64
+# Channels a gather call: one 128-byte swizzle atom of bf16, so each call's destination is a
+# whole-atom slice of the NVMMA-swizzled tile and a producer thread holds 4 rows' addresses.
+CHUNK = 64
+# Warps: consumer 0 is the default partition (the kernel's num_warps); consumer 1 and the
+# producer are workers. Registers are set per warpgroup: a consumer holds O's half (128 fp32),
+# S (32), P in fp32 and bf16 (48) and the softmax state; the producer holds four rows' addresses
+# a chunk. 2 x 232 + 40 = 504 of the 512 a thread the SM's 64K registers allow three
+# warpgroups.
+CONSUMER_WARPS = 4
+PRODUCER_WARPS = 4
+CONSUMER_REGS = 232
+PRODUCER_REGS = 40
+# Registers a thread at launch, before the partitions rebalance them: 384 threads x 168 fit 64K.
+MAXNREG = 168
+
+# mbarrier protocol. wait(bar, p) returns once the phase of parity p completed; a fresh barrier
+# counts its (previous) phase of parity 1 as completed. Every arrival of a 4-warp consumer is one
+# thread's, after Triton's partition barrier (bar.sync of its 128 threads), so it follows all
+# four warps' preceding instructions; a producer arrival is per thread (cp.async's arrive fires
+# once that thread's earlier copies landed), hence the counts of 128. Iteration i (tiles 2i and
+# 2i + 1, parity i & 1):
+#   q_bar     (count 128): the query's gather landed; the consumers wait parity 0, once.
+#   ready[c]  (count 128): tile 2i + c landed in stage c.
+#   empty[c]  (count 2): both consumers finished their products that read stage c (its key rows
+#             and, in its tail, consumer c's P). The producer waits parity (i & 1) ^ 1 before
+#             refilling it (iteration 0 passes at once).
+#   m_ready[0] (count 1): consumer 0's max over the running max and tile 2i, in m_s[0].
+#   m_ready[1] (count 1): consumer 1's new running max (m_s[0] and tile 2i + 1), in m_s[1].
+#   p_ready[c] (count 1): consumer c's P (scaled to the new running max) in stage c's tail.
+#   l_ready[c] (count 1, once): consumer c's row sums in l_s[c] after the loop.
+# No barrier completes a phase twice ahead of a waiter: m_ready[0]'s next arrival follows
+# consumer 0's wait on m_ready[1], which follows consumer 1's wait on m_ready[0]; m_ready[1]'s
+# next arrival follows consumer 1's next wait on m_ready[0]; p_ready[c]'s next arrival follows
+# consumer c's wait on m_ready[1 - c] of the next iteration, which the other arrives only after
+# its wait on p_ready[c]. The same orders keep m_s and the P tiles from being overwritten
+# before they are read.
+
+
+@gluon.jit
+def _opaque_zero(x):
+    """0, computed where it is used: indexing shared memory with it keeps the wgmma descriptors
+    of a fixed buffer in the loop. A consumer always reads the same stage, so otherwise LLVM
+    hoists all of S's 2 x 36 64-bit k-step descriptors out of the loop, and they spill."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gather(dst, rows, cols, mask, N_CHUNKS: gl.constexpr, CHUNK: gl.constexpr):
+    """cp.async rows[:, None] + channels into dst [rows x N_CHUNKS * CHUNK], CHUNK at a time
+    (masked rows are zero-filled)."""
+    for c in gl.static_range(N_CHUNKS):
+        cp.async_copy_global_to_shared(dst.slice(c * CHUNK, CHUNK, dim=1),
+                                       rows[:, None] + (c * CHUNK + cols)[None, :], mask=mask)
+
+
+@gluon.jit
+def _producer(q_ptr, k_ptr, idx_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s, bars,
+              b, t, hb, NK, n_iter, sqb, sqt, sqh, skb, sks, sib, sit, sik,
+              D_MAIN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+              CHUNK: gl.constexpr, WARPS: gl.constexpr):
+    """The query block once, then key tiles 2i (stage 0) and 2i + 1 (stage 1) each iteration;
+    slots holding -1 or past NK are zero-filled (the consumers mask them out of S)."""
+    q_bar, ready, empty = bars[0], bars[1], bars[2]
+    # A warp covers 4 rows x 64 channels in 16-byte vectors; 4 warps, 16 rows a pass.
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    row_l: gl.constexpr = gl.SliceLayout(1, ld_layout)
+    cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, ld_layout))
+    all_rows = gl.full([BLOCK_H, CHUNK], 1, gl.int1, layout=ld_layout)
+
+    heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_l)).to(gl.int64)
+    q_rows = q_ptr + b * sqb + t * sqt + heads * sqh
+    _gather(q_main_s.index(0), q_rows, cols, all_rows, D_MAIN // CHUNK, CHUNK)
+    _gather(q_tail_s.index(0), q_rows + D_MAIN, cols, all_rows, 1, CHUNK)
+    cp.mbarrier_arrive(q_bar, increment_count=False)
+
+    idx_base = idx_ptr + b * sib + t * sit
+    k_base = k_ptr + b * skb
+    for i in range(n_iter):
+        for c in gl.static_range(2):
+            offs = (2 * i + c) * BLOCK_N + gl.arange(0, BLOCK_N, layout=row_l)
+            idx = gl.load(idx_base + offs * sik, mask=offs < NK, other=-1)
+            valid = idx >= 0
+            rows = k_base + gl.where(valid, idx, 0).to(gl.int64) * sks
+            mask = valid[:, None] & all_rows
+            mbarrier.wait(empty.index(c), (i & 1) ^ 1)
+            _gather(k_main_s.index(c), rows, cols, mask, D_MAIN // CHUNK, CHUNK)
+            _gather(k_tail_s.index(c), rows + D_MAIN, cols, mask, 1, CHUNK)
+            cp.mbarrier_arrive(ready.index(c), increment_count=False)
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, m_s, l_s, bars,
+              idx_ptr, out_ptr, lse_ptr, b, t, hb, NK, n_iter, qk_scale,
+              sib, sit, sik, sob, sot, soh, slb, slt, slh,
+              D_MAIN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+    """S for the tiles of stage c, O for value channels c * D_MAIN / 2 .. (c + 1) * D_MAIN / 2
+    over every tile; stores its half of out, and consumer 0 the lse."""
+    q_bar, ready, empty, m_ready, p_ready, l_ready = bars
+    HALF: gl.constexpr = D_MAIN // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = q_main_s.dtype
+
+    idx_base = idx_ptr + b * sib + t * sit
+    slots = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
+    o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+
+    mbarrier.wait(q_bar, 0)
+    for i in range(n_iter):
+        ph = i & 1
+        offs = (2 * i + c) * BLOCK_N + slots
+        valid = gl.load(idx_base + offs * sik, mask=offs < NK, other=-1) >= 0
+        zero = _opaque_zero(i)
+        q_main, q_tail = q_main_s.index(zero), q_tail_s.index(zero)
+        k_own, k_own_tail = k_main_s.index(c + zero), k_tail_s.index(c + zero)
+        v_own = k_own.slice(c * HALF, HALF, dim=1)
+        v_other = k_main_s.index(1 - c + zero).slice(c * HALF, HALF, dim=1)
+        p_other = k_tail_s.index(1 - c + zero)
+        mbarrier.wait(ready.index(c), ph)
+        # The rows came through cp.async (generic proxy); the products read them through the
+        # async proxy.
+        fence_async_shared()
+        # Each product is waited for before its accumulator is touched (ptxas serializes
+        # every wgmma of a kernel whose accumulator is read in flight: C7514).
+        s = warpgroup_mma(q_main, k_own.permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma(q_tail, k_own_tail.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
+        tile_max = gl.max(s, axis=1)
+        if c == 0:
+            # Consumer 0 goes first with a provisional max (its tile only) and rescales once
+            # consumer 1 has the new running max.
+            m_tile = gl.maximum(m_i, tile_max)
+            m_s.index(0).store(m_tile)
+            mbarrier.arrive(m_ready.index(0), count=1)
+        else:
+            mbarrier.wait(m_ready.index(0), ph)
+            m_tile = gl.maximum(m_s.index(0).load(row_s), tile_max)
+            m_s.index(1).store(m_tile)
+            mbarrier.arrive(m_ready.index(1), count=1)
+        # A row with no valid key so far keeps m = -inf; shift by 0 there so no inf - inf.
+        m_use = gl.where(m_tile == float("-inf"), 0.0, m_tile)
+        p = gl.exp2(s - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        o = o * gl.convert_layout(alpha, row_o)[:, None]
+        p_low = p.to(dtype)
+        o = warpgroup_mma(gl.convert_layout(p_low, p_layout), v_own, o, is_async=True)
+        if c == 0:
+            mbarrier.wait(m_ready.index(1), ph)
+            m_new = m_s.index(1).load(row_s)
+            # m_new >= m_tile; where m_tile = -inf this row's P and O are 0 (any finite factor).
+            f = gl.where(m_tile == float("-inf"), 1.0, gl.exp2(m_tile - m_new))
+            # S has read the tail channels (waited above): P takes their place.
+            k_own_tail.store((p * f[:, None]).to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(p_ready.index(0), count=1)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            mbarrier.arrive(empty.index(0), count=1)
+            o = o * gl.convert_layout(f, row_o)[:, None]
+            l_i = l_i * f
+            m_i = m_new
+        else:
+            k_own_tail.store(p_low)
+            fence_async_shared()
+            mbarrier.arrive(p_ready.index(1), count=1)
+            m_i = m_tile
+        mbarrier.wait(p_ready.index(1 - c), ph)
+        o = warpgroup_mma(p_other, v_other, o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        if c == 0:
+            mbarrier.arrive(empty.index(1), count=1)
+        else:
+            mbarrier.arrive(empty.index(0), count=1)
+            mbarrier.arrive(empty.index(1), count=1)
+
+    # Both consumers' row sums are relative to the same running max: add them.
+    l_s.index(c).store(l_i)
+    mbarrier.arrive(l_ready.index(c), count=1)
+    mbarrier.wait(l_ready.index(1 - c), 0)
+    l_i = l_i + l_s.index(1 - c).load(row_s)
+    nonempty = l_i > 0.0
+    inv_l = gl.convert_layout(1.0 / gl.where(nonempty, l_i, 1.0), row_o)
+    out = (o * inv_l[:, None]).to(dtype)
+    o_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_o)
+    o_cols = c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + b * sob + t * sot + o_heads[:, None] * soh + o_cols[None, :], out)
+    if c == 0:
+        lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
+        l_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
+        gl.store(lse_ptr + b * slb + t * slt + l_heads * slh, lse2 * LN2_JIT)
+
+
+@gluon.jit
+def _sparse_mla_fwd_ws_kernel(
+    q_ptr, k_ptr, idx_ptr, out_ptr, lse_ptr,
+    T, NK, qk_scale,
+    sqb, sqt, sqh, skb, sks, sib, sit, sik, sob, sot, soh, slb, slt, slh,
+    D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    CHUNK: gl.constexpr, NG: gl.constexpr,
+    q_main_sl: gl.constexpr, q_tail_sl: gl.constexpr, k_main_sl: gl.constexpr,
+    k_tail_sl: gl.constexpr,
+    CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """out[h] = softmax(q[h] . K_sel * scale) @ K_sel[:, :D_MAIN] for one query's head block.
+
+    Row strides multiples of 16 elements, unit-stride channels, NK >= 1 (the wrapper checks).
+    NG: the grid's form (`sparse_mla_fwd_sm90.program_coords`).
+    """
+    b, t, hb = program_coords(T, NG)
+    n_iter = gl.cdiv(NK, 2 * BLOCK_N)
+
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    q_main_s = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_MAIN], q_main_sl)
+    q_tail_s = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_TAIL], q_tail_sl)
+    k_main_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_MAIN], k_main_sl)
+    k_tail_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_TAIL], k_tail_sl)
+    row_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    m_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], row_sl)
+    l_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], row_sl)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    l_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    producer_threads: gl.constexpr = PRODUCER_WARPS * 32
+    mbarrier.init(q_bar, count=producer_threads)
+    for c in gl.static_range(2):
+        mbarrier.init(ready.index(c), count=producer_threads)
+        mbarrier.init(empty.index(c), count=2)
+        mbarrier.init(m_ready.index(c), count=1)
+        mbarrier.init(p_ready.index(c), count=1)
+        mbarrier.init(l_ready.index(c), count=1)
+    fence_async_shared()
+    bars = (q_bar, ready, empty, m_ready, p_ready, l_ready)
+    # Each partition's arguments written out: constexprs gathered into a tuple variable first
+    # would reach the partitions as runtime values.
+    gl.warp_specialize([
+        (_consumer, (0, q_main_s, q_tail_s, k_main_s, k_tail_s, m_s, l_s, bars, idx_ptr,
+                     out_ptr, lse_ptr, b, t, hb, NK, n_iter, qk_scale, sib, sit, sik, sob, sot,
+                     soh, slb, slt, slh, D_MAIN, BLOCK_H, BLOCK_N)),
+        (_consumer, (1, q_main_s, q_tail_s, k_main_s, k_tail_s, m_s, l_s, bars, idx_ptr,
+                     out_ptr, lse_ptr, b, t, hb, NK, n_iter, qk_scale, sib, sit, sik, sob, sot,
+                     soh, slb, slt, slh, D_MAIN, BLOCK_H, BLOCK_N)),
+        (_producer, (q_ptr, k_ptr, idx_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s,
+                     (q_bar, ready, empty), b, t, hb, NK, n_iter, sqb, sqt, sqh, skb, sks,
+                     sib, sit, sik, D_MAIN, BLOCK_H, BLOCK_N, CHUNK, PRODUCER_WARPS)),
+    ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# --------------------------------------------------------------------------- launch
+
+
+_layouts: dict[tuple, tuple] = {}
+
+
+def _shared_layouts(dtype: torch.dtype, d_main: int) -> tuple:
+    """The NVMMA layouts of q's and the key stages' main and tail parts. The tail's is also P's
+    ([BLOCK_H x BLOCK_N] = [64 x 64], the same shape): the kernel writes P over it."""
+    key = (dtype, d_main)
+    if key not in _layouts:
+        gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+        nv = gl.NVMMASharedLayout.get_default_for
+        _layouts[key] = (nv([BLOCK_H, d_main], gdt), nv([BLOCK_H, TAIL], gdt),
+                         nv([BLOCK_N, d_main], gdt), nv([BLOCK_N, TAIL], gdt))
+    return _layouts[key]
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
+           lse: torch.Tensor, softmax_scale: float, grid: tuple, ng: int) -> None:
+    """Fill out [B, T, Hq, D_MAIN] and lse [B, T, Hq] for `sparse_mla_fwd_sm90`, whose wrapper
+    checked the inputs (`applies`, `layout_problem`), took care of empty calls, made indices
+    [B, T, K] with K >= 1 and chose the grid (`common.launch_grid`: ng head blocks adjacent,
+    or 0)."""
+    d = q.shape[-1]
+    d_main = out.shape[-1]
+    if d - d_main != TAIL or BLOCK_N != TAIL:
+        raise ValueError(f"q: the warp-specialized forward needs a {TAIL}-channel tail, got "
+                         f"{d} channels")
+    sqb, sqt, sqh, _ = q.stride()
+    skb, sks, _, _ = k.stride()
+    q_main_sl, q_tail_sl, k_main_sl, k_tail_sl = _shared_layouts(q.dtype, d_main)
+    _sparse_mla_fwd_ws_kernel[grid](
+        q, k, indices, out, lse, q.shape[1], indices.shape[-1], softmax_scale * LOG2E,
+        sqb, sqt, sqh, skb, sks, *indices.stride(), *out.stride()[:3], *lse.stride(),
+        D_MAIN=d_main, D_TAIL=TAIL, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, CHUNK=CHUNK, NG=ng,
+        q_main_sl=q_main_sl, q_tail_sl=q_tail_sl, k_main_sl=k_main_sl, k_tail_sl=k_tail_sl,
+        CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
+    )
