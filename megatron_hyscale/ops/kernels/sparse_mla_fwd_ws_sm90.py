@@ -6,11 +6,13 @@ log, -inf for a row without keys), up to fp32 rounding order. That module's wrap
 kernel (`launch`) under `AttentionKernelOptions.fwd_sm90_ws`.
 
 Algorithm: one program per (query, 64 heads), three warpgroups. A producer warpgroup gathers the
-selected key rows with cp.async into two stages, completion counted on mbarriers. Consumer c
-computes S = Q K^T for the key tiles of stage c (even tiles, odd tiles), the two exchange their
-running maxima and P through shared memory, and each accumulates O for its half of the value
-channels over both tiles (its own P from registers, the other's from shared memory): one
-consumer's softmax runs under the other's products, and no consumer issues a gather.
+selected key rows with cp.async into two stages, each in two halves (channels below D_MAIN / 2;
+the rest with the tail), completion counted on mbarriers. Consumer c computes S = Q K^T for the
+key tiles of stage c (even tiles, odd tiles); the two exchange their running maxima and P
+through shared memory, and each accumulates O for its half of the value channels over both
+tiles (its own P from registers, the other's from shared memory): one consumer's softmax runs
+under the other's products, no consumer issues a gather, and the half of a stage that only its
+own consumer reads is refilled while the iteration still runs.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import program_coords
 # Query heads a program: the products' M, one wgmma tile height, so each consumer holds all of
 # them (its S is [64 heads x 64 keys], its O [64 heads x D_MAIN / 2]).
 BLOCK_H = 64
-# Keys a tile. It must equal the tail width: a consumer's P tile [BLOCK_H x BLOCK_N] is written
-# over its stage's tail channels [BLOCK_N x 64] (same shape, same shared layout) once its S
-# product has read them, which is what lets the query, two key stages and both P tiles fit the
-# H200's 227 KiB (216 KiB used).
+# Keys a tile. It must equal the tail width: consumer 0's P tile [BLOCK_H x BLOCK_N] is written
+# over stage 0's tail channels [BLOCK_N x 64] (same shape, same shared layout) once its S
+# product has read them; consumer 1's has a buffer of its own. That is what lets the query, two
+# key stages and both P tiles fit the H200's 227 KiB (225 KiB used).
 BLOCK_N = 64
 TAIL = 64
 # Channels a gather call: one 128-byte swizzle atom of bf16, so each call's destination is a
@@ -53,27 +55,41 @@ PRODUCER_REGS = 40
 # Registers a thread at launch, before the partitions rebalance them: 384 threads x 168 fit 64K.
 MAXNREG = 168
 
+# Buffers. Stage c holds key tile 2i + c of iteration i in two halves: L (main channels below
+# HALF = D_MAIN / 2) and R (the other main channels and the tail). Readers:
+#   L0: consumer 0's S and its own P V (V channels below HALF);
+#   R0: consumer 0's S, then consumer 1's P V with P0 (V channels from HALF), P0 itself being
+#       written over R0's tail after consumer 0's S;
+#   R1: consumer 1's S and its own P V;
+#   L1: consumer 1's S, then consumer 0's P V with P1 (P1 in its own buffer).
+# So L0 and R1 are free once their consumer's own P V is done, mid-iteration, and the producer
+# refills them (in that order, then R0, L1) while the iteration finishes; each consumer starts
+# its S with the half refilled first (L0, R1).
+#
 # mbarrier protocol. wait(bar, p) returns once the phase of parity p completed; a fresh barrier
 # counts its (previous) phase of parity 1 as completed. Every arrival of a 4-warp consumer is one
 # thread's, after Triton's partition barrier (bar.sync of its 128 threads), so it follows all
 # four warps' preceding instructions; a producer arrival is per thread (cp.async's arrive fires
-# once that thread's earlier copies landed), hence the counts of 128. Iteration i (tiles 2i and
-# 2i + 1, parity i & 1):
-#   q_bar     (count 128): the query's gather landed; the consumers wait parity 0, once.
-#   ready[c]  (count 128): tile 2i + c landed in stage c.
-#   empty[c]  (count 2): both consumers finished their products that read stage c (its key rows
-#             and, in its tail, consumer c's P). The producer waits parity (i & 1) ^ 1 before
-#             refilling it (iteration 0 passes at once).
+# once that thread's earlier copies landed), hence the counts of 128. Half h = 2 c + (0: L, 1:
+# R). Iteration i (tiles 2i and 2i + 1, parity i & 1):
+#   q_bar      (count 128): the query's gather landed; the consumers wait parity 0, once.
+#   ready[h]   (count 128): half h of this iteration's tile landed.
+#   empty[h]   (count 1): half h's last reader (above) is done with it; the producer waits parity
+#              (i & 1) ^ 1 before refilling it (iteration 0 passes at once). A half's other
+#              reader finished before: consumer c's S reads R0 / L1 before it publishes the P
+#              that the last reader waits for.
 #   m_ready[0] (count 1): consumer 0's max over the running max and tile 2i, in m_s[0].
 #   m_ready[1] (count 1): consumer 1's new running max (m_s[0] and tile 2i + 1), in m_s[1].
-#   p_ready[c] (count 1): consumer c's P (scaled to the new running max) in stage c's tail.
+#   p_ready[c] (count 1): consumer c's P (scaled to the new running max) in shared memory.
 #   l_ready[c] (count 1, once): consumer c's row sums in l_s[c] after the loop.
 # No barrier completes a phase twice ahead of a waiter: m_ready[0]'s next arrival follows
 # consumer 0's wait on m_ready[1], which follows consumer 1's wait on m_ready[0]; m_ready[1]'s
 # next arrival follows consumer 1's next wait on m_ready[0]; p_ready[c]'s next arrival follows
 # consumer c's wait on m_ready[1 - c] of the next iteration, which the other arrives only after
-# its wait on p_ready[c]. The same orders keep m_s and the P tiles from being overwritten
-# before they are read.
+# its wait on p_ready[c]. The same orders keep m_s and P1's buffer from being overwritten before
+# they are read.
+L = gl.constexpr(0)
+R = gl.constexpr(1)
 
 
 @gluon.jit
@@ -86,12 +102,36 @@ def _opaque_zero(x):
 
 
 @gluon.jit
-def _gather(dst, rows, cols, mask, N_CHUNKS: gl.constexpr, CHUNK: gl.constexpr):
-    """cp.async rows[:, None] + channels into dst [rows x N_CHUNKS * CHUNK], CHUNK at a time
-    (masked rows are zero-filled)."""
-    for c in gl.static_range(N_CHUNKS):
-        cp.async_copy_global_to_shared(dst.slice(c * CHUNK, CHUNK, dim=1),
-                                       rows[:, None] + (c * CHUNK + cols)[None, :], mask=mask)
+def _gather(dst, rows, valid, WIDTH: gl.constexpr, layout: gl.constexpr):
+    """cp.async the block rows[:, None] + [0, WIDTH) into dst [len(rows) x WIDTH], rows that
+    are not `valid` zero-filled; rows and valid in SliceLayout(1, layout). One call a block:
+    Triton puts a barrier between two copies into the same buffer."""
+    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    mask = valid[:, None] & gl.full([rows.shape[0], WIDTH], 1, gl.int1, layout=layout)
+    cp.async_copy_global_to_shared(dst, rows[:, None] + cols[None, :], mask=mask)
+
+
+@gluon.jit
+def _fill_half(k_main_s, k_tail_s, ready, empty, stage: gl.constexpr, half: gl.constexpr,
+               rows, valid, parity, D_MAIN: gl.constexpr, layout: gl.constexpr):
+    """Wait for half `half` of stage `stage` to be free, gather it, count it on its barrier."""
+    HALF: gl.constexpr = D_MAIN // 2
+    h: gl.constexpr = 2 * stage + half
+    mbarrier.wait(empty.index(h), parity ^ 1)
+    main = k_main_s.index(stage).slice(half * HALF, HALF, dim=1)
+    _gather(main, rows + half * HALF, valid, HALF, layout)
+    if half == R:
+        _gather(k_tail_s.index(stage), rows + D_MAIN, valid, k_tail_s.shape[2], layout)
+    cp.mbarrier_arrive(ready.index(h), increment_count=False)
+
+
+@gluon.jit
+def _tile_rows(idx_base, sik, k_base, sks, j, NK, row_l: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(row pointers, which hold a key) of key tile j's slots (-1 or past NK do not)."""
+    offs = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=row_l)
+    idx = gl.load(idx_base + offs * sik, mask=offs < NK, other=-1)
+    valid = idx >= 0
+    return k_base + gl.where(valid, idx, 0).to(gl.int64) * sks, valid
 
 
 @gluon.jit
@@ -99,38 +139,51 @@ def _producer(q_ptr, k_ptr, idx_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s, bar
               b, t, hb, NK, n_iter, sqb, sqt, sqh, skb, sks, sib, sit, sik,
               D_MAIN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
               CHUNK: gl.constexpr, WARPS: gl.constexpr):
-    """The query block once, then key tiles 2i (stage 0) and 2i + 1 (stage 1) each iteration;
-    slots holding -1 or past NK are zero-filled (the consumers mask them out of S)."""
+    """The query block once, then each iteration's halves in the order they are freed: L0,
+    R1 (mid-iteration), R0, L1 (at its end)."""
     q_bar, ready, empty = bars[0], bars[1], bars[2]
-    # A warp covers 4 rows x 64 channels in 16-byte vectors; 4 warps, 16 rows a pass.
+    # A warp covers 4 rows x 64 channels in 16-byte vectors (one swizzle atom a row); 4 warps,
+    # 16 rows a pass; a thread's copies of a row differ by immediate offsets only.
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, ld_layout)
-    cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, ld_layout))
-    all_rows = gl.full([BLOCK_H, CHUNK], 1, gl.int1, layout=ld_layout)
 
     heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_l)).to(gl.int64)
     q_rows = q_ptr + b * sqb + t * sqt + heads * sqh
-    _gather(q_main_s.index(0), q_rows, cols, all_rows, D_MAIN // CHUNK, CHUNK)
-    _gather(q_tail_s.index(0), q_rows + D_MAIN, cols, all_rows, 1, CHUNK)
+    every = gl.full([BLOCK_H], 1, gl.int1, layout=row_l)
+    _gather(q_main_s.index(0), q_rows, every, D_MAIN, ld_layout)
+    _gather(q_tail_s.index(0), q_rows + D_MAIN, every, q_tail_s.shape[2], ld_layout)
     cp.mbarrier_arrive(q_bar, increment_count=False)
 
     idx_base = idx_ptr + b * sib + t * sit
     k_base = k_ptr + b * skb
     for i in range(n_iter):
-        for c in gl.static_range(2):
-            offs = (2 * i + c) * BLOCK_N + gl.arange(0, BLOCK_N, layout=row_l)
-            idx = gl.load(idx_base + offs * sik, mask=offs < NK, other=-1)
-            valid = idx >= 0
-            rows = k_base + gl.where(valid, idx, 0).to(gl.int64) * sks
-            mask = valid[:, None] & all_rows
-            mbarrier.wait(empty.index(c), (i & 1) ^ 1)
-            _gather(k_main_s.index(c), rows, cols, mask, D_MAIN // CHUNK, CHUNK)
-            _gather(k_tail_s.index(c), rows + D_MAIN, cols, mask, 1, CHUNK)
-            cp.mbarrier_arrive(ready.index(c), increment_count=False)
+        ph = i & 1
+        rows0, valid0 = _tile_rows(idx_base, sik, k_base, sks, 2 * i, NK, row_l, BLOCK_N)
+        rows1, valid1 = _tile_rows(idx_base, sik, k_base, sks, 2 * i + 1, NK, row_l, BLOCK_N)
+        _fill_half(k_main_s, k_tail_s, ready, empty, 0, L, rows0, valid0, ph, D_MAIN, ld_layout)
+        _fill_half(k_main_s, k_tail_s, ready, empty, 1, R, rows1, valid1, ph, D_MAIN, ld_layout)
+        _fill_half(k_main_s, k_tail_s, ready, empty, 0, R, rows0, valid0, ph, D_MAIN, ld_layout)
+        _fill_half(k_main_s, k_tail_s, ready, empty, 1, L, rows1, valid1, ph, D_MAIN, ld_layout)
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, m_s, l_s, bars,
+def _s_half(acc, q_main, q_tail, k_stage, k_tail, ready, stage: gl.constexpr,
+            half: gl.constexpr, parity, first: gl.constexpr, HALF: gl.constexpr):
+    """Wait for half `half` of the stage and add its channels' part of Q K^T to acc (async)."""
+    mbarrier.wait(ready.index(2 * stage + half), parity)
+    # The rows came through cp.async (generic proxy); the products read them through the async
+    # proxy.
+    fence_async_shared()
+    acc = warpgroup_mma(q_main.slice(half * HALF, HALF, dim=1),
+                        k_stage.slice(half * HALF, HALF, dim=1).permute((1, 0)), acc,
+                        use_acc=not first, is_async=True)
+    if half == R:
+        acc = warpgroup_mma(q_tail, k_tail.permute((1, 0)), acc, is_async=True)
+    return acc
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p1_s, m_s, l_s, bars,
               idx_ptr, out_ptr, lse_ptr, b, t, hb, NK, n_iter, qk_scale,
               sib, sit, sik, sob, sot, soh, slb, slt, slh,
               D_MAIN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -146,10 +199,11 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, m_s, l_s,
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_main_s.dtype
+    # Consumer 0 starts with the half refilled first in its stage (L0), consumer 1 with R1.
+    FIRST: gl.constexpr = L if c == 0 else R
 
     idx_base = idx_ptr + b * sib + t * sit
     slots = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
     o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
@@ -163,18 +217,10 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, m_s, l_s,
         zero = _opaque_zero(i)
         q_main, q_tail = q_main_s.index(zero), q_tail_s.index(zero)
         k_own, k_own_tail = k_main_s.index(c + zero), k_tail_s.index(c + zero)
-        v_own = k_own.slice(c * HALF, HALF, dim=1)
-        v_other = k_main_s.index(1 - c + zero).slice(c * HALF, HALF, dim=1)
-        p_other = k_tail_s.index(1 - c + zero)
-        mbarrier.wait(ready.index(c), ph)
-        # The rows came through cp.async (generic proxy); the products read them through the
-        # async proxy.
-        fence_async_shared()
         # Each product is waited for before its accumulator is touched (ptxas serializes
         # every wgmma of a kernel whose accumulator is read in flight: C7514).
-        s = warpgroup_mma(q_main, k_own.permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-        s = warpgroup_mma(q_tail, k_own_tail.permute((1, 0)), s, is_async=True)
+        s = _s_half(s_zero, q_main, q_tail, k_own, k_own_tail, ready, c, FIRST, ph, True, HALF)
+        s = _s_half(s, q_main, q_tail, k_own, k_own_tail, ready, c, 1 - FIRST, ph, False, HALF)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
         tile_max = gl.max(s, axis=1)
@@ -196,34 +242,40 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, m_s, l_s,
         l_i = l_i * alpha + gl.sum(p, axis=1)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
         p_low = p.to(dtype)
-        o = warpgroup_mma(gl.convert_layout(p_low, p_layout), v_own, o, is_async=True)
+        # Own tile's P V for this consumer's value channels: L0 (c = 0) or R1 (c = 1).
+        o = warpgroup_mma(gl.convert_layout(p_low, p_layout),
+                          k_own.slice(c * HALF, HALF, dim=1), o, is_async=True)
         if c == 0:
             mbarrier.wait(m_ready.index(1), ph)
             m_new = m_s.index(1).load(row_s)
             # m_new >= m_tile; where m_tile = -inf this row's P and O are 0 (any finite factor).
             f = gl.where(m_tile == float("-inf"), 1.0, gl.exp2(m_tile - m_new))
-            # S has read the tail channels (waited above): P takes their place.
+            # S has read the tail channels (waited above): P0 takes their place.
             k_own_tail.store((p * f[:, None]).to(dtype))
             fence_async_shared()
             mbarrier.arrive(p_ready.index(0), count=1)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            mbarrier.arrive(empty.index(0), count=1)
+            mbarrier.arrive(empty.index(2 * 0 + L), count=1)
             o = o * gl.convert_layout(f, row_o)[:, None]
             l_i = l_i * f
             m_i = m_new
+            mbarrier.wait(p_ready.index(1), ph)
+            o = warpgroup_mma(p1_s, k_main_s.index(1 + zero).slice(0, HALF, dim=1), o,
+                              is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            mbarrier.arrive(empty.index(2 * 1 + L), count=1)
         else:
-            k_own_tail.store(p_low)
+            p1_s.store(p_low)
             fence_async_shared()
             mbarrier.arrive(p_ready.index(1), count=1)
             m_i = m_tile
-        mbarrier.wait(p_ready.index(1 - c), ph)
-        o = warpgroup_mma(p_other, v_other, o, is_async=True)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        if c == 0:
-            mbarrier.arrive(empty.index(1), count=1)
-        else:
-            mbarrier.arrive(empty.index(0), count=1)
-            mbarrier.arrive(empty.index(1), count=1)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            mbarrier.arrive(empty.index(2 * 1 + R), count=1)
+            mbarrier.wait(p_ready.index(0), ph)
+            o = warpgroup_mma(k_tail_s.index(zero), k_main_s.index(zero).slice(HALF, HALF, dim=1),
+                              o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            mbarrier.arrive(empty.index(2 * 0 + R), count=1)
 
     # Both consumers' row sums are relative to the same running max: add them.
     l_s.index(c).store(l_i)
@@ -267,21 +319,23 @@ def _sparse_mla_fwd_ws_kernel(
     q_tail_s = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_TAIL], q_tail_sl)
     k_main_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_MAIN], k_main_sl)
     k_tail_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_TAIL], k_tail_sl)
+    p1_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], k_tail_sl)
     row_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     m_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], row_sl)
     l_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], row_sl)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [4, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [4, 1], bar_layout)
     m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     l_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     producer_threads: gl.constexpr = PRODUCER_WARPS * 32
     mbarrier.init(q_bar, count=producer_threads)
+    for h in gl.static_range(4):
+        mbarrier.init(ready.index(h), count=producer_threads)
+        mbarrier.init(empty.index(h), count=1)
     for c in gl.static_range(2):
-        mbarrier.init(ready.index(c), count=producer_threads)
-        mbarrier.init(empty.index(c), count=2)
         mbarrier.init(m_ready.index(c), count=1)
         mbarrier.init(p_ready.index(c), count=1)
         mbarrier.init(l_ready.index(c), count=1)
@@ -290,10 +344,10 @@ def _sparse_mla_fwd_ws_kernel(
     # Each partition's arguments written out: constexprs gathered into a tuple variable first
     # would reach the partitions as runtime values.
     gl.warp_specialize([
-        (_consumer, (0, q_main_s, q_tail_s, k_main_s, k_tail_s, m_s, l_s, bars, idx_ptr,
+        (_consumer, (0, q_main_s, q_tail_s, k_main_s, k_tail_s, p1_s, m_s, l_s, bars, idx_ptr,
                      out_ptr, lse_ptr, b, t, hb, NK, n_iter, qk_scale, sib, sit, sik, sob, sot,
                      soh, slb, slt, slh, D_MAIN, BLOCK_H, BLOCK_N)),
-        (_consumer, (1, q_main_s, q_tail_s, k_main_s, k_tail_s, m_s, l_s, bars, idx_ptr,
+        (_consumer, (1, q_main_s, q_tail_s, k_main_s, k_tail_s, p1_s, m_s, l_s, bars, idx_ptr,
                      out_ptr, lse_ptr, b, t, hb, NK, n_iter, qk_scale, sib, sit, sik, sob, sot,
                      soh, slb, slt, slh, D_MAIN, BLOCK_H, BLOCK_N)),
         (_producer, (q_ptr, k_ptr, idx_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s,
