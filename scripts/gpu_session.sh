@@ -85,7 +85,8 @@
 #                                         # sparse-MLA forward: a smoke case first (a hang
 #                                         # stops the stage), the forward's GPU tests (both
 #                                         # Gluon kernels), then the forward alone, GLM-5.1 /
-#                                         # V3.2 at 16K-128K, plain Gluon then warp-specialized,
+#                                         # V3.2 / CSA at 16K-128K, the default kernels (plain
+#                                         # Gluon; Triton for CSA) then warp-specialized,
 #                                         # FlashMLA in both runs when scripts/gpu_cudnn.sh 1
 #                                         # and 2 ran before on this machine        (~5 min)
 #   bash scripts/gpu_session.sh reliability [FILES]  # issue #23: tests/reliability on
@@ -566,7 +567,8 @@ case "$stage" in
     smoke_then_tests tests/ops/test_sparse_mla_fwd_sm90_gpu.py \
       "test_matches_reference and 64-130-True-ws" || exit 1
     for kernel in auto gluon_ws; do
-      timeout 150 python3 scripts/bench_attention.py --t 16384 65536 131072 --shapes glm51 v32 \
+      timeout 200 python3 scripts/bench_attention.py --t 16384 65536 131072 \
+        --shapes glm51 v32 csa \
         --fwd-only --fwd-kernel $kernel --reps 3 --no-stock --no-tilelang \
         --out "$out/$kernel" 2>&1 | grep -v -i warn | tee "$out/bench_attention_$kernel.log" \
         | grep -E "T=|Error"

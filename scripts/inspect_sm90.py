@@ -277,11 +277,11 @@ def _sparse_attention_calls(sa: Any, hq: int, hkv: int, d: int, dv: int | None, 
     return calls
 
 
-def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256, ws: bool = False
-                         ) -> list[Launch]:
+def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256, ws: bool = False,
+                         sink: bool = False) -> list[Launch]:
     """The Gluon sparse-MLA forward (Hopper only; absorbed MLA, one KV head); ws: its
     warp-specialized form (`AttentionKernelOptions.fwd_sm90_ws`: a cp.async producer warpgroup,
-    two consumer warpgroups)."""
+    two consumer warpgroups), which also takes K = V without a tail and a sink (CSA)."""
     from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as fwd
     from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90 as fwd_ws
     from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
@@ -293,7 +293,8 @@ def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256, ws: bool = Fa
     module, kernel = (fwd_ws, "_sparse_mla_fwd_ws_kernel") if ws else (fwd,
                                                                       "_sparse_mla_fwd_kernel")
     with intercept(module, kernel) as calls:
-        fwd.sparse_mla_fwd_sm90(q, k, idx, d ** -0.5, options=options)
+        fwd.sparse_mla_fwd_sm90(q, k, idx, d ** -0.5, options=options,
+                                sink=torch.zeros(hq) if sink else None)
     return calls
 
 
@@ -488,6 +489,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "sparse-mla-fwd-sm90-v32": lambda: _sparse_mla_fwd_sm90(128, 576, 2048),
     "sparse-mla-fwd-ws-sm90-glm51": lambda: _sparse_mla_fwd_sm90(64, 576, 2048, ws=True),
     "sparse-mla-fwd-ws-sm90-v32": lambda: _sparse_mla_fwd_sm90(128, 576, 2048, ws=True),
+    "sparse-mla-fwd-ws-sm90-csa": lambda: _sparse_mla_fwd_sm90(64, 512, 640, ws=True,
+                                                               sink=True),
     # The warp-specialized indexer scores (a TMA producer warp, two wgmma consumer warpgroups).
     "indexer-scores-sm90-dsv32": lambda: _indexer_scores_sm90(64),
     "indexer-scores-sm90-glm51": lambda: _indexer_scores_sm90(32),

@@ -80,3 +80,13 @@ def test_the_warp_specialized_kernel_is_its_own_variant():
         assert key in sm90._disabled and sm90.variant(q) not in sm90._disabled
     finally:
         sm90._disabled.discard(key)
+
+
+def test_a_sink_is_refused_by_the_plain_kernel_before_anything_runs():
+    from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
+
+    q, k = _qk()
+    idx = torch.zeros(1, 4, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="sink: only the warp-specialized"):
+        sm90.sparse_mla_fwd_sm90(q, k, idx, 0.1, sink=torch.zeros(64),
+                                 options=AttentionKernelOptions.DEFAULT)

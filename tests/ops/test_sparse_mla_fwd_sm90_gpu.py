@@ -46,24 +46,24 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def reference(q, k, idx, scale):
+def reference(q, k, idx, scale, sink=None):
     from megatron_hyscale.ops.sparse_attention import sparse_attention
 
     dv = 1 << (q.shape[-1].bit_length() - 1)  # V = K's power-of-two main part
-    return sparse_attention(q.float(), k.float(), None, idx, scale, dv=dv, return_lse=True,
-                            backend="reference")
+    return sparse_attention(q.float(), k.float(), None, idx, scale, dv=dv, sink=sink,
+                            return_lse=True, backend="reference")
 
 
 KERNELS = pytest.mark.parametrize("ws", [False, True], ids=["gluon", "ws"])
 
 
-def run(q, k, idx, scale, adjacent=True, ws=False):
+def run(q, k, idx, scale, adjacent=True, ws=False, sink=None):
     from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import sparse_mla_fwd_sm90
 
     # adjacent: the launch order the Triton kernels share (common.launch_grid)
     options = replace(AttentionKernelOptions.DEFAULT, head_blocks_adjacent=adjacent,
                       fwd_sm90_ws=ws)
-    return sparse_mla_fwd_sm90(q, k, idx, scale, options=options)
+    return sparse_mla_fwd_sm90(q, k, idx, scale, sink=sink, options=options)
 
 
 def check(out, lse, ref_out, ref_lse):
@@ -241,3 +241,47 @@ def test_warp_specialized_kernel_agrees_with_the_plain_one_and_is_dispatched():
         ws_mod.launch = real
     assert calls == [1] and not sm90._disabled
     assert rel(got, ws_out) == 0.0
+
+
+@needs_hopper
+@pytest.mark.parametrize("d,K", [(512, 640), (256, 700), (512, 5)])
+def test_warp_specialized_kernel_takes_k_equal_v_and_a_sink(d, K):
+    """DeepSeek-V4's form (CSA: K = V of 512 channels, no tail, a sink a head): every row's lse
+    is finite (the sink joins each denominator), the row without keys writes zeros and lse =
+    its sink; and `sparse_attention` runs it there only with fwd_sm90_ws."""
+    from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90 as ws_mod
+    from megatron_hyscale.ops.sparse_attention import sparse_attention
+
+    q, k, idx, scale = inputs(64, 64, 2048, K, seed=d + K, d=d)
+    sink = torch.randn(64, device="cuda")
+    out, lse = run(q, k, idx, scale, ws=True, sink=sink)
+    ref_out, ref_lse = reference(q, k, idx, scale, sink=sink)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert rel(out, ref_out) < OUT_TOL
+    assert (lse - ref_lse).abs().max().item() < 1e-2
+    assert (out[:, 11] == 0).all() and torch.allclose(lse[0, 11], sink)  # the empty row
+    calls = []
+    real = ws_mod.launch
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    ws_mod.launch = counting
+    try:
+        got = sparse_attention(q, k, None, idx, scale, sink=sink, options=replace(
+            AttentionKernelOptions.DEFAULT, fwd_sm90_ws=True))
+        sparse_attention(q, k, None, idx, scale, sink=sink)  # default: the Triton forward
+    finally:
+        ws_mod.launch = real
+    assert calls == [1] and rel(got, out) == 0.0
+
+
+@needs_hopper
+def test_warp_specialized_kernel_with_no_slot_at_all_gives_the_sink():
+    q, k, _, scale = inputs(64, 8, 256, 4, seed=2, d=512)
+    idx = torch.empty(1, 8, 0, device="cuda", dtype=torch.int32)
+    sink = torch.randn(64, device="cuda")
+    out, lse = run(q, k, idx, scale, ws=True, sink=sink)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(lse, sink.expand(1, 8, 64))

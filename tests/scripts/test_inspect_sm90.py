@@ -148,24 +148,27 @@ def test_hopper_sparse_mla_forward_keeps_its_wgmma_pipeline(tmp_path: Path) -> N
 
 def test_warp_specialized_sparse_mla_forward_compiles_its_partitions(tmp_path: Path) -> None:
     """The warp-specialized Gluon forward (ops/kernels/sparse_mla_fwd_ws_sm90.py) compiles for
-    sm_90a with no local memory and no serialized wgmma (C7514). A consumer's loop (one key
-    tile's S over 512 + 64 channels: 36 HGMMA; P V for its half of the channels over its own
+    sm_90a with no local memory and no serialized wgmma (C7514), for absorbed MLA and for
+    DeepSeek-V4's K = V with a sink (CSA). A consumer's loop (one key tile's S over 512 + 64
+    channels: 36 HGMMA, 32 without the tail; P V for its half of the channels over its own
     tile with P in registers and over the other's with P in shared memory: 4 + 4) issues no
     gather (the producer's cp.async, completion counted on each stage half's mbarrier) and
     writes its P with stmatrix; the partitions' register budgets are 232 (consumers) and 40
     (producer)."""
     out = tmp_path / "r.json"
     proc = _run("--preset", "sparse-mla-fwd-ws-sm90-glm51", "sparse-mla-fwd-ws-sm90-v32",
-                "--json", str(out), "--sass-out", str(tmp_path))
+                "sparse-mla-fwd-ws-sm90-csa", "--json", str(out), "--sass-out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    glm, v32 = json.loads(out.read_text())
+    glm, v32, csa = json.loads(out.read_text())
     assert glm["constexprs"]["NG"] == 0 and v32["constexprs"]["NG"] == 2  # V3.2: 2 blocks
-    for rep in (glm, v32):
+    assert csa["constexprs"]["D_TAIL"] == 0 and csa["constexprs"]["HAS_SINK"] is True
+    for rep in (glm, v32, csa):
         assert rep["perf_warnings"] == []
         assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["stack_bytes"] == 0
         assert rep["shared_bytes"] <= 232448  # the H200's shared memory a block
         ops = rep["loop_ops"]
-        assert ops["HGMMA"] == 44
+        # S: 32 k-steps over the 512 main channels (+ 4 over the tail); P V: 4 + 4
+        assert ops["HGMMA"] == (44 if rep["constexprs"]["D_TAIL"] else 40)
         assert ops["LDGSTS"] == 0 and ops["LDL"] == 0 and ops["STL"] == 0
         sass = next(tmp_path.glob(f"{rep['preset']}_0_*.sass")).read_text()
         assert "STSM" in sass  # P to shared memory by stmatrix

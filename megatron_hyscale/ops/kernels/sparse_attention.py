@@ -755,7 +755,8 @@ def _sm90_forward(q, k, v, indices, softmax_scale, dv, sink, prefix_lengths, opt
     if sm90 is None:
         return None
     try:
-        return sm90.sparse_mla_fwd_sm90(q, k, indices, softmax_scale, options=options)
+        return sm90.sparse_mla_fwd_sm90(q, k, indices, softmax_scale, sink=sink,
+                                        options=options)
     except torch.OutOfMemoryError:
         raise  # not the kernel's failure: the Triton forward would need the same memory
     except Exception as exc:  # this variant failed to compile or launch: say so, keep training

@@ -220,17 +220,19 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
             sink: torch.Tensor | None, prefix_lengths: torch.Tensor | None,
             ws: bool = False) -> bool:
     """Whether these inputs are this kernel's case: absorbed MLA on Hopper, q and k both bf16 or
-    both fp16, one KV head, query heads a multiple of BLOCK_H, no sink or dense prefix, and the
-    variant (ws: the warp-specialized kernel's) not disabled by an earlier failure. Channels: a
-    main part of 128 / 256 / 512 (V) and a tail of TAIL, the gathers' row width (and the
-    warp-specialized kernel's P tile, written over the tail)."""
+    both fp16, one KV head, query heads a multiple of BLOCK_H, no dense prefix, and the variant
+    (ws: the warp-specialized kernel's) not disabled by an earlier failure. Channels: a main
+    part of 128 / 256 / 512 (V) and a tail of TAIL, the gathers' row width. The
+    warp-specialized kernel also takes DeepSeek-V4's K = V (no tail: v None, dv = all of K)
+    and a sink."""
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     d = q.shape[-1]
     d_main = 1 << (d.bit_length() - 1)
+    tails = (0, TAIL) if ws else (TAIL,)
     return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v is None
-            and dv == d_main and d_main in (128, 256, 512) and d - d_main == TAIL
-            and k.shape[2] == 1 and q.shape[2] % BLOCK_H == 0 and sink is None
+            and dv == d_main and d_main in (128, 256, 512) and d - d_main in tails
+            and k.shape[2] == 1 and q.shape[2] % BLOCK_H == 0 and (ws or sink is None)
             and prefix_lengths is None and variant(q, ws) not in _disabled)
 
 
@@ -262,21 +264,27 @@ def _shared_layouts(dtype: torch.dtype, d_main: int, d_tail: int) -> tuple:
 
 
 def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
-                        softmax_scale: float, *,
+                        softmax_scale: float, *, sink: torch.Tensor | None = None,
                         options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, T, Hq, D_MAIN], lse fp32 [B, T, Hq]) on inputs that `applies` and
-    `layout_problem` accept. A query's head blocks (V3.2: two) launch as the Triton kernels'
-    do (`common.launch_grid`, options.head_blocks_adjacent); options.fwd_sm90_ws runs the
-    warp-specialized kernel (`sparse_mla_fwd_ws_sm90`) instead; the other options are the
-    dispatcher's (`sparse_attention.hopper_forward`)."""
+    `layout_problem` accept (sink [Hq]: the warp-specialized kernel's only). A query's head
+    blocks (V3.2: two) launch as the Triton kernels' do (`common.launch_grid`,
+    options.head_blocks_adjacent); options.fwd_sm90_ws runs the warp-specialized kernel
+    (`sparse_mla_fwd_ws_sm90`) instead; the other options are the dispatcher's
+    (`sparse_attention.hopper_forward`)."""
+    if sink is not None and not options.fwd_sm90_ws:
+        raise ValueError("sink: only the warp-specialized forward (options.fwd_sm90_ws) takes "
+                         "one")
     B, T, Hq, d = q.shape
     d_main = 1 << (d.bit_length() - 1)
     out = torch.empty((B, T, Hq, d_main), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
     if B * T == 0:
         return out, lse
-    if indices.shape[-1] == 0:  # no slot at all: every row is empty
+    if indices.shape[-1] == 0:  # no slot at all: every row is empty (lse = its sink if any)
+        if sink is not None:
+            return out.zero_(), lse.copy_(sink.float().expand(B, T, Hq))
         return out.zero_(), lse.fill_(float("-inf"))
     if indices.dim() == 4:
         indices = indices[:, :, 0]
@@ -284,7 +292,7 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
     if options.fwd_sm90_ws:
         from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90
 
-        sparse_mla_fwd_ws_sm90.launch(q, k, indices, out, lse, softmax_scale, grid, ng)
+        sparse_mla_fwd_ws_sm90.launch(q, k, indices, sink, out, lse, softmax_scale, grid, ng)
         return out, lse
     sqb, sqt, sqh, _ = q.stride()
     skb, sks, _, _ = k.stride()

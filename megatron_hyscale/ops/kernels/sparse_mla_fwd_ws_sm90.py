@@ -1,9 +1,12 @@
 """Sparse attention forward for absorbed MLA on Hopper (sm_90a), warp-specialized, in Gluon.
 
-Shapes and results as `sparse_mla_fwd_sm90` (q [B, T, Hq, D_MAIN + 64], k [B, S, 1, same],
-V = k[..., :D_MAIN], indices [B, T, K] with -1 unused; out [B, T, Hq, D_MAIN], lse fp32 natural
-log, -inf for a row without keys), up to fp32 rounding order. That module's wrapper runs this
-kernel (`launch`) under `AttentionKernelOptions.fwd_sm90_ws`.
+Shapes: q [B, T, Hq, D_MAIN + D_TAIL] bf16 / fp16, D_MAIN 128 / 256 / 512 and D_TAIL 64
+(absorbed MLA: GLM-5.1, V3.2) or 0 (DeepSeek-V4's K = V: CSA, the window), k [B, S, 1, same],
+V = k[..., :D_MAIN], indices [B, T, K] with -1 unused, optional sink [Hq] (a logit added to each
+softmax denominator only); out [B, T, Hq, D_MAIN], lse fp32 natural log (-inf for a row without
+keys or sink). The Triton forward's results (`sparse_attention._fwd_kernel`) up to fp32
+rounding order. `sparse_mla_fwd_sm90`'s wrapper runs this kernel (`launch`) under
+`AttentionKernelOptions.fwd_sm90_ws`.
 
 Algorithm: one program per (query, 64 heads), three warpgroups. A producer warpgroup gathers the
 selected key rows with cp.async into two stages, each in two halves (channels below D_MAIN / 2;
@@ -28,21 +31,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E
+from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E, LOG2E_JIT
 from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import program_coords
 
 # Query heads a program: the products' M, one wgmma tile height, so each consumer holds all of
 # them (its S is [64 heads x 64 keys], its O [64 heads x D_MAIN / 2]).
 BLOCK_H = 64
-# Keys a tile. It must equal the tail width: consumer 0's P tile [BLOCK_H x BLOCK_N] is written
-# over stage 0's tail channels [BLOCK_N x 64] (same shape, same shared layout) once its S
-# product has read them; consumer 1's has a buffer of its own. That is what lets the query, two
-# key stages and both P tiles fit the H200's 227 KiB (225 KiB used).
+# Keys a tile. It must equal the tail width: with a tail, consumer 0's P tile [BLOCK_H x
+# BLOCK_N] is written over stage 0's tail channels [BLOCK_N x 64] (same shape, same shared
+# layout) once its S product has read them; consumer 1's has a buffer of its own (without a
+# tail both do). That is what lets the query, two key stages and both P tiles of absorbed MLA
+# fit the H200's 227 KiB (225 KiB used).
 BLOCK_N = 64
-TAIL = 64
-# Channels a gather call: one 128-byte swizzle atom of bf16, so each call's destination is a
-# whole-atom slice of the NVMMA-swizzled tile and a producer thread holds 4 rows' addresses.
-CHUNK = 64
+TAILS = (0, 64)
 # Warps: consumer 0 is the default partition (the kernel's num_warps); consumer 1 and the
 # producer are workers. Registers are set per warpgroup: a consumer holds O's half (128 fp32),
 # S (32), P in fp32 and bf16 (48) and the softmax state; the producer holds four rows' addresses
@@ -59,7 +60,7 @@ MAXNREG = 168
 # HALF = D_MAIN / 2) and R (the other main channels and the tail). Readers:
 #   L0: consumer 0's S and its own P V (V channels below HALF);
 #   R0: consumer 0's S, then consumer 1's P V with P0 (V channels from HALF), P0 itself being
-#       written over R0's tail after consumer 0's S;
+#       written over R0's tail after consumer 0's S (without a tail, P0 has its own buffer);
 #   R1: consumer 1's S and its own P V;
 #   L1: consumer 1's S, then consumer 0's P V with P1 (P1 in its own buffer).
 # So L0 and R1 are free once their consumer's own P V is done, mid-iteration, and the producer
@@ -86,8 +87,8 @@ MAXNREG = 168
 # consumer 0's wait on m_ready[1], which follows consumer 1's wait on m_ready[0]; m_ready[1]'s
 # next arrival follows consumer 1's next wait on m_ready[0]; p_ready[c]'s next arrival follows
 # consumer c's wait on m_ready[1 - c] of the next iteration, which the other arrives only after
-# its wait on p_ready[c]. The same orders keep m_s and P1's buffer from being overwritten before
-# they are read.
+# its wait on p_ready[c]. The same orders keep m_s and the P buffers from being overwritten
+# before they are read.
 L = gl.constexpr(0)
 R = gl.constexpr(1)
 
@@ -113,15 +114,16 @@ def _gather(dst, rows, valid, WIDTH: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def _fill_half(k_main_s, k_tail_s, ready, empty, stage: gl.constexpr, half: gl.constexpr,
-               rows, valid, parity, D_MAIN: gl.constexpr, layout: gl.constexpr):
+               rows, valid, parity, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
+               layout: gl.constexpr):
     """Wait for half `half` of stage `stage` to be free, gather it, count it on its barrier."""
     HALF: gl.constexpr = D_MAIN // 2
     h: gl.constexpr = 2 * stage + half
     mbarrier.wait(empty.index(h), parity ^ 1)
     main = k_main_s.index(stage).slice(half * HALF, HALF, dim=1)
     _gather(main, rows + half * HALF, valid, HALF, layout)
-    if half == R:
-        _gather(k_tail_s.index(stage), rows + D_MAIN, valid, k_tail_s.shape[2], layout)
+    if half == R and D_TAIL > 0:
+        _gather(k_tail_s.index(stage), rows + D_MAIN, valid, D_TAIL, layout)
     cp.mbarrier_arrive(ready.index(h), increment_count=False)
 
 
@@ -137,8 +139,8 @@ def _tile_rows(idx_base, sik, k_base, sks, j, NK, row_l: gl.constexpr, BLOCK_N: 
 @gluon.jit
 def _producer(q_ptr, k_ptr, idx_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s, bars,
               b, t, hb, NK, n_iter, sqb, sqt, sqh, skb, sks, sib, sit, sik,
-              D_MAIN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-              CHUNK: gl.constexpr, WARPS: gl.constexpr):
+              D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
+              BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
     """The query block once, then each iteration's halves in the order they are freed: L0,
     R1 (mid-iteration), R0, L1 (at its end)."""
     q_bar, ready, empty = bars[0], bars[1], bars[2]
@@ -151,7 +153,8 @@ def _producer(q_ptr, k_ptr, idx_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s, bar
     q_rows = q_ptr + b * sqb + t * sqt + heads * sqh
     every = gl.full([BLOCK_H], 1, gl.int1, layout=row_l)
     _gather(q_main_s.index(0), q_rows, every, D_MAIN, ld_layout)
-    _gather(q_tail_s.index(0), q_rows + D_MAIN, every, q_tail_s.shape[2], ld_layout)
+    if D_TAIL > 0:
+        _gather(q_tail_s.index(0), q_rows + D_MAIN, every, D_TAIL, ld_layout)
     cp.mbarrier_arrive(q_bar, increment_count=False)
 
     idx_base = idx_ptr + b * sib + t * sit
@@ -160,15 +163,20 @@ def _producer(q_ptr, k_ptr, idx_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s, bar
         ph = i & 1
         rows0, valid0 = _tile_rows(idx_base, sik, k_base, sks, 2 * i, NK, row_l, BLOCK_N)
         rows1, valid1 = _tile_rows(idx_base, sik, k_base, sks, 2 * i + 1, NK, row_l, BLOCK_N)
-        _fill_half(k_main_s, k_tail_s, ready, empty, 0, L, rows0, valid0, ph, D_MAIN, ld_layout)
-        _fill_half(k_main_s, k_tail_s, ready, empty, 1, R, rows1, valid1, ph, D_MAIN, ld_layout)
-        _fill_half(k_main_s, k_tail_s, ready, empty, 0, R, rows0, valid0, ph, D_MAIN, ld_layout)
-        _fill_half(k_main_s, k_tail_s, ready, empty, 1, L, rows1, valid1, ph, D_MAIN, ld_layout)
+        _fill_half(k_main_s, k_tail_s, ready, empty, 0, L, rows0, valid0, ph, D_MAIN,
+                   D_TAIL, ld_layout)
+        _fill_half(k_main_s, k_tail_s, ready, empty, 1, R, rows1, valid1, ph, D_MAIN,
+                   D_TAIL, ld_layout)
+        _fill_half(k_main_s, k_tail_s, ready, empty, 0, R, rows0, valid0, ph, D_MAIN,
+                   D_TAIL, ld_layout)
+        _fill_half(k_main_s, k_tail_s, ready, empty, 1, L, rows1, valid1, ph, D_MAIN,
+                   D_TAIL, ld_layout)
 
 
 @gluon.jit
 def _s_half(acc, q_main, q_tail, k_stage, k_tail, ready, stage: gl.constexpr,
-            half: gl.constexpr, parity, first: gl.constexpr, HALF: gl.constexpr):
+            half: gl.constexpr, parity, first: gl.constexpr, HALF: gl.constexpr,
+            HAS_TAIL: gl.constexpr):
     """Wait for half `half` of the stage and add its channels' part of Q K^T to acc (async)."""
     mbarrier.wait(ready.index(2 * stage + half), parity)
     # The rows came through cp.async (generic proxy); the products read them through the async
@@ -177,16 +185,17 @@ def _s_half(acc, q_main, q_tail, k_stage, k_tail, ready, stage: gl.constexpr,
     acc = warpgroup_mma(q_main.slice(half * HALF, HALF, dim=1),
                         k_stage.slice(half * HALF, HALF, dim=1).permute((1, 0)), acc,
                         use_acc=not first, is_async=True)
-    if half == R:
+    if half == R and HAS_TAIL:
         acc = warpgroup_mma(q_tail, k_tail.permute((1, 0)), acc, is_async=True)
     return acc
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p1_s, m_s, l_s, bars,
-              idx_ptr, out_ptr, lse_ptr, b, t, hb, NK, n_iter, qk_scale,
+def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_s, m_s, l_s,
+              bars, idx_ptr, sink_ptr, out_ptr, lse_ptr, b, t, hb, NK, n_iter, qk_scale,
               sib, sit, sik, sob, sot, soh, slb, slt, slh,
-              D_MAIN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+              D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
+              BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr):
     """S for the tiles of stage c, O for value channels c * D_MAIN / 2 .. (c + 1) * D_MAIN / 2
     over every tile; stores its half of out, and consumer 0 the lse."""
     q_bar, ready, empty, m_ready, p_ready, l_ready = bars
@@ -219,8 +228,10 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p1_s, m_s
         k_own, k_own_tail = k_main_s.index(c + zero), k_tail_s.index(c + zero)
         # Each product is waited for before its accumulator is touched (ptxas serializes
         # every wgmma of a kernel whose accumulator is read in flight: C7514).
-        s = _s_half(s_zero, q_main, q_tail, k_own, k_own_tail, ready, c, FIRST, ph, True, HALF)
-        s = _s_half(s, q_main, q_tail, k_own, k_own_tail, ready, c, 1 - FIRST, ph, False, HALF)
+        s = _s_half(s_zero, q_main, q_tail, k_own, k_own_tail, ready, c, FIRST, ph, True, HALF,
+                    D_TAIL > 0)
+        s = _s_half(s, q_main, q_tail, k_own, k_own_tail, ready, c, 1 - FIRST, ph, False, HALF,
+                    D_TAIL > 0)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
         tile_max = gl.max(s, axis=1)
@@ -250,8 +261,9 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p1_s, m_s
             m_new = m_s.index(1).load(row_s)
             # m_new >= m_tile; where m_tile = -inf this row's P and O are 0 (any finite factor).
             f = gl.where(m_tile == float("-inf"), 1.0, gl.exp2(m_tile - m_new))
-            # S has read the tail channels (waited above): P0 takes their place.
-            k_own_tail.store((p * f[:, None]).to(dtype))
+            # With a tail, P0 takes the place of the tail channels that S has read (waited
+            # above).
+            p0_s.store((p * f[:, None]).to(dtype))
             fence_async_shared()
             mbarrier.arrive(p_ready.index(0), count=1)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
@@ -272,8 +284,8 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p1_s, m_s
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             mbarrier.arrive(empty.index(2 * 1 + R), count=1)
             mbarrier.wait(p_ready.index(0), ph)
-            o = warpgroup_mma(k_tail_s.index(zero), k_main_s.index(zero).slice(HALF, HALF, dim=1),
-                              o, is_async=True)
+            o = warpgroup_mma(p0_s, k_main_s.index(zero).slice(HALF, HALF, dim=1), o,
+                              is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             mbarrier.arrive(empty.index(2 * 0 + R), count=1)
 
@@ -282,31 +294,42 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p1_s, m_s
     mbarrier.arrive(l_ready.index(c), count=1)
     mbarrier.wait(l_ready.index(1 - c), 0)
     l_i = l_i + l_s.index(1 - c).load(row_s)
-    nonempty = l_i > 0.0
-    inv_l = gl.convert_layout(1.0 / gl.where(nonempty, l_i, 1.0), row_o)
-    out = (o * inv_l[:, None]).to(dtype)
+    l_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
+    if HAS_SINK:
+        # The sink joins the denominator only (as the Triton forward): a row without keys
+        # writes zeros and lse = sink.
+        sink2 = gl.load(sink_ptr + l_heads).to(gl.float32) * LOG2E_JIT
+        m_f = gl.maximum(m_i, sink2)
+        rescale = gl.exp2(m_i - m_f)
+        l_f = l_i * rescale + gl.exp2(sink2 - m_f)
+        o_scale = rescale / l_f
+        lse2 = m_f + gl.log2(l_f)
+    else:
+        nonempty = l_i > 0.0
+        o_scale = 1.0 / gl.where(nonempty, l_i, 1.0)
+        lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
+    out = (o * gl.convert_layout(o_scale, row_o)[:, None]).to(dtype)
     o_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_o)
     o_cols = c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
     gl.store(out_ptr + b * sob + t * sot + o_heads[:, None] * soh + o_cols[None, :], out)
     if c == 0:
-        lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
-        l_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
         gl.store(lse_ptr + b * slb + t * slt + l_heads * slh, lse2 * LN2_JIT)
 
 
 @gluon.jit
 def _sparse_mla_fwd_ws_kernel(
-    q_ptr, k_ptr, idx_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr,
     T, NK, qk_scale,
     sqb, sqt, sqh, skb, sks, sib, sit, sik, sob, sot, soh, slb, slt, slh,
     D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-    CHUNK: gl.constexpr, NG: gl.constexpr,
+    NG: gl.constexpr, HAS_SINK: gl.constexpr,
     q_main_sl: gl.constexpr, q_tail_sl: gl.constexpr, k_main_sl: gl.constexpr,
-    k_tail_sl: gl.constexpr,
+    k_tail_sl: gl.constexpr, p_sl: gl.constexpr,
     CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    """out[h] = softmax(q[h] . K_sel * scale) @ K_sel[:, :D_MAIN] for one query's head block.
+    """out[h] = softmax(q[h] . K_sel * scale (+ sink)) @ K_sel[:, :D_MAIN] for one query's head
+    block.
 
     Row strides multiples of 16 elements, unit-stride channels, NK >= 1 (the wrapper checks).
     NG: the grid's form (`sparse_mla_fwd_sm90.program_coords`).
@@ -316,10 +339,16 @@ def _sparse_mla_fwd_ws_kernel(
 
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_main_s = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_MAIN], q_main_sl)
-    q_tail_s = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_TAIL], q_tail_sl)
     k_main_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_MAIN], k_main_sl)
-    k_tail_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_TAIL], k_tail_sl)
-    p1_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], k_tail_sl)
+    if D_TAIL > 0:
+        q_tail_s = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_TAIL], q_tail_sl)
+        k_tail_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_TAIL], k_tail_sl)
+        p0_s = k_tail_s.index(0)
+    else:  # no tail to read: the main buffers stand in for the arguments, never read as tails
+        q_tail_s = q_main_s
+        k_tail_s = k_main_s
+        p0_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_sl)
+    p1_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_sl)
     row_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     m_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], row_sl)
     l_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], row_sl)
@@ -344,15 +373,17 @@ def _sparse_mla_fwd_ws_kernel(
     # Each partition's arguments written out: constexprs gathered into a tuple variable first
     # would reach the partitions as runtime values.
     gl.warp_specialize([
-        (_consumer, (0, q_main_s, q_tail_s, k_main_s, k_tail_s, p1_s, m_s, l_s, bars, idx_ptr,
-                     out_ptr, lse_ptr, b, t, hb, NK, n_iter, qk_scale, sib, sit, sik, sob, sot,
-                     soh, slb, slt, slh, D_MAIN, BLOCK_H, BLOCK_N)),
-        (_consumer, (1, q_main_s, q_tail_s, k_main_s, k_tail_s, p1_s, m_s, l_s, bars, idx_ptr,
-                     out_ptr, lse_ptr, b, t, hb, NK, n_iter, qk_scale, sib, sit, sik, sob, sot,
-                     soh, slb, slt, slh, D_MAIN, BLOCK_H, BLOCK_N)),
+        (_consumer, (0, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_s, m_s, l_s, bars,
+                     idx_ptr, sink_ptr, out_ptr, lse_ptr, b, t, hb, NK, n_iter, qk_scale, sib,
+                     sit, sik, sob, sot, soh, slb, slt, slh, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N,
+                     HAS_SINK)),
+        (_consumer, (1, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_s, m_s, l_s, bars,
+                     idx_ptr, sink_ptr, out_ptr, lse_ptr, b, t, hb, NK, n_iter, qk_scale, sib,
+                     sit, sik, sob, sot, soh, slb, slt, slh, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N,
+                     HAS_SINK)),
         (_producer, (q_ptr, k_ptr, idx_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s,
                      (q_bar, ready, empty), b, t, hb, NK, n_iter, sqb, sqt, sqh, skb, sks,
-                     sib, sit, sik, D_MAIN, BLOCK_H, BLOCK_N, CHUNK, PRODUCER_WARPS)),
+                     sib, sit, sik, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, PRODUCER_WARPS)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -362,38 +393,44 @@ def _sparse_mla_fwd_ws_kernel(
 _layouts: dict[tuple, tuple] = {}
 
 
-def _shared_layouts(dtype: torch.dtype, d_main: int) -> tuple:
-    """The NVMMA layouts of q's and the key stages' main and tail parts. The tail's is also P's
-    ([BLOCK_H x BLOCK_N] = [64 x 64], the same shape): the kernel writes P over it."""
-    key = (dtype, d_main)
+def _shared_layouts(dtype: torch.dtype, d_main: int, d_tail: int) -> tuple:
+    """The NVMMA layouts of q's and the key stages' main and tail parts and of a P tile
+    ([BLOCK_H x BLOCK_N] = [64 x 64]: the tail's shape and layout, which P0 is written over)."""
+    key = (dtype, d_main, d_tail)
     if key not in _layouts:
         gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
         nv = gl.NVMMASharedLayout.get_default_for
-        _layouts[key] = (nv([BLOCK_H, d_main], gdt), nv([BLOCK_H, TAIL], gdt),
-                         nv([BLOCK_N, d_main], gdt), nv([BLOCK_N, TAIL], gdt))
+        tail = d_tail or BLOCK_N  # unused without a tail
+        _layouts[key] = (nv([BLOCK_H, d_main], gdt), nv([BLOCK_H, tail], gdt),
+                         nv([BLOCK_N, d_main], gdt), nv([BLOCK_N, tail], gdt),
+                         nv([BLOCK_H, BLOCK_N], gdt))
     return _layouts[key]
 
 
-def launch(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
-           lse: torch.Tensor, softmax_scale: float, grid: tuple, ng: int) -> None:
+def launch(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor | None,
+           out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, grid: tuple,
+           ng: int) -> None:
     """Fill out [B, T, Hq, D_MAIN] and lse [B, T, Hq] for `sparse_mla_fwd_sm90`, whose wrapper
     checked the inputs (`applies`, `layout_problem`), took care of empty calls, made indices
     [B, T, K] with K >= 1 and chose the grid (`common.launch_grid`: ng head blocks adjacent,
     or 0)."""
     d = q.shape[-1]
     d_main = out.shape[-1]
-    if d - d_main != TAIL or BLOCK_N != TAIL:
-        raise ValueError(f"q: the warp-specialized forward needs a {TAIL}-channel tail, got "
-                         f"{d} channels")
+    if d - d_main not in TAILS or BLOCK_N != TAILS[-1]:
+        raise ValueError(f"q: the warp-specialized forward needs a tail of {TAILS} channels "
+                         f"after the {d_main} value channels, got {d} channels")
     sqb, sqt, sqh, _ = q.stride()
     skb, sks, _, _ = k.stride()
-    q_main_sl, q_tail_sl, k_main_sl, k_tail_sl = _shared_layouts(q.dtype, d_main)
+    q_main_sl, q_tail_sl, k_main_sl, k_tail_sl, p_sl = _shared_layouts(q.dtype, d_main,
+                                                                       d - d_main)
     _sparse_mla_fwd_ws_kernel[grid](
-        q, k, indices, out, lse, q.shape[1], indices.shape[-1], softmax_scale * LOG2E,
+        q, k, indices, sink.contiguous() if sink is not None else lse, out, lse, q.shape[1],
+        indices.shape[-1], softmax_scale * LOG2E,
         sqb, sqt, sqh, skb, sks, *indices.stride(), *out.stride()[:3], *lse.stride(),
-        D_MAIN=d_main, D_TAIL=TAIL, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, CHUNK=CHUNK, NG=ng,
+        D_MAIN=d_main, D_TAIL=d - d_main, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, NG=ng,
+        HAS_SINK=sink is not None,
         q_main_sl=q_main_sl, q_tail_sl=q_tail_sl, k_main_sl=k_main_sl, k_tail_sl=k_tail_sl,
-        CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
+        p_sl=p_sl, CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
     )
