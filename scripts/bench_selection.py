@@ -167,6 +167,7 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_prune": 131072, "hytopk_heads_on_m": 131072, "scoreonly_heads_on_m": 131072,
          "hytopk_scan_slots": 131072, "hytopk_folded_fp32": 131072, "finish": 1048576,
          "hytopk_sort_bitonic": 131072, "hytopk_occ3": 131072, "hytopk_append_tl": 1048576,
+         "hytopk_key_tma": 1048576, "scoreonly_key_tma": 131072,
          "hytopk_occ3_s3": 131072, "scoreonly_occ3": 131072,
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          "scoreonly_sm90": 131072, "scoreonly_sm90_free": 131072,
@@ -556,6 +557,8 @@ OPTION_METHODS = {
     "hytopk_folded_fp32": (run_hytopk, dict(folded_parts=False)),
     "hytopk_sort_bitonic": (run_hytopk, dict(row_sort="bitonic")),  # the previous row sort
     "hytopk_append_tl": (run_hytopk, dict(append_ptx=False)),  # tl.store / tl.atomic_add
+    "hytopk_key_tma": (run_hytopk, dict(key_tma=True)),  # key tiles through TMA
+    "scoreonly_key_tma": (run_scoreonly, dict(key_tma=True)),
     "hytopk_occ3": (run_hytopk, OCC3),
     "hytopk_occ3_s3": (run_hytopk, dict(OCC3, num_stages=3)),
     "scoreonly_occ3": (run_scoreonly, dict(OCC3, maxnreg=None)),
@@ -597,8 +600,9 @@ WIDE_COMPILED = set()
 # The select variants, compared with the default kernel's outputs (same_as_hytopk).
 VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_sort_bitonic",
                                              "hytopk_occ3", "hytopk_occ3_s3",
-                                             "hytopk_append_tl")
-KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3") + (
+                                             "hytopk_append_tl", "hytopk_key_tma")
+KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3",
+                                     "scoreonly_key_tma") + (
                   "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
                   "hytopk_folded_fp32",
                   "scoreonly", "scoreonly_heads_on_m", "table", "hytopk_fp8",

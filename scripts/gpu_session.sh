@@ -81,6 +81,11 @@
 #                                         # beside the Triton scores-only kernel, V3.2 /
 #                                         # GLM-5.1 at 16K and 128K (~3 min); ncu: then both
 #                                         # under Nsight Compute, V3.2 at 64K      (+2 min)
+#   bash scripts/gpu_session.sh key-tma   # issue #21: HyTopK's key tiles through TMA
+#                                         # (HyTopKOptions.key_tma): its GPU tests, then timed
+#                                         # beside the default, V3.2 / GLM-5.1 / the folded
+#                                         # query at 16K and 128K, select and scores-only
+#                                         #                                         (~4 min)
 #   bash scripts/gpu_session.sh fwd-ws    # issue #20 item 1: the warp-specialized Gluon
 #                                         # sparse-MLA forward: a smoke case first (a hang
 #                                         # stops the stage), the forward's GPU tests (both
@@ -170,13 +175,13 @@ case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
-  |scores-sm90|fwd-ws) ;;
+  |scores-sm90|fwd-ws|key-tma) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
-       "|scores-sm90|fwd-ws}" \
+       "|scores-sm90|fwd-ws|key-tma}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -216,7 +221,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
   export PYTHONPATH=$(pwd)/.carry/site:$(pwd)/.carry/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 fi
 case "$stage" in
-  cudnn-*|tilelang-kernels|loss-variants|ncu-selection|scores-sm90|fwd-ws)
+  cudnn-*|tilelang-kernels|loss-variants|ncu-selection|scores-sm90|fwd-ws|key-tma)
     case "$stage" in cudnn-*|tilelang-kernels)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -562,6 +567,18 @@ case "$stage" in
       NCU_CASES="dsv32:65536:scoreonly_sm90 dsv32:65536:scoreonly" OUT=$out bash "$0" \
         ncu-selection
     fi ;;
+  key-tma)
+    # Issue #21: the key tiles through TMA. Both TMA cases of the select-variant tests first
+    # (integer inputs = the reference; random bf16 = the default kernel bit for bit).
+    timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+      tests/ops/test_hytopk_gpu.py -k key_tma > "$out/tests.log" 2>&1
+    echo "tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -20
+    timeout 280 python3 scripts/bench_selection.py --T 16384 131072 \
+      --configs dsv32 glm51 norelu --reps 3 \
+      --methods hytopk hytopk_key_tma scoreonly scoreonly_key_tma --tag _key_tma \
+      --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
+      | tee "$out/bench_selection_key_tma.log" ;;
   fwd-ws)
     # Issue #20 item 1: a small case of the warp-specialized kernel first.
     smoke_then_tests tests/ops/test_sparse_mla_fwd_sm90_gpu.py \

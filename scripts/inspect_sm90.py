@@ -448,6 +448,10 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-dsv32-fp8-promote32": lambda: _hytopk(64, 128, 2048, True, fp8=True,
                                                   fp8_imprecise_acc=32),
     "hytopk-glm51": lambda: _hytopk(32, 128, 2048, True),
+    # The key tiles through TMA (HyTopKOptions.key_tma).
+    "hytopk-dsv32-key-tma": lambda: _hytopk(64, 128, 2048, True, key_tma=True),
+    "hytopk-glm51-key-tma": lambda: _hytopk(32, 128, 2048, True, key_tma=True),
+    "hytopk-norelu-key-tma": lambda: _hytopk(32, 128, 2048, False, key_tma=True),
     "hytopk-qsa": lambda: _hytopk(4, 128, 512, True),
     "hytopk-qsa-scoreonly": lambda: _hytopk(4, 128, 1, True, mode=1),
     "hytopk-norelu": lambda: _hytopk(32, 128, 2048, False),

@@ -285,6 +285,7 @@ SELECT_VARIANTS = {
     "sample": dict(sample_keys=1024),
     # inline PTX appends: applies with the pair-major columns only (hytopk._launch)
     "append_ptx": dict(append_ptx=True, head_major=True),
+    "key_tma": dict(key_tma=True),  # key tiles through TMA (not a select variant: same keys)
 }
 SELECT_VARIANTS["all"] = {f: v for fields in SELECT_VARIANTS.values() for f, v in fields.items()}
 # (T, H, D, topk, relu): the folded relu=False query (its 3 bf16 parts: pair-major columns
@@ -297,7 +298,8 @@ SELECT_SHAPES = {"norelu": (8192, 32, 128, 2048, False), "dsv32": (8192, 64, 128
 # head weights; all variants on V3.2's 64 heads. About 15 kernels to compile.
 SELECT_CASES = ([("norelu", v) for v in SELECT_VARIANTS]
                 + [("heads4", "head_major"), ("heads6", "head_major"), ("dsv32", "all"),
-                   ("heads4", "append_ptx"), ("heads4", "all")])
+                   ("heads4", "append_ptx"), ("heads4", "all"), ("dsv32", "key_tma"),
+                   ("heads4", "key_tma")])
 
 
 def run_options(q, k, w, topk, relu, fields=None, ordered=True, sample_stats=None):

@@ -638,3 +638,25 @@ def test_kth_largest_bounded_select(ties):
                                      torch.tensor([floor], device=DEVICE), out,
                                      PROBE_INDICES, N=N)
             assert out.item() == expected[k - 1].item(), (ties, floor, k)
+
+
+def test_key_tma_gives_the_same_rows():
+    """options.key_tma: the key tiles through one TMA descriptor of k as [B * S, D] rows (the
+    interpreter runs its loads too): B = 2 with S off the tile (a tile's rows past S read the
+    next batch's keys, which must stay invisible), noncausal and causal, pruning on and off,
+    ties."""
+    q, k, w = int_inputs(2, 20, 41, 4, 16, seed=31, lo=-1, hi=2)
+    check(q, k, w, 6, variant={"key_tma": True})
+    check(q, k, w, 6, variant={"key_tma": True}, causal=False, prunes=(False,))
+
+
+def test_key_tma_on_unpacked_keys_warns_once_and_loads_without_it(monkeypatch):
+    from megatron_hyscale.ops import checks
+
+    monkeypatch.setattr(checks, "_warned", set())
+    q, k, w = int_inputs(2, 12, 24, 4, 16, seed=32)
+    wide = torch.zeros(2, 24, 32, device=DEVICE)
+    wide[..., :16] = k
+    with pytest.warns(RuntimeWarning, match="key_tma cannot run.*batches are not packed"):
+        check(q, wide.as_strided((2, 24, 16), (24 * 32 + 8, 32, 1)), w, 5,
+              variant={"key_tma": True}, prunes=(False,))

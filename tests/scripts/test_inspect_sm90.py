@@ -178,6 +178,26 @@ def test_warp_specialized_sparse_mla_forward_compiles_its_partitions(tmp_path: P
         assert "USETMAXREG.DEALLOC.CTAPOOL 0x28" in sass  # 40 for the producer
 
 
+def test_key_tma_takes_the_key_copies_out_of_the_tile_loop(tmp_path: Path) -> None:
+    """HyTopKOptions.key_tma: the tile loop has no per-thread copies (LDGSTS) left, one TMA
+    load (UTMALDG) a tile and its mbarrier, the same products, and fewer instructions than the
+    default loop (the copies' address arithmetic goes)."""
+    out = tmp_path / "r.json"
+    names = ("hytopk-dsv32", "hytopk-dsv32-key-tma", "hytopk-norelu", "hytopk-norelu-key-tma")
+    proc = _run("--preset", *names, "--json", str(out), "--sass-out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reports = {r["preset"]: r for r in json.loads(out.read_text())}
+    for base in ("hytopk-dsv32", "hytopk-norelu"):
+        default, tma = reports[base], reports[base + "-key-tma"]
+        assert tma["constexprs"]["KEY_TMA"] is True and default["constexprs"]["KEY_TMA"] is False
+        assert default["loop_ops"]["LDGSTS"] > 0 and tma["loop_ops"]["LDGSTS"] == 0
+        assert tma["loop_ops"]["HGMMA"] == default["loop_ops"]["HGMMA"]
+        assert tma["loop_instructions"] < default["loop_instructions"]
+        assert tma["spill_stores"] <= default["spill_stores"]
+        sass = next(tmp_path.glob(f"{base}-key-tma_0_*.sass")).read_text()
+        assert "UTMALDG" in sass
+
+
 def test_folded_hytopk_runs_bf16_wgmma(tmp_path: Path) -> None:
     """relu=False with bf16 keys: the folded query's three bf16 parts run as padded heads on
     the keys-on-M path, so the tile loop multiplies on bf16 wgmma without local memory (the

@@ -40,8 +40,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megatron_hyscale.ops.checks import triton_interpret
+from megatron_hyscale.ops.checks import triton_interpret, warn_once
 from megatron_hyscale.ops.fp8_quant import FP8_DTYPE, dequantize
 from megatron_hyscale.ops.kernels.common import MIN_DOT, fix_interpreter
 from megatron_hyscale.ops.kernels.options import HyTopKOptions
@@ -76,6 +77,8 @@ FINISH_CHUNK_BYTES = 256 << 20
 # targets has 5 to 8 indexer heads).
 HEAD_MAJOR_MAX_HEADS = 4
 HEAD_MAJOR_MIN_ROWS = 4
+# TMA coordinates are int32 (`HyTopKOptions.key_tma`: k's rows as one [B * S, D] tensor).
+MAX_TMA_ROWS = 2**31 - 1
 # `HyTopKOptions.maxnreg`: ptxas's range of registers a thread on sm_90.
 MIN_MAXNREG = 24
 MAX_MAXNREG = 255
@@ -614,7 +617,7 @@ def _sample_guess(scratch, thr, thr_score, k_base, qt, w, ks_ptr, kpos_ptr, b, S
 
 @triton.jit
 def _hytopk_kernel(
-    q_ptr, k_ptr, w_ptr, qpos_ptr, kpos_ptr, ks_ptr, hi_ptr, order_ptr,
+    q_ptr, k_ptr, k_desc, w_ptr, qpos_ptr, kpos_ptr, ks_ptr, hi_ptr, order_ptr,
     out_idx_ptr, out_score_ptr, scratch_ptr, count_ptr, table_ptr, cent_ptr, rho_ptr, stats_ptr,
     fail_ptr, T, S, H, n_blocks, blocks_per_batch, table_t0, n_key_tiles, slack,
     stride_qb, stride_qt, stride_qh, stride_qd,
@@ -628,7 +631,7 @@ def _hytopk_kernel(
     HEAD_MAJOR: tl.constexpr, SORT_OUT: tl.constexpr, ORDERED: tl.constexpr,
     KP: tl.constexpr, NSAMP: tl.constexpr, N_BLOCKS_ON_DEVICE: tl.constexpr,
     LEAN: tl.constexpr, BOUNDED_SELECT: tl.constexpr, ROW_SORT: tl.constexpr,
-    APPEND_PTX: tl.constexpr,
+    APPEND_PTX: tl.constexpr, KEY_TMA: tl.constexpr,
 ):
     """One persistent program: blocks of R query rows (R * HP GEMM rows), key tiles of BN.
 
@@ -645,6 +648,12 @@ def _hytopk_kernel(
 
     With K_SCALED (e4m3 q and k), ks_ptr [B, S] fp32 holds k's per-token scales, multiplied
     into each key's head sum (q's scales are already in w_ptr).
+
+    KEY_TMA (`HyTopKOptions.key_tma`): the streamed key tiles come through k_desc, a TMA
+    descriptor of k as [B * S, D] rows in [BN, BD] boxes (a tile's rows past its batch's S
+    read the next batch's keys, or TMA's zeros past the end: either way they are not visible),
+    so the compute warps issue no per-row copies; else k_desc is None and the tiles are loaded
+    from k_ptr. The sampled keys of NSAMP are gathered from k_ptr either way.
     """
     M: tl.constexpr = R * HP
     pid = tl.program_id(0)
@@ -776,9 +785,12 @@ def _hytopk_kernel(
                 else:
                     tile = n_tiles - 1 - i
                 s = tile * BN + offs_n
-                kt = tl.load(k_base + s[:, None].to(tl.int64) * stride_ks
-                             + offs_d[None, :] * stride_kd,
-                             mask=(s < S)[:, None] & d_ok[None, :], other=0.0)
+                if KEY_TMA:
+                    kt = k_desc.load([b * S + tile * BN, 0])
+                else:
+                    kt = tl.load(k_base + s[:, None].to(tl.int64) * stride_ks
+                                 + offs_d[None, :] * stride_kd,
+                                 mask=(s < S)[:, None] & d_ok[None, :], other=0.0)
                 scores, vis = _tile_scores(
                     kt, s, qt, w, ks_ptr, kpos_ptr, b, S, hi, qpos, row_ok, R, HP, BN, RELU,
                     IEEE, FP8_ACC, KEYS_ON_M, HEAD_MAJOR, K_SCALED, CAUSAL, LEAN)
@@ -1058,6 +1070,28 @@ def _slack_coef(hp: int) -> float:
     return (2 * hp + 5 + SLACK_EXTRA_OPS) * EPS_OP
 
 
+def _key_descriptor(k: torch.Tensor, bn: int, bd: int) -> TensorDescriptor | None:
+    """A TMA descriptor of k [B, S, D] as [B * S, D] rows in [bn, bd] boxes
+    (`HyTopKOptions.key_tma`), or None with one warning naming why TMA cannot read k (then the
+    tiles are loaded as without the option): the batches must be packed rows
+    (stride(0) = S * stride(1) when B > 1), the channels unit-stride, the rows and the data
+    16-byte aligned, and B * S within TMA's int32 coordinates."""
+    B, S, D = k.shape
+    row_bytes = k.stride(1) * k.element_size()
+    if k.stride(2) != 1 or row_bytes % 16 or k.data_ptr() % 16:
+        why = f"k's rows are not 16-byte aligned unit-stride rows (strides {tuple(k.stride())})"
+    elif B > 1 and k.stride(0) != S * k.stride(1):
+        why = f"k's batches are not packed rows (strides {tuple(k.stride())})"
+    elif B * S > MAX_TMA_ROWS:
+        why = f"B * S = {B * S} keys exceed TMA's int32 coordinates"
+    else:
+        return TensorDescriptor(k, [B * S, D], [k.stride(1), 1], [bn, bd])
+    warn_once(f"hytopk-key-tma: {why.split(' (')[0]}",
+              f"HyTopK: options.key_tma cannot run ({why}); loading key tiles without TMA",
+              stacklevel=4)
+    return None
+
+
 def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
             options: HyTopKOptions = HyTopKOptions.DEFAULT, mode=MODE_SELECT, table=None,
             table_rows=None, prune_stats=None, ordered=True, q_scale=None, k_scale=None,
@@ -1141,6 +1175,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     append_ptx = (options.append_ptx and options.atomic_slots and head_major
                   and not triton_interpret())
     row_sort = _row_sort_code(options)
+    k_desc = _key_descriptor(kk_, bn, bd) if options.key_tma else None
     if prune:
         # fp32 operands run as three TF32 products: 3 D accumulations plus the split's
         # rounding (< 3 more operations), so the dot-product bound counts 4 D operations.
@@ -1173,7 +1208,8 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
 
     def launch(order, n_blocks, stats, nsamp, redo):
         _hytopk_kernel[(nprog,)](
-            qk, kk_, w, qpos, kpos, k_scales, hi, order, indices, out_scores, scratch, counts,
+            qk, kk_, k_desc, w, qpos, kpos, k_scales, hi, order, indices, out_scores, scratch,
+            counts,
             table, cent, rho, stats, fails,
             T, S, H, n_blocks, blocks_per_batch, t_lo, triton.cdiv(S, bn), _slack_coef(hp),
             qk.stride(0), qk.stride(1), qk.stride(2), qk.stride(3),
@@ -1186,7 +1222,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
             K_SCALED=fp8, FP8_ACC=fp8_acc, HEAD_MAJOR=head_major, SORT_OUT=sort_out,
             ORDERED=sort_out and ordered, KP=triton.next_power_of_2(topk), NSAMP=nsamp,
             N_BLOCKS_ON_DEVICE=redo, LEAN=lean, BOUNDED_SELECT=options.bounded_select,
-            ROW_SORT=row_sort, APPEND_PTX=append_ptx,
+            ROW_SORT=row_sort, APPEND_PTX=append_ptx, KEY_TMA=k_desc is not None,
             num_warps=options.num_warps, num_stages=options.num_stages, **reg_cap,
         )
 

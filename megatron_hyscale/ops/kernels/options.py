@@ -177,6 +177,13 @@ class HyTopKOptions:
     # 209.3; rows bit-identical (GPU tests, and the benchmark's comparison up to 128K).
     # Under TRITON_INTERPRET=1 the tl forms run whatever this says (no PTX there).
     append_ptx: bool = True
+    # The streamed key tiles (contiguous rows of k) come through one TMA copy a tile instead of
+    # per-thread cp.async copies: Nsight Compute put the compute warps' copy addresses (IMAD,
+    # LEA) and LDGSTS at ~17% of V3.2's samples at 64K (2026-12-04, record ncu_selection-2).
+    # Same keys, same outputs. Needs packed 16-byte rows (`hytopk._key_descriptor` warns once
+    # and loads without TMA otherwise). Off until timed on the H200 (`bench_selection.py
+    # --methods hytopk hytopk_key_tma`).
+    key_tma: bool = False
     # Registers a thread (Triton's `maxnreg` launch option); None: the compiler's choice. The
     # select kernel takes 255 (its end-of-block compaction and sort), which holds an SM to two
     # programs; 168 lets three fit (`programs_per_sm=3`, with num_stages 2 for V3.2's shared
