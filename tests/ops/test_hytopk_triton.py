@@ -660,3 +660,13 @@ def test_key_tma_on_unpacked_keys_warns_once_and_loads_without_it(monkeypatch):
     with pytest.warns(RuntimeWarning, match="key_tma cannot run.*batches are not packed"):
         check(q, wide.as_strided((2, 24, 16), (24 * 32 + 8, 32, 1)), w, 5,
               variant={"key_tma": True}, prunes=(False,))
+
+
+def test_key_tma_refuses_rows_wider_than_a_tma_box(monkeypatch):
+    from megatron_hyscale.ops import checks
+
+    monkeypatch.setattr(checks, "_warned", set())
+    k = torch.zeros(1, 8, 512)
+    with pytest.warns(RuntimeWarning, match="512 channels exceeds TMA's 256-element box"):
+        assert kernel._key_descriptor(k, 16, 512) is None
+    assert kernel._key_descriptor(torch.zeros(1, 8, 128), 16, 128) is not None

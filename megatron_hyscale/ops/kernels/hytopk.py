@@ -77,8 +77,10 @@ FINISH_CHUNK_BYTES = 256 << 20
 # targets has 5 to 8 indexer heads).
 HEAD_MAJOR_MAX_HEADS = 4
 HEAD_MAJOR_MIN_ROWS = 4
-# TMA coordinates are int32 (`HyTopKOptions.key_tma`: k's rows as one [B * S, D] tensor).
+# TMA coordinates are int32 (`HyTopKOptions.key_tma`: k's rows as one [B * S, D] tensor), and
+# a box spans at most 256 elements a dimension.
 MAX_TMA_ROWS = 2**31 - 1
+MAX_TMA_BOX = 256
 # `HyTopKOptions.maxnreg`: ptxas's range of registers a thread on sm_90.
 MIN_MAXNREG = 24
 MAX_MAXNREG = 255
@@ -1075,7 +1077,8 @@ def _key_descriptor(k: torch.Tensor, bn: int, bd: int) -> TensorDescriptor | Non
     (`HyTopKOptions.key_tma`), or None with one warning naming why TMA cannot read k (then the
     tiles are loaded as without the option): the batches must be packed rows
     (stride(0) = S * stride(1) when B > 1), the channels unit-stride, the rows and the data
-    16-byte aligned, and B * S within TMA's int32 coordinates."""
+    16-byte aligned, B * S within TMA's int32 coordinates and the padded head dim bd within
+    its box."""
     B, S, D = k.shape
     row_bytes = k.stride(1) * k.element_size()
     if k.stride(2) != 1 or row_bytes % 16 or k.data_ptr() % 16:
@@ -1084,6 +1087,8 @@ def _key_descriptor(k: torch.Tensor, bn: int, bd: int) -> TensorDescriptor | Non
         why = f"k's batches are not packed rows (strides {tuple(k.stride())})"
     elif B * S > MAX_TMA_ROWS:
         why = f"B * S = {B * S} keys exceed TMA's int32 coordinates"
+    elif bd > MAX_TMA_BOX:
+        why = f"a key row of {bd} channels exceeds TMA's {MAX_TMA_BOX}-element box"
     else:
         return TensorDescriptor(k, [B * S, D], [k.stride(1), 1], [bn, bd])
     warn_once(f"hytopk-key-tma: {why.split(' (')[0]}",
