@@ -1075,13 +1075,15 @@ def _slack_coef(hp: int) -> float:
 def _key_descriptor(k: torch.Tensor, bn: int, bd: int) -> TensorDescriptor | None:
     """A TMA descriptor of k [B, S, D] as [B * S, D] rows in [bn, bd] boxes
     (`HyTopKOptions.key_tma`), or None with one warning naming why TMA cannot read k (then the
-    tiles are loaded as without the option): the batches must be packed rows
-    (stride(0) = S * stride(1) when B > 1), the channels unit-stride, the rows and the data
-    16-byte aligned, B * S within TMA's int32 coordinates and the padded head dim bd within
-    its box."""
+    tiles are loaded as without the option): a Hopper or later GPU (the interpreter runs it
+    on CPU tensors), the batches packed rows (stride(0) = S * stride(1) when B > 1), the
+    channels unit-stride, the rows and the data 16-byte aligned, B * S within TMA's int32
+    coordinates and the padded head dim bd within its box."""
     B, S, D = k.shape
     row_bytes = k.stride(1) * k.element_size()
-    if k.stride(2) != 1 or row_bytes % 16 or k.data_ptr() % 16:
+    if k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9:
+        why = "the GPU has no TMA (before Hopper)"
+    elif k.stride(2) != 1 or row_bytes % 16 or k.data_ptr() % 16:
         why = f"k's rows are not 16-byte aligned unit-stride rows (strides {tuple(k.stride())})"
     elif B > 1 and k.stride(0) != S * k.stride(1):
         why = f"k's batches are not packed rows (strides {tuple(k.stride())})"
