@@ -197,7 +197,11 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_
               D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr):
     """S for the tiles of stage c, O for value channels c * D_MAIN / 2 .. (c + 1) * D_MAIN / 2
-    over every tile; stores its half of out, and consumer 0 the lse."""
+    over every tile; stores its half of out, and consumer 0 the lse.
+
+    Each iteration's S is issued at its top. FlashMLA issues consumer 0's next S before its
+    last P V completes; here that makes S's accumulator loop-carried while in flight, and
+    ptxas then serializes every wgmma of the kernel (compiled for sm_90a, 2026-12-04)."""
     q_bar, ready, empty, m_ready, p_ready, l_ready = bars
     HALF: gl.constexpr = D_MAIN // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
