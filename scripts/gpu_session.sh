@@ -568,7 +568,7 @@ case "$stage" in
         ncu-selection
     fi ;;
   key-tma)
-    # Issue #21: the key tiles through TMA. Both TMA cases of the select-variant tests first
+    # Issue #21: the key tiles through TMA. The TMA cases of the select-variant tests first
     # (integer inputs = the reference; random bf16 = the default kernel bit for bit).
     timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
       tests/ops/test_hytopk_gpu.py -k key_tma > "$out/tests.log" 2>&1
