@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from megatron_hyscale.ops.checks import warn_once
 from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E, launch_grid
+from megatron_hyscale.ops.kernels.gluon_grid import program_coords
 from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 
 # Query heads a program (the products' M: one wgmma tile height per warpgroup).
@@ -74,21 +75,6 @@ def _tile_valid(idx_base, sik, n0, NK, layout: gl.constexpr, BLOCK_N: gl.constex
 
 
 @gluon.jit
-def program_coords(T, NG: gl.constexpr):
-    """(batch, query, head block) of this program: NG > 0, a 1-D grid with a query's NG head
-    blocks adjacent; NG = 0, a (B x T, blocks) grid (`common.launch_grid`; decoded as
-    `sparse_attention._coords` does: a Gluon kernel cannot call a Triton one)."""
-    if NG > 0:
-        pid = gl.program_id(0).to(gl.int64)
-        pid_q = pid // NG
-        hb = (pid % NG).to(gl.int32)
-    else:
-        pid_q = gl.program_id(0).to(gl.int64)
-        hb = gl.program_id(1)
-    return pid_q // T, pid_q % T, hb
-
-
-@gluon.jit
 def _sparse_mla_fwd_kernel(
     q_ptr, k_ptr, idx_ptr, out_ptr, lse_ptr,
     T, NK, qk_scale,
@@ -101,7 +87,7 @@ def _sparse_mla_fwd_kernel(
 
     Every channel stride is 1 and every row stride a multiple of STRIDE_MULTIPLE; NK >= 1 (the
     wrapper checks both).
-    NG: the grid's form (`program_coords`).
+    NG: the grid's form (`gluon_grid.program_coords`).
     """
     b, t, hb = program_coords(T, NG)
 

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E, LOG2E_JIT
-from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import program_coords
+from megatron_hyscale.ops.kernels.gluon_grid import program_coords
 
 # Query heads a program: the products' M, one wgmma tile height, so each consumer holds all of
 # them (its S is [64 heads x 64 keys], its O [64 heads x D_MAIN / 2]).
@@ -46,9 +46,9 @@ BLOCK_N = 64
 TAILS = (0, 64)
 # Warps: consumer 0 is the default partition (the kernel's num_warps); consumer 1 and the
 # producer are workers. Registers are set per warpgroup: a consumer holds O's half (128 fp32),
-# S (32), P in fp32 and bf16 (48) and the softmax state; the producer holds four rows' addresses
-# a chunk. 2 x 232 + 40 = 504 of the 512 a thread the SM's 64K registers allow three
-# warpgroups.
+# S (32), P in fp32 and bf16 (48) and the softmax state; the producer holds its four rows'
+# addresses (a gather's other copies are immediate offsets). 2 x 232 + 40 = 504 of the 512 a
+# thread the SM's 64K registers allow three warpgroups.
 CONSUMER_WARPS = 4
 PRODUCER_WARPS = 4
 CONSUMER_REGS = 232
@@ -336,7 +336,7 @@ def _sparse_mla_fwd_ws_kernel(
     block.
 
     Row strides multiples of 16 elements, unit-stride channels, NK >= 1 (the wrapper checks).
-    NG: the grid's form (`sparse_mla_fwd_sm90.program_coords`).
+    NG: the grid's form (`gluon_grid.program_coords`).
     """
     b, t, hb = program_coords(T, NG)
     n_iter = gl.cdiv(NK, 2 * BLOCK_N)
