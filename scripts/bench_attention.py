@@ -47,6 +47,7 @@ TileLang (scripts/gpu_tilelang.sh): without it the run says why once and goes on
   python scripts/bench_attention.py --shapes glm51 --t 131072 --fwd-no-softmax  # forward split
   python scripts/bench_attention.py --shapes glm51 v32 --fwd-only --fwd-kernel triton
   python scripts/bench_attention.py --shapes glm51 v32 --fwd-only --fwd-kernel gluon_ws
+  python scripts/bench_attention.py --shapes glm51 v32 csa --fwd-only --fwd-also gluon_ws
 
 --bwd-sweep times the two backward kernels apart, for each (keys per step, stages) tiling that
 fits: dQ, dK/dV with its fp32 atomics, dK/dV in the measurement-only discard mode (the same
@@ -216,6 +217,38 @@ def bench_ours(inp, warmup, reps, deterministic_too, fwd_only=False,
             lambda: torch.autograd.grad(out_d, leaves, grad, retain_graph=True),
             reps=reps, warmup=warmup)
     res["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    return res
+
+
+# --fwd-kernel / --fwd-also names -> the AttentionKernelOptions fields that select the forward.
+FWD_KERNELS = {"auto": dict(fwd_sm90=True, fwd_sm90_ws=False),
+               "gluon_ws": dict(fwd_sm90=True, fwd_sm90_ws=True),
+               "triton": dict(fwd_sm90=False, fwd_sm90_ws=False)}
+
+
+def bench_fwd_also(inp, warmup, reps, options, names):
+    """The forward with each kernel in `names` (FWD_KERNELS) on the same inputs, in the same
+    process as the main one: fwd_<name>_ms, which kernel ran (fwd_<name>_kernel), and its
+    output's relative difference from the main options' output (fwd_<name>_rel_diff)."""
+    q, k, v, sink = (x.detach() if x is not None else None
+                     for x in (inp["q"], inp["k"], inp["v"], inp["sink"]))
+
+    def forward(opts):
+        with torch.no_grad():
+            return sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"],
+                                           sink=sink, prefix_lengths=inp["prefix"],
+                                           options=opts)
+
+    ref = forward(options).float()
+    res = {}
+    for name in names:
+        opts = replace(options, **FWD_KERNELS[name])
+        out = forward(opts).float()
+        res[f"fwd_{name}_rel_diff"] = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        del out
+        res[f"fwd_{name}_ms"] = time_ms(lambda opts=opts: forward(opts), reps=reps,
+                                        warmup=warmup)
+        res[f"fwd_{name}_kernel"] = forward_kernel(inp, opts)
     return res
 
 
@@ -558,7 +591,11 @@ def main():
                          "as P; AttentionKernelOptions.fwd_softmax=False), to split the "
                          "softmax's time from the gathers and MMAs; only the forward is timed")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
-    ap.add_argument("--fwd-kernel", choices=("auto", "gluon_ws", "triton"), default="auto",
+    ap.add_argument("--fwd-also", nargs="+", default=[], choices=tuple(FWD_KERNELS),
+                    help="also time the forward with these kernels, in the same process on the "
+                         "same inputs (columns fwd_<name>_ms, the kernel that ran, and the "
+                         "output's relative difference from the main forward's)")
+    ap.add_argument("--fwd-kernel", choices=tuple(FWD_KERNELS), default="auto",
                     help="auto: the Hopper (Gluon) forward for absorbed MLA where it applies "
                          "(AttentionKernelOptions.fwd_sm90), Triton elsewhere; gluon_ws: its "
                          "warp-specialized form there (fwd_sm90_ws); triton: always the Triton "
@@ -568,8 +605,7 @@ def main():
     options = replace(AttentionKernelOptions.DEFAULT,
                       head_blocks_adjacent=args.head_blocks == "adjacent",
                       fwd_softmax=not args.fwd_no_softmax,
-                      fwd_sm90=args.fwd_kernel != "triton",  # (no-softmax: Triton's only)
-                      fwd_sm90_ws=args.fwd_kernel == "gluon_ws")
+                      **FWD_KERNELS[args.fwd_kernel])  # (no-softmax: Triton's only)
     if args.quick:
         args.t, args.reps = [16384], 3
     os.makedirs(args.out, exist_ok=True)
@@ -610,6 +646,10 @@ def main():
             if isinstance(row.get("fwd_ms"), float):
                 row["fwd_tflops"] = inp["flop_fwd"] / row["fwd_ms"] / 1e9
                 row["fwd_frac"] = row["fwd_tflops"] / mm
+            if args.fwd_also and isinstance(row.get("fwd_ms"), float):
+                row.update(bench_fwd_also(inp, 1, args.reps, options, args.fwd_also))
+                for name in args.fwd_also:
+                    row[f"fwd_{name}_frac"] = inp["flop_fwd"] / row[f"fwd_{name}_ms"] / 1e9 / mm
             if isinstance(row.get("bwd_ms"), float):
                 row["bwd_tflops"] = inp["flop_bwd"] / row["bwd_ms"] / 1e9
                 row["bwd_frac"] = row["bwd_tflops"] / mm
@@ -647,7 +687,8 @@ def main():
                 save_record("bench_attention", shape_name,
                             [r for r in meta["rows"] if r["shape"] == shape_name],
                             matmul=mm, copy=bw, extra={"indices": args.indices,
-                                                        "fwd_kernel": args.fwd_kernel})
+                                                        "fwd_kernel": args.fwd_kernel,
+                                                        "fwd_also": args.fwd_also})
             g = lambda key, spec=".2f", row=row: fmt(row.get(key, "-"), spec)
             log(f"{shape:6s} T={T:6d} fwd {g('fwd_ms')} ms ({g('fwd_frac', '.0%')}) "
                 f"bwd {g('bwd_ms')} ms ({g('bwd_frac', '.0%')}) det x{g('det_cost')} "
@@ -656,7 +697,10 @@ def main():
                 f"tilelang fwd {g('tl_fwd_ms')} ({g('tl_fwd_frac', '.0%')}) bwd "
                 f"{g('tl_bwd_ms')} ({g('tl_bwd_frac', '.0%')}) "
                 f"stock fwd {g('stock_fwd_ms', '.1f')} fwd+bwd {g('stock_fwd_bwd_ms', '.1f')} "
-                f"peak {g('peak_gib', '.1f')} GiB [{time.time() - t0:.0f}s]")
+                f"peak {g('peak_gib', '.1f')} GiB [{time.time() - t0:.0f}s]"
+                + "".join(f" | {n} fwd {g(f'fwd_{n}_ms')} ms ({g(f'fwd_{n}_frac', '.0%')}, "
+                          f"{row.get(f'fwd_{n}_kernel', '-')}, rel diff "
+                          f"{g(f'fwd_{n}_rel_diff', '.1e')})" for n in args.fwd_also))
 
     head = ("| shape | T | K | fwd kernel | fwd ms | fwd TFLOP/s | fwd / matmul | "
             "fwd gather floor ms | bwd ms | bwd TFLOP/s | bwd / matmul | bwd memory floor ms | "
@@ -680,6 +724,20 @@ def main():
             f"{fmt(r.get('tl_bwd_ms', '-'), '.2f')} ({fmt(r.get('tl_bwd_frac', '-'), '.0%')}) | "
             f"{fmt(r.get('stock_fwd_ms', '-'), '.1f')} | "
             f"{fmt(r.get('stock_fwd_bwd_ms', '-'), '.1f')} | {fmt(r.get('peak_gib', '-'))} |")
+    if args.fwd_also:
+        lines += ["", "| shape | T | fwd kernel | fwd ms (/ matmul) | " + " | ".join(
+            f"{name}: kernel, ms (/ matmul), speed-up, rel. diff" for name in args.fwd_also)
+            + " |", "|---" * (4 + len(args.fwd_also)) + "|"]
+        for r in meta["rows"]:
+            cells = [f"{r.get(f'fwd_{n}_kernel', '-')}, {fmt(r.get(f'fwd_{n}_ms', '-'), '.2f')} "
+                     f"({fmt(r.get(f'fwd_{n}_frac', '-'), '.0%')}), "
+                     + (f"{r['fwd_ms'] / r[f'fwd_{n}_ms']:.2f}x"
+                        if isinstance(r.get(f"fwd_{n}_ms"), float) else "-")
+                     + f", {fmt(r.get(f'fwd_{n}_rel_diff', '-'), '.1e')}"
+                     for n in args.fwd_also]
+            lines.append(f"| {r['shape']} | {r['T']} | {r.get('fwd_kernel', '-')} | "
+                         f"{fmt(r.get('fwd_ms', '-'), '.2f')} "
+                         f"({fmt(r.get('fwd_frac', '-'), '.0%')}) | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
         f.write(f"{meta['device']}, {meta['date']}, bf16 matmul {mm:.0f} TFLOP/s, copy "

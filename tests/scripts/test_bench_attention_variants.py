@@ -92,3 +92,34 @@ def test_benchmark_tables_renders_a_sweep_record(tmp_path, monkeypatch, capsys):
     assert lines[0] == "| shape | T | keys x stages | dq ms | dkv ms | dkv_no_carry ms |"
     assert lines[1] == "| csa | 65536 | 64 x 1 | 37.1 | 90.8 | 90.9 |"
     assert lines[2] == "| csa | 65536 | 32 x 2 | 81.9 | 59.7 | failed: RuntimeError |"
+
+
+def test_fwd_also_times_each_forward_kernel_on_the_same_inputs(monkeypatch):
+    """--fwd-also: each named forward runs with its options (and only those changed) on the
+    main run's inputs; its output is compared with the main forward's."""
+    bench = _load_bench()
+    calls = []
+    real = bench.sparse_attention_triton
+
+    def recording(*args, options, **kwargs):
+        calls.append(options)
+        return real(*args, options=options, **kwargs)
+
+    monkeypatch.setattr(bench, "sparse_attention_triton", recording)
+    monkeypatch.setattr(bench, "time_ms", lambda fn, reps, warmup: (fn(), 2.0)[1])
+    g = torch.Generator().manual_seed(1)
+    T = 3
+    idx = torch.stack([torch.randperm(40, generator=g)[:20] for _ in range(T)])
+    inp = dict(q=torch.randn(1, T, 4, 24, generator=g).to(DEVICE),
+               k=torch.randn(1, 40, 1, 24, generator=g).to(DEVICE), v=None,
+               idx=idx.view(1, T, 20).int().to(DEVICE), sink=None, dv=16, scale=24 ** -0.5,
+               prefix=None)
+    options = bench.AttentionKernelOptions.DEFAULT
+    res = bench.bench_fwd_also(inp, 0, 1, options, ["gluon_ws", "triton"])
+    assert res["fwd_gluon_ws_ms"] == 2.0 and res["fwd_triton_ms"] == 2.0
+    # the main forward, then per name: its comparison run and its timed run
+    assert [(o.fwd_sm90, o.fwd_sm90_ws) for o in calls] == [
+        (True, False), (True, True), (True, True), (False, False), (False, False)]
+    assert all(o.dq_tilings == options.dq_tilings for o in calls)
+    if DEVICE == "cpu":  # every forward is the Triton one here: the same output
+        assert res["fwd_gluon_ws_rel_diff"] == 0.0 and res["fwd_gluon_ws_kernel"] == "triton"
