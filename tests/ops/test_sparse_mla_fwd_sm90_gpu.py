@@ -209,7 +209,7 @@ def test_unaligned_rows_warn_once_and_use_the_triton_forward(width, monkeypatch)
 
 
 @needs_hopper
-def test_warp_specialized_kernel_agrees_with_the_plain_one_and_is_dispatched():
+def test_warp_specialized_kernel_agrees_with_the_plain_one_and_is_dispatched(monkeypatch):
     """Both Gluon kernels on the same inputs (V3.2's two head blocks, a partial last tile), and
     `sparse_attention` with fwd_sm90_ws runs the warp-specialized one without a warning."""
     from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as sm90
@@ -231,21 +231,18 @@ def test_warp_specialized_kernel_agrees_with_the_plain_one_and_is_dispatched():
         calls.append(1)
         return res
 
-    ws_mod.launch = counting
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            got = sparse_attention(q, k, None, idx, scale, dv=512, options=replace(
-                AttentionKernelOptions.DEFAULT, fwd_sm90_ws=True))
-    finally:
-        ws_mod.launch = real
+    monkeypatch.setattr(ws_mod, "launch", counting)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = sparse_attention(q, k, None, idx, scale, dv=512, options=replace(
+            AttentionKernelOptions.DEFAULT, fwd_sm90_ws=True))
     assert calls == [1] and not sm90._disabled
     assert rel(got, ws_out) == 0.0
 
 
 @needs_hopper
 @pytest.mark.parametrize("d,K", [(512, 640), (256, 700), (512, 5)])
-def test_warp_specialized_kernel_takes_k_equal_v_and_a_sink(d, K):
+def test_warp_specialized_kernel_takes_k_equal_v_and_a_sink(d, K, monkeypatch):
     """DeepSeek-V4's form (CSA: K = V of 512 channels, no tail, a sink a head): every row's lse
     is finite (the sink joins each denominator), the row without keys writes zeros and lse =
     its sink; and `sparse_attention` runs it there only with fwd_sm90_ws."""
@@ -267,13 +264,10 @@ def test_warp_specialized_kernel_takes_k_equal_v_and_a_sink(d, K):
         calls.append(1)
         return real(*a, **kw)
 
-    ws_mod.launch = counting
-    try:
-        got = sparse_attention(q, k, None, idx, scale, sink=sink, options=replace(
-            AttentionKernelOptions.DEFAULT, fwd_sm90_ws=True))
-        sparse_attention(q, k, None, idx, scale, sink=sink)  # default: the Triton forward
-    finally:
-        ws_mod.launch = real
+    monkeypatch.setattr(ws_mod, "launch", counting)
+    got = sparse_attention(q, k, None, idx, scale, sink=sink, options=replace(
+        AttentionKernelOptions.DEFAULT, fwd_sm90_ws=True))
+    sparse_attention(q, k, None, idx, scale, sink=sink)  # default: the Triton forward
     assert calls == [1] and rel(got, out) == 0.0
 
 
