@@ -37,10 +37,11 @@ skipped key could never have entered the buffer), so the outputs are bit-identic
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_hyscale.ops.checks import triton_interpret, warn_once
 from megatron_hyscale.ops.fp8_quant import FP8_DTYPE, dequantize
@@ -1072,16 +1073,23 @@ def _slack_coef(hp: int) -> float:
     return (2 * hp + 5 + SLACK_EXTRA_OPS) * EPS_OP
 
 
-def _key_descriptor(k: torch.Tensor, bn: int, bd: int) -> TensorDescriptor | None:
-    """A TMA descriptor of k [B, S, D] as [B * S, D] rows in [bn, bd] boxes
-    (`HyTopKOptions.key_tma`), or None with one warning naming why TMA cannot read k (then the
-    tiles are loaded as without the option): a Hopper or later GPU (the interpreter runs it
+def _key_descriptor(k: torch.Tensor, bn: int, bd: int) -> Any:
+    """A TMA descriptor (triton.tools.tensor_descriptor.TensorDescriptor) of k [B, S, D] as
+    [B * S, D] rows in [bn, bd] boxes (`HyTopKOptions.key_tma`), or None with one warning naming
+    why TMA cannot read k (then the tiles are loaded as without the option): a Triton with
+    host-side descriptors, a Hopper or later GPU (the interpreter runs it
     on CPU tensors), the batches packed rows (stride(0) = S * stride(1) when B > 1), the
     channels unit-stride, the rows and the data 16-byte aligned, B * S within TMA's int32
     coordinates and the padded head dim bd within its box."""
     B, S, D = k.shape
     row_bytes = k.stride(1) * k.element_size()
-    if k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9:
+    try:  # host-side TMA descriptors (tested with Triton 3.6)
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        TensorDescriptor = None
+    if TensorDescriptor is None:
+        why = f"this Triton ({triton.__version__}) has no host-side TMA descriptors"
+    elif k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9:
         why = "the GPU has no TMA (before Hopper)"
     elif k.stride(2) != 1 or row_bytes % 16 or k.data_ptr() % 16:
         why = f"k's rows are not 16-byte aligned unit-stride rows (strides {tuple(k.stride())})"
