@@ -571,7 +571,8 @@ case "$stage" in
     # Issue #21: the key tiles through TMA. The TMA cases of the select-variant tests first
     # (integer inputs = the reference; random bf16 = the default kernel bit for bit).
     timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
-      tests/ops/test_hytopk_gpu.py -k key_tma > "$out/tests.log" 2>&1
+      tests/ops/test_hytopk_gpu.py tests/ops/test_hytopk_fp8.py -k key_tma \
+      > "$out/tests.log" 2>&1
     echo "tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
     grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -20
     timeout 280 python3 scripts/bench_selection.py --T 16384 131072 \

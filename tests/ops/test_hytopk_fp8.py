@@ -177,14 +177,16 @@ def test_exact_noncontiguous_shard_positions_relu_false_noncausal():
     assert_fp8_equals_bf16(q, k, w, 9, causal=False)
 
 
-@pytest.mark.parametrize("keys_on_m,atomic_slots", [(False, False), (True, True)])
-def test_exact_kernel_variants(keys_on_m, atomic_slots):
+@pytest.mark.parametrize("keys_on_m,atomic_slots,key_tma", [(False, False, False),
+                                                             (True, True, False),
+                                                             (True, True, True)])
+def test_exact_kernel_variants(keys_on_m, atomic_slots, key_tma):
     q, k, w = int_inputs(2, 20, 48, 4, 16, seed=5, lo=-1, hi=2)
     bf16 = hytopk(q, k, w, 6, backend="reference")
     # The fp8 MMA's promotion interval reaches the kernel (the interpreter sums exactly anyway;
-    # the GPU tests run both).
+    # the GPU tests run both); key_tma: the e4m3 key tiles through the TMA descriptor.
     options = replace(kernel_options(16), keys_on_m=keys_on_m, atomic_slots=atomic_slots,
-                      fp8_imprecise_acc=32 if keys_on_m else None)
+                      fp8_imprecise_acc=32 if keys_on_m else None, key_tma=key_tma)
     out = hytopk(q, k, w, 6, backend="triton", precision="fp8", options=options)
     assert torch.equal(out[0], bf16[0]) and torch.equal(out[1], bf16[1])
 
@@ -285,6 +287,19 @@ def test_gpu_integer_inputs_exact(T, H, topk, acc):
     bf16 = hytopk(q, k, w, topk, backend="reference")
     out = hytopk(q, k, w, topk, backend="triton", precision="fp8",
                  options=replace(HyTopKOptions.DEFAULT, fp8_imprecise_acc=acc))
+    assert torch.equal(out[0], bf16[0]) and torch.equal(out[1], bf16[1])
+
+
+@pytest.mark.gpu
+def test_gpu_integer_inputs_exact_with_key_tma():
+    """HyTopKOptions.key_tma with e4m3 keys (one byte a channel: the TMA box's rows are 128 B)."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randint(-3, 4, (2, 4096, 64, 128), device="cuda", generator=g).bfloat16()
+    k = torch.randint(-3, 4, (2, 4096, 128), device="cuda", generator=g).bfloat16()
+    w = torch.randint(-2, 3, (2, 4096, 64), device="cuda", generator=g).float()
+    bf16 = hytopk(q, k, w, 2048, backend="reference")
+    out = hytopk(q, k, w, 2048, backend="triton", precision="fp8",
+                 options=replace(HyTopKOptions.DEFAULT, key_tma=True))
     assert torch.equal(out[0], bf16[0]) and torch.equal(out[1], bf16[1])
 
 
