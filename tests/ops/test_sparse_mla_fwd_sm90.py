@@ -90,3 +90,12 @@ def test_a_sink_is_refused_by_the_plain_kernel_before_anything_runs():
     with pytest.raises(ValueError, match="sink: only the warp-specialized"):
         sm90.sparse_mla_fwd_sm90(q, k, idx, 0.1, sink=torch.zeros(64),
                                  options=AttentionKernelOptions.DEFAULT)
+
+
+def test_both_gluon_kernels_share_the_tiles_the_wrapper_builds_layouts_for():
+    """The wrapper builds the warp-specialized kernel's shared layouts too: same heads a
+    program, same keys a tile, and a P tile the shape of the tail it is written over."""
+    from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90 as ws
+
+    assert (ws.BLOCK_H, ws.BLOCK_N) == (sm90.BLOCK_H, sm90.BLOCK_N)
+    assert ws.BLOCK_N == sm90.TAIL

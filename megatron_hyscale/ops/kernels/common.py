@@ -38,6 +38,9 @@ MODE_FIXED = 2  # deterministic pass 2: int64 fixed-point atomic adds (order-fre
 # slot with a plain store (no atomics), so `bench_attention.py --bwd-sweep` can time the kernel
 # without its accumulation. Its output is not a gradient.
 MODE_DISCARD = 3
+# TMA: coordinates are int32, and a box spans at most 256 elements a dimension.
+MAX_TMA_ROWS = 2**31 - 1
+MAX_TMA_BOX = 256
 # Bits of the int64 accumulators used by the sum of one element's contributions (63 is the
 # sign-free maximum; one bit spare for the rounding of each addend).
 FIXED_BITS = 62

@@ -45,7 +45,12 @@ import triton.language as tl
 
 from megatron_hyscale.ops.checks import triton_interpret, warn_once
 from megatron_hyscale.ops.fp8_quant import FP8_DTYPE, dequantize
-from megatron_hyscale.ops.kernels.common import MIN_DOT, fix_interpreter
+from megatron_hyscale.ops.kernels.common import (
+    MAX_TMA_BOX,
+    MAX_TMA_ROWS,
+    MIN_DOT,
+    fix_interpreter,
+)
 from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
 fix_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1
@@ -78,10 +83,6 @@ FINISH_CHUNK_BYTES = 256 << 20
 # targets has 5 to 8 indexer heads).
 HEAD_MAJOR_MAX_HEADS = 4
 HEAD_MAJOR_MIN_ROWS = 4
-# TMA coordinates are int32 (`HyTopKOptions.key_tma`: k's rows as one [B * S, D] tensor), and
-# a box spans at most 256 elements a dimension.
-MAX_TMA_ROWS = 2**31 - 1
-MAX_TMA_BOX = 256
 # `HyTopKOptions.maxnreg`: ptxas's range of registers a thread on sm_90.
 MIN_MAXNREG = 24
 MAX_MAXNREG = 255
@@ -1077,10 +1078,10 @@ def _key_descriptor(k: torch.Tensor, bn: int, bd: int) -> Any:
     """A TMA descriptor (triton.tools.tensor_descriptor.TensorDescriptor) of k [B, S, D] as
     [B * S, D] rows in [bn, bd] boxes (`HyTopKOptions.key_tma`), or None with one warning naming
     why TMA cannot read k (then the tiles are loaded as without the option): a Triton with
-    host-side descriptors, a Hopper or later GPU (the interpreter runs it
-    on CPU tensors), the batches packed rows (stride(0) = S * stride(1) when B > 1), the
-    channels unit-stride, the rows and the data 16-byte aligned, B * S within TMA's int32
-    coordinates and the padded head dim bd within its box."""
+    host-side descriptors, a Hopper or later GPU (the interpreter runs it on CPU tensors),
+    the batches packed rows (stride(0) = S * stride(1) when B > 1), the channels unit-stride,
+    the rows and the data 16-byte aligned, B * S within TMA's int32 coordinates (k's rows as
+    one [B * S, D] tensor) and the padded head dim bd within its box."""
     B, S, D = k.shape
     row_bytes = k.stride(1) * k.element_size()
     try:  # host-side TMA descriptors (tested with Triton 3.6)

@@ -26,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megatron_hyscale.ops.checks import check_same_device, check_tensor
+from megatron_hyscale.ops.kernels.common import MAX_TMA_ROWS
 
 # Head dimension: the wgmma's K (8 k-steps of 16).
 HEAD_DIM = 128
@@ -53,8 +54,6 @@ CONSUMER_REGS = 240
 # SM's 64K.
 MAXNREG = 168
 HEADS = (32, 64)
-# TMA coordinates are int32.
-MAX_TMA_ROWS = 2**31 - 1
 
 # mbarrier protocol. A barrier counts arrivals; its phase completes when all arrived and, after an
 # `expect`, all the bytes announced landed. `wait(bar, p)` returns once the phase of parity p

@@ -239,6 +239,8 @@ _layouts: dict[tuple, tuple] = {}
 
 
 def _shared_layouts(dtype: torch.dtype, d_main: int, d_tail: int) -> tuple:
+    """NVMMA layouts of q's and a key tile's main and tail parts and of a P tile (both Gluon
+    kernels'; d_tail > 0)."""
     key = (dtype, d_main, d_tail)
     if key not in _layouts:
         gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
@@ -275,16 +277,18 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
     if indices.dim() == 4:
         indices = indices[:, :, 0]
     grid, ng = launch_grid(B * T, 1, Hq // BLOCK_H, options.head_blocks_adjacent)
+    # Without a tail (the warp-specialized kernel's K = V) the tail layouts go unused.
+    layouts = _shared_layouts(q.dtype, d_main, d - d_main or TAIL)
     if options.fwd_sm90_ws:
         from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90
 
-        sparse_mla_fwd_ws_sm90.launch(q, k, indices, sink, out, lse, softmax_scale, grid, ng)
+        sparse_mla_fwd_ws_sm90.launch(q, k, indices, sink, out, lse, softmax_scale, grid, ng,
+                                      layouts)
         return out, lse
     sqb, sqt, sqh, _ = q.stride()
     skb, sks, _, _ = k.stride()
     sib, sit, sik = indices.stride()
     sob, sot, soh, _ = out.stride()
-    layouts = _shared_layouts(q.dtype, d_main, d - d_main)
     _sparse_mla_fwd_kernel[grid](
         q, k, indices, out, lse, T, indices.shape[-1], softmax_scale * LOG2E,
         sqb, sqt, sqh, skb, sks, sib, sit, sik, sob, sot, soh, *lse.stride(),

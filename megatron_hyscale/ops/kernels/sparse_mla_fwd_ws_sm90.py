@@ -35,7 +35,8 @@ from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E, LOG2E_JIT
 from megatron_hyscale.ops.kernels.gluon_grid import program_coords
 
 # Query heads a program: the products' M, one wgmma tile height, so each consumer holds all of
-# them (its S is [64 heads x 64 keys], its O [64 heads x D_MAIN / 2]).
+# them (its S is [64 heads x 64 keys], its O [64 heads x D_MAIN / 2]). BLOCK_H and BLOCK_N are
+# those of `sparse_mla_fwd_sm90`, whose wrapper builds the shared layouts of both kernels.
 BLOCK_H = 64
 # Keys a tile. It must equal the tail width: with a tail, consumer 0's P tile [BLOCK_H x
 # BLOCK_N] is written over stage 0's tail channels [BLOCK_N x 64] (same shape, same shared
@@ -43,7 +44,6 @@ BLOCK_H = 64
 # tail both do). That is what lets the query, two key stages and both P tiles of absorbed MLA
 # fit the H200's 227 KiB (225 KiB used).
 BLOCK_N = 64
-TAILS = (0, 64)
 # Warps: consumer 0 is the default partition (the kernel's num_warps); consumer 1 and the
 # producer are workers. Registers are set per warpgroup: a consumer holds O's half (128 fp32),
 # S (32), P in fp32 and bf16 (48) and the softmax state; the producer holds its four rows'
@@ -394,39 +394,20 @@ def _sparse_mla_fwd_ws_kernel(
 # --------------------------------------------------------------------------- launch
 
 
-_layouts: dict[tuple, tuple] = {}
-
-
-def _shared_layouts(dtype: torch.dtype, d_main: int, d_tail: int) -> tuple:
-    """The NVMMA layouts of q's and the key stages' main and tail parts and of a P tile
-    ([BLOCK_H x BLOCK_N] = [64 x 64]: the tail's shape and layout, which P0 is written over)."""
-    key = (dtype, d_main, d_tail)
-    if key not in _layouts:
-        gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-        nv = gl.NVMMASharedLayout.get_default_for
-        tail = d_tail or BLOCK_N  # unused without a tail
-        _layouts[key] = (nv([BLOCK_H, d_main], gdt), nv([BLOCK_H, tail], gdt),
-                         nv([BLOCK_N, d_main], gdt), nv([BLOCK_N, tail], gdt),
-                         nv([BLOCK_H, BLOCK_N], gdt))
-    return _layouts[key]
-
-
 def launch(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor | None,
            out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, grid: tuple,
-           ng: int) -> None:
+           ng: int, layouts: tuple) -> None:
     """Fill out [B, T, Hq, D_MAIN] and lse [B, T, Hq] for `sparse_mla_fwd_sm90`, whose wrapper
-    checked the inputs (`applies`, `layout_problem`), took care of empty calls, made indices
-    [B, T, K] with K >= 1 and chose the grid (`common.launch_grid`: ng head blocks adjacent,
-    or 0)."""
+    checked the inputs (`applies`: a tail of 0 or BLOCK_N channels; `layout_problem`), took
+    care of empty calls, made indices [B, T, K] with K >= 1, chose the grid
+    (`common.launch_grid`: ng head blocks adjacent, or 0) and the shared layouts (its
+    `_shared_layouts`: q's and a key tile's main and tail parts, a P tile, the last also the
+    tail's, which P0 is written over)."""
     d = q.shape[-1]
     d_main = out.shape[-1]
-    if d - d_main not in TAILS or BLOCK_N != TAILS[-1]:
-        raise ValueError(f"q: the warp-specialized forward needs a tail of {TAILS} channels "
-                         f"after the {d_main} value channels, got {d} channels")
     sqb, sqt, sqh, _ = q.stride()
     skb, sks, _, _ = k.stride()
-    q_main_sl, q_tail_sl, k_main_sl, k_tail_sl, p_sl = _shared_layouts(q.dtype, d_main,
-                                                                       d - d_main)
+    q_main_sl, q_tail_sl, k_main_sl, k_tail_sl, p_sl = layouts
     _sparse_mla_fwd_ws_kernel[grid](
         q, k, indices, sink.contiguous() if sink is not None else lse, out, lse, q.shape[1],
         indices.shape[-1], softmax_scale * LOG2E,
