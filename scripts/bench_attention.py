@@ -3,7 +3,9 @@
 The forward of absorbed MLA (GLM-5.1, V3.2) runs the Hopper Gluon kernel on an H100 / H200
 (`ops/kernels/sparse_mla_fwd_sm90.py`; the table's "fwd kernel" column), the other shapes and
 the backward the Triton kernels; `--fwd-kernel triton` times the Triton forward there instead,
-`--fwd-kernel gluon_ws` the warp-specialized Gluon forward (`sparse_mla_fwd_ws_sm90.py`).
+`--fwd-kernel gluon_ws` the warp-specialized Gluon forward (`sparse_mla_fwd_ws_sm90.py`);
+`--bwd-kernel sm90` the warp-specialized Gluon backward (`sparse_mla_bwd_sm90.py`) where it
+applies, `--bwd-also sm90` times it beside the main backward in the same process.
 
 Shapes: GLM-5.1 / DeepSeek-V3.2 absorbed MLA (1 KV head, Dqk 576, V = first 512
 channels of K, 64 / 128 heads, top-2048), DeepSeek-V4 CSA (K = V of 512, sink, 640 keys),
@@ -48,6 +50,7 @@ TileLang (scripts/gpu_tilelang.sh): without it the run says why once and goes on
   python scripts/bench_attention.py --shapes glm51 v32 --fwd-only --fwd-kernel triton
   python scripts/bench_attention.py --shapes glm51 v32 --fwd-only --fwd-kernel gluon_ws
   python scripts/bench_attention.py --shapes glm51 v32 csa --fwd-only --fwd-also gluon_ws
+  python scripts/bench_attention.py --shapes glm51 v32 csa --no-deterministic --bwd-also sm90
 
 --bwd-sweep times the two backward kernels apart, for each (keys per step, stages) tiling that
 fits: dQ, dK/dV with its fp32 atomics, dK/dV in the measurement-only discard mode (the same
@@ -249,6 +252,60 @@ def bench_fwd_also(inp, warmup, reps, options, names):
         res[f"fwd_{name}_ms"] = time_ms(lambda opts=opts: forward(opts), reps=reps,
                                         warmup=warmup)
         res[f"fwd_{name}_kernel"] = forward_kernel(inp, opts)
+    return res
+
+
+# --bwd-kernel / --bwd-also names -> the AttentionKernelOptions fields that select the backward.
+BWD_KERNELS = {"triton": dict(bwd_sm90=False), "sm90": dict(bwd_sm90=True)}
+
+
+def backward_kernel(inp, options):
+    """Which backward ran on these inputs with these options: "gluon-ws-sm90" (the Hopper
+    warp-specialized backward, `sparse_mla_bwd_sm90`) or "triton" (asked after the run: a
+    variant that failed is disabled)."""
+    q, k, v = inp["q"], inp["k"], inp["v"]
+    if not options.bwd_sm90:
+        return "triton"
+    bwd, _ = kern.hopper_backward_module()
+    dv = kern._Geometry(q, k, v, inp["dv"]).dv
+    if bwd is None or not bwd.applies(q, k, v, dv, inp["prefix"]):
+        return "triton"
+    return "gluon-ws-sm90"
+
+
+def bench_bwd_also(inp, warmup, reps, options, names):
+    """The backward with each kernel in `names` (BWD_KERNELS) on the same inputs and output
+    gradient, in the same process as the main one: bwd_<name>_ms, which kernel ran
+    (bwd_<name>_kernel), and the largest relative difference of its gradients from the main
+    options' (bwd_<name>_rel_diff, over q, k, v and the sink)."""
+    def run(opts):
+        leaves = [x.detach().clone().requires_grad_() if x is not None else None
+                  for x in (inp["q"], inp["k"], inp["v"], inp["sink"])]
+        out = sparse_attention_triton(leaves[0], leaves[1], leaves[2], inp["idx"], inp["scale"],
+                                      dv=inp["dv"], sink=leaves[3], prefix_lengths=inp["prefix"],
+                                      options=opts)
+        return out, [x for x in leaves if x is not None]
+
+    out, leaves = run(options)
+    grad = torch.randn(out.shape, device=out.device, generator=torch.Generator(
+        device=out.device).manual_seed(1)).to(out.dtype)
+    ref = [g.float() for g in torch.autograd.grad(out, leaves, grad)]
+    del out, leaves
+    res = {}
+    for name in names:
+        opts = replace(options, **BWD_KERNELS[name])
+        out, leaves = run(opts)
+        got = torch.autograd.grad(out, leaves, grad, retain_graph=True)
+        res[f"bwd_{name}_rel_diff"] = max(
+            ((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item()
+            for a, b in zip(got, ref, strict=True))
+        del got
+        res[f"bwd_{name}_ms"] = time_ms(
+            lambda out=out, leaves=leaves: torch.autograd.grad(out, leaves, grad,
+                                                               retain_graph=True),
+            reps=reps, warmup=warmup)
+        res[f"bwd_{name}_kernel"] = backward_kernel(inp, opts)
+        del out, leaves
     return res
 
 
@@ -595,6 +652,14 @@ def main():
                     help="also time the forward with these kernels, in the same process on the "
                          "same inputs (columns fwd_<name>_ms, the kernel that ran, and the "
                          "output's relative difference from the main forward's)")
+    ap.add_argument("--bwd-also", nargs="+", default=[], choices=tuple(BWD_KERNELS),
+                    help="also time the backward with these kernels on the same inputs, in "
+                         "the same process (columns bwd_<name>_ms, and the gradients' relative "
+                         "difference from the main backward's)")
+    ap.add_argument("--bwd-kernel", choices=tuple(BWD_KERNELS), default="triton",
+                    help="triton: the Triton backward (dQ, then dK / dV); sm90: the Hopper "
+                         "warp-specialized Gluon backward where it applies "
+                         "(AttentionKernelOptions.bwd_sm90), Triton elsewhere")
     ap.add_argument("--fwd-kernel", choices=tuple(FWD_KERNELS), default="auto",
                     help="auto: the Hopper (Gluon) forward for absorbed MLA where it applies "
                          "(AttentionKernelOptions.fwd_sm90), Triton elsewhere; gluon_ws: its "
@@ -605,7 +670,8 @@ def main():
     options = replace(AttentionKernelOptions.DEFAULT,
                       head_blocks_adjacent=args.head_blocks == "adjacent",
                       fwd_softmax=not args.fwd_no_softmax,
-                      **FWD_KERNELS[args.fwd_kernel])  # (no-softmax: Triton's only)
+                      **FWD_KERNELS[args.fwd_kernel],  # (no-softmax: Triton's only)
+                      **BWD_KERNELS[args.bwd_kernel])
     if args.quick:
         args.t, args.reps = [16384], 3
     os.makedirs(args.out, exist_ok=True)
@@ -622,7 +688,7 @@ def main():
     meta = dict(device=dev, date=datetime.date.today().isoformat(), command=" ".join(sys.argv),
                 matmul_tflops=mm, copy_tbps=bw, head_blocks=args.head_blocks,
                 fwd_softmax=not args.fwd_no_softmax, fwd_kernel=args.fwd_kernel,
-                rows=[])
+                bwd_kernel=args.bwd_kernel, rows=[])
     json_path = os.path.join(args.out, "bench_attention.json")
     tilelang_said = set()  # reasons TileLang did not run, each logged once
     for T in args.t:
@@ -651,10 +717,16 @@ def main():
                 for name in args.fwd_also:
                     row[f"fwd_{name}_frac"] = inp["flop_fwd"] / row[f"fwd_{name}_ms"] / 1e9 / mm
             if isinstance(row.get("bwd_ms"), float):
+                row["bwd_kernel"] = backward_kernel(inp, options)
                 row["bwd_tflops"] = inp["flop_bwd"] / row["bwd_ms"] / 1e9
                 row["bwd_frac"] = row["bwd_tflops"] / mm
                 if "bwd_det_ms" in row:
                     row["det_cost"] = row["bwd_det_ms"] / row["bwd_ms"]
+                if args.bwd_also:
+                    row.update(bench_bwd_also(inp, 1, args.reps, options, args.bwd_also))
+                    for name in args.bwd_also:
+                        row[f"bwd_{name}_frac"] = (inp["flop_bwd"] / row[f"bwd_{name}_ms"]
+                                                   / 1e9 / mm)
             if not args.no_library:
                 try:
                     row.update(bench_library(inp, 1, args.reps))
@@ -688,7 +760,9 @@ def main():
                             [r for r in meta["rows"] if r["shape"] == shape_name],
                             matmul=mm, copy=bw, extra={"indices": args.indices,
                                                         "fwd_kernel": args.fwd_kernel,
-                                                        "fwd_also": args.fwd_also})
+                                                        "fwd_also": args.fwd_also,
+                                                        "bwd_kernel": args.bwd_kernel,
+                                                        "bwd_also": args.bwd_also})
             g = lambda key, spec=".2f", row=row: fmt(row.get(key, "-"), spec)
             log(f"{shape:6s} T={T:6d} fwd {g('fwd_ms')} ms ({g('fwd_frac', '.0%')}) "
                 f"bwd {g('bwd_ms')} ms ({g('bwd_frac', '.0%')}) det x{g('det_cost')} "
@@ -700,7 +774,10 @@ def main():
                 f"peak {g('peak_gib', '.1f')} GiB [{time.time() - t0:.0f}s]"
                 + "".join(f" | {n} fwd {g(f'fwd_{n}_ms')} ms ({g(f'fwd_{n}_frac', '.0%')}, "
                           f"{row.get(f'fwd_{n}_kernel', '-')}, rel diff "
-                          f"{g(f'fwd_{n}_rel_diff', '.1e')})" for n in args.fwd_also))
+                          f"{g(f'fwd_{n}_rel_diff', '.1e')})" for n in args.fwd_also)
+                + "".join(f" | {n} bwd {g(f'bwd_{n}_ms')} ms ({g(f'bwd_{n}_frac', '.0%')}, "
+                          f"{row.get(f'bwd_{n}_kernel', '-')}, rel diff "
+                          f"{g(f'bwd_{n}_rel_diff', '.1e')})" for n in args.bwd_also))
 
     head = ("| shape | T | K | fwd kernel | fwd ms | fwd TFLOP/s | fwd / matmul | "
             "fwd gather floor ms | bwd ms | bwd TFLOP/s | bwd / matmul | bwd memory floor ms | "
@@ -738,6 +815,26 @@ def main():
             lines.append(f"| {r['shape']} | {r['T']} | {r.get('fwd_kernel', '-')} | "
                          f"{fmt(r.get('fwd_ms', '-'), '.2f')} "
                          f"({fmt(r.get('fwd_frac', '-'), '.0%')}) | " + " | ".join(cells) + " |")
+    if args.bwd_also:
+        lines += ["", "| shape | T | bwd kernel | bwd ms (/ matmul) | cudnn bwd ms | " + " | ".join(
+            f"{name}: kernel, ms (/ matmul), speed-up, vs cudnn, rel. diff"
+            for name in args.bwd_also) + " |", "|---" * (5 + len(args.bwd_also)) + "|"]
+        for r in meta["rows"]:
+            cells = []
+            for n in args.bwd_also:
+                ms = r.get(f"bwd_{n}_ms")
+                timed = isinstance(ms, float)
+                lib = r.get("lib_bwd_ms")
+                cells.append(
+                    f"{r.get(f'bwd_{n}_kernel', '-')}, {fmt(ms if timed else '-', '.2f')} "
+                    f"({fmt(r.get(f'bwd_{n}_frac', '-'), '.0%')}), "
+                    + (f"{r['bwd_ms'] / ms:.2f}x" if timed else "-") + ", "
+                    + (f"{lib / ms:.2f}x" if timed and isinstance(lib, float) else "-")
+                    + f", {fmt(r.get(f'bwd_{n}_rel_diff', '-'), '.1e')}")
+            lines.append(f"| {r['shape']} | {r['T']} | {r.get('bwd_kernel', '-')} | "
+                         f"{fmt(r.get('bwd_ms', '-'), '.2f')} "
+                         f"({fmt(r.get('bwd_frac', '-'), '.0%')}) | "
+                         f"{fmt(r.get('lib_bwd_ms', '-'), '.2f')} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
         f.write(f"{meta['device']}, {meta['date']}, bf16 matmul {mm:.0f} TFLOP/s, copy "

@@ -187,6 +187,33 @@ def attention(records):
                      f"{ratio(r.get('bwd_ms'), r.get('lib_bwd_ms'))} | "
                      f"{ratio(r.get('fwd_ms'), r.get('tl_fwd_ms'))} | "
                      f"{ratio(r.get('bwd_ms'), r.get('tl_bwd_ms'))} |")
+    return lines + attention_also(records)
+
+
+def attention_also(records):
+    """bench_attention --fwd-also / --bwd-also: the other kernels timed in the same process on
+    the same inputs, beside the main one and the library's (FlashMLA forward, cuDNN
+    backward)."""
+    lines = []
+    for part, lib in (("fwd", "FlashMLA"), ("bwd", "cuDNN")):
+        names = sorted({m.group(1) for r in records for key in r
+                        for m in [re.fullmatch(rf"{part}_(\w+)_kernel", key)] if m})
+        if not names:
+            continue
+        lines += ["", f"| shape | T | {part} kernel | {part} ms (/ matmul) | {lib} {part} ms | "
+                  + " | ".join(f"{n}: kernel, ms (/ matmul), speed-up, vs {lib}, rel. diff"
+                               for n in names) + " |", "|---" * (5 + len(names)) + "|"]
+        for r in sorted(records, key=lambda r: (r["shape"], r["T"])):
+            cells = [f"{r.get(f'{part}_{n}_kernel', '-')}, "
+                     f"{fmt(r.get(f'{part}_{n}_ms'), '.1f')} "
+                     f"({fmt(r.get(f'{part}_{n}_frac'), '.0%')}), "
+                     f"{ratio(r.get(f'{part}_{n}_ms'), r.get(f'{part}_ms'))}, "
+                     f"{ratio(r.get(f'{part}_{n}_ms'), r.get(f'lib_{part}_ms'))}, "
+                     f"{fmt(r.get(f'{part}_{n}_rel_diff'), '.1e')}" for n in names]
+            lines.append(f"| {r['shape']} | {r['T']} | {r.get(f'{part}_kernel', '-')} | "
+                         f"{fmt(r.get(f'{part}_ms'), '.1f')} "
+                         f"({fmt(r.get(f'{part}_frac'), '.0%')}) | "
+                         f"{fmt(r.get(f'lib_{part}_ms'), '.1f')} | " + " | ".join(cells) + " |")
     return lines
 
 

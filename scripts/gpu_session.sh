@@ -94,6 +94,13 @@
 #                                         # Gluon; Triton for CSA) then warp-specialized,
 #                                         # FlashMLA in both runs when scripts/gpu_cudnn.sh 1
 #                                         # and 2 ran before on this machine        (~6 min)
+#   bash scripts/gpu_session.sh bwd-sm90  # issue #20 item 2: the warp-specialized Gluon
+#                                         # sparse-MLA backward: a smoke case first (a hang
+#                                         # stops the stage), its GPU tests against the Triton
+#                                         # backward, then the backward of GLM-5.1 / V3.2 / CSA
+#                                         # at 16K-128K, Triton then warp-specialized in one
+#                                         # process, cuDNN's when scripts/gpu_cudnn.sh 1 and 2
+#                                         # ran before on this machine              (~7 min)
 #   bash scripts/gpu_session.sh reliability [FILES]  # issue #23: tests/reliability on
 #                                         # CUDA, one pytest a file, slow cases and the 256K
 #                                         # HyTopK test included (checkpoint round trips,
@@ -175,13 +182,13 @@ case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
-  |scores-sm90|fwd-ws|key-tma) ;;
+  |scores-sm90|fwd-ws|key-tma|bwd-sm90) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
-       "|scores-sm90|fwd-ws|key-tma}" \
+       "|scores-sm90|fwd-ws|key-tma|bwd-sm90}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -221,7 +228,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
   export PYTHONPATH=$(pwd)/.carry/site:$(pwd)/.carry/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 fi
 case "$stage" in
-  cudnn-*|tilelang-kernels|loss-variants|ncu-selection|scores-sm90|fwd-ws|key-tma)
+  cudnn-*|tilelang-kernels|loss-variants|ncu-selection|scores-sm90|fwd-ws|key-tma|bwd-sm90)
     case "$stage" in cudnn-*|tilelang-kernels)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -590,6 +597,16 @@ case "$stage" in
       --shapes glm51 v32 csa --fwd-only --fwd-also gluon_ws --reps 3 --no-stock --no-tilelang \
       --out "$out" 2>&1 | grep -v -i warn | tee "$out/bench_attention_fwd_ws.log" \
       | grep -E "T=|Error" ;;
+  bwd-sm90)
+    # Issue #20 item 2: a small case of the warp-specialized backward first.
+    smoke_then_tests tests/ops/test_sparse_mla_bwd_sm90_gpu.py \
+      "test_matches_the_triton_backward and 64-130-True" || exit 1
+    # The Triton backward (today's default), the warp-specialized one in the same process on
+    # the same inputs and output gradient (--bwd-also), cuDNN's when gpu_cudnn.sh installed it.
+    timeout 420 python3 scripts/bench_attention.py --t 16384 65536 131072 \
+      --shapes glm51 v32 csa --no-deterministic --bwd-also sm90 --reps 3 --no-stock \
+      --no-tilelang --out "$out" 2>&1 | grep -v -i warn \
+      | tee "$out/bench_attention_bwd_sm90.log" | grep -E "T=|Error" ;;
   ncu-selection)
     # Issue #21: where HyTopK's time goes, from the hardware counters (Nsight Compute, full
     # set: warp stall reasons, issue-slot use, per-SASS-line samples) for one call of each

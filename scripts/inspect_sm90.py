@@ -298,6 +298,29 @@ def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256, ws: bool = Fa
     return calls
 
 
+def _sparse_mla_bwd_sm90(hq: int, d: int, topk: int, T: int = 256, sink: bool = False,
+                         dlse: bool = False, target: bool = False) -> list[Launch]:
+    """The warp-specialized Gluon sparse-MLA backward (Hopper only; `AttentionKernelOptions.
+    bwd_sm90`: a cp.async producer warpgroup, two consumer warpgroups); with the lse's
+    gradient, a sink (CSA: K = V, no tail) or the indexer loss's target."""
+    from megatron_hyscale.ops.kernels import sparse_mla_bwd_sm90 as bwd
+
+    d_main = 1 << (d.bit_length() - 1)
+    q = torch.zeros(1, T, hq, d, dtype=torch.bfloat16)
+    k = torch.zeros(1, T, 1, d, dtype=torch.bfloat16)
+    out = torch.zeros(1, T, hq, d_main, dtype=torch.bfloat16)
+    lse = torch.zeros(1, T, hq)
+    idx = torch.zeros(1, T, topk, dtype=torch.int32)
+    dk = torch.zeros(1, T, 1, d)
+    tgt = torch.zeros(1, T, topk)
+    with intercept(bwd, "_sparse_mla_bwd_kernel") as calls:
+        bwd.sparse_mla_bwd_sm90(q, k, idx, d ** -0.5, out, lse, torch.zeros_like(out), dk,
+                                dlse=torch.zeros_like(lse) if dlse else None,
+                                sink=torch.zeros(hq) if sink else None,
+                                target=(tgt, (0, *tgt.stride()), hq > 64) if target else None)
+    return calls
+
+
 def _indexer_scores_sm90(h: int, T: int = 4096) -> list[Launch]:
     """The warp-specialized Gluon indexer scores (Hopper only; `indexer_row_max_sm90`: each
     causal row's largest score, HyTopK's scores-only measurement), h heads of 128 dims."""
@@ -495,6 +518,11 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "sparse-mla-fwd-ws-sm90-v32": lambda: _sparse_mla_fwd_sm90(128, 576, 2048, ws=True),
     "sparse-mla-fwd-ws-sm90-csa": lambda: _sparse_mla_fwd_sm90(64, 512, 640, ws=True,
                                                                sink=True),
+    "sparse-mla-bwd-sm90-glm51": lambda: _sparse_mla_bwd_sm90(64, 576, 2048),
+    "sparse-mla-bwd-sm90-v32": lambda: _sparse_mla_bwd_sm90(128, 576, 2048),
+    "sparse-mla-bwd-sm90-csa": lambda: _sparse_mla_bwd_sm90(64, 512, 640, sink=True),
+    "sparse-mla-bwd-sm90-glm51-target": lambda: _sparse_mla_bwd_sm90(64, 576, 2048, dlse=True,
+                                                                     target=True),
     # The warp-specialized indexer scores (a TMA producer warp, two wgmma consumer warpgroups).
     "indexer-scores-sm90-dsv32": lambda: _indexer_scores_sm90(64),
     "indexer-scores-sm90-glm51": lambda: _indexer_scores_sm90(32),

@@ -218,3 +218,26 @@ def warn_once(key: str, message: str, stacklevel: int = 3) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+class KernelVariants:
+    """A fast kernel's compiled variants that failed in this process (`disabled`: its
+    `applies` refuses them) and the warnings saying why it did not run (once per cause)."""
+
+    def __init__(self, key: str, kernel: str, fallback: str):
+        self.key, self.kernel, self.fallback = key, kernel, fallback
+        self.disabled: set[tuple] = set()
+
+    def warn_cannot_run(self, cause: str, detail: str = "", stacklevel: int = 4) -> None:
+        """One warning per distinct cause (`detail` varies within one); the default stacklevel
+        points at the caller of the op's launcher."""
+        text = f"{cause}: {detail}" if detail else cause
+        warn_once(f"{self.key}: {cause}", f"HyScale: the {self.kernel} cannot run ({text}); "
+                  f"using the {self.fallback}", stacklevel=stacklevel + 1)
+
+    def disable(self, variant: tuple, reason: str) -> None:
+        """Stop using one compiled variant after it failed, with one warning (the reason cut
+        to its first line)."""
+        self.disabled.add(variant)
+        first = reason.splitlines()[0][:300] if reason else "failed"
+        self.warn_cannot_run(f"{variant}: {first}", stacklevel=5)

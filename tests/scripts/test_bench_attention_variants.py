@@ -94,10 +94,18 @@ def test_benchmark_tables_renders_a_sweep_record(tmp_path, monkeypatch, capsys):
     assert lines[2] == "| csa | 65536 | 32 x 2 | 81.9 | 59.7 | failed: RuntimeError |"
 
 
-def test_fwd_also_times_each_forward_kernel_on_the_same_inputs(monkeypatch):
-    """--fwd-also: each named forward runs with its options (and only those changed) on the
-    main run's inputs; its output is compared with the main forward's."""
-    bench = _load_bench()
+def _tiny_inputs(seed, T=3):
+    """A GLM-5.1-like input for bench_fwd_also / bench_bwd_also (24 channels: 16 + a tail)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(40, generator=g)[:20] for _ in range(T)])
+    return dict(q=torch.randn(1, T, 4, 24, generator=g).to(DEVICE),
+                k=torch.randn(1, 40, 1, 24, generator=g).to(DEVICE), v=None,
+                idx=idx.view(1, T, 20).int().to(DEVICE), sink=None, dv=16, scale=24 ** -0.5,
+                prefix=None)
+
+
+def _record_options(bench, monkeypatch):
+    """The options of every sparse_attention_triton call the benchmark makes, in order."""
     calls = []
     real = bench.sparse_attention_triton
 
@@ -106,14 +114,16 @@ def test_fwd_also_times_each_forward_kernel_on_the_same_inputs(monkeypatch):
         return real(*args, options=options, **kwargs)
 
     monkeypatch.setattr(bench, "sparse_attention_triton", recording)
+    return calls
+
+
+def test_fwd_also_times_each_forward_kernel_on_the_same_inputs(monkeypatch):
+    """--fwd-also: each named forward runs with its options (and only those changed) on the
+    main run's inputs; its output is compared with the main forward's."""
+    bench = _load_bench()
+    calls = _record_options(bench, monkeypatch)
     monkeypatch.setattr(bench, "time_ms", lambda fn, reps, warmup: (fn(), 2.0)[1])
-    g = torch.Generator().manual_seed(1)
-    T = 3
-    idx = torch.stack([torch.randperm(40, generator=g)[:20] for _ in range(T)])
-    inp = dict(q=torch.randn(1, T, 4, 24, generator=g).to(DEVICE),
-               k=torch.randn(1, 40, 1, 24, generator=g).to(DEVICE), v=None,
-               idx=idx.view(1, T, 20).int().to(DEVICE), sink=None, dv=16, scale=24 ** -0.5,
-               prefix=None)
+    inp = _tiny_inputs(seed=1)
     options = bench.AttentionKernelOptions.DEFAULT
     res = bench.bench_fwd_also(inp, 0, 1, options, ["gluon_ws", "triton"])
     assert res["fwd_gluon_ws_ms"] == 2.0 and res["fwd_triton_ms"] == 2.0
@@ -123,3 +133,23 @@ def test_fwd_also_times_each_forward_kernel_on_the_same_inputs(monkeypatch):
     assert all(o.dq_tilings == options.dq_tilings for o in calls)
     if DEVICE == "cpu":  # every forward is the Triton one here: the same output
         assert res["fwd_gluon_ws_rel_diff"] == 0.0 and res["fwd_gluon_ws_kernel"] == "triton"
+
+
+def test_bwd_also_times_each_backward_kernel_on_the_same_inputs(monkeypatch):
+    """--bwd-also: each named backward runs under its options (only the backward's field
+    changed; the forward carries them into autograd) on the main run's inputs and output
+    gradient; its gradients are compared with the main backward's."""
+    bench = _load_bench()
+    calls = _record_options(bench, monkeypatch)
+    timed = []
+    monkeypatch.setattr(bench, "time_ms", lambda fn, reps, warmup: (timed.append(fn()), 3.0)[1])
+    inp = _tiny_inputs(seed=2)
+    options = bench.AttentionKernelOptions.DEFAULT
+    res = bench.bench_bwd_also(inp, 0, 1, options, ["sm90"])
+    assert res["bwd_sm90_ms"] == 3.0
+    assert [o.bwd_sm90 for o in calls] == [False, True]
+    assert all(o.dq_tilings == options.dq_tilings and o.fwd_sm90 == options.fwd_sm90
+               for o in calls)
+    assert len(timed) == 1 and len(timed[0]) == 2  # dq and dk: a gradient for each leaf
+    if DEVICE == "cpu":  # the Triton backward either way here: the same gradients
+        assert res["bwd_sm90_rel_diff"] == 0.0 and res["bwd_sm90_kernel"] == "triton"

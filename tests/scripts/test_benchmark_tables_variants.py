@@ -83,3 +83,25 @@ def test_record_names_pick_their_renderer():
     assert order.index("bench_selection_row_sort") < order.index("bench_selection")
     assert order.index("bench_indexer_loss_variants") < order.index("bench_indexer_loss")
     assert order.index("bench_indexer_loss_dense") < order.index("bench_indexer_loss")
+
+
+def test_attention_other_kernels_of_the_same_run():
+    """bench_attention --fwd-also / --bwd-also: a table per part after the main one, each named
+    kernel's time against the main kernel's and the library's (a speed-up of 2.00x: twice as
+    fast); none without them."""
+    tables = load()
+    base = {"shape": "glm51", "T": 16384, "fwd_ms": 10.0, "fwd_frac": 0.5, "bwd_ms": 70.0,
+            "bwd_frac": 0.2, "bwd_kernel": "triton", "lib_bwd_ms": 30.0, "lib_fwd_ms": 8.0}
+    assert tables.attention_also([base]) == []
+    record = dict(base, bwd_sm90_ms=35.0, bwd_sm90_frac=0.4, bwd_sm90_kernel="gluon-ws-sm90",
+                  bwd_sm90_rel_diff=1e-3, fwd_gluon_ws_ms=8.0, fwd_gluon_ws_kernel="gluon-ws-sm90")
+    lines = tables.attention([record])
+    fwd_at = next(i for i, line in enumerate(lines) if "fwd kernel" in line)
+    bwd_at = next(i for i, line in enumerate(lines) if "bwd kernel" in line)
+    assert 0 < fwd_at < bwd_at
+    (fwd,) = rows(lines[fwd_at:bwd_at])
+    assert fwd["gluon_ws: kernel, ms (/ matmul), speed-up, vs FlashMLA, rel. diff"] == (
+        "gluon-ws-sm90, 8.0 (-), 1.25x, 1.00x, -")
+    (bwd,) = rows(lines[bwd_at:])
+    assert bwd["sm90: kernel, ms (/ matmul), speed-up, vs cuDNN, rel. diff"] == (
+        "gluon-ws-sm90, 35.0 (40%), 2.00x, 0.86x, 1.0e-03")

@@ -178,6 +178,38 @@ def test_warp_specialized_sparse_mla_forward_compiles_its_partitions(tmp_path: P
         assert "USETMAXREG.DEALLOC.CTAPOOL 0x28" in sass  # 40 for the producer
 
 
+def test_warp_specialized_sparse_mla_backward_compiles_its_partitions(tmp_path: Path) -> None:
+    """The warp-specialized Gluon backward (ops/kernels/sparse_mla_bwd_sm90.py) compiles for
+    sm_90a with no serialized wgmma (C7514) and shared memory within the H200's, for absorbed
+    MLA (one and two head blocks) and DeepSeek-V4's K = V with a sink. Consumer 0's key loop
+    (the hot loop found) has no local memory: S over 512 + 64 channels (36 HGMMA, 32 without
+    the tail) and dP (32) for its 32 keys, dQ over the tile's 64 keys (4), and four 64-channel
+    dK products of two wgmma each (32; with the tail's product, 4 more), added into the key
+    rows with two-float atomics (REDG.E.ADD.F32x2, 16 a chunk a thread). No consumer issues a
+    gather: the producer's two cp.async arrivals (q + dO, and the key tile) are the only ones.
+    Register budgets 240 (consumers) and 24 (producer)."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "sparse-mla-bwd-sm90-glm51", "sparse-mla-bwd-sm90-v32",
+                "sparse-mla-bwd-sm90-csa", "--json", str(out), "--sass-out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    glm, v32, csa = json.loads(out.read_text())
+    assert glm["constexprs"]["NG"] == 0 and v32["constexprs"]["NG"] == 2
+    assert csa["constexprs"]["D_TAIL"] == 0 and csa["constexprs"]["HAS_SINK"] is True
+    for rep in (glm, v32, csa):
+        tail = rep["constexprs"]["D_TAIL"] > 0
+        assert rep["perf_warnings"] == []
+        assert rep["shared_bytes"] <= 232448
+        ops = rep["loop_ops"]
+        assert ops["HGMMA"] == (108 if tail else 100)
+        assert ops["REDG"] == (80 if tail else 64)
+        assert ops["LDL"] == 0 and ops["STL"] == 0 and ops["LDGSTS"] == 0
+        sass = next(tmp_path.glob(f"{rep['preset']}_0_*.sass")).read_text()
+        assert "REDG.E.ADD.F32x2" in sass and "REDG.E.ADD.F32 " not in sass
+        assert sass.count("ARRIVES.LDGSTSBAR") == 2
+        assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0" in sass  # 240 for consumer 1
+        assert "USETMAXREG.DEALLOC.CTAPOOL 0x18" in sass  # 24 for the producer
+
+
 def test_key_tma_takes_the_key_copies_out_of_the_tile_loop(tmp_path: Path) -> None:
     """HyTopKOptions.key_tma: the tile loop has no per-thread copies (LDGSTS) left, one TMA
     load (UTMALDG) a tile and its mbarrier, the same products, and fewer instructions than the

@@ -212,8 +212,9 @@ Tilings = tuple[tuple[int, int], ...]
 @dataclass(frozen=True)
 class AttentionKernelOptions:
     """Variants and tunings of the sparse-attention kernels (`kernels/sparse_attention.py`,
-    `kernels/sparse_mla_fwd_sm90.py`). The results agree to fp32 rounding order for every value
-    (bitwise for the launch order), except fwd_softmax=False, a measurement-only forward."""
+    `kernels/sparse_mla_fwd_sm90.py`, `kernels/sparse_mla_bwd_sm90.py`). The results agree to
+    fp32 rounding order for every value (bitwise for the launch order), except
+    fwd_softmax=False, a measurement-only forward."""
 
     # Launch order of a query's head-block programs when it has one KV head (the heads of one KV
     # head split over several programs: V3.2's 128 heads in two blocks of 64, the dK/dV kernel's
@@ -257,6 +258,18 @@ class AttentionKernelOptions:
     # of them spill loads / stores) where the two passes have about 2020 per 16 keys (dQ 32 x 2:
     # 1315 per 32; dK/dV 16 x 2: 1366); `bench_attention.py --bwd-sweep` times both.
     bwd_fused: bool = False
+    # The backward of absorbed MLA and DeepSeek-V4's K = V (one KV head, V = K's main part of
+    # 128 / 256 / 512 channels, a tail of 0 or 64, heads a multiple of 64, no prefix; a sink
+    # taken) on Hopper as one warp-specialized Gluon kernel (`sparse_mla_bwd_sm90`): a cp.async
+    # producer warpgroup gathers each 64-key tile once; two consumer warpgroups compute S, P, dP
+    # and dS once (32 keys each), exchange P and dS through shared memory and each accumulate dQ
+    # and add dK (dV merged) for half the channels, from registers with REDG.F32x2 atomics. The
+    # Triton backward computes S and dP twice (its dQ and dK/dV passes). Same results up to fp32
+    # rounding order; deterministic=True keeps the Triton backward's fixed-point accumulation
+    # (one warning). Off until timed on the H200 against the Triton and cuDNN backwards
+    # (`bench_attention.py --bwd-kernel sm90`, `gpu_session.sh bwd-sm90`); compiled for sm_90a
+    # without spills in its loops (`inspect_sm90.py --preset sparse-mla-bwd-sm90-glm51`).
+    bwd_sm90: bool = False
     # dK/dV kernel orientation: keys on M (dK_tile = dS^T @ q with M = the key tile, which at 32
     # keys is below wgmma's 64 and compiles to mma.sync) or the channels on M (dK^T = q^T @ dS:
     # M = 512 / 576, every product wgmma-sized; q and dO in one layout each, so no head-block

@@ -23,7 +23,9 @@ buffers with atomics, computing dK^T = q^T dS and dV^T = dO^T P with the channel
 iteration later). `bwd_fused` does both in the dQ kernel's single pass. Variants and tilings
 come in an `AttentionKernelOptions` (`kernels/options.py`). `sparse_attention_bwd_with_target`
 also has the dQ kernel sum each P tile over its heads: the DSA indexer loss's target, without
-`indexer_loss.attention_target`'s second gather of the selected keys.
+`indexer_loss.attention_target`'s second gather of the selected keys. On Hopper,
+`bwd_sm90` runs the backward of absorbed MLA and of K = V as one warp-specialized Gluon kernel
+instead (`sparse_mla_bwd_sm90`, target included; not under `deterministic`).
 `deterministic=True` replaces the fp32 atomics by two passes: an order-free atomic max of each
 key row's contributions, then int64 fixed-point atomic adds on a per-row power-of-two scale
 (integer addition is associative, so the result does not depend on the order of the atomics;
@@ -1006,11 +1008,69 @@ def sparse_attention_bwd_with_target(
                      deterministic, prefix_lengths, options, emit_target=True)
 
 
+@functools.cache
+def hopper_backward_module() -> tuple[ModuleType | None, str]:
+    """(`sparse_mla_bwd_sm90`, "") or (None, why it cannot be imported), tried once a process."""
+    try:
+        from megatron_hyscale.ops.kernels import sparse_mla_bwd_sm90
+    except ImportError as exc:
+        return None, str(exc)
+    return sparse_mla_bwd_sm90, ""
+
+
+def _sm90_backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, sink,
+                   deterministic, prefix_lengths, options, emit_target):
+    """(dq, dk, None, dsink or None, the target or None) from the Hopper backward
+    (options.bwd_sm90), or None where it does not run: silently for another shape or device;
+    with one warning per cause where it is the shape's kernel on Hopper and still cannot run
+    (no Gluon, deterministic=True, a layout its copies cannot take), or where this variant
+    fails (it is not tried again: `sparse_mla_bwd_sm90.disable`)."""
+    if not (options.bwd_sm90 and q.is_cuda):
+        return None
+    bwd, import_error = hopper_backward_module()
+    if bwd is None:
+        if torch.cuda.get_device_capability(q.device)[0] == 9:
+            warn_once("sparse-mla-bwd-sm90: import", "HyScale: the Hopper sparse-MLA backward "
+                      f"cannot be loaded ({import_error}); using the Triton backward",
+                      stacklevel=5)
+        return None
+    geo = _Geometry(q, k, v, dv)
+    if not bwd.applies(q, k, v, geo.dv, prefix_lengths):
+        return None
+    if deterministic:
+        bwd.warn_cannot_run("deterministic=True (its dK additions are fp32 atomics; the Triton "
+                            "backward's fixed point is bitwise repeatable)")
+        return None
+    problem = bwd.layout_problem(q, k, out, dout)
+    if problem is not None:
+        bwd.warn_cannot_run(*problem)
+        return None
+    acc = _DkvAccumulators(q, k, v, geo, lse, False, False)
+    target = _TargetBuffer(q, k, indices, geo, sink, prefix_lengths) if emit_target else None
+    try:
+        dq, dsink_part = bwd.sparse_mla_bwd_sm90(
+            q, k, indices, softmax_scale, out, lse, dout, acc.dk, dlse=dlse, sink=sink,
+            target=(*target.args(), target.atomic) if target is not None else None,
+            head_blocks_adjacent=options.head_blocks_adjacent)
+    except torch.OutOfMemoryError:
+        raise  # not the kernel's failure: the Triton backward would need the same memory
+    except Exception as exc:  # this variant failed to compile or launch: say so, keep training
+        bwd.disable(bwd.variant(q), f"{type(exc).__name__}: {exc}")
+        return None
+    dk, _ = acc.result(k, v)
+    dsink = dsink_part.sum(dim=(0, 1)).to(sink.dtype) if sink is not None else None
+    return dq, dk, None, dsink, target.result() if target is not None else None
+
+
 def _backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, sink, deterministic,
               prefix_lengths, options, emit_target):
     """(dq, dk, dv or None, dsink or None, the target or None)."""
     if emit_target:  # before any launch (the fused deterministic backward's first pass)
         _TargetBuffer.check(indices, sink, prefix_lengths)
+    done = _sm90_backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, sink,
+                          deterministic, prefix_lengths, options, emit_target)
+    if done is not None:
+        return done
     kw = dict(dlse=dlse, dv=dv, sink=sink, prefix_lengths=prefix_lengths, options=options)
     if not options.bwd_fused:
         dq, delta, dsink, *target = sparse_attention_bwd_dq(

@@ -27,9 +27,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from megatron_hyscale.ops.checks import warn_once
+from megatron_hyscale.ops.checks import KernelVariants
 from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E, launch_grid
-from megatron_hyscale.ops.kernels.gluon_grid import program_coords
+from megatron_hyscale.ops.kernels.gluon_common import program_coords
 from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 
 # Query heads a program (the products' M: one wgmma tile height per warpgroup).
@@ -87,7 +87,7 @@ def _sparse_mla_fwd_kernel(
 
     Every channel stride is 1 and every row stride a multiple of STRIDE_MULTIPLE; NK >= 1 (the
     wrapper checks both).
-    NG: the grid's form (`gluon_grid.program_coords`).
+    NG: the grid's form (`gluon_common.program_coords`).
     """
     b, t, hb = program_coords(T, NG)
 
@@ -238,9 +238,10 @@ def layout_problem(q: torch.Tensor, k: torch.Tensor) -> tuple[str, str] | None:
 _layouts: dict[tuple, tuple] = {}
 
 
-def _shared_layouts(dtype: torch.dtype, d_main: int, d_tail: int) -> tuple:
-    """NVMMA layouts of q's and a key tile's main and tail parts and of a P tile (both Gluon
-    kernels'; d_tail > 0)."""
+def shared_layouts(dtype: torch.dtype, d_main: int, d_tail: int) -> tuple:
+    """NVMMA layouts of q's and a key tile's main and tail parts and of a P tile, for the
+    Gluon forwards and the backward (`sparse_mla_bwd_sm90`, whose dO tile is q's main part's
+    shape and whose P / dS tiles are [keys x heads] of the same square shape); d_tail > 0."""
     key = (dtype, d_main, d_tail)
     if key not in _layouts:
         gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
@@ -278,7 +279,7 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
         indices = indices[:, :, 0]
     grid, ng = launch_grid(B * T, 1, Hq // BLOCK_H, options.head_blocks_adjacent)
     # Without a tail (the warp-specialized kernel's K = V) the tail layouts go unused.
-    layouts = _shared_layouts(q.dtype, d_main, d - d_main or TAIL)
+    layouts = shared_layouts(q.dtype, d_main, d - d_main or TAIL)
     if options.fwd_sm90_ws:
         from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90
 
@@ -299,21 +300,9 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
     return out, lse
 
 
-# Variants (`variant`) that failed to compile or launch in this process: `applies` refuses them.
-_disabled: set[tuple] = set()
-
-
-def warn_cannot_run(cause: str, detail: str = "", stacklevel: int = 4) -> None:
-    """One warning per distinct cause the Hopper forward could not run (the default stacklevel
-    points at the caller of `sparse_attention_fwd`); `detail` varies within a cause."""
-    text = f"{cause}: {detail}" if detail else cause
-    warn_once(f"sparse-mla-fwd-sm90: {cause}",
-              f"HyScale: the Hopper sparse-MLA forward cannot run ({text}); using the Triton "
-              "forward", stacklevel=stacklevel + 1)
-
-
-def disable(key: tuple, reason: str) -> None:
-    """Stop using one compiled variant (`variant`) in this process after it failed, with one
-    warning (the reason cut to its first line)."""
-    _disabled.add(key)
-    warn_cannot_run(f"{key}: {reason.splitlines()[0][:300] if reason else 'failed'}", stacklevel=5)
+# Variants (`variant`) that failed to compile or launch in this process (`applies` refuses them),
+# and the warnings when the kernel cannot run.
+_variants = KernelVariants("sparse-mla-fwd-sm90", "Hopper sparse-MLA forward", "Triton forward")
+_disabled = _variants.disabled
+warn_cannot_run = _variants.warn_cannot_run
+disable = _variants.disable

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E, LOG2E_JIT
-from megatron_hyscale.ops.kernels.gluon_grid import program_coords
+from megatron_hyscale.ops.kernels.gluon_common import gather_rows, opaque_zero, program_coords
 
 # Query heads a program: the products' M, one wgmma tile height, so each consumer holds all of
 # them (its S is [64 heads x 64 keys], its O [64 heads x D_MAIN / 2]). BLOCK_H and BLOCK_N are
@@ -94,25 +94,6 @@ R = gl.constexpr(1)
 
 
 @gluon.jit
-def _opaque_zero(x):
-    """0, computed where it is used: indexing shared memory with it keeps the wgmma descriptors
-    of a fixed buffer in the loop. A consumer always reads the same stage, so otherwise LLVM
-    hoists all of S's 2 x 36 64-bit k-step descriptors out of the loop, and they spill."""
-    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _gather(dst, rows, valid, WIDTH: gl.constexpr, layout: gl.constexpr):
-    """cp.async the block rows[:, None] + [0, WIDTH) into dst [len(rows) x WIDTH], rows that
-    are not `valid` zero-filled; rows and valid in SliceLayout(1, layout). One call a block:
-    Triton puts a barrier between two copies into the same buffer."""
-    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-    mask = valid[:, None] & gl.full([rows.shape[0], WIDTH], 1, gl.int1, layout=layout)
-    cp.async_copy_global_to_shared(dst, rows[:, None] + cols[None, :], mask=mask)
-
-
-@gluon.jit
 def _fill_half(k_main_s, k_tail_s, ready, empty, stage: gl.constexpr, half: gl.constexpr,
                rows, valid, parity, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
                layout: gl.constexpr):
@@ -121,9 +102,9 @@ def _fill_half(k_main_s, k_tail_s, ready, empty, stage: gl.constexpr, half: gl.c
     h: gl.constexpr = 2 * stage + half
     mbarrier.wait(empty.index(h), parity ^ 1)
     main = k_main_s.index(stage).slice(half * HALF, HALF, dim=1)
-    _gather(main, rows + half * HALF, valid, HALF, layout)
+    gather_rows(main, rows + half * HALF, valid, HALF, layout)
     if half == R and D_TAIL > 0:
-        _gather(k_tail_s.index(stage), rows + D_MAIN, valid, D_TAIL, layout)
+        gather_rows(k_tail_s.index(stage), rows + D_MAIN, valid, D_TAIL, layout)
     cp.mbarrier_arrive(ready.index(h), increment_count=False)
 
 
@@ -152,9 +133,9 @@ def _producer(q_ptr, k_ptr, idx_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s, bar
     heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_l)).to(gl.int64)
     q_rows = q_ptr + b * sqb + t * sqt + heads * sqh
     every = gl.full([BLOCK_H], 1, gl.int1, layout=row_l)
-    _gather(q_main_s.index(0), q_rows, every, D_MAIN, ld_layout)
+    gather_rows(q_main_s.index(0), q_rows, every, D_MAIN, ld_layout)
     if D_TAIL > 0:
-        _gather(q_tail_s.index(0), q_rows + D_MAIN, every, D_TAIL, ld_layout)
+        gather_rows(q_tail_s.index(0), q_rows + D_MAIN, every, D_TAIL, ld_layout)
     cp.mbarrier_arrive(q_bar, increment_count=False)
 
     idx_base = idx_ptr + b * sib + t * sit
@@ -227,7 +208,7 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_
         ph = i & 1
         offs = (2 * i + c) * BLOCK_N + slots
         valid = gl.load(idx_base + offs * sik, mask=offs < NK, other=-1) >= 0
-        zero = _opaque_zero(i)
+        zero = opaque_zero(i)
         q_main, q_tail = q_main_s.index(zero), q_tail_s.index(zero)
         k_own, k_own_tail = k_main_s.index(c + zero), k_tail_s.index(c + zero)
         # Each product is waited for before its accumulator is touched (ptxas serializes
@@ -336,7 +317,7 @@ def _sparse_mla_fwd_ws_kernel(
     block.
 
     Row strides multiples of 16 elements, unit-stride channels, NK >= 1 (the wrapper checks).
-    NG: the grid's form (`gluon_grid.program_coords`).
+    NG: the grid's form (`gluon_common.program_coords`).
     """
     b, t, hb = program_coords(T, NG)
     n_iter = gl.cdiv(NK, 2 * BLOCK_N)
@@ -401,7 +382,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, sink: torch.
     checked the inputs (`applies`: a tail of 0 or BLOCK_N channels; `layout_problem`), took
     care of empty calls, made indices [B, T, K] with K >= 1, chose the grid
     (`common.launch_grid`: ng head blocks adjacent, or 0) and the shared layouts (its
-    `_shared_layouts`: q's and a key tile's main and tail parts, a P tile, the last also the
+    `shared_layouts`: q's and a key tile's main and tail parts, a P tile, the last also the
     tail's, which P0 is written over)."""
     d = q.shape[-1]
     d_main = out.shape[-1]

@@ -1,0 +1,44 @@
+"""Device functions the Gluon kernels share (a Gluon kernel cannot call a Triton function):
+which (batch, query, head block) a program computes, the cp.async gather of a block of rows,
+and an opaque zero that keeps shared-memory descriptors inside a loop."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+
+
+@gluon.jit
+def program_coords(T, NG: gl.constexpr):
+    """(batch, query, head block) of this program, for both grid forms of
+    `common.launch_grid` (decoded as `sparse_attention._coords` does for the Triton kernels):
+    NG > 0, a 1-D grid with a query's NG head blocks adjacent; NG = 0, a (B x T, blocks) grid."""
+    if NG > 0:
+        pid = gl.program_id(0).to(gl.int64)
+        pid_q = pid // NG
+        hb = (pid % NG).to(gl.int32)
+    else:
+        pid_q = gl.program_id(0).to(gl.int64)
+        hb = gl.program_id(1)
+    return pid_q // T, pid_q % T, hb
+
+
+@gluon.jit
+def gather_rows(dst, rows, valid, WIDTH: gl.constexpr, layout: gl.constexpr):
+    """cp.async the block rows[:, None] + [0, WIDTH) into dst [len(rows) x WIDTH], rows that
+    are not `valid` zero-filled; rows (pointers) and valid in SliceLayout(1, layout). One call
+    a block: Triton puts a barrier between two copies into the same buffer."""
+    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    mask = valid[:, None] & gl.full([rows.shape[0], WIDTH], 1, gl.int1, layout=layout)
+    cp.async_copy_global_to_shared(dst, rows[:, None] + cols[None, :], mask=mask)
+
+
+@gluon.jit
+def opaque_zero(x):
+    """0, computed where it is used: indexing shared memory with it keeps the wgmma descriptors
+    of a fixed buffer in the loop. A partition that always reads the same buffers otherwise
+    has LLVM hoist all of its products' 64-bit k-step descriptors out of the loop, where they
+    spill."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)

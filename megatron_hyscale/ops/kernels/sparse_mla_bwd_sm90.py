@@ -1,0 +1,467 @@
+"""Sparse attention backward for absorbed MLA on Hopper (sm_90a), warp-specialized, in Gluon.
+
+Shapes: q [B, T, Hq, D_MAIN + D_TAIL] bf16 / fp16 (D_MAIN 128 / 256 / 512, D_TAIL 64: GLM-5.1,
+V3.2; or 0: DeepSeek-V4's K = V), k [B, S, 1, same], V = k[..., :D_MAIN]; indices [B, T, K] (-1
+unused, distinct within a row); out, dout [B, T, Hq, D_MAIN]; lse (and its gradient dlse) fp32
+[B, T, Hq]; optional sink [Hq]. Writes dq [B, T, Hq, D] in q's dtype and adds dK (dV merged into
+its first D_MAIN channels) into an fp32 [B, S, 1, D] buffer with atomics; with a sink, each
+(query, head)'s -p_sink * Delta into an fp32 [B, T, Hq] buffer. The Triton backward's results
+(`sparse_attention._bwd_dq_kernel` with FUSE_DKV) up to fp32 rounding order.
+
+Algorithm: one program per (query, 64 heads), three warpgroups, every product computed once.
+A producer warpgroup gathers q and dO once and then each 64-key tile's rows with cp.async.
+Consumer c takes keys 32c .. 32c + 31 of a tile for S = Q K^T, P = exp(S - lse), dP = dO V^T
+and dS = P (dP - Delta) scale, and stores P and dS transposed ([keys x heads]) into shared
+memory; then, over all 64 keys, dQ += dS K for its half of the channels and dK = dS^T Q + P^T dO
+for its half (64-channel products), added into the key rows from registers. The key tile is
+released after the dQ products, so the next tile's gather runs under the dK products and their
+atomics, which bound the kernel (T x K x D fp32 additions).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from megatron_hyscale.ops.checks import KernelVariants
+from megatron_hyscale.ops.kernels.common import LOG2E, LOG2E_JIT
+from megatron_hyscale.ops.kernels.gluon_common import gather_rows, opaque_zero, program_coords
+from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import STRIDE_MULTIPLE, TAIL
+
+# Query heads a program: the M of S, dP and dQ (one wgmma tile height) and the K of dK's
+# products. Shared memory holds q and dO [64 x D_MAIN] and one key tile [64 x D]: at D = 576
+# that is 208 KiB of the H200's 227 (P and dS transposed: 16 KiB more), so one key tile, not a
+# ring: the producer refills it while the consumers run the dK products and atomics.
+BLOCK_H = 64
+# Keys a tile: dK's M (64 keys, so its accumulator rows are key rows and a thread's atomics
+# cover consecutive channels of one row); each consumer's S and dP take half of them.
+BLOCK_N = 64
+# Channels of one dK product: a [64 keys x 64] fp32 accumulator is 32 registers a thread.
+DK_CHUNK = gl.constexpr(64)
+# Partitions: consumer 0 is the default one (the kernel's num_warps), consumer 1 and the
+# producer are workers. A consumer holds its dQ half (128 fp32 registers; consumer 1 also the
+# tail's 32), S and dP (16 each), P and dS, and one dK chunk at a time.
+CONSUMER_WARPS = 4
+PRODUCER_WARPS = 4
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+MAXNREG = 168
+# Channels a Delta load covers at a time (Delta = rowsum(dO * O) for the consumer's half).
+DELTA_CHUNK = gl.constexpr(64)
+
+# mbarrier protocol (wait(bar, p) returns once the phase of parity p completed; a fresh barrier
+# counts its phase of parity 1 as completed). A consumer's arrival is one thread's after the
+# partition barrier, so it follows its four warps' earlier work; the producer's are cp.async
+# arrivals, one a thread, hence counts of 128. Iteration i (key tile i, parity i & 1):
+#   q_bar      (128): q and dO landed; the consumers wait parity 0 once.
+#   k_ready    (128): tile i landed.
+#   k_empty    (2):   both consumers' dQ products of tile i are done (the last readers of the
+#                     key tile: S and dP read it before); the producer waits parity
+#                     (i & 1) ^ 1 before gathering tile i + 1 into it.
+#   ps_ready[c] (1):  consumer c's halves of P and dS of tile i are in shared memory.
+#   ps_empty   (2):   both consumers' dK products of tile i are done (the last readers of P and
+#                     dS); consumer c waits parity (i & 1) ^ 1 before storing tile i's.
+#   d_ready[c] (1, once): consumer c's half of Delta is in d_s[c].
+# No barrier completes a phase twice ahead of its waiter: consumer c arrives on ps_ready[c] for
+# tile i + 1 only after ps_empty(i), which needs the other consumer's arrival after its wait on
+# ps_ready[c](i); k_empty(i + 1) needs k_ready(i + 1), which the producer arrives only after
+# waiting k_empty(i); ps_empty(i + 1) needs both ps_ready(i + 1), each after ps_empty(i).
+
+
+@gluon.jit
+def _slot_index(idx_base, sik, n0, NK, slots):
+    """Key index of slots n0 + slots (-1 for an unused slot or one past NK)."""
+    offs = n0 + slots
+    return gl.load(idx_base + offs * sik, mask=offs < NK, other=-1)
+
+
+@gluon.jit
+def _producer(q_ptr, k_ptr, idx_ptr, dout_ptr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s,
+              q_bar, k_ready, k_empty, b, t, hb, NK, n_tiles, sqb, sqt, sqh, skb, sks,
+              sib, sit, sik, sdob, sdot, sdoh,
+              D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
+              BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
+    """q and dO once, then each key tile once the consumers' dQ products released the last."""
+    # A warp covers 4 rows x 64 channels in 16-byte vectors (one swizzle atom a row).
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    row_l: gl.constexpr = gl.SliceLayout(1, ld_layout)
+
+    heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_l)).to(gl.int64)
+    every = gl.full([BLOCK_H], 1, gl.int1, layout=row_l)
+    q_rows = q_ptr + b * sqb + t * sqt + heads * sqh
+    gather_rows(q_main_s, q_rows, every, D_MAIN, ld_layout)
+    if D_TAIL > 0:
+        gather_rows(q_tail_s, q_rows + D_MAIN, every, D_TAIL, ld_layout)
+    gather_rows(do_s, dout_ptr + b * sdob + t * sdot + heads * sdoh, every, D_MAIN, ld_layout)
+    cp.mbarrier_arrive(q_bar, increment_count=False)
+
+    idx_base = idx_ptr + b * sib + t * sit
+    k_base = k_ptr + b * skb
+    slots = gl.arange(0, BLOCK_N, layout=row_l)
+    for j in range(n_tiles):
+        idx = _slot_index(idx_base, sik, j * BLOCK_N, NK, slots)
+        valid = idx >= 0
+        rows = k_base + gl.where(valid, idx, 0).to(gl.int64) * sks
+        mbarrier.wait(k_empty, (j & 1) ^ 1)
+        gather_rows(k_main_s, rows, valid, D_MAIN, ld_layout)
+        if D_TAIL > 0:
+            gather_rows(k_tail_s, rows + D_MAIN, valid, D_TAIL, ld_layout)
+        cp.mbarrier_arrive(k_ready, increment_count=False)
+
+
+@gluon.jit
+def _delta_half(c: gl.constexpr, out_ptr, dout_ptr, b, t, hb, sob, sot, soh, sdob, sdot, sdoh,
+                D_MAIN: gl.constexpr, BLOCK_H: gl.constexpr, row_s: gl.constexpr):
+    """sum of dO * O over channels c * D_MAIN / 2 .. (c + 1) * D_MAIN / 2, fp32 [BLOCK_H]."""
+    HALF: gl.constexpr = D_MAIN // 2
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))).to(gl.int64)
+    cols = gl.arange(0, DELTA_CHUNK, layout=gl.SliceLayout(0, layout))
+    o_rows = out_ptr + b * sob + t * sot + heads * soh
+    do_rows = dout_ptr + b * sdob + t * sdot + heads * sdoh
+    acc = gl.zeros([BLOCK_H, DELTA_CHUNK], gl.float32, layout=layout)
+    for ch in gl.static_range(HALF // DELTA_CHUNK):
+        col = c * HALF + ch * DELTA_CHUNK + cols
+        o = gl.load(o_rows[:, None] + col[None, :]).to(gl.float32)
+        do = gl.load(do_rows[:, None] + col[None, :]).to(gl.float32)
+        acc += o * do
+    return gl.convert_layout(gl.sum(acc, axis=1), row_s)
+
+
+@gluon.jit
+def _dk_chunk(ds_t, p_t, q_part, do_part, col0, rows, valid, acc_layout: gl.constexpr,
+              KEYS: gl.constexpr, WIDTH: gl.constexpr, WITH_DV: gl.constexpr):
+    """Add dK's chunk dS^T q (+ P^T dO: dV, merged) [KEYS x WIDTH] into the key rows (fp32
+    atomics; `rows` hold the rows' addresses, col0 the chunk's first channel)."""
+    acc = gl.zeros([KEYS, WIDTH], gl.float32, layout=acc_layout)
+    acc = warpgroup_mma(ds_t, q_part, acc, use_acc=False, is_async=True)
+    if WITH_DV:
+        acc = warpgroup_mma(p_t, do_part, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    # The chunk's offset goes into the row addresses: added to the channel offsets instead, the
+    # compiler hoists every chunk's (64-bit, 8 pairs a thread) out of the key loop, where they
+    # spill. The channels stay a plain range, so a thread's two neighbours make one
+    # REDG.E.ADD.F32x2.
+    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, acc_layout))
+    mask = valid[:, None] & gl.full([KEYS, WIDTH], 1, gl.int1, layout=acc_layout)
+    gl.atomic_add((rows + col0)[:, None] + cols[None, :], acc, mask=mask, sem="relaxed")
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t_s, ds_t_s,
+              d_s, bars, idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr, dq_ptr,
+              dk_ptr, dsink_ptr, tgt_ptr, b, t, hb, NK, n_tiles, qk_scale, sm_scale,
+              sib, sit, sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh,
+              sdqb, sdqt, sdqh, sdkb, sdks, stg, stb, stt, stk,
+              D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
+              BLOCK_N: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_SINK: gl.constexpr,
+              TARGET: gl.constexpr, TARGET_ATOMIC: gl.constexpr):
+    """S, P, dP, dS for keys c * HALF_N .. of each tile; dQ for channels c * D_MAIN / 2 ..
+    (consumer 1 also the tail), dK for the same main channels (consumer 0 also the tail)."""
+    q_bar, k_ready, k_empty, ps_ready, ps_empty, d_ready = bars
+    HALF: gl.constexpr = D_MAIN // 2
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DK_CHUNK, 16])
+    # The tail's dK chunk (consumer 0): D_TAIL channels (64 wide, or a placeholder width).
+    dkt_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, max(D_TAIL, 8), 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_main_s.dtype
+
+    heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
+    stat = b * slb + t * slt + heads * slh
+    lse2 = gl.load(lse_ptr + stat) * LOG2E_JIT
+    # Delta = dO . O (- dlse), each consumer summing half the channels; both add the halves in
+    # the same order.
+    d_s.index(c).store(_delta_half(c, out_ptr, dout_ptr, b, t, hb, sob, sot, soh, sdob, sdot,
+                                   sdoh, D_MAIN, BLOCK_H, row_s))
+    mbarrier.arrive(d_ready.index(c), count=1)
+    mbarrier.wait(d_ready.index(1 - c), 0)
+    delta = d_s.index(0).load(row_s) + d_s.index(1).load(row_s)
+    if HAS_DLSE:
+        # d lse / d s_j = p_j: the lse's gradient enters dS as -dlse inside (dP - Delta).
+        delta -= gl.load(dlse_ptr + stat)
+    if HAS_SINK:
+        if c == 0:
+            sink2 = gl.load(sink_ptr + heads).to(gl.float32) * LOG2E_JIT
+            gl.store(dsink_ptr + stat, -gl.exp2(sink2 - lse2) * delta)
+    lse2 = gl.where(lse2 == float("-inf"), 0.0, lse2)  # a row without keys: every p is 0
+    if TARGET:
+        tgt_base = tgt_ptr + hb * stg + b * stb + t * stt
+
+    idx_base = idx_ptr + b * sib + t * sit
+    slots_s = c * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
+    slots_k = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
+    dk_base = dk_ptr + b * sdkb
+    s_zero = gl.zeros([BLOCK_H, HALF_N], gl.float32, layout=s_layout)
+    dq = gl.zeros([BLOCK_H, HALF], gl.float32, layout=dq_layout)
+    if c == 1 and D_TAIL > 0:
+        dqt_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_TAIL, 16])
+        dq_tail = gl.zeros([BLOCK_H, D_TAIL], gl.float32, layout=dqt_layout)
+
+    mbarrier.wait(q_bar, 0)
+    for j in range(n_tiles):
+        ph = j & 1
+        zero = opaque_zero(j)
+        q_main, do_t = q_main_s.index(zero), do_s.index(zero)
+        k_main, k_tail = k_main_s.index(zero), k_tail_s.index(zero)
+        p_t, ds_t = p_t_s.index(zero), ds_t_s.index(zero)
+        k_own = k_main.slice(c * HALF_N, HALF_N, dim=0)
+        valid = _slot_index(idx_base, sik, j * BLOCK_N, NK, slots_s) >= 0
+
+        mbarrier.wait(k_ready, ph)
+        # The rows came through cp.async (generic proxy); the products read them through the
+        # async proxy.
+        fence_async_shared()
+        s = warpgroup_mma(q_main, k_own.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if D_TAIL > 0:
+            s = warpgroup_mma(q_tail_s.index(zero),
+                              k_tail.slice(c * HALF_N, HALF_N, dim=0).permute((1, 0)), s,
+                              is_async=True)
+        dp = warpgroup_mma(do_t, k_own.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        p = gl.exp2(gl.where(valid[None, :], s * qk_scale, float("-inf")) - lse2[:, None])
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        ds = p * (dp - delta[:, None]) * sm_scale
+
+        # P and dS transposed, this consumer's key rows, once both consumers are done with
+        # the last tile's.
+        mbarrier.wait(ps_empty, ph ^ 1)
+        p_t.slice(c * HALF_N, HALF_N, dim=0).store(gl.permute(p.to(dtype), (1, 0)))
+        ds_t.slice(c * HALF_N, HALF_N, dim=0).store(gl.permute(ds.to(dtype), (1, 0)))
+        fence_async_shared()
+        mbarrier.arrive(ps_ready.index(c), count=1)
+        if TARGET:
+            # The indexer loss's target: P summed over this program's heads at each slot.
+            offs = j * BLOCK_N + slots_s
+            head_sum = gl.sum(p, axis=0)
+            if TARGET_ATOMIC:
+                gl.atomic_add(tgt_base + offs * stk, head_sum, mask=valid, sem="relaxed")
+            else:
+                gl.store(tgt_base + offs * stk, gl.where(valid, head_sum, -1.0), mask=offs < NK)
+        mbarrier.wait(ps_ready.index(0), ph)
+        mbarrier.wait(ps_ready.index(1), ph)
+
+        # dQ += dS K over the tile's 64 keys, this consumer's channels.
+        ds_heads = ds_t.permute((1, 0))
+        dq = warpgroup_mma(ds_heads, k_main.slice(c * HALF, HALF, dim=1), dq, is_async=True)
+        if c == 1 and D_TAIL > 0:
+            dq_tail = warpgroup_mma(ds_heads, k_tail, dq_tail, is_async=True)
+            dq, dq_tail = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dq_tail))
+        else:
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        mbarrier.arrive(k_empty, count=1)
+
+        # dK (+ dV) of the tile's 64 keys for this consumer's main channels (consumer 0 also
+        # the tail), added into the key rows.
+        idx_k = _slot_index(idx_base, sik, j * BLOCK_N, NK, slots_k)
+        valid_k = idx_k >= 0
+        rows = dk_base + gl.where(valid_k, idx_k, 0).to(gl.int64) * sdks
+        for ch in gl.static_range(HALF // DK_CHUNK):
+            # (An unannotated name would turn the offset into a runtime value: written out.)
+            _dk_chunk(ds_t, p_t, q_main.slice(c * HALF + ch * DK_CHUNK, DK_CHUNK, dim=1),
+                      do_t.slice(c * HALF + ch * DK_CHUNK, DK_CHUNK, dim=1),
+                      c * HALF + ch * DK_CHUNK, rows, valid_k, dk_layout, BLOCK_N, DK_CHUNK,
+                      True)
+        if c == 0 and D_TAIL > 0:
+            _dk_chunk(ds_t, p_t, q_tail_s.index(zero), q_tail_s.index(zero), D_MAIN, rows,
+                      valid_k, dkt_layout, BLOCK_N, D_TAIL, False)
+        mbarrier.arrive(ps_empty, count=1)
+
+    # dQ already carries the softmax scale (inside dS).
+    dq_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, dq_layout))
+    dq_rows = dq_ptr + b * sdqb + t * sdqt + dq_heads.to(gl.int64) * sdqh
+    dq_cols = c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, dq_layout))
+    gl.store(dq_rows[:, None] + dq_cols[None, :], dq.to(dtype))
+    if c == 1 and D_TAIL > 0:
+        t_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, dqt_layout))
+        t_rows = dq_ptr + b * sdqb + t * sdqt + t_heads.to(gl.int64) * sdqh
+        t_cols = D_MAIN + gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, dqt_layout))
+        gl.store(t_rows[:, None] + t_cols[None, :], dq_tail.to(dtype))
+
+
+@gluon.jit
+def _sparse_mla_bwd_kernel(
+    q_ptr, k_ptr, idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr,
+    dq_ptr, dk_ptr, dsink_ptr, tgt_ptr,
+    T, NK, qk_scale, sm_scale,
+    sqb, sqt, sqh, skb, sks, sib, sit, sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh,
+    sdqb, sdqt, sdqh, sdkb, sdks, stg, stb, stt, stk,
+    D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    NG: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_SINK: gl.constexpr, TARGET: gl.constexpr,
+    TARGET_ATOMIC: gl.constexpr,
+    q_main_sl: gl.constexpr, q_tail_sl: gl.constexpr, k_main_sl: gl.constexpr,
+    k_tail_sl: gl.constexpr, p_sl: gl.constexpr,
+    CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """dq, the dK / dV additions (and the sink terms, the target) of one query's head block.
+
+    Row strides of q, k and dout multiples of 16 elements, unit-stride channels everywhere, NK
+    >= 1 (the wrapper checks). NG: the grid's form (`gluon_common.program_coords`).
+    """
+    b, t, hb = program_coords(T, NG)
+    n_tiles = gl.cdiv(NK, BLOCK_N)
+
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    # Leading dims of 1: the consumers index them with `gluon_common.opaque_zero`.
+    q_main_s = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_MAIN], q_main_sl)
+    do_s = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_MAIN], q_main_sl)
+    k_main_s = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D_MAIN], k_main_sl)
+    if D_TAIL > 0:
+        q_tail_s = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_TAIL], q_tail_sl)
+        k_tail_s = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D_TAIL], k_tail_sl)
+    else:  # never read as tails
+        q_tail_s = q_main_s
+        k_tail_s = k_main_s
+    p_t_s = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_H], p_sl)
+    ds_t_s = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_H], p_sl)
+    row_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    d_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], row_sl)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ps_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    ps_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    d_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    producer_threads: gl.constexpr = PRODUCER_WARPS * 32
+    mbarrier.init(q_bar, count=producer_threads)
+    mbarrier.init(k_ready, count=producer_threads)
+    mbarrier.init(k_empty, count=2)
+    mbarrier.init(ps_empty, count=2)
+    for c in gl.static_range(2):
+        mbarrier.init(ps_ready.index(c), count=1)
+        mbarrier.init(d_ready.index(c), count=1)
+    fence_async_shared()
+    bars = (q_bar, k_ready, k_empty, ps_ready, ps_empty, d_ready)
+    # Each partition's arguments written out: constexprs gathered into a tuple variable first
+    # would reach the partitions as runtime values.
+    gl.warp_specialize([
+        (_consumer, (0, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t_s, ds_t_s, d_s, bars,
+                     idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr, dq_ptr, dk_ptr,
+                     dsink_ptr, tgt_ptr, b, t, hb, NK, n_tiles, qk_scale, sm_scale, sib, sit,
+                     sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh, sdqb, sdqt, sdqh,
+                     sdkb, sdks, stg, stb, stt, stk, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, HAS_DLSE,
+                     HAS_SINK, TARGET, TARGET_ATOMIC)),
+        (_consumer, (1, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t_s, ds_t_s, d_s, bars,
+                     idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr, dq_ptr, dk_ptr,
+                     dsink_ptr, tgt_ptr, b, t, hb, NK, n_tiles, qk_scale, sm_scale, sib, sit,
+                     sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh, sdqb, sdqt, sdqh,
+                     sdkb, sdks, stg, stb, stt, stk, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, HAS_DLSE,
+                     HAS_SINK, TARGET, TARGET_ATOMIC)),
+        (_producer, (q_ptr, k_ptr, idx_ptr, dout_ptr, q_main_s.index(0), q_tail_s.index(0),
+                     do_s.index(0), k_main_s.index(0), k_tail_s.index(0), q_bar, k_ready,
+                     k_empty, b, t, hb, NK, n_tiles, sqb, sqt, sqh, skb, sks, sib, sit, sik,
+                     sdob, sdot, sdoh, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, PRODUCER_WARPS)),
+    ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# --------------------------------------------------------------------------- launch
+
+
+def variant(q: torch.Tensor) -> tuple:
+    """The compiled variant a call needs (dtype, channels, query heads): what a failure
+    disables."""
+    return q.dtype, q.shape[-1], q.shape[2]
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
+            prefix_lengths: torch.Tensor | None) -> bool:
+    """Whether these inputs are this kernel's case: on Hopper, q and k both bf16 or both fp16,
+    one KV head, V = K's main part of 128 / 256 / 512 channels (v None, dv = that part), a
+    tail of 0 or TAIL channels, query heads a multiple of BLOCK_H, no dense prefix, and the
+    variant not disabled by an earlier failure. A sink is taken."""
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    d = q.shape[-1]
+    d_main = 1 << (d.bit_length() - 1)
+    return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v is None
+            and dv == d_main and d_main in (128, 256, 512) and d - d_main in (0, TAIL)
+            and k.shape[2] == 1 and q.shape[2] % BLOCK_H == 0 and prefix_lengths is None
+            and variant(q) not in _disabled)
+
+
+def layout_problem(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
+                   dout: torch.Tensor) -> tuple[str, str] | None:
+    """(cause, detail) of what keeps the inputs from the kernel, None if nothing: q, k and dout
+    are copied 16 bytes at a time (their row strides multiples of STRIDE_MULTIPLE elements,
+    unit-stride channels, 16-byte aligned data); out's channels are read unit-stride."""
+    for name, x, rows in (("q", q, q.stride()[:3]), ("k", k, k.stride()[:2]),
+                          ("dout", dout, dout.stride()[:3])):
+        if x.stride(-1) != 1 or any(st % STRIDE_MULTIPLE for st in rows):
+            return (f"{name}'s rows are not multiples of {STRIDE_MULTIPLE} unit-stride elements",
+                    f"strides {tuple(x.stride())}")
+        if x.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned", ""
+    if out.stride(-1) != 1:
+        return "out's channels are not unit-stride", f"strides {tuple(out.stride())}"
+    return None
+
+
+def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
+                        softmax_scale: float, out: torch.Tensor, lse: torch.Tensor,
+                        dout: torch.Tensor, dk: torch.Tensor, *, dlse: torch.Tensor | None = None,
+                        sink: torch.Tensor | None = None,
+                        target: tuple[torch.Tensor, tuple[int, ...], bool] | None = None,
+                        head_blocks_adjacent: bool = True,
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dq [B, T, Hq, D] in q's dtype, the sink terms fp32 [B, T, Hq] or None) on inputs that
+    `applies` and `layout_problem` accept; adds dK (dV merged) into dk, fp32 [B, S, 1, D].
+    dlse: the lse's gradient (lse's strides), or None. target: (buffer, its (head block, b, t,
+    slot) strides, add atomically) for the indexer loss's target (`sparse_attention.
+    _TargetBuffer`), or None. A query's head blocks launch as the Triton kernels' do
+    (`common.launch_grid`)."""
+    from megatron_hyscale.ops.kernels.common import launch_grid
+    from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import shared_layouts
+
+    B, T, Hq, d = q.shape
+    d_main = 1 << (d.bit_length() - 1)
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dsink = torch.empty_like(lse) if sink is not None else None
+    if B * T == 0:
+        return dq, dsink
+    if indices.dim() == 4:
+        indices = indices[:, :, 0]
+    grid, ng = launch_grid(B * T, 1, Hq // BLOCK_H, head_blocks_adjacent)
+    q_main_sl, q_tail_sl, k_main_sl, k_tail_sl, p_sl = shared_layouts(q.dtype, d_main,
+                                                                       d - d_main or TAIL)
+    tgt, tgt_strides, tgt_atomic = target if target is not None else (lse, (0,) * 4, False)
+    _sparse_mla_bwd_kernel[grid](
+        q, k, indices, out, dout, lse, dlse if dlse is not None else lse,
+        sink.contiguous() if sink is not None else lse, dq, dk,
+        dsink if dsink is not None else lse, tgt,
+        T, indices.shape[-1], softmax_scale * LOG2E, softmax_scale,
+        *q.stride()[:3], *k.stride()[:2], *indices.stride(), *out.stride()[:3],
+        *dout.stride()[:3], *lse.stride(), *dq.stride()[:3], *dk.stride()[:2], *tgt_strides,
+        D_MAIN=d_main, D_TAIL=d - d_main, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, NG=ng,
+        HAS_DLSE=dlse is not None, HAS_SINK=sink is not None, TARGET=target is not None,
+        TARGET_ATOMIC=tgt_atomic,
+        q_main_sl=q_main_sl, q_tail_sl=q_tail_sl, k_main_sl=k_main_sl, k_tail_sl=k_tail_sl,
+        p_sl=p_sl, CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
+    )
+    return dq, dsink
+
+
+# Variants (`variant`) that failed to compile or launch in this process (`applies` refuses them),
+# and the warnings when the kernel cannot run.
+_variants = KernelVariants("sparse-mla-bwd-sm90", "Hopper sparse-MLA backward", "Triton backward")
+_disabled = _variants.disabled
+warn_cannot_run = _variants.warn_cannot_run
+disable = _variants.disable

@@ -1,0 +1,95 @@
+"""The Hopper sparse-MLA backward's input checks and dispatch, on CPU (its kernel runs in
+tests/ops/test_sparse_mla_bwd_sm90_gpu.py; its compiled form in tests/scripts)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
+                    reason="Gluon's Hopper API (tested with Triton 3.6)")
+from megatron_hyscale.ops import checks  # noqa: E402
+from megatron_hyscale.ops.kernels import sparse_mla_bwd_sm90 as bwd  # noqa: E402
+from megatron_hyscale.ops.kernels.options import AttentionKernelOptions  # noqa: E402
+
+
+def _tensors(d=576, q_width=None, k_width=None, dout_width=None, out_stride=1):
+    q = torch.zeros(1, 4, 64, q_width or d, dtype=torch.bfloat16)[..., :d]
+    k = torch.zeros(1, 8, 1, k_width or d, dtype=torch.bfloat16)[..., :d]
+    dv = 1 << (d.bit_length() - 1)
+    dout = torch.zeros(1, 4, 64, dout_width or dv, dtype=torch.bfloat16)[..., :dv]
+    out = torch.zeros(1, 4, 64, dv * out_stride, dtype=torch.bfloat16)[..., ::out_stride]
+    return q, k, out, dout
+
+
+def test_contiguous_inputs_have_no_layout_problem():
+    assert bwd.layout_problem(*_tensors()) is None
+    assert bwd.layout_problem(*_tensors(q_width=640, dout_width=640)) is None
+
+
+def test_layout_problems_name_the_tensor_and_the_cause():
+    cause, detail = bwd.layout_problem(*_tensors(dout_width=584))
+    assert cause.startswith("dout's rows") and "584" in detail
+    assert bwd.layout_problem(*_tensors(q_width=584))[0].startswith("q's rows")
+    assert bwd.layout_problem(*_tensors(k_width=579))[0].startswith("k's rows")
+    assert bwd.layout_problem(*_tensors(out_stride=2))[0] == "out's channels are not unit-stride"
+
+
+def test_cpu_tensors_are_never_its_case():
+    q, k, _, _ = _tensors()
+    assert not bwd.applies(q, k, None, 512, None)
+
+
+def test_disable_is_per_variant_and_warns_once_per_cause(monkeypatch):
+    monkeypatch.setattr(checks, "_warned", set())
+    q, _, _, _ = _tensors()
+    key = bwd.variant(q)
+    try:
+        with pytest.warns(RuntimeWarning, match="backward cannot run.*CompilationError"):
+            bwd.disable(key, "CompilationError: at 1:2\nlong MLIR dump ...")
+        assert key in bwd._disabled
+        assert bwd.variant(_tensors(d=320)[0]) not in bwd._disabled
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            bwd.warn_cannot_run(f"{key}: CompilationError: at 1:2")  # same cause: silent
+    finally:
+        bwd._disabled.discard(key)
+
+
+def test_off_hopper_the_option_changes_nothing():
+    """On CPU (the interpreter) bwd_sm90 is not applicable: the Triton backward runs, silently,
+    with the same gradients."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels run under the interpreter here")
+    from megatron_hyscale.ops.kernels import sparse_attention as sa
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 3, 16, 32, generator=g)
+    k = torch.randn(1, 24, 1, 32, generator=g)
+    idx = torch.stack([torch.randperm(24, generator=g)[:10] for _ in range(3)]).view(1, 3, 10)
+    out, lse = sa.sparse_attention_fwd(q, k, None, idx.int(), 0.2, dv=16)
+    dout = torch.randn_like(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        on = sa.sparse_attention_bwd(q, k, None, idx.int(), 0.2, out, lse, dout, dv=16,
+                                     options=replace(AttentionKernelOptions.DEFAULT,
+                                                     bwd_sm90=True))
+    off = sa.sparse_attention_bwd(q, k, None, idx.int(), 0.2, out, lse, dout, dv=16)
+    for a, b in zip(on, off, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_the_kernel_tiles_fit_the_forward_layouts():
+    """The wrapper takes its shared layouts from the Gluon forward's (`shared_layouts`): same
+    heads a program and keys a tile; a P / dS tile is [keys x heads], square."""
+    from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as fwd
+
+    assert (bwd.BLOCK_H, bwd.BLOCK_N) == (fwd.BLOCK_H, fwd.BLOCK_N)
+    assert bwd.BLOCK_H == bwd.BLOCK_N
+    # 240 + 240 + 24 registers a thread for the three warpgroups: within the SM's 64K.
+    assert (2 * bwd.CONSUMER_REGS + bwd.PRODUCER_REGS) * 128 <= 65536

@@ -1,0 +1,256 @@
+"""The Hopper (Gluon) warp-specialized sparse-MLA backward (`AttentionKernelOptions.bwd_sm90`)
+on the GPU, against the Triton backward (same bf16 roundings of P and dS: only the fp32
+summation order differs) and the fp32 reference: GLM-5.1 and DeepSeek-V3.2 shapes (one and two
+head blocks, both launch orders), DeepSeek-V4's K = V with a sink, key counts off the 64-key
+tile and none at all, empty and half-empty rows, the lse's gradient, the indexer loss's target,
+batch 2 with int64 per-KV-head indices, strided queries and fp16, integer-valued inputs, and the
+dispatch (which kernel runs, the warnings when it cannot).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
+
+pytestmark = pytest.mark.gpu
+
+GRAD_TOL = 2e-2  # against the fp32 reference: dS is rounded to bf16 before its products
+SAME_TOL = 5e-3  # against the Triton backward: bf16 outputs, fp32 order only
+SM90 = replace(AttentionKernelOptions.DEFAULT, bwd_sm90=True)
+TRITON = replace(AttentionKernelOptions.DEFAULT, bwd_sm90=False)
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")
+
+
+def inputs(hq, T, S, K, seed, B=1, dtype=torch.bfloat16, d=576, sink=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, T, hq, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(B, S, 1, d, device="cuda", generator=g).to(dtype)
+    idx = torch.rand(B * T, S, device="cuda", generator=g).topk(K, dim=-1).indices
+    idx = idx.view(B, T, K).to(torch.int32)
+    idx[:, min(7, T - 1), K // 2:] = -1  # a half-empty row
+    idx[:, min(11, T - 1)] = -1  # a row with no valid index
+    if K > 3:
+        idx[:, 0, 1::3] = -1  # holes in the middle of a row
+    s = torch.randn(hq, device="cuda", generator=g) if sink else None
+    dout = torch.randn(B, T, hq, 1 << (d.bit_length() - 1), device="cuda", generator=g)
+    return q, k, idx, s, dout.to(dtype), d ** -0.5
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def forward(q, k, idx, scale, sink):
+    from megatron_hyscale.ops.kernels import sparse_attention as sa
+
+    dv = 1 << (q.shape[-1].bit_length() - 1)
+    return sa.sparse_attention_fwd(q, k, None, idx, scale, dv=dv, sink=sink)
+
+
+def backward(q, k, idx, scale, sink, out, lse, dout, options, dlse=None, target=False):
+    """(dq, dk, dsink[, target]) of the kernel backward under `options`, counting launches of
+    the Gluon kernel."""
+    from megatron_hyscale.ops.kernels import sparse_attention as sa
+
+    dv = 1 << (q.shape[-1].bit_length() - 1)
+    if target:
+        dq, dk, dvv, dsink, tgt = sa.sparse_attention_bwd_with_target(
+            q, k, None, idx, scale, out, lse, dout, dlse=dlse, dv=dv, sink=sink, options=options)
+        assert dvv is None
+        return dq, dk, dsink, tgt
+    dq, dk, dvv, dsink = sa.sparse_attention_bwd(q, k, None, idx, scale, out, lse, dout,
+                                                 dlse=dlse, dv=dv, sink=sink, options=options)
+    assert dvv is None
+    return dq, dk, dsink
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The Gluon backward's completed calls (a failing one falls back and does not count)."""
+    from megatron_hyscale.ops.kernels import sparse_mla_bwd_sm90 as bwd
+
+    calls = []
+    real = bwd.sparse_mla_bwd_sm90
+
+    def counting(*a, **kw):
+        res = real(*a, **kw)
+        calls.append(1)
+        return res
+
+    monkeypatch.setattr(bwd, "sparse_mla_bwd_sm90", counting)
+    return calls
+
+
+def check_same(got, want):
+    for name, a, b in zip(("dq", "dk", "dsink", "target"), got, want, strict=True):
+        if b is None:
+            assert a is None, name
+            continue
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < SAME_TOL, (name, rel(a, b))
+
+
+@needs_hopper
+@pytest.mark.parametrize("hq,K,adjacent", [(64, 2048, True), (128, 2048, True),
+                                           (128, 2048, False), (64, 2000, True),
+                                           (64, 130, True), (64, 100, True), (64, 5, True)])
+def test_matches_the_triton_backward(hq, K, adjacent, launches):
+    q, k, idx, _, dout, scale = inputs(hq, 64, 4096, K, seed=hq + K)
+    out, lse = forward(q, k, idx, scale, None)
+    sm90 = replace(SM90, head_blocks_adjacent=adjacent)
+    got = backward(q, k, idx, scale, None, out, lse, dout, sm90)
+    want = backward(q, k, idx, scale, None, out, lse, dout, TRITON)
+    assert launches == [1]
+    check_same(got, want)
+    assert torch.equal(got[0][0, 11], torch.zeros_like(got[0][0, 11]))  # the empty row
+
+
+@needs_hopper
+def test_matches_the_fp32_reference_through_autograd(launches):
+    from megatron_hyscale.ops.sparse_attention import sparse_attention
+
+    q, k, idx, _, dout, scale = inputs(64, 128, 2048, 700, seed=2)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k)]
+    out = sparse_attention(*leaves[:2], None, idx, scale, dv=512, options=SM90)
+    out.backward(dout)
+    ref = [x.detach().float().requires_grad_(True) for x in (q, k)]
+    sparse_attention(*ref, None, idx, scale, dv=512, backend="reference").backward(dout.float())
+    assert launches == [1]
+    for got, want in zip(leaves, ref, strict=True):
+        assert rel(got.grad, want.grad) < GRAD_TOL
+
+
+@needs_hopper
+def test_lse_gradient_and_the_indexer_target(launches):
+    """The lse's gradient enters dS; the target (P summed over the heads at each slot) is the
+    Triton dQ kernel's, one head block (stored, -1 at unused slots) and two (added)."""
+    for hq in (64, 128):
+        q, k, idx, _, dout, scale = inputs(hq, 64, 4096, 1000, seed=hq)
+        out, lse = forward(q, k, idx, scale, None)
+        dlse = torch.randn_like(lse)
+        got = backward(q, k, idx, scale, None, out, lse, dout, SM90, dlse=dlse, target=True)
+        want = backward(q, k, idx, scale, None, out, lse, dout, TRITON, dlse=dlse, target=True)
+        check_same(got, want)
+        assert torch.equal(got[3] < 0, idx < 0)
+        valid = idx >= 0
+        assert (got[3][valid] - want[3][valid]).abs().max().item() < 1e-5
+    assert launches == [1, 1]
+
+
+@needs_hopper
+@pytest.mark.parametrize("K", [640, 130])
+def test_k_equals_v_with_a_sink(K, launches):
+    """DeepSeek-V4's CSA / window form: 512 channels, no tail, V = K, a sink per head."""
+    q, k, idx, sink, dout, scale = inputs(64, 64, 2048, K, seed=K, d=512, sink=True)
+    out, lse = forward(q, k, idx, scale, sink)
+    got = backward(q, k, idx, scale, sink, out, lse, dout, SM90)
+    want = backward(q, k, idx, scale, sink, out, lse, dout, TRITON)
+    assert launches == [1]
+    check_same(got, want)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [192, 320])
+def test_narrower_variants(d, launches):
+    q, k, idx, _, dout, scale = inputs(64, 64, 2048, 700, seed=d, d=d)
+    out, lse = forward(q, k, idx, scale, None)
+    check_same(backward(q, k, idx, scale, None, out, lse, dout, SM90),
+               backward(q, k, idx, scale, None, out, lse, dout, TRITON))
+    assert launches == [1]
+
+
+@needs_hopper
+def test_batch_int64_per_head_indices_strided_q_and_fp16(launches):
+    q, k, idx, _, dout, scale = inputs(64, 48, 2048, 300, seed=5, B=2, dtype=torch.float16)
+    wide = torch.zeros(*q.shape[:-1], 640, device="cuda", dtype=q.dtype)
+    wide[..., :576] = q
+    qs = wide[..., :576]  # row stride 640: a view, still 16-byte aligned
+    idx4 = idx.long()[:, :, None, :]
+    out, lse = forward(q, k, idx, scale, None)
+    got = backward(qs, k, idx4, scale, None, out, lse, dout, SM90)
+    want = backward(q, k, idx, scale, None, out, lse, dout, TRITON)
+    assert launches == [1]
+    check_same(got, want)
+
+
+@needs_hopper
+def test_no_slot_at_all(launches):
+    q, k, _, sink, dout, scale = inputs(64, 8, 256, 4, seed=1, d=512, sink=True)
+    idx = torch.empty(1, 8, 0, device="cuda", dtype=torch.int32)
+    out, lse = forward(q, k, idx, scale, sink)
+    dq, dk, dsink = backward(q, k, idx, scale, sink, out, lse, dout, SM90)
+    want = backward(q, k, idx, scale, sink, out, lse, dout, TRITON)
+    assert torch.equal(dq, torch.zeros_like(dq)) and torch.equal(dk, torch.zeros_like(dk))
+    assert rel(dsink, want[2]) < SAME_TOL
+    assert launches == [1]
+
+
+@needs_hopper
+def test_integer_valued_inputs(launches):
+    """Small integers make every q . k exact in fp32: P then differs from the Triton
+    backward's only where Delta's summation order does."""
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.randint(-2, 3, (1, 32, 64, 576), device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randint(-2, 3, (1, 1024, 1, 576), device="cuda", generator=g).to(torch.bfloat16)
+    dout = torch.randint(-2, 3, (1, 32, 64, 512), device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.rand(32, 1024, device="cuda", generator=g).topk(640, dim=-1).indices
+    idx = idx.view(1, 32, 640).to(torch.int32)
+    out, lse = forward(q, k, idx, 1 / 64, None)
+    got = backward(q, k, idx, 1 / 64, None, out, lse, dout, SM90)
+    want = backward(q, k, idx, 1 / 64, None, out, lse, dout, TRITON)
+    check_same(got, want)
+    assert launches == [1]
+
+
+@needs_hopper
+def test_deterministic_and_unaligned_rows_warn_and_run_the_triton_backward(launches,
+                                                                          monkeypatch):
+    from megatron_hyscale.ops import checks
+    from megatron_hyscale.ops.kernels import sparse_mla_bwd_sm90 as bwd
+
+    monkeypatch.setattr(checks, "_warned", set())
+    q, k, idx, _, dout, scale = inputs(64, 16, 512, 128, seed=13)
+    out, lse = forward(q, k, idx, scale, None)
+    from megatron_hyscale.ops.kernels import sparse_attention as sa
+
+    with pytest.warns(RuntimeWarning, match="deterministic"):
+        det = sa.sparse_attention_bwd(q, k, None, idx, scale, out, lse, dout, dv=512,
+                                      deterministic=True, options=SM90)
+    wide = torch.zeros(1, 16, 64, 584, device="cuda", dtype=dout.dtype)
+    wide[..., :512] = dout
+    with pytest.warns(RuntimeWarning, match="dout's rows"):
+        odd = backward(q, k, idx, scale, None, out, lse, wide[..., :512], SM90)
+    assert launches == [] and not bwd._disabled
+    want = backward(q, k, idx, scale, None, out, lse, dout, TRITON)
+    check_same((det[0], det[1], None), want)
+    check_same(odd, want)
+
+
+@needs_hopper
+def test_other_shapes_run_the_triton_backward_silently(launches):
+    """QSA-like GQA (two KV heads, separate V) is not this kernel's case: no call, no warning."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q = torch.randn(1, 16, 8, 256, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(1, 256, 2, 256, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(1, 256, 2, 256, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.rand(16 * 2, 256, device="cuda", generator=g).topk(64, dim=-1).indices
+    idx = idx.view(1, 16, 2, 64).to(torch.int32)
+    from megatron_hyscale.ops.kernels import sparse_attention as sa
+
+    out, lse = sa.sparse_attention_fwd(q, k, v, idx, 1 / 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sa.sparse_attention_bwd(q, k, v, idx, 1 / 16, out, lse, torch.ones_like(out),
+                                options=SM90)
+    assert launches == []
