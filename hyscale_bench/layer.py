@@ -163,10 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-loss", action="store_true",
                    help="dsa: dense indexer KL (warm-up stage) instead of the sparse one")
     p.add_argument("--loss-coeff", type=float, default=0.01, help="dsa_indexer_loss_coeff")
-    p.add_argument("--attention-bwd", choices=("split", "fused"), default="split",
+    p.add_argument("--attention-bwd", choices=("split", "fused", "sm90"), default="split",
                    help="HyScale's sparse-attention backward: a dQ pass then a dK/dV pass "
-                        "(split, the default) or one fused pass "
-                        "(AttentionKernelOptions.bwd_fused=True)")
+                        "(split, the default), one fused pass "
+                        "(AttentionKernelOptions.bwd_fused=True), or on Hopper the "
+                        "warp-specialized Gluon backward where it applies (bwd_sm90=True)")
+    p.add_argument("--attention-fwd", choices=("gluon", "gluon_ws", "triton"), default="gluon",
+                   help="HyScale's sparse-attention forward of absorbed MLA on Hopper: the "
+                        "Gluon kernel (the default), its warp-specialized form "
+                        "(fwd_sm90_ws=True, which also takes DeepSeek-V4's K = V with a sink), "
+                        "or the Triton kernel (fwd_sm90=False)")
     p.add_argument("--stock-kernel-backend", choices=STOCK_KERNEL_BACKENDS, default="none",
                    help="dsa: tilelang also times the stock DSAttention with megatron-core's "
                         "TileLang kernels (dsa_kernel_backend='tilelang') as a second stock row, "
@@ -930,10 +936,16 @@ def measure_packed(layer: Layer, T: int, args: argparse.Namespace, n: int, split
 
 
 def attention_kernel_options(args: argparse.Namespace) -> Any:
-    """HyScale's sparse-attention kernel variant for this run (--attention-bwd)."""
+    """HyScale's sparse-attention kernel variants for this run (--attention-bwd,
+    --attention-fwd). They reach the kernels HyScale runs itself: with --hyscale-kernel-backend
+    best the library's run where the measured table says so (--compare-own-kernels times the
+    layer on HyScale's own kernels beside it)."""
     from megatron_hyscale.ops import AttentionKernelOptions
 
-    return replace(AttentionKernelOptions.DEFAULT, bwd_fused=args.attention_bwd == "fused")
+    return replace(AttentionKernelOptions.DEFAULT, bwd_fused=args.attention_bwd == "fused",
+                   bwd_sm90=args.attention_bwd == "sm90",
+                   fwd_sm90=args.attention_fwd != "triton",
+                   fwd_sm90_ws=args.attention_fwd == "gluon_ws")
 
 
 def component_times(attn: torch.nn.Module, hidden: torch.Tensor,

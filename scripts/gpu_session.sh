@@ -123,8 +123,9 @@
 #   bash scripts/gpu_session.sh cudnn-layer [T...]  # bench_layer.py, GLM-5.1 DSA: HyScale
 #                                         # (own kernels, then the measured best per op)
 #                                         # against stock on dsa_kernel_backend="cudnn"
-#                                         # (and "none" at 8K), $REPEATS timed steps (3)
-#                                         #                                            (~5 min)
+#                                         # (and "none" at 8K), $REPEATS timed steps (3);
+#                                         # $LAYER_FLAGS: more bench_layer flags (the own
+#                                         # kernels' variants: --attention-bwd sm90)  (~5 min)
 #                                         # The cudnn-* stages pack their files into
 #                                         # $OUT/<stage>.tgz, records in results/ inside.
 #   bash scripts/gpu_session.sh pair 'STAGE [ARGS]' 'STAGE [ARGS]'  # on nvidia-h200-x2: two
@@ -707,10 +708,12 @@ case "$stage" in
       python3 scripts/measured_defaults.py "${kernels[@]}" | tee "$out/measured_defaults.log"
     fi
     # Stock cudnn's own selection scores every chunk after the first with per-head torch
-    # matmuls: 17 s a step at 128K, so it stops there.
+    # matmuls: 17 s a step at 128K, so it stops there. LAYER_FLAGS: more bench_layer flags,
+    # e.g. "--attention-bwd sm90 --attention-fwd gluon_ws" (HyScale's own kernels with the
+    # opt-in Hopper variants: the hyscale_own column).
     timeout 540 python3 scripts/bench_layer.py --seq $seqs --repeats "${REPEATS:-3}" \
       --stock-max-seq 8192 --stock-kernel-backend cudnn --fused-stock-max-seq 131072 \
-      --compare-own-kernels --out "$out" 2>&1 | grep -v -i warn \
+      --compare-own-kernels ${LAYER_FLAGS:-} --out "$out" 2>&1 | grep -v -i warn \
       | tee "$out/bench_layer.log" | grep -E "^\||Error|T=.*floor|fused kernels"
     ;;
   pair)

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,20 @@ def test_parser_checks() -> None:
             bench_layer.parse_args(bad)
     assert bench_layer.parse_args([]).attention_bwd == "split"
     assert bench_layer.parse_args(["--attention-bwd", "fused"]).attention_bwd == "fused"
+
+
+def test_attention_kernel_flags_set_only_their_options() -> None:
+    from megatron_hyscale.ops import AttentionKernelOptions
+
+    default = AttentionKernelOptions.DEFAULT
+    assert bench_layer.attention_kernel_options(bench_layer.parse_args([])) == default
+    cases = {("--attention-bwd", "sm90"): dict(bwd_sm90=True),
+             ("--attention-bwd", "fused"): dict(bwd_fused=True),
+             ("--attention-fwd", "gluon_ws"): dict(fwd_sm90_ws=True),
+             ("--attention-fwd", "triton"): dict(fwd_sm90=False)}
+    for flags, changed in cases.items():
+        got = bench_layer.attention_kernel_options(bench_layer.parse_args(list(flags)))
+        assert got == replace(default, **changed), flags
 
 
 def test_stock_kernel_backend_flag_parses() -> None:
