@@ -44,7 +44,10 @@ BLOCK_H = 64
 # Keys a tile: dK's M (64 keys, so its accumulator rows are key rows and a thread's atomics
 # cover consecutive channels of one row); each consumer's S and dP take half of them.
 BLOCK_N = 64
-# Channels of one dK product: a [64 keys x 64] fp32 accumulator is 32 registers a thread.
+# Channels of one dK product: a [64 keys x 64] fp32 accumulator is 32 registers a thread. A
+# chunk's products are waited for before its atomics: issuing the next chunk's first (two
+# accumulators live) made ptxas serialize every wgmma of consumer 1, which also holds the dQ
+# tail (160 registers of dQ; compiled for sm_90a, 2026-12-05).
 DK_CHUNK = gl.constexpr(64)
 # Partitions: consumer 0 is the default one (the kernel's num_warps), consumer 1 and the
 # producer are workers. A consumer holds its dQ half (128 fp32 registers; consumer 1 also the
