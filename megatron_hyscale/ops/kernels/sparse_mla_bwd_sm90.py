@@ -1,4 +1,5 @@
-"""Sparse attention backward for absorbed MLA on Hopper (sm_90a), warp-specialized, in Gluon.
+"""Sparse attention backward for absorbed MLA and DeepSeek-V4's K = V on Hopper (sm_90a),
+warp-specialized, in Gluon.
 
 Shapes: q [B, T, Hq, D_MAIN + D_TAIL] bf16 / fp16 (D_MAIN 128 / 256 / 512, D_TAIL 64: GLM-5.1,
 V3.2; or 0: DeepSeek-V4's K = V), k [B, S, 1, same], V = k[..., :D_MAIN]; indices [B, T, K] (-1
@@ -51,7 +52,9 @@ BLOCK_N = 64
 DK_CHUNK = gl.constexpr(64)
 # Partitions: consumer 0 is the default one (the kernel's num_warps), consumer 1 and the
 # producer are workers. A consumer holds its dQ half (128 fp32 registers; consumer 1 also the
-# tail's 32), S and dP (16 each), P and dS, and one dK chunk at a time.
+# tail's 32), S and dP (16 each), P and dS, and one dK chunk at a time; the producer a key
+# tile's row addresses. 2 x 240 + 24 = 504 of the 512 a thread the SM's 64K registers allow
+# three warpgroups (at 232 consumer 1 reloaded spilled addresses in its loop).
 CONSUMER_WARPS = 4
 PRODUCER_WARPS = 4
 CONSUMER_REGS = 240
@@ -67,8 +70,9 @@ DELTA_CHUNK = gl.constexpr(64)
 #   q_bar      (128): q and dO landed; the consumers wait parity 0 once.
 #   k_ready    (128): tile i landed.
 #   k_empty    (2):   both consumers' dQ products of tile i are done (the last readers of the
-#                     key tile: S and dP read it before); the producer waits parity
-#                     (i & 1) ^ 1 before gathering tile i + 1 into it.
+#                     key tile: S and dP read it before); before gathering tile i the
+#                     producer waits parity (i & 1) ^ 1, tile i - 1's release (tile 0 passes
+#                     at once: the fresh barrier).
 #   ps_ready[c] (1):  consumer c's halves of P and dS of tile i are in shared memory.
 #   ps_empty   (2):   both consumers' dK products of tile i are done (the last readers of P and
 #                     dS); consumer c waits parity (i & 1) ^ 1 before storing tile i's.
