@@ -216,6 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch at iteration 1 and every N iterations (default 50)")
     m.add_argument("--agreement-rows", type=_positive_int, default=256,
                    help="query rows sampled per layer for the agreement (default 256)")
+    m.add_argument("--capture-indexer-at", type=_positive_int, default=None, metavar="N",
+                   help="HyScale run: save its first DSA layer's indexer q, k and weights "
+                        "(first sequence) at iteration N to --capture-indexer-path, for "
+                        "scripts/bench_selection.py --captured (megatron_hyscale."
+                        "indexer_capture); default: no capture")
+    m.add_argument("--capture-indexer-path", type=Path, default=None, metavar="PATH",
+                   help="where --capture-indexer-at writes (default: OUTPUT_DIR/"
+                        "indexer_capture.pt)")
     m.add_argument("--skip-iters", type=int, default=2,
                    help="warm-up iterations left out of the timing (default 2)")
     m.add_argument("--matmul-tflops", type=_nonnegative_float,
@@ -485,6 +493,10 @@ def build_plan(args: argparse.Namespace, probe: dict[str, Any] | None, *, build_
         if variant == "hyscale":
             cmd.env[logparse.AGREEMENT_ENV] = str(args.agreement_every)
             cmd.env[logparse.AGREEMENT_ROWS_ENV] = str(args.agreement_rows)
+            if args.capture_indexer_at is not None:
+                cmd.env[logparse.INDEXER_CAPTURE_ENV] = str(
+                    args.capture_indexer_path or args.output_dir / "indexer_capture.pt")
+                cmd.env[logparse.INDEXER_CAPTURE_AT_ENV] = str(args.capture_indexer_at)
         if data != "mock":
             cmd.argv = [w for w in cmd.argv if w != "--mock-data"]
         if device == "cpu":
@@ -637,6 +649,7 @@ def collect(plan: Plan, codes: dict[str, int | None], matmul: float | None) -> d
                                        if gpu_hours is not None and a.usd_per_gpu_hour
                                        is not None else None),
             "agreement": logparse.selection_agreement(text) if variant == "hyscale" else [],
+            "indexer_capture": logparse.indexer_capture(text),
         }
     return {"runs": runs, "flops_per_iteration": flops, "matmul_tflops": matmul}
 
@@ -842,6 +855,12 @@ def write_report(plan: Plan, codes: dict[str, int | None], matmul: float | None,
                   f"lowest {min(p.jaccard for p in points):.4f}."]
     else:
         lines.append("No agreement lines in the HyScale log (see its log).")
+    capture = runs["hyscale"].get("indexer_capture")
+    if capture:
+        lines += ["", f"The HyScale run's layer {capture['layer']} indexer at iteration "
+                  f"{capture['iteration']} ({capture['T']} tokens) is saved in "
+                  f"`{capture['path']}`: `python scripts/bench_selection.py --captured "
+                  f"{capture['path']}` times HyTopK (and its key-tile pruning) on it."]
     lines.append("")
     no_price = "no --usd-per-gpu-hour"
     lines += ["## Cost", "",
@@ -880,6 +899,7 @@ def write_report(plan: Plan, codes: dict[str, int | None], matmul: float | None,
             usd_per_billion_tokens=r["usd_per_billion_tokens"], exit_code=codes.get(v))
             for v, r in runs.items()},
         "agreement": [p.__dict__ for p in points],
+        "indexer_capture": runs["hyscale"].get("indexer_capture"),
         "figures": figures,
     }
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")

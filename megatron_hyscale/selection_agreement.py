@@ -141,8 +141,8 @@ def compare_layer(module: Any, x: torch.Tensor, qr: torch.Tensor, rows: int = DE
             "rows": int(picked.numel())}
 
 
-def _unsupported(module: Any, args: tuple, kwargs: dict) -> str | None:
-    """Why this forward is not measured (None: measure it)."""
+def unsupported_reason(module: Any, kwargs: dict) -> str | None:
+    """Why this forward's selection is not measured (None: measure it)."""
     if getattr(module, "skip_topk", False):
         return "an index-sharing layer reuses another layer's selection"
     packed = kwargs.get("packed_seq_params")
@@ -155,7 +155,7 @@ def _unsupported(module: Any, args: tuple, kwargs: dict) -> str | None:
     return None
 
 
-def _iteration() -> int | None:
+def iteration_now() -> int | None:
     """Megatron-LM's current iteration (1-based), None outside its training loop."""
     try:
         from megatron.training import get_args
@@ -178,12 +178,12 @@ class AgreementProbe:
         return (iteration == 1 or iteration % self.interval == 0) and iteration not in self.done
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        iteration = _iteration()
+        iteration = iteration_now()
         if iteration is None or not module.training or not self.due(iteration):
             return
         if torch._C._current_graph_task_id() != -1:  # the recompute inside backward
             return
-        reason = _unsupported(module, args, kwargs)
+        reason = unsupported_reason(module, kwargs)
         if reason is not None:
             warn_once(f"hyscale-agreement:{reason}",
                       f"selection agreement ({ENV}) not measured: {reason}")

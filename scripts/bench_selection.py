@@ -87,7 +87,10 @@ and 64% for "recency"; the GPU run measures the real share.
 --captured PATH runs on a trained indexer's tensors instead: the demo (`bash scripts/run.sh
 demo`) writes its first layer's q, k and weights on a held-out batch to
 outputs/demo/indexer_capture.pt (256 tokens: it shows what the bound prunes on a trained
-indexer, not speed).
+indexer, not speed); a training run writes its first DSA layer's at a chosen iteration
+(`python -m megatron_hyscale.evaluate --capture-indexer-at N`, megatron_hyscale.indexer_capture;
+`gpu_session.sh evaluate hyscale` then `captured-selection`: GLM-5.1's indexer trained on text
+at 16K tokens).
 
 Writes a table to stdout, JSON and a PNG (time and memory against T, log scales) to --out.
 Needs a CUDA GPU (every mode).
@@ -703,8 +706,9 @@ def library_unavailable_reason(method, cfg):
     """Why a library method (or megatron's TileLang selection) cannot run this config here
     (None when it can)."""
     if method == "stock_tilelang":
-        if cfg == "captured":
-            return "megatron's TileLang selection takes bf16 inputs; the capture is fp32"
+        if cfg == "captured" and CAPTURED["q"].dtype != torch.bfloat16:
+            return f"megatron's TileLang selection takes bf16 inputs; the capture is " \
+                   f"{CAPTURED['q'].dtype}"
         return tilelang_unavailable()
     if method not in LIBRARY_METHODS:
         return None

@@ -101,6 +101,10 @@
 #                                         # at 16K-128K, Triton then warp-specialized in one
 #                                         # process, cuDNN's when scripts/gpu_cudnn.sh 1 and 2
 #                                         # ran before on this machine              (~7 min)
+#   bash scripts/gpu_session.sh captured-selection  # issue #21 item 3: HyTopK with and
+#                                         # without key-tile pruning, table-then-select and
+#                                         # cuDNN on the trained indexer `evaluate hyscale`
+#                                         # captured on this machine ($CAPTURE)      (~2 min)
 #   bash scripts/gpu_session.sh reliability [FILES]  # issue #23: tests/reliability on
 #                                         # CUDA, one pytest a file, slow cases and the 256K
 #                                         # HyTopK test included (checkpoint round trips,
@@ -183,13 +187,13 @@ case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
-  |scores-sm90|fwd-ws|key-tma|bwd-sm90) ;;
+  |scores-sm90|fwd-ws|key-tma|bwd-sm90|captured-selection) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
-       "|scores-sm90|fwd-ws|key-tma|bwd-sm90}" \
+       "|scores-sm90|fwd-ws|key-tma|bwd-sm90|captured-selection}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -449,16 +453,34 @@ case "$stage" in
     esac
     ckpt=()
     [ "${EVAL_CHECKPOINT:-0}" = 1 ] && ckpt=(--checkpoint-dir "$run_dir/ckpt" --checkpoint-interval 1000)
+    # The HyScale run's trained indexer at its last iteration, for the captured-selection stage
+    # (kept on the machine: 134 MiB at 16K, over what a call brings back).
+    capture=()
+    [ "$part" = hyscale ] && capture=(--capture-indexer-at "${EVAL_ITERS:-300}"
+                                      --capture-indexer-path "$run_dir/indexer_capture.pt")
     MEGATRON_LM_DIR=$(pwd)/.carry/megatron_lm timeout 580 python3 -m megatron_hyscale.evaluate \
       --config scaled --gpus 1 --num-layers 2 --global-batch-size 1 \
       --seq-length "${EVAL_SEQ:-16384}" --train-iters "${EVAL_ITERS:-300}" \
       --stock-backend cudnn --transformer-impl local --output-dir "$run_dir/out" \
-      "${ckpt[@]}" --time-limit 540 --usd-per-gpu-hour "${USD_PER_GPU_HOUR:-3.5}" "${only[@]}" "$@" 2>&1 \
+      "${ckpt[@]}" "${capture[@]}" --time-limit 540 --usd-per-gpu-hour "${USD_PER_GPU_HOUR:-3.5}" \
+      "${only[@]}" "$@" 2>&1 \
       | grep -v Warning | tail -40
     rc=${PIPESTATUS[0]}
     cp -r "$run_dir/out/." "$out/" 2>/dev/null
     exit "$rc"
     ;;
+  captured-selection)
+    # Issue #21 item 3: HyTopK on a trained indexer, the one `evaluate hyscale` captured on
+    # this warm machine (GLM-5.1's indexer trained on text at EVAL_SEQ tokens): with and
+    # without exact key-tile pruning (the share pruned, output identical), beside
+    # table-then-select and cuDNN's selection (after gpu_cudnn.sh 1 and 2) in the same run.
+    cap=${CAPTURE:-outputs/evaluate_h200/indexer_capture.pt}
+    [ -f "$cap" ] || { echo "gpu_session.sh captured-selection: no $cap (run" \
+      "gpu_session.sh evaluate hyscale on this machine first)" >&2; exit 2; }
+    HYSCALE_RESULTS=$out timeout 300 python3 scripts/bench_selection.py --captured "$cap" \
+      --reps 3 --methods hytopk hytopk_prune table cudnn --tag _captured --out "$out" 2>&1 \
+      | grep -v -i warn \
+      | tee "$out/bench_selection_captured.log" | grep -E "captured|Error" ;;
   reliability)
     # Issue #23 on the GPU: checkpoint round trips (stock <-> HyScale specs, DSA, V4, QSA),
     # exact resume after SIGKILL, the public failure modes (the 256K HyTopK test included) and

@@ -45,6 +45,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from megatron_hyscale.phase_spans import PHASES
 
@@ -62,6 +63,14 @@ AGREEMENT_LINE_PREFIX = "[hyscale agreement]"
 _AGREEMENT_LINE = re.compile(
     r"\[hyscale agreement\] rank (\d+) step (\d+) layer (\d+): jaccard ([0-9.eE+-]+) "
     r"score_match ([0-9.eE+-]+) rows (\d+)")
+# megatron_hyscale.indexer_capture (HYSCALE_INDEXER_CAPTURE=PATH, HYSCALE_INDEXER_CAPTURE_AT=N)
+# prints once it wrote PATH:
+#   [hyscale] indexer capture: layer 1 iteration 300 T=16384 -> PATH
+INDEXER_CAPTURE_ENV = "HYSCALE_INDEXER_CAPTURE"
+INDEXER_CAPTURE_AT_ENV = "HYSCALE_INDEXER_CAPTURE_AT"
+INDEXER_CAPTURE_LINE_PREFIX = "[hyscale] indexer capture:"
+_INDEXER_CAPTURE_LINE = re.compile(
+    r"\[hyscale\] indexer capture: layer (\d+) iteration (\d+) T=(\d+) -> (.+)$")
 # The line the launchers write before appending a resumed process's output to a log.
 RESUME_MARKER = "[hyscale] resumed"
 # Megatron-LM's `print_rank_0` once a checkpoint is loaded (megatron/training/checkpointing.py).
@@ -215,6 +224,17 @@ def selection_agreement(text: str) -> list[AgreementPoint]:
     return [AgreementPoint(step, layer, sum(v[0] for v in vals) / len(vals),
                            sum(v[1] for v in vals) / len(vals), sum(v[2] for v in vals))
             for (step, layer), vals in sorted(found.items())]
+
+
+def indexer_capture(text: str) -> dict[str, Any] | None:
+    """The last indexer-capture line of a log as {'layer', 'iteration', 'T', 'path'}, or None."""
+    found = None
+    for line in text.splitlines():
+        m = _INDEXER_CAPTURE_LINE.search(line)
+        if m:
+            found = {"layer": int(m.group(1)), "iteration": int(m.group(2)),
+                     "T": int(m.group(3)), "path": m.group(4).strip()}
+    return found
 
 
 def summarize(name: str, records: list[IterationRecord], *, seq_length: int, gpus: int,

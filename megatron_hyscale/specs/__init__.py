@@ -54,6 +54,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import get_pg_rank
 
+from megatron_hyscale.indexer_capture import attach_from_env as attach_indexer_capture
 from megatron_hyscale.layers.dsa import HyScaleDSAttention
 from megatron_hyscale.layers.linear import LocalLinear
 from megatron_hyscale.layers.mla import HyScaleMLASelfAttention
@@ -289,6 +290,9 @@ class DSATransformerLayer(TransformerLayer):
             # HYSCALE_SELECTION_AGREEMENT=N: HyScale's top-k against stock's on the same
             # weights every N iterations, in the log (megatron_hyscale.selection_agreement)
             attach_selection_agreement(self.self_attention.core_attention)
+            # HYSCALE_INDEXER_CAPTURE=PATH, _AT=N: the first layer's indexer tensors at
+            # iteration N, for bench_selection.py --captured (megatron_hyscale.indexer_capture)
+            attach_indexer_capture(self.self_attention.core_attention)
 
 
 def _entry_block_spec(config: object, vp_stage: int | None, *,

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from launch_dryrun import ROOT, clean_env, printed_commands
 
 from megatron_hyscale import evaluate
@@ -69,8 +70,21 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path: Path) -> None:
     assert hys[hys.index("--spec") + 2] == "hyscale_dsa_layer_spec"
     assert hys_env["HYSCALE_SELECTION_AGREEMENT"] == "50"
     assert "HYSCALE_SELECTION_AGREEMENT" not in stock_env
+    assert "HYSCALE_INDEXER_CAPTURE" not in hys_env  # only when asked (--capture-indexer-at)
     assert stock_env["HYSCALE_PHASE_TIMES"] == hys_env["HYSCALE_PHASE_TIMES"] == "1"
     assert not out.exists()
+
+
+def test_the_indexer_capture_goes_to_the_hyscale_run_only(tmp_path: Path) -> None:
+    out = tmp_path / "never"
+    result = run_evaluate("--dry-run", "--device", "cpu", "--stock-backend", "reference",
+                          "--data", "mock", "--output-dir", str(out),
+                          "--capture-indexer-at", "7")
+    assert result.returncode == 0, result.stderr
+    (_, stock_env, _), (_, hys_env, _) = printed_commands(result.stdout)
+    assert hys_env["HYSCALE_INDEXER_CAPTURE"] == str(out / "indexer_capture.pt")
+    assert hys_env["HYSCALE_INDEXER_CAPTURE_AT"] == "7"
+    assert "HYSCALE_INDEXER_CAPTURE" not in stock_env
 
 
 def test_gpu_plan_passes_the_stock_backend() -> None:
@@ -253,7 +267,8 @@ def test_cpu_evaluation_fills_every_section(tmp_path: Path, trainer: str) -> Non
         "--device", "cpu", "--train-iters", "4", "--agreement-every", "2",
         "--agreement-rows", "32", "--data", "stdlib", "--corpus-limit-mb", "0.25",
         "--data-cache", str(tmp_path / "corpus"), "--output-dir", str(out),
-        "--usd-per-gpu-hour", "2.5", "--matmul-tflops", "0.5", env=env, timeout=400)
+        "--usd-per-gpu-hour", "2.5", "--matmul-tflops", "0.5", "--capture-indexer-at", "4",
+        env=env, timeout=400)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = (out / "report.md").read_text()
     assert "not measured" not in report and "nan" not in report.lower()
@@ -292,6 +307,15 @@ def test_cpu_evaluation_fills_every_section(tmp_path: Path, trainer: str) -> Non
         assert 0.5 < as_number(cells[2]) <= 1.0  # Jaccard: both exact, ties aside
         assert as_number(cells[3]) == 1.0  # same scores: every row an exact top-k
         assert as_number(cells[4]) > 0 and as_number(cells[5]) > 0
+    # the HyScale run's first layer's indexer at its last iteration, for bench_selection.py
+    capture = torch.load(out / "indexer_capture.pt")
+    seq = capture["q"].shape[1]
+    assert capture["q"].shape[0] == 1 and capture["k"].shape[:2] == (1, seq)
+    assert capture["weights"].shape == (1, seq, capture["q"].shape[2])
+    assert "layer 1, iteration 4" in capture["source"]
+    assert f"`{out / 'indexer_capture.pt'}`" in agreement
+    results = json.loads((out / "results.json").read_text())
+    assert results["indexer_capture"]["iteration"] == 4
 
     cost = section(report, "Cost")
     hours = [as_number(c) for c in table_cells(cost, "process-hours per billion")]
