@@ -168,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(split, the default), one fused pass "
                         "(AttentionKernelOptions.bwd_fused=True), or on Hopper the "
                         "warp-specialized Gluon backward where it applies (bwd_sm90=True)")
+    p.add_argument("--loss-kl-in-bwd", action="store_true",
+                   help="HyScale's indexer loss on the attention-backward path: the KL from the "
+                        "indexer backward's recomputed scores, the row pass one gathered pass "
+                        "shorter (IndexerLossKernelOptions.kl_in_bwd=True)")
     p.add_argument("--attention-fwd", choices=("gluon", "gluon_ws", "triton"), default="gluon",
                    help="HyScale's sparse-attention forward of absorbed MLA on Hopper: the "
                         "Gluon kernel (the default), its warp-specialized form "
@@ -948,6 +952,13 @@ def attention_kernel_options(args: argparse.Namespace) -> Any:
                    fwd_sm90_ws=args.attention_fwd == "gluon_ws")
 
 
+def indexer_loss_kernel_options(args: argparse.Namespace) -> Any:
+    """HyScale's indexer-loss kernel variants for this run (--loss-kl-in-bwd)."""
+    from megatron_hyscale.ops import IndexerLossKernelOptions
+
+    return replace(IndexerLossKernelOptions.DEFAULT, kl_in_bwd=args.loss_kl_in_bwd)
+
+
 def component_times(attn: torch.nn.Module, hidden: torch.Tensor,
                     args: argparse.Namespace) -> dict[str, float]:
     """dsa at CP 1: HyScale's pieces on the layer's own tensors: selection, attention, loss."""
@@ -1121,13 +1132,15 @@ def run(args: argparse.Namespace) -> int:
         f"model: {args.model}{tiny}  matmul: {rate:.1f} TFLOP/s")
     build = BUILDERS[args.model]
     hyscale = build(args, baseline=False)
-    # HyScale's attention layers pass their config's kernel options to sparse_attention.
+    # HyScale's attention layers pass their config's kernel options to the ops.
     hyscale.module.config.attention_kernel_options = attention_kernel_options(args)
+    hyscale.module.config.indexer_loss_kernel_options = indexer_loss_kernel_options(args)
     hyscale.module.config.hyscale_kernel_backend = args.hyscale_kernel_backend
     bases: list[tuple[str, Layer]] = []  # (row key, layer), each on HyScale's weights
     if args.compare_own_kernels:
         own = build(args, baseline=False)
         own.module.config.attention_kernel_options = attention_kernel_options(args)
+        own.module.config.indexer_loss_kernel_options = indexer_loss_kernel_options(args)
         own.module.config.hyscale_kernel_backend = "own"
         if args.compare_indexer_target:  # the other side of that comparison
             own.module.config.hyscale_indexer_target = "separate"
@@ -1135,6 +1148,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare_indexer_target:
         in_bwd = build(args, baseline=False)
         in_bwd.module.config.attention_kernel_options = attention_kernel_options(args)
+        in_bwd.module.config.indexer_loss_kernel_options = indexer_loss_kernel_options(args)
         in_bwd.module.config.hyscale_kernel_backend = "own"
         in_bwd.module.config.hyscale_indexer_target = "attention_backward"
         bases.append(("hyscale_own_target_in_bwd", in_bwd))

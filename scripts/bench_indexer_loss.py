@@ -348,6 +348,7 @@ def target_sweep(shapes, Ts, tilings, warmup, reps, out_dir):
 LOSS_VARIANTS = {
     "one_pass": dict(loss_one_pass=True),
     "fused": dict(fused_rows_bwd=True),
+    "kl_in_bwd": dict(kl_in_bwd=True),
     "warps8": dict(bwd_num_warps=8, loss_num_warps=8),
     "warps8_r128": dict(bwd_num_warps=8, bwd_maxnreg=128),
     "r168": dict(bwd_maxnreg=168),
@@ -372,26 +373,32 @@ def loss_variant_row(x, idx, options, warmup, reps, deterministic, reference=Non
     grad = torch.ones((), device=idx.device)
     kern._tiling_cache.clear()
     p = p0.clone()
+    # kl_in_bwd: the row pass without its KL pass, the KL from the backward kernel.
+    kl_in_bwd = options.kl_in_bwd and not options.fused_rows_bwd
     if options.fused_rows_bwd:
         kl, dq, dw, dk = kern.indexer_loss_rows_bwd(q, w, k, idx, p, grad, 1.0 / T, True,
                                                     options=options)
     else:
-        kl, lse, psum = kern.indexer_loss_rows(q, w, k, idx, p, True, options)
-        dq, dw, dk = kern.indexer_loss_bwd(q, w, k, idx, p, lse, psum, grad, 1.0 / T, True,
-                                           options=options)
+        kl, lse, psum = kern.indexer_loss_rows(q, w, k, idx, p, True, options,
+                                               with_kl=not kl_in_bwd)
+        dq, dw, dk, *kl_bwd = kern.indexer_loss_bwd(q, w, k, idx, p, lse, psum, grad, 1.0 / T,
+                                                    True, options=options, with_kl=kl_in_bwd)
+        kl = kl_bwd[0] if kl_in_bwd else kl
     # The row pass normalizes p in place; normalizing a normalized p repeats the same work.
-    rows = partial(kern.indexer_loss_rows, q, w, k, idx, p, True, options)
+    rows = partial(kern.indexer_loss_rows, q, w, k, idx, p, True, options,
+                   with_kl=not kl_in_bwd)
     _, lse, psum = rows()
     bwd = partial(kern.indexer_loss_bwd, q, w, k, idx, p, lse, psum, grad, 1.0 / T, True,
-                  options=options)
+                  options=options, with_kl=kl_in_bwd)
 
     def pair(det=False):
         if options.fused_rows_bwd:
             return kern.indexer_loss_rows_bwd(q, w, k, idx, p, grad, 1.0 / T, True, det,
                                               options)
-        kl_, lse_, psum_ = kern.indexer_loss_rows(q, w, k, idx, p, True, options)
+        _, lse_, psum_ = kern.indexer_loss_rows(q, w, k, idx, p, True, options,
+                                                with_kl=not kl_in_bwd)
         return kern.indexer_loss_bwd(q, w, k, idx, p, lse_, psum_, grad, 1.0 / T, True, det,
-                                     options)
+                                     options, with_kl=kl_in_bwd)
 
     row = dict(rows_ms=time_ms(rows, reps=reps, warmup=warmup),
                bwd_kernel_ms=time_ms(bwd, reps=reps, warmup=warmup),

@@ -575,8 +575,9 @@ case "$stage" in
   loss-variants)
     # Issue #20: IndexerLossKernelOptions' variants beside the default (each one's largest
     # difference from it recorded), then the dense loss's Triton path. Records in $out/results.
+    # LOSS_VARIANTS: the names to time (kl_in_bwd: the KL from the indexer backward).
     timeout 240 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 v32 \
-      --variants fused warps8_r128 fused_warps8_r128 one_pass one_pass_fused_warps8_r128 \
+      --variants ${LOSS_VARIANTS:-kl_in_bwd fused one_pass} \
       --out "$out" 2>&1 | grep -v -i warn | grep -E "T=|Error|failed" \
       | tee "$out/bench_indexer_loss_variants.log"
     timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \

@@ -412,9 +412,10 @@ def _indexer_loss_index(hi: int, T: int = 256, fused: bool = False, **options: A
                                      options=opts)
         else:
             row = torch.zeros(1, T)
-            il.indexer_loss_rows(qi, w, ki, idx, p, True, options=opts)
+            il.indexer_loss_rows(qi, w, ki, idx, p, True, options=opts,
+                                 with_kl=not opts.kl_in_bwd)
             il.indexer_loss_bwd(qi, w, ki, idx, p, row, row, torch.ones(()), 0.01, True,
-                                options=opts)
+                                options=opts, with_kl=opts.kl_in_bwd)
         il._tiling_cache.clear()
     return calls
 
@@ -425,6 +426,8 @@ INDEXER_LOSS_VARIANT_PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "indexer-loss-glm51-index": lambda: _indexer_loss_index(32),
     "indexer-loss-glm51-one-pass": lambda: _indexer_loss_index(32, loss_one_pass=True),
     "indexer-loss-glm51-fused": lambda: _indexer_loss_index(32, fused=True),
+    "indexer-loss-glm51-kl-in-bwd": lambda: _indexer_loss_index(32, kl_in_bwd=True),
+    "indexer-loss-v32-kl-in-bwd": lambda: _indexer_loss_index(64, kl_in_bwd=True),
     "indexer-loss-glm51-bwd-w8": lambda: _indexer_loss_index(32, bwd_num_warps=8,
                                                              loss_num_warps=8),
     "indexer-loss-glm51-fused-w8": lambda: _indexer_loss_index(32, fused=True, bwd_num_warps=8),

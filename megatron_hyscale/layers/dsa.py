@@ -427,6 +427,7 @@ class HyScaleDSAttention(DSAttention):
                     calculate_per_token_loss=weigh.sums,
                     tp_group=getattr(self.pg_collection, "tp", None),
                     deterministic=bool(cfg.deterministic_mode),
+                    options=getattr(cfg, "indexer_loss_kernel_options", None),
                     # The selection's indices are distinct and visible, so the attention ran
                     # over exactly the loss's slots: its log-sum-exp is the target's
                     # denominator.
@@ -505,6 +506,7 @@ class HyScaleDSAttention(DSAttention):
             tp_group=getattr(self.pg_collection, "tp", None),
             deterministic=bool(cfg.deterministic_mode),
             options=getattr(cfg, "attention_kernel_options", None),
+            loss_options=getattr(cfg, "indexer_loss_kernel_options", None),
             on_loss=log_from_backward, check_values=False)
         output = self._output_rows(out, state, up_v_weight)
         return DSAIndexerLossAutoScaler.apply(output, weigh.finish(anchor)), None
@@ -540,6 +542,7 @@ class HyScaleDSAttention(DSAttention):
                 q_positions=positions, calculate_per_token_loss=state.loss_rows.sums,
                 tp_group=getattr(self.pg_collection, "tp", None),
                 deterministic=bool(cfg.deterministic_mode), backend=kernel_backend(cfg),
+                options=getattr(cfg, "indexer_loss_kernel_options", None),
                 check_values=False,
                 query_valid_rows=state.loss_rows.part(lo, hi),
             )

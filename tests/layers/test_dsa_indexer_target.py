@@ -118,6 +118,45 @@ def test_model_matches_stock(recompute, relu, monkeypatch):
                                        msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_kl_from_the_indexer_backward_changes_nothing(monkeypatch):
+    """config.indexer_loss_kernel_options with kl_in_bwd (the loss's KL summed by the indexer
+    backward, one gathered row pass fewer): the same logged losses and gradients."""
+    from dataclasses import replace
+
+    from megatron_hyscale.ops import IndexerLossKernelOptions
+    from megatron_hyscale.ops.kernels import attention_indexer_loss as ail
+
+    kl_from_bwd = []
+    real = ail.indexer_loss_bwd
+
+    def spy(*args, with_kl=False, **kwargs):
+        kl_from_bwd.append(with_kl)
+        return real(*args, with_kl=with_kl, **kwargs)
+
+    monkeypatch.setattr(ail, "indexer_loss_bwd", spy)
+    cfg = tiny_dsa_config(dsa_indexer_use_sparse_loss=True, dsa_indexer_topk=TOPK)
+    torch.manual_seed(1234)
+    model = build_gpt(cfg, stock=False, vocab_size=VOCAB, max_sequence_length=T).to(DEVICE)
+    cfg.hyscale_indexer_target = "attention_backward"
+    try:
+        want = run_step(model)
+        assert kl_from_bwd == [False, False]  # the default: the row pass's KL, 2 layers
+        cfg.indexer_loss_kernel_options = replace(IndexerLossKernelOptions.DEFAULT,
+                                                  kl_in_bwd=True)
+        got = run_step(model)
+        assert kl_from_bwd[2:] == [True, True]
+    finally:
+        del cfg.hyscale_indexer_target
+        cfg.__dict__.pop("indexer_loss_kernel_options", None)
+    assert want[2].abs().sum() > 0, "the indexer loss never ran"
+    for a, b in zip(got[:3], want[:3], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0.0)
+    assert set(got[3]) == set(want[3])
+    for name, grad in want[3].items():
+        torch.testing.assert_close(got[3][name], grad, rtol=1e-6, atol=1e-9,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 def test_core_with_per_head_values_matches_stock(recompute, monkeypatch):
     """The non-absorbed layout (per-head K and V: four KV heads sharing the indices, whose

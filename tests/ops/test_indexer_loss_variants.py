@@ -8,6 +8,9 @@ interpreter on CPU (also runs on CUDA).
   p, dq_index and dweights bitwise (every sum in the default's order); dk_index to fp32 rounding
   with atomics (bitwise under the interpreter, which runs the programs in order) and bitwise in
   the deterministic mode.
+- kl_in_bwd (the row pass without its KL pass, `indexer_loss_bwd(..., with_kl=True)` sums the
+  KL terms; and the attention op that runs them): KL, lse, sum pn, p, dq_index and dweights
+  bitwise (the same terms in the same order at the same tile size), dk_index as fused_rows_bwd.
 - bwd_num_warps, loss_num_warps, bwd_maxnreg: launch options only (the interpreter ignores
   them; on a GPU the reduction trees may differ): the outputs to fp32 rounding.
 Inputs: ties (repeated key rows, an all-zero query row), -1 slots, rows seeing fewer keys than
@@ -46,6 +49,7 @@ DEFAULT = replace(IndexerLossKernelOptions.DEFAULT, block_n=16, loss_one_pass=Fa
 VARIANTS = {
     "one_pass": replace(DEFAULT, loss_one_pass=True),
     "fused": replace(DEFAULT, fused_rows_bwd=True),
+    "kl_in_bwd": replace(DEFAULT, kl_in_bwd=True),
     "warps8": replace(DEFAULT, bwd_num_warps=8, loss_num_warps=8),
     "maxnreg": replace(DEFAULT, bwd_num_warps=8, bwd_maxnreg=128),
     "fused_warps8": replace(DEFAULT, fused_rows_bwd=True, bwd_num_warps=8, bwd_maxnreg=128),
@@ -143,6 +147,29 @@ def test_fused_rows_bwd_equals_the_two_launches(relu, deterministic, contiguous)
     assert float(dk.float().abs().max()) > 0
 
 
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_kl_from_the_backward_equals_the_row_pass(relu, deterministic, contiguous):
+    x, idx, qpos, kpos = make_case(contiguous=contiguous)
+    q, w = index_inputs(x, relu)
+    p = target(x, idx, qpos, kpos)
+    ref = rows_then_bwd(q, w, x["k_index"], idx, p, relu, deterministic, DEFAULT)
+    options = VARIANTS["kl_in_bwd"]
+    p_new = p.clone()
+    no_kl, lse, psum = kern.indexer_loss_rows(q, w, x["k_index"], idx, p_new, relu, options,
+                                              with_kl=False)
+    assert no_kl is None
+    dq, dw, dk, kl = kern.indexer_loss_bwd(q, w, x["k_index"], idx, p_new, lse, psum,
+                                           torch.tensor(1.3, device=DEVICE), COEFF, relu,
+                                           deterministic, options, with_kl=True)
+    for got, want, name in ((kl, ref[0], "kl"), (lse, ref[1], "lse"), (psum, ref[2], "psum"),
+                            (p_new, ref[3], "p"), (dq, ref[4], "dq"), (dw, ref[5], "dw")):
+        same(got, want, INTERPRETED or name in ("lse", "psum", "p"), name)
+    same(dk, ref[6], INTERPRETED or deterministic, "dk")
+    assert float(ref[0].abs().max()) > 0 and float(dk.float().abs().max()) > 0
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 @pytest.mark.parametrize("relu,per_token", [(True, False), (False, True)])
 def test_loss_op_with_each_variant(name, relu, per_token):
@@ -191,10 +218,12 @@ ATTN = replace(AttentionKernelOptions.DEFAULT, fwd_tilings=((16, 1),), dq_tiling
                narrow_dkv_tilings=((16, 1),), bwd_fused_tilings=((16, 1),))
 
 
+@pytest.mark.parametrize("variant", ["fused", "kl_in_bwd"])
 @pytest.mark.parametrize("relu,per_token,deterministic", [
     (True, False, False), (False, True, False), (True, False, True)])
-def test_attention_op_fused_rows_bwd(relu, per_token, deterministic):
-    """The call site: the attention backward's loss rows and indexer backward fused."""
+def test_attention_op_loss_in_the_backward(relu, per_token, deterministic, variant):
+    """The call site: the attention backward's loss rows and indexer backward fused, or the KL
+    from the indexer backward (kl_in_bwd)."""
     x, idx = attention_case()
 
     def run(loss_options):
@@ -208,7 +237,7 @@ def test_attention_op_fused_rows_bwd(relu, per_token, deterministic):
         (out.sum() + anchor * 1.3).backward()
         return reported, {n: t.grad for n, t in y.items()}
 
-    loss, grads = run(VARIANTS["fused"])
+    loss, grads = run(VARIANTS[variant])
     ref_loss, ref_grads = run(DEFAULT)
     assert len(loss) == len(ref_loss) == 1
     same(loss[0], ref_loss[0], INTERPRETED, "loss")

@@ -1,7 +1,7 @@
 """bench_indexer_loss.py --variants: each IndexerLossKernelOptions variant's row (the row pass,
 the backward and the two back to back) on a tiny input with a stand-in timer that calls each
-function once (under the interpreter on CPU); the fused and one-pass variants' outputs agree
-with the default's, and every name maps to valid options."""
+function once (under the interpreter on CPU); the fused, one-pass and KL-from-the-backward
+variants' outputs agree with the default's, and every name maps to valid options."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_variant_rows(monkeypatch):
     base = replace(IndexerLossKernelOptions.DEFAULT, block_n=16)
     default, ref = bench.loss_variant_row(x, idx.to(DEVICE), base, 0, 1, True)
     assert len(calls) == 4 and default["rows_bwd_det_ms"] == 1.0
-    for name in ("fused", "one_pass"):
+    for name in ("fused", "one_pass", "kl_in_bwd"):
         options = replace(base, **bench.LOSS_VARIANTS[name])
         row, _ = bench.loss_variant_row(x, idx.to(DEVICE), options, 0, 1, False, ref)
         assert row["rows_ms"] == row["bwd_kernel_ms"] == row["rows_bwd_ms"] == 1.0

@@ -163,6 +163,12 @@ def test_attention_kernel_flags_set_only_their_options() -> None:
     for flags, changed in cases.items():
         got = bench_layer.attention_kernel_options(bench_layer.parse_args(list(flags)))
         assert got == replace(default, **changed), flags
+    from megatron_hyscale.ops import IndexerLossKernelOptions
+
+    loss_default = IndexerLossKernelOptions.DEFAULT
+    assert bench_layer.indexer_loss_kernel_options(bench_layer.parse_args([])) == loss_default
+    assert bench_layer.indexer_loss_kernel_options(
+        bench_layer.parse_args(["--loss-kl-in-bwd"])) == replace(loss_default, kl_in_bwd=True)
 
 
 def test_stock_kernel_backend_flag_parses() -> None:

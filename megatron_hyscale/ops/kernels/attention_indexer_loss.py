@@ -73,19 +73,23 @@ class SparseAttentionIndexerLossFunction(torch.autograd.Function):
             torch.distributed.all_reduce(target, group=group)  # the other ranks' query heads
         loss_indices = indices if indices.dim() == 3 else indices[:, :, 0]
         dqi = dw = dki = None
-        if danchor is not None and ctx.loss_options.fused_rows_bwd:
-            kl, dqi, dw, dki = indexer_loss_rows_bwd(
-                q_index, weights, k_index, loss_indices, target, danchor, ctx.coeff, ctx.relu,
-                ctx.deterministic, ctx.loss_options)
+        index_args = (q_index, weights, k_index, loss_indices, target)
+        opts = ctx.loss_options
+        if danchor is not None and opts.fused_rows_bwd:
+            kl, dqi, dw, dki = indexer_loss_rows_bwd(*index_args, danchor, ctx.coeff, ctx.relu,
+                                                     ctx.deterministic, opts)
+        elif danchor is not None and opts.kl_in_bwd:
+            _, index_lse, psum = indexer_loss_rows(*index_args, ctx.relu, opts, with_kl=False)
+            dqi, dw, dki, kl = indexer_loss_bwd(*index_args, index_lse, psum, danchor,
+                                                ctx.coeff, ctx.relu, ctx.deterministic, opts,
+                                                with_kl=True)
         else:
-            kl, index_lse, psum = indexer_loss_rows(q_index, weights, k_index, loss_indices,
-                                                    target, ctx.relu, ctx.loss_options)
+            kl, index_lse, psum = indexer_loss_rows(*index_args, ctx.relu, opts)
+            if danchor is not None:
+                dqi, dw, dki = indexer_loss_bwd(*index_args, index_lse, psum, danchor,
+                                                ctx.coeff, ctx.relu, ctx.deterministic, opts)
         if ctx.on_loss is not None:
             ctx.on_loss((kl.sum() * ctx.coeff).detach())
-        if danchor is not None and not ctx.loss_options.fused_rows_bwd:
-            dqi, dw, dki = indexer_loss_bwd(q_index, weights, k_index, loss_indices, target,
-                                            index_lse, psum, danchor, ctx.coeff, ctx.relu,
-                                            ctx.deterministic, ctx.loss_options)
         return (dq, dk, dvv, None, None, None, None, None, dqi, dw, dki) + (None,) * 6
 
 

@@ -281,12 +281,35 @@ def _target_sum(p_base, spk, NK, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _kl_terms(pn, s, lse, valid):
+    """A tile's KL terms summed: pn * (log max(pn, eps) - (s - lse)) over its valid slots."""
+    term = pn * (tl.log(tl.maximum(pn, _EPS)) - (s - lse))
+    return tl.sum(tl.where(valid, term, 0.0), axis=0)
+
+
+@triton.jit
+def _normalize_target(p_base, spk, NK, den, BLOCK_N: tl.constexpr, STORE: tl.constexpr):
+    """sum of pn = p / den over the row's valid slots (p alone, no gather), tile by tile as the
+    loss's second pass sums it; STORE: pn written over p."""
+    psum = tl.zeros([], tl.float32)
+    for n0 in range(0, NK, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        p_ptrs = p_base + offs * spk
+        p = tl.load(p_ptrs, mask=offs < NK, other=_INVALID)
+        pn = tl.where(p >= 0.0, p / den, 0.0)
+        psum += tl.sum(pn, axis=0)
+        if STORE:
+            tl.store(p_ptrs, pn, mask=p >= 0.0)
+    return psum
+
+
+@triton.jit
 def _loss_kernel(
     qi_ptr, w_ptr, ki_ptr, idx_ptr, p_ptr, kl_ptr, lse_ptr, psum_ptr,
     T, NK, H, D,
     sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, sib, sit, sik, spb, spt, spk, srb, srt,
     RELU: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, ONE_PASS: tl.constexpr = False,
+    PRECISION: tl.constexpr, ONE_PASS: tl.constexpr = False, KL: tl.constexpr = True,
 ):
     """Row KL(p / sum p || softmax(s)) over the valid slots; p normalized in place.
 
@@ -295,6 +318,8 @@ def _loss_kernel(
     Writes the row's KL, lse (0 for an empty row) and sum of the normalized target.
     ONE_PASS: sum p first (no gather), then one gathered pass with an online log-sum-exp;
     KL = sum pn log pn - sum pn (s - c) + (lse - c) sum pn, c the first valid tile's max.
+    KL=False (the backward kernel sums the KL terms: IndexerLossKernelOptions.kl_in_bwd): pass
+    1, then p normalized without a gather; no KL written.
     """
     pid = tl.program_id(0).to(tl.int64)
     b = pid // T
@@ -330,7 +355,7 @@ def _loss_kernel(
             tl.store(p_ptrs, pn, mask=valid)
         lse = lse_of(m_i, l_i)
         kl = plogp - ps + tl.where(l_i > 0.0, lse - c, 0.0) * psum
-    else:
+    elif KL:
         lse, den = _row_stats(q, w, k_base, sks, skd, idx_base, sik, p_base, spk, offs_d, NK,
                               D, RELU, BLOCK_N, PRECISION)
         for n0 in range(0, NK, BLOCK_N):
@@ -338,12 +363,16 @@ def _loss_kernel(
             _, _, _, s = index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
                                        PRECISION)
             pn = tl.where(valid, p / den, 0.0)
-            term = pn * (tl.log(tl.maximum(pn, _EPS)) - (s - lse))
-            kl += tl.sum(tl.where(valid, term, 0.0), axis=0)
+            kl += _kl_terms(pn, s, lse, valid)
             psum += tl.sum(pn, axis=0)
             tl.store(p_ptrs, pn, mask=valid)
+    else:
+        lse, den = _row_stats(q, w, k_base, sks, skd, idx_base, sik, p_base, spk, offs_d, NK,
+                              D, RELU, BLOCK_N, PRECISION)
+        psum = _normalize_target(p_base, spk, NK, den, BLOCK_N, True)
     row = b * srb + t * srt
-    tl.store(kl_ptr + row, kl)
+    if KL:
+        tl.store(kl_ptr + row, kl)
     tl.store(lse_ptr + row, lse)
     tl.store(psum_ptr + row, psum)
 
@@ -351,11 +380,14 @@ def _loss_kernel(
 @triton.jit
 def _grad_step(q, w, dq, dw, rows, valid, pn, lse, psum, g_scale, k_base, sks, skd, offs_d, D,
                dk_base, sdks, sdkd, d_mask, rm_base, fx_base, srms,
-               RELU: tl.constexpr, PRECISION: tl.constexpr, MODE: tl.constexpr):
-    """One key tile of the backward: dq and dw accumulated, dk rows added by MODE; also the
-    tile's recomputed scores s (the fused row pass's KL needs them)."""
+               RELU: tl.constexpr, PRECISION: tl.constexpr, MODE: tl.constexpr,
+               KL: tl.constexpr = False):
+    """One key tile of the backward: dq and dw accumulated, dk rows added by MODE; with KL
+    also the tile's KL terms from its recomputed scores (else 0), taken before the products
+    so that the scores are not held across them (V3.2's kernel spilled more otherwise)."""
     kt, logits, act, s = index_scores(q, w, k_base, sks, skd, rows, valid, offs_d, D, RELU,
                                        PRECISION)
+    kl_tile = _kl_terms(pn, s, lse, valid) if KL else 0.0
     # -inf at invalid slots: their s is from a zeroed key row and exp(s - lse) could overflow.
     prob = tl.exp(tl.where(valid, s - lse, float("-inf")))
     g = tl.where(valid, (prob * psum - pn) * g_scale, 0.0)
@@ -367,24 +399,26 @@ def _grad_step(q, w, dq, dw, rows, valid, pn, lse, psum, g_scale, k_base, sks, s
     dk_t = tl.dot(tl.trans(g_l).to(q.dtype), q, input_precision=PRECISION)
     accumulate(dk_base + rows[:, None] * sdks + offs_d[None, :] * sdkd, dk_t, rows, valid,
                d_mask, rm_base, fx_base, srms, MODE)
-    return dq, dw, s
+    return dq, dw, kl_tile
 
 
 @triton.jit
 def _bwd_kernel(
     qi_ptr, w_ptr, ki_ptr, idx_ptr, p_ptr, lse_ptr, psum_ptr, grad_ptr, coeff,
-    dq_ptr, dw_ptr, dk_ptr, rowmax_ptr, scale_ptr,
+    dq_ptr, dw_ptr, dk_ptr, rowmax_ptr, scale_ptr, kl_ptr,
     T, NK, H, D,
     sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, sib, sit, sik, spb, spt, spk, srb, srt,
     sdqb, sdqt, sdqh, sdqd, sdwb, sdwt, sdwh, sdkb, sdks, sdkd, srmb, srms,
     RELU: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, MODE: tl.constexpr,
+    PRECISION: tl.constexpr, MODE: tl.constexpr, KL: tl.constexpr = False,
 ):
     """dq_index, dweights of one row (owned, no atomics) and its dk_index contributions.
 
     d loss / d s_j = g_j = (softmax(s)_j * sum(pn) - pn_j) * grad * coeff at valid slots;
     dw_h = sum_j g_j act(L_hj); with G_hj = g_j w_h act'(L_hj): dq = G @ K_sel, and the
     [keys x D] tile G^T @ q goes into dk's selected rows by MODE (fp32 atomics or fixed point).
+    KL: also the row's KL from the recomputed scores into kl (the loss kernel's second-pass
+    terms; IndexerLossKernelOptions.kl_in_bwd), in the pass that writes the gradients.
     """
     pid = tl.program_id(0).to(tl.int64)
     b = pid // T
@@ -405,14 +439,18 @@ def _bwd_kernel(
 
     dq = tl.zeros([BLOCK_H, D_PAD], tl.float32)
     dw = tl.zeros([BLOCK_H], tl.float32)
+    kl = tl.zeros([], tl.float32)
     for n0 in range(0, NK, BLOCK_N):
         rows, valid, pn, _ = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
-        dq, dw, _ = _grad_step(q, w, dq, dw, rows, valid, pn, lse, psum, g_scale, k_base, sks,
-                               skd, offs_d, D, dk_base, sdks, sdkd, d_mask, rm_base, fx_base,
-                               srms, RELU, PRECISION, MODE)
+        dq, dw, kl_tile = _grad_step(q, w, dq, dw, rows, valid, pn, lse, psum, g_scale, k_base,
+                                     sks, skd, offs_d, D, dk_base, sdks, sdkd, d_mask, rm_base,
+                                     fx_base, srms, RELU, PRECISION, MODE, KL)
+        kl += kl_tile
     if MODE != 1:  # the row-max pass of the deterministic mode writes only its maxima
         _store_row_grads(dq_ptr, dw_ptr, dq, dw, b, t, offs_h, offs_d, H, d_mask, sdqb, sdqt,
                          sdqh, sdqd, sdwb, sdwt, sdwh)
+        if KL:
+            tl.store(kl_ptr + row, kl)
 
 
 @triton.jit
@@ -453,11 +491,7 @@ def _rows_bwd_kernel(
                           RELU, BLOCK_N, PRECISION)
     # The gradient needs sum(pn) before its first tile: the sum the loss kernel takes in its
     # second pass, in the same tile order.
-    psum = tl.zeros([], tl.float32)
-    for n0 in range(0, NK, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        p = tl.load(p_base + offs * spk, mask=offs < NK, other=_INVALID)
-        psum += tl.sum(tl.where(p >= 0.0, p / den, 0.0), axis=0)
+    psum = _normalize_target(p_base, spk, NK, den, BLOCK_N, False)
 
     g_scale = tl.load(grad_ptr).to(tl.float32) * coeff
     dk_base = dk_ptr + b * sdkb
@@ -470,11 +504,10 @@ def _rows_bwd_kernel(
     for n0 in range(0, NK, BLOCK_N):
         rows, valid, p, p_ptrs = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
         pn = tl.where(valid, p / den, 0.0)
-        dq, dw, s = _grad_step(q, w, dq, dw, rows, valid, pn, lse, psum, g_scale, k_base, sks,
-                               skd, offs_d, D, dk_base, sdks, sdkd, d_mask, rm_base, fx_base,
-                               srms, RELU, PRECISION, MODE)
-        term = pn * (tl.log(tl.maximum(pn, _EPS)) - (s - lse))
-        kl += tl.sum(tl.where(valid, term, 0.0), axis=0)
+        dq, dw, kl_tile = _grad_step(q, w, dq, dw, rows, valid, pn, lse, psum, g_scale, k_base,
+                                     sks, skd, offs_d, D, dk_base, sdks, sdkd, d_mask, rm_base,
+                                     fx_base, srms, RELU, PRECISION, MODE, True)
+        kl += kl_tile
         tl.store(p_ptrs, pn, mask=valid)
     row = b * srb + t * srt
     tl.store(kl_ptr + row, kl)
@@ -578,27 +611,35 @@ def attention_target(query, key, indices, q_positions, k_positions, softmax_scal
 
 
 def indexer_loss_rows(q_index, weights, k_index, indices, p, relu,
-                      options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT):
+                      options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT,
+                      with_kl: bool = True):
     """Per-row KL fp32 [B, T] from the head-summed target p (normalized in place), plus the
-    rows' index-score log-sum-exp and normalized-target sum (fp32 [B, T] each) for backward."""
+    rows' index-score log-sum-exp and normalized-target sum (fp32 [B, T] each) for backward.
+    with_kl=False: no KL (None in its place; `indexer_loss_bwd(..., with_kl=True)` returns it)
+    and one gathered pass fewer."""
     B, T, H, D = q_index.shape
     NK = indices.shape[-1]
     kl, lse, psum = (torch.empty((B, T), device=q_index.device, dtype=torch.float32)
                      for _ in range(3))
     const, num_warps = _index_geometry(q_index, options.loss_num_warps)
-    const.update(RELU=relu, ONE_PASS=options.loss_one_pass)
+    const.update(RELU=relu, ONE_PASS=options.loss_one_pass and with_kl)
+    if not with_kl:  # absent otherwise: the default launch's constexprs as before
+        const["KL"] = False
     args = (q_index, weights, k_index, indices, p, kl, lse, psum, T, NK, H, D,
             *q_index.stride(), *weights.stride(), *k_index.stride(), *indices.stride(),
             *p.stride(), *kl.stride())
     _launch(_loss_kernel, (B * T,), args, const, options.index_tilings, num_warps,
             ("loss", q_index.dtype, k_index.dtype, tuple(sorted(const.items()))), options)
-    return kl, lse, psum
+    return (kl if with_kl else None), lse, psum
 
 
 def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coeff, relu,
                      deterministic=False,
-                     options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT):
-    """Gradients (dq_index, dweights, dk_index) in their inputs' dtypes."""
+                     options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT,
+                     with_kl: bool = False):
+    """Gradients (dq_index, dweights, dk_index) in their inputs' dtypes; with_kl: also the row
+    KL fp32 [B, T] from the recomputed scores (after `indexer_loss_rows(..., with_kl=False)`),
+    a fourth output."""
     B, T, H, D = q_index.shape
     S = k_index.shape[1]
     NK = indices.shape[-1]
@@ -609,12 +650,15 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
                          dtype=torch.int64 if deterministic else torch.float32)
     rowmax = torch.zeros((B, S), device=dev, dtype=torch.float32) if deterministic else lse
     grad = grad.detach().reshape(1).to(device=dev, dtype=torch.float32)
+    kl = torch.empty((B, T), device=dev, dtype=torch.float32) if with_kl else lse
     const, num_warps = _bwd_launch(q_index, options)
     const["RELU"] = relu
+    if with_kl:  # absent otherwise: the default launch's constexprs as before
+        const["KL"] = True
 
     def run(mode, scale):
         args = (q_index, weights, k_index, indices, p, lse, psum, grad, coeff, dq, dw, dk_acc,
-                rowmax, scale, T, NK, H, D, *q_index.stride(), *weights.stride(),
+                rowmax, scale, kl, T, NK, H, D, *q_index.stride(), *weights.stride(),
                 *k_index.stride(), *indices.stride(), *p.stride(), *lse.stride(), *dq.stride(),
                 *dw.stride(), *dk_acc.stride(), *rowmax.stride())
         c = dict(const, MODE=mode)
@@ -623,13 +667,14 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
 
     if not deterministic:
         run(MODE_ATOMIC, rowmax)
-        return dq, dw, dk_acc.to(k_index.dtype)
-    run(MODE_ROWMAX, rowmax)
-    # Repeated indices are dropped, so a dk element gets at most one addend per query row.
-    scale, exp = fixed_point_scale(rowmax, T)
-    run(MODE_FIXED, scale)
-    dk = torch.ldexp(dk_acc.double(), -exp.unsqueeze(-1)).to(k_index.dtype)
-    return dq, dw, dk
+        dk = dk_acc.to(k_index.dtype)
+    else:
+        run(MODE_ROWMAX, rowmax)
+        # Repeated indices are dropped, so a dk element gets at most one addend per query row.
+        scale, exp = fixed_point_scale(rowmax, T)
+        run(MODE_FIXED, scale)
+        dk = torch.ldexp(dk_acc.double(), -exp.unsqueeze(-1)).to(k_index.dtype)
+    return (dq, dw, dk, kl) if with_kl else (dq, dw, dk)
 
 
 def indexer_loss_rows_bwd(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor,
@@ -665,7 +710,7 @@ def indexer_loss_rows_bwd(q_index: torch.Tensor, weights: torch.Tensor, k_index:
     # fixed-point pass (with the row maxima just taken) completes the gradients.
     scale, exp = fixed_point_scale(rowmax, T)
     args = (q_index, weights, k_index, indices, p, lse, psum, grad, coeff, dq, dw, dk_acc,
-            rowmax, scale, T, NK, H, D, *q_index.stride(), *weights.stride(),
+            rowmax, scale, lse, T, NK, H, D, *q_index.stride(), *weights.stride(),
             *k_index.stride(), *indices.stride(), *p.stride(), *lse.stride(), *dq.stride(),
             *dw.stride(), *dk_acc.stride(), *rowmax.stride())
     c = dict(const, MODE=MODE_FIXED)

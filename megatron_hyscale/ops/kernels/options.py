@@ -440,6 +440,26 @@ class IndexerLossKernelOptions:
     # + backward): slower, GLM-5.1 129.5 -> 144.7 ms, V3.2 169.5 -> 179.3 ms (with 8 warps and
     # bwd_maxnreg 128: 155.3 / 295.8). Off.
     fused_rows_bwd: bool = False
+    # Also where the loss is computed in the attention backward, but as two kernels: the row
+    # pass takes only the index scores' log-sum-exp and the target's sum (one gathered pass,
+    # then p normalized without a gather, `indexer_loss_rows(..., with_kl=False)`) and the
+    # backward kernel, which recomputes the scores anyway, sums the KL terms from them
+    # (`indexer_loss_bwd(..., with_kl=True)`): the row pass's second gathered pass goes, and
+    # each kernel keeps its own warps and registers (the fused kernel's cost it occupancy).
+    # The default's terms in its tile order: the KL bitwise under the interpreter at equal tile
+    # sizes, lse, sum pn, p and the gradients bitwise; no cancelling sums (loss_one_pass's
+    # problem), each term is small where the KL is. The backward takes a tile's terms before
+    # its products (after them the scores were held across the products: V3.2 spilled 31 / 25
+    # local loads / stores a tile). Compiled for sm_90a (2026-12-05, `inspect_sm90.py --preset
+    # indexer-loss-glm51-index indexer-loss-glm51-kl-in-bwd indexer-loss-v32-index
+    # indexer-loss-v32-kl-in-bwd`): GLM-5.1's row-pass kernel 1608 -> 936 SASS instructions
+    # (its 505-instruction second-pass tile gone), its backward tile 585 -> 663 (8 / 4 B
+    # spilled, outside the loop); V3.2's row pass 2568 -> 1264 (a 1098-instruction tile gone),
+    # its backward tile 1386 -> 1847 (5 / 2 local loads / stores a tile; the log of each slot's
+    # target runs in every thread that holds the slot). Off until timed
+    # (`bench_indexer_loss.py --variants kl_in_bwd`, `gpu_session.sh loss-variants`); the
+    # standalone `indexer_kl_loss` returns its value in the forward and ignores it.
+    kl_in_bwd: bool = False
 
     DEFAULT: ClassVar[IndexerLossKernelOptions]
 
