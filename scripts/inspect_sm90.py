@@ -526,6 +526,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "sparse-mla-bwd-sm90-csa": lambda: _sparse_mla_bwd_sm90(64, 512, 640, sink=True),
     "sparse-mla-bwd-sm90-glm51-target": lambda: _sparse_mla_bwd_sm90(64, 576, 2048, dlse=True,
                                                                      target=True),
+    # GLM-5.1 under tensor parallelism 2 (32 heads a rank: one block padded to 64).
+    "sparse-mla-bwd-sm90-glm51-tp2": lambda: _sparse_mla_bwd_sm90(32, 576, 2048),
     # The warp-specialized indexer scores (a TMA producer warp, two wgmma consumer warpgroups).
     "indexer-scores-sm90-dsv32": lambda: _indexer_scores_sm90(64),
     "indexer-scores-sm90-glm51": lambda: _indexer_scores_sm90(32),

@@ -93,3 +93,10 @@ def test_the_kernel_tiles_fit_the_forward_layouts():
     assert bwd.BLOCK_H == bwd.BLOCK_N
     # 240 + 240 + 24 registers a thread for the three warpgroups: within the SM's 64K.
     assert (2 * bwd.CONSUMER_REGS + bwd.PRODUCER_REGS) * 128 <= 65536
+
+
+def test_head_counts_it_takes():
+    """Multiples of 64 heads, or fewer (one padded block: tensor parallelism's share of
+    GLM-5.1's 64); not 96 (a block and a half)."""
+    assert [h for h in (8, 16, 32, 64, 96, 128, 192) if bwd.heads_fit(h)] == [
+        8, 16, 32, 64, 128, 192]

@@ -1,7 +1,8 @@
 """The Hopper (Gluon) warp-specialized sparse-MLA backward (`AttentionKernelOptions.bwd_sm90`)
 on the GPU, against the Triton backward (same bf16 roundings of P and dS: only the fp32
 summation order differs) and the fp32 reference: GLM-5.1 and DeepSeek-V3.2 shapes (one and two
-head blocks, both launch orders), DeepSeek-V4's K = V with a sink, key counts off the 64-key
+head blocks, both launch orders; 32 and 16 heads, tensor parallelism's share, padded to one
+block), DeepSeek-V4's K = V with a sink, key counts off the 64-key
 tile and none at all, empty and half-empty rows, the lse's gradient, the indexer loss's target,
 batch 2 with int64 per-KV-head indices, strided queries and fp16, integer-valued inputs, and the
 dispatch (which kernel runs, the warnings when it cannot).
@@ -104,8 +105,10 @@ def check_same(got, want):
 @needs_hopper
 @pytest.mark.parametrize("hq,K,adjacent", [(64, 2048, True), (128, 2048, True),
                                            (128, 2048, False), (64, 2000, True),
-                                           (64, 130, True), (64, 100, True), (64, 5, True)])
+                                           (64, 130, True), (64, 100, True), (64, 5, True),
+                                           (32, 2048, True), (16, 300, True)])
 def test_matches_the_triton_backward(hq, K, adjacent, launches):
+    """32 and 16 heads: tensor parallelism's share of GLM-5.1's 64, one block padded."""
     q, k, idx, _, dout, scale = inputs(hq, 64, 4096, K, seed=hq + K)
     out, lse = forward(q, k, idx, scale, None)
     sm90 = replace(SM90, head_blocks_adjacent=adjacent)
@@ -134,8 +137,9 @@ def test_matches_the_fp32_reference_through_autograd(launches):
 @needs_hopper
 def test_lse_gradient_and_the_indexer_target(launches):
     """The lse's gradient enters dS; the target (P summed over the heads at each slot) is the
-    Triton dQ kernel's, one head block (stored, -1 at unused slots) and two (added)."""
-    for hq in (64, 128):
+    Triton dQ kernel's, one head block (stored, -1 at unused slots), two (added), and one
+    padded (32 heads)."""
+    for hq in (64, 128, 32):
         q, k, idx, _, dout, scale = inputs(hq, 64, 4096, 1000, seed=hq)
         out, lse = forward(q, k, idx, scale, None)
         dlse = torch.randn_like(lse)
@@ -145,14 +149,15 @@ def test_lse_gradient_and_the_indexer_target(launches):
         assert torch.equal(got[3] < 0, idx < 0)
         valid = idx >= 0
         assert (got[3][valid] - want[3][valid]).abs().max().item() < 1e-5
-    assert launches == [1, 1]
+    assert launches == [1, 1, 1]
 
 
 @needs_hopper
-@pytest.mark.parametrize("K", [640, 130])
-def test_k_equals_v_with_a_sink(K, launches):
-    """DeepSeek-V4's CSA / window form: 512 channels, no tail, V = K, a sink per head."""
-    q, k, idx, sink, dout, scale = inputs(64, 64, 2048, K, seed=K, d=512, sink=True)
+@pytest.mark.parametrize("hq,K", [(64, 640), (64, 130), (32, 640)])
+def test_k_equals_v_with_a_sink(hq, K, launches):
+    """DeepSeek-V4's CSA / window form: 512 channels, no tail, V = K, a sink per head (32
+    heads: padded, the padded heads' sink terms not written)."""
+    q, k, idx, sink, dout, scale = inputs(hq, 64, 2048, K, seed=K, d=512, sink=True)
     out, lse = forward(q, k, idx, scale, sink)
     got = backward(q, k, idx, scale, sink, out, lse, dout, SM90)
     want = backward(q, k, idx, scale, sink, out, lse, dout, TRITON)

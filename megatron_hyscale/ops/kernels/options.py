@@ -259,8 +259,8 @@ class AttentionKernelOptions:
     # 1315 per 32; dK/dV 16 x 2: 1366); `bench_attention.py --bwd-sweep` times both.
     bwd_fused: bool = False
     # The backward of absorbed MLA and DeepSeek-V4's K = V (one KV head, V = K's main part of
-    # 128 / 256 / 512 channels, a tail of 0 or 64, heads a multiple of 64, no prefix; a sink
-    # taken) on Hopper as one warp-specialized Gluon kernel (`sparse_mla_bwd_sm90`): a cp.async
+    # 128 / 256 / 512 channels, a tail of 0 or 64, heads a multiple of 64 or fewer: tensor
+    # parallelism's share, one block padded; no prefix; a sink taken) on Hopper as one warp-specialized Gluon kernel (`sparse_mla_bwd_sm90`): a cp.async
     # producer warpgroup gathers each 64-key tile once; two consumer warpgroups compute S, P, dP
     # and dS once (32 keys each), exchange P and dS through shared memory and each accumulate dQ
     # and add dK (dV merged) for half the channels, from registers with REDG.F32x2 atomics. The

@@ -92,17 +92,22 @@ def _slot_index(idx_base, sik, n0, NK, slots):
 
 @gluon.jit
 def _producer(q_ptr, k_ptr, idx_ptr, dout_ptr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s,
-              q_bar, k_ready, k_empty, b, t, hb, NK, n_tiles, sqb, sqt, sqh, skb, sks,
+              q_bar, k_ready, k_empty, b, t, hb, H, NK, n_tiles, sqb, sqt, sqh, skb, sks,
               sib, sit, sik, sdob, sdot, sdoh,
               D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
-              BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
-    """q and dO once, then each key tile once the consumers' dQ products released the last."""
+              BLOCK_N: gl.constexpr, PAD_HEADS: gl.constexpr, WARPS: gl.constexpr):
+    """q and dO once (PAD_HEADS: rows past the H heads zero-filled), then each key tile once
+    the consumers' dQ products released the last."""
     # A warp covers 4 rows x 64 channels in 16-byte vectors (one swizzle atom a row).
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, ld_layout)
 
     heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_l)).to(gl.int64)
-    every = gl.full([BLOCK_H], 1, gl.int1, layout=row_l)
+    if PAD_HEADS:
+        every = heads < H
+        heads = gl.where(every, heads, 0)
+    else:
+        every = gl.full([BLOCK_H], 1, gl.int1, layout=row_l)
     q_rows = q_ptr + b * sqb + t * sqt + heads * sqh
     gather_rows(q_main_s, q_rows, every, D_MAIN, ld_layout)
     if D_TAIL > 0:
@@ -125,9 +130,11 @@ def _producer(q_ptr, k_ptr, idx_ptr, dout_ptr, q_main_s, q_tail_s, do_s, k_main_
 
 
 @gluon.jit
-def _delta_half(c: gl.constexpr, out_ptr, dout_ptr, b, t, hb, sob, sot, soh, sdob, sdot, sdoh,
-                D_MAIN: gl.constexpr, BLOCK_H: gl.constexpr, row_s: gl.constexpr):
-    """sum of dO * O over channels c * D_MAIN / 2 .. (c + 1) * D_MAIN / 2, fp32 [BLOCK_H]."""
+def _delta_half(c: gl.constexpr, out_ptr, dout_ptr, b, t, hb, H, sob, sot, soh, sdob, sdot,
+                sdoh, D_MAIN: gl.constexpr, BLOCK_H: gl.constexpr, PAD_HEADS: gl.constexpr,
+                row_s: gl.constexpr):
+    """sum of dO * O over channels c * D_MAIN / 2 .. (c + 1) * D_MAIN / 2, fp32 [BLOCK_H] (0
+    for padded heads)."""
     HALF: gl.constexpr = D_MAIN // 2
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))).to(gl.int64)
@@ -137,8 +144,13 @@ def _delta_half(c: gl.constexpr, out_ptr, dout_ptr, b, t, hb, sob, sot, soh, sdo
     acc = gl.zeros([BLOCK_H, DELTA_CHUNK], gl.float32, layout=layout)
     for ch in gl.static_range(HALF // DELTA_CHUNK):
         col = c * HALF + ch * DELTA_CHUNK + cols
-        o = gl.load(o_rows[:, None] + col[None, :]).to(gl.float32)
-        do = gl.load(do_rows[:, None] + col[None, :]).to(gl.float32)
+        if PAD_HEADS:
+            m = (heads < H)[:, None] & (col < D_MAIN)[None, :]
+            o = gl.load(o_rows[:, None] + col[None, :], mask=m, other=0.0).to(gl.float32)
+            do = gl.load(do_rows[:, None] + col[None, :], mask=m, other=0.0).to(gl.float32)
+        else:
+            o = gl.load(o_rows[:, None] + col[None, :]).to(gl.float32)
+            do = gl.load(do_rows[:, None] + col[None, :]).to(gl.float32)
         acc += o * do
     return gl.convert_layout(gl.sum(acc, axis=1), row_s)
 
@@ -166,14 +178,16 @@ def _dk_chunk(ds_t, p_t, q_part, do_part, col0, rows, valid, acc_layout: gl.cons
 @gluon.jit
 def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t_s, ds_t_s,
               d_s, bars, idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr, dq_ptr,
-              dk_ptr, dsink_ptr, tgt_ptr, b, t, hb, NK, n_tiles, qk_scale, sm_scale,
+              dk_ptr, dsink_ptr, tgt_ptr, b, t, hb, H, NK, n_tiles, qk_scale, sm_scale,
               sib, sit, sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh,
               sdqb, sdqt, sdqh, sdkb, sdks, stg, stb, stt, stk,
               D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_SINK: gl.constexpr,
-              TARGET: gl.constexpr, TARGET_ATOMIC: gl.constexpr):
+              TARGET: gl.constexpr, TARGET_ATOMIC: gl.constexpr, PAD_HEADS: gl.constexpr):
     """S, P, dP, dS for keys c * HALF_N .. of each tile; dQ for channels c * D_MAIN / 2 ..
-    (consumer 1 also the tail), dK for the same main channels (consumer 0 also the tail)."""
+    (consumer 1 also the tail), dK for the same main channels (consumer 0 also the tail).
+    PAD_HEADS (fewer than BLOCK_H heads): the rows past H have zero q and dO and an lse of
+    +inf, so their P, dS and Delta are 0 and they add nothing; their dq is not stored."""
     q_bar, k_ready, k_empty, ps_ready, ps_empty, d_ready = bars
     HALF: gl.constexpr = D_MAIN // 2
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -191,21 +205,25 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
 
     heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
     stat = b * slb + t * slt + heads * slh
-    lse2 = gl.load(lse_ptr + stat) * LOG2E_JIT
+    h_ok = heads < H
+    if PAD_HEADS:
+        lse2 = gl.load(lse_ptr + stat, mask=h_ok, other=float("inf")) * LOG2E_JIT
+    else:
+        lse2 = gl.load(lse_ptr + stat) * LOG2E_JIT
     # Delta = dO . O (- dlse), each consumer summing half the channels; both add the halves in
     # the same order.
-    d_s.index(c).store(_delta_half(c, out_ptr, dout_ptr, b, t, hb, sob, sot, soh, sdob, sdot,
-                                   sdoh, D_MAIN, BLOCK_H, row_s))
+    d_s.index(c).store(_delta_half(c, out_ptr, dout_ptr, b, t, hb, H, sob, sot, soh, sdob, sdot,
+                                   sdoh, D_MAIN, BLOCK_H, PAD_HEADS, row_s))
     mbarrier.arrive(d_ready.index(c), count=1)
     mbarrier.wait(d_ready.index(1 - c), 0)
     delta = d_s.index(0).load(row_s) + d_s.index(1).load(row_s)
     if HAS_DLSE:
         # d lse / d s_j = p_j: the lse's gradient enters dS as -dlse inside (dP - Delta).
-        delta -= gl.load(dlse_ptr + stat)
+        delta -= gl.load(dlse_ptr + stat, mask=h_ok, other=0.0)
     if HAS_SINK:
         if c == 0:
-            sink2 = gl.load(sink_ptr + heads).to(gl.float32) * LOG2E_JIT
-            gl.store(dsink_ptr + stat, -gl.exp2(sink2 - lse2) * delta)
+            sink2 = gl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(gl.float32) * LOG2E_JIT
+            gl.store(dsink_ptr + stat, -gl.exp2(sink2 - lse2) * delta, mask=h_ok)
     lse2 = gl.where(lse2 == float("-inf"), 0.0, lse2)  # a row without keys: every p is 0
     if TARGET:
         tgt_base = tgt_ptr + hb * stg + b * stb + t * stt
@@ -294,24 +312,32 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
     dq_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, dq_layout))
     dq_rows = dq_ptr + b * sdqb + t * sdqt + dq_heads.to(gl.int64) * sdqh
     dq_cols = c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, dq_layout))
-    gl.store(dq_rows[:, None] + dq_cols[None, :], dq.to(dtype))
+    if PAD_HEADS:
+        gl.store(dq_rows[:, None] + dq_cols[None, :], dq.to(dtype),
+                 mask=(dq_heads < H)[:, None] & (dq_cols < D_MAIN)[None, :])
+    else:
+        gl.store(dq_rows[:, None] + dq_cols[None, :], dq.to(dtype))
     if c == 1 and D_TAIL > 0:
         t_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, dqt_layout))
         t_rows = dq_ptr + b * sdqb + t * sdqt + t_heads.to(gl.int64) * sdqh
         t_cols = D_MAIN + gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, dqt_layout))
-        gl.store(t_rows[:, None] + t_cols[None, :], dq_tail.to(dtype))
+        if PAD_HEADS:
+            gl.store(t_rows[:, None] + t_cols[None, :], dq_tail.to(dtype),
+                     mask=(t_heads < H)[:, None] & (t_cols < D_MAIN + D_TAIL)[None, :])
+        else:
+            gl.store(t_rows[:, None] + t_cols[None, :], dq_tail.to(dtype))
 
 
 @gluon.jit
 def _sparse_mla_bwd_kernel(
     q_ptr, k_ptr, idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr,
     dq_ptr, dk_ptr, dsink_ptr, tgt_ptr,
-    T, NK, qk_scale, sm_scale,
+    T, H, NK, qk_scale, sm_scale,
     sqb, sqt, sqh, skb, sks, sib, sit, sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh,
     sdqb, sdqt, sdqh, sdkb, sdks, stg, stb, stt, stk,
     D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     NG: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_SINK: gl.constexpr, TARGET: gl.constexpr,
-    TARGET_ATOMIC: gl.constexpr,
+    TARGET_ATOMIC: gl.constexpr, PAD_HEADS: gl.constexpr,
     q_main_sl: gl.constexpr, q_tail_sl: gl.constexpr, k_main_sl: gl.constexpr,
     k_tail_sl: gl.constexpr, p_sl: gl.constexpr,
     CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
@@ -362,20 +388,21 @@ def _sparse_mla_bwd_kernel(
     gl.warp_specialize([
         (_consumer, (0, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t_s, ds_t_s, d_s, bars,
                      idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr, dq_ptr, dk_ptr,
-                     dsink_ptr, tgt_ptr, b, t, hb, NK, n_tiles, qk_scale, sm_scale, sib, sit,
+                     dsink_ptr, tgt_ptr, b, t, hb, H, NK, n_tiles, qk_scale, sm_scale, sib, sit,
                      sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh, sdqb, sdqt, sdqh,
                      sdkb, sdks, stg, stb, stt, stk, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, HAS_DLSE,
-                     HAS_SINK, TARGET, TARGET_ATOMIC)),
+                     HAS_SINK, TARGET, TARGET_ATOMIC, PAD_HEADS)),
         (_consumer, (1, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t_s, ds_t_s, d_s, bars,
                      idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr, dq_ptr, dk_ptr,
-                     dsink_ptr, tgt_ptr, b, t, hb, NK, n_tiles, qk_scale, sm_scale, sib, sit,
+                     dsink_ptr, tgt_ptr, b, t, hb, H, NK, n_tiles, qk_scale, sm_scale, sib, sit,
                      sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh, sdqb, sdqt, sdqh,
                      sdkb, sdks, stg, stb, stt, stk, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, HAS_DLSE,
-                     HAS_SINK, TARGET, TARGET_ATOMIC)),
+                     HAS_SINK, TARGET, TARGET_ATOMIC, PAD_HEADS)),
         (_producer, (q_ptr, k_ptr, idx_ptr, dout_ptr, q_main_s.index(0), q_tail_s.index(0),
                      do_s.index(0), k_main_s.index(0), k_tail_s.index(0), q_bar, k_ready,
-                     k_empty, b, t, hb, NK, n_tiles, sqb, sqt, sqh, skb, sks, sib, sit, sik,
-                     sdob, sdot, sdoh, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, PRODUCER_WARPS)),
+                     k_empty, b, t, hb, H, NK, n_tiles, sqb, sqt, sqh, skb, sks, sib, sit,
+                     sik, sdob, sdot, sdoh, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, PAD_HEADS,
+                     PRODUCER_WARPS)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -388,11 +415,17 @@ def variant(q: torch.Tensor) -> tuple:
     return q.dtype, q.shape[-1], q.shape[2]
 
 
+def heads_fit(heads: int) -> bool:
+    """Query heads (of the one KV head) the kernel takes: a multiple of BLOCK_H, or fewer (one
+    block padded with heads that add nothing: tensor parallelism's share of GLM-5.1's 64)."""
+    return heads % BLOCK_H == 0 or 0 < heads < BLOCK_H
+
+
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
             prefix_lengths: torch.Tensor | None) -> bool:
     """Whether these inputs are this kernel's case: on Hopper, q and k both bf16 or both fp16,
     one KV head, V = K's main part of 128 / 256 / 512 channels (v None, dv = that part), a
-    tail of 0 or TAIL channels, query heads a multiple of BLOCK_H, no dense prefix, and the
+    tail of 0 or TAIL channels, query heads that fit (`heads_fit`), no dense prefix, and the
     variant not disabled by an earlier failure. A sink is taken."""
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
@@ -400,7 +433,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
     d_main = 1 << (d.bit_length() - 1)
     return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v is None
             and dv == d_main and d_main in (128, 256, 512) and d - d_main in (0, TAIL)
-            and k.shape[2] == 1 and q.shape[2] % BLOCK_H == 0 and prefix_lengths is None
+            and k.shape[2] == 1 and heads_fit(q.shape[2]) and prefix_lengths is None
             and variant(q) not in _disabled)
 
 
@@ -445,7 +478,8 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
         return dq, dsink
     if indices.dim() == 4:
         indices = indices[:, :, 0]
-    grid, ng = launch_grid(B * T, 1, Hq // BLOCK_H, head_blocks_adjacent)
+    # Fewer heads than a block (tensor parallelism's share of GLM-5.1's 64): one padded block.
+    grid, ng = launch_grid(B * T, 1, max(Hq // BLOCK_H, 1), head_blocks_adjacent)
     q_main_sl, q_tail_sl, k_main_sl, k_tail_sl, p_sl = shared_layouts(q.dtype, d_main,
                                                                        d - d_main or TAIL)
     tgt, tgt_strides, tgt_atomic = target if target is not None else (lse, (0,) * 4, False)
@@ -453,12 +487,12 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
         q, k, indices, out, dout, lse, dlse if dlse is not None else lse,
         sink.contiguous() if sink is not None else lse, dq, dk,
         dsink if dsink is not None else lse, tgt,
-        T, indices.shape[-1], softmax_scale * LOG2E, softmax_scale,
+        T, Hq, indices.shape[-1], softmax_scale * LOG2E, softmax_scale,
         *q.stride()[:3], *k.stride()[:2], *indices.stride(), *out.stride()[:3],
         *dout.stride()[:3], *lse.stride(), *dq.stride()[:3], *dk.stride()[:2], *tgt_strides,
         D_MAIN=d_main, D_TAIL=d - d_main, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, NG=ng,
         HAS_DLSE=dlse is not None, HAS_SINK=sink is not None, TARGET=target is not None,
-        TARGET_ATOMIC=tgt_atomic,
+        TARGET_ATOMIC=tgt_atomic, PAD_HEADS=Hq < BLOCK_H,
         q_main_sl=q_main_sl, q_tail_sl=q_tail_sl, k_main_sl=k_main_sl, k_tail_sl=k_tail_sl,
         p_sl=p_sl, CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
