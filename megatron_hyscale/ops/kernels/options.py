@@ -260,15 +260,17 @@ class AttentionKernelOptions:
     bwd_fused: bool = False
     # The backward of absorbed MLA and DeepSeek-V4's K = V (one KV head, V = K's main part of
     # 128 / 256 / 512 channels, a tail of 0 or 64, heads a multiple of 64 or fewer: tensor
-    # parallelism's share, one block padded; no prefix; a sink taken) on Hopper as one warp-specialized Gluon kernel (`sparse_mla_bwd_sm90`): a cp.async
-    # producer warpgroup gathers each 64-key tile once; two consumer warpgroups compute S, P, dP
-    # and dS once (32 keys each), exchange P and dS through shared memory and each accumulate dQ
-    # and add dK (dV merged) for half the channels, from registers with REDG.F32x2 atomics. The
-    # Triton backward computes S and dP twice (its dQ and dK/dV passes). Same results up to fp32
+    # parallelism's share, one block padded; no prefix; a sink taken) on Hopper as one
+    # warp-specialized Gluon kernel (`sparse_mla_bwd_sm90`): a cp.async producer warpgroup
+    # gathers each 64-key tile once; two consumer warpgroups compute S, P, dP and dS once (32
+    # keys each), exchange P and dS through shared memory and each accumulate dQ and add dK (dV
+    # merged) for half the channels, from registers with REDG.F32x2 atomics. The Triton
+    # backward computes S and dP twice (its dQ and dK/dV passes). Same results up to fp32
     # rounding order; deterministic=True keeps the Triton backward's fixed-point accumulation
     # (one warning). Off until timed on the H200 against the Triton and cuDNN backwards
     # (`bench_attention.py --bwd-kernel sm90`, `gpu_session.sh bwd-sm90`); compiled for sm_90a
-    # without spills in its loops (`inspect_sm90.py --preset sparse-mla-bwd-sm90-glm51`).
+    # without spills in its consumers' loops (`inspect_sm90.py --preset
+    # sparse-mla-bwd-sm90-glm51`).
     bwd_sm90: bool = False
     # dK/dV kernel orientation: keys on M (dK_tile = dS^T @ q with M = the key tile, which at 32
     # keys is below wgmma's 64 and compiles to mma.sync) or the channels on M (dK^T = q^T @ dS:
