@@ -521,6 +521,7 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "sparse-mla-fwd-ws-sm90-v32": lambda: _sparse_mla_fwd_sm90(128, 576, 2048, ws=True),
     "sparse-mla-fwd-ws-sm90-csa": lambda: _sparse_mla_fwd_sm90(64, 512, 640, ws=True,
                                                                sink=True),
+    "sparse-mla-fwd-ws-sm90-glm51-tp2": lambda: _sparse_mla_fwd_sm90(32, 576, 2048, ws=True),
     "sparse-mla-bwd-sm90-glm51": lambda: _sparse_mla_bwd_sm90(64, 576, 2048),
     "sparse-mla-bwd-sm90-v32": lambda: _sparse_mla_bwd_sm90(128, 576, 2048),
     "sparse-mla-bwd-sm90-csa": lambda: _sparse_mla_bwd_sm90(64, 512, 640, sink=True),

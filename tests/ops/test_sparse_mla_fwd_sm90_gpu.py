@@ -1,10 +1,11 @@
 """The Hopper (Gluon) sparse-MLA forward on the GPU against the fp32 reference and the Triton
-forward: GLM-5.1 and DeepSeek-V3.2 shapes, both launch orders, key counts off the 64-key tile
-and none at all, empty and half-empty rows, int64 and per-KV-head index layouts, batch 2,
-strided queries, fp16, the 128 / 256-channel variants, and the dispatch of `sparse_attention`
-(which kernel runs, the warning when it cannot). Each case runs both kernels: the plain one and
-the warp-specialized one (`AttentionKernelOptions.fwd_sm90_ws`; odd tile counts leave its
-second consumer a tile of no key).
+forward: GLM-5.1 and DeepSeek-V3.2 shapes (and 32 / 16 heads, padded, warp-specialized only),
+both launch orders, key counts off the 64-key tile and none at all, empty and half-empty rows,
+int64 and per-KV-head index layouts, batch 2, strided queries, fp16, the 128 / 256-channel
+variants, and the dispatch of `sparse_attention` (which kernel runs, the warning when it
+cannot). Each case runs both kernels: the plain one and the warp-specialized one
+(`AttentionKernelOptions.fwd_sm90_ws`; odd tile counts leave its second consumer a tile of no
+key).
 """
 
 from __future__ import annotations
@@ -87,6 +88,17 @@ def test_matches_reference(hq, K, adjacent, ws):
     out, lse = run(q, k, idx, scale, adjacent, ws)
     ref_out, ref_lse = reference(q, k, idx, scale)
     check(out, lse, ref_out, ref_lse)
+
+
+@needs_hopper
+@pytest.mark.parametrize("hq,K", [(32, 2048), (16, 130)])
+def test_warp_specialized_kernel_pads_fewer_heads(hq, K):
+    """Tensor parallelism's share of GLM-5.1's 64 heads: one block padded with zero queries,
+    their rows not stored (the plain kernel takes multiples of 64 only)."""
+    q, k, idx, scale = inputs(hq, 64, 4096, K, seed=hq + K)
+    out, lse = run(q, k, idx, scale, ws=True)
+    assert out.shape[2] == lse.shape[2] == hq
+    check(out, lse, *reference(q, k, idx, scale))
 
 
 @needs_hopper

@@ -247,10 +247,12 @@ class AttentionKernelOptions:
     # and the value channels for O, exchanging maxima and P through shared memory, so one's
     # softmax runs under the other's products; FlashMLA's SM90 organisation). It also takes
     # DeepSeek-V4's K = V with a sink (CSA, the window: 512 channels, no tail), which otherwise
-    # runs the Triton forward. Same results up to fp32 rounding order. Off until timed on the
-    # H200 against the Gluon / Triton forwards and FlashMLA (`bench_attention.py --fwd-kernel
-    # gluon_ws`, `gpu_session.sh fwd-ws`); compiled for sm_90a without spills
-    # (`inspect_sm90.py --preset sparse-mla-fwd-ws-sm90-glm51 sparse-mla-fwd-ws-sm90-csa`).
+    # runs the Triton forward, and fewer than 64 query heads (tensor parallelism's share of
+    # GLM-5.1's 64: one block padded with zero queries; the plain kernel takes multiples of 64
+    # only). Same results up to fp32 rounding order. Off until timed on the H200 against the
+    # Gluon / Triton forwards and FlashMLA (`bench_attention.py --fwd-kernel gluon_ws`,
+    # `gpu_session.sh fwd-ws`); compiled for sm_90a without spills (`inspect_sm90.py
+    # --preset sparse-mla-fwd-ws-sm90-glm51 sparse-mla-fwd-ws-sm90-csa`).
     fwd_sm90_ws: bool = False
     # One backward pass (the dQ kernel with FUSE_DKV: S, P, dP and dS computed once, the key
     # rows gathered once) instead of a dQ pass and a dK/dV pass. Off until timed: compiled for

@@ -209,8 +209,9 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
     both fp16, one KV head, query heads a multiple of BLOCK_H, no dense prefix, and the variant
     (ws: the warp-specialized kernel's) not disabled by an earlier failure. Channels: a main
     part of 128 / 256 / 512 (V) and a tail of TAIL, the gathers' row width. The
-    warp-specialized kernel also takes DeepSeek-V4's K = V (no tail: v None, dv = all of K)
-    and a sink."""
+    warp-specialized kernel also takes DeepSeek-V4's K = V (no tail: v None, dv = all of K),
+    a sink, and fewer than BLOCK_H query heads (one block padded with zero queries whose rows
+    are not stored: tensor parallelism's share of GLM-5.1's 64)."""
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     d = q.shape[-1]
@@ -218,7 +219,8 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
     tails = (0, TAIL) if ws else (TAIL,)
     return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v is None
             and dv == d_main and d_main in (128, 256, 512) and d - d_main in tails
-            and k.shape[2] == 1 and q.shape[2] % BLOCK_H == 0 and (ws or sink is None)
+            and k.shape[2] == 1 and (q.shape[2] % BLOCK_H == 0 or ws and q.shape[2] < BLOCK_H)
+            and (ws or sink is None)
             and prefix_lengths is None and variant(q, ws) not in _disabled)
 
 
@@ -277,7 +279,8 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
         return out.zero_(), lse.fill_(float("-inf"))
     if indices.dim() == 4:
         indices = indices[:, :, 0]
-    grid, ng = launch_grid(B * T, 1, Hq // BLOCK_H, options.head_blocks_adjacent)
+    # Fewer heads than a block (the warp-specialized kernel's padded block): one program.
+    grid, ng = launch_grid(B * T, 1, max(Hq // BLOCK_H, 1), options.head_blocks_adjacent)
     # Without a tail (the warp-specialized kernel's K = V) the tail layouts go unused.
     layouts = shared_layouts(q.dtype, d_main, d - d_main or TAIL)
     if options.fwd_sm90_ws:

@@ -119,11 +119,12 @@ def _tile_rows(idx_base, sik, k_base, sks, j, NK, row_l: gl.constexpr, BLOCK_N: 
 
 @gluon.jit
 def _producer(q_ptr, k_ptr, idx_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s, bars,
-              b, t, hb, NK, n_iter, sqb, sqt, sqh, skb, sks, sib, sit, sik,
+              b, t, hb, H, NK, n_iter, sqb, sqt, sqh, skb, sks, sib, sit, sik,
               D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
-              BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
-    """The query block once, then each iteration's halves in the order they are freed: L0,
-    R1 (mid-iteration), R0, L1 (at its end)."""
+              BLOCK_N: gl.constexpr, PAD_HEADS: gl.constexpr, WARPS: gl.constexpr):
+    """The query block once (PAD_HEADS: rows past the H heads zero-filled), then each
+    iteration's halves in the order they are freed: L0, R1 (mid-iteration), R0, L1 (at its
+    end)."""
     q_bar, ready, empty = bars[0], bars[1], bars[2]
     # A warp covers 4 rows x 64 channels in 16-byte vectors (one swizzle atom a row); 4 warps,
     # 16 rows a pass; a thread's copies of a row differ by immediate offsets only.
@@ -131,8 +132,12 @@ def _producer(q_ptr, k_ptr, idx_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s, bar
     row_l: gl.constexpr = gl.SliceLayout(1, ld_layout)
 
     heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_l)).to(gl.int64)
+    if PAD_HEADS:
+        every = heads < H
+        heads = gl.where(every, heads, 0)
+    else:
+        every = gl.full([BLOCK_H], 1, gl.int1, layout=row_l)
     q_rows = q_ptr + b * sqb + t * sqt + heads * sqh
-    every = gl.full([BLOCK_H], 1, gl.int1, layout=row_l)
     gather_rows(q_main_s.index(0), q_rows, every, D_MAIN, ld_layout)
     if D_TAIL > 0:
         gather_rows(q_tail_s.index(0), q_rows + D_MAIN, every, D_TAIL, ld_layout)
@@ -173,10 +178,10 @@ def _s_half(acc, q_main, q_tail, k_stage, k_tail, ready, stage: gl.constexpr,
 
 @gluon.jit
 def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_s, m_s, l_s,
-              bars, idx_ptr, sink_ptr, out_ptr, lse_ptr, b, t, hb, NK, n_iter, qk_scale,
+              bars, idx_ptr, sink_ptr, out_ptr, lse_ptr, b, t, hb, H, NK, n_iter, qk_scale,
               sib, sit, sik, sob, sot, soh, slb, slt, slh,
               D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
-              BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr):
+              BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr, PAD_HEADS: gl.constexpr):
     """S for the tiles of stage c, O for value channels c * D_MAIN / 2 .. (c + 1) * D_MAIN / 2
     over every tile; stores its half of out, and consumer 0 the lse.
 
@@ -283,7 +288,8 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_
     if HAS_SINK:
         # The sink joins the denominator only (as the Triton forward): a row without keys
         # writes zeros and lse = sink.
-        sink2 = gl.load(sink_ptr + l_heads).to(gl.float32) * LOG2E_JIT
+        sink2 = gl.load(sink_ptr + l_heads, mask=l_heads < H, other=0.0).to(gl.float32)
+        sink2 = sink2 * LOG2E_JIT
         m_f = gl.maximum(m_i, sink2)
         rescale = gl.exp2(m_i - m_f)
         l_f = l_i * rescale + gl.exp2(sink2 - m_f)
@@ -296,18 +302,25 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_
     out = (o * gl.convert_layout(o_scale, row_o)[:, None]).to(dtype)
     o_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_o)
     o_cols = c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-    gl.store(out_ptr + b * sob + t * sot + o_heads[:, None] * soh + o_cols[None, :], out)
-    if c == 0:
-        gl.store(lse_ptr + b * slb + t * slt + l_heads * slh, lse2 * LN2_JIT)
+    o_ptrs = out_ptr + b * sob + t * sot + o_heads[:, None] * soh + o_cols[None, :]
+    if PAD_HEADS:  # the padded heads' rows (zero queries) are not outputs
+        gl.store(o_ptrs, out, mask=(o_heads < H)[:, None] & (o_cols < D_MAIN)[None, :])
+        if c == 0:
+            gl.store(lse_ptr + b * slb + t * slt + l_heads * slh, lse2 * LN2_JIT,
+                     mask=l_heads < H)
+    else:
+        gl.store(o_ptrs, out)
+        if c == 0:
+            gl.store(lse_ptr + b * slb + t * slt + l_heads * slh, lse2 * LN2_JIT)
 
 
 @gluon.jit
 def _sparse_mla_fwd_ws_kernel(
     q_ptr, k_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr,
-    T, NK, qk_scale,
+    T, H, NK, qk_scale,
     sqb, sqt, sqh, skb, sks, sib, sit, sik, sob, sot, soh, slb, slt, slh,
     D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-    NG: gl.constexpr, HAS_SINK: gl.constexpr,
+    NG: gl.constexpr, HAS_SINK: gl.constexpr, PAD_HEADS: gl.constexpr,
     q_main_sl: gl.constexpr, q_tail_sl: gl.constexpr, k_main_sl: gl.constexpr,
     k_tail_sl: gl.constexpr, p_sl: gl.constexpr,
     CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
@@ -359,16 +372,17 @@ def _sparse_mla_fwd_ws_kernel(
     # would reach the partitions as runtime values.
     gl.warp_specialize([
         (_consumer, (0, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_s, m_s, l_s, bars,
-                     idx_ptr, sink_ptr, out_ptr, lse_ptr, b, t, hb, NK, n_iter, qk_scale, sib,
+                     idx_ptr, sink_ptr, out_ptr, lse_ptr, b, t, hb, H, NK, n_iter, qk_scale, sib,
                      sit, sik, sob, sot, soh, slb, slt, slh, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N,
-                     HAS_SINK)),
+                     HAS_SINK, PAD_HEADS)),
         (_consumer, (1, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_s, m_s, l_s, bars,
-                     idx_ptr, sink_ptr, out_ptr, lse_ptr, b, t, hb, NK, n_iter, qk_scale, sib,
+                     idx_ptr, sink_ptr, out_ptr, lse_ptr, b, t, hb, H, NK, n_iter, qk_scale, sib,
                      sit, sik, sob, sot, soh, slb, slt, slh, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N,
-                     HAS_SINK)),
+                     HAS_SINK, PAD_HEADS)),
         (_producer, (q_ptr, k_ptr, idx_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s,
-                     (q_bar, ready, empty), b, t, hb, NK, n_iter, sqb, sqt, sqh, skb, sks,
-                     sib, sit, sik, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, PRODUCER_WARPS)),
+                     (q_bar, ready, empty), b, t, hb, H, NK, n_iter, sqb, sqt, sqh, skb, sks,
+                     sib, sit, sik, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, PAD_HEADS,
+                     PRODUCER_WARPS)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -391,10 +405,10 @@ def launch(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, sink: torch.
     q_main_sl, q_tail_sl, k_main_sl, k_tail_sl, p_sl = layouts
     _sparse_mla_fwd_ws_kernel[grid](
         q, k, indices, sink.contiguous() if sink is not None else lse, out, lse, q.shape[1],
-        indices.shape[-1], softmax_scale * LOG2E,
+        q.shape[2], indices.shape[-1], softmax_scale * LOG2E,
         sqb, sqt, sqh, skb, sks, *indices.stride(), *out.stride()[:3], *lse.stride(),
         D_MAIN=d_main, D_TAIL=d - d_main, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, NG=ng,
-        HAS_SINK=sink is not None,
+        HAS_SINK=sink is not None, PAD_HEADS=q.shape[2] < BLOCK_H,
         q_main_sl=q_main_sl, q_tail_sl=q_tail_sl, k_main_sl=k_main_sl, k_tail_sl=k_tail_sl,
         p_sl=p_sl, CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
