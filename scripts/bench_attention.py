@@ -8,7 +8,8 @@ the backward the Triton kernels; `--fwd-kernel triton` times the Triton forward 
 applies, `--bwd-also sm90` times it beside the main backward in the same process.
 
 Shapes: GLM-5.1 / DeepSeek-V3.2 absorbed MLA (1 KV head, Dqk 576, V = first 512
-channels of K, 64 / 128 heads, top-2048), DeepSeek-V4 CSA (K = V of 512, sink, 640 keys),
+channels of K, 64 / 128 heads, top-2048; glm51-tp2: GLM-5.1's 32 heads a rank at tensor
+parallelism 2), DeepSeek-V4 CSA (K = V of 512, sink, 640 keys),
 QSA (GQA 24 / 2 heads of 256, per-KV-head indices, 2052 keys), T queries over S = T keys, bf16,
 and DeepSeek-V4 HCA (every visible entry of T / 128 as a generated prefix + a 128-token window;
 FLOPs counted over each row's own keys).
@@ -96,6 +97,8 @@ from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_trito
 # name: (Hq, Hkv, Dqk, separate v width or None, dv, sink, per-KV-head indices, K)
 SHAPES = {
     "glm51": (64, 1, 576, None, 512, False, False, 2048),
+    # GLM-5.1 under tensor parallelism 2: 32 query heads a rank (the Hopper kernels pad them)
+    "glm51-tp2": (32, 1, 576, None, 512, False, False, 2048),
     "v32": (128, 1, 576, None, 512, False, False, 2048),
     "csa": (64, 1, 512, None, None, True, False, 640),
     "qsa": (24, 2, 256, 256, None, False, True, 2052),

@@ -98,9 +98,10 @@
 #                                         # sparse-MLA backward: a smoke case first (a hang
 #                                         # stops the stage), its GPU tests against the Triton
 #                                         # backward, then the backward of GLM-5.1 / V3.2 / CSA
-#                                         # at 16K-128K, Triton then warp-specialized in one
-#                                         # process, cuDNN's when scripts/gpu_cudnn.sh 1 and 2
-#                                         # ran before on this machine              (~7 min)
+#                                         # / GLM-5.1 at TP 2 (32 heads) at 16K-128K, Triton
+#                                         # then warp-specialized in one process, cuDNN's
+#                                         # when scripts/gpu_cudnn.sh 1 and 2 ran before on
+#                                         # this machine                            (~8 min)
 #   bash scripts/gpu_session.sh captured-selection  # issue #21 item 3: HyTopK with and
 #                                         # without key-tile pruning, table-then-select and
 #                                         # cuDNN on the trained indexer `evaluate hyscale`
@@ -627,8 +628,8 @@ case "$stage" in
       "test_matches_the_triton_backward and 64-130-True" || exit 1
     # The Triton backward (today's default), the warp-specialized one in the same process on
     # the same inputs and output gradient (--bwd-also), cuDNN's when gpu_cudnn.sh installed it.
-    timeout 420 python3 scripts/bench_attention.py --t 16384 65536 131072 \
-      --shapes glm51 v32 csa --no-deterministic --bwd-also sm90 --reps 3 --no-stock \
+    timeout 480 python3 scripts/bench_attention.py --t 16384 65536 131072 \
+      --shapes glm51 v32 csa glm51-tp2 --no-deterministic --bwd-also sm90 --reps 3 --no-stock \
       --no-tilelang --out "$out" 2>&1 | grep -v -i warn \
       | tee "$out/bench_attention_bwd_sm90.log" | grep -E "T=|Error" ;;
   ncu-selection)
