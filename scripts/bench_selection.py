@@ -706,9 +706,10 @@ def library_unavailable_reason(method, cfg):
     """Why a library method (or megatron's TileLang selection) cannot run this config here
     (None when it can)."""
     if method == "stock_tilelang":
-        if cfg == "captured" and CAPTURED["q"].dtype != torch.bfloat16:
-            return f"megatron's TileLang selection takes bf16 inputs; the capture is " \
-                   f"{CAPTURED['q'].dtype}"
+        captured = CAPTURED.get("q")
+        if cfg == "captured" and (captured is None or captured.dtype != torch.bfloat16):
+            what = "not loaded" if captured is None else str(captured.dtype)
+            return f"megatron's TileLang selection takes bf16 inputs; the capture is {what}"
         return tilelang_unavailable()
     if method not in LIBRARY_METHODS:
         return None
