@@ -157,12 +157,14 @@ def test_warp_specialized_sparse_mla_forward_compiles_its_partitions(tmp_path: P
     (producer)."""
     out = tmp_path / "r.json"
     proc = _run("--preset", "sparse-mla-fwd-ws-sm90-glm51", "sparse-mla-fwd-ws-sm90-v32",
-                "sparse-mla-fwd-ws-sm90-csa", "--json", str(out), "--sass-out", str(tmp_path))
+                "sparse-mla-fwd-ws-sm90-csa", "sparse-mla-fwd-ws-sm90-glm51-tp2", "--json",
+                str(out), "--sass-out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    glm, v32, csa = json.loads(out.read_text())
+    glm, v32, csa, tp2 = json.loads(out.read_text())
     assert glm["constexprs"]["NG"] == 0 and v32["constexprs"]["NG"] == 2  # V3.2: 2 blocks
     assert csa["constexprs"]["D_TAIL"] == 0 and csa["constexprs"]["HAS_SINK"] is True
-    for rep in (glm, v32, csa):
+    assert tp2["constexprs"]["PAD_HEADS"] is True  # 32 heads: one block padded
+    for rep in (glm, v32, csa, tp2):
         assert rep["perf_warnings"] == []
         assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["stack_bytes"] == 0
         assert rep["shared_bytes"] <= 232448  # the H200's shared memory a block
@@ -187,15 +189,18 @@ def test_warp_specialized_sparse_mla_backward_compiles_its_partitions(tmp_path: 
     dK products of two wgmma each (32; with the tail's product, 4 more), added into the key
     rows with two-float atomics (REDG.E.ADD.F32x2, 16 a chunk a thread). No consumer issues a
     gather: the producer's two cp.async arrivals (q + dO, and the key tile) are the only ones.
-    Register budgets 240 (consumers) and 24 (producer)."""
+    Register budgets 240 (consumers) and 24 (producer). The same with 32 heads (GLM-5.1 at
+    tensor parallelism 2: one block padded)."""
     out = tmp_path / "r.json"
     proc = _run("--preset", "sparse-mla-bwd-sm90-glm51", "sparse-mla-bwd-sm90-v32",
-                "sparse-mla-bwd-sm90-csa", "--json", str(out), "--sass-out", str(tmp_path))
+                "sparse-mla-bwd-sm90-csa", "sparse-mla-bwd-sm90-glm51-tp2", "--json", str(out),
+                "--sass-out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    glm, v32, csa = json.loads(out.read_text())
+    glm, v32, csa, tp2 = json.loads(out.read_text())
     assert glm["constexprs"]["NG"] == 0 and v32["constexprs"]["NG"] == 2
     assert csa["constexprs"]["D_TAIL"] == 0 and csa["constexprs"]["HAS_SINK"] is True
-    for rep in (glm, v32, csa):
+    assert tp2["constexprs"]["PAD_HEADS"] is True and glm["constexprs"]["PAD_HEADS"] is False
+    for rep in (glm, v32, csa, tp2):
         tail = rep["constexprs"]["D_TAIL"] > 0
         assert rep["perf_warnings"] == []
         assert rep["shared_bytes"] <= 232448
