@@ -163,20 +163,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-loss", action="store_true",
                    help="dsa: dense indexer KL (warm-up stage) instead of the sparse one")
     p.add_argument("--loss-coeff", type=float, default=0.01, help="dsa_indexer_loss_coeff")
-    p.add_argument("--attention-bwd", choices=("split", "fused", "sm90"), default="split",
-                   help="HyScale's sparse-attention backward: a dQ pass then a dK/dV pass "
-                        "(split, the default), one fused pass "
-                        "(AttentionKernelOptions.bwd_fused=True), or on Hopper the "
-                        "warp-specialized Gluon backward where it applies (bwd_sm90=True)")
-    p.add_argument("--loss-kl-in-bwd", action="store_true",
-                   help="HyScale's indexer loss on the attention-backward path: the KL from the "
-                        "indexer backward's recomputed scores, the row pass one gathered pass "
-                        "shorter (IndexerLossKernelOptions.kl_in_bwd=True)")
-    p.add_argument("--attention-fwd", choices=("gluon", "gluon_ws", "triton"), default="gluon",
-                   help="HyScale's sparse-attention forward of absorbed MLA on Hopper: the "
-                        "Gluon kernel (the default), its warp-specialized form "
-                        "(fwd_sm90_ws=True, which also takes DeepSeek-V4's K = V with a sink), "
-                        "or the Triton kernel (fwd_sm90=False)")
+    p.add_argument("--attention-bwd", choices=("auto", "split", "fused", "sm90"),
+                   default="auto",
+                   help="HyScale's sparse-attention backward: auto, the defaults (on Hopper "
+                        "the warp-specialized Gluon backward where it applies, "
+                        "AttentionKernelOptions.bwd_sm90; Triton elsewhere); split, the "
+                        "Triton dQ pass then dK/dV pass; fused, the Triton single pass "
+                        "(bwd_fused); sm90, the Gluon one where it applies")
+    p.add_argument("--loss-kl-in-rows", action="store_true",
+                   help="HyScale's indexer loss on the attention-backward path: the KL from "
+                        "the row pass's second gathered pass (IndexerLossKernelOptions."
+                        "kl_in_bwd=False, the previous default) instead of the indexer "
+                        "backward's recomputed scores")
+    p.add_argument("--attention-fwd", choices=("auto", "gluon", "gluon_ws", "triton"),
+                   default="auto",
+                   help="HyScale's sparse-attention forward on Hopper: auto, the defaults (the "
+                        "warp-specialized Gluon forward where it applies, fwd_sm90_ws); gluon, "
+                        "the plain Gluon kernel (fwd_sm90_ws=False); gluon_ws; triton "
+                        "(fwd_sm90=False)")
     p.add_argument("--stock-kernel-backend", choices=STOCK_KERNEL_BACKENDS, default="none",
                    help="dsa: tilelang also times the stock DSAttention with megatron-core's "
                         "TileLang kernels (dsa_kernel_backend='tilelang') as a second stock row, "
@@ -946,17 +950,22 @@ def attention_kernel_options(args: argparse.Namespace) -> Any:
     layer on HyScale's own kernels beside it)."""
     from megatron_hyscale.ops import AttentionKernelOptions
 
-    return replace(AttentionKernelOptions.DEFAULT, bwd_fused=args.attention_bwd == "fused",
-                   bwd_sm90=args.attention_bwd == "sm90",
-                   fwd_sm90=args.attention_fwd != "triton",
-                   fwd_sm90_ws=args.attention_fwd == "gluon_ws")
+    changes: dict[str, bool] = {
+        "split": dict(bwd_sm90=False), "fused": dict(bwd_fused=True, bwd_sm90=False),
+        "sm90": dict(bwd_sm90=True)}.get(args.attention_bwd, {})
+    changes |= {"gluon": dict(fwd_sm90=True, fwd_sm90_ws=False),
+                "gluon_ws": dict(fwd_sm90=True, fwd_sm90_ws=True),
+                "triton": dict(fwd_sm90=False, fwd_sm90_ws=False)}.get(args.attention_fwd, {})
+    return replace(AttentionKernelOptions.DEFAULT, **changes)
 
 
 def indexer_loss_kernel_options(args: argparse.Namespace) -> Any:
-    """HyScale's indexer-loss kernel variants for this run (--loss-kl-in-bwd)."""
+    """HyScale's indexer-loss kernel variants for this run (--loss-kl-in-rows)."""
     from megatron_hyscale.ops import IndexerLossKernelOptions
 
-    return replace(IndexerLossKernelOptions.DEFAULT, kl_in_bwd=args.loss_kl_in_bwd)
+    if not args.loss_kl_in_rows:
+        return IndexerLossKernelOptions.DEFAULT
+    return replace(IndexerLossKernelOptions.DEFAULT, kl_in_bwd=False)
 
 
 def component_times(attn: torch.nn.Module, hidden: torch.Tensor,

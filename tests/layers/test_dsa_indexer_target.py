@@ -139,8 +139,10 @@ def test_kl_from_the_indexer_backward_changes_nothing(monkeypatch):
     model = build_gpt(cfg, stock=False, vocab_size=VOCAB, max_sequence_length=T).to(DEVICE)
     cfg.hyscale_indexer_target = "attention_backward"
     try:
+        cfg.indexer_loss_kernel_options = replace(IndexerLossKernelOptions.DEFAULT,
+                                                  kl_in_bwd=False)
         want = run_step(model)
-        assert kl_from_bwd == [False, False]  # the default: the row pass's KL, 2 layers
+        assert kl_from_bwd == [False, False]  # the row pass's KL, 2 layers
         cfg.indexer_loss_kernel_options = replace(IndexerLossKernelOptions.DEFAULT,
                                                   kl_in_bwd=True)
         got = run_step(model)

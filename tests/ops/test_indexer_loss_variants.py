@@ -43,9 +43,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SCALE, COEFF = 0.3, 0.7
 # Key tiles of 16, so rows span two tiles with a ragged tail. The baseline is the two-pass row
-# pass (the default before loss_one_pass): the fused kernel's sums follow its order, and
-# "one_pass" is measured against it.
-DEFAULT = replace(IndexerLossKernelOptions.DEFAULT, block_n=16, loss_one_pass=False)
+# pass with its own KL (the default before loss_one_pass and kl_in_bwd): the fused kernel's
+# sums follow its order, and "one_pass" and "kl_in_bwd" are measured against it.
+DEFAULT = replace(IndexerLossKernelOptions.DEFAULT, block_n=16, loss_one_pass=False,
+                  kl_in_bwd=False)
 VARIANTS = {
     "one_pass": replace(DEFAULT, loss_one_pass=True),
     "fused": replace(DEFAULT, fused_rows_bwd=True),

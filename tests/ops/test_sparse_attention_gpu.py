@@ -95,17 +95,19 @@ def test_forward_4k_by_8k(shape):
 
 
 @pytest.mark.parametrize("variant", ["split", "split-keys-on-m", "fused", "split-no-carry",
-                                     "split-no-tail-first"])
+                                     "split-no-tail-first", "sm90"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_backward_1k_by_8k(shape, variant):
     # The default (dQ pass with the tail first, then dK/dV with the channels on M and the carry,
     # 32 x 2 where it fits), the previous dK/dV orientation, the single fused pass, and the
     # default with dkv_carry (so 64 x 1) or dq_tail_first off (compiled at the real shapes: the
-    # interpreter tests cannot see a layout or tiling fault).
+    # interpreter tests cannot see a layout or tiling fault); the Triton variants with the
+    # Hopper backward off, then the defaults ("sm90": the Gluon backward where it applies).
     options = replace(AttentionKernelOptions.DEFAULT,
                       dkv_channels_on_m=variant != "split-keys-on-m", bwd_fused=variant == "fused",
                       dkv_carry=variant != "split-no-carry",
-                      dq_tail_first=variant != "split-no-tail-first")
+                      dq_tail_first=variant != "split-no-tail-first",
+                      bwd_sm90=variant == "sm90")
     q, k, v, idx, sink, dv, scale = inputs(shape, 1024, 8192, seed=2)
     g = torch.randn(q.shape[:3] + (dv or (v.shape[-1] if v is not None else q.shape[-1]),),
                     device="cuda").to(q.dtype)

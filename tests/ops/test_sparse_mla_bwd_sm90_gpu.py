@@ -94,7 +94,8 @@ def launches(monkeypatch):
 
 
 def check_same(got, want):
-    for name, a, b in zip(("dq", "dk", "dsink", "target"), got, want, strict=True):
+    names = ("dq", "dk", "dsink", "target")[:len(want)]
+    for name, a, b in zip(names, got, want, strict=True):
         if b is None:
             assert a is None, name
             continue

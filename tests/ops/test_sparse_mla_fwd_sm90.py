@@ -3,6 +3,8 @@ tests/ops/test_sparse_mla_fwd_sm90_gpu.py; its compiled form in tests/scripts)."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -89,7 +91,8 @@ def test_a_sink_is_refused_by_the_plain_kernel_before_anything_runs():
     idx = torch.zeros(1, 4, 8, dtype=torch.int32)
     with pytest.raises(ValueError, match="sink: only the warp-specialized"):
         sm90.sparse_mla_fwd_sm90(q, k, idx, 0.1, sink=torch.zeros(64),
-                                 options=AttentionKernelOptions.DEFAULT)
+                                 options=replace(AttentionKernelOptions.DEFAULT,
+                                                 fwd_sm90_ws=False))
 
 
 def test_both_gluon_kernels_share_the_tiles_the_wrapper_builds_layouts_for():

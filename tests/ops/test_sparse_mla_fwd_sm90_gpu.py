@@ -184,14 +184,19 @@ def test_sparse_attention_dispatches_to_it_and_differentiates():
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no fallback warning either
             out = sparse_attention(q, k, None, idx, scale, dv=512)
-        # Another shape (a sink: DeepSeek-V4) is not this kernel's: no call, no warning.
+        # A sink (DeepSeek-V4) is the warp-specialized kernel's (the default): a call, no
+        # warning; the plain kernel (fwd_sm90_ws=False) leaves it to Triton: no call.
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             sparse_attention(q.detach(), k, None, idx, scale, dv=512,
                              sink=torch.zeros(64, device="cuda"))
+            sparse_attention(q.detach(), k, None, idx, scale, dv=512,
+                             sink=torch.zeros(64, device="cuda"),
+                             options=replace(AttentionKernelOptions.DEFAULT,
+                                             fwd_sm90_ws=False))
     finally:
         sm90.sparse_mla_fwd_sm90 = real
-    assert finished == [1] and not sm90._disabled
+    assert finished == [1, 1] and not sm90._disabled
     ref_out, _ = reference(q.detach(), k, idx, scale)
     assert rel(out, ref_out) < OUT_TOL
     out.float().square().sum().backward()

@@ -147,7 +147,7 @@ def test_parser_checks() -> None:
                 ["--attention-bwd", "single"]):
         with pytest.raises(SystemExit):
             bench_layer.parse_args(bad)
-    assert bench_layer.parse_args([]).attention_bwd == "split"
+    assert bench_layer.parse_args([]).attention_bwd == "auto"
     assert bench_layer.parse_args(["--attention-bwd", "fused"]).attention_bwd == "fused"
 
 
@@ -157,9 +157,11 @@ def test_attention_kernel_flags_set_only_their_options() -> None:
     default = AttentionKernelOptions.DEFAULT
     assert bench_layer.attention_kernel_options(bench_layer.parse_args([])) == default
     cases = {("--attention-bwd", "sm90"): dict(bwd_sm90=True),
-             ("--attention-bwd", "fused"): dict(bwd_fused=True),
+             ("--attention-bwd", "split"): dict(bwd_sm90=False),
+             ("--attention-bwd", "fused"): dict(bwd_fused=True, bwd_sm90=False),
              ("--attention-fwd", "gluon_ws"): dict(fwd_sm90_ws=True),
-             ("--attention-fwd", "triton"): dict(fwd_sm90=False)}
+             ("--attention-fwd", "gluon"): dict(fwd_sm90_ws=False),
+             ("--attention-fwd", "triton"): dict(fwd_sm90=False, fwd_sm90_ws=False)}
     for flags, changed in cases.items():
         got = bench_layer.attention_kernel_options(bench_layer.parse_args(list(flags)))
         assert got == replace(default, **changed), flags
@@ -168,7 +170,7 @@ def test_attention_kernel_flags_set_only_their_options() -> None:
     loss_default = IndexerLossKernelOptions.DEFAULT
     assert bench_layer.indexer_loss_kernel_options(bench_layer.parse_args([])) == loss_default
     assert bench_layer.indexer_loss_kernel_options(
-        bench_layer.parse_args(["--loss-kl-in-bwd"])) == replace(loss_default, kl_in_bwd=True)
+        bench_layer.parse_args(["--loss-kl-in-rows"])) == replace(loss_default, kl_in_bwd=False)
 
 
 def test_stock_kernel_backend_flag_parses() -> None:

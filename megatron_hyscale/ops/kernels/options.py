@@ -181,8 +181,10 @@ class HyTopKOptions:
     # per-thread cp.async copies: Nsight Compute put the compute warps' copy addresses (IMAD,
     # LEA) and LDGSTS at ~17% of V3.2's samples at 64K (2026-12-04, record ncu_selection-2).
     # Same keys, same outputs. Needs packed 16-byte rows (`hytopk._key_descriptor` warns once
-    # and loads without TMA otherwise). Off until timed on the H200 (`bench_selection.py
-    # --methods hytopk hytopk_key_tma`).
+    # and loads without TMA otherwise). Timed on the H200 (2026-12-05, `bench_selection.py
+    # --methods hytopk hytopk_key_tma`, rows identical): no faster, V3.2 379.2 -> 378.0 ms at
+    # 128K, GLM-5.1 244.6 -> 245.7, the folded query 82.8 -> 80.5 (7.6 -> 7.9 at 16K); the
+    # scores-only kernel 311.1 -> 343.9 for V3.2. Off.
     key_tma: bool = False
     # Registers a thread (Triton's `maxnreg` launch option); None: the compiler's choice. The
     # select kernel takes 255 (its end-of-block compaction and sort), which holds an SM to two
@@ -249,11 +251,12 @@ class AttentionKernelOptions:
     # DeepSeek-V4's K = V with a sink (CSA, the window: 512 channels, no tail), which otherwise
     # runs the Triton forward, and fewer than 64 query heads (tensor parallelism's share of
     # GLM-5.1's 64: one block padded with zero queries; the plain kernel takes multiples of 64
-    # only). Same results up to fp32 rounding order. Off until timed on the H200 against the
-    # Gluon / Triton forwards and FlashMLA (`bench_attention.py --fwd-kernel gluon_ws`,
-    # `gpu_session.sh fwd-ws`); compiled for sm_90a without spills (`inspect_sm90.py
-    # --preset sparse-mla-fwd-ws-sm90-glm51 sparse-mla-fwd-ws-sm90-csa`).
-    fwd_sm90_ws: bool = False
+    # only). Same results up to fp32 rounding order. Timed on the H200 (2026-12-05,
+    # `bench_attention.py --fwd-also gluon_ws`, same process, random indices), against the
+    # plain Gluon forward: GLM-5.1 11.8 -> 8.0 / 49.2 -> 40.4 / 100.4 -> 89.8 ms at 16K / 64K
+    # / 128K, V3.2 23.1 -> 15.9 / 95.0 -> 76.2 / 191.8 -> 155.4; CSA (Triton before) 5.6 ->
+    # 3.2 / 23.8 -> 13.2 / 47.9 -> 29.4; 0.92-1.03x FlashMLA's in the same runs. On by default.
+    fwd_sm90_ws: bool = True
     # One backward pass (the dQ kernel with FUSE_DKV: S, P, dP and dS computed once, the key
     # rows gathered once) instead of a dQ pass and a dK/dV pass. Off until timed: compiled for
     # sm_90a (GLM-5.1, 16 keys x 1 stage) its key loop has 1388 SASS instructions a thread (34
@@ -269,11 +272,14 @@ class AttentionKernelOptions:
     # merged) for half the channels, from registers with REDG.F32x2 atomics. The Triton
     # backward computes S and dP twice (its dQ and dK/dV passes). Same results up to fp32
     # rounding order; deterministic=True keeps the Triton backward's fixed-point accumulation
-    # (one warning). Off until timed on the H200 against the Triton and cuDNN backwards
-    # (`bench_attention.py --bwd-kernel sm90`, `gpu_session.sh bwd-sm90`); compiled for sm_90a
-    # without spills in its consumers' loops (`inspect_sm90.py --preset
-    # sparse-mla-bwd-sm90-glm51`).
-    bwd_sm90: bool = False
+    # (one warning). Timed on the H200 (2026-12-05, `bench_attention.py --bwd-also sm90`,
+    # same process, random indices) against the Triton backward: GLM-5.1 75.6 -> 41.7 / 342.5
+    # -> 279.0 / 723.0 -> 605.8 ms at 16K / 64K / 128K, V3.2 149.6 -> 81.1 / 614.4 -> 445.9
+    # (969 at 128K in another run), CSA 23.3 -> 13.4 / 98.3 -> 79.2, GLM-5.1 at TP 2 (32
+    # heads) 99.1 -> 40.5 / 407.1 -> 277.1; cuDNN's SM90 backward is still 1.2-1.4x faster
+    # (BENCHMARKS.md). On by default; compiled for sm_90a without spills in its consumers'
+    # loops (`inspect_sm90.py --preset sparse-mla-bwd-sm90-glm51`).
+    bwd_sm90: bool = True
     # dK/dV kernel orientation: keys on M (dK_tile = dS^T @ q with M = the key tile, which at 32
     # keys is below wgmma's 64 and compiles to mma.sync) or the channels on M (dK^T = q^T @ dS:
     # M = 512 / 576, every product wgmma-sized; q and dO in one layout each, so no head-block
@@ -460,10 +466,12 @@ class IndexerLossKernelOptions:
     # (its 505-instruction second-pass tile gone), its backward tile 585 -> 663 (8 / 4 B
     # spilled, outside the loop); V3.2's row pass 2568 -> 1264 (a 1098-instruction tile gone),
     # its backward tile 1386 -> 1847 (5 / 2 local loads / stores a tile; the log of each slot's
-    # target runs in every thread that holds the slot). Off until timed
-    # (`bench_indexer_loss.py --variants kl_in_bwd`, `gpu_session.sh loss-variants`); the
-    # standalone `indexer_kl_loss` returns its value in the forward and ignores it.
-    kl_in_bwd: bool = False
+    # target runs in every thread that holds the slot). Timed on the H200 (2026-12-05,
+    # `bench_indexer_loss.py --variants kl_in_bwd`, row pass + backward): GLM-5.1 27.7 -> 26.1
+    # / 121.1 -> 110.1 ms at 32K / 128K, V3.2 38.5 -> 32.5 / 169.9 -> 143.5, the KL and the
+    # gradients identical to the default's on the GPU too. On by default; the standalone
+    # `indexer_kl_loss` returns its value in the forward and ignores it.
+    kl_in_bwd: bool = True
 
     DEFAULT: ClassVar[IndexerLossKernelOptions]
 
