@@ -616,20 +616,24 @@ case "$stage" in
     # Issue #20 item 1: a small case of the warp-specialized kernel first.
     smoke_then_tests tests/ops/test_sparse_mla_fwd_sm90_gpu.py \
       "test_matches_reference and 64-130-True-ws" || exit 1
-    # The default forwards (plain Gluon; Triton for CSA), the warp-specialized one in the same
-    # process on the same inputs (--fwd-also), FlashMLA's when gpu_cudnn.sh installed it.
+    # The previous forwards (plain Gluon; Triton for CSA), the warp-specialized one (the
+    # default since 2026-12-05) in the same process on the same inputs (--fwd-also),
+    # FlashMLA's when gpu_cudnn.sh installed it.
     timeout 300 python3 scripts/bench_attention.py --t 16384 65536 131072 \
-      --shapes glm51 v32 csa --fwd-only --fwd-also gluon_ws --reps 3 --no-stock --no-tilelang \
+      --shapes glm51 v32 csa --fwd-only --fwd-kernel gluon --fwd-also gluon_ws --reps 3 \
+      --no-stock --no-tilelang \
       --out "$out" 2>&1 | grep -v -i warn | tee "$out/bench_attention_fwd_ws.log" \
       | grep -E "T=|Error" ;;
   bwd-sm90)
     # Issue #20 item 2: a small case of the warp-specialized backward first.
     smoke_then_tests tests/ops/test_sparse_mla_bwd_sm90_gpu.py \
       "test_matches_the_triton_backward and 64-130-True" || exit 1
-    # The Triton backward (today's default), the warp-specialized one in the same process on
-    # the same inputs and output gradient (--bwd-also), cuDNN's when gpu_cudnn.sh installed it.
+    # The Triton backward, the warp-specialized one (the default since 2026-12-05) in the same
+    # process on the same inputs and output gradient (--bwd-also), cuDNN's when gpu_cudnn.sh
+    # installed it.
     timeout 480 python3 scripts/bench_attention.py --t 16384 65536 131072 \
-      --shapes glm51 v32 csa glm51-tp2 --no-deterministic --bwd-also sm90 --reps 3 --no-stock \
+      --shapes glm51 v32 csa glm51-tp2 --no-deterministic --bwd-kernel triton --bwd-also sm90 \
+      --reps 3 --no-stock \
       --no-tilelang --out "$out" 2>&1 | grep -v -i warn \
       | tee "$out/bench_attention_bwd_sm90.log" | grep -E "T=|Error" ;;
   ncu-selection)

@@ -13,8 +13,8 @@ and a tail (576 = 512 + 64); when V is the main part of K (absorbed MLA, DeepSee
 gathered K tile is reused as V. Head dims under MIN_DOT are zero-padded to it by the wrapper.
 fp32 accumulation, base-2 online softmax. On Hopper the forward of absorbed MLA (one KV head,
 V = K's main part, no sink or prefix: GLM-5.1, V3.2) runs the Gluon kernel of
-`sparse_mla_fwd_sm90` instead (`AttentionKernelOptions.fwd_sm90`), the same results 1.5x faster
-at 128K.
+`sparse_mla_fwd_sm90` instead (`AttentionKernelOptions.fwd_sm90`; its warp-specialized form by
+default, `fwd_sm90_ws`, which also takes DeepSeek-V4's K = V with a sink), the same results.
 
 Backward: one kernel per query computes dQ (no atomics), the row's Delta = dO . O and the sink
 gradient terms; a second kernel recomputes P and dS per query and adds dK / dV tiles into fp32
