@@ -75,6 +75,13 @@
 #                                         # call a case (NCU_CASES, config:T:method): stall
 #                                         # reasons, issue slots, per-line SASS samples; a
 #                                         # record by ncu_summary.py                (~3 min)
+#   bash scripts/gpu_session.sh ncu-attention  # issue #20 item 2: Nsight Compute on one
+#                                         # sparse-attention backward a case (NCU_ATTN_CASES,
+#                                         # shape:T:kernel, kernel sm90 / triton / cudnn; cudnn
+#                                         # after scripts/gpu_cudnn.sh 1 and 2): each case's
+#                                         # kernels by time (torch.profiler), then the longest
+#                                         # under ncu with DRAM / L2 reduction counters; a
+#                                         # record by ncu_summary.py                (~4 min)
 #   bash scripts/gpu_session.sh scores-sm90 [ncu]  # issue #21 item 1: the warp-specialized
 #                                         # Gluon scores-only kernel, its GPU tests (a smoke
 #                                         # case first: a hang stops the stage), then timed
@@ -188,13 +195,13 @@ case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
-  |scores-sm90|fwd-ws|key-tma|bwd-sm90|captured-selection) ;;
+  |ncu-attention|scores-sm90|fwd-ws|key-tma|bwd-sm90|captured-selection) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
-       "|scores-sm90|fwd-ws|key-tma|bwd-sm90|captured-selection}" \
+       "|ncu-attention|scores-sm90|fwd-ws|key-tma|bwd-sm90|captured-selection}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -234,7 +241,8 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
   export PYTHONPATH=$(pwd)/.carry/site:$(pwd)/.carry/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 fi
 case "$stage" in
-  cudnn-*|tilelang-kernels|loss-variants|ncu-selection|scores-sm90|fwd-ws|key-tma|bwd-sm90)
+  cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|fwd-ws|key-tma\
+  |bwd-sm90)
     case "$stage" in cudnn-*|tilelang-kernels)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -665,6 +673,49 @@ case "$stage" in
       --commit "${HYSCALE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" \
       --date "$(date -u '+%Y-%m-%d %H:%M UTC')" --command "bash scripts/gpu_session.sh $stage" \
       --out "$HYSCALE_RESULTS/$(date -u +%F)-nvidia-h200-ncu_selection.json"
+    ;;
+  ncu-attention)
+    # Issue #20 item 2: where the sparse-attention backward's time goes, HyScale's against
+    # cuDNN's on the same inputs. Per case: its kernels by time (profile_attention.py --list),
+    # then the longest under Nsight Compute (full set + DRAM bytes and L2 reductions; without
+    # the extra counters if this ncu does not know them), CSV exports summarised into a record.
+    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+    [ -n "$ncu_bin" ] || { echo "gpu_session.sh ncu-attention: no ncu on this machine" >&2
+      exit 1; }
+    raw=dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_red.sum
+    raw=$raw,lts__t_sectors_op_atom.sum,lts__t_sectors_op_read.sum,lts__t_sector_op_red_hit_rate.pct
+    cases=()
+    for c in ${NCU_ATTN_CASES:-glm51:16384:sm90 glm51:16384:cudnn glm51:131072:sm90 \
+               glm51:131072:cudnn}; do
+      IFS=: read -r shape t kernel <<< "$c"
+      name=${shape}_${t}_${kernel} rep=/tmp/gpu_session/ncu_${shape}_${t}_${kernel}
+      timeout 200 python3 scripts/profile_attention.py --shape "$shape" --T "$t" \
+        --kernel "$kernel" --list > "$out/${name}_kernels.log" 2>&1
+      longest=$(sed -n 's/^LONGEST //p' "$out/${name}_kernels.log")
+      [ -n "$longest" ] || { echo "$name: no kernel list"; tail -3 "$out/${name}_kernels.log"
+        continue; }
+      # ncu matches the function name without its parameters or templates: its leading word.
+      base=$(sed -E 's/[^A-Za-z0-9_].*//' <<< "$longest")
+      grep -v -i warn "$out/${name}_kernels.log" | head -4
+      for metrics in "--metrics $raw" ""; do
+        # shellcheck disable=SC2086  # the metrics flag and its value, split on purpose
+        timeout 240 "$ncu_bin" --profile-from-start off --kernel-name "regex:^$base" \
+          --launch-count 1 --set full $metrics --clock-control none -f -o "$rep" \
+          python3 scripts/profile_attention.py --shape "$shape" --T "$t" --kernel "$kernel" \
+          > "$out/$name.log" 2>&1
+        rc=$?
+        [ $rc -ne 0 ] && grep -q -i "metric" "$out/$name.log" || break
+      done
+      echo "$name rc=$rc: $(grep -v -i warn "$out/$name.log" | tail -1)"
+      "$ncu_bin" --import "$rep.ncu-rep" --page details --csv > "$out/${name}_details.csv" 2>&1
+      "$ncu_bin" --import "$rep.ncu-rep" --page source --csv --print-source sass \
+        > "$out/${name}_sass.csv" 2>&1
+      cases+=("$name")
+    done
+    python3 scripts/ncu_summary.py --dir "$out" --cases "${cases[@]}" --kind ncu_attention \
+      --commit "${HYSCALE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" \
+      --date "$(date -u '+%Y-%m-%d %H:%M UTC')" --command "bash scripts/gpu_session.sh $stage" \
+      --out "$HYSCALE_RESULTS/$(date -u +%F)-nvidia-h200-ncu_attention.json"
     ;;
   selection)
     timeout 150 python3 scripts/bench_selection.py --T 131072 --configs dsv32 v4flash --reps 2 \

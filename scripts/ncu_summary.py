@@ -25,7 +25,12 @@ DETAIL_METRICS = ("Duration", "Registers Per Thread", "Achieved Occupancy", "Iss
                   "No Eligible", "Warp Cycles Per Issued Instruction", "Compute (SM) Throughput",
                   "L2 Cache Throughput", "Executed Ipc Active", "Block Limit Registers",
                   "Block Limit Shared Mem", "Dynamic Shared Memory Per Block",
-                  "Local Memory Spilling Requests", "Grid Size", "Block Size")
+                  "Local Memory Spilling Requests", "Grid Size", "Block Size",
+                  "DRAM Throughput", "Memory Throughput", "L1/TEX Hit Rate", "L2 Hit Rate",
+                  "Mem Busy", "Max Bandwidth", "Mem Pipes Busy")
+# Raw counters a profile may add with ncu --metrics (gpu_session.sh ncu-attention does): kept
+# under their own names.
+RAW_PREFIXES = ("dram__", "lts__", "l1tex__", "sm__", "smsp__")
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
 TOP_LINES = 12
@@ -37,12 +42,20 @@ def _rows(path: str) -> list[dict[str, str]]:
 
 
 def details(path: str) -> dict[str, str]:
-    """The DETAIL_METRICS of a details-page CSV, as 'value unit' strings."""
-    out = {}
+    """The DETAIL_METRICS and raw counters of a details-page CSV, as 'value unit' strings (a
+    name met again with another unit, like Memory Throughput in % and in byte/s, keeps both:
+    the second as 'name [unit]')."""
+    out, units = {}, {}
     for row in _rows(path):
-        name = row.get("Metric Name")
-        if name in DETAIL_METRICS and name not in out:
-            out[name] = f"{row['Metric Value']} {row['Metric Unit']}".strip()
+        name = row.get("Metric Name") or ""
+        if name not in DETAIL_METRICS and not name.startswith(RAW_PREFIXES):
+            continue
+        unit = row["Metric Unit"] or ""
+        value = f"{row['Metric Value']} {unit}".strip()
+        if name not in out:
+            out[name], units[name] = value, unit
+        elif unit != units[name]:
+            out.setdefault(f"{name} [{unit}]", value)
     return out
 
 
@@ -94,8 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--date", required=True, help="when the profiles ran (UTC)")
     p.add_argument("--device", default="NVIDIA H200", help="device profiled")
     p.add_argument("--command", required=True, help="the command that produced the CSVs")
+    p.add_argument("--kind", default="ncu_selection",
+                   help="record name after the date and device (ncu_selection, ncu_attention)")
     p.add_argument("--out", help="record path (default: benchmarks/results/<date>-"
-                                 "<device>-ncu_selection.json)")
+                                 "<device>-<kind>.json)")
     args = p.parse_args(argv)
     cases = {}
     for case in args.cases:
@@ -112,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
               "cases": cases}
     out = args.out or os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "results",
-        f"{args.date[:10]}-{args.device.lower().replace(' ', '-')}-ncu_selection.json")
+        f"{args.date[:10]}-{args.device.lower().replace(' ', '-')}-{args.kind}.json")
     with open(out, "w") as f:
         json.dump(record, f, indent=1)
     for case, c in cases.items():

@@ -29,7 +29,14 @@ def _write_details(path: Path) -> None:
                 "Metric Value"],
                [kernel + ["GPU Speed Of Light Throughput", "Duration", "ms", "96.80"],
                 kernel + ["Compute Workload Analysis", "Issue Slots Busy", "%", "34.51"],
-                kernel + ["Other", "Something Else", "", "1"]])
+                kernel + ["Other", "Something Else", "", "1"],
+                kernel + ["GPU Speed Of Light Throughput", "Memory Throughput", "%", "61.2"],
+                kernel + ["Memory Workload Analysis", "Memory Throughput", "Tbyte/s", "2.93"],
+                kernel + ["Memory Workload Analysis", "L2 Hit Rate", "%", "71.5"],
+                kernel + ["Command line profiler metrics", "dram__bytes_read.sum", "Gbyte",
+                          "301.2"],
+                kernel + ["Command line profiler metrics", "gpu__time_duration.sum", "ms",
+                          "96.8"]])
 
 
 def _write_sass(path: Path) -> None:
@@ -51,12 +58,18 @@ def test_record_from_csv_exports(tmp_path: Path) -> None:
     out = tmp_path / "record.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dir", str(tmp_path), "--cases", "case",
                            "--commit", "abc1234", "--date", "2026-12-04 19:02 UTC", "--command",
-                           "test", "--out", str(out)], capture_output=True, text=True, timeout=60)
+                           "test", "--kind", "ncu_attention", "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     rec = json.loads(out.read_text())
     assert rec["meta"]["commit"] == "abc1234" and rec["meta"]["matmul_tflops"] is None
     case = rec["cases"]["case"]
-    assert case["details"] == {"Duration": "96.80 ms", "Issue Slots Busy": "34.51 %"}
+    # The second Memory Throughput (another unit) is kept apart; raw counters by their names,
+    # other metrics left out.
+    assert case["details"] == {"Duration": "96.80 ms", "Issue Slots Busy": "34.51 %",
+                               "Memory Throughput": "61.2 %",
+                               "Memory Throughput [Tbyte/s]": "2.93 Tbyte/s",
+                               "L2 Hit Rate": "71.5 %", "dram__bytes_read.sum": "301.2 Gbyte"}
     assert case["samples"] == 100  # the "Not Issued" column is not counted twice
     assert case["stall_share"] == {"barrier": 0.68, "wait": 0.32}
     assert (case["loop_executions"], case["loop_instructions"]) == (100, 3)
