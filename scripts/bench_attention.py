@@ -18,6 +18,8 @@ Indices (`--indices`): "random" (default), distinct pseudo-random keys per row
 neighbouring queries); "window", the K keys ending at the row ((t - j) mod S): neighbouring
 rows share all but one key, the best case (the L2 cache serves the gathers), which bounds
 what the kernels reach when the gathers cost nothing. The two bracket a trained selection.
+"sorted": the random keys, each row in increasing key order (the same work; whether neighbouring
+programs reading their rows in key order share the L2 cache).
 
 Rates are ratios to the bf16 matmul rate measured in the same run (8192^3 torch.matmul on random
 data). Memory floors: the bytes the kernels must move (gathered bf16 key / value rows; in the
@@ -129,6 +131,8 @@ def make_inputs(shape, T, seed=0, indices="random"):
         step = 2 * torch.randint(0, S // 2, (rows, 1), device="cuda", generator=g) + 1
         # S is a power of two and step odd, so the K entries of a row are distinct.
         idx = (start + torch.arange(K, device="cuda") * step) % S
+        if indices == "sorted":
+            idx = idx.sort(dim=-1).values
     idx = idx.to(torch.int32).view(1, T, Hkv, K) if per_head else idx.to(torch.int32).view(
         1, T, K)
     width = dv or (vdim if vdim else D)
@@ -260,13 +264,15 @@ def bench_fwd_also(inp, warmup, reps, options, names):
 
 
 # --bwd-kernel / --bwd-also names -> the AttentionKernelOptions fields that select the backward.
-BWD_KERNELS = {"auto": {}, "triton": dict(bwd_sm90=False), "sm90": dict(bwd_sm90=True)}
+BWD_KERNELS = {"auto": {}, "triton": dict(bwd_sm90=False),
+               "sm90": dict(bwd_sm90=True, bwd_dk_vec4=False),
+               "sm90_red16": dict(bwd_sm90=True, bwd_dk_vec4=True)}
 
 
 def backward_kernel(inp, options):
     """Which backward ran on these inputs with these options: "gluon-ws-sm90" (the Hopper
-    warp-specialized backward, `sparse_mla_bwd_sm90`) or "triton" (asked after the run: a
-    variant that failed is disabled)."""
+    warp-specialized backward, `sparse_mla_bwd_sm90`; "-red16" with 16-byte dK atomics) or
+    "triton" (asked after the run: a variant that failed is disabled)."""
     q, k, v = inp["q"], inp["k"], inp["v"]
     if not options.bwd_sm90:
         return "triton"
@@ -274,7 +280,7 @@ def backward_kernel(inp, options):
     dv = kern._Geometry(q, k, v, inp["dv"]).dv
     if bwd is None or not bwd.applies(q, k, v, dv, inp["prefix"]):
         return "triton"
-    return "gluon-ws-sm90"
+    return "gluon-ws-sm90-red16" if options.bwd_dk_vec4 else "gluon-ws-sm90"
 
 
 def bench_bwd_also(inp, warmup, reps, options, names):
@@ -625,9 +631,10 @@ def main():
                     help="skip megatron-core's TileLang sparse MLA forward + backward (the "
                          "stock tilelang backend's kernels; run where scripts/gpu_tilelang.sh "
                          "installed TileLang)")
-    ap.add_argument("--indices", choices=("random", "window"), default="random",
-                    help="random keys per row (worst case for the gathers) or each row's last "
-                         "K keys (best case: neighbouring rows share them)")
+    ap.add_argument("--indices", choices=("random", "window", "sorted"), default="random",
+                    help="random keys per row (worst case for the gathers), each row's last "
+                         "K keys (best case: neighbouring rows share them), or the random keys "
+                         "in increasing order in each row")
     ap.add_argument("--stock-max-t", type=int, default=16384,
                     help="run the stock path only up to this T (its time grows fast)")
     ap.add_argument("--out", default="bench_attention_out",
@@ -669,7 +676,8 @@ def main():
                     help="auto: the defaults (the Hopper warp-specialized Gluon backward where "
                          "it applies, AttentionKernelOptions.bwd_sm90; Triton elsewhere); "
                          "triton: always the Triton backward (dQ, then dK / dV); sm90: the "
-                         "Gluon one where it applies")
+                         "Gluon one where it applies, 8-byte dK atomics; sm90_red16: the same "
+                         "with 16-byte ones (AttentionKernelOptions.bwd_dk_vec4)")
     ap.add_argument("--fwd-kernel", choices=tuple(FWD_KERNELS), default="auto",
                     help="auto: the defaults (the warp-specialized Gluon forward where it "
                          "applies, AttentionKernelOptions.fwd_sm90_ws; Triton elsewhere); "

@@ -1,11 +1,11 @@
-"""The Hopper (Gluon) warp-specialized sparse-MLA backward (`AttentionKernelOptions.bwd_sm90`)
-on the GPU, against the Triton backward (same bf16 roundings of P and dS: only the fp32
-summation order differs) and the fp32 reference: GLM-5.1 and DeepSeek-V3.2 shapes (one and two
-head blocks, both launch orders; 32 and 16 heads, tensor parallelism's share, padded to one
-block), DeepSeek-V4's K = V with a sink, key counts off the 64-key
-tile and none at all, empty and half-empty rows, the lse's gradient, the indexer loss's target,
-batch 2 with int64 per-KV-head indices, strided queries and fp16, integer-valued inputs, and the
-dispatch (which kernel runs, the warnings when it cannot).
+"""The Hopper (Gluon) warp-specialized sparse-MLA backward (`AttentionKernelOptions.bwd_sm90`,
+with 8- and 16-byte dK atomics: `bwd_dk_vec4`) on the GPU, against the Triton backward (same
+bf16 roundings of P and dS: only the fp32 summation order differs) and the fp32 reference:
+GLM-5.1 and DeepSeek-V3.2 shapes (one and two head blocks, both launch orders; 32 and 16 heads,
+tensor parallelism's share, padded to one block), DeepSeek-V4's K = V with a sink, key counts
+off the 64-key tile and none at all, empty and half-empty rows, the lse's gradient, the indexer
+loss's target, batch 2 with int64 per-KV-head indices, strided queries and fp16,
+integer-valued inputs, and the dispatch (which kernel runs, the warnings when it cannot).
 """
 
 from __future__ import annotations
@@ -76,21 +76,37 @@ def backward(q, k, idx, scale, sink, out, lse, dout, options, dlse=None, target=
     return dq, dk, dsink
 
 
+class _Calls(list):
+    """One 1 a completed call; `kw`: each call's keyword arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kw: list[dict] = []
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """The Gluon backward's completed calls (a failing one falls back and does not count)."""
     from megatron_hyscale.ops.kernels import sparse_mla_bwd_sm90 as bwd
 
-    calls = []
+    calls = _Calls()
     real = bwd.sparse_mla_bwd_sm90
 
     def counting(*a, **kw):
         res = real(*a, **kw)
         calls.append(1)
+        calls.kw.append(kw)
         return res
 
     monkeypatch.setattr(bwd, "sparse_mla_bwd_sm90", counting)
     return calls
+
+
+@pytest.fixture(params=[False, True], ids=["red8", "red16"])
+def sm90(request):
+    """The Gluon backward with 8-byte and with 16-byte dK atomics
+    (`AttentionKernelOptions.bwd_dk_vec4`)."""
+    return replace(SM90, bwd_dk_vec4=request.param)
 
 
 def check_same(got, want):
@@ -108,14 +124,14 @@ def check_same(got, want):
                                            (128, 2048, False), (64, 2000, True),
                                            (64, 130, True), (64, 100, True), (64, 5, True),
                                            (32, 2048, True), (16, 300, True)])
-def test_matches_the_triton_backward(hq, K, adjacent, launches):
+def test_matches_the_triton_backward(hq, K, adjacent, launches, sm90):
     """32 and 16 heads: tensor parallelism's share of GLM-5.1's 64, one block padded."""
     q, k, idx, _, dout, scale = inputs(hq, 64, 4096, K, seed=hq + K)
     out, lse = forward(q, k, idx, scale, None)
-    sm90 = replace(SM90, head_blocks_adjacent=adjacent)
-    got = backward(q, k, idx, scale, None, out, lse, dout, sm90)
+    got = backward(q, k, idx, scale, None, out, lse, dout,
+                   replace(sm90, head_blocks_adjacent=adjacent))
     want = backward(q, k, idx, scale, None, out, lse, dout, TRITON)
-    assert launches == [1]
+    assert launches == [1] and launches.kw[0]["dk_vec4"] == sm90.bwd_dk_vec4
     check_same(got, want)
     assert torch.equal(got[0][0, 11], torch.zeros_like(got[0][0, 11]))  # the empty row
 
@@ -136,7 +152,7 @@ def test_matches_the_fp32_reference_through_autograd(launches):
 
 
 @needs_hopper
-def test_lse_gradient_and_the_indexer_target(launches):
+def test_lse_gradient_and_the_indexer_target(launches, sm90):
     """The lse's gradient enters dS; the target (P summed over the heads at each slot) is the
     Triton dQ kernel's, one head block (stored, -1 at unused slots), two (added), and one
     padded (32 heads)."""
@@ -144,7 +160,7 @@ def test_lse_gradient_and_the_indexer_target(launches):
         q, k, idx, _, dout, scale = inputs(hq, 64, 4096, 1000, seed=hq)
         out, lse = forward(q, k, idx, scale, None)
         dlse = torch.randn_like(lse)
-        got = backward(q, k, idx, scale, None, out, lse, dout, SM90, dlse=dlse, target=True)
+        got = backward(q, k, idx, scale, None, out, lse, dout, sm90, dlse=dlse, target=True)
         want = backward(q, k, idx, scale, None, out, lse, dout, TRITON, dlse=dlse, target=True)
         check_same(got, want)
         assert torch.equal(got[3] < 0, idx < 0)
@@ -155,12 +171,12 @@ def test_lse_gradient_and_the_indexer_target(launches):
 
 @needs_hopper
 @pytest.mark.parametrize("hq,K", [(64, 640), (64, 130), (32, 640)])
-def test_k_equals_v_with_a_sink(hq, K, launches):
+def test_k_equals_v_with_a_sink(hq, K, launches, sm90):
     """DeepSeek-V4's CSA / window form: 512 channels, no tail, V = K, a sink per head (32
     heads: padded, the padded heads' sink terms not written)."""
     q, k, idx, sink, dout, scale = inputs(hq, 64, 2048, K, seed=K, d=512, sink=True)
     out, lse = forward(q, k, idx, scale, sink)
-    got = backward(q, k, idx, scale, sink, out, lse, dout, SM90)
+    got = backward(q, k, idx, scale, sink, out, lse, dout, sm90)
     want = backward(q, k, idx, scale, sink, out, lse, dout, TRITON)
     assert launches == [1]
     check_same(got, want)
@@ -168,23 +184,23 @@ def test_k_equals_v_with_a_sink(hq, K, launches):
 
 @needs_hopper
 @pytest.mark.parametrize("d", [192, 320])
-def test_narrower_variants(d, launches):
+def test_narrower_variants(d, launches, sm90):
     q, k, idx, _, dout, scale = inputs(64, 64, 2048, 700, seed=d, d=d)
     out, lse = forward(q, k, idx, scale, None)
-    check_same(backward(q, k, idx, scale, None, out, lse, dout, SM90),
+    check_same(backward(q, k, idx, scale, None, out, lse, dout, sm90),
                backward(q, k, idx, scale, None, out, lse, dout, TRITON))
     assert launches == [1]
 
 
 @needs_hopper
-def test_batch_int64_per_head_indices_strided_q_and_fp16(launches):
+def test_batch_int64_per_head_indices_strided_q_and_fp16(launches, sm90):
     q, k, idx, _, dout, scale = inputs(64, 48, 2048, 300, seed=5, B=2, dtype=torch.float16)
     wide = torch.zeros(*q.shape[:-1], 640, device="cuda", dtype=q.dtype)
     wide[..., :576] = q
     qs = wide[..., :576]  # row stride 640: a view, still 16-byte aligned
     idx4 = idx.long()[:, :, None, :]
     out, lse = forward(q, k, idx, scale, None)
-    got = backward(qs, k, idx4, scale, None, out, lse, dout, SM90)
+    got = backward(qs, k, idx4, scale, None, out, lse, dout, sm90)
     want = backward(q, k, idx, scale, None, out, lse, dout, TRITON)
     assert launches == [1]
     check_same(got, want)
@@ -203,7 +219,7 @@ def test_no_slot_at_all(launches):
 
 
 @needs_hopper
-def test_integer_valued_inputs(launches):
+def test_integer_valued_inputs(launches, sm90):
     """Small integers make every q . k exact in fp32: P then differs from the Triton
     backward's only where Delta's summation order does."""
     g = torch.Generator(device="cuda").manual_seed(9)
@@ -213,7 +229,7 @@ def test_integer_valued_inputs(launches):
     idx = torch.rand(32, 1024, device="cuda", generator=g).topk(640, dim=-1).indices
     idx = idx.view(1, 32, 640).to(torch.int32)
     out, lse = forward(q, k, idx, 1 / 64, None)
-    got = backward(q, k, idx, 1 / 64, None, out, lse, dout, SM90)
+    got = backward(q, k, idx, 1 / 64, None, out, lse, dout, sm90)
     want = backward(q, k, idx, 1 / 64, None, out, lse, dout, TRITON)
     check_same(got, want)
     assert launches == [1]

@@ -215,6 +215,27 @@ def test_warp_specialized_sparse_mla_backward_compiles_its_partitions(tmp_path: 
         assert "USETMAXREG.DEALLOC.CTAPOOL 0x18" in sass  # 24 for the producer
 
 
+def test_sparse_mla_backward_16_byte_dk_atomics(tmp_path: Path) -> None:
+    """AttentionKernelOptions.bwd_dk_vec4: every dK atomic is a 16-byte REDG.E.ADD.F32x4 (none
+    of 8 or 4 bytes), half as many in consumer 0's key loop (40 with the tail, 32 without) for
+    two lane shuffles each (the accumulator's pairs swapped between neighbouring lanes, no
+    shared memory), the same products, and still no local memory in that loop."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "sparse-mla-bwd-sm90-glm51-vec4", "sparse-mla-bwd-sm90-csa-vec4",
+                "--json", str(out), "--sass-out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for rep in json.loads(out.read_text()):
+        assert rep["constexprs"]["DK_VEC4"] is True and rep["perf_warnings"] == []
+        tail = rep["constexprs"]["D_TAIL"] > 0
+        ops = rep["loop_ops"]
+        assert ops["HGMMA"] == (108 if tail else 100)
+        assert ops["REDG"] == (40 if tail else 32) and ops["SHFL"] == 2 * ops["REDG"]
+        assert ops["LDL"] == 0 and ops["STL"] == 0
+        sass = next(tmp_path.glob(f"{rep['preset']}_0_*.sass")).read_text()
+        assert "REDG.E.ADD.F32x4" in sass
+        assert "REDG.E.ADD.F32x2" not in sass and "REDG.E.ADD.F32 " not in sass
+
+
 def test_key_tma_takes_the_key_copies_out_of_the_tile_loop(tmp_path: Path) -> None:
     """HyTopKOptions.key_tma: the tile loop has no per-thread copies (LDGSTS) left, one TMA
     load (UTMALDG) a tile and its mbarrier, the same products, and fewer instructions than the

@@ -280,6 +280,19 @@ class AttentionKernelOptions:
     # (BENCHMARKS.md). On by default; compiled for sm_90a without spills in its consumers'
     # loops (`inspect_sm90.py --preset sparse-mla-bwd-sm90-glm51`).
     bwd_sm90: bool = True
+    # With bwd_sm90, the dK atomics 16 bytes wide (REDG.E.ADD.F32x4) instead of 8: each dK
+    # chunk moves from the wgmma accumulator layout (a thread holds 2 neighbouring channels of
+    # each 8-channel group) to one where a thread holds 4 consecutive channels, lanes 2m and
+    # 2m + 1 swapping halves with warp shuffles (`sparse_mla_bwd_sm90.RED_LAYOUT`). Half the
+    # reduction instructions and L2 requests for the same bytes. Why: Nsight Compute on the H200
+    # (2026-12-05, `gpu_session.sh ncu-attention`, GLM-5.1 at 128K, random indices) found the
+    # backward and cuDNN's issuing the same reduction sectors (29.0 G) and DRAM bytes (1.43 TB),
+    # but the backward's warps stalled 30% on the memory-instruction queue (lg throttle; cuDNN
+    # 0%, whose loop has half the REDGs and two shuffles each: 16-byte reductions). Compiled
+    # for sm_90a: the consumers' loop REDGs 80 -> 40 plus 80 SHFL, one spill reload more a tile
+    # in consumer 1 (`inspect_sm90.py --preset sparse-mla-bwd-sm90-glm51-vec4`). Same results
+    # up to fp32 rounding order (the same additions, grouped four at a time).
+    bwd_dk_vec4: bool = False
     # dK/dV kernel orientation: keys on M (dK_tile = dS^T @ q with M = the key tile, which at 32
     # keys is below wgmma's 64 and compiles to mma.sync) or the channels on M (dK^T = q^T @ dS:
     # M = 512 / 576, every product wgmma-sized; q and dO in one layout each, so no head-block

@@ -50,6 +50,16 @@ BLOCK_N = 64
 # accumulators live) made ptxas serialize every wgmma of consumer 1, which also holds the dQ
 # tail (160 registers of dQ; compiled for sm_90a, 2026-12-05).
 DK_CHUNK = gl.constexpr(64)
+# DK_VEC4: each dK chunk leaves the wgmma accumulator layout (a thread holds 2 neighbouring
+# channels of each 8-channel group) for this one, where it holds 4 consecutive channels: lanes
+# 2m and 2m + 1 swap halves (warp shuffles) and every atomic becomes a 16-byte
+# REDG.E.ADD.F32x4, half the reduction instructions and L2 requests. Bases over (key row,
+# channel) of a [64 x 64] chunk: registers (channels 1, 2; row 8; channels 16, 32), lanes
+# (channels 8, 4; rows 1, 2, 4), warps (rows 16, 32): a warp keeps its 16 rows.
+RED_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [8, 0], [0, 16], [0, 32]],
+    lane_bases=[[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64]))
 # Partitions: consumer 0 is the default one (the kernel's num_warps), consumer 1 and the
 # producer are workers. A consumer holds its dQ half (128 fp32 registers; consumer 1 also the
 # tail's 32), S and dP (16 each), P and dS, and one dK chunk at a time; the producer a key
@@ -157,9 +167,11 @@ def _delta_half(c: gl.constexpr, out_ptr, dout_ptr, b, t, hb, H, sob, sot, soh, 
 
 @gluon.jit
 def _dk_chunk(ds_t, p_t, q_part, do_part, col0, rows, valid, acc_layout: gl.constexpr,
-              KEYS: gl.constexpr, WIDTH: gl.constexpr, WITH_DV: gl.constexpr):
+              KEYS: gl.constexpr, WIDTH: gl.constexpr, WITH_DV: gl.constexpr,
+              DK_VEC4: gl.constexpr):
     """Add dK's chunk dS^T q (+ P^T dO: dV, merged) [KEYS x WIDTH] into the key rows (fp32
-    atomics; `rows` hold the rows' addresses, col0 the chunk's first channel)."""
+    atomics; `rows` hold the rows' addresses, col0 the chunk's first channel; rows and valid
+    in RED_LAYOUT's row slice with DK_VEC4, else in acc_layout's)."""
     acc = gl.zeros([KEYS, WIDTH], gl.float32, layout=acc_layout)
     acc = warpgroup_mma(ds_t, q_part, acc, use_acc=False, is_async=True)
     if WITH_DV:
@@ -167,12 +179,18 @@ def _dk_chunk(ds_t, p_t, q_part, do_part, col0, rows, valid, acc_layout: gl.cons
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     # The chunk's offset goes into the row addresses: added to the channel offsets instead, the
     # compiler hoists every chunk's (64-bit, 8 pairs a thread) out of the key loop, where they
-    # spill. The channels stay a plain range, so a thread's two neighbours make one
-    # REDG.E.ADD.F32x2. ptxas puts a branch around each predicated REDG (3 instructions more
-    # an atomic); an inline `@p red...v2.f32` compiles the same (sm_90a, 2026-12-05).
-    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, acc_layout))
-    mask = valid[:, None] & gl.full([KEYS, WIDTH], 1, gl.int1, layout=acc_layout)
-    gl.atomic_add((rows + col0)[:, None] + cols[None, :], acc, mask=mask, sem="relaxed")
+    # spill. The channels stay a plain range, so a thread's neighbours make one vector atomic.
+    # ptxas puts a branch around each predicated REDG (3 instructions more an atomic); an
+    # inline `@p red...v2.f32` compiles the same (sm_90a, 2026-12-05).
+    if DK_VEC4:
+        acc = gl.convert_layout(acc, RED_LAYOUT)
+        cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, RED_LAYOUT))
+        mask = valid[:, None] & gl.full([KEYS, WIDTH], 1, gl.int1, layout=RED_LAYOUT)
+        gl.atomic_add((rows + col0)[:, None] + cols[None, :], acc, mask=mask, sem="relaxed")
+    else:
+        cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, acc_layout))
+        mask = valid[:, None] & gl.full([KEYS, WIDTH], 1, gl.int1, layout=acc_layout)
+        gl.atomic_add((rows + col0)[:, None] + cols[None, :], acc, mask=mask, sem="relaxed")
 
 
 @gluon.jit
@@ -183,7 +201,8 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
               sdqb, sdqt, sdqh, sdkb, sdks, stg, stb, stt, stk,
               D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_SINK: gl.constexpr,
-              TARGET: gl.constexpr, TARGET_ATOMIC: gl.constexpr, PAD_HEADS: gl.constexpr):
+              TARGET: gl.constexpr, TARGET_ATOMIC: gl.constexpr, PAD_HEADS: gl.constexpr,
+              DK_VEC4: gl.constexpr):
     """S, P, dP, dS for keys c * HALF_N .. of each tile; dQ for channels c * D_MAIN / 2 ..
     (consumer 1 also the tail), dK for the same main channels (consumer 0 also the tail).
     PAD_HEADS (fewer than BLOCK_H heads): the rows past H have zero q and dO and an lse of
@@ -230,7 +249,10 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
 
     idx_base = idx_ptr + b * sib + t * sit
     slots_s = c * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
-    slots_k = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
+    if DK_VEC4:
+        slots_k = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, RED_LAYOUT))
+    else:
+        slots_k = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
     dk_base = dk_ptr + b * sdkb
     s_zero = gl.zeros([BLOCK_H, HALF_N], gl.float32, layout=s_layout)
     dq = gl.zeros([BLOCK_H, HALF], gl.float32, layout=dq_layout)
@@ -302,10 +324,10 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
             _dk_chunk(ds_t, p_t, q_main.slice(c * HALF + ch * DK_CHUNK, DK_CHUNK, dim=1),
                       do_t.slice(c * HALF + ch * DK_CHUNK, DK_CHUNK, dim=1),
                       c * HALF + ch * DK_CHUNK, rows, valid_k, dk_layout, BLOCK_N, DK_CHUNK,
-                      True)
+                      True, DK_VEC4)
         if c == 0 and D_TAIL > 0:
             _dk_chunk(ds_t, p_t, q_tail_s.index(zero), q_tail_s.index(zero), D_MAIN, rows,
-                      valid_k, dkt_layout, BLOCK_N, D_TAIL, False)
+                      valid_k, dkt_layout, BLOCK_N, D_TAIL, False, DK_VEC4)
         mbarrier.arrive(ps_empty, count=1)
 
     # dQ already carries the softmax scale (inside dS).
@@ -337,7 +359,7 @@ def _sparse_mla_bwd_kernel(
     sdqb, sdqt, sdqh, sdkb, sdks, stg, stb, stt, stk,
     D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     NG: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_SINK: gl.constexpr, TARGET: gl.constexpr,
-    TARGET_ATOMIC: gl.constexpr, PAD_HEADS: gl.constexpr,
+    TARGET_ATOMIC: gl.constexpr, PAD_HEADS: gl.constexpr, DK_VEC4: gl.constexpr,
     q_main_sl: gl.constexpr, q_tail_sl: gl.constexpr, k_main_sl: gl.constexpr,
     k_tail_sl: gl.constexpr, p_sl: gl.constexpr,
     CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
@@ -391,13 +413,13 @@ def _sparse_mla_bwd_kernel(
                      dsink_ptr, tgt_ptr, b, t, hb, H, NK, n_tiles, qk_scale, sm_scale, sib, sit,
                      sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh, sdqb, sdqt, sdqh,
                      sdkb, sdks, stg, stb, stt, stk, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, HAS_DLSE,
-                     HAS_SINK, TARGET, TARGET_ATOMIC, PAD_HEADS)),
+                     HAS_SINK, TARGET, TARGET_ATOMIC, PAD_HEADS, DK_VEC4)),
         (_consumer, (1, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t_s, ds_t_s, d_s, bars,
                      idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr, dq_ptr, dk_ptr,
                      dsink_ptr, tgt_ptr, b, t, hb, H, NK, n_tiles, qk_scale, sm_scale, sib, sit,
                      sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh, sdqb, sdqt, sdqh,
                      sdkb, sdks, stg, stb, stt, stk, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, HAS_DLSE,
-                     HAS_SINK, TARGET, TARGET_ATOMIC, PAD_HEADS)),
+                     HAS_SINK, TARGET, TARGET_ATOMIC, PAD_HEADS, DK_VEC4)),
         (_producer, (q_ptr, k_ptr, idx_ptr, dout_ptr, q_main_s.index(0), q_tail_s.index(0),
                      do_s.index(0), k_main_s.index(0), k_tail_s.index(0), q_bar, k_ready,
                      k_empty, b, t, hb, H, NK, n_tiles, sqb, sqt, sqh, skb, sks, sib, sit,
@@ -459,14 +481,15 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
                         dout: torch.Tensor, dk: torch.Tensor, *, dlse: torch.Tensor | None = None,
                         sink: torch.Tensor | None = None,
                         target: tuple[torch.Tensor, tuple[int, ...], bool] | None = None,
-                        head_blocks_adjacent: bool = True,
+                        head_blocks_adjacent: bool = True, dk_vec4: bool = False,
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dq [B, T, Hq, D] in q's dtype, the sink terms fp32 [B, T, Hq] or None) on inputs that
     `applies` and `layout_problem` accept; adds dK (dV merged) into dk, fp32 [B, S, 1, D].
     dlse: the lse's gradient (lse's strides), or None. target: (buffer, its (head block, b, t,
     slot) strides, add atomically) for the indexer loss's target (`sparse_attention.
     _TargetBuffer`), or None. A query's head blocks launch as the Triton kernels' do
-    (`common.launch_grid`)."""
+    (`common.launch_grid`). dk_vec4: 16-byte dK atomics (`RED_LAYOUT`) instead of 8-byte
+    ones."""
     from megatron_hyscale.ops.kernels.common import launch_grid
     from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import shared_layouts
 
@@ -492,7 +515,7 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
         *dout.stride()[:3], *lse.stride(), *dq.stride()[:3], *dk.stride()[:2], *tgt_strides,
         D_MAIN=d_main, D_TAIL=d - d_main, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, NG=ng,
         HAS_DLSE=dlse is not None, HAS_SINK=sink is not None, TARGET=target is not None,
-        TARGET_ATOMIC=tgt_atomic, PAD_HEADS=Hq < BLOCK_H,
+        TARGET_ATOMIC=tgt_atomic, PAD_HEADS=Hq < BLOCK_H, DK_VEC4=dk_vec4,
         q_main_sl=q_main_sl, q_tail_sl=q_tail_sl, k_main_sl=k_main_sl, k_tail_sl=k_tail_sl,
         p_sl=p_sl, CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
