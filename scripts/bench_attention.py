@@ -266,12 +266,16 @@ def bench_fwd_also(inp, warmup, reps, options, names):
 # --bwd-kernel / --bwd-also names -> the AttentionKernelOptions fields that select the backward.
 BWD_KERNELS = {"auto": {}, "triton": dict(bwd_sm90=False),
                "sm90": dict(bwd_sm90=True, bwd_dk_vec4=False),
-               "sm90_red16": dict(bwd_sm90=True, bwd_dk_vec4=True)}
+               "sm90_red16": dict(bwd_sm90=True, bwd_dk_vec4=True),
+               "sm90_lockstep": dict(bwd_sm90=True, bwd_dk_vec4=True, bwd_lockstep=True),
+               "sm90_lockstep2": dict(bwd_sm90=True, bwd_dk_vec4=True, bwd_lockstep=True,
+                                      bwd_lockstep_slack=2)}
 
 
 def backward_kernel(inp, options):
     """Which backward ran on these inputs with these options: "gluon-ws-sm90" (the Hopper
-    warp-specialized backward, `sparse_mla_bwd_sm90`; "-red16" with 16-byte dK atomics) or
+    warp-specialized backward, `sparse_mla_bwd_sm90`; "-red16" with 16-byte dK atomics,
+    "-lockstepN" in lockstep with a slack of N) or
     "triton" (asked after the run: a variant that failed is disabled)."""
     q, k, v = inp["q"], inp["k"], inp["v"]
     if not options.bwd_sm90:
@@ -280,6 +284,8 @@ def backward_kernel(inp, options):
     dv = kern._Geometry(q, k, v, inp["dv"]).dv
     if bwd is None or not bwd.applies(q, k, v, dv, inp["prefix"]):
         return "triton"
+    if options.bwd_lockstep:
+        return f"gluon-ws-sm90-lockstep{options.bwd_lockstep_slack}"
     return "gluon-ws-sm90-red16" if options.bwd_dk_vec4 else "gluon-ws-sm90"
 
 
@@ -677,7 +683,9 @@ def main():
                          "it applies, AttentionKernelOptions.bwd_sm90; Triton elsewhere); "
                          "triton: always the Triton backward (dQ, then dK / dV); sm90: the "
                          "Gluon one where it applies, 8-byte dK atomics; sm90_red16: the same "
-                         "with 16-byte ones (AttentionKernelOptions.bwd_dk_vec4)")
+                         "with 16-byte ones (AttentionKernelOptions.bwd_dk_vec4); "
+                         "sm90_lockstep(2): 16-byte, one program an SM paced together with a "
+                         "slack of 1 (2) key tiles, rows sorted (bwd_lockstep)")
     ap.add_argument("--fwd-kernel", choices=tuple(FWD_KERNELS), default="auto",
                     help="auto: the defaults (the warp-specialized Gluon forward where it "
                          "applies, AttentionKernelOptions.fwd_sm90_ws; Triton elsewhere); "

@@ -109,14 +109,15 @@
 #                                         # then warp-specialized in one process, cuDNN's
 #                                         # when scripts/gpu_cudnn.sh 1 and 2 ran before on
 #                                         # this machine                            (~8 min)
-#   bash scripts/gpu_session.sh bwd-red16 PART  # issue #20 item 2: the backward's 16-byte
-#                                         # dK atomics (AttentionKernelOptions.bwd_dk_vec4).
-#                                         # PART tests: a smoke case, then the backward's GPU
-#                                         # tests, both atomic widths (~3 min); bench: 8- and
-#                                         # 16-byte in one process beside cuDNN's, GLM-5.1 /
-#                                         # CSA / V3.2 at 16K and 128K (~5 min); sorted: the
-#                                         # same on each row's keys in increasing order, GLM-5.1
-#                                         # at 128K, then Nsight Compute on the 16-byte form
+#   bash scripts/gpu_session.sh bwd-atomics PART  # issue #20 item 2: the backward's 16-byte
+#                                         # dK atomics and its lockstep mode (Attention-
+#                                         # KernelOptions.bwd_dk_vec4, bwd_lockstep). PART
+#                                         # tests: smoke cases (a hang stops the stage), then
+#                                         # the backward's GPU tests, every form (~4 min);
+#                                         # bench: 8-byte, 16-byte, lockstep slack 1 and 2 in
+#                                         # one process beside cuDNN's, GLM-5.1 / CSA / V3.2 at
+#                                         # 16K and 128K (~6 min); ncu: Nsight Compute on the
+#                                         # 16-byte and the lockstep forms, GLM-5.1 at 128K
 #                                         # (~3 min). cuDNN's after scripts/gpu_cudnn.sh 1, 2
 #   bash scripts/gpu_session.sh captured-selection  # issue #21 item 3: HyTopK with and
 #                                         # without key-tile pruning, table-then-select and
@@ -204,13 +205,13 @@ case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
-  |ncu-attention|scores-sm90|fwd-ws|key-tma|bwd-sm90|bwd-red16|captured-selection) ;;
+  |ncu-attention|scores-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
        "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
-       "|ncu-attention|scores-sm90|fwd-ws|key-tma|bwd-sm90|bwd-red16|captured-selection}" \
+       "|ncu-attention|scores-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -251,7 +252,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
 fi
 case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|fwd-ws|key-tma\
-  |bwd-sm90|bwd-red16)
+  |bwd-sm90|bwd-atomics)
     case "$stage" in cudnn-*|tilelang-kernels)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -653,28 +654,27 @@ case "$stage" in
       --reps 3 --no-stock \
       --no-tilelang --out "$out" 2>&1 | grep -v -i warn \
       | tee "$out/bench_attention_bwd_sm90.log" | grep -E "T=|Error" ;;
-  bwd-red16)
-    # Issue #20 item 2: the backward's dK atomics 16 bytes wide (bwd_dk_vec4), same process,
-    # same inputs and output gradient as the 8-byte ones, cuDNN's beside them.
+  bwd-atomics)
+    # Issue #20 item 2: the backward's dK atomics 16 bytes wide (bwd_dk_vec4) and its
+    # lockstep mode (bwd_lockstep), same process, same inputs and output gradient as the
+    # 8-byte default, cuDNN's beside them.
     case "${1:-}" in
       tests)
         smoke_then_tests tests/ops/test_sparse_mla_bwd_sm90_gpu.py \
-          "test_matches_the_triton_backward and red16-64-130-True" || exit 1 ;;
+          "(test_matches_the_triton_backward and red16-64-130-True) or (test_lockstep_over_several_waves and 64-300)" \
+          || exit 1 ;;
       bench)
-        timeout 540 python3 scripts/bench_attention.py --t 16384 131072 --shapes glm51 csa v32 \
-          --no-deterministic --bwd-kernel sm90 --bwd-also sm90_red16 --reps 3 --no-stock \
+        timeout 560 python3 scripts/bench_attention.py --t 16384 131072 --shapes glm51 csa v32 \
+          --no-deterministic --bwd-kernel sm90 \
+          --bwd-also sm90_red16 sm90_lockstep sm90_lockstep2 --reps 3 --no-stock \
           --no-tilelang --out "$out" 2>&1 | grep -v -i warn \
-          | tee "$out/bench_attention_bwd_red16.log" | grep -E "T=|Error" ;;
-      sorted)
-        timeout 240 python3 scripts/bench_attention.py --t 131072 --shapes glm51 \
-          --indices sorted --no-deterministic --bwd-kernel sm90 --bwd-also sm90_red16 \
-          --reps 3 --no-stock --no-tilelang --out "$out" 2>&1 | grep -v -i warn \
-          | tee "$out/bench_attention_bwd_red16_sorted.log" | grep -E "T=|Error"
-        NCU_ATTN_CASES="glm51:131072:sm90_red16" OUT=$out/ncu bash "$0" ncu-attention \
-          | tail -3
+          | tee "$out/bench_attention_bwd_atomics.log" | grep -E "T=|Error" ;;
+      ncu)
+        NCU_ATTN_CASES=${NCU_ATTN_CASES:-"glm51:131072:sm90_red16 glm51:131072:sm90_lockstep"} \
+          OUT=$out/ncu bash "$0" ncu-attention | tail -3
         tar -xzf "$out/ncu/ncu-attention.tgz" -C "$out" ./results 2>/dev/null
         rm -rf "$out/ncu" ;;
-      *) echo "usage: gpu_session.sh bwd-red16 {tests|bench|sorted}" >&2; exit 2 ;;
+      *) echo "usage: gpu_session.sh bwd-atomics {tests|bench|ncu}" >&2; exit 2 ;;
     esac ;;
   ncu-selection)
     # Issue #21: where HyTopK's time goes, from the hardware counters (Nsight Compute, full

@@ -29,6 +29,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
+from unittest import mock
 
 import torch
 import triton
@@ -300,11 +301,12 @@ def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256, ws: bool = Fa
 
 def _sparse_mla_bwd_sm90(hq: int, d: int, topk: int, T: int = 256, sink: bool = False,
                          dlse: bool = False, target: bool = False,
-                         dk_vec4: bool = False) -> list[Launch]:
+                         dk_vec4: bool = False, lockstep: bool = False) -> list[Launch]:
     """The warp-specialized Gluon sparse-MLA backward (Hopper only; `AttentionKernelOptions.
     bwd_sm90`: a cp.async producer warpgroup, two consumer warpgroups); with the lse's
     gradient, a sink (CSA: K = V, no tail) or the indexer loss's target; dk_vec4: 16-byte dK
-    atomics (`AttentionKernelOptions.bwd_dk_vec4`)."""
+    atomics (`AttentionKernelOptions.bwd_dk_vec4`); lockstep: one program an SM, the programs
+    paced together (`bwd_lockstep`)."""
     from megatron_hyscale.ops.kernels import sparse_mla_bwd_sm90 as bwd
 
     d_main = 1 << (d.bit_length() - 1)
@@ -315,12 +317,14 @@ def _sparse_mla_bwd_sm90(hq: int, d: int, topk: int, T: int = 256, sink: bool = 
     idx = torch.zeros(1, T, topk, dtype=torch.int32)
     dk = torch.zeros(1, T, 1, d)
     tgt = torch.zeros(1, T, topk)
-    with intercept(bwd, "_sparse_mla_bwd_kernel") as calls:
+    # CPU tensors here: the H200's 132 SMs stand in for the device's count.
+    with intercept(bwd, "_sparse_mla_bwd_kernel") as calls, \
+            mock.patch.object(bwd, "_sm_count", lambda device: 132):
         bwd.sparse_mla_bwd_sm90(q, k, idx, d ** -0.5, out, lse, torch.zeros_like(out), dk,
                                 dlse=torch.zeros_like(lse) if dlse else None,
                                 sink=torch.zeros(hq) if sink else None,
                                 target=(tgt, (0, *tgt.stride()), hq > 64) if target else None,
-                                dk_vec4=dk_vec4)
+                                dk_vec4=dk_vec4, lockstep=lockstep)
     return calls
 
 
@@ -533,6 +537,12 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     # GLM-5.1 under tensor parallelism 2 (32 heads a rank: one block padded to 64).
     "sparse-mla-bwd-sm90-glm51-tp2": lambda: _sparse_mla_bwd_sm90(32, 576, 2048),
     "sparse-mla-bwd-sm90-glm51-vec4": lambda: _sparse_mla_bwd_sm90(64, 576, 2048, dk_vec4=True),
+    "sparse-mla-bwd-sm90-glm51-lockstep": lambda: _sparse_mla_bwd_sm90(64, 576, 2048,
+                                                                       dk_vec4=True,
+                                                                       lockstep=True),
+    "sparse-mla-bwd-sm90-v32-lockstep": lambda: _sparse_mla_bwd_sm90(128, 576, 2048,
+                                                                     dk_vec4=True,
+                                                                     lockstep=True),
     "sparse-mla-bwd-sm90-csa-vec4": lambda: _sparse_mla_bwd_sm90(64, 512, 640, sink=True,
                                                                  dk_vec4=True),
     # The warp-specialized indexer scores (a TMA producer warp, two wgmma consumer warpgroups).

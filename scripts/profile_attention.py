@@ -3,9 +3,9 @@
 Builds `bench_attention.py`'s inputs for a shape, runs the forward once and the backward
 `--warmup` times (so the profiled call compiles nothing), then one backward between
 cudaProfilerStart and cudaProfilerStop. `--kernel` picks the backward: HyScale's
-warp-specialized Gluon one ("sm90"; "sm90_red16" with 16-byte dK atomics), its Triton one
-("triton") or the stock cudnn backend's (cuDNN-frontend's SM90 backward, "cudnn"; after
-scripts/gpu_cudnn.sh). For example:
+warp-specialized Gluon one ("sm90"; "sm90_red16" with 16-byte dK atomics, "sm90_lockstep"
+in lockstep), its Triton one ("triton") or the stock cudnn backend's (cuDNN-frontend's SM90
+backward, "cudnn"; after scripts/gpu_cudnn.sh). For example:
 
     ncu --profile-from-start off --kernel-name regex:_sparse_mla_bwd_kernel --launch-count 1 \\
         --set full --clock-control none -o glm51 python3 scripts/profile_attention.py \\
@@ -33,7 +33,7 @@ from hyscale_bench.measure import require_cuda  # noqa: E402
 from megatron_hyscale.ops.kernels.options import AttentionKernelOptions  # noqa: E402
 from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_triton  # noqa: E402
 
-KERNELS = ("sm90", "sm90_red16", "triton", "cudnn")
+KERNELS = ("sm90", "sm90_red16", "sm90_lockstep", "sm90_lockstep2", "triton", "cudnn")
 
 
 def backward_call(inp: dict, kernel: str):

@@ -100,3 +100,17 @@ def test_head_counts_it_takes():
     GLM-5.1's 64); not 96 (a block and a half)."""
     assert [h for h in (8, 16, 32, 64, 96, 128, 192) if bwd.heads_fit(h)] == [
         8, 16, 32, 64, 128, 192]
+
+
+@pytest.mark.parametrize("slack", [0, -1, 1.5, None])
+def test_lockstep_slack_is_checked_first(slack):
+    """A slack that is not an int >= 1 is refused before anything is allocated or launched
+    (CPU tensors: the check comes before any device work)."""
+    q = torch.zeros(1, 4, 64, 576, dtype=torch.bfloat16)
+    k = torch.zeros(1, 8, 1, 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="lockstep_slack must be an int >= 1"):
+        bwd.sparse_mla_bwd_sm90(q, k, torch.zeros(1, 4, 8, dtype=torch.int32), 0.1,
+                                torch.zeros(1, 4, 64, 512, dtype=torch.bfloat16),
+                                torch.zeros(1, 4, 64), torch.zeros(1, 4, 64, 512,
+                                                                   dtype=torch.bfloat16),
+                                torch.zeros(1, 8, 1, 576), lockstep=True, lockstep_slack=slack)

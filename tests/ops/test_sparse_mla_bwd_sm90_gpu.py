@@ -1,11 +1,12 @@
-"""The Hopper (Gluon) warp-specialized sparse-MLA backward (`AttentionKernelOptions.bwd_sm90`,
-with 8- and 16-byte dK atomics: `bwd_dk_vec4`) on the GPU, against the Triton backward (same
-bf16 roundings of P and dS: only the fp32 summation order differs) and the fp32 reference:
-GLM-5.1 and DeepSeek-V3.2 shapes (one and two head blocks, both launch orders; 32 and 16 heads,
-tensor parallelism's share, padded to one block), DeepSeek-V4's K = V with a sink, key counts
-off the 64-key tile and none at all, empty and half-empty rows, the lse's gradient, the indexer
-loss's target, batch 2 with int64 per-KV-head indices, strided queries and fp16,
-integer-valued inputs, and the dispatch (which kernel runs, the warnings when it cannot).
+"""The Hopper (Gluon) warp-specialized sparse-MLA backward (`AttentionKernelOptions.bwd_sm90`, with
+8- and 16-byte dK atomics: `bwd_dk_vec4`, and in lockstep: `bwd_lockstep`) on the GPU, against
+the Triton backward (same bf16 roundings of P and dS: only the fp32 summation order differs) and
+the fp32 reference: GLM-5.1 and DeepSeek-V3.2 shapes (one and two head blocks, both launch
+orders; 32 and 16 heads, tensor parallelism's share, padded to one block), DeepSeek-V4's K = V
+with a sink, key counts off the 64-key tile and none at all, empty and half-empty rows, the
+lse's gradient, the indexer loss's target, batch 2 with int64 per-KV-head indices, strided
+queries and fp16, integer-valued inputs, and the dispatch (which kernel runs, the warnings when
+it cannot).
 """
 
 from __future__ import annotations
@@ -102,11 +103,13 @@ def launches(monkeypatch):
     return calls
 
 
-@pytest.fixture(params=[False, True], ids=["red8", "red16"])
+@pytest.fixture(params=["red8", "red16", "lockstep"])
 def sm90(request):
     """The Gluon backward with 8-byte and with 16-byte dK atomics
-    (`AttentionKernelOptions.bwd_dk_vec4`)."""
-    return replace(SM90, bwd_dk_vec4=request.param)
+    (`AttentionKernelOptions.bwd_dk_vec4`), and in lockstep (`bwd_lockstep`: one program an
+    SM over the work items, rows sorted unless a target is emitted)."""
+    return replace(SM90, bwd_dk_vec4=request.param != "red8",
+                   bwd_lockstep=request.param == "lockstep")
 
 
 def check_same(got, want):
@@ -134,6 +137,22 @@ def test_matches_the_triton_backward(hq, K, adjacent, launches, sm90):
     assert launches == [1] and launches.kw[0]["dk_vec4"] == sm90.bwd_dk_vec4
     check_same(got, want)
     assert torch.equal(got[0][0, 11], torch.zeros_like(got[0][0, 11]))  # the empty row
+
+
+@needs_hopper
+@pytest.mark.parametrize("hq,T,slack", [(64, 300, 1), (128, 200, 2), (32, 140, 1)])
+def test_lockstep_over_several_waves(hq, T, slack, launches):
+    """More work items than SMs (a last wave part-full), the rows sorted in the wrapper (the
+    caller's indices untouched), the slack 1 and 2: the default backward's gradients."""
+    q, k, idx, _, dout, scale = inputs(hq, T, 4096, 640, seed=T + slack)
+    before = idx.clone()
+    out, lse = forward(q, k, idx, scale, None)
+    lock = replace(SM90, bwd_dk_vec4=True, bwd_lockstep=True, bwd_lockstep_slack=slack)
+    got = backward(q, k, idx, scale, None, out, lse, dout, lock)
+    want = backward(q, k, idx, scale, None, out, lse, dout, SM90)
+    assert launches == [1, 1] and launches.kw[0]["lockstep"] and not launches.kw[1]["lockstep"]
+    assert torch.equal(idx, before)
+    check_same(got, want)
 
 
 @needs_hopper

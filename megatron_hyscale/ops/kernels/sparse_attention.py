@@ -1051,7 +1051,8 @@ def _sm90_backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, si
         dq, dsink_part = bwd.sparse_mla_bwd_sm90(
             q, k, indices, softmax_scale, out, lse, dout, acc.dk, dlse=dlse, sink=sink,
             target=(*target.args(), target.atomic) if target is not None else None,
-            head_blocks_adjacent=options.head_blocks_adjacent, dk_vec4=options.bwd_dk_vec4)
+            head_blocks_adjacent=options.head_blocks_adjacent, dk_vec4=options.bwd_dk_vec4,
+            lockstep=options.bwd_lockstep, lockstep_slack=options.bwd_lockstep_slack)
     except torch.OutOfMemoryError:
         raise  # not the kernel's failure: the Triton backward would need the same memory
     except Exception as exc:  # this variant failed to compile or launch: say so, keep training

@@ -21,7 +21,10 @@ atomics, which bound the kernel (T x K x D fp32 additions).
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from triton import cdiv as triton_cdiv
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -70,6 +73,11 @@ PRODUCER_WARPS = 4
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 MAXNREG = 168
+# Lockstep mode (`sparse_mla_bwd_sm90(lockstep=True)`): reads of a wave's tile counter a
+# producer makes at most before gathering its next tile anyway (about 0.5 us each, an L2 round
+# trip): a program that never arrives (an SM another kernel holds) costs each tile this much
+# and nothing else.
+SYNC_SPINS = 64
 # Channels a Delta load covers at a time (Delta = rowsum(dO * O) for the consumer's half).
 DELTA_CHUNK = gl.constexpr(64)
 
@@ -101,42 +109,84 @@ def _slot_index(idx_base, sik, n0, NK, slots):
 
 
 @gluon.jit
-def _producer(q_ptr, k_ptr, idx_ptr, dout_ptr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s,
-              q_bar, k_ready, k_empty, b, t, hb, H, NK, n_tiles, sqb, sqt, sqh, skb, sks,
-              sib, sit, sik, sdob, sdot, sdoh,
+def _item_coords(w, T, NHB):
+    """(batch, query, head block) of work item w in the lockstep order (a query's NHB head
+    blocks adjacent)."""
+    q = w // NHB
+    return q // T, q % T, (w % NHB).to(gl.int32)
+
+
+@gluon.jit
+def _lockstep_wait(count_ptr, need, SPINS: gl.constexpr):
+    """Spin (at most SPINS reads) until the wave's tile counter reaches `need`: a pace, not a
+    dependency (nothing is read that the counted programs wrote), so giving up is safe."""
+    seen = gl.load(count_ptr, volatile=True)
+    spins = 0
+    while (seen < need) & (spins < SPINS):
+        seen = gl.load(count_ptr, volatile=True)
+        spins += 1
+
+
+@gluon.jit
+def _producer(q_ptr, k_ptr, idx_ptr, dout_ptr, sync_ptr, q_main_s, q_tail_s, do_s, k_main_s,
+              k_tail_s, q_bar, q_empty, k_ready, k_empty, pid, T, NHB, P, W, H, NK, n_tiles,
+              sqb, sqt, sqh, skb, sks, sib, sit, sik, sdob, sdot, sdoh,
               D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
-              BLOCK_N: gl.constexpr, PAD_HEADS: gl.constexpr, WARPS: gl.constexpr):
-    """q and dO once (PAD_HEADS: rows past the H heads zero-filled), then each key tile once
-    the consumers' dQ products released the last."""
+              BLOCK_N: gl.constexpr, PAD_HEADS: gl.constexpr, NG: gl.constexpr,
+              LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr,
+              WARPS: gl.constexpr):
+    """q and dO once a work item (PAD_HEADS: rows past the H heads zero-filled), then each key
+    tile once the consumers' dQ products released the last. LOCKSTEP: the program's items
+    pid, pid + P, ...; before a tile's gather, wait (bounded) until every program of the wave
+    started the tile SYNC_SLACK before, and count this one's start."""
     # A warp covers 4 rows x 64 channels in 16-byte vectors (one swizzle atom a row).
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, ld_layout)
-
-    heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_l)).to(gl.int64)
-    if PAD_HEADS:
-        every = heads < H
-        heads = gl.where(every, heads, 0)
-    else:
-        every = gl.full([BLOCK_H], 1, gl.int1, layout=row_l)
-    q_rows = q_ptr + b * sqb + t * sqt + heads * sqh
-    gather_rows(q_main_s, q_rows, every, D_MAIN, ld_layout)
-    if D_TAIL > 0:
-        gather_rows(q_tail_s, q_rows + D_MAIN, every, D_TAIL, ld_layout)
-    gather_rows(do_s, dout_ptr + b * sdob + t * sdot + heads * sdoh, every, D_MAIN, ld_layout)
-    cp.mbarrier_arrive(q_bar, increment_count=False)
-
-    idx_base = idx_ptr + b * sib + t * sit
-    k_base = k_ptr + b * skb
     slots = gl.arange(0, BLOCK_N, layout=row_l)
-    for j in range(n_tiles):
-        idx = _slot_index(idx_base, sik, j * BLOCK_N, NK, slots)
-        valid = idx >= 0
-        rows = k_base + gl.where(valid, idx, 0).to(gl.int64) * sks
-        mbarrier.wait(k_empty, (j & 1) ^ 1)
-        gather_rows(k_main_s, rows, valid, D_MAIN, ld_layout)
+    if LOCKSTEP:
+        n_items = gl.cdiv(W - pid, P)
+    else:
+        n_items = 1
+    for n in range(n_items):
+        if LOCKSTEP:
+            b, t, hb = _item_coords(pid + n * P, T, NHB)
+            active = gl.minimum(P, W - n * P)
+            # The consumers are done with the last item's q and dO.
+            mbarrier.wait(q_empty, (n & 1) ^ 1)
+        else:
+            b, t, hb = program_coords(T, NG)
+        heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_l)).to(gl.int64)
+        if PAD_HEADS:
+            every = heads < H
+            heads = gl.where(every, heads, 0)
+        else:
+            every = gl.full([BLOCK_H], 1, gl.int1, layout=row_l)
+        q_rows = q_ptr + b * sqb + t * sqt + heads * sqh
+        gather_rows(q_main_s, q_rows, every, D_MAIN, ld_layout)
         if D_TAIL > 0:
-            gather_rows(k_tail_s, rows + D_MAIN, valid, D_TAIL, ld_layout)
-        cp.mbarrier_arrive(k_ready, increment_count=False)
+            gather_rows(q_tail_s, q_rows + D_MAIN, every, D_TAIL, ld_layout)
+        gather_rows(do_s, dout_ptr + b * sdob + t * sdot + heads * sdoh, every, D_MAIN,
+                    ld_layout)
+        cp.mbarrier_arrive(q_bar, increment_count=False)
+
+        idx_base = idx_ptr + b * sib + t * sit
+        k_base = k_ptr + b * skb
+        for j in range(n_tiles):
+            g = n * n_tiles + j
+            idx = _slot_index(idx_base, sik, j * BLOCK_N, NK, slots)
+            valid = idx >= 0
+            rows = k_base + gl.where(valid, idx, 0).to(gl.int64) * sks
+            mbarrier.wait(k_empty, (g & 1) ^ 1)
+            if LOCKSTEP:
+                if j >= SYNC_SLACK:
+                    _lockstep_wait(sync_ptr + n, active * (j - SYNC_SLACK + 1), SYNC_SPINS)
+            gather_rows(k_main_s, rows, valid, D_MAIN, ld_layout)
+            if D_TAIL > 0:
+                gather_rows(k_tail_s, rows + D_MAIN, valid, D_TAIL, ld_layout)
+            cp.mbarrier_arrive(k_ready, increment_count=False)
+            if LOCKSTEP:
+                # One count a program (the replicated scalar's atomic runs once).
+                gl.atomic_add(sync_ptr + n, 1, sem="relaxed")
 
 
 @gluon.jit
@@ -196,18 +246,19 @@ def _dk_chunk(ds_t, p_t, q_part, do_part, col0, rows, valid, acc_layout: gl.cons
 @gluon.jit
 def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t_s, ds_t_s,
               d_s, bars, idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr, dq_ptr,
-              dk_ptr, dsink_ptr, tgt_ptr, b, t, hb, H, NK, n_tiles, qk_scale, sm_scale,
+              dk_ptr, dsink_ptr, tgt_ptr, pid, T, NHB, P, W, H, NK, n_tiles, qk_scale, sm_scale,
               sib, sit, sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh,
               sdqb, sdqt, sdqh, sdkb, sdks, stg, stb, stt, stk,
               D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_SINK: gl.constexpr,
               TARGET: gl.constexpr, TARGET_ATOMIC: gl.constexpr, PAD_HEADS: gl.constexpr,
-              DK_VEC4: gl.constexpr):
+              DK_VEC4: gl.constexpr, NG: gl.constexpr, LOCKSTEP: gl.constexpr):
     """S, P, dP, dS for keys c * HALF_N .. of each tile; dQ for channels c * D_MAIN / 2 ..
     (consumer 1 also the tail), dK for the same main channels (consumer 0 also the tail).
     PAD_HEADS (fewer than BLOCK_H heads): the rows past H have zero q and dO and an lse of
-    +inf, so their P, dS and Delta are 0 and they add nothing; their dq is not stored."""
-    q_bar, k_ready, k_empty, ps_ready, ps_empty, d_ready = bars
+    +inf, so their P, dS and Delta are 0 and they add nothing; their dq is not stored.
+    LOCKSTEP: the program's work items pid, pid + P, ... one after the other."""
+    q_bar, q_empty, k_ready, k_empty, ps_ready, ps_empty, d_ready = bars
     HALF: gl.constexpr = D_MAIN // 2
     HALF_N: gl.constexpr = BLOCK_N // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -222,144 +273,168 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_main_s.dtype
 
-    heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
-    stat = b * slb + t * slt + heads * slh
-    h_ok = heads < H
-    if PAD_HEADS:
-        lse2 = gl.load(lse_ptr + stat, mask=h_ok, other=float("inf")) * LOG2E_JIT
+    if LOCKSTEP:
+        n_items = gl.cdiv(W - pid, P)
     else:
-        lse2 = gl.load(lse_ptr + stat) * LOG2E_JIT
-    # Delta = dO . O (- dlse), each consumer summing half the channels; both add the halves in
-    # the same order.
-    d_s.index(c).store(_delta_half(c, out_ptr, dout_ptr, b, t, hb, H, sob, sot, soh, sdob, sdot,
-                                   sdoh, D_MAIN, BLOCK_H, PAD_HEADS, row_s))
-    mbarrier.arrive(d_ready.index(c), count=1)
-    mbarrier.wait(d_ready.index(1 - c), 0)
-    delta = d_s.index(0).load(row_s) + d_s.index(1).load(row_s)
-    if HAS_DLSE:
-        # d lse / d s_j = p_j: the lse's gradient enters dS as -dlse inside (dP - Delta).
-        delta -= gl.load(dlse_ptr + stat, mask=h_ok, other=0.0)
-    if HAS_SINK:
-        if c == 0:
-            sink2 = gl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(gl.float32) * LOG2E_JIT
-            gl.store(dsink_ptr + stat, -gl.exp2(sink2 - lse2) * delta, mask=h_ok)
-    lse2 = gl.where(lse2 == float("-inf"), 0.0, lse2)  # a row without keys: every p is 0
-    if TARGET:
-        tgt_base = tgt_ptr + hb * stg + b * stb + t * stt
-
-    idx_base = idx_ptr + b * sib + t * sit
-    slots_s = c * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
-    if DK_VEC4:
-        slots_k = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, RED_LAYOUT))
-    else:
-        slots_k = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
-    dk_base = dk_ptr + b * sdkb
-    s_zero = gl.zeros([BLOCK_H, HALF_N], gl.float32, layout=s_layout)
-    dq = gl.zeros([BLOCK_H, HALF], gl.float32, layout=dq_layout)
-    if c == 1 and D_TAIL > 0:
-        dqt_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_TAIL, 16])
-        dq_tail = gl.zeros([BLOCK_H, D_TAIL], gl.float32, layout=dqt_layout)
-
-    mbarrier.wait(q_bar, 0)
-    for j in range(n_tiles):
-        ph = j & 1
-        zero = opaque_zero(j)
-        q_main, do_t = q_main_s.index(zero), do_s.index(zero)
-        k_main, k_tail = k_main_s.index(zero), k_tail_s.index(zero)
-        p_t, ds_t = p_t_s.index(zero), ds_t_s.index(zero)
-        k_own = k_main.slice(c * HALF_N, HALF_N, dim=0)
-        valid = _slot_index(idx_base, sik, j * BLOCK_N, NK, slots_s) >= 0
-
-        mbarrier.wait(k_ready, ph)
-        # The rows came through cp.async (generic proxy); the products read them through the
-        # async proxy.
-        fence_async_shared()
-        s = warpgroup_mma(q_main, k_own.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if D_TAIL > 0:
-            s = warpgroup_mma(q_tail_s.index(zero),
-                              k_tail.slice(c * HALF_N, HALF_N, dim=0).permute((1, 0)), s,
-                              is_async=True)
-        dp = warpgroup_mma(do_t, k_own.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        p = gl.exp2(gl.where(valid[None, :], s * qk_scale, float("-inf")) - lse2[:, None])
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
-        ds = p * (dp - delta[:, None]) * sm_scale
-
-        # P and dS transposed, this consumer's key rows, once both consumers are done with
-        # the last tile's.
-        mbarrier.wait(ps_empty, ph ^ 1)
-        p_t.slice(c * HALF_N, HALF_N, dim=0).store(gl.permute(p.to(dtype), (1, 0)))
-        ds_t.slice(c * HALF_N, HALF_N, dim=0).store(gl.permute(ds.to(dtype), (1, 0)))
-        fence_async_shared()
-        mbarrier.arrive(ps_ready.index(c), count=1)
-        if TARGET:
-            # The indexer loss's target: P summed over this program's heads at each slot.
-            offs = j * BLOCK_N + slots_s
-            head_sum = gl.sum(p, axis=0)
-            if TARGET_ATOMIC:
-                gl.atomic_add(tgt_base + offs * stk, head_sum, mask=valid, sem="relaxed")
-            else:
-                gl.store(tgt_base + offs * stk, gl.where(valid, head_sum, -1.0), mask=offs < NK)
-        mbarrier.wait(ps_ready.index(0), ph)
-        mbarrier.wait(ps_ready.index(1), ph)
-
-        # dQ += dS K over the tile's 64 keys, this consumer's channels.
-        ds_heads = ds_t.permute((1, 0))
-        dq = warpgroup_mma(ds_heads, k_main.slice(c * HALF, HALF, dim=1), dq, is_async=True)
-        if c == 1 and D_TAIL > 0:
-            dq_tail = warpgroup_mma(ds_heads, k_tail, dq_tail, is_async=True)
-            dq, dq_tail = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dq_tail))
+        n_items = 1
+    for n in range(n_items):
+        if LOCKSTEP:
+            b, t, hb = _item_coords(pid + n * P, T, NHB)
         else:
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-        mbarrier.arrive(k_empty, count=1)
-
-        # dK (+ dV) of the tile's 64 keys for this consumer's main channels (consumer 0 also
-        # the tail), added into the key rows.
-        idx_k = _slot_index(idx_base, sik, j * BLOCK_N, NK, slots_k)
-        valid_k = idx_k >= 0
-        rows = dk_base + gl.where(valid_k, idx_k, 0).to(gl.int64) * sdks
-        for ch in gl.static_range(HALF // DK_CHUNK):
-            # (An unannotated name would turn the offset into a runtime value: written out.)
-            _dk_chunk(ds_t, p_t, q_main.slice(c * HALF + ch * DK_CHUNK, DK_CHUNK, dim=1),
-                      do_t.slice(c * HALF + ch * DK_CHUNK, DK_CHUNK, dim=1),
-                      c * HALF + ch * DK_CHUNK, rows, valid_k, dk_layout, BLOCK_N, DK_CHUNK,
-                      True, DK_VEC4)
-        if c == 0 and D_TAIL > 0:
-            _dk_chunk(ds_t, p_t, q_tail_s.index(zero), q_tail_s.index(zero), D_MAIN, rows,
-                      valid_k, dkt_layout, BLOCK_N, D_TAIL, False, DK_VEC4)
-        mbarrier.arrive(ps_empty, count=1)
-
-    # dQ already carries the softmax scale (inside dS).
-    dq_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, dq_layout))
-    dq_rows = dq_ptr + b * sdqb + t * sdqt + dq_heads.to(gl.int64) * sdqh
-    dq_cols = c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, dq_layout))
-    if PAD_HEADS:
-        gl.store(dq_rows[:, None] + dq_cols[None, :], dq.to(dtype),
-                 mask=(dq_heads < H)[:, None] & (dq_cols < D_MAIN)[None, :])
-    else:
-        gl.store(dq_rows[:, None] + dq_cols[None, :], dq.to(dtype))
-    if c == 1 and D_TAIL > 0:
-        t_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, dqt_layout))
-        t_rows = dq_ptr + b * sdqb + t * sdqt + t_heads.to(gl.int64) * sdqh
-        t_cols = D_MAIN + gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, dqt_layout))
+            b, t, hb = program_coords(T, NG)
+        heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
+        stat = b * slb + t * slt + heads * slh
+        h_ok = heads < H
         if PAD_HEADS:
-            gl.store(t_rows[:, None] + t_cols[None, :], dq_tail.to(dtype),
-                     mask=(t_heads < H)[:, None] & (t_cols < D_MAIN + D_TAIL)[None, :])
+            lse2 = gl.load(lse_ptr + stat, mask=h_ok, other=float("inf")) * LOG2E_JIT
         else:
-            gl.store(t_rows[:, None] + t_cols[None, :], dq_tail.to(dtype))
+            lse2 = gl.load(lse_ptr + stat) * LOG2E_JIT
+        # Delta = dO . O (- dlse), each consumer summing half the channels; both add the
+        # halves in the same order.
+        d_s.index(c).store(_delta_half(c, out_ptr, dout_ptr, b, t, hb, H, sob, sot, soh, sdob,
+                                       sdot, sdoh, D_MAIN, BLOCK_H, PAD_HEADS, row_s))
+        mbarrier.arrive(d_ready.index(c), count=1)
+        mbarrier.wait(d_ready.index(1 - c), n & 1)
+        delta = d_s.index(0).load(row_s) + d_s.index(1).load(row_s)
+        if HAS_DLSE:
+            # d lse / d s_j = p_j: the lse's gradient enters dS as -dlse inside (dP - Delta).
+            delta -= gl.load(dlse_ptr + stat, mask=h_ok, other=0.0)
+        if HAS_SINK:
+            if c == 0:
+                sink2 = gl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(gl.float32)
+                sink2 *= LOG2E_JIT
+                gl.store(dsink_ptr + stat, -gl.exp2(sink2 - lse2) * delta, mask=h_ok)
+        lse2 = gl.where(lse2 == float("-inf"), 0.0, lse2)  # a row without keys: every p is 0
+        if TARGET:
+            tgt_base = tgt_ptr + hb * stg + b * stb + t * stt
+
+        idx_base = idx_ptr + b * sib + t * sit
+        slots_s = c * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
+        if DK_VEC4:
+            slots_k = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, RED_LAYOUT))
+        else:
+            slots_k = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
+        dk_base = dk_ptr + b * sdkb
+        s_zero = gl.zeros([BLOCK_H, HALF_N], gl.float32, layout=s_layout)
+        dq = gl.zeros([BLOCK_H, HALF], gl.float32, layout=dq_layout)
+        if c == 1 and D_TAIL > 0:
+            dqt_layout: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_TAIL, 16])
+            dq_tail = gl.zeros([BLOCK_H, D_TAIL], gl.float32, layout=dqt_layout)
+
+        mbarrier.wait(q_bar, n & 1)
+        for j in range(n_tiles):
+            ph = (n * n_tiles + j) & 1
+            zero = opaque_zero(j)
+            q_main, do_t = q_main_s.index(zero), do_s.index(zero)
+            k_main, k_tail = k_main_s.index(zero), k_tail_s.index(zero)
+            p_t, ds_t = p_t_s.index(zero), ds_t_s.index(zero)
+            k_own = k_main.slice(c * HALF_N, HALF_N, dim=0)
+            valid = _slot_index(idx_base, sik, j * BLOCK_N, NK, slots_s) >= 0
+
+            mbarrier.wait(k_ready, ph)
+            # The rows came through cp.async (generic proxy); the products read them through
+            # the async proxy.
+            fence_async_shared()
+            s = warpgroup_mma(q_main, k_own.permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+            if D_TAIL > 0:
+                s = warpgroup_mma(q_tail_s.index(zero),
+                                  k_tail.slice(c * HALF_N, HALF_N, dim=0).permute((1, 0)), s,
+                                  is_async=True)
+            dp = warpgroup_mma(do_t, k_own.permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            p = gl.exp2(gl.where(valid[None, :], s * qk_scale, float("-inf")) - lse2[:, None])
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+            ds = p * (dp - delta[:, None]) * sm_scale
+
+            # P and dS transposed, this consumer's key rows, once both consumers are done with
+            # the last tile's.
+            mbarrier.wait(ps_empty, ph ^ 1)
+            p_t.slice(c * HALF_N, HALF_N, dim=0).store(gl.permute(p.to(dtype), (1, 0)))
+            ds_t.slice(c * HALF_N, HALF_N, dim=0).store(gl.permute(ds.to(dtype), (1, 0)))
+            fence_async_shared()
+            mbarrier.arrive(ps_ready.index(c), count=1)
+            if TARGET:
+                # The indexer loss's target: P summed over this program's heads at each slot.
+                offs = j * BLOCK_N + slots_s
+                head_sum = gl.sum(p, axis=0)
+                if TARGET_ATOMIC:
+                    gl.atomic_add(tgt_base + offs * stk, head_sum, mask=valid, sem="relaxed")
+                else:
+                    gl.store(tgt_base + offs * stk, gl.where(valid, head_sum, -1.0),
+                             mask=offs < NK)
+            mbarrier.wait(ps_ready.index(0), ph)
+            mbarrier.wait(ps_ready.index(1), ph)
+
+            # dQ += dS K over the tile's 64 keys, this consumer's channels.
+            ds_heads = ds_t.permute((1, 0))
+            dq = warpgroup_mma(ds_heads, k_main.slice(c * HALF, HALF, dim=1), dq,
+                               is_async=True)
+            if c == 1 and D_TAIL > 0:
+                dq_tail = warpgroup_mma(ds_heads, k_tail, dq_tail, is_async=True)
+                dq, dq_tail = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dq_tail))
+            else:
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+            mbarrier.arrive(k_empty, count=1)
+
+            # dK (+ dV) of the tile's 64 keys for this consumer's main channels (consumer 0
+            # also the tail), added into the key rows.
+            idx_k = _slot_index(idx_base, sik, j * BLOCK_N, NK, slots_k)
+            valid_k = idx_k >= 0
+            rows = dk_base + gl.where(valid_k, idx_k, 0).to(gl.int64) * sdks
+            for ch in gl.static_range(HALF // DK_CHUNK):
+                # (An unannotated name would turn the offset into a runtime value: written
+                # out.)
+                _dk_chunk(ds_t, p_t, q_main.slice(c * HALF + ch * DK_CHUNK, DK_CHUNK, dim=1),
+                          do_t.slice(c * HALF + ch * DK_CHUNK, DK_CHUNK, dim=1),
+                          c * HALF + ch * DK_CHUNK, rows, valid_k, dk_layout, BLOCK_N,
+                          DK_CHUNK, True, DK_VEC4)
+            if c == 0 and D_TAIL > 0:
+                _dk_chunk(ds_t, p_t, q_tail_s.index(zero), q_tail_s.index(zero), D_MAIN, rows,
+                          valid_k, dkt_layout, BLOCK_N, D_TAIL, False, DK_VEC4)
+            mbarrier.arrive(ps_empty, count=1)
+        if LOCKSTEP:
+            # The item's last readers of q and dO in shared memory are done: the producer may
+            # gather the next item's.
+            mbarrier.arrive(q_empty, count=1)
+
+        # dQ already carries the softmax scale (inside dS).
+        dq_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, dq_layout))
+        dq_rows = dq_ptr + b * sdqb + t * sdqt + dq_heads.to(gl.int64) * sdqh
+        dq_cols = c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, dq_layout))
+        if PAD_HEADS:
+            gl.store(dq_rows[:, None] + dq_cols[None, :], dq.to(dtype),
+                     mask=(dq_heads < H)[:, None] & (dq_cols < D_MAIN)[None, :])
+        else:
+            gl.store(dq_rows[:, None] + dq_cols[None, :], dq.to(dtype))
+        if c == 1 and D_TAIL > 0:
+            t_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H,
+                                               layout=gl.SliceLayout(1, dqt_layout))
+            t_rows = dq_ptr + b * sdqb + t * sdqt + t_heads.to(gl.int64) * sdqh
+            t_cols = D_MAIN + gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, dqt_layout))
+            if PAD_HEADS:
+                gl.store(t_rows[:, None] + t_cols[None, :], dq_tail.to(dtype),
+                         mask=(t_heads < H)[:, None] & (t_cols < D_MAIN + D_TAIL)[None, :])
+            else:
+                gl.store(t_rows[:, None] + t_cols[None, :], dq_tail.to(dtype))
 
 
-@gluon.jit
+# NHB not specialized: at 1 (GLM-5.1) the constant head block let LLVM hoist more of the
+# consumers' per-item values out of the item loop, where they spilled inside the key loop
+# (27 reloads a tile; sm_90a, 2026-12-05).
+@gluon.jit(do_not_specialize=["NHB"])
 def _sparse_mla_bwd_kernel(
     q_ptr, k_ptr, idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr,
-    dq_ptr, dk_ptr, dsink_ptr, tgt_ptr,
-    T, H, NK, qk_scale, sm_scale,
+    dq_ptr, dk_ptr, dsink_ptr, tgt_ptr, sync_ptr,
+    T, H, NK, NHB, P, W, qk_scale, sm_scale,
     sqb, sqt, sqh, skb, sks, sib, sit, sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh,
     sdqb, sdqt, sdqh, sdkb, sdks, stg, stb, stt, stk,
     D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     NG: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_SINK: gl.constexpr, TARGET: gl.constexpr,
     TARGET_ATOMIC: gl.constexpr, PAD_HEADS: gl.constexpr, DK_VEC4: gl.constexpr,
+    LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr,
     q_main_sl: gl.constexpr, q_tail_sl: gl.constexpr, k_main_sl: gl.constexpr,
     k_tail_sl: gl.constexpr, p_sl: gl.constexpr,
     CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
@@ -368,9 +443,11 @@ def _sparse_mla_bwd_kernel(
     """dq, the dK / dV additions (and the sink terms, the target) of one query's head block.
 
     Row strides of q, k and dout multiples of 16 elements, unit-stride channels everywhere, NK
-    >= 1 (the wrapper checks). NG: the grid's form (`gluon_common.program_coords`).
+    >= 1 (the wrapper checks). NG: the grid's form (`gluon_common.program_coords`). LOCKSTEP:
+    a grid of P programs over W work items (NHB head blocks a query, adjacent), program pid
+    taking items pid, pid + P, ...; sync_ptr: one zeroed int32 tile counter a wave of P items.
     """
-    b, t, hb = program_coords(T, NG)
+    pid = gl.program_id(0)
     n_tiles = gl.cdiv(NK, BLOCK_N)
 
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -390,6 +467,7 @@ def _sparse_mla_bwd_kernel(
     d_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], row_sl)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ps_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
@@ -399,31 +477,35 @@ def _sparse_mla_bwd_kernel(
     mbarrier.init(q_bar, count=producer_threads)
     mbarrier.init(k_ready, count=producer_threads)
     mbarrier.init(k_empty, count=2)
+    mbarrier.init(q_empty, count=2)
     mbarrier.init(ps_empty, count=2)
     for c in gl.static_range(2):
         mbarrier.init(ps_ready.index(c), count=1)
         mbarrier.init(d_ready.index(c), count=1)
     fence_async_shared()
-    bars = (q_bar, k_ready, k_empty, ps_ready, ps_empty, d_ready)
+    bars = (q_bar, q_empty, k_ready, k_empty, ps_ready, ps_empty, d_ready)
     # Each partition's arguments written out: constexprs gathered into a tuple variable first
     # would reach the partitions as runtime values.
     gl.warp_specialize([
         (_consumer, (0, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t_s, ds_t_s, d_s, bars,
                      idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr, dq_ptr, dk_ptr,
-                     dsink_ptr, tgt_ptr, b, t, hb, H, NK, n_tiles, qk_scale, sm_scale, sib, sit,
-                     sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh, sdqb, sdqt, sdqh,
-                     sdkb, sdks, stg, stb, stt, stk, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, HAS_DLSE,
-                     HAS_SINK, TARGET, TARGET_ATOMIC, PAD_HEADS, DK_VEC4)),
+                     dsink_ptr, tgt_ptr, pid, T, NHB, P, W, H, NK, n_tiles, qk_scale, sm_scale,
+                     sib, sit, sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh, sdqb, sdqt,
+                     sdqh, sdkb, sdks, stg, stb, stt, stk, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N,
+                     HAS_DLSE, HAS_SINK, TARGET, TARGET_ATOMIC, PAD_HEADS, DK_VEC4, NG,
+                     LOCKSTEP)),
         (_consumer, (1, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t_s, ds_t_s, d_s, bars,
                      idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr, dq_ptr, dk_ptr,
-                     dsink_ptr, tgt_ptr, b, t, hb, H, NK, n_tiles, qk_scale, sm_scale, sib, sit,
-                     sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh, sdqb, sdqt, sdqh,
-                     sdkb, sdks, stg, stb, stt, stk, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, HAS_DLSE,
-                     HAS_SINK, TARGET, TARGET_ATOMIC, PAD_HEADS, DK_VEC4)),
-        (_producer, (q_ptr, k_ptr, idx_ptr, dout_ptr, q_main_s.index(0), q_tail_s.index(0),
-                     do_s.index(0), k_main_s.index(0), k_tail_s.index(0), q_bar, k_ready,
-                     k_empty, b, t, hb, H, NK, n_tiles, sqb, sqt, sqh, skb, sks, sib, sit,
-                     sik, sdob, sdot, sdoh, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, PAD_HEADS,
+                     dsink_ptr, tgt_ptr, pid, T, NHB, P, W, H, NK, n_tiles, qk_scale, sm_scale,
+                     sib, sit, sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh, sdqb, sdqt,
+                     sdqh, sdkb, sdks, stg, stb, stt, stk, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N,
+                     HAS_DLSE, HAS_SINK, TARGET, TARGET_ATOMIC, PAD_HEADS, DK_VEC4, NG,
+                     LOCKSTEP)),
+        (_producer, (q_ptr, k_ptr, idx_ptr, dout_ptr, sync_ptr, q_main_s.index(0),
+                     q_tail_s.index(0), do_s.index(0), k_main_s.index(0), k_tail_s.index(0),
+                     q_bar, q_empty, k_ready, k_empty, pid, T, NHB, P, W, H, NK, n_tiles, sqb,
+                     sqt, sqh, skb, sks, sib, sit, sik, sdob, sdot, sdoh, D_MAIN, D_TAIL,
+                     BLOCK_H, BLOCK_N, PAD_HEADS, NG, LOCKSTEP, SYNC_SLACK, SYNC_SPINS,
                      PRODUCER_WARPS)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -482,6 +564,7 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
                         sink: torch.Tensor | None = None,
                         target: tuple[torch.Tensor, tuple[int, ...], bool] | None = None,
                         head_blocks_adjacent: bool = True, dk_vec4: bool = False,
+                        lockstep: bool = False, lockstep_slack: int = 1,
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dq [B, T, Hq, D] in q's dtype, the sink terms fp32 [B, T, Hq] or None) on inputs that
     `applies` and `layout_problem` accept; adds dK (dV merged) into dk, fp32 [B, S, 1, D].
@@ -489,10 +572,17 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
     slot) strides, add atomically) for the indexer loss's target (`sparse_attention.
     _TargetBuffer`), or None. A query's head blocks launch as the Triton kernels' do
     (`common.launch_grid`). dk_vec4: 16-byte dK atomics (`RED_LAYOUT`) instead of 8-byte
-    ones."""
+    ones. lockstep: one program an SM, each taking every P-th work item (query head block),
+    rows in increasing key order (sorted here unless a target is asked for: its slots keep
+    their order), the programs of a wave kept within lockstep_slack key tiles of each other
+    (a bounded wait), so that at any time they gather and add into the same 1 / 32-ths of the
+    keys and the L2 cache serves the dK additions (`AttentionKernelOptions.bwd_lockstep`)."""
     from megatron_hyscale.ops.kernels.common import launch_grid
     from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import shared_layouts
 
+    if lockstep and not (isinstance(lockstep_slack, int) and lockstep_slack >= 1):
+        raise ValueError(f"lockstep_slack must be an int >= 1 (key tiles a program may lead "
+                         f"the slowest of its wave by), got {lockstep_slack!r}")
     B, T, Hq, d = q.shape
     d_main = 1 << (d.bit_length() - 1)
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
@@ -502,26 +592,41 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
     if indices.dim() == 4:
         indices = indices[:, :, 0]
     # Fewer heads than a block (tensor parallelism's share of GLM-5.1's 64): one padded block.
-    grid, ng = launch_grid(B * T, 1, max(Hq // BLOCK_H, 1), head_blocks_adjacent)
+    n_hb = max(Hq // BLOCK_H, 1)
+    grid, ng = launch_grid(B * T, 1, n_hb, head_blocks_adjacent)
+    work = B * T * n_hb
+    programs, sync = work, indices
+    if lockstep:
+        programs = min(work, _sm_count(q.device))
+        grid, ng = (programs,), n_hb
+        sync = torch.zeros(triton_cdiv(work, programs), device=q.device, dtype=torch.int32)
+        if target is None:
+            indices = indices.sort(dim=-1).values
     q_main_sl, q_tail_sl, k_main_sl, k_tail_sl, p_sl = shared_layouts(q.dtype, d_main,
                                                                        d - d_main or TAIL)
     tgt, tgt_strides, tgt_atomic = target if target is not None else (lse, (0,) * 4, False)
     _sparse_mla_bwd_kernel[grid](
         q, k, indices, out, dout, lse, dlse if dlse is not None else lse,
         sink.contiguous() if sink is not None else lse, dq, dk,
-        dsink if dsink is not None else lse, tgt,
-        T, Hq, indices.shape[-1], softmax_scale * LOG2E, softmax_scale,
+        dsink if dsink is not None else lse, tgt, sync,
+        T, Hq, indices.shape[-1], n_hb, programs, work, softmax_scale * LOG2E, softmax_scale,
         *q.stride()[:3], *k.stride()[:2], *indices.stride(), *out.stride()[:3],
         *dout.stride()[:3], *lse.stride(), *dq.stride()[:3], *dk.stride()[:2], *tgt_strides,
         D_MAIN=d_main, D_TAIL=d - d_main, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, NG=ng,
         HAS_DLSE=dlse is not None, HAS_SINK=sink is not None, TARGET=target is not None,
         TARGET_ATOMIC=tgt_atomic, PAD_HEADS=Hq < BLOCK_H, DK_VEC4=dk_vec4,
+        LOCKSTEP=lockstep, SYNC_SLACK=lockstep_slack, SYNC_SPINS=SYNC_SPINS,
         q_main_sl=q_main_sl, q_tail_sl=q_tail_sl, k_main_sl=k_main_sl, k_tail_sl=k_tail_sl,
         p_sl=p_sl, CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
     )
     return dq, dsink
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # Variants (`variant`) that failed to compile or launch in this process (`applies` refuses them),
