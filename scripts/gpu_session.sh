@@ -77,7 +77,8 @@
 #                                         # record by ncu_summary.py                (~3 min)
 #   bash scripts/gpu_session.sh ncu-attention  # issue #20 item 2: Nsight Compute on one
 #                                         # sparse-attention backward a case (NCU_ATTN_CASES,
-#                                         # shape:T:kernel, kernel sm90 / triton / cudnn; cudnn
+#                                         # shape:T:kernel[:fwd], kernel sm90 / triton / cudnn
+#                                         # (fwd: the forward, sm90 or cudnn = FlashMLA); cudnn
 #                                         # after scripts/gpu_cudnn.sh 1 and 2): each case's
 #                                         # kernels by time (torch.profiler), then the longest
 #                                         # under ncu with DRAM / L2 reduction counters; a
@@ -719,10 +720,13 @@ case "$stage" in
     cases=()
     for c in ${NCU_ATTN_CASES:-glm51:16384:sm90 glm51:16384:cudnn glm51:131072:sm90 \
                glm51:131072:cudnn}; do
-      IFS=: read -r shape t kernel <<< "$c"
-      name=${shape}_${t}_${kernel} rep=/tmp/gpu_session/ncu_${shape}_${t}_${kernel}
+      # shape:T:kernel[:fwd] (fwd: the forward, kernel sm90 or cudnn = FlashMLA's)
+      IFS=: read -r shape t kernel pass <<< "$c"
+      fwd=() name=${shape}_${t}_${kernel}
+      [ "${pass:-}" = fwd ] && fwd=(--forward) name=${name}_fwd
+      rep=/tmp/gpu_session/ncu_$name
       timeout 200 python3 scripts/profile_attention.py --shape "$shape" --T "$t" \
-        --kernel "$kernel" --list > "$out/${name}_kernels.log" 2>&1
+        --kernel "$kernel" "${fwd[@]}" --list > "$out/${name}_kernels.log" 2>&1
       longest=$(sed -n 's/^LONGEST //p' "$out/${name}_kernels.log")
       [ -n "$longest" ] || { echo "$name: no kernel list"; tail -3 "$out/${name}_kernels.log"
         continue; }
@@ -734,7 +738,7 @@ case "$stage" in
         timeout 240 "$ncu_bin" --profile-from-start off --kernel-name "regex:^$base" \
           --launch-count 1 --set full $metrics --clock-control none -f -o "$rep" \
           python3 scripts/profile_attention.py --shape "$shape" --T "$t" --kernel "$kernel" \
-          > "$out/$name.log" 2>&1
+          "${fwd[@]}" > "$out/$name.log" 2>&1
         rc=$?
         [ $rc -ne 0 ] && grep -q -i "metric" "$out/$name.log" || break
       done

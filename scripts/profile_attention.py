@@ -1,11 +1,12 @@
-"""One sparse-attention backward inside a CUDA profiler range, for Nsight Compute.
+"""One sparse-attention backward (or forward) inside a CUDA profiler range, for Nsight Compute.
 
 Builds `bench_attention.py`'s inputs for a shape, runs the forward once and the backward
 `--warmup` times (so the profiled call compiles nothing), then one backward between
 cudaProfilerStart and cudaProfilerStop. `--kernel` picks the backward: HyScale's
 warp-specialized Gluon one ("sm90"; "sm90_red16" with 16-byte dK atomics, "sm90_lockstep"
 in lockstep), its Triton one ("triton") or the stock cudnn backend's (cuDNN-frontend's SM90
-backward, "cudnn"; after scripts/gpu_cudnn.sh). For example:
+backward, "cudnn"; after scripts/gpu_cudnn.sh); `--forward`: the forward instead (HyScale's
+default, "sm90", or FlashMLA's, "cudnn"). For example:
 
     ncu --profile-from-start off --kernel-name regex:_sparse_mla_bwd_kernel --launch-count 1 \\
         --set full --clock-control none -o glm51 python3 scripts/profile_attention.py \\
@@ -34,6 +35,28 @@ from megatron_hyscale.ops.kernels.options import AttentionKernelOptions  # noqa:
 from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_triton  # noqa: E402
 
 KERNELS = ("sm90", "sm90_red16", "sm90_lockstep", "sm90_lockstep2", "triton", "cudnn")
+# --forward: HyScale's default forward ("sm90": the warp-specialized Gluon one where it applies)
+# or FlashMLA's ("cudnn": the stock cudnn backend's forward).
+FWD_KERNELS = ("sm90", "cudnn")
+
+
+def forward_call(inp: dict, kernel: str):
+    """A function running one forward of `kernel` on `inp` (no autograd)."""
+    q, k, v, sink = (x.detach() if x is not None else None
+                     for x in (inp["q"], inp["k"], inp["v"], inp["sink"]))
+    if kernel == "cudnn":
+        from megatron_hyscale.ops.backends.library_attention import library_attention
+
+        def run():
+            with torch.no_grad():
+                library_attention(q, k, inp["idx"], inp["scale"], sink=sink)
+        return run
+
+    def run():
+        with torch.no_grad():
+            sparse_attention_triton(q, k, v, inp["idx"], inp["scale"], dv=inp["dv"], sink=sink,
+                                    prefix_lengths=inp["prefix"])
+    return run
 
 
 def backward_call(inp: dict, kernel: str):
@@ -60,16 +83,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="glm51",
                    help="bench_attention.py shape")
     p.add_argument("--T", type=int, default=131072, help="queries (= keys)")
-    p.add_argument("--kernel", choices=KERNELS, default="sm90", help="backward to profile")
+    p.add_argument("--kernel", choices=KERNELS, default="sm90",
+                   help="backward to profile (with --forward: the forward, sm90 or cudnn)")
+    p.add_argument("--forward", action="store_true",
+                   help="profile the forward instead: HyScale's default (sm90) or FlashMLA's "
+                        "(cudnn)")
     p.add_argument("--indices", choices=("random", "window", "sorted"), default="random",
                    help="bench_attention.make_inputs index kind")
     p.add_argument("--warmup", type=int, default=2, help="backward calls before the profiled one")
     p.add_argument("--list", action="store_true",
                    help="print the profiled call's CUDA kernels (torch.profiler), no range")
     args = p.parse_args(argv)
+    if args.forward and args.kernel not in FWD_KERNELS:
+        p.error(f"--kernel {args.kernel}: with --forward, one of {', '.join(FWD_KERNELS)}")
     require_cuda("profile_attention.py")
     inp = make_inputs(args.shape, args.T, indices=args.indices)
-    bwd = backward_call(inp, args.kernel)
+    bwd = forward_call(inp, args.kernel) if args.forward else backward_call(inp, args.kernel)
     for _ in range(args.warmup):
         bwd()
     torch.cuda.synchronize()
@@ -90,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     bwd()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
-    print(f"profiled the {args.kernel} backward, {args.shape} T={args.T}")
+    print(f"profiled the {args.kernel} {'forward' if args.forward else 'backward'}, "
+          f"{args.shape} T={args.T}")
 
 
 if __name__ == "__main__":
