@@ -294,19 +294,19 @@ class AttentionKernelOptions:
     # up to fp32 rounding order (the same additions, grouped four at a time).
     bwd_dk_vec4: bool = False
     # With bwd_sm90, the backward as one program an SM (each taking every P-th query head block)
-    # with each row's keys in increasing order (sorted first, unless the call also emits the
-    # indexer loss's per-slot target, whose slots keep their order) and the programs of a wave
+    # with each row's keys in increasing order (sorted first; the indexer loss's per-slot target,
+    # when the call emits it, scattered back to the caller's slots) and the programs of a wave
     # paced together: before gathering key tile j a program waits (at most
     # `sparse_mla_bwd_sm90.SYNC_SPINS` reads of a counter) until every program of its wave has
-    # started tile j - bwd_lockstep_slack. At any time the programs then gather and add into
-    # about (2 x slack + 1) / 32-ths of the key range (2048 keys in 64-key tiles), whose fp32
-    # dK rows and bf16 key rows fit the L2 cache: at 128K the dK buffer alone is 302 MB, six
-    # times the L2, and Nsight Compute (2026-12-05, GLM-5.1, random indices) found 55% of the
-    # backward's reductions hitting L2 and 1.43 TB of DRAM traffic, the same bytes as cuDNN's
-    # backward (42%): the gap to the matmul rate is this traffic, and at 16K, where everything
-    # fits, the same kernel runs 1.9x faster a query. A pace, not a dependency: the results are
-    # the default's up to fp32 rounding order, and a program that never arrives (an SM held by
-    # another kernel) costs the others a bounded wait a tile. Off until timed.
+    # started tile j - bwd_lockstep_slack. At any time the programs then gather and add into about
+    # (2 x slack + 1) / 32-ths of the key range (2048 keys in 64-key tiles), whose fp32 dK rows
+    # and bf16 key rows fit the L2 cache: at 128K the dK buffer alone is 302 MB, six times the L2,
+    # and Nsight Compute (2026-12-05, GLM-5.1, random indices) found 55% of the backward's
+    # reductions hitting L2 and 1.43 TB of DRAM traffic, the same bytes as cuDNN's backward (42%):
+    # the gap to the matmul rate is this traffic, and at 16K, where everything fits, the same
+    # kernel runs 1.9x faster a query. A pace, not a dependency: the results are the default's up
+    # to fp32 rounding order, and a program that never arrives (an SM held by another kernel)
+    # costs the others a bounded wait a tile. Off until timed.
     bwd_lockstep: bool = False
     # Key tiles a program may lead the slowest of its wave by (an int >= 1; the wrapper raises
     # ValueError otherwise): more tolerates uneven programs, fewer keeps the window smaller.

@@ -573,10 +573,11 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
     _TargetBuffer`), or None. A query's head blocks launch as the Triton kernels' do
     (`common.launch_grid`). dk_vec4: 16-byte dK atomics (`RED_LAYOUT`) instead of 8-byte
     ones. lockstep: one program an SM, each taking every P-th work item (query head block),
-    rows in increasing key order (sorted here unless a target is asked for: its slots keep
-    their order), the programs of a wave kept within lockstep_slack key tiles of each other
-    (a bounded wait), so that at any time they gather and add into the same 1 / 32-ths of the
-    keys and the L2 cache serves the dK additions (`AttentionKernelOptions.bwd_lockstep`)."""
+    rows in increasing key order (sorted here; a target is written in that order and scattered
+    back to the caller's slots), the programs of a wave kept within lockstep_slack key tiles of
+    each other (a bounded wait), so that at any time they gather and add into the same few
+    32-ths of the keys and the L2 cache serves the dK additions
+    (`AttentionKernelOptions.bwd_lockstep`)."""
     from megatron_hyscale.ops.kernels.common import launch_grid
     from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import shared_layouts
 
@@ -600,11 +601,12 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
         programs = min(work, _sm_count(q.device))
         grid, ng = (programs,), n_hb
         sync = torch.zeros(triton_cdiv(work, programs), device=q.device, dtype=torch.int32)
-        if target is None:
-            indices = indices.sort(dim=-1).values
+    indices, perm, slot_target = _key_order(indices, target) if lockstep else (indices, None,
+                                                                              target)
     q_main_sl, q_tail_sl, k_main_sl, k_tail_sl, p_sl = shared_layouts(q.dtype, d_main,
                                                                        d - d_main or TAIL)
-    tgt, tgt_strides, tgt_atomic = target if target is not None else (lse, (0,) * 4, False)
+    tgt, tgt_strides, tgt_atomic = (slot_target if slot_target is not None
+                                    else (lse, (0,) * 4, False))
     _sparse_mla_bwd_kernel[grid](
         q, k, indices, out, dout, lse, dlse if dlse is not None else lse,
         sink.contiguous() if sink is not None else lse, dq, dk,
@@ -621,7 +623,26 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
     )
+    if perm is not None:  # the target's slots back in the caller's order
+        buf = target[0]
+        buf.scatter_(-1, perm.expand(buf.shape), tgt)
     return dq, dsink
+
+
+def _key_order(indices: torch.Tensor, target: tuple | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+    """(each row's indices in increasing order, the permutation or None, the target to write
+    into): with a target, a buffer like the caller's that the kernel fills in sorted slot
+    order, scattered back by the permutation after it."""
+    if target is None:
+        return indices.sort(dim=-1).values, None, None
+    indices, perm = indices.sort(dim=-1)
+    buf, strides, atomic = target
+    # Added into zeros when atomic; every slot stored otherwise (-1 where unused).
+    tmp = torch.zeros_like(buf) if atomic else torch.empty_like(buf)
+    if tmp.stride() != buf.stride():
+        raise ValueError(f"target: a buffer of strides {tuple(buf.stride())} (dense expected)")
+    return indices, perm, (tmp, strides, atomic)
 
 
 @functools.cache
