@@ -236,6 +236,27 @@ def test_sparse_mla_backward_16_byte_dk_atomics(tmp_path: Path) -> None:
         assert "REDG.E.ADD.F32x2" not in sass and "REDG.E.ADD.F32 " not in sass
 
 
+def test_sparse_mla_backward_lockstep_compiles_like_the_default(tmp_path: Path) -> None:
+    """AttentionKernelOptions.bwd_lockstep: the item loop around the key loops leaves consumer
+    0's key loop as the 16-byte form's (the same products and atomics, no local memory) for
+    GLM-5.1 (one head block: NHB not specialized to 1, which spilled) and V3.2 (two); the
+    wave counter read with volatile loads (no cache between polls) and added once a tile (one
+    warp-aggregated REDG)."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "sparse-mla-bwd-sm90-glm51-lockstep",
+                "sparse-mla-bwd-sm90-v32-lockstep", "--json", str(out), "--sass-out",
+                str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for rep in json.loads(out.read_text()):
+        assert rep["constexprs"]["LOCKSTEP"] is True and rep["perf_warnings"] == []
+        ops = rep["loop_ops"]
+        assert ops["HGMMA"] == 108 and ops["REDG"] == 40
+        assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
+        sass = next(tmp_path.glob(f"{rep['preset']}_0_*.sass")).read_text()
+        assert "LDG.E.STRONG.SYS" in sass
+        assert sass.count("REDG.E.ADD.STRONG.GPU") == 1
+
+
 def test_key_tma_takes_the_key_copies_out_of_the_tile_loop(tmp_path: Path) -> None:
     """HyTopKOptions.key_tma: the tile loop has no per-thread copies (LDGSTS) left, one TMA
     load (UTMALDG) a tile and its mbarrier, the same products, and fewer instructions than the
