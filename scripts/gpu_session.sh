@@ -116,8 +116,8 @@
 #                                         # tests: smoke cases (a hang stops the stage), then
 #                                         # the backward's GPU tests of the new forms (~4 min);
 #                                         # bench: 8-byte, 16-byte, lockstep slack 1 and 2 in
-#                                         # one process beside cuDNN's, $BENCH_SHAPES (GLM-5.1, CSA) at
-#                                         # 16K and 128K (~6 min); ncu: Nsight Compute on the
+#                                         # one process beside cuDNN's, $BENCH_SHAPES (glm51
+#                                         # csa) at 16K and 128K (~6 min); ncu: Nsight Compute on the
 #                                         # 16-byte and the lockstep forms, GLM-5.1 at 128K
 #                                         # (~3 min). cuDNN's after scripts/gpu_cudnn.sh 1, 2
 #   bash scripts/gpu_session.sh captured-selection  # issue #21 item 3: HyTopK with and
@@ -669,8 +669,9 @@ case "$stage" in
           "(test_matches_the_triton_backward and red16-64-130-True) or (test_lockstep_over_several_waves and 64-300)" \
           "not red8" || exit 1 ;;
       bench)
-        timeout 560 python3 scripts/bench_attention.py --t 16384 131072 --shapes ${BENCH_SHAPES:-glm51 csa} \
-          --no-deterministic --bwd-kernel sm90 \
+        # shellcheck disable=SC2086  # shape names, split on purpose
+        timeout 560 python3 scripts/bench_attention.py --t 16384 131072 \
+          --shapes ${BENCH_SHAPES:-glm51 csa} --no-deterministic --bwd-kernel sm90 \
           --bwd-also sm90_red16 sm90_lockstep sm90_lockstep2 --reps 3 --no-stock \
           --no-tilelang --out "$out" 2>&1 | grep -v -i warn \
           | tee "$out/bench_attention_bwd_atomics.log" | grep -E "T=|Error" ;;
