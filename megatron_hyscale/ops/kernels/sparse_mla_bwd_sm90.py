@@ -112,6 +112,8 @@ def _slot_index(idx_base, sik, n0, NK, slots):
 def _item_coords(w, T, NHB):
     """(batch, query, head block) of work item w in the lockstep order (a query's NHB head
     blocks adjacent)."""
+    # 64-bit, as program_coords': t x a query stride passes 2^31 (GLM-5.1's q at 128K).
+    w = w.to(gl.int64)
     q = w // NHB
     return q // T, q % T, (w % NHB).to(gl.int32)
 
