@@ -265,8 +265,8 @@ def bench_fwd_also(inp, warmup, reps, options, names):
 
 # --bwd-kernel / --bwd-also names -> the AttentionKernelOptions fields that select the backward.
 BWD_KERNELS = {"auto": {}, "triton": dict(bwd_sm90=False),
-               "sm90": dict(bwd_sm90=True, bwd_dk_vec4=False),
-               "sm90_red16": dict(bwd_sm90=True, bwd_dk_vec4=True),
+               "sm90": dict(bwd_sm90=True, bwd_dk_vec4=False, bwd_lockstep=False),
+               "sm90_red16": dict(bwd_sm90=True, bwd_dk_vec4=True, bwd_lockstep=False),
                "sm90_lockstep": dict(bwd_sm90=True, bwd_dk_vec4=True, bwd_lockstep=True),
                "sm90_lockstep2": dict(bwd_sm90=True, bwd_dk_vec4=True, bwd_lockstep=True,
                                       bwd_lockstep_slack=2)}
@@ -680,10 +680,12 @@ def main():
                          "difference from the main backward's)")
     ap.add_argument("--bwd-kernel", choices=tuple(BWD_KERNELS), default="auto",
                     help="auto: the defaults (the Hopper warp-specialized Gluon backward where "
-                         "it applies, AttentionKernelOptions.bwd_sm90; Triton elsewhere); "
+                         "it applies, AttentionKernelOptions.bwd_sm90, 16-byte atomics and in "
+                         "lockstep; Triton elsewhere); "
                          "triton: always the Triton backward (dQ, then dK / dV); sm90: the "
-                         "Gluon one where it applies, 8-byte dK atomics; sm90_red16: the same "
-                         "with 16-byte ones (AttentionKernelOptions.bwd_dk_vec4); "
+                         "Gluon one where it applies, 8-byte dK atomics, not in lockstep; "
+                         "sm90_red16: the same with 16-byte ones "
+                         "(AttentionKernelOptions.bwd_dk_vec4); "
                          "sm90_lockstep(2): 16-byte, one program an SM paced together with a "
                          "slack of 1 (2) key tiles, rows sorted (bwd_lockstep)")
     ap.add_argument("--fwd-kernel", choices=tuple(FWD_KERNELS), default="auto",

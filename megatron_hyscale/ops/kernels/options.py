@@ -280,19 +280,21 @@ class AttentionKernelOptions:
     # (BENCHMARKS.md). On by default; compiled for sm_90a without spills in its consumers'
     # loops (`inspect_sm90.py --preset sparse-mla-bwd-sm90-glm51`).
     bwd_sm90: bool = True
-    # With bwd_sm90, the dK atomics 16 bytes wide (REDG.E.ADD.F32x4) instead of 8: each dK
-    # chunk moves from the wgmma accumulator layout (a thread holds 2 neighbouring channels of
-    # each 8-channel group) to one where a thread holds 4 consecutive channels, lanes 2m and
-    # 2m + 1 swapping halves with warp shuffles (`sparse_mla_bwd_sm90.RED_LAYOUT`). Half the
-    # reduction instructions and L2 requests for the same bytes. Why: Nsight Compute on the H200
+    # With bwd_sm90, the dK atomics 16 bytes wide (REDG.E.ADD.F32x4) instead of 8: each dK chunk
+    # moves from the wgmma accumulator layout (a thread holds 2 neighbouring channels of each
+    # 8-channel group) to one where a thread holds 4 consecutive channels, lanes 2m and 2m + 1
+    # swapping halves with warp shuffles (`sparse_mla_bwd_sm90.RED_LAYOUT`). Half the reduction
+    # instructions and L2 requests for the same bytes. Why: Nsight Compute on the H200
     # (2026-12-05, `gpu_session.sh ncu-attention`, GLM-5.1 at 128K, random indices) found the
     # backward and cuDNN's issuing the same reduction sectors (29.0 G) and DRAM bytes (1.43 TB),
-    # but the backward's warps stalled 30% on the memory-instruction queue (lg throttle; cuDNN
-    # 0%, whose loop has half the REDGs and two shuffles each: 16-byte reductions). Compiled
-    # for sm_90a: the consumers' loop REDGs 80 -> 40 plus 80 SHFL, one spill reload more a tile
-    # in consumer 1 (`inspect_sm90.py --preset sparse-mla-bwd-sm90-glm51-vec4`). Same results
-    # up to fp32 rounding order (the same additions, grouped four at a time).
-    bwd_dk_vec4: bool = False
+    # but the backward's warps stalled 30% on the memory-instruction queue (lg throttle; cuDNN 0%,
+    # whose loop has half the REDGs and two shuffles each: 16-byte reductions). Compiled for
+    # sm_90a: the consumers' loop REDGs 80 -> 40 plus 80 SHFL, one spill reload more a tile in
+    # consumer 1 (`inspect_sm90.py --preset sparse-mla-bwd-sm90-glm51-vec4`). Same results up to
+    # fp32 rounding order. Timed on the H200 (2026-12-05, `bench_attention.py --bwd-also
+    # sm90_red16`, same process): GLM-5.1 42.2 -> 36.8 ms at 16K, 602.6 -> 553.9 at 128K. On by
+    # default (`--bwd-also sm90` times the 8-byte form).
+    bwd_dk_vec4: bool = True
     # With bwd_sm90, the backward as one program an SM (each taking every P-th query head block)
     # with each row's keys in increasing order (sorted first; the indexer loss's per-slot target,
     # when the call emits it, scattered back to the caller's slots) and the programs of a wave
@@ -304,10 +306,16 @@ class AttentionKernelOptions:
     # and Nsight Compute (2026-12-05, GLM-5.1, random indices) found 55% of the backward's
     # reductions hitting L2 and 1.43 TB of DRAM traffic, the same bytes as cuDNN's backward (42%):
     # the gap to the matmul rate is this traffic, and at 16K, where everything fits, the same
-    # kernel runs 1.9x faster a query. A pace, not a dependency: the results are the default's up
-    # to fp32 rounding order, and a program that never arrives (an SM held by another kernel)
-    # costs the others a bounded wait a tile. Off until timed.
-    bwd_lockstep: bool = False
+    # kernel runs 1.9x faster a query. A pace, not a dependency: the results are the unpaced form's
+    # up to fp32 rounding order, and a program that never arrives (an SM held by another kernel)
+    # costs the others a bounded wait a tile. Timed on the H200 (2026-12-05, `bench_attention.py
+    # --bwd-also sm90_lockstep`, same process as cuDNN's SM90 backward, random indices): GLM-5.1
+    # 602.6 -> 358.9 ms at 128K (1.37x cuDNN's 492.3; 34% of the matmul rate), 42.2 -> 37.1 at 16K
+    # (cuDNN 30.5); V3.2 439.9 -> 311.1 at 64K (cuDNN 337.2), 667.1 at 128K (cuDNN 719.5); CSA
+    # 78.7 -> 63.5 / 169.0 -> 146.3 at 64K / 128K (cuDNN 65.7 / 142.8). The sort costs a [B, T, K]
+    # values and an int64 permutation for the call (3 GiB at GLM-5.1's 128K). On by default
+    # (`--bwd-also sm90_red16` times the form without it).
+    bwd_lockstep: bool = True
     # Key tiles a program may lead the slowest of its wave by (an int >= 1; the wrapper raises
     # ValueError otherwise): more tolerates uneven programs, fewer keeps the window smaller.
     bwd_lockstep_slack: int = 1
