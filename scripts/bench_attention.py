@@ -183,7 +183,8 @@ def explicit_indices(inp):
 
 def forward_kernel(inp, options):
     """Which forward `sparse_attention` ran on these inputs with these options: "gluon-sm90"
-    (the Hopper absorbed-MLA kernel), "gluon-ws-sm90" (its warp-specialized form) or "triton"
+    (the Hopper absorbed-MLA kernel), "gluon-ws-sm90" (its warp-specialized form; "-lockstep"
+    in lockstep) or "triton"
     (asked after the run: a variant that failed is disabled)."""
     q, k, v = inp["q"], inp["k"], inp["v"]
     dv = kern._Geometry(q, k, v, inp["dv"]).dv
@@ -191,6 +192,8 @@ def forward_kernel(inp, options):
                                  warn=False)
     if hopper is None:
         return "triton"
+    if options.fwd_sm90_ws and options.fwd_lockstep:
+        return "gluon-ws-sm90-lockstep"
     return "gluon-ws-sm90" if options.fwd_sm90_ws else "gluon-sm90"
 
 
@@ -233,7 +236,8 @@ def bench_ours(inp, warmup, reps, deterministic_too, fwd_only=False,
 # --fwd-kernel / --fwd-also names -> the AttentionKernelOptions fields that select the forward.
 FWD_KERNELS = {"auto": {},  # the defaults (AttentionKernelOptions.DEFAULT)
                "gluon": dict(fwd_sm90=True, fwd_sm90_ws=False),
-               "gluon_ws": dict(fwd_sm90=True, fwd_sm90_ws=True),
+               "gluon_ws": dict(fwd_sm90=True, fwd_sm90_ws=True, fwd_lockstep=False),
+               "gluon_ws_lockstep": dict(fwd_sm90=True, fwd_sm90_ws=True, fwd_lockstep=True),
                "triton": dict(fwd_sm90=False, fwd_sm90_ws=False)}
 
 
@@ -692,7 +696,8 @@ def main():
                     help="auto: the defaults (the warp-specialized Gluon forward where it "
                          "applies, AttentionKernelOptions.fwd_sm90_ws; Triton elsewhere); "
                          "gluon: the plain Gluon forward (fwd_sm90_ws=False); gluon_ws: the "
-                         "warp-specialized one; triton: always the Triton forward")
+                         "warp-specialized one; gluon_ws_lockstep: that one in lockstep "
+                         "(fwd_lockstep); triton: always the Triton forward")
     args = ap.parse_args()
     require_cuda("bench_attention.py")
     options = replace(AttentionKernelOptions.DEFAULT,

@@ -117,9 +117,13 @@
 #                                         # the backward's GPU tests of the new forms (~4 min);
 #                                         # bench: 8-byte, 16-byte, lockstep slack 1 and 2 in
 #                                         # one process beside cuDNN's, $BENCH_SHAPES (glm51
-#                                         # csa) at 16K and 128K (~6 min); ncu: Nsight Compute on the
-#                                         # 16-byte and the lockstep forms, GLM-5.1 at 128K
-#                                         # (~3 min). cuDNN's after scripts/gpu_cudnn.sh 1, 2
+#                                         # csa) at 16K and 128K (~6 min); fwd: the forward
+#                                         # in lockstep (fwd_lockstep): its GPU tests, then
+#                                         # timed beside the default and FlashMLA's, GLM-5.1 /
+#                                         # V3.2 / CSA at 16K and 128K (~5 min); ncu: Nsight
+#                                         # Compute on the 16-byte and the lockstep backward,
+#                                         # GLM-5.1 at 128K (~3 min). cuDNN's and FlashMLA's
+#                                         # after scripts/gpu_cudnn.sh 1, 2
 #   bash scripts/gpu_session.sh captured-selection  # issue #21 item 3: HyTopK with and
 #                                         # without key-tile pruning, table-then-select and
 #                                         # cuDNN on the trained indexer `evaluate hyscale`
@@ -675,12 +679,24 @@ case "$stage" in
           --bwd-also sm90_red16 sm90_lockstep sm90_lockstep2 --reps 3 --no-stock \
           --no-tilelang --out "$out" 2>&1 | grep -v -i warn \
           | tee "$out/bench_attention_bwd_atomics.log" | grep -E "T=|Error" ;;
+      fwd)
+        # The forward in lockstep (fwd_lockstep, compiled only until now): its GPU tests (a
+        # smoke case first), then timed beside the warp-specialized default and FlashMLA's.
+        smoke_then_tests tests/ops/test_sparse_mla_fwd_sm90_gpu.py \
+          "test_lockstep_over_several_waves and 64-300" "ws_lockstep or lockstep_over" \
+          || exit 1
+        # shellcheck disable=SC2086  # shape names, split on purpose
+        timeout 300 python3 scripts/bench_attention.py --t 16384 131072 \
+          --shapes ${BENCH_SHAPES:-glm51 v32 csa} --fwd-only --fwd-kernel gluon_ws \
+          --fwd-also gluon_ws_lockstep --reps 3 --no-stock --no-tilelang --out "$out" 2>&1 \
+          | grep -v -i warn | tee "$out/bench_attention_fwd_lockstep.log" \
+          | grep -E "T=|Error" ;;
       ncu)
         NCU_ATTN_CASES=${NCU_ATTN_CASES:-"glm51:131072:sm90_red16 glm51:131072:sm90_lockstep"} \
           OUT=$out/ncu bash "$0" ncu-attention | tail -3
         tar -xzf "$out/ncu/ncu-attention.tgz" -C "$out" ./results 2>/dev/null
         rm -rf "$out/ncu" ;;
-      *) echo "usage: gpu_session.sh bwd-atomics {tests|bench|ncu}" >&2; exit 2 ;;
+      *) echo "usage: gpu_session.sh bwd-atomics {tests|bench|fwd|ncu}" >&2; exit 2 ;;
     esac ;;
   ncu-selection)
     # Issue #21: where HyTopK's time goes, from the hardware counters (Nsight Compute, full

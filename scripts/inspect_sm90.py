@@ -279,10 +279,12 @@ def _sparse_attention_calls(sa: Any, hq: int, hkv: int, d: int, dv: int | None, 
 
 
 def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256, ws: bool = False,
-                         sink: bool = False) -> list[Launch]:
+                         sink: bool = False, lockstep: bool = False) -> list[Launch]:
     """The Gluon sparse-MLA forward (Hopper only; absorbed MLA, one KV head); ws: its
     warp-specialized form (`AttentionKernelOptions.fwd_sm90_ws`: a cp.async producer warpgroup,
-    two consumer warpgroups), which also takes K = V without a tail and a sink (CSA)."""
+    two consumer warpgroups), which also takes K = V without a tail and a sink (CSA);
+    lockstep: that form in lockstep (`fwd_lockstep`)."""
+    from megatron_hyscale.ops.kernels import common
     from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as fwd
     from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90 as fwd_ws
     from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
@@ -290,10 +292,12 @@ def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256, ws: bool = Fa
     q = torch.zeros(1, T, hq, d, dtype=torch.bfloat16)
     k = torch.zeros(1, T, 1, d, dtype=torch.bfloat16)
     idx = torch.zeros(1, T, topk, dtype=torch.int32)
-    options = replace(AttentionKernelOptions.DEFAULT, fwd_sm90_ws=ws)
+    options = replace(AttentionKernelOptions.DEFAULT, fwd_sm90_ws=ws, fwd_lockstep=lockstep)
     module, kernel = (fwd_ws, "_sparse_mla_fwd_ws_kernel") if ws else (fwd,
                                                                       "_sparse_mla_fwd_kernel")
-    with intercept(module, kernel) as calls:
+    # CPU tensors here: the H200's 132 SMs stand in for the device's count.
+    with intercept(module, kernel) as calls, \
+            mock.patch.object(common, "_sm_count", lambda device: 132):
         fwd.sparse_mla_fwd_sm90(q, k, idx, d ** -0.5, options=options,
                                 sink=torch.zeros(hq) if sink else None)
     return calls
@@ -317,9 +321,11 @@ def _sparse_mla_bwd_sm90(hq: int, d: int, topk: int, T: int = 256, sink: bool = 
     idx = torch.zeros(1, T, topk, dtype=torch.int32)
     dk = torch.zeros(1, T, 1, d)
     tgt = torch.zeros(1, T, topk)
+    from megatron_hyscale.ops.kernels import common
+
     # CPU tensors here: the H200's 132 SMs stand in for the device's count.
     with intercept(bwd, "_sparse_mla_bwd_kernel") as calls, \
-            mock.patch.object(bwd, "_sm_count", lambda device: 132):
+            mock.patch.object(common, "_sm_count", lambda device: 132):
         bwd.sparse_mla_bwd_sm90(q, k, idx, d ** -0.5, out, lse, torch.zeros_like(out), dk,
                                 dlse=torch.zeros_like(lse) if dlse else None,
                                 sink=torch.zeros(hq) if sink else None,
@@ -529,6 +535,12 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "sparse-mla-fwd-ws-sm90-csa": lambda: _sparse_mla_fwd_sm90(64, 512, 640, ws=True,
                                                                sink=True),
     "sparse-mla-fwd-ws-sm90-glm51-tp2": lambda: _sparse_mla_fwd_sm90(32, 576, 2048, ws=True),
+    "sparse-mla-fwd-ws-sm90-glm51-lockstep": lambda: _sparse_mla_fwd_sm90(64, 576, 2048,
+                                                                          ws=True,
+                                                                          lockstep=True),
+    "sparse-mla-fwd-ws-sm90-v32-lockstep": lambda: _sparse_mla_fwd_sm90(128, 576, 2048,
+                                                                        ws=True,
+                                                                        lockstep=True),
     "sparse-mla-bwd-sm90-glm51": lambda: _sparse_mla_bwd_sm90(64, 576, 2048),
     "sparse-mla-bwd-sm90-v32": lambda: _sparse_mla_bwd_sm90(128, 576, 2048),
     "sparse-mla-bwd-sm90-csa": lambda: _sparse_mla_bwd_sm90(64, 512, 640, sink=True),

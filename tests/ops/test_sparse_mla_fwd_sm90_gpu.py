@@ -3,9 +3,10 @@ forward: GLM-5.1 and DeepSeek-V3.2 shapes (and 32 / 16 heads, padded, warp-speci
 both launch orders, key counts off the 64-key tile and none at all, empty and half-empty rows,
 int64 and per-KV-head index layouts, batch 2, strided queries, fp16, the 128 / 256-channel
 variants, and the dispatch of `sparse_attention` (which kernel runs, the warning when it
-cannot). Each case runs both kernels: the plain one and the warp-specialized one
+cannot). Each case runs three forms: the plain kernel, the warp-specialized one
 (`AttentionKernelOptions.fwd_sm90_ws`; odd tile counts leave its second consumer a tile of no
-key).
+key) and that one in lockstep (`fwd_lockstep`: one program an SM, sorted rows, over several
+waves too).
 """
 
 from __future__ import annotations
@@ -55,15 +56,18 @@ def reference(q, k, idx, scale, sink=None):
                             return_lse=True, backend="reference")
 
 
-KERNELS = pytest.mark.parametrize("ws", [False, True], ids=["gluon", "ws"])
+# The plain Gluon forward, the warp-specialized one, and that one in lockstep (fwd_lockstep).
+KERNELS = pytest.mark.parametrize("ws", [False, True, "lockstep"],
+                                  ids=["gluon", "ws", "ws_lockstep"])
 
 
-def run(q, k, idx, scale, adjacent=True, ws=False, sink=None):
+def run(q, k, idx, scale, adjacent=True, ws=False, sink=None, slack=1):
     from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import sparse_mla_fwd_sm90
 
     # adjacent: the launch order the Triton kernels share (common.launch_grid)
     options = replace(AttentionKernelOptions.DEFAULT, head_blocks_adjacent=adjacent,
-                      fwd_sm90_ws=ws)
+                      fwd_sm90_ws=bool(ws), fwd_lockstep=ws == "lockstep",
+                      fwd_lockstep_slack=slack)
     return sparse_mla_fwd_sm90(q, k, idx, scale, sink=sink, options=options)
 
 
@@ -88,6 +92,19 @@ def test_matches_reference(hq, K, adjacent, ws):
     out, lse = run(q, k, idx, scale, adjacent, ws)
     ref_out, ref_lse = reference(q, k, idx, scale)
     check(out, lse, ref_out, ref_lse)
+
+
+@needs_hopper
+@pytest.mark.parametrize("hq,T,K,slack", [(64, 300, 640, 1), (128, 200, 2048, 2),
+                                         (32, 140, 700, 1)])
+def test_lockstep_over_several_waves(hq, T, K, slack):
+    """More work items than SMs (a last wave part-full), rows sorted in the wrapper (the
+    caller's indices untouched), slack 1 and 2, 32 heads padded: the reference's output."""
+    q, k, idx, scale = inputs(hq, T, 4096, K, seed=T + K)
+    before = idx.clone()
+    out, lse = run(q, k, idx, scale, ws="lockstep", slack=slack)
+    assert torch.equal(idx, before)
+    check(out, lse, *reference(q, k, idx, scale))
 
 
 @needs_hopper

@@ -257,6 +257,26 @@ def test_sparse_mla_backward_lockstep_compiles_like_the_default(tmp_path: Path) 
         assert sass.count("REDG.E.ADD.STRONG.GPU") == 1
 
 
+def test_sparse_mla_forward_lockstep_compiles_without_spills(tmp_path: Path) -> None:
+    """AttentionKernelOptions.fwd_lockstep: the warp-specialized forward with its item loop
+    keeps the default's hot loop (the same products, no local memory anywhere, one and two
+    head blocks), reads the wave counter with volatile loads and adds to it once an iteration
+    (one warp-aggregated REDG)."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "sparse-mla-fwd-ws-sm90-glm51", "sparse-mla-fwd-ws-sm90-glm51-lockstep",
+                "sparse-mla-fwd-ws-sm90-v32-lockstep", "--json", str(out), "--sass-out",
+                str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    default, *lockstep = json.loads(out.read_text())
+    for rep in lockstep:
+        assert rep["constexprs"]["LOCKSTEP"] is True and rep["perf_warnings"] == []
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0
+        assert rep["loop_ops"]["HGMMA"] == default["loop_ops"]["HGMMA"]
+        sass = next(tmp_path.glob(f"{rep['preset']}_0_*.sass")).read_text()
+        assert "LDG.E.STRONG.SYS" in sass
+        assert sass.count("REDG.E.ADD.STRONG.GPU") == 1
+
+
 def test_key_tma_takes_the_key_copies_out_of_the_tile_loop(tmp_path: Path) -> None:
     """HyTopKOptions.key_tma: the tile loop has no per-thread copies (LDGSTS) left, one TMA
     load (UTMALDG) a tile and its mbarrier, the same products, and fewer instructions than the

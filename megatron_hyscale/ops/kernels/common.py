@@ -6,6 +6,7 @@ One definition each, so that no kernel module reads another's private names.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -87,6 +88,22 @@ def launch_grid(queries: int, kv_heads: int, head_blocks: int, adjacent: bool
     if adjacent and kv_heads == 1 and head_blocks > 1:
         return (queries * programs,), programs
     return (queries, programs), 0
+
+
+def lockstep_plan(work: int, device: torch.device, slack: int) -> tuple[int, torch.Tensor]:
+    """(programs, zeroed int32 counters, one a wave) for a lockstep Gluon kernel: one program
+    an SM (at most `work`), program p taking work items p, p + programs, ...; ValueError
+    unless slack (the tiles a program may lead its wave by) is an int >= 1."""
+    if isinstance(slack, bool) or not (isinstance(slack, int) and slack >= 1):
+        raise ValueError(f"lockstep_slack must be an int >= 1 (key tiles a program may lead "
+                         f"the slowest of its wave by), got {slack!r}")
+    programs = min(work, _sm_count(device))
+    return programs, torch.zeros(triton.cdiv(work, programs), device=device, dtype=torch.int32)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def channel_split(d: int) -> tuple[int, int]:

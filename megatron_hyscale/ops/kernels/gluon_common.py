@@ -1,6 +1,7 @@
 """Device functions the Gluon kernels share (a Gluon kernel cannot call a Triton function):
-which (batch, query, head block) a program computes, the cp.async gather of a block of rows,
-and an opaque zero that keeps shared-memory descriptors inside a loop."""
+which (batch, query, head block) a program or a lockstep work item computes, the lockstep
+pace, the cp.async gather of a block of rows, and an opaque zero that keeps shared-memory
+descriptors inside a loop."""
 
 from __future__ import annotations
 
@@ -22,6 +23,33 @@ def program_coords(T, NG: gl.constexpr):
         pid_q = gl.program_id(0).to(gl.int64)
         hb = gl.program_id(1)
     return pid_q // T, pid_q % T, hb
+
+
+# Lockstep kernels (`common.lockstep_plan`): reads of a wave's counter a producer makes at most
+# before gathering its next tile anyway (about 0.5 us each, an L2 round trip): a program that
+# never arrives (an SM another kernel holds) costs each tile this much and nothing else.
+SYNC_SPINS = 64
+
+
+@gluon.jit
+def item_coords(w, T, NHB):
+    """(batch, query, head block) of lockstep work item w (a query's NHB head blocks
+    adjacent); 64-bit, as program_coords': t x a query stride passes 2^31 (GLM-5.1's q at
+    128K)."""
+    w = w.to(gl.int64)
+    q = w // NHB
+    return q // T, q % T, (w % NHB).to(gl.int32)
+
+
+@gluon.jit
+def lockstep_wait(count_ptr, need, SPINS: gl.constexpr):
+    """Spin (at most SPINS reads) until a wave's counter reaches `need`: a pace, not a
+    dependency (nothing is read that the counted programs wrote), so giving up is safe."""
+    seen = gl.load(count_ptr, volatile=True)
+    spins = 0
+    while (seen < need) & (spins < SPINS):
+        seen = gl.load(count_ptr, volatile=True)
+        spins += 1
 
 
 @gluon.jit

@@ -257,6 +257,16 @@ class AttentionKernelOptions:
     # / 128K, V3.2 23.1 -> 15.9 / 95.0 -> 76.2 / 191.8 -> 155.4; CSA (Triton before) 5.6 ->
     # 3.2 / 23.8 -> 13.2 / 47.9 -> 29.4; 0.92-1.03x FlashMLA's in the same runs. On by default.
     fwd_sm90_ws: bool = True
+    # With fwd_sm90_ws, the forward in lockstep, as the backward's `bwd_lockstep`: one program
+    # an SM over the query head blocks, each row's keys sorted first, the programs of a wave
+    # kept within fwd_lockstep_slack two-tile iterations (128 keys) of each other by a bounded
+    # counter wait, so that their key gathers fall in the same few 16-ths of the keys and hit
+    # L2 (GLM-5.1's bf16 keys are 151 MB at 128K, three times the L2; the forward reaches 77%
+    # of the matmul rate at 16K, 57-59% at 128K). Compiled for sm_90a, not yet run on a GPU:
+    # off until tested and timed (`bench_attention.py --fwd-also gluon_ws_lockstep`).
+    fwd_lockstep: bool = False
+    # Two-tile iterations a program may lead the slowest of its wave by (an int >= 1).
+    fwd_lockstep_slack: int = 1
     # One backward pass (the dQ kernel with FUSE_DKV: S, P, dP and dS computed once, the key
     # rows gathered once) instead of a dQ pass and a dK/dV pass. Off until timed: compiled for
     # sm_90a (GLM-5.1, 16 keys x 1 stage) its key loop has 1388 SASS instructions a thread (34

@@ -21,10 +21,7 @@ atomics, which bound the kernel (T x K x D fp32 additions).
 
 from __future__ import annotations
 
-import functools
-
 import torch
-from triton import cdiv as triton_cdiv
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -36,8 +33,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from megatron_hyscale.ops.checks import KernelVariants
-from megatron_hyscale.ops.kernels.common import LOG2E, LOG2E_JIT
-from megatron_hyscale.ops.kernels.gluon_common import gather_rows, opaque_zero, program_coords
+from megatron_hyscale.ops.kernels.common import LOG2E, LOG2E_JIT, lockstep_plan
+from megatron_hyscale.ops.kernels.gluon_common import (
+    SYNC_SPINS,
+    gather_rows,
+    item_coords,
+    lockstep_wait,
+    opaque_zero,
+    program_coords,
+)
 from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import STRIDE_MULTIPLE, TAIL
 
 # Query heads a program: the M of S, dP and dQ (one wgmma tile height) and the K of dK's
@@ -73,11 +77,6 @@ PRODUCER_WARPS = 4
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 MAXNREG = 168
-# Lockstep mode (`sparse_mla_bwd_sm90(lockstep=True)`): reads of a wave's tile counter a
-# producer makes at most before gathering its next tile anyway (about 0.5 us each, an L2 round
-# trip): a program that never arrives (an SM another kernel holds) costs each tile this much
-# and nothing else.
-SYNC_SPINS = 64
 # Channels a Delta load covers at a time (Delta = rowsum(dO * O) for the consumer's half).
 DELTA_CHUNK = gl.constexpr(64)
 
@@ -109,27 +108,6 @@ def _slot_index(idx_base, sik, n0, NK, slots):
 
 
 @gluon.jit
-def _item_coords(w, T, NHB):
-    """(batch, query, head block) of work item w in the lockstep order (a query's NHB head
-    blocks adjacent)."""
-    # 64-bit, as program_coords': t x a query stride passes 2^31 (GLM-5.1's q at 128K).
-    w = w.to(gl.int64)
-    q = w // NHB
-    return q // T, q % T, (w % NHB).to(gl.int32)
-
-
-@gluon.jit
-def _lockstep_wait(count_ptr, need, SPINS: gl.constexpr):
-    """Spin (at most SPINS reads) until the wave's tile counter reaches `need`: a pace, not a
-    dependency (nothing is read that the counted programs wrote), so giving up is safe."""
-    seen = gl.load(count_ptr, volatile=True)
-    spins = 0
-    while (seen < need) & (spins < SPINS):
-        seen = gl.load(count_ptr, volatile=True)
-        spins += 1
-
-
-@gluon.jit
 def _producer(q_ptr, k_ptr, idx_ptr, dout_ptr, sync_ptr, q_main_s, q_tail_s, do_s, k_main_s,
               k_tail_s, q_bar, q_empty, k_ready, k_empty, pid, T, NHB, P, W, H, NK, n_tiles,
               sqb, sqt, sqh, skb, sks, sib, sit, sik, sdob, sdot, sdoh,
@@ -151,7 +129,7 @@ def _producer(q_ptr, k_ptr, idx_ptr, dout_ptr, sync_ptr, q_main_s, q_tail_s, do_
         n_items = 1
     for n in range(n_items):
         if LOCKSTEP:
-            b, t, hb = _item_coords(pid + n * P, T, NHB)
+            b, t, hb = item_coords(pid + n * P, T, NHB)
             active = gl.minimum(P, W - n * P)
             # The consumers are done with the last item's q and dO.
             mbarrier.wait(q_empty, (n & 1) ^ 1)
@@ -181,7 +159,7 @@ def _producer(q_ptr, k_ptr, idx_ptr, dout_ptr, sync_ptr, q_main_s, q_tail_s, do_
             mbarrier.wait(k_empty, (g & 1) ^ 1)
             if LOCKSTEP:
                 if j >= SYNC_SLACK:
-                    _lockstep_wait(sync_ptr + n, active * (j - SYNC_SLACK + 1), SYNC_SPINS)
+                    lockstep_wait(sync_ptr + n, active * (j - SYNC_SLACK + 1), SYNC_SPINS)
             gather_rows(k_main_s, rows, valid, D_MAIN, ld_layout)
             if D_TAIL > 0:
                 gather_rows(k_tail_s, rows + D_MAIN, valid, D_TAIL, ld_layout)
@@ -281,7 +259,7 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
         n_items = 1
     for n in range(n_items):
         if LOCKSTEP:
-            b, t, hb = _item_coords(pid + n * P, T, NHB)
+            b, t, hb = item_coords(pid + n * P, T, NHB)
         else:
             b, t, hb = program_coords(T, NG)
         heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
@@ -583,9 +561,6 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
     from megatron_hyscale.ops.kernels.common import launch_grid
     from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import shared_layouts
 
-    if lockstep and not (isinstance(lockstep_slack, int) and lockstep_slack >= 1):
-        raise ValueError(f"lockstep_slack must be an int >= 1 (key tiles a program may lead "
-                         f"the slowest of its wave by), got {lockstep_slack!r}")
     B, T, Hq, d = q.shape
     d_main = 1 << (d.bit_length() - 1)
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
@@ -600,9 +575,8 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
     work = B * T * n_hb
     programs, sync = work, indices
     if lockstep:
-        programs = min(work, _sm_count(q.device))
+        programs, sync = lockstep_plan(work, q.device, lockstep_slack)
         grid, ng = (programs,), n_hb
-        sync = torch.zeros(triton_cdiv(work, programs), device=q.device, dtype=torch.int32)
     indices, perm, slot_target = _key_order(indices, target) if lockstep else (indices, None,
                                                                               target)
     q_main_sl, q_tail_sl, k_main_sl, k_tail_sl, p_sl = shared_layouts(q.dtype, d_main,
@@ -645,11 +619,6 @@ def _key_order(indices: torch.Tensor, target: tuple | None
     if tmp.stride() != buf.stride():
         raise ValueError(f"target: a buffer of strides {tuple(buf.stride())} (dense expected)")
     return indices, perm, (tmp, strides, atomic)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # Variants (`variant`) that failed to compile or launch in this process (`applies` refuses them),

@@ -287,7 +287,8 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
         from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90
 
         sparse_mla_fwd_ws_sm90.launch(q, k, indices, sink, out, lse, softmax_scale, grid, ng,
-                                      layouts)
+                                      layouts, lockstep=options.fwd_lockstep,
+                                      lockstep_slack=options.fwd_lockstep_slack)
         return out, lse
     sqb, sqt, sqh, _ = q.stride()
     skb, sks, _, _ = k.stride()

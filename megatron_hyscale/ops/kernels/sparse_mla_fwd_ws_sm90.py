@@ -31,8 +31,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E, LOG2E_JIT
-from megatron_hyscale.ops.kernels.gluon_common import gather_rows, opaque_zero, program_coords
+from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E, LOG2E_JIT, lockstep_plan
+from megatron_hyscale.ops.kernels.gluon_common import (
+    SYNC_SPINS,
+    gather_rows,
+    item_coords,
+    lockstep_wait,
+    opaque_zero,
+    program_coords,
+)
 
 # Query heads a program: the products' M, one wgmma tile height, so each consumer holds all of
 # them (its S is [64 heads x 64 keys], its O [64 heads x D_MAIN / 2]). BLOCK_H and BLOCK_N are
@@ -118,45 +125,67 @@ def _tile_rows(idx_base, sik, k_base, sks, j, NK, row_l: gl.constexpr, BLOCK_N: 
 
 
 @gluon.jit
-def _producer(q_ptr, k_ptr, idx_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s, bars,
-              b, t, hb, H, NK, n_iter, sqb, sqt, sqh, skb, sks, sib, sit, sik,
+def _producer(q_ptr, k_ptr, idx_ptr, sync_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s, bars,
+              pid, T, NHB, P, W, H, NK, n_iter, sqb, sqt, sqh, skb, sks, sib, sit, sik,
               D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
-              BLOCK_N: gl.constexpr, PAD_HEADS: gl.constexpr, WARPS: gl.constexpr):
-    """The query block once (PAD_HEADS: rows past the H heads zero-filled), then each
-    iteration's halves in the order they are freed: L0, R1 (mid-iteration), R0, L1 (at its
-    end)."""
-    q_bar, ready, empty = bars[0], bars[1], bars[2]
+              BLOCK_N: gl.constexpr, PAD_HEADS: gl.constexpr, NG: gl.constexpr,
+              LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr,
+              WARPS: gl.constexpr):
+    """The query block once a work item (PAD_HEADS: rows past the H heads zero-filled), then
+    each iteration's halves in the order they are freed: L0, R1 (mid-iteration), R0, L1 (at
+    its end). LOCKSTEP: the items pid, pid + P, ...; before an iteration's gathers, wait
+    (bounded) until every program of the wave started the iteration SYNC_SLACK before, and
+    count this one's start (`sparse_mla_bwd_sm90`'s lockstep, by two-tile iterations)."""
+    q_bar, q_empty, ready, empty = bars[0], bars[1], bars[2], bars[3]
     # A warp covers 4 rows x 64 channels in 16-byte vectors (one swizzle atom a row); 4 warps,
     # 16 rows a pass; a thread's copies of a row differ by immediate offsets only.
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, ld_layout)
-
-    heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_l)).to(gl.int64)
-    if PAD_HEADS:
-        every = heads < H
-        heads = gl.where(every, heads, 0)
+    if LOCKSTEP:
+        n_items = gl.cdiv(W - pid, P)
     else:
-        every = gl.full([BLOCK_H], 1, gl.int1, layout=row_l)
-    q_rows = q_ptr + b * sqb + t * sqt + heads * sqh
-    gather_rows(q_main_s.index(0), q_rows, every, D_MAIN, ld_layout)
-    if D_TAIL > 0:
-        gather_rows(q_tail_s.index(0), q_rows + D_MAIN, every, D_TAIL, ld_layout)
-    cp.mbarrier_arrive(q_bar, increment_count=False)
+        n_items = 1
+    for n in range(n_items):
+        if LOCKSTEP:
+            b, t, hb = item_coords(pid + n * P, T, NHB)
+            active = gl.minimum(P, W - n * P)
+            # The consumers' last S products of the previous item read the query block.
+            mbarrier.wait(q_empty, (n & 1) ^ 1)
+        else:
+            b, t, hb = program_coords(T, NG)
+        heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_l)).to(gl.int64)
+        if PAD_HEADS:
+            every = heads < H
+            heads = gl.where(every, heads, 0)
+        else:
+            every = gl.full([BLOCK_H], 1, gl.int1, layout=row_l)
+        q_rows = q_ptr + b * sqb + t * sqt + heads * sqh
+        gather_rows(q_main_s.index(0), q_rows, every, D_MAIN, ld_layout)
+        if D_TAIL > 0:
+            gather_rows(q_tail_s.index(0), q_rows + D_MAIN, every, D_TAIL, ld_layout)
+        cp.mbarrier_arrive(q_bar, increment_count=False)
 
-    idx_base = idx_ptr + b * sib + t * sit
-    k_base = k_ptr + b * skb
-    for i in range(n_iter):
-        ph = i & 1
-        rows0, valid0 = _tile_rows(idx_base, sik, k_base, sks, 2 * i, NK, row_l, BLOCK_N)
-        rows1, valid1 = _tile_rows(idx_base, sik, k_base, sks, 2 * i + 1, NK, row_l, BLOCK_N)
-        _fill_half(k_main_s, k_tail_s, ready, empty, 0, L, rows0, valid0, ph, D_MAIN,
-                   D_TAIL, ld_layout)
-        _fill_half(k_main_s, k_tail_s, ready, empty, 1, R, rows1, valid1, ph, D_MAIN,
-                   D_TAIL, ld_layout)
-        _fill_half(k_main_s, k_tail_s, ready, empty, 0, R, rows0, valid0, ph, D_MAIN,
-                   D_TAIL, ld_layout)
-        _fill_half(k_main_s, k_tail_s, ready, empty, 1, L, rows1, valid1, ph, D_MAIN,
-                   D_TAIL, ld_layout)
+        idx_base = idx_ptr + b * sib + t * sit
+        k_base = k_ptr + b * skb
+        for i in range(n_iter):
+            ph = (n * n_iter + i) & 1
+            rows0, valid0 = _tile_rows(idx_base, sik, k_base, sks, 2 * i, NK, row_l, BLOCK_N)
+            rows1, valid1 = _tile_rows(idx_base, sik, k_base, sks, 2 * i + 1, NK, row_l,
+                                       BLOCK_N)
+            if LOCKSTEP:
+                if i >= SYNC_SLACK:
+                    lockstep_wait(sync_ptr + n, active * (i - SYNC_SLACK + 1), SYNC_SPINS)
+            _fill_half(k_main_s, k_tail_s, ready, empty, 0, L, rows0, valid0, ph, D_MAIN,
+                       D_TAIL, ld_layout)
+            if LOCKSTEP:
+                # One count a program (the replicated scalar's atomic runs once).
+                gl.atomic_add(sync_ptr + n, 1, sem="relaxed")
+            _fill_half(k_main_s, k_tail_s, ready, empty, 1, R, rows1, valid1, ph, D_MAIN,
+                       D_TAIL, ld_layout)
+            _fill_half(k_main_s, k_tail_s, ready, empty, 0, R, rows0, valid0, ph, D_MAIN,
+                       D_TAIL, ld_layout)
+            _fill_half(k_main_s, k_tail_s, ready, empty, 1, L, rows1, valid1, ph, D_MAIN,
+                       D_TAIL, ld_layout)
 
 
 @gluon.jit
@@ -178,17 +207,19 @@ def _s_half(acc, q_main, q_tail, k_stage, k_tail, ready, stage: gl.constexpr,
 
 @gluon.jit
 def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_s, m_s, l_s,
-              bars, idx_ptr, sink_ptr, out_ptr, lse_ptr, b, t, hb, H, NK, n_iter, qk_scale,
-              sib, sit, sik, sob, sot, soh, slb, slt, slh,
+              bars, idx_ptr, sink_ptr, out_ptr, lse_ptr, pid, T, NHB, P, W, H, NK, n_iter,
+              qk_scale, sib, sit, sik, sob, sot, soh, slb, slt, slh,
               D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
-              BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr, PAD_HEADS: gl.constexpr):
+              BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr, PAD_HEADS: gl.constexpr,
+              NG: gl.constexpr, LOCKSTEP: gl.constexpr):
     """S for the tiles of stage c, O for value channels c * D_MAIN / 2 .. (c + 1) * D_MAIN / 2
-    over every tile; stores its half of out, and consumer 0 the lse.
+    over every tile; stores its half of out, and consumer 0 the lse. LOCKSTEP: the work
+    items pid, pid + P, ... one after the other.
 
     Each iteration's S is issued at its top. FlashMLA issues consumer 0's next S before its
     last P V completes; here that makes S's accumulator loop-carried while in flight, and
     ptxas then serializes every wgmma of the kernel (compiled for sm_90a, 2026-12-04)."""
-    q_bar, ready, empty, m_ready, p_ready, l_ready = bars
+    q_bar, q_empty, ready, empty, m_ready, p_ready, l_ready = bars
     HALF: gl.constexpr = D_MAIN // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -201,126 +232,141 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_
     # Consumer 0 starts with the half refilled first in its stage (L0), consumer 1 with R1.
     FIRST: gl.constexpr = L if c == 0 else R
 
-    idx_base = idx_ptr + b * sib + t * sit
-    slots = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
-    o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-
-    mbarrier.wait(q_bar, 0)
-    for i in range(n_iter):
-        ph = i & 1
-        offs = (2 * i + c) * BLOCK_N + slots
-        valid = gl.load(idx_base + offs * sik, mask=offs < NK, other=-1) >= 0
-        zero = opaque_zero(i)
-        q_main, q_tail = q_main_s.index(zero), q_tail_s.index(zero)
-        k_own, k_own_tail = k_main_s.index(c + zero), k_tail_s.index(c + zero)
-        # Each product is waited for before its accumulator is touched (ptxas serializes
-        # every wgmma of a kernel whose accumulator is read in flight: C7514).
-        s = _s_half(s_zero, q_main, q_tail, k_own, k_own_tail, ready, c, FIRST, ph, True, HALF,
-                    D_TAIL > 0)
-        s = _s_half(s, q_main, q_tail, k_own, k_own_tail, ready, c, 1 - FIRST, ph, False, HALF,
-                    D_TAIL > 0)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
-        tile_max = gl.max(s, axis=1)
-        if c == 0:
-            # Consumer 0 goes first with a provisional max (its tile only) and rescales once
-            # consumer 1 has the new running max.
-            m_tile = gl.maximum(m_i, tile_max)
-            m_s.index(0).store(m_tile)
-            mbarrier.arrive(m_ready.index(0), count=1)
-        else:
-            mbarrier.wait(m_ready.index(0), ph)
-            m_tile = gl.maximum(m_s.index(0).load(row_s), tile_max)
-            m_s.index(1).store(m_tile)
-            mbarrier.arrive(m_ready.index(1), count=1)
-        # A row with no valid key so far keeps m = -inf; shift by 0 there so no inf - inf.
-        m_use = gl.where(m_tile == float("-inf"), 0.0, m_tile)
-        p = gl.exp2(s - m_use[:, None])
-        alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        o = o * gl.convert_layout(alpha, row_o)[:, None]
-        p_low = p.to(dtype)
-        # Own tile's P V for this consumer's value channels: L0 (c = 0) or R1 (c = 1).
-        o = warpgroup_mma(gl.convert_layout(p_low, p_layout),
-                          k_own.slice(c * HALF, HALF, dim=1), o, is_async=True)
-        if c == 0:
-            mbarrier.wait(m_ready.index(1), ph)
-            m_new = m_s.index(1).load(row_s)
-            # m_new >= m_tile; where m_tile = -inf this row's P and O are 0 (any finite factor).
-            f = gl.where(m_tile == float("-inf"), 1.0, gl.exp2(m_tile - m_new))
-            # With a tail, P0 takes the place of the tail channels that S has read (waited
-            # above).
-            p0_s.store((p * f[:, None]).to(dtype))
-            fence_async_shared()
-            mbarrier.arrive(p_ready.index(0), count=1)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            mbarrier.arrive(empty.index(2 * 0 + L), count=1)
-            o = o * gl.convert_layout(f, row_o)[:, None]
-            l_i = l_i * f
-            m_i = m_new
-            mbarrier.wait(p_ready.index(1), ph)
-            o = warpgroup_mma(p1_s, k_main_s.index(1 + zero).slice(0, HALF, dim=1), o,
-                              is_async=True)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            mbarrier.arrive(empty.index(2 * 1 + L), count=1)
-        else:
-            p1_s.store(p_low)
-            fence_async_shared()
-            mbarrier.arrive(p_ready.index(1), count=1)
-            m_i = m_tile
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            mbarrier.arrive(empty.index(2 * 1 + R), count=1)
-            mbarrier.wait(p_ready.index(0), ph)
-            o = warpgroup_mma(p0_s, k_main_s.index(zero).slice(HALF, HALF, dim=1), o,
-                              is_async=True)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            mbarrier.arrive(empty.index(2 * 0 + R), count=1)
-
-    # Both consumers' row sums are relative to the same running max: add them.
-    l_s.index(c).store(l_i)
-    mbarrier.arrive(l_ready.index(c), count=1)
-    mbarrier.wait(l_ready.index(1 - c), 0)
-    l_i = l_i + l_s.index(1 - c).load(row_s)
-    l_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
-    if HAS_SINK:
-        # The sink joins the denominator only (as the Triton forward): a row without keys
-        # writes zeros and lse = sink.
-        sink2 = gl.load(sink_ptr + l_heads, mask=l_heads < H, other=0.0).to(gl.float32)
-        sink2 = sink2 * LOG2E_JIT
-        m_f = gl.maximum(m_i, sink2)
-        rescale = gl.exp2(m_i - m_f)
-        l_f = l_i * rescale + gl.exp2(sink2 - m_f)
-        o_scale = rescale / l_f
-        lse2 = m_f + gl.log2(l_f)
+    if LOCKSTEP:
+        n_items = gl.cdiv(W - pid, P)
     else:
-        nonempty = l_i > 0.0
-        o_scale = 1.0 / gl.where(nonempty, l_i, 1.0)
-        lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
-    out = (o * gl.convert_layout(o_scale, row_o)[:, None]).to(dtype)
-    o_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_o)
-    o_cols = c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = out_ptr + b * sob + t * sot + o_heads[:, None] * soh + o_cols[None, :]
-    if PAD_HEADS:  # the padded heads' rows (zero queries) are not outputs
-        gl.store(o_ptrs, out, mask=(o_heads < H)[:, None] & (o_cols < D_MAIN)[None, :])
-        if c == 0:
-            gl.store(lse_ptr + b * slb + t * slt + l_heads * slh, lse2 * LN2_JIT,
-                     mask=l_heads < H)
-    else:
-        gl.store(o_ptrs, out)
-        if c == 0:
-            gl.store(lse_ptr + b * slb + t * slt + l_heads * slh, lse2 * LN2_JIT)
+        n_items = 1
+    for n in range(n_items):
+        if LOCKSTEP:
+            b, t, hb = item_coords(pid + n * P, T, NHB)
+        else:
+            b, t, hb = program_coords(T, NG)
+        idx_base = idx_ptr + b * sib + t * sit
+        slots = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
+        o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+
+        mbarrier.wait(q_bar, n & 1)
+        for i in range(n_iter):
+            ph = (n * n_iter + i) & 1
+            offs = (2 * i + c) * BLOCK_N + slots
+            valid = gl.load(idx_base + offs * sik, mask=offs < NK, other=-1) >= 0
+            zero = opaque_zero(i)
+            q_main, q_tail = q_main_s.index(zero), q_tail_s.index(zero)
+            k_own, k_own_tail = k_main_s.index(c + zero), k_tail_s.index(c + zero)
+            # Each product is waited for before its accumulator is touched (ptxas serializes
+            # every wgmma of a kernel whose accumulator is read in flight: C7514).
+            s = _s_half(s_zero, q_main, q_tail, k_own, k_own_tail, ready, c, FIRST, ph, True, HALF,
+                        D_TAIL > 0)
+            s = _s_half(s, q_main, q_tail, k_own, k_own_tail, ready, c, 1 - FIRST, ph, False, HALF,
+                        D_TAIL > 0)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
+            tile_max = gl.max(s, axis=1)
+            if c == 0:
+                # Consumer 0 goes first with a provisional max (its tile only) and rescales once
+                # consumer 1 has the new running max.
+                m_tile = gl.maximum(m_i, tile_max)
+                m_s.index(0).store(m_tile)
+                mbarrier.arrive(m_ready.index(0), count=1)
+            else:
+                mbarrier.wait(m_ready.index(0), ph)
+                m_tile = gl.maximum(m_s.index(0).load(row_s), tile_max)
+                m_s.index(1).store(m_tile)
+                mbarrier.arrive(m_ready.index(1), count=1)
+            # A row with no valid key so far keeps m = -inf; shift by 0 there so no inf - inf.
+            m_use = gl.where(m_tile == float("-inf"), 0.0, m_tile)
+            p = gl.exp2(s - m_use[:, None])
+            alpha = gl.exp2(m_i - m_use)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            o = o * gl.convert_layout(alpha, row_o)[:, None]
+            p_low = p.to(dtype)
+            # Own tile's P V for this consumer's value channels: L0 (c = 0) or R1 (c = 1).
+            o = warpgroup_mma(gl.convert_layout(p_low, p_layout),
+                              k_own.slice(c * HALF, HALF, dim=1), o, is_async=True)
+            if c == 0:
+                mbarrier.wait(m_ready.index(1), ph)
+                m_new = m_s.index(1).load(row_s)
+                # m_new >= m_tile; where m_tile = -inf this row's P and O are 0 (any finite factor).
+                f = gl.where(m_tile == float("-inf"), 1.0, gl.exp2(m_tile - m_new))
+                # With a tail, P0 takes the place of the tail channels that S has read (waited
+                # above).
+                p0_s.store((p * f[:, None]).to(dtype))
+                fence_async_shared()
+                mbarrier.arrive(p_ready.index(0), count=1)
+                o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+                mbarrier.arrive(empty.index(2 * 0 + L), count=1)
+                o = o * gl.convert_layout(f, row_o)[:, None]
+                l_i = l_i * f
+                m_i = m_new
+                mbarrier.wait(p_ready.index(1), ph)
+                o = warpgroup_mma(p1_s, k_main_s.index(1 + zero).slice(0, HALF, dim=1), o,
+                                  is_async=True)
+                o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+                mbarrier.arrive(empty.index(2 * 1 + L), count=1)
+            else:
+                p1_s.store(p_low)
+                fence_async_shared()
+                mbarrier.arrive(p_ready.index(1), count=1)
+                m_i = m_tile
+                o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+                mbarrier.arrive(empty.index(2 * 1 + R), count=1)
+                mbarrier.wait(p_ready.index(0), ph)
+                o = warpgroup_mma(p0_s, k_main_s.index(zero).slice(HALF, HALF, dim=1), o,
+                                  is_async=True)
+                o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+                mbarrier.arrive(empty.index(2 * 0 + R), count=1)
+
+        if LOCKSTEP:
+            # This item's products are done with the query block: the producer may gather the
+            # next item's.
+            mbarrier.arrive(q_empty, count=1)
+        # Both consumers' row sums are relative to the same running max: add them.
+        l_s.index(c).store(l_i)
+        mbarrier.arrive(l_ready.index(c), count=1)
+        mbarrier.wait(l_ready.index(1 - c), n & 1)
+        l_i = l_i + l_s.index(1 - c).load(row_s)
+        l_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
+        if HAS_SINK:
+            # The sink joins the denominator only (as the Triton forward): a row without keys
+            # writes zeros and lse = sink.
+            sink2 = gl.load(sink_ptr + l_heads, mask=l_heads < H, other=0.0).to(gl.float32)
+            sink2 = sink2 * LOG2E_JIT
+            m_f = gl.maximum(m_i, sink2)
+            rescale = gl.exp2(m_i - m_f)
+            l_f = l_i * rescale + gl.exp2(sink2 - m_f)
+            o_scale = rescale / l_f
+            lse2 = m_f + gl.log2(l_f)
+        else:
+            nonempty = l_i > 0.0
+            o_scale = 1.0 / gl.where(nonempty, l_i, 1.0)
+            lse2 = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
+        out = (o * gl.convert_layout(o_scale, row_o)[:, None]).to(dtype)
+        o_heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_o)
+        o_cols = c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = out_ptr + b * sob + t * sot + o_heads[:, None] * soh + o_cols[None, :]
+        if PAD_HEADS:  # the padded heads' rows (zero queries) are not outputs
+            gl.store(o_ptrs, out, mask=(o_heads < H)[:, None] & (o_cols < D_MAIN)[None, :])
+            if c == 0:
+                gl.store(lse_ptr + b * slb + t * slt + l_heads * slh, lse2 * LN2_JIT,
+                         mask=l_heads < H)
+        else:
+            gl.store(o_ptrs, out)
+            if c == 0:
+                gl.store(lse_ptr + b * slb + t * slt + l_heads * slh, lse2 * LN2_JIT)
 
 
-@gluon.jit
+# NHB not specialized (as the backward's: a constant 1 lets LLVM hoist per-item values).
+@gluon.jit(do_not_specialize=["NHB"])
 def _sparse_mla_fwd_ws_kernel(
-    q_ptr, k_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr,
-    T, H, NK, qk_scale,
+    q_ptr, k_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, sync_ptr,
+    T, H, NK, NHB, P, W, qk_scale,
     sqb, sqt, sqh, skb, sks, sib, sit, sik, sob, sot, soh, slb, slt, slh,
     D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     NG: gl.constexpr, HAS_SINK: gl.constexpr, PAD_HEADS: gl.constexpr,
+    LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr,
     q_main_sl: gl.constexpr, q_tail_sl: gl.constexpr, k_main_sl: gl.constexpr,
     k_tail_sl: gl.constexpr, p_sl: gl.constexpr,
     CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
@@ -330,9 +376,11 @@ def _sparse_mla_fwd_ws_kernel(
     block.
 
     Row strides multiples of 16 elements, unit-stride channels, NK >= 1 (the wrapper checks).
-    NG: the grid's form (`gluon_common.program_coords`).
+    NG: the grid's form (`gluon_common.program_coords`). LOCKSTEP: a grid of P programs over
+    W work items (NHB head blocks a query, adjacent), program pid taking items pid, pid + P,
+    ...; sync_ptr: one zeroed int32 iteration counter a wave of P items.
     """
-    b, t, hb = program_coords(T, NG)
+    pid = gl.program_id(0)
     n_iter = gl.cdiv(NK, 2 * BLOCK_N)
 
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -352,6 +400,7 @@ def _sparse_mla_fwd_ws_kernel(
     l_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], row_sl)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ready = gl.allocate_shared_memory(gl.int64, [4, 1], bar_layout)
     empty = gl.allocate_shared_memory(gl.int64, [4, 1], bar_layout)
     m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
@@ -359,6 +408,7 @@ def _sparse_mla_fwd_ws_kernel(
     l_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     producer_threads: gl.constexpr = PRODUCER_WARPS * 32
     mbarrier.init(q_bar, count=producer_threads)
+    mbarrier.init(q_empty, count=2)
     for h in gl.static_range(4):
         mbarrier.init(ready.index(h), count=producer_threads)
         mbarrier.init(empty.index(h), count=1)
@@ -367,22 +417,22 @@ def _sparse_mla_fwd_ws_kernel(
         mbarrier.init(p_ready.index(c), count=1)
         mbarrier.init(l_ready.index(c), count=1)
     fence_async_shared()
-    bars = (q_bar, ready, empty, m_ready, p_ready, l_ready)
+    bars = (q_bar, q_empty, ready, empty, m_ready, p_ready, l_ready)
     # Each partition's arguments written out: constexprs gathered into a tuple variable first
     # would reach the partitions as runtime values.
     gl.warp_specialize([
         (_consumer, (0, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_s, m_s, l_s, bars,
-                     idx_ptr, sink_ptr, out_ptr, lse_ptr, b, t, hb, H, NK, n_iter, qk_scale, sib,
-                     sit, sik, sob, sot, soh, slb, slt, slh, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N,
-                     HAS_SINK, PAD_HEADS)),
+                     idx_ptr, sink_ptr, out_ptr, lse_ptr, pid, T, NHB, P, W, H, NK, n_iter,
+                     qk_scale, sib, sit, sik, sob, sot, soh, slb, slt, slh, D_MAIN, D_TAIL,
+                     BLOCK_H, BLOCK_N, HAS_SINK, PAD_HEADS, NG, LOCKSTEP)),
         (_consumer, (1, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_s, m_s, l_s, bars,
-                     idx_ptr, sink_ptr, out_ptr, lse_ptr, b, t, hb, H, NK, n_iter, qk_scale, sib,
-                     sit, sik, sob, sot, soh, slb, slt, slh, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N,
-                     HAS_SINK, PAD_HEADS)),
-        (_producer, (q_ptr, k_ptr, idx_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s,
-                     (q_bar, ready, empty), b, t, hb, H, NK, n_iter, sqb, sqt, sqh, skb, sks,
-                     sib, sit, sik, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, PAD_HEADS,
-                     PRODUCER_WARPS)),
+                     idx_ptr, sink_ptr, out_ptr, lse_ptr, pid, T, NHB, P, W, H, NK, n_iter,
+                     qk_scale, sib, sit, sik, sob, sot, soh, slb, slt, slh, D_MAIN, D_TAIL,
+                     BLOCK_H, BLOCK_N, HAS_SINK, PAD_HEADS, NG, LOCKSTEP)),
+        (_producer, (q_ptr, k_ptr, idx_ptr, sync_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s,
+                     (q_bar, q_empty, ready, empty), pid, T, NHB, P, W, H, NK, n_iter, sqb,
+                     sqt, sqh, skb, sks, sib, sit, sik, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N,
+                     PAD_HEADS, NG, LOCKSTEP, SYNC_SLACK, SYNC_SPINS, PRODUCER_WARPS)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -391,24 +441,34 @@ def _sparse_mla_fwd_ws_kernel(
 
 def launch(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor | None,
            out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, grid: tuple,
-           ng: int, layouts: tuple) -> None:
+           ng: int, layouts: tuple, lockstep: bool = False, lockstep_slack: int = 1) -> None:
     """Fill out [B, T, Hq, D_MAIN] and lse [B, T, Hq] for `sparse_mla_fwd_sm90`, whose wrapper
     checked the inputs (`applies`: a tail of 0 or BLOCK_N channels; `layout_problem`), took
     care of empty calls, made indices [B, T, K] with K >= 1, chose the grid
     (`common.launch_grid`: ng head blocks adjacent, or 0) and the shared layouts (its
     `shared_layouts`: q's and a key tile's main and tail parts, a P tile, the last also the
-    tail's, which P0 is written over)."""
+    tail's, which P0 is written over). lockstep: one program an SM over the query head blocks,
+    each row's keys sorted here, the programs of a wave kept within lockstep_slack two-tile
+    iterations of each other (`common.lockstep_plan`), so that their key gathers hit L2."""
     d = q.shape[-1]
     d_main = out.shape[-1]
     sqb, sqt, sqh, _ = q.stride()
     skb, sks, _, _ = k.stride()
     q_main_sl, q_tail_sl, k_main_sl, k_tail_sl, p_sl = layouts
+    n_hb = max(q.shape[2] // BLOCK_H, 1)
+    work = q.shape[0] * q.shape[1] * n_hb
+    programs, sync = work, lse
+    if lockstep:
+        programs, sync = lockstep_plan(work, q.device, lockstep_slack)
+        grid, ng = (programs,), n_hb
+        indices = indices.sort(dim=-1).values
     _sparse_mla_fwd_ws_kernel[grid](
-        q, k, indices, sink.contiguous() if sink is not None else lse, out, lse, q.shape[1],
-        q.shape[2], indices.shape[-1], softmax_scale * LOG2E,
+        q, k, indices, sink.contiguous() if sink is not None else lse, out, lse, sync,
+        q.shape[1], q.shape[2], indices.shape[-1], n_hb, programs, work, softmax_scale * LOG2E,
         sqb, sqt, sqh, skb, sks, *indices.stride(), *out.stride()[:3], *lse.stride(),
         D_MAIN=d_main, D_TAIL=d - d_main, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, NG=ng,
         HAS_SINK=sink is not None, PAD_HEADS=q.shape[2] < BLOCK_H,
+        LOCKSTEP=lockstep, SYNC_SLACK=lockstep_slack, SYNC_SPINS=SYNC_SPINS,
         q_main_sl=q_main_sl, q_tail_sl=q_tail_sl, k_main_sl=k_main_sl, k_tail_sl=k_tail_sl,
         p_sl=p_sl, CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
