@@ -316,15 +316,17 @@ class AttentionKernelOptions:
     # and Nsight Compute (2026-12-05, GLM-5.1, random indices) found 55% of the backward's
     # reductions hitting L2 and 1.43 TB of DRAM traffic, the same bytes as cuDNN's backward (42%):
     # the gap to the matmul rate is this traffic, and at 16K, where everything fits, the same
-    # kernel runs 1.9x faster a query. A pace, not a dependency: the results are the unpaced form's
-    # up to fp32 rounding order, and a program that never arrives (an SM held by another kernel)
-    # costs the others a bounded wait a tile. Timed on the H200 (2026-12-05, `bench_attention.py
-    # --bwd-also sm90_lockstep`, same process as cuDNN's SM90 backward, random indices): GLM-5.1
-    # 602.6 -> 358.9 ms at 128K (1.37x cuDNN's 492.3; 34% of the matmul rate), 42.2 -> 37.1 at 16K
-    # (cuDNN 30.5); V3.2 439.9 -> 311.1 at 64K (cuDNN 337.2), 667.1 at 128K (cuDNN 719.5); CSA
-    # 78.7 -> 63.5 / 169.0 -> 146.3 at 64K / 128K (cuDNN 65.7 / 142.8). The sort costs a [B, T, K]
-    # values and an int64 permutation for the call (3 GiB at GLM-5.1's 128K). On by default
-    # (`--bwd-also sm90_red16` times the form without it).
+    # kernel runs 1.9x faster a query. A pace, not a dependency: the results are the unpaced
+    # form's up to fp32 rounding order, and a program that never arrives (an SM held by another
+    # kernel) costs the others a bounded wait a tile. Timed on the H200 (2026-12-05,
+    # `bench_attention.py --bwd-also sm90_lockstep`, same process as cuDNN's SM90 backward, random
+    # indices): GLM-5.1 602.6 -> 358.9 ms at 128K (1.37x cuDNN's 492.3; 34% of the matmul rate),
+    # 42.2 -> 37.1 at 16K (cuDNN 30.5); V3.2 439.9 -> 311.1 at 64K (cuDNN 337.2), 667.1 at 128K
+    # (cuDNN 719.5); CSA 78.7 -> 63.5 / 169.0 -> 146.3 at 64K / 128K (cuDNN 65.7 / 142.8). The
+    # sort costs a [B, T, K] values and an int64 permutation for the call (3 GiB at GLM-5.1's
+    # 128K; with the indexer target, the layer's path on own kernels, also a target buffer to
+    # scatter back from: 4 GiB). On by default (`--bwd-also sm90_red16` times the form without
+    # it).
     bwd_lockstep: bool = True
     # Key tiles a program may lead the slowest of its wave by (an int >= 1; the wrapper raises
     # ValueError otherwise): more tolerates uneven programs, fewer keeps the window smaller.
