@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (no network), from the repository root there, two calls in a row
 # while the machine stays warm (scripts/cudnn_carry.sh prepared the folders here):
-#   bash scripts/gpu_cudnn.sh 1   # carry [".carry/cudnn1", ".whl"]: keeps part 1 on the machine
-#   bash scripts/gpu_cudnn.sh 2   # carry [".carry/cudnn2", ".whl"] (+ ".carry/flashmla_so" if a
-#                                 # build came back earlier): installs, builds FlashMLA, checks
+#   bash scripts/gpu_cudnn.sh 1   # carry [".carry/cudnn1", ".whl"] (+ ".carry/flashmla_so" if a
+#                                 # build came back earlier): keeps part 1 on the machine
+#   bash scripts/gpu_cudnn.sh 2   # carry [".carry/cudnn2", ".whl"]: installs, builds FlashMLA
+#                                 # (unless part 1 brought a build), checks
 # Afterwards `export PYTHONPATH=$PWD/.carry/site:$PYTHONPATH` gives every later command on that
 # machine cuDNN-frontend's DSA kernels (`from cudnn import DSA`), FlashMLA's sparse forward
 # (`from flash_mla import flash_mla_sparse_fwd`) and megatron-core's cudnn backend.
 # Part 1's files wait in .carry/stash (ignored, never carried), which lasts only while the
 # machine is warm: a part 2 that finds it empty says so. Part 2 copies the FlashMLA build to
-# $OUT/flashmla_so when $OUT is set; put that file under .carry/flashmla_so here and carry it
-# next time to skip the build (~4 min).
+# $OUT/flashmla_so when $OUT is set; gzip it into .carry/flashmla_so here (cuda*.so.gz, 3.7 MB:
+# the 13 MB .so does not fit beside either part in a call's 64 MiB) and carry it with part 1
+# next time to skip the build (~1.5-4 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
@@ -25,6 +27,9 @@ case "$part" in
     [ ${#files[@]} -gt 0 ] || { echo "gpu_cudnn.sh: .carry/cudnn1 is empty (carry it)" >&2; exit 1; }
     rm -rf "$stash"; mkdir -p "$stash"
     cp "${files[@]}" "$stash/"
+    built=(.carry/flashmla_so/cuda*.so.gz)
+    [ ${#built[@]} -gt 0 ] && cp "${built[0]}" "$stash/" && echo "[cudnn 1] kept the carried" \
+      "FlashMLA build $(basename "${built[0]}")"
     echo "[cudnn 1] kept ${#files[@]} files in $stash; run part 2 now (the machine stays warm 30 s)"
     exit 0 ;;
   2) ;;
@@ -53,12 +58,12 @@ export PYTHONPATH=$(pwd)/$site:$(pwd)/$site/nvidia_cutlass_dsl/dsl_packages:${PY
 rm -rf .carry/flashmla && mkdir -p .carry/flashmla
 tar -xzf "$stash/flashmla-src.tar.gz" -C .carry
 tar -xzf "$stash/cutlass-headers.tar.gz" -C .carry
-prebuilt=(.carry/flashmla_so/cuda*.so)
+prebuilt=("$stash"/cuda*.so.gz)
 if [ ${#prebuilt[@]} -gt 0 ]; then
   mkdir -p "$site/flash_mla"
   cp .carry/flashmla/flash_mla/*.py "$site/flash_mla/"
-  cp "${prebuilt[0]}" "$site/flash_mla/"
-  echo "[cudnn 2] FlashMLA: the carried build ${prebuilt[0]}"
+  gunzip -c "${prebuilt[0]}" > "$site/flash_mla/$(basename "${prebuilt[0]}" .gz)"
+  echo "[cudnn 2] FlashMLA: the carried build $(basename "${prebuilt[0]}")"
 else
   "$py" scripts/build_flashmla.py --src .carry/flashmla --out "$site"
   if [ -n "${OUT:-}" ]; then
