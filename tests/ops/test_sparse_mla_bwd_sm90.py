@@ -114,3 +114,13 @@ def test_lockstep_slack_is_checked_first(slack):
                                 torch.zeros(1, 4, 64), torch.zeros(1, 4, 64, 512,
                                                                    dtype=torch.bfloat16),
                                 torch.zeros(1, 8, 1, 576), lockstep=True, lockstep_slack=slack)
+
+
+@pytest.mark.parametrize("name", ["bwd_lockstep_slack", "fwd_lockstep_slack"])
+@pytest.mark.parametrize("value", [0, -2, 1.0, True])
+def test_lockstep_slack_option_is_checked_when_made(name, value):
+    """The options object refuses a slack that is not an int >= 1 when it is made: at launch
+    the dispatcher would take the failure for the kernel's, disable it and fall back."""
+    with pytest.raises(ValueError, match=f"AttentionKernelOptions.{name} must be an int >= 1"):
+        replace(AttentionKernelOptions.DEFAULT, **{name: value})
+    assert getattr(replace(AttentionKernelOptions.DEFAULT, **{name: 3}), name) == 3

@@ -265,7 +265,8 @@ class AttentionKernelOptions:
     # of the matmul rate at 16K, 57-59% at 128K). Compiled for sm_90a, not yet run on a GPU:
     # off until tested and timed (`bench_attention.py --fwd-also gluon_ws_lockstep`).
     fwd_lockstep: bool = False
-    # Two-tile iterations a program may lead the slowest of its wave by (an int >= 1).
+    # Two-tile iterations a program may lead the slowest of its wave by (an int >= 1;
+    # ValueError otherwise).
     fwd_lockstep_slack: int = 1
     # One backward pass (the dQ kernel with FUSE_DKV: S, P, dP and dS computed once, the key
     # rows gathered once) instead of a dQ pass and a dK/dV pass. Off until timed: compiled for
@@ -328,8 +329,9 @@ class AttentionKernelOptions:
     # scatter back from: 4 GiB). On by default (`--bwd-also sm90_red16` times the form without
     # it).
     bwd_lockstep: bool = True
-    # Key tiles a program may lead the slowest of its wave by (an int >= 1; the wrapper raises
-    # ValueError otherwise): more tolerates uneven programs, fewer keeps the window smaller.
+    # Key tiles a program may lead the slowest of its wave by (an int >= 1; ValueError
+    # otherwise, when the options are made): more tolerates uneven programs, fewer keeps the
+    # window smaller.
     bwd_lockstep_slack: int = 1
     # dK/dV kernel orientation: keys on M (dK_tile = dS^T @ q with M = the key tile, which at 32
     # keys is below wgmma's 64 and compiles to mma.sync) or the channels on M (dK^T = q^T @ dS:
@@ -422,6 +424,15 @@ class AttentionKernelOptions:
     dkv_wide_warps: int = 8
 
     DEFAULT: ClassVar[AttentionKernelOptions]
+
+    def __post_init__(self) -> None:
+        # Checked here, not at launch: a kernel launch's failure disables the Gluon variant
+        # and falls back (with a warning), which would hide a wrong setting.
+        for name in ("bwd_lockstep_slack", "fwd_lockstep_slack"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"AttentionKernelOptions.{name} must be an int >= 1 (tiles a "
+                                 f"program may lead the slowest of its wave by), got {value!r}")
 
 
 AttentionKernelOptions.DEFAULT = AttentionKernelOptions()
