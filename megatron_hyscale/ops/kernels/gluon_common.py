@@ -1,7 +1,7 @@
 """Device functions the Gluon kernels share (a Gluon kernel cannot call a Triton function):
-which (batch, query, head block) a program or a lockstep work item computes, the lockstep
-pace, the cp.async gather of a block of rows, and an opaque zero that keeps shared-memory
-descriptors inside a loop."""
+which (batch, query, head block) a program or a lockstep work item computes, a block's query
+heads, the lockstep pace, the cp.async gather of a block of rows, and an opaque zero that
+keeps shared-memory descriptors inside a loop."""
 
 from __future__ import annotations
 
@@ -39,6 +39,40 @@ def item_coords(w, T, NHB):
     w = w.to(gl.int64)
     q = w // NHB
     return q // T, q % T, (w % NHB).to(gl.int32)
+
+
+@gluon.jit
+def work_item_count(pid, P, W, LOCKSTEP: gl.constexpr):
+    """Work items this program computes: in lockstep, W items taken every P-th from pid; else
+    its own one."""
+    if LOCKSTEP:
+        n_items = gl.cdiv(W - pid, P)
+    else:
+        n_items = 1
+    return n_items
+
+
+@gluon.jit
+def work_item_coords(pid, n, P, T, NHB, NG: gl.constexpr, LOCKSTEP: gl.constexpr):
+    """(batch, query, head block) of this program's n-th work item (`work_item_count`)."""
+    if LOCKSTEP:
+        b, t, hb = item_coords(pid + n * P, T, NHB)
+    else:
+        b, t, hb = program_coords(T, NG)
+    return b, t, hb
+
+
+@gluon.jit
+def query_heads(hb, H, BLOCK_H: gl.constexpr, PAD_HEADS: gl.constexpr, layout: gl.constexpr):
+    """(head indices int64, which are real heads) of head block hb, in `layout` (a slice):
+    with PAD_HEADS the rows past the H heads read head 0's row, masked off."""
+    heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=layout)).to(gl.int64)
+    if PAD_HEADS:
+        every = heads < H
+        heads = gl.where(every, heads, 0)
+    else:
+        every = gl.full([BLOCK_H], 1, gl.int1, layout=layout)
+    return heads, every
 
 
 @gluon.jit

@@ -37,10 +37,11 @@ from megatron_hyscale.ops.kernels.common import LOG2E, LOG2E_JIT, lockstep_plan
 from megatron_hyscale.ops.kernels.gluon_common import (
     SYNC_SPINS,
     gather_rows,
-    item_coords,
     lockstep_wait,
     opaque_zero,
-    program_coords,
+    query_heads,
+    work_item_coords,
+    work_item_count,
 )
 from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import STRIDE_MULTIPLE, TAIL
 
@@ -123,24 +124,13 @@ def _producer(q_ptr, k_ptr, idx_ptr, dout_ptr, sync_ptr, q_main_s, q_tail_s, do_
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, ld_layout)
     slots = gl.arange(0, BLOCK_N, layout=row_l)
-    if LOCKSTEP:
-        n_items = gl.cdiv(W - pid, P)
-    else:
-        n_items = 1
-    for n in range(n_items):
+    for n in range(work_item_count(pid, P, W, LOCKSTEP)):
+        b, t, hb = work_item_coords(pid, n, P, T, NHB, NG, LOCKSTEP)
         if LOCKSTEP:
-            b, t, hb = item_coords(pid + n * P, T, NHB)
             active = gl.minimum(P, W - n * P)
             # The consumers are done with the last item's q and dO.
             mbarrier.wait(q_empty, (n & 1) ^ 1)
-        else:
-            b, t, hb = program_coords(T, NG)
-        heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_l)).to(gl.int64)
-        if PAD_HEADS:
-            every = heads < H
-            heads = gl.where(every, heads, 0)
-        else:
-            every = gl.full([BLOCK_H], 1, gl.int1, layout=row_l)
+        heads, every = query_heads(hb, H, BLOCK_H, PAD_HEADS, row_l)
         q_rows = q_ptr + b * sqb + t * sqt + heads * sqh
         gather_rows(q_main_s, q_rows, every, D_MAIN, ld_layout)
         if D_TAIL > 0:
@@ -253,15 +243,8 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_main_s.dtype
 
-    if LOCKSTEP:
-        n_items = gl.cdiv(W - pid, P)
-    else:
-        n_items = 1
-    for n in range(n_items):
-        if LOCKSTEP:
-            b, t, hb = item_coords(pid + n * P, T, NHB)
-        else:
-            b, t, hb = program_coords(T, NG)
+    for n in range(work_item_count(pid, P, W, LOCKSTEP)):
+        b, t, hb = work_item_coords(pid, n, P, T, NHB, NG, LOCKSTEP)
         heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
         stat = b * slb + t * slt + heads * slh
         h_ok = heads < H

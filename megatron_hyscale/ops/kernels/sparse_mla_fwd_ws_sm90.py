@@ -35,10 +35,11 @@ from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E, LOG2E_JIT, locks
 from megatron_hyscale.ops.kernels.gluon_common import (
     SYNC_SPINS,
     gather_rows,
-    item_coords,
     lockstep_wait,
     opaque_zero,
-    program_coords,
+    query_heads,
+    work_item_coords,
+    work_item_count,
 )
 
 # Query heads a program: the products' M, one wgmma tile height, so each consumer holds all of
@@ -141,24 +142,13 @@ def _producer(q_ptr, k_ptr, idx_ptr, sync_ptr, q_main_s, q_tail_s, k_main_s, k_t
     # 16 rows a pass; a thread's copies of a row differ by immediate offsets only.
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, ld_layout)
-    if LOCKSTEP:
-        n_items = gl.cdiv(W - pid, P)
-    else:
-        n_items = 1
-    for n in range(n_items):
+    for n in range(work_item_count(pid, P, W, LOCKSTEP)):
+        b, t, hb = work_item_coords(pid, n, P, T, NHB, NG, LOCKSTEP)
         if LOCKSTEP:
-            b, t, hb = item_coords(pid + n * P, T, NHB)
             active = gl.minimum(P, W - n * P)
             # The consumers' last S products of the previous item read the query block.
             mbarrier.wait(q_empty, (n & 1) ^ 1)
-        else:
-            b, t, hb = program_coords(T, NG)
-        heads = (hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_l)).to(gl.int64)
-        if PAD_HEADS:
-            every = heads < H
-            heads = gl.where(every, heads, 0)
-        else:
-            every = gl.full([BLOCK_H], 1, gl.int1, layout=row_l)
+        heads, every = query_heads(hb, H, BLOCK_H, PAD_HEADS, row_l)
         q_rows = q_ptr + b * sqb + t * sqt + heads * sqh
         gather_rows(q_main_s.index(0), q_rows, every, D_MAIN, ld_layout)
         if D_TAIL > 0:
@@ -232,15 +222,8 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_
     # Consumer 0 starts with the half refilled first in its stage (L0), consumer 1 with R1.
     FIRST: gl.constexpr = L if c == 0 else R
 
-    if LOCKSTEP:
-        n_items = gl.cdiv(W - pid, P)
-    else:
-        n_items = 1
-    for n in range(n_items):
-        if LOCKSTEP:
-            b, t, hb = item_coords(pid + n * P, T, NHB)
-        else:
-            b, t, hb = program_coords(T, NG)
+    for n in range(work_item_count(pid, P, W, LOCKSTEP)):
+        b, t, hb = work_item_coords(pid, n, P, T, NHB, NG, LOCKSTEP)
         idx_base = idx_ptr + b * sib + t * sit
         slots = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
