@@ -182,19 +182,24 @@ def explicit_indices(inp):
 
 
 def forward_kernel(inp, options):
-    """Which forward `sparse_attention` ran on these inputs with these options: "gluon-sm90"
-    (the Hopper absorbed-MLA kernel), "gluon-ws-sm90" (its warp-specialized form; "-lockstep"
-    in lockstep) or "triton"
-    (asked after the run: a variant that failed is disabled)."""
+    """Which forward `sparse_attention` ran on these inputs with these options: "flashmla"
+    (FlashMLA's, `fwd_flashmla`), "gluon-sm90" (the Hopper absorbed-MLA kernel),
+    "gluon-ws-sm90" (its warp-specialized form; "-lockstep" in lockstep) or "triton" (asked
+    after the run: a variant that failed is disabled)."""
     q, k, v = inp["q"], inp["k"], inp["v"]
     dv = kern._Geometry(q, k, v, inp["dv"]).dv
+    if options.fwd_flashmla:
+        from megatron_hyscale.ops.backends.library_attention import flashmla_forward_unsupported
+
+        if flashmla_forward_unsupported(q, k, v, inp["idx"], dv,
+                                        prefix_lengths=inp["prefix"]) is None:
+            return "flashmla"
+        options = replace(options, fwd_flashmla=False)
     hopper = kern.hopper_forward(q, k, v, dv, inp["sink"], inp["prefix"], options=options,
                                  warn=False)
     if hopper is None:
         return "triton"
-    if options.fwd_sm90_ws and options.fwd_lockstep:
-        return "gluon-ws-sm90-lockstep"
-    return "gluon-ws-sm90" if options.fwd_sm90_ws else "gluon-sm90"
+    return options.forward_kernel_name()
 
 
 def bench_ours(inp, warmup, reps, deterministic_too, fwd_only=False,
@@ -238,6 +243,8 @@ FWD_KERNELS = {"auto": {},  # the defaults (AttentionKernelOptions.DEFAULT)
                "gluon": dict(fwd_sm90=True, fwd_sm90_ws=False),
                "gluon_ws": dict(fwd_sm90=True, fwd_sm90_ws=True, fwd_lockstep=False),
                "gluon_ws_lockstep": dict(fwd_sm90=True, fwd_sm90_ws=True, fwd_lockstep=True),
+               # FlashMLA's forward inside HyScale's autograd function (`fwd_flashmla`)
+               "flashmla": dict(fwd_flashmla=True),
                "triton": dict(fwd_sm90=False, fwd_sm90_ws=False)}
 
 
@@ -288,9 +295,7 @@ def backward_kernel(inp, options):
     dv = kern._Geometry(q, k, v, inp["dv"]).dv
     if bwd is None or not bwd.applies(q, k, v, dv, inp["prefix"]):
         return "triton"
-    if options.bwd_lockstep:
-        return f"gluon-ws-sm90-lockstep{options.bwd_lockstep_slack}"
-    return "gluon-ws-sm90-red16" if options.bwd_dk_vec4 else "gluon-ws-sm90"
+    return options.backward_kernel_name()
 
 
 def bench_bwd_also(inp, warmup, reps, options, names):

@@ -147,13 +147,18 @@
 #   bash scripts/gpu_session.sh cudnn-tests    # the library backends' GPU tests and the
 #                                         # stock-cudnn layer tests (equality, no host sync)
 #                                         #                                            (~2 min)
+#   bash scripts/gpu_session.sh flashmla-pair  # FlashMLA's forward with HyScale's backward
+#                                         # (`fwd_flashmla`): its GPU tests, then the pair
+#                                         # timed beside the library pair in one process
+#                                         # (bench_attention.py --fwd-kernel flashmla), GLM-5.1
+#                                         # V3.2 CSA at 16K-128K ($PAIR_T)              (~5 min)
 #   bash scripts/gpu_session.sh cudnn-layer [T...]  # bench_layer.py, GLM-5.1 DSA: HyScale
 #                                         # (own kernels, then the measured best per op)
 #                                         # against stock on dsa_kernel_backend="cudnn"
 #                                         # (and "none" at 8K), $REPEATS timed steps (3);
 #                                         # $LAYER_FLAGS: more bench_layer flags (the own
 #                                         # kernels' variants: --attention-bwd sm90)  (~5 min)
-#                                         # The cudnn-* stages pack their files into
+#                                         # The cudnn-* and flashmla-pair stages pack their files into
 #                                         # $OUT/<stage>.tgz, records in results/ inside.
 #   bash scripts/gpu_session.sh pair 'STAGE [ARGS]' 'STAGE [ARGS]'  # on nvidia-h200-x2: two
 #                                         # one-GPU stages at once, one a GPU, e.g.
@@ -209,12 +214,13 @@ shift || true
 case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
-  |accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
+  |flashmla-pair|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
   |ncu-attention|scores-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
-       "|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability" \
+       "|cudnn-tests|cudnn-kernels|cudnn-layer|flashmla-pair|tilelang-kernels|te|fp8" \
+       "|reliability" \
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
        "|ncu-attention|scores-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection}" \
        "[ARGS...]" >&2
@@ -260,8 +266,8 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
 fi
 case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|fwd-ws|key-tma\
-  |bwd-sm90|bwd-atomics)
-    case "$stage" in cudnn-*|tilelang-kernels)
+  |bwd-sm90|bwd-atomics|flashmla-pair)
+    case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
           >&2
@@ -835,6 +841,18 @@ case "$stage" in
       timeout 240 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 --reps 2 \
         --warmup 1 --out "$out" 2>&1 | grep -v -i warn | tee "$out/bench_indexer_loss.log"
     fi
+    ;;
+  flashmla-pair)
+    timeout 200 python3 -m pytest -q -rfE -m gpu tests/ops/test_library_backends_gpu.py \
+      -k "flashmla_forward or library_attention" -p no:cacheprovider > "$out/tests.log" 2>&1
+    rc=$?
+    echo "flashmla-pair tests: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR|E  )" "$out/tests.log" | cut -c1-400 | head -20 || true
+    timeout 330 python3 scripts/bench_attention.py --t ${PAIR_T:-16384 65536 131072} \
+      --shapes glm51 v32 csa --reps 2 --no-stock --no-tilelang --no-deterministic \
+      --fwd-kernel flashmla --fwd-also gluon_ws --out "$out" 2>&1 | grep -v -i warn \
+      | tee "$out/bench_attention.log" | grep -E "T=|Error|^\|"
+    exit $rc
     ;;
   cudnn-layer)
     seqs=${*:-8192 16384 32768 131072 262144}

@@ -4,10 +4,13 @@
 
 For each op the layers can run on a library kernel, takes every record where HyScale's own
 kernel and the library's ran in the same run on the same shape and length, and keeps the
-newest per (op, shape, T): bench_selection (methods hytopk / cudnn), bench_attention
-(fwd_ms + bwd_ms against lib_fwd_ms + lib_bwd_ms, random indices), bench_indexer_loss (triton_lse /
-cudnn, both with the attention's log-sum-exp). The layers then pick, per op and shape, the
-faster of the two at the nearest measured length (ops/backends/measured.py).
+newest per (op, shape, T): bench_selection (methods hytopk / cudnn), bench_attention (per
+side, random indices: the forward the defaults run against lib_fwd_ms, FlashMLA's; the backward
+against lib_bwd_ms, cuDNN's; each side from the newest record that timed the default kernel,
+else the newest older one, `own_kernels` says which), bench_indexer_loss (triton_lse / cudnn,
+both with the attention's log-sum-exp). The layers then pick, per op and shape, the faster at
+the nearest measured length (ops/backends/measured.py); for the attention, the fastest of the
+library pair, FlashMLA's forward with HyScale's backward, and HyScale's pair.
 
 Only HyScale's own kernels and its library backend enter the table: the stock baselines the
 same runs measure (bench_selection's stock_cudnn and stock_tilelang, bench_attention's tl_*
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -27,18 +31,41 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from megatron_hyscale.ops.backends import measured  # noqa: E402
 from megatron_hyscale.ops.backends.measured import (  # noqa: E402
     TABLE_PATH,
     attention_shape,
     loss_shape,
     selection_shape,
 )
+from megatron_hyscale.ops.kernels.options import AttentionKernelOptions  # noqa: E402
 
 # What each record names HyScale's own kernel and its library backend: (own, library). Every
 # other method, column or entry of a record (stock baselines included) is ignored.
 SELECTION_METHODS = ("hytopk", "cudnn")
-ATTENTION_COLUMNS = (("fwd_ms", "bwd_ms"), ("lib_fwd_ms", "lib_bwd_ms"))
+# The attention's own times are those of the kernels the defaults run (a record names the
+# kernel of each time); lib_fwd_ms / lib_bwd_ms are FlashMLA's forward and cuDNN's backward.
+CURRENT_KERNELS = {"fwd": AttentionKernelOptions.DEFAULT.forward_kernel_name(),
+                   "bwd": AttentionKernelOptions.DEFAULT.backward_kernel_name()}
 LOSS_ENTRIES = ("triton_lse", "cudnn")
+
+
+def own_times(r: dict, side: str) -> dict[str, float]:
+    """{kernel name: ms} of HyScale's kernels a bench_attention row timed for `side` ("fwd" or
+    "bwd"): the main one first, then the --fwd-also / --bwd-also ones whose outputs agreed with
+    it (a finite relative difference; a NaN marks a broken run)."""
+    times = {}
+    if isinstance(r.get(f"{side}_ms"), float):  # records before 2026-12-05 name no kernel
+        times[r.get(f"{side}_kernel", "unnamed")] = r[f"{side}_ms"]
+    for key, kernel in r.items():
+        prefix = f"{side}_"
+        if not (key.startswith(prefix) and key.endswith("_kernel")) or key == f"{side}_kernel":
+            continue
+        name = key[len(prefix):-len("_kernel")]
+        ms, diff = r.get(f"{prefix}{name}_ms"), r.get(f"{prefix}{name}_rel_diff")
+        if isinstance(ms, float) and isinstance(diff, float) and math.isfinite(diff):
+            times.setdefault(kernel, ms)
+    return times
 
 
 def entries_from(path: str) -> list[dict]:
@@ -68,12 +95,18 @@ def entries_from(path: str) -> list[dict]:
             if r.get("indices") != "random" or "Hq" not in r:
                 continue
             shape = attention_shape(r["Hq"], r["Dqk"], r["Dv"], r["sink"])
-            times = [r.get(k) for k in (*ATTENTION_COLUMNS[0], *ATTENTION_COLUMNS[1])]
-            if all(isinstance(t, float) for t in times):
-                out.append(dict(op="attention", T=r["T"], own_ms=times[0] + times[1],
-                                library_ms=times[2] + times[3], shape=shape, source=source,
-                                stamp=stamp, own_fwd_bwd_ms=times[:2],
-                                library_fwd_bwd_ms=times[2:]))
+            for side in ("fwd", "bwd"):
+                lib = r.get(f"lib_{side}_ms")
+                own = own_times(r, side)
+                if not isinstance(lib, float) or not own:
+                    continue
+                name = CURRENT_KERNELS[side]
+                # Without the default's time, the fastest kernel the row timed stands in.
+                kernel, ms = (name, own[name]) if name in own else min(own.items(),
+                                                                         key=lambda kv: kv[1])
+                out.append(dict(op="attention", side=side, T=r["T"], shape=shape, own_ms=ms,
+                                library_ms=lib, own_kernel=kernel, current=kernel == name,
+                                source=source, stamp=stamp))
     elif "bench_indexer_loss" in script:
         for r in records:
             own, lib = (r.get(k) for k in LOSS_ENTRIES)
@@ -90,22 +123,45 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=TABLE_PATH, help="table to write")
     args = parser.parse_args()
     paths = args.records or sorted(glob.glob(str(ROOT / "benchmarks/results/*.json")))
-    newest: dict[tuple, dict] = {}
-    for path in paths:
-        for e in entries_from(path):
-            key = (e["op"], e["shape"], e["T"])
-            if key not in newest or e["stamp"] >= newest[key]["stamp"]:
-                newest[key] = e
-    entries = [{k: v for k, v in e.items() if k != "stamp"}
-               for _, e in sorted(newest.items())]
+    entries = table([e for path in paths for e in entries_from(path)])
     args.out.write_text(json.dumps({"generated_by": "scripts/measured_defaults.py",
                                     "entries": entries}, indent=1) + "\n")
     for e in entries:
-        pick = "library" if e["library_ms"] < e["own_ms"] else "own"
+        if e["op"] == "attention":
+            pick = measured.plan_for(e)
+        else:
+            pick = "library" if e["library_ms"] < e["own_ms"] else "own"
         print(f"{e['op']:14s} {e['shape']:22s} T={e['T']:>8d} own {e['own_ms']:9.1f} ms  "
               f"library {e['library_ms']:9.1f} ms  -> {pick}")
     print(f"wrote {len(entries)} entries to {args.out}")
     return 0
+
+
+def table(found: list[dict]) -> list[dict]:
+    """The newest entry per (op, shape, T); for the attention, per side, the newest that timed
+    the kernels the defaults run now (`CURRENT_KERNELS`), else the newest of older ones, the
+    two sides joined into one entry where both were measured."""
+    newest: dict[tuple, dict] = {}
+    for e in found:
+        key = (e["op"], e["shape"], e["T"], e.get("side"))
+        rank = (e.get("current", True), e["stamp"])
+        if key not in newest or rank >= (newest[key].get("current", True),
+                                         newest[key]["stamp"]):
+            newest[key] = e
+    entries = []
+    for (op, shape, T, side), e in sorted(newest.items(), key=lambda kv: str(kv[0])):
+        if op != "attention":
+            entries.append({k: v for k, v in e.items() if k != "stamp"})
+        elif side == "fwd" and (op, shape, T, "bwd") in newest:
+            b = newest[(op, shape, T, "bwd")]
+            source = (e["source"] if e["source"] == b["source"]
+                      else f"forward: {e['source']}; backward: {b['source']}")
+            entries.append(dict(op=op, T=T, own_ms=e["own_ms"] + b["own_ms"],
+                                library_ms=e["library_ms"] + b["library_ms"], shape=shape,
+                                source=source, own_fwd_bwd_ms=[e["own_ms"], b["own_ms"]],
+                                library_fwd_bwd_ms=[e["library_ms"], b["library_ms"]],
+                                own_kernels=[e["own_kernel"], b["own_kernel"]]))
+    return sorted(entries, key=lambda e: (e["op"], e["shape"], e["T"]))
 
 
 if __name__ == "__main__":

@@ -400,7 +400,7 @@ class HyScaleDSAttention(DSAttention):
                                     deterministic=bool(cfg.deterministic_mode),
                                     options=getattr(cfg, "attention_kernel_options", None),
                                     backend=kernel_backend(cfg), check_values=False,
-                                    hytopk_layout=hytopk_layout)
+                                    hytopk_layout=hytopk_layout, keys_ascending=True)
         indexer_loss = None
         if state.loss_coeff > 0:
             # With a row mask a part adds its valid rows' KL sum, divided by the layer's
@@ -507,7 +507,8 @@ class HyScaleDSAttention(DSAttention):
             deterministic=bool(cfg.deterministic_mode),
             options=getattr(cfg, "attention_kernel_options", None),
             loss_options=getattr(cfg, "indexer_loss_kernel_options", None),
-            on_loss=log_from_backward, check_values=False)
+            on_loss=log_from_backward, check_values=False, backend=kernel_backend(cfg),
+            hytopk_layout=True, keys_ascending=True)  # no explicit mask: HyTopK's causal rows
         output = self._output_rows(out, state, up_v_weight)
         return DSAIndexerLossAutoScaler.apply(output, weigh.finish(anchor)), None
 
@@ -571,7 +572,9 @@ class HyScaleDSAttention(DSAttention):
         `visible` (bool [b, sq, keys], an explicit attention mask) replaces causality and
         documents: the selection runs on HyTopK's reference path with it (`ops.hytopk`).
         The selection's output is distinct, visible and valid-first by construction, so its
-        consumers skip their value checks.
+        consumers skip their value checks; each row's keys increase (HyTopK's order="key"; the
+        documents' and parts' offsets keep it), so the lockstep attention kernels skip their
+        sort (`keys_ascending`).
         """
         shape = (b, sq, self.index_topk)
         first, end = (0, sq) if rows is None else rows
@@ -591,6 +594,8 @@ class HyScaleDSAttention(DSAttention):
                     # (the library's included) hand it there.
                     backend="auto" if masked else kernel_backend(self.config),
                     check_values=False, precision=indexer_precision(self.config),
+                    # Key order: the lockstep attention kernels need no sort of their own.
+                    order="key",
                 )[0]
 
             def select(rows: slice, keys: slice, positions: torch.Tensor | None) -> torch.Tensor:

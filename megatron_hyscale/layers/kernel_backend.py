@@ -5,8 +5,9 @@ $HYSCALE_KERNEL_BACKEND (for Megatron-LM's `--spec` launches, which build the co
 command line), else "best":
 - "best": per op and shape, the faster of HyScale's kernel and the library's (cuDNN-frontend's
   DSA kernels and FlashMLA, `pip install megatron-hyscale[cudnn]`), as measured in
-  ops/backends/measured_defaults.json; the library only where it is installed and can run the
-  call. Each op says once which it runs.
+  ops/backends/measured_defaults.json; for the attention the fastest of three pairs (FlashMLA +
+  cuDNN, FlashMLA's forward + HyScale's backward, HyScale's two); the library only where it is
+  installed and can run the call. Each op says once which it runs.
 - "own": HyScale's Triton / Gluon kernels only (the reference on CPU).
 - "cudnn": the library wherever it can run the call (one warning names each case it cannot).
 
@@ -21,13 +22,14 @@ pass over the selected keys in the layer's forward (`ops.indexer_kl_loss` with t
 lse); "attention_backward": emitted by the attention backward's dQ kernel, which then runs the
 loss and its gradient (`ops/kernels/attention_indexer_loss.py`; HyScale's Triton attention and
 loss kernels whatever the backend setting, the loss logged from the backward, its time
-counted in the attention's phase); "auto": "attention_backward" where the attention runs
-HyScale's Triton kernels anyway (CUDA tensors, and the backend setting does not pick the
-library pair for the call), "separate" elsewhere (the library pair's backward emits no target,
-and cuDNN's loss beside it was measured faster than HyScale's attention backward with the
-target: see BENCHMARKS.md). Only for the sparse loss without an explicit attention mask and in a
-training forward with gradients; other calls run the separate path, as do tensors off CUDA
-without Triton's interpreter (an explicit "attention_backward" warns once).
+counted in the attention's phase); "auto": "attention_backward" where the attention's backward
+is HyScale's anyway (CUDA tensors, and the backend setting does not pick the library pair for
+the call; FlashMLA's forward with HyScale's backward counts as HyScale's), "separate"
+elsewhere (the library pair's backward emits no target, and cuDNN's loss beside it was
+measured faster than HyScale's attention backward with the target: see BENCHMARKS.md). Only
+for the sparse loss without an explicit attention mask and in a training forward with
+gradients; other calls run the separate path, as do tensors off CUDA without Triton's
+interpreter (an explicit "attention_backward" warns once).
 
 Packed THD sequences select per document: `config.hyscale_packed_selection`, else
 $HYSCALE_PACKED_SELECTION, else "per_document" (one selection call a document) or "batched"

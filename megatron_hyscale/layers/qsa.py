@@ -174,7 +174,7 @@ class HyTopKBlockSelector:
         # so deterministic_mode keeps the sorted rows (a fixed summation order).
         return hytopk(q, block_keys, weights, topk, relu=True, q_positions=q_positions,
                       k_positions=block_visibility_positions(nb, block_size, q.device),
-                      ordered=deterministic)[0]
+                      order="score" if deterministic else "any")[0]
 
 
 @dataclass(frozen=True)

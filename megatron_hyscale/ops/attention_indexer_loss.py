@@ -7,16 +7,21 @@ visible to their rows (HyTopK's output), to fp32 rounding of the target; but the
 computed in the backward: the op returns a zero-valued anchor standing for it in the graph
 (scale or divide it as the loss; its gradient drives the indexer's) and hands the loss's value
 to `on_loss` when the backward runs. HyScale's Triton kernels only (CUDA, or Triton's
-interpreter on CPU); no sink, no dense prefix, indices shared by every KV head.
+interpreter on CPU; the forward on FlashMLA where `backend` picks it); no sink, no dense
+prefix, indices shared by every KV head.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
+from megatron_hyscale.ops.backends import dispatch, measured
+from megatron_hyscale.ops.backends.dispatch import LIBRARY_BACKENDS
 from megatron_hyscale.ops.checks import (
+    check_backend,
     check_bool,
     check_options,
     check_triton_device,
@@ -47,6 +52,9 @@ def sparse_attention_indexer_loss(
     loss_options: IndexerLossKernelOptions | None = None,
     on_loss: Callable[[torch.Tensor], None] | None = None,
     check_values: bool = True,
+    backend: str = "auto",
+    hytopk_layout: bool = False,
+    keys_ascending: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse attention whose backward also runs the sparse indexer KL loss.
 
@@ -58,14 +66,23 @@ def sparse_attention_indexer_loss(
         on_loss: called once per backward with the loss (fp32 device scalar, the value
             `indexer_kl_loss` would return).
         check_values: also check index ranges and distinctness (a device sync).
+        backend: "auto" or "triton": HyScale's kernels. "cudnn" / "best": the forward may run
+            on FlashMLA (where it can; "best" where measured faster, `ops.sparse_attention`),
+            the backward is always HyScale's, which emits the target.
+        hytopk_layout: as `ops.sparse_attention`'s (each row's valid slots first, one at
+            least: spares FlashMLA's forward its layout test and host syncs).
+        keys_ascending: as `ops.sparse_attention`'s (each row's valid indices increase: the
+            lockstep kernels skip their sort).
 
     Returns:
         (out, lse, anchor): the attention's output and log-sum-exp, and an fp32 scalar equal to
         0 that carries the loss's gradient to q_index, weights and k_index.
     """
     for name, flag in (("relu", relu), ("calculate_per_token_loss", calculate_per_token_loss),
-                       ("deterministic", deterministic), ("check_values", check_values)):
+                       ("deterministic", deterministic), ("check_values", check_values),
+                       ("hytopk_layout", hytopk_layout), ("keys_ascending", keys_ascending)):
         check_bool(name, flag)
+    check_backend(backend, ("auto", "triton", *LIBRARY_BACKENDS))
     options = check_options("options", options, AttentionKernelOptions)
     loss_options = check_options("loss_options", loss_options, IndexerLossKernelOptions)
     if on_loss is not None and not callable(on_loss):
@@ -80,6 +97,11 @@ def sparse_attention_indexer_loss(
         else indices, scale, loss_coeff, True, None, None, check_values)
     valid_rows = normalize_valid_rows(query_valid_rows, q_index)
     check_triton_device("triton", query)
+    if backend in LIBRARY_BACKENDS and dispatch.attention_plan(
+            query, key, value, indices, backend=backend, dv=dv, sink=None,
+            deterministic=deterministic, prefix_lengths=None,
+            library_backward=False) == measured.FLASHMLA_FORWARD:
+        options = dataclasses.replace(options, fwd_flashmla=True)
 
     from megatron_hyscale.ops.kernels.attention_indexer_loss import (
         sparse_attention_indexer_loss_triton,
@@ -89,4 +111,5 @@ def sparse_attention_indexer_loss(
         query, key, value, indices, scale, q_index=q_index, weights=weights, k_index=k_index,
         loss_coeff=coeff, relu=relu, dv=dv, calculate_per_token_loss=calculate_per_token_loss,
         query_valid_rows=valid_rows, tp_group=tp_group, deterministic=deterministic,
-        options=options, loss_options=loss_options, on_loss=on_loss)
+        options=options, loss_options=loss_options, on_loss=on_loss,
+        hytopk_layout=hytopk_layout, keys_ascending=keys_ascending)

@@ -30,6 +30,9 @@ from megatron_hyscale.ops.checks import (
     warn_once,
 )
 from megatron_hyscale.ops.kernels.options import HyTopKOptions
+from megatron_hyscale.ops.key_order import sort_rows_by_key
+
+ORDERS = ("score", "key", "any")
 
 
 def validate_hytopk_inputs(
@@ -72,7 +75,7 @@ def hytopk(
     causal: bool = True,
     visible: torch.Tensor | None = None,
     backend: str = "auto",
-    ordered: bool = True,
+    order: str = "score",
     options: HyTopKOptions | None = None,
     check_values: bool = True,
     precision: str = "bf16",
@@ -100,9 +103,12 @@ def hytopk(
             at 0 .. S-1; elsewhere one warning names why and HyTopK runs) or "best" (whichever
             of HyTopK and cuDNN was measured faster for this shape: ops/backends/measured.py;
             it says once which it runs).
-        ordered: False lets the Triton backend return each row's top-k set in any order (the
-            -1 slots still last), skipping its final per-row sort (QSA at 512K tokens: 43 of
-            460 ms); for consumers that need the set only, such as the sparse attention.
+        order: each row's top-k set (the -1 slots last in every order) in "score" order
+            (descending score, ties to the smaller index: the total order), "key" order
+            (increasing key index: what HyScale's lockstep attention kernels pace by, so
+            they need no sort of their own, `ops/key_order.py`; the DSA layer's) or "any"
+            (the Triton backend skips its final per-row sort: QSA at 512K tokens, 43 of 460
+            ms; for consumers that need the set only).
         options: the Triton kernel's variant and tiling (`HyTopKOptions`; None: its DEFAULT).
             Every variant returns the same outputs; the reference ignores it.
         check_values: True (default) checks that q, k and weights are finite (a host sync
@@ -120,8 +126,7 @@ def hytopk(
             options.prune takes fp8: "cudnn" warns once and runs HyScale's kernel, prune raises.
 
     Returns:
-        indices: int32 [B, T, topk], sorted by (score desc, index asc) when ordered; -1 past
-            the visible keys.
+        indices: int32 [B, T, topk] in `order`; -1 past the visible keys.
         scores: fp32 [B, T, topk] aligned with indices; -inf at -1 slots.
 
     Raises:
@@ -136,6 +141,8 @@ def hytopk(
         stock and the same check stops the run; a direct call with the default names the tensor.
     """
     check_backend(backend, BACKEND_CHOICES)
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     options = check_options("options", options, HyTopKOptions)
     check_bool("check_values", check_values)
     fp8 = fp8_quant.check_precision(precision) == "fp8"
@@ -155,11 +162,11 @@ def hytopk(
     if backend in LIBRARY_BACKENDS:
         got = dispatch.selection(
             q, k, weights, topk, backend=backend, relu=relu, causal=causal, qpos=qpos,
-            kpos=None if k_positions is None else kpos, ordered=ordered,
+            kpos=None if k_positions is None else kpos, ordered=order == "score",
             q_start=k.shape[1] - q.shape[1] if q_positions is None else None,
             precision=precision)
         if got is not None:
-            return got
+            return _in_order(got, order)
         backend = "auto"
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
     q_scale = k_scale = None
@@ -174,14 +181,22 @@ def hytopk(
             warn_once("hytopk-import", f"HyTopK Triton kernel unavailable ({err}); using the "
                       "reference path")
         else:
-            return hytopk_kernel.hytopk_triton(
+            return _in_order(hytopk_kernel.hytopk_triton(
                 q, k, weights, topk, relu=relu, q_positions=qpos, k_positions=kpos,
-                causal=causal, ordered=ordered, options=options, q_scale=q_scale,
+                causal=causal, ordered=order == "score", options=options, q_scale=q_scale,
                 k_scale=k_scale,
-            )
+            ), order)
     if fp8:  # the reference on the same quantized inputs, dequantized exactly in fp32
         q, k = fp8_quant.dequantize(q, q_scale), fp8_quant.dequantize(k, k_scale)
-    return reference.hytopk_reference(
+    return _in_order(reference.hytopk_reference(
         q, k, weights, topk, relu=relu, q_positions=qpos, k_positions=kpos, causal=causal,
         visible=visible,
-    )
+    ), order)
+
+
+def _in_order(result: tuple[torch.Tensor, torch.Tensor], order: str
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backends' rows (score order, or any order with the -1 slots last) in `order`."""
+    if order == "key":
+        sort_rows_by_key(*result)
+    return result

@@ -8,10 +8,12 @@ fp32; the output comes back in q's dtype.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatron_hyscale.ops import reference
-from megatron_hyscale.ops.backends import dispatch
+from megatron_hyscale.ops.backends import dispatch, measured
 from megatron_hyscale.ops.backends.dispatch import BACKEND_CHOICES, LIBRARY_BACKENDS
 from megatron_hyscale.ops.checks import (
     FLOAT_DTYPES,
@@ -124,6 +126,7 @@ def sparse_attention(
     options: AttentionKernelOptions | None = None,
     check_values: bool = True,
     hytopk_layout: bool = False,
+    keys_ascending: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over its selected keys only.
 
@@ -154,8 +157,10 @@ def sparse_attention(
             (`AttentionKernelOptions.fwd_sm90`). "cudnn": FlashMLA's SM90 forward and
             cuDNN-frontend's SM90 backward (the stock cudnn backend's kernels; one KV head, v
             None, 512 value channels, 576 or 512 key channels, bf16, not deterministic;
-            elsewhere one warning names why and HyScale's kernels run); "best": whichever was
-            measured faster (forward + backward) for this shape, said once.
+            elsewhere FlashMLA's forward with HyScale's backward where the forward can run
+            (deterministic, say), else HyScale's kernels, one warning naming why); "best":
+            the fastest of those two pairs and FlashMLA's forward with HyScale's backward, as
+            measured for this shape (`ops/backends/measured.py`), said once.
         options: the kernels' variants and tilings (`AttentionKernelOptions`; None: its
             DEFAULT), forward and backward; the reference ignores it.
         check_values: True (default) checks the values (a host sync each): finite inputs,
@@ -167,6 +172,11 @@ def sparse_attention(
         hytopk_layout: the indices are HyTopK's causal output (each row's valid slots
             first, at least one per row), so the library kernels skip their layout tests
             and the host syncs they cost (the DSA layer passes True).
+        keys_ascending: each row's valid indices increase, -1 slots anywhere (`ops.hytopk(
+            order="key")`, the DSA layer's selection): HyScale's lockstep kernels
+            (`AttentionKernelOptions.bwd_lockstep`) then skip their own sort of the rows, its
+            int64 permutation and the indexer target's second buffer. Only their pace depends
+            on it: rows in another order give the same results, more slowly.
 
     Returns:
         out [B, T, Hq, Dv] in q's dtype (zeros for a row with no valid index), and with
@@ -179,22 +189,29 @@ def sparse_attention(
     options = check_options("options", options, AttentionKernelOptions)
     check_bool("check_values", check_values)
     check_bool("hytopk_layout", hytopk_layout)
+    check_bool("keys_ascending", keys_ascending)
     scale, dv = validate_sparse_attention_inputs(q, k, v, indices, softmax_scale, dv, sink,
                                                  prefix_lengths, check_values)
     check_triton_device(backend, q)
     if backend in LIBRARY_BACKENDS:
-        got = dispatch.attention(q, k, v, indices, scale, backend=backend, dv=dv, sink=sink,
-                                 deterministic=deterministic, prefix_lengths=prefix_lengths,
+        plan = dispatch.attention_plan(q, k, v, indices, backend=backend, dv=dv, sink=sink,
+                                       deterministic=deterministic,
+                                       prefix_lengths=prefix_lengths)
+        got = dispatch.attention(q, k, v, indices, scale, plan=plan, sink=sink,
                                  hytopk_layout=hytopk_layout)
         if got is not None:
             return got if return_lse else got[0]
+        if plan == measured.FLASHMLA_FORWARD:
+            options = dataclasses.replace(options, fwd_flashmla=True)
         backend = "auto"
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_triton
 
         return sparse_attention_triton(q, k, v, indices, scale, dv=dv, sink=sink,
                                        return_lse=return_lse, deterministic=deterministic,
-                                       prefix_lengths=prefix_lengths, options=options)
+                                       prefix_lengths=prefix_lengths, options=options,
+                                       hytopk_layout=hytopk_layout,
+                                       keys_ascending=keys_ascending)
     out, lse = reference.sparse_attention_reference(q, k, v, indices, scale, dv=dv, sink=sink,
                                                     prefix_lengths=prefix_lengths)
     return (out, lse) if return_lse else out

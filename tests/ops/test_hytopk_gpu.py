@@ -260,14 +260,14 @@ def test_recency_bf16_pruning_identical_to_unpruned(relu):
 
 @pytest.mark.parametrize("H,topk,ratio", [(4, 512, 4), (64, 512, 1)])
 def test_unordered_rows_are_the_ordered_sets(H, topk, ratio):
-    """ordered=False (QSA's layer outside deterministic_mode) on the compiled kernel: each row
+    """order="any" (QSA's layer outside deterministic_mode) on the compiled kernel: each row
     holds the sorted output's set, -1 slots last; QSA's and CSA's shapes, integer inputs."""
     T = 8192
     q, k, w = int_inputs(1, T, T // ratio, H, 128, torch.bfloat16, seed=7)
     kpos = torch.arange(T // ratio, device="cuda") * ratio + ratio - 1
     kw = dict(q_positions=torch.arange(T, device="cuda"), k_positions=kpos)
     ord_i, ord_s = hytopk(q, k, w, topk, backend="triton", **kw)
-    un_i, un_s = hytopk(q, k, w, topk, backend="triton", ordered=False, **kw)
+    un_i, un_s = hytopk(q, k, w, topk, backend="triton", order="any", **kw)
     assert (ord_i == -1).any()
     assert_rows_hold_sorted_sets(un_i, un_s, ord_i, ord_s)
 

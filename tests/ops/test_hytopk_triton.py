@@ -27,6 +27,7 @@ from megatron_hyscale.ops.kernels.options import (  # noqa: E402
     SELECT_VARIANTS_OFF,
     HyTopKOptions,
 )
+from megatron_hyscale.ops.key_order import sort_rows_by_key  # noqa: E402
 from megatron_hyscale.ops.reference import order_key  # noqa: E402
 from megatron_hyscale.testing.compare import assert_rows_hold_sorted_sets  # noqa: E402
 
@@ -440,7 +441,7 @@ def test_unordered_rows_hold_the_same_set(keys_on_m, atomic_slots):
     runs = [kernel._launch(q, k, w, topk, relu=True, causal=True, q_positions=qpos,
                            k_positions=kpos, options=options, ordered=False)]
     if keys_on_m and atomic_slots:
-        runs.append(hytopk(q, k, w, topk, backend="triton", ordered=False))
+        runs.append(hytopk(q, k, w, topk, backend="triton", order="any"))
     assert (ref_i == -1).any()  # the case is there
     for out_i, out_s in runs:
         assert_rows_hold_sorted_sets(out_i, out_s, ref_i, ref_s)
@@ -602,19 +603,29 @@ def test_sampled_threshold_above_the_kth_key_is_redone():
     assert sampled(q, k, w, 12, dict(sample_keys=32), causal=False) == [T, 1]
 
 
-@pytest.mark.parametrize("ordered", [True, False])
-def test_sort_in_kernel_unordered_and_public_api(ordered):
-    """sort_in_kernel through the public API: ordered rows equal the reference; ordered=False
-    rows hold its sets with the -1 slots last (S = T causal: early rows see fewer than topk)."""
+@pytest.mark.parametrize("order", ["score", "key", "any"])
+@pytest.mark.parametrize("sort_in_kernel", [True, False])
+def test_row_orders_through_the_public_api(order, sort_in_kernel):
+    """Each order through the public API, the kernel's row sort or the torch pass: "score"
+    rows equal the reference; "key" rows its sets in increasing key order (scores moved with
+    them), "any" rows its sets, both with the -1 slots last (S = T causal: early rows see
+    fewer than topk)."""
     q, k, w = int_inputs(2, 16, 16, 4, 16, seed=5, lo=-1, hi=2)
     ref_i, ref_s = hytopk(q, k, w, 12, backend="reference")
-    out_i, out_s = hytopk(q, k, w, 12, backend="triton", ordered=ordered,
-                          options=kernel_options(sort_in_kernel=True, lean_filter=True))
+    out_i, out_s = hytopk(q, k, w, 12, backend="triton", order=order,
+                          options=kernel_options(sort_in_kernel=sort_in_kernel,
+                                                 lean_filter=True))
     assert (ref_i == -1).any()
-    if ordered:
-        assert torch.equal(out_i, ref_i) and torch.equal(out_s, ref_s)
-    else:
+    if order == "any":
         assert_rows_hold_sorted_sets(out_i, out_s, ref_i, ref_s)
+        return
+    if order == "key":
+        ref_i, ref_s = ref_i.clone(), ref_s.clone()
+        sort_rows_by_key(ref_i, ref_s)
+        valid = out_i >= 0
+        assert (out_i[..., 1:] > out_i[..., :-1])[valid[..., 1:]].all()
+    assert torch.equal(out_i, ref_i) and torch.equal(out_s, ref_s)
+    assert torch.equal(hytopk(q, k, w, 12, backend="reference", order=order)[0], ref_i)
 
 
 @triton.jit

@@ -10,6 +10,8 @@ cosine / relative-error bounds as the Triton GPU tests use.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -102,21 +104,17 @@ def gla_attention_inputs(B, T, S, H, D, K, seed, *, holes=True):
     return q, k, idx
 
 
-@pytest.mark.parametrize("H,D,K,sink", [(64, 576, 2048, False), (16, 576, 300, False),
-                                        (64, 512, 512, True), (128, 576, 1024, False)])
-def test_library_attention_matches_reference(H, D, K, sink):
-    needs(CUDNN, FLASHMLA)
-    from megatron_hyscale.ops.backends.library_attention import (
-        library_attention,
-        library_attention_unsupported,
-    )
+ATTENTION_CASES = [(64, 576, 2048, False), (16, 576, 300, False), (64, 512, 512, True),
+                   (128, 576, 1024, False)]
 
+
+def check_attention_against_reference(attend, H, D, K, sink, seed):
+    """attend(q, k, idx, scale, dv, sink) -> (out, lse), differentiable, on bf16 inputs with
+    holes and an empty row 3: out / lse against the fp32 reference, the gradients' cosines."""
     B, T = 2, 1024
-    q, k, idx = gla_attention_inputs(B, T, T, H, D, K, seed=H + K)
+    q, k, idx = gla_attention_inputs(B, T, T, H, D, K, seed=seed)
     dv = 512 if D == 576 else None
     s = torch.randn(H, device="cuda") if sink else None
-    assert library_attention_unsupported(q, k, None, idx, dv, prefix_lengths=None,
-                                         deterministic=False) is None
     scale = D**-0.5
     qr, kr = q.float().requires_grad_(), k.float().requires_grad_()
     sr = None if s is None else s.clone().requires_grad_()
@@ -124,7 +122,7 @@ def test_library_attention_matches_reference(H, D, K, sink):
                                     backend="reference")
     ql, kl = q.clone().requires_grad_(), k.clone().requires_grad_()
     sl = None if s is None else s.clone().requires_grad_()
-    out, lse = library_attention(ql, kl, idx, scale, sink=sl)
+    out, lse = attend(ql, kl, idx, scale, dv, sl)
     rel = ((out.float() - out_r).norm() / out_r.norm()).item()
     assert rel < 1e-2, rel
     finite = torch.isfinite(lse_r)
@@ -141,6 +139,43 @@ def test_library_attention_matches_reference(H, D, K, sink):
         cos = torch.nn.functional.cosine_similarity(got.float().flatten(), want.flatten(), 0)
         assert cos.item() > 0.999, (name, cos.item())
     assert torch.equal(ql.grad[:, 3], torch.zeros_like(ql.grad[:, 3]))
+
+
+@pytest.mark.parametrize("H,D,K,sink", ATTENTION_CASES)
+def test_library_attention_matches_reference(H, D, K, sink):
+    needs(CUDNN, FLASHMLA)
+    from megatron_hyscale.ops.backends.library_attention import (
+        library_attention,
+        library_attention_unsupported,
+    )
+
+    def attend(q, k, idx, scale, dv, s):
+        assert library_attention_unsupported(q, k, None, idx, dv, prefix_lengths=None,
+                                             deterministic=False) is None
+        return library_attention(q, k, idx, scale, sink=s)
+
+    check_attention_against_reference(attend, H, D, K, sink, seed=H + K)
+
+
+@pytest.mark.parametrize("H,D,K,sink", ATTENTION_CASES)
+def test_flashmla_forward_with_hyscale_backward_matches_reference(H, D, K, sink):
+    """`AttentionKernelOptions.fwd_flashmla`: FlashMLA's forward, HyScale's (Gluon) backward
+    on its output and lse; the layouts as the library pair's test, the empty row included."""
+    needs(FLASHMLA)
+    from dataclasses import replace
+
+    from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
+    from megatron_hyscale.ops.kernels.sparse_attention import sparse_attention_triton
+
+    options = replace(AttentionKernelOptions.DEFAULT, fwd_flashmla=True)
+
+    def attend(q, k, idx, scale, dv, s):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*fwd_flashmla")  # FlashMLA must run
+            return sparse_attention_triton(q, k, None, idx, scale, dv=dv, sink=s,
+                                           return_lse=True, options=options)
+
+    check_attention_against_reference(attend, H, D, K, sink, seed=3 * H + K)
 
 
 @pytest.mark.parametrize("B,H_I,with_lse,K", [(1, 64, True, 512), (2, 32, False, 512),

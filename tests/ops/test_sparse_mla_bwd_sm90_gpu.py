@@ -60,7 +60,8 @@ def forward(q, k, idx, scale, sink):
     return sa.sparse_attention_fwd(q, k, None, idx, scale, dv=dv, sink=sink)
 
 
-def backward(q, k, idx, scale, sink, out, lse, dout, options, dlse=None, target=False):
+def backward(q, k, idx, scale, sink, out, lse, dout, options, dlse=None, target=False,
+             keys_ascending=False):
     """(dq, dk, dsink[, target]) of the kernel backward under `options`, counting launches of
     the Gluon kernel."""
     from megatron_hyscale.ops.kernels import sparse_attention as sa
@@ -68,11 +69,13 @@ def backward(q, k, idx, scale, sink, out, lse, dout, options, dlse=None, target=
     dv = 1 << (q.shape[-1].bit_length() - 1)
     if target:
         dq, dk, dvv, dsink, tgt = sa.sparse_attention_bwd_with_target(
-            q, k, None, idx, scale, out, lse, dout, dlse=dlse, dv=dv, sink=sink, options=options)
+            q, k, None, idx, scale, out, lse, dout, dlse=dlse, dv=dv, sink=sink, options=options,
+            keys_ascending=keys_ascending)
         assert dvv is None
         return dq, dk, dsink, tgt
     dq, dk, dvv, dsink = sa.sparse_attention_bwd(q, k, None, idx, scale, out, lse, dout,
-                                                 dlse=dlse, dv=dv, sink=sink, options=options)
+                                                 dlse=dlse, dv=dv, sink=sink, options=options,
+                                                 keys_ascending=keys_ascending)
     assert dvv is None
     return dq, dk, dsink
 
@@ -153,6 +156,29 @@ def test_lockstep_over_several_waves(hq, T, slack, launches):
     assert launches == [1, 1] and launches.kw[0]["lockstep"] and not launches.kw[1]["lockstep"]
     assert torch.equal(idx, before)
     check_same(got, want)
+
+
+@needs_hopper
+@pytest.mark.parametrize("hq", [64, 128])
+def test_lockstep_on_rows_already_in_key_order(hq, launches):
+    """keys_ascending (the DSA layer's HyTopK rows, order="key": ascending, -1 last): the
+    wrapper runs the rows as they are and writes the target in place; the same gradients and
+    target as the sorting lockstep and the unpaced backward."""
+    from megatron_hyscale.ops.key_order import sort_rows_by_key
+
+    q, k, idx, _, dout, scale = inputs(hq, 300, 4096, 640, seed=hq + 1)
+    sort_rows_by_key(idx)
+    out, lse = forward(q, k, idx, scale, None)
+    lock = replace(SM90, bwd_dk_vec4=True, bwd_lockstep=True)
+    got = backward(q, k, idx, scale, None, out, lse, dout, lock, target=True,
+                   keys_ascending=True)
+    sorting = backward(q, k, idx, scale, None, out, lse, dout, lock, target=True)
+    unpaced = backward(q, k, idx, scale, None, out, lse, dout,
+                       replace(lock, bwd_lockstep=False), target=True)
+    assert [kw["keys_ascending"] for kw in launches.kw] == [True, False, False]
+    check_same(got, sorting)
+    check_same(got, unpaced)
+    assert torch.equal(got[3] < 0, idx < 0)
 
 
 @needs_hopper

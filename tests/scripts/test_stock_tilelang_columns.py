@@ -314,6 +314,7 @@ def test_measured_defaults_never_picks_a_stock_row(tmp_path) -> None:
     for script, records in (("bench_selection", SELECTION + stock_only_sel[-1:]),
                             ("bench_attention", ATTENTION), ("bench_indexer_loss", LOSS)):
         entries += md.entries_from(str(write_record(folder, script, records)))
+    entries = md.table(entries)  # the attention's forward and backward joined
     by_op = {e["op"]: e for e in entries}
     assert len(entries) == 3, entries
     assert (by_op["selection"]["own_ms"], by_op["selection"]["library_ms"]) == (300.0, 200.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from megatron_hyscale.ops.backends import measured
-from megatron_hyscale.ops.backends.availability import CUDNN, library_unavailable
+from megatron_hyscale.ops.backends.availability import CUDNN, FLASHMLA, library_unavailable
 from megatron_hyscale.ops.checks import warn_once
 
 LIBRARY_BACKENDS = ("cudnn", "best")
@@ -65,24 +65,70 @@ def selection(q, k, weights, topk, *, backend, relu, causal, qpos, kpos, ordered
     return cudnn_selection(q, k, weights, topk, qpos=qpos, ordered=ordered, q_start=q_start)
 
 
+def attention_plan(q, k, v, indices, *, backend, dv, sink, deterministic, prefix_lengths,
+                   library_backward: bool = True) -> str:
+    """Which kernels `ops.sparse_attention` runs for this call (said once per shape and
+    choice): `measured.LIBRARY_PAIR` (FlashMLA's forward, cuDNN's backward), `measured.
+    FLASHMLA_FORWARD` (FlashMLA's forward, HyScale's backward) or `measured.OWN_PAIR`.
+    "cudnn" takes the library pair where it runs, else FlashMLA's forward where that runs
+    (one warning names why each time the pair cannot); "best" the fastest that can run, as
+    measured (`measured.attention_plan`). library_backward=False: a call whose backward must be
+    HyScale's (it emits the indexer loss's target)."""
+    if backend not in LIBRARY_BACKENDS:
+        return measured.OWN_PAIR
+    if backend == "best" and library_unavailable(FLASHMLA):
+        return measured.OWN_PAIR  # an optional extra not installed: nothing to choose between
+    from megatron_hyscale.ops.backends.library_attention import (
+        flashmla_forward_unsupported,
+        library_attention_unsupported,
+    )
+
+    fwd_reason = flashmla_forward_unsupported(q, k, v, indices, dv,
+                                              prefix_lengths=prefix_lengths)
+    pair_reason = fwd_reason or library_attention_unsupported(
+        q, k, v, indices, dv, prefix_lengths=prefix_lengths, deterministic=deterministic)
+    if pair_reason is None and not library_backward:
+        pair_reason = "the call's backward emits the indexer loss's target (HyScale's kernel)"
+    shape = measured.attention_shape(q.shape[2], q.shape[3], dv or q.shape[3], sink is not None)
+    if backend == "cudnn":
+        if pair_reason is None:
+            return measured.LIBRARY_PAIR
+        if fwd_reason is None:
+            warn_once(f"attention-cudnn:{pair_reason}", "attention: backend='cudnn' cannot run "
+                      f"cuDNN's backward here ({pair_reason}); running FlashMLA's forward and "
+                      "HyScale's backward")
+            return measured.FLASHMLA_FORWARD
+        warn_once(f"attention-cudnn:{fwd_reason}", "attention: backend='cudnn' cannot run this "
+                  f"call ({fwd_reason}); running HyScale's kernel")
+        return measured.OWN_PAIR
+    allowed = [measured.OWN_PAIR]
+    if fwd_reason is None:
+        allowed.append(measured.FLASHMLA_FORWARD)
+    if pair_reason is None:
+        allowed.append(measured.LIBRARY_PAIR)
+    if fwd_reason:
+        announce_once(("attention", shape, "own", fwd_reason), f"attention {shape}: "
+                      f"HyScale's kernels (the library cannot run it: {fwd_reason})")
+        return measured.OWN_PAIR
+    plan, why = measured.attention_plan(shape, q.shape[1], tuple(allowed))
+    announce_once(("attention", shape, plan), f"attention {shape}: "
+                  f"{measured.PLAN_NAMES[plan]} ({why})")
+    return plan
+
+
 def attention_uses_library(q, k, v, indices, *, backend, dv, sink, deterministic,
                            prefix_lengths) -> bool:
-    """Whether `attention` would run the library pair for this call (said once, as there)."""
-    if backend not in LIBRARY_BACKENDS:
-        return False
-    from megatron_hyscale.ops.backends.library_attention import library_attention_unsupported
-
-    reason = library_attention_unsupported(q, k, v, indices, dv, prefix_lengths=prefix_lengths,
-                                           deterministic=deterministic)
-    shape = measured.attention_shape(q.shape[2], q.shape[3], dv or q.shape[3], sink is not None)
-    return _use_library(backend, "attention", shape, q.shape[1], reason)
+    """Whether `attention` runs the library pair for this call (whose backward emits no
+    indexer target); said once, as there."""
+    return attention_plan(q, k, v, indices, backend=backend, dv=dv, sink=sink,
+                          deterministic=deterministic,
+                          prefix_lengths=prefix_lengths) == measured.LIBRARY_PAIR
 
 
-def attention(q, k, v, indices, scale, *, backend, dv, sink, deterministic, prefix_lengths,
-              hytopk_layout=False):
-    """(out, lse) on FlashMLA + cuDNN, or None."""
-    if not attention_uses_library(q, k, v, indices, backend=backend, dv=dv, sink=sink,
-                                  deterministic=deterministic, prefix_lengths=prefix_lengths):
+def attention(q, k, v, indices, scale, *, plan, sink, hytopk_layout=False):
+    """(out, lse) on FlashMLA + cuDNN where `plan` (`attention_plan`'s) is the library pair,
+    else None."""
+    if plan != measured.LIBRARY_PAIR:
         return None
     from megatron_hyscale.ops.backends.library_attention import library_attention
 

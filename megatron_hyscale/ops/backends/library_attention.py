@@ -9,6 +9,8 @@ the 64 the Hopper kernels take. FlashMLA's lse leaves the sink out; the contract
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from megatron_hyscale.ops.backends.availability import (
@@ -26,15 +28,14 @@ HEAD_COUNTS = (64, 128)  # the SM90 kernels' query-head tiles; fewer heads are z
 TOPK_ALIGNMENT = 512  # slots per row a multiple of this (megatron's FlashMLA alignment on sm_90)
 
 
-def library_attention_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                                  indices: torch.Tensor, dv: int | None, *,
-                                  prefix_lengths: torch.Tensor | None,
-                                  deterministic: bool) -> str | None:
-    """None when `library_attention` can run this call, else the reason it cannot."""
-    for library in (FLASHMLA, CUDNN):
-        reason = library_unavailable(library, q.device)
-        if reason:
-            return reason
+def flashmla_forward_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                                 indices: torch.Tensor, dv: int | None, *,
+                                 prefix_lengths: torch.Tensor | None) -> str | None:
+    """None when FlashMLA's sparse forward (`flashmla_forward`) can run this call, else the
+    reason it cannot."""
+    reason = library_unavailable(FLASHMLA, q.device)
+    if reason:
+        return reason
     B, T, Hq, D = q.shape
     if q.dtype != torch.bfloat16:
         return f"FlashMLA takes bf16 (got {q.dtype})"
@@ -50,15 +51,82 @@ def library_attention_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         return f"FlashMLA takes {HEAD_COUNTS} query heads or a divisor of 64 (got {Hq})"
     if prefix_lengths is not None:
         return "prefix_lengths (generated prefix slots) has no library kernel"
-    if deterministic:
-        return "cuDNN's SM90 sparse-attention backward has no deterministic mode"
     if B * k.shape[1] >= 2**31:
         return "B * S keys exceed the library kernels' int32 key ids"
     return None
 
 
+def library_attention_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                                  indices: torch.Tensor, dv: int | None, *,
+                                  prefix_lengths: torch.Tensor | None,
+                                  deterministic: bool) -> str | None:
+    """None when `library_attention` (FlashMLA's forward and cuDNN's backward) can run this
+    call, else the reason it cannot."""
+    reason = library_unavailable(CUDNN, q.device) or flashmla_forward_unsupported(
+        q, k, v, indices, dv, prefix_lengths=prefix_lengths)
+    if reason:
+        return reason
+    if deterministic:
+        return "cuDNN's SM90 sparse-attention backward has no deterministic mode"
+    return None
+
+
 def _padded_heads(Hq: int) -> int:
     return Hq if Hq in HEAD_COUNTS else HEAD_COUNTS[0]
+
+
+class FlashMLAForward(NamedTuple):
+    """FlashMLA's forward in the contract's layout, and what cuDNN's backward reads."""
+
+    out: torch.Tensor  # [B, T, Hq, 512] (a view of the padded rows)
+    lse: torch.Tensor  # fp32 [B, T, Hq], natural log, the sink included
+    q_flat: torch.Tensor  # [B * T, Hp, D], the query heads zero-padded to Hp
+    kv: torch.Tensor  # [B * S, 1, D]
+    ids: torch.Tensor  # int32 [B * T, 1, K'] flat key ids, valid first, -1 after
+    length: torch.Tensor  # int32 [B * T] valid slots a row
+    out_flat: torch.Tensor  # [B * T, Hp, 512]
+    lse_flat: torch.Tensor  # fp32 [B * T, Hp], FlashMLA's (without the sink)
+    sink_p: torch.Tensor  # fp32 [Hp], -inf where none
+
+
+def flashmla_forward(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, scale: float, *,
+                     sink: torch.Tensor | None = None, hytopk_layout: bool = False
+                     ) -> FlashMLAForward:
+    """FlashMLA's SM90 sparse forward on inputs `flashmla_forward_unsupported` accepts (no
+    autograd): rows flattened batch-major, key ids made global, each row's valid slots first
+    with a length, query heads zero-padded to the kernels' 64. `hytopk_layout`: the caller
+    vouches that every row lists its valid slots first and holds one (no layout or empty-row
+    test, no host sync); otherwise a row without slots gets the contract's zeros and -inf."""
+    B, T, Hq, D = q.shape
+    S = k.shape[1]
+    Hp = _padded_heads(Hq)
+    rows = indices.reshape(B, T, indices.shape[-1])
+    slots, length = valid_first(rows, known_valid_first=hytopk_layout)
+    K = slots.shape[-1]
+    if K % TOPK_ALIGNMENT:
+        slots = torch.nn.functional.pad(slots, (0, round_up(K, TOPK_ALIGNMENT) - K), value=-1)
+    ids = flat_key_ids(slots, S).reshape(B * T, 1, -1).contiguous()
+    length = length.reshape(B * T).contiguous()
+    q_flat = q.reshape(B * T, Hq, D)
+    if Hp != Hq:
+        q_flat = torch.nn.functional.pad(q_flat, (0, 0, 0, Hp - Hq))
+    q_flat = q_flat.contiguous()
+    kv = k.reshape(B * S, 1, D).contiguous()
+    sink_p = torch.full((Hp,), float("-inf"), device=q.device, dtype=torch.float32)
+    if sink is not None:
+        sink_p[:Hq] = sink.float()
+    out, _max_logits, lse = flash_mla_sparse_fwd()(q_flat, kv, ids, scale, d_v=VALUE_CHANNELS,
+                                                   attn_sink=sink_p, topk_length=length)
+    # FlashMLA's value for a row without slots is not the contract's. HyTopK's rows all hold a
+    # slot (key 0 is visible to every row): no test, no host sync.
+    empty = None if hytopk_layout else length == 0
+    if empty is not None and bool(empty.any()):
+        out = out.masked_fill(empty.view(-1, 1, 1), 0.0)
+        lse = lse.masked_fill(empty.view(-1, 1), float("-inf"))
+    full_lse = lse[:, :Hq] if sink is None else torch.logaddexp(lse[:, :Hq], sink_p[:Hq])
+    return FlashMLAForward(out[:, :Hq].reshape(B, T, Hq, VALUE_CHANNELS),
+                           full_lse.reshape(B, T, Hq).contiguous(), q_flat, kv, ids, length,
+                           out, lse, sink_p)
 
 
 class LibrarySparseAttention(torch.autograd.Function):
@@ -69,42 +137,15 @@ class LibrarySparseAttention(torch.autograd.Function):
                 sink: torch.Tensor | None, hytopk_layout: bool
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, Hq, D = q.shape
-        S = k.shape[1]
-        Hp = _padded_heads(Hq)
-        rows = indices.reshape(B, T, indices.shape[-1])
-        slots, length = valid_first(rows, known_valid_first=hytopk_layout)
-        K = slots.shape[-1]
-        if K % TOPK_ALIGNMENT:
-            slots = torch.nn.functional.pad(slots, (0, round_up(K, TOPK_ALIGNMENT) - K),
-                                            value=-1)
-        ids = flat_key_ids(slots, S).reshape(B * T, 1, -1).contiguous()
-        length = length.reshape(B * T).contiguous()
-        q_flat = q.reshape(B * T, Hq, D)
-        if Hp != Hq:
-            q_flat = torch.nn.functional.pad(q_flat, (0, 0, 0, Hp - Hq))
-        q_flat = q_flat.contiguous()
-        kv = k.reshape(B * S, 1, D).contiguous()
-        sink_p = torch.full((Hp,), float("-inf"), device=q.device, dtype=torch.float32)
-        if sink is not None:
-            sink_p[:Hq] = sink.float()
-        out, _max_logits, lse = flash_mla_sparse_fwd()(q_flat, kv, ids, scale,
-                                                       d_v=VALUE_CHANNELS, attn_sink=sink_p,
-                                                       topk_length=length)
-        # FlashMLA's value for a row without slots is not the contract's. HyTopK's rows all
-        # hold a slot (key 0 is visible to every row): no test, no host sync.
-        empty = None if hytopk_layout else length == 0
-        if empty is not None and bool(empty.any()):
-            out = out.masked_fill(empty.view(-1, 1, 1), 0.0)
-            lse = lse.masked_fill(empty.view(-1, 1), float("-inf"))
-        ctx.save_for_backward(q_flat, kv, ids, length, out, lse, sink_p)
+        fwd = flashmla_forward(q, k, indices, scale, sink=sink, hytopk_layout=hytopk_layout)
+        ctx.save_for_backward(fwd.q_flat, fwd.kv, fwd.ids, fwd.length, fwd.out_flat,
+                              fwd.lse_flat, fwd.sink_p)
         ctx.rows_all_hold_slots = hytopk_layout
-        ctx.shape = (B, T, Hq, D, S)
+        ctx.shape = (B, T, Hq, D, k.shape[1])
         ctx.scale = scale
         ctx.has_sink = sink is not None
         ctx.sink_dtype = None if sink is None else sink.dtype
-        full_lse = lse[:, :Hq] if sink is None else torch.logaddexp(lse[:, :Hq], sink_p[:Hq])
-        return (out[:, :Hq].reshape(B, T, Hq, VALUE_CHANNELS),
-                full_lse.reshape(B, T, Hq).contiguous())
+        return fwd.out, fwd.lse
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor | None):

@@ -3,7 +3,9 @@
 `measured_defaults.json` beside this file is written by `scripts/measured_defaults.py` from
 the benchmark records in benchmarks/results/ (each entry: op, shape, T, both times, the
 record it came from). `faster_backend` answers for the measured length nearest to T (on a log
-scale) of the same op and shape; a shape never measured keeps HyScale's own kernel.
+scale) of the same op and shape; a shape never measured keeps HyScale's own kernel. The
+attention has three plans (`attention_plan`): the library pair, FlashMLA's forward with
+HyScale's backward, or HyScale's pair; its entries hold both sides' times.
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ from pathlib import Path
 TABLE_PATH = Path(__file__).with_name("measured_defaults.json")
 OWN = "triton"
 LIBRARY = "cudnn"
-# attention: forward + backward (the library pair runs both or neither)
 OPS = ("selection", "attention", "indexer_loss")
+# The attention's plans (forward kernel, backward kernel). HyScale's forward with cuDNN's
+# backward is not one: cuDNN's backward reads FlashMLA's padded rows and sink-free lse.
+LIBRARY_PAIR = "library"
+FLASHMLA_FORWARD = "flashmla_forward"
+OWN_PAIR = "own"
+PLAN_NAMES = {LIBRARY_PAIR: "FlashMLA's forward and cuDNN's backward",
+              FLASHMLA_FORWARD: "FlashMLA's forward and HyScale's backward",
+              OWN_PAIR: "HyScale's forward and backward"}
 
 
 @functools.cache
@@ -51,3 +60,31 @@ def faster_backend(op: str, shape: str, T: int) -> tuple[str, str]:
     pick = LIBRARY if near["library_ms"] < near["own_ms"] else OWN
     return pick, (f"{op} on {shape}: measured at T={near['T']} {near['own_ms']:.1f} ms own "
                   f"vs {near['library_ms']:.1f} ms {LIBRARY} ({near['source']})")
+
+
+def plan_for(entry: dict, allowed: tuple[str, ...] = tuple(PLAN_NAMES)) -> str:
+    """Of the `allowed` plans, the one whose forward + backward times in an attention entry of
+    the table add up to the least; ties keep HyScale's kernels."""
+    (own_f, own_b), (lib_f, lib_b) = entry["own_fwd_bwd_ms"], entry["library_fwd_bwd_ms"]
+    cost = {OWN_PAIR: own_f + own_b, FLASHMLA_FORWARD: lib_f + own_b,
+            LIBRARY_PAIR: lib_f + lib_b}
+    preference = (OWN_PAIR, FLASHMLA_FORWARD, LIBRARY_PAIR)  # on equal times
+    return min(allowed, key=lambda p: (cost[p], preference.index(p)))
+
+
+def attention_plan(shape: str, T: int, allowed: tuple[str, ...] = tuple(PLAN_NAMES)
+                   ) -> tuple[str, str]:
+    """(plan, why): `plan_for` the measured length nearest to T (each side's two kernels timed
+    in the same run). A shape never measured keeps HyScale's pair, which `allowed` must hold."""
+    if OWN_PAIR not in allowed or any(p not in PLAN_NAMES for p in allowed):
+        raise ValueError(f"allowed plans must be among {tuple(PLAN_NAMES)} and hold {OWN_PAIR!r}, "
+                         f"got {allowed!r}")
+    rows = [e for e in _entries(TABLE_PATH) if e["op"] == "attention" and e["shape"] == shape]
+    if not rows:
+        return OWN_PAIR, f"attention on {shape} was never measured against the library"
+    near = min(rows, key=lambda e: abs(math.log(e["T"]) - math.log(max(T, 1))))
+    (own_f, own_b), (lib_f, lib_b) = near["own_fwd_bwd_ms"], near["library_fwd_bwd_ms"]
+    return plan_for(near, allowed), (
+        f"attention on {shape}: measured at T={near['T']} forward {own_f:.1f} ms own vs "
+        f"{lib_f:.1f} FlashMLA, backward {own_b:.1f} own vs {lib_b:.1f} cuDNN "
+        f"({near['source']})")

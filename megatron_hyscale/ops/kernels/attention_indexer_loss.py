@@ -43,15 +43,18 @@ class SparseAttentionIndexerLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, softmax_scale, dv, deterministic, options, q_index,
                 weights, k_index, coeff, relu, tp_group, query_valid_rows, loss_options,
-                on_loss):
+                on_loss, hytopk_layout, keys_ascending):
         ctx.set_materialize_grads(False)
-        out, lse = sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=dv, options=options)
+        out, lse = sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=dv, options=options,
+                                        hytopk_layout=hytopk_layout,
+                                        keys_ascending=keys_ascending)
         ctx.save_for_backward(q, k, v, indices, out, lse, q_index, weights, k_index,
                               query_valid_rows)
         ctx.softmax_scale, ctx.dv, ctx.deterministic, ctx.options = (softmax_scale, dv,
                                                                        deterministic, options)
         ctx.coeff, ctx.relu, ctx.tp_group = coeff, relu, tp_group
         ctx.loss_options, ctx.on_loss = loss_options, on_loss
+        ctx.keys_ascending = keys_ascending
         anchor = torch.zeros((), device=q.device, dtype=torch.float32)
         return out, lse, anchor
 
@@ -65,7 +68,8 @@ class SparseAttentionIndexerLossFunction(torch.autograd.Function):
             dlse = dlse.contiguous()  # read with lse's strides (see SparseAttentionFunction)
         dq, dk, dvv, _, target = sparse_attention_bwd_with_target(
             q, k, v, indices, ctx.softmax_scale, out, lse, dout, dlse=dlse, dv=ctx.dv,
-            deterministic=ctx.deterministic, options=ctx.options)
+            deterministic=ctx.deterministic, options=ctx.options,
+            keys_ascending=ctx.keys_ascending)
         if query_valid_rows is not None:  # rows outside the mask have no valid slot
             target.masked_fill_(~query_valid_rows.unsqueeze(-1), -1.0)
         group = ctx.tp_group
@@ -90,7 +94,7 @@ class SparseAttentionIndexerLossFunction(torch.autograd.Function):
                                                 ctx.coeff, ctx.relu, ctx.deterministic, opts)
         if ctx.on_loss is not None:
             ctx.on_loss((kl.sum() * ctx.coeff).detach())
-        return (dq, dk, dvv, None, None, None, None, None, dqi, dw, dki) + (None,) * 6
+        return (dq, dk, dvv, None, None, None, None, None, dqi, dw, dki) + (None,) * 8
 
 
 def sparse_attention_indexer_loss_triton(
@@ -101,7 +105,8 @@ def sparse_attention_indexer_loss_triton(
         tp_group: torch.distributed.ProcessGroup | None = None, deterministic: bool = False,
         options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT,
         loss_options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT,
-        on_loss: LossReport | None = None,
+        on_loss: LossReport | None = None, hytopk_layout: bool = False,
+        keys_ascending: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse attention (no sink or prefix) and the sparse indexer KL loss on validated inputs.
 
@@ -110,7 +115,9 @@ def sparse_attention_indexer_loss_triton(
     head). q_index [B, T, H_I, D_I], weights [B, T, H_I], k_index [B, S, D_I], loss_coeff,
     relu, calculate_per_token_loss, query_valid_rows (bool [B, T] or None), tp_group,
     loss_options: as `indexer_kl_loss_triton`; the indices must be distinct and visible to
-    their rows (HyTopK's), so that the attention's slots are the loss's.
+    their rows (HyTopK's), so that the attention's slots are the loss's. hytopk_layout: as
+    `sparse_attention_triton`'s (valid slots first and one at least a row); keys_ascending:
+    as its (each row's valid keys increasing: the lockstep kernels skip their sort).
 
     Returns (out, lse, anchor): anchor is an fp32 scalar equal to 0 that carries the loss's
     gradient to q_index, weights and k_index; on_loss(value) receives the loss (an fp32 device
@@ -128,5 +135,6 @@ def sparse_attention_indexer_loss_triton(
     q, k, dv = pad_head_dim(q, k, v, dv)
     out, lse, anchor = SparseAttentionIndexerLossFunction.apply(
         q, k, v, indices, float(softmax_scale), dv, bool(deterministic), options, q_index,
-        weights, k_index, coeff, bool(relu), tp_group, query_valid_rows, loss_options, report)
+        weights, k_index, coeff, bool(relu), tp_group, query_valid_rows, loss_options, report,
+        bool(hytopk_layout), bool(keys_ascending))
     return out, lse, anchor if count is None else anchor / count

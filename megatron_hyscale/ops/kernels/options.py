@@ -268,6 +268,15 @@ class AttentionKernelOptions:
     # Two-tile iterations a program may lead the slowest of its wave by (an int >= 1;
     # ValueError otherwise).
     fwd_lockstep_slack: int = 1
+    # The forward on FlashMLA's SM90 sparse kernel (`pip install megatron-hyscale[cudnn]`; bf16,
+    # one KV head, 512 value channels from K's 576 or 512) inside HyScale's autograd function,
+    # whose backward (HyScale's: `bwd_sm90`, deterministic if asked) then runs on FlashMLA's
+    # output and log-sum-exp, and can emit the indexer loss's target
+    # (`ops.sparse_attention_indexer_loss`). For where FlashMLA's forward is faster and
+    # HyScale's backward is faster than cuDNN's (the library pair's): `backend="best"` sets it
+    # from the measured table (`ops/backends/measured.py`). Where FlashMLA cannot run the call
+    # one warning names why and HyScale's forward runs. Off by default (the table decides).
+    fwd_flashmla: bool = False
     # One backward pass (the dQ kernel with FUSE_DKV: S, P, dP and dS computed once, the key
     # rows gathered once) instead of a dQ pass and a dK/dV pass. Off until timed: compiled for
     # sm_90a (GLM-5.1, 16 keys x 1 stage) its key loop has 1388 SASS instructions a thread (34
@@ -326,8 +335,9 @@ class AttentionKernelOptions:
     # (cuDNN 719.5); CSA 78.7 -> 63.5 / 169.0 -> 146.3 at 64K / 128K (cuDNN 65.7 / 142.8). The
     # sort costs a [B, T, K] values and an int64 permutation for the call (3 GiB at GLM-5.1's
     # 128K; with the indexer target, the layer's path on own kernels, also a target buffer to
-    # scatter back from: 4 GiB). On by default (`--bwd-also sm90_red16` times the form without
-    # it).
+    # scatter back from: 4 GiB); nothing for rows already in key order (`keys_ascending`, the
+    # DSA layer's HyTopK rows, `ops.hytopk(order="key")`). On by default (`--bwd-also
+    # sm90_red16` times the form without it).
     bwd_lockstep: bool = True
     # Key tiles a program may lead the slowest of its wave by (an int >= 1; ValueError
     # otherwise, when the options are made): more tolerates uneven programs, fewer keeps the
@@ -428,11 +438,38 @@ class AttentionKernelOptions:
     def __post_init__(self) -> None:
         # Checked here, not at launch: a kernel launch's failure disables the Gluon variant
         # and falls back (with a warning), which would hide a wrong setting.
+        for name in ("fwd_flashmla", "fwd_sm90", "fwd_sm90_ws", "fwd_lockstep", "bwd_sm90",
+                     "bwd_lockstep", "bwd_dk_vec4"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"AttentionKernelOptions.{name} must be a bool, got "
+                                 f"{getattr(self, name)!r}")
         for name in ("bwd_lockstep_slack", "fwd_lockstep_slack"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"AttentionKernelOptions.{name} must be an int >= 1 (tiles a "
                                  f"program may lead the slowest of its wave by), got {value!r}")
+
+    def forward_kernel_name(self) -> str:
+        """The forward these options run where the Hopper kernels take the shape, as benchmark
+        records name it: "flashmla", "gluon-ws-sm90" ("-lockstep" in lockstep), "gluon-sm90"
+        or "triton" (`scripts/measured_defaults.py` matches records against the defaults')."""
+        if self.fwd_flashmla:
+            return "flashmla"
+        if not (self.fwd_sm90 and self.fwd_softmax):
+            return "triton"
+        if self.fwd_sm90_ws:
+            return "gluon-ws-sm90-lockstep" if self.fwd_lockstep else "gluon-ws-sm90"
+        return "gluon-sm90"
+
+    def backward_kernel_name(self) -> str:
+        """The backward these options run where the Hopper kernel takes the shape:
+        "gluon-ws-sm90" ("-red16" with 16-byte dK atomics, "-lockstepN" in lockstep with a slack
+        of N) or "triton"."""
+        if not self.bwd_sm90:
+            return "triton"
+        if self.bwd_lockstep:
+            return f"gluon-ws-sm90-lockstep{self.bwd_lockstep_slack}"
+        return "gluon-ws-sm90-red16" if self.bwd_dk_vec4 else "gluon-ws-sm90"
 
 
 AttentionKernelOptions.DEFAULT = AttentionKernelOptions()

@@ -682,14 +682,24 @@ def _v_source(k, v, geo):
 
 def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None,
                          prefix_lengths=None,
-                         options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT):
+                         options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT,
+                         hytopk_layout: bool = False, keys_ascending: bool = False):
     """Forward launch: returns out [B, T, Hq, dv] (q's dtype) and lse fp32 [B, T, Hq].
 
     prefix_lengths: optional int [B, T]; row (b, t) also attends to keys 0 .. n - 1 before its
-    listed indices (which must not repeat them)."""
+    listed indices (which must not repeat them). hytopk_layout: every row lists its valid
+    slots first and holds one (HyTopK's causal output), which spares FlashMLA's forward
+    (options.fwd_flashmla) its layout test and host syncs. keys_ascending: each row's valid
+    keys increase (`ops/key_order.py`), which spares the lockstep kernels their sort."""
     B, T, Hq, _ = q.shape
     geo = _Geometry(q, k, v, dv)
-    done = _sm90_forward(q, k, v, indices, softmax_scale, geo.dv, sink, prefix_lengths, options)
+    done = None
+    if options.fwd_flashmla:
+        done = _flashmla_forward(q, k, v, indices, softmax_scale, geo.dv, sink, prefix_lengths,
+                                 hytopk_layout)
+    if done is None:
+        done = _sm90_forward(q, k, v, indices, softmax_scale, geo.dv, sink, prefix_lengths,
+                             options, keys_ascending)
     if done is not None:
         return done
     NK = indices.shape[-1]
@@ -749,7 +759,8 @@ def hopper_forward(q, k, v, dv, sink, prefix_lengths, *,
     return sm90
 
 
-def _sm90_forward(q, k, v, indices, softmax_scale, dv, sink, prefix_lengths, options):
+def _sm90_forward(q, k, v, indices, softmax_scale, dv, sink, prefix_lengths, options,
+                  keys_ascending=False):
     """(out, lse) from the Hopper absorbed-MLA forward, or None where it does not run
     (`hopper_forward`) or this variant fails (one warning; the variant is not tried again:
     `sparse_mla_fwd_sm90.disable`)."""
@@ -758,12 +769,32 @@ def _sm90_forward(q, k, v, indices, softmax_scale, dv, sink, prefix_lengths, opt
         return None
     try:
         return sm90.sparse_mla_fwd_sm90(q, k, indices, softmax_scale, sink=sink,
-                                        options=options)
+                                        options=options, keys_ascending=keys_ascending)
     except torch.OutOfMemoryError:
         raise  # not the kernel's failure: the Triton forward would need the same memory
     except Exception as exc:  # this variant failed to compile or launch: say so, keep training
         sm90.disable(sm90.variant(q, options.fwd_sm90_ws), f"{type(exc).__name__}: {exc}")
         return None
+
+
+def _flashmla_forward(q, k, v, indices, softmax_scale, dv, sink, prefix_lengths, hytopk_layout):
+    """(out, lse) from FlashMLA's sparse forward (`AttentionKernelOptions.fwd_flashmla`), or
+    None (one warning naming why) where it cannot run these inputs."""
+    from megatron_hyscale.ops.backends.library_attention import (
+        flashmla_forward,
+        flashmla_forward_unsupported,
+    )
+
+    reason = flashmla_forward_unsupported(q, k, v, indices, dv, prefix_lengths=prefix_lengths)
+    if reason:
+        warn_once(f"fwd-flashmla: {reason}", "HyScale: AttentionKernelOptions.fwd_flashmla: "
+                  f"FlashMLA's forward cannot run this call ({reason}); running HyScale's "
+                  "forward", stacklevel=5)
+        return None
+    fwd = flashmla_forward(q, k, indices, softmax_scale, sink=sink, hytopk_layout=hytopk_layout)
+    # A view of padded rows (fewer query heads than the kernel's 64) would keep the padding
+    # alive until the backward.
+    return fwd.out.contiguous(), fwd.lse
 
 
 class _DkvAccumulators:
@@ -982,19 +1013,22 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
 
 def sparse_attention_bwd(q, k, v, indices, softmax_scale, out, lse, dout, dlse=None, dv=None,
                          sink=None, deterministic=False, prefix_lengths=None,
-                         options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT):
+                         options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT,
+                         keys_ascending: bool = False):
     """Backward launches: returns (dq, dk, dv or None, dsink or None).
 
     options.bwd_fused: one pass computes dQ and adds dK / dV (two passes when deterministic);
-    else the dQ launch, then the dK / dV launch."""
+    else the dQ launch, then the dK / dV launch. keys_ascending: as `sparse_attention_fwd`'s."""
     return _backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, sink,
-                     deterministic, prefix_lengths, options, emit_target=False)[:4]
+                     deterministic, prefix_lengths, options, emit_target=False,
+                     keys_ascending=keys_ascending)[:4]
 
 
 def sparse_attention_bwd_with_target(
         q, k, v, indices, softmax_scale, out, lse, dout, dlse=None, dv=None, sink=None,
         deterministic=False, prefix_lengths=None,
         options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT,
+        keys_ascending: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """`sparse_attention_bwd`'s (dq, dk, dv or None, dsink or None) and the DSA indexer loss's
     target: fp32 [B, T, K], sum_h softmax_j(scale * q_h . k_{indices_j}) at each slot j (not yet
@@ -1003,9 +1037,11 @@ def sparse_attention_bwd_with_target(
     values as that function given the forward's lse (where the indices are distinct and
     visible, as the attention has them). Bitwise repeatable (`_TargetBuffer`), also without
     `deterministic`. ValueError for a sink, prefix_lengths or per-KV-head indices of several
-    KV heads (one head-summed target per slot needs slots shared by every head)."""
+    KV heads (one head-summed target per slot needs slots shared by every head).
+    keys_ascending: as `sparse_attention_fwd`'s."""
     return _backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, sink,
-                     deterministic, prefix_lengths, options, emit_target=True)
+                     deterministic, prefix_lengths, options, emit_target=True,
+                     keys_ascending=keys_ascending)
 
 
 @functools.cache
@@ -1019,7 +1055,7 @@ def hopper_backward_module() -> tuple[ModuleType | None, str]:
 
 
 def _sm90_backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, sink,
-                   deterministic, prefix_lengths, options, emit_target):
+                   deterministic, prefix_lengths, options, emit_target, keys_ascending=False):
     """(dq, dk, None, dsink or None, the target or None) from the Hopper backward
     (options.bwd_sm90), or None where it does not run: silently for another shape or device;
     with one warning per cause where it is the shape's kernel on Hopper and still cannot run
@@ -1052,7 +1088,8 @@ def _sm90_backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, si
             q, k, indices, softmax_scale, out, lse, dout, acc.dk, dlse=dlse, sink=sink,
             target=(*target.args(), target.atomic) if target is not None else None,
             head_blocks_adjacent=options.head_blocks_adjacent, dk_vec4=options.bwd_dk_vec4,
-            lockstep=options.bwd_lockstep, lockstep_slack=options.bwd_lockstep_slack)
+            lockstep=options.bwd_lockstep, lockstep_slack=options.bwd_lockstep_slack,
+            keys_ascending=keys_ascending)
     except torch.OutOfMemoryError:
         raise  # not the kernel's failure: the Triton backward would need the same memory
     except Exception as exc:  # this variant failed to compile or launch: say so, keep training
@@ -1064,12 +1101,12 @@ def _sm90_backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, si
 
 
 def _backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, sink, deterministic,
-              prefix_lengths, options, emit_target):
+              prefix_lengths, options, emit_target, keys_ascending=False):
     """(dq, dk, dv or None, dsink or None, the target or None)."""
     if emit_target:  # before any launch (the fused deterministic backward's first pass)
         _TargetBuffer.check(indices, sink, prefix_lengths)
     done = _sm90_backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, sink,
-                          deterministic, prefix_lengths, options, emit_target)
+                          deterministic, prefix_lengths, options, emit_target, keys_ascending)
     if done is not None:
         return done
     kw = dict(dlse=dlse, dv=dv, sink=sink, prefix_lengths=prefix_lengths, options=options)
@@ -1103,15 +1140,18 @@ class SparseAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, indices, sink, softmax_scale, dv, deterministic, prefix_lengths,
-                options):
+                options, hytopk_layout, keys_ascending):
         ctx.set_materialize_grads(False)  # an unused lse gets no zero-filled gradient
         out, lse = sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=dv, sink=sink,
-                                        prefix_lengths=prefix_lengths, options=options)
+                                        prefix_lengths=prefix_lengths, options=options,
+                                        hytopk_layout=hytopk_layout,
+                                        keys_ascending=keys_ascending)
         ctx.save_for_backward(q, k, v, indices, sink, prefix_lengths, out, lse)
         ctx.softmax_scale = softmax_scale
         ctx.dv = dv
         ctx.deterministic = deterministic
         ctx.options = options
+        ctx.keys_ascending = keys_ascending
         return out, lse
 
     @staticmethod
@@ -1126,8 +1166,8 @@ class SparseAttentionFunction(torch.autograd.Function):
         dq, dk, dvv, dsink = sparse_attention_bwd(
             q, k, v, indices, ctx.softmax_scale, out, lse, dout, dlse=dlse, dv=ctx.dv,
             sink=sink, deterministic=ctx.deterministic, prefix_lengths=prefix_lengths,
-            options=ctx.options)
-        return dq, dk, dvv, None, dsink, None, None, None, None, None
+            options=ctx.options, keys_ascending=ctx.keys_ascending)
+        return dq, dk, dvv, None, dsink, None, None, None, None, None, None, None
 
 
 def pad_head_dim(q, k, v, dv):
@@ -1145,16 +1185,19 @@ def pad_head_dim(q, k, v, dv):
 
 def sparse_attention_triton(q, k, v, indices, softmax_scale, *, dv=None, sink=None,
                             return_lse=False, deterministic=False, prefix_lengths=None,
-                            options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT):
+                            options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT,
+                            hytopk_layout: bool = False, keys_ascending: bool = False):
     """Sparse attention over selected indices on validated inputs (see the module docstring).
 
     Differentiable in q, k, v and sink. `deterministic=True` makes dK / dV bitwise repeatable
     (fixed-point accumulation, one extra pass of the dK/dV kernel). `prefix_lengths` int
     [B, T]: each row also attends to keys 0 .. n - 1 before its listed indices (generated in
     the kernels, never materialized; the loops run n + K slots a row). `options`: the kernels'
-    variants and tilings, forward and backward.
+    variants and tilings, forward and backward (`fwd_flashmla`: FlashMLA's forward, this
+    module's backward). `hytopk_layout`, `keys_ascending`: as `sparse_attention_fwd`'s.
     """
     q, k, dv = pad_head_dim(q, k, v, dv)
     out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, float(softmax_scale), dv,
-                                             bool(deterministic), prefix_lengths, options)
+                                             bool(deterministic), prefix_lengths, options,
+                                             bool(hytopk_layout), bool(keys_ascending))
     return (out, lse) if return_lse else out

@@ -528,6 +528,7 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
                         target: tuple[torch.Tensor, tuple[int, ...], bool] | None = None,
                         head_blocks_adjacent: bool = True, dk_vec4: bool = False,
                         lockstep: bool = False, lockstep_slack: int = 1,
+                        keys_ascending: bool = False,
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dq [B, T, Hq, D] in q's dtype, the sink terms fp32 [B, T, Hq] or None) on inputs that
     `applies` and `layout_problem` accept; adds dK (dV merged) into dk, fp32 [B, S, 1, D].
@@ -540,7 +541,9 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
     back to the caller's slots), the programs of a wave kept within lockstep_slack key tiles of
     each other (a bounded wait), so that at any time they gather and add into the same few
     32-ths of the keys and the L2 cache serves the dK additions
-    (`AttentionKernelOptions.bwd_lockstep`)."""
+    (`AttentionKernelOptions.bwd_lockstep`). keys_ascending: each row's valid keys increase
+    already (`ops/key_order.py`): lockstep runs them as they are, no sort, no permutation, the
+    target written in place."""
     from megatron_hyscale.ops.kernels.common import launch_grid
     from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import shared_layouts
 
@@ -560,8 +563,10 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
     if lockstep:
         programs, sync = lockstep_plan(work, q.device, lockstep_slack)
         grid, ng = (programs,), n_hb
-    indices, perm, slot_target = _key_order(indices, target) if lockstep else (indices, None,
-                                                                              target)
+    if lockstep and not keys_ascending:
+        indices, perm, slot_target = _key_order(indices, target)
+    else:
+        perm, slot_target = None, target
     q_main_sl, q_tail_sl, k_main_sl, k_tail_sl, p_sl = shared_layouts(q.dtype, d_main,
                                                                        d - d_main or TAIL)
     tgt, tgt_strides, tgt_atomic = (slot_target if slot_target is not None

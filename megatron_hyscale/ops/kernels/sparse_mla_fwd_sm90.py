@@ -256,14 +256,15 @@ def shared_layouts(dtype: torch.dtype, d_main: int, d_tail: int) -> tuple:
 
 def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
                         softmax_scale: float, *, sink: torch.Tensor | None = None,
-                        options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT,
+                        keys_ascending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, T, Hq, D_MAIN], lse fp32 [B, T, Hq]) on inputs that `applies` and
     `layout_problem` accept (sink [Hq]: the warp-specialized kernel's only). A query's head
     blocks (V3.2: two) launch as the Triton kernels' do (`common.launch_grid`,
     options.head_blocks_adjacent); options.fwd_sm90_ws runs the warp-specialized kernel
     (`sparse_mla_fwd_ws_sm90`) instead; the other options are the dispatcher's
-    (`sparse_attention.hopper_forward`)."""
+    (`sparse_attention.hopper_forward`). keys_ascending: each row's valid keys increase
+    already (the lockstep forward skips its sort)."""
     if sink is not None and not options.fwd_sm90_ws:
         raise ValueError("sink: only the warp-specialized forward (options.fwd_sm90_ws) takes "
                          "one")
@@ -288,7 +289,8 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
 
         sparse_mla_fwd_ws_sm90.launch(q, k, indices, sink, out, lse, softmax_scale, grid, ng,
                                       layouts, lockstep=options.fwd_lockstep,
-                                      lockstep_slack=options.fwd_lockstep_slack)
+                                      lockstep_slack=options.fwd_lockstep_slack,
+                                      keys_ascending=keys_ascending)
         return out, lse
     sqb, sqt, sqh, _ = q.stride()
     skb, sks, _, _ = k.stride()

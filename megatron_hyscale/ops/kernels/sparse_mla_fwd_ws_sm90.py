@@ -424,15 +424,18 @@ def _sparse_mla_fwd_ws_kernel(
 
 def launch(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor | None,
            out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, grid: tuple,
-           ng: int, layouts: tuple, lockstep: bool = False, lockstep_slack: int = 1) -> None:
+           ng: int, layouts: tuple, lockstep: bool = False, lockstep_slack: int = 1,
+           keys_ascending: bool = False) -> None:
     """Fill out [B, T, Hq, D_MAIN] and lse [B, T, Hq] for `sparse_mla_fwd_sm90`, whose wrapper
     checked the inputs (`applies`: a tail of 0 or BLOCK_N channels; `layout_problem`), took
     care of empty calls, made indices [B, T, K] with K >= 1, chose the grid
     (`common.launch_grid`: ng head blocks adjacent, or 0) and the shared layouts (its
     `shared_layouts`: q's and a key tile's main and tail parts, a P tile, the last also the
     tail's, which P0 is written over). lockstep: one program an SM over the query head blocks,
-    each row's keys sorted here, the programs of a wave kept within lockstep_slack two-tile
-    iterations of each other (`common.lockstep_plan`), so that their key gathers hit L2."""
+    each row's keys sorted here (not where keys_ascending: the caller's rows are in that
+    order already, `ops/key_order.py`), the programs of a wave kept within lockstep_slack
+    two-tile iterations of each other (`common.lockstep_plan`), so that their key gathers hit
+    L2."""
     d = q.shape[-1]
     d_main = out.shape[-1]
     sqb, sqt, sqh, _ = q.stride()
@@ -444,7 +447,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, sink: torch.
     if lockstep:
         programs, sync = lockstep_plan(work, q.device, lockstep_slack)
         grid, ng = (programs,), n_hb
-        indices = indices.sort(dim=-1).values
+        if not keys_ascending:
+            indices = indices.sort(dim=-1).values
     _sparse_mla_fwd_ws_kernel[grid](
         q, k, indices, sink.contiguous() if sink is not None else lse, out, lse, sync,
         q.shape[1], q.shape[2], indices.shape[-1], n_hb, programs, work, softmax_scale * LOG2E,
