@@ -349,6 +349,11 @@ LOSS_VARIANTS = {
     "one_pass": dict(loss_one_pass=True),
     "fused": dict(fused_rows_bwd=True),
     "kl_in_bwd": dict(kl_in_bwd=True),
+    # the backward's persistent programs paced together (the stratified rows are in key
+    # order, as the DSA layer's)
+    "lockstep": dict(bwd_lockstep=True),
+    "lockstep2": dict(bwd_lockstep=True, bwd_lockstep_slack=2),
+    "lockstep_1sm": dict(bwd_lockstep=True, bwd_lockstep_programs_per_sm=1),
     "warps8": dict(bwd_num_warps=8, loss_num_warps=8),
     "warps8_r128": dict(bwd_num_warps=8, bwd_maxnreg=128),
     "r168": dict(bwd_maxnreg=168),

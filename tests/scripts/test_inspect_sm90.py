@@ -277,6 +277,28 @@ def test_sparse_mla_forward_lockstep_compiles_without_spills(tmp_path: Path) -> 
         assert sass.count("REDG.E.ADD.STRONG.GPU") == 1
 
 
+def test_indexer_loss_backward_lockstep_keeps_the_pipelined_tile_loop(tmp_path: Path) -> None:
+    """IndexerLossKernelOptions.bwd_lockstep: the count and the bounded wait as one inline-PTX
+    block leave GLM-5.1's tile loop pipelined as the default's (its cp.async copies, products
+    and 16-byte dk atomics; no local memory), the counter added once a tile by one thread and
+    read by volatile loads in a loop ptxas did not unroll (one load in the tile loop)."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "indexer-loss-glm51-kl-in-bwd", "indexer-loss-glm51-lockstep",
+                "--json", str(out), "--sass-out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    default, lockstep = (r for r in json.loads(out.read_text())
+                         if r["name"].endswith("_bwd_kernel"))
+    assert lockstep["constexprs"]["LOCKSTEP"] is True and not default["constexprs"].get(
+        "LOCKSTEP")
+    ops, base = lockstep["loop_ops"], default["loop_ops"]
+    for op in ("HGMMA", "HMMA", "LDGSTS"):
+        assert ops[op] == base[op] > 0, op
+    assert ops["REDG"] == base["REDG"] + 1 and ops["LDG"] == base["LDG"] + 1
+    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
+    sass = next(tmp_path.glob("indexer-loss-glm51-lockstep_1_*.sass")).read_text()
+    assert sass.count("LDG.E.STRONG.SYS") == 1 and sass.count("REDG.E.ADD.STRONG.GPU") == 1
+
+
 def test_key_tma_takes_the_key_copies_out_of_the_tile_loop(tmp_path: Path) -> None:
     """HyTopKOptions.key_tma: the tile loop has no per-thread copies (LDGSTS) left, one TMA
     load (UTMALDG) a tile and its mbarrier, the same products, and fewer instructions than the

@@ -90,19 +90,28 @@ def launch_grid(queries: int, kv_heads: int, head_blocks: int, adjacent: bool
     return (queries, programs), 0
 
 
-def lockstep_plan(work: int, device: torch.device, slack: int) -> tuple[int, torch.Tensor]:
-    """(programs, zeroed int32 counters, one a wave) for a lockstep Gluon kernel: one program
-    an SM (at most `work`), program p taking work items p, p + programs, ...; ValueError
-    unless slack (the tiles a program may lead its wave by) is an int >= 1."""
+def lockstep_plan(work: int, device: torch.device, slack: int, per_sm: int = 1
+                  ) -> tuple[int, torch.Tensor]:
+    """(programs, zeroed int32 counters, one a wave) for a lockstep kernel: per_sm programs an
+    SM (those that are resident at once; at most `work`), program p taking work items p, p +
+    programs, ...; ValueError unless slack (the tiles a program may lead its wave by) is an
+    int >= 1."""
     if isinstance(slack, bool) or not (isinstance(slack, int) and slack >= 1):
         raise ValueError(f"lockstep_slack must be an int >= 1 (key tiles a program may lead "
                          f"the slowest of its wave by), got {slack!r}")
-    programs = min(work, _sm_count(device))
+    programs = min(work, _sm_count(device) * per_sm)
     return programs, torch.zeros(triton.cdiv(work, programs), device=device, dtype=torch.int32)
+
+
+# Programs a lockstep launch runs off CUDA (Triton's interpreter, one program after another):
+# enough for several waves in a test's few rows, each waiting out its SYNC_SPINS alone.
+INTERPRETER_SMS = 3
 
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

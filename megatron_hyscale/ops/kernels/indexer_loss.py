@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_hyscale.ops.checks import triton_interpret
 from megatron_hyscale.ops.kernels.common import (
     LN2_JIT,
     LOG2E,
@@ -46,6 +47,7 @@ from megatron_hyscale.ops.kernels.common import (
     dot_precision,
     fix_interpreter,
     fixed_point_scale,
+    lockstep_plan,
 )
 from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions, Tilings
 from megatron_hyscale.ops.kernels.tiling import launch_first_fitting
@@ -59,6 +61,9 @@ _EPS = tl.constexpr(EPS)
 # all-reduce, which sums the sentinels to -tp).
 INVALID = -1.0
 _INVALID = tl.constexpr(INVALID)
+# Counter reads a lockstep program spends at most waiting for its wave before each key tile
+# (`IndexerLossKernelOptions.bwd_lockstep`), as the Gluon attention kernels' SYNC_SPINS.
+SYNC_SPINS = 64
 
 
 
@@ -402,25 +407,55 @@ def _grad_step(q, w, dq, dw, rows, valid, pn, lse, psum, g_scale, k_base, sks, s
     return dq, dw, kl_tile
 
 
+# One lockstep step as one inline-PTX block (`_lockstep_step`): thread 0 counts the program's
+# start of a tile in its wave's counter, then every thread reads the counter (at most $3 times)
+# until it reaches $2. A `while` in the tile loop instead keeps Triton from pipelining the loop's
+# key gathers (compiled for sm_90a: no cp.async left in it); the asm is one opaque op. ${:uid}
+# makes the labels unique per inlined copy; "nounroll" keeps ptxas from unrolling the spin
+# (64 reads a tile in the hot loop otherwise).
+_LOCKSTEP_STEP = tl.constexpr(
+    "{ .reg .pred p; .reg .b32 t, n; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+    "@p red.relaxed.gpu.global.add.u32 [$1], 1; mov.u32 n, 0; "
+    "WAIT${:uid}: .pragma \"nounroll\"; ld.volatile.global.b32 $0, [$1]; "
+    "setp.lt.s32 p, $0, $2; "
+    "@!p bra DONE${:uid}; add.u32 n, n, 1; setp.lt.u32 p, n, $3; @p bra WAIT${:uid}; "
+    "DONE${:uid}: }")
+
+
 @triton.jit
-def _bwd_kernel(
-    qi_ptr, w_ptr, ki_ptr, idx_ptr, p_ptr, lse_ptr, psum_ptr, grad_ptr, coeff,
-    dq_ptr, dw_ptr, dk_ptr, rowmax_ptr, scale_ptr, kl_ptr,
+def _lockstep_step(count_ptr, need, SPINS: tl.constexpr, PTX: tl.constexpr):
+    """Count this program's start of a key tile in its wave's counter, then spin (at most SPINS
+    reads) until the counter reaches `need`: a pace, not a dependency (nothing the counted
+    programs wrote is read), so giving up is safe. PTX: as one inline-asm block (the
+    interpreter runs the tl form)."""
+    if PTX:
+        tl.inline_asm_elementwise(_LOCKSTEP_STEP, "=r,l,r,r",
+                                  [count_ptr.to(tl.int64), need.to(tl.int32),
+                                   tl.full([], SPINS, tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.atomic_add(count_ptr, 1, sem="relaxed")
+        seen = tl.load(count_ptr, volatile=True)
+        spins = 0
+        while (seen < need) & (spins < SPINS):
+            seen = tl.load(count_ptr, volatile=True)
+            spins += 1
+
+
+@triton.jit
+def _bwd_row(
+    pid, qi_ptr, w_ptr, ki_ptr, idx_ptr, p_ptr, lse_ptr, psum_ptr, grad_ptr, coeff,
+    dq_ptr, dw_ptr, dk_ptr, rowmax_ptr, scale_ptr, kl_ptr, wave_ptr, active,
     T, NK, H, D,
     sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, sib, sit, sik, spb, spt, spk, srb, srt,
     sdqb, sdqt, sdqh, sdqd, sdwb, sdwt, sdwh, sdkb, sdks, sdkd, srmb, srms,
     RELU: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, MODE: tl.constexpr, KL: tl.constexpr = False,
+    PRECISION: tl.constexpr, MODE: tl.constexpr, KL: tl.constexpr, LOCKSTEP: tl.constexpr,
+    SYNC_SLACK: tl.constexpr, SYNC_SPINS: tl.constexpr, SYNC_PTX: tl.constexpr,
 ):
-    """dq_index, dweights of one row (owned, no atomics) and its dk_index contributions.
-
-    d loss / d s_j = g_j = (softmax(s)_j * sum(pn) - pn_j) * grad * coeff at valid slots;
-    dw_h = sum_j g_j act(L_hj); with G_hj = g_j w_h act'(L_hj): dq = G @ K_sel, and the
-    [keys x D] tile G^T @ q goes into dk's selected rows by MODE (fp32 atomics or fixed point).
-    KL: also the row's KL from the recomputed scores into kl (the loss kernel's second-pass
-    terms; IndexerLossKernelOptions.kl_in_bwd), in the pass that writes the gradients.
-    """
-    pid = tl.program_id(0).to(tl.int64)
+    """`_bwd_kernel`'s work for row pid (b * T + t). LOCKSTEP: before each key tile i, count
+    this program's start in its wave's counter (wave_ptr) and wait until the `active` programs
+    of the wave all started tile i - SYNC_SLACK."""
     b = pid // T
     t = pid % T
     q, w, offs_h, offs_d = load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd,
@@ -441,6 +476,9 @@ def _bwd_kernel(
     dw = tl.zeros([BLOCK_H], tl.float32)
     kl = tl.zeros([], tl.float32)
     for n0 in range(0, NK, BLOCK_N):
+        if LOCKSTEP:
+            _lockstep_step(wave_ptr, active * (n0 // BLOCK_N - SYNC_SLACK + 1), SYNC_SPINS,
+                           SYNC_PTX)
         rows, valid, pn, _ = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
         dq, dw, kl_tile = _grad_step(q, w, dq, dw, rows, valid, pn, lse, psum, g_scale, k_base,
                                      sks, skd, offs_d, D, dk_base, sdks, sdkd, d_mask, rm_base,
@@ -451,6 +489,48 @@ def _bwd_kernel(
                          sdqh, sdqd, sdwb, sdwt, sdwh)
         if KL:
             tl.store(kl_ptr + row, kl)
+
+
+@triton.jit
+def _bwd_kernel(
+    qi_ptr, w_ptr, ki_ptr, idx_ptr, p_ptr, lse_ptr, psum_ptr, grad_ptr, coeff,
+    dq_ptr, dw_ptr, dk_ptr, rowmax_ptr, scale_ptr, kl_ptr, sync_ptr, programs, work,
+    T, NK, H, D,
+    sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, sib, sit, sik, spb, spt, spk, srb, srt,
+    sdqb, sdqt, sdqh, sdqd, sdwb, sdwt, sdwh, sdkb, sdks, sdkd, srmb, srms,
+    RELU: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, MODE: tl.constexpr, KL: tl.constexpr = False,
+    LOCKSTEP: tl.constexpr = False, SYNC_SLACK: tl.constexpr = 1,
+    SYNC_SPINS: tl.constexpr = 64, SYNC_PTX: tl.constexpr = True,
+):
+    """dq_index, dweights of one row (owned, no atomics) and its dk_index contributions.
+
+    d loss / d s_j = g_j = (softmax(s)_j * sum(pn) - pn_j) * grad * coeff at valid slots;
+    dw_h = sum_j g_j act(L_hj); with G_hj = g_j w_h act'(L_hj): dq = G @ K_sel, and the
+    [keys x D] tile G^T @ q goes into dk's selected rows by MODE (fp32 atomics or fixed point).
+    KL: also the row's KL from the recomputed scores into kl (the loss kernel's second-pass
+    terms; IndexerLossKernelOptions.kl_in_bwd), in the pass that writes the gradients.
+    LOCKSTEP: `programs` persistent programs take rows p, p + programs, ... of the `work`
+    rows, the programs of a wave (one counter each in sync) kept within SYNC_SLACK key tiles
+    of each other (IndexerLossKernelOptions.bwd_lockstep); else one program a row.
+    """
+    if LOCKSTEP:
+        for item in range(tl.program_id(0), work, programs):
+            wave = item // programs
+            _bwd_row(item + tl.zeros([], tl.int64), qi_ptr, w_ptr, ki_ptr, idx_ptr, p_ptr, lse_ptr,
+                     psum_ptr, grad_ptr, coeff, dq_ptr, dw_ptr, dk_ptr, rowmax_ptr, scale_ptr,
+                     kl_ptr, sync_ptr + wave, tl.minimum(programs, work - wave * programs),
+                     T, NK, H, D, sqb, sqt, sqh, sqd, swb, swt, swh, skb, sks, skd, sib, sit,
+                     sik, spb, spt, spk, srb, srt, sdqb, sdqt, sdqh, sdqd, sdwb, sdwt, sdwh,
+                     sdkb, sdks, sdkd, srmb, srms, RELU, BLOCK_H, D_PAD, BLOCK_N, PRECISION,
+                     MODE, KL, True, SYNC_SLACK, SYNC_SPINS, SYNC_PTX)
+    else:
+        _bwd_row(tl.program_id(0).to(tl.int64), qi_ptr, w_ptr, ki_ptr, idx_ptr, p_ptr,
+                 lse_ptr, psum_ptr, grad_ptr, coeff, dq_ptr, dw_ptr, dk_ptr, rowmax_ptr,
+                 scale_ptr, kl_ptr, sync_ptr, 0, T, NK, H, D, sqb, sqt, sqh, sqd, swb, swt,
+                 swh, skb, sks, skd, sib, sit, sik, spb, spt, spk, srb, srt, sdqb, sdqt, sdqh,
+                 sdqd, sdwb, sdwt, sdwh, sdkb, sdks, sdkd, srmb, srms, RELU, BLOCK_H, D_PAD,
+                 BLOCK_N, PRECISION, MODE, KL, False, SYNC_SLACK, SYNC_SPINS, SYNC_PTX)
 
 
 @triton.jit
@@ -655,14 +735,24 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
     const["RELU"] = relu
     if with_kl:  # absent otherwise: the default launch's constexprs as before
         const["KL"] = True
+    # The deterministic passes run unpaced: their order is fixed anyway, and the pace serves
+    # the fp32 atomics' L2 hits.
+    lockstep = options.bwd_lockstep and not deterministic
+    work = B * T
+    programs, sync = work, lse
+    if lockstep and work > 0:
+        programs, sync = lockstep_plan(work, dev, options.bwd_lockstep_slack,
+                                       options.bwd_lockstep_programs_per_sm)
+        const.update(LOCKSTEP=True, SYNC_SLACK=options.bwd_lockstep_slack,
+                     SYNC_SPINS=SYNC_SPINS, SYNC_PTX=not triton_interpret())
 
     def run(mode, scale):
         args = (q_index, weights, k_index, indices, p, lse, psum, grad, coeff, dq, dw, dk_acc,
-                rowmax, scale, kl, T, NK, H, D, *q_index.stride(), *weights.stride(),
-                *k_index.stride(), *indices.stride(), *p.stride(), *lse.stride(), *dq.stride(),
-                *dw.stride(), *dk_acc.stride(), *rowmax.stride())
+                rowmax, scale, kl, sync, programs, work, T, NK, H, D, *q_index.stride(),
+                *weights.stride(), *k_index.stride(), *indices.stride(), *p.stride(),
+                *lse.stride(), *dq.stride(), *dw.stride(), *dk_acc.stride(), *rowmax.stride())
         c = dict(const, MODE=mode)
-        _launch(_bwd_kernel, (B * T,), args, c, options.index_tilings, num_warps,
+        _launch(_bwd_kernel, (programs,), args, c, options.index_tilings, num_warps,
                 ("bwd", q_index.dtype, k_index.dtype, tuple(sorted(c.items()))), options)
 
     if not deterministic:
@@ -709,10 +799,11 @@ def indexer_loss_rows_bwd(q_index: torch.Tensor, weights: torch.Tensor, k_index:
     # p now holds the normalized target, lse and psum the row statistics: the plain backward's
     # fixed-point pass (with the row maxima just taken) completes the gradients.
     scale, exp = fixed_point_scale(rowmax, T)
+    # (kl, sync, programs, work): no KL, unpaced, one program a row.
     args = (q_index, weights, k_index, indices, p, lse, psum, grad, coeff, dq, dw, dk_acc,
-            rowmax, scale, lse, T, NK, H, D, *q_index.stride(), *weights.stride(),
-            *k_index.stride(), *indices.stride(), *p.stride(), *lse.stride(), *dq.stride(),
-            *dw.stride(), *dk_acc.stride(), *rowmax.stride())
+            rowmax, scale, lse, lse, B * T, B * T, T, NK, H, D, *q_index.stride(),
+            *weights.stride(), *k_index.stride(), *indices.stride(), *p.stride(), *lse.stride(),
+            *dq.stride(), *dw.stride(), *dk_acc.stride(), *rowmax.stride())
     c = dict(const, MODE=MODE_FIXED)
     _launch(_bwd_kernel, (B * T,), args, c, options.index_tilings, num_warps,
             ("bwd", q_index.dtype, k_index.dtype, tuple(sorted(c.items()))), options)

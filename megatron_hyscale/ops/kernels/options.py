@@ -520,6 +520,22 @@ class IndexerLossKernelOptions:
     narrow_max_heads: int = 32
     narrow_bwd_warps: int = 8
     narrow_bwd_maxnreg: int | None = 128
+    # The backward in lockstep, as the attention backward's `bwd_lockstep`: persistent programs
+    # (bwd_lockstep_programs_per_sm an SM: the default's 8 warps at 128 registers, or 4 at 255,
+    # leave room for two) over the rows, each program's start of a key tile counted in its
+    # wave's counter, and a program waiting (at most SYNC_SPINS counter reads) until all of its
+    # wave started the tile bwd_lockstep_slack before. On rows in increasing key order (the
+    # DSA layer's, `ops.hytopk(order="key")`) the programs then add their dk_index tiles into
+    # the same few key ranges at a time, which the L2 cache serves: dk_index is fp32 [S, 128],
+    # 64 MiB at 128K (the H200's L2 is 50 MiB), and each (row, slot) adds a 128-wide row of it.
+    # A pace, not a dependency: the same results up to fp32 rounding order. The separate
+    # backward kernel only (not fused_rows_bwd's); deterministic runs unpaced. Off: tested
+    # under the interpreter, compiled for sm_90a (`inspect_sm90.py --preset
+    # indexer-loss-glm51-lockstep`), not yet timed (`bench_indexer_loss.py --variants
+    # lockstep`).
+    bwd_lockstep: bool = False
+    bwd_lockstep_slack: int = 1
+    bwd_lockstep_programs_per_sm: int = 2
     # The loss row pass in one gathered pass instead of two: sum p first (p alone, no gather),
     # then one pass that takes the online log-sum-exp and sum pn log pn, sum pn (s - c) (c the
     # first valid tile's max), KL = sum pn log pn - sum pn (s - c) + (lse - c) sum pn. p's
@@ -573,6 +589,14 @@ class IndexerLossKernelOptions:
     kl_in_bwd: bool = True
 
     DEFAULT: ClassVar[IndexerLossKernelOptions]
+
+    def __post_init__(self) -> None:
+        # Checked here: a launch that fails on them would read as the kernel's failure.
+        for name in ("bwd_lockstep_slack", "bwd_lockstep_programs_per_sm"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"IndexerLossKernelOptions.{name} must be an int >= 1, got "
+                                 f"{value!r}")
 
 
 IndexerLossKernelOptions.DEFAULT = IndexerLossKernelOptions()
