@@ -481,10 +481,13 @@ class EntrySelector(Protocol):
     Called with the indexer's q [B, T, H, D], keys [B, N, D], weights [B, T, H] and topk
     (entry s visible to row t iff k_positions[s] <= q_positions[t]); returns int32
     [B, T, topk] entry indices, -1 padded. `replays`: whether the recompute replays its first
-    forward's selection (`replay.SelectionReplay`) instead of selecting again.
+    forward's selection (`replay.SelectionReplay`) instead of selecting again. `keys_ascending`:
+    whether each row's entries come in increasing order (the attention's lockstep kernels
+    then skip their sort, `ops.sparse_attention`).
     """
 
     replays: bool
+    keys_ascending: bool
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *,
                  q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor: ...
@@ -495,12 +498,13 @@ class HyTopKEntrySelector:
     """HyScale's CSA selection: `ops.hytopk` (exact total order, no score table); replayed."""
 
     replays: ClassVar[bool] = True
+    keys_ascending: ClassVar[bool] = True
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *,
                  q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         # k_positions (s+1)*m - 1 <= t  <=>  s < floor((t+1)/m): V4's rule.
         return hytopk(q, k, weights, topk, relu=True, q_positions=q_positions,
-                      k_positions=k_positions)[0]
+                      k_positions=k_positions, order="key")[0]
 
 
 @dataclass(frozen=True)
@@ -510,6 +514,7 @@ class ScoreTableEntrySelector:
 
     row_block: int = 4096
     replays: ClassVar[bool] = False
+    keys_ascending: ClassVar[bool] = False  # torch.topk's score order
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *,
                  q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
@@ -758,7 +763,9 @@ class HyScaleV4Attention(MegatronModule):
                                deterministic=bool(cfg.deterministic_mode),  # [B, n, H, D]
                                options=getattr(cfg, "attention_kernel_options", None),
                                # the selection and the window index disjoint key ranges
-                               backend=kernel_backend(cfg), check_values=False)
+                               backend=kernel_backend(cfg), check_values=False,
+                               # entries (ascending) before the window's raw keys (ascending)
+                               keys_ascending=not self.is_csa or self.selector.keys_ascending)
         # K = V carries RoPE: undo it at the query position so the output depends on
         # relative positions only (V4's conjugate rotation), then the grouped projection.
         out = apply_interleaved_rope(out, cos, sin, heads=True, inverse=True)

@@ -77,6 +77,19 @@ def test_cudnn_selection_ties_zero_rows_and_negative_zero():
     assert_selection_exact(q, k, w, 2048)
 
 
+def test_cudnn_selection_in_key_order():
+    """order="key" on cuDNN's path (its unsorted rows, then `ops/key_order.py`): the
+    reference's rows in increasing key order, scores moved with them."""
+    needs(CUDNN)
+    from megatron_hyscale.ops.key_order import sort_rows_by_key
+
+    q, k, w = int_inputs(2, 3000, 3000, 32, 128, seed=4)
+    ref_i, ref_s = hytopk(q, k, w, 1000, backend="reference")
+    sort_rows_by_key(ref_i, ref_s)
+    got_i, got_s = hytopk(q, k, w, 1000, backend="cudnn", order="key")
+    assert torch.equal(got_i, ref_i) and torch.equal(got_s, ref_s)
+
+
 def test_cudnn_selection_many_chunks_noncontiguous_and_cp_positions():
     """Several 1 GiB score chunks, a strided q, and CP-style rows (two position runs)."""
     needs(CUDNN)
