@@ -293,21 +293,27 @@ BWD_KERNELS = {"auto": {}, "triton": dict(bwd_sm90=False),
                "sm90_red16": dict(bwd_sm90=True, bwd_dk_vec4=True, bwd_lockstep=False),
                "sm90_lockstep": dict(bwd_sm90=True, bwd_dk_vec4=True, bwd_lockstep=True),
                "sm90_lockstep2": dict(bwd_sm90=True, bwd_dk_vec4=True, bwd_lockstep=True,
-                                      bwd_lockstep_slack=2)}
+                                      bwd_lockstep_slack=2),
+               # the Triton dK/dV kernel in lockstep (QSA, HCA; with --indices sorted)
+               "triton_lockstep": dict(dkv_lockstep=True),
+               "triton_lockstep2": dict(dkv_lockstep=True, dkv_lockstep_slack=2),
+               "triton_lockstep_1sm": dict(dkv_lockstep=True, dkv_lockstep_programs_per_sm=1)}
 
 
 def backward_kernel(inp, options):
     """Which backward ran on these inputs with these options: "gluon-ws-sm90" (the Hopper
     warp-specialized backward, `sparse_mla_bwd_sm90`; "-red16" with 16-byte dK atomics,
-    "-lockstepN" in lockstep with a slack of N) or
-    "triton" (asked after the run: a variant that failed is disabled)."""
+    "-lockstepN" in lockstep with a slack of N) or "triton" ("-dkv-lockstepN": its dK/dV
+    kernel in lockstep; asked after the run: a variant that failed is disabled)."""
     q, k, v = inp["q"], inp["k"], inp["v"]
+    triton_name = ("triton" + (f"-dkv-lockstep{options.dkv_lockstep_slack}"
+                               if options.dkv_lockstep else ""))
     if not options.bwd_sm90:
-        return "triton"
+        return triton_name
     bwd, _ = kern.hopper_backward_module()
     dv = kern._Geometry(q, k, v, inp["dv"]).dv
     if bwd is None or not bwd.applies(q, k, v, dv, inp["prefix"]):
-        return "triton"
+        return triton_name
     return options.backward_kernel_name()
 
 

@@ -152,6 +152,11 @@
 #                                         # timed beside the library pair in one process
 #                                         # (bench_attention.py --fwd-kernel flashmla), GLM-5.1
 #                                         # V3.2 CSA at 16K-128K ($PAIR_T)              (~5 min)
+#   bash scripts/gpu_session.sh lockstep-triton  # the Triton kernels' lockstep variants
+#                                         # (indexer backward, QSA's dK/dV): their interpreter
+#                                         # tests on CUDA, then timed beside the defaults
+#                                         # (bench_indexer_loss.py --variants, bench_attention.py
+#                                         # --shapes qsa --indices sorted --bwd-also)  (~7 min)
 #   bash scripts/gpu_session.sh cudnn-layer [T...]  # bench_layer.py, GLM-5.1 DSA: HyScale
 #                                         # (own kernels, then the measured best per op)
 #                                         # against stock on dsa_kernel_backend="cudnn"
@@ -214,12 +219,13 @@ shift || true
 case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
-  |flashmla-pair|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
+  |flashmla-pair|lockstep-triton|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
   |ncu-attention|scores-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
-       "|cudnn-tests|cudnn-kernels|cudnn-layer|flashmla-pair|tilelang-kernels|te|fp8" \
+       "|cudnn-tests|cudnn-kernels|cudnn-layer|flashmla-pair|lockstep-triton" \
+       "|tilelang-kernels|te|fp8" \
        "|reliability" \
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
        "|ncu-attention|scores-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection}" \
@@ -266,7 +272,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
 fi
 case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|fwd-ws|key-tma\
-  |bwd-sm90|bwd-atomics|flashmla-pair)
+  |bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton)
     case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -852,6 +858,22 @@ case "$stage" in
       --shapes glm51 v32 csa --reps 2 --no-stock --no-tilelang --no-deterministic \
       --fwd-kernel flashmla --fwd-also gluon_ws --out "$out" 2>&1 | grep -v -i warn \
       | tee "$out/bench_attention.log" | grep -E "T=|Error|^\|"
+    exit $rc
+    ;;
+  lockstep-triton)
+    timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider \
+      tests/ops/test_indexer_loss_variants.py tests/ops/test_sparse_attention_triton.py \
+      -k "lockstep" > "$out/tests.log" 2>&1
+    rc=$?
+    echo "lockstep-triton tests: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR|E  )" "$out/tests.log" | cut -c1-400 | head -20 || true
+    timeout 150 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 v32 \
+      --variants lockstep lockstep2 lockstep_1sm --out "$out" 2>&1 | grep -v -i warn \
+      | grep -E "T=|Error|failed" | tee "$out/bench_indexer_loss_variants.log"
+    timeout 180 python3 scripts/bench_attention.py --t 65536 131072 --shapes qsa \
+      --indices sorted --bwd-also triton_lockstep triton_lockstep2 triton_lockstep_1sm \
+      --reps 2 --no-stock --no-tilelang --no-deterministic --out "$out" 2>&1 \
+      | grep -v -i warn | tee "$out/bench_attention.log" | grep -E "T=|Error|^\|"
     exit $rc
     ;;
   cudnn-layer)

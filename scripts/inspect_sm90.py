@@ -200,9 +200,10 @@ def report(name: str, launch: Launch) -> Report:
 
 
 def _hytopk(H: int, D: int, topk: int, relu: bool, T: int = 8192, mode: int = 0,
-            fp8: bool = False, **options: Any) -> list[Launch]:
+            fp8: bool = False, key_order: bool = False, **options: Any) -> list[Launch]:
     """HyTopK's launch in `mode` (hytopk.MODE_*); fp8: on e4m3 q and k with their scales
-    (precision="fp8"); options: HyTopKOptions fields to change."""
+    (precision="fp8"); key_order: rows by increasing index (order="key"); options:
+    HyTopKOptions fields to change."""
     from megatron_hyscale.ops.fp8_quant import quantize_indexer
     from megatron_hyscale.ops.kernels import hytopk as hk
     from megatron_hyscale.ops.kernels.options import HyTopKOptions
@@ -219,7 +220,7 @@ def _hytopk(H: int, D: int, topk: int, relu: bool, T: int = 8192, mode: int = 0,
     opts = replace(default, interpret_programs=132 * default.programs_per_sm, **options)
     with intercept(hk, "_hytopk_kernel") as calls:
         hk._launch(q, k, w, topk, relu=relu, q_positions=pos, k_positions=pos, causal=True,
-                   options=opts, mode=mode, **scales)
+                   options=opts, mode=mode, key_order=key_order, **scales)
     return calls
 
 
@@ -478,6 +479,7 @@ PREVIOUS_BWD = dict(dkv_carry=False, dq_tail_first=False, dkv_tilings=((64, 1), 
 
 PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-dsv32": lambda: _hytopk(64, 128, 2048, True),
+    "hytopk-dsv32-key-order": lambda: _hytopk(64, 128, 2048, True, key_order=True),
     "hytopk-dsv32-heads-on-m": lambda: _hytopk(64, 128, 2048, True, keys_on_m=False),
     "hytopk-dsv32-scoreonly": lambda: _hytopk(64, 128, 1, True, mode=1),
     "hytopk-dsv32-r168": lambda: _hytopk(64, 128, 2048, True, maxnreg=168, num_stages=2),
@@ -566,6 +568,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "indexer-scores-sm90-glm51": lambda: _indexer_scores_sm90(32),
     "sparse-attention-hca": lambda: _sparse_attention(64, 1, 512, None, 128, prefix=True),
     "sparse-attention-qsa": lambda: _sparse_attention(24, 2, 256, 256, 2052),
+    "sparse-attention-qsa-dkv-lockstep": lambda: _sparse_attention(24, 2, 256, 256, 2052,
+                                                                   dkv_lockstep=True),
     "indexer-loss-glm51": lambda: _indexer_loss(32, 128, 64, 576, 2048),
     # The dense (warm-up) loss: GLM-5.1 (one head block a row, its query resident), relu off
     # (the heads kept; -folded: one fp32 query, as the sparse op's fold), V3.2 (two head

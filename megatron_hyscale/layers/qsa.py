@@ -127,6 +127,7 @@ from megatron_hyscale.ops.block_pool import (
     pool_blocks,
     select_blocks_reference,
 )
+from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 from megatron_hyscale.parallel import cp_row_layout
 
 # The ops this layer's phases are timed by (`phase_spans`: plain calls unless phase_times
@@ -147,15 +148,19 @@ class BlockSelector(Protocol):
     Called with the indexer's queries q [B, T, H_I, D_I], block keys [B, NB, D_I], the blocks
     to keep per row, the score scale, the rows' positions [T] and the block size (block b
     visible to row t iff b < (t + 1) // block_size); returns int32 [B, T, topk] block ids, -1
-    padded. `deterministic`: megatron's deterministic_mode. `replays`: whether the recompute
-    replays its first forward's selection (`replay.SelectionReplay`) instead of selecting again.
+    padded. `deterministic`: megatron's deterministic_mode. `key_order`: each row's blocks in
+    increasing order, if the selector can (`keys_ascending`: the attention's lockstep dK/dV
+    kernel then paces its programs by key, `AttentionKernelOptions.dkv_lockstep`). `replays`:
+    whether the recompute replays its first forward's selection (`replay.SelectionReplay`)
+    instead of selecting again.
     """
 
     replays: bool
+    keys_ascending: bool
 
     def __call__(self, q: torch.Tensor, block_keys: torch.Tensor, topk: int, *, scale: float,
-                 q_positions: torch.Tensor, block_size: int, deterministic: bool
-                 ) -> torch.Tensor: ...
+                 q_positions: torch.Tensor, block_size: int, deterministic: bool,
+                 key_order: bool = False) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -163,18 +168,21 @@ class HyTopKBlockSelector:
     """HyScale's QSA selection: `ops.hytopk` over the blocks (no score table); replayed."""
 
     replays: ClassVar[bool] = True
+    keys_ascending: ClassVar[bool] = True
 
     def __call__(self, q: torch.Tensor, block_keys: torch.Tensor, topk: int, *, scale: float,
-                 q_positions: torch.Tensor, block_size: int, deterministic: bool
-                 ) -> torch.Tensor:
+                 q_positions: torch.Tensor, block_size: int, deterministic: bool,
+                 key_order: bool = False) -> torch.Tensor:
         B, T, H = q.shape[:3]
         nb = block_keys.shape[1]
         weights = torch.full((B, T, H), scale, dtype=torch.float32, device=q.device)
         # The attention needs each row's set only; the kernel's order depends on its atomics,
-        # so deterministic_mode keeps the sorted rows (a fixed summation order).
+        # so deterministic_mode keeps sorted rows (a fixed summation order); key order where
+        # the attention paces by it.
+        order = "key" if key_order else "score" if deterministic else "any"
         return hytopk(q, block_keys, weights, topk, relu=True, q_positions=q_positions,
                       k_positions=block_visibility_positions(nb, block_size, q.device),
-                      order="score" if deterministic else "any")[0]
+                      order=order)[0]
 
 
 @dataclass(frozen=True)
@@ -185,10 +193,11 @@ class ScoreTableBlockSelector:
     again."""
 
     replays: ClassVar[bool] = False
+    keys_ascending: ClassVar[bool] = False  # torch.topk's score order
 
     def __call__(self, q: torch.Tensor, block_keys: torch.Tensor, topk: int, *, scale: float,
-                 q_positions: torch.Tensor, block_size: int, deterministic: bool
-                 ) -> torch.Tensor:
+                 q_positions: torch.Tensor, block_size: int, deterministic: bool,
+                 key_order: bool = False) -> torch.Tensor:
         B, _, H = q.shape[:3]
         rows = max(1, BASELINE_CHUNK_ELEMENTS // (B * H * block_keys.shape[1]))
         return select_blocks_reference(q, block_keys, topk, scale=scale, q_positions=q_positions,
@@ -577,7 +586,9 @@ class HyScaleQSAttention(MegatronModule):
                                deterministic=bool(cfg.deterministic_mode),
                                options=getattr(cfg, "attention_kernel_options", None),
                                # expanded blocks and the causal tail: distinct by construction
-                               backend=kernel_backend(cfg), check_values=False)
+                               backend=kernel_backend(cfg), check_values=False,
+                               # blocks in key order expand to increasing tokens, tail last
+                               keys_ascending=self._paced() and self.selector.keys_ascending)
         output = out.transpose(0, 1).reshape(sq, b, -1)
         if use_loss and blocks.shape[-1] > 0:
             # Padded query rows (local rows, as stock reads them): out of the loss only.
@@ -608,6 +619,12 @@ class HyScaleQSAttention(MegatronModule):
         return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False,
                                                     group=tp_group)
 
+    def _paced(self) -> bool:
+        """Whether the attention's dK/dV kernel runs in lockstep (`AttentionKernelOptions.
+        dkv_lockstep`), which pays on rows in key order only: then the selection sorts by key."""
+        options = getattr(self.config, "attention_kernel_options", None)
+        return bool((options or AttentionKernelOptions.DEFAULT).dkv_lockstep)
+
     def _select_blocks(
         self, q_idx: torch.Tensor | None, block_keys: torch.Tensor | None, b: int, sq: int,
         seq_len: int, q_positions: torch.Tensor,
@@ -625,7 +642,8 @@ class HyScaleQSAttention(MegatronModule):
                 return self.selector(q_idx.detach(), block_keys.detach(), kb,
                                      scale=self.index_scale, q_positions=q_positions,
                                      block_size=self.block_size,
-                                     deterministic=bool(self.config.deterministic_mode))
+                                     deterministic=bool(self.config.deterministic_mode),
+                                     key_order=self._paced())
 
         return self.selection_replay.select((b, sq, kb), compute)
 
@@ -651,7 +669,8 @@ class HyScaleQSAttention(MegatronModule):
                                         k, scale=self.index_scale,
                                         q_positions=packed.rows.offsets[r0:r1],
                                         block_size=self.block_size,
-                                        deterministic=bool(self.config.deterministic_mode))
+                                        deterministic=bool(self.config.deterministic_mode),
+                                        key_order=self._paced())
                     blocks[:, r0:r1, :k] = torch.where(got >= 0, got + e0, got)
             return blocks
 

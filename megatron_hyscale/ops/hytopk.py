@@ -181,11 +181,11 @@ def hytopk(
             warn_once("hytopk-import", f"HyTopK Triton kernel unavailable ({err}); using the "
                       "reference path")
         else:
-            return _in_order(hytopk_kernel.hytopk_triton(
+            return hytopk_kernel.hytopk_triton(
                 q, k, weights, topk, relu=relu, q_positions=qpos, k_positions=kpos,
-                causal=causal, ordered=order == "score", options=options, q_scale=q_scale,
-                k_scale=k_scale,
-            ), order)
+                causal=causal, ordered=order != "any", options=options, q_scale=q_scale,
+                k_scale=k_scale, key_order=order == "key",
+            )
     if fp8:  # the reference on the same quantized inputs, dequantized exactly in fp32
         q, k = fp8_quant.dequantize(q, q_scale), fp8_quant.dequantize(k, k_scale)
     return _in_order(reference.hytopk_reference(
@@ -196,7 +196,8 @@ def hytopk(
 
 def _in_order(result: tuple[torch.Tensor, torch.Tensor], order: str
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backends' rows (score order, or any order with the -1 slots last) in `order`."""
+    """The reference's and the library's rows (score order, or any order with the -1 slots
+    last) in `order` (HyScale's kernel sorts them itself)."""
     if order == "key":
         sort_rows_by_key(*result)
     return result

@@ -191,6 +191,31 @@ def test_forward_backward_match_transformers(T, baseline):
     assert_grads_match(grads, hf_grads, mcfg)
 
 
+def test_dkv_lockstep_selects_in_key_order_and_still_matches_transformers():
+    """AttentionKernelOptions.dkv_lockstep: the selection comes in increasing block order (what
+    the lockstep dK/dV kernel paces by, -1 last) and the layer's outputs and gradients are
+    still transformers' (the attention is the same sum over the same slots)."""
+    from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
+
+    hf, ours, mcfg, hcfg = build_pair()
+    mcfg.attention_kernel_options = AttentionKernelOptions(dkv_lockstep=True)
+    core = ours.core_attention
+    assert core._paced()
+    captured = []
+    original = core._select_blocks
+    core._select_blocks = lambda *a, **kw: captured.append(original(*a, **kw)) or captured[-1]
+    x, dy = inputs(70)
+    hf_out, hf_dx, hf_grads = run_hf(hf, hcfg, x, dy)
+    out, dx, grads = run_ours(ours, hcfg, x, dy)
+    blocks = captured[0]
+    valid = blocks >= 0
+    assert valid.any() and not (valid[..., 1:] & ~valid[..., :-1]).any()  # -1 last
+    assert ((blocks[..., 1:] > blocks[..., :-1]) | ~valid[..., 1:]).all()
+    torch.testing.assert_close(out, hf_out, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(dx, hf_dx, rtol=1e-4, atol=1e-5)
+    assert_grads_match(grads, hf_grads, mcfg)
+
+
 def test_a_wrong_selection_is_caught():
     """The comparison can fail: dropping one selected block changes the output."""
     hf, ours, mcfg, hcfg = build_pair()

@@ -85,6 +85,48 @@ def test_write_rows_sorts_like_the_default(row_sort, topk):
     assert not torch.signbit(got[1][got[1] == 0]).any()
 
 
+@pytest.mark.parametrize("row_sort", list(kernel.ROW_SORTS))
+@pytest.mark.parametrize("topk", [1, 3, 300, 2048])
+def test_write_rows_in_key_order(row_sort, topk):
+    """key_order: the same rows as the score order, each in increasing index (scores moved
+    with them), -1 / -inf after; ties, -0.0 and short rows as above, and indices up to
+    2^31 - 2 (the swapped halves' largest)."""
+    from megatron_hyscale.ops.key_order import sort_rows_by_key
+
+    g = torch.Generator().manual_seed(topk + 1)
+    n = topk
+    rand = torch.randn(1, n, generator=g)
+    scores = torch.cat([rand, torch.zeros(1, n), torch.where(rand < 0, -0.0, 0.0), rand])
+    keys = packed_rows(scores, 2 * max(topk, 2))
+    keys[3, :n] = (keys[3, :n] & ~0xFFFFFFFF) | (0xFFFFFFFF - (2**31 - 2 - torch.arange(n)))
+    counts = torch.tensor([n, n, n, max(1, n - 1)], dtype=torch.int32)
+    want_i, want_s = expected(keys, counts, topk)
+    sort_rows_by_key(want_i, want_s)
+    got = kernel.write_rows(keys.to(DEVICE), counts.to(DEVICE), topk, options=options(row_sort),
+                            programs=2, key_order=True)
+    assert_same((got[0].cpu(), got[1].cpu()), (want_i, want_s))
+    assert int(got[0].max()) == 2**31 - 2  # row 3's first slot
+
+
+@pytest.mark.parametrize("row_sort", list(kernel.ROW_SORTS))
+@pytest.mark.parametrize("sort_in_kernel", [True, False])
+def test_select_kernel_key_order(row_sort, sort_in_kernel):
+    """The select kernel's rows in key order (the kernel's sort, or `_finish`'s): the score
+    order's rows re-sorted by index, bit for bit, on every adversarial case."""
+    from megatron_hyscale.ops.key_order import sort_rows_by_key
+
+    for name, q, k, w, topk, relu in adversarial_cases():
+        want = run(q, k, w, topk, row_sort, relu=relu)
+        want = tuple(t.clone() for t in want)
+        sort_rows_by_key(*want)
+        qpos, kpos = validate_hytopk_inputs(q, k, w, topk, None, None)
+        got = kernel._launch(q, k, w, topk, relu=relu, causal=True, q_positions=qpos,
+                             k_positions=kpos, key_order=True,
+                             options=options(row_sort, block_n=16, num_programs=2,
+                                             sort_in_kernel=sort_in_kernel))
+        assert_same(got, want, name)
+
+
 def test_unknown_row_sort_raises():
     keys = torch.zeros(1, 8, dtype=torch.int64, device=DEVICE)
     counts = torch.zeros(1, dtype=torch.int32, device=DEVICE)

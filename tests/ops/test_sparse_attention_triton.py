@@ -131,18 +131,24 @@ def run_both(q, k, v, idx, sink, dv, scale, deterministic, lse_weight=None, seed
 
 
 @pytest.mark.parametrize("variant", ["dkv-channels-on-m", "dkv-keys-on-m", "fused", "dkv-no-carry",
-                                     "dq-main-first"])
+                                     "dq-main-first", "dkv-lockstep", "dkv-lockstep-keys-on-m",
+                                     "dkv-lockstep2-no-carry"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_values_and_gradients(case, deterministic, variant):
     # Every backward layout against the oracle: the separate dK/dV kernel in both orientations
     # (dkv_channels_on_m), the single pass that fuses it into the dQ kernel (bwd_fused), the
     # channels-on-M kernel adding each tile's dK / dV in its own iteration (dkv_carry off; the
-    # default carries them one iteration), and the dQ kernel taking S's main channels first
-    # (dq_tail_first off; the default takes the tail first).
-    options = replace(SMALL, dkv_channels_on_m=variant != "dkv-keys-on-m",
-                      bwd_fused=variant == "fused", dkv_carry=variant != "dkv-no-carry",
-                      dq_tail_first=variant != "dq-main-first")
+    # default carries them one iteration), the dQ kernel taking S's main channels first
+    # (dq_tail_first off; the default takes the tail first), and the dK/dV kernel in lockstep
+    # (dkv_lockstep: persistent programs over several waves under the interpreter's 3 "SMs",
+    # the last part-full, with each layout; deterministic runs unpaced).
+    lockstep = variant.startswith("dkv-lockstep")
+    options = replace(SMALL, dkv_channels_on_m=not variant.endswith("keys-on-m"),
+                      bwd_fused=variant == "fused", dkv_carry=not variant.endswith("no-carry"),
+                      dq_tail_first=variant != "dq-main-first", dkv_lockstep=lockstep,
+                      dkv_lockstep_slack=2 if variant.startswith("dkv-lockstep2") else 1,
+                      dkv_lockstep_programs_per_sm=1 if lockstep else 2)
     q, k, v, idx, sink, dv, scale = build(case, seed=len(case))
     (out, lse, grads), (rout, rlse, rgrads) = run_both(q, k, v, idx, sink, dv, scale,
                                                        deterministic, options=options)

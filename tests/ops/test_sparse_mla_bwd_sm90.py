@@ -13,7 +13,10 @@ pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
                     reason="Gluon's Hopper API (tested with Triton 3.6)")
 from megatron_hyscale.ops import checks  # noqa: E402
 from megatron_hyscale.ops.kernels import sparse_mla_bwd_sm90 as bwd  # noqa: E402
-from megatron_hyscale.ops.kernels.options import AttentionKernelOptions  # noqa: E402
+from megatron_hyscale.ops.kernels.options import (  # noqa: E402
+    AttentionKernelOptions,
+    IndexerLossKernelOptions,
+)
 
 
 def _tensors(d=576, q_width=None, k_width=None, dout_width=None, out_stride=1):
@@ -116,11 +119,23 @@ def test_lockstep_slack_is_checked_first(slack):
                                 torch.zeros(1, 8, 1, 576), lockstep=True, lockstep_slack=slack)
 
 
-@pytest.mark.parametrize("name", ["bwd_lockstep_slack", "fwd_lockstep_slack"])
+@pytest.mark.parametrize("cls,name", [
+    (AttentionKernelOptions, "bwd_lockstep_slack"), (AttentionKernelOptions, "fwd_lockstep_slack"),
+    (AttentionKernelOptions, "dkv_lockstep_slack"),
+    (AttentionKernelOptions, "dkv_lockstep_programs_per_sm"),
+    (IndexerLossKernelOptions, "bwd_lockstep_slack"),
+    (IndexerLossKernelOptions, "bwd_lockstep_programs_per_sm")])
 @pytest.mark.parametrize("value", [0, -2, 1.0, True])
-def test_lockstep_slack_option_is_checked_when_made(name, value):
-    """The options object refuses a slack that is not an int >= 1 when it is made: at launch
-    the dispatcher would take the failure for the kernel's, disable it and fall back."""
-    with pytest.raises(ValueError, match=f"AttentionKernelOptions.{name} must be an int >= 1"):
-        replace(AttentionKernelOptions.DEFAULT, **{name: value})
-    assert getattr(replace(AttentionKernelOptions.DEFAULT, **{name: 3}), name) == 3
+def test_lockstep_slack_option_is_checked_when_made(cls, name, value):
+    """The options objects refuse a slack or a program count that is not an int >= 1 when
+    they are made: at launch the dispatcher would take the failure for the kernel's, disable
+    it and fall back."""
+    with pytest.raises(ValueError, match=f"{cls.__name__}.{name} must be an int >= 1"):
+        replace(cls.DEFAULT, **{name: value})
+    assert getattr(replace(cls.DEFAULT, **{name: 3}), name) == 3
+
+
+@pytest.mark.parametrize("name", ["fwd_flashmla", "bwd_lockstep", "dkv_lockstep", "fwd_sm90"])
+def test_switches_must_be_bools(name):
+    with pytest.raises(ValueError, match=f"AttentionKernelOptions.{name} must be a bool"):
+        replace(AttentionKernelOptions.DEFAULT, **{name: 1})

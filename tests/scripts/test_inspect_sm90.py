@@ -299,6 +299,27 @@ def test_indexer_loss_backward_lockstep_keeps_the_pipelined_tile_loop(tmp_path: 
     assert sass.count("LDG.E.STRONG.SYS") == 1 and sass.count("REDG.E.ADD.STRONG.GPU") == 1
 
 
+def test_triton_dkv_lockstep_keeps_the_pipelined_tile_loop(tmp_path: Path) -> None:
+    """AttentionKernelOptions.dkv_lockstep on QSA's shape (2 KV heads of 12 query heads, 256
+    channels): the dK/dV kernel's tile loop keeps the default's cp.async copies, products and
+    atomics without local memory, plus the count's reduction and one volatile read."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "sparse-attention-qsa", "sparse-attention-qsa-dkv-lockstep",
+                "--json", str(out), "--sass-out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    default, lockstep = (r for r in json.loads(out.read_text())
+                         if r["name"].endswith("_bwd_dkv_kernel"))
+    assert lockstep["constexprs"]["LOCKSTEP"] is True and "LOCKSTEP" not in default["constexprs"]
+    ops, base = lockstep["loop_ops"], default["loop_ops"]
+    for op in ("HGMMA", "HMMA", "LDGSTS"):
+        assert ops[op] == base[op] > 0, op
+    assert ops["REDG"] == base["REDG"] + 1 and ops["LDG"] == base["LDG"] + 1
+    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
+    # dkv_carry (the default) gathers the first tile before its loop: two copies of the step.
+    sass = next(tmp_path.glob("sparse-attention-qsa-dkv-lockstep_2_*.sass")).read_text()
+    assert sass.count("LDG.E.STRONG.SYS") == 2 and sass.count("REDG.E.ADD.STRONG.GPU") == 2
+
+
 def test_key_tma_takes_the_key_copies_out_of_the_tile_loop(tmp_path: Path) -> None:
     """HyTopKOptions.key_tma: the tile loop has no per-thread copies (LDGSTS) left, one TMA
     load (UTMALDG) a tile and its mbarrier, the same products, and fewer instructions than the

@@ -103,6 +103,45 @@ def lockstep_plan(work: int, device: torch.device, slack: int, per_sm: int = 1
     return programs, torch.zeros(triton.cdiv(work, programs), device=device, dtype=torch.int32)
 
 
+# Lockstep kernels (`lockstep_plan`): reads of a wave's counter a program makes at most before
+# its next tile anyway (about 0.5 us each, an L2 round trip): a program that never arrives (an
+# SM another kernel holds) costs each tile this much and nothing else.
+SYNC_SPINS = 64
+# One lockstep step as one inline-PTX block (`lockstep_step`): thread 0 counts the program's
+# start of a tile in its wave's counter, then every thread reads the counter (at most $3 times)
+# until it reaches $2. A `while` in the tile loop instead keeps Triton from pipelining the loop's
+# key gathers (compiled for sm_90a: no cp.async left in it); the asm is one opaque op. ${:uid}
+# makes the labels unique per inlined copy; "nounroll" keeps ptxas from unrolling the spin
+# (64 reads a tile in the hot loop otherwise).
+_LOCKSTEP_STEP = tl.constexpr(
+    "{ .reg .pred p; .reg .b32 t, n; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+    "@p red.relaxed.gpu.global.add.u32 [$1], 1; mov.u32 n, 0; "
+    "WAIT${:uid}: .pragma \"nounroll\"; ld.volatile.global.b32 $0, [$1]; "
+    "setp.lt.s32 p, $0, $2; "
+    "@!p bra DONE${:uid}; add.u32 n, n, 1; setp.lt.u32 p, n, $3; @p bra WAIT${:uid}; "
+    "DONE${:uid}: }")
+
+
+@triton.jit
+def lockstep_step(count_ptr, need, SPINS: tl.constexpr, PTX: tl.constexpr):
+    """Count this program's start of a key tile in its wave's counter, then spin (at most SPINS
+    reads) until the counter reaches `need`: a pace, not a dependency (nothing the counted
+    programs wrote is read), so giving up is safe. PTX: as one inline-asm block (the
+    interpreter runs the tl form)."""
+    if PTX:
+        tl.inline_asm_elementwise(_LOCKSTEP_STEP, "=r,l,r,r",
+                                  [count_ptr.to(tl.int64), need.to(tl.int32),
+                                   tl.full([], SPINS, tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.atomic_add(count_ptr, 1, sem="relaxed")
+        seen = tl.load(count_ptr, volatile=True)
+        spins = 0
+        while (seen < need) & (spins < SPINS):
+            seen = tl.load(count_ptr, volatile=True)
+            spins += 1
+
+
 # Programs a lockstep launch runs off CUDA (Triton's interpreter, one program after another):
 # enough for several waves in a test's few rows, each waiting out its SYNC_SPINS alone.
 INTERPRETER_SMS = 3

@@ -25,10 +25,6 @@ def program_coords(T, NG: gl.constexpr):
     return pid_q // T, pid_q % T, hb
 
 
-# Lockstep kernels (`common.lockstep_plan`): reads of a wave's counter a producer makes at most
-# before gathering its next tile anyway (about 0.5 us each, an L2 round trip): a program that
-# never arrives (an SM another kernel holds) costs each tile this much and nothing else.
-SYNC_SPINS = 64
 
 
 @gluon.jit

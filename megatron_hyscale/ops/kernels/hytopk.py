@@ -423,22 +423,38 @@ def _sort_desc_regs(buf, KP: tl.constexpr):
 
 
 @triton.jit
+def _swap_halves(key, key_min):
+    """The packed key with its 32-bit halves swapped ((LOW32 - index) high, the score's bits
+    low), INT64_MIN (an empty slot) kept: sorted descending, such keys give increasing key
+    indices (every LOW32 - index of an index below 2^31 - 1 lies above INT64_MIN's high half).
+    Its own inverse."""
+    low = _low32_mask()
+    return tl.where(key == key_min, key, ((key & low) << 32) | ((key >> 32) & low))
+
+
+@triton.jit
 def _write_row(row_ptr, n, out_off, out_idx_ptr, out_score_ptr, TOPK: tl.constexpr,
-               KP: tl.constexpr, ORDERED: tl.constexpr, ROW_SORT: tl.constexpr):
+               KP: tl.constexpr, ORDERED: tl.constexpr, ROW_SORT: tl.constexpr,
+               KEY_ORDER: tl.constexpr = False):
     """Decode the row's n <= TOPK keys (at row_ptr) into indices and scores at out_off, sorted
-    by key (score desc, index asc) when ORDERED, -1 / -inf after them: what _finish does,
-    without the round trip of the packed halves through global memory. KP: TOPK rounded up to
-    a power of two, the sort's width (empty slots hold INT64_MIN, which sorts last). ROW_SORT:
-    `ROW_SORTS[HyTopKOptions.row_sort]` (tl.sort, or _sort_desc_regs)."""
+    by key (score desc, index asc) when ORDERED, by increasing index with KEY_ORDER too, -1 /
+    -inf after them: what _finish does, without the round trip of the packed halves through
+    global memory. KP: TOPK rounded up to a power of two, the sort's width (empty slots hold
+    INT64_MIN, which sorts last). ROW_SORT: `ROW_SORTS[HyTopKOptions.row_sort]` (tl.sort, or
+    _sort_desc_regs)."""
     key_min = tl.full([], -9223372036854775807 - 1, tl.int64)
     offs = tl.arange(0, KP)
     buf = tl.load(row_ptr + offs, mask=offs < n, other=key_min)
     pos = offs
     if ORDERED:
+        if KEY_ORDER:
+            buf = _swap_halves(buf, key_min)
         if ROW_SORT == 1 and KP > 1:
             buf, pos = _sort_desc_regs(buf, KP)
         else:
             buf = tl.sort(buf, descending=True)
+        if KEY_ORDER:
+            buf = _swap_halves(buf, key_min)
     empty = buf == key_min
     score = tl.where(empty, float("-inf"), _unpack_score(buf))
     index = tl.where(empty, -1, _unpack_index(buf))
@@ -449,30 +465,31 @@ def _write_row(row_ptr, n, out_off, out_idx_ptr, out_score_ptr, TOPK: tl.constex
 @triton.jit
 def _write_rows_kernel(keys_ptr, count_ptr, out_idx_ptr, out_score_ptr, n_rows, CAP,
                        TOPK: tl.constexpr, KP: tl.constexpr, ORDERED: tl.constexpr,
-                       ROW_SORT: tl.constexpr):
+                       ROW_SORT: tl.constexpr, KEY_ORDER: tl.constexpr = False):
     """_write_row alone over rows (tests, `bench_selection.py --row-sort-micro`,
     `inspect_sm90.py`): keys int64 [rows, CAP] (a row's first count[r] <= TOPK entries are its
     distinct keys), outputs int32 [rows, TOPK] (scores as their fp32 bits)."""
     for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         r64 = r + tl.zeros([], tl.int64)
         _write_row(keys_ptr + r64 * CAP, tl.load(count_ptr + r), r64 * TOPK, out_idx_ptr,
-                   out_score_ptr, TOPK, KP, ORDERED, ROW_SORT)
+                   out_score_ptr, TOPK, KP, ORDERED, ROW_SORT, KEY_ORDER)
 
 
 def write_rows(keys: torch.Tensor, counts: torch.Tensor, topk: int, *, ordered: bool = True,
-               options: HyTopKOptions = HyTopKOptions.DEFAULT, programs: int | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               options: HyTopKOptions = HyTopKOptions.DEFAULT, programs: int | None = None,
+               key_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The select kernel's row output alone: keys int64 [rows, cap] (packed, distinct within a
     row's first counts[r] <= topk entries), counts int32 [rows] -> indices int32 and scores
-    fp32 [rows, topk], as the kernel writes them with options.row_sort. programs: the grid
-    (default: one program a row)."""
+    fp32 [rows, topk], as the kernel writes them with options.row_sort (by increasing index
+    with key_order). programs: the grid (default: one program a row)."""
     rows, cap = keys.shape
     indices = torch.empty(rows, topk, dtype=torch.int32, device=keys.device)
     scores = torch.empty(rows, topk, dtype=torch.float32, device=keys.device)
     _write_rows_kernel[(programs or max(1, rows),)](
         keys.contiguous(), counts.to(torch.int32).contiguous(), indices,
         scores.view(torch.int32), rows, cap, TOPK=topk, KP=triton.next_power_of_2(topk),
-        ORDERED=ordered, ROW_SORT=_row_sort_code(options), num_warps=options.num_warps)
+        ORDERED=ordered, ROW_SORT=_row_sort_code(options), KEY_ORDER=ordered and key_order,
+        num_warps=options.num_warps)
     return indices, scores
 
 
@@ -635,7 +652,7 @@ def _hytopk_kernel(
     HEAD_MAJOR: tl.constexpr, SORT_OUT: tl.constexpr, ORDERED: tl.constexpr,
     KP: tl.constexpr, NSAMP: tl.constexpr, N_BLOCKS_ON_DEVICE: tl.constexpr,
     LEAN: tl.constexpr, BOUNDED_SELECT: tl.constexpr, ROW_SORT: tl.constexpr,
-    APPEND_PTX: tl.constexpr, KEY_TMA: tl.constexpr,
+    APPEND_PTX: tl.constexpr, KEY_TMA: tl.constexpr, KEY_ORDER: tl.constexpr = False,
 ):
     """One persistent program: blocks of R query rows (R * HP GEMM rows), key tiles of BN.
 
@@ -894,7 +911,8 @@ def _hytopk_kernel(
                     tl.debug_barrier()
                     if SORT_OUT:
                         _write_row(scratch + r * CAP, c_r, _pick(out_row, offs_r, r),
-                                   out_idx_ptr, out_score_ptr, TOPK, KP, ORDERED, ROW_SORT)
+                                   out_idx_ptr, out_score_ptr, TOPK, KP, ORDERED, ROW_SORT,
+                                   KEY_ORDER)
                     else:
                         # The row's exact top-k set, unsorted, as the two 32-bit halves of
                         # its packed keys (high half in the scores, low half in the indices);
@@ -1111,15 +1129,15 @@ def _key_descriptor(k: torch.Tensor, bn: int, bd: int) -> Any:
 def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
             options: HyTopKOptions = HyTopKOptions.DEFAULT, mode=MODE_SELECT, table=None,
             table_rows=None, prune_stats=None, ordered=True, q_scale=None, k_scale=None,
-            sample_stats=None):
+            sample_stats=None, key_order=False):
     """Run the kernel in `mode` with the variant and tiling of `options` (pruning in
     MODE_SELECT only; with one head a row the rows stay on the MMA's M whatever keys_on_m
     says). prune_stats: optional int64 tensor [2] that receives (key tiles pruned, key tiles
     considered), each counted once per row block. ordered: sort each row (else the set in
-    kernel order, -1 slots last). q_scale [B, T, H], k_scale [B, S]: fp32 scales of e4m3 q
-    and k (both required then, neither otherwise). sample_stats: optional int32 tensor [2]
-    that receives (rows given a sampled guess, row blocks redone because a guess failed)
-    under options.sample_keys."""
+    kernel order, -1 slots last), by increasing key index with key_order. q_scale [B, T, H],
+    k_scale [B, S]: fp32 scales of e4m3 q and k (both required then, neither otherwise).
+    sample_stats: optional int32 tensor [2] that receives (rows given a sampled guess, row
+    blocks redone because a guess failed) under options.sample_keys."""
     B, T, _, D = q.shape
     S = k.shape[1]
     fp8 = q.dtype == FP8_DTYPE
@@ -1239,6 +1257,7 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
             ORDERED=sort_out and ordered, KP=triton.next_power_of_2(topk), NSAMP=nsamp,
             N_BLOCKS_ON_DEVICE=redo, LEAN=lean, BOUNDED_SELECT=options.bounded_select,
             ROW_SORT=row_sort, APPEND_PTX=append_ptx, KEY_TMA=k_desc is not None,
+            KEY_ORDER=sort_out and ordered and key_order,
             num_warps=options.num_warps, num_stages=options.num_stages, **reg_cap,
         )
 
@@ -1256,13 +1275,14 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     if sample_stats is not None:
         sample_stats.copy_(fails[:2].flip(0) if nsamp else torch.zeros_like(sample_stats))
     if mode == MODE_SELECT and not sort_out:
-        _finish(indices, scores, ordered)
+        _finish(indices, scores, ordered, key_order)
     return indices, scores
 
 
-def _finish(indices, scores, ordered=True):
-    """Sort each row's packed keys (score desc, index asc) and decode them, in place; without
-    `ordered`, decode only (the kernel already wrote empty slots after the real ones).
+def _finish(indices, scores, ordered=True, key_order=False):
+    """Sort each row's packed keys (score desc, index asc; by increasing index with
+    key_order) and decode them, in place; without `ordered`, decode only (the kernel already
+    wrote empty slots after the real ones).
 
     On entry scores holds the high and indices the low 32 bits of each key (INT64_MIN marks an
     empty slot). Row chunks bound the temporaries to about FINISH_CHUNK_BYTES.
@@ -1275,7 +1295,13 @@ def _finish(indices, scores, ordered=True):
             hi = hi_bits[b, t0:t0 + step].to(torch.int64)
             lo = lo_bits[b, t0:t0 + step].to(torch.int64) & _LOW32
             key = (hi << 32) | lo
-            if ordered:
+            if ordered and key_order:  # halves swapped, as the kernel's _swap_halves
+                swapped = torch.where(key == _KEY_MIN, key, ((key & _LOW32) << 32) | (key >> 32
+                                                                                     & _LOW32))
+                swapped = swapped.sort(dim=-1, descending=True).values
+                key = torch.where(swapped == _KEY_MIN, swapped, ((swapped & _LOW32) << 32)
+                                  | (swapped >> 32 & _LOW32))
+            elif ordered:
                 key = key.sort(dim=-1, descending=True).values
             empty = key == _KEY_MIN
             hi32 = (key >> 32).to(torch.int32)
@@ -1291,20 +1317,21 @@ def hytopk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk:
                   causal: bool, options: HyTopKOptions = HyTopKOptions.DEFAULT,
                   prune_stats: torch.Tensor | None = None, ordered: bool = True,
                   q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                  sample_stats: torch.Tensor | None = None
+                  sample_stats: torch.Tensor | None = None, key_order: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact HyTopK on validated inputs (positions int64 [B, T] / [B, S]); see module doc.
 
     options: the kernel variant (the outputs are identical for every one). prune_stats:
     optional int64 [2] tensor that receives (key tiles pruned, key tiles considered) when
-    options.prune. ordered=False: each row's set in kernel order. q_scale, k_scale: the fp32
+    options.prune. ordered=False: each row's set in kernel order; key_order (with ordered):
+    each row by increasing key index (`ops.hytopk(order="key")`). q_scale, k_scale: the fp32
     scales of e4m3 q and k (`fp8_quant.quantize_indexer`). sample_stats: optional int32 [2]
     tensor that receives (rows given a sampled threshold, row blocks redone without) when
     options.sample_keys."""
     return _launch(q, k, weights, topk, relu=relu, q_positions=q_positions,
                    k_positions=k_positions, causal=causal, options=options,
                    prune_stats=prune_stats, ordered=ordered, q_scale=q_scale, k_scale=k_scale,
-                   sample_stats=sample_stats)
+                   sample_stats=sample_stats, key_order=key_order)
 
 
 def score_table(q, k, weights, *, relu, q_positions, k_positions, causal, t0, t1, table,

@@ -41,6 +41,7 @@ from megatron_hyscale.ops.kernels.common import (
     MODE_ATOMIC,
     MODE_FIXED,
     MODE_ROWMAX,
+    SYNC_SPINS,
     WIDE_TILE,
     accumulate,
     channel_split,
@@ -48,6 +49,7 @@ from megatron_hyscale.ops.kernels.common import (
     fix_interpreter,
     fixed_point_scale,
     lockstep_plan,
+    lockstep_step,
 )
 from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions, Tilings
 from megatron_hyscale.ops.kernels.tiling import launch_first_fitting
@@ -61,9 +63,6 @@ _EPS = tl.constexpr(EPS)
 # all-reduce, which sums the sentinels to -tp).
 INVALID = -1.0
 _INVALID = tl.constexpr(INVALID)
-# Counter reads a lockstep program spends at most waiting for its wave before each key tile
-# (`IndexerLossKernelOptions.bwd_lockstep`), as the Gluon attention kernels' SYNC_SPINS.
-SYNC_SPINS = 64
 
 
 
@@ -407,41 +406,6 @@ def _grad_step(q, w, dq, dw, rows, valid, pn, lse, psum, g_scale, k_base, sks, s
     return dq, dw, kl_tile
 
 
-# One lockstep step as one inline-PTX block (`_lockstep_step`): thread 0 counts the program's
-# start of a tile in its wave's counter, then every thread reads the counter (at most $3 times)
-# until it reaches $2. A `while` in the tile loop instead keeps Triton from pipelining the loop's
-# key gathers (compiled for sm_90a: no cp.async left in it); the asm is one opaque op. ${:uid}
-# makes the labels unique per inlined copy; "nounroll" keeps ptxas from unrolling the spin
-# (64 reads a tile in the hot loop otherwise).
-_LOCKSTEP_STEP = tl.constexpr(
-    "{ .reg .pred p; .reg .b32 t, n; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-    "@p red.relaxed.gpu.global.add.u32 [$1], 1; mov.u32 n, 0; "
-    "WAIT${:uid}: .pragma \"nounroll\"; ld.volatile.global.b32 $0, [$1]; "
-    "setp.lt.s32 p, $0, $2; "
-    "@!p bra DONE${:uid}; add.u32 n, n, 1; setp.lt.u32 p, n, $3; @p bra WAIT${:uid}; "
-    "DONE${:uid}: }")
-
-
-@triton.jit
-def _lockstep_step(count_ptr, need, SPINS: tl.constexpr, PTX: tl.constexpr):
-    """Count this program's start of a key tile in its wave's counter, then spin (at most SPINS
-    reads) until the counter reaches `need`: a pace, not a dependency (nothing the counted
-    programs wrote is read), so giving up is safe. PTX: as one inline-asm block (the
-    interpreter runs the tl form)."""
-    if PTX:
-        tl.inline_asm_elementwise(_LOCKSTEP_STEP, "=r,l,r,r",
-                                  [count_ptr.to(tl.int64), need.to(tl.int32),
-                                   tl.full([], SPINS, tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.atomic_add(count_ptr, 1, sem="relaxed")
-        seen = tl.load(count_ptr, volatile=True)
-        spins = 0
-        while (seen < need) & (spins < SPINS):
-            seen = tl.load(count_ptr, volatile=True)
-            spins += 1
-
-
 @triton.jit
 def _bwd_row(
     pid, qi_ptr, w_ptr, ki_ptr, idx_ptr, p_ptr, lse_ptr, psum_ptr, grad_ptr, coeff,
@@ -477,8 +441,8 @@ def _bwd_row(
     kl = tl.zeros([], tl.float32)
     for n0 in range(0, NK, BLOCK_N):
         if LOCKSTEP:
-            _lockstep_step(wave_ptr, active * (n0 // BLOCK_N - SYNC_SLACK + 1), SYNC_SPINS,
-                           SYNC_PTX)
+            lockstep_step(wave_ptr, active * (n0 // BLOCK_N - SYNC_SLACK + 1), SYNC_SPINS,
+                          SYNC_PTX)
         rows, valid, pn, _ = _load_slots(idx_base, sik, p_base, spk, n0, NK, BLOCK_N)
         dq, dw, kl_tile = _grad_step(q, w, dq, dw, rows, valid, pn, lse, psum, g_scale, k_base,
                                      sks, skd, offs_d, D, dk_base, sdks, sdkd, d_mask, rm_base,

@@ -400,6 +400,25 @@ class AttentionKernelOptions:
     # first in dkv_tilings. With it off, 32 x 2 does not fit and the launch falls back to
     # 64 x 1 (tiling.py). Ignored with the keys on M.
     dkv_carry: bool = True
+    # The Triton dK/dV kernel in lockstep (the Gluon backward's `bwd_lockstep` for the shapes
+    # it does not take: QSA's two KV heads of 12 query heads, HCA with its prefix): persistent
+    # programs (dkv_lockstep_programs_per_sm an SM, at most what is resident at once) over the
+    # (query, head block) items in the grid's order, each program's start of a key tile counted
+    # in its wave's counter, and a program waiting (at most SYNC_SPINS reads) until all of its
+    # wave started the tile dkv_lockstep_slack before; the count and the wait are one
+    # inline-PTX block, so the tile loop stays pipelined. On rows in key order the programs then
+    # add into the same few key ranges of dK / dV at a time, which L2 serves (QSA's fp32 dK and
+    # dV are 512 MiB at 128K, and every (query, KV head, slot) adds 512 channels: about 1.1 TB
+    # of reductions). A pace, not a dependency: the same results to fp32 rounding order;
+    # deterministic runs unpaced. Compiled for sm_90a (`inspect_sm90.py --preset
+    # sparse-attention-qsa-dkv-lockstep`): QSA's tile loop 715 -> 753 SASS instructions (one
+    # more load and reduction, the copies still pipelined), 248 -> 255 registers, no spill.
+    # Off: tested under the interpreter, not yet timed (`gpu_session.sh lockstep-triton`;
+    # `bench_attention.py --indices sorted --bwd-also triton_lockstep`). The QSA layer selects
+    # in key order when it is on (`HyScaleQSAttention._paced`).
+    dkv_lockstep: bool = False
+    dkv_lockstep_slack: int = 1
+    dkv_lockstep_programs_per_sm: int = 2
     # The dK/dV kernel with the keys on M reads q and dO in two MMA layouts (B of K @ q^T and of
     # dS^T @ q), which Triton keeps as two shared-memory copies; its head block is halved until
     # both copies fit in this many bytes (measured on the H200: 64 heads x (576 + 512) dims
@@ -439,15 +458,16 @@ class AttentionKernelOptions:
         # Checked here, not at launch: a kernel launch's failure disables the Gluon variant
         # and falls back (with a warning), which would hide a wrong setting.
         for name in ("fwd_flashmla", "fwd_sm90", "fwd_sm90_ws", "fwd_lockstep", "bwd_sm90",
-                     "bwd_lockstep", "bwd_dk_vec4"):
+                     "bwd_lockstep", "bwd_dk_vec4", "dkv_lockstep"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"AttentionKernelOptions.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
-        for name in ("bwd_lockstep_slack", "fwd_lockstep_slack"):
+        for name in ("bwd_lockstep_slack", "fwd_lockstep_slack", "dkv_lockstep_slack",
+                     "dkv_lockstep_programs_per_sm"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"AttentionKernelOptions.{name} must be an int >= 1 (tiles a "
-                                 f"program may lead the slowest of its wave by), got {value!r}")
+                raise ValueError(f"AttentionKernelOptions.{name} must be an int >= 1, got "
+                                 f"{value!r}")
 
     def forward_kernel_name(self) -> str:
         """The forward these options run where the Hopper kernels take the shape, as benchmark

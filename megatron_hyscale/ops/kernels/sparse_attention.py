@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_hyscale.ops.checks import warn_once
+from megatron_hyscale.ops.checks import triton_interpret, warn_once
 from megatron_hyscale.ops.kernels.common import (
     LN2_JIT,
     LOG2E,
@@ -52,6 +52,7 @@ from megatron_hyscale.ops.kernels.common import (
     MODE_DISCARD,
     MODE_FIXED,
     MODE_ROWMAX,
+    SYNC_SPINS,
     WIDE_TILE,
     accumulate,
     channel_split,
@@ -59,6 +60,8 @@ from megatron_hyscale.ops.kernels.common import (
     fix_interpreter,
     fixed_point_scale,
     launch_grid,
+    lockstep_plan,
+    lockstep_step,
 )
 from megatron_hyscale.ops.kernels.options import AttentionKernelOptions, Tilings
 from megatron_hyscale.ops.kernels.tiling import launch_first_fitting
@@ -86,11 +89,33 @@ def _coords(T, NHB, G, NG: tl.constexpr, BLOCK_H: tl.constexpr):
     else:
         pid_q = tl.program_id(0).to(tl.int64)
         pid_g = tl.program_id(1)
+    return _group_coords(pid_q, pid_g, T, NHB, G, BLOCK_H)
+
+
+@triton.jit
+def _group_coords(pid_q, pid_g, T, NHB, G, BLOCK_H: tl.constexpr):
+    """(b, t, kv head, query-head offsets within the group, head mask) of query pid_q (int64,
+    b * T + t) and head group pid_g (kv head * NHB + head block)."""
     b = pid_q // T
     t = pid_q % T
     kvh = pid_g // NHB
     offs_h = (pid_g % NHB) * BLOCK_H + tl.arange(0, BLOCK_H)
     return b, t, kvh, offs_h, offs_h < G
+
+
+@triton.jit
+def _work_item_coords(item, n_queries, T, NHB, G, NG: tl.constexpr, BLOCK_H: tl.constexpr):
+    """`_coords` of work item `item` of a persistent launch, in the order the grid of `_coords`
+    runs its programs: NG > 0, a query's NG head blocks adjacent; else every query of head
+    group 0, then of group 1, ..."""
+    item = item + tl.zeros([], tl.int64)
+    if NG > 0:
+        pid_q = item // NG
+        pid_g = (item % NG).to(tl.int32)
+    else:
+        pid_q = item % n_queries
+        pid_g = (item // n_queries).to(tl.int32)
+    return _group_coords(pid_q, pid_g, T, NHB, G, BLOCK_H)
 
 
 @triton.jit
@@ -468,7 +493,8 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _bwd_dkv_kernel(
+def _dkv_item(
+    b, t, kvh, offs_h, h_mask, wave_ptr, active,
     q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, dout_ptr, lse_ptr, delta_ptr,
     dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr,
     T, NK, G, NHB, qk_scale, sm_scale,
@@ -478,19 +504,13 @@ def _bwd_dkv_kernel(
     D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr,
     MODE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, CHANNELS_ON_M: tl.constexpr, NG: tl.constexpr,
-    CARRY: tl.constexpr = False,
+    PRECISION: tl.constexpr, CHANNELS_ON_M: tl.constexpr, CARRY: tl.constexpr,
+    LOCKSTEP: tl.constexpr, SYNC_SLACK: tl.constexpr, SYNC_SPINS: tl.constexpr,
+    SYNC_PTX: tl.constexpr,
 ):
-    """dK / dV contributions of one query's head block, added into the selected key rows.
-
-    S = q @ K_sel^T, P = exp2(S - lse2), dP = dO @ V_sel^T, dS = P * (dP - Delta); then
-    CHANNELS_ON_M: dK^T = scale * q^T @ dS and dV^T = dO^T @ P (the channels as the MMA's M);
-    else the same with the keys as M (dK_tile = scale * dS^T @ q, dV_tile = P^T @ dO). dV is
-    merged into dK's first channels when V is K's main part; tiles are accumulated per MODE
-    (fp32 atomics or fixed point). CARRY (channels on M only): each tile's products run one
-    iteration later (AttentionKernelOptions.dkv_carry).
-    """
-    b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
+    """`_bwd_dkv_kernel`'s work for one (query, head block) at its coordinates. LOCKSTEP: before
+    each key tile i, count this program's start in its wave's counter (wave_ptr) and wait
+    until the `active` programs of the wave all started tile i - SYNC_SLACK."""
     heads = kvh * G + offs_h
     offs_dm = tl.arange(0, D_MAIN)
     offs_v = tl.arange(0, DV_PAD)
@@ -521,12 +541,17 @@ def _bwd_dkv_kernel(
         # warpgroups computed the whole of S and dP) and splits them over the two
         # warpgroups. Only P and dS cross iterations: the key rows are reloaded for the
         # atomics, since rows carried in each layout the atomics use spilled (800 B).
+        if LOCKSTEP:
+            lockstep_step(wave_ptr, active * (1 - SYNC_SLACK), SYNC_SPINS, SYNC_PTX)
         rows, valid = _load_rows(idx_base, sik, 0, NK, n_pre, BLOCK_N, HAS_PREFIX)
         k_main, k_tail, v_tile = _dkv_gather(k_base, v_base, rows, valid, sks, skd, svs, svd, D,
                                              D_MAIN, D_TAIL, DV, DV_PAD, V_IS_K_MAIN)
         p_c, ds_c = _dkv_p_ds(q_main, q_tail, do, k_main, k_tail, v_tile, valid, lse2, delta,
                               qk_scale, sm_scale, D_TAIL, PRECISION)
         for n0 in range(BLOCK_N, n_pre + NK, BLOCK_N):
+            if LOCKSTEP:
+                lockstep_step(wave_ptr, active * (n0 // BLOCK_N - SYNC_SLACK + 1), SYNC_SPINS,
+                              SYNC_PTX)
             rows, valid = _load_rows(idx_base, sik, n0 - BLOCK_N, NK, n_pre, BLOCK_N, HAS_PREFIX)
             _dkv_add_tile_channels_on_m(q_main, q_tail, do, p_c, ds_c, rows, valid, dk_base,
                                         dv_base, rmk_base, rmv_base, fxk_base, fxv_base, sdks,
@@ -546,6 +571,9 @@ def _bwd_dkv_kernel(
                                     MODE, PRECISION)
         return
     for n0 in range(0, n_pre + NK, BLOCK_N):
+        if LOCKSTEP:
+            lockstep_step(wave_ptr, active * (n0 // BLOCK_N - SYNC_SLACK + 1), SYNC_SPINS,
+                          SYNC_PTX)
         rows, valid = _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N, HAS_PREFIX)
         k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
                          mask=valid[:, None], other=0.0)
@@ -594,6 +622,67 @@ def _bwd_dkv_kernel(
                 dk_tail = tl.dot(ds_t, q_tail, input_precision=PRECISION)
             _dkv_add(dk_base, rmk_base, fxk_base, rows, valid, dk_tail, offs_dt, sdks, sdkd, D,
                      srs, MODE)
+
+
+@triton.jit
+def _bwd_dkv_kernel(
+    q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, dout_ptr, lse_ptr, delta_ptr,
+    dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr,
+    sync_ptr, programs, work, n_queries,
+    T, NK, G, NHB, qk_scale, sm_scale,
+    sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+    sib, sit, sih, sik, spb, spt, sdob, sdot, sdoh, sdod, slb, slt, slh,
+    sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd, srb, srs, srh,
+    D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr,
+    MODE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, CHANNELS_ON_M: tl.constexpr, NG: tl.constexpr,
+    CARRY: tl.constexpr = False, LOCKSTEP: tl.constexpr = False,
+    SYNC_SLACK: tl.constexpr = 1, SYNC_SPINS: tl.constexpr = 64, SYNC_PTX: tl.constexpr = True,
+):
+    """dK / dV contributions of one query's head block, added into the selected key rows.
+
+    S = q @ K_sel^T, P = exp2(S - lse2), dP = dO @ V_sel^T, dS = P * (dP - Delta); then
+    CHANNELS_ON_M: dK^T = scale * q^T @ dS and dV^T = dO^T @ P (the channels as the MMA's M);
+    else the same with the keys as M (dK_tile = scale * dS^T @ q, dV_tile = P^T @ dO). dV is
+    merged into dK's first channels when V is K's main part; tiles are accumulated per MODE
+    (fp32 atomics or fixed point). CARRY (channels on M only): each tile's products run one
+    iteration later (AttentionKernelOptions.dkv_carry). LOCKSTEP: `programs` persistent
+    programs take work items p, p + programs, ... of the `work` (query, head block) items, in
+    the order the grid of `_coords` runs them (`_work_item_coords`; n_queries = B x T), the
+    programs of a wave (a counter each in sync_ptr) kept within SYNC_SLACK key tiles of each
+    other (AttentionKernelOptions.dkv_lockstep); else one program an item.
+    """
+    if LOCKSTEP:
+        for item in range(tl.program_id(0), work, programs):
+            wave = item // programs
+            b, t, kvh, offs_h, h_mask = _work_item_coords(item, n_queries, T, NHB, G, NG,
+                                                          BLOCK_H)
+            _dkv_item(b, t, kvh, offs_h, h_mask, sync_ptr + wave,
+                      tl.minimum(programs, work - wave * programs),
+                      q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, dout_ptr, lse_ptr, delta_ptr,
+                      dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr,
+                      T, NK, G, NHB, qk_scale, sm_scale,
+                      sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+                      sib, sit, sih, sik, spb, spt, sdob, sdot, sdoh, sdod, slb, slt, slh,
+                      sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd, srb, srs, srh,
+                      D, D_MAIN, D_TAIL, HAS_PREFIX, DV, DV_PAD, V_IS_K_MAIN, MODE, BLOCK_H,
+                      BLOCK_N, PRECISION, CHANNELS_ON_M, CARRY, True, SYNC_SLACK, SYNC_SPINS,
+                      SYNC_PTX)
+    else:
+        # Straight-line, not a one-trip item loop: compiled for sm_90a, the loop form spilled
+        # 1.3 KB (GLM-5.1) / 1.0 KB (HCA) into the default's tile loop.
+        b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
+        _dkv_item(b, t, kvh, offs_h, h_mask, sync_ptr, 0,
+                  q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, dout_ptr, lse_ptr, delta_ptr,
+                  dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr,
+                  T, NK, G, NHB, qk_scale, sm_scale,
+                  sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+                  sib, sit, sih, sik, spb, spt, sdob, sdot, sdoh, sdod, slb, slt, slh,
+                  sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd, srb, srs, srh,
+                  D, D_MAIN, D_TAIL, HAS_PREFIX, DV, DV_PAD, V_IS_K_MAIN, MODE, BLOCK_H,
+                  BLOCK_N, PRECISION, CHANNELS_ON_M, CARRY, False, SYNC_SLACK, SYNC_SPINS,
+                  SYNC_PTX)
 
 
 # --------------------------------------------------------------------------- launch wrappers
@@ -983,18 +1072,29 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
         bh_dkv //= 2
     nhb_dkv = triton.cdiv(geo.G, bh_dkv)
     grid_dkv, ng_dkv = launch_grid(B * T, Hkv, nhb_dkv, options.head_blocks_adjacent)
+    # The deterministic passes run unpaced: the pace serves the fp32 atomics' L2 hits.
+    lockstep = options.dkv_lockstep and not deterministic and mode != MODE_DISCARD
+    work = B * T * Hkv * nhb_dkv
+    programs, sync = work, lse
+    if lockstep and work > 0:
+        programs, sync = lockstep_plan(work, q.device, options.dkv_lockstep_slack,
+                                       options.dkv_lockstep_programs_per_sm)
+        grid_dkv = (programs,)
 
     pre, pre_str = _prefix_args(prefix_lengths, lse)
 
     def run(mode):
-        args = (q, k, v_src, indices, pre, dout, lse, delta, *acc.ptrs(),
-                T, NK, geo.G, nhb_dkv, softmax_scale * LOG2E, softmax_scale,
+        args = (q, k, v_src, indices, pre, dout, lse, delta, *acc.ptrs(), sync, programs, work,
+                B * T, T, NK, geo.G, nhb_dkv, softmax_scale * LOG2E, softmax_scale,
                 *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices), *pre_str,
                 *_strides4(dout), *lse.stride(), *acc.strides())
         const = dict(geo.const(), MODE=mode, BLOCK_H=bh_dkv,
                      HAS_PREFIX=prefix_lengths is not None,
                      CHANNELS_ON_M=options.dkv_channels_on_m, NG=ng_dkv,
                      CARRY=options.dkv_carry and options.dkv_channels_on_m)
+        if lockstep:  # absent otherwise: the default launch's constexprs as before
+            const.update(LOCKSTEP=True, SYNC_SLACK=options.dkv_lockstep_slack,
+                         SYNC_SPINS=SYNC_SPINS, SYNC_PTX=not triton_interpret())
         tilings = _bwd_tilings(geo, options.dkv_tilings, options.narrow_dkv_tilings)
         _launch(_bwd_dkv_kernel, grid_dkv, args, const, geo, tilings, copies * bh_dkv * dims,
                 elem, ("dkv", q.dtype, tilings, tuple(sorted(const.items()))), options)

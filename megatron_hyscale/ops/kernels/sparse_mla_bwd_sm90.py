@@ -33,9 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from megatron_hyscale.ops.checks import KernelVariants
-from megatron_hyscale.ops.kernels.common import LOG2E, LOG2E_JIT, lockstep_plan
+from megatron_hyscale.ops.kernels.common import LOG2E, LOG2E_JIT, SYNC_SPINS, lockstep_plan
 from megatron_hyscale.ops.kernels.gluon_common import (
-    SYNC_SPINS,
     gather_rows,
     lockstep_wait,
     opaque_zero,

@@ -31,9 +31,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E, LOG2E_JIT, lockstep_plan
-from megatron_hyscale.ops.kernels.gluon_common import (
+from megatron_hyscale.ops.kernels.common import (
+    LN2_JIT,
+    LOG2E,
+    LOG2E_JIT,
     SYNC_SPINS,
+    lockstep_plan,
+)
+from megatron_hyscale.ops.kernels.gluon_common import (
     gather_rows,
     lockstep_wait,
     opaque_zero,
