@@ -402,7 +402,8 @@ class AttentionKernelOptions:
     dkv_carry: bool = True
     # The Triton dK/dV kernel in lockstep (the Gluon backward's `bwd_lockstep` for the shapes
     # it does not take: QSA's two KV heads of 12 query heads, HCA with its prefix): persistent
-    # programs (dkv_lockstep_programs_per_sm an SM, at most what is resident at once) over the
+    # programs (dkv_lockstep_programs_per_sm an SM, fewer where the tiling's shared memory
+    # leaves room for fewer: `sparse_attention._resident_dkv_programs`) over the
     # (query, head block) items in the grid's order, each program's start of a key tile counted
     # in its wave's counter, and a program waiting (at most SYNC_SPINS reads) until all of its
     # wave started the tile dkv_lockstep_slack before; the count and the wait are one

@@ -1078,7 +1078,8 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
     programs, sync = work, lse
     if lockstep and work > 0:
         programs, sync = lockstep_plan(work, q.device, options.dkv_lockstep_slack,
-                                       options.dkv_lockstep_programs_per_sm)
+                                       _resident_dkv_programs(geo, options, bh_dkv, copies,
+                                                              dims, elem))
         grid_dkv = (programs,)
 
     pre, pre_str = _prefix_args(prefix_lengths, lse)
@@ -1109,6 +1110,25 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
     acc.set_scales(2 * T * nhb_dkv)  # <= one dK and one dV addend per (query, head block)
     run(MODE_FIXED)
     return acc.result(k, v)
+
+
+# Shared memory an H100 / H200 SM holds for resident programs (228 KiB), and what each
+# program's block reserves on top of its own.
+SM_SHARED_BYTES = 228 * 1024
+BLOCK_RESERVED_SHARED = 1024
+
+
+def _resident_dkv_programs(geo, options, bh_dkv, copies, dims, elem) -> int:
+    """Lockstep dK/dV programs an SM: options.dkv_lockstep_programs_per_sm, fewer where the
+    first tiling that fits (as `_launch` picks it) leaves shared memory for fewer: a program
+    that is not resident would arrive only after the others finished (GLM-5.1's and HCA's
+    dK/dV programs take over 200 KiB, one an SM; QSA's 57 KiB)."""
+    tilings = _bwd_tilings(geo, options.dkv_tilings, options.narrow_dkv_tilings)
+    resident = copies * bh_dkv * dims
+    sizes = [geo.smem_bytes(n, st, elem, resident) for n, st in tilings]
+    smem = next((b for b in sizes if b <= SMEM_BUDGET), sizes[-1])
+    fit = SM_SHARED_BYTES // (smem + BLOCK_RESERVED_SHARED)
+    return max(1, min(options.dkv_lockstep_programs_per_sm, fit))
 
 
 def sparse_attention_bwd(q, k, v, indices, softmax_scale, out, lse, dout, dlse=None, dv=None,
