@@ -101,9 +101,9 @@ def entries_from(path: str) -> list[dict]:
                 if not isinstance(lib, float) or not own:
                     continue
                 name = CURRENT_KERNELS[side]
-                # Without the default's time, the fastest kernel the row timed stands in.
-                kernel, ms = (name, own[name]) if name in own else min(own.items(),
-                                                                         key=lambda kv: kv[1])
+                # Without the default's time, the run's main kernel stands in (the default
+                # when it was recorded; a faster --*-also variant may be off by default).
+                kernel, ms = (name, own[name]) if name in own else next(iter(own.items()))
                 out.append(dict(op="attention", side=side, T=r["T"], shape=shape, own_ms=ms,
                                 library_ms=lib, own_kernel=kernel, current=kernel == name,
                                 source=source, stamp=stamp))

@@ -765,7 +765,8 @@ class HyScaleV4Attention(MegatronModule):
                                # the selection and the window index disjoint key ranges
                                backend=kernel_backend(cfg), check_values=False,
                                # entries (ascending) before the window's raw keys (ascending)
-                               keys_ascending=not self.is_csa or self.selector.keys_ascending)
+                               keys_ascending=not self.is_csa
+                               or getattr(self.selector, "keys_ascending", False))
         # K = V carries RoPE: undo it at the query position so the output depends on
         # relative positions only (V4's conjugate rotation), then the grouped projection.
         out = apply_interleaved_rope(out, cos, sin, heads=True, inverse=True)

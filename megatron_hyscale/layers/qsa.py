@@ -149,8 +149,9 @@ class BlockSelector(Protocol):
     to keep per row, the score scale, the rows' positions [T] and the block size (block b
     visible to row t iff b < (t + 1) // block_size); returns int32 [B, T, topk] block ids, -1
     padded. `deterministic`: megatron's deterministic_mode. `key_order`: each row's blocks in
-    increasing order, if the selector can (`keys_ascending`: the attention's lockstep dK/dV
-    kernel then paces its programs by key, `AttentionKernelOptions.dkv_lockstep`). `replays`:
+    increasing order (passed only to selectors that declare `keys_ascending` True: the
+    attention's lockstep dK/dV kernel then paces its programs by key,
+    `AttentionKernelOptions.dkv_lockstep`). `replays`:
     whether the recompute replays its first forward's selection (`replay.SelectionReplay`)
     instead of selecting again.
     """
@@ -588,7 +589,7 @@ class HyScaleQSAttention(MegatronModule):
                                # expanded blocks and the causal tail: distinct by construction
                                backend=kernel_backend(cfg), check_values=False,
                                # blocks in key order expand to increasing tokens, tail last
-                               keys_ascending=self._paced() and self.selector.keys_ascending)
+                               keys_ascending=self._paced())
         output = out.transpose(0, 1).reshape(sq, b, -1)
         if use_loss and blocks.shape[-1] > 0:
             # Padded query rows (local rows, as stock reads them): out of the loss only.
@@ -621,9 +622,17 @@ class HyScaleQSAttention(MegatronModule):
 
     def _paced(self) -> bool:
         """Whether the attention's dK/dV kernel runs in lockstep (`AttentionKernelOptions.
-        dkv_lockstep`), which pays on rows in key order only: then the selection sorts by key."""
+        dkv_lockstep`; deterministic_mode runs it unpaced), which pays on rows in key order
+        only: then a selector that can (`keys_ascending`) sorts them by key."""
         options = getattr(self.config, "attention_kernel_options", None)
-        return bool((options or AttentionKernelOptions.DEFAULT).dkv_lockstep)
+        return (bool((options or AttentionKernelOptions.DEFAULT).dkv_lockstep)
+                and not self.config.deterministic_mode
+                and getattr(self.selector, "keys_ascending", False))
+
+    def _order_kwargs(self) -> dict:
+        """The selector's key_order argument where it is wanted (a selector of its own that
+        declares no `keys_ascending` is called as before)."""
+        return {"key_order": True} if self._paced() else {}
 
     def _select_blocks(
         self, q_idx: torch.Tensor | None, block_keys: torch.Tensor | None, b: int, sq: int,
@@ -643,7 +652,7 @@ class HyScaleQSAttention(MegatronModule):
                                      scale=self.index_scale, q_positions=q_positions,
                                      block_size=self.block_size,
                                      deterministic=bool(self.config.deterministic_mode),
-                                     key_order=self._paced())
+                                     **self._order_kwargs())
 
         return self.selection_replay.select((b, sq, kb), compute)
 
@@ -670,7 +679,7 @@ class HyScaleQSAttention(MegatronModule):
                                         q_positions=packed.rows.offsets[r0:r1],
                                         block_size=self.block_size,
                                         deterministic=bool(self.config.deterministic_mode),
-                                        key_order=self._paced())
+                                        **self._order_kwargs())
                     blocks[:, r0:r1, :k] = torch.where(got >= 0, got + e0, got)
             return blocks
 

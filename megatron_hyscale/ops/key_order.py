@@ -17,8 +17,9 @@ _EMPTY_LAST = torch.iinfo(torch.int32).max  # -1 slots sort after every key belo
 
 def sort_rows_by_key(indices: torch.Tensor, scores: torch.Tensor | None = None) -> None:
     """In place: each row (last dim) of indices int32 / int64 [..., K] in increasing key order,
-    -1 after the valid ones, and scores (same shape, aligned) moved with them. Rows run in
-    chunks (CHUNK_BYTES). ValueError for misaligned or non-contiguous tensors."""
+    -1 after the valid ones, and scores (same shape, aligned) moved with them; keys below
+    2^31 - 1 (the value that marks -1 while sorting). Rows run in chunks (CHUNK_BYTES).
+    ValueError for misaligned or non-contiguous tensors."""
     if not indices.is_contiguous() or (scores is not None and not scores.is_contiguous()):
         raise ValueError("sort_rows_by_key: indices and scores must be contiguous")
     if scores is not None and scores.shape != indices.shape:

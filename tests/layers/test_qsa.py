@@ -192,15 +192,20 @@ def test_forward_backward_match_transformers(T, baseline):
 
 
 def test_dkv_lockstep_selects_in_key_order_and_still_matches_transformers():
-    """AttentionKernelOptions.dkv_lockstep: the selection comes in increasing block order (what
-    the lockstep dK/dV kernel paces by, -1 last) and the layer's outputs and gradients are
-    still transformers' (the attention is the same sum over the same slots)."""
+    """The layer's side of AttentionKernelOptions.dkv_lockstep (outside deterministic_mode,
+    which runs the kernel unpaced): the selection comes in increasing block order (what the
+    lockstep dK/dV kernel paces by, -1 last) and the layer's outputs and gradients are still
+    transformers' (the attention is the same sum over the same slots). The paced kernel itself:
+    tests/ops/test_sparse_attention_triton.py (on CPU the layer runs the reference ops)."""
     from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 
-    hf, ours, mcfg, hcfg = build_pair()
+    hf, ours, mcfg, hcfg = build_pair(deterministic_mode=False)
     mcfg.attention_kernel_options = AttentionKernelOptions(dkv_lockstep=True)
     core = ours.core_attention
     assert core._paced()
+    mcfg.deterministic_mode = True
+    assert not core._paced()  # unpaced there: no sort for it
+    mcfg.deterministic_mode = False
     captured = []
     original = core._select_blocks
     core._select_blocks = lambda *a, **kw: captured.append(original(*a, **kw)) or captured[-1]

@@ -112,22 +112,25 @@ SYNC_SPINS = 64
 # until it reaches $2. A `while` in the tile loop instead keeps Triton from pipelining the loop's
 # key gathers (compiled for sm_90a: no cp.async left in it); the asm is one opaque op. ${:uid}
 # makes the labels unique per inlined copy; "nounroll" keeps ptxas from unrolling the spin
-# (64 reads a tile in the hot loop otherwise).
+# (64 reads a tile in the hot loop otherwise). The reads go to a register of the block's own
+# and reach $0 only at the end: $0 is not early-clobber, so it may share a register with $2.
 _LOCKSTEP_STEP = tl.constexpr(
-    "{ .reg .pred p; .reg .b32 t, n; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+    "{ .reg .pred p; .reg .b32 t, n, v; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
     "@p red.relaxed.gpu.global.add.u32 [$1], 1; mov.u32 n, 0; "
-    "WAIT${:uid}: .pragma \"nounroll\"; ld.volatile.global.b32 $0, [$1]; "
-    "setp.lt.s32 p, $0, $2; "
+    "WAIT${:uid}: .pragma \"nounroll\"; ld.volatile.global.b32 v, [$1]; "
+    "setp.lt.s32 p, v, $2; "
     "@!p bra DONE${:uid}; add.u32 n, n, 1; setp.lt.u32 p, n, $3; @p bra WAIT${:uid}; "
-    "DONE${:uid}: }")
+    "DONE${:uid}: mov.b32 $0, v; }")
 
 
 @triton.jit
 def lockstep_step(count_ptr, need, SPINS: tl.constexpr, PTX: tl.constexpr):
     """Count this program's start of a key tile in its wave's counter, then spin (at most SPINS
-    reads) until the counter reaches `need`: a pace, not a dependency (nothing the counted
-    programs wrote is read), so giving up is safe. PTX: as one inline-asm block (the
-    interpreter runs the tl form)."""
+    reads) until the counter reaches `need`, the starts the wave's programs make together when
+    each has started the tile SYNC_SLACK before (a fast program's extra starts count too, so
+    it is a bound on the spread on average, not per program): a pace, not a dependency
+    (nothing the counted programs wrote is read), so giving up is safe. PTX: as one
+    inline-asm block (the interpreter runs the tl form)."""
     if PTX:
         tl.inline_asm_elementwise(_LOCKSTEP_STEP, "=r,l,r,r",
                                   [count_ptr.to(tl.int64), need.to(tl.int32),
@@ -136,7 +139,7 @@ def lockstep_step(count_ptr, need, SPINS: tl.constexpr, PTX: tl.constexpr):
     else:
         tl.atomic_add(count_ptr, 1, sem="relaxed")
         seen = tl.load(count_ptr, volatile=True)
-        spins = 0
+        spins = 1
         while (seen < need) & (spins < SPINS):
             seen = tl.load(count_ptr, volatile=True)
             spins += 1

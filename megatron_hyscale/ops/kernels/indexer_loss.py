@@ -419,7 +419,8 @@ def _bwd_row(
 ):
     """`_bwd_kernel`'s work for row pid (b * T + t). LOCKSTEP: before each key tile i, count
     this program's start in its wave's counter (wave_ptr) and wait until the `active` programs
-    of the wave all started tile i - SYNC_SLACK."""
+    of the wave have together made the starts of all of them at tile i - SYNC_SLACK
+    (`common.lockstep_step`)."""
     b = pid // T
     t = pid % T
     q, w, offs_h, offs_d = load_index_query(qi_ptr, w_ptr, b, t, H, D, sqb, sqt, sqh, sqd,

@@ -405,8 +405,9 @@ class AttentionKernelOptions:
     # programs (dkv_lockstep_programs_per_sm an SM, fewer where the tiling's shared memory
     # leaves room for fewer: `sparse_attention._resident_dkv_programs`) over the
     # (query, head block) items in the grid's order, each program's start of a key tile counted
-    # in its wave's counter, and a program waiting (at most SYNC_SPINS reads) until all of its
-    # wave started the tile dkv_lockstep_slack before; the count and the wait are one
+    # in its wave's counter, and a program waiting (at most SYNC_SPINS reads) until the count
+    # says its wave started the tile dkv_lockstep_slack before (on average over the wave:
+    # `common.lockstep_step`); the count and the wait are one
     # inline-PTX block, so the tile loop stays pipelined. On rows in key order the programs then
     # add into the same few key ranges of dK / dV at a time, which L2 serves (QSA's fp32 dK and
     # dV are 512 MiB at 128K, and every (query, KV head, slot) adds 512 channels: about 1.1 TB
@@ -544,8 +545,9 @@ class IndexerLossKernelOptions:
     # The backward in lockstep, as the attention backward's `bwd_lockstep`: persistent programs
     # (bwd_lockstep_programs_per_sm an SM: the default's 8 warps at 128 registers, or 4 at 255,
     # leave room for two) over the rows, each program's start of a key tile counted in its
-    # wave's counter, and a program waiting (at most SYNC_SPINS counter reads) until all of its
-    # wave started the tile bwd_lockstep_slack before. On rows in increasing key order (the
+    # wave's counter, and a program waiting (at most SYNC_SPINS counter reads) until the count
+    # says its wave started the tile bwd_lockstep_slack before (on average over the wave:
+    # `common.lockstep_step`). On rows in increasing key order (the
     # DSA layer's, `ops.hytopk(order="key")`) the programs then add their dk_index tiles into
     # the same few key ranges at a time, which the L2 cache serves: dk_index is fp32 [S, 128],
     # 64 MiB at 128K (the H200's L2 is 50 MiB), and each (row, slot) adds a 128-wide row of it.

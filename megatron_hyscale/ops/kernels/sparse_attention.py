@@ -510,7 +510,8 @@ def _dkv_item(
 ):
     """`_bwd_dkv_kernel`'s work for one (query, head block) at its coordinates. LOCKSTEP: before
     each key tile i, count this program's start in its wave's counter (wave_ptr) and wait
-    until the `active` programs of the wave all started tile i - SYNC_SLACK."""
+    until the `active` programs of the wave have together made the starts of all of them at
+    tile i - SYNC_SLACK (`common.lockstep_step`)."""
     heads = kvh * G + offs_h
     offs_dm = tl.arange(0, D_MAIN)
     offs_v = tl.arange(0, DV_PAD)
@@ -1122,7 +1123,9 @@ def _resident_dkv_programs(geo, options, bh_dkv, copies, dims, elem) -> int:
     """Lockstep dK/dV programs an SM: options.dkv_lockstep_programs_per_sm, fewer where the
     first tiling that fits (as `_launch` picks it) leaves shared memory for fewer: a program
     that is not resident would arrive only after the others finished (GLM-5.1's and HCA's
-    dK/dV programs take over 200 KiB, one an SM; QSA's 57 KiB)."""
+    dK/dV programs take over 200 KiB, one an SM; QSA's 57 KiB). Registers are not counted
+    (QSA's 255 a thread x 4 warps leave room for exactly two); a tiling the launch falls back
+    to is not known here."""
     tilings = _bwd_tilings(geo, options.dkv_tilings, options.narrow_dkv_tilings)
     resident = copies * bh_dkv * dims
     sizes = [geo.smem_bytes(n, st, elem, resident) for n, st in tilings]
