@@ -294,20 +294,25 @@ BWD_KERNELS = {"auto": {}, "triton": dict(bwd_sm90=False),
                "sm90_lockstep": dict(bwd_sm90=True, bwd_dk_vec4=True, bwd_lockstep=True),
                "sm90_lockstep2": dict(bwd_sm90=True, bwd_dk_vec4=True, bwd_lockstep=True,
                                       bwd_lockstep_slack=2),
-               # the Triton dK/dV kernel in lockstep (QSA, HCA; with --indices sorted)
-               "triton_lockstep": dict(dkv_lockstep=True),
-               "triton_lockstep2": dict(dkv_lockstep=True, dkv_lockstep_slack=2),
-               "triton_lockstep_1sm": dict(dkv_lockstep=True, dkv_lockstep_programs_per_sm=1)}
+               # the Triton backward kernels in lockstep (QSA, HCA; with --indices sorted)
+               "triton_lockstep": dict(dkv_lockstep=True, dq_lockstep=True),
+               "triton_lockstep_dkv": dict(dkv_lockstep=True),
+               "triton_lockstep2": dict(dkv_lockstep=True, dq_lockstep=True,
+                                        triton_lockstep_slack=2),
+               "triton_lockstep_1sm": dict(dkv_lockstep=True, dq_lockstep=True,
+                                           triton_lockstep_programs_per_sm=1)}
 
 
 def backward_kernel(inp, options):
     """Which backward ran on these inputs with these options: "gluon-ws-sm90" (the Hopper
     warp-specialized backward, `sparse_mla_bwd_sm90`; "-red16" with 16-byte dK atomics,
-    "-lockstepN" in lockstep with a slack of N) or "triton" ("-dkv-lockstepN": its dK/dV
-    kernel in lockstep; asked after the run: a variant that failed is disabled)."""
+    "-lockstepN" in lockstep with a slack of N) or "triton" ("-dq-dkv-lockstepN": its dQ and
+    dK/dV kernels in lockstep; asked after the run: a variant that failed is disabled)."""
     q, k, v = inp["q"], inp["k"], inp["v"]
-    triton_name = ("triton" + (f"-dkv-lockstep{options.dkv_lockstep_slack}"
-                               if options.dkv_lockstep else ""))
+    paced = "-".join(n for n, on in (("dq", options.dq_lockstep), ("dkv", options.dkv_lockstep))
+                     if on)
+    triton_name = "triton" + (f"-{paced}-lockstep{options.triton_lockstep_slack}"
+                              if paced else "")
     if not options.bwd_sm90:
         return triton_name
     bwd, _ = kern.hopper_backward_module()

@@ -621,11 +621,12 @@ class HyScaleQSAttention(MegatronModule):
                                                     group=tp_group)
 
     def _paced(self) -> bool:
-        """Whether the attention's dK/dV kernel runs in lockstep (`AttentionKernelOptions.
-        dkv_lockstep`; deterministic_mode runs it unpaced), which pays on rows in key order
-        only: then a selector that can (`keys_ascending`) sorts them by key."""
-        options = getattr(self.config, "attention_kernel_options", None)
-        return (bool((options or AttentionKernelOptions.DEFAULT).dkv_lockstep)
+        """Whether the attention's Triton backward runs in lockstep (`AttentionKernelOptions.
+        dkv_lockstep`, `dq_lockstep`; deterministic_mode runs them unpaced), which pays on rows
+        in key order only: then a selector that can (`keys_ascending`) sorts them by key."""
+        options = getattr(self.config, "attention_kernel_options", None) or \
+            AttentionKernelOptions.DEFAULT
+        return ((options.dkv_lockstep or options.dq_lockstep)
                 and not self.config.deterministic_mode
                 and getattr(self.selector, "keys_ascending", False))
 

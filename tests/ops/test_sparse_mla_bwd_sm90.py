@@ -121,8 +121,8 @@ def test_lockstep_slack_is_checked_first(slack):
 
 @pytest.mark.parametrize("cls,name", [
     (AttentionKernelOptions, "bwd_lockstep_slack"), (AttentionKernelOptions, "fwd_lockstep_slack"),
-    (AttentionKernelOptions, "dkv_lockstep_slack"),
-    (AttentionKernelOptions, "dkv_lockstep_programs_per_sm"),
+    (AttentionKernelOptions, "triton_lockstep_slack"),
+    (AttentionKernelOptions, "triton_lockstep_programs_per_sm"),
     (IndexerLossKernelOptions, "bwd_lockstep_slack"),
     (IndexerLossKernelOptions, "bwd_lockstep_programs_per_sm")])
 @pytest.mark.parametrize("value", [0, -2, 1.0, True])
@@ -135,7 +135,8 @@ def test_lockstep_slack_option_is_checked_when_made(cls, name, value):
     assert getattr(replace(cls.DEFAULT, **{name: 3}), name) == 3
 
 
-@pytest.mark.parametrize("name", ["fwd_flashmla", "bwd_lockstep", "dkv_lockstep", "fwd_sm90"])
+@pytest.mark.parametrize("name", ["fwd_flashmla", "bwd_lockstep", "dkv_lockstep", "dq_lockstep",
+                                  "fwd_sm90"])
 def test_switches_must_be_bools(name):
     with pytest.raises(ValueError, match=f"AttentionKernelOptions.{name} must be a bool"):
         replace(AttentionKernelOptions.DEFAULT, **{name: 1})

@@ -402,11 +402,11 @@ class AttentionKernelOptions:
     dkv_carry: bool = True
     # The Triton dK/dV kernel in lockstep (the Gluon backward's `bwd_lockstep` for the shapes
     # it does not take: QSA's two KV heads of 12 query heads, HCA with its prefix): persistent
-    # programs (dkv_lockstep_programs_per_sm an SM, fewer where the tiling's shared memory
-    # leaves room for fewer: `sparse_attention._resident_dkv_programs`) over the
+    # programs (triton_lockstep_programs_per_sm an SM, fewer where the tiling's shared memory
+    # leaves room for fewer: `sparse_attention._resident_programs`) over the
     # (query, head block) items in the grid's order, each program's start of a key tile counted
     # in its wave's counter, and a program waiting (at most SYNC_SPINS reads) until the count
-    # says its wave started the tile dkv_lockstep_slack before (on average over the wave:
+    # says its wave started the tile triton_lockstep_slack before (on average over the wave:
     # `common.lockstep_step`); the count and the wait are one
     # inline-PTX block, so the tile loop stays pipelined. On rows in key order the programs then
     # add into the same few key ranges of dK / dV at a time, which L2 serves (QSA's fp32 dK and
@@ -419,8 +419,13 @@ class AttentionKernelOptions:
     # `bench_attention.py --indices sorted --bwd-also triton_lockstep`). The QSA layer selects
     # in key order when it is on (`HyScaleQSAttention._paced`).
     dkv_lockstep: bool = False
-    dkv_lockstep_slack: int = 1
-    dkv_lockstep_programs_per_sm: int = 2
+    # The Triton dQ kernel paced the same way (its gathers of K and V, 268 MB of bf16 for QSA
+    # at 128K, from the same key ranges at a time; no atomics of its own but the fused pass's
+    # and the indexer target's). Off: tested under the interpreter, not yet timed.
+    dq_lockstep: bool = False
+    # Both Triton kernels' slack (key tiles, an int >= 1) and programs an SM at most.
+    triton_lockstep_slack: int = 1
+    triton_lockstep_programs_per_sm: int = 2
     # The dK/dV kernel with the keys on M reads q and dO in two MMA layouts (B of K @ q^T and of
     # dS^T @ q), which Triton keeps as two shared-memory copies; its head block is halved until
     # both copies fit in this many bytes (measured on the H200: 64 heads x (576 + 512) dims
@@ -460,12 +465,12 @@ class AttentionKernelOptions:
         # Checked here, not at launch: a kernel launch's failure disables the Gluon variant
         # and falls back (with a warning), which would hide a wrong setting.
         for name in ("fwd_flashmla", "fwd_sm90", "fwd_sm90_ws", "fwd_lockstep", "bwd_sm90",
-                     "bwd_lockstep", "bwd_dk_vec4", "dkv_lockstep"):
+                     "bwd_lockstep", "bwd_dk_vec4", "dkv_lockstep", "dq_lockstep"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"AttentionKernelOptions.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
-        for name in ("bwd_lockstep_slack", "fwd_lockstep_slack", "dkv_lockstep_slack",
-                     "dkv_lockstep_programs_per_sm"):
+        for name in ("bwd_lockstep_slack", "fwd_lockstep_slack", "triton_lockstep_slack",
+                     "triton_lockstep_programs_per_sm"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"AttentionKernelOptions.{name} must be an int >= 1, got "

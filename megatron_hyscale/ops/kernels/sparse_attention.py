@@ -349,7 +349,8 @@ def _dkv_add_tile_channels_on_m(q_main, q_tail, do, p, ds, rows, valid, dk_base,
 
 
 @triton.jit
-def _bwd_dq_kernel(
+def _dq_item(
+    b, t, kvh, offs_h, h_mask, wave_ptr, active,
     q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr,
     dq_ptr, delta_ptr, dsink_ptr,
     dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr, tgt_ptr,
@@ -361,24 +362,13 @@ def _bwd_dq_kernel(
     D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_DLSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, FUSE_DKV: tl.constexpr, MODE: tl.constexpr, NG: tl.constexpr,
-    TAIL_FIRST: tl.constexpr = False, TARGET: tl.constexpr = False,
-    TARGET_ATOMIC: tl.constexpr = False,
+    PRECISION: tl.constexpr, FUSE_DKV: tl.constexpr, MODE: tl.constexpr,
+    TAIL_FIRST: tl.constexpr, TARGET: tl.constexpr, TARGET_ATOMIC: tl.constexpr,
+    LOCKSTEP: tl.constexpr, SYNC_SLACK: tl.constexpr, SYNC_SPINS: tl.constexpr,
+    SYNC_PTX: tl.constexpr,
 ):
-    """dQ for one query's head block; also writes Delta = dO . O - dlse and sink terms.
-
-    P = exp2(s - lse2) from the saved lse, dP = dO @ V_sel^T, dS = P * (dP - Delta),
-    dQ = scale * dS @ K_sel (fp32 accumulators, no atomics: the program owns its rows).
-    Delta and the per-(query, head) sink term -p_sink * Delta go to [B, T, Hq] fp32 buffers.
-    FUSE_DKV: the same pass also adds this head block's dK / dV tiles into the key rows (the
-    channels on M: dK^T = scale * q^T dS + dV^T, dV^T = dO^T P, per MODE, as _bwd_dkv_kernel),
-    so S and dP are computed and the key rows gathered once for the whole backward.
-    TAIL_FIRST: S's tail channels first (AttentionKernelOptions.dq_tail_first).
-    TARGET (no prefix, no sink): also the indexer loss's target, P's sum over this block's
-    heads at each listed slot, into slice stg * (KV head * NHB + head block) of tgt [B, T, NK]:
-    stored (-1 at invalid slots), or TARGET_ATOMIC added at the valid slots (two contributors).
-    """
-    b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
+    """`_bwd_dq_kernel`'s work for one (query, head block) at its coordinates; LOCKSTEP as
+    `_dkv_item`'s."""
     heads = kvh * G + offs_h
     offs_dm = tl.arange(0, D_MAIN)
     offs_v = tl.arange(0, DV_PAD)
@@ -424,6 +414,9 @@ def _bwd_dq_kernel(
     if D_TAIL > 0:
         dq_tail = tl.zeros([BLOCK_H, D_TAIL], tl.float32)
     for n0 in range(0, n_pre + NK, BLOCK_N):
+        if LOCKSTEP:
+            lockstep_step(wave_ptr, active * (n0 // BLOCK_N - SYNC_SLACK + 1), SYNC_SPINS,
+                          SYNC_PTX)
         rows, valid = _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N, HAS_PREFIX)
         if TAIL_FIRST and D_TAIL > 0:
             # dq_tail_first: the tail's gather and product before the main part's, so that
@@ -490,6 +483,72 @@ def _bwd_dq_kernel(
     if D_TAIL > 0:
         tl.store(dq_rows + offs_dt[None, :] * sdqd,
                  (dq_tail * dq_scale).to(dq_ptr.dtype.element_ty), mask=h_mask[:, None] & dt_mask)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr,
+    dq_ptr, delta_ptr, dsink_ptr,
+    dk_ptr, dv_ptr, rowmax_k_ptr, rowmax_v_ptr, scale_k_ptr, scale_v_ptr, tgt_ptr,
+    sync_ptr, programs, work, n_queries,
+    T, NK, G, NHB, qk_scale, sm_scale,
+    sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+    sib, sit, sih, sik, spb, spt, sob, sot, soh, sod, sdob, sdot, sdoh, sdod, slb, slt, slh,
+    sdqb, sdqt, sdqh, sdqd,
+    sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd, srb, srs, srh, stg, stb, stt, stk,
+    D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr, HAS_SINK: tl.constexpr,
+    HAS_DLSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, FUSE_DKV: tl.constexpr, MODE: tl.constexpr, NG: tl.constexpr,
+    TAIL_FIRST: tl.constexpr = False, TARGET: tl.constexpr = False,
+    TARGET_ATOMIC: tl.constexpr = False, LOCKSTEP: tl.constexpr = False,
+    SYNC_SLACK: tl.constexpr = 1, SYNC_SPINS: tl.constexpr = 64, SYNC_PTX: tl.constexpr = True,
+):
+    """dQ for one query's head block; also writes Delta = dO . O - dlse and sink terms.
+
+    P = exp2(s - lse2) from the saved lse, dP = dO @ V_sel^T, dS = P * (dP - Delta),
+    dQ = scale * dS @ K_sel (fp32 accumulators, no atomics: the program owns its rows).
+    Delta and the per-(query, head) sink term -p_sink * Delta go to [B, T, Hq] fp32 buffers.
+    FUSE_DKV: the same pass also adds this head block's dK / dV tiles into the key rows (the
+    channels on M: dK^T = scale * q^T dS + dV^T, dV^T = dO^T P, per MODE, as _bwd_dkv_kernel),
+    so S and dP are computed and the key rows gathered once for the whole backward.
+    TAIL_FIRST: S's tail channels first (AttentionKernelOptions.dq_tail_first).
+    TARGET (no prefix, no sink): also the indexer loss's target, P's sum over this block's
+    heads at each listed slot, into slice stg * (KV head * NHB + head block) of tgt [B, T, NK]:
+    stored (-1 at invalid slots), or TARGET_ATOMIC added at the valid slots (two contributors).
+    LOCKSTEP: persistent programs over the work items, paced by their waves' counters, as
+    `_bwd_dkv_kernel`'s (AttentionKernelOptions.dq_lockstep).
+    """
+    if LOCKSTEP:
+        for item in range(tl.program_id(0), work, programs):
+            wave = item // programs
+            b, t, kvh, offs_h, h_mask = _work_item_coords(item, n_queries, T, NHB, G, NG,
+                                                          BLOCK_H)
+            _dq_item(b, t, kvh, offs_h, h_mask, sync_ptr + wave,
+                     tl.minimum(programs, work - wave * programs),
+                     q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr,
+                     dlse_ptr, dq_ptr, delta_ptr, dsink_ptr, dk_ptr, dv_ptr, rowmax_k_ptr,
+                     rowmax_v_ptr, scale_k_ptr, scale_v_ptr, tgt_ptr, T, NK, G, NHB, qk_scale,
+                     sm_scale, sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+                     sib, sit, sih, sik, spb, spt, sob, sot, soh, sod, sdob, sdot, sdoh, sdod,
+                     slb, slt, slh, sdqb, sdqt, sdqh, sdqd, sdkb, sdks, sdkh, sdkd, sdvb, sdvs,
+                     sdvh, sdvd, srb, srs, srh, stg, stb, stt, stk, D, D_MAIN, D_TAIL, HAS_PREFIX,
+                     DV, DV_PAD, V_IS_K_MAIN, HAS_SINK, HAS_DLSE, BLOCK_H, BLOCK_N, PRECISION,
+                     FUSE_DKV, MODE, TAIL_FIRST, TARGET, TARGET_ATOMIC,
+                     True, SYNC_SLACK, SYNC_SPINS, SYNC_PTX)
+    else:  # straight-line, as `_bwd_dkv_kernel`'s
+        b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
+        _dq_item(b, t, kvh, offs_h, h_mask, sync_ptr, 0,
+                 q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, sink_ptr, out_ptr, dout_ptr, lse_ptr,
+                 dlse_ptr, dq_ptr, delta_ptr, dsink_ptr, dk_ptr, dv_ptr, rowmax_k_ptr,
+                 rowmax_v_ptr, scale_k_ptr, scale_v_ptr, tgt_ptr, T, NK, G, NHB, qk_scale,
+                 sm_scale, sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+                 sib, sit, sih, sik, spb, spt, sob, sot, soh, sod, sdob, sdot, sdoh, sdod,
+                 slb, slt, slh, sdqb, sdqt, sdqh, sdqd, sdkb, sdks, sdkh, sdkd, sdvb, sdvs,
+                 sdvh, sdvd, srb, srs, srh, stg, stb, stt, stk, D, D_MAIN, D_TAIL, HAS_PREFIX,
+                 DV, DV_PAD, V_IS_K_MAIN, HAS_SINK, HAS_DLSE, BLOCK_H, BLOCK_N, PRECISION,
+                 FUSE_DKV, MODE, TAIL_FIRST, TARGET, TARGET_ATOMIC,
+                 False, SYNC_SLACK, SYNC_SPINS, SYNC_PTX)
 
 
 @triton.jit
@@ -1016,14 +1075,29 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
     v_src, v_str = _v_source(k, v, geo)
     grid, ng = launch_grid(B * T, k.shape[2], geo.nhb, options.head_blocks_adjacent)
     resident = geo.block_h * (geo.d_main + geo.d_tail + geo.dv_pad)
+    fused = dkv is not None
+    if fused:
+        tilings = options.bwd_fused_tilings
+    else:
+        tilings = _bwd_tilings(geo, options.dq_tilings, options.narrow_dq_tilings)
+    # Paced only with fp32 atomics or none (the deterministic passes' order is fixed anyway).
+    lockstep = options.dq_lockstep and (not fused or mode == MODE_ATOMIC)
+    work = B * T * k.shape[2] * geo.nhb
+    programs, sync = work, lse
+    if lockstep and work > 0:
+        programs, sync = lockstep_plan(
+            work, q.device, options.triton_lockstep_slack,
+            _resident_programs(geo, tilings, resident, q.element_size(),
+                               options.triton_lockstep_programs_per_sm))
+        grid = (programs,)
     dlse_t = dlse if dlse is not None else lse
     pre, pre_str = _prefix_args(prefix_lengths, lse)
-    fused = dkv is not None
     dkv_ptrs = dkv.ptrs() if fused else (lse,) * 6
     dkv_strides = dkv.strides() if fused else (0,) * 11
     tgt, tgt_strides = target.args() if target is not None else (lse, (0,) * 4)
     args = (q, k, v_src, indices, pre, sink if sink is not None else lse, out, dout, lse,
-            dlse_t, dq, delta, dsink_part, *dkv_ptrs, tgt, T, NK, geo.G, geo.nhb,
+            dlse_t, dq, delta, dsink_part, *dkv_ptrs, tgt, sync, programs, work, B * T, T, NK,
+            geo.G, geo.nhb,
             softmax_scale * LOG2E, softmax_scale, *_strides4(q), *_strides4(k), *v_str,
             *_index_strides(indices), *pre_str, *_strides4(out), *_strides4(dout),
             *lse.stride(), *_strides4(dq), *dkv_strides, *tgt_strides)
@@ -1033,10 +1107,9 @@ def sparse_attention_bwd_dq(q, k, v, indices, softmax_scale, out, lse, dout, dls
                  TAIL_FIRST=options.dq_tail_first and not fused)
     if target is not None:  # absent otherwise: the default launch's constexprs as before
         const.update(TARGET=True, TARGET_ATOMIC=target.atomic)
-    if fused:
-        tilings = options.bwd_fused_tilings
-    else:
-        tilings = _bwd_tilings(geo, options.dq_tilings, options.narrow_dq_tilings)
+    if lockstep:
+        const.update(LOCKSTEP=True, SYNC_SLACK=options.triton_lockstep_slack,
+                     SYNC_SPINS=SYNC_SPINS, SYNC_PTX=not triton_interpret())
     _launch(_bwd_dq_kernel, grid, args, const, geo, tilings, resident, q.element_size(),
             ("dq", q.dtype, tilings, tuple(sorted(const.items()))), options)
     dsink = dsink_part.sum(dim=(0, 1)).to(sink.dtype) if sink is not None else None
@@ -1078,9 +1151,12 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
     work = B * T * Hkv * nhb_dkv
     programs, sync = work, lse
     if lockstep and work > 0:
-        programs, sync = lockstep_plan(work, q.device, options.dkv_lockstep_slack,
-                                       _resident_dkv_programs(geo, options, bh_dkv, copies,
-                                                              dims, elem))
+        programs, sync = lockstep_plan(
+            work, q.device, options.triton_lockstep_slack,
+            _resident_programs(geo, _bwd_tilings(geo, options.dkv_tilings,
+                                                 options.narrow_dkv_tilings),
+                               copies * bh_dkv * dims, elem,
+                               options.triton_lockstep_programs_per_sm))
         grid_dkv = (programs,)
 
     pre, pre_str = _prefix_args(prefix_lengths, lse)
@@ -1095,7 +1171,7 @@ def sparse_attention_bwd_dkv(q, k, v, indices, softmax_scale, lse, dout, delta, 
                      CHANNELS_ON_M=options.dkv_channels_on_m, NG=ng_dkv,
                      CARRY=options.dkv_carry and options.dkv_channels_on_m)
         if lockstep:  # absent otherwise: the default launch's constexprs as before
-            const.update(LOCKSTEP=True, SYNC_SLACK=options.dkv_lockstep_slack,
+            const.update(LOCKSTEP=True, SYNC_SLACK=options.triton_lockstep_slack,
                          SYNC_SPINS=SYNC_SPINS, SYNC_PTX=not triton_interpret())
         tilings = _bwd_tilings(geo, options.dkv_tilings, options.narrow_dkv_tilings)
         _launch(_bwd_dkv_kernel, grid_dkv, args, const, geo, tilings, copies * bh_dkv * dims,
@@ -1119,19 +1195,17 @@ SM_SHARED_BYTES = 228 * 1024
 BLOCK_RESERVED_SHARED = 1024
 
 
-def _resident_dkv_programs(geo, options, bh_dkv, copies, dims, elem) -> int:
-    """Lockstep dK/dV programs an SM: options.dkv_lockstep_programs_per_sm, fewer where the
-    first tiling that fits (as `_launch` picks it) leaves shared memory for fewer: a program
-    that is not resident would arrive only after the others finished (GLM-5.1's and HCA's
-    dK/dV programs take over 200 KiB, one an SM; QSA's 57 KiB). Registers are not counted
-    (QSA's 255 a thread x 4 warps leave room for exactly two); a tiling the launch falls back
-    to is not known here."""
-    tilings = _bwd_tilings(geo, options.dkv_tilings, options.narrow_dkv_tilings)
-    resident = copies * bh_dkv * dims
+def _resident_programs(geo, tilings, resident, elem, cap: int) -> int:
+    """Lockstep programs an SM for a Triton kernel: `cap`, fewer where the first of `tilings`
+    that fits (as `_launch` picks it) leaves shared memory for fewer: a program that is not
+    resident would arrive only after the others finished (GLM-5.1's and HCA's dK/dV programs
+    take over 200 KiB, one an SM; QSA's 57 KiB). Registers are not counted (QSA's dK/dV at 255
+    a thread x 4 warps leave room for exactly two); a tiling the launch falls back to is not
+    known here."""
     sizes = [geo.smem_bytes(n, st, elem, resident) for n, st in tilings]
     smem = next((b for b in sizes if b <= SMEM_BUDGET), sizes[-1])
     fit = SM_SHARED_BYTES // (smem + BLOCK_RESERVED_SHARED)
-    return max(1, min(options.dkv_lockstep_programs_per_sm, fit))
+    return max(1, min(cap, fit))
 
 
 def sparse_attention_bwd(q, k, v, indices, softmax_scale, out, lse, dout, dlse=None, dv=None,
