@@ -198,7 +198,7 @@ def forward_kernel(inp, options):
     hopper = kern.hopper_forward(q, k, v, dv, inp["sink"], inp["prefix"], options=options,
                                  warn=False)
     if hopper is None:
-        return "triton"
+        return f"triton-lockstep{options.fwd_lockstep_slack}" if options.fwd_lockstep else "triton"
     return options.forward_kernel_name()
 
 
@@ -243,6 +243,8 @@ FWD_KERNELS = {"auto": {},  # the defaults (AttentionKernelOptions.DEFAULT)
                "gluon": dict(fwd_sm90=True, fwd_sm90_ws=False),
                "gluon_ws": dict(fwd_sm90=True, fwd_sm90_ws=True, fwd_lockstep=False),
                "gluon_ws_lockstep": dict(fwd_sm90=True, fwd_sm90_ws=True, fwd_lockstep=True),
+               # the Triton forward in lockstep (QSA, HCA; with --indices sorted)
+               "triton_lockstep": dict(fwd_lockstep=True),
                # FlashMLA's forward inside HyScale's autograd function (`fwd_flashmla`)
                "flashmla": dict(fwd_flashmla=True),
                "triton": dict(fwd_sm90=False, fwd_sm90_ws=False)}

@@ -872,7 +872,7 @@ case "$stage" in
       | grep -E "T=|Error|failed" | tee "$out/bench_indexer_loss_variants.log"
     timeout 180 python3 scripts/bench_attention.py --t 65536 131072 --shapes qsa \
       --indices sorted --bwd-also triton_lockstep triton_lockstep_dkv triton_lockstep2 \
-      triton_lockstep_1sm \
+      triton_lockstep_1sm --fwd-also triton_lockstep \
       --reps 2 --no-stock --no-tilelang --no-deterministic --out "$out" 2>&1 \
       | grep -v -i warn | tee "$out/bench_attention.log" | grep -E "T=|Error|^\|"
     exit $rc

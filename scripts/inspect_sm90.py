@@ -572,7 +572,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
                                                                    dkv_lockstep=True),
     "sparse-attention-qsa-lockstep": lambda: _sparse_attention(24, 2, 256, 256, 2052,
                                                                dkv_lockstep=True,
-                                                               dq_lockstep=True),
+                                                               dq_lockstep=True,
+                                                               fwd_lockstep=True),
     "indexer-loss-glm51": lambda: _indexer_loss(32, 128, 64, 576, 2048),
     # The dense (warm-up) loss: GLM-5.1 (one head block a row, its query resident), relu off
     # (the heads kept; -folded: one fp32 query, as the sparse op's fold), V3.2 (two head

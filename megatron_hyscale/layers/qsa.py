@@ -621,12 +621,13 @@ class HyScaleQSAttention(MegatronModule):
                                                     group=tp_group)
 
     def _paced(self) -> bool:
-        """Whether the attention's Triton backward runs in lockstep (`AttentionKernelOptions.
-        dkv_lockstep`, `dq_lockstep`; deterministic_mode runs them unpaced), which pays on rows
-        in key order only: then a selector that can (`keys_ascending`) sorts them by key."""
+        """Whether the attention's Triton kernels run in lockstep (`AttentionKernelOptions.
+        dkv_lockstep`, `dq_lockstep`, `fwd_lockstep`; not in deterministic_mode), which pays on
+        rows in key order only: then a selector that can (`keys_ascending`) sorts them by
+        key."""
         options = getattr(self.config, "attention_kernel_options", None) or \
             AttentionKernelOptions.DEFAULT
-        return ((options.dkv_lockstep or options.dq_lockstep)
+        return ((options.dkv_lockstep or options.dq_lockstep or options.fwd_lockstep)
                 and not self.config.deterministic_mode
                 and getattr(self.selector, "keys_ascending", False))
 

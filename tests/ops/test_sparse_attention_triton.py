@@ -132,7 +132,8 @@ def run_both(q, k, v, idx, sink, dv, scale, deterministic, lse_weight=None, seed
 
 @pytest.mark.parametrize("variant", ["dkv-channels-on-m", "dkv-keys-on-m", "fused", "dkv-no-carry",
                                      "dq-main-first", "dkv-lockstep", "dkv-lockstep-keys-on-m",
-                                     "dkv-lockstep2-no-carry", "dq-lockstep", "dq-lockstep-fused"])
+                                     "dkv-lockstep2-no-carry", "dq-lockstep", "dq-lockstep-fused",
+                                     "fwd-lockstep"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_values_and_gradients(case, deterministic, variant):
@@ -143,14 +144,14 @@ def test_values_and_gradients(case, deterministic, variant):
     # (dq_tail_first off; the default takes the tail first), and the dK/dV kernel in lockstep
     # (dkv_lockstep: persistent programs over several waves under the interpreter's 3 "SMs",
     # the last part-full, with each layout; deterministic runs unpaced), and the dQ kernel in
-    # lockstep, alone and as the fused pass (dq_lockstep).
+    # lockstep, alone and as the fused pass (dq_lockstep), and the forward (fwd_lockstep).
     dkv_lockstep = variant.startswith("dkv-lockstep")
     dq_lockstep = variant.startswith("dq-lockstep")
     options = replace(SMALL, dkv_channels_on_m=not variant.endswith("keys-on-m"),
                       bwd_fused=variant in ("fused", "dq-lockstep-fused"),
                       dkv_carry=not variant.endswith("no-carry"),
                       dq_tail_first=variant != "dq-main-first", dkv_lockstep=dkv_lockstep,
-                      dq_lockstep=dq_lockstep,
+                      dq_lockstep=dq_lockstep, fwd_lockstep=variant == "fwd-lockstep",
                       triton_lockstep_slack=2 if variant.startswith("dkv-lockstep2") else 1,
                       triton_lockstep_programs_per_sm=1 if dkv_lockstep or dq_lockstep else 2)
     q, k, v, idx, sink, dv, scale = build(case, seed=len(case))

@@ -320,6 +320,26 @@ def test_triton_dkv_lockstep_keeps_the_pipelined_tile_loop(tmp_path: Path) -> No
     assert sass.count("LDG.E.STRONG.SYS") == 2 and sass.count("REDG.E.ADD.STRONG.GPU") == 2
 
 
+def test_triton_forward_and_dq_lockstep_keep_their_pipelined_loops(tmp_path: Path) -> None:
+    """fwd_lockstep / dq_lockstep on QSA's shape: the forward's and the dQ kernel's tile loops
+    keep the default's copies and products without local memory, plus the count's reduction
+    and one volatile read each."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "sparse-attention-qsa", "sparse-attention-qsa-lockstep",
+                "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reports = json.loads(out.read_text())
+    for kernel in ("_fwd_kernel", "_bwd_dq_kernel"):
+        default, lockstep = (r for r in reports if r["name"].endswith(kernel))
+        assert lockstep["constexprs"]["LOCKSTEP"] is True, kernel
+        ops, base = lockstep["loop_ops"], default["loop_ops"]
+        for op in ("HMMA", "LDGSTS"):
+            assert ops[op] == base[op] > 0, (kernel, op)
+        assert ops.get("REDG", 0) == base.get("REDG", 0) + 1, kernel
+        assert ops["LDG"] == base["LDG"] + 1, kernel
+        assert ops.get("LDL", 0) == 0 and lockstep["spill_loads"] == 0, kernel
+
+
 def test_key_tma_takes_the_key_copies_out_of_the_tile_loop(tmp_path: Path) -> None:
     """HyTopKOptions.key_tma: the tile loop has no per-thread copies (LDGSTS) left, one TMA
     load (UTMALDG) a tile and its mbarrier, the same products, and fewer instructions than the

@@ -263,7 +263,10 @@ class AttentionKernelOptions:
     # counter wait, so that their key gathers fall in the same few 16-ths of the keys and hit
     # L2 (GLM-5.1's bf16 keys are 151 MB at 128K, three times the L2; the forward reaches 77%
     # of the matmul rate at 16K, 57-59% at 128K). Compiled for sm_90a, not yet run on a GPU:
-    # off until tested and timed (`bench_attention.py --fwd-also gluon_ws_lockstep`).
+    # off until tested and timed (`bench_attention.py --fwd-also gluon_ws_lockstep`). The
+    # Triton forward (QSA, HCA, the shapes the Gluon ones do not take) is paced the same way
+    # under it, by key tiles, with triton_lockstep_programs_per_sm programs an SM at most
+    # (tested under the interpreter, compiled, not yet timed).
     fwd_lockstep: bool = False
     # Two-tile iterations a program may lead the slowest of its wave by (an int >= 1;
     # ValueError otherwise).

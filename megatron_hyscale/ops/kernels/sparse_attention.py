@@ -163,23 +163,20 @@ def _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N: tl.constexpr, HAS_PREFIX: 
 
 
 @triton.jit
-def _fwd_kernel(
+def _fwd_item(
+    b, t, kvh, offs_h, h_mask, wave_ptr, active,
     q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, sink_ptr, out_ptr, lse_ptr,
     T, NK, G, NHB, qk_scale,
     sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
     sib, sit, sih, sik, spb, spt, sob, sot, soh, sod, slb, slt, slh,
     D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr, HAS_SINK: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NG: tl.constexpr,
-    SOFTMAX: tl.constexpr = True,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTMAX: tl.constexpr, LOCKSTEP: tl.constexpr, SYNC_SLACK: tl.constexpr,
+    SYNC_SPINS: tl.constexpr, SYNC_PTX: tl.constexpr,
 ):
-    """out[h] = softmax(q[h] . K_sel * scale (+ sink)) @ V_sel for one query's head block.
-
-    s = [heads x Dqk] @ [Dqk x keys] on gathered rows, online base-2 softmax, acc += P @ V_sel
-    in fp32; -1 slots score -inf; a row with no valid key (and no sink) writes zeros.
-    SOFTMAX=False (measurement only, fwd_softmax): P is the masked raw scores; lse is -inf.
-    """
-    b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
+    """`_fwd_kernel`'s work for one (query, head block) at its coordinates; LOCKSTEP as
+    `_dkv_item`'s."""
     heads = kvh * G + offs_h
     offs_dm = tl.arange(0, D_MAIN)
     q_main, q_tail = _load_q(q_ptr, b, t, heads, h_mask, sqb, sqt, sqh, sqd, D, D_MAIN, D_TAIL)
@@ -195,6 +192,9 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, DV_PAD], tl.float32)
     for n0 in range(0, n_pre + NK, BLOCK_N):
+        if LOCKSTEP:
+            lockstep_step(wave_ptr, active * (n0 // BLOCK_N - SYNC_SLACK + 1), SYNC_SPINS,
+                          SYNC_PTX)
         rows, valid = _load_rows(idx_base, sik, n0, NK, n_pre, BLOCK_N, HAS_PREFIX)
         k_main = tl.load(k_base + rows[:, None] * sks + offs_dm[None, :] * skd,
                          mask=valid[:, None], other=0.0)
@@ -240,6 +240,52 @@ def _fwd_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
              mask=h_mask[:, None] & (offs_v[None, :] < DV))
     tl.store(lse_ptr + b * slb + t * slt + heads * slh, lse2 * LN2_JIT, mask=h_mask)
+
+
+
+@triton.jit
+def _fwd_kernel(
+    q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, sink_ptr, out_ptr, lse_ptr,
+    sync_ptr, programs, work, n_queries,
+    T, NK, G, NHB, qk_scale,
+    sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+    sib, sit, sih, sik, spb, spt, sob, sot, soh, sod, slb, slt, slh,
+    D: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    DV: tl.constexpr, DV_PAD: tl.constexpr, V_IS_K_MAIN: tl.constexpr, HAS_SINK: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NG: tl.constexpr,
+    SOFTMAX: tl.constexpr = True, LOCKSTEP: tl.constexpr = False,
+    SYNC_SLACK: tl.constexpr = 1, SYNC_SPINS: tl.constexpr = 64, SYNC_PTX: tl.constexpr = True,
+):
+    """out[h] = softmax(q[h] . K_sel * scale (+ sink)) @ V_sel for one query's head block.
+
+    s = [heads x Dqk] @ [Dqk x keys] on gathered rows, online base-2 softmax, acc += P @ V_sel
+    in fp32; -1 slots score -inf; a row with no valid key (and no sink) writes zeros.
+    SOFTMAX=False (measurement only, fwd_softmax): P is the masked raw scores; lse is -inf.
+    LOCKSTEP: persistent programs over the work items, paced by their waves' counters, as
+    `_bwd_dkv_kernel`'s (AttentionKernelOptions.fwd_lockstep, for the shapes this kernel runs).
+    """
+    if LOCKSTEP:
+        for item in range(tl.program_id(0), work, programs):
+            wave = item // programs
+            b, t, kvh, offs_h, h_mask = _work_item_coords(item, n_queries, T, NHB, G, NG,
+                                                          BLOCK_H)
+            _fwd_item(b, t, kvh, offs_h, h_mask, sync_ptr + wave,
+                      tl.minimum(programs, work - wave * programs),
+                      q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, sink_ptr, out_ptr, lse_ptr,
+                      T, NK, G, NHB, qk_scale, sqb, sqt, sqh, sqd, skb, sks, skh, skd,
+                      svb, svs, svh, svd, sib, sit, sih, sik, spb, spt, sob, sot, soh, sod,
+                      slb, slt, slh, D, D_MAIN, D_TAIL, HAS_PREFIX, DV, DV_PAD, V_IS_K_MAIN,
+                      HAS_SINK, BLOCK_H, BLOCK_N, PRECISION, SOFTMAX, True, SYNC_SLACK,
+                      SYNC_SPINS, SYNC_PTX)
+    else:  # straight-line, as `_bwd_dkv_kernel`'s
+        b, t, kvh, offs_h, h_mask = _coords(T, NHB, G, NG, BLOCK_H)
+        _fwd_item(b, t, kvh, offs_h, h_mask, sync_ptr, 0,
+                  q_ptr, k_ptr, v_ptr, idx_ptr, pre_ptr, sink_ptr, out_ptr, lse_ptr,
+                  T, NK, G, NHB, qk_scale, sqb, sqt, sqh, sqd, skb, sks, skh, skd,
+                  svb, svs, svh, svd, sib, sit, sih, sik, spb, spt, sob, sot, soh, sod,
+                  slb, slt, slh, D, D_MAIN, D_TAIL, HAS_PREFIX, DV, DV_PAD, V_IS_K_MAIN,
+                  HAS_SINK, BLOCK_H, BLOCK_N, PRECISION, SOFTMAX, False, SYNC_SLACK,
+                  SYNC_SPINS, SYNC_PTX)
 
 
 @triton.jit
@@ -856,15 +902,27 @@ def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None,
     lse = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
     v_src, v_str = _v_source(k, v, geo)
     grid, ng = launch_grid(B * T, k.shape[2], geo.nhb, options.head_blocks_adjacent)
+    resident = geo.block_h * (geo.d_main + geo.d_tail)
+    tilings = options.fwd_tilings
+    lockstep = options.fwd_lockstep and options.fwd_softmax
+    work = B * T * k.shape[2] * geo.nhb
+    programs, sync = work, lse
+    if lockstep and work > 0:
+        programs, sync = lockstep_plan(
+            work, q.device, options.fwd_lockstep_slack,
+            _resident_programs(geo, tilings, resident, q.element_size(),
+                               options.triton_lockstep_programs_per_sm))
+        grid = (programs,)
     pre, pre_str = _prefix_args(prefix_lengths, lse)
     args = (q, k, v_src, indices, pre, sink if sink is not None else lse, out, lse,
-            T, NK, geo.G, geo.nhb, softmax_scale * LOG2E,
+            sync, programs, work, B * T, T, NK, geo.G, geo.nhb, softmax_scale * LOG2E,
             *_strides4(q), *_strides4(k), *v_str, *_index_strides(indices), *pre_str,
             *_strides4(out), *lse.stride())
     const = dict(geo.const(), HAS_SINK=sink is not None, HAS_PREFIX=prefix_lengths is not None,
                  NG=ng, SOFTMAX=options.fwd_softmax)
-    resident = geo.block_h * (geo.d_main + geo.d_tail)
-    tilings = options.fwd_tilings
+    if lockstep:  # absent otherwise: the default launch's constexprs as before
+        const.update(LOCKSTEP=True, SYNC_SLACK=options.fwd_lockstep_slack,
+                     SYNC_SPINS=SYNC_SPINS, SYNC_PTX=not triton_interpret())
     _launch(_fwd_kernel, grid, args, const, geo, tilings, resident, q.element_size(),
             ("fwd", q.dtype, tilings, tuple(sorted(const.items()))), options)
     return out, lse
