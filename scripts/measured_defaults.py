@@ -45,6 +45,7 @@ from megatron_hyscale.ops.kernels.options import AttentionKernelOptions  # noqa:
 SELECTION_METHODS = ("hytopk", "cudnn")
 # The attention's own times are those of the kernels the defaults run (a record names the
 # kernel of each time); lib_fwd_ms / lib_bwd_ms are FlashMLA's forward and cuDNN's backward.
+LIBRARY_FORWARD = "flashmla"
 CURRENT_KERNELS = {"fwd": AttentionKernelOptions.DEFAULT.forward_kernel_name(),
                    "bwd": AttentionKernelOptions.DEFAULT.backward_kernel_name()}
 LOSS_ENTRIES = ("triton_lse", "cudnn")
@@ -57,8 +58,12 @@ def own_times(r: dict, side: str) -> dict[str, float]:
     times = {}
     if isinstance(r.get(f"{side}_ms"), float):  # records before 2026-12-05 name no kernel
         times[r.get(f"{side}_kernel", "unnamed")] = r[f"{side}_ms"]
+    # FlashMLA's forward inside HyScale's function (`--fwd-kernel flashmla`) is the library's.
+    times.pop(LIBRARY_FORWARD, None)
     for key, kernel in r.items():
         prefix = f"{side}_"
+        if kernel == LIBRARY_FORWARD:
+            continue
         if not (key.startswith(prefix) and key.endswith("_kernel")) or key == f"{side}_kernel":
             continue
         name = key[len(prefix):-len("_kernel")]

@@ -323,6 +323,32 @@ def test_measured_defaults_never_picks_a_stock_row(tmp_path) -> None:
                                                                                        200.0)
 
 
+def test_measured_defaults_times_the_kernels_the_defaults_run(tmp_path) -> None:
+    """Per side, the time of the kernel the defaults run now (a --*-also column whose relative
+    difference is finite; a NaN one is a broken run), else the run's main kernel; FlashMLA's
+    forward inside HyScale's function (--fwd-kernel flashmla) is never HyScale's time."""
+    md = load("measured_defaults")
+    fwd, bwd = md.CURRENT_KERNELS["fwd"], md.CURRENT_KERNELS["bwd"]
+    base = {k: v for k, v in ATTENTION[0].items() if not k.startswith("tl_")}
+    rows = [
+        dict(base, T=1024, fwd_kernel="flashmla", fwd_ms=70.0, fwd_gluon_ws_kernel=fwd,
+             fwd_gluon_ws_ms=85.0, fwd_gluon_ws_rel_diff=1e-3, bwd_kernel="older",
+             bwd_ms=600.0, bwd_x_kernel=bwd, bwd_x_ms=350.0, bwd_x_rel_diff=2e-5),
+        dict(base, T=2048, fwd_kernel="flashmla", fwd_ms=70.0, bwd_kernel="older",
+             bwd_ms=600.0, bwd_x_kernel=bwd, bwd_x_ms=350.0, bwd_x_rel_diff=float("nan")),
+    ]
+    folder = tmp_path / "current"
+    folder.mkdir()
+    entries = md.table(md.entries_from(str(write_record(folder, "bench_attention", rows))))
+    by_t = {e["T"]: e for e in entries}
+    assert by_t[1024]["own_fwd_bwd_ms"] == [85.0, 350.0]
+    assert by_t[1024]["own_kernels"] == [fwd, bwd]
+    assert 2048 not in by_t  # no HyScale forward timed: no joined entry
+    sides = [(e["side"], e["own_kernel"], e["own_ms"]) for e in md.entries_from(
+        str(next(folder.iterdir()))) if e["T"] == 2048]
+    assert sides == [("bwd", "older", 600.0)]  # the NaN run not taken: the main stands in
+
+
 # --- the glue to megatron's TileLang entry points, with torch stand-ins for its kernels -------
 # TileLang does not run here: megatron's kernel wrappers are replaced by plain-torch ones with
 # their contracts (layouts, row bounds, -1 / -inf conventions), so what runs is the benchmarks'
