@@ -175,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "the row pass's second gathered pass (IndexerLossKernelOptions."
                         "kl_in_bwd=False, the previous default) instead of the indexer "
                         "backward's recomputed scores")
+    p.add_argument("--attention-lockstep", action="store_true",
+                   help="HyScale's Triton attention kernels (and the Gluon warp-specialized "
+                        "forward where it runs) in lockstep: AttentionKernelOptions."
+                        "fwd_lockstep, dq_lockstep, dkv_lockstep (QSA then selects in key "
+                        "order)")
+    p.add_argument("--loss-lockstep", action="store_true",
+                   help="the indexer loss's backward in lockstep (IndexerLossKernelOptions."
+                        "bwd_lockstep)")
     p.add_argument("--attention-fwd", choices=("auto", "gluon", "gluon_ws", "triton"),
                    default="auto",
                    help="HyScale's sparse-attention forward on Hopper: auto, the defaults (the "
@@ -956,16 +964,20 @@ def attention_kernel_options(args: argparse.Namespace) -> Any:
     changes |= {"gluon": dict(fwd_sm90=True, fwd_sm90_ws=False),
                 "gluon_ws": dict(fwd_sm90=True, fwd_sm90_ws=True),
                 "triton": dict(fwd_sm90=False, fwd_sm90_ws=False)}.get(args.attention_fwd, {})
+    if args.attention_lockstep:
+        changes |= dict(fwd_lockstep=True, dq_lockstep=True, dkv_lockstep=True)
     return replace(AttentionKernelOptions.DEFAULT, **changes)
 
 
 def indexer_loss_kernel_options(args: argparse.Namespace) -> Any:
-    """HyScale's indexer-loss kernel variants for this run (--loss-kl-in-rows)."""
+    """HyScale's indexer-loss kernel variants for this run (--loss-kl-in-rows,
+    --loss-lockstep)."""
     from megatron_hyscale.ops import IndexerLossKernelOptions
 
-    if not args.loss_kl_in_rows:
-        return IndexerLossKernelOptions.DEFAULT
-    return replace(IndexerLossKernelOptions.DEFAULT, kl_in_bwd=False)
+    changes = dict(kl_in_bwd=False) if args.loss_kl_in_rows else {}
+    if args.loss_lockstep:
+        changes["bwd_lockstep"] = True
+    return replace(IndexerLossKernelOptions.DEFAULT, **changes)
 
 
 def component_times(attn: torch.nn.Module, hidden: torch.Tensor,

@@ -554,8 +554,10 @@ case "$stage" in
         run=(32768 65536 131072 262144)
         [ "$model" = qsa ] && run=(131072 262144 524288)
       fi
+      # LAYER_FLAGS: more bench_layer flags (e.g. --attention-lockstep --loss-lockstep).
+      # shellcheck disable=SC2086  # flags split on purpose
       timeout $budget python3 scripts/bench_layer.py --model $model --seq "${run[@]}" \
-        --repeats 1 --stock-max-seq $limit --out "$out" 2>&1 | grep -v Warning \
+        --repeats 1 --stock-max-seq $limit ${LAYER_FLAGS:-} --out "$out" 2>&1 | grep -v Warning \
         | grep -E -A12 "^\| T|Error" | tee "$out/bench_layer_$model.log"
     done
     ;;

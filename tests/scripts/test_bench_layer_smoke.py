@@ -161,7 +161,9 @@ def test_attention_kernel_flags_set_only_their_options() -> None:
              ("--attention-bwd", "fused"): dict(bwd_fused=True, bwd_sm90=False),
              ("--attention-fwd", "gluon_ws"): dict(fwd_sm90_ws=True),
              ("--attention-fwd", "gluon"): dict(fwd_sm90_ws=False),
-             ("--attention-fwd", "triton"): dict(fwd_sm90=False, fwd_sm90_ws=False)}
+             ("--attention-fwd", "triton"): dict(fwd_sm90=False, fwd_sm90_ws=False),
+             ("--attention-lockstep",): dict(fwd_lockstep=True, dq_lockstep=True,
+                                             dkv_lockstep=True)}
     for flags, changed in cases.items():
         got = bench_layer.attention_kernel_options(bench_layer.parse_args(list(flags)))
         assert got == replace(default, **changed), flags
@@ -171,6 +173,8 @@ def test_attention_kernel_flags_set_only_their_options() -> None:
     assert bench_layer.indexer_loss_kernel_options(bench_layer.parse_args([])) == loss_default
     assert bench_layer.indexer_loss_kernel_options(
         bench_layer.parse_args(["--loss-kl-in-rows"])) == replace(loss_default, kl_in_bwd=False)
+    assert bench_layer.indexer_loss_kernel_options(
+        bench_layer.parse_args(["--loss-lockstep"])) == replace(loss_default, bwd_lockstep=True)
 
 
 def test_stock_kernel_backend_flag_parses() -> None:
