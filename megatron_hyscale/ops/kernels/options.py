@@ -322,8 +322,9 @@ class AttentionKernelOptions:
     # with each row's keys in increasing order (sorted first; the indexer loss's per-slot target,
     # when the call emits it, scattered back to the caller's slots) and the programs of a wave
     # paced together: before gathering key tile j a program waits (at most
-    # `sparse_mla_bwd_sm90.SYNC_SPINS` reads of a counter) until every program of its wave has
-    # started tile j - bwd_lockstep_slack. At any time the programs then gather and add into about
+    # `common.SYNC_SPINS` reads of a counter) until its wave's programs have together made the
+    # starts of all of them at tile j - bwd_lockstep_slack (a total: a fast program's extra
+    # starts count too). At any time the programs then gather and add into about
     # (2 x slack + 1) / 32-ths of the key range (2048 keys in 64-key tiles), whose fp32 dK rows
     # and bf16 key rows fit the L2 cache: at 128K the dK buffer alone is 302 MB, six times the L2,
     # and Nsight Compute (2026-12-05, GLM-5.1, random indices) found 55% of the backward's

@@ -117,8 +117,9 @@ def _producer(q_ptr, k_ptr, idx_ptr, dout_ptr, sync_ptr, q_main_s, q_tail_s, do_
               WARPS: gl.constexpr):
     """q and dO once a work item (PAD_HEADS: rows past the H heads zero-filled), then each key
     tile once the consumers' dQ products released the last. LOCKSTEP: the program's items
-    pid, pid + P, ...; before a tile's gather, wait (bounded) until every program of the wave
-    started the tile SYNC_SLACK before, and count this one's start."""
+    pid, pid + P, ...; before a tile's gather, wait (bounded) until the wave's counter holds
+    the starts of every program at the tile SYNC_SLACK before (their total: a fast program's
+    extra starts count too), and count this one's start."""
     # A warp covers 4 rows x 64 channels in 16-byte vectors (one swizzle atom a row).
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, ld_layout)

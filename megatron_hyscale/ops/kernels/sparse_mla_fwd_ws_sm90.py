@@ -140,8 +140,9 @@ def _producer(q_ptr, k_ptr, idx_ptr, sync_ptr, q_main_s, q_tail_s, k_main_s, k_t
     """The query block once a work item (PAD_HEADS: rows past the H heads zero-filled), then
     each iteration's halves in the order they are freed: L0, R1 (mid-iteration), R0, L1 (at
     its end). LOCKSTEP: the items pid, pid + P, ...; before an iteration's gathers, wait
-    (bounded) until every program of the wave started the iteration SYNC_SLACK before, and
-    count this one's start (`sparse_mla_bwd_sm90`'s lockstep, by two-tile iterations)."""
+    (bounded) until the wave's counter holds the starts of every program at the iteration
+    SYNC_SLACK before (their total, as `sparse_mla_bwd_sm90`'s lockstep, by two-tile
+    iterations), and count this one's start."""
     q_bar, q_empty, ready, empty = bars[0], bars[1], bars[2], bars[3]
     # A warp covers 4 rows x 64 channels in 16-byte vectors (one swizzle atom a row); 4 warps,
     # 16 rows a pass; a thread's copies of a row differ by immediate offsets only.
