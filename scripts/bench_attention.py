@@ -198,7 +198,8 @@ def forward_kernel(inp, options):
     hopper = kern.hopper_forward(q, k, v, dv, inp["sink"], inp["prefix"], options=options,
                                  warn=False)
     if hopper is None:
-        return f"triton-lockstep{options.fwd_lockstep_slack}" if options.fwd_lockstep else "triton"
+        paced = options.fwd_lockstep and options.fwd_softmax
+        return f"triton-lockstep{options.triton_lockstep_slack}" if paced else "triton"
     return options.forward_kernel_name()
 
 

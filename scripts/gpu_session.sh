@@ -152,11 +152,12 @@
 #                                         # timed beside the library pair in one process
 #                                         # (bench_attention.py --fwd-kernel flashmla), GLM-5.1
 #                                         # V3.2 CSA at 16K-128K ($PAIR_T)              (~5 min)
-#   bash scripts/gpu_session.sh lockstep-triton  # the Triton kernels' lockstep variants
-#                                         # (indexer backward, QSA's dK/dV): their interpreter
-#                                         # tests on CUDA, then timed beside the defaults
-#                                         # (bench_indexer_loss.py --variants, bench_attention.py
-#                                         # --shapes qsa --indices sorted --bwd-also)  (~7 min)
+#   bash scripts/gpu_session.sh lockstep-triton {tests|bench}  # the Triton kernels' lockstep
+#                                         # variants (indexer backward, QSA's forward, dQ and
+#                                         # dK/dV): their interpreter tests on CUDA (~4 min), or
+#                                         # timed beside the defaults (bench_indexer_loss.py
+#                                         # --variants, bench_attention.py --shapes qsa --indices
+#                                         # sorted --bwd-also / --fwd-also)           (~8 min)
 #   bash scripts/gpu_session.sh cudnn-layer [T...]  # bench_layer.py, GLM-5.1 DSA: HyScale
 #                                         # (own kernels, then the measured best per op)
 #                                         # against stock on dsa_kernel_backend="cudnn"
@@ -863,21 +864,28 @@ case "$stage" in
     exit $rc
     ;;
   lockstep-triton)
-    timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider \
-      tests/ops/test_indexer_loss_variants.py tests/ops/test_sparse_attention_triton.py \
-      -k "lockstep" > "$out/tests.log" 2>&1
-    rc=$?
-    echo "lockstep-triton tests: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
-    grep -h -E "^(FAILED|ERROR|E  )" "$out/tests.log" | cut -c1-400 | head -20 || true
-    timeout 150 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 v32 \
-      --variants lockstep lockstep2 lockstep_1sm --out "$out" 2>&1 | grep -v -i warn \
-      | grep -E "T=|Error|failed" | tee "$out/bench_indexer_loss_variants.log"
-    timeout 180 python3 scripts/bench_attention.py --t 65536 131072 --shapes qsa \
-      --indices sorted --bwd-also triton_lockstep triton_lockstep_dkv triton_lockstep2 \
-      triton_lockstep_1sm --fwd-also triton_lockstep \
-      --reps 2 --no-stock --no-tilelang --no-deterministic --out "$out" 2>&1 \
-      | grep -v -i warn | tee "$out/bench_attention.log" | grep -E "T=|Error|^\|"
-    exit $rc
+    # PART: tests (the interpreter tests on CUDA, ~4 min) or bench (the timings, ~8 min);
+    # each fits one call.
+    case "${1:-tests}" in
+      tests)
+        timeout 420 python3 -m pytest -q -rfE -p no:cacheprovider \
+          tests/ops/test_indexer_loss_variants.py tests/ops/test_sparse_attention_triton.py \
+          -k "lockstep" > "$out/tests.log" 2>&1
+        rc=$?
+        echo "lockstep-triton tests: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+        grep -h -E "^(FAILED|ERROR|E  )" "$out/tests.log" | cut -c1-400 | head -20 || true
+        exit $rc ;;
+      bench)
+        timeout 200 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 v32 \
+          --variants lockstep lockstep2 lockstep_1sm --out "$out" 2>&1 | grep -v -i warn \
+          | grep -E "T=|Error|failed" | tee "$out/bench_indexer_loss_variants.log"
+        timeout 330 python3 scripts/bench_attention.py --t 65536 131072 --shapes qsa \
+          --indices sorted --bwd-also triton_lockstep triton_lockstep_dkv triton_lockstep2 \
+          triton_lockstep_1sm --fwd-also triton_lockstep \
+          --reps 2 --no-stock --no-tilelang --no-deterministic --out "$out" 2>&1 \
+          | grep -v -i warn | tee "$out/bench_attention.log" | grep -E "T=|Error|^\|" ;;
+      *) echo "usage: bash scripts/gpu_session.sh lockstep-triton {tests|bench}" >&2; exit 2 ;;
+    esac
     ;;
   cudnn-layer)
     seqs=${*:-8192 16384 32768 131072 262144}

@@ -621,15 +621,16 @@ class HyScaleQSAttention(MegatronModule):
                                                     group=tp_group)
 
     def _paced(self) -> bool:
-        """Whether the attention's Triton kernels run in lockstep (`AttentionKernelOptions.
-        dkv_lockstep`, `dq_lockstep`, `fwd_lockstep`; not in deterministic_mode), which pays on
+        """Whether one of the attention's Triton kernels runs in lockstep
+        (`AttentionKernelOptions.dkv_lockstep`, `dq_lockstep`, `fwd_lockstep`), which pays on
         rows in key order only: then a selector that can (`keys_ascending`) sorts them by
         key."""
         options = getattr(self.config, "attention_kernel_options", None) or \
             AttentionKernelOptions.DEFAULT
-        return ((options.dkv_lockstep or options.dq_lockstep or options.fwd_lockstep)
-                and not self.config.deterministic_mode
-                and getattr(self.selector, "keys_ascending", False))
+        # deterministic_mode runs dK/dV unpaced (its fixed-point passes); the others pace.
+        paced = ((options.dkv_lockstep and not self.config.deterministic_mode)
+                 or options.dq_lockstep or options.fwd_lockstep)
+        return paced and getattr(self.selector, "keys_ascending", False)
 
     def _order_kwargs(self) -> dict:
         """The selector's key_order argument where it is wanted (a selector of its own that

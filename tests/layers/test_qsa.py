@@ -204,7 +204,11 @@ def test_dkv_lockstep_selects_in_key_order_and_still_matches_transformers():
     core = ours.core_attention
     assert core._paced()
     mcfg.deterministic_mode = True
-    assert not core._paced()  # unpaced there: no sort for it
+    assert not core._paced()  # dK/dV unpaced there: no sort for it
+    for name in ("dq_lockstep", "fwd_lockstep"):  # paced in deterministic_mode too
+        mcfg.attention_kernel_options = AttentionKernelOptions(**{name: True})
+        assert core._paced(), name
+    mcfg.attention_kernel_options = AttentionKernelOptions(dkv_lockstep=True)
     mcfg.deterministic_mode = False
     captured = []
     original = core._select_blocks

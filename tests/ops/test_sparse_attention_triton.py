@@ -136,7 +136,7 @@ def run_both(q, k, v, idx, sink, dv, scale, deterministic, lse_weight=None, seed
                                      "fwd-lockstep"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_values_and_gradients(case, deterministic, variant):
+def test_values_and_gradients(case, deterministic, variant, monkeypatch):
     # Every backward layout against the oracle: the separate dK/dV kernel in both orientations
     # (dkv_channels_on_m), the single pass that fuses it into the dQ kernel (bwd_fused), the
     # channels-on-M kernel adding each tile's dK / dV in its own iteration (dkv_carry off; the
@@ -153,10 +153,18 @@ def test_values_and_gradients(case, deterministic, variant):
                       dq_tail_first=variant != "dq-main-first", dkv_lockstep=dkv_lockstep,
                       dq_lockstep=dq_lockstep, fwd_lockstep=variant == "fwd-lockstep",
                       triton_lockstep_slack=2 if variant.startswith("dkv-lockstep2") else 1,
-                      triton_lockstep_programs_per_sm=1 if dkv_lockstep or dq_lockstep else 2)
+                      triton_lockstep_programs_per_sm=1 if "lockstep" in variant else 2)
     q, k, v, idx, sink, dv, scale = build(case, seed=len(case))
+    plans = []
+    real_plan = kern.lockstep_plan
+    monkeypatch.setattr(kern, "lockstep_plan",
+                        lambda *a, **kw: plans.append(a[0]) or real_plan(*a, **kw))
     (out, lse, grads), (rout, rlse, rgrads) = run_both(q, k, v, idx, sink, dv, scale,
                                                        deterministic, options=options)
+    # The paced launches happen (they ask for a plan), but not for the deterministic dK/dV
+    # passes (dkv_lockstep, the fused pass), which run unpaced.
+    unpaced = deterministic and (variant.startswith("dkv") or variant == "dq-lockstep-fused")
+    assert bool(plans) == ("lockstep" in variant and not unpaced), (variant, plans)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert out.shape == rout.shape and lse.shape == rlse.shape
     close("out", out, rout)

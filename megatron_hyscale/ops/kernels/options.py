@@ -265,8 +265,8 @@ class AttentionKernelOptions:
     # of the matmul rate at 16K, 57-59% at 128K). Compiled for sm_90a, not yet run on a GPU:
     # off until tested and timed (`bench_attention.py --fwd-also gluon_ws_lockstep`). The
     # Triton forward (QSA, HCA, the shapes the Gluon ones do not take) is paced the same way
-    # under it, by key tiles, with triton_lockstep_programs_per_sm programs an SM at most
-    # (tested under the interpreter, compiled, not yet timed).
+    # under it, by key tiles, with the Triton kernels' triton_lockstep_slack and
+    # triton_lockstep_programs_per_sm (tested under the interpreter, compiled, not yet timed).
     fwd_lockstep: bool = False
     # Two-tile iterations a program may lead the slowest of its wave by (an int >= 1;
     # ValueError otherwise).
@@ -427,7 +427,8 @@ class AttentionKernelOptions:
     # at 128K, from the same key ranges at a time; no atomics of its own but the fused pass's
     # and the indexer target's). Off: tested under the interpreter, not yet timed.
     dq_lockstep: bool = False
-    # Both Triton kernels' slack (key tiles, an int >= 1) and programs an SM at most.
+    # The Triton kernels' slack (key tiles, an int >= 1) and programs an SM at most, under
+    # dkv_lockstep, dq_lockstep and (for the Triton forward) fwd_lockstep.
     triton_lockstep_slack: int = 1
     triton_lockstep_programs_per_sm: int = 2
     # The dK/dV kernel with the keys on M reads q and dO in two MMA layouts (B of K @ q^T and of

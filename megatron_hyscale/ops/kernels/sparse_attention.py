@@ -909,7 +909,7 @@ def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None,
     programs, sync = work, lse
     if lockstep and work > 0:
         programs, sync = lockstep_plan(
-            work, q.device, options.fwd_lockstep_slack,
+            work, q.device, options.triton_lockstep_slack,
             _resident_programs(geo, tilings, resident, q.element_size(),
                                options.triton_lockstep_programs_per_sm))
         grid = (programs,)
@@ -921,7 +921,7 @@ def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None,
     const = dict(geo.const(), HAS_SINK=sink is not None, HAS_PREFIX=prefix_lengths is not None,
                  NG=ng, SOFTMAX=options.fwd_softmax)
     if lockstep:  # absent otherwise: the default launch's constexprs as before
-        const.update(LOCKSTEP=True, SYNC_SLACK=options.fwd_lockstep_slack,
+        const.update(LOCKSTEP=True, SYNC_SLACK=options.triton_lockstep_slack,
                      SYNC_SPINS=SYNC_SPINS, SYNC_PTX=not triton_interpret())
     _launch(_fwd_kernel, grid, args, const, geo, tilings, resident, q.element_size(),
             ("fwd", q.dtype, tilings, tuple(sorted(const.items()))), options)
