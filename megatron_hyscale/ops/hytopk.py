@@ -199,5 +199,6 @@ def _in_order(result: tuple[torch.Tensor, torch.Tensor], order: str
     """The reference's and the library's rows (score order, or any order with the -1 slots
     last) in `order` (HyScale's kernel sorts them itself)."""
     if order == "key":
+        result = (result[0].contiguous(), result[1].contiguous())
         sort_rows_by_key(*result)
     return result
