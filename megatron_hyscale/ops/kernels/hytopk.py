@@ -1279,6 +1279,11 @@ def _launch(q, k, weights, topk, *, relu, q_positions, k_positions, causal,
     return indices, scores
 
 
+def _swap_halves_torch(key: torch.Tensor) -> torch.Tensor:
+    """The kernel's `_swap_halves` on int64 keys (INT64_MIN, an empty slot, kept)."""
+    return torch.where(key == _KEY_MIN, key, ((key & _LOW32) << 32) | ((key >> 32) & _LOW32))
+
+
 def _finish(indices, scores, ordered=True, key_order=False):
     """Sort each row's packed keys (score desc, index asc; by increasing index with
     key_order) and decode them, in place; without `ordered`, decode only (the kernel already
@@ -1295,12 +1300,9 @@ def _finish(indices, scores, ordered=True, key_order=False):
             hi = hi_bits[b, t0:t0 + step].to(torch.int64)
             lo = lo_bits[b, t0:t0 + step].to(torch.int64) & _LOW32
             key = (hi << 32) | lo
-            if ordered and key_order:  # halves swapped, as the kernel's _swap_halves
-                swapped = torch.where(key == _KEY_MIN, key, ((key & _LOW32) << 32) | (key >> 32
-                                                                                     & _LOW32))
-                swapped = swapped.sort(dim=-1, descending=True).values
-                key = torch.where(swapped == _KEY_MIN, swapped, ((swapped & _LOW32) << 32)
-                                  | (swapped >> 32 & _LOW32))
+            if ordered and key_order:
+                key = _swap_halves_torch(_swap_halves_torch(key).sort(dim=-1,
+                                                                      descending=True).values)
             elif ordered:
                 key = key.sort(dim=-1, descending=True).values
             empty = key == _KEY_MIN
