@@ -79,14 +79,14 @@ def attention_plan(q, k, v, indices, *, backend, dv, sink, deterministic, prefix
     if backend == "best" and library_unavailable(FLASHMLA):
         return measured.OWN_PAIR  # an optional extra not installed: nothing to choose between
     from megatron_hyscale.ops.backends.library_attention import (
+        cudnn_backward_unsupported,
         flashmla_forward_unsupported,
-        library_attention_unsupported,
     )
 
     fwd_reason = flashmla_forward_unsupported(q, k, v, indices, dv,
                                               prefix_lengths=prefix_lengths)
-    pair_reason = fwd_reason or library_attention_unsupported(
-        q, k, v, indices, dv, prefix_lengths=prefix_lengths, deterministic=deterministic)
+    pair_reason = fwd_reason or cudnn_backward_unsupported(q.device,
+                                                           deterministic=deterministic)
     if pair_reason is None and not library_backward:
         pair_reason = "the call's backward emits the indexer loss's target (HyScale's kernel)"
     shape = measured.attention_shape(q.shape[2], q.shape[3], dv or q.shape[3], sink is not None)

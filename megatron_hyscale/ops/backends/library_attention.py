@@ -62,8 +62,15 @@ def library_attention_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   deterministic: bool) -> str | None:
     """None when `library_attention` (FlashMLA's forward and cuDNN's backward) can run this
     call, else the reason it cannot."""
-    reason = library_unavailable(CUDNN, q.device) or flashmla_forward_unsupported(
-        q, k, v, indices, dv, prefix_lengths=prefix_lengths)
+    return (library_unavailable(CUDNN, q.device)
+            or flashmla_forward_unsupported(q, k, v, indices, dv, prefix_lengths=prefix_lengths)
+            or cudnn_backward_unsupported(q.device, deterministic=deterministic))
+
+
+def cudnn_backward_unsupported(device: torch.device, *, deterministic: bool) -> str | None:
+    """None when cuDNN's SM90 sparse-attention backward can run on the inputs FlashMLA's
+    forward accepted (`flashmla_forward_unsupported`), else the reason it cannot."""
+    reason = library_unavailable(CUDNN, device)
     if reason:
         return reason
     if deterministic:
