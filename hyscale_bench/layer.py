@@ -175,11 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "the row pass's second gathered pass (IndexerLossKernelOptions."
                         "kl_in_bwd=False, the previous default) instead of the indexer "
                         "backward's recomputed scores")
-    p.add_argument("--attention-lockstep", action="store_true",
-                   help="HyScale's Triton attention kernels (and the Gluon warp-specialized "
-                        "forward where it runs) in lockstep: AttentionKernelOptions."
-                        "fwd_lockstep, dq_lockstep, dkv_lockstep (QSA then selects in key "
-                        "order)")
+    p.add_argument("--attention-lockstep", nargs="?", const="all",
+                   choices=("off", "dkv", "all"), default=None,
+                   help="HyScale's Triton attention kernels in lockstep (Attention"
+                        "KernelOptions.fwd_lockstep, dq_lockstep, dkv_lockstep; QSA then "
+                        "selects in key order): off, none of them; dkv, the dK/dV pass only; "
+                        "all (the bare flag), the three, and the Gluon warp-specialized forward "
+                        "where it runs. Default: the layer's own (the QSA layer paces dK/dV, "
+                        "layers.qsa.QSA_ATTENTION_OPTIONS; the others nothing)")
     p.add_argument("--loss-lockstep", action="store_true",
                    help="the indexer loss's backward in lockstep (IndexerLossKernelOptions."
                         "bwd_lockstep)")
@@ -956,17 +959,23 @@ def attention_kernel_options(args: argparse.Namespace) -> Any:
     --attention-fwd). They reach the kernels HyScale runs itself: with --hyscale-kernel-backend
     best the library's run where the measured table says so (--compare-own-kernels times the
     layer on HyScale's own kernels beside it)."""
+    from megatron_hyscale.layers.qsa import QSA_ATTENTION_OPTIONS
     from megatron_hyscale.ops import AttentionKernelOptions
 
+    # Each layer's own default when no flag changes it (what the layer runs without options).
+    base = QSA_ATTENTION_OPTIONS if args.model == "qsa" else AttentionKernelOptions.DEFAULT
     changes: dict[str, bool] = {
         "split": dict(bwd_sm90=False), "fused": dict(bwd_fused=True, bwd_sm90=False),
         "sm90": dict(bwd_sm90=True)}.get(args.attention_bwd, {})
     changes |= {"gluon": dict(fwd_sm90=True, fwd_sm90_ws=False),
                 "gluon_ws": dict(fwd_sm90=True, fwd_sm90_ws=True),
                 "triton": dict(fwd_sm90=False, fwd_sm90_ws=False)}.get(args.attention_fwd, {})
-    if args.attention_lockstep:
-        changes |= dict(fwd_lockstep=True, dq_lockstep=True, dkv_lockstep=True)
-    return replace(AttentionKernelOptions.DEFAULT, **changes)
+    if args.attention_lockstep is not None:
+        paced = {"off": (), "dkv": ("dkv_lockstep",),
+                 "all": ("fwd_lockstep", "dq_lockstep", "dkv_lockstep")}[args.attention_lockstep]
+        changes |= {name: name in paced for name in ("fwd_lockstep", "dq_lockstep",
+                                                      "dkv_lockstep")}
+    return replace(base, **changes)
 
 
 def indexer_loss_kernel_options(args: argparse.Namespace) -> Any:

@@ -240,15 +240,19 @@ def bench_ours(inp, warmup, reps, deterministic_too, fwd_only=False,
 
 
 # --fwd-kernel / --fwd-also names -> the AttentionKernelOptions fields that select the forward.
+# Every own kernel's entry clears fwd_flashmla, so that a --fwd-also column beside
+# --fwd-kernel flashmla times the own kernel, not FlashMLA's again.
+_OWN = dict(fwd_flashmla=False)
 FWD_KERNELS = {"auto": {},  # the defaults (AttentionKernelOptions.DEFAULT)
-               "gluon": dict(fwd_sm90=True, fwd_sm90_ws=False),
-               "gluon_ws": dict(fwd_sm90=True, fwd_sm90_ws=True, fwd_lockstep=False),
-               "gluon_ws_lockstep": dict(fwd_sm90=True, fwd_sm90_ws=True, fwd_lockstep=True),
+               "gluon": dict(_OWN, fwd_sm90=True, fwd_sm90_ws=False),
+               "gluon_ws": dict(_OWN, fwd_sm90=True, fwd_sm90_ws=True, fwd_lockstep=False),
+               "gluon_ws_lockstep": dict(_OWN, fwd_sm90=True, fwd_sm90_ws=True,
+                                         fwd_lockstep=True),
                # the Triton forward in lockstep (QSA, HCA; with --indices sorted)
-               "triton_lockstep": dict(fwd_lockstep=True),
+               "triton_lockstep": dict(_OWN, fwd_lockstep=True),
                # FlashMLA's forward inside HyScale's autograd function (`fwd_flashmla`)
                "flashmla": dict(fwd_flashmla=True),
-               "triton": dict(fwd_sm90=False, fwd_sm90_ws=False)}
+               "triton": dict(_OWN, fwd_sm90=False, fwd_sm90_ws=False)}
 
 
 def rel_diff(got: torch.Tensor, want: torch.Tensor, rows: int = 4096) -> float:

@@ -67,7 +67,23 @@ def selection(records):
                      f"{same} |")
     if any(r.get("reps") == 1 for r in records):
         lines.append("\n\\* a single first call (over 2 s), no median: it may hold JIT compiles")
-    return lines + kernel_variants(records) + fp8_selection(records)
+    return lines + kernel_variants(records) + fp8_selection(records) + scores_only(records)
+
+
+def scores_only(records):
+    """The scores-only kernels (bench_selection's scoreonly* methods: each causal row's largest
+    score, no top-k) beside the GEMM floor, and each one's largest difference from the Triton
+    scores-only kernel's row maxima."""
+    rows = [r for r in records if r.get("method", "").startswith("scoreonly")]
+    if not rows:
+        return []
+    lines = ["", "| config | T | GEMM floor ms | method | ms | x GEMM floor | "
+             "max diff vs scoreonly |", "|---" * 7 + "|"]
+    for r in sorted(rows, key=lambda r: (r["config"], r["T"])):
+        lines.append(f"| {r['config']} | {r['T']} | {fmt(r.get('floor_ms'))} | {r['method']} | "
+                     f"{fmt(r.get('ms'), '.2f')} | {fmt(r.get('x_floor'), '.2f')} | "
+                     f"{fmt(r.get('max_diff_vs_scoreonly'), '.1e')} |")
+    return lines
 
 
 # bench_selection methods the two tables above show; any other hytopk_* method is a variant.

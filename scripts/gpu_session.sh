@@ -555,7 +555,8 @@ case "$stage" in
         run=(32768 65536 131072 262144)
         [ "$model" = qsa ] && run=(131072 262144 524288)
       fi
-      # LAYER_FLAGS: more bench_layer flags (e.g. --attention-lockstep --loss-lockstep).
+      # LAYER_FLAGS: more bench_layer flags (e.g. "--attention-lockstep off": QSA without its
+      # default dK/dV lockstep; --loss-lockstep).
       # shellcheck disable=SC2086  # flags split on purpose
       timeout $budget python3 scripts/bench_layer.py --model $model --seq "${run[@]}" \
         --repeats 1 --stock-max-seq $limit ${LAYER_FLAGS:-} --out "$out" 2>&1 | grep -v Warning \

@@ -81,6 +81,7 @@ def entries_from(path: str) -> list[dict]:
     out = []
     source = f"{script}, {meta.get('date', '?')}, commit {meta.get('commit', '?')}"
     stamp = meta.get("date", "")
+    device = meta.get("device", "?")
     if "bench_selection" in script:
         # Sweep and variant records carry other fields; a single first call (reps 1, over 2 s)
         # may hold a JIT compile: neither is a comparison.
@@ -94,7 +95,7 @@ def entries_from(path: str) -> list[dict]:
             if isinstance(own.get("ms"), float) and isinstance(lib.get("ms"), float):
                 out.append(dict(op="selection", T=T, own_ms=own["ms"], library_ms=lib["ms"],
                                 shape=selection_shape(own["H"], own["D"], own["topk"]),
-                                source=source, stamp=stamp))
+                                source=source, stamp=stamp, device=device))
     elif "bench_attention" in script:
         for r in records:
             if r.get("indices") != "random" or "Hq" not in r:
@@ -111,14 +112,15 @@ def entries_from(path: str) -> list[dict]:
                 kernel, ms = (name, own[name]) if name in own else next(iter(own.items()))
                 out.append(dict(op="attention", side=side, T=r["T"], shape=shape, own_ms=ms,
                                 library_ms=lib, own_kernel=kernel, current=kernel == name,
-                                source=source, stamp=stamp))
+                                source=source, stamp=stamp, device=device))
     elif "bench_indexer_loss" in script:
         for r in records:
             own, lib = (r.get(k) for k in LOSS_ENTRIES)
             if isinstance(own, dict) and isinstance(lib, dict) and "Hq" in r:
                 out.append(dict(op="indexer_loss", T=r["T"], own_ms=own["total_ms"],
                                 library_ms=lib["total_ms"], source=source, stamp=stamp,
-                                shape=loss_shape(r["Hq"], r["Dqk"], r["H_I"])))
+                                shape=loss_shape(r["Hq"], r["Dqk"], r["H_I"]),
+                                device=device))
     return out
 
 
@@ -136,37 +138,41 @@ def main() -> int:
             pick = measured.plan_for(e)
         else:
             pick = "library" if e["library_ms"] < e["own_ms"] else "own"
-        print(f"{e['op']:14s} {e['shape']:22s} T={e['T']:>8d} own {e['own_ms']:9.1f} ms  "
+        print(f"{e['device'][:20]:20s} {e['op']:14s} {e['shape']:22s} T={e['T']:>8d} "
+              f"own {e['own_ms']:9.1f} ms  "
               f"library {e['library_ms']:9.1f} ms  -> {pick}")
     print(f"wrote {len(entries)} entries to {args.out}")
     return 0
 
 
 def table(found: list[dict]) -> list[dict]:
-    """The newest entry per (op, shape, T); for the attention, per side, the newest that timed
-    the kernels the defaults run now (`CURRENT_KERNELS`), else the newest of older ones, the
-    two sides joined into one entry where both were measured."""
+    """The newest entry per (device, op, shape, T); for the attention, per side, the newest
+    that timed the kernels the defaults run now (`CURRENT_KERNELS`), else the newest of older
+    ones, the two sides (of the same device) joined into one entry where both were measured.
+    Devices stay apart: a kernel's rank against the library differs between an H100 and an
+    H200 (memory bandwidth), and the layers read the running device's entries."""
     newest: dict[tuple, dict] = {}
     for e in found:
-        key = (e["op"], e["shape"], e["T"], e.get("side"))
+        key = (e["op"], e["shape"], e["T"], e.get("side"), e["device"])
         rank = (e.get("current", True), e["stamp"])
         if key not in newest or rank >= (newest[key].get("current", True),
                                          newest[key]["stamp"]):
             newest[key] = e
     entries = []
-    for (op, shape, T, side), e in sorted(newest.items(), key=lambda kv: str(kv[0])):
+    for (op, shape, T, side, device), e in sorted(newest.items(), key=lambda kv: str(kv[0])):
         if op != "attention":
             entries.append({k: v for k, v in e.items() if k != "stamp"})
-        elif side == "fwd" and (op, shape, T, "bwd") in newest:
-            b = newest[(op, shape, T, "bwd")]
+        elif side == "fwd" and (op, shape, T, "bwd", device) in newest:
+            b = newest[(op, shape, T, "bwd", device)]
             source = (e["source"] if e["source"] == b["source"]
                       else f"forward: {e['source']}; backward: {b['source']}")
             entries.append(dict(op=op, T=T, own_ms=e["own_ms"] + b["own_ms"],
                                 library_ms=e["library_ms"] + b["library_ms"], shape=shape,
                                 source=source, own_fwd_bwd_ms=[e["own_ms"], b["own_ms"]],
                                 library_fwd_bwd_ms=[e["library_ms"], b["library_ms"]],
-                                own_kernels=[e["own_kernel"], b["own_kernel"]]))
-    return sorted(entries, key=lambda e: (e["op"], e["shape"], e["T"]))
+                                own_kernels=[e["own_kernel"], b["own_kernel"]],
+                                device=device))
+    return sorted(entries, key=lambda e: (e["device"], e["op"], e["shape"], e["T"]))
 
 
 if __name__ == "__main__":

@@ -138,6 +138,11 @@ all_gather_to_global = phase_spans.timed(phase_spans.COMMUNICATION, parallel.all
 start_all_gather_to_global = phase_spans.timed_start(phase_spans.COMMUNICATION,
                                                      parallel.start_all_gather_to_global)
 
+# The attention kernels' options when the config names none: the Triton dK/dV pass in lockstep
+# (its blocks selected in key order), measured faster on QSA's shapes than unpaced; the dQ pass
+# and the forward in lockstep were measured slower, so they stay off (BENCHMARKS.md).
+QSA_ATTENTION_OPTIONS = AttentionKernelOptions(dkv_lockstep=True)
+
 # Baseline selection: fp32 per-head logits materialized per chunk of query rows (1 GiB).
 BASELINE_CHUNK_ELEMENTS = 1 << 28
 
@@ -585,7 +590,7 @@ class HyScaleQSAttention(MegatronModule):
         query_b, key_b, value_b = (t.transpose(0, 1) for t in (query, key, value))
         out = sparse_attention(query_b, key_b, value_b, indices, self.softmax_scale,
                                deterministic=bool(cfg.deterministic_mode),
-                               options=getattr(cfg, "attention_kernel_options", None),
+                               options=self._attention_options(),
                                # expanded blocks and the causal tail: distinct by construction
                                backend=kernel_backend(cfg), check_values=False,
                                # blocks in key order expand to increasing tokens, tail last
@@ -620,13 +625,16 @@ class HyScaleQSAttention(MegatronModule):
         return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False,
                                                     group=tp_group)
 
+    def _attention_options(self) -> AttentionKernelOptions:
+        """config.attention_kernel_options, else this layer's default (QSA_ATTENTION_OPTIONS)."""
+        return getattr(self.config, "attention_kernel_options", None) or QSA_ATTENTION_OPTIONS
+
     def _paced(self) -> bool:
         """Whether one of the attention's Triton kernels runs in lockstep
         (`AttentionKernelOptions.dkv_lockstep`, `dq_lockstep`, `fwd_lockstep`), which pays on
         rows in key order only: then a selector that can (`keys_ascending`) sorts them by
         key."""
-        options = getattr(self.config, "attention_kernel_options", None) or \
-            AttentionKernelOptions.DEFAULT
+        options = self._attention_options()
         # deterministic_mode runs dK/dV unpaced (its fixed-point passes); the others pace.
         paced = ((options.dkv_lockstep and not self.config.deterministic_mode)
                  or options.dq_lockstep or options.fwd_lockstep)

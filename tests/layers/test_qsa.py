@@ -225,6 +225,25 @@ def test_dkv_lockstep_selects_in_key_order_and_still_matches_transformers():
     assert_grads_match(grads, hf_grads, mcfg)
 
 
+def test_default_attention_options_pace_dkv_only():
+    """With no config.attention_kernel_options the layer runs QSA_ATTENTION_OPTIONS: the dK/dV
+    pass in lockstep (so its blocks come in key order) and nothing else paced; a config that
+    names options (the kernels' DEFAULT: none paced) is obeyed as given."""
+    from megatron_hyscale.layers.qsa import QSA_ATTENTION_OPTIONS
+    from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
+
+    _, ours, mcfg, _ = build_pair(deterministic_mode=False)
+    core = ours.core_attention
+    mcfg.attention_kernel_options = None
+    assert core._attention_options() is QSA_ATTENTION_OPTIONS
+    assert QSA_ATTENTION_OPTIONS.dkv_lockstep
+    assert not (QSA_ATTENTION_OPTIONS.dq_lockstep or QSA_ATTENTION_OPTIONS.fwd_lockstep)
+    assert core._paced()
+    mcfg.attention_kernel_options = AttentionKernelOptions.DEFAULT
+    assert core._attention_options() is AttentionKernelOptions.DEFAULT
+    assert not core._paced()
+
+
 def test_a_wrong_selection_is_caught():
     """The comparison can fail: dropping one selected block changes the output."""
     hf, ours, mcfg, hcfg = build_pair()

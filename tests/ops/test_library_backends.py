@@ -142,3 +142,38 @@ def test_measured_table_picks_the_faster_kernel_at_the_nearest_length(tmp_path, 
     assert measured.faster_backend("selection", "S", 1 << 20)[0] == measured.OWN
     pick, why = measured.faster_backend("selection", "other", 8192)
     assert pick == measured.OWN and "never measured" in why
+
+
+def test_measured_table_reads_the_running_devices_entries(tmp_path, monkeypatch):
+    """Entries measured on the running device decide; a device never measured reads those of
+    the device the table holds most of, and says which."""
+    import json
+
+    from megatron_hyscale.ops.backends import measured
+
+    h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+    att = dict(op="attention", shape="A", T=131072, source="s", own_ms=0.0, library_ms=0.0)
+    entries = [dict(op="selection", shape="S", T=16384, own_ms=10.0, library_ms=5.0,
+                    source="a", device=h200),
+               dict(op="selection", shape="S", T=16384, own_ms=4.0, library_ms=5.0,
+                    source="b", device=h100),
+               dict(att, own_fwd_bwd_ms=[100.0, 400.0], library_fwd_bwd_ms=[90.0, 600.0],
+                    device=h200),
+               dict(att, own_fwd_bwd_ms=[100.0, 700.0], library_fwd_bwd_ms=[90.0, 600.0],
+                    device=h100)]
+    table = tmp_path / "devices.json"
+    table.write_text(json.dumps({"entries": entries}))
+    monkeypatch.setattr(measured, "TABLE_PATH", table)
+    assert measured.faster_backend("selection", "S", 16384, device=h200)[0] == measured.LIBRARY
+    assert measured.faster_backend("selection", "S", 16384, device=h100)[0] == measured.OWN
+    assert measured.attention_plan("A", 131072, device=h200)[0] == measured.FLASHMLA_FORWARD
+    assert measured.attention_plan("A", 131072, device=h100)[0] == measured.LIBRARY_PAIR
+    # Ties on entry counts go to the first name in sorted order: H100 here.
+    pick, why = measured.faster_backend("selection", "S", 16384, device="NVIDIA A100")
+    assert pick == measured.OWN and f"on {h100}" in why
+    entries.append(dict(entries[0], shape="other"))  # H200 now holds the most entries
+    table.write_text(json.dumps({"entries": entries}))
+    measured._entries.cache_clear()
+    pick, why = measured.faster_backend("selection", "S", 16384, device="NVIDIA A100")
+    assert pick == measured.LIBRARY and f"on {h200}" in why
+    measured._entries.cache_clear()

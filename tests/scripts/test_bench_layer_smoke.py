@@ -163,10 +163,20 @@ def test_attention_kernel_flags_set_only_their_options() -> None:
              ("--attention-fwd", "gluon"): dict(fwd_sm90_ws=False),
              ("--attention-fwd", "triton"): dict(fwd_sm90=False, fwd_sm90_ws=False),
              ("--attention-lockstep",): dict(fwd_lockstep=True, dq_lockstep=True,
-                                             dkv_lockstep=True)}
+                                             dkv_lockstep=True),
+             ("--attention-lockstep", "dkv"): dict(dkv_lockstep=True)}
     for flags, changed in cases.items():
         got = bench_layer.attention_kernel_options(bench_layer.parse_args(list(flags)))
         assert got == replace(default, **changed), flags
+    # QSA's default paces dK/dV (layers.qsa.QSA_ATTENTION_OPTIONS); "off" turns it off.
+    from megatron_hyscale.layers.qsa import QSA_ATTENTION_OPTIONS
+
+    qsa = ["--model", "qsa"]
+    assert bench_layer.attention_kernel_options(bench_layer.parse_args(qsa)) \
+        == QSA_ATTENTION_OPTIONS
+    assert bench_layer.attention_kernel_options(bench_layer.parse_args(
+        qsa + ["--attention-lockstep", "off"])) == replace(QSA_ATTENTION_OPTIONS,
+                                                           dkv_lockstep=False)
     from megatron_hyscale.ops import IndexerLossKernelOptions
 
     loss_default = IndexerLossKernelOptions.DEFAULT

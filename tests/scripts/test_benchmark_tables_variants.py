@@ -105,3 +105,19 @@ def test_attention_other_kernels_of_the_same_run():
     (bwd,) = rows(lines[bwd_at:])
     assert bwd["sm90: kernel, ms (/ matmul), speed-up, vs cuDNN, rel. diff"] == (
         "gluon-ws-sm90, 35.0 (40%), 2.00x, 0.86x, 1.0e-03")
+
+
+def test_scores_only_table():
+    """bench_selection's scoreonly* methods get their own table (ms, x floor, difference from
+    the Triton scores-only kernel's row maxima); a run without them gets none."""
+    tables = load()
+    base = {"config": "glm51", "T": 131072, "inputs": "random", "reps": 3, "floor_ms": 92.144}
+    records = [dict(base, method="scoreonly", ms=157.77, x_floor=1.712),
+               dict(base, method="scoreonly_sm90", ms=112.5, x_floor=1.221,
+                    max_diff_vs_scoreonly=0.0)]
+    got = rows(tables.scores_only(records))
+    assert [r["method"] for r in got] == ["scoreonly", "scoreonly_sm90"]
+    assert got[1]["ms"] == "112.50" and got[1]["x GEMM floor"] == "1.22"
+    assert got[1]["max diff vs scoreonly"] == "0.0e+00" and got[0]["max diff vs scoreonly"] == "-"
+    assert tables.scores_only([dict(base, method="hytopk", ms=200.0)]) == []
+    assert tables.selection(records)[-4:] == tables.scores_only(records)[-4:]

@@ -471,3 +471,35 @@ def test_stock_tilelang_loss_glue_matches_hyscale(loss, monkeypatch) -> None:
     assert got.item() == pytest.approx(ref.item(), rel=1e-4)
     for a, b in zip(got_grads, ref_grads):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-4)
+
+
+def test_measured_defaults_keeps_devices_apart(tmp_path) -> None:
+    """Records of two devices give two entries for the same (op, shape, T), each from its own
+    device's record, even where the other device's record is newer; the attention's sides are
+    joined only within one device (an H100 forward never meets an H200 backward)."""
+    md = load("measured_defaults")
+    paths = []
+    for device, date, own in (("NVIDIA H200", "2026-12-02 10:00 UTC", 300.0),
+                              ("NVIDIA H100 80GB HBM3", "2026-12-03 10:00 UTC", 100.0)):
+        folder = tmp_path / device.split()[1]
+        folder.mkdir()
+        rows = [dict(r, ms=own) if r["method"] == "hytopk" else r for r in SELECTION]
+        path = write_record(folder, "bench_selection", rows)
+        path.write_text(json.dumps({"meta": dict(META, device=device, date=date),
+                                    "records": rows}))
+        paths.append(path)
+    # An H100 record with the backward only: no H100 attention entry, the H200's one stays.
+    folder = tmp_path / "att"
+    folder.mkdir()
+    att = write_record(folder, "bench_attention", ATTENTION)
+    bwd_only = [{k: v for k, v in ATTENTION[0].items() if not k.startswith("fwd")}]
+    h100_att = folder / "2026-12-03-nvidia-h100-bench_attention-glm51.json"
+    h100_att.write_text(json.dumps({"meta": dict(META, device="NVIDIA H100 80GB HBM3",
+                                                 date="2026-12-03 10:00 UTC"),
+                                    "records": bwd_only}))
+    found = [e for p in (*paths, att, h100_att) for e in md.entries_from(str(p))]
+    entries = md.table(found)
+    sel = {e["device"]: e["own_ms"] for e in entries if e["op"] == "selection"}
+    assert sel == {"NVIDIA H200": 300.0, "NVIDIA H100 80GB HBM3": 100.0}
+    att_devices = [e["device"] for e in entries if e["op"] == "attention"]
+    assert att_devices == [META["device"]]
