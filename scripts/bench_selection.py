@@ -46,6 +46,10 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              consumer warpgroups ping-ponged; `kernels/indexer_scores_sm90.py`), ReLU configs
              with 32 / 64 heads; reports max_diff_vs_scoreonly (its row maxima against the
              Triton scores-only kernel's); scoreonly_sm90_free: the same without the ping-pong
+  hytopk_scores_sm90  HyTopK on those Gluon scores (HyTopKOptions.scores_sm90,
+             `kernels/hytopk_sm90.py`): sampled thresholds, the Gluon filter appending each
+             row's survivors, torch.topk over them, missed rows redone by the Triton kernel;
+             reports redone_rows_share
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
   128K)
   finish     HyTopK's last pass alone (the torch sort that orders and decodes each row)
@@ -174,6 +178,7 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_occ3_s3": 131072, "scoreonly_occ3": 131072,
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          "scoreonly_sm90": 131072, "scoreonly_sm90_free": 131072,
+         "hytopk_scores_sm90": 1048576,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
          "stock_cudnn": 65536,
@@ -423,6 +428,18 @@ def run_scoreonly_sm90(q, k, w, topk, relu, pingpong=True):
     return indexer_row_max_sm90(q, k, w, pingpong=pingpong)
 
 
+def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None):
+    """HyTopK from the warp-specialized Gluon scores (`kernels/hytopk_sm90.py`,
+    HyTopKOptions.scores_sm90): sampled thresholds, the Gluon filter, a select over the
+    survivors, the missed rows redone by the Triton kernel. ReLU configs, 32 or 64 heads."""
+    from megatron_hyscale.ops.kernels import hytopk_sm90
+
+    if not relu:
+        raise ValueError("hytopk_scores_sm90 scores under ReLU only")
+    opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True)
+    return hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, stats=stats)
+
+
 def max_diff_vs_scoreonly(out, q, k, w, relu):
     """Largest |difference| between a scores-only method's row maxima and the Triton
     scores-only kernel's (fp32 rounding order differs), over rows with a visible key."""
@@ -578,6 +595,7 @@ METHODS = {
     "scoreonly_fp8": run_scoreonly_fp8,
     "scoreonly_sm90": run_scoreonly_sm90,
     "scoreonly_sm90_free": functools.partial(run_scoreonly_sm90, pingpong=False),
+    "hytopk_scores_sm90": run_hytopk_scores_sm90,
     **{name: with_options(run, **fields) for name, (run, fields) in OPTION_METHODS.items()},
     **{name: select_variant(name) for name in SELECT_VARIANTS},
     "hytopk_select_unordered": select_variant("hytopk_select", ordered=False),
@@ -603,7 +621,8 @@ WIDE_COMPILED = set()
 # The select variants, compared with the default kernel's outputs (same_as_hytopk).
 VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_sort_bitonic",
                                              "hytopk_occ3", "hytopk_occ3_s3",
-                                             "hytopk_append_tl", "hytopk_key_tma")
+                                             "hytopk_append_tl", "hytopk_key_tma",
+                                             "hytopk_scores_sm90")
 KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3",
                                      "scoreonly_key_tma") + (
                   "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
@@ -677,6 +696,10 @@ def bench_one(method, T, cfg, kind, rate, reps):
             guessed, redone = stats.tolist()
             rec.update(sampled_rows_share=guessed / (q.shape[0] * q.shape[1]),
                        redone_blocks=redone)
+        if method == "hytopk_scores_sm90":
+            stats = torch.zeros(2, dtype=torch.int64, device="cuda")
+            fn(q, k, w, topk, relu, stats=stats)
+            rec.update(redone_rows_share=stats[0].item() / stats[1].item())
         if method in SM90_SCORE_METHODS:
             rec.update(max_diff_vs_scoreonly=max_diff_vs_scoreonly(
                 fn(q, k, w, topk, relu), q, k, w, relu))
@@ -691,6 +714,8 @@ def bench_one(method, T, cfg, kind, rate, reps):
 
 # The Gluon scores-only methods, compared with the Triton scores-only kernel's row maxima.
 SM90_SCORE_METHODS = ("scoreonly_sm90", "scoreonly_sm90_free")
+# Methods on Gluon kernels: Hopper only (no interpreter).
+GLUON_METHODS = SM90_SCORE_METHODS + ("hytopk_scores_sm90",)
 # Longest T at which the library paths' selections are compared with HyTopK's, row by row.
 SAME_SET_MAX_T = 131072
 

@@ -89,6 +89,11 @@
 #                                         # beside the Triton scores-only kernel, V3.2 /
 #                                         # GLM-5.1 at 16K and 128K (~3 min); ncu: then both
 #                                         # under Nsight Compute, V3.2 at 64K      (+2 min)
+#   bash scripts/gpu_session.sh filter-sm90  # issue #21: HyTopK on the Gluon scores
+#                                         # (HyTopKOptions.scores_sm90): its GPU tests (the
+#                                         # filter first under a short timeout), then timed
+#                                         # beside the default, V3.2 / GLM-5.1 at 16K and 128K
+#                                         # (FILTER_T, FILTER_BENCH_S)            (~3 min)
 #   bash scripts/gpu_session.sh key-tma   # issue #21: HyTopK's key tiles through TMA
 #                                         # (HyTopKOptions.key_tma): its GPU tests, then timed
 #                                         # beside the default, V3.2 / GLM-5.1 / the folded
@@ -221,7 +226,7 @@ case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |flashmla-pair|lockstep-triton|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
-  |ncu-attention|scores-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection) ;;
+  |ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
@@ -229,7 +234,8 @@ case "$stage" in
        "|tilelang-kernels|te|fp8" \
        "|reliability" \
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
-       "|ncu-attention|scores-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection}" \
+       "|ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics" \
+       "|captured-selection}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -272,8 +278,8 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
   export PYTHONPATH=$(pwd)/.carry/site:$(pwd)/.carry/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 fi
 case "$stage" in
-  cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|fwd-ws|key-tma\
-  |bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton)
+  cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|filter-sm90\
+  |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton)
     case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -641,6 +647,15 @@ case "$stage" in
       NCU_CASES="dsv32:65536:scoreonly_sm90 dsv32:65536:scoreonly" OUT=$out bash "$0" \
         ncu-selection
     fi ;;
+  filter-sm90)
+    # Issue #21 items 1-2: HyTopK on the Gluon scores (HyTopKOptions.scores_sm90): the
+    # filter's GPU test first under a short timeout (an mbarrier fault hangs), then the op's
+    # GPU tests, then timed beside the default HyTopK (~3 min).
+    smoke_then_tests tests/ops/test_hytopk_sm90.py "test_gluon_filter and 64" || exit 1
+    timeout ${FILTER_BENCH_S:-200} python3 scripts/bench_selection.py --T ${FILTER_T:-16384 131072} \
+      --configs dsv32 glm51 --reps 3 --methods hytopk hytopk_scores_sm90 --tag _filter_sm90 \
+      --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
+      | tee "$out/bench_selection_filter_sm90.log" ;;
   key-tma)
     # Issue #21: the key tiles through TMA. The TMA cases of the select-variant tests first
     # (integer inputs = the reference; random bf16 = the default kernel bit for bit).

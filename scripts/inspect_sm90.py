@@ -343,8 +343,23 @@ def _indexer_scores_sm90(h: int, T: int = 4096) -> list[Launch]:
     q = torch.zeros(1, T, h, 128, dtype=torch.bfloat16)
     k = torch.zeros(1, T, 128, dtype=torch.bfloat16)
     w = torch.zeros(1, T, h, dtype=torch.float32)
-    with intercept(scores, "_indexer_row_max_kernel") as calls:
+    with intercept(scores, "_indexer_scores_kernel") as calls:
         scores.indexer_row_max_sm90(q, k, w)
+    return calls
+
+
+def _indexer_filter_sm90(h: int, topk: int = 2048, T: int = 4096) -> list[Launch]:
+    """The same kernel's FILTER epilogue (`indexer_filter_sm90`: each row's scores at or above
+    its threshold appended to its survivor list), the cap `kernels/hytopk_sm90.py` uses."""
+    from megatron_hyscale.ops.kernels import hytopk_sm90
+    from megatron_hyscale.ops.kernels import indexer_scores_sm90 as scores
+
+    q = torch.zeros(1, T, h, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, T, 128, dtype=torch.bfloat16)
+    w = torch.zeros(1, T, h, dtype=torch.float32)
+    tau = torch.zeros(1, T)
+    with intercept(scores, "_indexer_scores_kernel") as calls:
+        scores.indexer_filter_sm90(q, k, w, tau, 0, T, hytopk_sm90.survivor_cap(topk))
     return calls
 
 
@@ -566,6 +581,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     # The warp-specialized indexer scores (a TMA producer warp, two wgmma consumer warpgroups).
     "indexer-scores-sm90-dsv32": lambda: _indexer_scores_sm90(64),
     "indexer-scores-sm90-glm51": lambda: _indexer_scores_sm90(32),
+    "indexer-filter-sm90-dsv32": lambda: _indexer_filter_sm90(64),
+    "indexer-filter-sm90-glm51": lambda: _indexer_filter_sm90(32),
     "sparse-attention-hca": lambda: _sparse_attention(64, 1, 512, None, 128, prefix=True),
     "sparse-attention-qsa": lambda: _sparse_attention(24, 2, 256, 256, 2052),
     "sparse-attention-qsa-dkv-lockstep": lambda: _sparse_attention(24, 2, 256, 256, 2052,

@@ -181,6 +181,13 @@ def hytopk(
             warn_once("hytopk-import", f"HyTopK Triton kernel unavailable ({err}); using the "
                       "reference path")
         else:
+            if options.scores_sm90:
+                got = _from_sm90_scores(q, k, weights, topk, relu=relu, causal=causal,
+                                        default_positions=q_positions is None
+                                        and k_positions is None, precision=precision,
+                                        options=options)
+                if got is not None:
+                    return _in_order(got, order)
             return hytopk_kernel.hytopk_triton(
                 q, k, weights, topk, relu=relu, q_positions=qpos, k_positions=kpos,
                 causal=causal, ordered=order != "any", options=options, q_scale=q_scale,
@@ -192,6 +199,22 @@ def hytopk(
         q, k, weights, topk, relu=relu, q_positions=qpos, k_positions=kpos, causal=causal,
         visible=visible,
     ), order)
+
+
+def _from_sm90_scores(q, k, weights, topk, *, relu, causal, default_positions, precision,
+                      options) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`options.scores_sm90`'s selection (`kernels/hytopk_sm90.py`, score order), or None after
+    one warning naming why it cannot run this call (the Triton kernel then runs)."""
+    from megatron_hyscale.ops.kernels import hytopk_sm90
+
+    reason = hytopk_sm90.unsupported(q, k, weights, relu=relu, causal=causal,
+                                     default_positions=default_positions,
+                                     precision=precision, options=options)
+    if reason is not None:
+        warn_once(f"hytopk-scores-sm90:{reason}", f"hytopk: options.scores_sm90 cannot run "
+                  f"this call ({reason}); running the Triton kernel")
+        return None
+    return hytopk_sm90.hytopk_sm90(q, k, weights.float().contiguous(), topk, options=options)
 
 
 def _in_order(result: tuple[torch.Tensor, torch.Tensor], order: str

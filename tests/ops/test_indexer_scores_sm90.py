@@ -134,13 +134,31 @@ def test_presets_compile_warp_specialized_without_spills(tmp_path: Path):
         # head sum: log2(4 lanes) shuffle levels x 2 key rows x ROWS sums a thread
         assert ops["SHFL"] == 2 * 2 * c["ROWS"]
         assert ops["LDG"] == 0 and ops["STG"] == 0  # w loaded once, out stored once
-        sass = (tmp_path / f"{rep['preset']}_0__indexer_row_max_kernel.sass").read_text()
+        sass = (tmp_path / f"{rep['preset']}_0__indexer_scores_kernel.sass").read_text()
         assert len(re.findall(r"\bHGMMA\.", sass)) == 16
         assert not re.search(r"\b(LDL|STL)\b", sass)
         assert "UTMALDG" in sass and "LDGSTS" not in sass
         assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x18\b", sass)  # producer: 24
         assert re.search(r"USETMAXREG\.\w+\.CTAPOOL (UP0, )?0xf0\b", sass)  # consumers: 240
         assert len(re.findall(r"SYNCS\.ARRIVE\.TRANS64\.A1T0", sass)) == 4
+
+
+def test_filter_presets_compile_without_spills(tmp_path: Path):
+    """The FILTER epilogue (`indexer_filter_sm90`) keeps the loop's product and head sum, adds
+    one relaxed atomic and one store a survivor slot of each thread (one element a thread: no
+    broadcast copy counted twice), and spills nothing."""
+    presets = {"indexer-filter-sm90-dsv32": 64, "indexer-filter-sm90-glm51": 32}
+    out = tmp_path / "f.json"
+    proc = _inspect("--preset", *presets, "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rep in json.loads(out.read_text()):
+        c, ops = rep["constexprs"], rep["loop_ops"]
+        assert c["FILTER"] is True and c["CAP"] == 4096
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["stack_bytes"] == 0
+        assert rep["perf_warnings"] == []
+        assert ops["HGMMA"] == 8 and ops["LDL"] == 0 and ops["STL"] == 0
+        per_thread = max(1, c["ROWS"] // 2)  # BLOCK_S x ROWS over 128 threads
+        assert ops["ATOMG"] == per_thread and ops["STG"] == per_thread
 
 
 # --------------------------------------------------------------------------- GPU

@@ -5,6 +5,12 @@ w fp32 [B, T, H]. out fp32 [B, T]: out[b, t] = max over s <= t of
 score[b, t, s] = sum_h w[b, t, h] * relu(q[b, t, h] . k[b, s]), fp32 accumulation. The scoring
 cost of HyTopK alone (`hytopk.MODE_SCORES_ONLY`), with the compute split FA3-style.
 
+`indexer_filter_sm90` runs the same products with another epilogue (FILTER): each visible score
+at or above its row's threshold is appended to the row's survivor list as HyTopK's packed int64
+key (score, then the smaller index), a relaxed atomic counter a row giving the slot; the
+threshold comes from the caller (`kernels/hytopk_sm90.py` samples it), the exact top-k of the
+survivors is the caller's.
+
 Algorithm: one program per 2 x ROWS query rows. A one-warp producer streams the key tiles through
 a shared-memory ring (TMA, mbarriers); two consumer warpgroups each own ROWS rows (their heads on
 the wgmma's N, the keys on M) and multiply the same tiles, so one consumer's ReLU x weight x
@@ -54,6 +60,9 @@ CONSUMER_REGS = 240
 # SM's 64K.
 MAXNREG = 168
 HEADS = (32, 64)
+# The survivors' packed keys: (score bits ordered as ints) << 32 | (LOW32 - key index), so a
+# larger key is a higher score, then a smaller index (HyTopK's `_pack`).
+LOW32 = gl.constexpr((1 << 32) - 1)
 
 # mbarrier protocol. A barrier counts arrivals; its phase completes when all arrived and, after an
 # `expect`, all the bytes announced landed. `wait(bar, p)` returns once the phase of parity p
@@ -105,13 +114,46 @@ def _producer(q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, k_row0, n_tiles
 
 
 @gluon.jit
+def _pack_key(score, index):
+    """HyTopK's int64 key of (score, index); -0.0 packs as +0.0 (-0.0 + 0.0 = +0.0)."""
+    bits = (score + 0.0).to(gl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(gl.int64) << 32) | (LOW32 - index.to(gl.int64))
+
+
+@gluon.jit
+def _append_survivors(s, j, t0, b, t_lo, t_hi, n_rows, tau, cnt_ptr, buf_ptr,
+                      ROWS: gl.constexpr, BLOCK_S: gl.constexpr, CAP: gl.constexpr,
+                      flt_layout: gl.constexpr):
+    """Key tile j's scores s [BLOCK_S x ROWS] (rows t0 ..): each visible one >= its row's
+    threshold tau takes the next slot of its row (a relaxed atomic on the row's count) and is
+    stored there if the slot is below CAP. In flt_layout, one element a thread: the reduced
+    layout broadcasts each score over four lanes, which would count it four times."""
+    s = gl.convert_layout(s, flt_layout)
+    keys = j * BLOCK_S + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, flt_layout))
+    rows = t0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, flt_layout))
+    in_chunk = (rows >= t_lo) & (rows < t_hi)
+    slot = (b * n_rows + (rows - t_lo)).to(gl.int64)
+    keep = ((keys[:, None] <= rows[None, :]) & in_chunk[None, :]) & (s >= tau[None, :])
+    zero = gl.zeros([BLOCK_S, ROWS], gl.int64, layout=flt_layout)
+    row_slot = slot[None, :] + zero
+    pos = gl.atomic_add(cnt_ptr + row_slot, gl.full([BLOCK_S, ROWS], 1, gl.int32, flt_layout),
+                        mask=keep, sem="relaxed")
+    gl.store(buf_ptr + row_slot * CAP + pos, _pack_key(s, keys[:, None] + zero),
+             mask=keep & (pos < CAP))
+
+
+@gluon.jit
 def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
-              swb, swt, swh, sob, sot,
+              swb, swt, swh, sob, sot, tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows,
               ROWS: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr,
-              NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, red_layout: gl.constexpr):
+              NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, red_layout: gl.constexpr,
+              FILTER: gl.constexpr, CAP: gl.constexpr, flt_layout: gl.constexpr):
     """Rows t0 .. t0 + ROWS - 1 (t0 = t_base + c * ROWS): each key tile's scores as
     [keys x (row, head)] = K_tile Q^T on wgmma, then ReLU x w, the head sum (N, in registers),
-    the causal mask and a running max per (key slot, row); the max over key slots at the end."""
+    the causal mask and a running max per (key slot, row); the max over key slots at the end.
+    FILTER: instead of the max, the survivors at or above the row's threshold are appended
+    (`_append_survivors`; rows outside [t_lo, t_hi) write nothing)."""
     q_bar, ready, empty, turn = bars
     N: gl.constexpr = ROWS * H
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -127,6 +169,11 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
     rows = t0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, red_layout))
     m = gl.full([BLOCK_S, ROWS], float("-inf"), gl.float32, layout=red_layout)
     zero = gl.zeros([BLOCK_S, N], gl.float32, layout=acc_layout)
+    if FILTER:
+        # rows outside the chunk get +inf: no score passes it
+        f_rows = t0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, flt_layout))
+        tau = gl.load(tau_ptr + b * n_rows + (f_rows - t_lo),
+                      mask=(f_rows >= t_lo) & (f_rows < t_hi), other=float("inf"))
 
     mbarrier.wait(q_bar.index(c), 0)
     q_op = q_s.index(c).permute((1, 0))  # [D x (row, head)]: K-major B operand
@@ -145,27 +192,34 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
         x = gl.maximum(acc, 0.0) * w[None, :]
         s = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, H]), axis=2)
         s = gl.convert_layout(s, red_layout, assert_trivial=True)
-        visible = (j * BLOCK_S + keys)[:, None] <= rows[None, :]
-        m = gl.maximum(m, gl.where(visible, s, float("-inf")))
+        if FILTER:
+            _append_survivors(s, j, t0, b, t_lo, t_hi, n_rows, tau, cnt_ptr, buf_ptr,
+                              ROWS, BLOCK_S, CAP, flt_layout)
+        else:
+            visible = (j * BLOCK_S + keys)[:, None] <= rows[None, :]
+            m = gl.maximum(m, gl.where(visible, s, float("-inf")))
 
-    row_max = gl.max(m, axis=0)
-    gl.store(out_ptr + b * sob + rows * sot, row_max, mask=rows < T)
+    if not FILTER:
+        row_max = gl.max(m, axis=0)
+        gl.store(out_ptr + b * sob + rows * sot, row_max, mask=rows < T)
 
 
 @gluon.jit
-def _indexer_row_max_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
-                            swb, swt, swh, sob, sot,
-                            H: gl.constexpr, ROWS: gl.constexpr, BLOCK_S: gl.constexpr,
-                            NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                            red_layout: gl.constexpr,
-                            CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """One program: query rows t_base .. t_base + 2 * ROWS - 1 of batch b. Program 0 takes the
-    last row block (the most key tiles): the long programs start first, the short ones fill
-    the tail."""
+def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
+                           swb, swt, swh, sob, sot, tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi,
+                           H: gl.constexpr, ROWS: gl.constexpr, BLOCK_S: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                           red_layout: gl.constexpr, FILTER: gl.constexpr, CAP: gl.constexpr,
+                           flt_layout: gl.constexpr,
+                           CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """One program: query rows t_base .. t_base + 2 * ROWS - 1 of batch b, from t_lo. Program 0
+    takes the last row block (the most key tiles): the long programs start first, the short
+    ones fill the tail."""
     pid = gl.program_id(0)
     b = (pid % B).to(gl.int64)
-    t_base = (n_blocks - 1 - pid // B) * (2 * ROWS)
+    t_base = t_lo + (n_blocks - 1 - pid // B) * (2 * ROWS)
+    n_rows = t_hi - t_lo
     last_row = gl.minimum(t_base + 2 * ROWS - 1, T - 1)
     n_tiles = last_row // BLOCK_S + 1
     q_row0 = (b * T + t_base).to(gl.int32) * H
@@ -192,11 +246,13 @@ def _indexer_row_max_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
 
     gl.warp_specialize([
         (_consumer, (0, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
-                     swb, swt, swh, sob, sot, ROWS, H, BLOCK_S, NUM_STAGES, PINGPONG,
-                     red_layout)),
+                     swb, swt, swh, sob, sot, tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows,
+                     ROWS, H, BLOCK_S, NUM_STAGES, PINGPONG, red_layout, FILTER, CAP,
+                     flt_layout)),
         (_consumer, (1, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
-                     swb, swt, swh, sob, sot, ROWS, H, BLOCK_S, NUM_STAGES, PINGPONG,
-                     red_layout)),
+                     swb, swt, swh, sob, sot, tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows,
+                     ROWS, H, BLOCK_S, NUM_STAGES, PINGPONG, red_layout, FILTER, CAP,
+                     flt_layout)),
         (_producer, (q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, k_row0, n_tiles,
                      ROWS, H, BLOCK_S, NUM_STAGES)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -220,6 +276,13 @@ def _reduced_layout(rows: int, heads: int) -> gl.DistributedLinearLayout:
     return gl.DistributedLinearLayout(reg, lane, warp, [], [BLOCK_S, rows])
 
 
+def _filter_layout(rows: int) -> gl.BlockedLayout:
+    """[BLOCK_S keys x rows] with every element in exactly one of the consumer's 128 threads
+    (the survivors' atomics must run once per score): 64 keys over 16 lanes x 4 warps, the rows
+    over 2 lanes and rows / 2 registers."""
+    return gl.BlockedLayout([1, max(1, rows // 2)], [16, 2], [CONSUMER_WARPS, 1], [1, 0])
+
+
 _layouts: dict[int, tuple] = {}
 
 
@@ -228,7 +291,8 @@ def _shared_layouts(heads: int) -> tuple:
         nv = gl.NVMMASharedLayout.get_default_for
         _layouts[heads] = (nv([PAIRS, HEAD_DIM], gl.bfloat16),
                            nv([BLOCK_S, HEAD_DIM], gl.bfloat16),
-                           _reduced_layout(PAIRS // heads, heads))
+                           _reduced_layout(PAIRS // heads, heads),
+                           _filter_layout(PAIRS // heads))
     return _layouts[heads]
 
 
@@ -277,17 +341,61 @@ def indexer_row_max_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *,
     out = torch.empty((B, T), device=q.device, dtype=torch.float32)
     if B * T == 0:
         return out
+    _launch(q, k, w, out, 0, T, pingpong=pingpong)
+    return out
+
+
+def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: torch.Tensor,
+                        t_lo: int, t_hi: int, cap: int, *, pingpong: bool = True
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The survivors of query rows [t_lo, t_hi): keys int64 [B, t_hi - t_lo, cap] (HyTopK's
+    packed keys of the visible scores >= tau of each row, in no order, the first min(count,
+    cap) slots written, INT64_MIN after) and counts int32 [B, t_hi - t_lo] (all survivors,
+    also those past cap). tau: fp32 [B, t_hi - t_lo] thresholds (-inf: every visible key).
+    Hopper only: the caller checks the device."""
+    check_inputs(q, k, w)
+    B, T, H, D = q.shape
+    n = t_hi - t_lo
+    if not 0 <= t_lo <= t_hi <= T:
+        raise ValueError(f"t_lo, t_hi must satisfy 0 <= t_lo <= t_hi <= T = {T}; got "
+                         f"{t_lo}, {t_hi}")
+    if cap < 1:
+        raise ValueError(f"cap must be positive, got {cap}")
+    check_tensor("tau", tau, ndim=2, dtypes=(torch.float32,))
+    if tau.shape != (B, n) or not tau.is_contiguous():
+        raise ValueError(f"tau must be contiguous fp32 [B, t_hi - t_lo] = {(B, n)}, got "
+                         f"{tuple(tau.shape)} with strides {tau.stride()}")
+    check_same_device(q=q, tau=tau)
+    keys = torch.full((B, n, cap), torch.iinfo(torch.int64).min, device=q.device,
+                      dtype=torch.int64)
+    counts = torch.zeros((B, n), device=q.device, dtype=torch.int32)
+    if B * n:
+        _launch(q, k, w, None, t_lo, t_hi, pingpong=pingpong,
+                survivors=(tau, counts, keys, cap))
+    return keys, counts
+
+
+def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None):
+    """One launch over query rows [t_lo, t_hi): the row maxima into out, or with filter =
+    (tau, counts, keys, cap) the survivors."""
+    B, T, H, D = q.shape
     rows = PAIRS // H
-    q_layout, k_layout, red_layout = _shared_layouts(H)
+    q_layout, k_layout, red_layout, flt_layout = _shared_layouts(H)
     q_desc = TensorDescriptor(q, [B * T * H, D], [q.stride(2), 1], [PAIRS, D], q_layout)
     k_desc = TensorDescriptor(k, [B * T, D], [k.stride(1), 1], [BLOCK_S, D], k_layout)
-    n_blocks = -(-T // (2 * rows))
-    _indexer_row_max_kernel[(B * n_blocks,)](
-        q_desc, k_desc, w, out, B, T, n_blocks, *w.stride(), *out.stride(),
+    n_blocks = -(-(t_hi - t_lo) // (2 * rows))
+    if survivors is None:
+        tau = counts = keys = out  # not read: FILTER is off
+        cap, out_strides = 1, out.stride()
+    else:
+        tau, counts, keys, cap = survivors
+        out, out_strides = tau, (0, 0)  # not written: FILTER is on
+    _indexer_scores_kernel[(B * n_blocks,)](
+        q_desc, k_desc, w, out, B, T, n_blocks, *w.stride(), *out_strides,
+        tau, counts, keys, t_lo, t_hi,
         H=H, ROWS=rows, BLOCK_S=BLOCK_S, NUM_STAGES=NUM_STAGES, PINGPONG=pingpong,
-        red_layout=red_layout,
+        red_layout=red_layout, FILTER=survivors is not None, CAP=cap, flt_layout=flt_layout,
         CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
     )
-    return out

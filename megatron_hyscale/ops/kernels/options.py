@@ -193,6 +193,18 @@ class HyTopKOptions:
     # `bench_selection.py` hytopk_occ3): V3.2 13.1 -> 11.8 ms at 16K but 380.0 -> 388.5 at
     # 128K, GLM-5.1 244.0 -> 270.9 at 128K, the folded query within 1.5%: not a default.
     maxnreg: int | None = None
+    # The selection from the warp-specialized Gluon indexer scores (`kernels/hytopk_sm90.py`;
+    # the scores alone ran at 1.15-1.24x the GEMM floor on an H100, 2026-12-05): a threshold
+    # per row from every (T / scores_sm90_samples)-th key's score, the Gluon kernel appending
+    # each row's scores at or above it, the exact top-k of those survivors; rows whose
+    # threshold missed (too few or too many survivors) are redone by the Triton kernel, so the
+    # outputs are exact whatever the sample. One host sync a call (which rows to redo). Runs
+    # on Hopper, bf16, ReLU, causal with S == T at the default positions, 32 or 64 heads of
+    # 128 dims, bf16 precision, no prune; elsewhere one warning names why and the Triton
+    # kernel runs. Off: not yet run on the GPU.
+    scores_sm90: bool = False
+    # Keys scored for the thresholds (every max(1, ceil(S / this))-th key, for every row).
+    scores_sm90_samples: int = 2048
 
     DEFAULT: ClassVar[HyTopKOptions]
 

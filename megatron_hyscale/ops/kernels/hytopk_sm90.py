@@ -1,0 +1,158 @@
+"""HyTopK from the warp-specialized Gluon indexer scores (Hopper): a sampled threshold, a filter,
+an exact select over the survivors (`HyTopKOptions.scores_sm90`).
+
+Shapes: q bf16 [B, T, H, D] (D = 128, H = 32 or 64), k bf16 [B, T, D] (S == T, causal, key s
+visible to row t iff s <= t), w fp32 [B, T, H], ReLU. Returns HyTopK's outputs: indices int32
+[B, T, topk] and scores fp32 [B, T, topk], each row's top-k in score order (descending score,
+ties to the smaller index), -1 / -inf past the visible keys.
+
+Algorithm: (1) every `stride`-th key is scored for every row (HyTopK's score-table kernel over
+those keys): a row's threshold is the sample score ranked where SURVIVOR_MARGIN x topk of its
+visible keys would rank; (2) `indexer_filter_sm90` appends each row's scores at or above its
+threshold as packed int64 keys (score, then the smaller index), at most `survivor_cap(topk)`
+a row; (3) each row's top-k of its survivors (torch.topk on the packed keys). A row with fewer
+survivors than min(topk, visible keys), or more than the cap (a threshold off its quantile,
+ties at it), is redone by the Triton kernel: the result is exact whatever the sample.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from megatron_hyscale.ops.kernels.options import HyTopKOptions
+
+# Survivors aimed at, in units of topk: the sample's quantile error must rarely push the count
+# below topk (a redo) or above the cap.
+SURVIVOR_MARGIN = 1.5
+# Survivor slots a row, in units of topk.
+CAP_FACTOR = 2
+# Bytes of the survivor buffer a chunk of rows (plus torch.topk's temporaries of that size).
+CHUNK_BYTES = 512 << 20
+# Rows a chunk of the sample's score table (fp32 [rows, samples]).
+SAMPLE_CHUNK_ROWS = 8192
+INT64_MIN = torch.iinfo(torch.int64).min
+LOW32 = (1 << 32) - 1
+
+# (q, k, w, tau, t_lo, t_hi, cap) -> (keys, counts): `indexer_filter_sm90`'s contract.
+FilterFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def survivor_cap(topk: int) -> int:
+    return CAP_FACTOR * topk
+
+
+def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool,
+                causal: bool, default_positions: bool, precision: str,
+                options: HyTopKOptions) -> str | None:
+    """None when `hytopk_sm90` can run this call, else why not."""
+    samples = options.scores_sm90_samples
+    if isinstance(samples, bool) or not (isinstance(samples, int) and samples >= 1):
+        raise ValueError(f"options.scores_sm90_samples must be an int >= 1, got {samples!r}")
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "the Gluon scores need a Hopper (sm_90) GPU"
+    if precision != "bf16" or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
+        return "the Gluon scores take bf16 q and k"
+    if not (relu and causal and default_positions):
+        return "the Gluon scores take ReLU, causal rows at the default positions"
+    if options.prune:
+        return "options.prune bounds the Triton kernel's scores"
+    B, T, H, D = q.shape
+    if k.shape[1] != T:
+        return f"the Gluon scores take S == T (got S = {k.shape[1]}, T = {T})"
+    from megatron_hyscale.ops.kernels.indexer_scores_sm90 import HEAD_DIM, HEADS, check_inputs
+
+    if D != HEAD_DIM or H not in HEADS:
+        return f"the Gluon scores take {HEADS} heads of {HEAD_DIM} (got {H} of {D})"
+    try:  # TMA's layout rules (packed rows, 16-byte alignment)
+        check_inputs(q, k, w.float())
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,
+                      samples: int, *, options: HyTopKOptions) -> torch.Tensor:
+    """fp32 [B, T]: each row's threshold, the score of its r-th best visible sampled key, r =
+    ceil(SURVIVOR_MARGIN x topk x visible samples / visible keys); -inf where a row sees at most
+    topk keys (it takes them all)."""
+    from megatron_hyscale.ops.kernels import hytopk as hk
+
+    B, T = q.shape[:2]
+    stride = max(1, math.ceil(T / samples))
+    sampled = torch.arange(0, T, stride, device=q.device)
+    rows = torch.arange(T, device=q.device)
+    seen = torch.div(rows, stride, rounding_mode="floor") + 1  # visible samples a row
+    rank = torch.ceil(SURVIVOR_MARGIN * topk * seen.double() / (rows + 1).double()).long()
+    rank = torch.minimum(rank.clamp_min(1), seen)
+    tau = torch.full((B, T), float("-inf"), device=q.device)
+    # Row blocks of the score-table kernel must start on its row tiles: chunks of whole blocks.
+    for b in range(B):
+        k_s = k[b:b + 1, sampled].contiguous()
+        for t0 in range(0, T, SAMPLE_CHUNK_ROWS):
+            t1 = min(t0 + SAMPLE_CHUNK_ROWS, T)
+            if t1 <= topk:  # rows seeing at most topk keys keep -inf
+                continue
+            table = torch.empty(t1 - t0, sampled.numel(), device=q.device)
+            hk.score_table(q[b:b + 1], k_s, w[b:b + 1], relu=True,
+                           q_positions=rows[None], k_positions=sampled[None], causal=True,
+                           t0=t0, t1=t1, table=table, options=options)
+            r = rank[t0:t1]
+            best = torch.topk(table, int(r.max()), dim=1).values
+            tau[b, t0:t1] = best.gather(1, (r - 1)[:, None])[:, 0]
+    tau[:, :topk] = float("-inf")  # rows 0 .. topk - 1 see at most topk keys
+    return tau
+
+
+def _decode(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HyTopK's packed keys -> (indices int32, scores fp32); INT64_MIN -> (-1, -inf)."""
+    empty = keys == INT64_MIN
+    hi = (keys >> 32).to(torch.int32)
+    scores = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).view(torch.float32)
+    indices = (LOW32 - (keys & LOW32)).to(torch.int32)
+    return indices.masked_fill_(empty, -1), scores.masked_fill_(empty, float("-inf"))
+
+
+def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
+                options: HyTopKOptions, filter_fn: FilterFn | None = None,
+                stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's exact top-k in score order (module doc) on inputs `unsupported` accepted.
+    filter_fn: the survivors' kernel (default `indexer_filter_sm90`; tests pass a plain-torch
+    one). stats: optional int64 [2] receiving (rows redone, rows)."""
+    from megatron_hyscale.ops.kernels import hytopk as hk
+
+    if filter_fn is None:
+        from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
+
+        filter_fn = indexer_filter_sm90
+    B, T = q.shape[:2]
+    cap = survivor_cap(topk)
+    tau = sample_thresholds(q, k, w, topk, options.scores_sm90_samples, options=options)
+    indices = torch.empty(B, T, topk, dtype=torch.int32, device=q.device)
+    scores = torch.empty(B, T, topk, dtype=torch.float32, device=q.device)
+    need = torch.clamp(torch.arange(1, T + 1, device=q.device), max=topk)
+    redo = torch.zeros(B, T, dtype=torch.bool, device=q.device)
+    step = max(1, CHUNK_BYTES // (8 * cap * B))
+    width = min(topk, cap)
+    for t0 in range(0, T, step):
+        t1 = min(t0 + step, T)
+        keys, counts = filter_fn(q, k, w, tau[:, t0:t1].contiguous(), t0, t1, cap)
+        best = torch.topk(keys, width, dim=-1).values  # descending: score, then smaller index
+        indices[:, t0:t1], scores[:, t0:t1] = _decode(best)
+        redo[:, t0:t1] = (counts < need[t0:t1]) | (counts > cap)
+        del keys, best
+    n_redo = int(redo.sum())  # the call's one host sync
+    if stats is not None:
+        stats.copy_(torch.tensor([n_redo, B * T]))
+    if n_redo:
+        kpos = torch.arange(T, device=q.device)[None]
+        for b in range(B):
+            rows = redo[b].nonzero()[:, 0]
+            if rows.numel():
+                idx, val = hk.hytopk_triton(
+                    q[b:b + 1, rows], k[b:b + 1], w[b:b + 1, rows], topk, relu=True,
+                    q_positions=rows[None], k_positions=kpos, causal=True, options=options)
+                indices[b, rows], scores[b, rows] = idx[0], val[0]
+    return indices, scores
