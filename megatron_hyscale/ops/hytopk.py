@@ -185,9 +185,9 @@ def hytopk(
                 got = _from_sm90_scores(q, k, weights, topk, relu=relu, causal=causal,
                                         default_positions=q_positions is None
                                         and k_positions is None, precision=precision,
-                                        options=options)
+                                        options=options, order=order)
                 if got is not None:
-                    return _in_order(got, order)
+                    return got
             return hytopk_kernel.hytopk_triton(
                 q, k, weights, topk, relu=relu, q_positions=qpos, k_positions=kpos,
                 causal=causal, ordered=order != "any", options=options, q_scale=q_scale,
@@ -202,8 +202,8 @@ def hytopk(
 
 
 def _from_sm90_scores(q, k, weights, topk, *, relu, causal, default_positions, precision,
-                      options) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`options.scores_sm90`'s selection (`kernels/hytopk_sm90.py`, score order), or None after
+                      options, order) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`options.scores_sm90`'s selection (`kernels/hytopk_sm90.py`, in `order`), or None after
     one warning naming why it cannot run this call (the Triton kernel then runs)."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
@@ -214,7 +214,8 @@ def _from_sm90_scores(q, k, weights, topk, *, relu, causal, default_positions, p
         warn_once(f"hytopk-scores-sm90:{reason}", f"hytopk: options.scores_sm90 cannot run "
                   f"this call ({reason}); running the Triton kernel")
         return None
-    return hytopk_sm90.hytopk_sm90(q, k, weights.float().contiguous(), topk, options=options)
+    return hytopk_sm90.hytopk_sm90(q, k, weights.float().contiguous(), topk, options=options,
+                                   order=order)
 
 
 def _in_order(result: tuple[torch.Tensor, torch.Tensor], order: str

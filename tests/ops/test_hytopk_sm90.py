@@ -65,12 +65,36 @@ def int_inputs(B, T, H, D, seed):
     return q.to(DEV), k.to(DEV), w.to(DEV)
 
 
-def run(q, k, w, topk, samples, filter_fn=torch_filter):
+def run(q, k, w, topk, samples, filter_fn=torch_filter, order="score"):
     opts = HyTopKOptions(scores_sm90=True, scores_sm90_samples=samples, interpret_programs=2)
     stats = torch.zeros(2, dtype=torch.int64, device=DEV)
-    got = hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, filter_fn=filter_fn,
-                                  stats=stats)
+    got = hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, order=order,
+                                  filter_fn=filter_fn, stats=stats)
     return got, stats
+
+
+@pytest.mark.parametrize("order", ["key", "any"])
+def test_other_orders_hold_the_same_rows(order):
+    """order="key": the reference's rows sorted by index (-1 last); "any": the same sets, -1
+    slots last, each score still with its index. Samples of 1 and 16 (redone rows in both)."""
+    from megatron_hyscale.ops.key_order import sort_rows_by_key
+
+    q, k, w = int_inputs(2, 90, 2, 16, seed=11)
+    want = [t.clone() for t in hytopk(q, k, w, 12, backend="reference")]
+    for samples in (1, 16):
+        (idx, val), stats = run(q, k, w, 12, samples, order=order)
+        if order == "key":
+            key_idx, key_val = (t.clone() for t in want)
+            sort_rows_by_key(key_idx, key_val)
+            assert torch.equal(idx, key_idx) and torch.equal(val, key_val)
+        else:
+            valid = idx >= 0
+            assert not (valid[..., 1:] & ~valid[..., :-1]).any()  # -1 last
+            got_idx, got_perm = idx.sort(-1)
+            want_idx, want_perm = want[0].sort(-1)
+            assert torch.equal(got_idx, want_idx)
+            assert torch.equal(val.gather(-1, got_perm), want[1].gather(-1, want_perm))
+        assert stats[0] > 0
 
 
 @pytest.mark.parametrize("samples", [8, 64, 1])

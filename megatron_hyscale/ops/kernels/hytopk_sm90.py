@@ -3,8 +3,9 @@ an exact select over the survivors (`HyTopKOptions.scores_sm90`).
 
 Shapes: q bf16 [B, T, H, D] (D = 128, H = 32 or 64), k bf16 [B, T, D] (S == T, causal, key s
 visible to row t iff s <= t), w fp32 [B, T, H], ReLU. Returns HyTopK's outputs: indices int32
-[B, T, topk] and scores fp32 [B, T, topk], each row's top-k in score order (descending score,
-ties to the smaller index), -1 / -inf past the visible keys.
+[B, T, topk] and scores fp32 [B, T, topk], each row's top-k in `ops.hytopk`'s orders ("score":
+descending score, ties to the smaller index; "key": increasing index; "any"), -1 / -inf past
+the visible keys and last.
 
 Algorithm: (1) every `stride`-th key is scored for every row (HyTopK's score-table kernel over
 those keys): a row's threshold is the sample score ranked where SURVIVOR_MARGIN x topk of its
@@ -116,12 +117,19 @@ def _decode(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
-                options: HyTopKOptions, filter_fn: FilterFn | None = None,
+                options: HyTopKOptions, order: str = "score",
+                filter_fn: FilterFn | None = None,
                 stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's exact top-k in score order (module doc) on inputs `unsupported` accepted.
-    filter_fn: the survivors' kernel (default `indexer_filter_sm90`; tests pass a plain-torch
-    one). stats: optional int64 [2] receiving (rows redone, rows)."""
+    """Each row's exact top-k in `order` (module doc) on inputs `unsupported` accepted: only
+    "score" sorts the survivors' top-k by score ("key" sorts the indices, "any" moves the empty
+    slots of the rows that see fewer than topk keys last). filter_fn: the survivors' kernel
+    (default `indexer_filter_sm90`; tests pass a plain-torch one). stats: optional int64 [2]
+    receiving (rows redone, rows)."""
     from megatron_hyscale.ops.kernels import hytopk as hk
+    from megatron_hyscale.ops.key_order import sort_rows_by_key
+
+    if order not in ("score", "key", "any"):
+        raise ValueError(f"order must be 'score', 'key' or 'any', got {order!r}")
 
     if filter_fn is None:
         from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
@@ -139,7 +147,8 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
     for t0 in range(0, T, step):
         t1 = min(t0 + step, T)
         keys, counts = filter_fn(q, k, w, tau[:, t0:t1].contiguous(), t0, t1, cap)
-        best = torch.topk(keys, width, dim=-1).values  # descending: score, then smaller index
+        # sorted: descending score, then the smaller index
+        best = torch.topk(keys, width, dim=-1, sorted=order == "score").values
         indices[:, t0:t1], scores[:, t0:t1] = _decode(best)
         redo[:, t0:t1] = (counts < need[t0:t1]) | (counts > cap)
         del keys, best
@@ -153,6 +162,17 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
             if rows.numel():
                 idx, val = hk.hytopk_triton(
                     q[b:b + 1, rows], k[b:b + 1], w[b:b + 1, rows], topk, relu=True,
-                    q_positions=rows[None], k_positions=kpos, causal=True, options=options)
+                    q_positions=rows[None], k_positions=kpos, causal=True, options=options,
+                    ordered=order != "any", key_order=order == "key")
                 indices[b, rows], scores[b, rows] = idx[0], val[0]
+    if order == "key":
+        sort_rows_by_key(indices, scores)  # the redone rows come sorted: unchanged
+    elif order == "any":
+        # Only rows 0 .. topk - 2 can hold empty slots (row t sees t + 1 keys): empty last.
+        head = min(T, topk - 1)
+        if head > 0:
+            part = indices[:, :head]
+            last = (part < 0).to(torch.int8).argsort(dim=-1, stable=True)
+            indices[:, :head] = part.gather(-1, last)
+            scores[:, :head] = scores[:, :head].gather(-1, last)
     return indices, scores

@@ -201,7 +201,10 @@ class HyTopKOptions:
     # outputs are exact whatever the sample. One host sync a call (which rows to redo). Runs
     # on Hopper, bf16, ReLU, causal with S == T at the default positions, 32 or 64 heads of
     # 128 dims, bf16 precision, no prune; elsewhere one warning names why and the Triton
-    # kernel runs. Off: not yet run on the GPU.
+    # kernel runs. Timed on an H100 (2026-12-05, `bench_selection.py --methods hytopk
+    # hytopk_scores_sm90`, rows equal to the default's): V3.2 at 128K 387.7 -> 346.2 ms (1.90x
+    # the GEMM floor, 1.7% of the rows redone), at 16K 13.1 -> 15.8 (slower); 3.5 GiB at 128K.
+    # Off: faster at 128K only, and not yet beside cuDNN's selection in one run.
     scores_sm90: bool = False
     # Keys scored for the thresholds (every max(1, ceil(S / this))-th key, for every row).
     scores_sm90_samples: int = 2048
