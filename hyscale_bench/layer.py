@@ -183,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "all (the bare flag), the three, and the Gluon warp-specialized forward "
                         "where it runs. Default: the layer's own (the QSA layer paces dK/dV, "
                         "layers.qsa.QSA_ATTENTION_OPTIONS; the others nothing)")
+    p.add_argument("--hytopk-scores-sm90", action="store_true",
+                   help="the DSA layer's selection from the warp-specialized Gluon scores "
+                        "(config.hytopk_options with HyTopKOptions.scores_sm90; where HyScale's "
+                        "own HyTopK runs: --hyscale-kernel-backend own, or the "
+                        "--compare-own-kernels row)")
     p.add_argument("--loss-lockstep", action="store_true",
                    help="the indexer loss's backward in lockstep (IndexerLossKernelOptions."
                         "bwd_lockstep)")
@@ -978,6 +983,13 @@ def attention_kernel_options(args: argparse.Namespace) -> Any:
     return replace(base, **changes)
 
 
+def hytopk_options(args: argparse.Namespace) -> Any:
+    """HyTopK's kernel variant for this run (--hytopk-scores-sm90); None: its DEFAULT."""
+    from megatron_hyscale.ops import HyTopKOptions
+
+    return HyTopKOptions(scores_sm90=True) if args.hytopk_scores_sm90 else None
+
+
 def indexer_loss_kernel_options(args: argparse.Namespace) -> Any:
     """HyScale's indexer-loss kernel variants for this run (--loss-kl-in-rows,
     --loss-lockstep)."""
@@ -1165,12 +1177,14 @@ def run(args: argparse.Namespace) -> int:
     # HyScale's attention layers pass their config's kernel options to the ops.
     hyscale.module.config.attention_kernel_options = attention_kernel_options(args)
     hyscale.module.config.indexer_loss_kernel_options = indexer_loss_kernel_options(args)
+    hyscale.module.config.hytopk_options = hytopk_options(args)
     hyscale.module.config.hyscale_kernel_backend = args.hyscale_kernel_backend
     bases: list[tuple[str, Layer]] = []  # (row key, layer), each on HyScale's weights
     if args.compare_own_kernels:
         own = build(args, baseline=False)
         own.module.config.attention_kernel_options = attention_kernel_options(args)
         own.module.config.indexer_loss_kernel_options = indexer_loss_kernel_options(args)
+        own.module.config.hytopk_options = hytopk_options(args)
         own.module.config.hyscale_kernel_backend = "own"
         if args.compare_indexer_target:  # the other side of that comparison
             own.module.config.hyscale_indexer_target = "separate"
@@ -1179,6 +1193,7 @@ def run(args: argparse.Namespace) -> int:
         in_bwd = build(args, baseline=False)
         in_bwd.module.config.attention_kernel_options = attention_kernel_options(args)
         in_bwd.module.config.indexer_loss_kernel_options = indexer_loss_kernel_options(args)
+        in_bwd.module.config.hytopk_options = hytopk_options(args)
         in_bwd.module.config.hyscale_kernel_backend = "own"
         in_bwd.module.config.hyscale_indexer_target = "attention_backward"
         bases.append(("hyscale_own_target_in_bwd", in_bwd))

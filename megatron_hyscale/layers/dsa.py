@@ -596,6 +596,8 @@ class HyScaleDSAttention(DSAttention):
                     check_values=False, precision=indexer_precision(self.config),
                     # Key order: the lockstep attention kernels need no sort of their own.
                     order="key",
+                    # HyTopK's kernel variant (e.g. scores_sm90); None: its DEFAULT.
+                    options=getattr(self.config, "hytopk_options", None),
                 )[0]
 
             def select(rows: slice, keys: slice, positions: torch.Tensor | None) -> torch.Tensor:

@@ -259,3 +259,33 @@ def test_without_triton_it_says_why_and_runs_the_separate_pass(monkeypatch):
         del cfg.hyscale_indexer_target
     assert not calls
     assert_core_steps_match(got, want)
+
+
+def test_config_hytopk_options_reach_the_selection(monkeypatch):
+    """config.hytopk_options is the options every DSA selection call gets (None: HyTopK's
+    DEFAULT); scores_sm90, which cannot run this tiny model's indexer (on a GPU it warns and
+    runs the Triton kernel; on CPU the reference runs), selects the same keys."""
+    from megatron_hyscale.ops import HyTopKOptions
+
+    seen = []
+    real = dsa.hytopk
+
+    def spy(*args, options=None, **kwargs):
+        seen.append(options)
+        return real(*args, options=options, **kwargs)
+
+    monkeypatch.setattr(dsa, "hytopk", spy)
+    cfg = tiny_dsa_config(dsa_indexer_use_sparse_loss=True, dsa_indexer_topk=TOPK)
+    torch.manual_seed(1234)
+    model = build_gpt(cfg, stock=False, vocab_size=VOCAB, max_sequence_length=T).to(DEVICE)
+    want = run_step(model)
+    assert seen and all(o is None for o in seen)
+    opts = HyTopKOptions(scores_sm90=True)
+    cfg.hytopk_options = opts
+    try:
+        got = run_step(model)
+    finally:
+        del cfg.hytopk_options
+    assert seen[-1] is opts
+    for a, b in zip(got[:3], want[:3], strict=True):
+        assert torch.equal(a, b)

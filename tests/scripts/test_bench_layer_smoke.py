@@ -185,6 +185,11 @@ def test_attention_kernel_flags_set_only_their_options() -> None:
         bench_layer.parse_args(["--loss-kl-in-rows"])) == replace(loss_default, kl_in_bwd=False)
     assert bench_layer.indexer_loss_kernel_options(
         bench_layer.parse_args(["--loss-lockstep"])) == replace(loss_default, bwd_lockstep=True)
+    from megatron_hyscale.ops import HyTopKOptions
+
+    assert bench_layer.hytopk_options(bench_layer.parse_args([])) is None
+    assert bench_layer.hytopk_options(bench_layer.parse_args(["--hytopk-scores-sm90"])) \
+        == HyTopKOptions(scores_sm90=True)
 
 
 def test_stock_kernel_backend_flag_parses() -> None:
