@@ -1013,7 +1013,8 @@ def component_times(attn: torch.nn.Module, hidden: torch.Tensor,
     query, key = q_abs.transpose(0, 1), kv.transpose(0, 1)
     qi, ki, wi = qi.transpose(0, 1), ki.transpose(0, 1), wi.transpose(0, 1)
     relu = not args.no_relu
-    sel = lambda: hytopk(qi, ki, wi, core.index_topk, relu=relu)  # noqa: E731
+    sel = lambda: hytopk(qi, ki, wi, core.index_topk, relu=relu,  # noqa: E731
+                         options=hytopk_options(args))
     indices, _ = sel()
     reps, dev = args.repeats, args.device
     times = {"selection_ms": time_step_ms(sel, dev, reps)}

@@ -81,7 +81,8 @@ def entries_from(path: str) -> list[dict]:
     out = []
     source = f"{script}, {meta.get('date', '?')}, commit {meta.get('commit', '?')}"
     stamp = meta.get("date", "")
-    device = meta.get("device", "?")
+    # A record naming no device gives entries that match any (measured.py).
+    device = meta.get("device")
     if "bench_selection" in script:
         # Sweep and variant records carry other fields; a single first call (reps 1, over 2 s)
         # may hold a JIT compile: neither is a comparison.
@@ -138,7 +139,7 @@ def main() -> int:
             pick = measured.plan_for(e)
         else:
             pick = "library" if e["library_ms"] < e["own_ms"] else "own"
-        print(f"{e['device'][:20]:20s} {e['op']:14s} {e['shape']:22s} T={e['T']:>8d} "
+        print(f"{e.get('device', '?')[:20]:20s} {e['op']:14s} {e['shape']:22s} T={e['T']:>8d} "
               f"own {e['own_ms']:9.1f} ms  "
               f"library {e['library_ms']:9.1f} ms  -> {pick}")
     print(f"wrote {len(entries)} entries to {args.out}")
@@ -153,7 +154,7 @@ def table(found: list[dict]) -> list[dict]:
     H200 (memory bandwidth), and the layers read the running device's entries."""
     newest: dict[tuple, dict] = {}
     for e in found:
-        key = (e["op"], e["shape"], e["T"], e.get("side"), e["device"])
+        key = (e["op"], e["shape"], e["T"], e.get("side"), e["device"] or "")
         rank = (e.get("current", True), e["stamp"])
         if key not in newest or rank >= (newest[key].get("current", True),
                                          newest[key]["stamp"]):
@@ -172,7 +173,10 @@ def table(found: list[dict]) -> list[dict]:
                                 library_fwd_bwd_ms=[e["library_ms"], b["library_ms"]],
                                 own_kernels=[e["own_kernel"], b["own_kernel"]],
                                 device=device))
-    return sorted(entries, key=lambda e: (e["device"], e["op"], e["shape"], e["T"]))
+    for e in entries:
+        if not e.get("device"):
+            e.pop("device", None)
+    return sorted(entries, key=lambda e: (e.get("device", ""), e["op"], e["shape"], e["T"]))
 
 
 if __name__ == "__main__":

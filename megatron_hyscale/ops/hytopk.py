@@ -110,7 +110,9 @@ def hytopk(
             (the Triton backend skips its final per-row sort: QSA at 512K tokens, 43 of 460
             ms; for consumers that need the set only).
         options: the Triton kernel's variant and tiling (`HyTopKOptions`; None: its DEFAULT).
-            Every variant returns the same outputs; the reference ignores it.
+            Every variant returns the same outputs (but `scores_sm90`: exact for the Gluon
+            kernel's fp32 scores, whose sums near-tied bf16 scores may order otherwise); the
+            reference ignores it.
         check_values: True (default) checks that q, k and weights are finite (a host sync
             each). False trusts the caller and syncs nothing (the layers pass False): a NaN
             or Inf then gives an undefined selection and a NaN attention downstream, which
@@ -214,8 +216,17 @@ def _from_sm90_scores(q, k, weights, topk, *, relu, causal, default_positions, p
         warn_once(f"hytopk-scores-sm90:{reason}", f"hytopk: options.scores_sm90 cannot run "
                   f"this call ({reason}); running the Triton kernel")
         return None
-    return hytopk_sm90.hytopk_sm90(q, k, weights.float().contiguous(), topk, options=options,
-                                   order=order)
+    variant = (q.shape[2], topk)
+    if variant in hytopk_sm90.FAILED.disabled:
+        return None
+    try:
+        return hytopk_sm90.hytopk_sm90(q, k, weights.float().contiguous(), topk,
+                                       options=options, order=order)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # a compile or launch failure of the Gluon kernel: said once
+        hytopk_sm90.FAILED.disable(variant, f"{type(err).__name__}: {err}")
+        return None
 
 
 def _in_order(result: tuple[torch.Tensor, torch.Tensor], order: str

@@ -122,9 +122,32 @@ def test_adversarial_rows():
     w_nc = torch.cat([w, w], dim=-1)[..., :2]
     assert not w_nc.is_contiguous()
     want = hytopk(q, k, w, 10, backend="reference")
-    (idx, val), stats = run(q, k, w_nc.contiguous(), 10, 16)
+    (idx, val), stats = run(q, k, w_nc, 10, 16)
     assert torch.equal(idx, want[0]) and torch.equal(val, want[1])
     assert stats[0] > 0  # the all-zero rows overflowed
+
+
+@pytest.mark.parametrize("order", ["score", "key", "any"])
+def test_row_chunks(monkeypatch, order):
+    """Survivor buffers of 7 rows and sample tables of 64 rows (the chunk loops past their
+    first chunk): the same rows as in one chunk, in every order."""
+    q, k, w = int_inputs(2, 150, 2, 16, seed=4)
+    whole, _ = run(q, k, w, 12, 16, order=order)
+    cap = hytopk_sm90.survivor_cap(12)
+    monkeypatch.setattr(hytopk_sm90, "CHUNK_BYTES", 8 * cap * 2 * 7)
+    monkeypatch.setattr(hytopk_sm90, "SAMPLE_CHUNK_ROWS", 64)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[4:6])
+        return torch_filter(*args)
+
+    got, _ = run(q, k, w, 12, 16, filter_fn=counted, order=order)
+    assert calls[:2] == [(0, 7), (7, 14)] and calls[-1] == (147, 150)
+    if order == "any":  # each row's set (torch.topk's unsorted order follows its shapes)
+        got = [t.gather(-1, got[0].sort(-1).indices) for t in got]
+        whole = [t.gather(-1, whole[0].sort(-1).indices) for t in whole]
+    assert torch.equal(got[0], whole[0]) and torch.equal(got[1], whole[1])
 
 
 def test_exact_sampling_needs_no_redo():
@@ -229,14 +252,20 @@ def test_gluon_filter_matches_the_torch_filter(H):
 def test_the_op_matches_the_reference_at_real_size(H):
     """hytopk(options.scores_sm90) at T = 4096 + 5, topk 2048, batch 2, integer inputs (ties:
     some rows redone), an all-zero row: the reference's rows bit for bit."""
+    from megatron_hyscale.ops.key_order import sort_rows_by_key
+
     q, k, w = int_inputs(2, 4101, H, 128, seed=H + 1)
-    q[0, 3000] = 0
+    q[0, 3000] = 0  # every score 0: over the cap, redone
     opts = HyTopKOptions(scores_sm90=True)
     got = hytopk(q, k, w, 2048, options=opts)
-    want = hytopk(q, k, w, 2048, backend="reference")
+    want = [t.contiguous() for t in hytopk(q, k, w, 2048, backend="reference")]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    key = hytopk(q, k, w, 2048, options=opts, order="key")[0]
-    assert torch.equal(key.sort(-1).values, got[0].sort(-1).values)
+    stats = torch.zeros(2, dtype=torch.int64, device=DEV)
+    hytopk_sm90.hytopk_sm90(q, k, w, 2048, options=opts, stats=stats)
+    assert 0 < stats[0] < stats[1], stats
+    key = hytopk(q, k, w, 2048, options=opts, order="key")
+    sort_rows_by_key(*want)
+    assert torch.equal(key[0], want[0]) and torch.equal(key[1], want[1])
 
 
 @pytest.mark.gpu
@@ -255,3 +284,29 @@ def test_random_bf16_rows_equal_the_triton_kernels():
     same = (got.sort(-1).values == want.sort(-1).values).all(-1).float().mean()
     assert same >= 0.999, same
     assert stats[0] <= 0.01 * stats[1], stats
+
+
+def test_a_failing_kernel_warns_once_and_runs_triton(monkeypatch):
+    """A compile or launch failure of the Gluon path (simulated) is said once, its (heads,
+    topk) variant refused afterwards, and the Triton kernel's rows come back each time."""
+    from megatron_hyscale.ops import checks
+
+    monkeypatch.setattr(checks, "_warned", set())
+    monkeypatch.setattr(hytopk_sm90, "FAILED", hytopk_sm90.KernelVariants(
+        "hytopk-scores-sm90", "HyTopK on the Gluon scores", "Triton kernel"))
+    monkeypatch.setattr(hytopk_sm90, "unsupported", lambda *a, **kw: None)
+    tries = []
+
+    def failing(*args, **kwargs):
+        tries.append(1)
+        raise RuntimeError("simulated launch failure")
+
+    monkeypatch.setattr(hytopk_sm90, "hytopk_sm90", failing)
+    q, k, w = int_inputs(1, 40, 2, 16, seed=2)
+    opts = HyTopKOptions(scores_sm90=True, interpret_programs=2)
+    want = hytopk(q, k, w, 6, backend="reference")
+    with pytest.warns(RuntimeWarning, match="simulated launch failure"):
+        got = hytopk(q, k, w, 6, backend="triton", options=opts)
+    again = hytopk(q, k, w, 6, backend="triton", options=opts)
+    assert tries == [1]
+    assert torch.equal(got[0], want[0]) and torch.equal(again[0], want[0])

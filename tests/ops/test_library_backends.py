@@ -145,8 +145,8 @@ def test_measured_table_picks_the_faster_kernel_at_the_nearest_length(tmp_path, 
 
 
 def test_measured_table_reads_the_running_devices_entries(tmp_path, monkeypatch):
-    """Entries measured on the running device decide; a device never measured reads those of
-    the device the table holds most of, and says which."""
+    """Entries measured on the running device decide; a device that never measured the shape
+    reads those of the device that measured it most, and says which."""
     import json
 
     from megatron_hyscale.ops.backends import measured
@@ -171,7 +171,8 @@ def test_measured_table_reads_the_running_devices_entries(tmp_path, monkeypatch)
     # Ties on entry counts go to the first name in sorted order: H100 here.
     pick, why = measured.faster_backend("selection", "S", 16384, device="NVIDIA A100")
     assert pick == measured.OWN and f"on {h100}" in why
-    entries.append(dict(entries[0], shape="other"))  # H200 now holds the most entries
+    entries.append(dict(entries[0], T=65536))  # H200 now measured "S" most
+    entries += [dict(entries[1], shape="other", T=T) for T in (1, 2, 3)]  # other shapes: no say
     table.write_text(json.dumps({"entries": entries}))
     measured._entries.cache_clear()
     pick, why = measured.faster_backend("selection", "S", 16384, device="NVIDIA A100")

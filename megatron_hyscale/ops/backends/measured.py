@@ -4,7 +4,7 @@
 the benchmark records in benchmarks/results/ (each entry: op, shape, T, both times, the
 record it came from, the device it ran on). `faster_backend` answers for the measured length
 nearest to T (on a log scale) of the same op and shape, from the entries measured on the
-running device (by name), else from those of the device the table holds most of; a shape never
+running device (by name), else from those of the device that measured the shape most; a shape never
 measured keeps HyScale's own kernel. The attention has three plans (`attention_plan`): the
 library pair, FlashMLA's forward with HyScale's backward, or HyScale's pair; its entries hold
 both sides' times.
@@ -56,12 +56,11 @@ def running_device() -> str | None:
 
 
 def _rows(op: str, shape: str, device: str | None) -> tuple[list[dict], str]:
-    """The table's entries for `op` on `shape` measured on `device` where there are any, else on
-    the device with the most entries in the table; with the device's name (entries that name
-    none, as in hand-written tables, match any device)."""
-    entries = _entries(TABLE_PATH)
-    rows = [e for e in entries if e["op"] == op and e["shape"] == shape]
-    named = [e.get("device") for e in entries if e.get("device")]
+    """The table's entries for `op` on `shape` measured on `device` where it has any, else on
+    the device with the most entries for them (ties: the first name); with that device's name.
+    Entries that name no device (hand-written tables) match any."""
+    rows = [e for e in _entries(TABLE_PATH) if e["op"] == op and e["shape"] == shape]
+    named = [e["device"] for e in rows if e.get("device")]
     if not named:
         return rows, ""
     if device not in named:

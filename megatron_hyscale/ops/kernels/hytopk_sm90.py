@@ -13,7 +13,10 @@ visible keys would rank; (2) `indexer_filter_sm90` appends each row's scores at 
 threshold as packed int64 keys (score, then the smaller index), at most `survivor_cap(topk)`
 a row; (3) each row's top-k of its survivors (torch.topk on the packed keys). A row with fewer
 survivors than min(topk, visible keys), or more than the cap (a threshold off its quantile,
-ties at it), is redone by the Triton kernel: the result is exact whatever the sample.
+ties at it), is redone by the Triton kernel: the result is exact whatever the sample, for the
+scores each row was selected on (the Gluon kernel's fp32 sums, the Triton kernel's for a redone
+row: equal on integer-valued inputs; near-ties of bf16 inputs may order differently from the
+default kernel's).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_hyscale.ops.checks import KernelVariants
 from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
 # Survivors aimed at, in units of topk: the sample's quantile error must rarely push the count
@@ -36,6 +40,11 @@ CHUNK_BYTES = 512 << 20
 SAMPLE_CHUNK_ROWS = 8192
 INT64_MIN = torch.iinfo(torch.int64).min
 LOW32 = (1 << 32) - 1
+
+# The (heads, topk) variants whose kernels failed to compile or launch in this process: refused
+# after one warning, the Triton kernel runs (`ops.hytopk`).
+FAILED = KernelVariants("hytopk-scores-sm90", "HyTopK on the Gluon scores (scores_sm90)",
+                        "Triton kernel")
 
 # (q, k, w, tau, t_lo, t_hi, cap) -> (keys, counts): `indexer_filter_sm90`'s contract.
 FilterFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -63,7 +72,14 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool
     B, T, H, D = q.shape
     if k.shape[1] != T:
         return f"the Gluon scores take S == T (got S = {k.shape[1]}, T = {T})"
-    from megatron_hyscale.ops.kernels.indexer_scores_sm90 import HEAD_DIM, HEADS, check_inputs
+    try:
+        from megatron_hyscale.ops.kernels.indexer_scores_sm90 import (
+            HEAD_DIM,
+            HEADS,
+            check_inputs,
+        )
+    except ImportError as err:  # a Triton without Gluon's Hopper API
+        return f"the Gluon kernels do not import ({err})"
 
     if D != HEAD_DIM or H not in HEADS:
         return f"the Gluon scores take {HEADS} heads of {HEAD_DIM} (got {H} of {D})"
@@ -85,9 +101,12 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
     stride = max(1, math.ceil(T / samples))
     sampled = torch.arange(0, T, stride, device=q.device)
     rows = torch.arange(T, device=q.device)
-    seen = torch.div(rows, stride, rounding_mode="floor") + 1  # visible samples a row
-    rank = torch.ceil(SURVIVOR_MARGIN * topk * seen.double() / (rows + 1).double()).long()
-    rank = torch.minimum(rank.clamp_min(1), seen)
+    # Ranks on the host (they depend on T, stride and topk only): no sync for their maxima.
+    t = torch.arange(T, dtype=torch.float64)
+    seen = torch.div(t, stride, rounding_mode="floor") + 1  # visible samples a row
+    rank_host = torch.minimum(torch.ceil(SURVIVOR_MARGIN * topk * seen / (t + 1)).clamp_min(1),
+                              seen).long()
+    rank = rank_host.to(q.device)
     tau = torch.full((B, T), float("-inf"), device=q.device)
     # Row blocks of the score-table kernel must start on its row tiles: chunks of whole blocks.
     for b in range(B):
@@ -101,7 +120,7 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
                            q_positions=rows[None], k_positions=sampled[None], causal=True,
                            t0=t0, t1=t1, table=table, options=options)
             r = rank[t0:t1]
-            best = torch.topk(table, int(r.max()), dim=1).values
+            best = torch.topk(table, int(rank_host[t0:t1].max()), dim=1).values
             tau[b, t0:t1] = best.gather(1, (r - 1)[:, None])[:, 0]
     tau[:, :topk] = float("-inf")  # rows 0 .. topk - 1 see at most topk keys
     return tau
@@ -124,7 +143,8 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
     "score" sorts the survivors' top-k by score ("key" sorts the indices, "any" moves the empty
     slots of the rows that see fewer than topk keys last). filter_fn: the survivors' kernel
     (default `indexer_filter_sm90`; tests pass a plain-torch one). stats: optional int64 [2]
-    receiving (rows redone, rows)."""
+    receiving (rows redone, rows). Host syncs: one (whether any row is redone), plus one a
+    batch with rows to redo (which)."""
     from megatron_hyscale.ops.kernels import hytopk as hk
     from megatron_hyscale.ops.key_order import sort_rows_by_key
 
@@ -137,22 +157,26 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
         filter_fn = indexer_filter_sm90
     B, T = q.shape[:2]
     cap = survivor_cap(topk)
+    if B * T == 0:
+        if stats is not None:
+            stats.zero_()
+        return (torch.empty(B, T, topk, dtype=torch.int32, device=q.device),
+                torch.empty(B, T, topk, dtype=torch.float32, device=q.device))
     tau = sample_thresholds(q, k, w, topk, options.scores_sm90_samples, options=options)
     indices = torch.empty(B, T, topk, dtype=torch.int32, device=q.device)
     scores = torch.empty(B, T, topk, dtype=torch.float32, device=q.device)
     need = torch.clamp(torch.arange(1, T + 1, device=q.device), max=topk)
     redo = torch.zeros(B, T, dtype=torch.bool, device=q.device)
     step = max(1, CHUNK_BYTES // (8 * cap * B))
-    width = min(topk, cap)
     for t0 in range(0, T, step):
         t1 = min(t0 + step, T)
         keys, counts = filter_fn(q, k, w, tau[:, t0:t1].contiguous(), t0, t1, cap)
         # sorted: descending score, then the smaller index
-        best = torch.topk(keys, width, dim=-1, sorted=order == "score").values
+        best = torch.topk(keys, topk, dim=-1, sorted=order == "score").values
         indices[:, t0:t1], scores[:, t0:t1] = _decode(best)
         redo[:, t0:t1] = (counts < need[t0:t1]) | (counts > cap)
         del keys, best
-    n_redo = int(redo.sum())  # the call's one host sync
+    n_redo = int(redo.sum())  # a host sync: whether any row is redone
     if stats is not None:
         stats.copy_(torch.tensor([n_redo, B * T]))
     if n_redo:

@@ -280,6 +280,8 @@ def _filter_layout(rows: int) -> gl.BlockedLayout:
     """[BLOCK_S keys x rows] with every element in exactly one of the consumer's 128 threads
     (the survivors' atomics must run once per score): 64 keys over 16 lanes x 4 warps, the rows
     over 2 lanes and rows / 2 registers."""
+    if rows % 2:
+        raise ValueError(f"the survivors' layout needs an even count of rows, got {rows}")
     return gl.BlockedLayout([1, max(1, rows // 2)], [16, 2], [CONSUMER_WARPS, 1], [1, 0])
 
 
@@ -376,7 +378,7 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
 
 
 def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None):
-    """One launch over query rows [t_lo, t_hi): the row maxima into out, or with filter =
+    """One launch over query rows [t_lo, t_hi): the row maxima into out, or with survivors =
     (tau, counts, keys, cap) the survivors."""
     B, T, H, D = q.shape
     rows = PAIRS // H

@@ -198,7 +198,10 @@ class HyTopKOptions:
     # per row from every (T / scores_sm90_samples)-th key's score, the Gluon kernel appending
     # each row's scores at or above it, the exact top-k of those survivors; rows whose
     # threshold missed (too few or too many survivors) are redone by the Triton kernel, so the
-    # outputs are exact whatever the sample. One host sync a call (which rows to redo). Runs
+    # outputs are exact whatever the sample, for the scores each row was selected on (the Gluon
+    # kernel's fp32 sums: near-tied bf16 scores may order otherwise than the Triton kernel's;
+    # integer-valued inputs give the reference's rows). Host syncs: one a call, plus one a
+    # batch with rows to redo. A compile or launch failure warns once and runs Triton. Runs
     # on Hopper, bf16, ReLU, causal with S == T at the default positions, 32 or 64 heads of
     # 128 dims, bf16 precision, no prune; elsewhere one warning names why and the Triton
     # kernel runs. Timed on an H100 (2026-12-05, `bench_selection.py --methods hytopk
