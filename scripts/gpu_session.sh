@@ -652,8 +652,13 @@ case "$stage" in
     # filter's GPU test first under a short timeout (an mbarrier fault hangs), then the op's
     # GPU tests, then timed beside the default HyTopK (~3 min).
     smoke_then_tests tests/ops/test_hytopk_sm90.py "test_gluon_filter and 64" || exit 1
+    # cuDNN's selection in the same run where scripts/gpu_cudnn.sh installed it.
+    library=()
+    [ -d .carry/site/nvidia_cutlass_dsl ] && library=(cudnn)
+    # shellcheck disable=SC2086  # lengths split on purpose
     timeout ${FILTER_BENCH_S:-200} python3 scripts/bench_selection.py --T ${FILTER_T:-16384 131072} \
-      --configs dsv32 glm51 --reps 3 --methods hytopk hytopk_scores_sm90 --tag _filter_sm90 \
+      --configs dsv32 glm51 --reps 3 --methods hytopk hytopk_scores_sm90 "${library[@]}" \
+      --tag _filter_sm90 \
       --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
       | tee "$out/bench_selection_filter_sm90.log" ;;
   key-tma)
