@@ -49,7 +49,7 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
   hytopk_scores_sm90  HyTopK on those Gluon scores (HyTopKOptions.scores_sm90,
              `kernels/hytopk_sm90.py`): sampled thresholds, the Gluon filter appending each
              row's survivors, torch.topk over them, missed rows redone by the Triton kernel;
-             reports redone_rows_share
+             reports redone_rows_share and phase_ms (sample, filter, select timed apart)
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
   128K)
   finish     HyTopK's last pass alone (the torch sort that orders and decodes each row)
@@ -440,6 +440,36 @@ def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None):
     return hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, stats=stats)
 
 
+def scores_sm90_phases(q, k, w, topk, reps):
+    """hytopk_scores_sm90's phases timed apart on the same inputs (ms): the sampled thresholds,
+    the Gluon filter over all row chunks, torch.topk over the survivors (the first chunk's
+    buffer, once a chunk), and the rest (decode, redone rows, order) as the difference."""
+    from megatron_hyscale.ops.kernels import hytopk_sm90
+    from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
+
+    opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True)
+    B, T = q.shape[:2]
+    cap = hytopk_sm90.survivor_cap(topk)
+    tau = hytopk_sm90.sample_thresholds(q, k, w, topk, opts.scores_sm90_samples, options=opts)
+    step = max(1, hytopk_sm90.CHUNK_BYTES // (8 * cap * B))
+    chunks = [(t0, min(t0 + step, T)) for t0 in range(0, T, step)]
+
+    def filter_all():
+        for t0, t1 in chunks:
+            indexer_filter_sm90(q, k, w, tau[:, t0:t1].contiguous(), t0, t1, cap)
+
+    keys = indexer_filter_sm90(q, k, w, tau[:, :step].contiguous(), 0, chunks[0][1], cap)[0]
+
+    def select_all():
+        for _ in chunks:
+            torch.topk(keys, topk, dim=-1)
+
+    return {"sample": time_ms(lambda: hytopk_sm90.sample_thresholds(
+                q, k, w, topk, opts.scores_sm90_samples, options=opts), reps=reps, warmup=1),
+            "filter": time_ms(filter_all, reps=reps, warmup=1),
+            "select": time_ms(select_all, reps=reps, warmup=1)}
+
+
 def max_diff_vs_scoreonly(out, q, k, w, relu):
     """Largest |difference| between a scores-only method's row maxima and the Triton
     scores-only kernel's (fp32 rounding order differs), over rows with a visible key."""
@@ -699,7 +729,8 @@ def bench_one(method, T, cfg, kind, rate, reps):
         if method == "hytopk_scores_sm90":
             stats = torch.zeros(2, dtype=torch.int64, device="cuda")
             fn(q, k, w, topk, relu, stats=stats)
-            rec.update(redone_rows_share=stats[0].item() / stats[1].item())
+            rec.update(redone_rows_share=stats[0].item() / stats[1].item(),
+                       phase_ms=scores_sm90_phases(q, k, w, topk, n))
         if method in SM90_SCORE_METHODS:
             rec.update(max_diff_vs_scoreonly=max_diff_vs_scoreonly(
                 fn(q, k, w, topk, relu), q, k, w, relu))
@@ -1130,7 +1161,10 @@ def main():
                         + (f"  max diff vs scoreonly {rec['max_diff_vs_scoreonly']:.2e}"
                            if "max_diff_vs_scoreonly" in rec else "")
                         + (f"  sampled rows {rec['sampled_rows_share']:.1%} redone blocks "
-                           f"{rec['redone_blocks']}" if "sampled_rows_share" in rec else ""))
+                           f"{rec['redone_blocks']}" if "sampled_rows_share" in rec else "")
+                        + (f"  redone rows {rec['redone_rows_share']:.2%} phases ms "
+                           + " ".join(f"{n} {v:.1f}" for n, v in rec["phase_ms"].items())
+                           if "phase_ms" in rec else ""))
     if "structured" in args.inputs:
         share = check_structured_exact(16384, "dsv32")
         log(f"structured T=16384: share of rows identical to the reference {share:.4f}")

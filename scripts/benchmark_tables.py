@@ -67,7 +67,26 @@ def selection(records):
                      f"{same} |")
     if any(r.get("reps") == 1 for r in records):
         lines.append("\n\\* a single first call (over 2 s), no median: it may hold JIT compiles")
-    return lines + kernel_variants(records) + fp8_selection(records) + scores_only(records)
+    return (lines + kernel_variants(records) + fp8_selection(records) + scores_only(records)
+            + scores_sm90_phases(records))
+
+
+def scores_sm90_phases(records):
+    """HyTopK on the Gluon scores (bench_selection's hytopk_scores_sm90): its time, the share of
+    rows redone by the Triton kernel, and its phases timed apart."""
+    rows = [r for r in records if r.get("method") == "hytopk_scores_sm90" and r.get("ms")]
+    if not rows:
+        return []
+    lines = ["", "| config | T | on the Gluon scores ms | x GEMM floor | rows redone | "
+             "sample ms | filter ms | select ms | rest ms |", "|---" * 9 + "|"]
+    for r in sorted(rows, key=lambda r: (r["config"], r["T"])):
+        ph = r.get("phase_ms") or {}
+        parts = [ph.get(n) for n in ("sample", "filter", "select")]
+        rest = r["ms"] - sum(parts) if all(isinstance(p, float) for p in parts) else None
+        lines.append(f"| {r['config']} | {r['T']} | {fmt(r['ms'])} | "
+                     f"{fmt(r.get('x_floor'), '.2f')} | {fmt(r.get('redone_rows_share'), '.2%')} | "
+                     + " | ".join(fmt(p) for p in parts) + f" | {fmt(rest)} |")
+    return lines
 
 
 def scores_only(records):

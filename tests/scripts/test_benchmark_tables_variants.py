@@ -121,3 +121,21 @@ def test_scores_only_table():
     assert got[1]["max diff vs scoreonly"] == "0.0e+00" and got[0]["max diff vs scoreonly"] == "-"
     assert tables.scores_only([dict(base, method="hytopk", ms=200.0)]) == []
     assert tables.selection(records)[-4:] == tables.scores_only(records)[-4:]
+
+
+def test_scores_sm90_phase_table():
+    """hytopk_scores_sm90 records: time, redone share and the phases with their remainder."""
+    tables = load()
+    base = {"config": "dsv32", "T": 131072, "inputs": "random", "reps": 3, "floor_ms": 181.9}
+    records = [dict(base, method="hytopk", ms=387.7),
+               dict(base, method="hytopk_scores_sm90", ms=346.2, x_floor=1.903,
+                    redone_rows_share=0.017,
+                    phase_ms={"sample": 20.0, "filter": 220.0, "select": 60.0})]
+    (row,) = rows(tables.scores_sm90_phases(records))
+    assert row["on the Gluon scores ms"] == "346.2" and row["rows redone"] == "1.70%"
+    assert (row["sample ms"], row["filter ms"], row["select ms"]) == ("20.0", "220.0", "60.0")
+    assert row["rest ms"] == "46.2"
+    assert tables.scores_sm90_phases(records[:1]) == []
+    # a record from before the phases were timed: its time, no parts
+    (old,) = rows(tables.scores_sm90_phases([dict(records[1], phase_ms=None)]))
+    assert old["sample ms"] == "-" and old["rest ms"] == "-"
