@@ -110,6 +110,7 @@ def fake_library(monkeypatch):
     for module, fn in ((cudnn_selection, "cudnn_selection_unsupported"),
                        (library_attention, "library_attention_unsupported"),
                        (library_attention, "flashmla_forward_unsupported"),
+                       (library_attention, "cudnn_backward_unsupported"),
                        (cudnn_indexer_loss, "cudnn_indexer_loss_unsupported")):
         monkeypatch.setattr(module, fn, lambda *a, _fn=fn, **kw: seen.__setitem__(_fn, kw))
     monkeypatch.setattr(cudnn_selection, "cudnn_selection", record(
