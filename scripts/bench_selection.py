@@ -451,14 +451,14 @@ def scores_sm90_phases(q, k, w, topk, reps):
     B, T = q.shape[:2]
     cap = hytopk_sm90.survivor_cap(topk)
     tau = hytopk_sm90.sample_thresholds(q, k, w, topk, opts.scores_sm90_samples, options=opts)
-    step = max(1, hytopk_sm90.CHUNK_BYTES // (8 * cap * B))
-    chunks = [(t0, min(t0 + step, T)) for t0 in range(0, T, step)]
+    chunks = hytopk_sm90.row_chunks(B, T, topk)
 
     def filter_all():
         for t0, t1 in chunks:
             indexer_filter_sm90(q, k, w, tau[:, t0:t1].contiguous(), t0, t1, cap)
 
-    keys = indexer_filter_sm90(q, k, w, tau[:, :step].contiguous(), 0, chunks[0][1], cap)[0]
+    t1 = chunks[0][1]
+    keys = indexer_filter_sm90(q, k, w, tau[:, :t1].contiguous(), 0, t1, cap)[0]
 
     def select_all():
         for _ in chunks:

@@ -213,11 +213,10 @@ def _from_sm90_scores(q, k, weights, topk, *, relu, causal, default_positions, p
                                      default_positions=default_positions,
                                      precision=precision, options=options)
     if reason is not None:
-        warn_once(f"hytopk-scores-sm90:{reason}", f"hytopk: options.scores_sm90 cannot run "
-                  f"this call ({reason}); running the Triton kernel")
+        hytopk_sm90.VARIANTS.warn_cannot_run(reason)
         return None
     variant = (q.shape[2], topk)
-    if variant in hytopk_sm90.FAILED.disabled:
+    if variant in hytopk_sm90.VARIANTS.disabled:
         return None
     try:
         return hytopk_sm90.hytopk_sm90(q, k, weights.float().contiguous(), topk,
@@ -225,7 +224,7 @@ def _from_sm90_scores(q, k, weights, topk, *, relu, causal, default_positions, p
     except torch.OutOfMemoryError:
         raise
     except Exception as err:  # a compile or launch failure of the Gluon kernel: said once
-        hytopk_sm90.FAILED.disable(variant, f"{type(err).__name__}: {err}")
+        hytopk_sm90.VARIANTS.disable(variant, f"{type(err).__name__}: {err}")
         return None
 
 

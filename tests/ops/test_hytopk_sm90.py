@@ -16,6 +16,7 @@ from megatron_hyscale.ops import HyTopKOptions, hytopk
 from megatron_hyscale.ops.kernels import hytopk_sm90
 
 INT64_MIN = torch.iinfo(torch.int64).min
+LOW32 = (1 << 32) - 1
 # Triton's interpreter on CPU-only machines (tests/conftest.py), the kernels on a GPU.
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -24,7 +25,7 @@ def pack(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """HyTopK's int64 key (larger: higher score, then smaller index; -0.0 as +0.0)."""
     bits = (scores + 0.0).view(torch.int32).to(torch.int64)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return (ordered << 32) | (hytopk_sm90.LOW32 - index.to(torch.int64))
+    return (ordered << 32) | (LOW32 - index.to(torch.int64))
 
 
 def exact_scores(q, k, w):
@@ -184,7 +185,7 @@ def test_the_op_warns_and_runs_the_triton_kernel_where_it_cannot_run(monkeypatch
     monkeypatch.setattr(checks, "_warned", set())
     q, k, w = int_inputs(1, 40, 2, 16, seed=1)
     opts = HyTopKOptions(scores_sm90=True, interpret_programs=2)
-    with pytest.warns(RuntimeWarning, match="scores_sm90 cannot run this call"):
+    with pytest.warns(RuntimeWarning, match=r"scores_sm90\) cannot run"):
         got = hytopk(q, k, w, 6, backend="triton", options=opts)
     want = hytopk(q, k, w, 6, backend="reference")
     assert torch.equal(got[0], want[0])
@@ -292,7 +293,7 @@ def test_a_failing_kernel_warns_once_and_runs_triton(monkeypatch):
     from megatron_hyscale.ops import checks
 
     monkeypatch.setattr(checks, "_warned", set())
-    monkeypatch.setattr(hytopk_sm90, "FAILED", hytopk_sm90.KernelVariants(
+    monkeypatch.setattr(hytopk_sm90, "VARIANTS", hytopk_sm90.KernelVariants(
         "hytopk-scores-sm90", "HyTopK on the Gluon scores", "Triton kernel"))
     monkeypatch.setattr(hytopk_sm90, "unsupported", lambda *a, **kw: None)
     tries = []

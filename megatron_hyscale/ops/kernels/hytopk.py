@@ -1305,13 +1305,18 @@ def _finish(indices, scores, ordered=True, key_order=False):
                                                                       descending=True).values)
             elif ordered:
                 key = key.sort(dim=-1, descending=True).values
-            empty = key == _KEY_MIN
-            hi32 = (key >> 32).to(torch.int32)
-            bits = hi32 ^ ((hi32 >> 31) & 0x7FFFFFFF)
-            score = bits.view(torch.float32).masked_fill(empty, float("-inf"))
-            index = (_LOW32 - (key & _LOW32)).to(torch.int32).masked_fill(empty, -1)
-            scores[b, t0:t0 + step] = score
-            indices[b, t0:t0 + step] = index
+            indices[b, t0:t0 + step], scores[b, t0:t0 + step] = decode_keys(key)
+
+
+def decode_keys(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's packed int64 keys -> (indices int32, scores fp32); an empty slot
+    (INT64_MIN) -> (-1, -inf)."""
+    empty = key == _KEY_MIN
+    hi32 = (key >> 32).to(torch.int32)
+    bits = hi32 ^ ((hi32 >> 31) & 0x7FFFFFFF)
+    score = bits.view(torch.float32).masked_fill(empty, float("-inf"))
+    index = (_LOW32 - (key & _LOW32)).to(torch.int32).masked_fill(empty, -1)
+    return index, score
 
 
 def hytopk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *,

@@ -27,7 +27,9 @@ from collections.abc import Callable
 import torch
 
 from megatron_hyscale.ops.checks import KernelVariants
+from megatron_hyscale.ops.kernels import hytopk as hk
 from megatron_hyscale.ops.kernels.options import HyTopKOptions
+from megatron_hyscale.ops.key_order import sort_rows_by_key
 
 # Survivors aimed at, in units of topk: the sample's quantile error must rarely push the count
 # below topk (a redo) or above the cap.
@@ -38,12 +40,11 @@ CAP_FACTOR = 2
 CHUNK_BYTES = 512 << 20
 # Rows a chunk of the sample's score table (fp32 [rows, samples]).
 SAMPLE_CHUNK_ROWS = 8192
-INT64_MIN = torch.iinfo(torch.int64).min
-LOW32 = (1 << 32) - 1
 
-# The (heads, topk) variants whose kernels failed to compile or launch in this process: refused
-# after one warning, the Triton kernel runs (`ops.hytopk`).
-FAILED = KernelVariants("hytopk-scores-sm90", "HyTopK on the Gluon scores (scores_sm90)",
+# Why a call cannot run here (one warning a cause), and the (heads, topk) variants whose
+# kernels failed to compile or launch in this process (refused after one warning): the Triton
+# kernel runs instead (`ops.hytopk`).
+VARIANTS = KernelVariants("hytopk-scores-sm90", "HyTopK on the Gluon scores (scores_sm90)",
                         "Triton kernel")
 
 # (q, k, w, tau, t_lo, t_hi, cap) -> (keys, counts): `indexer_filter_sm90`'s contract.
@@ -52,6 +53,12 @@ FilterFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 def survivor_cap(topk: int) -> int:
     return CAP_FACTOR * topk
+
+
+def row_chunks(B: int, T: int, topk: int) -> list[tuple[int, int]]:
+    """The [t0, t1) row chunks of the survivor buffers (CHUNK_BYTES each)."""
+    step = max(1, CHUNK_BYTES // (8 * survivor_cap(topk) * B))
+    return [(t0, min(t0 + step, T)) for t0 in range(0, T, step)]
 
 
 def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool,
@@ -95,8 +102,6 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
     """fp32 [B, T]: each row's threshold, the score of its r-th best visible sampled key, r =
     ceil(SURVIVOR_MARGIN x topk x visible samples / visible keys); -inf where a row sees at most
     topk keys (it takes them all)."""
-    from megatron_hyscale.ops.kernels import hytopk as hk
-
     B, T = q.shape[:2]
     stride = max(1, math.ceil(T / samples))
     sampled = torch.arange(0, T, stride, device=q.device)
@@ -126,15 +131,6 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
     return tau
 
 
-def _decode(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """HyTopK's packed keys -> (indices int32, scores fp32); INT64_MIN -> (-1, -inf)."""
-    empty = keys == INT64_MIN
-    hi = (keys >> 32).to(torch.int32)
-    scores = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).view(torch.float32)
-    indices = (LOW32 - (keys & LOW32)).to(torch.int32)
-    return indices.masked_fill_(empty, -1), scores.masked_fill_(empty, float("-inf"))
-
-
 def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
                 options: HyTopKOptions, order: str = "score",
                 filter_fn: FilterFn | None = None,
@@ -145,9 +141,6 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
     (default `indexer_filter_sm90`; tests pass a plain-torch one). stats: optional int64 [2]
     receiving (rows redone, rows). Host syncs: one (whether any row is redone), plus one a
     batch with rows to redo (which)."""
-    from megatron_hyscale.ops.kernels import hytopk as hk
-    from megatron_hyscale.ops.key_order import sort_rows_by_key
-
     if order not in ("score", "key", "any"):
         raise ValueError(f"order must be 'score', 'key' or 'any', got {order!r}")
 
@@ -167,13 +160,11 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
     scores = torch.empty(B, T, topk, dtype=torch.float32, device=q.device)
     need = torch.clamp(torch.arange(1, T + 1, device=q.device), max=topk)
     redo = torch.zeros(B, T, dtype=torch.bool, device=q.device)
-    step = max(1, CHUNK_BYTES // (8 * cap * B))
-    for t0 in range(0, T, step):
-        t1 = min(t0 + step, T)
+    for t0, t1 in row_chunks(B, T, topk):
         keys, counts = filter_fn(q, k, w, tau[:, t0:t1].contiguous(), t0, t1, cap)
         # sorted: descending score, then the smaller index
         best = torch.topk(keys, topk, dim=-1, sorted=order == "score").values
-        indices[:, t0:t1], scores[:, t0:t1] = _decode(best)
+        indices[:, t0:t1], scores[:, t0:t1] = hk.decode_keys(best)
         redo[:, t0:t1] = (counts < need[t0:t1]) | (counts > cap)
         del keys, best
     n_redo = int(redo.sum())  # a host sync: whether any row is redone
