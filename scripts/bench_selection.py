@@ -48,8 +48,11 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              Triton scores-only kernel's); scoreonly_sm90_free: the same without the ping-pong
   hytopk_scores_sm90  HyTopK on those Gluon scores (HyTopKOptions.scores_sm90,
              `kernels/hytopk_sm90.py`): sampled thresholds, the Gluon filter appending each
-             row's survivors, torch.topk over them, missed rows redone by the Triton kernel;
-             reports redone_rows_share and phase_ms (sample, filter, select timed apart)
+             row's survivors, HyTopK's select over them, missed rows redone by the Triton
+             kernel; reports redone_rows_share and phase_ms (sample, filter, select timed
+             apart, and select_torch: torch.topk's select, which it replaced);
+             hytopk_scores_sm90_immediate: the filter storing each survivor right after its
+             slot atomic (scores_sm90_defer_store=False)
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
   128K)
   finish     HyTopK's last pass alone (the torch sort that orders and decodes each row)
@@ -178,7 +181,7 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_occ3_s3": 131072, "scoreonly_occ3": 131072,
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          "scoreonly_sm90": 131072, "scoreonly_sm90_free": 131072,
-         "hytopk_scores_sm90": 1048576,
+         "hytopk_scores_sm90": 1048576, "hytopk_scores_sm90_immediate": 1048576,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
          "stock_cudnn": 65536,
@@ -428,22 +431,25 @@ def run_scoreonly_sm90(q, k, w, topk, relu, pingpong=True):
     return indexer_row_max_sm90(q, k, w, pingpong=pingpong)
 
 
-def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None):
+def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, defer_store=True):
     """HyTopK from the warp-specialized Gluon scores (`kernels/hytopk_sm90.py`,
     HyTopKOptions.scores_sm90): sampled thresholds, the Gluon filter, a select over the
-    survivors, the missed rows redone by the Triton kernel. ReLU configs, 32 or 64 heads."""
+    survivors, the missed rows redone by the Triton kernel. ReLU configs, 32 or 64 heads.
+    defer_store: HyTopKOptions.scores_sm90_defer_store."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
     if not relu:
         raise ValueError("hytopk_scores_sm90 scores under ReLU only")
-    opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True)
+    opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True, scores_sm90_defer_store=defer_store)
     return hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, stats=stats)
 
 
 def scores_sm90_phases(q, k, w, topk, reps):
     """hytopk_scores_sm90's phases timed apart on the same inputs (ms): the sampled thresholds,
-    the Gluon filter over all row chunks, torch.topk over the survivors (the first chunk's
-    buffer, once a chunk), and the rest (decode, redone rows, order) as the difference."""
+    the Gluon filter over all row chunks, the select over the survivors (`select_survivors`,
+    on a copy of the first chunk's buffer once a chunk, the copy's time taken off), and the
+    same select by torch.topk (which it replaced: select_torch, for comparison); the rest
+    (redone rows, masks) is the difference."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
@@ -455,19 +461,32 @@ def scores_sm90_phases(q, k, w, topk, reps):
 
     def filter_all():
         for t0, t1 in chunks:
-            indexer_filter_sm90(q, k, w, tau[:, t0:t1].contiguous(), t0, t1, cap)
+            indexer_filter_sm90(q, k, w, tau[:, t0:t1].contiguous(), t0, t1, cap,
+                                defer_store=opts.scores_sm90_defer_store)
 
     t1 = chunks[0][1]
-    keys = indexer_filter_sm90(q, k, w, tau[:, :t1].contiguous(), 0, t1, cap)[0]
+    keys, counts = indexer_filter_sm90(q, k, w, tau[:, :t1].contiguous(), 0, t1, cap)
+    spare = torch.empty_like(keys)
 
-    def select_all():
+    def copy_all():
+        for _ in chunks:
+            spare.copy_(keys)
+
+    def select_all():  # the select compacts its buffer in place: a fresh copy each time
+        for _ in chunks:
+            spare.copy_(keys)
+            hytopk_sm90.select_survivors(spare, counts, topk, order="score", options=opts)
+
+    def select_torch_all():
         for _ in chunks:
             torch.topk(keys, topk, dim=-1)
 
+    copy = time_ms(copy_all, reps=reps, warmup=1)
     return {"sample": time_ms(lambda: hytopk_sm90.sample_thresholds(
                 q, k, w, topk, opts.scores_sm90_samples, options=opts), reps=reps, warmup=1),
             "filter": time_ms(filter_all, reps=reps, warmup=1),
-            "select": time_ms(select_all, reps=reps, warmup=1)}
+            "select": max(0.0, time_ms(select_all, reps=reps, warmup=1) - copy),
+            "select_torch": time_ms(select_torch_all, reps=reps, warmup=1)}
 
 
 def max_diff_vs_scoreonly(out, q, k, w, relu):
@@ -626,6 +645,8 @@ METHODS = {
     "scoreonly_sm90": run_scoreonly_sm90,
     "scoreonly_sm90_free": functools.partial(run_scoreonly_sm90, pingpong=False),
     "hytopk_scores_sm90": run_hytopk_scores_sm90,
+    "hytopk_scores_sm90_immediate": functools.partial(run_hytopk_scores_sm90,
+                                                      defer_store=False),
     **{name: with_options(run, **fields) for name, (run, fields) in OPTION_METHODS.items()},
     **{name: select_variant(name) for name in SELECT_VARIANTS},
     "hytopk_select_unordered": select_variant("hytopk_select", ordered=False),
@@ -652,7 +673,8 @@ WIDE_COMPILED = set()
 VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_sort_bitonic",
                                              "hytopk_occ3", "hytopk_occ3_s3",
                                              "hytopk_append_tl", "hytopk_key_tma",
-                                             "hytopk_scores_sm90")
+                                             "hytopk_scores_sm90",
+                                             "hytopk_scores_sm90_immediate")
 KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3",
                                      "scoreonly_key_tma") + (
                   "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
@@ -726,11 +748,12 @@ def bench_one(method, T, cfg, kind, rate, reps):
             guessed, redone = stats.tolist()
             rec.update(sampled_rows_share=guessed / (q.shape[0] * q.shape[1]),
                        redone_blocks=redone)
-        if method == "hytopk_scores_sm90":
+        if method.startswith("hytopk_scores_sm90"):
             stats = torch.zeros(2, dtype=torch.int64, device="cuda")
             fn(q, k, w, topk, relu, stats=stats)
-            rec.update(redone_rows_share=stats[0].item() / stats[1].item(),
-                       phase_ms=scores_sm90_phases(q, k, w, topk, n))
+            rec.update(redone_rows_share=stats[0].item() / stats[1].item())
+            if method == "hytopk_scores_sm90":
+                rec.update(phase_ms=scores_sm90_phases(q, k, w, topk, n))
         if method in SM90_SCORE_METHODS:
             rec.update(max_diff_vs_scoreonly=max_diff_vs_scoreonly(
                 fn(q, k, w, topk, relu), q, k, w, relu))
@@ -746,7 +769,7 @@ def bench_one(method, T, cfg, kind, rate, reps):
 # The Gluon scores-only methods, compared with the Triton scores-only kernel's row maxima.
 SM90_SCORE_METHODS = ("scoreonly_sm90", "scoreonly_sm90_free")
 # Methods on Gluon kernels: Hopper only (no interpreter).
-GLUON_METHODS = SM90_SCORE_METHODS + ("hytopk_scores_sm90",)
+GLUON_METHODS = SM90_SCORE_METHODS + ("hytopk_scores_sm90", "hytopk_scores_sm90_immediate")
 # Longest T at which the library paths' selections are compared with HyTopK's, row by row.
 SAME_SET_MAX_T = 131072
 

@@ -78,14 +78,16 @@ def scores_sm90_phases(records):
     if not rows:
         return []
     lines = ["", "| config | T | on the Gluon scores ms | x GEMM floor | rows redone | "
-             "sample ms | filter ms | select ms | rest ms |", "|---" * 9 + "|"]
+             "sample ms | filter ms | select ms | rest ms | torch.topk select ms |",
+             "|---" * 10 + "|"]
     for r in sorted(rows, key=lambda r: (r["config"], r["T"])):
         ph = r.get("phase_ms") or {}
         parts = [ph.get(n) for n in ("sample", "filter", "select")]
         rest = r["ms"] - sum(parts) if all(isinstance(p, float) for p in parts) else None
         lines.append(f"| {r['config']} | {r['T']} | {fmt(r['ms'])} | "
                      f"{fmt(r.get('x_floor'), '.2f')} | {fmt(r.get('redone_rows_share'), '.2%')} | "
-                     + " | ".join(fmt(p) for p in parts) + f" | {fmt(rest)} |")
+                     + " | ".join(fmt(p) for p in parts)
+                     + f" | {fmt(rest)} | {fmt(ph.get('select_torch'))} |")
     return lines
 
 

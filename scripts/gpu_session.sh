@@ -92,8 +92,16 @@
 #   bash scripts/gpu_session.sh filter-sm90  # issue #21: HyTopK on the Gluon scores
 #                                         # (HyTopKOptions.scores_sm90): its GPU tests (the
 #                                         # filter first under a short timeout), then timed
-#                                         # beside the default, V3.2 / GLM-5.1 at 16K and 128K
-#                                         # (FILTER_T, FILTER_BENCH_S)            (~3 min)
+#                                         # beside the default, the filter's first build
+#                                         # (scores_sm90_defer_store off), the Gluon scores
+#                                         # alone and cuDNN's selection where installed,
+#                                         # V3.2 / GLM-5.1 at 16K and 128K
+#                                         # (FILTER_T, FILTER_BENCH_S)            (~5 min)
+#   bash scripts/gpu_session.sh profile-layers  # issues #20 items 4-5: one profiled step
+#                                         # (bench_layer.py --profile-kernels) of the QSA
+#                                         # layer at 512K (PROFILE_QSA_T) and the GLM-5.1 DSA
+#                                         # layer at 128K (PROFILE_DSA_T), HyScale only: where
+#                                         # their time goes                       (~3 min)
 #   bash scripts/gpu_session.sh key-tma   # issue #21: HyTopK's key tiles through TMA
 #                                         # (HyTopKOptions.key_tma): its GPU tests, then timed
 #                                         # beside the default, V3.2 / GLM-5.1 / the folded
@@ -226,7 +234,8 @@ case "$stage" in
   verify|tests|kernels|attention|attention-table|fwd-split|layer|layer-packed|accuracy|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2\
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |flashmla-pair|lockstep-triton|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
-  |ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection) ;;
+  |ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection\
+  |profile-layers) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
@@ -235,7 +244,7 @@ case "$stage" in
        "|reliability" \
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
        "|ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics" \
-       "|captured-selection}" \
+       "|captured-selection|profile-layers}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -279,6 +288,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
 fi
 case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|filter-sm90\
+  |profile-layers\
   |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton)
     case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
@@ -547,7 +557,18 @@ case "$stage" in
     rm -f "$out/current.log"
     exit $rc
     ;;
+  profile-layers)
+    # HyScale's layers only (the baselines were timed beside them before), one timed step
+    # each and one profiled step: the 20 operators with the most device time.
+    timeout 200 python3 scripts/bench_layer.py --model qsa --seq ${PROFILE_QSA_T:-524288} \
+      --repeats 1 --skip-stock --profile-kernels 20 --out "$out" 2>&1 | grep -v -i warn \
+      | grep -E "profile|ms .*x |^\| T|^\| [0-9]|Error" | tee "$out/profile_qsa.log"
+    timeout 240 python3 scripts/bench_layer.py --model dsa --seq ${PROFILE_DSA_T:-131072} \
+      --repeats 1 --skip-stock --profile-kernels 20 --out "$out" 2>&1 | grep -v -i warn \
+      | grep -E "profile|ms .*x |^\| T|^\| [0-9]|Error" | tee "$out/profile_dsa.log" ;;
   models)
+    # The records beside the logs, so that they come back with $OUT.
+    export HYSCALE_RESULTS=$out/results
     models=(); seqs=()
     for a in "$@"; do case $a in csa|hca|qsa) models+=("$a") ;; *) seqs+=("$a") ;; esac; done
     [ ${#models[@]} -gt 0 ] || models=(csa hca qsa)
@@ -656,8 +677,9 @@ case "$stage" in
     library=()
     [ -d .carry/site/nvidia_cutlass_dsl ] && library=(cudnn)
     # shellcheck disable=SC2086  # lengths split on purpose
-    timeout ${FILTER_BENCH_S:-200} python3 scripts/bench_selection.py --T ${FILTER_T:-16384 131072} \
-      --configs dsv32 glm51 --reps 3 --methods hytopk hytopk_scores_sm90 "${library[@]}" \
+    timeout ${FILTER_BENCH_S:-300} python3 scripts/bench_selection.py --T ${FILTER_T:-16384 131072} \
+      --configs dsv32 glm51 --reps 3 --methods hytopk hytopk_scores_sm90 \
+      hytopk_scores_sm90_immediate scoreonly_sm90 "${library[@]}" \
       --tag _filter_sm90 \
       --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
       | tee "$out/bench_selection_filter_sm90.log" ;;

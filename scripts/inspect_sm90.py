@@ -224,10 +224,13 @@ def _hytopk(H: int, D: int, topk: int, relu: bool, T: int = 8192, mode: int = 0,
     return calls
 
 
-def _write_rows(topk: int, rows: int = 264, **options: Any) -> list[Launch]:
+def _write_rows(topk: int, rows: int = 264, select: bool = False, key_order: bool = False,
+                **options: Any) -> list[Launch]:
     """HyTopK's row output alone (`hytopk.write_rows`: load, sort, decode, store of each
     row's packed keys) over rows of a 2 x topk buffer; options: HyTopKOptions fields (such as
-    row_sort). Straight-line code without an MMA: read the whole kernel's counts."""
+    row_sort); select, key_order: write_rows' (select: the survivors' select of
+    `hytopk_sm90.select_survivors`, a radix select over the 2 x topk buffer first).
+    Straight-line code without an MMA: read the whole kernel's counts."""
     from megatron_hyscale.ops.kernels import hytopk as hk
     from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
@@ -235,7 +238,7 @@ def _write_rows(topk: int, rows: int = 264, **options: Any) -> list[Launch]:
     counts = torch.zeros(rows, dtype=torch.int32)
     with intercept(hk, "_write_rows_kernel") as calls:
         hk.write_rows(keys, counts, topk, options=replace(HyTopKOptions.DEFAULT, **options),
-                      programs=132 * 2)
+                      programs=132 * 2, select=select, key_order=key_order)
     return calls
 
 
@@ -348,9 +351,11 @@ def _indexer_scores_sm90(h: int, T: int = 4096) -> list[Launch]:
     return calls
 
 
-def _indexer_filter_sm90(h: int, topk: int = 2048, T: int = 4096) -> list[Launch]:
+def _indexer_filter_sm90(h: int, topk: int = 2048, T: int = 4096,
+                         defer_store: bool = True) -> list[Launch]:
     """The same kernel's FILTER epilogue (`indexer_filter_sm90`: each row's scores at or above
-    its threshold appended to its survivor list), the cap `kernels/hytopk_sm90.py` uses."""
+    its threshold appended to its survivor list), the cap `kernels/hytopk_sm90.py` uses;
+    defer_store as `HyTopKOptions.scores_sm90_defer_store`."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
     from megatron_hyscale.ops.kernels import indexer_scores_sm90 as scores
 
@@ -359,7 +364,8 @@ def _indexer_filter_sm90(h: int, topk: int = 2048, T: int = 4096) -> list[Launch
     w = torch.zeros(1, T, h, dtype=torch.float32)
     tau = torch.zeros(1, T)
     with intercept(scores, "_indexer_scores_kernel") as calls:
-        scores.indexer_filter_sm90(q, k, w, tau, 0, T, hytopk_sm90.survivor_cap(topk))
+        scores.indexer_filter_sm90(q, k, w, tau, 0, T, hytopk_sm90.survivor_cap(topk),
+                                   defer_store=defer_store)
     return calls
 
 
@@ -530,6 +536,7 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     # HyTopKOptions.row_sort: the row output alone, then in the select kernel (folded query).
     "hytopk-write-rows": lambda: _write_rows(2048),
     "hytopk-write-rows-regs": lambda: _write_rows(2048, row_sort="bitonic_regs"),
+    "hytopk-select-survivors": lambda: _write_rows(2048, select=True, key_order=True),
     "hytopk-norelu-sort-regs": lambda: _hytopk(32, 128, 2048, False, row_sort="bitonic_regs"),
     # A head dim below tl.dot's 16 (tests' tiny geometries): must still compile.
     "hytopk-tiny-head-dim": lambda: _hytopk(4, 8, 16, True, T=256),
@@ -583,6 +590,7 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "indexer-scores-sm90-glm51": lambda: _indexer_scores_sm90(32),
     "indexer-filter-sm90-dsv32": lambda: _indexer_filter_sm90(64),
     "indexer-filter-sm90-glm51": lambda: _indexer_filter_sm90(32),
+    "indexer-filter-sm90-dsv32-immediate": lambda: _indexer_filter_sm90(64, defer_store=False),
     "sparse-attention-hca": lambda: _sparse_attention(64, 1, 512, None, 128, prefix=True),
     "sparse-attention-qsa": lambda: _sparse_attention(24, 2, 256, 256, 2052),
     "sparse-attention-qsa-dkv-lockstep": lambda: _sparse_attention(24, 2, 256, 256, 2052,

@@ -58,6 +58,25 @@ def torch_filter(q, k, w, tau, t_lo, t_hi, cap, *, drop_last=False, shuffle_seed
     return keys, counts
 
 
+def torch_select(keys, counts, topk, *, order, options):
+    """`select_survivors`' contract in plain torch: each row's topk largest of its first
+    min(count, cap) keys, decoded, by score ("score", "any") or by increasing index ("key"),
+    empty slots (-1, -inf) last."""
+    del options
+    cap = keys.shape[-1]
+    valid = torch.arange(cap, device=keys.device) < counts.clamp(max=cap)[..., None]
+    best = torch.where(valid, keys, INT64_MIN).topk(topk, dim=-1).values
+    empty = best == INT64_MIN
+    idx = torch.where(empty, -1, LOW32 - (best & LOW32)).to(torch.int32)
+    bits = (best >> 32).to(torch.int32)
+    val = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).view(torch.float32)
+    val = torch.where(empty, float("-inf"), val)
+    if order == "key":
+        pos = torch.where(empty, 1 << 40, idx.long()).argsort(-1)
+        idx, val = idx.gather(-1, pos), val.gather(-1, pos)
+    return idx, val
+
+
 def int_inputs(B, T, H, D, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-3, 4, (B, T, H, D), generator=g).to(torch.bfloat16)
@@ -66,11 +85,13 @@ def int_inputs(B, T, H, D, seed):
     return q.to(DEV), k.to(DEV), w.to(DEV)
 
 
-def run(q, k, w, topk, samples, filter_fn=torch_filter, order="score"):
+def run(q, k, w, topk, samples, filter_fn=torch_filter, order="score", select_fn=torch_select):
+    """The op with plain-torch filter and select (the interpreter runs the sample's table and
+    the redo); select_fn=None: the select kernel."""
     opts = HyTopKOptions(scores_sm90=True, scores_sm90_samples=samples, interpret_programs=2)
     stats = torch.zeros(2, dtype=torch.int64, device=DEV)
     got = hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, order=order,
-                                  filter_fn=filter_fn, stats=stats)
+                                  filter_fn=filter_fn, select_fn=select_fn, stats=stats)
     return got, stats
 
 
@@ -198,6 +219,66 @@ def test_bad_sample_count_is_refused():
                                 precision="bf16", options=HyTopKOptions(scores_sm90_samples=0))
 
 
+def test_redone_rows_go_in_fixed_multiples(monkeypatch):
+    """The Triton redo always gets a row count that is a multiple of REDO_ROWS_MULTIPLE (so a
+    count that changes every call compiles no new kernel), padded with a repeated row whose
+    output is dropped: the rows still equal the reference's."""
+    q, k, w = int_inputs(2, 96, 2, 16, seed=1)
+    monkeypatch.setattr(hytopk_sm90, "REDO_ROWS_MULTIPLE", 16)
+    launched = []
+    real = hytopk_sm90.hk.hytopk_triton
+
+    def spy(q_rows, *args, **kwargs):
+        launched.append(q_rows.shape[1])
+        return real(q_rows, *args, **kwargs)
+
+    monkeypatch.setattr(hytopk_sm90.hk, "hytopk_triton", spy)
+    (idx, val), stats = run(q, k, w, 12, 1)  # one sampled key: most rows redone
+    want = hytopk(q, k, w, 12, backend="reference")
+    assert torch.equal(idx, want[0]) and torch.equal(val, want[1])
+    assert launched and all(n % 16 == 0 for n in launched), launched
+    assert sum(launched) > stats[0] >= sum(launched) - 16 * len(launched)  # padded
+
+
+@pytest.mark.parametrize("order", ["score", "key", "any"])
+def test_select_survivors_takes_each_rows_top_k(order):
+    """The select kernel over survivor buffers (HyTopK's radix select and row sort): rows with
+    more survivors than topk (ties in score: the smaller index wins), exactly topk, fewer
+    (empty slots last), none, and over the cap (wrong, the caller redoes it, but no fault):
+    each row's top-k of its first count keys, in `order`, as the plain-torch select gives
+    them ("any": the same set, empty slots last)."""
+    g = torch.Generator().manual_seed(0)
+    B, n, cap, topk = 2, 6, 16, 5
+    scores = torch.randint(-4, 5, (B, n, cap), generator=g).float()
+    index = torch.stack([torch.randperm(100, generator=g)[:cap] for _ in range(B * n)])
+    keys = pack(scores, index.view(B, n, cap))
+    counts = torch.tensor([[16, 5, 3, 0, 9, 16], [12, 7, 1, 5, 16, 20]], dtype=torch.int32)
+    keys = torch.where(torch.arange(cap) < counts.clamp(max=cap)[..., None], keys, INT64_MIN)
+    opts = HyTopKOptions(interpret_programs=2)
+    idx, val = hytopk_sm90.select_survivors(keys.clone().to(DEV), counts.to(DEV), topk,
+                                            order=order, options=opts)
+    want_idx, want_val = torch_select(keys, counts, topk, order=order, options=opts)
+    idx, val = idx.cpu(), val.cpu()
+    ok = counts <= cap  # the last row overflowed
+    if order == "any":
+        filled = (idx >= 0).sum(-1)
+        assert ((idx >= 0) == (torch.arange(topk) < filled[..., None])).all()  # empty last
+        pos, want_pos = idx.argsort(-1), want_idx.argsort(-1)
+        idx, val = idx.gather(-1, pos), val.gather(-1, pos)
+        want_idx, want_val = want_idx.gather(-1, want_pos), want_val.gather(-1, want_pos)
+    assert torch.equal(idx[ok], want_idx[ok]) and torch.equal(val[ok], want_val[ok])
+
+
+@pytest.mark.parametrize("order", ["score", "key"])
+def test_the_op_on_the_select_kernel(order):
+    """The op with the select kernel itself (the other CPU tests use the plain-torch select):
+    batch 2, rows seeing fewer keys than topk, ties, a few rows redone."""
+    q, k, w = int_inputs(2, 24, 2, 16, seed=5)
+    want = hytopk(q, k, w, 6, backend="reference", order=order)
+    (idx, val), _ = run(q, k, w, 6, 4, order=order, select_fn=None)
+    assert torch.equal(idx, want[0]) and torch.equal(val, want[1])
+
+
 # --------------------------------------------------------------------------- GPU (Hopper)
 
 
@@ -216,12 +297,14 @@ def survivors(keys: torch.Tensor, counts: torch.Tensor, cap: int) -> list[torch.
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("defer_store", [True, False])
 @pytest.mark.parametrize("H", [64, 32])
-def test_gluon_filter_matches_the_torch_filter(H):
+def test_gluon_filter_matches_the_torch_filter(H, defer_store):
     """indexer_filter_sm90 on integer inputs, batch 2, a chunk of rows [100, 1031) off every
     block boundary: the same counts as the torch filter, and where a row's survivors fit the
     cap the same keys; rows over the cap wrote cap of their survivors. Thresholds at each row's
-    40th score (ties at it included), -inf for a few rows (every visible key), +inf for one."""
+    40th score (ties at it included), -inf for a few rows (every visible key), +inf for one.
+    Both stores (under the next tile's product, and at once), the last tile's included."""
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
     B, T, cap, t_lo = 2, 1031, 64, 100
@@ -231,7 +314,7 @@ def test_gluon_filter_matches_the_torch_filter(H):
     tau = scores.topk(40, dim=-1).values[..., -1].contiguous()
     tau[:, :3] = float("-inf")
     tau[1, 7] = float("inf")
-    got = indexer_filter_sm90(q, k, w, tau, t_lo, T, cap)
+    got = indexer_filter_sm90(q, k, w, tau, t_lo, T, cap, defer_store=defer_store)
     want = torch_filter(q, k, w, tau, t_lo, T, T)  # every survivor
     torch.cuda.synchronize()
     assert torch.equal(got[1], want[1])

@@ -465,30 +465,49 @@ def _write_row(row_ptr, n, out_off, out_idx_ptr, out_score_ptr, TOPK: tl.constex
 @triton.jit
 def _write_rows_kernel(keys_ptr, count_ptr, out_idx_ptr, out_score_ptr, n_rows, CAP,
                        TOPK: tl.constexpr, KP: tl.constexpr, ORDERED: tl.constexpr,
-                       ROW_SORT: tl.constexpr, KEY_ORDER: tl.constexpr = False):
+                       ROW_SORT: tl.constexpr, KEY_ORDER: tl.constexpr = False,
+                       SELECT: tl.constexpr = False, CP: tl.constexpr = 1):
     """_write_row alone over rows (tests, `bench_selection.py --row-sort-micro`,
     `inspect_sm90.py`): keys int64 [rows, CAP] (a row's first count[r] <= TOPK entries are its
-    distinct keys), outputs int32 [rows, TOPK] (scores as their fp32 bits)."""
+    distinct keys), outputs int32 [rows, TOPK] (scores as their fp32 bits). SELECT: a count
+    may exceed TOPK (up to CAP <= CP, a power of two): such a row's TOPK largest keys are
+    first compacted to its front in place (`_compact_row`'s radix select), then written."""
     for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         r64 = r + tl.zeros([], tl.int64)
-        _write_row(keys_ptr + r64 * CAP, tl.load(count_ptr + r), r64 * TOPK, out_idx_ptr,
-                   out_score_ptr, TOPK, KP, ORDERED, ROW_SORT, KEY_ORDER)
+        n = tl.load(count_ptr + r)
+        if SELECT:
+            n = tl.minimum(n, CAP)
+            if n > TOPK:
+                _compact_row(keys_ptr + r64 * CAP, tl.arange(0, CP), n, TOPK)
+                tl.debug_barrier()  # the compacted row is visible to every thread
+                n = n * 0 + TOPK
+        _write_row(keys_ptr + r64 * CAP, n, r64 * TOPK, out_idx_ptr, out_score_ptr, TOPK, KP,
+                   ORDERED, ROW_SORT, KEY_ORDER)
 
 
 def write_rows(keys: torch.Tensor, counts: torch.Tensor, topk: int, *, ordered: bool = True,
                options: HyTopKOptions = HyTopKOptions.DEFAULT, programs: int | None = None,
-               key_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               key_order: bool = False, select: bool = False) -> tuple[torch.Tensor,
+                                                                       torch.Tensor]:
     """The select kernel's row output alone: keys int64 [rows, cap] (packed, distinct within a
     row's first counts[r] <= topk entries), counts int32 [rows] -> indices int32 and scores
     fp32 [rows, topk], as the kernel writes them with options.row_sort (by increasing index
-    with key_order). programs: the grid (default: one program a row)."""
+    with key_order; ordered=False: in buffer order, empty slots last). programs: the grid
+    (default: one program a row). select: counts may exceed topk (the first min(count, cap)
+    entries are a row's distinct keys): each row's topk largest are taken, compacting keys in
+    place (its contents past a row's first topk are then undefined)."""
     rows, cap = keys.shape
+    if select and not keys.is_contiguous():
+        raise ValueError("keys must be contiguous with select=True (compacted in place)")
     indices = torch.empty(rows, topk, dtype=torch.int32, device=keys.device)
     scores = torch.empty(rows, topk, dtype=torch.float32, device=keys.device)
+    if rows == 0:
+        return indices, scores
     _write_rows_kernel[(programs or max(1, rows),)](
         keys.contiguous(), counts.to(torch.int32).contiguous(), indices,
         scores.view(torch.int32), rows, cap, TOPK=topk, KP=triton.next_power_of_2(topk),
         ORDERED=ordered, ROW_SORT=_row_sort_code(options), KEY_ORDER=ordered and key_order,
+        SELECT=select, CP=triton.next_power_of_2(cap) if select else 1,
         num_warps=options.num_warps)
     return indices, scores
 

@@ -11,7 +11,8 @@ Algorithm: (1) every `stride`-th key is scored for every row (HyTopK's score-tab
 those keys): a row's threshold is the sample score ranked where SURVIVOR_MARGIN x topk of its
 visible keys would rank; (2) `indexer_filter_sm90` appends each row's scores at or above its
 threshold as packed int64 keys (score, then the smaller index), at most `survivor_cap(topk)`
-a row; (3) each row's top-k of its survivors (torch.topk on the packed keys). A row with fewer
+a row; (3) each row's top-k of its survivors (`select_survivors`: HyTopK's radix select and
+row sort on the packed keys, in the caller's order). A row with fewer
 survivors than min(topk, visible keys), or more than the cap (a threshold off its quantile,
 ties at it), is redone by the Triton kernel: the result is exact whatever the sample, for the
 scores each row was selected on (the Gluon kernel's fp32 sums, the Triton kernel's for a redone
@@ -23,13 +24,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from megatron_hyscale.ops.checks import KernelVariants
 from megatron_hyscale.ops.kernels import hytopk as hk
 from megatron_hyscale.ops.kernels.options import HyTopKOptions
-from megatron_hyscale.ops.key_order import sort_rows_by_key
 
 # Survivors aimed at, in units of topk: the sample's quantile error must rarely push the count
 # below topk (a redo) or above the cap.
@@ -40,6 +41,12 @@ CAP_FACTOR = 2
 CHUNK_BYTES = 512 << 20
 # Rows a chunk of the sample's score table (fp32 [rows, samples]).
 SAMPLE_CHUNK_ROWS = 8192
+# The rows redone by the Triton kernel go in multiples of this (the last one repeated): its
+# launch takes the row count and the row blocks as integer arguments, which Triton
+# specializes (== 1, divisible by 16), so a count that changes every call would compile
+# another kernel on some calls (15 s a step at V3.2 64K, 2026-12-05). 256 rows are a multiple
+# of 16 row blocks for every head count the Gluon scores take.
+REDO_ROWS_MULTIPLE = 256
 
 # Why a call cannot run here (one warning a cause), and the (heads, topk) variants whose
 # kernels failed to compile or launch in this process (refused after one warning): the Triton
@@ -49,6 +56,8 @@ VARIANTS = KernelVariants("hytopk-scores-sm90", "HyTopK on the Gluon scores (sco
 
 # (q, k, w, tau, t_lo, t_hi, cap) -> (keys, counts): `indexer_filter_sm90`'s contract.
 FilterFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# (keys, counts, topk, *, order, options) -> (indices, scores): `select_survivors`' contract.
+SelectFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def survivor_cap(topk: int) -> int:
@@ -133,12 +142,13 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
 
 def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
                 options: HyTopKOptions, order: str = "score",
-                filter_fn: FilterFn | None = None,
+                filter_fn: FilterFn | None = None, select_fn: SelectFn | None = None,
                 stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's exact top-k in `order` (module doc) on inputs `unsupported` accepted: only
-    "score" sorts the survivors' top-k by score ("key" sorts the indices, "any" moves the empty
-    slots of the rows that see fewer than topk keys last). filter_fn: the survivors' kernel
-    (default `indexer_filter_sm90`; tests pass a plain-torch one). stats: optional int64 [2]
+    """Each row's exact top-k in `order` (module doc; "any": the set, empty slots last) on
+    inputs `unsupported` accepted. filter_fn: the survivors' kernel
+    (default `indexer_filter_sm90`; tests pass a plain-torch one); select_fn: the select over
+    the survivors (default `select_survivors`; the interpreter tests pass a plain-torch one,
+    its radix select taking minutes there). stats: optional int64 [2]
     receiving (rows redone, rows). Host syncs: one (whether any row is redone), plus one a
     batch with rows to redo (which)."""
     if order not in ("score", "key", "any"):
@@ -147,7 +157,7 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
     if filter_fn is None:
         from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
-        filter_fn = indexer_filter_sm90
+        filter_fn = partial(indexer_filter_sm90, defer_store=options.scores_sm90_defer_store)
     B, T = q.shape[:2]
     cap = survivor_cap(topk)
     if B * T == 0:
@@ -162,11 +172,10 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
     redo = torch.zeros(B, T, dtype=torch.bool, device=q.device)
     for t0, t1 in row_chunks(B, T, topk):
         keys, counts = filter_fn(q, k, w, tau[:, t0:t1].contiguous(), t0, t1, cap)
-        # sorted: descending score, then the smaller index
-        best = torch.topk(keys, topk, dim=-1, sorted=order == "score").values
-        indices[:, t0:t1], scores[:, t0:t1] = hk.decode_keys(best)
+        indices[:, t0:t1], scores[:, t0:t1] = (select_fn or select_survivors)(
+            keys, counts, topk, order=order, options=options)
         redo[:, t0:t1] = (counts < need[t0:t1]) | (counts > cap)
-        del keys, best
+        del keys, counts
     n_redo = int(redo.sum())  # a host sync: whether any row is redone
     if stats is not None:
         stats.copy_(torch.tensor([n_redo, B * T]))
@@ -174,20 +183,27 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
         kpos = torch.arange(T, device=q.device)[None]
         for b in range(B):
             rows = redo[b].nonzero()[:, 0]
-            if rows.numel():
+            n = rows.numel()
+            if n:
+                pad = -n % REDO_ROWS_MULTIPLE
+                rows_in = torch.cat([rows, rows[-1:].expand(pad)])
                 idx, val = hk.hytopk_triton(
-                    q[b:b + 1, rows], k[b:b + 1], w[b:b + 1, rows], topk, relu=True,
-                    q_positions=rows[None], k_positions=kpos, causal=True, options=options,
+                    q[b:b + 1, rows_in], k[b:b + 1], w[b:b + 1, rows_in], topk, relu=True,
+                    q_positions=rows_in[None], k_positions=kpos, causal=True, options=options,
                     ordered=order != "any", key_order=order == "key")
-                indices[b, rows], scores[b, rows] = idx[0], val[0]
-    if order == "key":
-        sort_rows_by_key(indices, scores)  # the redone rows come sorted: unchanged
-    elif order == "any":
-        # Only rows 0 .. topk - 2 can hold empty slots (row t sees t + 1 keys): empty last.
-        head = min(T, topk - 1)
-        if head > 0:
-            part = indices[:, :head]
-            last = (part < 0).to(torch.int8).argsort(dim=-1, stable=True)
-            indices[:, :head] = part.gather(-1, last)
-            scores[:, :head] = scores[:, :head].gather(-1, last)
+                indices[b, rows], scores[b, rows] = idx[0, :n], val[0, :n]
     return indices, scores
+
+
+def select_survivors(keys: torch.Tensor, counts: torch.Tensor, topk: int, *, order: str,
+                     options: HyTopKOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top-k of its survivors: keys int64 [B, n, cap] as `indexer_filter_sm90`
+    writes them (compacted in place), counts int32 [B, n] -> indices int32 and scores fp32
+    [B, n, topk] in `order` ("score": descending score, ties to the smaller index; "key":
+    increasing index; "any": the set, empty slots last). A row with more survivors than cap
+    comes back wrong: the caller redoes it."""
+    B, n, cap = keys.shape
+    idx, val = hk.write_rows(keys.view(B * n, cap), counts.view(B * n), topk,
+                             ordered=order != "any", key_order=order == "key", select=True,
+                             options=options)
+    return idx.view(B, n, topk), val.view(B, n, topk)

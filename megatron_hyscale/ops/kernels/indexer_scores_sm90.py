@@ -122,25 +122,25 @@ def _pack_key(score, index):
 
 
 @gluon.jit
-def _append_survivors(s, j, t0, b, t_lo, t_hi, n_rows, tau, cnt_ptr, buf_ptr,
-                      ROWS: gl.constexpr, BLOCK_S: gl.constexpr, CAP: gl.constexpr,
-                      flt_layout: gl.constexpr):
-    """Key tile j's scores s [BLOCK_S x ROWS] (rows t0 ..): each visible one >= its row's
-    threshold tau takes the next slot of its row (a relaxed atomic on the row's count) and is
-    stored there if the slot is below CAP. In flt_layout, one element a thread: the reduced
-    layout broadcasts each score over four lanes, which would count it four times."""
+def _claim_slots(s, j, rows, in_chunk, row_slot, tau, cnt_ptr, BLOCK_S: gl.constexpr,
+                 flt_layout: gl.constexpr):
+    """Key tile j's scores s [BLOCK_S x ROWS] (rows `rows`): each visible one >= its row's
+    threshold tau takes the next slot of its row (a relaxed atomic on the row's count).
+    Returns (slot, packed key, kept) for `_store_survivors`. In flt_layout, one element a
+    thread: the reduced layout broadcasts each score over four lanes, which would count it
+    four times."""
     s = gl.convert_layout(s, flt_layout)
     keys = j * BLOCK_S + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, flt_layout))
-    rows = t0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, flt_layout))
-    in_chunk = (rows >= t_lo) & (rows < t_hi)
-    slot = (b * n_rows + (rows - t_lo)).to(gl.int64)
     keep = ((keys[:, None] <= rows[None, :]) & in_chunk[None, :]) & (s >= tau[None, :])
-    zero = gl.zeros([BLOCK_S, ROWS], gl.int64, layout=flt_layout)
-    row_slot = slot[None, :] + zero
-    pos = gl.atomic_add(cnt_ptr + row_slot, gl.full([BLOCK_S, ROWS], 1, gl.int32, flt_layout),
+    pos = gl.atomic_add(cnt_ptr + row_slot, gl.full(s.shape, 1, gl.int32, flt_layout),
                         mask=keep, sem="relaxed")
-    gl.store(buf_ptr + row_slot * CAP + pos, _pack_key(s, keys[:, None] + zero),
-             mask=keep & (pos < CAP))
+    return pos, _pack_key(s, keys[:, None] + gl.zeros(s.shape, gl.int64, flt_layout)), keep
+
+
+@gluon.jit
+def _store_survivors(buf_ptr, row_slot, pos, key, keep, CAP: gl.constexpr):
+    """The claimed keys into their rows' slots below CAP (a row's count goes on past CAP)."""
+    gl.store(buf_ptr + row_slot * CAP + pos, key, mask=keep & (pos < CAP))
 
 
 @gluon.jit
@@ -148,12 +148,15 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
               swb, swt, swh, sob, sot, tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows,
               ROWS: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr,
               NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, red_layout: gl.constexpr,
-              FILTER: gl.constexpr, CAP: gl.constexpr, flt_layout: gl.constexpr):
+              FILTER: gl.constexpr, CAP: gl.constexpr, flt_layout: gl.constexpr,
+              DEFER_STORE: gl.constexpr):
     """Rows t0 .. t0 + ROWS - 1 (t0 = t_base + c * ROWS): each key tile's scores as
     [keys x (row, head)] = K_tile Q^T on wgmma, then ReLU x w, the head sum (N, in registers),
     the causal mask and a running max per (key slot, row); the max over key slots at the end.
     FILTER: instead of the max, the survivors at or above the row's threshold are appended
-    (`_append_survivors`; rows outside [t_lo, t_hi) write nothing)."""
+    (`_claim_slots`, `_store_survivors`; rows outside [t_lo, t_hi) write nothing).
+    DEFER_STORE: a tile's survivors are stored while the next tile's product runs, so the
+    consumer does not wait for its slot atomics' return before its next wgmma."""
     q_bar, ready, empty, turn = bars
     N: gl.constexpr = ROWS * H
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -172,8 +175,15 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
     if FILTER:
         # rows outside the chunk get +inf: no score passes it
         f_rows = t0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, flt_layout))
-        tau = gl.load(tau_ptr + b * n_rows + (f_rows - t_lo),
-                      mask=(f_rows >= t_lo) & (f_rows < t_hi), other=float("inf"))
+        in_chunk = (f_rows >= t_lo) & (f_rows < t_hi)
+        tau = gl.load(tau_ptr + b * n_rows + (f_rows - t_lo), mask=in_chunk,
+                      other=float("inf"))
+        row_slot = ((b * n_rows + (f_rows - t_lo)).to(gl.int64)[None, :]
+                    + gl.zeros([BLOCK_S, ROWS], gl.int64, layout=flt_layout))
+        if DEFER_STORE:  # nothing pending before the first tile
+            pend_pos = gl.zeros([BLOCK_S, ROWS], gl.int32, layout=flt_layout)
+            pend_key = gl.zeros([BLOCK_S, ROWS], gl.int64, layout=flt_layout)
+            pend_keep = pend_pos != 0
 
     mbarrier.wait(q_bar.index(c), 0)
     q_op = q_s.index(c).permute((1, 0))  # [D x (row, head)]: K-major B operand
@@ -185,6 +195,9 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
         acc = warpgroup_mma(k_s.index(i), q_op, zero, use_acc=False, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - c), count=1)
+        if FILTER:
+            if DEFER_STORE:  # the last tile's, under this tile's product
+                _store_survivors(buf_ptr, row_slot, pend_pos, pend_key, pend_keep, CAP)
         # The stage is free once the product that reads it completed; the accumulator is not
         # touched before this wait (ptxas would serialize every wgmma otherwise: C7514).
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -193,13 +206,20 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
         s = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, H]), axis=2)
         s = gl.convert_layout(s, red_layout, assert_trivial=True)
         if FILTER:
-            _append_survivors(s, j, t0, b, t_lo, t_hi, n_rows, tau, cnt_ptr, buf_ptr,
-                              ROWS, BLOCK_S, CAP, flt_layout)
+            pos, key, keep = _claim_slots(s, j, f_rows, in_chunk, row_slot, tau, cnt_ptr,
+                                          BLOCK_S, flt_layout)
+            if DEFER_STORE:
+                pend_pos, pend_key, pend_keep = pos, key, keep
+            else:
+                _store_survivors(buf_ptr, row_slot, pos, key, keep, CAP)
         else:
             visible = (j * BLOCK_S + keys)[:, None] <= rows[None, :]
             m = gl.maximum(m, gl.where(visible, s, float("-inf")))
 
-    if not FILTER:
+    if FILTER:
+        if DEFER_STORE:
+            _store_survivors(buf_ptr, row_slot, pend_pos, pend_key, pend_keep, CAP)
+    else:
         row_max = gl.max(m, axis=0)
         gl.store(out_ptr + b * sob + rows * sot, row_max, mask=rows < T)
 
@@ -210,7 +230,7 @@ def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
                            H: gl.constexpr, ROWS: gl.constexpr, BLOCK_S: gl.constexpr,
                            NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
                            red_layout: gl.constexpr, FILTER: gl.constexpr, CAP: gl.constexpr,
-                           flt_layout: gl.constexpr,
+                           flt_layout: gl.constexpr, DEFER_STORE: gl.constexpr,
                            CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """One program: query rows t_base .. t_base + 2 * ROWS - 1 of batch b, from t_lo. Program 0
@@ -248,11 +268,11 @@ def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
         (_consumer, (0, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
                      swb, swt, swh, sob, sot, tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows,
                      ROWS, H, BLOCK_S, NUM_STAGES, PINGPONG, red_layout, FILTER, CAP,
-                     flt_layout)),
+                     flt_layout, DEFER_STORE)),
         (_consumer, (1, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
                      swb, swt, swh, sob, sot, tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows,
                      ROWS, H, BLOCK_S, NUM_STAGES, PINGPONG, red_layout, FILTER, CAP,
-                     flt_layout)),
+                     flt_layout, DEFER_STORE)),
         (_producer, (q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, k_row0, n_tiles,
                      ROWS, H, BLOCK_S, NUM_STAGES)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -348,13 +368,15 @@ def indexer_row_max_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *,
 
 
 def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: torch.Tensor,
-                        t_lo: int, t_hi: int, cap: int, *, pingpong: bool = True
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        t_lo: int, t_hi: int, cap: int, *, pingpong: bool = True,
+                        defer_store: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The survivors of query rows [t_lo, t_hi): keys int64 [B, t_hi - t_lo, cap] (HyTopK's
     packed keys of the visible scores >= tau of each row, in no order, the first min(count,
     cap) slots written, INT64_MIN after) and counts int32 [B, t_hi - t_lo] (all survivors,
     also those past cap). tau: fp32 [B, t_hi - t_lo] thresholds (-inf: every visible key).
-    Hopper only: the caller checks the device."""
+    defer_store: store a key tile's survivors under the next tile's product (False: right
+    after their slot atomics return, as first built). Hopper only: the caller checks the
+    device."""
     check_inputs(q, k, w)
     B, T, H, D = q.shape
     n = t_hi - t_lo
@@ -373,13 +395,13 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
     counts = torch.zeros((B, n), device=q.device, dtype=torch.int32)
     if B * n:
         _launch(q, k, w, None, t_lo, t_hi, pingpong=pingpong,
-                survivors=(tau, counts, keys, cap))
+                survivors=(tau, counts, keys, cap), defer_store=defer_store)
     return keys, counts
 
 
-def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None):
+def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=True):
     """One launch over query rows [t_lo, t_hi): the row maxima into out, or with survivors =
-    (tau, counts, keys, cap) the survivors."""
+    (tau, counts, keys, cap) the survivors (defer_store: `_consumer`'s DEFER_STORE)."""
     B, T, H, D = q.shape
     rows = PAIRS // H
     q_layout, k_layout, red_layout, flt_layout = _shared_layouts(H)
@@ -397,6 +419,7 @@ def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None):
         tau, counts, keys, t_lo, t_hi,
         H=H, ROWS=rows, BLOCK_S=BLOCK_S, NUM_STAGES=NUM_STAGES, PINGPONG=pingpong,
         red_layout=red_layout, FILTER=survivors is not None, CAP=cap, flt_layout=flt_layout,
+        DEFER_STORE=survivors is not None and defer_store,
         CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
