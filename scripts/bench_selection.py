@@ -447,9 +447,10 @@ def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, defer_store=True):
 def scores_sm90_phases(q, k, w, topk, reps):
     """hytopk_scores_sm90's phases timed apart on the same inputs (ms): the sampled thresholds,
     the Gluon filter over all row chunks, the select over the survivors (`select_survivors`,
-    on a copy of the first chunk's buffer once a chunk, the copy's time taken off), and the
-    same select by torch.topk (which it replaced: select_torch, for comparison); the rest
-    (redone rows, masks) is the difference."""
+    on a copy of the first chunk's buffer once a chunk, the copy's time taken off, its
+    decode and order included), and torch.topk alone over the same buffers (select_torch: the
+    select it replaced, without that path's decode and key-order sort); the rest (redone
+    rows, masks) is the difference."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 

@@ -288,7 +288,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
 fi
 case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|filter-sm90\
-  |profile-layers\
+  |profile-layers|models\
   |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton)
     case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
@@ -567,8 +567,6 @@ case "$stage" in
       --repeats 1 --skip-stock --profile-kernels 20 --out "$out" 2>&1 | grep -v -i warn \
       | grep -E "profile|ms .*x |^\| T|^\| [0-9]|Error" | tee "$out/profile_dsa.log" ;;
   models)
-    # The records beside the logs, so that they come back with $OUT.
-    export HYSCALE_RESULTS=$out/results
     models=(); seqs=()
     for a in "$@"; do case $a in csa|hca|qsa) models+=("$a") ;; *) seqs+=("$a") ;; esac; done
     [ ${#models[@]} -gt 0 ] || models=(csa hca qsa)
@@ -671,7 +669,7 @@ case "$stage" in
   filter-sm90)
     # Issue #21 items 1-2: HyTopK on the Gluon scores (HyTopKOptions.scores_sm90): the
     # filter's GPU test first under a short timeout (an mbarrier fault hangs), then the op's
-    # GPU tests, then timed beside the default HyTopK (~3 min).
+    # GPU tests (~2 min), then timed beside the default HyTopK (FILTER_BENCH_S, ~5 min).
     smoke_then_tests tests/ops/test_hytopk_sm90.py "test_gluon_filter and 64" || exit 1
     # cuDNN's selection in the same run where scripts/gpu_cudnn.sh installed it.
     library=()

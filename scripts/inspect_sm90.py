@@ -229,8 +229,8 @@ def _write_rows(topk: int, rows: int = 264, select: bool = False, key_order: boo
     """HyTopK's row output alone (`hytopk.write_rows`: load, sort, decode, store of each
     row's packed keys) over rows of a 2 x topk buffer; options: HyTopKOptions fields (such as
     row_sort); select, key_order: write_rows' (select: the survivors' select of
-    `hytopk_sm90.select_survivors`, a radix select over the 2 x topk buffer first).
-    Straight-line code without an MMA: read the whole kernel's counts."""
+    `hytopk_sm90.select_survivors`, a radix select over the 2 x topk buffer first). No MMA:
+    read the whole kernel's counts."""
     from megatron_hyscale.ops.kernels import hytopk as hk
     from megatron_hyscale.ops.kernels.options import HyTopKOptions
 

@@ -166,7 +166,7 @@ def test_row_chunks(monkeypatch, order):
 
     got, _ = run(q, k, w, 12, 16, filter_fn=counted, order=order)
     assert calls[:2] == [(0, 7), (7, 14)] and calls[-1] == (147, 150)
-    if order == "any":  # each row's set (torch.topk's unsorted order follows its shapes)
+    if order == "any":  # each row's set (its order is the survivors' buffer order)
         got = [t.gather(-1, got[0].sort(-1).indices) for t in got]
         whole = [t.gather(-1, whole[0].sort(-1).indices) for t in whole]
     assert torch.equal(got[0], whole[0]) and torch.equal(got[1], whole[1])
@@ -269,13 +269,19 @@ def test_select_survivors_takes_each_rows_top_k(order):
     assert torch.equal(idx[ok], want_idx[ok]) and torch.equal(val[ok], want_val[ok])
 
 
-@pytest.mark.parametrize("order", ["score", "key"])
+@pytest.mark.parametrize("order", ["score", "key", "any"])
 def test_the_op_on_the_select_kernel(order):
     """The op with the select kernel itself (the other CPU tests use the plain-torch select):
-    batch 2, rows seeing fewer keys than topk, ties, a few rows redone."""
+    batch 2, rows seeing fewer keys than topk, ties, a few rows redone ("any": each row's set,
+    its empty slots last)."""
     q, k, w = int_inputs(2, 24, 2, 16, seed=5)
-    want = hytopk(q, k, w, 6, backend="reference", order=order)
+    want = hytopk(q, k, w, 6, backend="reference", order="score" if order == "any" else order)
     (idx, val), _ = run(q, k, w, 6, 4, order=order, select_fn=None)
+    if order == "any":
+        filled = (idx >= 0).sum(-1)
+        assert ((idx >= 0) == (torch.arange(6, device=idx.device) < filled[..., None])).all()
+        idx, val = (t.gather(-1, idx.argsort(-1)) for t in (idx, val))
+        want = [t.gather(-1, want[0].argsort(-1)) for t in want]
     assert torch.equal(idx, want[0]) and torch.equal(val, want[1])
 
 

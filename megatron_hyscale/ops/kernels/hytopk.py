@@ -468,10 +468,12 @@ def _write_rows_kernel(keys_ptr, count_ptr, out_idx_ptr, out_score_ptr, n_rows, 
                        ROW_SORT: tl.constexpr, KEY_ORDER: tl.constexpr = False,
                        SELECT: tl.constexpr = False, CP: tl.constexpr = 1):
     """_write_row alone over rows (tests, `bench_selection.py --row-sort-micro`,
-    `inspect_sm90.py`): keys int64 [rows, CAP] (a row's first count[r] <= TOPK entries are its
-    distinct keys), outputs int32 [rows, TOPK] (scores as their fp32 bits). SELECT: a count
-    may exceed TOPK (up to CAP <= CP, a power of two): such a row's TOPK largest keys are
-    first compacted to its front in place (`_compact_row`'s radix select), then written."""
+    `inspect_sm90.py`; with SELECT the survivors' select of `hytopk_sm90`): keys int64
+    [rows, CAP] (a row's first count[r] <= TOPK entries are its distinct keys), outputs int32
+    [rows, TOPK] (scores as their fp32 bits). SELECT: a count may exceed TOPK, and CAP (read
+    as CAP: the row's first CAP keys, whose top-k the caller then discards; CP is CAP rounded
+    up to a power of two): such a row's TOPK largest keys are first compacted to its front in
+    place (`_compact_row`'s radix select), then written."""
     for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         r64 = r + tl.zeros([], tl.int64)
         n = tl.load(count_ptr + r)
@@ -489,13 +491,15 @@ def write_rows(keys: torch.Tensor, counts: torch.Tensor, topk: int, *, ordered: 
                options: HyTopKOptions = HyTopKOptions.DEFAULT, programs: int | None = None,
                key_order: bool = False, select: bool = False) -> tuple[torch.Tensor,
                                                                        torch.Tensor]:
-    """The select kernel's row output alone: keys int64 [rows, cap] (packed, distinct within a
+    """The select kernel's row output alone (and, select=True, the survivors' select of
+    `hytopk_sm90.select_survivors`): keys int64 [rows, cap] (packed, distinct within a
     row's first counts[r] <= topk entries), counts int32 [rows] -> indices int32 and scores
     fp32 [rows, topk], as the kernel writes them with options.row_sort (by increasing index
     with key_order; ordered=False: in buffer order, empty slots last). programs: the grid
-    (default: one program a row). select: counts may exceed topk (the first min(count, cap)
-    entries are a row's distinct keys): each row's topk largest are taken, compacting keys in
-    place (its contents past a row's first topk are then undefined)."""
+    (default: one program a row). select: counts may exceed topk, and cap (the first
+    min(count, cap) entries are a row's distinct keys): each row's topk largest of those are
+    taken, compacting keys in place (its contents past a row's first topk are then
+    undefined)."""
     rows, cap = keys.shape
     if select and not keys.is_contiguous():
         raise ValueError("keys must be contiguous with select=True (compacted in place)")

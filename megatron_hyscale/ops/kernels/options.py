@@ -213,7 +213,8 @@ class HyTopKOptions:
     scores_sm90_samples: int = 2048
     # The Gluon filter stores a key tile's survivors while the next tile's product runs, not
     # right after their slot atomics return (which stalls the consumer on an L2 round trip
-    # most tiles); False: as first built (2026-12-05), kept to compare in the same run.
+    # most tiles); False: stored right after, as first built (2026-12-05), kept to compare in
+    # the same run.
     scores_sm90_defer_store: bool = True
 
     DEFAULT: ClassVar[HyTopKOptions]
