@@ -101,7 +101,8 @@
 #                                         # (bench_layer.py --profile-kernels) of the QSA
 #                                         # layer at 512K (PROFILE_QSA_T) and the GLM-5.1 DSA
 #                                         # layer at 128K (PROFILE_DSA_T), HyScale only: where
-#                                         # their time goes                       (~3 min)
+#                                         # their time goes; PROFILE_MODELS="qsa" for one
+#                                         #                                       (~3 min)
 #   bash scripts/gpu_session.sh key-tma   # issue #21: HyTopK's key tiles through TMA
 #                                         # (HyTopKOptions.key_tma): its GPU tests, then timed
 #                                         # beside the default, V3.2 / GLM-5.1 / the folded
@@ -559,13 +560,15 @@ case "$stage" in
     ;;
   profile-layers)
     # HyScale's layers only (the baselines were timed beside them before), one timed step
-    # each and one profiled step: the 20 operators with the most device time.
-    timeout 200 python3 scripts/bench_layer.py --model qsa --seq ${PROFILE_QSA_T:-524288} \
-      --repeats 1 --skip-stock --profile-kernels 20 --out "$out" 2>&1 | grep -v -i warn \
-      | grep -E "profile|ms .*x |^\| T|^\| [0-9]|Error" | tee "$out/profile_qsa.log"
-    timeout 240 python3 scripts/bench_layer.py --model dsa --seq ${PROFILE_DSA_T:-131072} \
-      --repeats 1 --skip-stock --profile-kernels 20 --out "$out" 2>&1 | grep -v -i warn \
-      | grep -E "profile|ms .*x |^\| T|^\| [0-9]|Error" | tee "$out/profile_dsa.log" ;;
+    # each and one profiled step: the 20 operators with the most device time. PROFILE_MODELS:
+    # which of the two (default "qsa dsa").
+    for model in ${PROFILE_MODELS:-qsa dsa}; do
+      seq=${PROFILE_QSA_T:-524288} budget=200
+      [ "$model" = dsa ] && seq=${PROFILE_DSA_T:-131072} budget=240
+      timeout $budget python3 scripts/bench_layer.py --model "$model" --seq "$seq" \
+        --repeats 1 --skip-stock --profile-kernels 20 --out "$out" 2>&1 | grep -v -i warn \
+        | grep -E "profile|ms .*x |^\| T|^\| [0-9]|Error" | tee "$out/profile_$model.log"
+    done ;;
   models)
     models=(); seqs=()
     for a in "$@"; do case $a in csa|hca|qsa) models+=("$a") ;; *) seqs+=("$a") ;; esac; done
