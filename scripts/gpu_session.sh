@@ -677,10 +677,11 @@ case "$stage" in
     # cuDNN's selection in the same run where scripts/gpu_cudnn.sh installed it.
     library=()
     [ -d .carry/site/nvidia_cutlass_dsl ] && library=(cudnn)
+    # FILTER_CONFIGS, FILTER_METHODS: fewer configs or methods (cuDNN's is added as above).
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout ${FILTER_BENCH_S:-300} python3 scripts/bench_selection.py --T ${FILTER_T:-16384 131072} \
-      --configs dsv32 glm51 --reps 3 --methods hytopk hytopk_scores_sm90 \
-      hytopk_scores_sm90_immediate scoreonly_sm90 "${library[@]}" \
+      --configs ${FILTER_CONFIGS:-dsv32 glm51} --reps 3 --methods ${FILTER_METHODS:-hytopk \
+      hytopk_scores_sm90 hytopk_scores_sm90_immediate scoreonly_sm90} "${library[@]}" \
       --tag _filter_sm90 \
       --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
       | tee "$out/bench_selection_filter_sm90.log" ;;
