@@ -172,6 +172,8 @@
 #                                         # timed beside the defaults (bench_indexer_loss.py
 #                                         # --variants, bench_attention.py --shapes qsa --indices
 #                                         # sorted --bwd-also / --fwd-also)           (~8 min)
+#                                         # LOCKSTEP_T="524288" LOCKSTEP_LOSS=0: QSA at 512K
+#                                         # only (the layer's length)                 (~3 min)
 #   bash scripts/gpu_session.sh cudnn-layer [T...]  # bench_layer.py, GLM-5.1 DSA: HyScale
 #                                         # (own kernels, then the measured best per op)
 #                                         # against stock on dsa_kernel_backend="cudnn"
@@ -921,10 +923,16 @@ case "$stage" in
         grep -h -E "^(FAILED|ERROR|E  )" "$out/tests.log" | cut -c1-400 | head -20 || true
         exit $rc ;;
       bench)
-        timeout 200 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 v32 \
-          --variants lockstep lockstep2 lockstep_1sm --out "$out" 2>&1 | grep -v -i warn \
-          | grep -E "T=|Error|failed" | tee "$out/bench_indexer_loss_variants.log"
-        timeout 330 python3 scripts/bench_attention.py --t 65536 131072 --shapes qsa \
+        # LOCKSTEP_T: the QSA lengths (e.g. 524288: the layer's 512K, where the pace's window
+        # outgrows the L2); LOCKSTEP_LOSS=0 skips the indexer-loss variants.
+        if [ "${LOCKSTEP_LOSS:-1}" != 0 ]; then
+          timeout 200 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 \
+            v32 --variants lockstep lockstep2 lockstep_1sm --out "$out" 2>&1 \
+            | grep -v -i warn | grep -E "T=|Error|failed" \
+            | tee "$out/bench_indexer_loss_variants.log"
+        fi
+        # shellcheck disable=SC2086  # lengths split on purpose
+        timeout 330 python3 scripts/bench_attention.py --t ${LOCKSTEP_T:-65536 131072} --shapes qsa \
           --indices sorted --bwd-also triton_lockstep triton_lockstep_dkv triton_lockstep2 \
           triton_lockstep_1sm --fwd-also triton_lockstep \
           --reps 2 --no-stock --no-tilelang --no-deterministic --out "$out" 2>&1 \
