@@ -77,6 +77,18 @@ def torch_select(keys, counts, topk, *, order, options):
     return idx, val
 
 
+def by_index(idx, val):
+    """Rows sorted by index (empty slots, -1, first): order "any"'s sets compared as sets."""
+    pos = idx.argsort(-1)
+    return idx.gather(-1, pos), val.gather(-1, pos)
+
+
+def assert_empty_last(idx):
+    """Each row's empty slots (-1) after all its selected ones."""
+    filled = (idx >= 0).sum(-1, keepdim=True)
+    assert ((idx >= 0) == (torch.arange(idx.shape[-1], device=idx.device) < filled)).all()
+
+
 def int_inputs(B, T, H, D, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-3, 4, (B, T, H, D), generator=g).to(torch.bfloat16)
@@ -167,8 +179,7 @@ def test_row_chunks(monkeypatch, order):
     got, _ = run(q, k, w, 12, 16, filter_fn=counted, order=order)
     assert calls[:2] == [(0, 7), (7, 14)] and calls[-1] == (147, 150)
     if order == "any":  # each row's set (its order is the survivors' buffer order)
-        got = [t.gather(-1, got[0].sort(-1).indices) for t in got]
-        whole = [t.gather(-1, whole[0].sort(-1).indices) for t in whole]
+        got, whole = by_index(*got), by_index(*whole)
     assert torch.equal(got[0], whole[0]) and torch.equal(got[1], whole[1])
 
 
@@ -261,11 +272,8 @@ def test_select_survivors_takes_each_rows_top_k(order):
     idx, val = idx.cpu(), val.cpu()
     ok = counts <= cap  # the last row overflowed
     if order == "any":
-        filled = (idx >= 0).sum(-1)
-        assert ((idx >= 0) == (torch.arange(topk) < filled[..., None])).all()  # empty last
-        pos, want_pos = idx.argsort(-1), want_idx.argsort(-1)
-        idx, val = idx.gather(-1, pos), val.gather(-1, pos)
-        want_idx, want_val = want_idx.gather(-1, want_pos), want_val.gather(-1, want_pos)
+        assert_empty_last(idx)
+        (idx, val), (want_idx, want_val) = by_index(idx, val), by_index(want_idx, want_val)
     assert torch.equal(idx[ok], want_idx[ok]) and torch.equal(val[ok], want_val[ok])
 
 
@@ -278,10 +286,8 @@ def test_the_op_on_the_select_kernel(order):
     want = hytopk(q, k, w, 6, backend="reference", order="score" if order == "any" else order)
     (idx, val), _ = run(q, k, w, 6, 4, order=order, select_fn=None)
     if order == "any":
-        filled = (idx >= 0).sum(-1)
-        assert ((idx >= 0) == (torch.arange(6, device=idx.device) < filled[..., None])).all()
-        idx, val = (t.gather(-1, idx.argsort(-1)) for t in (idx, val))
-        want = [t.gather(-1, want[0].argsort(-1)) for t in want]
+        assert_empty_last(idx)
+        (idx, val), want = by_index(idx, val), by_index(*want)
     assert torch.equal(idx, want[0]) and torch.equal(val, want[1])
 
 
