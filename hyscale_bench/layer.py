@@ -73,7 +73,9 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import UTC, datetime
 from functools import partial
@@ -734,8 +736,33 @@ def make_input(T: int, layer: Layer, args: argparse.Namespace) -> tuple[torch.Te
     return hidden.requires_grad_(), grad
 
 
+@contextmanager
+def hyscale_warnings() -> Iterator[list[str]]:
+    """The texts of HyScale's warnings raised inside (a fast kernel declined or disabled, a
+    fallback taken), filled on exit; each is still shown. HyScale warns once a process per
+    cause, so a cause is recorded by the first row that met it."""
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            yield found
+        finally:
+            for w in caught:
+                if str(w.message).startswith("HyScale"):
+                    found.append(str(w.message))
+    for w in caught:  # shown once the normal display is back
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
 def measure(layer: Layer, T: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Time, peak memory, in-step selection time and replay counters of one layer at length T."""
+    """Time, peak memory, in-step selection time and replay counters of one layer at length T,
+    and HyScale's warnings raised meanwhile (`hyscale_warnings`)."""
+    with hyscale_warnings() as found:
+        result = _measure(layer, T, args)
+    result["hyscale_warnings"] = found
+    return result
+
+
+def _measure(layer: Layer, T: int, args: argparse.Namespace) -> dict[str, Any]:
     from megatron_hyscale import replay
 
     hidden, grad = make_input(T, layer, args)

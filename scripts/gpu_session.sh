@@ -574,8 +574,10 @@ case "$stage" in
       fi
       timeout $budget python3 scripts/bench_layer.py --model "$model" --seq "$seq" \
         --repeats 1 --skip-stock --profile-kernels 20 "${flags[@]}" --out "$out" 2>&1 \
-        | grep -v -i warn \
+        | tee "$out/profile_$model.full.log" | grep -v -i warn \
         | grep -E "profile|ms .*x |^\| T|^\| [0-9]|Error" | tee "$out/profile_$model.log"
+      # the fast paths declined or disabled (each row's also in the JSON: hyscale_warnings)
+      grep -o "HyScale: .*" "$out/profile_$model.full.log" | sort | uniq -c | cut -c1-400
     done ;;
   models)
     models=(); seqs=()

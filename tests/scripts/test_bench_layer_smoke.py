@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import types
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,7 @@ def test_tiny_cpu_run(model: str, tmp_path: Path) -> None:
     assert _finite(row["selection_floor_ms"]) if selects else row["selection_floor_ms"] is None
     _check_record(row["hyscale"], selects=selects, replays=selects)
     _check_record(row[base], selects=selects, replays=False)
+    assert isinstance(row["hyscale"]["hyscale_warnings"], list)
     if model in ("csa", "qsa"):  # the baseline selects again in the recompute: no replay
         assert (row[base]["selections_computed"], row[base]["selections_replayed"]) == (2, 0)
     if model == "dsa":  # the CP-1 breakdown of the DSA step is still there
@@ -291,6 +293,23 @@ def test_fused_hook_counter_counts_and_restores() -> None:
     assert counter.counts == {"ran": {"used": 2, "declined": 0},
                               "declines": {"used": 0, "declined": 1}}
     assert (hooks.ran, hooks.declines) == originals
+
+
+def test_hyscale_warnings_are_recorded_and_still_shown() -> None:
+    """A row records HyScale's warnings (a declined fast path), also when it fails, and they
+    are still shown; other warnings are shown, not recorded."""
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with bench_layer.hyscale_warnings() as found:
+            warnings.warn("HyScale: the probe kernel cannot run (a cause); using the "
+                          "reference", RuntimeWarning, stacklevel=1)
+            warnings.warn("unrelated", UserWarning, stacklevel=1)
+    assert found == ["HyScale: the probe kernel cannot run (a cause); using the reference"]
+    assert [str(w.message)[:17] for w in shown] == ["HyScale: the prob", "unrelated"]
+    with pytest.raises(RuntimeError), bench_layer.hyscale_warnings() as failed:
+        warnings.warn("HyScale: declined before the failure", RuntimeWarning, stacklevel=1)
+        raise RuntimeError("kernel failed")
+    assert failed == ["HyScale: declined before the failure"]
 
 
 def test_guarded_keeps_going_only_when_asked() -> None:
