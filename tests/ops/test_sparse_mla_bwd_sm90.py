@@ -13,6 +13,7 @@ pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
                     reason="Gluon's Hopper API (tested with Triton 3.6)")
 from megatron_hyscale.ops import checks  # noqa: E402
 from megatron_hyscale.ops.kernels import sparse_mla_bwd_sm90 as bwd  # noqa: E402
+from megatron_hyscale.ops.kernels.gluon_common import kernel_strides  # noqa: E402
 from megatron_hyscale.ops.kernels.options import (  # noqa: E402
     AttentionKernelOptions,
     IndexerLossKernelOptions,
@@ -39,6 +40,24 @@ def test_layout_problems_name_the_tensor_and_the_cause():
     assert bwd.layout_problem(*_tensors(q_width=584))[0].startswith("q's rows")
     assert bwd.layout_problem(*_tensors(k_width=579))[0].startswith("k's rows")
     assert bwd.layout_problem(*_tensors(out_stride=2))[0] == "out's channels are not unit-stride"
+
+
+def test_a_single_sequences_batch_stride_is_not_checked():
+    """The DSA layer's dout of one sequence is the V up-projection's einsum gradient, heads
+    outermost: strides (1, 512, T * 512, 1). Its batch stride is never stepped along: the
+    kernel takes it as 0. With two sequences the same odd batch stride is refused."""
+    q, k, out, _ = _tensors()
+    T = q.shape[1]
+    dout = torch.zeros(64, T, 1, 512, dtype=torch.bfloat16).permute(2, 1, 0, 3)
+    assert dout.stride() == (512, 512, T * 512, 1) and dout.shape == (1, T, 64, 512)
+    layer_dout = dout.as_strided(dout.shape, (1, 512, T * 512, 1))
+    assert bwd.layout_problem(q, k, out, layer_dout) is None
+    assert kernel_strides(layer_dout, 3) == (0, 512, T * 512)
+    two = torch.zeros(2 * T * 64 * 512 + 1, dtype=torch.bfloat16)
+    odd = two.as_strided((2, T, 64, 512), (T * 64 * 512 + 1, 64 * 512, 512, 1))
+    q2, k2 = q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1).contiguous()
+    cause, detail = bwd.layout_problem(q2.contiguous(), k2, out.expand(2, -1, -1, -1), odd)
+    assert cause.startswith("dout's rows") and str(T * 64 * 512 + 1) in detail
 
 
 def test_cpu_tensors_are_never_its_case():

@@ -252,6 +252,28 @@ def test_batch_int64_per_head_indices_strided_q_and_fp16(launches, sm90):
 
 
 @needs_hopper
+def test_the_dsa_layers_dout_and_target(launches, sm90):
+    """The DSA layer's dout: the gradient of its V up-projection (einsum "bshc,hdc->sbhd" of
+    one sequence), heads outermost with a batch stride of 1, which the kernel takes as 0; the
+    indexer loss's target emitted (the layer's default path)."""
+    q, k, idx, _, _, scale = inputs(64, 96, 4096, 2048, seed=21)
+    out, lse = forward(q, k, idx, scale, None)
+    g = torch.Generator(device="cuda").manual_seed(22)
+    up_v = torch.randn(64, 128, 512, device="cuda", generator=g).to(q.dtype)
+    grad = torch.randn(96, 1, 64, 128, device="cuda", generator=g).to(q.dtype)
+    out_req = out.detach().requires_grad_()
+    torch.einsum("bshc,hdc->sbhd", out_req, up_v).backward(grad)
+    dout = out_req.grad
+    if dout.stride(0) % 16 == 0:  # torch's einsum made another layout: force the layer's
+        dout = torch.empty_strided(dout.shape, (1, 512, 96 * 512, 1), device="cuda",
+                                   dtype=dout.dtype).copy_(dout)
+    got = backward(q, k, idx, scale, None, out, lse, dout, sm90, target=True)
+    want = backward(q, k, idx, scale, None, out, lse, dout.contiguous(), TRITON, target=True)
+    assert launches == [1]
+    check_same(got, want)
+
+
+@needs_hopper
 def test_no_slot_at_all(launches):
     q, k, _, sink, dout, scale = inputs(64, 8, 256, 4, seed=1, d=512, sink=True)
     idx = torch.empty(1, 8, 0, device="cuda", dtype=torch.int32)

@@ -1,10 +1,11 @@
 """Device functions the Gluon kernels share (a Gluon kernel cannot call a Triton function):
 which (batch, query, head block) a program or a lockstep work item computes, a block's query
-heads, the lockstep pace, the cp.async gather of a block of rows, and an opaque zero that
-keeps shared-memory descriptors inside a loop."""
+heads, the lockstep pace, the cp.async gather of a block of rows, an opaque zero that keeps
+shared-memory descriptors inside a loop; and the strides their launches pass."""
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -100,3 +101,12 @@ def opaque_zero(x):
     spill."""
     return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32,
                                      is_pure=False, pack=1)
+
+
+def kernel_strides(x: torch.Tensor, n: int) -> tuple[int, ...]:
+    """x's first n strides as the Gluon kernels take them: a size-1 dimension's as 0. It is
+    never stepped along, so its stride is arbitrary (a transposed view's batch stride of 1, as
+    the DSA layer's dout of one sequence has), and 0 passes the kernels' stride checks
+    (`sparse_mla_fwd_sm90.STRIDE_MULTIPLE`) and keeps Triton's proof of 16-byte alignment."""
+    return tuple(0 if size == 1 else st
+                 for size, st in zip(x.shape[:n], x.stride()[:n], strict=True))

@@ -36,6 +36,7 @@ from megatron_hyscale.ops.checks import KernelVariants
 from megatron_hyscale.ops.kernels.common import LOG2E, LOG2E_JIT, SYNC_SPINS, lockstep_plan
 from megatron_hyscale.ops.kernels.gluon_common import (
     gather_rows,
+    kernel_strides,
     lockstep_wait,
     opaque_zero,
     query_heads,
@@ -509,8 +510,8 @@ def layout_problem(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
     """(cause, detail) of what keeps the inputs from the kernel, None if nothing: q, k and dout
     are copied 16 bytes at a time (their row strides multiples of STRIDE_MULTIPLE elements,
     unit-stride channels, 16-byte aligned data); out's channels are read unit-stride."""
-    for name, x, rows in (("q", q, q.stride()[:3]), ("k", k, k.stride()[:2]),
-                          ("dout", dout, dout.stride()[:3])):
+    for name, x, rows in (("q", q, kernel_strides(q, 3)), ("k", k, kernel_strides(k, 2)),
+                          ("dout", dout, kernel_strides(dout, 3))):
         if x.stride(-1) != 1 or any(st % STRIDE_MULTIPLE for st in rows):
             return (f"{name}'s rows are not multiples of {STRIDE_MULTIPLE} unit-stride elements",
                     f"strides {tuple(x.stride())}")
@@ -576,8 +577,8 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
         sink.contiguous() if sink is not None else lse, dq, dk,
         dsink if dsink is not None else lse, tgt, sync,
         T, Hq, indices.shape[-1], n_hb, programs, work, softmax_scale * LOG2E, softmax_scale,
-        *q.stride()[:3], *k.stride()[:2], *indices.stride(), *out.stride()[:3],
-        *dout.stride()[:3], *lse.stride(), *dq.stride()[:3], *dk.stride()[:2], *tgt_strides,
+        *kernel_strides(q, 3), *kernel_strides(k, 2), *indices.stride(), *out.stride()[:3],
+        *kernel_strides(dout, 3), *lse.stride(), *dq.stride()[:3], *dk.stride()[:2], *tgt_strides,
         D_MAIN=d_main, D_TAIL=d - d_main, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, NG=ng,
         HAS_DLSE=dlse is not None, HAS_SINK=sink is not None, TARGET=target is not None,
         TARGET_ATOMIC=tgt_atomic, PAD_HEADS=Hq < BLOCK_H, DK_VEC4=dk_vec4,

@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from megatron_hyscale.ops.checks import KernelVariants
 from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E, launch_grid
-from megatron_hyscale.ops.kernels.gluon_common import program_coords
+from megatron_hyscale.ops.kernels.gluon_common import kernel_strides, program_coords
 from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 
 # Query heads a program (the products' M: one wgmma tile height per warpgroup).
@@ -44,6 +44,7 @@ NUM_WARPS = 8
 # (8 elements) and Triton proves their alignment only from integer arguments divisible by 16
 # (a stride of 8 x an odd number compiles to 2-byte copies, which cp.async cannot do).
 STRIDE_MULTIPLE = 16
+
 # The tail channels after the power-of-two main part (576 = 512 + 64): the gathers' layout
 # covers 64 channels a row, so narrower tails are left to the Triton forward.
 TAIL = 64
@@ -228,7 +229,7 @@ def layout_problem(q: torch.Tensor, k: torch.Tensor) -> tuple[str, str] | None:
     """(cause, detail) of what keeps q / k from the kernel's 16-byte copies, None if nothing:
     the strides it uses (q's batch, token and head rows; k's batch and key rows) must be
     multiples of STRIDE_MULTIPLE, the channels unit-stride, the data 16-byte aligned."""
-    for name, x, rows in (("q", q, q.stride()[:3]), ("k", k, k.stride()[:2])):
+    for name, x, rows in (("q", q, kernel_strides(q, 3)), ("k", k, kernel_strides(k, 2))):
         if x.stride(-1) != 1 or any(st % STRIDE_MULTIPLE for st in rows):
             return (f"{name}'s rows are not multiples of {STRIDE_MULTIPLE} unit-stride elements",
                     f"strides {tuple(x.stride())}")
@@ -292,8 +293,8 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
                                       lockstep_slack=options.fwd_lockstep_slack,
                                       keys_ascending=keys_ascending)
         return out, lse
-    sqb, sqt, sqh, _ = q.stride()
-    skb, sks, _, _ = k.stride()
+    sqb, sqt, sqh = kernel_strides(q, 3)
+    skb, sks = kernel_strides(k, 2)
     sib, sit, sik = indices.stride()
     sob, sot, soh, _ = out.stride()
     _sparse_mla_fwd_kernel[grid](

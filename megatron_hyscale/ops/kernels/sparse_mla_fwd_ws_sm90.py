@@ -40,6 +40,7 @@ from megatron_hyscale.ops.kernels.common import (
 )
 from megatron_hyscale.ops.kernels.gluon_common import (
     gather_rows,
+    kernel_strides,
     lockstep_wait,
     opaque_zero,
     query_heads,
@@ -444,8 +445,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, sink: torch.
     L2."""
     d = q.shape[-1]
     d_main = out.shape[-1]
-    sqb, sqt, sqh, _ = q.stride()
-    skb, sks, _, _ = k.stride()
+    sqb, sqt, sqh = kernel_strides(q, 3)
+    skb, sks = kernel_strides(k, 2)
     q_main_sl, q_tail_sl, k_main_sl, k_tail_sl, p_sl = layouts
     n_hb = max(q.shape[2] // BLOCK_H, 1)
     work = q.shape[0] * q.shape[1] * n_hb
