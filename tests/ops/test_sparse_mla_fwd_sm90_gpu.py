@@ -279,7 +279,8 @@ def test_warp_specialized_kernel_agrees_with_the_plain_one_and_is_dispatched(mon
 def test_warp_specialized_kernel_takes_k_equal_v_and_a_sink(d, K, monkeypatch):
     """DeepSeek-V4's form (CSA: K = V of 512 channels, no tail, a sink a head): every row's lse
     is finite (the sink joins each denominator), the row without keys writes zeros and lse =
-    its sink; and `sparse_attention` runs it there only with fwd_sm90_ws."""
+    its sink; and `sparse_attention` runs it there only with fwd_sm90_ws (the default since
+    2026-12-05)."""
     from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90 as ws_mod
     from megatron_hyscale.ops.sparse_attention import sparse_attention
 
@@ -301,7 +302,8 @@ def test_warp_specialized_kernel_takes_k_equal_v_and_a_sink(d, K, monkeypatch):
     monkeypatch.setattr(ws_mod, "launch", counting)
     got = sparse_attention(q, k, None, idx, scale, sink=sink, options=replace(
         AttentionKernelOptions.DEFAULT, fwd_sm90_ws=True))
-    sparse_attention(q, k, None, idx, scale, sink=sink)  # default: the Triton forward
+    sparse_attention(q, k, None, idx, scale, sink=sink, options=replace(  # the Triton one
+        AttentionKernelOptions.DEFAULT, fwd_sm90_ws=False))
     assert calls == [1] and rel(got, out) == 0.0
 
 
