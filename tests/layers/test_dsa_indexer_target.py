@@ -289,3 +289,40 @@ def test_config_hytopk_options_reach_the_selection(monkeypatch):
     assert seen[-1] is opts
     for a, b in zip(got[:3], want[:3], strict=True):
         assert torch.equal(a, b)
+
+
+def test_one_sequences_backward_inputs_suit_the_hopper_backward(monkeypatch):
+    """What the layer hands the attention backward for one sequence (B = 1: dout is the V
+    up-projection's einsum gradient, heads outermost, batch stride 1) passes the Hopper
+    kernel's layout check, so on an H100 / H200 the layer runs it rather than the Triton
+    backward (it did not before 2026-12-05: the check read the batch stride). The kernel's
+    narrowest absorbed geometry (128 latent + 64 rope channels); the target's path, which runs
+    HyScale's Triton kernels here (the separate path's attention is the reference on CPU; its
+    dout is the same einsum's)."""
+    gluon_bwd = pytest.importorskip("megatron_hyscale.ops.kernels.sparse_mla_bwd_sm90",
+                                    reason="Gluon's Hopper API (tested with Triton 3.6)")
+    from megatron_hyscale.ops.kernels import sparse_attention as sa
+
+    seen = []
+    real = sa._backward
+
+    def spy(q, k, v, indices, scale, out, lse, dout, *args, **kwargs):
+        seen.append((q, k, v, out, dout))
+        return real(q, k, v, indices, scale, out, lse, dout, *args, **kwargs)
+
+    monkeypatch.setattr(sa, "_backward", spy)
+    cfg = tiny_dsa_config(num_layers=1, dsa_indexer_use_sparse_loss=True,
+                          dsa_indexer_topk=TOPK, kv_lora_rank=128, qk_pos_emb_head_dim=64,
+                          dsa_indexer_head_dim=96)
+    cfg.hyscale_indexer_target = "attention_backward"
+    torch.manual_seed(5)
+    model = build_gpt(cfg, stock=False, vocab_size=VOCAB, max_sequence_length=T).to(DEVICE)
+    ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(6))
+    ids = ids.to(DEVICE)
+    pos = torch.arange(T, device=DEVICE)[None]
+    model(ids, pos, None, labels=ids).mean().backward()
+    assert len(seen) == 1
+    q, k, v, out, dout = seen[0]
+    assert v is None and q.shape[0] == dout.shape[0] == 1 and q.shape[-1] == 192
+    assert dout.stride(0) % gluon_bwd.STRIDE_MULTIPLE, "B = 1's odd batch stride is the case"
+    assert gluon_bwd.layout_problem(q, k, out, dout) is None, dout.stride()
