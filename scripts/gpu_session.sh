@@ -563,15 +563,17 @@ case "$stage" in
   profile-layers)
     # HyScale's layers only (the baselines were timed beside them before), one timed step
     # each and one profiled step: the 20 operators with the most device time. PROFILE_MODELS:
-    # which of the two (default "qsa dsa"); PROFILE_FLAGS: more bench_layer flags for the DSA
-    # layer (e.g. "--hytopk-scores-sm90 --compare-own-kernels --compare-indexer-target": the
-    # loss's target from the attention backward against its own pass, each row profiled).
+    # which (default "qsa dsa"; also csa, hca: PROFILE_V4_T, default 131072); PROFILE_FLAGS:
+    # more bench_layer flags for the DSA layer (e.g. "--hytopk-scores-sm90
+    # --compare-own-kernels --compare-indexer-target": the loss's target from the attention
+    # backward against its own pass, each row profiled).
     for model in ${PROFILE_MODELS:-qsa dsa}; do
       seq=${PROFILE_QSA_T:-524288} budget=200 flags=()
-      if [ "$model" = dsa ]; then
-        seq=${PROFILE_DSA_T:-131072} budget=${PROFILE_DSA_S:-240}
-        read -r -a flags <<< "${PROFILE_FLAGS:-}"
-      fi
+      case $model in
+        dsa) seq=${PROFILE_DSA_T:-131072} budget=${PROFILE_DSA_S:-240}
+             read -r -a flags <<< "${PROFILE_FLAGS:-}" ;;
+        csa|hca) seq=${PROFILE_V4_T:-131072} budget=200 ;;
+      esac
       timeout $budget python3 scripts/bench_layer.py --model "$model" --seq "$seq" \
         --repeats 1 --skip-stock --profile-kernels 20 "${flags[@]}" --out "$out" 2>&1 \
         | tee "$out/profile_$model.full.log" | grep -v -i warn \
