@@ -50,9 +50,12 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              `kernels/hytopk_sm90.py`): sampled thresholds, the Gluon filter appending each
              row's survivors, HyTopK's select over them, missed rows redone by the Triton
              kernel; reports redone_rows_share and phase_ms (sample, filter, select timed
-             apart, and select_torch: torch.topk's select, which it replaced);
+             apart, select_torch: torch.topk's select, which it replaced, and sample_gluon:
+             the sample on the Gluon table);
              hytopk_scores_sm90_immediate: the filter storing each survivor right after its
-             slot atomic (scores_sm90_defer_store=False)
+             slot atomic (scores_sm90_defer_store=False); hytopk_scores_sm90_gluon_sample:
+             the sample scored by the Gluon kernel's table epilogue (scores_sm90_sample_table;
+             the phases' sample_gluon times it alone)
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
   128K)
   finish     HyTopK's last pass alone (the torch sort that orders and decodes each row)
@@ -182,6 +185,7 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          "scoreonly_sm90": 131072, "scoreonly_sm90_free": 131072,
          "hytopk_scores_sm90": 1048576, "hytopk_scores_sm90_immediate": 1048576,
+         "hytopk_scores_sm90_gluon_sample": 1048576,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
          "stock_cudnn": 65536,
@@ -431,16 +435,18 @@ def run_scoreonly_sm90(q, k, w, topk, relu, pingpong=True):
     return indexer_row_max_sm90(q, k, w, pingpong=pingpong)
 
 
-def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, defer_store=True):
+def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, defer_store=True,
+                           sample_table=False):
     """HyTopK from the warp-specialized Gluon scores (`kernels/hytopk_sm90.py`,
     HyTopKOptions.scores_sm90): sampled thresholds, the Gluon filter, a select over the
     survivors, the missed rows redone by the Triton kernel. ReLU configs, 32 or 64 heads.
-    defer_store: HyTopKOptions.scores_sm90_defer_store."""
+    defer_store, sample_table: HyTopKOptions.scores_sm90_defer_store, _sample_table."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
     if not relu:
         raise ValueError("hytopk_scores_sm90 scores under ReLU only")
-    opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True, scores_sm90_defer_store=defer_store)
+    opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True, scores_sm90_defer_store=defer_store,
+                   scores_sm90_sample_table=sample_table)
     return hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, stats=stats)
 
 
@@ -483,8 +489,16 @@ def scores_sm90_phases(q, k, w, topk, reps):
             torch.topk(keys, topk, dim=-1)
 
     copy = time_ms(copy_all, reps=reps, warmup=1)
+    gluon = replace(opts, scores_sm90_sample_table=True)
+    try:  # the newer kernel: its failure must not cost the other phases' timings
+        sample_gluon = time_ms(lambda: hytopk_sm90.sample_thresholds(
+            q, k, w, topk, opts.scores_sm90_samples, options=gluon), reps=reps, warmup=1)
+    except Exception as exc:  # noqa: BLE001  (reported, not hidden)
+        print(f"sample_gluon failed: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+        sample_gluon = None
     return {"sample": time_ms(lambda: hytopk_sm90.sample_thresholds(
                 q, k, w, topk, opts.scores_sm90_samples, options=opts), reps=reps, warmup=1),
+            "sample_gluon": sample_gluon,
             "filter": time_ms(filter_all, reps=reps, warmup=1),
             "select": max(0.0, time_ms(select_all, reps=reps, warmup=1) - copy),
             "select_torch": time_ms(select_torch_all, reps=reps, warmup=1)}
@@ -648,6 +662,8 @@ METHODS = {
     "hytopk_scores_sm90": run_hytopk_scores_sm90,
     "hytopk_scores_sm90_immediate": functools.partial(run_hytopk_scores_sm90,
                                                       defer_store=False),
+    "hytopk_scores_sm90_gluon_sample": functools.partial(run_hytopk_scores_sm90,
+                                                         sample_table=True),
     **{name: with_options(run, **fields) for name, (run, fields) in OPTION_METHODS.items()},
     **{name: select_variant(name) for name in SELECT_VARIANTS},
     "hytopk_select_unordered": select_variant("hytopk_select", ordered=False),
@@ -675,7 +691,8 @@ VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_s
                                              "hytopk_occ3", "hytopk_occ3_s3",
                                              "hytopk_append_tl", "hytopk_key_tma",
                                              "hytopk_scores_sm90",
-                                             "hytopk_scores_sm90_immediate")
+                                             "hytopk_scores_sm90_immediate",
+                                             "hytopk_scores_sm90_gluon_sample")
 KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3",
                                      "scoreonly_key_tma") + (
                   "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
@@ -770,7 +787,8 @@ def bench_one(method, T, cfg, kind, rate, reps):
 # The Gluon scores-only methods, compared with the Triton scores-only kernel's row maxima.
 SM90_SCORE_METHODS = ("scoreonly_sm90", "scoreonly_sm90_free")
 # Methods on Gluon kernels: Hopper only (no interpreter).
-GLUON_METHODS = SM90_SCORE_METHODS + ("hytopk_scores_sm90", "hytopk_scores_sm90_immediate")
+GLUON_METHODS = SM90_SCORE_METHODS + ("hytopk_scores_sm90", "hytopk_scores_sm90_immediate",
+                                      "hytopk_scores_sm90_gluon_sample")
 # Longest T at which the library paths' selections are compared with HyTopK's, row by row.
 SAME_SET_MAX_T = 131072
 
@@ -1187,7 +1205,8 @@ def main():
                         + (f"  sampled rows {rec['sampled_rows_share']:.1%} redone blocks "
                            f"{rec['redone_blocks']}" if "sampled_rows_share" in rec else "")
                         + (f"  redone rows {rec['redone_rows_share']:.2%} phases ms "
-                           + " ".join(f"{n} {v:.1f}" for n, v in rec["phase_ms"].items())
+                           + " ".join(f"{n} {v:.1f}" if v is not None else f"{n} -"
+                                        for n, v in rec["phase_ms"].items())
                            if "phase_ms" in rec else ""))
     if "structured" in args.inputs:
         share = check_structured_exact(16384, "dsv32")

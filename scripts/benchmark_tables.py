@@ -78,8 +78,9 @@ def scores_sm90_phases(records):
     if not rows:
         return []
     lines = ["", "| config | T | on the Gluon scores ms | x GEMM floor | rows redone | "
-             "sample ms | filter ms | select ms | rest ms | torch.topk select ms |",
-             "|---" * 10 + "|"]
+             "sample ms | filter ms | select ms | rest ms | torch.topk select ms | "
+             "sample on the Gluon table ms |",
+             "|---" * 11 + "|"]
     for r in sorted(rows, key=lambda r: (r["config"], r["T"])):
         ph = r.get("phase_ms") or {}
         parts = [ph.get(n) for n in ("sample", "filter", "select")]
@@ -87,7 +88,8 @@ def scores_sm90_phases(records):
         lines.append(f"| {r['config']} | {r['T']} | {fmt(r['ms'])} | "
                      f"{fmt(r.get('x_floor'), '.2f')} | {fmt(r.get('redone_rows_share'), '.2%')} | "
                      + " | ".join(fmt(p) for p in parts)
-                     + f" | {fmt(rest)} | {fmt(ph.get('select_torch'))} |")
+                     + f" | {fmt(rest)} | {fmt(ph.get('select_torch'))} | "
+                     f"{fmt(ph.get('sample_gluon'))} |")
     return lines
 
 

@@ -686,6 +686,11 @@ case "$stage" in
     # filter's GPU test first under a short timeout (an mbarrier fault hangs), then the op's
     # GPU tests (~2 min), then timed beside the default HyTopK (FILTER_BENCH_S, ~5 min).
     smoke_then_tests tests/ops/test_hytopk_sm90.py "test_gluon_filter and 64" || exit 1
+    # The table epilogue (the sample on the Gluon kernel, scores_sm90_sample_table).
+    timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+      tests/ops/test_indexer_scores_sm90.py -k table > "$out/tests_table.log" 2>&1
+    echo "table tests rc=$?: $(verdict "$out/tests_table.log")" | tee -a "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR)" "$out/tests_table.log" | cut -c1-300 | head -10
     # cuDNN's selection in the same run where scripts/gpu_cudnn.sh installed it.
     library=()
     [ -d .carry/site/nvidia_cutlass_dsl ] && library=(cudnn)
@@ -693,7 +698,7 @@ case "$stage" in
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout ${FILTER_BENCH_S:-300} python3 scripts/bench_selection.py --T ${FILTER_T:-16384 131072} \
       --configs ${FILTER_CONFIGS:-dsv32 glm51} --reps 3 --methods ${FILTER_METHODS:-hytopk \
-      hytopk_scores_sm90 hytopk_scores_sm90_immediate scoreonly_sm90} "${library[@]}" \
+      hytopk_scores_sm90 hytopk_scores_sm90_gluon_sample scoreonly_sm90} "${library[@]}" \
       --tag _filter_sm90 \
       --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
       | tee "$out/bench_selection_filter_sm90.log" ;;

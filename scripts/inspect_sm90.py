@@ -369,6 +369,23 @@ def _indexer_filter_sm90(h: int, topk: int = 2048, T: int = 4096,
     return calls
 
 
+def _indexer_table_sm90(h: int, T: int = 131072, samples: int = 2048) -> list[Launch]:
+    """The same kernel's TABLE epilogue (`indexer_table_sm90`: every row's scores against every
+    (T / samples)-th key, HyTopK on the Gluon scores' sampled thresholds), on a chunk of
+    `hytopk_sm90.SAMPLE_CHUNK_ROWS` rows."""
+    from megatron_hyscale.ops.kernels import hytopk_sm90
+    from megatron_hyscale.ops.kernels import indexer_scores_sm90 as scores
+
+    stride = -(-T // samples)
+    rows = hytopk_sm90.SAMPLE_CHUNK_ROWS
+    q = torch.zeros(1, T, h, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, -(-T // stride), 128, dtype=torch.bfloat16)
+    w = torch.zeros(1, T, h, dtype=torch.float32)
+    with intercept(scores, "_indexer_scores_kernel") as calls:
+        scores.indexer_table_sm90(q, k, w, stride, T - rows, T)
+    return calls
+
+
 def _indexer_loss(hi: int, di: int, hq: int, d: int, topk: int, T: int = 256, **options: Any
                   ) -> list[Launch]:
     """select, target, loss and backward launches of the sparse indexer KL loss; options:
@@ -591,6 +608,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "indexer-filter-sm90-dsv32": lambda: _indexer_filter_sm90(64),
     "indexer-filter-sm90-glm51": lambda: _indexer_filter_sm90(32),
     "indexer-filter-sm90-dsv32-immediate": lambda: _indexer_filter_sm90(64, defer_store=False),
+    "indexer-table-sm90-dsv32": lambda: _indexer_table_sm90(64),
+    "indexer-table-sm90-glm51": lambda: _indexer_table_sm90(32),
     "sparse-attention-hca": lambda: _sparse_attention(64, 1, 512, None, 128, prefix=True),
     "sparse-attention-qsa": lambda: _sparse_attention(24, 2, 256, 256, 2052),
     "sparse-attention-qsa-dkv-lockstep": lambda: _sparse_attention(24, 2, 256, 256, 2052,

@@ -9,6 +9,8 @@ the Gluon filter itself against the same plain-torch filter, and the op at real 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -181,6 +183,45 @@ def test_row_chunks(monkeypatch, order):
     if order == "any":  # each row's set (its order is the survivors' buffer order)
         got, whole = by_index(*got), by_index(*whole)
     assert torch.equal(got[0], whole[0]) and torch.equal(got[1], whole[1])
+
+
+def torch_table(q, k_sampled, w, stride, t_lo, t_hi):
+    """`indexer_table_sm90`'s contract in plain torch: rows [t_lo, t_hi) against the sampled
+    keys (key j at position j x stride), -inf where a row does not see the key."""
+    T = q.shape[1]
+    full = torch.zeros(q.shape[0], T, k_sampled.shape[-1], dtype=k_sampled.dtype,
+                       device=k_sampled.device)
+    full[:, ::stride] = k_sampled
+    return exact_scores(q, full, w)[:, t_lo:t_hi, ::stride]
+
+
+@pytest.mark.parametrize("samples", [16, 5, 1000])
+def test_thresholds_from_a_table_function_equal_the_triton_tables(monkeypatch, samples):
+    """The sampled thresholds from a table function (the Gluon table's contract, here plain
+    torch) equal those from HyTopK's Triton score-table kernel (the interpreter) on integer
+    inputs, batch 2, sample tables of 64 rows (the chunk loop), strides 10 / 30 / 1; and the
+    option routes to the Gluon table (a spy in its place)."""
+    monkeypatch.setattr(hytopk_sm90, "SAMPLE_CHUNK_ROWS", 64)
+    q, k, w = int_inputs(2, 150, 2, 16, seed=samples)
+    opts = HyTopKOptions(scores_sm90=True, interpret_programs=2)
+    want = hytopk_sm90.sample_thresholds(q, k, w, 8, samples, options=opts)
+    calls = []
+
+    def table(*args):
+        calls.append(args[3:])
+        return torch_table(*args)
+
+    got = hytopk_sm90.sample_thresholds(q, k, w, 8, samples, options=opts, table_fn=table)
+    assert torch.equal(got, want)
+    stride = -(-150 // samples)
+    assert calls[0] == (stride, 0, 64) and calls[-1] == (stride, 128, 150)
+    assert len(calls) == 2 * 3  # a call a batch and chunk of rows
+    from megatron_hyscale.ops.kernels import indexer_scores_sm90
+
+    monkeypatch.setattr(indexer_scores_sm90, "indexer_table_sm90", table)
+    gluon = replace(opts, scores_sm90_sample_table=True)
+    assert torch.equal(hytopk_sm90.sample_thresholds(q, k, w, 8, samples, options=gluon), want)
+    assert len(calls) == 4 * 3
 
 
 def test_exact_sampling_needs_no_redo():
@@ -362,6 +403,23 @@ def test_the_op_matches_the_reference_at_real_size(H):
     key = hytopk(q, k, w, 2048, options=opts, order="key")
     sort_rows_by_key(*want)
     assert torch.equal(key[0], want[0]) and torch.equal(key[1], want[1])
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("H", [64, 32])
+def test_gluon_sample_table_gives_the_same_thresholds_and_rows(H):
+    """scores_sm90_sample_table: the thresholds from the Gluon table equal the Triton table's
+    on integer inputs (T = 4101, batch 2), and the op's rows are the reference's."""
+    q, k, w = int_inputs(2, 4101, H, 128, seed=H + 3)
+    opts = HyTopKOptions(scores_sm90=True)
+    gluon = replace(opts, scores_sm90_sample_table=True)
+    want = hytopk_sm90.sample_thresholds(q, k, w, 2048, 512, options=opts)
+    got = hytopk_sm90.sample_thresholds(q, k, w, 2048, 512, options=gluon)
+    assert torch.equal(got, want)
+    rows = hytopk(q, k, w, 2048, options=gluon)
+    ref = [t.contiguous() for t in hytopk(q, k, w, 2048, backend="reference")]
+    assert torch.equal(rows[0], ref[0]) and torch.equal(rows[1], ref[1])
 
 
 @pytest.mark.gpu

@@ -99,6 +99,23 @@ def test_unpacked_batches_are_refused():
         sm90.indexer_row_max_sm90(q2, k, w)
 
 
+def test_table_checks_its_arguments():
+    """`indexer_table_sm90`: k holds every key_stride-th of T keys (ceil(T / stride) of them),
+    the stride an int >= 1, the rows within [0, T]; checked before any launch (CPU tensors)."""
+    q, _, w = _cpu(T=10)
+    k = torch.zeros(1, 4, 128, dtype=torch.bfloat16)  # keys 0, 3, 6, 9 of 10
+    sm90.check_inputs(q, k, w, 3)
+    with pytest.raises(ValueError, match=r"^k must be \[B, S, D\] = \(1, 2, 128\) \(every 8"):
+        sm90.indexer_table_sm90(q, k, w, 8, 0, 10)
+    for stride in (0, 1.5, True):
+        with pytest.raises(ValueError, match="^key_stride must be an int >= 1"):
+            sm90.indexer_table_sm90(q, k, w, stride, 0, 10)
+    with pytest.raises(ValueError, match="^t_lo, t_hi must satisfy"):
+        sm90.indexer_table_sm90(q, k, w, 3, 4, 11)
+    empty = sm90.indexer_table_sm90(q, k, w, 3, 5, 5)  # no row: nothing launched
+    assert empty.shape == (1, 0, 4) and empty.dtype == torch.float32
+
+
 # --------------------------------------------------------------------------- CPU: compiled
 
 
@@ -159,6 +176,23 @@ def test_filter_presets_compile_without_spills(tmp_path: Path):
         assert ops["HGMMA"] == 8 and ops["LDL"] == 0 and ops["STL"] == 0
         per_thread = max(1, c["ROWS"] // 2)  # BLOCK_S x ROWS over 128 threads
         assert ops["ATOMG"] == per_thread and ops["STG"] == per_thread
+
+
+def test_table_presets_compile_without_spills(tmp_path: Path):
+    """The TABLE epilogue (`indexer_table_sm90`, HyTopK's sampled thresholds): the loop's
+    product and head sum, one store a thread's score (one element a thread), no atomics, no
+    spill."""
+    presets = {"indexer-table-sm90-dsv32": 64, "indexer-table-sm90-glm51": 32}
+    out = tmp_path / "t.json"
+    proc = _inspect("--preset", *presets, "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rep in json.loads(out.read_text()):
+        c, ops = rep["constexprs"], rep["loop_ops"]
+        assert c["TABLE"] is True and c["FILTER"] is False
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["stack_bytes"] == 0
+        assert rep["perf_warnings"] == []
+        assert ops["HGMMA"] == 8 and ops["LDL"] == 0 and ops["STL"] == 0
+        assert ops["ATOMG"] == 0 and ops["STG"] == max(1, c["ROWS"] // 2)
 
 
 # --------------------------------------------------------------------------- GPU
@@ -264,3 +298,33 @@ def test_padded_rows_and_batch_one():
     qp.copy_(q)
     kp.copy_(k)
     assert torch.equal(run(qp, kp, w), reference(q, k, w).float())
+
+
+def table_reference(q, k, w, stride, t_lo, t_hi):
+    """fp64 [B, t_hi - t_lo, ceil(T / stride)]: rows [t_lo, t_hi) against every stride-th key
+    (-inf where key j x stride > row)."""
+    ks = k[:, ::stride].double()
+    dots = torch.einsum("bthd,bsd->bths", q[:, t_lo:t_hi].double(), ks)
+    scores = (dots.clamp_min(0) * w[:, t_lo:t_hi, :, None].double()).sum(2)
+    pos = torch.arange(ks.shape[1], device=q.device) * stride
+    seen = pos[None, :] <= torch.arange(t_lo, t_hi, device=q.device)[:, None]
+    return scores.masked_fill(~seen, float("-inf"))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("H", [64, 32])
+@pytest.mark.parametrize("stride", [1, 7, 64])
+def test_table_integer_inputs_exact(H, stride):
+    """Batch 2, rows [100, 1031) (off every block boundary), every stride-th key: the table
+    equals the fp64 reference bit for bit on integer inputs, -inf where a row does not see
+    the key; a row of zero queries scores 0 on every key it sees."""
+    B, T, t_lo = 2, 1031, 100
+    q, k, w = int_inputs(B, T, H, seed=stride + H)
+    q[:, 500] = 0
+    got = sm90.indexer_table_sm90(q, k[:, ::stride].contiguous(), w, stride, t_lo, T)
+    torch.cuda.synchronize()
+    want = table_reference(q, k, w, stride, t_lo, T)
+    assert got.shape == want.shape and torch.equal(got.double(), want)
+    assert (got[:, 500 - t_lo][:, : 500 // stride + 1] == 0).all()
+

@@ -8,11 +8,12 @@ descending score, ties to the smaller index; "key": increasing index; "any"), -1
 the visible keys and last.
 
 Algorithm: (1) every `stride`-th key is scored for every row (HyTopK's score-table kernel over
-those keys): a row's threshold is the sample score ranked where SURVIVOR_MARGIN x topk of its
-visible keys would rank; (2) `indexer_filter_sm90` appends each row's scores at or above its
-threshold as packed int64 keys (score, then the smaller index), at most `survivor_cap(topk)`
-a row; (3) each row's top-k of its survivors (`select_survivors`: HyTopK's radix select and
-row sort on the packed keys, in the caller's order). A row with fewer
+those keys, or the Gluon kernel's table epilogue: `scores_sm90_sample_table`): a row's
+threshold is the sample score ranked where SURVIVOR_MARGIN x topk of its visible keys would
+rank; (2) `indexer_filter_sm90` appends each row's scores at or above its threshold as packed
+int64 keys (score, then the smaller index), at most `survivor_cap(topk)` a row; (3) each row's
+top-k of its survivors (`select_survivors`: HyTopK's radix select and row sort on the packed
+keys, in the caller's order). A row with fewer
 survivors than min(topk, visible keys), or more than the cap (a threshold off its quantile,
 ties at it), is redone by the Triton kernel: the result is exact whatever the sample, for the
 scores each row was selected on (the Gluon kernel's fp32 sums, the Triton kernel's for a redone
@@ -58,6 +59,9 @@ VARIANTS = KernelVariants("hytopk-scores-sm90", "HyTopK on the Gluon scores (sco
 FilterFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # (keys, counts, topk, *, order, options) -> (indices, scores): `select_survivors`' contract.
 SelectFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# (q, k_sampled, w, key_stride, t_lo, t_hi) -> fp32 [B, t_hi - t_lo, samples], -inf where a row
+# does not see the key: `indexer_scores_sm90.indexer_table_sm90`'s contract.
+TableFn = Callable[..., torch.Tensor]
 
 
 def survivor_cap(topk: int) -> int:
@@ -107,10 +111,17 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool
 
 
 def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,
-                      samples: int, *, options: HyTopKOptions) -> torch.Tensor:
+                      samples: int, *, options: HyTopKOptions,
+                      table_fn: TableFn | None = None) -> torch.Tensor:
     """fp32 [B, T]: each row's threshold, the score of its r-th best visible sampled key, r =
     ceil(SURVIVOR_MARGIN x topk x visible samples / visible keys); -inf where a row sees at most
-    topk keys (it takes them all)."""
+    topk keys (it takes them all). The sample's scores from table_fn (tests pass a plain-torch
+    one), else the Gluon table (`options.scores_sm90_sample_table`), else HyTopK's Triton
+    score-table kernel."""
+    if table_fn is None and options.scores_sm90_sample_table:
+        from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_table_sm90
+
+        table_fn = indexer_table_sm90
     B, T = q.shape[:2]
     stride = max(1, math.ceil(T / samples))
     sampled = torch.arange(0, T, stride, device=q.device)
@@ -129,10 +140,13 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
             t1 = min(t0 + SAMPLE_CHUNK_ROWS, T)
             if t1 <= topk:  # rows seeing at most topk keys keep -inf
                 continue
-            table = torch.empty(t1 - t0, sampled.numel(), device=q.device)
-            hk.score_table(q[b:b + 1], k_s, w[b:b + 1], relu=True,
-                           q_positions=rows[None], k_positions=sampled[None], causal=True,
-                           t0=t0, t1=t1, table=table, options=options)
+            if table_fn is not None:
+                table = table_fn(q[b:b + 1], k_s, w[b:b + 1], stride, t0, t1)[0]
+            else:
+                table = torch.empty(t1 - t0, sampled.numel(), device=q.device)
+                hk.score_table(q[b:b + 1], k_s, w[b:b + 1], relu=True,
+                               q_positions=rows[None], k_positions=sampled[None], causal=True,
+                               t0=t0, t1=t1, table=table, options=options)
             r = rank[t0:t1]
             best = torch.topk(table, int(rank_host[t0:t1].max()), dim=1).values
             tau[b, t0:t1] = best.gather(1, (r - 1)[:, None])[:, 0]

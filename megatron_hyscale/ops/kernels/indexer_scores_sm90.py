@@ -11,6 +11,10 @@ key (score, then the smaller index), a relaxed atomic counter a row giving the s
 threshold comes from the caller (`kernels/hytopk_sm90.py` samples it), the exact top-k of the
 survivors is the caller's.
 
+`indexer_table_sm90` runs them with a third epilogue (TABLE): each visible score into a table
+fp32 [B, rows, keys], against every key_stride-th key of the sequence (k the sampled keys,
+key j at position j x key_stride): HyTopK on the Gluon scores' sampled thresholds.
+
 Algorithm: one program per 2 x ROWS query rows. A one-warp producer streams the key tiles through
 a shared-memory ring (TMA, mbarriers); two consumer warpgroups each own ROWS rows (their heads on
 the wgmma's N, the keys on M) and multiply the same tiles, so one consumer's ReLU x weight x
@@ -144,19 +148,33 @@ def _store_survivors(buf_ptr, row_slot, pos, key, keep, CAP: gl.constexpr):
 
 
 @gluon.jit
+def _store_table(s, j, rows, in_chunk, row_off, out_ptr, sok, key_stride,
+                 BLOCK_S: gl.constexpr, flt_layout: gl.constexpr):
+    """Key tile j's scores s [BLOCK_S x ROWS] into the table: keys j x BLOCK_S + i at positions
+    (j x BLOCK_S + i) x key_stride, those a row sees (row_off: its rows' offsets). In
+    flt_layout, one element a thread: each score stored once, 16 keys of a row in a warp."""
+    s = gl.convert_layout(s, flt_layout)
+    keys = j * BLOCK_S + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, flt_layout))
+    seen = ((keys * key_stride)[:, None] <= rows[None, :]) & in_chunk[None, :]
+    gl.store(out_ptr + row_off[None, :] + keys.to(gl.int64)[:, None] * sok, s, mask=seen)
+
+
+@gluon.jit
 def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
-              swb, swt, swh, sob, sot, tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows,
-              ROWS: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr,
+              swb, swt, swh, sob, sot, sok, key_stride, tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi,
+              n_rows, ROWS: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr,
               NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, red_layout: gl.constexpr,
               FILTER: gl.constexpr, CAP: gl.constexpr, flt_layout: gl.constexpr,
-              DEFER_STORE: gl.constexpr):
+              DEFER_STORE: gl.constexpr, TABLE: gl.constexpr):
     """Rows t0 .. t0 + ROWS - 1 (t0 = t_base + c * ROWS): each key tile's scores as
     [keys x (row, head)] = K_tile Q^T on wgmma, then ReLU x w, the head sum (N, in registers),
     the causal mask and a running max per (key slot, row); the max over key slots at the end.
     FILTER: instead of the max, the survivors at or above the row's threshold are appended
     (`_claim_slots`, `_store_survivors`; rows outside [t_lo, t_hi) write nothing).
     DEFER_STORE: a tile's survivors are stored while the next tile's product runs, so the
-    consumer does not wait for its slot atomics' return before its next wgmma."""
+    consumer does not wait for its slot atomics' return before its next wgmma.
+    TABLE: each visible score (key j at position j x key_stride) into out[b, row - t_lo, j]
+    (strides sob, sot, sok) for rows in [t_lo, t_hi); the rest is the caller's fill."""
     q_bar, ready, empty, turn = bars
     N: gl.constexpr = ROWS * H
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -184,6 +202,10 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
             pend_pos = gl.zeros([BLOCK_S, ROWS], gl.int32, layout=flt_layout)
             pend_key = gl.zeros([BLOCK_S, ROWS], gl.int64, layout=flt_layout)
             pend_keep = pend_pos != 0
+    if TABLE:
+        f_rows = t0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, flt_layout))
+        in_chunk = (f_rows >= t_lo) & (f_rows < t_hi)
+        row_off = b * sob + (f_rows - t_lo).to(gl.int64) * sot
 
     mbarrier.wait(q_bar.index(c), 0)
     q_op = q_s.index(c).permute((1, 0))  # [D x (row, head)]: K-major B operand
@@ -212,6 +234,9 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
                 pend_pos, pend_key, pend_keep = pos, key, keep
             else:
                 _store_survivors(buf_ptr, row_slot, pos, key, keep, CAP)
+        elif TABLE:
+            _store_table(s, j, f_rows, in_chunk, row_off, out_ptr, sok, key_stride, BLOCK_S,
+                         flt_layout)
         else:
             visible = (j * BLOCK_S + keys)[:, None] <= rows[None, :]
             m = gl.maximum(m, gl.where(visible, s, float("-inf")))
@@ -219,32 +244,35 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
     if FILTER:
         if DEFER_STORE:
             _store_survivors(buf_ptr, row_slot, pend_pos, pend_key, pend_keep, CAP)
-    else:
+    elif not TABLE:
         row_max = gl.max(m, axis=0)
         gl.store(out_ptr + b * sob + rows * sot, row_max, mask=rows < T)
 
 
 @gluon.jit
 def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
-                           swb, swt, swh, sob, sot, tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi,
+                           swb, swt, swh, sob, sot, sok, key_stride, n_keys, tau_ptr, cnt_ptr,
+                           buf_ptr, t_lo, t_hi,
                            H: gl.constexpr, ROWS: gl.constexpr, BLOCK_S: gl.constexpr,
                            NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
                            red_layout: gl.constexpr, FILTER: gl.constexpr, CAP: gl.constexpr,
                            flt_layout: gl.constexpr, DEFER_STORE: gl.constexpr,
+                           TABLE: gl.constexpr,
                            CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """One program: query rows t_base .. t_base + 2 * ROWS - 1 of batch b, from t_lo. Program 0
-    takes the last row block (the most key tiles): the long programs start first, the short
-    ones fill the tail."""
+    """One program: query rows t_base .. t_base + 2 * ROWS - 1 of batch b, from t_lo, against
+    the keys k_desc holds (n_keys a batch, key j at position j x key_stride: 1 and T but in
+    TABLE). Program 0 takes the last row block (the most key tiles): the long programs start
+    first, the short ones fill the tail."""
     pid = gl.program_id(0)
     b = (pid % B).to(gl.int64)
     t_base = t_lo + (n_blocks - 1 - pid // B) * (2 * ROWS)
     n_rows = t_hi - t_lo
     last_row = gl.minimum(t_base + 2 * ROWS - 1, T - 1)
-    n_tiles = last_row // BLOCK_S + 1
+    n_tiles = gl.minimum(last_row // key_stride, n_keys - 1) // BLOCK_S + 1
     q_row0 = (b * T + t_base).to(gl.int32) * H
     q_row_cap = (B * T - 1) * H
-    k_row0 = (b * T).to(gl.int32)
+    k_row0 = (b * n_keys).to(gl.int32)
 
     q_s = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_s = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape,
@@ -266,13 +294,13 @@ def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
 
     gl.warp_specialize([
         (_consumer, (0, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
-                     swb, swt, swh, sob, sot, tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows,
-                     ROWS, H, BLOCK_S, NUM_STAGES, PINGPONG, red_layout, FILTER, CAP,
-                     flt_layout, DEFER_STORE)),
+                     swb, swt, swh, sob, sot, sok, key_stride, tau_ptr, cnt_ptr, buf_ptr, t_lo,
+                     t_hi, n_rows, ROWS, H, BLOCK_S, NUM_STAGES, PINGPONG, red_layout, FILTER,
+                     CAP, flt_layout, DEFER_STORE, TABLE)),
         (_consumer, (1, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
-                     swb, swt, swh, sob, sot, tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows,
-                     ROWS, H, BLOCK_S, NUM_STAGES, PINGPONG, red_layout, FILTER, CAP,
-                     flt_layout, DEFER_STORE)),
+                     swb, swt, swh, sob, sot, sok, key_stride, tau_ptr, cnt_ptr, buf_ptr, t_lo,
+                     t_hi, n_rows, ROWS, H, BLOCK_S, NUM_STAGES, PINGPONG, red_layout, FILTER,
+                     CAP, flt_layout, DEFER_STORE, TABLE)),
         (_producer, (q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, k_row0, n_tiles,
                      ROWS, H, BLOCK_S, NUM_STAGES)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -318,8 +346,10 @@ def _shared_layouts(heads: int) -> tuple:
     return _layouts[heads]
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> None:
-    """ValueError naming the argument that `indexer_row_max_sm90` cannot take."""
+def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: int = 1
+                 ) -> None:
+    """ValueError naming the argument that `indexer_row_max_sm90` cannot take (k: the keys at
+    positions 0, key_stride, 2 x key_stride, ... of the T-token sequence)."""
     check_tensor("q", q, ndim=4, dtypes=(torch.bfloat16,))  # [B, T, H, D]
     check_tensor("k", k, ndim=3, dtypes=(torch.bfloat16,))  # [B, S, D]
     check_tensor("w", w, ndim=3, dtypes=(torch.float32,))  # [B, T, H]
@@ -329,8 +359,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError(f"q: head dim must be {HEAD_DIM}, got {D}")
     if H not in HEADS:
         raise ValueError(f"q: heads must be one of {HEADS}, got {H}")
-    if k.shape != (B, T, D):
-        raise ValueError(f"k must be [B, S, D] = {(B, T, D)} (S == T: causal), got "
+    n_keys = -(-T // key_stride)
+    if k.shape != (B, n_keys, D):
+        what = "(S == T: causal)" if key_stride == 1 else f"(every {key_stride}-th of T keys)"
+        raise ValueError(f"k must be [B, S, D] = {(B, n_keys, D)} {what}, got "
                          f"{tuple(k.shape)}")
     if w.shape != (B, T, H):
         raise ValueError(f"w must be [B, T, H] = {(B, T, H)}, got {tuple(w.shape)}")
@@ -399,27 +431,55 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
     return keys, counts
 
 
-def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=True):
+def indexer_table_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: int,
+                       t_lo: int, t_hi: int, *, pingpong: bool = True) -> torch.Tensor:
+    """fp32 [B, t_hi - t_lo, S]: the scores of query rows [t_lo, t_hi) against k [B, S, D],
+    every key_stride-th key of the T-token sequence (key j at position j x key_stride, S =
+    ceil(T / key_stride): `k_full[:, ::key_stride]`), -inf where a row does not see the key
+    (j x key_stride > t). HyTopK's sampled thresholds on the Gluon scores (`hytopk_sm90.
+    sample_thresholds`). Hopper only: the caller checks the device."""
+    if isinstance(key_stride, bool) or not (isinstance(key_stride, int) and key_stride >= 1):
+        raise ValueError(f"key_stride must be an int >= 1, got {key_stride!r}")
+    check_inputs(q, k, w, key_stride)
+    B, T = q.shape[:2]
+    if not 0 <= t_lo <= t_hi <= T:
+        raise ValueError(f"t_lo, t_hi must satisfy 0 <= t_lo <= t_hi <= T = {T}; got "
+                         f"{t_lo}, {t_hi}")
+    table = torch.full((B, t_hi - t_lo, k.shape[1]), float("-inf"), device=q.device,
+                       dtype=torch.float32)
+    if table.numel():
+        _launch(q, k, w, table, t_lo, t_hi, pingpong=pingpong, table=True,
+                key_stride=key_stride)
+    return table
+
+
+def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=True,
+            table=False, key_stride=1):
     """One launch over query rows [t_lo, t_hi): the row maxima into out, or with survivors =
-    (tau, counts, keys, cap) the survivors (defer_store: `_consumer`'s DEFER_STORE)."""
+    (tau, counts, keys, cap) the survivors (defer_store: `_consumer`'s DEFER_STORE), or with
+    table the scores into out [B, t_hi - t_lo, S] against keys every key_stride-th."""
     B, T, H, D = q.shape
     rows = PAIRS // H
     q_layout, k_layout, red_layout, flt_layout = _shared_layouts(H)
     q_desc = TensorDescriptor(q, [B * T * H, D], [q.stride(2), 1], [PAIRS, D], q_layout)
-    k_desc = TensorDescriptor(k, [B * T, D], [k.stride(1), 1], [BLOCK_S, D], k_layout)
+    n_keys = k.shape[1]
+    k_desc = TensorDescriptor(k, [B * n_keys, D], [k.stride(1), 1], [BLOCK_S, D], k_layout)
     n_blocks = -(-(t_hi - t_lo) // (2 * rows))
-    if survivors is None:
+    if table:
         tau = counts = keys = out  # not read: FILTER is off
         cap, out_strides = 1, out.stride()
+    elif survivors is None:
+        tau = counts = keys = out  # not read: FILTER is off
+        cap, out_strides = 1, (*out.stride(), 0)
     else:
         tau, counts, keys, cap = survivors
-        out, out_strides = tau, (0, 0)  # not written: FILTER is on
+        out, out_strides = tau, (0, 0, 0)  # not written: FILTER is on
     _indexer_scores_kernel[(B * n_blocks,)](
-        q_desc, k_desc, w, out, B, T, n_blocks, *w.stride(), *out_strides,
+        q_desc, k_desc, w, out, B, T, n_blocks, *w.stride(), *out_strides, key_stride, n_keys,
         tau, counts, keys, t_lo, t_hi,
         H=H, ROWS=rows, BLOCK_S=BLOCK_S, NUM_STAGES=NUM_STAGES, PINGPONG=pingpong,
         red_layout=red_layout, FILTER=survivors is not None, CAP=cap, flt_layout=flt_layout,
-        DEFER_STORE=survivors is not None and defer_store,
+        DEFER_STORE=survivors is not None and defer_store, TABLE=table,
         CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,

@@ -216,6 +216,12 @@ class HyTopKOptions:
     # most tiles); False: stored right after, as first built (2026-12-05), kept to compare in
     # the same run.
     scores_sm90_defer_store: bool = True
+    # The thresholds' sample scored by the same Gluon kernel (its table epilogue, every
+    # sampled key against every row: `indexer_table_sm90`) instead of HyTopK's Triton
+    # score-table kernel, which ran the sample phase at several times its GEMM floor (20-35 ms
+    # at 128K on an H100, 2026-12-05). Same thresholds to fp32 rounding order. Off: compiled
+    # for sm_90a (no spill), not yet run on a GPU.
+    scores_sm90_sample_table: bool = False
 
     DEFAULT: ClassVar[HyTopKOptions]
 
