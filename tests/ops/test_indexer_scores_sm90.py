@@ -160,20 +160,30 @@ def test_presets_compile_warp_specialized_without_spills(tmp_path: Path):
         assert len(re.findall(r"SYNCS\.ARRIVE\.TRANS64\.A1T0", sass)) == 4
 
 
+def _epilogue_reports(tmp_path: Path, *presets: str) -> list[dict]:
+    """The presets' compile reports, each without local memory or a serialized wgmma, its loop
+    holding the one product (8 HGMMA)."""
+    out = tmp_path / "e.json"
+    proc = _inspect("--preset", *presets, "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(out.read_text())
+    assert [r["preset"] for r in reports] == list(presets)
+    for rep in reports:
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["stack_bytes"] == 0
+        assert rep["perf_warnings"] == []
+        ops = rep["loop_ops"]
+        assert ops["HGMMA"] == 8 and ops["LDL"] == 0 and ops["STL"] == 0
+    return reports
+
+
 def test_filter_presets_compile_without_spills(tmp_path: Path):
     """The FILTER epilogue (`indexer_filter_sm90`) keeps the loop's product and head sum, adds
     one relaxed atomic and one store a survivor slot of each thread (one element a thread: no
     broadcast copy counted twice), and spills nothing."""
-    presets = {"indexer-filter-sm90-dsv32": 64, "indexer-filter-sm90-glm51": 32}
-    out = tmp_path / "f.json"
-    proc = _inspect("--preset", *presets, "--json", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for rep in json.loads(out.read_text()):
+    for rep in _epilogue_reports(tmp_path, "indexer-filter-sm90-dsv32",
+                                 "indexer-filter-sm90-glm51"):
         c, ops = rep["constexprs"], rep["loop_ops"]
         assert c["FILTER"] is True and c["CAP"] == 4096
-        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["stack_bytes"] == 0
-        assert rep["perf_warnings"] == []
-        assert ops["HGMMA"] == 8 and ops["LDL"] == 0 and ops["STL"] == 0
         per_thread = max(1, c["ROWS"] // 2)  # BLOCK_S x ROWS over 128 threads
         assert ops["ATOMG"] == per_thread and ops["STG"] == per_thread
 
@@ -182,16 +192,10 @@ def test_table_presets_compile_without_spills(tmp_path: Path):
     """The TABLE epilogue (`indexer_table_sm90`, HyTopK's sampled thresholds): the loop's
     product and head sum, one store a thread's score (one element a thread), no atomics, no
     spill."""
-    presets = {"indexer-table-sm90-dsv32": 64, "indexer-table-sm90-glm51": 32}
-    out = tmp_path / "t.json"
-    proc = _inspect("--preset", *presets, "--json", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for rep in json.loads(out.read_text()):
+    for rep in _epilogue_reports(tmp_path, "indexer-table-sm90-dsv32",
+                                 "indexer-table-sm90-glm51"):
         c, ops = rep["constexprs"], rep["loop_ops"]
         assert c["TABLE"] is True and c["FILTER"] is False
-        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["stack_bytes"] == 0
-        assert rep["perf_warnings"] == []
-        assert ops["HGMMA"] == 8 and ops["LDL"] == 0 and ops["STL"] == 0
         assert ops["ATOMG"] == 0 and ops["STG"] == max(1, c["ROWS"] // 2)
 
 
