@@ -742,15 +742,16 @@ def hyscale_warnings() -> Iterator[list[str]]:
     fallback taken), filled on exit; each is still shown. HyScale warns once a process per
     cause, so a cause is recorded by the first row that met it."""
     found: list[str] = []
-    with warnings.catch_warnings(record=True) as caught:
-        try:
-            yield found
-        finally:
-            for w in caught:
-                if str(w.message).startswith("HyScale"):
-                    found.append(str(w.message))
-    for w in caught:  # shown once the normal display is back
-        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            try:
+                yield found
+            finally:
+                found.extend(str(w.message) for w in caught
+                             if str(w.message).startswith("HyScale"))
+    finally:  # shown once the normal display is back, also when the row failed
+        for w in caught:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def measure(layer: Layer, T: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -224,6 +224,37 @@ def test_thresholds_from_a_table_function_equal_the_triton_tables(monkeypatch, s
     assert len(calls) == 4 * 3
 
 
+def test_a_failing_gluon_table_warns_once_and_the_triton_table_runs(monkeypatch):
+    """The Gluon sample table failing (simulated) is said once, its head count refused
+    afterwards, and the thresholds are the Triton table's; an injected table's failure is
+    the caller's and propagates."""
+    from megatron_hyscale.ops import checks
+    from megatron_hyscale.ops.kernels import indexer_scores_sm90
+
+    monkeypatch.setattr(checks, "_warned", set())
+    monkeypatch.setattr(hytopk_sm90, "TABLE_VARIANTS", hytopk_sm90.KernelVariants(
+        "hytopk-sample-table", "Gluon sample table", "Triton score-table kernel"))
+    tries = []
+
+    def failing(*args):
+        tries.append(1)
+        raise RuntimeError("simulated launch failure")
+
+    monkeypatch.setattr(indexer_scores_sm90, "indexer_table_sm90", failing)
+    q, k, w = int_inputs(1, 90, 2, 16, seed=3)
+    opts = HyTopKOptions(scores_sm90=True, interpret_programs=2)
+    want = hytopk_sm90.sample_thresholds(q, k, w, 8, 16, options=opts)
+    gluon = replace(opts, scores_sm90_sample_table=True)
+    with pytest.warns(RuntimeWarning, match="Gluon sample table cannot run.*simulated"):
+        got = hytopk_sm90.sample_thresholds(q, k, w, 8, 16, options=gluon)
+    assert torch.equal(got, want) and tries == [1]
+    assert hytopk_sm90.TABLE_VARIANTS.disabled == {(2,)}
+    assert torch.equal(hytopk_sm90.sample_thresholds(q, k, w, 8, 16, options=gluon), want)
+    assert tries == [1]  # refused afterwards
+    with pytest.raises(RuntimeError, match="simulated"):
+        hytopk_sm90.sample_thresholds(q, k, w, 8, 16, options=opts, table_fn=failing)
+
+
 def test_exact_sampling_needs_no_redo():
     """With every key sampled (samples >= T) each threshold sits at rank 1.5 x topk of the
     row's visible keys, so no row is redone (untied scores: continuous inputs, 4 heads so

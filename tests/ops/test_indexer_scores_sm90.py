@@ -114,6 +114,12 @@ def test_table_checks_its_arguments():
         sm90.indexer_table_sm90(q, k, w, 3, 4, 11)
     empty = sm90.indexer_table_sm90(q, k, w, 3, 5, 5)  # no row: nothing launched
     assert empty.shape == (1, 0, 4) and empty.dtype == torch.float32
+    # batch 2: the sampled keys packed ([B * S, D] rows, as TMA reads them) pass; a view of
+    # the whole sequence's keys (batch stride T keys) is refused, not read wrongly
+    q2, k2_full, w2 = _cpu(B=2, T=10)
+    sm90.check_inputs(q2, k2_full[:, ::3].contiguous(), w2, 3)
+    with pytest.raises(ValueError, match=r"^k must be readable as \[B \* S, D\] rows"):
+        sm90.check_inputs(q2, k2_full[:, :4], w2, 3)
 
 
 # --------------------------------------------------------------------------- CPU: compiled

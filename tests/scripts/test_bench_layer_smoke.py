@@ -306,10 +306,14 @@ def test_hyscale_warnings_are_recorded_and_still_shown() -> None:
             warnings.warn("unrelated", UserWarning, stacklevel=1)
     assert found == ["HyScale: the probe kernel cannot run (a cause); using the reference"]
     assert [str(w.message)[:17] for w in shown] == ["HyScale: the prob", "unrelated"]
-    with pytest.raises(RuntimeError), bench_layer.hyscale_warnings() as failed:
-        warnings.warn("HyScale: declined before the failure", RuntimeWarning, stacklevel=1)
-        raise RuntimeError("kernel failed")
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError), bench_layer.hyscale_warnings() as failed:
+            warnings.warn("HyScale: declined before the failure", RuntimeWarning,
+                          stacklevel=1)
+            raise RuntimeError("kernel failed")
     assert failed == ["HyScale: declined before the failure"]
+    assert [str(w.message) for w in shown] == failed  # shown though the row failed
 
 
 def test_guarded_keeps_going_only_when_asked() -> None:

@@ -57,6 +57,12 @@ VARIANTS = KernelVariants("hytopk-scores-sm90", "HyTopK on the Gluon scores (sco
 
 # (q, k, w, tau, t_lo, t_hi, cap) -> (keys, counts): `indexer_filter_sm90`'s contract.
 FilterFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# The Gluon sample table's (`scores_sm90_sample_table`) head counts that failed to compile or
+# launch in this process (one warning): their sample runs on the Triton score-table kernel.
+TABLE_VARIANTS = KernelVariants("hytopk-sample-table",
+                                "Gluon sample table (scores_sm90_sample_table)",
+                                "Triton score-table kernel")
+
 # (keys, counts, topk, *, order, options) -> (indices, scores): `select_survivors`' contract.
 SelectFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # (q, k_sampled, w, key_stride, t_lo, t_hi) -> fp32 [B, t_hi - t_lo, samples], -inf where a row
@@ -116,9 +122,11 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
     """fp32 [B, T]: each row's threshold, the score of its r-th best visible sampled key, r =
     ceil(SURVIVOR_MARGIN x topk x visible samples / visible keys); -inf where a row sees at most
     topk keys (it takes them all). The sample's scores from table_fn (tests pass a plain-torch
-    one), else the Gluon table (`options.scores_sm90_sample_table`), else HyTopK's Triton
-    score-table kernel."""
-    if table_fn is None and options.scores_sm90_sample_table:
+    one), else the Gluon table (`options.scores_sm90_sample_table`; a failure of it warns once
+    and the Triton one takes over), else HyTopK's Triton score-table kernel."""
+    gluon = (table_fn is None and options.scores_sm90_sample_table
+             and (q.shape[2],) not in TABLE_VARIANTS.disabled)
+    if gluon:
         from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_table_sm90
 
         table_fn = indexer_table_sm90
@@ -140,9 +148,18 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
             t1 = min(t0 + SAMPLE_CHUNK_ROWS, T)
             if t1 <= topk:  # rows seeing at most topk keys keep -inf
                 continue
+            table = None
             if table_fn is not None:
-                table = table_fn(q[b:b + 1], k_s, w[b:b + 1], stride, t0, t1)[0]
-            else:
+                try:
+                    table = table_fn(q[b:b + 1], k_s, w[b:b + 1], stride, t0, t1)[0]
+                except torch.OutOfMemoryError:
+                    raise  # not the kernel's failure: the Triton table needs the same memory
+                except Exception as exc:
+                    if not gluon:
+                        raise
+                    TABLE_VARIANTS.disable((q.shape[2],), f"{type(exc).__name__}: {exc}")
+                    table_fn = None
+            if table is None:
                 table = torch.empty(t1 - t0, sampled.numel(), device=q.device)
                 hk.score_table(q[b:b + 1], k_s, w[b:b + 1], relu=True,
                                q_positions=rows[None], k_positions=sampled[None], causal=True,

@@ -155,7 +155,9 @@ def _store_table(s, j, rows, in_chunk, row_off, out_ptr, sok, key_stride,
     flt_layout, one element a thread: each score stored once, 16 keys of a row in a warp."""
     s = gl.convert_layout(s, flt_layout)
     keys = j * BLOCK_S + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, flt_layout))
-    seen = ((keys * key_stride)[:, None] <= rows[None, :]) & in_chunk[None, :]
+    # int64: a key past the last (the tile's tail, up to BLOCK_S - 1 of them) times a large
+    # stride must not wrap round to a position a row sees
+    seen = ((keys.to(gl.int64) * key_stride)[:, None] <= rows[None, :]) & in_chunk[None, :]
     gl.store(out_ptr + row_off[None, :] + keys.to(gl.int64)[:, None] * sok, s, mask=seen)
 
 
@@ -374,7 +376,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: 
                          f"head stride that is a multiple of 8, packed heads, tokens and "
                          f"batches); got strides {q.stride()}")
     skb, sks, skd = k.stride()
-    if skd != 1 or sks % 8 or (B > 1 and skb != T * sks):
+    if skd != 1 or sks % 8 or (B > 1 and skb != n_keys * sks):
         raise ValueError(f"k must be readable as [B * S, D] rows (unit-stride channels, a key "
                          f"stride that is a multiple of 8, packed batches); got strides "
                          f"{k.stride()}")
