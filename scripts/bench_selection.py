@@ -55,7 +55,9 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              hytopk_scores_sm90_immediate: the filter storing each survivor right after its
              slot atomic (scores_sm90_defer_store=False); hytopk_scores_sm90_gluon_sample:
              the sample scored by the Gluon kernel's table epilogue (scores_sm90_sample_table;
-             the phases' sample_gluon times it alone)
+             the phases' sample_gluon times it alone); hytopk_scores_sm90_gluon_sample_x4: the
+             same with 4x the sampled keys (scores_sm90_samples=8192: each row's threshold
+             ranked among 4x the samples, fewer rows redone past 128K)
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
   128K)
   finish     HyTopK's last pass alone (the torch sort that orders and decodes each row)
@@ -186,6 +188,7 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "scoreonly_sm90": 131072, "scoreonly_sm90_free": 131072,
          "hytopk_scores_sm90": 1048576, "hytopk_scores_sm90_immediate": 1048576,
          "hytopk_scores_sm90_gluon_sample": 1048576,
+         "hytopk_scores_sm90_gluon_sample_x4": 1048576,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
          "stock_cudnn": 65536,
@@ -436,17 +439,18 @@ def run_scoreonly_sm90(q, k, w, topk, relu, pingpong=True):
 
 
 def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, defer_store=True,
-                           sample_table=False):
+                           sample_table=False, samples=HyTopKOptions.DEFAULT.scores_sm90_samples):
     """HyTopK from the warp-specialized Gluon scores (`kernels/hytopk_sm90.py`,
     HyTopKOptions.scores_sm90): sampled thresholds, the Gluon filter, a select over the
     survivors, the missed rows redone by the Triton kernel. ReLU configs, 32 or 64 heads.
-    defer_store, sample_table: HyTopKOptions.scores_sm90_defer_store, _sample_table."""
+    defer_store, sample_table, samples: HyTopKOptions.scores_sm90_defer_store,
+    _sample_table, _samples."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
     if not relu:
         raise ValueError("hytopk_scores_sm90 scores under ReLU only")
     opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True, scores_sm90_defer_store=defer_store,
-                   scores_sm90_sample_table=sample_table)
+                   scores_sm90_sample_table=sample_table, scores_sm90_samples=samples)
     return hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, stats=stats)
 
 
@@ -664,6 +668,8 @@ METHODS = {
                                                       defer_store=False),
     "hytopk_scores_sm90_gluon_sample": functools.partial(run_hytopk_scores_sm90,
                                                          sample_table=True),
+    "hytopk_scores_sm90_gluon_sample_x4": functools.partial(run_hytopk_scores_sm90,
+                                                            sample_table=True, samples=8192),
     **{name: with_options(run, **fields) for name, (run, fields) in OPTION_METHODS.items()},
     **{name: select_variant(name) for name in SELECT_VARIANTS},
     "hytopk_select_unordered": select_variant("hytopk_select", ordered=False),
@@ -692,7 +698,8 @@ VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_s
                                              "hytopk_append_tl", "hytopk_key_tma",
                                              "hytopk_scores_sm90",
                                              "hytopk_scores_sm90_immediate",
-                                             "hytopk_scores_sm90_gluon_sample")
+                                             "hytopk_scores_sm90_gluon_sample",
+                                             "hytopk_scores_sm90_gluon_sample_x4")
 KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3",
                                      "scoreonly_key_tma") + (
                   "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
@@ -788,7 +795,8 @@ def bench_one(method, T, cfg, kind, rate, reps):
 SM90_SCORE_METHODS = ("scoreonly_sm90", "scoreonly_sm90_free")
 # Methods on Gluon kernels: Hopper only (no interpreter).
 GLUON_METHODS = SM90_SCORE_METHODS + ("hytopk_scores_sm90", "hytopk_scores_sm90_immediate",
-                                      "hytopk_scores_sm90_gluon_sample")
+                                      "hytopk_scores_sm90_gluon_sample",
+                                      "hytopk_scores_sm90_gluon_sample_x4")
 # Longest T at which the library paths' selections are compared with HyTopK's, row by row.
 SAME_SET_MAX_T = 131072
 
