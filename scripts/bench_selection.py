@@ -28,6 +28,10 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              fp8 MMA step added to an fp32 accumulator)
   scoreonly_fp8  the score-only kernel on the quantized q and k (splits the fp8 GEMM from the
              selection; quantization not timed)
+  hytopk_fp8_scores_sm90  precision="fp8" on the Gluon scores (HyTopKOptions.scores_sm90: fp8
+             wgmma products, the sample on the Gluon table), with its quantization; reports
+             overlap_vs_bf16 and redone_rows_share; scoreonly_sm90_fp8: the Gluon scores alone
+             on the quantized q and k (quantization not timed)
   hytopk_plain  HyTopK with every select variant of HyTopKOptions off (the kernel before
              them; all on is the default since 2026-12-03)
   hytopk_sort, hytopk_head_major, hytopk_lean, hytopk_sample, hytopk_bounded  HyTopK with one
@@ -189,6 +193,7 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_scores_sm90": 1048576, "hytopk_scores_sm90_immediate": 1048576,
          "hytopk_scores_sm90_gluon_sample": 1048576,
          "hytopk_scores_sm90_gluon_sample_x4": 1048576,
+         "hytopk_fp8_scores_sm90": 1048576, "scoreonly_sm90_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
          "stock_cudnn": 65536,
@@ -438,6 +443,35 @@ def run_scoreonly_sm90(q, k, w, topk, relu, pingpong=True):
     return indexer_row_max_sm90(q, k, w, pingpong=pingpong)
 
 
+def run_scoreonly_sm90_fp8(q, k, w, topk, relu):
+    """The Gluon scores on e4m3 q and k (fp8 wgmma; quantized once an input, as
+    scoreonly_fp8): each causal row's largest score."""
+    from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_row_max_sm90
+
+    if not relu:
+        raise ValueError("scoreonly_sm90_fp8 scores under ReLU only")
+    key = (q.data_ptr(), k.data_ptr(), q.shape, k.shape)
+    if key not in _FP8_INPUTS:
+        _FP8_INPUTS.clear()
+        _FP8_INPUTS[key] = quantize_indexer(q, k)
+    q8, q_scale, k8, k_scale = _FP8_INPUTS[key]
+    return indexer_row_max_sm90(q8, k8, w * q_scale, k_scale=k_scale)
+
+
+def run_hytopk_fp8_scores_sm90(q, k, w, topk, relu, stats=None):
+    """What hytopk(..., precision="fp8", options=HyTopKOptions(scores_sm90=True)) runs: the
+    quantization, then HyTopK on the Gluon scores' fp8 products (the sample on the Gluon
+    table)."""
+    from megatron_hyscale.ops.kernels import hytopk_sm90
+
+    if not relu:
+        raise ValueError("hytopk_fp8_scores_sm90 scores under ReLU only")
+    q8, q_scale, k8, k_scale = quantize_indexer(q, k)
+    opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True)
+    return hytopk_sm90.hytopk_sm90(q8, k8, w, topk, options=opts, stats=stats,
+                                   q_scale=q_scale, k_scale=k_scale)
+
+
 def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, defer_store=True,
                            sample_table=False, samples=HyTopKOptions.DEFAULT.scores_sm90_samples):
     """HyTopK from the warp-specialized Gluon scores (`kernels/hytopk_sm90.py`,
@@ -670,6 +704,8 @@ METHODS = {
                                                          sample_table=True),
     "hytopk_scores_sm90_gluon_sample_x4": functools.partial(run_hytopk_scores_sm90,
                                                             sample_table=True, samples=8192),
+    "hytopk_fp8_scores_sm90": run_hytopk_fp8_scores_sm90,
+    "scoreonly_sm90_fp8": run_scoreonly_sm90_fp8,
     **{name: with_options(run, **fields) for name, (run, fields) in OPTION_METHODS.items()},
     **{name: select_variant(name) for name in SELECT_VARIANTS},
     "hytopk_select_unordered": select_variant("hytopk_select", ordered=False),
@@ -707,7 +743,7 @@ KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3",
                   "scoreonly", "scoreonly_heads_on_m", "table", "hytopk_fp8",
                   "hytopk_fp8_promote32", "scoreonly_fp8")
 # The fp8 selections, compared with the bf16 one (overlap_vs_bf16) at every length to 128K.
-FP8_METHODS = ("hytopk_fp8", "hytopk_fp8_promote32")
+FP8_METHODS = ("hytopk_fp8", "hytopk_fp8_promote32", "hytopk_fp8_scores_sm90")
 # Issue #21's goal for the fp8 selection at 128K: this fraction of the bf16 GEMM floor.
 FP8_GOAL_X_FLOOR = 0.65
 
@@ -773,7 +809,7 @@ def bench_one(method, T, cfg, kind, rate, reps):
             guessed, redone = stats.tolist()
             rec.update(sampled_rows_share=guessed / (q.shape[0] * q.shape[1]),
                        redone_blocks=redone)
-        if method.startswith("hytopk_scores_sm90"):
+        if method.startswith("hytopk_scores_sm90") or method == "hytopk_fp8_scores_sm90":
             stats = torch.zeros(2, dtype=torch.int64, device="cuda")
             fn(q, k, w, topk, relu, stats=stats)
             rec.update(redone_rows_share=stats[0].item() / stats[1].item())
@@ -796,7 +832,8 @@ SM90_SCORE_METHODS = ("scoreonly_sm90", "scoreonly_sm90_free")
 # Methods on Gluon kernels: Hopper only (no interpreter).
 GLUON_METHODS = SM90_SCORE_METHODS + ("hytopk_scores_sm90", "hytopk_scores_sm90_immediate",
                                       "hytopk_scores_sm90_gluon_sample",
-                                      "hytopk_scores_sm90_gluon_sample_x4")
+                                      "hytopk_scores_sm90_gluon_sample_x4",
+                                      "hytopk_fp8_scores_sm90", "scoreonly_sm90_fp8")
 # Longest T at which the library paths' selections are compared with HyTopK's, row by row.
 SAME_SET_MAX_T = 131072
 

@@ -622,12 +622,18 @@ case "$stage" in
     ;;
   fp8)
     # The FP8 indexer (ops.hytopk precision="fp8"): its GPU tests (exact on integer inputs,
-    # equal to the reference on the same quantized random inputs), then speed against the
-    # bf16 GEMM floor with the overlap against bf16 selection, random and trained-like inputs.
+    # equal to the reference on the same quantized random inputs; the Gluon fp8 kernels'
+    # too), then speed against the bf16 GEMM floor with the overlap against bf16 selection,
+    # random and trained-like inputs (FP8_METHODS: which; the Gluon ones run on Hopper).
     timeout 150 python3 -m pytest -q -m gpu tests/ops/test_hytopk_fp8.py -p no:cacheprovider \
       2>&1 | tail -8 | tee "$out/tests.log"
+    timeout 150 python3 -m pytest -q -rfE -m gpu tests/ops/test_indexer_scores_sm90.py \
+      tests/ops/test_hytopk_sm90.py -k fp8 -p no:cacheprovider 2>&1 | tail -8 \
+      | tee "$out/tests_sm90_fp8.log"
+    # shellcheck disable=SC2086  # methods split on purpose
     timeout 240 python3 scripts/bench_selection.py --configs dsv32 glm51 --T 16384 65536 131072 \
-      --reps 2 --methods hytopk hytopk_fp8 hytopk_fp8_promote32 scoreonly scoreonly_fp8 \
+      --reps 2 --methods ${FP8_METHODS:-hytopk hytopk_fp8 hytopk_fp8_scores_sm90 scoreonly \
+      scoreonly_fp8 scoreonly_sm90_fp8} \
       --inputs random --tag _fp8 --out "$out" 2>&1 | tail -30 | tee "$out/bench_selection_fp8.log"
     timeout 150 python3 scripts/bench_selection.py --configs dsv32 --T 131072 --reps 2 \
       --methods hytopk hytopk_fp8 --inputs structured recency --tag _fp8_trained --out "$out" \

@@ -123,8 +123,9 @@ def hytopk(
             k per token: DeepSeek-V3.2's inference indexer, `ops/fp8_quant.py`), with fp32
             accumulation: the outputs are those of the bf16 path on the dequantized q and k
             (the reference runs exactly that; the Triton kernel runs fp8 tensor-core products,
-            exact on integer-valued inputs). relu=False folds the heads into one fp32 query, so
-            its kernel scores the dequantized values. Neither the cuDNN backend nor
+            exact on integer-valued inputs; so does the Gluon path, options.scores_sm90).
+            relu=False folds the heads into one fp32 query, so its kernel scores the
+            dequantized values. Neither the cuDNN backend nor
             options.prune takes fp8: "cudnn" warns once and runs HyScale's kernel, prune raises.
 
     Returns:
@@ -187,7 +188,8 @@ def hytopk(
                 got = _from_sm90_scores(q, k, weights, topk, relu=relu, causal=causal,
                                         default_positions=q_positions is None
                                         and k_positions is None, precision=precision,
-                                        options=options, order=order)
+                                        options=options, order=order, q_scale=q_scale,
+                                        k_scale=k_scale)
                 if got is not None:
                     return got
             return hytopk_kernel.hytopk_triton(
@@ -204,23 +206,26 @@ def hytopk(
 
 
 def _from_sm90_scores(q, k, weights, topk, *, relu, causal, default_positions, precision,
-                      options, order) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`options.scores_sm90`'s selection (`kernels/hytopk_sm90.py`, in `order`), or None after
-    one warning naming why it cannot run this call (the Triton kernel then runs)."""
+                      options, order, q_scale=None, k_scale=None
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`options.scores_sm90`'s selection (`kernels/hytopk_sm90.py`, in `order`; e4m3 q and k
+    with their scales under precision "fp8"), or None after one warning naming why it cannot
+    run this call (the Triton kernel then runs)."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
     reason = hytopk_sm90.unsupported(q, k, weights, relu=relu, causal=causal,
                                      default_positions=default_positions,
-                                     precision=precision, options=options)
+                                     precision=precision, options=options, k_scale=k_scale)
     if reason is not None:
         hytopk_sm90.VARIANTS.warn_cannot_run(reason)
         return None
-    variant = (q.shape[2], topk)
+    variant = (q.shape[2], topk, precision)
     if variant in hytopk_sm90.VARIANTS.disabled:
         return None
     try:
         return hytopk_sm90.hytopk_sm90(q, k, weights.float().contiguous(), topk,
-                                       options=options, order=order)
+                                       options=options, order=order, q_scale=q_scale,
+                                       k_scale=k_scale)
     except torch.OutOfMemoryError:
         raise
     except Exception as err:  # a compile or launch failure of the Gluon kernel: said once

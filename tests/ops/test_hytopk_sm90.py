@@ -40,11 +40,18 @@ def exact_scores(q, k, w):
     return scores.masked_fill(~causal, float("-inf"))
 
 
-def torch_filter(q, k, w, tau, t_lo, t_hi, cap, *, drop_last=False, shuffle_seed=0):
+def scaled_keys(k, k_scale):
+    """k as the kernels score it: e4m3 keys times their scales (exact in fp64)."""
+    return k if k_scale is None else k.double() * k_scale.double()[..., None]
+
+
+def torch_filter(q, k, w, tau, t_lo, t_hi, cap, *, drop_last=False, shuffle_seed=0,
+                 k_scale=None):
     """`indexer_filter_sm90`'s contract in plain torch: each row's visible scores >= tau as
     packed keys, in a shuffled order (the kernel's is its atomics'), INT64_MIN after; counts of
-    all survivors. drop_last: a broken filter that loses each row's last survivor."""
-    scores = exact_scores(q, k, w)[:, t_lo:t_hi]
+    all survivors. drop_last: a broken filter that loses each row's last survivor. k_scale:
+    e4m3 keys' scales (w then carries q's)."""
+    scores = exact_scores(q, scaled_keys(k, k_scale), w)[:, t_lo:t_hi]
     B, n, S = scores.shape
     keep = (scores >= tau[..., None]) & torch.isfinite(scores)
     keys = torch.full((B, n, cap), INT64_MIN, dtype=torch.int64, device=q.device)
@@ -185,10 +192,11 @@ def test_row_chunks(monkeypatch, order):
     assert torch.equal(got[0], whole[0]) and torch.equal(got[1], whole[1])
 
 
-def torch_table(q, k_sampled, w, stride, t_lo, t_hi):
+def torch_table(q, k_sampled, w, stride, t_lo, t_hi, k_scale=None):
     """`indexer_table_sm90`'s contract in plain torch: rows [t_lo, t_hi) against the sampled
     keys (key j at position j x stride), -inf where a row does not see the key."""
     T = q.shape[1]
+    k_sampled = scaled_keys(k_sampled, k_scale)
     full = torch.zeros(q.shape[0], T, k_sampled.shape[-1], dtype=k_sampled.dtype,
                        device=k_sampled.device)
     full[:, ::stride] = k_sampled
@@ -253,6 +261,34 @@ def test_a_failing_gluon_table_warns_once_and_the_triton_table_runs(monkeypatch)
     assert tries == [1]  # refused afterwards
     with pytest.raises(RuntimeError, match="simulated"):
         hytopk_sm90.sample_thresholds(q, k, w, 8, 16, options=opts, table_fn=failing)
+
+
+@pytest.mark.parametrize("order", ["score", "key"])
+def test_fp8_matches_the_reference_on_the_same_quantized_inputs(order):
+    """precision="fp8" on the Gluon path's contract (plain-torch filter, table and select;
+    the interpreter runs the redo's fp8 Triton kernel): e4m3 q and k with their scales, q's
+    folded into the head weights, k's applied to each key's head sum, give the reference's
+    rows on the same quantized inputs (integer-valued: every product exact), batch 2, a sample
+    of 16 keys (some rows redone)."""
+    from megatron_hyscale.ops import fp8_quant
+
+    q, k, w = int_inputs(2, 96, 2, 16, seed=11)
+    k[:, ::5] = k[:, ::5].sign()  # amax 1: these keys' scale is half the others'
+    q[:, ::7, 1] = q[:, ::7, 1].sign()
+    q8, q_scale, k8, k_scale = fp8_quant.quantize_indexer(q, k)
+    assert k_scale.unique().numel() > 1 and q_scale.unique().numel() > 1
+    want = hytopk(q, k, w, 12, precision="fp8", backend="reference", order=order)
+    opts = HyTopKOptions(scores_sm90=True, scores_sm90_samples=16, interpret_programs=2)
+    stats = torch.zeros(2, dtype=torch.int64, device=DEV)
+    got = hytopk_sm90.hytopk_sm90(q8, k8, w, 12, options=opts, order=order,
+                                  filter_fn=torch_filter, select_fn=torch_select,
+                                  table_fn=torch_table, stats=stats, q_scale=q_scale,
+                                  k_scale=k_scale)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert stats[0] > 0  # the fp8 redo ran
+    with pytest.raises(ValueError, match="q_scale and k_scale go together"):
+        hytopk_sm90.hytopk_sm90(q8, k8, w, 12, options=opts, q_scale=q_scale,
+                                filter_fn=torch_filter, table_fn=torch_table)
 
 
 def test_exact_sampling_needs_no_redo():
@@ -434,6 +470,38 @@ def test_the_op_matches_the_reference_at_real_size(H):
     key = hytopk(q, k, w, 2048, options=opts, order="key")
     sort_rows_by_key(*want)
     assert torch.equal(key[0], want[0]) and torch.equal(key[1], want[1])
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("H", [64, 32])
+def test_fp8_gluon_filter_and_op(H):
+    """e4m3 q and k (integer-valued, keys of two scales): the Gluon filter's counts and
+    survivors equal the plain-torch filter's on the same quantized inputs, and the op
+    (precision="fp8", options.scores_sm90: fp8 products, the sample on the Gluon table) gives
+    the reference's rows at T = 4101, batch 2."""
+    from megatron_hyscale.ops import fp8_quant
+    from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
+
+    q, k, w = int_inputs(2, 4101, H, 128, seed=H + 7)
+    k[:, ::5] = k[:, ::5].sign()
+    q8, q_scale, k8, k_scale = fp8_quant.quantize_indexer(q, k)
+    w_eff = w * q_scale
+    t_lo, t_hi, cap = 1000, 1531, 4096
+    scores = exact_scores(q8, scaled_keys(k8, k_scale), w_eff)[:, t_lo:t_hi]
+    tau = scores.topk(300, dim=-1).values[..., -1].float().contiguous()
+    got = indexer_filter_sm90(q8, k8, w_eff, tau, t_lo, t_hi, cap, k_scale=k_scale)
+    want = torch_filter(q8, k8, w_eff, tau, t_lo, t_hi, cap, k_scale=k_scale)
+    torch.cuda.synchronize()
+    assert torch.equal(got[1], want[1])
+    for g, wnt in zip(survivors(got[0], got[1], cap), survivors(*want, cap), strict=True):
+        assert torch.equal(g, wnt)
+    stats = torch.zeros(2, dtype=torch.int64, device=DEV)
+    rows = hytopk_sm90.hytopk_sm90(q8, k8, w, 2048, options=HyTopKOptions(scores_sm90=True),
+                                   stats=stats, q_scale=q_scale, k_scale=k_scale)
+    ref = [t.contiguous() for t in hytopk(q, k, w, 2048, precision="fp8", backend="reference")]
+    assert torch.equal(rows[0], ref[0]) and torch.equal(rows[1], ref[1])
+    assert stats[0] < stats[1], stats  # most rows from the Gluon filter
 
 
 @pytest.mark.gpu

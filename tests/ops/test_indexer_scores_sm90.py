@@ -67,7 +67,8 @@ def _misaligned_q():
     ("q", lambda q, k, w: (q[0], k, w), r"^q must have 4 dims"),
     ("k", lambda q, k, w: (q, k[..., None], w), r"^k must have 3 dims"),
     ("w", lambda q, k, w: (q, k, w[..., 0]), r"^w must have 3 dims"),
-    ("q", lambda q, k, w: (q.half(), k, w), r"^q dtype must be one of \['torch.bfloat16'\]"),
+    ("q", lambda q, k, w: (q.half(), k, w),
+     r"^q dtype must be one of \['torch.bfloat16', 'torch.float8_e4m3fn'\]"),
     ("k", lambda q, k, w: (q, k.float(), w), r"^k dtype must be one of \['torch.bfloat16'\]"),
     ("w", lambda q, k, w: (q, k, w.bfloat16()), r"^w dtype must be one of \['torch.float32'\]"),
     ("q", lambda q, k, w: (q[..., :64], k[..., :64], w), r"^q: head dim must be 128"),
@@ -87,6 +88,23 @@ def test_bad_inputs_raise_naming_the_argument(arg, change, pattern):
     with pytest.raises(ValueError, match=pattern) as info:
         sm90.indexer_row_max_sm90(*change(*_cpu()))
     assert str(info.value).startswith(arg)
+
+
+def test_key_scales_go_with_fp8_only():
+    """e4m3 q and k need k_scale fp32 [B, S]; bf16 ones take none; q and k share a dtype."""
+    q, k, w = _cpu(B=2, T=8)
+    q8, k8 = q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn)
+    sm90.check_inputs(q8, k8, w, k_scale=torch.ones(2, 8))
+    with pytest.raises(ValueError, match="^k_scale goes with e4m3 q and k only"):
+        sm90.indexer_row_max_sm90(q, k, w, k_scale=torch.ones(2, 8))
+    with pytest.raises(ValueError, match=r"^k_scale \(fp32 \[B, S\]\) is required"):
+        sm90.indexer_row_max_sm90(q8, k8, w)
+    with pytest.raises(ValueError, match=r"^k_scale must be \[B, S\] = \(2, 8\)"):
+        sm90.indexer_row_max_sm90(q8, k8, w, k_scale=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="^k_scale dtype must be one of"):
+        sm90.indexer_row_max_sm90(q8, k8, w, k_scale=torch.ones(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^k dtype must be one of \['torch.float8_e4m3fn'\]"):
+        sm90.indexer_row_max_sm90(q8, k, w, k_scale=torch.ones(2, 8))
 
 
 def test_unpacked_batches_are_refused():
@@ -166,9 +184,10 @@ def test_presets_compile_warp_specialized_without_spills(tmp_path: Path):
         assert len(re.findall(r"SYNCS\.ARRIVE\.TRANS64\.A1T0", sass)) == 4
 
 
-def _epilogue_reports(tmp_path: Path, *presets: str) -> list[dict]:
+def _epilogue_reports(tmp_path: Path, *presets: str, gemm: str = "HGMMA", steps: int = 8
+                      ) -> list[dict]:
     """The presets' compile reports, each without local memory or a serialized wgmma, its loop
-    holding the one product (8 HGMMA)."""
+    holding the one product (8 HGMMA: bf16 K-steps of 16; 4 QGMMA for e4m3)."""
     out = tmp_path / "e.json"
     proc = _inspect("--preset", *presets, "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -178,7 +197,7 @@ def _epilogue_reports(tmp_path: Path, *presets: str) -> list[dict]:
         assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["stack_bytes"] == 0
         assert rep["perf_warnings"] == []
         ops = rep["loop_ops"]
-        assert ops["HGMMA"] == 8 and ops["LDL"] == 0 and ops["STL"] == 0
+        assert ops[gemm] == steps and ops["LDL"] == 0 and ops["STL"] == 0
     return reports
 
 
@@ -192,6 +211,19 @@ def test_filter_presets_compile_without_spills(tmp_path: Path):
         assert c["FILTER"] is True and c["CAP"] == 4096
         per_thread = max(1, c["ROWS"] // 2)  # BLOCK_S x ROWS over 128 threads
         assert ops["ATOMG"] == per_thread and ops["STG"] == per_thread
+
+
+def test_fp8_presets_compile_without_spills(tmp_path: Path):
+    """e4m3 q and k (HyTopK's precision="fp8"): the same loops on fp8 wgmma (4 QGMMA of K = 32
+    a [64 x 128 x 128] product, no HGMMA), the keys' scales loaded under the product (2 LDG a
+    tile), half the shared memory, no spill; every epilogue."""
+    reports = _epilogue_reports(tmp_path, "indexer-scores-sm90-dsv32-fp8",
+                                "indexer-filter-sm90-dsv32-fp8", "indexer-filter-sm90-glm51-fp8",
+                                "indexer-table-sm90-dsv32-fp8", gemm="QGMMA", steps=4)
+    for rep in reports:
+        c, ops = rep["constexprs"], rep["loop_ops"]
+        assert c["MMA_K"] == 32 and c["KEY_SCALE"] is True and ops["HGMMA"] == 0
+        assert ops["LDG"] == 2 and rep["shared_bytes"] < 2 * 32768 + 4 * 16384
 
 
 def test_table_presets_compile_without_spills(tmp_path: Path):
@@ -249,6 +281,25 @@ def test_integer_inputs_exact(T, H, pingpong):
     q, k, w = int_inputs(2, T, H, seed=T + H)
     out = run(q, k, w, pingpong)
     ref = reference(q, k, w)
+    assert torch.equal(out, ref.float()), (out - ref.float()).abs().max()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("H", [64, 32])
+def test_fp8_integer_inputs_exact(H):
+    """e4m3 q and k (fp8_quant's scheme, integer-valued: exact in e4m3 at their scales, which
+    differ from key to key): each row's max equals the fp64 reference on the dequantized
+    inputs, with q's scales in the head weights and k's passed to the kernel."""
+    from megatron_hyscale.ops import fp8_quant
+
+    q, k, w = int_inputs(2, 1031, H, seed=H + 5)
+    k[:, ::5] = k[:, ::5].sign()
+    q8, q_scale, k8, k_scale = fp8_quant.quantize_indexer(q, k)
+    assert k_scale.unique().numel() > 1
+    out = sm90.indexer_row_max_sm90(q8, k8, w * q_scale, k_scale=k_scale)
+    torch.cuda.synchronize()
+    ref = reference(fp8_quant.dequantize(q8, q_scale), fp8_quant.dequantize(k8, k_scale), w)
     assert torch.equal(out, ref.float()), (out - ref.float()).abs().max()
 
 

@@ -2,7 +2,9 @@
 an exact select over the survivors (`HyTopKOptions.scores_sm90`).
 
 Shapes: q bf16 [B, T, H, D] (D = 128, H = 32 or 64), k bf16 [B, T, D] (S == T, causal, key s
-visible to row t iff s <= t), w fp32 [B, T, H], ReLU. Returns HyTopK's outputs: indices int32
+visible to row t iff s <= t), w fp32 [B, T, H], ReLU; or e4m3 q and k with their fp32 scales
+q_scale [B, T, H] and k_scale [B, T] (HyTopK's precision="fp8", `ops/fp8_quant.py`: the
+Gluon kernels' fp8 products, the sample on the Gluon table). Returns HyTopK's outputs: indices int32
 [B, T, topk] and scores fp32 [B, T, topk], each row's top-k in `ops.hytopk`'s orders ("score":
 descending score, ties to the smaller index; "key": increasing index; "any"), -1 / -inf past
 the visible keys and last.
@@ -82,15 +84,18 @@ def row_chunks(B: int, T: int, topk: int) -> list[tuple[int, int]]:
 
 def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool,
                 causal: bool, default_positions: bool, precision: str,
-                options: HyTopKOptions) -> str | None:
-    """None when `hytopk_sm90` can run this call, else why not."""
+                options: HyTopKOptions, k_scale: torch.Tensor | None = None) -> str | None:
+    """None when `hytopk_sm90` can run this call, else why not (precision "fp8": q and k
+    e4m3, k_scale their keys' scales)."""
     samples = options.scores_sm90_samples
     if isinstance(samples, bool) or not (isinstance(samples, int) and samples >= 1):
         raise ValueError(f"options.scores_sm90_samples must be an int >= 1, got {samples!r}")
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "the Gluon scores need a Hopper (sm_90) GPU"
-    if precision != "bf16" or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
-        return "the Gluon scores take bf16 q and k"
+    want = torch.float8_e4m3fn if precision == "fp8" else torch.bfloat16
+    if q.dtype != want or k.dtype != want:
+        return (f"the Gluon scores take {precision} q and k as {want} (got {q.dtype}, "
+                f"{k.dtype})")
     if not (relu and causal and default_positions):
         return "the Gluon scores take ReLU, causal rows at the default positions"
     if options.prune:
@@ -110,7 +115,7 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool
     if D != HEAD_DIM or H not in HEADS:
         return f"the Gluon scores take {HEADS} heads of {HEAD_DIM} (got {H} of {D})"
     try:  # TMA's layout rules (packed rows, 16-byte alignment)
-        check_inputs(q, k, w.float())
+        check_inputs(q, k, w.float(), k_scale=k_scale)
     except ValueError as err:
         return str(err)
     return None
@@ -118,14 +123,18 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool
 
 def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,
                       samples: int, *, options: HyTopKOptions,
-                      table_fn: TableFn | None = None) -> torch.Tensor:
+                      table_fn: TableFn | None = None,
+                      k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [B, T]: each row's threshold, the score of its r-th best visible sampled key, r =
     ceil(SURVIVOR_MARGIN x topk x visible samples / visible keys); -inf where a row sees at most
     topk keys (it takes them all). The sample's scores from table_fn (tests pass a plain-torch
     one), else the Gluon table (`options.scores_sm90_sample_table`; a failure of it warns once
-    and the Triton one takes over), else HyTopK's Triton score-table kernel."""
-    gluon = (table_fn is None and options.scores_sm90_sample_table
-             and (q.shape[2],) not in TABLE_VARIANTS.disabled)
+    and the Triton one takes over), else HyTopK's Triton score-table kernel. e4m3 q and k
+    (k_scale: their keys' scales, w: the head weights times q's scales) take the Gluon table
+    always: the Triton table has no scales."""
+    fp8 = k_scale is not None
+    gluon = table_fn is None and (fp8 or (options.scores_sm90_sample_table
+                                          and (q.shape[2],) not in TABLE_VARIANTS.disabled))
     if gluon:
         from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_table_sm90
 
@@ -144,6 +153,7 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
     # Row blocks of the score-table kernel must start on its row tiles: chunks of whole blocks.
     for b in range(B):
         k_s = k[b:b + 1, sampled].contiguous()
+        keyed = {} if not fp8 else {"k_scale": k_scale[b:b + 1, sampled].contiguous()}
         for t0 in range(0, T, SAMPLE_CHUNK_ROWS):
             t1 = min(t0 + SAMPLE_CHUNK_ROWS, T)
             if t1 <= topk:  # rows seeing at most topk keys keep -inf
@@ -151,11 +161,11 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
             table = None
             if table_fn is not None:
                 try:
-                    table = table_fn(q[b:b + 1], k_s, w[b:b + 1], stride, t0, t1)[0]
+                    table = table_fn(q[b:b + 1], k_s, w[b:b + 1], stride, t0, t1, **keyed)[0]
                 except torch.OutOfMemoryError:
                     raise  # not the kernel's failure: the Triton table needs the same memory
                 except Exception as exc:
-                    if not gluon:
+                    if not gluon or fp8:  # the caller's, or no table without the Gluon one
                         raise
                     TABLE_VARIANTS.disable((q.shape[2],), f"{type(exc).__name__}: {exc}")
                     table_fn = None
@@ -174,14 +184,17 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
 def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
                 options: HyTopKOptions, order: str = "score",
                 filter_fn: FilterFn | None = None, select_fn: SelectFn | None = None,
-                stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                table_fn: TableFn | None = None, stats: torch.Tensor | None = None,
+                q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's exact top-k in `order` (module doc; "any": the set, empty slots last) on
     inputs `unsupported` accepted. filter_fn: the survivors' kernel
     (default `indexer_filter_sm90`; tests pass a plain-torch one); select_fn: the select over
     the survivors (default `select_survivors`; the interpreter tests pass a plain-torch one,
-    its radix select taking minutes there). stats: optional int64 [2]
-    receiving (rows redone, rows). Host syncs: one (whether any row is redone), plus one a
-    batch with rows to redo (which)."""
+    its radix select taking minutes there); table_fn: the sample's table (`sample_thresholds`).
+    stats: optional int64 [2] receiving (rows redone, rows). q_scale, k_scale: e4m3 q and k's
+    scales (both or neither): q's fold into the head weights, k's go to the kernels. Host
+    syncs: one (whether any row is redone), plus one a batch with rows to redo (which)."""
     if order not in ("score", "key", "any"):
         raise ValueError(f"order must be 'score', 'key' or 'any', got {order!r}")
 
@@ -196,13 +209,20 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
             stats.zero_()
         return (torch.empty(B, T, topk, dtype=torch.int32, device=q.device),
                 torch.empty(B, T, topk, dtype=torch.float32, device=q.device))
-    tau = sample_thresholds(q, k, w, topk, options.scores_sm90_samples, options=options)
+    if (q_scale is None) != (k_scale is None):
+        raise ValueError("q_scale and k_scale go together (e4m3 q and k)")
+    # q's per-(token, head) scale leaves the ReLU into the head weight (fp8_quant's scheme)
+    w_eff = w if q_scale is None else w.float() * q_scale
+    keyed = {} if k_scale is None else {"k_scale": k_scale}
+    tau = sample_thresholds(q, k, w_eff, topk, options.scores_sm90_samples, options=options,
+                            table_fn=table_fn, k_scale=k_scale)
     indices = torch.empty(B, T, topk, dtype=torch.int32, device=q.device)
     scores = torch.empty(B, T, topk, dtype=torch.float32, device=q.device)
     need = torch.clamp(torch.arange(1, T + 1, device=q.device), max=topk)
     redo = torch.zeros(B, T, dtype=torch.bool, device=q.device)
     for t0, t1 in row_chunks(B, T, topk):
-        keys, counts = filter_fn(q, k, w, tau[:, t0:t1].contiguous(), t0, t1, cap)
+        keys, counts = filter_fn(q, k, w_eff, tau[:, t0:t1].contiguous(), t0, t1, cap,
+                                 **keyed)
         indices[:, t0:t1], scores[:, t0:t1] = (select_fn or select_survivors)(
             keys, counts, topk, order=order, options=options)
         redo[:, t0:t1] = (counts < need[t0:t1]) | (counts > cap)
@@ -218,10 +238,12 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
             if n:
                 pad = -n % REDO_ROWS_MULTIPLE
                 rows_in = torch.cat([rows, rows[-1:].expand(pad)])
+                scales = {} if q_scale is None else dict(
+                    q_scale=q_scale[b:b + 1, rows_in], k_scale=k_scale[b:b + 1])
                 idx, val = hk.hytopk_triton(
                     q[b:b + 1, rows_in], k[b:b + 1], w[b:b + 1, rows_in], topk, relu=True,
                     q_positions=rows_in[None], k_positions=kpos, causal=True, options=options,
-                    ordered=order != "any", key_order=order == "key")
+                    ordered=order != "any", key_order=order == "key", **scales)
                 indices[b, rows], scores[b, rows] = idx[0, :n], val[0, :n]
     return indices, scores
 

@@ -3,7 +3,10 @@
 Shapes: q bf16 [B, T, H, D] (D = 128, H = 32 or 64), k bf16 [B, S, D] (one key head, S == T),
 w fp32 [B, T, H]. out fp32 [B, T]: out[b, t] = max over s <= t of
 score[b, t, s] = sum_h w[b, t, h] * relu(q[b, t, h] . k[b, s]), fp32 accumulation. The scoring
-cost of HyTopK alone (`hytopk.MODE_SCORES_ONLY`), with the compute split FA3-style.
+cost of HyTopK alone (`hytopk.MODE_SCORES_ONLY`), with the compute split FA3-style. Or e4m3 q and
+k (`ops/fp8_quant.py`: HyTopK's precision="fp8"): fp8 products, w the head weights times q's
+per-(token, head) scale, k_scale fp32 [B, S] multiplying each key's head sum (the scales are
+powers of two: they leave the ReLU).
 
 `indexer_filter_sm90` runs the same products with another epilogue (FILTER): each visible score
 at or above its row's threshold is appended to the row's survivor list as HyTopK's packed int64
@@ -64,6 +67,8 @@ CONSUMER_REGS = 240
 # SM's 64K.
 MAXNREG = 168
 HEADS = (32, 64)
+# The wgmma's K a k-step: 32 bytes of each operand row (bf16: 16 channels, e4m3: 32).
+MMA_K = {torch.bfloat16: 16, torch.float8_e4m3fn: 32}
 # The survivors' packed keys: (score bits ordered as ints) << 32 | (LOW32 - key index), so a
 # larger key is a higher score, then a smaller index (HyTopK's `_pack`).
 LOW32 = gl.constexpr((1 << 32) - 1)
@@ -163,11 +168,12 @@ def _store_table(s, j, rows, in_chunk, row_off, out_ptr, sok, key_stride,
 
 @gluon.jit
 def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
-              swb, swt, swh, sob, sot, sok, key_stride, tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi,
-              n_rows, ROWS: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr,
-              NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, red_layout: gl.constexpr,
-              FILTER: gl.constexpr, CAP: gl.constexpr, flt_layout: gl.constexpr,
-              DEFER_STORE: gl.constexpr, TABLE: gl.constexpr):
+              swb, swt, swh, sob, sot, sok, key_stride, n_keys, ks_ptr, sksb, skss, tau_ptr,
+              cnt_ptr, buf_ptr, t_lo, t_hi, n_rows, ROWS: gl.constexpr, H: gl.constexpr,
+              BLOCK_S: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+              red_layout: gl.constexpr, FILTER: gl.constexpr, CAP: gl.constexpr,
+              flt_layout: gl.constexpr, DEFER_STORE: gl.constexpr, TABLE: gl.constexpr,
+              MMA_K: gl.constexpr, KEY_SCALE: gl.constexpr):
     """Rows t0 .. t0 + ROWS - 1 (t0 = t_base + c * ROWS): each key tile's scores as
     [keys x (row, head)] = K_tile Q^T on wgmma, then ReLU x w, the head sum (N, in registers),
     the causal mask and a running max per (key slot, row); the max over key slots at the end.
@@ -176,11 +182,13 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
     DEFER_STORE: a tile's survivors are stored while the next tile's product runs, so the
     consumer does not wait for its slot atomics' return before its next wgmma.
     TABLE: each visible score (key j at position j x key_stride) into out[b, row - t_lo, j]
-    (strides sob, sot, sok) for rows in [t_lo, t_hi); the rest is the caller's fill."""
+    (strides sob, sot, sok) for rows in [t_lo, t_hi); the rest is the caller's fill.
+    MMA_K: the wgmma's K (16 for bf16, 32 for e4m3); KEY_SCALE: each key's head sum times
+    ks[b, key] (strides sksb, skss: e4m3 keys' scales)."""
     q_bar, ready, empty, turn = bars
     N: gl.constexpr = ROWS * H
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, MMA_K])
     t0 = t_base + c * ROWS
 
     # w for this thread's (row, head) columns, once; rows past T weigh 0 (never stored).
@@ -219,6 +227,9 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
         acc = warpgroup_mma(k_s.index(i), q_op, zero, use_acc=False, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - c), count=1)
+        if KEY_SCALE:  # loaded under the product
+            k_idx = j * BLOCK_S + keys
+            k_scale = gl.load(ks_ptr + b * sksb + k_idx * skss, mask=k_idx < n_keys, other=0.0)
         if FILTER:
             if DEFER_STORE:  # the last tile's, under this tile's product
                 _store_survivors(buf_ptr, row_slot, pend_pos, pend_key, pend_keep, CAP)
@@ -229,6 +240,8 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
         x = gl.maximum(acc, 0.0) * w[None, :]
         s = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, H]), axis=2)
         s = gl.convert_layout(s, red_layout, assert_trivial=True)
+        if KEY_SCALE:
+            s = s * k_scale[:, None]
         if FILTER:
             pos, key, keep = _claim_slots(s, j, f_rows, in_chunk, row_slot, tau, cnt_ptr,
                                           BLOCK_S, flt_layout)
@@ -253,13 +266,13 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
 
 @gluon.jit
 def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
-                           swb, swt, swh, sob, sot, sok, key_stride, n_keys, tau_ptr, cnt_ptr,
-                           buf_ptr, t_lo, t_hi,
+                           swb, swt, swh, sob, sot, sok, key_stride, n_keys, ks_ptr, sksb,
+                           skss, tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi,
                            H: gl.constexpr, ROWS: gl.constexpr, BLOCK_S: gl.constexpr,
                            NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
                            red_layout: gl.constexpr, FILTER: gl.constexpr, CAP: gl.constexpr,
                            flt_layout: gl.constexpr, DEFER_STORE: gl.constexpr,
-                           TABLE: gl.constexpr,
+                           TABLE: gl.constexpr, MMA_K: gl.constexpr, KEY_SCALE: gl.constexpr,
                            CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """One program: query rows t_base .. t_base + 2 * ROWS - 1 of batch b, from t_lo, against
@@ -296,13 +309,15 @@ def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
 
     gl.warp_specialize([
         (_consumer, (0, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
-                     swb, swt, swh, sob, sot, sok, key_stride, tau_ptr, cnt_ptr, buf_ptr, t_lo,
-                     t_hi, n_rows, ROWS, H, BLOCK_S, NUM_STAGES, PINGPONG, red_layout, FILTER,
-                     CAP, flt_layout, DEFER_STORE, TABLE)),
+                     swb, swt, swh, sob, sot, sok, key_stride, n_keys, ks_ptr, sksb, skss,
+                     tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows, ROWS, H, BLOCK_S,
+                     NUM_STAGES, PINGPONG, red_layout, FILTER, CAP, flt_layout, DEFER_STORE,
+                     TABLE, MMA_K, KEY_SCALE)),
         (_consumer, (1, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
-                     swb, swt, swh, sob, sot, sok, key_stride, tau_ptr, cnt_ptr, buf_ptr, t_lo,
-                     t_hi, n_rows, ROWS, H, BLOCK_S, NUM_STAGES, PINGPONG, red_layout, FILTER,
-                     CAP, flt_layout, DEFER_STORE, TABLE)),
+                     swb, swt, swh, sob, sot, sok, key_stride, n_keys, ks_ptr, sksb, skss,
+                     tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows, ROWS, H, BLOCK_S,
+                     NUM_STAGES, PINGPONG, red_layout, FILTER, CAP, flt_layout, DEFER_STORE,
+                     TABLE, MMA_K, KEY_SCALE)),
         (_producer, (q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, k_row0, n_tiles,
                      ROWS, H, BLOCK_S, NUM_STAGES)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -335,25 +350,27 @@ def _filter_layout(rows: int) -> gl.BlockedLayout:
     return gl.BlockedLayout([1, max(1, rows // 2)], [16, 2], [CONSUMER_WARPS, 1], [1, 0])
 
 
-_layouts: dict[int, tuple] = {}
+_layouts: dict[tuple, tuple] = {}
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
 
 
-def _shared_layouts(heads: int) -> tuple:
-    if heads not in _layouts:
+def _shared_layouts(heads: int, dtype: torch.dtype) -> tuple:
+    if (heads, dtype) not in _layouts:
         nv = gl.NVMMASharedLayout.get_default_for
-        _layouts[heads] = (nv([PAIRS, HEAD_DIM], gl.bfloat16),
-                           nv([BLOCK_S, HEAD_DIM], gl.bfloat16),
-                           _reduced_layout(PAIRS // heads, heads),
-                           _filter_layout(PAIRS // heads))
-    return _layouts[heads]
+        _layouts[heads, dtype] = (nv([PAIRS, HEAD_DIM], _GL_DTYPES[dtype]),
+                                  nv([BLOCK_S, HEAD_DIM], _GL_DTYPES[dtype]),
+                                  _reduced_layout(PAIRS // heads, heads),
+                                  _filter_layout(PAIRS // heads))
+    return _layouts[heads, dtype]
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: int = 1
-                 ) -> None:
+def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: int = 1,
+                 k_scale: torch.Tensor | None = None) -> None:
     """ValueError naming the argument that `indexer_row_max_sm90` cannot take (k: the keys at
-    positions 0, key_stride, 2 x key_stride, ... of the T-token sequence)."""
-    check_tensor("q", q, ndim=4, dtypes=(torch.bfloat16,))  # [B, T, H, D]
-    check_tensor("k", k, ndim=3, dtypes=(torch.bfloat16,))  # [B, S, D]
+    positions 0, key_stride, 2 x key_stride, ... of the T-token sequence; k_scale: fp32 [B, S]
+    with e4m3 q and k, None with bf16)."""
+    check_tensor("q", q, ndim=4, dtypes=tuple(MMA_K))  # [B, T, H, D]
+    check_tensor("k", k, ndim=3, dtypes=(q.dtype,))  # [B, S, D]
     check_tensor("w", w, ndim=3, dtypes=(torch.float32,))  # [B, T, H]
     check_same_device(q=q, k=k, w=w)
     B, T, H, D = q.shape
@@ -368,6 +385,17 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: 
                          f"{tuple(k.shape)}")
     if w.shape != (B, T, H):
         raise ValueError(f"w must be [B, T, H] = {(B, T, H)}, got {tuple(w.shape)}")
+    if q.dtype == torch.bfloat16:
+        if k_scale is not None:
+            raise ValueError("k_scale goes with e4m3 q and k only (bf16 given)")
+    else:
+        if k_scale is None:
+            raise ValueError("k_scale (fp32 [B, S]) is required with e4m3 q and k")
+        check_tensor("k_scale", k_scale, ndim=2, dtypes=(torch.float32,))
+        if k_scale.shape != (B, n_keys):
+            raise ValueError(f"k_scale must be [B, S] = {(B, n_keys)}, got "
+                             f"{tuple(k_scale.shape)}")
+        check_same_device(q=q, k_scale=k_scale)
     # TMA reads q as [B * T * H, D] rows and k as [B * S, D] rows: 16-byte rows and row
     # strides, 16-byte aligned data, the batch / token / head strides packed into one row index.
     sqb, sqt, sqh, sqd = q.stride()
@@ -388,30 +416,33 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: 
 
 
 def indexer_row_max_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *,
-                         pingpong: bool = True) -> torch.Tensor:
+                         pingpong: bool = True, k_scale: torch.Tensor | None = None
+                         ) -> torch.Tensor:
     """out fp32 [B, T]: each causal row's largest indexer score (key s visible to row t iff
     s <= t). Hopper only: the caller checks the device. pingpong: order the two consumers'
-    products alternately (the `turn` barriers); False lets them issue freely."""
-    check_inputs(q, k, w)
+    products alternately (the `turn` barriers); False lets them issue freely. e4m3 q and k:
+    k_scale fp32 [B, S], w already times q's scales (module doc)."""
+    check_inputs(q, k, w, k_scale=k_scale)
     B, T, H, D = q.shape
     out = torch.empty((B, T), device=q.device, dtype=torch.float32)
     if B * T == 0:
         return out
-    _launch(q, k, w, out, 0, T, pingpong=pingpong)
+    _launch(q, k, w, out, 0, T, pingpong=pingpong, k_scale=k_scale)
     return out
 
 
 def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: torch.Tensor,
                         t_lo: int, t_hi: int, cap: int, *, pingpong: bool = True,
-                        defer_store: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        defer_store: bool = True, k_scale: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The survivors of query rows [t_lo, t_hi): keys int64 [B, t_hi - t_lo, cap] (HyTopK's
     packed keys of the visible scores >= tau of each row, in no order, the first min(count,
     cap) slots written, INT64_MIN after) and counts int32 [B, t_hi - t_lo] (all survivors,
     also those past cap). tau: fp32 [B, t_hi - t_lo] thresholds (-inf: every visible key).
     defer_store: store a key tile's survivors under the next tile's product (False: right
-    after their slot atomics return, as first built). Hopper only: the caller checks the
-    device."""
-    check_inputs(q, k, w)
+    after their slot atomics return, as first built). k_scale: as `indexer_row_max_sm90`'s.
+    Hopper only: the caller checks the device."""
+    check_inputs(q, k, w, k_scale=k_scale)
     B, T, H, D = q.shape
     n = t_hi - t_lo
     if not 0 <= t_lo <= t_hi <= T:
@@ -429,20 +460,22 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
     counts = torch.zeros((B, n), device=q.device, dtype=torch.int32)
     if B * n:
         _launch(q, k, w, None, t_lo, t_hi, pingpong=pingpong,
-                survivors=(tau, counts, keys, cap), defer_store=defer_store)
+                survivors=(tau, counts, keys, cap), defer_store=defer_store, k_scale=k_scale)
     return keys, counts
 
 
 def indexer_table_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: int,
-                       t_lo: int, t_hi: int, *, pingpong: bool = True) -> torch.Tensor:
+                       t_lo: int, t_hi: int, *, pingpong: bool = True,
+                       k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [B, t_hi - t_lo, S]: the scores of query rows [t_lo, t_hi) against k [B, S, D],
     every key_stride-th key of the T-token sequence (key j at position j x key_stride, S =
     ceil(T / key_stride): `k_full[:, ::key_stride]`), -inf where a row does not see the key
     (j x key_stride > t). HyTopK's sampled thresholds on the Gluon scores (`hytopk_sm90.
-    sample_thresholds`). Hopper only: the caller checks the device."""
+    sample_thresholds`). k_scale: the sampled keys' scales, as `indexer_row_max_sm90`'s. Hopper
+    only: the caller checks the device."""
     if isinstance(key_stride, bool) or not (isinstance(key_stride, int) and key_stride >= 1):
         raise ValueError(f"key_stride must be an int >= 1, got {key_stride!r}")
-    check_inputs(q, k, w, key_stride)
+    check_inputs(q, k, w, key_stride, k_scale)
     B, T = q.shape[:2]
     if not 0 <= t_lo <= t_hi <= T:
         raise ValueError(f"t_lo, t_hi must satisfy 0 <= t_lo <= t_hi <= T = {T}; got "
@@ -451,18 +484,19 @@ def indexer_table_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_st
                        dtype=torch.float32)
     if table.numel():
         _launch(q, k, w, table, t_lo, t_hi, pingpong=pingpong, table=True,
-                key_stride=key_stride)
+                key_stride=key_stride, k_scale=k_scale)
     return table
 
 
 def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=True,
-            table=False, key_stride=1):
+            table=False, key_stride=1, k_scale=None):
     """One launch over query rows [t_lo, t_hi): the row maxima into out, or with survivors =
     (tau, counts, keys, cap) the survivors (defer_store: `_consumer`'s DEFER_STORE), or with
-    table the scores into out [B, t_hi - t_lo, S] against keys every key_stride-th."""
+    table the scores into out [B, t_hi - t_lo, S] against keys every key_stride-th; k_scale
+    with e4m3 q and k."""
     B, T, H, D = q.shape
     rows = PAIRS // H
-    q_layout, k_layout, red_layout, flt_layout = _shared_layouts(H)
+    q_layout, k_layout, red_layout, flt_layout = _shared_layouts(H, q.dtype)
     q_desc = TensorDescriptor(q, [B * T * H, D], [q.stride(2), 1], [PAIRS, D], q_layout)
     n_keys = k.shape[1]
     k_desc = TensorDescriptor(k, [B * n_keys, D], [k.stride(1), 1], [BLOCK_S, D], k_layout)
@@ -478,10 +512,13 @@ def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=T
         out, out_strides = tau, (0, 0, 0)  # not written: FILTER is on
     _indexer_scores_kernel[(B * n_blocks,)](
         q_desc, k_desc, w, out, B, T, n_blocks, *w.stride(), *out_strides, key_stride, n_keys,
+        w if k_scale is None else k_scale,  # not read without KEY_SCALE
+        *((0, 0) if k_scale is None else k_scale.stride()),
         tau, counts, keys, t_lo, t_hi,
         H=H, ROWS=rows, BLOCK_S=BLOCK_S, NUM_STAGES=NUM_STAGES, PINGPONG=pingpong,
         red_layout=red_layout, FILTER=survivors is not None, CAP=cap, flt_layout=flt_layout,
         DEFER_STORE=survivors is not None and defer_store, TABLE=table,
+        MMA_K=MMA_K[q.dtype], KEY_SCALE=k_scale is not None,
         CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,

@@ -202,12 +202,15 @@ class HyTopKOptions:
     # kernel's fp32 sums: near-tied bf16 scores may order otherwise than the Triton kernel's;
     # integer-valued inputs give the reference's rows). Host syncs: one a call, plus one a
     # batch with rows to redo. A compile or launch failure warns once and runs Triton. Runs
-    # on Hopper, bf16, ReLU, causal with S == T at the default positions, 32 or 64 heads of
-    # 128 dims, bf16 precision, no prune; elsewhere one warning names why and the Triton
-    # kernel runs. Timed on an H100 (2026-12-05, `bench_selection.py --methods hytopk
-    # hytopk_scores_sm90`, rows equal to the default's): V3.2 at 128K 387.7 -> 346.2 ms (1.90x
-    # the GEMM floor, 1.7% of the rows redone), at 16K 13.1 -> 15.8 (slower); 3.5 GiB at 128K.
-    # Off: faster at 128K only, and not yet beside cuDNN's selection in one run.
+    # on Hopper, ReLU, causal with S == T at the default positions, 32 or 64 heads of 128
+    # dims, bf16 q and k or precision="fp8" (e4m3 products on the tensor cores, the sample on
+    # the Gluon table; compiled for sm_90a, not yet run on a GPU), no prune; elsewhere one
+    # warning names why and the Triton kernel runs. Timed on an H100 (2026-12-05,
+    # `bench_selection.py --methods hytopk hytopk_scores_sm90`, rows equal to the default's):
+    # V3.2 at 128K 387.7 -> 346.2 ms (1.90x the GEMM floor, 1.7% of the rows redone), at 16K
+    # 13.1 -> 15.8 (slower); 3.5 GiB at 128K. Later the same day, beside cuDNN's selection
+    # (BENCHMARKS.md): 1.04-1.21x cuDNN's at 128K, slower below 64K. Off: faster from 64K
+    # only, and its rows differ from the Triton kernel's on near ties.
     scores_sm90: bool = False
     # Keys scored for the thresholds (every max(1, ceil(S / this))-th key, for every row).
     scores_sm90_samples: int = 2048
