@@ -566,7 +566,12 @@ case "$stage" in
     # which (default "qsa dsa"; also csa, hca: PROFILE_V4_T, default 131072); PROFILE_FLAGS:
     # more bench_layer flags for the DSA layer (e.g. "--hytopk-scores-sm90
     # --compare-own-kernels --compare-indexer-target": the loss's target from the attention
-    # backward against its own pass, each row profiled).
+    # backward against its own pass, each row profiled). First, that the DSA layer's step
+    # runs the Gluon forward and backward at all (no fallback, no warning).
+    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+      tests/layers/test_dsa_hopper_kernels_gpu.py > "$out/tests.log" 2>&1
+    echo "layer kernels test rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR|E  )" "$out/tests.log" | cut -c1-300 | head -12
     for model in ${PROFILE_MODELS:-qsa dsa}; do
       seq=${PROFILE_QSA_T:-524288} budget=200 flags=()
       case $model in
