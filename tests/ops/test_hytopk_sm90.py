@@ -263,6 +263,17 @@ def test_a_failing_gluon_table_warns_once_and_the_triton_table_runs(monkeypatch)
         hytopk_sm90.sample_thresholds(q, k, w, 8, 16, options=opts, table_fn=failing)
 
 
+def two_scales(q, k):
+    """Integer-valued q and k whose e4m3 scales differ from key to key, token to token and
+    batch to batch (amax 1 or 1.5 against 3: still exact in e4m3 at their scales)."""
+    k, q = k.clone(), q.clone()
+    k[:, ::5] = k[:, ::5].sign()  # amax 1: half the others' scale
+    k[1, 1::3] = k[1, 1::3] * 0.5  # batch 1 only
+    q[:, ::7, 1] = q[:, ::7, 1].sign()
+    q[1, 2::5, 0] = q[1, 2::5, 0] * 0.5
+    return q, k
+
+
 @pytest.mark.parametrize("order", ["score", "key"])
 def test_fp8_matches_the_reference_on_the_same_quantized_inputs(order):
     """precision="fp8" on the Gluon path's contract (plain-torch filter, table and select;
@@ -273,9 +284,9 @@ def test_fp8_matches_the_reference_on_the_same_quantized_inputs(order):
     from megatron_hyscale.ops import fp8_quant
 
     q, k, w = int_inputs(2, 96, 2, 16, seed=11)
-    k[:, ::5] = k[:, ::5].sign()  # amax 1: these keys' scale is half the others'
-    q[:, ::7, 1] = q[:, ::7, 1].sign()
+    q, k = two_scales(q, k)
     q8, q_scale, k8, k_scale = fp8_quant.quantize_indexer(q, k)
+    assert not torch.equal(k_scale[0], k_scale[1]) and not torch.equal(q_scale[0], q_scale[1])
     assert k_scale.unique().numel() > 1 and q_scale.unique().numel() > 1
     want = hytopk(q, k, w, 12, precision="fp8", backend="reference", order=order)
     opts = HyTopKOptions(scores_sm90=True, scores_sm90_samples=16, interpret_programs=2)
@@ -475,16 +486,18 @@ def test_the_op_matches_the_reference_at_real_size(H):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("H", [64, 32])
-def test_fp8_gluon_filter_and_op(H):
-    """e4m3 q and k (integer-valued, keys of two scales): the Gluon filter's counts and
-    survivors equal the plain-torch filter's on the same quantized inputs, and the op
-    (precision="fp8", options.scores_sm90: fp8 products, the sample on the Gluon table) gives
-    the reference's rows at T = 4101, batch 2."""
+def test_fp8_gluon_filter_and_op(H, monkeypatch):
+    """e4m3 q and k (integer-valued, scales varying by key, token and batch): the Gluon
+    filter's counts and survivors equal the plain-torch filter's on the same quantized
+    inputs, and ops.hytopk(precision="fp8", options.scores_sm90: fp8 products, the sample on
+    the Gluon table) runs the Gluon filter and gives the reference's rows at T = 2053, batch
+    2."""
     from megatron_hyscale.ops import fp8_quant
-    from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
+    from megatron_hyscale.ops.kernels import indexer_scores_sm90
 
-    q, k, w = int_inputs(2, 4101, H, 128, seed=H + 7)
-    k[:, ::5] = k[:, ::5].sign()
+    indexer_filter_sm90 = indexer_scores_sm90.indexer_filter_sm90
+    q, k, w = int_inputs(2, 2053, H, 128, seed=H + 7)
+    q, k = two_scales(q, k)
     q8, q_scale, k8, k_scale = fp8_quant.quantize_indexer(q, k)
     w_eff = w * q_scale
     t_lo, t_hi, cap = 1000, 1531, 4096
@@ -496,12 +509,21 @@ def test_fp8_gluon_filter_and_op(H):
     assert torch.equal(got[1], want[1])
     for g, wnt in zip(survivors(got[0], got[1], cap), survivors(*want, cap), strict=True):
         assert torch.equal(g, wnt)
-    stats = torch.zeros(2, dtype=torch.int64, device=DEV)
-    rows = hytopk_sm90.hytopk_sm90(q8, k8, w, 2048, options=HyTopKOptions(scores_sm90=True),
-                                   stats=stats, q_scale=q_scale, k_scale=k_scale)
-    ref = [t.contiguous() for t in hytopk(q, k, w, 2048, precision="fp8", backend="reference")]
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return indexer_filter_sm90(*args, **kwargs)
+
+    monkeypatch.setattr(indexer_scores_sm90, "indexer_filter_sm90", counted)
+    rows = hytopk(q, k, w, 1024, options=HyTopKOptions(scores_sm90=True), precision="fp8")
+    ref = [t.contiguous() for t in hytopk(q, k, w, 1024, precision="fp8", backend="reference")]
     assert torch.equal(rows[0], ref[0]) and torch.equal(rows[1], ref[1])
-    assert stats[0] < stats[1], stats  # most rows from the Gluon filter
+    assert calls and (H, 1024, "fp8") not in hytopk_sm90.VARIANTS.disabled
+    stats = torch.zeros(2, dtype=torch.int64, device=DEV)
+    hytopk_sm90.hytopk_sm90(q8, k8, w, 1024, options=HyTopKOptions(scores_sm90=True),
+                            stats=stats, q_scale=q_scale, k_scale=k_scale)
+    assert stats[0] <= 0.05 * stats[1], stats  # the thresholds (the fp8 table) near right
 
 
 @pytest.mark.gpu

@@ -105,6 +105,12 @@ def test_key_scales_go_with_fp8_only():
         sm90.indexer_row_max_sm90(q8, k8, w, k_scale=torch.ones(2, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"^k dtype must be one of \['torch.float8_e4m3fn'\]"):
         sm90.indexer_row_max_sm90(q8, k, w, k_scale=torch.ones(2, 8))
+    # TMA's 16 bytes are 16 e4m3 elements: a key stride of 136 (272 bytes in bf16) is refused
+    k_pad = torch.zeros(2, 8, 136, dtype=torch.bfloat16)[..., :128]
+    sm90.check_inputs(q, k_pad, w)
+    k8_pad = torch.zeros(2, 8, 136, dtype=torch.float8_e4m3fn)[..., :128]
+    with pytest.raises(ValueError, match="^k must be readable.*a multiple of 16"):
+        sm90.check_inputs(q8, k8_pad, w, k_scale=torch.ones(2, 8))
 
 
 def test_unpacked_batches_are_refused():
@@ -284,22 +290,32 @@ def test_integer_inputs_exact(T, H, pingpong):
     assert torch.equal(out, ref.float()), (out - ref.float()).abs().max()
 
 
+def fp8_inputs(T, H, seed):
+    """e4m3 q, k (fp8_quant's scheme) of integer-valued inputs whose scales differ by key,
+    token and batch (exact in e4m3 at their scales), the weights with q's scales in them, k's
+    scales, and the dequantized q and k."""
+    from megatron_hyscale.ops import fp8_quant
+
+    q, k, w = int_inputs(2, T, H, seed=seed)
+    k[:, ::5] = k[:, ::5].sign()
+    k[1, 1::3] = k[1, 1::3] * 0.5
+    q[1, 2::5, 0] = q[1, 2::5, 0] * 0.5
+    q8, q_scale, k8, k_scale = fp8_quant.quantize_indexer(q, k)
+    assert not torch.equal(k_scale[0], k_scale[1]) and k_scale.unique().numel() > 2
+    return (q8, k8, w * q_scale, k_scale, fp8_quant.dequantize(q8, q_scale),
+            fp8_quant.dequantize(k8, k_scale), w)
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("H", [64, 32])
 def test_fp8_integer_inputs_exact(H):
-    """e4m3 q and k (fp8_quant's scheme, integer-valued: exact in e4m3 at their scales, which
-    differ from key to key): each row's max equals the fp64 reference on the dequantized
-    inputs, with q's scales in the head weights and k's passed to the kernel."""
-    from megatron_hyscale.ops import fp8_quant
-
-    q, k, w = int_inputs(2, 1031, H, seed=H + 5)
-    k[:, ::5] = k[:, ::5].sign()
-    q8, q_scale, k8, k_scale = fp8_quant.quantize_indexer(q, k)
-    assert k_scale.unique().numel() > 1
-    out = sm90.indexer_row_max_sm90(q8, k8, w * q_scale, k_scale=k_scale)
+    """e4m3 q and k: each row's max equals the fp64 reference on the dequantized inputs, with
+    q's scales in the head weights and k's passed to the kernel."""
+    q8, k8, w_eff, k_scale, q, k, w = fp8_inputs(1031, H, seed=H + 5)
+    out = sm90.indexer_row_max_sm90(q8, k8, w_eff, k_scale=k_scale)
     torch.cuda.synchronize()
-    ref = reference(fp8_quant.dequantize(q8, q_scale), fp8_quant.dequantize(k8, k_scale), w)
+    ref = reference(q, k, w)
     assert torch.equal(out, ref.float()), (out - ref.float()).abs().max()
 
 
@@ -388,4 +404,17 @@ def test_table_integer_inputs_exact(H, stride):
     want = table_reference(q, k, w, stride, t_lo, T)
     assert got.shape == want.shape and torch.equal(got.double(), want)
     assert (got[:, 500 - t_lo][:, : 500 // stride + 1] == 0).all()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("H", [64, 32])
+def test_fp8_table_exact(H):
+    """The TABLE epilogue on e4m3 q and k against every 7th key, the sampled keys' scales
+    passed: the fp64 reference on the dequantized inputs bit for bit, batch 2."""
+    q8, k8, w_eff, k_scale, q, k, w = fp8_inputs(1031, H, seed=H + 9)
+    got = sm90.indexer_table_sm90(q8, k8[:, ::7].contiguous(), w_eff, 7, 100, 1031,
+                                  k_scale=k_scale[:, ::7].contiguous())
+    torch.cuda.synchronize()
+    assert torch.equal(got.double(), table_reference(q, k, w, 7, 100, 1031))
 

@@ -100,6 +100,9 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool
         return "the Gluon scores take ReLU, causal rows at the default positions"
     if options.prune:
         return "options.prune bounds the Triton kernel's scores"
+    if precision == "fp8" and options.fp8_imprecise_acc is not None:
+        return ("options.fp8_imprecise_acc sets the Triton kernel's fp8 accumulation (the "
+                "Gluon kernel's wgmma takes Hopper's default)")
     B, T, H, D = q.shape
     if k.shape[1] != T:
         return f"the Gluon scores take S == T (got S = {k.shape[1]}, T = {T})"

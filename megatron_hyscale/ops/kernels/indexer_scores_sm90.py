@@ -398,15 +398,16 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: 
         check_same_device(q=q, k_scale=k_scale)
     # TMA reads q as [B * T * H, D] rows and k as [B * S, D] rows: 16-byte rows and row
     # strides, 16-byte aligned data, the batch / token / head strides packed into one row index.
+    row = 16 // q.element_size()  # elements in TMA's 16 bytes (bf16 8, e4m3 16)
     sqb, sqt, sqh, sqd = q.stride()
-    if sqd != 1 or sqh % 8 or sqt != H * sqh or (B > 1 and sqb != T * sqt):
+    if sqd != 1 or sqh % row or sqt != H * sqh or (B > 1 and sqb != T * sqt):
         raise ValueError(f"q must be readable as [B * T * H, D] rows (unit-stride channels, a "
-                         f"head stride that is a multiple of 8, packed heads, tokens and "
+                         f"head stride that is a multiple of {row}, packed heads, tokens and "
                          f"batches); got strides {q.stride()}")
     skb, sks, skd = k.stride()
-    if skd != 1 or sks % 8 or (B > 1 and skb != n_keys * sks):
+    if skd != 1 or sks % row or (B > 1 and skb != n_keys * sks):
         raise ValueError(f"k must be readable as [B * S, D] rows (unit-stride channels, a key "
-                         f"stride that is a multiple of 8, packed batches); got strides "
+                         f"stride that is a multiple of {row}, packed batches); got strides "
                          f"{k.stride()}")
     for name, x in (("q", q), ("k", k)):
         if x.data_ptr() % 16:
