@@ -68,7 +68,7 @@ CONSUMER_REGS = 240
 MAXNREG = 168
 HEADS = (32, 64)
 # The wgmma's K a k-step: 32 bytes of each operand row (bf16: 16 channels, e4m3: 32).
-MMA_K = {torch.bfloat16: 16, torch.float8_e4m3fn: 32}
+MMA_K_BY_DTYPE = {torch.bfloat16: 16, torch.float8_e4m3fn: 32}
 # The survivors' packed keys: (score bits ordered as ints) << 32 | (LOW32 - key index), so a
 # larger key is a higher score, then a smaller index (HyTopK's `_pack`).
 LOW32 = gl.constexpr((1 << 32) - 1)
@@ -369,7 +369,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: 
     """ValueError naming the argument that `indexer_row_max_sm90` cannot take (k: the keys at
     positions 0, key_stride, 2 x key_stride, ... of the T-token sequence; k_scale: fp32 [B, S]
     with e4m3 q and k, None with bf16)."""
-    check_tensor("q", q, ndim=4, dtypes=tuple(MMA_K))  # [B, T, H, D]
+    check_tensor("q", q, ndim=4, dtypes=tuple(MMA_K_BY_DTYPE))  # [B, T, H, D]
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,))  # [B, S, D]
     check_tensor("w", w, ndim=3, dtypes=(torch.float32,))  # [B, T, H]
     check_same_device(q=q, k=k, w=w)
@@ -519,7 +519,7 @@ def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=T
         H=H, ROWS=rows, BLOCK_S=BLOCK_S, NUM_STAGES=NUM_STAGES, PINGPONG=pingpong,
         red_layout=red_layout, FILTER=survivors is not None, CAP=cap, flt_layout=flt_layout,
         DEFER_STORE=survivors is not None and defer_store, TABLE=table,
-        MMA_K=MMA_K[q.dtype], KEY_SCALE=k_scale is not None,
+        MMA_K=MMA_K_BY_DTYPE[q.dtype], KEY_SCALE=k_scale is not None,
         CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
