@@ -399,12 +399,18 @@ def run_hytopk_fp8(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT):
 _FP8_INPUTS: dict = {}
 
 
-def run_scoreonly_fp8(q, k, w, topk, relu):
+def quantized_once(q, k):
+    """`quantize_indexer(q, k)`, kept for the last input: the scores-only methods' kernels are
+    timed without the quantization."""
     key = (q.data_ptr(), k.data_ptr(), q.shape, k.shape)
     if key not in _FP8_INPUTS:
         _FP8_INPUTS.clear()
         _FP8_INPUTS[key] = quantize_indexer(q, k)
-    q8, q_scale, k8, k_scale = _FP8_INPUTS[key]
+    return _FP8_INPUTS[key]
+
+
+def run_scoreonly_fp8(q, k, w, topk, relu):
+    q8, q_scale, k8, k_scale = quantized_once(q, k)
     qpos, kpos = positions(q.shape[1], k.shape[1])
     return hk._launch(q8, k8, w, 1, relu=relu, q_positions=qpos, k_positions=kpos, causal=True,
                       mode=hk.MODE_SCORES_ONLY, q_scale=q_scale, k_scale=k_scale)
@@ -450,11 +456,7 @@ def run_scoreonly_sm90_fp8(q, k, w, topk, relu):
 
     if not relu:
         raise ValueError("scoreonly_sm90_fp8 scores under ReLU only")
-    key = (q.data_ptr(), k.data_ptr(), q.shape, k.shape)
-    if key not in _FP8_INPUTS:
-        _FP8_INPUTS.clear()
-        _FP8_INPUTS[key] = quantize_indexer(q, k)
-    q8, q_scale, k8, k_scale = _FP8_INPUTS[key]
+    q8, q_scale, k8, k_scale = quantized_once(q, k)
     return indexer_row_max_sm90(q8, k8, w * q_scale, k_scale=k_scale)
 
 

@@ -57,14 +57,14 @@ REDO_ROWS_MULTIPLE = 256
 VARIANTS = KernelVariants("hytopk-scores-sm90", "HyTopK on the Gluon scores (scores_sm90)",
                         "Triton kernel")
 
-# (q, k, w, tau, t_lo, t_hi, cap) -> (keys, counts): `indexer_filter_sm90`'s contract.
-FilterFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # The Gluon sample table's (`scores_sm90_sample_table`) head counts that failed to compile or
 # launch in this process (one warning): their sample runs on the Triton score-table kernel.
 TABLE_VARIANTS = KernelVariants("hytopk-sample-table",
                                 "Gluon sample table (scores_sm90_sample_table)",
                                 "Triton score-table kernel")
 
+# (q, k, w, tau, t_lo, t_hi, cap) -> (keys, counts): `indexer_filter_sm90`'s contract.
+FilterFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # (keys, counts, topk, *, order, options) -> (indices, scores): `select_survivors`' contract.
 SelectFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # (q, k_sampled, w, key_stride, t_lo, t_hi) -> fp32 [B, t_hi - t_lo, samples], -inf where a row

@@ -502,12 +502,10 @@ def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=T
     n_keys = k.shape[1]
     k_desc = TensorDescriptor(k, [B * n_keys, D], [k.stride(1), 1], [BLOCK_S, D], k_layout)
     n_blocks = -(-(t_hi - t_lo) // (2 * rows))
-    if table:
+    if survivors is None:
         tau = counts = keys = out  # not read: FILTER is off
-        cap, out_strides = 1, out.stride()
-    elif survivors is None:
-        tau = counts = keys = out  # not read: FILTER is off
-        cap, out_strides = 1, (*out.stride(), 0)
+        # the table's (b, row, key) strides; the row maxima's (b, t) and a key stride unused
+        cap, out_strides = 1, out.stride() if table else (*out.stride(), 0)
     else:
         tau, counts, keys, cap = survivors
         out, out_strides = tau, (0, 0, 0)  # not written: FILTER is on

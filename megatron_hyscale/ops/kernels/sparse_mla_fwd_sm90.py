@@ -44,7 +44,6 @@ NUM_WARPS = 8
 # (8 elements) and Triton proves their alignment only from integer arguments divisible by 16
 # (a stride of 8 x an odd number compiles to 2-byte copies, which cp.async cannot do).
 STRIDE_MULTIPLE = 16
-
 # The tail channels after the power-of-two main part (576 = 512 + 64): the gathers' layout
 # covers 64 channels a row, so narrower tails are left to the Triton forward.
 TAIL = 64
