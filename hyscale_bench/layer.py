@@ -185,11 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "all (the bare flag), the three, and the Gluon warp-specialized forward "
                         "where it runs. Default: the layer's own (the QSA layer paces dK/dV, "
                         "layers.qsa.QSA_ATTENTION_OPTIONS; the others nothing)")
-    p.add_argument("--hytopk-scores-sm90", action="store_true",
+    p.add_argument("--hytopk-scores-sm90", choices=("default", "on", "off"), nargs="?",
+                   const="on", default="default",
                    help="the DSA layer's selection from the warp-specialized Gluon scores "
                         "(config.hytopk_options with HyTopKOptions.scores_sm90; where HyScale's "
                         "own HyTopK runs: --hyscale-kernel-backend own, or the "
-                        "--compare-own-kernels row)")
+                        "--compare-own-kernels row): default, HyTopKOptions' own (on Hopper "
+                        "from 16K keys); on (the bare flag), wherever it can run; off, the "
+                        "Triton kernel")
     p.add_argument("--loss-lockstep", action="store_true",
                    help="the indexer loss's backward in lockstep (IndexerLossKernelOptions."
                         "bwd_lockstep)")
@@ -1015,7 +1018,8 @@ def hytopk_options(args: argparse.Namespace) -> Any:
     """HyTopK's kernel variant for this run (--hytopk-scores-sm90); None: its DEFAULT."""
     from megatron_hyscale.ops import HyTopKOptions
 
-    return HyTopKOptions(scores_sm90=True) if args.hytopk_scores_sm90 else None
+    setting = {"default": None, "on": True, "off": False}[args.hytopk_scores_sm90]
+    return None if setting is None else HyTopKOptions(scores_sm90=setting)
 
 
 def indexer_loss_kernel_options(args: argparse.Namespace) -> Any:

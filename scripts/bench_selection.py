@@ -3,6 +3,10 @@
 For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T / 4 blocks,
 4 heads, constant weights, as the QSA layer calls it) it times, in one run:
   hytopk     HyTopK Triton kernel (exact, streaming, no score table), key-tile pruning off
+  hytopk_default  what ops.hytopk runs with its default options: on Hopper from 16K keys the
+             Gluon scores' selection (HyTopKOptions.scores_sm90=None), else the Triton kernel;
+             the "own" time scripts/measured_defaults.py compares with cuDNN's where a record
+             has it; reports same_as_hytopk (equal to the Triton kernel's rows)
   hytopk_prune  the same with exact key-tile pruning on (tiles whose centroid / radius score
              bound is below every row's running threshold are skipped); also reports the share
              of key tiles pruned (tiles skipped / tiles a row block would visit)
@@ -190,6 +194,7 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_occ3_s3": 131072, "scoreonly_occ3": 131072,
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          "scoreonly_sm90": 131072, "scoreonly_sm90_free": 131072,
+         "hytopk_default": 1048576,
          "hytopk_scores_sm90": 1048576, "hytopk_scores_sm90_immediate": 1048576,
          "hytopk_scores_sm90_gluon_sample": 1048576,
          "hytopk_scores_sm90_gluon_sample_x4": 1048576,
@@ -474,6 +479,13 @@ def run_hytopk_fp8_scores_sm90(q, k, w, topk, relu, stats=None):
                                    q_scale=q_scale, k_scale=k_scale)
 
 
+def run_hytopk_default(q, k, w, topk, relu):
+    """What `ops.hytopk` runs with its default options (on Hopper from
+    HyTopKOptions.scores_sm90_min_keys keys the Gluon scores' selection, else the Triton
+    kernel), without its finite-value checks (as the layers call it)."""
+    return hytopk(q, k, w, topk, relu=relu, backend="triton", check_values=False)
+
+
 def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, defer_store=True,
                            sample_table=False, samples=HyTopKOptions.DEFAULT.scores_sm90_samples):
     """HyTopK from the warp-specialized Gluon scores (`kernels/hytopk_sm90.py`,
@@ -694,6 +706,7 @@ OPTION_METHODS = {
 
 METHODS = {
     "hytopk": run_hytopk,
+    "hytopk_default": run_hytopk_default,
     "scoreonly": run_scoreonly,
     "hytopk_fp8": run_hytopk_fp8,
     "scoreonly_fp8": run_scoreonly_fp8,
@@ -737,7 +750,8 @@ VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_s
                                              "hytopk_scores_sm90",
                                              "hytopk_scores_sm90_immediate",
                                              "hytopk_scores_sm90_gluon_sample",
-                                             "hytopk_scores_sm90_gluon_sample_x4")
+                                             "hytopk_scores_sm90_gluon_sample_x4",
+                                             "hytopk_default")
 KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3",
                                      "scoreonly_key_tma") + (
                   "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",

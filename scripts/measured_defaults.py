@@ -4,10 +4,11 @@
 
 For each op the layers can run on a library kernel, takes every record where HyScale's own
 kernel and the library's ran in the same run on the same shape and length, and keeps the
-newest per (op, shape, T): bench_selection (methods hytopk / cudnn), bench_attention (per
-side, random indices: the forward the defaults run against lib_fwd_ms, FlashMLA's; the backward
-against lib_bwd_ms, cuDNN's; each side from the newest record that timed the default kernel,
-else the newest older one, `own_kernels` says which), bench_indexer_loss (triton_lse / cudnn,
+newest per (op, shape, T): bench_selection (methods hytopk_default, else hytopk / cudnn),
+bench_attention (per side, random indices: the forward the defaults run against lib_fwd_ms,
+FlashMLA's; the backward against lib_bwd_ms, cuDNN's; each side from the newest record that
+timed the default kernel, else the newest older one, `own_kernels` says which),
+bench_indexer_loss (triton_lse / cudnn,
 both with the attention's log-sum-exp). The layers then pick, per op and shape, the faster at
 the nearest measured length (ops/backends/measured.py); for the attention, the fastest of the
 library pair, FlashMLA's forward with HyScale's backward, and HyScale's pair.
@@ -41,8 +42,10 @@ from megatron_hyscale.ops.backends.measured import (  # noqa: E402
 from megatron_hyscale.ops.kernels.options import AttentionKernelOptions  # noqa: E402
 
 # What each record names HyScale's own kernel and its library backend: (own, library). Every
-# other method, column or entry of a record (stock baselines included) is ignored.
-SELECTION_METHODS = ("hytopk", "cudnn")
+# other method, column or entry of a record (stock baselines included) is ignored. The own
+# selection: what ops.hytopk runs by default (hytopk_default, since the Gluon path became the
+# default on Hopper), else, in records before it, the Triton kernel (hytopk).
+SELECTION_METHODS = (("hytopk_default", "hytopk"), "cudnn")
 # The attention's own times are those of the kernels the defaults run (a record names the
 # kernel of each time); lib_fwd_ms / lib_bwd_ms are FlashMLA's forward and cuDNN's backward.
 LIBRARY_FORWARD = "flashmla"
@@ -88,10 +91,13 @@ def entries_from(path: str) -> list[dict]:
         # may hold a JIT compile: neither is a comparison.
         by = {(r["config"], r["T"], r["inputs"], r["method"]): r for r in records
               if {"config", "T", "inputs", "method"} <= r.keys() and r.get("reps") != 1}
-        own_method, lib_method = SELECTION_METHODS
+        own_methods, lib_method = SELECTION_METHODS
         for (cfg, T, inputs, method), own in by.items():
             lib = by.get((cfg, T, inputs, lib_method))
-            if method != own_method or inputs != "random" or not lib or "H" not in own:
+            if method not in own_methods or inputs != "random" or not lib or "H" not in own:
+                continue
+            # the first own method the record has for this length
+            if next(m for m in own_methods if (cfg, T, inputs, m) in by) != method:
                 continue
             if isinstance(own.get("ms"), float) and isinstance(lib.get("ms"), float):
                 out.append(dict(op="selection", T=T, own_ms=own["ms"], library_ms=lib["ms"],

@@ -109,10 +109,11 @@ def hytopk(
             they need no sort of their own, `ops/key_order.py`; the DSA layer's) or "any"
             (the Triton backend skips its final per-row sort: QSA at 512K tokens, 43 of 460
             ms; for consumers that need the set only).
-        options: the Triton kernel's variant and tiling (`HyTopKOptions`; None: its DEFAULT).
-            Every variant returns the same outputs (but `scores_sm90`: exact for the Gluon
-            kernel's fp32 scores, whose sums near-tied bf16 scores may order otherwise); the
-            reference ignores it.
+        options: the kernels' variant and tiling (`HyTopKOptions`; None: its DEFAULT, which
+            on Hopper runs the Gluon scores' selection from 16K keys, `scores_sm90`, and the
+            Triton kernel elsewhere). Every variant returns the same outputs (but the Gluon
+            path: exact for its kernel's fp32 scores, whose sums near-tied bf16 scores may
+            order otherwise than the Triton kernel's); the reference ignores it.
         check_values: True (default) checks that q, k and weights are finite (a host sync
             each). False trusts the caller and syncs nothing (the layers pass False): a NaN
             or Inf then gives an undefined selection and a NaN attention downstream, which
@@ -184,7 +185,7 @@ def hytopk(
             warn_once("hytopk-import", f"HyTopK Triton kernel unavailable ({err}); using the "
                       "reference path")
         else:
-            if options.scores_sm90:
+            if options.scores_sm90 is not False:
                 got = _from_sm90_scores(q, k, weights, topk, relu=relu, causal=causal,
                                         default_positions=q_positions is None
                                         and k_positions is None, precision=precision,
@@ -209,15 +210,21 @@ def _from_sm90_scores(q, k, weights, topk, *, relu, causal, default_positions, p
                       options, order, q_scale=None, k_scale=None
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`options.scores_sm90`'s selection (`kernels/hytopk_sm90.py`, in `order`; e4m3 q and k
-    with their scales under precision "fp8"), or None after one warning naming why it cannot
-    run this call (the Triton kernel then runs)."""
+    with their scales under precision "fp8"), or None when it does not run this call (the
+    Triton kernel then runs): asked for (True), after one warning naming why; by default
+    (None), for rows shorter than options.scores_sm90_min_keys or where it cannot run,
+    without one."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
+    asked = options.scores_sm90 is True
+    if not asked and k.shape[1] < options.scores_sm90_min_keys:
+        return None
     reason = hytopk_sm90.unsupported(q, k, weights, relu=relu, causal=causal,
                                      default_positions=default_positions,
                                      precision=precision, options=options, k_scale=k_scale)
     if reason is not None:
-        hytopk_sm90.VARIANTS.warn_cannot_run(reason)
+        if asked:
+            hytopk_sm90.VARIANTS.warn_cannot_run(reason)
         return None
     variant = (q.shape[2], topk, precision)
     if variant in hytopk_sm90.VARIANTS.disabled:

@@ -109,7 +109,8 @@ def int_inputs(B, T, H, D, seed):
 def run(q, k, w, topk, samples, filter_fn=torch_filter, order="score", select_fn=torch_select):
     """The op with plain-torch filter and select (the interpreter runs the sample's table and
     the redo); select_fn=None: the select kernel."""
-    opts = HyTopKOptions(scores_sm90=True, scores_sm90_samples=samples, interpret_programs=2)
+    opts = HyTopKOptions(scores_sm90=True, scores_sm90_samples=samples,
+                         scores_sm90_sample_table=False, interpret_programs=2)
     stats = torch.zeros(2, dtype=torch.int64, device=DEV)
     got = hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, order=order,
                                   filter_fn=filter_fn, select_fn=select_fn, stats=stats)
@@ -211,7 +212,7 @@ def test_thresholds_from_a_table_function_equal_the_triton_tables(monkeypatch, s
     option routes to the Gluon table (a spy in its place)."""
     monkeypatch.setattr(hytopk_sm90, "SAMPLE_CHUNK_ROWS", 64)
     q, k, w = int_inputs(2, 150, 2, 16, seed=samples)
-    opts = HyTopKOptions(scores_sm90=True, interpret_programs=2)
+    opts = HyTopKOptions(scores_sm90=True, scores_sm90_sample_table=False, interpret_programs=2)
     want = hytopk_sm90.sample_thresholds(q, k, w, 8, samples, options=opts)
     calls = []
 
@@ -250,7 +251,7 @@ def test_a_failing_gluon_table_warns_once_and_the_triton_table_runs(monkeypatch)
 
     monkeypatch.setattr(indexer_scores_sm90, "indexer_table_sm90", failing)
     q, k, w = int_inputs(1, 90, 2, 16, seed=3)
-    opts = HyTopKOptions(scores_sm90=True, interpret_programs=2)
+    opts = HyTopKOptions(scores_sm90=True, scores_sm90_sample_table=False, interpret_programs=2)
     want = hytopk_sm90.sample_thresholds(q, k, w, 8, 16, options=opts)
     gluon = replace(opts, scores_sm90_sample_table=True)
     with pytest.warns(RuntimeWarning, match="Gluon sample table cannot run.*simulated"):
@@ -340,6 +341,51 @@ def test_the_op_warns_and_runs_the_triton_kernel_where_it_cannot_run(monkeypatch
         got = hytopk(q, k, w, 6, backend="triton", options=opts)
     want = hytopk(q, k, w, 6, backend="reference")
     assert torch.equal(got[0], want[0])
+
+
+def test_the_default_runs_the_triton_kernel_quietly_where_the_gluon_path_cannot(monkeypatch,
+                                                                                recwarn):
+    """scores_sm90=None (the default): a call the Gluon path cannot take (here: off Hopper, or
+    2 heads of 16) runs the Triton kernel with no warning."""
+    from megatron_hyscale.ops import checks
+
+    monkeypatch.setattr(checks, "_warned", set())
+    q, k, w = int_inputs(1, 40, 2, 16, seed=1)
+    opts = HyTopKOptions(interpret_programs=2, scores_sm90_min_keys=1)
+    assert HyTopKOptions.DEFAULT.scores_sm90 is None
+    got = hytopk(q, k, w, 6, backend="triton", options=opts)
+    assert not [r for r in recwarn if "scores_sm90" in str(r.message)]
+    assert torch.equal(got[0], hytopk(q, k, w, 6, backend="reference")[0])
+
+
+@pytest.mark.parametrize("setting, keys, min_keys, runs", [
+    (None, 64, 64, True), (None, 64, 65, False), (True, 64, 65, True), (False, 64, 1, False)])
+def test_which_calls_take_the_gluon_path(monkeypatch, setting, keys, min_keys, runs):
+    """The default takes the Gluon path from scores_sm90_min_keys keys on (shorter rows: the
+    Triton kernel, measured faster there or not measured), True at any length, False never;
+    each where the path can run (`unsupported` stubbed to "can", the path to the reference)."""
+    taken = []
+
+    def gluon(q, k, w, topk, options, order, q_scale=None, k_scale=None):
+        taken.append(k.shape[1])
+        return hytopk(q, k, w, topk, backend="reference")
+
+    monkeypatch.setattr(hytopk_sm90, "unsupported", lambda *a, **kw: None)
+    monkeypatch.setattr(hytopk_sm90, "hytopk_sm90", gluon)
+    q, k, w = int_inputs(1, keys, 2, 16, seed=2)
+    opts = HyTopKOptions(scores_sm90=setting, scores_sm90_min_keys=min_keys,
+                         interpret_programs=2)
+    got = hytopk(q, k, w, 5, backend="triton", options=opts)
+    assert taken == ([keys] if runs else [])
+    assert torch.equal(got[0], hytopk(q, k, w, 5, backend="reference")[0])
+
+
+@pytest.mark.parametrize("field, value", [("scores_sm90", 1), ("scores_sm90", "auto"),
+                                          ("scores_sm90_min_keys", 0),
+                                          ("scores_sm90_min_keys", True)])
+def test_bad_gluon_path_settings_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"HyTopKOptions.{field}"):
+        HyTopKOptions(**{field: value})
 
 
 def test_bad_sample_count_is_refused():
@@ -533,7 +579,7 @@ def test_gluon_sample_table_gives_the_same_thresholds_and_rows(H):
     """scores_sm90_sample_table: the thresholds from the Gluon table equal the Triton table's
     on integer inputs (T = 4101, batch 2), and the op's rows are the reference's."""
     q, k, w = int_inputs(2, 4101, H, 128, seed=H + 3)
-    opts = HyTopKOptions(scores_sm90=True)
+    opts = HyTopKOptions(scores_sm90=True, scores_sm90_sample_table=False)
     gluon = replace(opts, scores_sm90_sample_table=True)
     want = hytopk_sm90.sample_thresholds(q, k, w, 2048, 512, options=opts)
     got = hytopk_sm90.sample_thresholds(q, k, w, 2048, 512, options=gluon)

@@ -293,3 +293,31 @@ def test_backward_launch_narrow_heads_default_and_overrides():
     assert (warps, const["maxnreg"]) == (base.narrow_bwd_warps, 168)
     const, warps = _bwd_launch(narrow, replace(base, narrow_max_heads=16))
     assert warps == 4 and "maxnreg" not in const
+
+
+def test_the_discard_mode_times_the_same_row_work():
+    """mode=MODE_DISCARD (measurement only: the backward without dk's atomics) gives the
+    default's dq_index and dweights bitwise and writes each selected key's slot of its [B, S]
+    buffer (a key no row selects stays 0); the deterministic mode refuses it."""
+    from megatron_hyscale.ops.kernels.common import MODE_DISCARD
+
+    x, idx, qpos, kpos = make_case()
+    q, w = index_inputs(x, True)
+    p = target(x, idx, qpos, kpos)
+    _, lse, psum = kern.indexer_loss_rows(q, w, x["k_index"], idx, p, True, DEFAULT)
+    grad = torch.tensor(1.3, device=DEVICE)
+    dq, dw, _ = kern.indexer_loss_bwd(q, w, x["k_index"], idx, p, lse, psum, grad, COEFF,
+                                      True, options=DEFAULT)
+    dq_d, dw_d, buf = kern.indexer_loss_bwd(q, w, x["k_index"], idx, p, lse, psum, grad, COEFF,
+                                            True, options=DEFAULT, mode=MODE_DISCARD)
+    assert torch.equal(dq_d, dq) and torch.equal(dw_d, dw)
+    B, S = x["k_index"].shape[:2]
+    assert buf.shape == (B, S) and buf.dtype == torch.float32
+    selected = torch.zeros(B, S, dtype=torch.bool, device=DEVICE)
+    for b in range(B):
+        valid = p[b] >= 0
+        selected[b, idx[b][valid].long()] = True
+    assert (buf[~selected] == 0).all() and (buf[selected] != 0).any()
+    with pytest.raises(ValueError, match="MODE_DISCARD"):
+        kern.indexer_loss_bwd(q, w, x["k_index"], idx, p, lse, psum, grad, COEFF, True,
+                              deterministic=True, options=DEFAULT, mode=MODE_DISCARD)

@@ -192,6 +192,8 @@ def test_attention_kernel_flags_set_only_their_options() -> None:
     assert bench_layer.hytopk_options(bench_layer.parse_args([])) is None
     assert bench_layer.hytopk_options(bench_layer.parse_args(["--hytopk-scores-sm90"])) \
         == HyTopKOptions(scores_sm90=True)
+    assert bench_layer.hytopk_options(bench_layer.parse_args(["--hytopk-scores-sm90", "off"])) \
+        == HyTopKOptions(scores_sm90=False)
 
 
 def test_stock_kernel_backend_flag_parses() -> None:

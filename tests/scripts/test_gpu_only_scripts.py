@@ -82,6 +82,7 @@ GPU_ONLY = [
     ("profile_selection.py", []),
     ("profile_attention.py", []),
     ("profile_attention.py", ["--list"]),
+    ("probe_indexer_bwd.py", []),
 ]
 # What the line names: the script, and the mode where only some modes need the GPU.
 LABEL = {"accuracy.py": "accuracy.py --device cuda",
@@ -89,7 +90,7 @@ LABEL = {"accuracy.py": "accuracy.py --device cuda",
          "check_cp.py": "check_cp.py --device cuda"}
 # no --out: the first writes nothing, the second only its record (HYSCALE_RESULTS)
 NO_OUT = ("check_cudnn_backend.py", "bench_indexer_loss_dense.py", "profile_selection.py",
-          "profile_attention.py")
+          "profile_attention.py", "probe_indexer_bwd.py")
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:

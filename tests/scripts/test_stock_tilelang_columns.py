@@ -323,6 +323,18 @@ def test_measured_defaults_never_picks_a_stock_row(tmp_path) -> None:
                                                                                        200.0)
 
 
+def test_measured_defaults_takes_the_default_selection_where_a_record_has_it(tmp_path) -> None:
+    """The own selection time is hytopk_default's (what ops.hytopk runs by default: the Gluon
+    path on Hopper) where the record timed it at that length, else the Triton kernel's."""
+    md = load("measured_defaults")
+    default = dict(SELECTION[0], method="hytopk_default", ms=180.0)
+    short = [dict(r, T=16384, ms=r["ms"] / 10) for r in SELECTION[:2]]  # no default timed
+    found = md.entries_from(str(write_record(tmp_path, "bench_selection",
+                                             SELECTION[:2] + [default] + short)))
+    assert sorted((e["T"], e["own_ms"], e["library_ms"]) for e in found) == [
+        (16384, 30.0, 20.0), (131072, 180.0, 200.0)]
+
+
 def test_measured_defaults_times_the_kernels_the_defaults_run(tmp_path) -> None:
     """Per side, the time of the kernel the defaults run now (a --*-also column whose relative
     difference is finite; a NaN one is a broken run), else the run's main kernel; FlashMLA's

@@ -39,6 +39,7 @@ from megatron_hyscale.ops.kernels.common import (
     LOG2E_JIT,
     MIN_DOT,
     MODE_ATOMIC,
+    MODE_DISCARD,
     MODE_FIXED,
     MODE_ROWMAX,
     SYNC_SPINS,
@@ -681,10 +682,15 @@ def indexer_loss_rows(q_index, weights, k_index, indices, p, relu,
 def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coeff, relu,
                      deterministic=False,
                      options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT,
-                     with_kl: bool = False):
+                     with_kl: bool = False, mode: int = MODE_ATOMIC):
     """Gradients (dq_index, dweights, dk_index) in their inputs' dtypes; with_kl: also the row
     KL fp32 [B, T] from the recomputed scores (after `indexer_loss_rows(..., with_kl=False)`),
-    a fourth output."""
+    a fourth output. mode=MODE_DISCARD (measurement only: the kernel's time without dk's
+    atomics) runs the same products and reduces each dk tile to one number a key row, stored
+    without atomics; its third output is that fp32 [B, S] buffer, not a gradient."""
+    if mode not in (MODE_ATOMIC, MODE_DISCARD) or (deterministic and mode == MODE_DISCARD):
+        raise ValueError(f"mode must be MODE_ATOMIC ({MODE_ATOMIC}) or, not deterministic, "
+                         f"MODE_DISCARD ({MODE_DISCARD}); got {mode!r}")
     B, T, H, D = q_index.shape
     S = k_index.shape[1]
     NK = indices.shape[-1]
@@ -693,7 +699,9 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
     dw = torch.empty(weights.shape, device=dev, dtype=weights.dtype)
     dk_acc = torch.zeros((B, S, D), device=dev,
                          dtype=torch.int64 if deterministic else torch.float32)
-    rowmax = torch.zeros((B, S), device=dev, dtype=torch.float32) if deterministic else lse
+    discard = mode == MODE_DISCARD
+    rowmax = (torch.zeros((B, S), device=dev, dtype=torch.float32) if deterministic or discard
+              else lse)
     grad = grad.detach().reshape(1).to(device=dev, dtype=torch.float32)
     kl = torch.empty((B, T), device=dev, dtype=torch.float32) if with_kl else lse
     const, num_warps = _bwd_launch(q_index, options)
@@ -720,7 +728,10 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
         _launch(_bwd_kernel, (programs,), args, c, options.index_tilings, num_warps,
                 ("bwd", q_index.dtype, k_index.dtype, tuple(sorted(c.items()))), options)
 
-    if not deterministic:
+    if discard:
+        run(MODE_DISCARD, rowmax)
+        dk = rowmax
+    elif not deterministic:
         run(MODE_ATOMIC, rowmax)
         dk = dk_acc.to(k_index.dtype)
     else:
