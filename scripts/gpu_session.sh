@@ -75,6 +75,13 @@
 #                                         # call a case (NCU_CASES, config:T:method): stall
 #                                         # reasons, issue slots, per-line SASS samples; a
 #                                         # record by ncu_summary.py                (~3 min)
+#   bash scripts/gpu_session.sh loss-bwd-probe  # issue #20 item 3: where the indexer loss's
+#                                         # backward kernel spends its time
+#                                         # (probe_indexer_bwd.py: without dk's atomics, rows'
+#                                         # slots shuffled, keys in a window, dk in two halves;
+#                                         # GLM-5.1 and V3.2 at PROBE_T), then one GLM-5.1 128K
+#                                         # backward under Nsight Compute (L2 reductions, their
+#                                         # hit rate, DRAM bytes, warp stalls)      (~3 min)
 #   bash scripts/gpu_session.sh ncu-attention  # issue #20 item 2: Nsight Compute on one
 #                                         # sparse-attention backward a case (NCU_ATTN_CASES,
 #                                         # shape:T:kernel[:fwd], kernel sm90 / triton / cudnn
@@ -238,7 +245,7 @@ case "$stage" in
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |flashmla-pair|lockstep-triton|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
   |ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection\
-  |profile-layers) ;;
+  |profile-layers|loss-bwd-probe) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
@@ -247,7 +254,7 @@ case "$stage" in
        "|reliability" \
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
        "|ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics" \
-       "|captured-selection|profile-layers}" \
+       "|captured-selection|profile-layers|loss-bwd-probe}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -815,6 +822,27 @@ case "$stage" in
       --commit "${HYSCALE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" \
       --date "$(date -u '+%Y-%m-%d %H:%M UTC')" --command "bash scripts/gpu_session.sh $stage" \
       --out "$HYSCALE_RESULTS/$(date -u +%F)-nvidia-h200-ncu_selection.json"
+    ;;
+  loss-bwd-probe)
+    export HYSCALE_RESULTS=$out/results
+    # shellcheck disable=SC2086  # lengths split on purpose
+    timeout 240 python3 scripts/probe_indexer_bwd.py --t ${PROBE_T:-32768 131072} 2>&1 \
+      | grep -v -i warn | tee "$out/probe.log"
+    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+    [ -n "$ncu_bin" ] || { echo "gpu_session.sh loss-bwd-probe: no ncu on this machine" >&2
+      exit 1; }
+    raw=dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_red.sum
+    raw=$raw,lts__t_sectors_op_read.sum,lts__t_sector_op_red_hit_rate.pct
+    raw=$raw,lts__t_sector_op_read_hit_rate.pct,gpu__time_duration.sum
+    # The first backward launch: the default case's warm-up (its record goes to /tmp).
+    HYSCALE_RESULTS=/tmp/gpu_session/ncu_probe timeout 200 "$ncu_bin" --kernel-name \
+      regex:_bwd_kernel --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --metrics "$raw" --clock-control none \
+      python3 scripts/probe_indexer_bwd.py --t 131072 --shapes glm51 --reps 1 \
+      > "$out/ncu_bwd.log" 2>&1
+    echo "ncu rc=$?"
+    grep -E "dram__|lts__|gpu__time|Throughput|Stall|Warp Cycles|Hit Rate|Busy|Issue" \
+      "$out/ncu_bwd.log" | head -60
     ;;
   ncu-attention)
     # Issue #20 item 2: where the sparse-attention backward's time goes, HyScale's against
