@@ -230,7 +230,7 @@ class HyTopKOptions:
     scores_sm90_sample_table: bool = True
 
     def __post_init__(self) -> None:
-        if self.scores_sm90 not in (None, True, False):
+        if not (self.scores_sm90 is None or isinstance(self.scores_sm90, bool)):
             raise ValueError(f"HyTopKOptions.scores_sm90 must be None, True or False, got "
                              f"{self.scores_sm90!r}")
         value = self.scores_sm90_min_keys
