@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(config.hytopk_options with HyTopKOptions.scores_sm90; where HyScale's "
                         "own HyTopK runs: --hyscale-kernel-backend own, or the "
                         "--compare-own-kernels row): default, HyTopKOptions' own (on Hopper "
-                        "from 16K keys); on (the bare flag), wherever it can run; off, the "
+                        "from 64K keys); on (the bare flag), wherever it can run; off, the "
                         "Triton kernel")
     p.add_argument("--loss-lockstep", action="store_true",
                    help="the indexer loss's backward in lockstep (IndexerLossKernelOptions."

@@ -4,7 +4,7 @@
 
 For each op the layers can run on a library kernel, takes every record where HyScale's own
 kernel and the library's ran in the same run on the same shape and length, and keeps the
-newest per (op, shape, T): bench_selection (methods hytopk_default, else hytopk / cudnn),
+newest per (op, shape, T): bench_selection (HyScale's default selection / cudnn),
 bench_attention (per side, random indices: the forward the defaults run against lib_fwd_ms,
 FlashMLA's; the backward against lib_bwd_ms, cuDNN's; each side from the newest record that
 timed the default kernel, else the newest older one, `own_kernels` says which),
@@ -39,13 +39,16 @@ from megatron_hyscale.ops.backends.measured import (  # noqa: E402
     loss_shape,
     selection_shape,
 )
-from megatron_hyscale.ops.kernels.options import AttentionKernelOptions  # noqa: E402
+from megatron_hyscale.ops.kernels.options import (  # noqa: E402
+    AttentionKernelOptions,
+    HyTopKOptions,
+)
 
 # What each record names HyScale's own kernel and its library backend: (own, library). Every
 # other method, column or entry of a record (stock baselines included) is ignored. The own
-# selection: what ops.hytopk runs by default (hytopk_default, since the Gluon path became the
-# default on Hopper), else, in records before it, the Triton kernel (hytopk).
-SELECTION_METHODS = (("hytopk_default", "hytopk"), "cudnn")
+# selection: what ops.hytopk runs by default, as timed (hytopk_default), else the kernel the
+# default runs at that length in records before that method (`own_selection_methods`).
+SELECTION_METHODS = (("hytopk_default", "hytopk_scores_sm90", "hytopk"), "cudnn")
 # The attention's own times are those of the kernels the defaults run (a record names the
 # kernel of each time); lib_fwd_ms / lib_bwd_ms are FlashMLA's forward and cuDNN's backward.
 LIBRARY_FORWARD = "flashmla"
@@ -76,6 +79,17 @@ def own_times(r: dict, side: str) -> dict[str, float]:
     return times
 
 
+def own_selection_methods(keys: int) -> tuple[str, ...]:
+    """The methods whose time stands for HyScale's default selection over `keys` keys, best
+    first: hytopk_default (the default itself), the Gluon path (hytopk_scores_sm90: the
+    default on Hopper from HyTopKOptions.scores_sm90_min_keys keys; the records that hold it
+    ran on Hopper), the Triton kernel (hytopk)."""
+    default = HyTopKOptions.DEFAULT
+    gluon = default.scores_sm90 is not False and keys >= default.scores_sm90_min_keys
+    own = SELECTION_METHODS[0]
+    return tuple(m for m in own if m != "hytopk_scores_sm90" or gluon)
+
+
 def entries_from(path: str) -> list[dict]:
     with open(path) as f:
         data = json.load(f)
@@ -91,9 +105,10 @@ def entries_from(path: str) -> list[dict]:
         # may hold a JIT compile: neither is a comparison.
         by = {(r["config"], r["T"], r["inputs"], r["method"]): r for r in records
               if {"config", "T", "inputs", "method"} <= r.keys() and r.get("reps") != 1}
-        own_methods, lib_method = SELECTION_METHODS
+        lib_method = SELECTION_METHODS[1]
         for (cfg, T, inputs, method), own in by.items():
             lib = by.get((cfg, T, inputs, lib_method))
+            own_methods = own_selection_methods(own.get("S", T))
             if method not in own_methods or inputs != "random" or not lib or "H" not in own:
                 continue
             # the first own method the record has for this length
@@ -102,7 +117,8 @@ def entries_from(path: str) -> list[dict]:
             if isinstance(own.get("ms"), float) and isinstance(lib.get("ms"), float):
                 out.append(dict(op="selection", T=T, own_ms=own["ms"], library_ms=lib["ms"],
                                 shape=selection_shape(own["H"], own["D"], own["topk"]),
-                                source=source, stamp=stamp, device=device))
+                                own_kernel=method, source=source, stamp=stamp,
+                                device=device))
     elif "bench_attention" in script:
         for r in records:
             if r.get("indices") != "random" or "Hq" not in r:

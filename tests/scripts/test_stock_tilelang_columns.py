@@ -324,15 +324,27 @@ def test_measured_defaults_never_picks_a_stock_row(tmp_path) -> None:
 
 
 def test_measured_defaults_takes_the_default_selection_where_a_record_has_it(tmp_path) -> None:
-    """The own selection time is hytopk_default's (what ops.hytopk runs by default: the Gluon
-    path on Hopper) where the record timed it at that length, else the Triton kernel's."""
+    """The own selection time is what ops.hytopk runs by default at that length: hytopk_default
+    where the record timed it; else the Gluon path (hytopk_scores_sm90) from
+    HyTopKOptions.scores_sm90_min_keys keys; else the Triton kernel (hytopk)."""
+    from megatron_hyscale.ops import HyTopKOptions
+
     md = load("measured_defaults")
-    default = dict(SELECTION[0], method="hytopk_default", ms=180.0)
-    short = [dict(r, T=16384, ms=r["ms"] / 10) for r in SELECTION[:2]]  # no default timed
-    found = md.entries_from(str(write_record(tmp_path, "bench_selection",
-                                             SELECTION[:2] + [default] + short)))
-    assert sorted((e["T"], e["own_ms"], e["library_ms"]) for e in found) == [
-        (16384, 30.0, 20.0), (131072, 180.0, 200.0)]
+    long_t = HyTopKOptions.DEFAULT.scores_sm90_min_keys * 2
+    short_t = HyTopKOptions.DEFAULT.scores_sm90_min_keys // 2
+    pair = [dict(r, T=long_t) for r in SELECTION[:2]]  # hytopk 300 ms, cudnn 200 ms
+
+    def found(*records):
+        return sorted((e["T"], e["own_ms"], e["library_ms"], e["own_kernel"]) for e in
+                      md.entries_from(str(write_record(tmp_path, "bench_selection", records))))
+
+    gluon = dict(pair[0], method="hytopk_scores_sm90", ms=250.0)
+    default = dict(pair[0], method="hytopk_default", ms=180.0)
+    assert found(*pair) == [(long_t, 300.0, 200.0, "hytopk")]
+    assert found(*pair, gluon) == [(long_t, 250.0, 200.0, "hytopk_scores_sm90")]
+    assert found(*pair, gluon, default) == [(long_t, 180.0, 200.0, "hytopk_default")]
+    short = [dict(r, T=short_t) for r in (*pair, gluon)]  # below the Gluon path's length
+    assert found(*short) == [(short_t, 300.0, 200.0, "hytopk")]
 
 
 def test_measured_defaults_times_the_kernels_the_defaults_run(tmp_path) -> None:

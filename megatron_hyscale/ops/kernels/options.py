@@ -194,27 +194,29 @@ class HyTopKOptions:
     # 128K, GLM-5.1 244.0 -> 270.9 at 128K, the folded query within 1.5%: not a default.
     maxnreg: int | None = None
     # The selection from the warp-specialized Gluon indexer scores (`kernels/hytopk_sm90.py`;
-    # the scores alone run at 1.15-1.29x the GEMM floor): a threshold per row from every
-    # (T / scores_sm90_samples)-th key's score, the Gluon kernel appending each row's scores at
-    # or above it, the exact top-k of those survivors; rows whose threshold missed (too few or
-    # too many survivors) are redone by the Triton kernel, so the outputs are exact whatever
-    # the sample, for the scores each row was selected on (the Gluon kernel's fp32 sums:
-    # near-tied bf16 scores may order otherwise than the Triton kernel's; integer-valued
-    # inputs give the reference's rows). Host syncs: one a call, plus one a batch with rows to
-    # redo. A compile or launch failure warns once and runs Triton. Runs on Hopper, ReLU,
-    # causal with S == T at the default positions, 32 or 64 heads of 128 dims, bf16 q and k or
-    # precision="fp8" (e4m3 products on the tensor cores), no prune.
+    # the scores alone ran at 1.15-1.24x the GEMM floor on an H100): a threshold per row from
+    # every (T / scores_sm90_samples)-th key's score, the Gluon kernel appending each row's
+    # scores at or above it, the exact top-k of those survivors; rows whose threshold missed
+    # (too few or too many survivors) are redone by the Triton kernel, so the outputs are
+    # exact whatever the sample, for the scores each row was selected on (the Gluon kernel's
+    # fp32 sums: near-tied bf16 scores may order otherwise than the Triton kernel's;
+    # integer-valued inputs give the reference's rows). Host syncs: one a call, plus one a
+    # batch with rows to redo. A compile or launch failure warns once and runs Triton. Runs on
+    # Hopper, ReLU, causal with S == T at the default positions, 32 or 64 heads of 128 dims,
+    # bf16 q and k or precision="fp8" (e4m3 products on the tensor cores), no prune.
     # None (default): on where it can run, for S >= scores_sm90_min_keys, the Triton kernel
     # elsewhere without a word (a shape it does not take is not a failure); True: wherever it
     # can run, one warning naming why elsewhere; False: never.
-    # Timed on the H200 (2026-12-05 19:25 UTC, `bench_selection.py`, rows equal to the Triton
-    # kernel's at every length, with the sample on the Gluon table): V3.2 11.8 / 87.3 / 304.6
-    # ms at 16K / 64K / 128K against the Triton kernel's 12.9 / 103.4 / 379.5, GLM-5.1 10.1 /
-    # 57.8 / 180.9 against 10.6 / 72.4 / 244.6; cuDNN's selection in the same run 7.5 / 89.9 /
-    # 353.6 (V3.2) and 5.3 / 58.8 / 214.8 (GLM-5.1). Below 16K not timed: the Triton kernel.
+    # Timed against the Triton kernel in the same runs (`bench_selection.py --methods hytopk
+    # hytopk_scores_sm90 cudnn`, rows equal to the Triton kernel's at every length): on an H100
+    # (2026-12-05 16:15 UTC) V3.2 12.4 / 94.9 / 331.7 ms at 16K / 64K / 128K against 12.8 /
+    # 103.0 / 391.6, GLM-5.1 11.3 / 59.3 / 193.1 against 11.2 / 71.2 / 245.7; on an H200
+    # (12:57 UTC, before the deferred store and the radix select) 1.12x / 1.15x at 128K, 1.05x
+    # at GLM-5.1's 64K, 0.83x at 16K. BENCHMARKS.md has the records.
     scores_sm90: bool | None = None
-    # The shortest key range (S) the default (scores_sm90=None) takes the Gluon path for.
-    scores_sm90_min_keys: int = 16384
+    # The shortest key range (S) the default (scores_sm90=None) takes the Gluon path for: from
+    # 64K it was faster on both devices; at 16K level on the H100 and slower on the H200 then.
+    scores_sm90_min_keys: int = 65536
     # Keys scored for the thresholds (every max(1, ceil(S / this))-th key, for every row).
     scores_sm90_samples: int = 2048
     # The Gluon filter stores a key tile's survivors while the next tile's product runs, not
@@ -224,10 +226,10 @@ class HyTopKOptions:
     scores_sm90_defer_store: bool = True
     # The thresholds' sample scored by the same Gluon kernel (its table epilogue, every
     # sampled key against every row: `indexer_table_sm90`) instead of HyTopK's Triton
-    # score-table kernel. Same thresholds to fp32 rounding order. On: the sample phase 2.6 /
-    # 12.8 ms against 3.9 / 21.0 at 16K / 128K (V3.2, H200, 2026-12-05), the whole selection
-    # 1.03-1.12x faster at 16K-128K. False: the Triton table, kept to compare.
-    scores_sm90_sample_table: bool = True
+    # score-table kernel, which takes the sample phase to 20-35 ms at 128K. Same thresholds to
+    # fp32 rounding order. Off until a recorded run times it (its GPU tests pass on an H200,
+    # 2026-12-05 19:25 UTC; that run's record was lost, BENCHMARKS.md).
+    scores_sm90_sample_table: bool = False
 
     def __post_init__(self) -> None:
         if not (self.scores_sm90 is None or isinstance(self.scores_sm90, bool)):
