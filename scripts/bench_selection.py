@@ -52,12 +52,15 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
   scoreonly_head_major  the score-only kernel with head_major (the GEMM and head sum alone)
   scoreonly_sm90  the warp-specialized Gluon scores-only kernel (a TMA producer warp, two
              consumer warpgroups ping-ponged; `kernels/indexer_scores_sm90.py`), ReLU configs
-             with 32 / 64 heads; reports max_diff_vs_scoreonly (its row maxima against the
-             Triton scores-only kernel's); scoreonly_sm90_free: the same without the ping-pong
+             with 32 / 64 heads, and norelu (the folded query as 4 bf16 "heads": 3 parts and
+             a zero one, 32 rows a consumer; its folding timed with it); reports
+             max_diff_vs_scoreonly (its row maxima against the Triton scores-only kernel's);
+             scoreonly_sm90_free: the same without the ping-pong
   hytopk_scores_sm90  HyTopK on those Gluon scores (HyTopKOptions.scores_sm90,
              `kernels/hytopk_sm90.py`): sampled thresholds, the Gluon filter appending each
              row's survivors, HyTopK's select over them, missed rows redone by the Triton
-             kernel; reports redone_rows_share and phase_ms (sample, filter, select timed
+             kernel (norelu too: issue #21's folded query; its survivors stored right after
+             their atomics); reports redone_rows_share and phase_ms (sample, filter, select timed
              apart, select_torch: torch.topk's select, which it replaced, and sample_gluon:
              the sample on the Gluon table);
              hytopk_scores_sm90_immediate: the filter storing each survivor right after its
@@ -446,12 +449,14 @@ def run_scoreonly(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT):
 
 def run_scoreonly_sm90(q, k, w, topk, relu, pingpong=True):
     """The warp-specialized Gluon scores (`kernels/indexer_scores_sm90.py`): each causal row's
-    largest score, as `scoreonly` writes; ReLU configs with 32 or 64 heads of 128 dims."""
+    largest score, as `scoreonly` writes; ReLU configs with 32 or 64 heads of 128 dims, or
+    without ReLU the folded query's bf16 parts (their folding timed with them)."""
+    from megatron_hyscale.ops.kernels.hytopk_sm90 import folded_parts
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_row_max_sm90
 
     if not relu:
-        raise ValueError("scoreonly_sm90 scores under ReLU only")
-    return indexer_row_max_sm90(q, k, w, pingpong=pingpong)
+        q, w = folded_parts(q, w)
+    return indexer_row_max_sm90(q, k, w, pingpong=pingpong, relu=relu)
 
 
 def run_scoreonly_sm90_fp8(q, k, w, topk, relu):
@@ -490,41 +495,43 @@ def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, defer_store=True,
                            sample_table=False, samples=HyTopKOptions.DEFAULT.scores_sm90_samples):
     """HyTopK from the warp-specialized Gluon scores (`kernels/hytopk_sm90.py`,
     HyTopKOptions.scores_sm90): sampled thresholds, the Gluon filter, a select over the
-    survivors, the missed rows redone by the Triton kernel. ReLU configs, 32 or 64 heads.
-    defer_store, sample_table, samples: HyTopKOptions.scores_sm90_defer_store,
-    _sample_table, _samples."""
+    survivors, the missed rows redone by the Triton kernel. ReLU configs with 32 or 64 heads,
+    or without ReLU any head count (the folded query's bf16 parts). defer_store, sample_table,
+    samples: HyTopKOptions.scores_sm90_defer_store, _sample_table, _samples."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
-    if not relu:
-        raise ValueError("hytopk_scores_sm90 scores under ReLU only")
     opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True, scores_sm90_defer_store=defer_store,
                    scores_sm90_sample_table=sample_table, scores_sm90_samples=samples)
-    return hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, stats=stats)
+    return hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, stats=stats, relu=relu)
 
 
-def scores_sm90_phases(q, k, w, topk, reps):
+def scores_sm90_phases(q, k, w, topk, reps, relu=True):
     """hytopk_scores_sm90's phases timed apart on the same inputs (ms): the sampled thresholds,
     the Gluon filter over all row chunks, the select over the survivors (`select_survivors`,
     on a copy of the first chunk's buffer once a chunk, the copy's time taken off, its
     decode and order included), and torch.topk alone over the same buffers (select_torch: the
     select it replaced, without that path's decode and key-order sort); the rest (redone
-    rows, masks) is the difference."""
+    rows, masks) is the difference. relu=False: on the folded query's parts."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
     opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True)
+    if not relu:
+        q, w = hytopk_sm90.folded_parts(q, w)
     B, T = q.shape[:2]
     cap = hytopk_sm90.survivor_cap(topk)
-    tau = hytopk_sm90.sample_thresholds(q, k, w, topk, opts.scores_sm90_samples, options=opts)
+    tau = hytopk_sm90.sample_thresholds(q, k, w, topk, opts.scores_sm90_samples, options=opts,
+                                        relu=relu)
     chunks = hytopk_sm90.row_chunks(B, T, topk)
 
     def filter_all():
         for t0, t1 in chunks:
             indexer_filter_sm90(q, k, w, tau[:, t0:t1].contiguous(), t0, t1, cap,
-                                defer_store=opts.scores_sm90_defer_store)
+                                defer_store=opts.scores_sm90_defer_store, relu=relu)
 
     t1 = chunks[0][1]
-    keys, counts = indexer_filter_sm90(q, k, w, tau[:, :t1].contiguous(), 0, t1, cap)
+    keys, counts = indexer_filter_sm90(q, k, w, tau[:, :t1].contiguous(), 0, t1, cap,
+                                       relu=relu)
     spare = torch.empty_like(keys)
 
     def copy_all():
@@ -544,12 +551,14 @@ def scores_sm90_phases(q, k, w, topk, reps):
     gluon = replace(opts, scores_sm90_sample_table=True)
     try:  # the newer kernel: its failure must not cost the other phases' timings
         sample_gluon = time_ms(lambda: hytopk_sm90.sample_thresholds(
-            q, k, w, topk, opts.scores_sm90_samples, options=gluon), reps=reps, warmup=1)
+            q, k, w, topk, opts.scores_sm90_samples, options=gluon, relu=relu), reps=reps,
+            warmup=1)
     except Exception as exc:  # noqa: BLE001  (reported, not hidden)
         print(f"sample_gluon failed: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
         sample_gluon = None
     return {"sample": time_ms(lambda: hytopk_sm90.sample_thresholds(
-                q, k, w, topk, opts.scores_sm90_samples, options=opts), reps=reps, warmup=1),
+                q, k, w, topk, opts.scores_sm90_samples, options=opts, relu=relu), reps=reps,
+                warmup=1),
             "sample_gluon": sample_gluon,
             "filter": time_ms(filter_all, reps=reps, warmup=1),
             "select": max(0.0, time_ms(select_all, reps=reps, warmup=1) - copy),
@@ -830,7 +839,7 @@ def bench_one(method, T, cfg, kind, rate, reps):
             fn(q, k, w, topk, relu, stats=stats)
             rec.update(redone_rows_share=stats[0].item() / stats[1].item())
             if method == "hytopk_scores_sm90":
-                rec.update(phase_ms=scores_sm90_phases(q, k, w, topk, n))
+                rec.update(phase_ms=scores_sm90_phases(q, k, w, topk, n, relu))
         if method in SM90_SCORE_METHODS:
             rec.update(max_diff_vs_scoreonly=max_diff_vs_scoreonly(
                 fn(q, k, w, topk, relu), q, k, w, relu))

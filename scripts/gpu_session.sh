@@ -298,7 +298,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
 fi
 case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|filter-sm90\
-  |profile-layers|models\
+  |profile-layers|models|loss-bwd-probe\
   |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton)
     case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
@@ -824,7 +824,6 @@ case "$stage" in
       --out "$HYSCALE_RESULTS/$(date -u +%F)-nvidia-h200-ncu_selection.json"
     ;;
   loss-bwd-probe)
-    export HYSCALE_RESULTS=$out/results
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout 240 python3 scripts/probe_indexer_bwd.py --t ${PROBE_T:-32768 131072} 2>&1 \
       | grep -v -i warn | tee "$out/probe.log"
@@ -996,10 +995,12 @@ case "$stage" in
     ;;
   cudnn-layer)
     seqs=${*:-8192 16384 32768 131072 262144}
-    # "best" reads the measured table: from this machine's cudnn-kernels run when there is one.
-    kernels=(/tmp/gpu_session/cudnn-kernels/results/*.json)
-    if [ -f "${kernels[0]}" ]; then
-      python3 scripts/measured_defaults.py "${kernels[@]}" | tee "$out/measured_defaults.log"
+    # "best" reads the measured table: the repository's records plus those this warm machine's
+    # earlier stages wrote (cudnn-kernels, filter-sm90, ...), when there are any.
+    here=(/tmp/gpu_session/*/results/*.json)
+    if [ -f "${here[0]}" ]; then
+      python3 scripts/measured_defaults.py benchmarks/results/*.json "${here[@]}" \
+        | tee "$out/measured_defaults.log" | grep -E "selection|wrote"
     fi
     # Stock cudnn's own selection scores every chunk after the first with per-head torch
     # matmuls: 17 s a step at 128K, so it stops there. LAYER_FLAGS: more bench_layer flags,

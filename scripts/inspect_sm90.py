@@ -345,23 +345,25 @@ def _indexer_inputs(h: int, T: int, S: int, fp8: bool) -> tuple:
             torch.zeros(1, T, h, dtype=torch.float32), torch.ones(1, S) if fp8 else None)
 
 
-def _indexer_scores_sm90(h: int, T: int = 4096, fp8: bool = False) -> list[Launch]:
+def _indexer_scores_sm90(h: int, T: int = 4096, fp8: bool = False, relu: bool = True
+                         ) -> list[Launch]:
     """The warp-specialized Gluon indexer scores (Hopper only; `indexer_row_max_sm90`: each
     causal row's largest score, HyTopK's scores-only measurement), h heads of 128 dims; fp8:
-    e4m3 q and k (HyTopK's precision="fp8")."""
+    e4m3 q and k (HyTopK's precision="fp8"); relu=False: h the folded query's bf16 parts."""
     from megatron_hyscale.ops.kernels import indexer_scores_sm90 as scores
 
     q, k, w, ks = _indexer_inputs(h, T, T, fp8)
     with intercept(scores, "_indexer_scores_kernel") as calls:
-        scores.indexer_row_max_sm90(q, k, w, k_scale=ks)
+        scores.indexer_row_max_sm90(q, k, w, k_scale=ks, relu=relu)
     return calls
 
 
 def _indexer_filter_sm90(h: int, topk: int = 2048, T: int = 4096,
-                         defer_store: bool = True, fp8: bool = False) -> list[Launch]:
+                         defer_store: bool = True, fp8: bool = False, relu: bool = True
+                         ) -> list[Launch]:
     """The same kernel's FILTER epilogue (`indexer_filter_sm90`: each row's scores at or above
     its threshold appended to its survivor list), the cap `kernels/hytopk_sm90.py` uses;
-    defer_store as `HyTopKOptions.scores_sm90_defer_store`."""
+    defer_store as `HyTopKOptions.scores_sm90_defer_store`; relu as `_indexer_scores_sm90`'s."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
     from megatron_hyscale.ops.kernels import indexer_scores_sm90 as scores
 
@@ -369,15 +371,15 @@ def _indexer_filter_sm90(h: int, topk: int = 2048, T: int = 4096,
     tau = torch.zeros(1, T)
     with intercept(scores, "_indexer_scores_kernel") as calls:
         scores.indexer_filter_sm90(q, k, w, tau, 0, T, hytopk_sm90.survivor_cap(topk),
-                                   defer_store=defer_store, k_scale=ks)
+                                   defer_store=defer_store, k_scale=ks, relu=relu)
     return calls
 
 
 def _indexer_table_sm90(h: int, T: int = 131072, samples: int = 2048,
-                        fp8: bool = False) -> list[Launch]:
+                        fp8: bool = False, relu: bool = True) -> list[Launch]:
     """The same kernel's TABLE epilogue (`indexer_table_sm90`: every row's scores against every
     (T / samples)-th key, HyTopK on the Gluon scores' sampled thresholds), on a chunk of
-    `hytopk_sm90.SAMPLE_CHUNK_ROWS` rows."""
+    `hytopk_sm90.SAMPLE_CHUNK_ROWS` rows; relu as `_indexer_scores_sm90`'s."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
     from megatron_hyscale.ops.kernels import indexer_scores_sm90 as scores
 
@@ -385,7 +387,7 @@ def _indexer_table_sm90(h: int, T: int = 131072, samples: int = 2048,
     rows = hytopk_sm90.SAMPLE_CHUNK_ROWS
     q, k, w, ks = _indexer_inputs(h, T, -(-T // stride), fp8)
     with intercept(scores, "_indexer_scores_kernel") as calls:
-        scores.indexer_table_sm90(q, k, w, stride, T - rows, T, k_scale=ks)
+        scores.indexer_table_sm90(q, k, w, stride, T - rows, T, k_scale=ks, relu=relu)
     return calls
 
 
@@ -617,6 +619,13 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "indexer-filter-sm90-dsv32-fp8": lambda: _indexer_filter_sm90(64, fp8=True),
     "indexer-filter-sm90-glm51-fp8": lambda: _indexer_filter_sm90(32, fp8=True),
     "indexer-table-sm90-dsv32-fp8": lambda: _indexer_table_sm90(64, fp8=True),
+    # Without ReLU: the folded query as 4 bf16 "heads" (3 parts + a zero one), 32 rows a
+    # consumer.
+    "indexer-scores-sm90-folded": lambda: _indexer_scores_sm90(4, relu=False),
+    "indexer-filter-sm90-folded": lambda: _indexer_filter_sm90(4, relu=False),
+    "indexer-filter-sm90-folded-immediate": lambda: _indexer_filter_sm90(4, relu=False,
+                                                                         defer_store=False),
+    "indexer-table-sm90-folded": lambda: _indexer_table_sm90(4, relu=False),
     "sparse-attention-hca": lambda: _sparse_attention(64, 1, 512, None, 128, prefix=True),
     "sparse-attention-qsa": lambda: _sparse_attention(24, 2, 256, 256, 2052),
     "sparse-attention-qsa-dkv-lockstep": lambda: _sparse_attention(24, 2, 256, 256, 2052,

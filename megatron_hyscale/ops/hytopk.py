@@ -210,15 +210,15 @@ def _from_sm90_scores(q, k, weights, topk, *, relu, causal, default_positions, p
                       options, order, q_scale=None, k_scale=None
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`options.scores_sm90`'s selection (`kernels/hytopk_sm90.py`, in `order`; e4m3 q and k
-    with their scales under precision "fp8"), or None when it does not run this call (the
-    Triton kernel then runs): asked for (True), after one warning naming why; by default
-    (None), for rows shorter than options.scores_sm90_min_keys or where it cannot run,
-    without one."""
+    with their scales under precision "fp8"; relu=False: the folded query's parts), or None
+    when it does not run this call (the Triton kernel then runs): asked for (True), after one
+    warning naming why; by default (None), for rows shorter than
+    options.scores_sm90_min_keys, without ReLU, or where it cannot run, without one."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
     asked = options.scores_sm90 is True
-    if not asked and k.shape[1] < options.scores_sm90_min_keys:
-        return None
+    if not asked and (k.shape[1] < options.scores_sm90_min_keys or not relu):
+        return None  # the folded (relu=False) variant is not yet timed on a GPU: asked only
     reason = hytopk_sm90.unsupported(q, k, weights, relu=relu, causal=causal,
                                      default_positions=default_positions,
                                      precision=precision, options=options, k_scale=k_scale)
@@ -226,13 +226,14 @@ def _from_sm90_scores(q, k, weights, topk, *, relu, causal, default_positions, p
         if asked:
             hytopk_sm90.VARIANTS.warn_cannot_run(reason)
         return None
-    variant = (q.shape[2], topk, precision)
+    # relu=False runs one kernel variant whatever the head count (the folded query's parts)
+    variant = (q.shape[2] if relu else "folded", topk, precision)
     if variant in hytopk_sm90.VARIANTS.disabled:
         return None
     try:
         return hytopk_sm90.hytopk_sm90(q, k, weights.float().contiguous(), topk,
                                        options=options, order=order, q_scale=q_scale,
-                                       k_scale=k_scale)
+                                       k_scale=k_scale, relu=relu)
     except torch.OutOfMemoryError:
         raise
     except Exception as err:  # a compile or launch failure of the Gluon kernel: said once

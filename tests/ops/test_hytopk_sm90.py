@@ -30,9 +30,11 @@ def pack(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return (ordered << 32) | (LOW32 - index.to(torch.int64))
 
 
-def exact_scores(q, k, w):
+def exact_scores(q, k, w, relu=True):
     """fp32 [B, T, S] scores (exact on integer inputs), -inf where s > t."""
-    dots = torch.einsum("bthd,bsd->bths", q.double(), k.double()).clamp_min(0)
+    dots = torch.einsum("bthd,bsd->bths", q.double(), k.double())
+    if relu:
+        dots = dots.clamp_min(0)
     scores = (dots * w.double()[..., None]).sum(2).float()
     T, S = q.shape[1], k.shape[1]
     rows = torch.arange(T, device=q.device)[:, None]
@@ -46,12 +48,12 @@ def scaled_keys(k, k_scale):
 
 
 def torch_filter(q, k, w, tau, t_lo, t_hi, cap, *, drop_last=False, shuffle_seed=0,
-                 k_scale=None):
+                 k_scale=None, relu=True):
     """`indexer_filter_sm90`'s contract in plain torch: each row's visible scores >= tau as
     packed keys, in a shuffled order (the kernel's is its atomics'), INT64_MIN after; counts of
     all survivors. drop_last: a broken filter that loses each row's last survivor. k_scale:
-    e4m3 keys' scales (w then carries q's)."""
-    scores = exact_scores(q, scaled_keys(k, k_scale), w)[:, t_lo:t_hi]
+    e4m3 keys' scales (w then carries q's); relu=False: q the folded query's parts."""
+    scores = exact_scores(q, scaled_keys(k, k_scale), w, relu)[:, t_lo:t_hi]
     B, n, S = scores.shape
     keep = (scores >= tau[..., None]) & torch.isfinite(scores)
     keys = torch.full((B, n, cap), INT64_MIN, dtype=torch.int64, device=q.device)
@@ -182,9 +184,9 @@ def test_row_chunks(monkeypatch, order):
     monkeypatch.setattr(hytopk_sm90, "SAMPLE_CHUNK_ROWS", 64)
     calls = []
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(args[4:6])
-        return torch_filter(*args)
+        return torch_filter(*args, **kwargs)
 
     got, _ = run(q, k, w, 12, 16, filter_fn=counted, order=order)
     assert calls[:2] == [(0, 7), (7, 14)] and calls[-1] == (147, 150)
@@ -193,7 +195,7 @@ def test_row_chunks(monkeypatch, order):
     assert torch.equal(got[0], whole[0]) and torch.equal(got[1], whole[1])
 
 
-def torch_table(q, k_sampled, w, stride, t_lo, t_hi, k_scale=None):
+def torch_table(q, k_sampled, w, stride, t_lo, t_hi, k_scale=None, relu=True):
     """`indexer_table_sm90`'s contract in plain torch: rows [t_lo, t_hi) against the sampled
     keys (key j at position j x stride), -inf where a row does not see the key."""
     T = q.shape[1]
@@ -201,7 +203,7 @@ def torch_table(q, k_sampled, w, stride, t_lo, t_hi, k_scale=None):
     full = torch.zeros(q.shape[0], T, k_sampled.shape[-1], dtype=k_sampled.dtype,
                        device=k_sampled.device)
     full[:, ::stride] = k_sampled
-    return exact_scores(q, full, w)[:, t_lo:t_hi, ::stride]
+    return exact_scores(q, full, w, relu)[:, t_lo:t_hi, ::stride]
 
 
 @pytest.mark.parametrize("samples", [16, 5, 1000])
@@ -216,9 +218,9 @@ def test_thresholds_from_a_table_function_equal_the_triton_tables(monkeypatch, s
     want = hytopk_sm90.sample_thresholds(q, k, w, 8, samples, options=opts)
     calls = []
 
-    def table(*args):
+    def table(*args, **kwargs):
         calls.append(args[3:])
-        return torch_table(*args)
+        return torch_table(*args, **kwargs)
 
     got = hytopk_sm90.sample_thresholds(q, k, w, 8, samples, options=opts, table_fn=table)
     assert torch.equal(got, want)
@@ -245,7 +247,7 @@ def test_a_failing_gluon_table_warns_once_and_the_triton_table_runs(monkeypatch)
         "hytopk-sample-table", "Gluon sample table", "Triton score-table kernel"))
     tries = []
 
-    def failing(*args):
+    def failing(*args, **kwargs):
         tries.append(1)
         raise RuntimeError("simulated launch failure")
 
@@ -322,8 +324,8 @@ def test_a_broken_filter_is_caught():
     q, k, w = int_inputs(1, 64, 2, 16, seed=3)
     want = hytopk(q, k, w, 8, backend="reference")
 
-    def broken(*args):
-        return torch_filter(*args, drop_last=True)
+    def broken(*args, **kwargs):
+        return torch_filter(*args, drop_last=True, **kwargs)
 
     (idx, _), _ = run(q, k, w, 8, 64, filter_fn=broken)
     assert not torch.equal(idx, want[0])
@@ -366,7 +368,7 @@ def test_which_calls_take_the_gluon_path(monkeypatch, setting, keys, min_keys, r
     each where the path can run (`unsupported` stubbed to "can", the path to the reference)."""
     taken = []
 
-    def gluon(q, k, w, topk, options, order, q_scale=None, k_scale=None):
+    def gluon(q, k, w, topk, options, order, q_scale=None, k_scale=None, relu=True):
         taken.append(k.shape[1])
         return hytopk(q, k, w, topk, backend="reference")
 
@@ -378,6 +380,61 @@ def test_which_calls_take_the_gluon_path(monkeypatch, setting, keys, min_keys, r
     got = hytopk(q, k, w, 5, backend="triton", options=opts)
     assert taken == ([keys] if runs else [])
     assert torch.equal(got[0], hytopk(q, k, w, 5, backend="reference")[0])
+
+
+def test_the_default_leaves_the_folded_query_to_the_triton_kernel(monkeypatch):
+    """relu=False: the Gluon path (its folded variant, not yet timed on a GPU) runs when asked
+    (True) and not by default, whatever the length; the rows are the reference's either way."""
+    taken = []
+
+    def gluon(q, k, w, topk, options, order, q_scale=None, k_scale=None, relu=True):
+        taken.append(relu)
+        return hytopk(q, k, w, topk, relu=relu, backend="reference")
+
+    monkeypatch.setattr(hytopk_sm90, "unsupported", lambda *a, **kw: None)
+    monkeypatch.setattr(hytopk_sm90, "hytopk_sm90", gluon)
+    q, k, w = int_inputs(1, 64, 2, 16, seed=5)
+    want = hytopk(q, k, w, 5, relu=False, backend="reference")
+    for setting, runs in ((None, []), (True, [False])):
+        taken.clear()
+        opts = HyTopKOptions(scores_sm90=setting, scores_sm90_min_keys=1, interpret_programs=2)
+        got = hytopk(q, k, w, 5, relu=False, backend="triton", options=opts)
+        assert taken == runs
+        assert torch.equal(got[0], want[0])
+
+
+def test_folded_parts_sum_to_the_folded_query():
+    """relu=False's operands: sum_h w_h q_h as three bf16 parts (their fp32 sum is it exactly)
+    and a zero part, weights 1, 1, 1, 0; packed for TMA."""
+    q, _, w = int_inputs(2, 9, 3, 16, seed=4)
+    w = w * 97.0 + 0.375  # a folded query of more than 8 significant bits
+    q4, w4 = hytopk_sm90.folded_parts(q, w)
+    folded = torch.einsum("bthd,bth->btd", q.float(), w)
+    assert q4.dtype == torch.bfloat16 and q4.shape == (2, 9, 4, 16) and q4.is_contiguous()
+    assert torch.equal(q4[:, :, 3], torch.zeros_like(q4[:, :, 3]))
+    assert not torch.equal(q4[:, :, 1], torch.zeros_like(q4[:, :, 1]))  # two parts used
+    assert torch.equal(q4[:, :, :3].float().sum(2), folded)
+    ones = torch.tensor([1.0, 1.0, 1.0, 0.0], device=DEV).expand(2, 9, 4)
+    assert w4.dtype == torch.float32 and torch.equal(w4, ones)
+
+
+@pytest.mark.parametrize("samples", [16, 1])
+def test_folded_query_matches_the_reference(samples):
+    """relu=False on the Gluon path's contract (plain-torch filter and select over the folded
+    query's parts; the interpreter runs the sample's Triton table and the redo, both folding
+    the heads themselves): the reference's rows, batch 2, 3 heads whose weighted sum needs two
+    bf16 parts, ties; a sample of 1 key redoes rows."""
+    q, k, w = int_inputs(2, 90, 3, 16, seed=21)
+    w = w * 101.0
+    want = hytopk(q, k, w, 12, relu=False, backend="reference")
+    opts = HyTopKOptions(scores_sm90=True, scores_sm90_samples=samples,
+                         scores_sm90_sample_table=False, interpret_programs=2)
+    stats = torch.zeros(2, dtype=torch.int64, device=DEV)
+    got = hytopk_sm90.hytopk_sm90(q, k, w, 12, options=opts, filter_fn=torch_filter,
+                                  select_fn=torch_select, stats=stats, relu=False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if samples == 1:
+        assert stats[0] > 0
 
 
 @pytest.mark.parametrize("field, value", [("scores_sm90", 1), ("scores_sm90", "auto"),
@@ -472,6 +529,22 @@ def survivors(keys: torch.Tensor, counts: torch.Tensor, cap: int) -> list[torch.
     return [flat[r, :int(n[r])].sort().values for r in range(flat.shape[0])]
 
 
+def assert_gluon_filter_matches(filter_fn, q, k, w, **kwargs):
+    """The Gluon filter's counts and survivors (rows 1000 .. 1530, cap 4096, each row's 300th
+    best score its threshold) equal the torch filter's on the same inputs (kwargs: k_scale,
+    relu)."""
+    t_lo, t_hi, cap = 1000, 1531, 4096
+    keys = scaled_keys(k, kwargs.get("k_scale"))
+    scores = exact_scores(q, keys, w, kwargs.get("relu", True))[:, t_lo:t_hi]
+    tau = scores.topk(300, dim=-1).values[..., -1].float().contiguous()
+    got = filter_fn(q, k, w, tau, t_lo, t_hi, cap, **kwargs)
+    want = torch_filter(q, k, w, tau, t_lo, t_hi, cap, **kwargs)
+    torch.cuda.synchronize()
+    assert torch.equal(got[1], want[1])
+    for g, wnt in zip(survivors(got[0], got[1], cap), survivors(*want, cap), strict=True):
+        assert torch.equal(g, wnt)
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("defer_store", [True, False])
@@ -546,15 +619,7 @@ def test_fp8_gluon_filter_and_op(H, monkeypatch):
     q, k = two_scales(q, k)
     q8, q_scale, k8, k_scale = fp8_quant.quantize_indexer(q, k)
     w_eff = w * q_scale
-    t_lo, t_hi, cap = 1000, 1531, 4096
-    scores = exact_scores(q8, scaled_keys(k8, k_scale), w_eff)[:, t_lo:t_hi]
-    tau = scores.topk(300, dim=-1).values[..., -1].float().contiguous()
-    got = indexer_filter_sm90(q8, k8, w_eff, tau, t_lo, t_hi, cap, k_scale=k_scale)
-    want = torch_filter(q8, k8, w_eff, tau, t_lo, t_hi, cap, k_scale=k_scale)
-    torch.cuda.synchronize()
-    assert torch.equal(got[1], want[1])
-    for g, wnt in zip(survivors(got[0], got[1], cap), survivors(*want, cap), strict=True):
-        assert torch.equal(g, wnt)
+    assert_gluon_filter_matches(indexer_filter_sm90, q8, k8, w_eff, k_scale=k_scale)
     calls = []
 
     def counted(*args, **kwargs):
@@ -570,6 +635,47 @@ def test_fp8_gluon_filter_and_op(H, monkeypatch):
     hytopk_sm90.hytopk_sm90(q8, k8, w, 1024, options=HyTopKOptions(scores_sm90=True),
                             stats=stats, q_scale=q_scale, k_scale=k_scale)
     assert stats[0] <= 0.05 * stats[1], stats  # the thresholds (the fp8 table) near right
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_folded_gluon_filter_and_op(monkeypatch):
+    """relu=False (the folded query's bf16 parts, 4 "heads", 32 rows a consumer): the Gluon
+    filter's counts and survivors equal the torch filter's on the same parts, and
+    ops.hytopk(relu=False, options.scores_sm90=True) runs it and gives the reference's rows at
+    T = 2053, batch 2 (integer inputs, a folded query of two bf16 parts); random bf16 at 8K:
+    the Triton kernel's rows on nearly every row."""
+    from megatron_hyscale.ops.kernels import indexer_scores_sm90
+
+    indexer_filter_sm90 = indexer_scores_sm90.indexer_filter_sm90
+    q, k, w = int_inputs(2, 2053, 32, 128, seed=9)
+    w = w * 101.0
+    q4, w4 = hytopk_sm90.folded_parts(q, w)
+    assert_gluon_filter_matches(indexer_filter_sm90, q4, k, w4, relu=False)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("relu"))
+        return indexer_filter_sm90(*args, **kwargs)
+
+    monkeypatch.setattr(indexer_scores_sm90, "indexer_filter_sm90", counted)
+    opts = HyTopKOptions(scores_sm90=True)
+    rows = hytopk(q, k, w, 1024, relu=False, options=opts)
+    ref = [t.contiguous() for t in hytopk(q, k, w, 1024, relu=False, backend="reference")]
+    assert torch.equal(rows[0], ref[0]) and torch.equal(rows[1], ref[1])
+    assert calls and set(calls) == {False}
+    assert ("folded", 1024, "bf16") not in hytopk_sm90.VARIANTS.disabled
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 8192, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(1, 8192, 128, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(1, 8192, 32, device="cuda", generator=g)
+    stats = torch.zeros(2, dtype=torch.int64, device="cuda")
+    got = hytopk_sm90.hytopk_sm90(q, k, w, 2048, options=opts, stats=stats, relu=False)[0]
+    want = hytopk(q, k, w, 2048, relu=False, backend="triton",
+                  options=HyTopKOptions(scores_sm90=False))[0]
+    same = (got.sort(-1).values == want.sort(-1).values).all(-1).float().mean()
+    assert same >= 0.999, same
+    assert stats[0] <= 0.01 * stats[1], stats
 
 
 @pytest.mark.gpu

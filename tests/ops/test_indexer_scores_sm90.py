@@ -113,6 +113,22 @@ def test_key_scales_go_with_fp8_only():
         sm90.check_inputs(q8, k8_pad, w, k_scale=torch.ones(2, 8))
 
 
+def test_the_folded_query_takes_four_bf16_parts():
+    """relu=False: q is the folded query's parts, FOLDED_HEADS of them, bf16 only; the ReLU
+    head counts are refused without ReLU and the parts' count with it."""
+    sm90.check_inputs(*_cpu(H=4), relu=False)
+    with pytest.raises(ValueError, match=r"^q: heads must be one of \(4,\) without ReLU"):
+        sm90.indexer_row_max_sm90(*_cpu(H=32), relu=False)
+    with pytest.raises(ValueError, match=r"^q: heads must be one of \(32, 64\), got 4"):
+        sm90.indexer_row_max_sm90(*_cpu(H=4))
+    q, k, w = _cpu(H=4)
+    with pytest.raises(ValueError, match="^q: without ReLU the folded query's parts are bf16"):
+        sm90.check_inputs(q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn), w,
+                          k_scale=torch.ones(1, 8), relu=False)
+    with pytest.raises(ValueError, match=r"^k must be \[B, S, D\]"):
+        sm90.indexer_filter_sm90(q, k[:, :4], w, torch.zeros(1, 8), 0, 8, 16, relu=False)
+
+
 def test_unpacked_batches_are_refused():
     q, k, w = _cpu(B=2)
     k2 = torch.zeros(2, 16, 128, dtype=torch.bfloat16)[:, :8]  # batch stride 16 keys, not 8
@@ -241,6 +257,26 @@ def test_table_presets_compile_without_spills(tmp_path: Path):
         c, ops = rep["constexprs"], rep["loop_ops"]
         assert c["TABLE"] is True and c["FILTER"] is False
         assert ops["ATOMG"] == 0 and ops["STG"] == max(1, c["ROWS"] // 2)
+
+
+def test_folded_presets_compile_without_spills(tmp_path: Path):
+    """Without ReLU (the folded query's 3 bf16 parts and a zero one as 4 "heads", 32 rows a
+    consumer): the scores-only, filter (survivors stored right after their atomics, as
+    `indexer_filter_sm90` runs it for relu=False) and table epilogues keep the one product, sum
+    each row's parts over a register pair and one lane bit, and spill nothing; no max (ReLU)
+    in the scores-only loop but the running row maximum's."""
+    reports = _epilogue_reports(tmp_path, "indexer-scores-sm90-folded",
+                                "indexer-filter-sm90-folded-immediate",
+                                "indexer-table-sm90-folded")
+    for rep in reports:
+        c, ops = rep["constexprs"], rep["loop_ops"]
+        assert (c["H"], c["ROWS"], c["RELU"]) == (4, 32, False)
+        # one lane-bit level x 2 key rows x the ROWS / 2 rows a thread holds
+        assert ops["SHFL"] == c["ROWS"]
+    scores, filt, table = (r["loop_ops"] for r in reports)
+    assert scores["FMNMX"] == 2 * 32 // 2  # running maxima: 2 key rows x 16 rows a thread
+    assert reports[1]["constexprs"]["DEFER_STORE"] is False
+    assert filt["ATOMG"] == filt["STG"] == 16 and table["ATOMG"] == 0 and table["STG"] == 16
 
 
 # --------------------------------------------------------------------------- GPU

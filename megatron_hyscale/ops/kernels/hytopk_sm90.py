@@ -4,7 +4,9 @@ an exact select over the survivors (`HyTopKOptions.scores_sm90`).
 Shapes: q bf16 [B, T, H, D] (D = 128, H = 32 or 64), k bf16 [B, T, D] (S == T, causal, key s
 visible to row t iff s <= t), w fp32 [B, T, H], ReLU; or e4m3 q and k with their fp32 scales
 q_scale [B, T, H] and k_scale [B, T] (HyTopK's precision="fp8", `ops/fp8_quant.py`: the
-Gluon kernels' fp8 products, the sample on the Gluon table). Returns HyTopK's outputs: indices int32
+Gluon kernels' fp8 products, the sample on the Gluon table); or without ReLU, bf16 q with any
+head count, folded into one fp32 query a row and scored as its bf16 parts (`folded_parts`).
+Returns HyTopK's outputs: indices int32
 [B, T, topk] and scores fp32 [B, T, topk], each row's top-k in `ops.hytopk`'s orders ("score":
 descending score, ties to the smaller index; "key": increasing index; "any"), -1 / -inf past
 the visible keys and last.
@@ -63,12 +65,14 @@ TABLE_VARIANTS = KernelVariants("hytopk-sample-table",
                                 "Gluon sample table (scores_sm90_sample_table)",
                                 "Triton score-table kernel")
 
-# (q, k, w, tau, t_lo, t_hi, cap) -> (keys, counts): `indexer_filter_sm90`'s contract.
+# (q, k, w, tau, t_lo, t_hi, cap, *, relu[, k_scale]) -> (keys, counts): `indexer_filter_sm90`'s
+# contract.
 FilterFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # (keys, counts, topk, *, order, options) -> (indices, scores): `select_survivors`' contract.
 SelectFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-# (q, k_sampled, w, key_stride, t_lo, t_hi) -> fp32 [B, t_hi - t_lo, samples], -inf where a row
-# does not see the key: `indexer_scores_sm90.indexer_table_sm90`'s contract.
+# (q, k_sampled, w, key_stride, t_lo, t_hi, *, relu[, k_scale]) -> fp32 [B, t_hi - t_lo,
+# samples], -inf where a row does not see the key: `indexer_scores_sm90.indexer_table_sm90`'s
+# contract.
 TableFn = Callable[..., torch.Tensor]
 
 
@@ -96,8 +100,10 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool
     if q.dtype != want or k.dtype != want:
         return (f"the Gluon scores take {precision} q and k as {want} (got {q.dtype}, "
                 f"{k.dtype})")
-    if not (relu and causal and default_positions):
-        return "the Gluon scores take ReLU, causal rows at the default positions"
+    if not (causal and default_positions):
+        return "the Gluon scores take causal rows at the default positions"
+    if not relu and precision == "fp8":
+        return "without ReLU the fp8 query folds into fp32 (the Triton kernel's dequantized path)"
     if options.prune:
         return "options.prune bounds the Triton kernel's scores"
     if precision == "fp8" and options.fp8_imprecise_acc is not None:
@@ -111,10 +117,19 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool
             HEAD_DIM,
             HEADS,
             check_inputs,
+            check_keys,
         )
     except ImportError as err:  # a Triton without Gluon's Hopper API
         return f"the Gluon kernels do not import ({err})"
 
+    if not relu:  # any head count: the heads fold into one query (`folded_parts`)
+        if D != HEAD_DIM:
+            return f"the Gluon scores take a head dim of {HEAD_DIM} (got {D})"
+        try:  # the keys as TMA reads them; the folded parts are built packed
+            check_keys(k, (B, T, D))
+        except ValueError as err:
+            return str(err)
+        return None
     if D != HEAD_DIM or H not in HEADS:
         return f"the Gluon scores take {HEADS} heads of {HEAD_DIM} (got {H} of {D})"
     try:  # TMA's layout rules (packed rows, 16-byte alignment)
@@ -124,17 +139,32 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool
     return None
 
 
+def folded_parts(q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """relu=False's operands for the Gluon kernels: sum_h w_h q_h (one fp32 query a row) as
+    its three bf16 parts and a zero one, bf16 [B, T, 4, D] (`hytopk.bf16_parts`: their sum is
+    the fp32 query exactly), with weights fp32 [B, T, 4] of 1, 1, 1 and 0."""
+    folded = torch.einsum("bthd,bth->btd", q.float(), w.float())
+    parts = hk.bf16_parts(folded)
+    B, T, n, D = parts.shape
+    q4 = torch.zeros((B, T, n + 1, D), dtype=torch.bfloat16, device=q.device)
+    q4[:, :, :n] = parts
+    w4 = torch.zeros((B, T, n + 1), dtype=torch.float32, device=q.device)
+    w4[:, :, :n] = 1.0
+    return q4, w4
+
+
 def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,
                       samples: int, *, options: HyTopKOptions,
                       table_fn: TableFn | None = None,
-                      k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      k_scale: torch.Tensor | None = None, relu: bool = True) -> torch.Tensor:
     """fp32 [B, T]: each row's threshold, the score of its r-th best visible sampled key, r =
     ceil(SURVIVOR_MARGIN x topk x visible samples / visible keys); -inf where a row sees at most
     topk keys (it takes them all). The sample's scores from table_fn (tests pass a plain-torch
     one), else the Gluon table (`options.scores_sm90_sample_table`; a failure of it warns once
     and the Triton one takes over), else HyTopK's Triton score-table kernel. e4m3 q and k
     (k_scale: their keys' scales, w: the head weights times q's scales) take the Gluon table
-    always: the Triton table has no scales."""
+    always: the Triton table has no scales. relu=False: q the folded query's bf16 parts
+    (`folded_parts`), w their weights."""
     fp8 = k_scale is not None
     gluon = table_fn is None and (fp8 or (options.scores_sm90_sample_table
                                           and (q.shape[2],) not in TABLE_VARIANTS.disabled))
@@ -164,7 +194,8 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
             table = None
             if table_fn is not None:
                 try:
-                    table = table_fn(q[b:b + 1], k_s, w[b:b + 1], stride, t0, t1, **keyed)[0]
+                    table = table_fn(q[b:b + 1], k_s, w[b:b + 1], stride, t0, t1, relu=relu,
+                                     **keyed)[0]
                 except torch.OutOfMemoryError:
                     raise  # not the kernel's failure: the Triton table needs the same memory
                 except Exception as exc:
@@ -174,7 +205,7 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
                     table_fn = None
             if table is None:
                 table = torch.empty(t1 - t0, sampled.numel(), device=q.device)
-                hk.score_table(q[b:b + 1], k_s, w[b:b + 1], relu=True,
+                hk.score_table(q[b:b + 1], k_s, w[b:b + 1], relu=relu,
                                q_positions=rows[None], k_positions=sampled[None], causal=True,
                                t0=t0, t1=t1, table=table, options=options)
             r = rank[t0:t1]
@@ -189,15 +220,17 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
                 filter_fn: FilterFn | None = None, select_fn: SelectFn | None = None,
                 table_fn: TableFn | None = None, stats: torch.Tensor | None = None,
                 q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                relu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's exact top-k in `order` (module doc; "any": the set, empty slots last) on
     inputs `unsupported` accepted. filter_fn: the survivors' kernel
     (default `indexer_filter_sm90`; tests pass a plain-torch one); select_fn: the select over
     the survivors (default `select_survivors`; the interpreter tests pass a plain-torch one,
     its radix select taking minutes there); table_fn: the sample's table (`sample_thresholds`).
     stats: optional int64 [2] receiving (rows redone, rows). q_scale, k_scale: e4m3 q and k's
-    scales (both or neither): q's fold into the head weights, k's go to the kernels. Host
-    syncs: one (whether any row is redone), plus one a batch with rows to redo (which)."""
+    scales (both or neither): q's fold into the head weights, k's go to the kernels.
+    relu=False: the heads fold into one fp32 query a row, scored as its bf16 parts
+    (`folded_parts`; bf16 q and k). Host syncs: one (whether any row is redone), plus one a
+    batch with rows to redo (which)."""
     if order not in ("score", "key", "any"):
         raise ValueError(f"order must be 'score', 'key' or 'any', got {order!r}")
 
@@ -214,17 +247,22 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
                 torch.empty(B, T, topk, dtype=torch.float32, device=q.device))
     if (q_scale is None) != (k_scale is None):
         raise ValueError("q_scale and k_scale go together (e4m3 q and k)")
+    if not relu and q_scale is not None:
+        raise ValueError("relu=False takes bf16 q and k (the fp8 query folds into fp32)")
     # q's per-(token, head) scale leaves the ReLU into the head weight (fp8_quant's scheme)
     w_eff = w if q_scale is None else w.float() * q_scale
-    keyed = {} if k_scale is None else {"k_scale": k_scale}
-    tau = sample_thresholds(q, k, w_eff, topk, options.scores_sm90_samples, options=options,
-                            table_fn=table_fn, k_scale=k_scale)
+    q_in = q
+    if not relu:
+        q_in, w_eff = folded_parts(q, w)
+    keyed = {"relu": relu} if k_scale is None else {"k_scale": k_scale, "relu": relu}
+    tau = sample_thresholds(q_in, k, w_eff, topk, options.scores_sm90_samples, options=options,
+                            table_fn=table_fn, k_scale=k_scale, relu=relu)
     indices = torch.empty(B, T, topk, dtype=torch.int32, device=q.device)
     scores = torch.empty(B, T, topk, dtype=torch.float32, device=q.device)
     need = torch.clamp(torch.arange(1, T + 1, device=q.device), max=topk)
     redo = torch.zeros(B, T, dtype=torch.bool, device=q.device)
     for t0, t1 in row_chunks(B, T, topk):
-        keys, counts = filter_fn(q, k, w_eff, tau[:, t0:t1].contiguous(), t0, t1, cap,
+        keys, counts = filter_fn(q_in, k, w_eff, tau[:, t0:t1].contiguous(), t0, t1, cap,
                                  **keyed)
         indices[:, t0:t1], scores[:, t0:t1] = (select_fn or select_survivors)(
             keys, counts, topk, order=order, options=options)
@@ -244,7 +282,7 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
                 scales = {} if q_scale is None else dict(
                     q_scale=q_scale[b:b + 1, rows_in], k_scale=k_scale[b:b + 1])
                 idx, val = hk.hytopk_triton(
-                    q[b:b + 1, rows_in], k[b:b + 1], w[b:b + 1, rows_in], topk, relu=True,
+                    q[b:b + 1, rows_in], k[b:b + 1], w[b:b + 1, rows_in], topk, relu=relu,
                     q_positions=rows_in[None], k_positions=kpos, causal=True, options=options,
                     ordered=order != "any", key_order=order == "key", **scales)
                 indices[b, rows], scores[b, rows] = idx[0, :n], val[0, :n]

@@ -2,7 +2,9 @@
 
 Shapes: q bf16 [B, T, H, D] (D = 128, H = 32 or 64), k bf16 [B, S, D] (one key head, S == T),
 w fp32 [B, T, H]. out fp32 [B, T]: out[b, t] = max over s <= t of
-score[b, t, s] = sum_h w[b, t, h] * relu(q[b, t, h] . k[b, s]), fp32 accumulation. The scoring
+score[b, t, s] = sum_h w[b, t, h] * relu(q[b, t, h] . k[b, s]), fp32 accumulation. Without
+ReLU (relu=False) q is the folded query's bf16 parts (H = 4: three parts and a zero one, w 1
+and 0; `hytopk.bf16_parts`) and the score their weighted sum of products. The scoring
 cost of HyTopK alone (`hytopk.MODE_SCORES_ONLY`), with the compute split FA3-style. Or e4m3 q and
 k (`ops/fp8_quant.py`: HyTopK's precision="fp8"): fp8 products, w the head weights times q's
 per-(token, head) scale, k_scale fp32 [B, S] multiplying each key's head sum (the scales are
@@ -67,6 +69,10 @@ CONSUMER_REGS = 240
 # SM's 64K.
 MAXNREG = 168
 HEADS = (32, 64)
+# Without ReLU (`relu=False`) the head sum folds into one fp32 query a row, taken as its three
+# bf16 parts plus a zero one (`hytopk.bf16_parts`), each a head of weight 1 (0 for the pad): 4
+# "heads", 32 rows a consumer. The products' sum over the parts is the folded query's dot.
+FOLDED_HEADS = (4,)
 # The wgmma's K a k-step: 32 bytes of each operand row (bf16: 16 channels, e4m3: 32).
 MMA_K_BY_DTYPE = {torch.bfloat16: 16, torch.float8_e4m3fn: 32}
 # The survivors' packed keys: (score bits ordered as ints) << 32 | (LOW32 - key index), so a
@@ -173,7 +179,7 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
               BLOCK_S: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
               red_layout: gl.constexpr, FILTER: gl.constexpr, CAP: gl.constexpr,
               flt_layout: gl.constexpr, DEFER_STORE: gl.constexpr, TABLE: gl.constexpr,
-              MMA_K: gl.constexpr, KEY_SCALE: gl.constexpr):
+              MMA_K: gl.constexpr, KEY_SCALE: gl.constexpr, RELU: gl.constexpr):
     """Rows t0 .. t0 + ROWS - 1 (t0 = t_base + c * ROWS): each key tile's scores as
     [keys x (row, head)] = K_tile Q^T on wgmma, then ReLU x w, the head sum (N, in registers),
     the causal mask and a running max per (key slot, row); the max over key slots at the end.
@@ -184,7 +190,8 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
     TABLE: each visible score (key j at position j x key_stride) into out[b, row - t_lo, j]
     (strides sob, sot, sok) for rows in [t_lo, t_hi); the rest is the caller's fill.
     MMA_K: the wgmma's K (16 for bf16, 32 for e4m3); KEY_SCALE: each key's head sum times
-    ks[b, key] (strides sksb, skss: e4m3 keys' scales)."""
+    ks[b, key] (strides sksb, skss: e4m3 keys' scales). RELU=False: the heads' products
+    weighted and summed as they are (the folded query's bf16 parts, weights 1)."""
     q_bar, ready, empty, turn = bars
     N: gl.constexpr = ROWS * H
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -237,7 +244,10 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
         # touched before this wait (ptxas would serialize every wgmma otherwise: C7514).
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(i), count=1)
-        x = gl.maximum(acc, 0.0) * w[None, :]
+        if RELU:
+            x = gl.maximum(acc, 0.0) * w[None, :]
+        else:
+            x = acc * w[None, :]
         s = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, H]), axis=2)
         s = gl.convert_layout(s, red_layout, assert_trivial=True)
         if KEY_SCALE:
@@ -273,6 +283,7 @@ def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
                            red_layout: gl.constexpr, FILTER: gl.constexpr, CAP: gl.constexpr,
                            flt_layout: gl.constexpr, DEFER_STORE: gl.constexpr,
                            TABLE: gl.constexpr, MMA_K: gl.constexpr, KEY_SCALE: gl.constexpr,
+                           RELU: gl.constexpr,
                            CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """One program: query rows t_base .. t_base + 2 * ROWS - 1 of batch b, from t_lo, against
@@ -312,12 +323,12 @@ def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
                      swb, swt, swh, sob, sot, sok, key_stride, n_keys, ks_ptr, sksb, skss,
                      tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows, ROWS, H, BLOCK_S,
                      NUM_STAGES, PINGPONG, red_layout, FILTER, CAP, flt_layout, DEFER_STORE,
-                     TABLE, MMA_K, KEY_SCALE)),
+                     TABLE, MMA_K, KEY_SCALE, RELU)),
         (_consumer, (1, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
                      swb, swt, swh, sob, sot, sok, key_stride, n_keys, ks_ptr, sksb, skss,
                      tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows, ROWS, H, BLOCK_S,
                      NUM_STAGES, PINGPONG, red_layout, FILTER, CAP, flt_layout, DEFER_STORE,
-                     TABLE, MMA_K, KEY_SCALE)),
+                     TABLE, MMA_K, KEY_SCALE, RELU)),
         (_producer, (q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, k_row0, n_tiles,
                      ROWS, H, BLOCK_S, NUM_STAGES)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -330,13 +341,16 @@ def _reduced_layout(rows: int, heads: int) -> gl.DistributedLinearLayout:
     """The head-summed scores' layout, [BLOCK_S keys x rows]: what summing the wgmma
     accumulator [keys x (row, head)] over its heads leaves. Keys as in the accumulator (lanes
     / 4 and one register bit: 8 apart, warps: 16 apart); the rows on the accumulator's column
-    register bits above the heads; the bits that held heads (a register pair, the quad's
-    lanes, the low column registers) broadcast."""
+    bits above the heads (column registers, and for fewer than 8 heads the quad's upper lane
+    bit); the bits that held heads (a register pair, the quad's lanes, the low column
+    registers) removed or, for lanes, broadcast."""
     n = rows * heads
     # accumulator columns of its register bits above the first two (the pair, +8 keys)
     col_regs = [8 << i for i in range((n // 8).bit_length() - 1)]
     reg = [[8, 0]] + [[0, col // heads] for col in col_regs if col >= heads]
-    lane = [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]]
+    # the quad's lanes hold columns 2 and 4
+    quad = [[0, col // heads] if col >= heads else [0, 0] for col in (2, 4)]
+    lane = quad + [[1, 0], [2, 0], [4, 0]]
     warp = [[16, 0], [32, 0]]
     return gl.DistributedLinearLayout(reg, lane, warp, [], [BLOCK_S, rows])
 
@@ -365,10 +379,10 @@ def _shared_layouts(heads: int, dtype: torch.dtype) -> tuple:
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: int = 1,
-                 k_scale: torch.Tensor | None = None) -> None:
+                 k_scale: torch.Tensor | None = None, relu: bool = True) -> None:
     """ValueError naming the argument that `indexer_row_max_sm90` cannot take (k: the keys at
     positions 0, key_stride, 2 x key_stride, ... of the T-token sequence; k_scale: fp32 [B, S]
-    with e4m3 q and k, None with bf16)."""
+    with e4m3 q and k, None with bf16; relu=False: FOLDED_HEADS bf16 parts)."""
     check_tensor("q", q, ndim=4, dtypes=tuple(MMA_K_BY_DTYPE))  # [B, T, H, D]
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,))  # [B, S, D]
     check_tensor("w", w, ndim=3, dtypes=(torch.float32,))  # [B, T, H]
@@ -376,13 +390,15 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: 
     B, T, H, D = q.shape
     if D != HEAD_DIM:
         raise ValueError(f"q: head dim must be {HEAD_DIM}, got {D}")
-    if H not in HEADS:
-        raise ValueError(f"q: heads must be one of {HEADS}, got {H}")
+    heads = HEADS if relu else FOLDED_HEADS
+    if H not in heads:
+        what = "" if relu else " without ReLU (the folded query's bf16 parts)"
+        raise ValueError(f"q: heads must be one of {heads}{what}, got {H}")
+    if not relu and q.dtype != torch.bfloat16:
+        raise ValueError(f"q: without ReLU the folded query's parts are bf16, got {q.dtype}")
     n_keys = -(-T // key_stride)
-    if k.shape != (B, n_keys, D):
-        what = "(S == T: causal)" if key_stride == 1 else f"(every {key_stride}-th of T keys)"
-        raise ValueError(f"k must be [B, S, D] = {(B, n_keys, D)} {what}, got "
-                         f"{tuple(k.shape)}")
+    check_keys(k, (B, n_keys, D),
+               "(S == T: causal)" if key_stride == 1 else f"(every {key_stride}-th of T keys)")
     if w.shape != (B, T, H):
         raise ValueError(f"w must be [B, T, H] = {(B, T, H)}, got {tuple(w.shape)}")
     if q.dtype == torch.bfloat16:
@@ -404,46 +420,56 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: 
         raise ValueError(f"q must be readable as [B * T * H, D] rows (unit-stride channels, a "
                          f"head stride that is a multiple of {row}, packed heads, tokens and "
                          f"batches); got strides {q.stride()}")
-    skb, sks, skd = k.stride()
-    if skd != 1 or sks % row or (B > 1 and skb != n_keys * sks):
-        raise ValueError(f"k must be readable as [B * S, D] rows (unit-stride channels, a key "
-                         f"stride that is a multiple of {row}, packed batches); got strides "
-                         f"{k.stride()}")
-    for name, x in (("q", q), ("k", k)):
-        if x.data_ptr() % 16:
-            raise ValueError(f"{name} must be 16-byte aligned for TMA")
+    if q.data_ptr() % 16:
+        raise ValueError("q must be 16-byte aligned for TMA")
     if B * T * H > MAX_TMA_ROWS:
         raise ValueError(f"q: B * T * H = {B * T * H} rows exceed TMA's int32 coordinates")
 
 
+def check_keys(k: torch.Tensor, shape: tuple[int, int, int], what: str = "") -> None:
+    """ValueError unless k is [B, S, D] = shape and TMA can read it as [B * S, D] rows."""
+    if tuple(k.shape) != tuple(shape):
+        raise ValueError(f"k must be [B, S, D] = {tuple(shape)} {what}, got {tuple(k.shape)}")
+    row = 16 // k.element_size()
+    skb, sks, skd = k.stride()
+    if skd != 1 or sks % row or (shape[0] > 1 and skb != shape[1] * sks):
+        raise ValueError(f"k must be readable as [B * S, D] rows (unit-stride channels, a key "
+                         f"stride that is a multiple of {row}, packed batches); got strides "
+                         f"{k.stride()}")
+    if k.data_ptr() % 16:
+        raise ValueError("k must be 16-byte aligned for TMA")
+
+
 def indexer_row_max_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *,
-                         pingpong: bool = True, k_scale: torch.Tensor | None = None
-                         ) -> torch.Tensor:
+                         pingpong: bool = True, k_scale: torch.Tensor | None = None,
+                         relu: bool = True) -> torch.Tensor:
     """out fp32 [B, T]: each causal row's largest indexer score (key s visible to row t iff
     s <= t). Hopper only: the caller checks the device. pingpong: order the two consumers'
     products alternately (the `turn` barriers); False lets them issue freely. e4m3 q and k:
-    k_scale fp32 [B, S], w already times q's scales (module doc)."""
-    check_inputs(q, k, w, k_scale=k_scale)
+    k_scale fp32 [B, S], w already times q's scales (module doc). relu=False: q the folded
+    query's FOLDED_HEADS bf16 parts, w their weights (1, the pad 0)."""
+    check_inputs(q, k, w, k_scale=k_scale, relu=relu)
     B, T, H, D = q.shape
     out = torch.empty((B, T), device=q.device, dtype=torch.float32)
     if B * T == 0:
         return out
-    _launch(q, k, w, out, 0, T, pingpong=pingpong, k_scale=k_scale)
+    _launch(q, k, w, out, 0, T, pingpong=pingpong, k_scale=k_scale, relu=relu)
     return out
 
 
 def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: torch.Tensor,
                         t_lo: int, t_hi: int, cap: int, *, pingpong: bool = True,
-                        defer_store: bool = True, k_scale: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        defer_store: bool = True, k_scale: torch.Tensor | None = None,
+                        relu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The survivors of query rows [t_lo, t_hi): keys int64 [B, t_hi - t_lo, cap] (HyTopK's
     packed keys of the visible scores >= tau of each row, in no order, the first min(count,
     cap) slots written, INT64_MIN after) and counts int32 [B, t_hi - t_lo] (all survivors,
     also those past cap). tau: fp32 [B, t_hi - t_lo] thresholds (-inf: every visible key).
     defer_store: store a key tile's survivors under the next tile's product (False: right
-    after their slot atomics return, as first built). k_scale: as `indexer_row_max_sm90`'s.
-    Hopper only: the caller checks the device."""
-    check_inputs(q, k, w, k_scale=k_scale)
+    after their slot atomics return, as first built; relu=False always: its 32 rows' pending
+    survivors would not fit the registers, compiled for sm_90a). k_scale, relu: as
+    `indexer_row_max_sm90`'s. Hopper only: the caller checks the device."""
+    check_inputs(q, k, w, k_scale=k_scale, relu=relu)
     B, T, H, D = q.shape
     n = t_hi - t_lo
     if not 0 <= t_lo <= t_hi <= T:
@@ -461,22 +487,23 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
     counts = torch.zeros((B, n), device=q.device, dtype=torch.int32)
     if B * n:
         _launch(q, k, w, None, t_lo, t_hi, pingpong=pingpong,
-                survivors=(tau, counts, keys, cap), defer_store=defer_store, k_scale=k_scale)
+                survivors=(tau, counts, keys, cap), defer_store=defer_store and relu,
+                k_scale=k_scale, relu=relu)
     return keys, counts
 
 
 def indexer_table_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: int,
                        t_lo: int, t_hi: int, *, pingpong: bool = True,
-                       k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                       k_scale: torch.Tensor | None = None, relu: bool = True) -> torch.Tensor:
     """fp32 [B, t_hi - t_lo, S]: the scores of query rows [t_lo, t_hi) against k [B, S, D],
     every key_stride-th key of the T-token sequence (key j at position j x key_stride, S =
     ceil(T / key_stride): `k_full[:, ::key_stride]`), -inf where a row does not see the key
     (j x key_stride > t). HyTopK's sampled thresholds on the Gluon scores (`hytopk_sm90.
-    sample_thresholds`). k_scale: the sampled keys' scales, as `indexer_row_max_sm90`'s. Hopper
-    only: the caller checks the device."""
+    sample_thresholds`). k_scale: the sampled keys' scales, as `indexer_row_max_sm90`'s; relu:
+    as its. Hopper only: the caller checks the device."""
     if isinstance(key_stride, bool) or not (isinstance(key_stride, int) and key_stride >= 1):
         raise ValueError(f"key_stride must be an int >= 1, got {key_stride!r}")
-    check_inputs(q, k, w, key_stride, k_scale)
+    check_inputs(q, k, w, key_stride, k_scale, relu)
     B, T = q.shape[:2]
     if not 0 <= t_lo <= t_hi <= T:
         raise ValueError(f"t_lo, t_hi must satisfy 0 <= t_lo <= t_hi <= T = {T}; got "
@@ -485,12 +512,12 @@ def indexer_table_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_st
                        dtype=torch.float32)
     if table.numel():
         _launch(q, k, w, table, t_lo, t_hi, pingpong=pingpong, table=True,
-                key_stride=key_stride, k_scale=k_scale)
+                key_stride=key_stride, k_scale=k_scale, relu=relu)
     return table
 
 
 def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=True,
-            table=False, key_stride=1, k_scale=None):
+            table=False, key_stride=1, k_scale=None, relu=True):
     """One launch over query rows [t_lo, t_hi): the row maxima into out, or with survivors =
     (tau, counts, keys, cap) the survivors (defer_store: `_consumer`'s DEFER_STORE), or with
     table the scores into out [B, t_hi - t_lo, S] against keys every key_stride-th; k_scale
@@ -517,7 +544,7 @@ def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=T
         H=H, ROWS=rows, BLOCK_S=BLOCK_S, NUM_STAGES=NUM_STAGES, PINGPONG=pingpong,
         red_layout=red_layout, FILTER=survivors is not None, CAP=cap, flt_layout=flt_layout,
         DEFER_STORE=survivors is not None and defer_store, TABLE=table,
-        MMA_K=MMA_K_BY_DTYPE[q.dtype], KEY_SCALE=k_scale is not None,
+        MMA_K=MMA_K_BY_DTYPE[q.dtype], KEY_SCALE=k_scale is not None, RELU=relu,
         CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
