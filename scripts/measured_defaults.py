@@ -111,14 +111,17 @@ def entries_from(path: str) -> list[dict]:
             own_methods = own_selection_methods(own.get("S", T))
             if method not in own_methods or inputs != "random" or not lib or "H" not in own:
                 continue
-            # the first own method the record has for this length
-            if next(m for m in own_methods if (cfg, T, inputs, m) in by) != method:
+            # the first own method the record timed at this length (an OOM row has no time)
+            timed = [m for m in own_methods
+                     if isinstance(by.get((cfg, T, inputs, m), {}).get("ms"), float)]
+            if not timed or timed[0] != method or not isinstance(lib.get("ms"), float):
                 continue
-            if isinstance(own.get("ms"), float) and isinstance(lib.get("ms"), float):
-                out.append(dict(op="selection", T=T, own_ms=own["ms"], library_ms=lib["ms"],
-                                shape=selection_shape(own["H"], own["D"], own["topk"]),
-                                own_kernel=method, source=source, stamp=stamp,
-                                device=device))
+            # rank: an entry of a method nearer the default wins over a newer one of a
+            # farther method (a Triton-only record must not displace the Gluon path's time)
+            out.append(dict(op="selection", T=T, own_ms=own["ms"], library_ms=lib["ms"],
+                            shape=selection_shape(own["H"], own["D"], own["topk"]),
+                            own_kernel=method, rank=len(own_methods) - own_methods.index(method),
+                            source=source, stamp=stamp, device=device))
     elif "bench_attention" in script:
         for r in records:
             if r.get("indices") != "random" or "Hq" not in r:
@@ -168,8 +171,15 @@ def main() -> int:
     return 0
 
 
+def _rank(entry: dict) -> tuple:
+    """Which of two entries for one key the table keeps: the larger (the attention's kernels
+    the defaults run, the selection's method nearest the default, then the newer)."""
+    return entry.get("current", True), entry.get("rank", 0), entry["stamp"]
+
+
 def table(found: list[dict]) -> list[dict]:
-    """The newest entry per (device, op, shape, T); for the attention, per side, the newest
+    """The newest entry per (device, op, shape, T); for the selection, the newest of the method
+    nearest the default (`own_selection_methods`: rank); for the attention, per side, the newest
     that timed the kernels the defaults run now (`CURRENT_KERNELS`), else the newest of older
     ones, the two sides (of the same device) joined into one entry where both were measured.
     Devices stay apart: a kernel's rank against the library differs between an H100 and an
@@ -177,14 +187,12 @@ def table(found: list[dict]) -> list[dict]:
     newest: dict[tuple, dict] = {}
     for e in found:
         key = (e["op"], e["shape"], e["T"], e.get("side"), e["device"] or "")
-        rank = (e.get("current", True), e["stamp"])
-        if key not in newest or rank >= (newest[key].get("current", True),
-                                         newest[key]["stamp"]):
+        if key not in newest or _rank(e) >= _rank(newest[key]):
             newest[key] = e
     entries = []
     for (op, shape, T, side, device), e in sorted(newest.items(), key=lambda kv: str(kv[0])):
         if op != "attention":
-            entries.append({k: v for k, v in e.items() if k != "stamp"})
+            entries.append({k: v for k, v in e.items() if k not in ("stamp", "rank")})
         elif side == "fwd" and (op, shape, T, "bwd", device) in newest:
             b = newest[(op, shape, T, "bwd", device)]
             source = (e["source"] if e["source"] == b["source"]

@@ -7,7 +7,8 @@ The backward (`kernels/indexer_loss.py`, one program a query row) gathers each s
 (row, slot) with vector atomics. On the same inputs (`bench_indexer_loss.py`'s: random keys,
 one per stratum, each row in key order) it times the kernel alone:
 
-  spread      the default (atomics into dk_index, fp32 [T, 128]: 64 MiB at 128K)
+  spread      the default (atomics into dk_index, fp32 [T, 128]: 64 MiB at 128K); each case
+              times `indexer_loss_bwd` whole (its dk_index zero-fill and bf16 cast: ~0.1 ms)
   discard     the same products without dk's atomics (MODE_DISCARD): the atomics' share
   shuffled    the same keys, each row's slots in random order (the rows' key order is what
               keeps concurrent rows' atomics near each other)
@@ -15,7 +16,9 @@ one per stratum, each row in key order) it times the kernel alone:
               L2-resident): whether dk's L2 misses or the atomics themselves bound it
   halves      the spread rows in two launches, one for the keys below T / 2 and one above
               (the other slots masked invalid; ms is the two together): dk's live range
-              halved, as a key-split backward would have it
+              halved, as a key-split backward would have it. The masked slots are still
+              multiplied (the kernel's tile loop runs every slot), so the two launches do
+              twice the products: only a time below the default's reads as a gain
 
 Measurement only: a record in benchmarks/results (or $HYSCALE_RESULTS), one row per case with
 its time against the default's.
@@ -52,15 +55,20 @@ CASES = ("spread", "discard", "shuffled", "window", "halves")
 
 
 def window_indices(T: int, K: int, window: int, seed: int = 0) -> torch.Tensor:
-    """int32 [1, T, K]: row t's keys drawn without repeats from its last `window` keys (t -
-    window + 1 .. t), in key order; -1 where a row sees fewer than K of them."""
+    """int32 [1, T, K]: row t's keys drawn without repeats from its last max(window, K) keys
+    (those it sees: t - width + 1 .. t, at least key 0), in key order; -1 in the slots past
+    the keys a row sees (rows t < K only, as in the spread indices)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     out = torch.empty((1, T, K), device="cuda", dtype=torch.int32)
     width = max(window, K)
+    offset = torch.arange(width, device="cuda")[None]
     for t0 in range(0, T, WINDOW_ROWS_PER_CHUNK):
         t1 = min(T, t0 + WINDOW_ROWS_PER_CHUNK)
-        offsets = torch.rand((t1 - t0, width), generator=g, device="cuda").topk(K).indices
-        keys = torch.arange(t0, t1, device="cuda")[:, None] - offsets
+        rows = torch.arange(t0, t1, device="cuda")[:, None]
+        # offsets past the row's first key rank last: a short row takes all it sees
+        u = torch.rand((t1 - t0, width), generator=g, device="cuda")
+        u = torch.where(offset <= rows, u, -1.0)
+        keys = rows - u.topk(K).indices
         keys = torch.where(keys >= 0, keys, torch.full_like(keys, 1 << 40)).sort(-1).values
         out[0, t0:t1] = torch.where(keys < (1 << 40), keys, -1).to(torch.int32)
     return out
@@ -98,7 +106,11 @@ def probe(shape: str, T: int, window: int, reps: int) -> list[dict]:
 
     def record(case: str, ms: float, **extra) -> None:
         ratio = ms / rows[0]["ms"] if rows else 1.0
-        rows.append(dict(shape=shape, T=T, K=K, case=case, ms=ms, vs_spread=ratio, **extra))
+        # the (keys per step, stages) each launch took: the cases compare one tiling
+        tilings = sorted({v for key, v in kern._tiling_cache.items() if key[0] == "bwd"})
+        kern._tiling_cache.clear()
+        rows.append(dict(shape=shape, T=T, K=K, case=case, ms=ms, vs_spread=ratio,
+                         tilings=tilings, **extra))
         log(f"{shape} T={T} {case:9s} {ms:8.2f} ms  ({ratio:.2f}x the default's time)")
 
     record("spread", time_ms(lambda: bwd(base), reps=reps, warmup=1))

@@ -115,10 +115,12 @@ def hytopk(
             path: exact for its kernel's fp32 scores, whose sums near-tied bf16 scores may
             order otherwise than the Triton kernel's); the reference ignores it.
         check_values: True (default) checks that q, k and weights are finite (a host sync
-            each). False trusts the caller and syncs nothing (the layers pass False): a NaN
-            or Inf then gives an undefined selection and a NaN attention downstream, which
-            Megatron's loss check reports, as with stock. Shapes, dtypes and devices are
-            always checked.
+            each). False trusts the caller and syncs nothing for the check (the layers pass
+            False): a NaN or Inf then gives an undefined selection and a NaN attention
+            downstream, which Megatron's loss check reports, as with stock. Shapes, dtypes and
+            devices are always checked. The Gluon-scores path (the default on Hopper from
+            64K keys) syncs once a call itself (whether any row is redone; one more a batch
+            with rows to redo), and steps aside while a CUDA graph is captured.
         precision: "bf16" (default) scores q and k as given (bf16, fp16 or fp32). "fp8"
             scores their e4m3 copies with per-token power-of-two scales (q per token and head,
             k per token: DeepSeek-V3.2's inference indexer, `ops/fp8_quant.py`), with fp32
@@ -213,12 +215,16 @@ def _from_sm90_scores(q, k, weights, topk, *, relu, causal, default_positions, p
     with their scales under precision "fp8"; relu=False: the folded query's parts), or None
     when it does not run this call (the Triton kernel then runs): asked for (True), after one
     warning naming why; by default (None), for rows shorter than
-    options.scores_sm90_min_keys, without ReLU, or where it cannot run, without one."""
+    options.scores_sm90_min_keys, without ReLU, while a CUDA graph is captured, or where it
+    cannot run, without one."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
     asked = options.scores_sm90 is True
-    if not asked and (k.shape[1] < options.scores_sm90_min_keys or not relu):
-        return None  # the folded (relu=False) variant is not yet timed on a GPU: asked only
+    if not asked and (k.shape[1] < options.scores_sm90_min_keys or not relu
+                      or torch.cuda.is_current_stream_capturing()):
+        # the folded (relu=False) variant is not yet timed on a GPU: asked for only; a CUDA
+        # graph cannot hold the path's host sync (whether rows are redone)
+        return None
     reason = hytopk_sm90.unsupported(q, k, weights, relu=relu, causal=causal,
                                      default_positions=default_positions,
                                      precision=precision, options=options, k_scale=k_scale)

@@ -360,12 +360,15 @@ def test_the_default_runs_the_triton_kernel_quietly_where_the_gluon_path_cannot(
     assert torch.equal(got[0], hytopk(q, k, w, 6, backend="reference")[0])
 
 
-@pytest.mark.parametrize("setting, keys, min_keys, runs", [
-    (None, 64, 64, True), (None, 64, 65, False), (True, 64, 65, True), (False, 64, 1, False)])
-def test_which_calls_take_the_gluon_path(monkeypatch, setting, keys, min_keys, runs):
+@pytest.mark.parametrize("setting, keys, min_keys, capturing, runs", [
+    (None, 64, 64, False, True), (None, 64, 65, False, False), (True, 64, 65, False, True),
+    (False, 64, 1, False, False), (None, 64, 64, True, False)])
+def test_which_calls_take_the_gluon_path(monkeypatch, setting, keys, min_keys, capturing, runs):
     """The default takes the Gluon path from scores_sm90_min_keys keys on (shorter rows: the
-    Triton kernel, measured faster there or not measured), True at any length, False never;
-    each where the path can run (`unsupported` stubbed to "can", the path to the reference)."""
+    Triton kernel, measured faster there or not measured) and not while a CUDA graph is
+    captured (its host sync), True at any length, False never; each where the path can run
+    (`unsupported` stubbed to "can", the path to the reference)."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     taken = []
 
     def gluon(q, k, w, topk, options, order, q_scale=None, k_scale=None, relu=True):
@@ -430,9 +433,16 @@ def test_folded_query_matches_the_reference(samples):
     opts = HyTopKOptions(scores_sm90=True, scores_sm90_samples=samples,
                          scores_sm90_sample_table=False, interpret_programs=2)
     stats = torch.zeros(2, dtype=torch.int64, device=DEV)
-    got = hytopk_sm90.hytopk_sm90(q, k, w, 12, options=opts, filter_fn=torch_filter,
+    seen = []
+
+    def parts_filter(q_in, k_in, w_in, *args, **kwargs):  # what the Gluon filter would get
+        seen.append((q_in.shape[2], q_in.dtype, tuple(w_in[0, 0].tolist()), kwargs["relu"]))
+        return torch_filter(q_in, k_in, w_in, *args, **kwargs)
+
+    got = hytopk_sm90.hytopk_sm90(q, k, w, 12, options=opts, filter_fn=parts_filter,
                                   select_fn=torch_select, stats=stats, relu=False)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert seen and set(seen) == {(4, torch.bfloat16, (1.0, 1.0, 1.0, 0.0), False)}
     if samples == 1:
         assert stats[0] > 0
 

@@ -345,6 +345,21 @@ def test_measured_defaults_takes_the_default_selection_where_a_record_has_it(tmp
     assert found(*pair, gluon, default) == [(long_t, 180.0, 200.0, "hytopk_default")]
     short = [dict(r, T=short_t) for r in (*pair, gluon)]  # below the Gluon path's length
     assert found(*short) == [(short_t, 300.0, 200.0, "hytopk")]
+    oom = dict(gluon, ms=None, status="OOM")  # an untimed method gives way to the next
+    assert found(*pair, oom) == [(long_t, 300.0, 200.0, "hytopk")]
+
+    # Across records: a newer record that timed only the Triton kernel does not displace the
+    # Gluon path's time; a newer one of the same method does.
+    older = md.entries_from(str(write_record(tmp_path, "bench_selection", [*pair, gluon])))
+    newer = md.entries_from(str(write_record(tmp_path, "bench_selection",
+                                             [dict(r, ms=r["ms"] + 1) for r in pair])))
+    for e in newer:
+        e["stamp"] = "9999"
+    (kept,) = md.table(older + newer)
+    assert (kept["own_ms"], kept["own_kernel"]) == (250.0, "hytopk_scores_sm90")
+    newest = [dict(e, stamp="9999", own_ms=240.0) for e in older]
+    (kept,) = md.table(older + newest)
+    assert kept["own_ms"] == 240.0 and "rank" not in kept and "stamp" not in kept
 
 
 def test_measured_defaults_times_the_kernels_the_defaults_run(tmp_path) -> None:
