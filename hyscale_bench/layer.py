@@ -255,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "hyscale_packed_selection): one call a document (per_document, the "
                         "default), documents batched into few calls (batched, rows "
                         "hyscale_packed_N_batched), or both side by side")
+    p.add_argument("--profile-copies", type=int, default=0, metavar="N",
+                   help="after each row's timing, run one more step counting every copying "
+                        "operator at dispatch (copy_, cat, clone, _to_copy, index_select) and "
+                        "record the N (operator, caller) pairs that wrote the most bytes, the "
+                        "caller being the innermost megatron / HyScale-layer frame "
+                        "(`copy_profile`): where a step's copies come from; runs on the CPU "
+                        "too (bytes scale with the length)")
     p.add_argument("--profile-kernels", type=int, default=0, metavar="N",
                    help="after each row's timing, profile one more step (torch.profiler) and "
                         "record its N most expensive operators by self device time "
@@ -803,8 +810,62 @@ def _measure(layer: Layer, T: int, args: argparse.Namespace) -> dict[str, Any]:
         result["fused_kernels"] = fused.counts
     if args.profile_kernels > 0:
         result["kernel_profile"] = profile_step(layer, hidden, grad, args)
+    if args.profile_copies > 0:
+        result["copy_profile"] = profile_copies(layer, hidden, grad, args)
     replay.clear()
     return result
+
+
+# The operators that write a copy of their input (the step's copies and concatenations).
+COPY_OPS = ("aten.copy_", "aten.cat", "aten.clone", "aten._to_copy", "aten.index_select")
+# Frames of these packages name a copy's caller (torch's own frames say nothing about why). On
+# the CPU the ops run their plain-torch references (`megatron_hyscale/ops/reference.py`):
+# copies named there are the stand-ins', not the GPU kernels'.
+CALLER_PACKAGES = ("megatron_hyscale/", "megatron/core")
+
+
+def profile_copies(layer: Layer, hidden: torch.Tensor, grad: torch.Tensor,
+                   args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One step with every copying operator (COPY_OPS) counted at dispatch: the
+    `args.profile_copies` (operator, caller) pairs that wrote the most bytes, each {name, gib,
+    calls, caller}, caller the innermost CALLER_PACKAGES frame ("autograd" for the autograd
+    engine's own ops, which no Python frame calls). Bytes, not time: a copy's time is about
+    twice its bytes over the copy rate, and at other lengths they scale with the tensors (rows
+    x heads x dims)."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    written: dict[tuple[str, str], list[float]] = {}
+
+    class CopyCounter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args_=(), kwargs=None):
+            out = func(*args_, **(kwargs or {}))
+            name = str(func.overloadpacket)
+            if name in COPY_OPS and isinstance(out, torch.Tensor):
+                frames = [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}"
+                          for f in traceback.extract_stack()
+                          if any(pkg in f.filename for pkg in CALLER_PACKAGES)]
+                caller = frames[-1] if frames else "autograd"
+                entry = written.setdefault((name, caller), [0.0, 0])
+                entry[0] += out.numel() * out.element_size()
+                entry[1] += 1
+            return out
+
+    sync(args.device)
+    with CopyCounter():
+        layer_step(layer, hidden, grad)
+    sync(args.device)
+    top = sorted(written.items(), key=lambda kv: kv[1][0], reverse=True)[:args.profile_copies]
+    out = [{"name": name, "gib": b / 2**30, "calls": int(n), "caller": caller}
+           for (name, caller), (b, n) in top]
+    total = sum(b for b, _ in written.values()) / 2**30
+    log(f"  copies: {total:.3f} GiB written a step by {sum(n for _, n in written.values())} "
+        f"copying operators; the top {len(out)}:")
+    for item in out:
+        log(f"    {item['gib']:9.4f} GiB {item['calls']:5d}x  {item['name']:18s} "
+            f"<- {item['caller'][:110]}")
+    return out
 
 
 def profile_step(layer: Layer, hidden: torch.Tensor, grad: torch.Tensor,

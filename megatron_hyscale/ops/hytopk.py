@@ -221,7 +221,7 @@ def _from_sm90_scores(q, k, weights, topk, *, relu, causal, default_positions, p
 
     asked = options.scores_sm90 is True
     if not asked and (k.shape[1] < options.scores_sm90_min_keys or not relu
-                      or torch.cuda.is_current_stream_capturing()):
+                      or _capturing_graph(q)):
         # the folded (relu=False) variant is not yet timed on a GPU: asked for only; a CUDA
         # graph cannot hold the path's host sync (whether rows are redone)
         return None
@@ -245,6 +245,12 @@ def _from_sm90_scores(q, k, weights, topk, *, relu, causal, default_positions, p
     except Exception as err:  # a compile or launch failure of the Gluon kernel: said once
         hytopk_sm90.VARIANTS.disable(variant, f"{type(err).__name__}: {err}")
         return None
+
+
+def _capturing_graph(t: torch.Tensor) -> bool:
+    """Whether t's CUDA stream is capturing a graph (False off CUDA: asking there fails on a
+    machine without a driver)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _in_order(result: tuple[torch.Tensor, torch.Tensor], order: str

@@ -553,6 +553,25 @@ def test_profile_kernels_records_top_operators(tmp_path: Path) -> None:
     assert bench_layer.parse_args([]).profile_kernels == 0
 
 
+def test_profile_copies_names_their_callers(tmp_path: Path) -> None:
+    """`--profile-copies N`: the HyScale row gets at most N (copying operator, caller) pairs,
+    sorted by bytes written, each named by its innermost megatron / megatron_hyscale frame (or
+    the autograd engine); megatron's absorbed-MLA query concatenation among them."""
+    proc = _run(["--model", "dsa", "--skip-stock", "--profile-copies", "40"], tmp_path)
+    data = _load(tmp_path, "dsa", proc)
+    copies = data["rows"][0]["hyscale"]["copy_profile"]
+    assert 1 <= len(copies) <= 40
+    sizes = [c["gib"] for c in copies]
+    assert sizes == sorted(sizes, reverse=True) and all(g > 0 for g in sizes)
+    assert {c["name"] for c in copies} <= set(bench_layer.COPY_OPS)
+    assert all(c["calls"] >= 1 for c in copies)
+    assert all(c["caller"] == "autograd" or any(p in c["caller"] for p in
+                                                bench_layer.CALLER_PACKAGES) for c in copies)
+    assert any("absorbed_mla.py" in c["caller"] and c["name"] == "aten.cat" for c in copies)
+    assert "  copies: " in proc.stdout
+    assert bench_layer.parse_args([]).profile_copies == 0
+
+
 def test_packed_selection_both_modes_rows(tmp_path: Path) -> None:
     """`--packed-selection both`: each packed HyScale row twice, per document and batched, on
     HyScale's own path, the batched row named `_batched` and in the packed table; the mode
