@@ -430,6 +430,9 @@ def test_folded_parts_sum_to_the_folded_query():
     assert torch.equal(q4[:, :, :3].float().sum(2), folded)
     ones = torch.tensor([1.0, 1.0, 1.0, 0.0], device=DEV).expand(2, 9, 4)
     assert w4.dtype == torch.float32 and torch.equal(w4, ones)
+    from megatron_hyscale.ops.kernels import indexer_scores_sm90
+
+    assert indexer_scores_sm90.FOLDED_HEADS == (hytopk_sm90.FOLDED_GLUON_HEADS,)
 
 
 @pytest.mark.parametrize("samples", [16, 1])

@@ -1001,20 +1001,40 @@ def _prepare(q, k, weights, relu, rows, q_scale=None, folded_parts=True):
         if q_scale is not None:
             weights = weights.float() * q_scale
         return q, k, weights, hp, r, q.dtype == torch.float32
-    # sum_h w[t,h] * (q[t,h] . k[s]) == (sum_h w[t,h] q[t,h]) . k[s]: one fp32 query a row.
-    q_eff = torch.einsum("bthd,bth->btd", q.float(), weights.float())
     if folded_parts and k.dtype == torch.bfloat16:
-        # Its three bf16 parts, each a "head" of weight 1: bf16 products (exact, as k is bf16)
-        # on the keys-on-M path QSA's four heads take, instead of fp32 operands on CUDA-core
-        # tf32x3 products with the rows on M (compiled for sm_90a: 664 bytes spilled, 108
-        # local loads in the tile loop).
-        parts = bf16_parts(q_eff)
-        ones = torch.ones(parts.shape[:3], dtype=torch.float32, device=q.device)
+        # The folded query's three bf16 parts, each a "head" of weight 1: bf16 products
+        # (exact, as k is bf16) on the keys-on-M path QSA's four heads take, instead of fp32
+        # operands on CUDA-core tf32x3 products with the rows on M (compiled for sm_90a: 664
+        # bytes spilled, 108 local loads in the tile loop).
+        parts, ones = folded_heads(q, weights)
         hp = triton.next_power_of_2(FOLDED_PARTS)
         return parts, k, ones, hp, rows or max(1, SMALL_HEADS_GEMM_ROWS // hp), False
+    q_eff = folded_query(q, weights)
     # Other key dtypes: the dot runs in fp32 (tf32x3) to stay within fp32 rounding.
     ones = torch.ones(q.shape[:2] + (1,), dtype=torch.float32, device=q.device)
     return q_eff.unsqueeze(2), k, ones, 1, rows or ROWS_NO_RELU, True
+
+
+def folded_query(q: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """fp32 [B, T, D]: sum_h w[t, h] q[t, h], one query a row. Without ReLU the head sum folds:
+    sum_h w[t, h] (q[t, h] . k[s]) == (sum_h w[t, h] q[t, h]) . k[s]."""
+    return torch.einsum("bthd,bth->btd", q.float(), weights.float())
+
+
+def folded_heads(q: torch.Tensor, weights: torch.Tensor, heads: int = FOLDED_PARTS
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The folded query (`folded_query`) as bf16 "heads": its FOLDED_PARTS bf16 parts
+    (`bf16_parts`, summing to it exactly) of weight 1, then zero heads of weight 0 up to
+    `heads` (the Gluon kernels take 4): bf16 [B, T, heads, D] and fp32 weights [B, T, heads]."""
+    parts = bf16_parts(folded_query(q, weights))
+    B, T, n, D = parts.shape
+    if heads == n:
+        return parts, torch.ones((B, T, n), dtype=torch.float32, device=q.device)
+    q_h = torch.zeros((B, T, heads, D), dtype=torch.bfloat16, device=q.device)
+    q_h[:, :, :n] = parts
+    w_h = torch.zeros((B, T, heads), dtype=torch.float32, device=q.device)
+    w_h[:, :, :n] = 1.0
+    return q_h, w_h
 
 
 def bf16_parts(x: torch.Tensor) -> torch.Tensor:

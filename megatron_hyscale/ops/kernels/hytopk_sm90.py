@@ -40,6 +40,9 @@ from megatron_hyscale.ops.kernels.options import HyTopKOptions
 # Survivors aimed at, in units of topk: the sample's quantile error must rarely push the count
 # below topk (a redo) or above the cap.
 SURVIVOR_MARGIN = 1.5
+# Heads the Gluon kernels take the folded (relu=False) query as: its three bf16 parts and a zero
+# one (`indexer_scores_sm90.FOLDED_HEADS`, not imported here: Gluon loads on first use).
+FOLDED_GLUON_HEADS = 4
 # Survivor slots a row, in units of topk.
 CAP_FACTOR = 2
 # Bytes of the survivor buffer a chunk of rows (plus torch.topk's temporaries of that size).
@@ -141,16 +144,9 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool
 
 def folded_parts(q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """relu=False's operands for the Gluon kernels: sum_h w_h q_h (one fp32 query a row) as
-    its three bf16 parts and a zero one, bf16 [B, T, 4, D] (`hytopk.bf16_parts`: their sum is
-    the fp32 query exactly), with weights fp32 [B, T, 4] of 1, 1, 1 and 0."""
-    folded = torch.einsum("bthd,bth->btd", q.float(), w.float())
-    parts = hk.bf16_parts(folded)
-    B, T, n, D = parts.shape
-    q4 = torch.zeros((B, T, n + 1, D), dtype=torch.bfloat16, device=q.device)
-    q4[:, :, :n] = parts
-    w4 = torch.zeros((B, T, n + 1), dtype=torch.float32, device=q.device)
-    w4[:, :, :n] = 1.0
-    return q4, w4
+    its three bf16 parts and a zero one, bf16 [B, T, 4, D], with weights fp32 [B, T, 4] of 1,
+    1, 1 and 0 (`hytopk.folded_heads`; the kernels' `FOLDED_HEADS`)."""
+    return hk.folded_heads(q, w, heads=FOLDED_GLUON_HEADS)
 
 
 def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,
