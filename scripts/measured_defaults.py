@@ -8,10 +8,10 @@ newest per (op, shape, T): bench_selection (HyScale's default selection / cudnn)
 bench_attention (per side, random indices: the forward the defaults run against lib_fwd_ms,
 FlashMLA's; the backward against lib_bwd_ms, cuDNN's; each side from the newest record that
 timed the default kernel, else the newest older one, `own_kernels` says which),
-bench_indexer_loss (triton_lse / cudnn,
-both with the attention's log-sum-exp). The layers then pick, per op and shape, the faster at
-the nearest measured length (ops/backends/measured.py); for the attention, the fastest of the
-library pair, FlashMLA's forward with HyScale's backward, and HyScale's pair.
+bench_indexer_loss (triton_lse / cudnn, both with the attention's log-sum-exp). The layers
+then pick, per op and shape, the faster at the nearest measured length
+(ops/backends/measured.py); for the attention, the fastest of the library pair, FlashMLA's
+forward with HyScale's backward, and HyScale's pair.
 
 Only HyScale's own kernels and its library backend enter the table: the stock baselines the
 same runs measure (bench_selection's stock_cudnn and stock_tilelang, bench_attention's tl_*
