@@ -225,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention_backward, which the default 'auto' picks on own "
                         "kernels), on the same weights; with --compare-own-kernels the row "
                         "hyscale_own is then the same layer with the separate target pass")
+    p.add_argument("--compare-mla-projections", action="store_true",
+                   help="dsa: also time HyScale's layer with megatron's absorbed-MLA "
+                        "projections (row hyscale_megatron_projections: "
+                        "config.hyscale_mla_projections = megatron, its einsums, RoPE and "
+                        "concatenations instead of HyScale's in-place ones), on the same "
+                        "weights and kernels")
     p.add_argument("--fused-stock-max-seq", type=int, default=1 << 30, metavar="T",
                    help="longest T the --stock-kernel-backend row runs at (default: every T; "
                         "an out-of-memory length is recorded as such)")
@@ -319,6 +325,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--packed-split needs --packed N")
     if args.packed_selection is not None and args.packed is None:
         p.error("--packed-selection needs --packed N")
+    if args.compare_mla_projections and args.model != "dsa":
+        p.error("--compare-mla-projections needs --model dsa (absorbed MLA)")
     if args.compare_indexer_target and (args.model != "dsa" or args.dense_loss):
         p.error("--compare-indexer-target needs --model dsa and the sparse loss (not "
                 "--dense-loss): the target from the attention backward is the sparse loss's")
@@ -1291,6 +1299,14 @@ def run(args: argparse.Namespace) -> int:
         in_bwd.module.config.hyscale_kernel_backend = "own"
         in_bwd.module.config.hyscale_indexer_target = "attention_backward"
         bases.append(("hyscale_own_target_in_bwd", in_bwd))
+    if args.compare_mla_projections:
+        stock_proj = build(args, baseline=False)
+        stock_proj.module.config.attention_kernel_options = attention_kernel_options(args)
+        stock_proj.module.config.indexer_loss_kernel_options = indexer_loss_kernel_options(args)
+        stock_proj.module.config.hytopk_options = hytopk_options(args)
+        stock_proj.module.config.hyscale_kernel_backend = args.hyscale_kernel_backend
+        stock_proj.module.config.hyscale_mla_projections = "megatron"
+        bases.append(("hyscale_megatron_projections", stock_proj))
     if not args.skip_baseline:
         bases.append((base_name, build(args, baseline=True)))
     if args.stock_kernel_backend in ("tilelang", "cudnn"):
@@ -1337,7 +1353,7 @@ def run(args: argparse.Namespace) -> int:
         for name, base in bases:
             # the fused stock backends are not bound by the unfused path's score table
             limit = (args.baseline_max_seq if name == base_name else
-                     1 << 62 if name.startswith("hyscale_own") else args.fused_stock_max_seq)
+                     1 << 62 if name.startswith("hyscale_") else args.fused_stock_max_seq)
             if T > limit:
                 row[name] = "skipped"
                 continue

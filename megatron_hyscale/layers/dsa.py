@@ -72,6 +72,7 @@ from megatron_hyscale.layers.kernel_backend import (
     indexer_precision,
     indexer_target,
     kernel_backend,
+    mla_projections,
     packed_selection,
 )
 from megatron_hyscale.layers.loss_logging import log_indexer_loss
@@ -79,6 +80,7 @@ from megatron_hyscale.layers.loss_rows import IndexerLossRows, indexer_loss_rows
 from megatron_hyscale.layers.packed import PackedLayout, packed_layout
 from megatron_hyscale.layers.packed_selection import batched_document_selection
 from megatron_hyscale.ops import hytopk
+from megatron_hyscale.ops.absorbed_mla import project_values
 from megatron_hyscale.ops.backends.dispatch import attention_uses_library
 from megatron_hyscale.ops.checks import triton_interpret, warn_once
 from megatron_hyscale.parallel import CPRowLayout, cp_row_layout
@@ -450,7 +452,9 @@ class HyScaleDSAttention(DSAttention):
         b, rows = out.shape[:2]
         if state.value_b is None:
             up_v_weight = up_v_weight.to(device=out.device, dtype=out.dtype)
-            return torch.einsum("bshc,hdc->sbhd", out, up_v_weight).reshape(rows, b, -1)
+            if mla_projections(self.config) == "megatron":
+                return torch.einsum("bshc,hdc->sbhd", out, up_v_weight).reshape(rows, b, -1)
+            return project_values(out, up_v_weight)
         return out.transpose(0, 1).reshape(rows, b, -1)
 
     def _target_from_attention_backward(self, query_b: torch.Tensor, state: DSARowState,

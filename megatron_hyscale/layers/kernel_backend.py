@@ -35,6 +35,12 @@ Packed THD sequences select per document: `config.hyscale_packed_selection`, els
 $HYSCALE_PACKED_SELECTION, else "per_document" (one selection call a document) or "batched"
 (documents of similar length batched into one call, `layers/packed_selection.py`: the same
 indices in fewer launches; the default once measured faster on the GPU).
+
+Absorbed MLA's projections around the core attention: `config.hyscale_mla_projections`, else
+$HYSCALE_MLA_PROJECTIONS, else "hyscale": the absorbed query's GEMM and RoPE written in place
+and the V up projection likewise (`ops/absorbed_mla.py`, where `HyScaleMLASelfAttention` can
+run its own projections: tensor-parallel size 1, no RoPE fusion, no inference); "megatron":
+AbsorbedMLA's own einsums, RoPE and concatenations (the same values; kept for comparison).
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ PACKED_SELECTION_ENV = "HYSCALE_PACKED_SELECTION"
 PACKED_SELECTION_MODES = ("per_document", "batched")
 INDEXER_TARGET_ENV = "HYSCALE_INDEXER_TARGET"
 INDEXER_TARGETS = ("auto", "separate", "attention_backward")
+MLA_PROJECTIONS_ENV = "HYSCALE_MLA_PROJECTIONS"
+MLA_PROJECTIONS = ("hyscale", "megatron")
 
 
 def _setting(config: object, attr: str, env: str, default: str, choices) -> str:
@@ -84,3 +92,9 @@ def indexer_target(config: object) -> str:
     "attention_backward"."""
     return _setting(config, "hyscale_indexer_target", INDEXER_TARGET_ENV, "auto",
                     INDEXER_TARGETS)
+
+
+def mla_projections(config: object) -> str:
+    """Whose absorbed-MLA projections the layer runs: "hyscale" (in place) or "megatron"."""
+    return _setting(config, "hyscale_mla_projections", MLA_PROJECTIONS_ENV, "hyscale",
+                    MLA_PROJECTIONS)

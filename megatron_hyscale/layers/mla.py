@@ -2,7 +2,11 @@
 
 Same constructor (plus `row_chunk`), forward signature and parameters as the stock class (it is
 a subclass). With `row_chunk=None`, or a sequence of at most `row_chunk` local rows, it is the
-stock forward. Otherwise the per-row work runs `row_chunk` rows at a time, each part under its
+stock forward, except that where the settings allow (the same as for row chunks: tensor-parallel
+size 1, no RoPE fusion, no inference; `config.hyscale_mla_projections` not "megatron") the
+query, key and compressed query come from this class's own projections, whose absorbed query
+is written in place (`ops.absorbed_mla.absorbed_query`: no einsum copy, RoPE passes or
+concatenations). Otherwise the per-row work runs `row_chunk` rows at a time, each part under its
 own activation checkpoint, so that a 1M-token layer fits a GPU at CP = 2:
 
 - once for all local rows: the q and kv down projections and norms, RoPE on the key, and the
@@ -40,12 +44,14 @@ from megatron.core.transformer.experimental_attention_variant.absorbed_mla impor
 from megatron.core.utils import get_pg_size
 
 from megatron_hyscale.layers.dsa import DSARowState, HyScaleDSAttention
+from megatron_hyscale.layers.kernel_backend import mla_projections
 from megatron_hyscale.layers.packed import document_rows, packed_layout
 from megatron_hyscale.layers.row_chunks import (
     check_row_chunk,
     row_chunk_conflict,
     run_in_row_parts,
 )
+from megatron_hyscale.ops.absorbed_mla import absorbed_query
 
 
 class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
@@ -113,6 +119,41 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
                                       f"{reason} is not supported with row chunks")
         return self._chunked_forward(hidden_states, attention_mask, packed_seq_params), None
 
+    def _own_projections_unsupported(self, key_value_states: Any, packed_seq_params: Any,
+                                     inference_context: Any) -> str | None:
+        """Why `get_query_key_value_tensors` must take the stock code (None: it need not)."""
+        if mla_projections(self.config) == "megatron":
+            return "config.hyscale_mla_projections = 'megatron'"
+        if key_value_states is not None or inference_context is not None:
+            return "cross attention or inference"
+        if self.config.cache_mla_latents:
+            return "cache_mla_latents"
+        return self._chunking_unsupported(packed_seq_params)
+
+    def get_query_key_value_tensors(self, hidden_states: torch.Tensor,
+                                    key_value_states: torch.Tensor | None = None,
+                                    packed_seq_params: Any = None,
+                                    inference_context: Any = None, *,
+                                    inference_params: Any = None
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(absorbed query, key, q_compressed), as AbsorbedMLASelfAttention's; where the
+        row-chunked forward's own projections apply (`_chunking_unsupported`), from those:
+        the absorbed query's GEMM writes into the final [.., n, kv_lora + rope] buffer
+        (`absorb_query`) instead of megatron's einsum, contiguous copy and concatenation."""
+        if inference_params is not None:
+            inference_context = inference_params
+        if self._own_projections_unsupported(key_value_states, packed_seq_params,
+                                             inference_context) is not None:
+            return super().get_query_key_value_tensors(
+                hidden_states, key_value_states, packed_seq_params,
+                inference_context=inference_context)
+        q_compressed, key, freqs, mscale = self._latents(hidden_states, packed_seq_params)
+        k_up_weight, _ = self._get_kv_up_weights()
+        query = self._query_rows(q_compressed, freqs, mscale, k_up_weight)
+        if packed_seq_params is not None:  # megatron's THD layout: no batch dimension
+            return query.squeeze(1), key.squeeze(1), q_compressed.squeeze(1)
+        return query, key, q_compressed
+
     def _rope(self, length: int, packed: bool) -> tuple[torch.Tensor, float]:
         """RoPE frequencies [length, 1, 1, dim] (this CP rank's rows unless `packed`, which
         gives positions 0 .. length - 1) and mscale, as AbsorbedMLA makes them."""
@@ -160,11 +201,19 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
 
     def _query_rows(self, q_compressed: torch.Tensor, freqs: torch.Tensor, mscale: float,
                     k_up_weight: torch.Tensor) -> torch.Tensor:
-        """Absorbed queries [rows, b, heads, kv_lora + rope] of some rows (as AbsorbedMLA)."""
+        """Absorbed queries [rows, b, heads, kv_lora + rope] of some rows (as AbsorbedMLA):
+        written in place by `ops.absorbed_mla.absorbed_query` where megatron's RoPE is the
+        interleaved-pairs one over the whole rotary part, else AbsorbedMLA's own ops."""
         cfg = self.config
         up = self.linear_q_up_proj if cfg.q_lora_rank is not None else self.linear_q_proj
         q, _ = up(q_compressed)
         q = q.view(*q.shape[:-1], self.num_attention_heads_per_partition, self.q_head_dim)
+        if (mla_projections(cfg) == "hyscale" and not cfg.rotary_interleaved
+                and freqs.size(-1) == cfg.qk_pos_emb_head_dim and k_up_weight.dtype == q.dtype):
+            # megatron's RoPE factors, computed the way its unfused RoPE computes them.
+            cos = (torch.cos(freqs) * mscale).to(q.dtype).view(freqs.size(0), -1)
+            sin = (torch.sin(freqs) * mscale).to(q.dtype).view(freqs.size(0), -1)
+            return absorbed_query(q, k_up_weight, cos, sin)
         q_no_pe, q_pos_emb = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
         q_absorbed = torch.einsum("...nd,ndk->...nk", q_no_pe, k_up_weight)
         q_pos_emb = apply_rotary_pos_emb(

@@ -533,3 +533,25 @@ def valid_row_count(query_valid_rows: torch.Tensor | None, rows: int) -> torch.T
     if query_valid_rows is None:
         return max(rows, 1)
     return query_valid_rows.sum(dtype=torch.float32).clamp_min(1.0)
+
+
+def mla_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """megatron's unfused MLA RoPE (`_apply_rotary_pos_emb_bshd`, mla_rotary_interleaved) on
+    x [rows, b, n, R] with cos / sin [rows, R] already scaled and in x's dtype: the same ops
+    in the same order, so the same roundings."""
+    t = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+    cos, sin = cos[:, None, None], sin[:, None, None]
+    lo, hi = torch.chunk(t, 2, dim=-1)
+    return t * cos + torch.cat((-hi, lo), dim=-1) * sin
+
+
+def mla_rope_grad_reference(grad: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor) -> torch.Tensor:
+    """The input gradient of `mla_rope_reference` for `grad` (what its autograd computes:
+    each product rounded to grad's dtype, then the sum), re-interleaved."""
+    cos, sin = cos[:, None, None], sin[:, None, None]
+    half = grad.size(-1) // 2
+    g_lo, g_hi = grad[..., :half], grad[..., half:]
+    d_lo = g_lo * cos[..., :half] + g_hi * sin[..., half:]
+    d_hi = g_hi * cos[..., half:] - g_lo * sin[..., :half]
+    return torch.stack((d_lo, d_hi), dim=-1).flatten(-2)

@@ -291,14 +291,15 @@ def test_config_hytopk_options_reach_the_selection(monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_one_sequences_backward_inputs_suit_the_hopper_backward(monkeypatch):
-    """What the layer hands the attention backward for one sequence (B = 1: dout is the V
-    up-projection's einsum gradient, heads outermost, batch stride 1) passes the Hopper
+@pytest.mark.parametrize("projections", ["hyscale", "megatron"])
+def test_one_sequences_backward_inputs_suit_the_hopper_backward(monkeypatch, projections):
+    """What the layer hands the attention backward for one sequence passes the Hopper
     kernel's layout check, so on an H100 / H200 the layer runs it rather than the Triton
-    backward (it did not before 2026-12-05: the check read the batch stride). The kernel's
-    narrowest absorbed geometry (128 latent + 64 rope channels); the target's path, which runs
-    HyScale's Triton kernels here (the separate path's attention is the reference on CPU; its
-    dout is the same einsum's)."""
+    backward, whichever V up projection made dout: HyScale's in place (contiguous) or
+    megatron's einsum (B = 1: heads outermost, batch stride 1, which the check read before
+    2026-12-05). The kernel's narrowest absorbed geometry (128 latent + 64 rope channels);
+    the target's path, which runs HyScale's Triton kernels here (the separate path's
+    attention is the reference on CPU; its dout is the same projection's)."""
     gluon_bwd = pytest.importorskip("megatron_hyscale.ops.kernels.sparse_mla_bwd_sm90",
                                     reason="Gluon's Hopper API (tested with Triton 3.6)")
     from megatron_hyscale.ops.kernels import sparse_attention as sa
@@ -315,6 +316,7 @@ def test_one_sequences_backward_inputs_suit_the_hopper_backward(monkeypatch):
                           dsa_indexer_topk=TOPK, kv_lora_rank=128, qk_pos_emb_head_dim=64,
                           dsa_indexer_head_dim=96)
     cfg.hyscale_indexer_target = "attention_backward"
+    cfg.hyscale_mla_projections = projections
     torch.manual_seed(5)
     model = build_gpt(cfg, stock=False, vocab_size=VOCAB, max_sequence_length=T).to(DEVICE)
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(6))
@@ -324,5 +326,6 @@ def test_one_sequences_backward_inputs_suit_the_hopper_backward(monkeypatch):
     assert len(seen) == 1
     q, k, v, out, dout = seen[0]
     assert v is None and q.shape[0] == dout.shape[0] == 1 and q.shape[-1] == 192
-    assert dout.stride(0) % gluon_bwd.STRIDE_MULTIPLE, "B = 1's odd batch stride is the case"
+    if projections == "megatron":
+        assert dout.stride(0) % gluon_bwd.STRIDE_MULTIPLE, "B = 1's odd batch stride is the case"
     assert gluon_bwd.layout_problem(q, k, out, dout) is None, dout.stride()

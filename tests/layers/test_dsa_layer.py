@@ -136,3 +136,29 @@ def test_model_matches_stock(recompute, variant):
     recomputed = {"none": 0, "full-block": 2}.get(recompute, n_layers)
     assert stats["selections_replayed"] == recomputed
     replay.assert_drained()
+
+
+@pytest.mark.parametrize("setting", ["hyscale", "megatron"])
+def test_mla_projections_setting_picks_whose_projections_run(setting, monkeypatch):
+    """config.hyscale_mla_projections: HyScale's in-place projections (the default) or
+    megatron's einsums, RoPE and concatenations; either way the step equals stock's."""
+    from megatron_hyscale.layers import dsa as dsa_module
+    from megatron_hyscale.layers import mla as mla_module
+
+    calls = []
+    real_query, real_values = mla_module.absorbed_query, dsa_module.project_values
+    monkeypatch.setattr(mla_module, "absorbed_query",
+                        lambda *a: calls.append("query") or real_query(*a))
+    monkeypatch.setattr(dsa_module, "project_values",
+                        lambda *a: calls.append("values") or real_values(*a))
+    stock, hyscale = make_pair(**RECOMPUTE["full-uniform"])
+    if setting == "megatron":
+        hyscale.config.hyscale_mla_projections = setting
+    assert_same_step(run_step(stock), run_step(hyscale))
+    if setting == "hyscale":
+        assert {"query", "values"} <= set(calls)
+    else:
+        assert not calls
+    hyscale.config.hyscale_mla_projections = "einsum"
+    with pytest.raises(ValueError, match="config.hyscale_mla_projections must be one of"):
+        run_step(hyscale)

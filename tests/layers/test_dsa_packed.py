@@ -138,7 +138,8 @@ def test_mismatched_cu_seqlens_name_the_layer():
     _, hyscale = build_pair()
     params = packed_params()
     params.cu_seqlens_kv = torch.tensor([0, 40, 80], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="HyScaleDSAttention: packed THD with different"):
+    # Named by the layer that meets the layout first: the MLA's own projections.
+    with pytest.raises(ValueError, match="HyScaleMLASelfAttention: packed THD with different"):
         hyscale(torch.randn(80, 1, 64).to(DEVICE), None, packed_seq_params=params)
 
 

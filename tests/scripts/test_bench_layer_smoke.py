@@ -616,3 +616,14 @@ def test_compare_indexer_target_row(tmp_path: Path) -> None:
                 ["--dense-loss", "--compare-indexer-target"]):
         with pytest.raises(SystemExit):
             bench_layer.parse_args(bad)
+
+
+def test_compare_mla_projections_row(tmp_path: Path) -> None:
+    """`--compare-mla-projections`: the row hyscale_megatron_projections (megatron's einsums,
+    RoPE and concatenations around the same core) beside hyscale, finite; refused for models
+    without absorbed MLA."""
+    proc = _run(["--model", "dsa", "--skip-stock", "--compare-mla-projections"], tmp_path)
+    row = _load(tmp_path, "dsa", proc)["rows"][0]
+    _check_record(row["hyscale_megatron_projections"], selects=True, replays=True)
+    with pytest.raises(SystemExit):
+        bench_layer.parse_args(["--model", "csa", "--compare-mla-projections"])

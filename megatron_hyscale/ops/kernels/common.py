@@ -183,6 +183,9 @@ def fix_interpreter() -> None:
     - bf16 products: the interpreter stores bf16 as raw uint16 bits and its tl.dot multiplies
       those bits as integers; widen bf16 operands to fp32 first (exact), as it already widens
       fp8 ones.
+    - fp32 -> bf16 casts: the interpreter truncates (and its "rtne" mode rounds half up without
+      carrying into the exponent); round to nearest even, as the GPU's `.to(tl.bfloat16)` and
+      torch do, so a kernel that rounds where torch rounds matches it bit for bit here too.
     Every kernel module calls this at import.
     """
     if not triton_interpret():
@@ -215,3 +218,20 @@ def fix_interpreter() -> None:
                           max_num_imprecise_acc)
 
     builder.create_dot = dot
+
+    convert_float = interpreter._convert_float
+    toward_zero = interpreter._ir.ROUNDING_MODE.RTZ
+
+    def rounded(data, src_type, dst_type, rounding_mode):
+        if src_type != tl.float32 or dst_type != tl.bfloat16 or rounding_mode == toward_zero:
+            return convert_float(data, src_type, dst_type, rounding_mode)
+        values = np.array(data, dtype=np.float32)  # a copy, any shape (0-d included)
+        bits = values.view(np.uint32).astype(np.uint64)
+        nearest = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        nan = np.isnan(values)
+        # A NaN keeps its sign and a quiet payload instead of rounding into infinity.
+        nearest = np.where(nan, (bits >> 16) | 0x40, nearest)
+        return nearest.astype(np.uint16)
+
+    rounded.__wrapped__ = convert_float
+    interpreter._convert_float = rounded

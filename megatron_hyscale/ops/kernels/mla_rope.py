@@ -1,0 +1,81 @@
+"""MLA's RoPE on the query's rotary part, read from and written to strided views.
+
+x [rows, b, n, R] (R = 2 * HALF, any strides), cos / sin [rows, R] contiguous in x's dtype
+(megatron's `(cos(freqs) * mscale).to(dtype)`); out: a view of the same shape.
+DeepSeek's pairs (x[2j], x[2j+1]) are de-interleaved into halves lo, hi, then rotated:
+  out[j] = lo[j] cos[j] - hi[j] sin[j],   out[HALF + j] = hi[j] cos[HALF + j] + lo[j] sin[HALF + j],
+each product and the sum rounded to x's dtype, the order megatron's unfused RoPE rounds in, so
+the values are bitwise its. The backward kernel applies the transpose and re-interleaves.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_hyscale.ops.kernels.common import fix_interpreter
+
+fix_interpreter()
+
+# Heads per program: 16 heads x 64 rotary values of bf16 is 2 KiB read and written.
+BLOCK_HEADS = 16
+
+
+@triton.jit
+def _rounded(v, dtype: tl.constexpr):
+    return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _mla_rope_kernel(src_ptr, cos_ptr, sin_ptr, dst_ptr, B, N,
+                     ss_r, ss_b, ss_n, ss_d, sd_r, sd_b, sd_n, sd_d,
+                     HALF: tl.constexpr, BLOCK_N: tl.constexpr, BACKWARD: tl.constexpr):
+    pid = tl.program_id(0)
+    row = (pid // B).to(tl.int64)
+    bi = (pid % B).to(tl.int64)
+    heads = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    j = tl.arange(0, HALF)
+    mask = heads[:, None] < N
+    dtype: tl.constexpr = dst_ptr.dtype.element_ty
+    # Forward reads the interleaved pairs and writes halves; backward the other way round.
+    pair_lo, pair_hi = 2 * j, 2 * j + 1
+    half_lo, half_hi = j, HALF + j
+    in_lo, in_hi = (half_lo, half_hi) if BACKWARD else (pair_lo, pair_hi)
+    out_lo, out_hi = (pair_lo, pair_hi) if BACKWARD else (half_lo, half_hi)
+    src = src_ptr + row * ss_r + bi * ss_b + heads[:, None] * ss_n
+    a = tl.load(src + in_lo[None, :] * ss_d, mask=mask).to(tl.float32)
+    b = tl.load(src + in_hi[None, :] * ss_d, mask=mask).to(tl.float32)
+    factors = row * 2 * HALF
+    c_lo = tl.load(cos_ptr + factors + half_lo).to(tl.float32)[None, :]
+    c_hi = tl.load(cos_ptr + factors + half_hi).to(tl.float32)[None, :]
+    s_lo = tl.load(sin_ptr + factors + half_lo).to(tl.float32)[None, :]
+    s_hi = tl.load(sin_ptr + factors + half_hi).to(tl.float32)[None, :]
+    # The rotation and its transpose: sin's halves trade places and the minus moves.
+    sin_b = s_hi if BACKWARD else -s_lo
+    sin_a = -s_lo if BACKWARD else s_hi
+    first = _rounded(a * c_lo, dtype) + _rounded(b * sin_b, dtype)
+    second = _rounded(b * c_hi, dtype) + _rounded(a * sin_a, dtype)
+    dst = dst_ptr + row * sd_r + bi * sd_b + heads[:, None] * sd_n
+    tl.store(dst + out_lo[None, :] * sd_d, first.to(dtype), mask=mask)
+    tl.store(dst + out_hi[None, :] * sd_d, second.to(dtype), mask=mask)
+
+
+def _launch(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.Tensor,
+            backward: bool) -> None:
+    rows, b, n, width = src.shape
+    grid = (rows * b, triton.cdiv(n, BLOCK_HEADS))
+    _mla_rope_kernel[grid](src, cos, sin, dst, b, n, *src.stride(), *dst.stride(),
+                           HALF=width // 2, BLOCK_N=BLOCK_HEADS, BACKWARD=backward)
+
+
+def mla_rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 out: torch.Tensor) -> None:
+    """Write RoPE(x) into `out` ([rows, b, n, R] views; cos / sin [rows, R] contiguous)."""
+    _launch(x, cos, sin, out, backward=False)
+
+
+def mla_rope_bwd(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 grad_x: torch.Tensor) -> None:
+    """Write RoPE's input gradient for `grad` into `grad_x` (views as in `mla_rope_fwd`)."""
+    _launch(grad, cos, sin, grad_x, backward=True)

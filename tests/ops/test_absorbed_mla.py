@@ -1,0 +1,137 @@
+"""ops.absorbed_mla: the absorbed query and the V up projection written in place equal
+megatron-core's einsum / RoPE / concatenation, values and gradients, bit for bit.
+
+Integer-valued q and weights keep the GEMMs' fp32 sums exact, so the products must agree
+exactly; the RoPE factors are arbitrary (megatron's own cos / sin of random frequencies), so
+its roundings are checked. Both the Triton kernel (the interpreter here, CUDA on the GPU) and
+the plain-torch path run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+from megatron_hyscale.ops import absorbed_mla
+from megatron_hyscale.ops.absorbed_mla import absorbed_query, project_values
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+S, B, N, D, R, C, DV = 9, 2, 5, 12, 8, 16, 6
+
+
+def integers(*shape, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, shape, generator=g).to(DEVICE, dtype)
+
+
+def megatron_query(q, k_up, freqs, mscale):
+    """AbsorbedMLA's unfused path (absorbed_mla.py): split, einsum, contiguous, RoPE, cat."""
+    d = k_up.size(1)
+    q_no_pe, q_pos_emb = torch.split(q, [d, q.size(-1) - d], dim=-1)
+    q_absorbed = torch.einsum("...nd,ndk->...nk", q_no_pe, k_up).contiguous()
+    q_pos_emb = _apply_rotary_pos_emb_bshd(q_pos_emb, freqs, mla_rotary_interleaved=True,
+                                           mscale=mscale)
+    return torch.cat([q_absorbed, q_pos_emb], dim=-1)
+
+
+def rope_factors(freqs, mscale, dtype):
+    return [(f(freqs) * mscale).to(dtype).view(freqs.size(0), -1) for f in (torch.cos,
+                                                                             torch.sin)]
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    if request.param == "torch":
+        if DEVICE == "cuda":
+            pytest.skip("CUDA tensors always take the kernel")
+        monkeypatch.setattr(absorbed_mla, "triton_interpret", lambda: False)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided-q"])
+def test_absorbed_query_is_megatrons_bitwise(path, dtype, strided):
+    q = integers(S, B, N, D + R + (3 if strided else 0), seed=1, dtype=dtype)
+    if strided:  # the up projection's output seen through a wider buffer
+        q = q[..., 3:]
+    q.requires_grad_(True)
+    k_up = integers(N, D, C, seed=2, dtype=dtype).requires_grad_(True)
+    g = torch.Generator().manual_seed(3)
+    freqs = (torch.rand(S, 1, 1, R, generator=g) * 40).to(DEVICE)
+    mscale = 1.25
+    cos, sin = rope_factors(freqs, mscale, dtype)
+    got = absorbed_query(q, k_up, cos, sin)
+    want = megatron_query(q, k_up, freqs, mscale)
+    assert got.is_contiguous() and got.shape == (S, B, N, C + R)
+    assert torch.equal(got, want)
+    grad = torch.randn(got.shape, generator=g).to(DEVICE, dtype)
+    got_grads = torch.autograd.grad(got, (q, k_up), grad)
+    want_grads = torch.autograd.grad(want, (q, k_up), grad)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_wrong_rotation_is_caught(path):
+    """The comparison can fail: the halves' roles swapped (non-interleaved RoPE) differ."""
+    q = integers(S, 1, N, D + R, seed=1)
+    k_up = integers(N, D, C, seed=2)
+    freqs = torch.linspace(0.1, 3.0, S * R).view(S, 1, 1, R).to(DEVICE)
+    cos, sin = rope_factors(freqs, 1.0, q.dtype)
+    got = absorbed_query(q, k_up, cos, sin)
+    plain = _apply_rotary_pos_emb_bshd(q[..., D:], freqs, mla_rotary_interleaved=False)
+    assert not torch.equal(got[..., C:], plain)
+
+
+def test_absorbed_query_inputs_are_checked():
+    q, k_up = integers(S, B, N, D + R, seed=1), integers(N, D, C, seed=2)
+    cos = sin = torch.ones(S, R, dtype=q.dtype, device=DEVICE)
+    with pytest.raises(ValueError, match="k_up_weight"):
+        absorbed_query(q, integers(N + 1, D, C, seed=2), cos, sin)
+    with pytest.raises(ValueError, match="cos must be"):
+        absorbed_query(q, k_up, cos[:-1], sin)
+    with pytest.raises(ValueError, match="sin must be"):
+        absorbed_query(q, k_up, cos, sin.float())
+    with pytest.raises(ValueError, match="rotary part"):
+        absorbed_query(q[..., :-2], k_up, cos[:, :-2], sin[:, :-2])
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_project_values_is_the_einsum_bitwise(batch):
+    out = integers(batch, S, N, C, seed=4).requires_grad_(True)
+    v_up = integers(N, DV, C, seed=5).requires_grad_(True)
+    got = project_values(out, v_up)
+    want = torch.einsum("bshc,hdc->sbhd", out, v_up).reshape(S, batch, -1)
+    assert got.shape == (S, batch, N * DV) and torch.equal(got, want)
+    grad = integers(*got.shape, seed=6)
+    for a, b in zip(torch.autograd.grad(got, (out, v_up), grad),
+                    torch.autograd.grad(want, (out, v_up), grad), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_project_values_checks_the_heads():
+    with pytest.raises(ValueError, match="v_up_weight"):
+        project_values(integers(1, S, N, C, seed=4), integers(N, DV, C + 1, seed=5))
+
+
+@pytest.mark.gpu
+def test_glm_width_on_the_gpu_matches_megatron():
+    """GLM-5.1's widths (64 heads, 192 + 64 -> 512 + 64) at 4K rows: the GEMM as the
+    einsum's (cuBLAS may pick another kernel for the strided output: fp32-rounding close),
+    the RoPE bitwise, the gradients likewise."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    s, n, d, r, c = 4096, 64, 192, 64, 512
+    q = torch.randn(s, 1, n, d + r, device="cuda", generator=g).bfloat16().requires_grad_()
+    k_up = (torch.randn(n, d, c, device="cuda", generator=g) / 14).bfloat16().requires_grad_()
+    pos = torch.arange(s, device="cuda", dtype=torch.float32)
+    inv = 1.0 / (10000 ** (torch.arange(0, r, 2, device="cuda").float() / r))
+    freqs = torch.cat([torch.outer(pos, inv)] * 2, dim=-1).view(s, 1, 1, r)
+    cos, sin = rope_factors(freqs, 1.0, torch.bfloat16)
+    got = absorbed_query(q, k_up, cos, sin)
+    want = megatron_query(q, k_up, freqs, 1.0)
+    assert torch.equal(got[..., c:], want[..., c:])
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    grad = torch.randn(got.shape, device="cuda", generator=g).bfloat16()
+    for a, b in zip(torch.autograd.grad(got, (q, k_up), grad),
+                    torch.autograd.grad(want, (q, k_up), grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
