@@ -82,6 +82,10 @@
 #                                         # GLM-5.1 and V3.2 at PROBE_T), then one GLM-5.1 128K
 #                                         # backward under Nsight Compute (L2 reductions, their
 #                                         # hit rate, DRAM bytes, warp stalls)      (~3 min)
+#   bash scripts/gpu_session.sh mla-projections [T...]  # issue #20 item 5: the absorbed-MLA
+#                                         # projections written in place: GPU tests, then the
+#                                         # GLM-5.1 DSA layer (8K, 128K) with HyScale's and
+#                                         # with megatron's projections, same run  (~5 min)
 #   bash scripts/gpu_session.sh ncu-attention  # issue #20 item 2: Nsight Compute on one
 #                                         # sparse-attention backward a case (NCU_ATTN_CASES,
 #                                         # shape:T:kernel[:fwd], kernel sm90 / triton / cudnn
@@ -245,7 +249,7 @@ case "$stage" in
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |flashmla-pair|lockstep-triton|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
   |ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection\
-  |profile-layers|loss-bwd-probe) ;;
+  |profile-layers|loss-bwd-probe|mla-projections) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
@@ -254,7 +258,7 @@ case "$stage" in
        "|reliability" \
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
        "|ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics" \
-       "|captured-selection|profile-layers|loss-bwd-probe}" \
+       "|captured-selection|profile-layers|loss-bwd-probe|mla-projections}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -298,7 +302,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
 fi
 case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|filter-sm90\
-  |profile-layers|models|loss-bwd-probe\
+  |profile-layers|models|loss-bwd-probe|mla-projections\
   |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton)
     case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
@@ -994,6 +998,20 @@ case "$stage" in
           | grep -v -i warn | tee "$out/bench_attention.log" | grep -E "T=|Error|^\|" ;;
       *) echo "usage: bash scripts/gpu_session.sh lockstep-triton {tests|bench}" >&2; exit 2 ;;
     esac
+    ;;
+  mla-projections)
+    # The absorbed-MLA projections written in place (ops/absorbed_mla.py): their GPU tests and
+    # the DSA layer's on CUDA, then the GLM-5.1 DSA layer with HyScale's projections (row
+    # hyscale) and with megatron's (row hyscale_megatron_projections) on the same weights and
+    # kernels ("best": the library's where gpu_cudnn.sh installed it on this machine).
+    timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+      tests/ops/test_absorbed_mla.py tests/layers/test_dsa_layer.py \
+      tests/layers/test_dsa_hopper_kernels_gpu.py > "$out/tests.log" 2>&1
+    echo "tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -20
+    timeout 420 python3 scripts/bench_layer.py --seq ${*:-8192 131072} --repeats "${REPEATS:-2}" \
+      --skip-stock --compare-mla-projections ${LAYER_FLAGS:-} --out "$out" 2>&1 \
+      | grep -v -i warn | tee "$out/bench_layer.log" | grep -E "^\||Error|T=.*floor"
     ;;
   cudnn-layer)
     seqs=${*:-8192 16384 32768 131072 262144}
