@@ -93,6 +93,7 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
         inference_params: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[sq, b, h] -> ([sq, b, h], None), as AbsorbedMLASelfAttention."""
+        mla_projections(self.config)  # a bad setting raises before anything runs
         if self.row_chunk is None or hidden_states.size(0) <= self.row_chunk:
             return super().forward(
                 hidden_states, attention_mask, key_value_states=key_value_states,

@@ -159,6 +159,14 @@ def test_mla_projections_setting_picks_whose_projections_run(setting, monkeypatc
         assert {"query", "values"} <= set(calls)
     else:
         assert not calls
+    # A bad value raises before the layer runs anything (called directly: under megatron's
+    # checkpoint an exception would leave its is_checkpointing flag set for later tests).
+    from megatron_hyscale.layers.mla import HyScaleMLASelfAttention
+
     hyscale.config.hyscale_mla_projections = "einsum"
+    attention = next(m for m in hyscale.modules() if isinstance(m, HyScaleMLASelfAttention))
+    hidden = torch.zeros(T, B, hyscale.config.hidden_size, device=DEVICE)
+    replay.reset_stats()
     with pytest.raises(ValueError, match="config.hyscale_mla_projections must be one of"):
-        run_step(hyscale)
+        attention(hidden, None)
+    assert replay.get_stats()["selections_computed"] == 0
