@@ -1281,6 +1281,8 @@ def run(args: argparse.Namespace) -> int:
     hyscale.module.config.indexer_loss_kernel_options = indexer_loss_kernel_options(args)
     hyscale.module.config.hytopk_options = hytopk_options(args)
     hyscale.module.config.hyscale_kernel_backend = args.hyscale_kernel_backend
+    if args.compare_mla_projections:  # not $HYSCALE_MLA_PROJECTIONS: the rows must differ
+        hyscale.module.config.hyscale_mla_projections = "hyscale"
     bases: list[tuple[str, Layer]] = []  # (row key, layer), each on HyScale's weights
     if args.compare_own_kernels:
         own = build(args, baseline=False)

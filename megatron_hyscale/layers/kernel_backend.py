@@ -37,10 +37,14 @@ $HYSCALE_PACKED_SELECTION, else "per_document" (one selection call a document) o
 indices in fewer launches; the default once measured faster on the GPU).
 
 Absorbed MLA's projections around the core attention: `config.hyscale_mla_projections`, else
-$HYSCALE_MLA_PROJECTIONS, else "hyscale": the absorbed query's GEMM and RoPE written in place
-and the V up projection likewise (`ops/absorbed_mla.py`, where `HyScaleMLASelfAttention` can
-run its own projections: tensor-parallel size 1, no RoPE fusion, no inference); "megatron":
-AbsorbedMLA's own einsums, RoPE and concatenations (the same values; kept for comparison).
+$HYSCALE_MLA_PROJECTIONS, else "hyscale": `HyScaleMLASelfAttention` makes the query, key and
+compressed query itself where it can (`_chunking_unsupported` lists where not: tensor-parallel
+size > 1, RoPE fusion, selective recompute of the up projection, a packed format other than
+THD, dynamic CP, FP8 / FP4, CUDA graphs, delayed weight gradients; and inference), the
+absorbed query's GEMM and RoPE written in place (`ops/absorbed_mla.py`; megatron's ops for
+the query under `rotary_interleaved`), and the V up projection likewise for a batch of one;
+"megatron": AbsorbedMLA's own einsums, RoPE and concatenations. Same values (the RoPE bitwise,
+the GEMMs the same products up to their kernels' rounding); kept for comparison.
 """
 
 from __future__ import annotations

@@ -67,6 +67,8 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
             return f"the core attention is {type(self.core_attention).__name__}, not HyScale's"
         if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
             return f"packed_seq_params with qkv_format={packed_seq_params.qkv_format!r}"
+        if getattr(packed_seq_params, "local_cp_size", None) is not None:
+            return "dynamic context parallelism (packed_seq_params.local_cp_size)"
         if get_pg_size(self.tp_group) > 1:
             return "tensor parallelism (size > 1)"
         if cfg.apply_rope_fusion:
@@ -140,7 +142,7 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
         """(absorbed query, key, q_compressed), as AbsorbedMLASelfAttention's; where the
         row-chunked forward's own projections apply (`_chunking_unsupported`), from those:
         the absorbed query's GEMM writes into the final [.., n, kv_lora + rope] buffer
-        (`absorb_query`) instead of megatron's einsum, contiguous copy and concatenation."""
+        (`absorbed_query`) instead of megatron's einsum, contiguous copy and concatenation."""
         if inference_params is not None:
             inference_context = inference_params
         if self._own_projections_unsupported(key_value_states, packed_seq_params,
@@ -168,8 +170,9 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
         RoPE frequencies of the local rows and mscale: AbsorbedMLA's projections without the
         q up projection (tensor-parallel size 1, no fusion). A packed THD sequence's rows
         take the frequencies of their positions in their document (megatron's per-document
-        RoPE, zigzag chunks under CP), gathered per row, so that any part of the rows has
-        its own."""
+        RoPE, zigzag chunks under CP), or in the whole sequence where max_seqlen equals its
+        length (megatron's THD RoPE then reads them so), gathered per row, so that any part
+        of the rows has its own."""
         cfg = self.config
         sq = hidden_states.size(0)
         if packed_seq_params is not None:
@@ -177,10 +180,19 @@ class HyScaleMLASelfAttention(AbsorbedMLASelfAttention):
             layout = packed_layout(packed_seq_params, sq, hidden_states.device,
                                    layer="HyScaleMLASelfAttention",
                                    group=cp if get_pg_size(cp) > 1 else None)
-            offsets = document_rows(layout, hidden_states.device).offsets
-            longest = max((b - a for a, b in layout.documents), default=1)
-            freqs, mscale = self._rope(longest, packed=True)
-            freqs = freqs[offsets]
+            rows = document_rows(layout, hidden_states.device)
+            total = layout.documents[-1][1] if layout.documents else 0
+            rotary_len = max(packed_seq_params.max_seqlen_q or 0,
+                             packed_seq_params.max_seqlen_kv or 0)
+            if rotary_len == total:
+                # megatron's THD RoPE reads a frequency table as long as the whole sequence
+                # as positions in the whole sequence (`_apply_rotary_pos_emb_thd`).
+                freqs, mscale = self._rope(total, packed=True)
+                freqs = freqs[rows.starts + rows.offsets]
+            else:
+                longest = max((b - a for a, b in layout.documents), default=1)
+                freqs, mscale = self._rope(longest, packed=True)
+                freqs = freqs[rows.offsets]
         else:
             rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states,
                                                                     cfg, None)

@@ -141,7 +141,9 @@ def test_model_matches_stock(recompute, variant):
 @pytest.mark.parametrize("setting", ["hyscale", "megatron"])
 def test_mla_projections_setting_picks_whose_projections_run(setting, monkeypatch):
     """config.hyscale_mla_projections: HyScale's in-place projections (the default) or
-    megatron's einsums, RoPE and concatenations; either way the step equals stock's."""
+    megatron's einsums, RoPE and concatenations; either way the step equals stock's. (B = 2
+    here: the V up projection's in-place form, for a batch of one, runs in test_dsa_packed's
+    comparisons with stock.)"""
     from megatron_hyscale.layers import dsa as dsa_module
     from megatron_hyscale.layers import mla as mla_module
 

@@ -143,6 +143,37 @@ def test_mismatched_cu_seqlens_name_the_layer():
         hyscale(torch.randn(80, 1, 64).to(DEVICE), None, packed_seq_params=params)
 
 
+@pytest.mark.parametrize("reading", ["per-document", "whole-pack", "padded"])
+def test_own_projections_are_megatrons(reading):
+    """HyScaleMLASelfAttention's own query, key and compressed query equal AbsorbedMLA's on
+    the same module. megatron's THD RoPE puts a row at its position in its document, or,
+    where max_seqlen equals the packed length (its frequency table then covers the whole
+    sequence), at its position in the whole sequence; the two readings give other queries
+    (the layer's output barely moves: RoPE is relative within a document)."""
+    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
+        AbsorbedMLASelfAttention,
+    )
+
+    _, hyscale = build_pair()
+    padded = torch.tensor([0, 16, 56, 80], dtype=torch.int32, device=DEVICE)
+    params = packed_params(padded=padded if reading == "padded" else None)
+    rows = 80 if reading == "padded" else sum(LENGTHS)
+    if reading == "whole-pack":
+        params.max_seqlen_q = params.max_seqlen_kv = rows
+    hidden = torch.randn(rows, 1, 64, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    with torch.no_grad():
+        got = hyscale.get_query_key_value_tensors(hidden, None, params)
+        want = AbsorbedMLASelfAttention.get_query_key_value_tensors(hyscale, hidden, None,
+                                                                    params)
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape and a.is_contiguous()
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        if reading == "whole-pack":  # the comparison can fail: the other reading differs
+            params.max_seqlen_q = params.max_seqlen_kv = max(LENGTHS)
+            other = hyscale.get_query_key_value_tensors(hidden, None, params)[0]
+            assert (other - want[0]).abs().max() > 1e-2
+
+
 def test_padded_documents_use_their_storage_rows():
     """cu_seqlens_q_padded gives the rows each document occupies, as megatron masks them."""
     stock, hyscale = build_pair(dsa_indexer_use_sparse_loss=True)
