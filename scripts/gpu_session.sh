@@ -83,9 +83,10 @@
 #                                         # backward under Nsight Compute (L2 reductions, their
 #                                         # hit rate, DRAM bytes, warp stalls)      (~3 min)
 #   bash scripts/gpu_session.sh mla-projections [T...]  # issue #20 item 5: the absorbed-MLA
-#                                         # projections written in place: GPU tests, then the
-#                                         # GLM-5.1 DSA layer (8K, 128K) with HyScale's and
-#                                         # with megatron's projections, same run  (~5 min)
+#                                         # projections written in place: GPU tests, the two
+#                                         # projections alone, then the GLM-5.1 DSA layer (8K,
+#                                         # 128K) with HyScale's and with megatron's
+#                                         # projections, same run (~6 min; MLA_LAYER=0: ~1)
 #   bash scripts/gpu_session.sh ncu-attention  # issue #20 item 2: Nsight Compute on one
 #                                         # sparse-attention backward a case (NCU_ATTN_CASES,
 #                                         # shape:T:kernel[:fwd], kernel sm90 / triton / cudnn
@@ -1011,6 +1012,11 @@ case "$stage" in
       tests/layers/test_dsa_hopper_kernels_gpu.py} > "$out/tests.log" 2>&1
     echo "tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
     grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -20
+    # The two projections alone (forward + backward, 32K and 128K), then the layer unless
+    # MLA_LAYER=0 (when device time is short).
+    timeout 150 python3 scripts/bench_mla_projections.py --reps 3 2>&1 \
+      | tee "$out/bench_mla_projections.log" | grep -E "^T=|matmul|Error"
+    [ "${MLA_LAYER:-1}" = 0 ] && exit 0
     timeout 420 python3 scripts/bench_layer.py --seq ${*:-8192 131072} --repeats "${REPEATS:-2}" \
       --skip-stock --compare-mla-projections ${LAYER_FLAGS:-} --out "$out" 2>&1 \
       | grep -v -i warn | tee "$out/bench_layer.log" | grep -E "^\||Error|T=.*floor"
