@@ -17,7 +17,7 @@ from megatron_hyscale.ops import absorbed_mla
 from megatron_hyscale.ops.absorbed_mla import absorbed_query, project_values
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-S, B, N, D, R, C, DV = 9, 2, 5, 12, 8, 16, 6
+S, B, N, D, R, C, DV = 33, 2, 5, 12, 8, 16, 6  # 330 (row, batch, head) triples: 3 programs
 
 
 def integers(*shape, seed: int, dtype=torch.bfloat16) -> torch.Tensor:

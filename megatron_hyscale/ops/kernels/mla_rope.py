@@ -18,8 +18,9 @@ from megatron_hyscale.ops.kernels.common import fix_interpreter
 
 fix_interpreter()
 
-# Heads per program: 16 heads x 64 rotary values of bf16 is 2 KiB read and written.
-BLOCK_HEADS = 16
+# (row, batch, head) triples per program: 128 x 64 rotary values of bf16 is 16 KiB read and
+# written; few programs also keep Triton's interpreter (one Python pass a program) quick.
+BLOCK_TRIPLES = 128
 
 
 @triton.jit
@@ -28,35 +29,35 @@ def _rounded(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _mla_rope_kernel(src_ptr, cos_ptr, sin_ptr, dst_ptr, B, N,
+def _mla_rope_kernel(src_ptr, cos_ptr, sin_ptr, dst_ptr, M, B, N,
                      ss_r, ss_b, ss_n, ss_d, sd_r, sd_b, sd_n, sd_d,
-                     HALF: tl.constexpr, BLOCK_N: tl.constexpr, BACKWARD: tl.constexpr):
-    pid = tl.program_id(0)
-    row = (pid // B).to(tl.int64)
-    bi = (pid % B).to(tl.int64)
-    heads = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+                     HALF: tl.constexpr, BLOCK_M: tl.constexpr, BACKWARD: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (m < M)[:, None]
+    head = m % N
+    bi = (m // N) % B
+    row = m // (N * B)
     j = tl.arange(0, HALF)
-    mask = heads[:, None] < N
     dtype: tl.constexpr = dst_ptr.dtype.element_ty
     # Forward reads the interleaved pairs and writes halves; backward the other way round.
     pair_lo, pair_hi = 2 * j, 2 * j + 1
     half_lo, half_hi = j, HALF + j
     in_lo, in_hi = (half_lo, half_hi) if BACKWARD else (pair_lo, pair_hi)
     out_lo, out_hi = (pair_lo, pair_hi) if BACKWARD else (half_lo, half_hi)
-    src = src_ptr + row * ss_r + bi * ss_b + heads[:, None] * ss_n
+    src = src_ptr + (row * ss_r + bi * ss_b + head * ss_n)[:, None]
     a = tl.load(src + in_lo[None, :] * ss_d, mask=mask).to(tl.float32)
     b = tl.load(src + in_hi[None, :] * ss_d, mask=mask).to(tl.float32)
-    factors = row * 2 * HALF
-    c_lo = tl.load(cos_ptr + factors + half_lo).to(tl.float32)[None, :]
-    c_hi = tl.load(cos_ptr + factors + half_hi).to(tl.float32)[None, :]
-    s_lo = tl.load(sin_ptr + factors + half_lo).to(tl.float32)[None, :]
-    s_hi = tl.load(sin_ptr + factors + half_hi).to(tl.float32)[None, :]
+    factors = (row * 2 * HALF)[:, None]
+    c_lo = tl.load(cos_ptr + factors + half_lo[None, :], mask=mask).to(tl.float32)
+    c_hi = tl.load(cos_ptr + factors + half_hi[None, :], mask=mask).to(tl.float32)
+    s_lo = tl.load(sin_ptr + factors + half_lo[None, :], mask=mask).to(tl.float32)
+    s_hi = tl.load(sin_ptr + factors + half_hi[None, :], mask=mask).to(tl.float32)
     # The rotation and its transpose: sin's halves trade places and the minus moves.
     sin_b = s_hi if BACKWARD else -s_lo
     sin_a = -s_lo if BACKWARD else s_hi
     first = _rounded(a * c_lo, dtype) + _rounded(b * sin_b, dtype)
     second = _rounded(b * c_hi, dtype) + _rounded(a * sin_a, dtype)
-    dst = dst_ptr + row * sd_r + bi * sd_b + heads[:, None] * sd_n
+    dst = dst_ptr + (row * sd_r + bi * sd_b + head * sd_n)[:, None]
     tl.store(dst + out_lo[None, :] * sd_d, first.to(dtype), mask=mask)
     tl.store(dst + out_hi[None, :] * sd_d, second.to(dtype), mask=mask)
 
@@ -64,9 +65,10 @@ def _mla_rope_kernel(src_ptr, cos_ptr, sin_ptr, dst_ptr, B, N,
 def _launch(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.Tensor,
             backward: bool) -> None:
     rows, b, n, width = src.shape
-    grid = (rows * b, triton.cdiv(n, BLOCK_HEADS))
-    _mla_rope_kernel[grid](src, cos, sin, dst, b, n, *src.stride(), *dst.stride(),
-                           HALF=width // 2, BLOCK_N=BLOCK_HEADS, BACKWARD=backward)
+    triples = rows * b * n
+    grid = (triton.cdiv(triples, BLOCK_TRIPLES),)
+    _mla_rope_kernel[grid](src, cos, sin, dst, triples, b, n, *src.stride(), *dst.stride(),
+                           HALF=width // 2, BLOCK_M=BLOCK_TRIPLES, BACKWARD=backward)
 
 
 def mla_rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
