@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (no network), from the repository root there, two calls in a row
 # while the machine stays warm (scripts/cudnn_carry.sh prepared the folders here):
-#   bash scripts/gpu_cudnn.sh 1   # carry [".carry/cudnn1", ".whl"] (+ ".carry/flashmla_so" if a
-#                                 # build came back earlier): keeps part 1 on the machine
+#   bash scripts/gpu_cudnn.sh 1   # carry [".carry/cudnn1"] (+ ".carry/flashmla_so" if a build
+#                                 # came back earlier; part 1 needs no .whl, and with it the
+#                                 # call passes 64 MiB): keeps part 1 on the machine
 #   bash scripts/gpu_cudnn.sh 2   # carry [".carry/cudnn2", ".whl"]: installs, builds FlashMLA
 #                                 # (unless part 1 brought a build), checks
 # Afterwards `export PYTHONPATH=$PWD/.carry/site:$PYTHONPATH` gives every later command on that
