@@ -556,7 +556,8 @@ def test_profile_kernels_records_top_operators(tmp_path: Path) -> None:
 def test_profile_copies_names_their_callers(tmp_path: Path) -> None:
     """`--profile-copies N`: the HyScale row gets at most N (copying operator, caller) pairs,
     sorted by bytes written, each named by its innermost megatron / megatron_hyscale frame (or
-    the autograd engine); megatron's absorbed-MLA query concatenation among them."""
+    the autograd engine): megatron's RoPE concatenations (the key's) among them, none of
+    megatron's absorbed-MLA query copies (HyScale's layer makes its query in place)."""
     proc = _run(["--model", "dsa", "--skip-stock", "--profile-copies", "40"], tmp_path)
     data = _load(tmp_path, "dsa", proc)
     copies = data["rows"][0]["hyscale"]["copy_profile"]
@@ -567,7 +568,9 @@ def test_profile_copies_names_their_callers(tmp_path: Path) -> None:
     assert all(c["calls"] >= 1 for c in copies)
     assert all(c["caller"] == "autograd" or any(p in c["caller"] for p in
                                                 bench_layer.CALLER_PACKAGES) for c in copies)
-    assert any("absorbed_mla.py" in c["caller"] and c["name"] == "aten.cat" for c in copies)
+    assert any("rope_utils.py" in c["caller"] and c["name"] == "aten.cat" for c in copies)
+    assert not any("experimental_attention_variant/absorbed_mla.py" in c["caller"]
+                   for c in copies)
     assert "  copies: " in proc.stdout
     assert bench_layer.parse_args([]).profile_copies == 0
 
