@@ -1275,40 +1275,36 @@ def run(args: argparse.Namespace) -> int:
     log(f"device: {device_name} x {args.cp * args.dp} (CP {args.cp}, DP {args.dp})  "
         f"model: {args.model}{tiny}  matmul: {rate:.1f} TFLOP/s")
     build = BUILDERS[args.model]
-    hyscale = build(args, baseline=False)
-    # HyScale's attention layers pass their config's kernel options to the ops.
-    hyscale.module.config.attention_kernel_options = attention_kernel_options(args)
-    hyscale.module.config.indexer_loss_kernel_options = indexer_loss_kernel_options(args)
-    hyscale.module.config.hytopk_options = hytopk_options(args)
-    hyscale.module.config.hyscale_kernel_backend = args.hyscale_kernel_backend
-    if args.compare_mla_projections:  # not $HYSCALE_MLA_PROJECTIONS: the rows must differ
-        hyscale.module.config.hyscale_mla_projections = "hyscale"
+
+    def hyscale_layer(**settings: Any) -> Layer:
+        """A HyScale layer with this run's kernel options (its attention layers pass their
+        config's options to the ops) and the config `settings` its row compares."""
+        layer = build(args, baseline=False)
+        config = layer.module.config
+        config.attention_kernel_options = attention_kernel_options(args)
+        config.indexer_loss_kernel_options = indexer_loss_kernel_options(args)
+        config.hytopk_options = hytopk_options(args)
+        config.hyscale_kernel_backend = args.hyscale_kernel_backend
+        for name, value in settings.items():
+            setattr(config, name, value)
+        return layer
+
+    # With --compare-mla-projections the main row's projections are pinned, not read from
+    # $HYSCALE_MLA_PROJECTIONS: the two rows must differ.
+    hyscale = hyscale_layer(**({"hyscale_mla_projections": "hyscale"}
+                               if args.compare_mla_projections else {}))
     bases: list[tuple[str, Layer]] = []  # (row key, layer), each on HyScale's weights
     if args.compare_own_kernels:
-        own = build(args, baseline=False)
-        own.module.config.attention_kernel_options = attention_kernel_options(args)
-        own.module.config.indexer_loss_kernel_options = indexer_loss_kernel_options(args)
-        own.module.config.hytopk_options = hytopk_options(args)
-        own.module.config.hyscale_kernel_backend = "own"
-        if args.compare_indexer_target:  # the other side of that comparison
-            own.module.config.hyscale_indexer_target = "separate"
-        bases.append(("hyscale_own", own))
+        # with --compare-indexer-target, the other side of that comparison
+        target = {"hyscale_indexer_target": "separate"} if args.compare_indexer_target else {}
+        bases.append(("hyscale_own", hyscale_layer(hyscale_kernel_backend="own", **target)))
     if args.compare_indexer_target:
-        in_bwd = build(args, baseline=False)
-        in_bwd.module.config.attention_kernel_options = attention_kernel_options(args)
-        in_bwd.module.config.indexer_loss_kernel_options = indexer_loss_kernel_options(args)
-        in_bwd.module.config.hytopk_options = hytopk_options(args)
-        in_bwd.module.config.hyscale_kernel_backend = "own"
-        in_bwd.module.config.hyscale_indexer_target = "attention_backward"
-        bases.append(("hyscale_own_target_in_bwd", in_bwd))
+        bases.append(("hyscale_own_target_in_bwd",
+                      hyscale_layer(hyscale_kernel_backend="own",
+                                    hyscale_indexer_target="attention_backward")))
     if args.compare_mla_projections:
-        stock_proj = build(args, baseline=False)
-        stock_proj.module.config.attention_kernel_options = attention_kernel_options(args)
-        stock_proj.module.config.indexer_loss_kernel_options = indexer_loss_kernel_options(args)
-        stock_proj.module.config.hytopk_options = hytopk_options(args)
-        stock_proj.module.config.hyscale_kernel_backend = args.hyscale_kernel_backend
-        stock_proj.module.config.hyscale_mla_projections = "megatron"
-        bases.append(("hyscale_megatron_projections", stock_proj))
+        bases.append(("hyscale_megatron_projections",
+                      hyscale_layer(hyscale_mla_projections="megatron")))
     if not args.skip_baseline:
         bases.append((base_name, build(args, baseline=True)))
     if args.stock_kernel_backend in ("tilelang", "cudnn"):
