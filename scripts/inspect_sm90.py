@@ -242,6 +242,20 @@ def _write_rows(topk: int, rows: int = 264, select: bool = False, key_order: boo
     return calls
 
 
+def _mla_rope(dtype: torch.dtype) -> list[Launch]:
+    """The absorbed query's RoPE (`mla_rope`: forward, then backward) on GLM-5.1's 64 heads of
+    64 rotary dims, the query a strided view as `absorbed_query` passes it. No MMA: read the
+    whole kernel's counts (megatron rounds each product: no FFMA / HFMA2 may appear)."""
+    from megatron_hyscale.ops.kernels import mla_rope
+
+    q = torch.zeros(64, 1, 64, 256, dtype=dtype)[..., 192:]
+    cos = torch.zeros(64, 64, dtype=dtype)
+    with intercept(mla_rope, "_mla_rope_kernel") as calls:
+        mla_rope.mla_rope_fwd(q, cos, cos, torch.empty_like(q))
+        mla_rope.mla_rope_bwd(q, cos, cos, torch.empty_like(q))
+    return calls
+
+
 def _sparse_attention(hq: int, hkv: int, d: int, dv: int | None, topk: int, T: int = 256,
                       prefix: bool = False, dq_target: bool = False, **options: Any
                       ) -> list[Launch]:
@@ -597,6 +611,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "sparse-mla-bwd-sm90-glm51-target": lambda: _sparse_mla_bwd_sm90(64, 576, 2048, dlse=True,
                                                                      target=True),
     # GLM-5.1 under tensor parallelism 2 (32 heads a rank: one block padded to 64).
+    "mla-rope-bf16": lambda: _mla_rope(torch.bfloat16),
+    "mla-rope-fp32": lambda: _mla_rope(torch.float32),
     "sparse-mla-bwd-sm90-glm51-tp2": lambda: _sparse_mla_bwd_sm90(32, 576, 2048),
     "sparse-mla-bwd-sm90-glm51-vec4": lambda: _sparse_mla_bwd_sm90(64, 576, 2048, dk_vec4=True),
     "sparse-mla-bwd-sm90-glm51-lockstep": lambda: _sparse_mla_bwd_sm90(64, 576, 2048,

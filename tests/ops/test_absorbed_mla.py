@@ -9,6 +9,12 @@ the plain-torch path run.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
@@ -16,6 +22,7 @@ from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_
 from megatron_hyscale.ops import absorbed_mla
 from megatron_hyscale.ops.absorbed_mla import absorbed_query, project_values
 
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 S, B, N, D, R, C, DV = 33, 2, 5, 12, 8, 16, 6  # 330 (row, batch, head) triples: 3 programs
 
@@ -135,3 +142,24 @@ def test_glm_width_on_the_gpu_matches_megatron():
     for a, b in zip(torch.autograd.grad(got, (q, k_up), grad),
                     torch.autograd.grad(want, (q, k_up), grad), strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_rope_kernel_rounds_each_product_when_compiled(tmp_path):
+    """Compiled for sm_90a (scripts/inspect_sm90.py, no GPU needed), the RoPE kernel keeps
+    megatron's roundings: products and sums as separate FMUL / FADD, no fused multiply-add
+    (an FFMA skips the product's rounding; an HFMA2 is what a bf16 cast-and-back around the
+    product turned into, which differed from megatron on the H200)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "inspect_sm90.py"), "--preset",
+                           "mla-rope-bf16", "mla-rope-fp32", "--sass-out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = sorted(tmp_path.glob("mla-rope-*.sass"))
+    assert len(files) == 4  # forward and backward, bf16 and fp32
+    for f in files:
+        sass = f.read_text()
+        assert re.search(r"\bFMUL\b", sass) and re.search(r"\bFADD\b", sass), f.name
+        # (HFMA2.MMA R, -RZ, RZ, imm: ptxas's way of setting a register to a constant)
+        fused = [line for line in sass.splitlines() if re.search(r"\b(FFMA|HFMA2)\b", line)
+                 and not re.search(r"HFMA2\.MMA R\d+, -RZ, RZ,", line)]
+        assert fused == [], f.name

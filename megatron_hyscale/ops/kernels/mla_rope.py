@@ -21,11 +21,26 @@ fix_interpreter()
 # (row, batch, head) triples per program: 128 x 64 rotary values of bf16 is 16 KiB read and
 # written; few programs also keep Triton's interpreter (one Python pass a program) quick.
 BLOCK_TRIPLES = 128
+# bf16 keeps an fp32's upper 16 bits: adding 0x7FFF plus the kept part's lowest bit, then
+# clearing the lower 16, rounds to nearest even.
+BF16_DROPPED_BITS = tl.constexpr(16)
+BF16_ROUNDING_BIAS = tl.constexpr(0x7FFF)
 
 
 @triton.jit
 def _rounded(v, dtype: tl.constexpr):
-    return v.to(dtype).to(tl.float32)
+    # The product rounded to x's dtype, as torch rounds each op's result. For bf16 in integer
+    # arithmetic: a cast there and back may be folded away on the GPU (then the multiply-add
+    # contracts into one FMA, one rounding instead of three); integer ops cannot be.
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits += BF16_ROUNDING_BIAS + ((bits >> BF16_DROPPED_BITS) & 1)
+        bits = (bits >> BF16_DROPPED_BITS) << BF16_DROPPED_BITS
+        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+    elif dtype == tl.float32:
+        return v
+    else:
+        return v.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -67,8 +82,10 @@ def _launch(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.
     rows, b, n, width = src.shape
     triples = rows * b * n
     grid = (triton.cdiv(triples, BLOCK_TRIPLES),)
+    # No FMA contraction: megatron rounds each product before the sum (fp32 too).
     _mla_rope_kernel[grid](src, cos, sin, dst, triples, b, n, *src.stride(), *dst.stride(),
-                           HALF=width // 2, BLOCK_M=BLOCK_TRIPLES, BACKWARD=backward)
+                           HALF=width // 2, BLOCK_M=BLOCK_TRIPLES, BACKWARD=backward,
+                           enable_fp_fusion=False)
 
 
 def mla_rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
