@@ -214,9 +214,12 @@ class HyTopKOptions:
     # (12:57 UTC, before the deferred store and the radix select) 1.12x / 1.15x at 128K, 1.05x
     # at GLM-5.1's 64K, 0.83x at 16K. BENCHMARKS.md has the records.
     scores_sm90: bool | None = None
-    # The shortest key range (S) the default (scores_sm90=None) takes the Gluon path for: from
-    # 64K it was faster on both devices; at 16K level on the H100 and slower on the H200 then.
-    scores_sm90_min_keys: int = 65536
+    # The shortest key range (S) the default (scores_sm90=None) takes the Gluon path for. With
+    # the Gluon sample table (below) it was faster than the Triton kernel from 16K on the H200
+    # (2026-12-06 03:04 UTC, same run: V3.2 12.0 / 85.9 / 304.3 ms at 16K / 64K / 128K against
+    # 12.8 / 102.8 / 379.2, GLM-5.1 9.6 / 56.1 / 181.9 against 10.6 / 73.1 / 245.0, rows
+    # equal); shorter ranges were not timed.
+    scores_sm90_min_keys: int = 16384
     # Keys scored for the thresholds (every max(1, ceil(S / this))-th key, for every row).
     scores_sm90_samples: int = 2048
     # The Gluon filter stores a key tile's survivors while the next tile's product runs, not
@@ -227,9 +230,10 @@ class HyTopKOptions:
     # The thresholds' sample scored by the same Gluon kernel (its table epilogue, every
     # sampled key against every row: `indexer_table_sm90`) instead of HyTopK's Triton
     # score-table kernel, which takes the sample phase to 20-35 ms at 128K. Same thresholds to
-    # fp32 rounding order. Off until a recorded run times it (its GPU tests pass on an H200,
-    # 2026-12-05 19:25 UTC; that run's record was lost, BENCHMARKS.md).
-    scores_sm90_sample_table: bool = False
+    # fp32 rounding order. On: 1.02-1.09x the Triton sample's selection at 16K-128K for V3.2
+    # and GLM-5.1 on the H200 (2026-12-06, same run, rows equal; BENCHMARKS.md); False: the
+    # Triton table, kept to compare.
+    scores_sm90_sample_table: bool = True
 
     def __post_init__(self) -> None:
         if not (self.scores_sm90 is None or isinstance(self.scores_sm90, bool)):
