@@ -8,9 +8,11 @@ bit-identical to the first. Each layer owns a FIFO: with several micro-batches i
 (pipeline schedules) recompute consumes them in the order they were recorded.
 
 Phases, read from megatron's own state:
-- "record": inside a checkpointed forward (`is_checkpointing()`) outside backward;
+- "record": inside a checkpointed forward (`is_checkpointing()`, grad off as megatron's
+  `CheckpointFunction` runs it) outside backward;
 - "replay": inside backward (`torch._C._current_graph_task_id() != -1`) while checkpointing;
-- "off": anything else (no recompute: nothing is stored).
+- "off": anything else (no recompute: nothing is stored), also a grad-enabled forward while
+  megatron's flag is left set by a checkpointed function that raised.
 
 The protocol every HyScale layer follows is `SelectionReplay.select(shape, compute)`: in the
 replay phase it pops the layer's oldest recorded selection (which must have `shape`); otherwise
@@ -56,7 +58,12 @@ def current_phase() -> str:
 
     if not is_checkpointing():
         return "off"
-    return "replay" if torch._C._current_graph_task_id() != -1 else "record"
+    if torch._C._current_graph_task_id() != -1:
+        return "replay"
+    # megatron's CheckpointFunction runs its forward under no_grad; a forward with grad on while
+    # the flag is set is no checkpointed one: the flag is stale (megatron leaves it set when a
+    # checkpointed function raised), and recording would strand entries no backward replays.
+    return "off" if torch.is_grad_enabled() else "record"
 
 
 def get_stats() -> dict[str, int]:

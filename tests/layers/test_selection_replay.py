@@ -135,3 +135,30 @@ def test_a_selection_of_the_wrong_shape_is_refused():
     with pytest.raises(replay.ReplayError, match=r"wrong shape: the selection has shape"):
         store.select((1, 2, 4), lambda: indices(0))
     assert replay.get_stats()["selections_computed"] == 0
+
+
+def test_a_flag_left_set_by_a_failed_checkpoint_records_nothing():
+    """megatron leaves is_checkpointing() set when the checkpointed function raises; a later
+    training forward (grad on, no recompute) must neither record (nothing would replay it)
+    nor replay, and a real checkpointed forward still records."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    def failing(x):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        tensor_parallel.checkpoint(failing, False, torch.ones(2, requires_grad=True))
+    try:
+        assert tp_random.is_checkpointing()  # megatron's behaviour this guards against
+        layer = Layer("after_failure")
+        x = torch.ones(2, requires_grad=True)
+        layer.next = 3
+        layer.forward(x).sum().backward()
+        assert layer.seen == [("off", False, 3)] and len(layer.store) == 0
+        assert replay.pending_entries() == 0
+    finally:
+        tp_random._unset_checkpointing()
+    layer.next = 5
+    checkpointed(layer, x).sum().backward()
+    assert [phase for phase, _, _ in layer.seen[1:]] == ["record", "replay"]
+    assert layer.computed == [3, 5] and len(layer.store) == 0
