@@ -548,10 +548,12 @@ def mla_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 def mla_rope_grad_reference(grad: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor) -> torch.Tensor:
     """The input gradient of `mla_rope_reference` for `grad` (what its autograd computes:
-    each product rounded to grad's dtype, then the sum), re-interleaved."""
+    each product rounded to grad's dtype, then the sum), re-interleaved. The two interleaving
+    slices' backwards each fill the other's elements with zeros and autograd sums them, so a
+    -0.0 comes out +0.0: the `+ 0.0` keeps that."""
     cos, sin = cos[:, None, None], sin[:, None, None]
     half = grad.size(-1) // 2
     g_lo, g_hi = grad[..., :half], grad[..., half:]
     d_lo = g_lo * cos[..., :half] + g_hi * sin[..., half:]
     d_hi = g_hi * cos[..., half:] - g_lo * sin[..., :half]
-    return torch.stack((d_lo, d_hi), dim=-1).flatten(-2)
+    return torch.stack((d_lo, d_hi), dim=-1).flatten(-2) + 0.0

@@ -32,6 +32,12 @@ def integers(*shape, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
     return torch.randint(-3, 4, shape, generator=g).to(DEVICE, dtype)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, the signs of zeros included (torch.equal has -0.0 == 0.0)."""
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
+
+
 def megatron_query(q, k_up, freqs, mscale):
     """AbsorbedMLA's unfused path (absorbed_mla.py): split, einsum, contiguous, RoPE, cat."""
     d = k_up.size(1)
@@ -71,12 +77,39 @@ def test_absorbed_query_is_megatrons_bitwise(path, dtype, strided):
     got = absorbed_query(q, k_up, cos, sin)
     want = megatron_query(q, k_up, freqs, mscale)
     assert got.is_contiguous() and got.shape == (S, B, N, C + R)
-    assert torch.equal(got, want)
+    # The GEMM parts as values (an exact zero's sign depends on the GEMM kernel's start), the
+    # RoPE part bit for bit.
+    assert torch.equal(got, want) and same_bits(got[..., C:], want[..., C:])
     grad = integers(*got.shape, seed=7, dtype=dtype)  # exact sums in any GEMM's order
-    got_grads = torch.autograd.grad(got, (q, k_up), grad)
-    want_grads = torch.autograd.grad(want, (q, k_up), grad)
-    for a, b in zip(got_grads, want_grads, strict=True):
-        assert torch.equal(a, b)
+    got_dq, got_dk = torch.autograd.grad(got, (q, k_up), grad)
+    want_dq, want_dk = torch.autograd.grad(want, (q, k_up), grad)
+    assert torch.equal(got_dq, want_dq) and torch.equal(got_dk, want_dk)
+    assert same_bits(got_dq[..., D:], want_dq[..., D:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_signed_zeros_are_megatrons(path, dtype):
+    """Position 0 (sin = 0, cos = 1) with -0.0 and +0.0 in the rotary inputs and in the
+    gradient: each zero's sign as megatron's negate-then-add gives it."""
+    q = integers(S, B, N, D + R, seed=1, dtype=dtype)
+    # The interleaved (lo, hi) pairs: (+0, -0) in the first half, (-0, +0) in the second.
+    zeros = torch.tensor([0.0, -0.0], dtype=dtype, device=DEVICE).repeat(R // 2)
+    zeros[R // 2:] = -zeros[R // 2:]
+    q[..., D:] = zeros
+    q.requires_grad_(True)
+    k_up = integers(N, D, C, seed=2, dtype=dtype)
+    freqs = torch.linspace(0.0, 2.0, S).view(S, 1, 1, 1).expand(S, 1, 1, R).contiguous()
+    freqs[::2] = 0.0  # sin = +0, cos = 1 on the even rows
+    freqs = freqs.to(DEVICE)
+    cos, sin = rope_factors(freqs, 1.0, dtype)
+    got = absorbed_query(q, k_up, cos, sin)
+    want = megatron_query(q, k_up, freqs, 1.0)
+    assert same_bits(got[..., C:], want[..., C:])
+    grad = torch.zeros(got.shape, dtype=dtype, device=DEVICE)
+    grad[..., C:] = zeros
+    (got_dq,) = torch.autograd.grad(got, q, grad)
+    (want_dq,) = torch.autograd.grad(want, q, grad)
+    assert same_bits(got_dq[..., D:], want_dq[..., D:])
 
 
 def test_a_wrong_rotation_is_caught(path):

@@ -67,11 +67,18 @@ def _mla_rope_kernel(src_ptr, cos_ptr, sin_ptr, dst_ptr, M, B, N,
     c_hi = tl.load(cos_ptr + factors + half_hi[None, :], mask=mask).to(tl.float32)
     s_lo = tl.load(sin_ptr + factors + half_lo[None, :], mask=mask).to(tl.float32)
     s_hi = tl.load(sin_ptr + factors + half_hi[None, :], mask=mask).to(tl.float32)
-    # The rotation and its transpose: sin's halves trade places and the minus moves.
-    sin_b = s_hi if BACKWARD else -s_lo
-    sin_a = -s_lo if BACKWARD else s_hi
-    first = _rounded(a * c_lo, dtype) + _rounded(b * sin_b, dtype)
-    second = _rounded(b * c_hi, dtype) + _rounded(a * sin_a, dtype)
+    # The rotation and its transpose: sin's halves trade places and the minus moves. The minus
+    # as a subtraction of the rounded product: megatron negates x, and x + (-p) is x - p to the
+    # sign of a zero, where negating sin (0 - s in Triton) would turn sin's +0 into +0, not -0.
+    if BACKWARD:
+        first = _rounded(a * c_lo, dtype) + _rounded(b * s_hi, dtype)
+        second = _rounded(b * c_hi, dtype) - _rounded(a * s_lo, dtype)
+        # megatron's de-interleaving slices sum their zero-filled gradients: -0 becomes +0.
+        first += 0.0
+        second += 0.0
+    else:
+        first = _rounded(a * c_lo, dtype) - _rounded(b * s_lo, dtype)
+        second = _rounded(b * c_hi, dtype) + _rounded(a * s_hi, dtype)
     dst = dst_ptr + (row * sd_r + bi * sd_b + head * sd_n)[:, None]
     tl.store(dst + out_lo[None, :] * sd_d, first.to(dtype), mask=mask)
     tl.store(dst + out_hi[None, :] * sd_d, second.to(dtype), mask=mask)
