@@ -3,8 +3,8 @@
 For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T / 4 blocks,
 4 heads, constant weights, as the QSA layer calls it) it times, in one run:
   hytopk     HyTopK Triton kernel (exact, streaming, no score table), key-tile pruning off
-  hytopk_default  what ops.hytopk runs with its default options: on Hopper from 64K keys the
-             Gluon scores' selection (HyTopKOptions.scores_sm90=None), else the Triton kernel;
+  hytopk_default  what ops.hytopk runs with its default options: on Hopper from
+             HyTopKOptions.scores_sm90_min_keys keys (16K) the Gluon scores' selection (HyTopKOptions.scores_sm90=None), else the Triton kernel;
              the "own" time scripts/measured_defaults.py compares with cuDNN's where a record
              has it; reports same_as_hytopk (equal to the Triton kernel's rows)
   hytopk_prune  the same with exact key-tile pruning on (tiles whose centroid / radius score
@@ -122,6 +122,7 @@ Needs a CUDA GPU (every mode).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -515,7 +516,8 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
     from megatron_hyscale.ops.kernels import hytopk_sm90
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
-    opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True)
+    # The phases of hytopk_scores_sm90's row (the Triton sample; sample_gluon times the other).
+    opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True, scores_sm90_sample_table=False)
     if not relu:
         q, w = hytopk_sm90.folded_parts(q, w)
     B, T = q.shape[:2]
@@ -795,7 +797,7 @@ def bench_one(method, T, cfg, kind, rate, reps):
         # 64K took 4.3 s against 59 ms for 32 heads once compiled). megatron's TileLang
         # kernels take dynamic lengths (compiled once a head count, at the 4K warm-up), but
         # get the same untimed call.
-        # hytopk_default switches kernels with the length (the Gluon path from 64K keys): its
+        # hytopk_default switches kernels with the length (the Gluon path from 16K keys): its
         # first call at a length may compile, untimed too.
         if method in COMPARED_METHODS or method == "hytopk_default":
             fn(q, k, w, topk, relu)
@@ -1014,13 +1016,18 @@ def group_sweep(T, cfg, reps):
     return recs
 
 
+# What hytopk_default ran: the defaults of the day (scripts/measured_defaults.py trusts a
+# record's hytopk_default row as the current default's time only if they are today's).
+DEFAULT_OPTIONS_META = {"hytopk_default_options": dataclasses.asdict(HyTopKOptions.DEFAULT)}
+
+
 def write_json(records, dev, rate, bw, out):
     for cfg in sorted({r["config"] for r in records}):
         save_record(f"bench_selection{TAG}", cfg, [r for r in records if r["config"] == cfg],
-                    matmul=rate / 1e12, copy=bw / 1e12)
+                    matmul=rate / 1e12, copy=bw / 1e12, extra=DEFAULT_OPTIONS_META)
     meta = {"device": dev, "matmul_tflops": rate / 1e12, "copy_tbps": bw / 1e12,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv,
-            "git": commit()}
+            "git": commit(), **DEFAULT_OPTIONS_META}
     with open(os.path.join(out, f"bench_selection{TAG}.json"), "w") as f:
         json.dump({"meta": meta, "records": records}, f, indent=1)
 

@@ -917,7 +917,7 @@ case "$stage" in
     exit $fail
     ;;
   cudnn-kernels)
-    # hytopk_default: what ops.hytopk runs (the Gluon path from 64K keys), the measured
+    # hytopk_default: what ops.hytopk runs (the Gluon path from 16K keys), the measured
     # table's own time; hytopk: the Triton kernel.
     timeout 240 python3 scripts/bench_selection.py --T ${CUDNN_SELECTION_T:-16384 65536 131072} \
       --configs dsv32 glm51 v4flash --secondary-max-T 131072 --reps 2 \

@@ -22,6 +22,7 @@ kernels HyScale can dispatch to, and are never read here.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import math
@@ -46,9 +47,13 @@ from megatron_hyscale.ops.kernels.options import (  # noqa: E402
 
 # What each record names HyScale's own kernel and its library backend: (own, library). Every
 # other method, column or entry of a record (stock baselines included) is ignored. The own
-# selection: what ops.hytopk runs by default, as timed (hytopk_default), else the kernel the
-# default runs at that length in records before that method (`own_selection_methods`).
-SELECTION_METHODS = (("hytopk_default", "hytopk_scores_sm90", "hytopk"), "cudnn")
+# selection: what ops.hytopk runs by default, as timed (hytopk_default) where the record's
+# defaults are today's, else the method that runs what today's default runs at that length
+# (`own_selection_methods`).
+SELECTION_METHODS = (("hytopk_default", "hytopk_scores_sm90_gluon_sample", "hytopk_scores_sm90",
+                      "hytopk"), "cudnn")
+# bench_selection's Gluon-path methods by HyTopKOptions.scores_sm90_sample_table.
+GLUON_METHODS = {True: "hytopk_scores_sm90_gluon_sample", False: "hytopk_scores_sm90"}
 # The attention's own times are those of the kernels the defaults run (a record names the
 # kernel of each time); lib_fwd_ms / lib_bwd_ms are FlashMLA's forward and cuDNN's backward.
 LIBRARY_FORWARD = "flashmla"
@@ -79,15 +84,26 @@ def own_times(r: dict, side: str) -> dict[str, float]:
     return times
 
 
-def own_selection_methods(keys: int) -> tuple[str, ...]:
+def current_defaults(meta: dict) -> bool:
+    """Whether a bench_selection record's hytopk_default ran today's HyTopKOptions.DEFAULT
+    (records name the defaults they ran since 2026-12-06; older ones are not trusted)."""
+    today = json.loads(json.dumps(dataclasses.asdict(HyTopKOptions.DEFAULT)))
+    return meta.get("hytopk_default_options") == today
+
+
+def own_selection_methods(keys: int, defaults_current: bool = True) -> tuple[str, ...]:
     """The methods whose time stands for HyScale's default selection over `keys` keys, best
-    first: hytopk_default (the default itself), the Gluon path (hytopk_scores_sm90: the
-    default on Hopper from HyTopKOptions.scores_sm90_min_keys keys; the records that hold it
-    ran on Hopper), the Triton kernel (hytopk)."""
+    first: hytopk_default where the record ran today's defaults; the method running today's
+    default path (on Hopper from HyTopKOptions.scores_sm90_min_keys keys the Gluon path with
+    the sample the default takes, `GLUON_METHODS`; the records that hold it ran on Hopper,
+    else the Triton kernel); hytopk_default of older defaults; the other Gluon method; the
+    Triton kernel (hytopk). The same methods in every order, so ranks compare."""
     default = HyTopKOptions.DEFAULT
     gluon = default.scores_sm90 is not False and keys >= default.scores_sm90_min_keys
-    own = SELECTION_METHODS[0]
-    return tuple(m for m in own if m != "hytopk_scores_sm90" or gluon)
+    path = GLUON_METHODS[default.scores_sm90_sample_table] if gluon else "hytopk"
+    first = ("hytopk_default", path) if defaults_current else (path, "hytopk_default")
+    rest = (GLUON_METHODS[not default.scores_sm90_sample_table],) if gluon else ()
+    return tuple(dict.fromkeys(first + rest + ("hytopk",)))
 
 
 def entries_from(path: str) -> list[dict]:
@@ -108,7 +124,7 @@ def entries_from(path: str) -> list[dict]:
         lib_method = SELECTION_METHODS[1]
         for (cfg, T, inputs, method), own in by.items():
             lib = by.get((cfg, T, inputs, lib_method))
-            own_methods = own_selection_methods(own.get("S", T))
+            own_methods = own_selection_methods(own.get("S", T), current_defaults(meta))
             if method not in own_methods or inputs != "random" or not lib or "H" not in own:
                 continue
             # the first own method the record timed at this length (an OOM row has no time)

@@ -110,8 +110,8 @@ def hytopk(
             (the Triton backend skips its final per-row sort: QSA at 512K tokens, 43 of 460
             ms; for consumers that need the set only).
         options: the kernels' variant and tiling (`HyTopKOptions`; None: its DEFAULT, which
-            on Hopper runs the Gluon scores' selection from 64K keys, `scores_sm90`, and the
-            Triton kernel elsewhere). Every variant returns the same outputs (but the Gluon
+            on Hopper runs the Gluon scores' selection from `scores_sm90_min_keys` keys (16K),
+            `scores_sm90`, and the Triton kernel elsewhere). Every variant returns the same outputs (but the Gluon
             path: exact for its kernel's fp32 scores, whose sums near-tied bf16 scores may
             order otherwise than the Triton kernel's); the reference ignores it.
         check_values: True (default) checks that q, k and weights are finite (a host sync
@@ -119,7 +119,7 @@ def hytopk(
             False): a NaN or Inf then gives an undefined selection and a NaN attention
             downstream, which Megatron's loss check reports, as with stock. Shapes, dtypes and
             devices are always checked. The Gluon-scores path (the default on Hopper from
-            64K keys) syncs once a call itself (whether any row is redone; one more a batch
+            16K keys) syncs once a call itself (whether any row is redone; one more a batch
             with rows to redo), and steps aside while a CUDA graph is captured.
         precision: "bf16" (default) scores q and k as given (bf16, fp16 or fp32). "fp8"
             scores their e4m3 copies with per-token power-of-two scales (q per token and head,

@@ -210,9 +210,10 @@ META = {"device": "NVIDIA H200", "date": "2026-12-02 03:00:00 UTC", "commit": "a
         "matmul_tflops": 800.0, "command": "synthetic"}
 
 
-def write_record(folder: Path, script: str, records: list[dict]) -> Path:
+def write_record(folder: Path, script: str, records: list[dict], meta: dict | None = None
+                 ) -> Path:
     path = folder / f"2026-12-02-nvidia-h200-{script}-glm51.json"
-    path.write_text(json.dumps({"meta": META, "records": records}))
+    path.write_text(json.dumps({"meta": META | (meta or {}), "records": records}))
     return path
 
 
@@ -360,6 +361,37 @@ def test_measured_defaults_takes_the_default_selection_where_a_record_has_it(tmp
     newest = [dict(e, stamp="9999", own_ms=240.0) for e in older]
     (kept,) = md.table(older + newest)
     assert kept["own_ms"] == 240.0 and "rank" not in kept and "stamp" not in kept
+
+
+def test_measured_defaults_trusts_hytopk_default_only_under_todays_defaults(tmp_path) -> None:
+    """hytopk_default is the default of the day the record ran: a record naming today's
+    HyTopKOptions.DEFAULT (bench_selection's meta) gives its time; an older record's (no
+    options named, or others) gives way to the method running today's default path (the
+    Gluon path with the sample today's default takes)."""
+    import dataclasses
+
+    from megatron_hyscale.ops import HyTopKOptions
+
+    md = load("measured_defaults")
+    default = HyTopKOptions.DEFAULT
+    long_t = default.scores_sm90_min_keys * 2
+    pair = [dict(r, T=long_t) for r in SELECTION[:2]]  # hytopk 300 ms, cudnn 200 ms
+    path_method = md.GLUON_METHODS[default.scores_sm90_sample_table]
+    other_method = md.GLUON_METHODS[not default.scores_sm90_sample_table]
+    rows = [*pair, dict(pair[0], method="hytopk_default", ms=180.0),
+            dict(pair[0], method=path_method, ms=170.0),
+            dict(pair[0], method=other_method, ms=160.0)]
+    today = {"hytopk_default_options": dataclasses.asdict(default)}
+    older = {"hytopk_default_options": dataclasses.asdict(
+        dataclasses.replace(default, scores_sm90_min_keys=default.scores_sm90_min_keys + 1))}
+
+    def own(meta):
+        (e,) = md.entries_from(str(write_record(tmp_path, "bench_selection", rows, meta)))
+        return e["own_ms"], e["own_kernel"]
+
+    assert own(today) == (180.0, "hytopk_default")
+    assert own(older) == (170.0, path_method)
+    assert own(None) == (170.0, path_method)
 
 
 def test_measured_defaults_times_the_kernels_the_defaults_run(tmp_path) -> None:

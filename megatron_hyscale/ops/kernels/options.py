@@ -230,9 +230,10 @@ class HyTopKOptions:
     # The thresholds' sample scored by the same Gluon kernel (its table epilogue, every
     # sampled key against every row: `indexer_table_sm90`) instead of HyTopK's Triton
     # score-table kernel, which takes the sample phase to 20-35 ms at 128K. Same thresholds to
-    # fp32 rounding order. On: 1.02-1.09x the Triton sample's selection at 16K-128K for V3.2
-    # and GLM-5.1 on the H200 (2026-12-06, same run, rows equal; BENCHMARKS.md); False: the
-    # Triton table, kept to compare.
+    # fp32 rounding order. On: on the H200 (2026-12-06, same run, rows equal; BENCHMARKS.md)
+    # the Gluon path with it was 1.02-1.09x the one with the Triton sample at 64K-128K for V3.2
+    # and GLM-5.1, and 1.11-1.13x the Triton kernel at 16K (the Gluon path with the Triton
+    # sample was not timed there); False: the Triton table, kept to compare.
     scores_sm90_sample_table: bool = True
 
     def __post_init__(self) -> None:
