@@ -4,7 +4,8 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
 4 heads, constant weights, as the QSA layer calls it) it times, in one run:
   hytopk     HyTopK Triton kernel (exact, streaming, no score table), key-tile pruning off
   hytopk_default  what ops.hytopk runs with its default options: on Hopper from
-             HyTopKOptions.scores_sm90_min_keys keys (16K) the Gluon scores' selection (HyTopKOptions.scores_sm90=None), else the Triton kernel;
+             HyTopKOptions.scores_sm90_min_keys keys (16K) the Gluon scores' selection
+             (HyTopKOptions.scores_sm90=None), else the Triton kernel;
              the "own" time scripts/measured_defaults.py compares with cuDNN's where a record
              has it; reports same_as_hytopk (equal to the Triton kernel's rows)
   hytopk_prune  the same with exact key-tile pruning on (tiles whose centroid / radius score
