@@ -292,6 +292,8 @@ smoke_then_tests() {
   return 0
 }
 if ! python3 -c "import megatron.core" 2>/dev/null; then
+  compgen -G ".whl/*.whl" > /dev/null || { echo "gpu_session.sh: megatron-core is not" \
+    "installed and .whl/ holds no wheel: call the device with carry [\".whl\"]" >&2; exit 2; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
