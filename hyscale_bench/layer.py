@@ -644,6 +644,16 @@ def matmul_rate(device: str) -> float:
     return 2 * n**3 / max(ms, 1e-6) / 1e9
 
 
+def copy_rate(device: str) -> float:
+    """Device-to-device copy TB/s on a GPU (the record's copy rate, measured beside the matmul
+    rate); NaN on the CPU, whose runs write no record."""
+    if device == "cuda":
+        from hyscale_bench.measure import copy_tbps
+
+        return copy_tbps()
+    return float("nan")
+
+
 def layer_step(layer: Layer, hidden: torch.Tensor, grad: torch.Tensor) -> None:
     """Forward + backward with the layer's forward checkpointed (full recompute)."""
     from megatron.core import tensor_parallel
@@ -1268,7 +1278,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     if rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-    rate = matmul_rate(args.device)
+    rate, copy = matmul_rate(args.device), copy_rate(args.device)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     base_name = "stock" if args.model == "dsa" else "baseline"
     tiny = " (tiny)" if args.tiny else ""
@@ -1370,7 +1380,7 @@ def run(args: argparse.Namespace) -> int:
         log(f"[T={T}] done in {time.time() - t0:.0f} s: {row}")
         rows.append(row)
         if rank() == 0:
-            write_json(out_dir, args, device_name, rate, base_names, rows)
+            write_json(out_dir, args, device_name, rate, copy, base_names, rows)
     if rank() == 0:
         print_table(rows, base_names)
         plot(rows, out_dir, args, base_names)
@@ -1379,11 +1389,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_json(out_dir: Path, args: argparse.Namespace, device: str, rate: float,
+def write_json(out_dir: Path, args: argparse.Namespace, device: str, rate: float, copy: float,
                base_names: list[str], rows: list[dict[str, Any]]) -> None:
     payload = {
         "model": args.model, "tiny": args.tiny, "device": device, "cp": args.cp, "dp": args.dp,
         "world_size": int(os.environ.get("WORLD_SIZE", "1")), "matmul_tflops": rate,
+        "copy_tbps": copy,
         "baseline_name": base_names[0], "date": datetime.now(UTC).isoformat(),
         "command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "rows": rows,
     }
@@ -1402,7 +1413,7 @@ def write_json(out_dir: Path, args: argparse.Namespace, device: str, rate: float
         extra = {"baseline_names": base_names, "args": vars(args)}
         if args.packed:
             extra["packed"] = packed_meta(args)
-        save_record("bench_layer", config, rows, matmul=rate, copy=float("nan"), extra=extra)
+        save_record("bench_layer", config, rows, matmul=rate, copy=copy, extra=extra)
     if args.model == "dsa":  # the name earlier runs (and BENCHMARKS.md) used
         (out_dir / "bench_layer.json").write_text(json.dumps(payload, indent=1))
 

@@ -281,9 +281,10 @@ def test_two_stock_rows_table_and_json(tmp_path: Path,
     assert bench_layer._speedup(rec(2.0), "OOM") is None
 
     args = bench_layer.parse_args(["--stock-kernel-backend", "tilelang", "--seq", "8192"])
-    bench_layer.write_json(tmp_path, args, "cpu", 1.0, names, rows)
+    bench_layer.write_json(tmp_path, args, "cpu", 1.0, 3.5, names, rows)
     data = json.loads((tmp_path / "bench_layer_dsa.json").read_text())
     assert data["baseline_name"] == "stock" and data["baseline_names"] == names
+    assert (data["matmul_tflops"], data["copy_tbps"]) == (1.0, 3.5)
     assert data["stock_kernel_backend"] == "tilelang"
 
 
