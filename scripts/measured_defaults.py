@@ -97,13 +97,14 @@ def own_selection_methods(keys: int, defaults_current: bool = True) -> tuple[str
     default path (on Hopper from HyTopKOptions.scores_sm90_min_keys keys the Gluon path with
     the sample the default takes, `GLUON_METHODS`; the records that hold it ran on Hopper,
     else the Triton kernel); hytopk_default of older defaults; the other Gluon method; the
-    Triton kernel (hytopk). The same methods in every order, so ranks compare."""
+    Triton kernel (hytopk). Fixed slots ("" where a record has no such method), so a method
+    has the same rank in every record and the newer of two equal ranks wins (`table`)."""
     default = HyTopKOptions.DEFAULT
     gluon = default.scores_sm90 is not False and keys >= default.scores_sm90_min_keys
     path = GLUON_METHODS[default.scores_sm90_sample_table] if gluon else "hytopk"
-    first = ("hytopk_default", path) if defaults_current else (path, "hytopk_default")
-    rest = (GLUON_METHODS[not default.scores_sm90_sample_table],) if gluon else ()
-    return tuple(dict.fromkeys(first + rest + ("hytopk",)))
+    other = GLUON_METHODS[not default.scores_sm90_sample_table] if gluon else ""
+    return ("hytopk_default" if defaults_current else "", path,
+            "" if defaults_current else "hytopk_default", other, "hytopk")
 
 
 def entries_from(path: str) -> list[dict]:

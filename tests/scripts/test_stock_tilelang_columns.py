@@ -393,6 +393,17 @@ def test_measured_defaults_trusts_hytopk_default_only_under_todays_defaults(tmp_
     assert own(older) == (170.0, path_method)
     assert own(None) == (170.0, path_method)
 
+    # Across records a method ranks alike whatever defaults each ran: a newer record of
+    # today's defaults without a hytopk_default row displaces an older one's same method.
+    path_rows = [*pair, dict(pair[0], method=path_method, ms=170.0)]
+    old = md.entries_from(str(write_record(tmp_path, "bench_selection", path_rows)))
+    new = md.entries_from(str(write_record(
+        tmp_path, "bench_selection", [dict(r, ms=r["ms"] - 20) for r in path_rows], today)))
+    for e in new:
+        e["stamp"] = "9999"
+    (kept,) = md.table(old + new)
+    assert (kept["own_ms"], kept["own_kernel"]) == (150.0, path_method)
+
 
 def test_measured_defaults_times_the_kernels_the_defaults_run(tmp_path) -> None:
     """Per side, the time of the kernel the defaults run now (a --*-also column whose relative
