@@ -610,9 +610,10 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "sparse-mla-bwd-sm90-csa": lambda: _sparse_mla_bwd_sm90(64, 512, 640, sink=True),
     "sparse-mla-bwd-sm90-glm51-target": lambda: _sparse_mla_bwd_sm90(64, 576, 2048, dlse=True,
                                                                      target=True),
-    # GLM-5.1 under tensor parallelism 2 (32 heads a rank: one block padded to 64).
+    # The absorbed query's RoPE (no FMA may appear: tests/ops/test_absorbed_mla.py).
     "mla-rope-bf16": lambda: _mla_rope(torch.bfloat16),
     "mla-rope-fp32": lambda: _mla_rope(torch.float32),
+    # GLM-5.1 under tensor parallelism 2 (32 heads a rank: one block padded to 64).
     "sparse-mla-bwd-sm90-glm51-tp2": lambda: _sparse_mla_bwd_sm90(32, 576, 2048),
     "sparse-mla-bwd-sm90-glm51-vec4": lambda: _sparse_mla_bwd_sm90(64, 576, 2048, dk_vec4=True),
     "sparse-mla-bwd-sm90-glm51-lockstep": lambda: _sparse_mla_bwd_sm90(64, 576, 2048,

@@ -45,13 +45,12 @@ from megatron_hyscale.ops.kernels.options import (  # noqa: E402
     HyTopKOptions,
 )
 
-# What each record names HyScale's own kernel and its library backend: (own, library). Every
-# other method, column or entry of a record (stock baselines included) is ignored. The own
-# selection: what ops.hytopk runs by default, as timed (hytopk_default) where the record's
-# defaults are today's, else the method that runs what today's default runs at that length
-# (`own_selection_methods`).
-SELECTION_METHODS = (("hytopk_default", "hytopk_scores_sm90_gluon_sample", "hytopk_scores_sm90",
-                      "hytopk"), "cudnn")
+# What each record names HyScale's own kernel and its library backend. Every other method,
+# column or entry of a record (stock baselines included) is ignored. The own selection: what
+# ops.hytopk runs by default, as timed (hytopk_default) where the record's defaults are
+# today's, else the method that runs what today's default runs at that length
+# (`own_selection_methods`); the library's: cuDNN's.
+LIBRARY_SELECTION_METHOD = "cudnn"
 # bench_selection's Gluon-path methods by HyTopKOptions.scores_sm90_sample_table.
 GLUON_METHODS = {True: "hytopk_scores_sm90_gluon_sample", False: "hytopk_scores_sm90"}
 # The attention's own times are those of the kernels the defaults run (a record names the
@@ -122,10 +121,10 @@ def entries_from(path: str) -> list[dict]:
         # may hold a JIT compile: neither is a comparison.
         by = {(r["config"], r["T"], r["inputs"], r["method"]): r for r in records
               if {"config", "T", "inputs", "method"} <= r.keys() and r.get("reps") != 1}
-        lib_method = SELECTION_METHODS[1]
+        defaults_current = current_defaults(meta)
         for (cfg, T, inputs, method), own in by.items():
-            lib = by.get((cfg, T, inputs, lib_method))
-            own_methods = own_selection_methods(own.get("S", T), current_defaults(meta))
+            lib = by.get((cfg, T, inputs, LIBRARY_SELECTION_METHOD))
+            own_methods = own_selection_methods(own.get("S", T), defaults_current)
             if method not in own_methods or inputs != "random" or not lib or "H" not in own:
                 continue
             # the first own method the record timed at this length (an OOM row has no time)

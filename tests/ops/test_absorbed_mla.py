@@ -9,11 +9,7 @@ the plain-torch path run.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +17,8 @@ from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_
 
 from megatron_hyscale.ops import absorbed_mla
 from megatron_hyscale.ops.absorbed_mla import absorbed_query, project_values
+from megatron_hyscale.testing.inspect_sm90 import run_inspect_sm90
 
-ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 S, B, N, D, R, C, DV = 33, 2, 5, 12, 8, 16, 6  # 330 (row, batch, head) triples: 3 programs
 
@@ -182,10 +178,8 @@ def test_rope_kernel_rounds_each_product_when_compiled(tmp_path):
     megatron's roundings: products and sums as separate FMUL / FADD, no fused multiply-add
     (an FFMA skips the product's rounding; an HFMA2 is what a bf16 cast-and-back around the
     product turned into, which differed from megatron on the H200)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "inspect_sm90.py"), "--preset",
-                           "mla-rope-bf16", "mla-rope-fp32", "--sass-out", str(tmp_path)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    proc = run_inspect_sm90("--preset", "mla-rope-bf16", "mla-rope-fp32", "--sass-out",
+                            str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = sorted(tmp_path.glob("mla-rope-*.sass"))
     assert len(files) == 4  # forward and backward, bf16 and fp32

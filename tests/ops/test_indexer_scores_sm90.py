@@ -13,10 +13,7 @@ by Cauchy-Schwarz A(t, s) <= A_t = sum_h |w_h| ||q_h|| max_s ||k_s||. Tested wit
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,9 +22,8 @@ import torch
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
                     reason="Gluon's Hopper API (tested with Triton 3.6)")
 from megatron_hyscale.ops.kernels import indexer_scores_sm90 as sm90  # noqa: E402
+from megatron_hyscale.testing.inspect_sm90 import run_inspect_sm90  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "inspect_sm90.py"
 PRESETS = {"indexer-scores-sm90-dsv32": 64, "indexer-scores-sm90-glm51": 32}
 EPS32 = 2.0**-24
 # The H200's shared memory a block.
@@ -165,12 +161,6 @@ def test_table_checks_its_arguments():
 # --------------------------------------------------------------------------- CPU: compiled
 
 
-def _inspect(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=600)
-
-
 def test_presets_compile_warp_specialized_without_spills(tmp_path: Path):
     """Both presets compile for sm_90a: no local memory at all; the consumer's key-tile loop
     issues one [64 keys x 128 pairs x 128 dims] product (8 HGMMA) and keeps the head sum in
@@ -179,7 +169,7 @@ def test_presets_compile_warp_specialized_without_spills(tmp_path: Path):
     producer's warpgroup, 240 for the consumers), and each consumer's two single-thread
     mbarrier arrivals a tile (the stage's release, the other consumer's turn)."""
     out = tmp_path / "r.json"
-    proc = _inspect("--preset", *PRESETS, "--json", str(out), "--sass-out", str(tmp_path))
+    proc = run_inspect_sm90("--preset", *PRESETS, "--json", str(out), "--sass-out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = json.loads(out.read_text())
     assert [r["preset"] for r in reports] == list(PRESETS)
@@ -211,7 +201,7 @@ def _epilogue_reports(tmp_path: Path, *presets: str, gemm: str = "HGMMA", steps:
     """The presets' compile reports, each without local memory or a serialized wgmma, its loop
     holding the one product (8 HGMMA: bf16 K-steps of 16; 4 QGMMA for e4m3)."""
     out = tmp_path / "e.json"
-    proc = _inspect("--preset", *presets, "--json", str(out))
+    proc = run_inspect_sm90("--preset", *presets, "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = json.loads(out.read_text())
     assert [r["preset"] for r in reports] == list(presets)

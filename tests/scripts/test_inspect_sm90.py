@@ -6,21 +6,9 @@ tool needs them compiled."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "inspect_sm90.py"
-
-
-def _run(*args: str, interpret: bool = False) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
+from megatron_hyscale.testing.inspect_sm90 import run_inspect_sm90 as _run
 
 
 def test_hytopk_launch_compiles_for_sm90(tmp_path: Path) -> None:
