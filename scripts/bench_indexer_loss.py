@@ -358,6 +358,13 @@ LOSS_VARIANTS = {
     "warps8_r128": dict(bwd_num_warps=8, bwd_maxnreg=128),
     "r168": dict(bwd_maxnreg=168),
     "n32x2": dict(index_tilings=((32, 2),)),
+    # deeper pipelines: from 3 stages Triton's pipeliner turns the gathered key rows into
+    # asynchronous copies (cp.async) issued a tile ahead (sm_90a SASS, GLM-5.1's backward
+    # tile: 5 -> 13 LDGSTS, 24 -> 16 LDG), the latency the 2026-12-06 probe found dominant
+    "n64x3": dict(index_tilings=((64, 3),)),
+    "n32x3": dict(index_tilings=((32, 3),)),
+    "n32x4": dict(index_tilings=((32, 4),)),
+    "n64x4": dict(index_tilings=((64, 4),)),
     "n32x2_r128": dict(index_tilings=((32, 2),), bwd_maxnreg=128),
     "fused_warps8": dict(fused_rows_bwd=True, bwd_num_warps=8),
     "fused_warps8_r128": dict(fused_rows_bwd=True, bwd_num_warps=8, bwd_maxnreg=128),
