@@ -43,6 +43,27 @@ def test_select_methods_select_as_the_op(sel, monkeypatch):  # noqa: F811
     assert torch.equal(best, want[1][..., 0])
 
 
+def test_a_variant_that_differs_reports_its_share_of_equal_rows(sel, monkeypatch):  # noqa: F811
+    """Bitwise equal: no share; a row out of order: not equal, every set equal; one row's
+    set changed: that row alone counted out."""
+    monkeypatch.setattr(sel, "positions", cpu_positions)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-2, 3, (1, 16, 4, 32), generator=g).float()
+    k = torch.randint(-2, 3, (1, 16, 32), generator=g).float()
+    w = torch.randint(-2, 3, (1, 16, 4), generator=g).float()
+    idx, score = sel.run_hytopk(q, k, w, 6, True)
+    assert sel.agreement_with_hytopk("hytopk_default", (idx, score), q, k, w, 6, True) == {
+        "same_as_hytopk": True}
+    flipped = (idx.flip(-1), score.flip(-1))
+    assert sel.agreement_with_hytopk("hytopk_default", flipped, q, k, w, 6, True) == {
+        "same_as_hytopk": False, "same_rows_as_hytopk": 1.0}
+    other = idx.clone()
+    row = 15  # all 16 keys visible: a key outside its top 6 replaces its first slot
+    other[0, row, 0] = next(j for j in range(16) if j not in idx[0, row].tolist())
+    got = sel.agreement_with_hytopk("hytopk_default", (other, score), q, k, w, 6, True)
+    assert got == {"same_as_hytopk": False, "same_rows_as_hytopk": 15 / 16}
+
+
 def test_variant_table_renders_times_and_flags(sel, capsys):  # noqa: F811
     base = {"config": "norelu", "T": 131072, "inputs": "random"}
     records = [dict(base, method="hytopk", ms=172.9), dict(base, method="finish", ms=33.0),
