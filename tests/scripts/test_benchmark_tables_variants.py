@@ -28,11 +28,12 @@ def test_selection_variants_speed_up_and_equality():
     base = {"config": "norelu", "T": 131072, "inputs": "random", "reps": 2, "floor_ms": 95.6}
     records = [dict(base, method="hytopk", ms=121.3),
                dict(base, method="hytopk_sort_regs", ms=106.5, same_as_hytopk=True),
-               dict(base, method="hytopk_sort_bitonic", ms=122.2, same_as_hytopk=False)]
+               dict(base, method="hytopk_sort_bitonic", ms=122.2, same_as_hytopk=False,
+                    same_rows_as_hytopk=0.99971)]
     (row,) = rows(tables.kernel_variants(records))
     assert row["HyTopK ms"] == "121.3"
     assert row["hytopk_sort_regs ms (speed-up, rows equal)"] == "106.5 (1.14x, yes)"
-    assert row["hytopk_sort_bitonic ms (speed-up, rows equal)"] == "122.2 (0.99x, NO)"
+    assert row["hytopk_sort_bitonic ms (speed-up, rows equal)"] == "122.2 (0.99x, NO, sets 99.97%)"
     assert tables.kernel_variants(records[:1]) == []  # no variant, no table
     assert tables.selection(records)[-4:] == tables.kernel_variants(records)
 

@@ -567,8 +567,14 @@ class IndexerLossKernelOptions:
     # forward: a [64 x 576] bf16 query block stays resident; more heads loop over head blocks.
     max_block_h: int = 64
     target_tilings: Tilings = ((32, 2), (64, 1), (32, 1), (16, 1))
-    # The loss and backward kernels' (indexer scores over the selected keys).
-    index_tilings: Tilings = ((64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
+    # The loss and backward kernels' (indexer scores over the selected keys). Three stages
+    # first: from three, Triton's pipeliner issues a tile's gathered key rows as asynchronous
+    # copies a tile ahead (sm_90a, GLM-5.1's backward tile: 5 -> 13 LDGSTS, 24 -> 16 LDG), and
+    # the backward is latency-bound on those gathers. Timed on an H100 (2026-12-06,
+    # `bench_indexer_loss.py --variants n64x3`, row pass + backward at 128K): GLM-5.1 113.8 ->
+    # 93.5 ms, V3.2 143.0 -> 116.9 (the KL identical, dk to the atomics' order); 32-key tiles
+    # at three or four stages slower, 64 at four as three.
+    index_tilings: Tilings = ((64, 3), (64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
     # Keys per step forced for every kernel, one stage (tests); None: the first tiling above
     # that fits.
     block_n: int | None = None
