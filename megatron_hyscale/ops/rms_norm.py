@@ -11,15 +11,28 @@ the input (bf16 for the layer) and rstd [rows] in fp32.
 
 Values: per row, y = x * rsqrt(mean(x^2) + eps) [* weight], all in fp32, rounded once to x's
 dtype; the same ops in the same order as the plain-torch form, row by row.
+
+On CUDA the op runs torch's fused RMSNorm kernels instead (`aten._fused_rms_norm` and its
+backward, what `F.rms_norm` runs there): the same formula, the same rounding and the same saved
+tensors (x and one fp32 scale a row), one read and one write of each tensor, where the chunked
+form makes six to eleven fp32 passes (V4-Flash's queries at 128K tokens are 4.3 G elements).
+Its row sums add in another order than torch's `mean`: 1-ulp fp32 differences of the scale.
 """
 
 from __future__ import annotations
+
+import warnings
+from typing import Literal
 
 import torch
 from torch.autograd.function import once_differentiable
 
 # fp32 bytes of one chunk's temporaries (a few of them live at once).
 CHUNK_BYTES = 256 << 20
+
+# torch's fused kernels (torch >= 2.8 on CUDA); None where this torch has none.
+_FUSED = getattr(torch.ops.aten, "_fused_rms_norm", None)
+_warned: set[str] = set()
 
 
 def _rows_per_chunk(width: int) -> int:
@@ -70,14 +83,33 @@ class _RMSNorm(torch.autograd.Function):
                 None if dw is None else dw.to(weight.dtype), None)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
+             kernel: Literal["auto", "fused", "chunked"] = "auto") -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) times weight (if given), in fp32, returned in x's dtype.
 
     x: [..., C] (any float dtype); weight: [C] or None. (transformers' V4 rounds to x's dtype
     before the weight and keeps the weight's dtype, fp32 there, in the output; identical in
     fp32, and here the output dtype never changes.)
+    kernel: "fused" torch's fused RMSNorm kernels, "chunked" the row-chunked torch ops above,
+    "auto" (default) fused on CUDA, chunked elsewhere (one warning where this torch has no
+    fused kernel).
     """
     if weight is not None and weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected "
                          f"({x.shape[-1]},) for x of shape {tuple(x.shape)}")
+    if kernel not in ("auto", "fused", "chunked"):
+        raise ValueError(f"rms_norm: kernel must be 'auto', 'fused' or 'chunked', got {kernel!r}")
+    fused = kernel == "fused" or (kernel == "auto" and x.is_cuda)
+    if fused and _FUSED is None:
+        if kernel == "fused":
+            raise RuntimeError(f"rms_norm: kernel='fused' needs aten._fused_rms_norm, which "
+                               f"torch {torch.__version__} lacks")
+        if "no-fused" not in _warned:
+            _warned.add("no-fused")
+            warnings.warn(f"HyScale: torch {torch.__version__} has no fused RMSNorm kernel "
+                          "(aten._fused_rms_norm): rms_norm runs its chunked torch ops",
+                          stacklevel=2)
+        fused = False
+    if fused:
+        return _FUSED(x, [x.shape[-1]], weight, eps)[0]
     return _RMSNorm.apply(x, weight, eps)

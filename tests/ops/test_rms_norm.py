@@ -1,4 +1,5 @@
-"""ops.rms_norm: values and gradients of the plain fp32 form; saves only x and a scale a row."""
+"""ops.rms_norm: values and gradients of the plain fp32 form (the chunked torch ops and torch's
+fused kernels); saves only x and a scale a row."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ def plain(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Ten
     return (out if weight is None else out * weight.float()).to(x.dtype)
 
 
+@pytest.mark.parametrize("kernel", ["chunked", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_weight", [False, True])
-def test_matches_plain_form_values_and_grads(monkeypatch, dtype, with_weight):
+def test_matches_plain_form_values_and_grads(monkeypatch, dtype, with_weight, kernel):
     # 3 rows a chunk: 2 x 5 x 3 = 30 rows in 10 chunks, the last dim a transposed (strided) view
     monkeypatch.setattr(rms_module, "CHUNK_BYTES", 3 * 4 * 12)
     g = torch.Generator().manual_seed(0)
@@ -29,7 +31,7 @@ def test_matches_plain_form_values_and_grads(monkeypatch, dtype, with_weight):
 
     xa = x.detach().clone().requires_grad_()
     wa = None if w is None else w.detach().clone().requires_grad_()
-    ya = rms_norm(xa, wa, 1e-6)
+    ya = rms_norm(xa, wa, 1e-6, kernel=kernel)
     ya.backward(grad)
     xb = x.detach().clone().requires_grad_()
     wb = None if w is None else w.detach().clone().requires_grad_()
@@ -45,8 +47,8 @@ def test_matches_plain_form_values_and_grads(monkeypatch, dtype, with_weight):
         torch.testing.assert_close(wa.grad, wb.grad, **tol)
 
 
-def test_saves_only_the_input_and_a_scale_per_row():
-    x = torch.randn(64, 8, 32, dtype=torch.bfloat16, requires_grad=True)
+def saved_beside_x(x: torch.Tensor, **kwargs) -> int:
+    """Bytes autograd saves for rms_norm(x) other than x itself (asserted saved, not copied)."""
     saved: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -54,12 +56,72 @@ def test_saves_only_the_input_and_a_scale_per_row():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        rms_norm(x, None, 1e-6)
-    new_bytes = sum(t.numel() * t.element_size() for t in saved if t.data_ptr() != x.data_ptr())
-    assert new_bytes == 64 * 8 * 4  # rstd: one fp32 a row; x itself is not a copy
+        rms_norm(x, None, 1e-6, **kwargs)
     assert any(t.data_ptr() == x.data_ptr() for t in saved)
+    return sum(t.numel() * t.element_size() for t in saved if t.data_ptr() != x.data_ptr())
+
+
+def test_saves_only_the_input_and_a_scale_per_row():
+    # (the fused kernels' saved tensors: on CUDA, below; on the CPU torch decomposes them)
+    x = torch.randn(64, 8, 32, dtype=torch.bfloat16, requires_grad=True)
+    assert saved_beside_x(x, kernel="chunked") == 64 * 8 * 4  # rstd: one fp32 a row
 
 
 def test_rejects_a_weight_of_the_wrong_width():
     with pytest.raises(ValueError, match="weight has shape"):
         rms_norm(torch.randn(4, 8), torch.ones(7), 1e-6)
+
+
+def test_auto_runs_the_chunked_ops_off_cuda(monkeypatch):
+    calls = []
+    monkeypatch.setattr(rms_module, "_FUSED", lambda *a: calls.append(a) or (a[0], None))
+    rms_norm(torch.randn(4, 8), None, 1e-6)
+    assert calls == []
+    rms_norm(torch.randn(4, 8), None, 1e-6, kernel="fused")
+    assert len(calls) == 1
+
+
+def test_bad_kernel_names_and_a_missing_fused_kernel_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="kernel must be"):
+        rms_norm(torch.randn(4, 8), None, 1e-6, kernel="triton")
+    monkeypatch.setattr(rms_module, "_FUSED", None)
+    with pytest.raises(RuntimeError, match="_fused_rms_norm"):
+        rms_norm(torch.randn(4, 8), None, 1e-6, kernel="fused")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_fused_kernel_on_cuda_is_the_chunked_form_to_rounding(monkeypatch):
+    """V4-Flash's query norm (64 heads x 512, no weight) and a weighted norm: the default on
+    CUDA is torch's fused kernel; its values within one bf16 rounding of the chunked form's
+    (fp32 sums in another order), its gradients to bf16 tolerance. Without the fused op the
+    default warns once and runs the chunked ops."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for shape, with_weight in (((1, 2048, 64, 512), False), ((4096, 512), True)):
+        x = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.rand(shape[-1], device="cuda", generator=g) + 0.5).to(torch.bfloat16) \
+            if with_weight else None
+        grad = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+        outs = {}
+        for kernel in ("auto", "chunked"):
+            xa = x.clone().requires_grad_()
+            wa = None if w is None else w.clone().requires_grad_()
+            y = rms_norm(xa, wa, 1e-6, kernel=kernel)
+            y.backward(grad)
+            outs[kernel] = (y, xa.grad, None if wa is None else wa.grad)
+        (ya, dxa, dwa), (yb, dxb, dwb) = outs["auto"], outs["chunked"]
+        rows = x.numel() // shape[-1]
+        assert saved_beside_x(x.clone().requires_grad_()) == rows * 4  # x and rstd only
+        torch.testing.assert_close(ya, yb, atol=0, rtol=8e-3)
+        assert (ya != yb).float().mean() < 0.01  # a few 1-ulp differences at most
+        torch.testing.assert_close(dxa, dxb, atol=2e-2, rtol=2e-2)
+        if with_weight:
+            torch.testing.assert_close(dwa.float(), dwb.float(), atol=0.5, rtol=2e-2)
+    calls = []
+    monkeypatch.setattr(rms_module, "_FUSED", None)
+    monkeypatch.setattr(rms_module, "_warned", set())
+    monkeypatch.setattr(rms_module._RMSNorm, "apply", lambda *a: calls.append(a) or a[0])
+    with pytest.warns(UserWarning, match="no fused RMSNorm"):
+        rms_norm(x, None, 1e-6)
+    rms_norm(x, None, 1e-6)
+    assert len(calls) == 2
