@@ -256,6 +256,19 @@ def _mla_rope(dtype: torch.dtype) -> list[Launch]:
     return calls
 
 
+def _interleaved_rope(dtype: torch.dtype) -> list[Launch]:
+    """DeepSeek-V4's query RoPE (`interleaved_rope`, 64 heads of 512 channels, 64 rotary): one
+    launch (the backward is the same kernel). No MMA: read the whole kernel's counts (torch
+    rounds each fp32 product before the sum: no FFMA may appear)."""
+    from megatron_hyscale.ops.kernels import interleaved_rope
+
+    x = torch.zeros(1, 32, 64, 512, dtype=dtype)
+    cos = torch.zeros(32, 32)
+    with intercept(interleaved_rope, "_interleaved_rope_kernel") as calls:
+        interleaved_rope.interleaved_rope(x, cos, cos, 64)
+    return calls
+
+
 def _sparse_attention(hq: int, hkv: int, d: int, dv: int | None, topk: int, T: int = 256,
                       prefix: bool = False, dq_target: bool = False, **options: Any
                       ) -> list[Launch]:
@@ -613,6 +626,7 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     # The absorbed query's RoPE (no FMA may appear: tests/ops/test_absorbed_mla.py).
     "mla-rope-bf16": lambda: _mla_rope(torch.bfloat16),
     "mla-rope-fp32": lambda: _mla_rope(torch.float32),
+    "interleaved-rope-bf16": lambda: _interleaved_rope(torch.bfloat16),
     # GLM-5.1 under tensor parallelism 2 (32 heads a rank: one block padded to 64).
     "sparse-mla-bwd-sm90-glm51-tp2": lambda: _sparse_mla_bwd_sm90(32, 576, 2048),
     "sparse-mla-bwd-sm90-glm51-vec4": lambda: _sparse_mla_bwd_sm90(64, 576, 2048, dk_vec4=True),

@@ -29,6 +29,7 @@ Everything here is differentiable and has no Megatron imports.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 
@@ -95,49 +96,76 @@ class _InterleavedRope(torch.autograd.Function):
     As plain ops (slice, rotate, cat), autograd's backward builds a zero-filled full-size
     gradient for each slice and adds them: three [..., D] tensors for one rotation (V4's
     queries: 2 GiB each at 32K tokens). The gradient of a rotation is the opposite rotation,
-    computed here the same way (fp32, then x's dtype).
+    computed here the same way (fp32, then x's dtype). With `triton` both directions run
+    `kernels/interleaved_rope.py` (one read and one write of the tensor, bitwise these ops).
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rope_dim = 2 * cos.shape[-1]
-        out = x.clone(memory_format=torch.contiguous_format)
-        out[..., -rope_dim:] = _rotate_pairs(x[..., -rope_dim:].float(), cos, sin)
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_axis: bool,
+                triton: bool) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return out
+        ctx.head_axis, ctx.triton = head_axis, triton
+        return _rotate(x, cos, sin, head_axis, triton)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         cos, sin = ctx.saved_tensors
-        rope_dim = 2 * cos.shape[-1]
-        dx = grad.clone(memory_format=torch.contiguous_format)
-        dx[..., -rope_dim:] = _rotate_pairs(grad[..., -rope_dim:].float(), cos, -sin)
-        return dx, None, None
+        return _rotate(grad, cos, -sin, ctx.head_axis, ctx.triton), None, None, None, None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_axis: bool,
+            triton: bool) -> torch.Tensor:
+    """x rotated by (cos, sin) ([T, R/2] or [B, T, R/2]), a new contiguous tensor."""
+    if triton:
+        from megatron_hyscale.ops.kernels.interleaved_rope import interleaved_rope
+
+        return interleaved_rope(x, cos, sin, x.shape[2] if head_axis else 1)
+    if head_axis:
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    rope_dim = 2 * cos.shape[-1]
+    out = x.clone(memory_format=torch.contiguous_format)
+    out[..., -rope_dim:] = _rotate_pairs(x[..., -rope_dim:].float(), cos, sin)
+    return out
 
 
 def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                           heads: bool = False, inverse: bool = False) -> torch.Tensor:
+                           heads: bool = False, inverse: bool = False,
+                           kernel: Literal["auto", "triton", "torch"] = "auto") -> torch.Tensor:
     """Rotate the trailing 2 * cos.shape[-1] channels of x, pairing channels (2j, 2j+1).
 
     Args:
         x: [B, T, D] or, with heads=True, [B, T, H, D]; the rope slice is x[..., D - R:] with
-            R = 2 * cos.shape[-1].
-        cos, sin: [T, R/2] or [B, T, R/2] from `rope_cos_sin` (broadcast over the head axis
-            when heads=True).
+            R = 2 * cos.shape[-1] (even D - R).
+        cos, sin: [T, R/2] or [B, T, R/2] (B may be 1) from `rope_cos_sin` (broadcast over the
+            head axis when heads=True).
         heads: x has a head axis before the channels.
         inverse: rotate by the opposite angle (V4 undoes the values' rotation on the output).
+        kernel: "triton" one Triton kernel a direction, "torch" the plain ops, "auto"
+            (default) Triton on CUDA, torch elsewhere; the values are the same bit for bit.
 
     Returns:
         x's dtype and shape (contiguous); the rotation itself is computed in fp32 (as V4 does).
     """
     rope_dim = 2 * cos.shape[-1]
-    if x.shape[-1] < rope_dim:
-        raise ValueError(f"x has {x.shape[-1]} channels, fewer than the rope dim {rope_dim}")
-    if heads:
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if x.shape[-1] < rope_dim or (x.shape[-1] - rope_dim) % 2:
+        raise ValueError(f"x has {x.shape[-1]} channels: the rope dim {rope_dim} needs at least "
+                         "as many and an even number of others")
+    if x.dim() != (4 if heads else 3):
+        raise ValueError(f"x must be [B, T, {'H, ' if heads else ''}D] (heads={heads}), got "
+                         f"shape {tuple(x.shape)}")
+    B, T = x.shape[:2]
+    if (cos.shape != sin.shape or cos.dim() not in (2, 3) or cos.shape[-2] != T
+            or (cos.dim() == 3 and cos.shape[0] not in (1, B))):
+        raise ValueError(f"cos and sin must be [T, R/2] or [B, T, R/2] for x of shape "
+                         f"{tuple(x.shape)}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if kernel not in ("auto", "triton", "torch"):
+        raise ValueError(f"kernel must be 'auto', 'triton' or 'torch', got {kernel!r}")
+    if cos.dim() == 3 and cos.shape[0] == 1:
+        cos, sin = cos[0], sin[0]
     if inverse:
         sin = -sin
-    return _InterleavedRope.apply(x, cos.float(), sin.float())
+    triton = kernel == "triton" or (kernel == "auto" and x.is_cuda)
+    return _InterleavedRope.apply(x, cos.float(), sin.float(), heads, triton)
 
 
 def compressed_visible_count(q_positions: torch.Tensor, ratio: int) -> torch.Tensor:
