@@ -91,8 +91,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
     before the weight and keeps the weight's dtype, fp32 there, in the output; identical in
     fp32, and here the output dtype never changes.)
     kernel: "fused" torch's fused RMSNorm kernels, "chunked" the row-chunked torch ops above,
-    "auto" (default) fused on CUDA, chunked elsewhere (one warning where this torch has no
-    fused kernel).
+    "auto" (default) fused on CUDA, chunked elsewhere (one warning, naming why, where the
+    fused kernel cannot run: a torch without it, a weight of another dtype than x).
     """
     if weight is not None and weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected "
@@ -100,15 +100,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
     if kernel not in ("auto", "fused", "chunked"):
         raise ValueError(f"rms_norm: kernel must be 'auto', 'fused' or 'chunked', got {kernel!r}")
     fused = kernel == "fused" or (kernel == "auto" and x.is_cuda)
-    if fused and _FUSED is None:
+    # torch's fused kernel takes one dtype for x and the weight (F.rms_norm declines otherwise)
+    why = (f"torch {torch.__version__} has no fused RMSNorm kernel (aten._fused_rms_norm)"
+           if _FUSED is None else
+           f"the weight's dtype {weight.dtype} is not the input's {x.dtype}"
+           if weight is not None and weight.dtype != x.dtype else None)
+    if fused and why is not None:
         if kernel == "fused":
-            raise RuntimeError(f"rms_norm: kernel='fused' needs aten._fused_rms_norm, which "
-                               f"torch {torch.__version__} lacks")
-        if "no-fused" not in _warned:
-            _warned.add("no-fused")
-            warnings.warn(f"HyScale: torch {torch.__version__} has no fused RMSNorm kernel "
-                          "(aten._fused_rms_norm): rms_norm runs its chunked torch ops",
-                          stacklevel=2)
+            raise ValueError(f"rms_norm: kernel='fused' cannot run: {why}")
+        if why not in _warned:
+            _warned.add(why)
+            warnings.warn(f"HyScale: rms_norm runs its chunked torch ops, not torch's fused "
+                          f"kernel: {why}", stacklevel=2)
         fused = False
     if fused:
         return _FUSED(x, [x.shape[-1]], weight, eps)[0]

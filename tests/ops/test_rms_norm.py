@@ -84,8 +84,10 @@ def test_auto_runs_the_chunked_ops_off_cuda(monkeypatch):
 def test_bad_kernel_names_and_a_missing_fused_kernel_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="kernel must be"):
         rms_norm(torch.randn(4, 8), None, 1e-6, kernel="triton")
+    with pytest.raises(ValueError, match="weight's dtype torch.float32 is not the input's"):
+        rms_norm(torch.randn(4, 8).bfloat16(), torch.ones(8), 1e-6, kernel="fused")
     monkeypatch.setattr(rms_module, "_FUSED", None)
-    with pytest.raises(RuntimeError, match="_fused_rms_norm"):
+    with pytest.raises(ValueError, match="_fused_rms_norm"):
         rms_norm(torch.randn(4, 8), None, 1e-6, kernel="fused")
 
 
@@ -125,3 +127,10 @@ def test_the_fused_kernel_on_cuda_is_the_chunked_form_to_rounding(monkeypatch):
         rms_norm(x, None, 1e-6)
     rms_norm(x, None, 1e-6)
     assert len(calls) == 2
+    monkeypatch.undo()
+    # a weight of another dtype: the chunked ops, said once
+    monkeypatch.setattr(rms_module, "_warned", set())
+    monkeypatch.setattr(rms_module._RMSNorm, "apply", lambda *a: calls.append(a) or a[0])
+    with pytest.warns(UserWarning, match="weight's dtype torch.float32"):
+        rms_norm(x, torch.ones(x.shape[-1], device="cuda"), 1e-6)
+    assert len(calls) == 3
