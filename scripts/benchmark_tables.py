@@ -131,7 +131,7 @@ def kernel_variants(records):
             r = by.get((cfg, T, m)) or {}
             same = {True: "yes", False: "NO"}.get(r.get("same_as_hytopk"), "-")
             if "same_rows_as_hytopk" in r:  # not bitwise: how many rows hold the same set
-                same += f", sets {r['same_rows_as_hytopk']:.2%}"
+                same += f", sets {r['same_rows_as_hytopk']:.4%}"
             cells.append(f"{fmt(r.get('ms'))} ({ratio(r.get('ms'), base)}, {same})")
         lines.append(f"| {cfg} | {T} | {fmt(base)} | " + " | ".join(cells) + " |")
     return lines

@@ -523,6 +523,8 @@ INDEXER_LOSS_VARIANT_PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "indexer-loss-glm51-n128x2": lambda: _indexer_loss_index(32, index_tilings=((128, 2),),
                                                              bwd_num_warps=8, loss_num_warps=8),
     "indexer-loss-glm51-n64x3": lambda: _indexer_loss_index(32, index_tilings=((64, 3),)),
+    # the default before 2026-12-06 (two stages: the gathers not issued a tile ahead)
+    "indexer-loss-glm51-n64x2": lambda: _indexer_loss_index(32, index_tilings=((64, 2),)),
     "indexer-loss-v32-index": lambda: _indexer_loss_index(64),
     "indexer-loss-v32-fused": lambda: _indexer_loss_index(64, fused=True),
     "indexer-loss-glm51-r168": lambda: _indexer_loss_index(32, bwd_maxnreg=168),

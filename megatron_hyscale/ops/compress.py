@@ -32,6 +32,7 @@ import math
 from typing import Literal
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from megatron_hyscale.ops.rms_norm import rms_norm
 
@@ -108,6 +109,7 @@ class _InterleavedRope(torch.autograd.Function):
         return _rotate(x, cos, sin, head_axis, triton)
 
     @staticmethod
+    @once_differentiable  # the kernel's output has no graph: no double backward on either path
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         cos, sin = ctx.saved_tensors
         return _rotate(grad, cos, -sin, ctx.head_axis, ctx.triton), None, None, None, None

@@ -15,8 +15,9 @@ dtype; the same ops in the same order as the plain-torch form, row by row.
 On CUDA the op runs torch's fused RMSNorm kernels instead (`aten._fused_rms_norm` and its
 backward, what `F.rms_norm` runs there): the same formula, the same rounding and the same saved
 tensors (x and one fp32 scale a row), one read and one write of each tensor, where the chunked
-form makes six to eleven fp32 passes (V4-Flash's queries at 128K tokens are 4.3 G elements).
-Its row sums add in another order than torch's `mean`: 1-ulp fp32 differences of the scale.
+form makes six to eleven fp32 passes (V4-Flash's queries at 128K tokens are 4.3 G elements),
+in row chunks below 2^31 elements (torch 2.11's kernels index a row in 32 bits). Its row sums
+add in another order than torch's `mean`: 1-ulp fp32 differences of the scale.
 """
 
 from __future__ import annotations
@@ -30,9 +31,77 @@ from torch.autograd.function import once_differentiable
 # fp32 bytes of one chunk's temporaries (a few of them live at once).
 CHUNK_BYTES = 256 << 20
 
-# torch's fused kernels (torch >= 2.8 on CUDA); None where this torch has none.
-_FUSED = getattr(torch.ops.aten, "_fused_rms_norm", None)
+# Elements one fused launch may take: torch 2.11's CUDA kernels compute a row's offset in 32
+# bits (pytorch#181555, fixed after 2.11), so larger inputs go in row chunks below 2^31.
+FUSED_MAX_ELEMENTS = 2**31 - 1
 _warned: set[str] = set()
+
+
+def _fused_ops() -> tuple | None:
+    """torch's fused RMSNorm forward and backward (torch >= 2.8) where this torch has them with
+    the signatures used here, else None. The backward op has CUDA kernels only: on the CPU
+    (tests) torch's own decomposition of it stands in."""
+    fwd = getattr(torch.ops.aten, "_fused_rms_norm", None)
+    bwd = getattr(torch.ops.aten, "_fused_rms_norm_backward", None)
+    want = (["input", "normalized_shape", "weight", "eps"],
+            ["grad_out", "input", "normalized_shape", "rstd", "weight", "output_mask"])
+    try:
+        names = tuple([a.name for a in op.default._schema.arguments] for op in (fwd, bwd))
+    except AttributeError:
+        return None
+    if names != want:
+        return None
+    from torch._decomp import decomposition_table
+
+    bwd_cpu = decomposition_table.get(bwd.default, bwd)
+
+    def backward(grad, x, *args):
+        return (bwd if x.is_cuda else bwd_cpu)(grad, x, *args)
+
+    return fwd, backward
+
+
+_FUSED = _fused_ops()
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """torch's fused kernels, in row chunks of at most FUSED_MAX_ELEMENTS elements (one launch
+    below that); a weight only with one chunk (its gradient is one reduction)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        fwd = _FUSED[0]
+        width = x.shape[-1]
+        x2 = x.reshape(-1, width)
+        step = max(1, FUSED_MAX_ELEMENTS // width)
+        if x2.shape[0] <= step:
+            out, rstd = fwd(x2, [width], weight, eps)
+        else:
+            out = torch.empty_like(x2)
+            rstd = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
+            for r0 in range(0, x2.shape[0], step):
+                out[r0:r0 + step], rstd[r0:r0 + step] = fwd(x2[r0:r0 + step], [width], weight,
+                                                           eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return out.view(x.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        bwd = _FUSED[1]
+        x, weight, rstd = ctx.saved_tensors
+        width = x.shape[-1]
+        x2, g2 = x.reshape(-1, width), grad.reshape(-1, width)
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
+        step = max(1, FUSED_MAX_ELEMENTS // width)
+        if x2.shape[0] <= step:
+            dx, dw = bwd(g2, x2, [width], rstd, weight, mask)
+        else:  # no weight here (rms_norm keeps weighted norms this large on the chunked ops)
+            dx, dw = torch.empty_like(x2), None
+            for r0 in range(0, x2.shape[0], step):
+                dx[r0:r0 + step] = bwd(g2[r0:r0 + step], x2[r0:r0 + step], [width],
+                                       rstd[r0:r0 + step], None, [True, False])[0]
+        return (dx.view(x.shape) if mask[0] else None, dw if mask[1] else None, None)
 
 
 def _rows_per_chunk(width: int) -> int:
@@ -104,7 +173,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
     why = (f"torch {torch.__version__} has no fused RMSNorm kernel (aten._fused_rms_norm)"
            if _FUSED is None else
            f"the weight's dtype {weight.dtype} is not the input's {x.dtype}"
-           if weight is not None and weight.dtype != x.dtype else None)
+           if weight is not None and weight.dtype != x.dtype else
+           f"x has {x.numel()} elements, more than one fused launch takes "
+           f"({FUSED_MAX_ELEMENTS}), and a weight, whose gradient would add up in chunks"
+           if weight is not None and x.numel() > FUSED_MAX_ELEMENTS else None)
     if fused and why is not None:
         if kernel == "fused":
             raise ValueError(f"rms_norm: kernel='fused' cannot run: {why}")
@@ -114,5 +186,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
                           f"kernel: {why}", stacklevel=2)
         fused = False
     if fused:
-        return _FUSED(x, [x.shape[-1]], weight, eps)[0]
+        return _FusedRMSNorm.apply(x, weight, eps)
     return _RMSNorm.apply(x, weight, eps)

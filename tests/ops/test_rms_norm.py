@@ -61,10 +61,42 @@ def saved_beside_x(x: torch.Tensor, **kwargs) -> int:
     return sum(t.numel() * t.element_size() for t in saved if t.data_ptr() != x.data_ptr())
 
 
-def test_saves_only_the_input_and_a_scale_per_row():
-    # (the fused kernels' saved tensors: on CUDA, below; on the CPU torch decomposes them)
+@pytest.mark.parametrize("kernel", ["chunked", "fused"])
+def test_saves_only_the_input_and_a_scale_per_row(kernel):
     x = torch.randn(64, 8, 32, dtype=torch.bfloat16, requires_grad=True)
-    assert saved_beside_x(x, kernel="chunked") == 64 * 8 * 4  # rstd: one fp32 a row
+    assert saved_beside_x(x, kernel=kernel) == 64 * 8 * 4  # rstd: one fp32 a row
+
+
+@pytest.mark.parametrize("with_weight", [False, True])
+def test_inputs_over_one_fused_launch_go_in_row_chunks(monkeypatch, with_weight):
+    """Past FUSED_MAX_ELEMENTS (torch's kernels index a row in 32 bits) the fused kernels run
+    on row chunks, each under the limit, with the single launch's values and gradients; a
+    weighted norm that large runs the chunked ops, said once."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 9, 16, generator=g).to(torch.bfloat16)
+    w = (torch.rand(16, generator=g) + 0.5).to(torch.bfloat16) if with_weight else None
+    grad = torch.randn(x.shape, generator=g).to(torch.bfloat16)
+
+    def run():
+        xa = x.clone().requires_grad_()
+        y = rms_norm(xa, w, 1e-6, kernel="auto" if with_weight else "fused")
+        y.backward(grad)
+        return y, xa.grad
+
+    want = run()
+    fwd, bwd = rms_module._FUSED
+    sizes = []
+    monkeypatch.setattr(rms_module, "_FUSED", (
+        lambda x2, *a: sizes.append(x2.numel()) or fwd(x2, *a),
+        lambda g2, x2, *a: sizes.append(x2.numel()) or bwd(g2, x2, *a)))
+    monkeypatch.setattr(rms_module, "FUSED_MAX_ELEMENTS", 5 * 16 + 3)  # 5 rows a launch
+    if with_weight:  # on the CPU "auto" is the chunked ops anyway: ask for fused and see why
+        with pytest.raises(ValueError, match="more than one fused launch takes"):
+            rms_norm(x, w, 1e-6, kernel="fused")
+        return
+    got = run()
+    assert sizes == [80, 80, 80, 48] * 2  # 18 rows: 5 + 5 + 5 + 3, forward then backward
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_rejects_a_weight_of_the_wrong_width():
@@ -74,7 +106,7 @@ def test_rejects_a_weight_of_the_wrong_width():
 
 def test_auto_runs_the_chunked_ops_off_cuda(monkeypatch):
     calls = []
-    monkeypatch.setattr(rms_module, "_FUSED", lambda *a: calls.append(a) or (a[0], None))
+    monkeypatch.setattr(rms_module._FusedRMSNorm, "apply", lambda *a: calls.append(a))
     rms_norm(torch.randn(4, 8), None, 1e-6)
     assert calls == []
     rms_norm(torch.randn(4, 8), None, 1e-6, kernel="fused")
@@ -134,3 +166,24 @@ def test_the_fused_kernel_on_cuda_is_the_chunked_form_to_rounding(monkeypatch):
     with pytest.warns(UserWarning, match="weight's dtype torch.float32"):
         rms_norm(x, torch.ones(x.shape[-1], device="cuda"), 1e-6)
     assert len(calls) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_more_than_two_to_the_31_elements_on_cuda():
+    """V4's query norm past 2^31 elements (65K tokens x 64 heads x 512): the fused kernels in
+    row chunks (torch 2.11's index a row in 32 bits); the last rows' values and gradients are
+    the plain form's on those rows."""
+    rows, width = 2**22 + 8, 512
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(rows, width, device="cuda", generator=g, dtype=torch.bfloat16)
+    grad = torch.randn(rows, width, device="cuda", generator=g, dtype=torch.bfloat16)
+    xa = x.requires_grad_()
+    y = rms_norm(xa, None, 1e-6)
+    y.backward(grad)
+    tail = slice(rows - 1024, rows)
+    xt = x[tail].detach().clone().requires_grad_()
+    want = plain(xt, None, 1e-6)
+    want.backward(grad[tail])
+    torch.testing.assert_close(y[tail], want, atol=0, rtol=8e-3)
+    torch.testing.assert_close(xa.grad[tail], xt.grad, atol=2e-2, rtol=2e-2)

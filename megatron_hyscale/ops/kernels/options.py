@@ -573,7 +573,8 @@ class IndexerLossKernelOptions:
     # the backward is latency-bound on those gathers. Timed on an H100 (2026-12-06,
     # `bench_indexer_loss.py --variants n64x3`, row pass + backward at 128K): GLM-5.1 113.8 ->
     # 93.5 ms, V3.2 143.0 -> 116.9 (the KL identical, dk to the atomics' order); 32-key tiles
-    # at three or four stages slower, 64 at four as three.
+    # at three or four stages slower than it (GLM-5.1 slower than two stages, V3.2 1.05x),
+    # 64 at four as three. `inspect_sm90.py --preset indexer-loss-glm51-n64x2` builds the old.
     index_tilings: Tilings = ((64, 3), (64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
     # Keys per step forced for every kernel, one stage (tests); None: the first tiling above
     # that fits.
