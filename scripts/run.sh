@@ -80,7 +80,7 @@ case "$cmd" in
     # per op oversubscribe (the suite ran 3x slower). Override by setting it yourself.
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     # Two worker processes (pytest-xdist) where no GPU is: the suite is CPU-bound and a
-    # 2-core CI box ran it serially in 74 min (1788 tests, 2026-12-06), in 47 with two. On a
+    # 2-core CI box ran it serially in 74 min (1788 tests, 2026-12-06), in 40-47 with two. On a
     # GPU machine one process, so GPU cases do not share the device. HYSCALE_TEST_WORKERS
     # overrides (1: no workers).
     workers=${HYSCALE_TEST_WORKERS:-}
