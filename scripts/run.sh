@@ -87,6 +87,10 @@ case "$cmd" in
     if [ -z "$workers" ]; then
       if command -v nvidia-smi > /dev/null 2>&1; then workers=1; else workers=2; fi
     fi
+    case $workers in
+      ''|*[!0-9]*|0) echo "run.sh: HYSCALE_TEST_WORKERS must be a positive integer, got" \
+                       "'$workers'" >&2; exit 2 ;;
+    esac
     xdist=()
     [ "$workers" -gt 1 ] && xdist=(-n "$workers")
     # pytest exits 5 when a selection matches no test: that is a failure here too.

@@ -22,11 +22,12 @@ add in another order than torch's `mean`: 1-ulp fp32 differences of the scale.
 
 from __future__ import annotations
 
-import warnings
 from typing import Literal
 
 import torch
 from torch.autograd.function import once_differentiable
+
+from megatron_hyscale.ops.checks import warn_once
 
 # fp32 bytes of one chunk's temporaries (a few of them live at once).
 CHUNK_BYTES = 256 << 20
@@ -34,7 +35,6 @@ CHUNK_BYTES = 256 << 20
 # Elements one fused launch may take: torch 2.11's CUDA kernels compute a row's offset in 32
 # bits (pytorch#181555, fixed after 2.11), so larger inputs go in row chunks below 2^31.
 FUSED_MAX_ELEMENTS = 2**31 - 1
-_warned: set[str] = set()
 
 
 def _fused_ops() -> tuple | None:
@@ -64,6 +64,10 @@ def _fused_ops() -> tuple | None:
 _FUSED = _fused_ops()
 
 
+def _fused_rows(width: int) -> int:
+    return max(1, FUSED_MAX_ELEMENTS // width)
+
+
 class _FusedRMSNorm(torch.autograd.Function):
     """torch's fused kernels, in row chunks of at most FUSED_MAX_ELEMENTS elements (one launch
     below that); a weight only with one chunk (its gradient is one reduction)."""
@@ -73,7 +77,7 @@ class _FusedRMSNorm(torch.autograd.Function):
         fwd = _FUSED[0]
         width = x.shape[-1]
         x2 = x.reshape(-1, width)
-        step = max(1, FUSED_MAX_ELEMENTS // width)
+        step = _fused_rows(width)
         if x2.shape[0] <= step:
             out, rstd = fwd(x2, [width], weight, eps)
         else:
@@ -93,7 +97,7 @@ class _FusedRMSNorm(torch.autograd.Function):
         width = x.shape[-1]
         x2, g2 = x.reshape(-1, width), grad.reshape(-1, width)
         mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
-        step = max(1, FUSED_MAX_ELEMENTS // width)
+        step = _fused_rows(width)
         if x2.shape[0] <= step:
             dx, dw = bwd(g2, x2, [width], rstd, weight, mask)
         else:  # no weight here (rms_norm keeps weighted norms this large on the chunked ops)
@@ -152,6 +156,20 @@ class _RMSNorm(torch.autograd.Function):
                 None if dw is None else dw.to(weight.dtype), None)
 
 
+def _fused_declined(x: torch.Tensor, weight: torch.Tensor | None) -> str | None:
+    """Why torch's fused kernels cannot take this call (None: they can)."""
+    if _FUSED is None:
+        return f"torch {torch.__version__} has no fused RMSNorm kernel (aten._fused_rms_norm)"
+    if weight is None:
+        return None
+    if weight.dtype != x.dtype:  # one dtype for both (F.rms_norm declines otherwise)
+        return f"the weight's dtype {weight.dtype} is not the input's {x.dtype}"
+    if x.numel() > FUSED_MAX_ELEMENTS:
+        return (f"x has {x.numel()} elements, more than one fused launch takes "
+                f"({FUSED_MAX_ELEMENTS}), and a weight, whose gradient would add up in chunks")
+    return None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
              kernel: Literal["auto", "fused", "chunked"] = "auto") -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) times weight (if given), in fp32, returned in x's dtype.
@@ -169,21 +187,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
     if kernel not in ("auto", "fused", "chunked"):
         raise ValueError(f"rms_norm: kernel must be 'auto', 'fused' or 'chunked', got {kernel!r}")
     fused = kernel == "fused" or (kernel == "auto" and x.is_cuda)
-    # torch's fused kernel takes one dtype for x and the weight (F.rms_norm declines otherwise)
-    why = (f"torch {torch.__version__} has no fused RMSNorm kernel (aten._fused_rms_norm)"
-           if _FUSED is None else
-           f"the weight's dtype {weight.dtype} is not the input's {x.dtype}"
-           if weight is not None and weight.dtype != x.dtype else
-           f"x has {x.numel()} elements, more than one fused launch takes "
-           f"({FUSED_MAX_ELEMENTS}), and a weight, whose gradient would add up in chunks"
-           if weight is not None and x.numel() > FUSED_MAX_ELEMENTS else None)
-    if fused and why is not None:
+    why = _fused_declined(x, weight) if fused else None
+    if why is not None:
         if kernel == "fused":
             raise ValueError(f"rms_norm: kernel='fused' cannot run: {why}")
-        if why not in _warned:
-            _warned.add(why)
-            warnings.warn(f"HyScale: rms_norm runs its chunked torch ops, not torch's fused "
-                          f"kernel: {why}", stacklevel=2)
+        warn_once(f"rms_norm: {why}", f"HyScale: rms_norm runs its chunked torch ops, not "
+                  f"torch's fused kernel: {why}")
         fused = False
     if fused:
         return _FusedRMSNorm.apply(x, weight, eps)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_hyscale.ops import checks
 from megatron_hyscale.ops import rms_norm as rms_module
 from megatron_hyscale.ops.rms_norm import rms_norm
 
@@ -153,17 +154,17 @@ def test_the_fused_kernel_on_cuda_is_the_chunked_form_to_rounding(monkeypatch):
             torch.testing.assert_close(dwa.float(), dwb.float(), atol=0.5, rtol=2e-2)
     calls = []
     monkeypatch.setattr(rms_module, "_FUSED", None)
-    monkeypatch.setattr(rms_module, "_warned", set())
+    monkeypatch.setattr(checks, "_warned", set())
     monkeypatch.setattr(rms_module._RMSNorm, "apply", lambda *a: calls.append(a) or a[0])
-    with pytest.warns(UserWarning, match="no fused RMSNorm"):
+    with pytest.warns(RuntimeWarning, match="no fused RMSNorm"):
         rms_norm(x, None, 1e-6)
     rms_norm(x, None, 1e-6)
     assert len(calls) == 2
     monkeypatch.undo()
     # a weight of another dtype: the chunked ops, said once
-    monkeypatch.setattr(rms_module, "_warned", set())
+    monkeypatch.setattr(checks, "_warned", set())
     monkeypatch.setattr(rms_module._RMSNorm, "apply", lambda *a: calls.append(a) or a[0])
-    with pytest.warns(UserWarning, match="weight's dtype torch.float32"):
+    with pytest.warns(RuntimeWarning, match="weight's dtype torch.float32"):
         rms_norm(x, torch.ones(x.shape[-1], device="cuda"), 1e-6)
     assert len(calls) == 3
 
