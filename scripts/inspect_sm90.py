@@ -625,7 +625,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "sparse-mla-bwd-sm90-csa": lambda: _sparse_mla_bwd_sm90(64, 512, 640, sink=True),
     "sparse-mla-bwd-sm90-glm51-target": lambda: _sparse_mla_bwd_sm90(64, 576, 2048, dlse=True,
                                                                      target=True),
-    # The absorbed query's RoPE (no FMA may appear: tests/ops/test_absorbed_mla.py).
+    # The RoPE kernels, MLA's and V4's (no FMA may appear: tests/ops/test_absorbed_mla.py,
+    # tests/ops/test_rope.py).
     "mla-rope-bf16": lambda: _mla_rope(torch.bfloat16),
     "mla-rope-fp32": lambda: _mla_rope(torch.float32),
     "interleaved-rope-bf16": lambda: _interleaved_rope(torch.bfloat16),
