@@ -370,6 +370,13 @@ LOSS_VARIANTS = {
     "fused_warps8_r128": dict(fused_rows_bwd=True, bwd_num_warps=8, bwd_maxnreg=128),
     "one_pass_fused_warps8_r128": dict(loss_one_pass=True, fused_rows_bwd=True,
                                        bwd_num_warps=8, bwd_maxnreg=128),
+    # the warp-specialized Gluon backward (Hopper), the row KL in it (kl_in_bwd, the default):
+    # the default's work
+    "bwd_sm90": dict(bwd_sm90=True),
+    # the Gluon backward without the KL terms (the row pass keeps its own KL pass) ...
+    "bwd_sm90_no_kl": dict(bwd_sm90=True, kl_in_bwd=False),
+    # ... and the Triton backward without them: bwd_sm90_no_kl's baseline of the same work
+    "no_kl_in_bwd": dict(kl_in_bwd=False),
 }
 
 

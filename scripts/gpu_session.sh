@@ -76,6 +76,17 @@
 #                                         # call a case (NCU_CASES, config:T:method): stall
 #                                         # reasons, issue slots, per-line SASS samples; a
 #                                         # record by ncu_summary.py                (~3 min)
+#   bash scripts/gpu_session.sh norms     # issue #20 item 5: DeepSeek-V4's norms on the Triton
+#                                         # kernels (ops.rms_norm kernel="triton", and the query's
+#                                         # norm + RoPE in one kernel): their GPU tests, then
+#                                         # bench_rms_norm.py at NORMS_T (32K, 128K) against
+#                                         # torch's fused kernel and the chunked ops  (~2 min)
+#   bash scripts/gpu_session.sh loss-bwd-sm90  # issue #20 item 3: the warp-specialized Gluon
+#                                         # indexer-loss backward (IndexerLossKernelOptions.
+#                                         # bwd_sm90): a smoke case first (a hang stops the
+#                                         # stage), its GPU tests, then timed beside the default
+#                                         # (the KL in the backward, both), and both without the
+#                                         # KL, GLM-5.1 / V3.2 at 32K and 128K        (~6 min)
 #   bash scripts/gpu_session.sh loss-bwd-probe  # issue #20 item 3: where the indexer loss's
 #                                         # backward kernel spends its time
 #                                         # (probe_indexer_bwd.py: without dk's atomics, rows'
@@ -252,7 +263,7 @@ case "$stage" in
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |flashmla-pair|lockstep-triton|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
   |ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection\
-  |profile-layers|loss-bwd-probe|mla-projections) ;;
+  |profile-layers|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
@@ -261,7 +272,8 @@ case "$stage" in
        "|reliability" \
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
        "|ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics" \
-       "|captured-selection|profile-layers|loss-bwd-probe|mla-projections}" \
+       "|captured-selection|profile-layers|loss-bwd-probe|mla-projections|norms" \
+       "|loss-bwd-sm90}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -307,7 +319,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
 fi
 case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|filter-sm90\
-  |profile-layers|models|loss-bwd-probe|mla-projections\
+  |profile-layers|models|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90\
   |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton)
     case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
@@ -700,6 +712,22 @@ case "$stage" in
     timeout 150 python3 scripts/bench_indexer_loss_dense.py --deterministic 2>&1 \
       | grep -v -i warn | tail -12 | tee "$out/bench_indexer_loss_dense.log"
     ;;
+  loss-bwd-sm90)
+    smoke_then_tests tests/ops/test_indexer_loss_bwd_sm90_gpu.py "exact and 32" || exit 1
+    # One process a shape: V3.2 at 128K after GLM-5.1's runs did not fit the H100's 80 GB.
+    for shape in glm51 v32; do
+      timeout 200 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes $shape \
+        --variants bwd_sm90 no_kl_in_bwd bwd_sm90_no_kl --out "$out/$shape" 2>&1 \
+        | grep -v -i warn | grep -E "T=|Error|failed" | tee -a "$out/bench_indexer_loss_variants.log"
+    done ;;
+  norms)
+    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/ops/test_rms_norm.py \
+      tests/ops/test_rope.py > "$out/tests.log" 2>&1
+    echo "tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -20
+    # shellcheck disable=SC2086  # lengths split on purpose
+    timeout 200 python3 scripts/bench_rms_norm.py --seq ${NORMS_T:-32768 131072} --reps 3 2>&1 \
+      | grep -v -i warn | grep -E "^T=|matmul|Error|error" | tee "$out/bench_rms_norm.log" ;;
   scores-sm90)
     # Issue #21 item 1.
     smoke_then_tests tests/ops/test_indexer_scores_sm90.py "adversarial and 64" || exit 1

@@ -269,6 +269,21 @@ def _interleaved_rope(dtype: torch.dtype) -> list[Launch]:
     return calls
 
 
+def _rms_norm_rope(dtype: torch.dtype) -> list[Launch]:
+    """DeepSeek-V4's query norm with its RoPE epilogue (`kernels/rms_norm.py`, 64 heads of 512
+    channels, 64 rotary): forward, then backward. No MMA: read the whole kernels' counts (the
+    separate norm and rotation round each fp32 product: no FFMA may appear)."""
+    from megatron_hyscale.ops.kernels import rms_norm
+
+    x = torch.zeros(1, 32, 64, 512, dtype=dtype)
+    cos = torch.zeros(32, 32)
+    rope = rms_norm.Rope(cos, cos, 64)
+    with intercept(rms_norm, "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel") as calls:
+        _, rstd = rms_norm.rms_norm_fwd(x, None, 1e-6, rope)
+        rms_norm.rms_norm_bwd(x, x, None, rstd, False, rope)
+    return calls
+
+
 def _sparse_attention(hq: int, hkv: int, d: int, dv: int | None, topk: int, T: int = 256,
                       prefix: bool = False, dq_target: bool = False, **options: Any
                       ) -> list[Launch]:
@@ -328,7 +343,7 @@ def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256, ws: bool = Fa
                                                                       "_sparse_mla_fwd_kernel")
     # CPU tensors here: the H200's 132 SMs stand in for the device's count.
     with intercept(module, kernel) as calls, \
-            mock.patch.object(common, "_sm_count", lambda device: 132):
+            mock.patch.object(common, "sm_count", lambda device: 132):
         fwd.sparse_mla_fwd_sm90(q, k, idx, d ** -0.5, options=options,
                                 sink=torch.zeros(hq) if sink else None)
     return calls
@@ -356,7 +371,7 @@ def _sparse_mla_bwd_sm90(hq: int, d: int, topk: int, T: int = 256, sink: bool = 
 
     # CPU tensors here: the H200's 132 SMs stand in for the device's count.
     with intercept(bwd, "_sparse_mla_bwd_kernel") as calls, \
-            mock.patch.object(common, "_sm_count", lambda device: 132):
+            mock.patch.object(common, "sm_count", lambda device: 132):
         bwd.sparse_mla_bwd_sm90(q, k, idx, d ** -0.5, out, lse, torch.zeros_like(out), dk,
                                 dlse=torch.zeros_like(lse) if dlse else None,
                                 sink=torch.zeros(hq) if sink else None,
@@ -444,6 +459,28 @@ def _indexer_loss(hi: int, di: int, hq: int, d: int, topk: int, T: int = 256, **
         il.indexer_loss_bwd(qi, w, ki, idx, p, lse, psum, torch.ones(()), 0.01, True,
                             options=opts)
         il._tiling_cache.clear()
+    return calls
+
+
+def _indexer_loss_bwd_sm90(hi: int, T: int = 256) -> list[Launch]:
+    """The warp-specialized Gluon indexer-loss backward (Hopper only; `IndexerLossKernelOptions.
+    bwd_sm90`), as `indexer_loss_bwd` launches it by default: hi index heads of 128 dims,
+    top-2048, the row KL in the backward (`kl_in_bwd`: with_kl=True)."""
+    from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90
+
+    qi = torch.zeros(1, T, hi, 128, dtype=torch.bfloat16)
+    w = torch.zeros(1, T, hi, dtype=torch.float32)
+    ki = torch.zeros(1, T, 128, dtype=torch.bfloat16)
+    idx = torch.zeros(1, T, 2048, dtype=torch.int32)
+    p = torch.zeros(1, T, 2048)
+    row = torch.zeros(1, T)
+    # CPU tensors here: `unsupported` would refuse them, so the wrapper is called directly
+    # (its grid on CPU: the H200's 132 SMs, `indexer_loss_bwd_sm90.CPU_SMS`).
+    with intercept(sm90, "_indexer_loss_bwd_kernel") as calls:
+        assert sm90.unsupported(qi, w, ki, idx, p, row, row,
+                                with_kl=True).startswith("tensors on cpu")
+        sm90.indexer_loss_bwd_sm90(qi, w, ki, idx, p, row, row, torch.ones(()), 0.01, True,
+                                   with_kl=True)
     return calls
 
 
@@ -630,6 +667,7 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "mla-rope-bf16": lambda: _mla_rope(torch.bfloat16),
     "mla-rope-fp32": lambda: _mla_rope(torch.float32),
     "interleaved-rope-bf16": lambda: _interleaved_rope(torch.bfloat16),
+    "rms-norm-rope-bf16": lambda: _rms_norm_rope(torch.bfloat16),
     # GLM-5.1 under tensor parallelism 2 (32 heads a rank: one block padded to 64).
     "sparse-mla-bwd-sm90-glm51-tp2": lambda: _sparse_mla_bwd_sm90(32, 576, 2048),
     "sparse-mla-bwd-sm90-glm51-vec4": lambda: _sparse_mla_bwd_sm90(64, 576, 2048, dk_vec4=True),
@@ -680,6 +718,9 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "indexer-loss-dense-v32": lambda: _indexer_loss_dense(64, 128, 128, 1, 576),
     "indexer-loss-dense-qsa": lambda: _indexer_loss_dense(4, 128, 24, 2, 256),
     **INDEXER_LOSS_VARIANT_PRESETS,
+    # The warp-specialized Gluon backward (IndexerLossKernelOptions.bwd_sm90).
+    "indexer-loss-bwd-sm90-glm51": lambda: _indexer_loss_bwd_sm90(32),
+    "indexer-loss-bwd-sm90-v32": lambda: _indexer_loss_bwd_sm90(64),
 }
 
 

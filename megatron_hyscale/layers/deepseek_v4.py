@@ -132,10 +132,10 @@ from megatron_hyscale.ops.compress import (
     compressed_key_positions,
     compressed_visible_count,
     default_inv_freq,
+    rms_norm_rope,
     rope_cos_sin,
     yarn_inv_freq,
 )
-from megatron_hyscale.ops.rms_norm import rms_norm
 from megatron_hyscale.parallel import RowOrder, cp_row_layout
 
 # The ops this layer's phases are timed by (`phase_spans`: plain calls unless phase_times
@@ -755,8 +755,7 @@ class HyScaleV4Attention(MegatronModule):
         q_latent = part(rows.q_latent)
         B, n = q_latent.shape[:2]
         q = self.linear_q_b(q_latent)[0].view(B, n, H, D)
-        q = apply_interleaved_rope(rms_norm(q, None, cfg.layernorm_epsilon), cos, sin,
-                                   heads=True)
+        q = rms_norm_rope(q, None, cfg.layernorm_epsilon, cos, sin, heads=True)
         out = sparse_attention(q, keys.unsqueeze(2), None, part(rows.indices),
                                self.softmax_scale, sink=sinks,
                                prefix_lengths=None if rows.prefix is None else part(rows.prefix),

@@ -1,4 +1,5 @@
-"""DeepSeek-V4 KV compressors (CSA and HCA) and V4's interleaved partial RoPE, in plain torch.
+"""DeepSeek-V4 KV compressors (CSA and HCA) and V4's interleaved partial RoPE (plain torch; on
+CUDA the RoPE and the norm before it run Triton kernels with the same roundings).
 
 Semantics follow transformers' `deepseek_v4` (the independent oracle, >= 5.17) in its
 stateless (no cache, whole-sequence) mode, which is the training mode:
@@ -148,6 +149,17 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     Returns:
         x's dtype and shape (contiguous); the rotation itself is computed in fp32 (as V4 does).
     """
+    cos, sin = _rope_inputs(x, cos, sin, heads, kernel)
+    if inverse:
+        sin = -sin
+    triton = kernel == "triton" or (kernel == "auto" and x.is_cuda)
+    return _InterleavedRope.apply(x, cos, sin, heads, triton)
+
+
+def _rope_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: bool,
+                 kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check x, cos, sin and kernel as `apply_interleaved_rope` takes them; cos and sin fp32,
+    [T, R/2] where one batch row serves all."""
     rope_dim = 2 * cos.shape[-1]
     if x.shape[-1] < rope_dim or (x.shape[-1] - rope_dim) % 2:
         raise ValueError(f"x has {x.shape[-1]} channels: the rope dim {rope_dim} needs at least "
@@ -164,10 +176,36 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         raise ValueError(f"kernel must be 'auto', 'triton' or 'torch', got {kernel!r}")
     if cos.dim() == 3 and cos.shape[0] == 1:
         cos, sin = cos[0], sin[0]
-    if inverse:
-        sin = -sin
-    triton = kernel == "triton" or (kernel == "auto" and x.is_cuda)
-    return _InterleavedRope.apply(x, cos.float(), sin.float(), heads, triton)
+    return cos.float(), sin.float()
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor, *, heads: bool = False,
+                  kernel: Literal["auto", "triton", "torch"] = "auto") -> torch.Tensor:
+    """`apply_interleaved_rope(rms_norm(x, weight, eps), cos, sin, heads=heads)`: the same
+    formulas and roundings (on the GPU the norm's row sums may add in another order than the
+    norm-only kernel's: 1-ulp differences of the scale).
+
+    x, cos, sin, heads as `apply_interleaved_rope` takes them; weight as `rms_norm`. kernel:
+    "triton" one Triton kernel a direction (`kernels/rms_norm.py` with its RoPE epilogue: one
+    read and one write of x where the two ops make two each), "torch" the chunked norm then the
+    torch rotation (on any device), "auto" (default) Triton on CUDA, else the two ops as each
+    picks its own (on the CPU: "torch"; on CUDA rows too wide for the kernels).
+    """
+    cos, sin = _rope_inputs(x, cos, sin, heads, kernel)
+    fused = kernel == "triton"
+    if kernel == "auto" and x.is_cuda:
+        from megatron_hyscale.ops.kernels.rms_norm import unsupported_width
+
+        fused = unsupported_width(x.shape[-1]) is None
+    if fused:
+        from megatron_hyscale.ops.kernels.rms_norm import Rope
+
+        return rms_norm(x, weight, eps, kernel="triton",
+                        rope=Rope(cos, sin, x.shape[2] if heads else 1))
+    norm = "chunked" if kernel == "torch" else "auto"
+    return apply_interleaved_rope(rms_norm(x, weight, eps, kernel=norm), cos, sin, heads=heads,
+                                  kernel=kernel)
 
 
 def compressed_visible_count(q_positions: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -196,12 +234,11 @@ def _windows(x: torch.Tensor, ratio: int) -> torch.Tensor:
 def _finish(pooled: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
             ratio: int, inv_freq: torch.Tensor | None) -> torch.Tensor:
     """RMSNorm then RoPE at position i * ratio for entries [B, N, D]."""
-    out = rms_norm(pooled, norm_weight, eps)
-    if inv_freq is not None and out.shape[1] > 0:
-        positions = torch.arange(out.shape[1], device=out.device) * ratio
-        cos, sin = rope_cos_sin(positions, inv_freq.to(out.device))
-        out = apply_interleaved_rope(out, cos, sin)
-    return out
+    if inv_freq is None or pooled.shape[1] == 0:
+        return rms_norm(pooled, norm_weight, eps)
+    positions = torch.arange(pooled.shape[1], device=pooled.device) * ratio
+    cos, sin = rope_cos_sin(positions, inv_freq.to(pooled.device))
+    return rms_norm_rope(pooled, norm_weight, eps, cos, sin)
 
 
 def compress(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, ratio: int, *,

@@ -12,22 +12,28 @@ the input (bf16 for the layer) and rstd [rows] in fp32.
 Values: per row, y = x * rsqrt(mean(x^2) + eps) [* weight], all in fp32, rounded once to x's
 dtype; the same ops in the same order as the plain-torch form, row by row.
 
-On CUDA the op runs torch's fused RMSNorm kernels instead (`aten._fused_rms_norm` and its
-backward, what `F.rms_norm` runs there): the same formula, the same rounding and the same saved
-tensors (x and one fp32 scale a row), one read and one write of each tensor, where the chunked
-form makes six to eleven fp32 passes (V4-Flash's queries at 128K tokens are 4.3 G elements),
-in row chunks below 2^31 elements (torch 2.11's kernels index a row in 32 bits). Its row sums
-add in another order than torch's `mean`: 1-ulp fp32 differences of the scale.
+On CUDA the op runs HyScale's Triton kernels (`kernels/rms_norm.py`, kernel="triton"): the same
+formula and saved tensors, one read and one write of each tensor a direction, where the chunked
+form makes six to eleven fp32 passes (V4-Flash's queries at 128K tokens are 4.3 G elements);
+64-bit offsets, a weight of any dtype, the weight's gradient from per-program partial sums.
+Their row sums add in another order than torch's `mean`: 1-ulp fp32 differences of the scale.
+kernel="fused" runs torch's fused RMSNorm kernels (`aten._fused_rms_norm` and its backward,
+what `F.rms_norm` runs there) instead, in row chunks below 2^31 elements (torch 2.11's kernels
+index a row in 32 bits), each chunk's output copied into the whole: timed against the Triton
+kernels by scripts/bench_rms_norm.py.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from megatron_hyscale.ops.checks import warn_once
+from megatron_hyscale.ops.checks import triton_interpret, warn_once
+
+if TYPE_CHECKING:  # the kernels (and Triton) load on first use
+    from megatron_hyscale.ops.kernels.rms_norm import Rope
 
 # fp32 bytes of one chunk's temporaries (a few of them live at once).
 CHUNK_BYTES = 256 << 20
@@ -156,6 +162,34 @@ class _RMSNorm(torch.autograd.Function):
                 None if dw is None else dw.to(weight.dtype), None)
 
 
+class _TritonRMSNorm(torch.autograd.Function):
+    """HyScale's Triton kernels (`kernels/rms_norm.py`), any size in one launch each way, with
+    the RoPE after the norm when cos and sin are given (constants: no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                cos: torch.Tensor | None, sin: torch.Tensor | None, heads: int) -> torch.Tensor:
+        from megatron_hyscale.ops.kernels.rms_norm import Rope, rms_norm_fwd
+
+        rope = None if cos is None else Rope(cos, sin, heads)
+        out, rstd = rms_norm_fwd(x, weight, eps, rope)
+        ctx.save_for_backward(x, weight, rstd, cos, sin)
+        ctx.heads = heads
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        from megatron_hyscale.ops.kernels.rms_norm import Rope, rms_norm_bwd
+
+        x, weight, rstd, cos, sin = ctx.saved_tensors
+        rope = None if cos is None else Rope(cos, sin, ctx.heads)
+        need_w = weight is not None and ctx.needs_input_grad[1]
+        dx, dw = rms_norm_bwd(grad, x, weight, rstd, need_w, rope)
+        return (dx if ctx.needs_input_grad[0] else None,
+                dw.to(weight.dtype) if need_w else None, None, None, None, None)
+
+
 def _fused_declined(x: torch.Tensor, weight: torch.Tensor | None) -> str | None:
     """Why torch's fused kernels cannot take this call (None: they can)."""
     if _FUSED is None:
@@ -171,29 +205,55 @@ def _fused_declined(x: torch.Tensor, weight: torch.Tensor | None) -> str | None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
-             kernel: Literal["auto", "fused", "chunked"] = "auto") -> torch.Tensor:
+             kernel: Literal["auto", "triton", "fused", "chunked"] = "auto",
+             rope: Rope | None = None) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) times weight (if given), in fp32, returned in x's dtype.
 
     x: [..., C] (any float dtype); weight: [C] or None. (transformers' V4 rounds to x's dtype
     before the weight and keeps the weight's dtype, fp32 there, in the output; identical in
     fp32, and here the output dtype never changes.)
-    kernel: "fused" torch's fused RMSNorm kernels, "chunked" the row-chunked torch ops above,
-    "auto" (default) fused on CUDA, chunked elsewhere (one warning, naming why, where the
-    fused kernel cannot run: a torch without it, a weight of another dtype than x).
+    kernel: "triton" HyScale's Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1), "fused"
+    torch's fused RMSNorm kernels (CUDA; a weight of x's dtype; row chunks past 2^31 elements),
+    "chunked" the row-chunked torch ops above, "auto" (default) Triton on CUDA, chunked
+    elsewhere (and, with one warning, for rows wider than the Triton kernels take: 16384).
+    rope: V4's interleaved RoPE of the trailing channels after the norm, in the same pass (the
+    Triton kernels only: `compress.rms_norm_rope` composes the two ops elsewhere).
     """
     if weight is not None and weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected "
                          f"({x.shape[-1]},) for x of shape {tuple(x.shape)}")
-    if kernel not in ("auto", "fused", "chunked"):
-        raise ValueError(f"rms_norm: kernel must be 'auto', 'fused' or 'chunked', got {kernel!r}")
-    fused = kernel == "fused" or (kernel == "auto" and x.is_cuda)
-    why = _fused_declined(x, weight) if fused else None
-    if why is not None:
-        if kernel == "fused":
+    if kernel not in ("auto", "triton", "fused", "chunked"):
+        raise ValueError(f"rms_norm: kernel must be 'auto', 'triton', 'fused' or 'chunked', got "
+                         f"{kernel!r}")
+    if kernel == "auto":
+        kernel = "chunked"
+        if x.is_cuda:
+            from megatron_hyscale.ops.kernels.rms_norm import unsupported_width
+
+            wide = unsupported_width(x.shape[-1])
+            if wide is None:
+                kernel = "triton"
+            elif rope is None:
+                warn_once(f"rms_norm: {wide}", "HyScale: rms_norm runs its chunked torch ops, "
+                          f"not the Triton kernels: {wide}")
+    if rope is not None and kernel != "triton":
+        raise ValueError(f"rms_norm: rope runs on the Triton kernels only (here: {kernel!r}); "
+                         "compress.rms_norm_rope composes the norm and the rotation elsewhere")
+    if kernel == "triton":
+        from megatron_hyscale.ops.kernels.rms_norm import unsupported_width
+
+        wide = unsupported_width(x.shape[-1])
+        if wide is not None:
+            raise ValueError(f"rms_norm: the Triton kernels cannot run: {wide}")
+        if not x.is_cuda and not triton_interpret():
+            raise ValueError(f"rms_norm: kernel='triton' got x on {x.device}, where the Triton "
+                             "kernels run only in Triton's interpreter (TRITON_INTERPRET=1); "
+                             "use CUDA tensors or kernel='chunked'")
+        cos, sin, heads = (None, None, 1) if rope is None else rope
+        return _TritonRMSNorm.apply(x, weight, eps, cos, sin, heads)
+    if kernel == "fused":
+        why = _fused_declined(x, weight)
+        if why is not None:
             raise ValueError(f"rms_norm: kernel='fused' cannot run: {why}")
-        warn_once(f"rms_norm: {why}", f"HyScale: rms_norm runs its chunked torch ops, not "
-                  f"torch's fused kernel: {why}")
-        fused = False
-    if fused:
         return _FusedRMSNorm.apply(x, weight, eps)
     return _RMSNorm.apply(x, weight, eps)

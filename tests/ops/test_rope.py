@@ -1,15 +1,18 @@
 """ops.compress.apply_interleaved_rope: the plain-op rotation's values and gradients, bit for
 bit (the torch path and the Triton kernel, under the interpreter here), with one gradient tensor
-in backward instead of three."""
+in backward instead of three; ops.compress.rms_norm_rope: the norm and the rotation in one
+kernel, bit for bit the two ops under the interpreter (to rounding on the GPU)."""
 
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import pytest
 import torch
 
-from megatron_hyscale.ops.compress import apply_interleaved_rope, rope_cos_sin
+from megatron_hyscale.ops.compress import apply_interleaved_rope, rms_norm_rope, rope_cos_sin
+from megatron_hyscale.ops.rms_norm import rms_norm
 from megatron_hyscale.testing.inspect_sm90 import run_inspect_sm90
 
 
@@ -103,6 +106,174 @@ def test_the_kernel_rounds_each_product_when_compiled(tmp_path):
     (sass,) = [f.read_text() for f in tmp_path.glob("interleaved-rope-*.sass")]
     assert re.search(r"\bFMUL\b", sass) and re.search(r"\bFADD\b", sass)
     assert not re.search(r"\bFFMA\b", sass)
+
+
+def norm_then_rope(x, w, cos, sin, heads, kernel):
+    """The two ops rms_norm_rope replaces, with their values and x's (and w's) gradients."""
+    norm = "triton" if kernel == "triton" else "chunked"
+    return apply_interleaved_rope(rms_norm(x, w, 1e-6, kernel=norm), cos, sin, heads=heads,
+                                  kernel=kernel)
+
+
+def values_and_grads(fn, x, w, grad):
+    xa = x.clone().requires_grad_()
+    wa = None if w is None else w.clone().requires_grad_()
+    y = fn(xa, wa)
+    y.backward(grad)
+    return [t.view(torch.int16) for t in (y, xa.grad)] + ([] if wa is None else [wa.grad])
+
+
+def norm_rope_inputs(heads: bool, batched: bool, weight_dtype: torch.dtype | None):
+    g = torch.Generator().manual_seed(4)
+    B, T, H, D, R = 2, 15, 3, 24, 8
+    shape = (B, T, H, D) if heads else (B, T * 8, D)
+    x = with_signed_zeros(torch.randn(shape, generator=g)).to(torch.bfloat16)
+    x[0, 1] = 0.0
+    if heads:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    w = None if weight_dtype is None else (torch.rand(D, generator=g) + 0.5).to(weight_dtype)
+    grad = with_signed_zeros(torch.randn(shape, generator=g)).to(torch.bfloat16)
+    positions = torch.arange(shape[1]) * 4
+    if batched:
+        positions = torch.stack([positions, torch.arange(shape[1]).flip(0)])
+    cos, sin = rope_cos_sin(positions, 1.0 / (50.0 ** (torch.arange(R // 2) / R)))
+    return x, w, grad, cos, sin
+
+
+NORM_ROPE_CASES = [(True, False, None), (True, True, None), (False, True, torch.float32),
+                   (False, False, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("heads,batched,weight_dtype", NORM_ROPE_CASES)
+def test_rms_norm_rope_is_the_two_kernels_bitwise(heads, batched, weight_dtype):
+    """Under the interpreter, values and gradients (x's, the weight's) bit for bit the Triton
+    norm then the Triton rotation: V4's query form (heads, no weight) and the compressed
+    entries' (a weight, per-sequence positions), signed zeros, a zero row, more row blocks than
+    the backward's programs, x's heads and time swapped in memory."""
+    x, w, grad, cos, sin = norm_rope_inputs(heads, batched, weight_dtype)
+    got = values_and_grads(lambda a, b: rms_norm_rope(a, b, 1e-6, cos, sin, heads=heads,
+                                                      kernel="triton"), x, w, grad)
+    want = values_and_grads(lambda a, b: norm_then_rope(a, b, cos, sin, heads, "triton"), x,
+                            w, grad)
+    assert len(got) == len(want) == (2 if w is None else 3)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("heads,batched,weight_dtype", NORM_ROPE_CASES)
+def test_rms_norm_rope_on_the_torch_path_is_the_plain_form(heads, batched, weight_dtype):
+    """kernel="torch": the plain fp32 norm, rounded, then the plain slice / rotate / cat form,
+    to the norm's rounding (its mean may sum in another order); the gradients to bf16
+    tolerance."""
+    x, w, grad, cos, sin = norm_rope_inputs(heads, batched, weight_dtype)
+
+    def plain_norm_rope(a, b):
+        af = a.float()
+        y = af * torch.rsqrt(af.square().mean(-1, keepdim=True) + 1e-6)
+        y = (y if b is None else y * b.float()).to(a.dtype)
+        return plain(y, cos, sin, heads, False)
+
+    got = values_and_grads(lambda a, b: rms_norm_rope(a, b, 1e-6, cos, sin, heads=heads,
+                                                      kernel="torch"), x, w, grad)
+    want = values_and_grads(plain_norm_rope, x, w, grad)
+    (ya, dxa), (yb, dxb) = ([t.view(torch.bfloat16) for t in v[:2]] for v in (got, want))
+    torch.testing.assert_close(ya, yb, atol=1.6e-2, rtol=8e-3)
+    torch.testing.assert_close(dxa, dxb, atol=2e-2, rtol=2e-2)
+    if w is not None:
+        torch.testing.assert_close(got[2].float(), want[2].float(), atol=0.1, rtol=2e-2)
+
+
+def test_rms_norm_rope_refuses_bad_inputs():
+    cos, sin = rope_cos_sin(torch.arange(5), torch.ones(2))
+    x = torch.randn(2, 5, 3, 8)
+    with pytest.raises(ValueError, match="cos and sin must be"):
+        rms_norm_rope(x, None, 1e-6, cos[:4], sin[:4], heads=True)
+    with pytest.raises(ValueError, match=r"x must be \[B, T, D\]"):
+        rms_norm_rope(x, None, 1e-6, cos, sin)
+    with pytest.raises(ValueError, match="kernel must be"):
+        rms_norm_rope(x, None, 1e-6, cos, sin, heads=True, kernel="chunked")
+    with pytest.raises(ValueError, match="weight has shape"):
+        rms_norm_rope(x, torch.ones(7), 1e-6, cos, sin, heads=True)
+    from megatron_hyscale.ops.kernels.rms_norm import Rope
+
+    with pytest.raises(ValueError, match="rope runs on the Triton kernels only"):
+        rms_norm(x, None, 1e-6, kernel="chunked", rope=Rope(cos, sin, 3))
+    # rms_norm's own rope argument is checked against x too
+    bf16 = torch.bfloat16
+    for rope, match in ((Rope(cos[:4], sin[:4], 3), "cos and sin must be"),
+                        (Rope(cos, sin, 2), "heads 2"),
+                        (Rope(cos.double(), sin.double(), 3), "fp32"),
+                        (Rope(cos.expand(3, 5, 2), sin.expand(3, 5, 2), 3), "cos and sin must be"),
+                        (Rope(torch.ones(5, 8), torch.ones(5, 8), 3), "16 rope channels")):
+        with pytest.raises(ValueError, match=match):
+            rms_norm(x.to(bf16), None, 1e-6, kernel="triton", rope=rope)
+
+
+def test_the_norm_kernels_round_each_product_when_compiled(tmp_path):
+    """The norm with its RoPE epilogue compiled for sm_90a: no FFMA in the forward or the
+    backward (the separate rotation rounds each product; the fused form must too)."""
+    proc = run_inspect_sm90("--preset", "rms-norm-rope-bf16", "--sass-out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sass = [f.read_text() for f in sorted(tmp_path.glob("rms-norm-rope-*.sass"))]
+    assert len(sass) == 2  # forward, backward
+    for text in sass:
+        assert re.search(r"\bFMUL\b", text) and re.search(r"\bFADD\b", text)
+        assert not re.search(r"\bFFMA\b", text)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rms_norm_rope_on_cuda_is_the_two_kernels_to_rounding():
+    """V4-Flash's query (64 heads x 512, 64 rotary, no weight) and its compressed entries (a
+    weight, per-sequence positions): the fused kernel against the Triton norm then the Triton
+    rotation, and against the chunked norm then the torch rotation. The same formulas, but the
+    compiler may lay the row sums out differently in the two compiled kernels (another fp32
+    sum order: measured on an H100, 2026-12-06, the values equal, the gradients not bit for
+    bit), so: values within one bf16 rounding (of the pair's inputs: absolute where the turn
+    cancels) on fewer than 1% of elements, gradients to bf16 tolerance."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(32, device="cuda") / 32))
+    for shape, heads, batched in (((1, 2048, 64, 512), True, False),
+                                  ((2, 4096, 512), False, True)):
+        x = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+        w = None if heads else (torch.rand(512, device="cuda", generator=g) + 0.5)
+        grad = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+        positions = torch.arange(shape[1], device="cuda") * 4
+        if batched:
+            positions = torch.stack([positions, torch.arange(shape[1], device="cuda")])
+        cos, sin = rope_cos_sin(positions, inv_freq)
+        got = values_and_grads(partial(rms_norm_rope, eps=1e-6, cos=cos, sin=sin, heads=heads),
+                               x, w, grad)
+        for kernel in ("triton", "torch"):
+            want = values_and_grads(partial(norm_then_rope, cos=cos, sin=sin, heads=heads,
+                                            kernel=kernel), x, w, grad)
+            (ya, dxa), (yb, dxb) = ([t.view(torch.bfloat16) for t in v[:2]] for v in (got, want))
+            torch.testing.assert_close(ya, yb, atol=1.6e-2, rtol=8e-3)
+            assert (ya != yb).float().mean() < 0.01, (shape, kernel)
+            torch.testing.assert_close(dxa, dxb, atol=2e-2, rtol=2e-2)
+            if w is not None:
+                torch.testing.assert_close(got[2], want[2], atol=0.5, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rms_norm_rope_past_two_to_the_31_elements_on_cuda():
+    """V4's query past 2^31 elements (65,544 tokens x 64 heads x 512), the layer's path at 128K:
+    the last tokens' values and gradients are the two ops' on those tokens alone."""
+    T, tail = 2**16 + 8, 16
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(1, T, 64, 512, device="cuda", generator=g, dtype=torch.bfloat16)
+    grad = torch.randn(x.shape, device="cuda", generator=g, dtype=torch.bfloat16)
+    cos, sin = rope_cos_sin(torch.arange(T, device="cuda"),
+                            1.0 / (10000.0 ** (torch.arange(32, device="cuda") / 32)))
+    xa = x.requires_grad_()
+    y = rms_norm_rope(xa, None, 1e-6, cos, sin, heads=True)
+    y.backward(grad)
+    xt = x[:, -tail:].detach().clone().requires_grad_()
+    want = norm_then_rope(xt, None, cos[-tail:], sin[-tail:], True, "triton")
+    want.backward(grad[:, -tail:])
+    torch.testing.assert_close(y[:, -tail:], want, atol=1.6e-2, rtol=8e-3)
+    torch.testing.assert_close(xa.grad[:, -tail:], xt.grad, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

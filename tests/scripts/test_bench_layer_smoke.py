@@ -187,6 +187,8 @@ def test_attention_kernel_flags_set_only_their_options() -> None:
         bench_layer.parse_args(["--loss-kl-in-rows"])) == replace(loss_default, kl_in_bwd=False)
     assert bench_layer.indexer_loss_kernel_options(
         bench_layer.parse_args(["--loss-lockstep"])) == replace(loss_default, bwd_lockstep=True)
+    assert bench_layer.indexer_loss_kernel_options(
+        bench_layer.parse_args(["--loss-bwd-sm90"])) == replace(loss_default, bwd_sm90=True)
     from megatron_hyscale.ops import HyTopKOptions
 
     assert bench_layer.hytopk_options(bench_layer.parse_args([])) is None

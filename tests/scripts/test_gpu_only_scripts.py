@@ -84,15 +84,18 @@ GPU_ONLY = [
     ("profile_attention.py", ["--list"]),
     ("probe_indexer_bwd.py", []),
     ("bench_mla_projections.py", []),
+    ("bench_rms_norm.py", []),
 ]
 # What the line names: the script, and the mode where only some modes need the GPU.
 LABEL = {"accuracy.py": "accuracy.py --device cuda",
          "bench_layer.py": "bench_layer.py --device cuda",
          "check_cp.py": "check_cp.py --device cuda",
-         "bench_mla_projections.py": "bench_mla_projections.py --device cuda"}
+         "bench_mla_projections.py": "bench_mla_projections.py --device cuda",
+         "bench_rms_norm.py": "bench_rms_norm.py --device cuda"}
 # no --out: the first writes nothing, the second only its record (HYSCALE_RESULTS)
 NO_OUT = ("check_cudnn_backend.py", "bench_indexer_loss_dense.py", "profile_selection.py",
-          "profile_attention.py", "probe_indexer_bwd.py", "bench_mla_projections.py")
+          "profile_attention.py", "probe_indexer_bwd.py", "bench_mla_projections.py",
+          "bench_rms_norm.py")
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:

@@ -429,3 +429,36 @@ def test_maxnreg_caps_the_compiled_registers(tmp_path: Path) -> None:
 # instructions in its tile loop and in all.
 DEFAULT_NORELU_LOOP = 887
 DEFAULT_NORELU_KERNEL = 7080
+
+
+def test_warp_specialized_indexer_loss_backward_compiles_its_partitions(tmp_path: Path) -> None:
+    """The warp-specialized Gluon indexer-loss backward (ops/kernels/indexer_loss_bwd_sm90.py,
+    IndexerLossKernelOptions.bwd_sm90) compiles for sm_90a with no serialized wgmma (C7514)
+    and shared memory within the H200's, for GLM-5.1's 32 index heads and V3.2's 64, launched
+    with the row KL (with_kl: the default kl_in_bwd's call). A consumer's key loop (the hot
+    loop found), its KL terms included, has no local memory and no gather: S^T over 128
+    channels (8 HGMMA), dQ^T's 128 channels over 64 keys (8), two 64-channel dK chunks over the
+    heads (2 x H / 16), added into the key rows with 16 sixteen-byte atomics a thread
+    (REDG.E.ADD.F32x4 only). The producer's cp.async arrivals (q, the key tile: one each a
+    consumer) are the only ones; register budgets 232 (consumers) and 40 (producer)."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "indexer-loss-bwd-sm90-glm51", "indexer-loss-bwd-sm90-v32",
+                "--json", str(out), "--sass-out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    glm, v32 = json.loads(out.read_text())
+    assert glm["constexprs"]["H"] == 32 and v32["constexprs"]["H"] == 64
+    assert glm["constexprs"]["KL"] is True and v32["constexprs"]["KL"] is True
+    for rep in (glm, v32):
+        heads = rep["constexprs"]["H"]
+        assert rep["perf_warnings"] == []
+        assert rep["shared_bytes"] <= 232448
+        ops = rep["loop_ops"]
+        assert ops["HGMMA"] == 8 + 8 + 2 * heads // 16
+        assert ops["REDG"] == 16
+        assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0 and ops.get("LDGSTS", 0) == 0
+        sass = next(tmp_path.glob(f"{rep['preset']}_0_*.sass")).read_text()
+        assert "REDG.E.ADD.F32x4" in sass
+        assert "REDG.E.ADD.F32x2" not in sass and "REDG.E.ADD.F32 " not in sass
+        assert sass.count("ARRIVES.LDGSTSBAR") == 4
+        assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8" in sass  # 232 for consumer 1
+        assert "USETMAXREG.DEALLOC.CTAPOOL 0x28" in sass  # 40 for the producer

@@ -21,6 +21,10 @@ LN2 = 0.6931471805599453
 LOG2E_JIT = tl.constexpr(LOG2E)
 LN2_JIT = tl.constexpr(LN2)
 
+# megatron-core's INDEXER_LOSS_EPS: the clamp of the indexer loss's target normalization and of
+# its log (the loss kernels, Triton and Gluon).
+INDEXER_LOSS_EPS = 1e-10
+
 # tl.dot needs every dimension >= 16 (heads, keys and channels are padded up to it).
 MIN_DOT = 16
 # Query heads per program of the attention-shaped kernels (sparse attention, the indexer
@@ -99,7 +103,7 @@ def lockstep_plan(work: int, device: torch.device, slack: int, per_sm: int = 1
     if isinstance(slack, bool) or not (isinstance(slack, int) and slack >= 1):
         raise ValueError(f"lockstep_slack must be an int >= 1 (key tiles a program may lead "
                          f"the slowest of its wave by), got {slack!r}")
-    programs = min(work, _sm_count(device) * per_sm)
+    programs = min(work, sm_count(device) * per_sm)
     return programs, torch.zeros(triton.cdiv(work, programs), device=device, dtype=torch.int32)
 
 
@@ -151,7 +155,8 @@ INTERPRETER_SMS = 3
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors (INTERPRETER_SMS off CUDA): persistent grids."""
     if device.type != "cuda":
         return INTERPRETER_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count

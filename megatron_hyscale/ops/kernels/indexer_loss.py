@@ -34,6 +34,7 @@ import triton.language as tl
 
 from megatron_hyscale.ops.checks import triton_interpret
 from megatron_hyscale.ops.kernels.common import (
+    INDEXER_LOSS_EPS,
     LN2_JIT,
     LOG2E,
     LOG2E_JIT,
@@ -56,8 +57,7 @@ from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions, Tilin
 from megatron_hyscale.ops.kernels.tiling import launch_first_fitting
 
 fix_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1
-# megatron-core's INDEXER_LOSS_EPS: the clamp of the target's normalization and of its log.
-EPS = 1e-10
+EPS = INDEXER_LOSS_EPS  # the loss modules' name for it (indexer_loss_dense imports it)
 _EPS = tl.constexpr(EPS)
 # p holds this at slots that take no part in the loss (-1, invisible, or a repeated index);
 # valid slots hold a target value >= 0, so the sign alone is the validity (also after a tp
@@ -691,6 +691,21 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
     if mode not in (MODE_ATOMIC, MODE_DISCARD) or (deterministic and mode == MODE_DISCARD):
         raise ValueError(f"mode must be MODE_ATOMIC ({MODE_ATOMIC}) or, not deterministic, "
                          f"MODE_DISCARD ({MODE_DISCARD}); got {mode!r}")
+    if options.bwd_sm90:
+        # Imported here: Gluon need not load where the option is off.
+        try:
+            from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90
+        except ImportError as exc:
+            from megatron_hyscale.ops.checks import warn_once
+            warn_once("indexer-loss-bwd-sm90: import", "HyScale: the Hopper indexer-loss backward "
+                      f"cannot be loaded ({exc}); using the Triton backward")
+        else:
+            done = sm90.run_if_supported(q_index, weights, k_index, indices, p, lse, psum, grad,
+                                         coeff, relu, deterministic=deterministic,
+                                         with_kl=with_kl, mode=mode,
+                                         lockstep=options.bwd_lockstep)
+            if done is not None:
+                return done
     B, T, H, D = q_index.shape
     S = k_index.shape[1]
     NK = indices.shape[-1]

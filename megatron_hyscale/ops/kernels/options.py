@@ -678,11 +678,24 @@ class IndexerLossKernelOptions:
     # gradients identical to the default's on the GPU too. On by default; the standalone
     # `indexer_kl_loss` returns its value in the forward and ignores it.
     kl_in_bwd: bool = True
+    # The backward (`indexer_loss_bwd`) as the warp-specialized Gluon kernel on Hopper
+    # (`kernels/indexer_loss_bwd_sm90.py`: a cp.async producer warpgroup gathering the key tiles
+    # a ring ahead, two wgmma consumer warpgroups on two query rows, keys on the MMA's M), for
+    # the Triton kernel latency-bound on its gathers. Where it cannot run (not sm_90a, not bf16
+    # with 32 / 64 heads of 128, deterministic, with the KL (kl_in_bwd), lockstep, a failed
+    # compile) one warning per cause and the Triton kernel. Off until timed on the GPU
+    # (`bench_indexer_loss.py --variants bwd_sm90`); compiled: `inspect_sm90.py --preset
+    # indexer-loss-bwd-sm90-glm51 indexer-loss-bwd-sm90-v32`.
+    bwd_sm90: bool = False
 
     DEFAULT: ClassVar[IndexerLossKernelOptions]
 
     def __post_init__(self) -> None:
         # Checked here: a launch that fails on them would read as the kernel's failure.
+        for name in ("bwd_sm90",):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"IndexerLossKernelOptions.{name} must be a bool, got "
+                                 f"{getattr(self, name)!r}")
         for name in ("bwd_lockstep_slack", "bwd_lockstep_programs_per_sm"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):

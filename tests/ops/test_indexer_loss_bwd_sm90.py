@@ -1,0 +1,158 @@
+"""The Hopper indexer-loss backward's option, its refusals and its dispatch, on CPU (its
+kernel runs in tests/ops/test_indexer_loss_bwd_sm90_gpu.py; its compiled form in
+tests/scripts/test_inspect_sm90.py)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
+                    reason="Gluon's Hopper API (tested with Triton 3.6)")
+from megatron_hyscale.ops import checks  # noqa: E402
+from megatron_hyscale.ops.kernels import indexer_loss as kern  # noqa: E402
+from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90  # noqa: E402
+from megatron_hyscale.ops.kernels.common import MODE_DISCARD  # noqa: E402
+from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions  # noqa: E402
+
+SM90 = replace(IndexerLossKernelOptions.DEFAULT, bwd_sm90=True)
+
+
+def _tensors(H=32, D=128, B=1, T=4, S=8, K=6, dtype=torch.bfloat16, q_width=None,
+             k_width=None, idx_dtype=torch.int32, w_dtype=torch.float32):
+    q = torch.zeros(B, T, H, q_width or D, dtype=dtype)[..., :D]
+    w = torch.zeros(B, T, H, dtype=w_dtype)
+    k = torch.zeros(B, S, k_width or D, dtype=dtype)[..., :D]
+    idx = torch.zeros(B, T, K, dtype=idx_dtype)
+    p = torch.zeros(B, T, K)
+    row = torch.zeros(B, T)
+    return q, w, k, idx, p, row, row
+
+
+def test_option_is_off_by_default_and_must_be_a_bool():
+    assert IndexerLossKernelOptions.DEFAULT.bwd_sm90 is False
+    assert SM90.bwd_sm90 is True
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="IndexerLossKernelOptions.bwd_sm90 must be a bool"):
+            IndexerLossKernelOptions(bwd_sm90=bad)
+
+
+def test_cpu_tensors_of_its_shape_are_refused_for_the_device_alone():
+    """Also with the row KL (with_kl: the default kl_in_bwd's call), which the kernel takes."""
+    for H in sm90.HEADS:
+        for idx_dtype in (torch.int32, torch.int64):
+            for w_dtype in (torch.float32, torch.bfloat16):
+                for with_kl in (False, True):
+                    why = sm90.unsupported(*_tensors(H=H, idx_dtype=idx_dtype, w_dtype=w_dtype),
+                                           with_kl=with_kl)
+                    assert why.startswith("tensors on cpu"), why
+
+
+@pytest.mark.parametrize("kwargs, cause", [
+    (dict(deterministic=True), "deterministic=True"),
+    (dict(deterministic=True, with_kl=True), "deterministic=True"),
+    (dict(mode=MODE_DISCARD), f"mode={MODE_DISCARD}"),
+    (dict(lockstep=True), "bwd_lockstep"),
+])
+def test_the_triton_kernels_modes_are_declined(kwargs, cause):
+    assert sm90.unsupported(*_tensors(), **kwargs).startswith(cause)
+
+
+@pytest.mark.parametrize("tensors, cause", [
+    (dict(dtype=torch.float16), "q_index / k_index dtypes"),
+    (dict(w_dtype=torch.float16), "weights dtype"),
+    (dict(idx_dtype=torch.int16), "indices dtype"),
+    (dict(H=16), "index heads"),
+    (dict(H=48), "index heads"),
+    (dict(D=64), "head dim"),
+    (dict(q_width=136), "q_index's rows"),
+    (dict(k_width=132), "k_index's rows"),
+])
+def test_shapes_dtypes_and_layouts_it_cannot_take_are_named(tensors, cause):
+    assert sm90.unsupported(*_tensors(**tensors)).startswith(cause)
+
+
+def test_fp32_statistics_are_required():
+    q, w, k, idx, p, lse, psum = _tensors()
+    assert sm90.unsupported(q, w, k, idx, p.double(), lse, psum).startswith("p, lse and psum")
+
+
+def _case(seed=0, B=2, T=6, S=10, H=32, K=24):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, 128, generator=g).to(torch.bfloat16)
+    w = torch.randn(B, T, H, generator=g) * 0.2
+    k = torch.randn(B, S, 128, generator=g).to(torch.bfloat16)
+    idx = torch.randint(-1, S, (B, T, K), generator=g, dtype=torch.int32)
+    p = torch.rand(B, T, K, generator=g)
+    p = torch.where(idx >= 0, p / p.sum(-1, keepdim=True), torch.full_like(p, -1.0))
+    lse = torch.randn(B, T, generator=g)
+    psum = torch.where(idx >= 0, p, 0.0).sum(-1)
+    return q, w, k, idx, p, lse, psum
+
+
+@pytest.mark.parametrize("with_kl", [False, True])
+def test_the_option_on_cpu_warns_once_and_returns_the_default_result(monkeypatch, with_kl):
+    """Under the interpreter (or on any non-Hopper device) the option falls back to the Triton
+    kernel with one warning naming why; the outputs are the default's, bitwise: with_kl (the
+    default kl_in_bwd's call) its four, the row KL fp32 [B, T] last."""
+    monkeypatch.setattr(checks, "_warned", set())
+    args = _case()
+    grad = torch.tensor(1.3)
+    opts = replace(IndexerLossKernelOptions.DEFAULT, block_n=16)
+    want = kern.indexer_loss_bwd(*args, grad, 0.7, True, options=opts, with_kl=with_kl)
+    assert len(want) == (4 if with_kl else 3)
+    if with_kl:
+        assert want[3].dtype == torch.float32 and want[3].shape == args[4].shape[:2]
+    with pytest.warns(RuntimeWarning, match="Hopper indexer-loss backward cannot run") as rec:
+        got = kern.indexer_loss_bwd(*args, grad, 0.7, True, options=replace(opts, bwd_sm90=True),
+                                    with_kl=with_kl)
+    msgs = [str(w.message) for w in rec if "indexer-loss" in str(w.message)]
+    assert len(msgs) == 1 and "tensors on cpu" in msgs[0], msgs
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same cause: silent
+        again = kern.indexer_loss_bwd(*args, grad, 0.7, True,
+                                      options=replace(opts, bwd_sm90=True), with_kl=with_kl)
+    for a, b in zip(again, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_declined_mode_still_runs_the_triton_kernel(monkeypatch):
+    """deterministic=True with the option: the fixed-point mode runs (bitwise the default's),
+    after a warning naming it."""
+    monkeypatch.setattr(checks, "_warned", set())
+    args = _case(seed=1, H=64)
+    grad = torch.tensor(0.9)
+    opts = replace(IndexerLossKernelOptions.DEFAULT, block_n=16)
+    want = kern.indexer_loss_bwd(*args, grad, 0.5, True, True, options=opts)
+    with pytest.warns(RuntimeWarning, match="deterministic=True"):
+        got = kern.indexer_loss_bwd(*args, grad, 0.5, True, True,
+                                    options=replace(opts, bwd_sm90=True))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_disable_is_per_variant_and_warns_once(monkeypatch):
+    monkeypatch.setattr(checks, "_warned", set())
+    q, w, k, idx, *_ = _tensors()
+    key = sm90.variant(q, w, idx, True)
+    try:
+        with pytest.warns(RuntimeWarning,
+                          match="indexer-loss backward cannot run.*CompilationError"):
+            sm90.disable(key, "CompilationError: at 1:2\nlong MLIR dump ...")
+        assert key in sm90._disabled
+        assert sm90.variant(*_tensors(H=64)[:2], idx, True) not in sm90._disabled
+        assert sm90.variant(q, w, idx, False) not in sm90._disabled
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            sm90.warn_cannot_run(f"{key}: CompilationError: at 1:2")  # same cause: silent
+    finally:
+        sm90._disabled.discard(key)
