@@ -128,6 +128,7 @@ def test_exact_on_integer_inputs(H, idx_dtype, w_dtype, sm90_calls):
     # Every third row's target 0 or 1 only: its KL terms are integers (lse - s), exact.
     pn[:, ::3] = torch.randint(0, 2, (B, (T + 2) // 3, K), device=DEV, generator=g).float()
     p = torch.where(valid, pn, -1.0)
+    p[:, 3] = -1.0  # a row none of whose slots takes part: no gradient, KL 0
     lse = torch.full((B, T), 1e4, device=DEV)  # softmax 0 at every slot
     psum = torch.ones((B, T), device=DEV)
     args = (q, w, k, idx.to(idx_dtype), p, lse, psum, torch.tensor(1.0, device=DEV), 0.25,
@@ -152,6 +153,7 @@ def test_exact_on_integer_inputs(H, idx_dtype, w_dtype, sm90_calls):
     assert torch.equal(kl[terms_exact], ref[terms_exact]), float(
         (kl - ref)[terms_exact].abs().max())
     assert torch.equal(kl[:, 3], torch.zeros_like(kl[:, 3]))  # the row with no slot
+    assert not got[0][:, 3].any() and not got[1][:, 3].any()
     # Positive terms: the sum's order alone, a relative rounding of the row's value.
     err = ((kl - ref).abs() / ref.abs().clamp_min(1.0))[~terms_exact]
     assert float(err.max()) <= KL_TOL, float(err.max())
