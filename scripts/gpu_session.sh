@@ -714,10 +714,11 @@ case "$stage" in
     ;;
   loss-bwd-sm90)
     smoke_then_tests tests/ops/test_indexer_loss_bwd_sm90_gpu.py "exact and 32" || exit 1
-    # One process a shape: V3.2 at 128K after GLM-5.1's runs did not fit the H100's 80 GB.
-    for shape in glm51 v32; do
-      timeout 200 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes $shape \
-        --variants bwd_sm90 no_kl_in_bwd bwd_sm90_no_kl --out "$out/$shape" 2>&1 \
+    # One process a shape and length: V3.2 at 128K after a shorter run in the same process did
+    # not fit the H100's 80 GB. LOSS_BWD_RUNS: which (shape:T), default all four.
+    for run in ${LOSS_BWD_RUNS:-glm51:32768 glm51:131072 v32:32768 v32:131072}; do
+      timeout 150 python3 scripts/bench_indexer_loss.py --t "${run#*:}" --shapes "${run%%:*}" \
+        --variants bwd_sm90 no_kl_in_bwd bwd_sm90_no_kl --out "$out/${run/:/_}" 2>&1 \
         | grep -v -i warn | grep -E "T=|Error|failed" | tee -a "$out/bench_indexer_loss_variants.log"
     done ;;
   norms)
