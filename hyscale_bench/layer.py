@@ -196,9 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-lockstep", action="store_true",
                    help="the indexer loss's backward in lockstep (IndexerLossKernelOptions."
                         "bwd_lockstep)")
-    p.add_argument("--loss-bwd-sm90", action="store_true",
-                   help="the indexer loss's backward on the warp-specialized Gluon kernel "
-                        "(IndexerLossKernelOptions.bwd_sm90; Hopper)")
+    p.add_argument("--loss-bwd-triton", action="store_true",
+                   help="the indexer loss's backward on the Triton kernel (IndexerLossKernel"
+                        "Options.bwd_sm90=False; the default on Hopper is the Gluon kernel)")
     p.add_argument("--attention-fwd", choices=("auto", "gluon", "gluon_ws", "triton"),
                    default="auto",
                    help="HyScale's sparse-attention forward on Hopper: auto, the defaults (the "
@@ -1106,14 +1106,14 @@ def hytopk_options(args: argparse.Namespace) -> Any:
 
 def indexer_loss_kernel_options(args: argparse.Namespace) -> Any:
     """HyScale's indexer-loss kernel variants for this run (--loss-kl-in-rows,
-    --loss-lockstep, --loss-bwd-sm90)."""
+    --loss-lockstep, --loss-bwd-triton)."""
     from megatron_hyscale.ops import IndexerLossKernelOptions
 
     changes = dict(kl_in_bwd=False) if args.loss_kl_in_rows else {}
     if args.loss_lockstep:
         changes["bwd_lockstep"] = True
-    if args.loss_bwd_sm90:
-        changes["bwd_sm90"] = True
+    if args.loss_bwd_triton:
+        changes["bwd_sm90"] = False
     return replace(IndexerLossKernelOptions.DEFAULT, **changes)
 
 

@@ -344,39 +344,43 @@ def target_sweep(shapes, Ts, tilings, warmup, reps, out_dir):
         json.dump(dict(command=" ".join(sys.argv), default=default, rows=rows), f, indent=1)
 
 
-# IndexerLossKernelOptions fields of the row-pass and backward variants (see options.py).
+# IndexerLossKernelOptions fields of the row-pass and backward variants (see options.py). The
+# Triton backward's own tunings (warps, registers, tilings, lockstep) take bwd_sm90=False: on
+# Hopper the default backward is the Gluon kernel, which they do not tune.
+TRITON_BWD = dict(bwd_sm90=False)
 LOSS_VARIANTS = {
     "one_pass": dict(loss_one_pass=True),
     "fused": dict(fused_rows_bwd=True),
     "kl_in_bwd": dict(kl_in_bwd=True),
     # the backward's persistent programs paced together (the stratified rows are in key
     # order, as the DSA layer's)
-    "lockstep": dict(bwd_lockstep=True),
-    "lockstep2": dict(bwd_lockstep=True, bwd_lockstep_slack=2),
-    "lockstep_1sm": dict(bwd_lockstep=True, bwd_lockstep_programs_per_sm=1),
-    "warps8": dict(bwd_num_warps=8, loss_num_warps=8),
-    "warps8_r128": dict(bwd_num_warps=8, bwd_maxnreg=128),
-    "r168": dict(bwd_maxnreg=168),
-    "n32x2": dict(index_tilings=((32, 2),)),
+    "lockstep": dict(bwd_lockstep=True, **TRITON_BWD),
+    "lockstep2": dict(bwd_lockstep=True, bwd_lockstep_slack=2, **TRITON_BWD),
+    "lockstep_1sm": dict(bwd_lockstep=True, bwd_lockstep_programs_per_sm=1,
+                         **TRITON_BWD),
+    "warps8": dict(bwd_num_warps=8, loss_num_warps=8, **TRITON_BWD),
+    "warps8_r128": dict(bwd_num_warps=8, bwd_maxnreg=128, **TRITON_BWD),
+    "r168": dict(bwd_maxnreg=168, **TRITON_BWD),
+    "n32x2": dict(index_tilings=((32, 2),), **TRITON_BWD),
     # deeper pipelines: from 3 stages Triton's pipeliner turns the gathered key rows into
     # asynchronous copies (cp.async) issued a tile ahead (sm_90a SASS, GLM-5.1's backward
     # tile: 5 -> 13 LDGSTS, 24 -> 16 LDG), the latency the 2026-12-06 probe found dominant
-    "n64x3": dict(index_tilings=((64, 3),)),
-    "n32x3": dict(index_tilings=((32, 3),)),
-    "n32x4": dict(index_tilings=((32, 4),)),
-    "n64x4": dict(index_tilings=((64, 4),)),
-    "n32x2_r128": dict(index_tilings=((32, 2),), bwd_maxnreg=128),
+    "n64x3": dict(index_tilings=((64, 3),), **TRITON_BWD),
+    "n32x3": dict(index_tilings=((32, 3),), **TRITON_BWD),
+    "n32x4": dict(index_tilings=((32, 4),), **TRITON_BWD),
+    "n64x4": dict(index_tilings=((64, 4),), **TRITON_BWD),
+    "n32x2_r128": dict(index_tilings=((32, 2),), bwd_maxnreg=128, **TRITON_BWD),
     "fused_warps8": dict(fused_rows_bwd=True, bwd_num_warps=8),
     "fused_warps8_r128": dict(fused_rows_bwd=True, bwd_num_warps=8, bwd_maxnreg=128),
     "one_pass_fused_warps8_r128": dict(loss_one_pass=True, fused_rows_bwd=True,
                                        bwd_num_warps=8, bwd_maxnreg=128),
-    # the warp-specialized Gluon backward (Hopper), the row KL in it (kl_in_bwd, the default):
-    # the default's work
-    "bwd_sm90": dict(bwd_sm90=True),
+    # the backward on the Triton kernel (the default before 2026-12-06: on Hopper the
+    # warp-specialized Gluon kernel, bwd_sm90, the row KL in it as kl_in_bwd is)
+    "triton_bwd": dict(TRITON_BWD),
     # the Gluon backward without the KL terms (the row pass keeps its own KL pass) ...
     "bwd_sm90_no_kl": dict(bwd_sm90=True, kl_in_bwd=False),
     # ... and the Triton backward without them: bwd_sm90_no_kl's baseline of the same work
-    "no_kl_in_bwd": dict(kl_in_bwd=False),
+    "no_kl_in_bwd": dict(kl_in_bwd=False, **TRITON_BWD),
 }
 
 

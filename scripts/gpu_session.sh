@@ -83,10 +83,11 @@
 #                                         # torch's fused kernel and the chunked ops  (~2 min)
 #   bash scripts/gpu_session.sh loss-bwd-sm90  # issue #20 item 3: the warp-specialized Gluon
 #                                         # indexer-loss backward (IndexerLossKernelOptions.
-#                                         # bwd_sm90): a smoke case first (a hang stops the
-#                                         # stage), its GPU tests, then timed beside the default
-#                                         # (the KL in the backward, both), and both without the
-#                                         # KL, GLM-5.1 / V3.2 at 32K and 128K        (~6 min)
+#                                         # bwd_sm90, the default): a smoke case first (a hang
+#                                         # stops the stage), its GPU tests, then timed beside
+#                                         # the Triton backward (the KL in the backward, both),
+#                                         # and both without the KL, GLM-5.1 / V3.2 at 32K and
+#                                         # 128K, one process each (LOSS_BWD_RUNS)   (~6 min)
 #   bash scripts/gpu_session.sh loss-bwd-probe  # issue #20 item 3: where the indexer loss's
 #                                         # backward kernel spends its time
 #                                         # (probe_indexer_bwd.py: without dk's atomics, rows'
@@ -718,7 +719,7 @@ case "$stage" in
     # not fit the H100's 80 GB. LOSS_BWD_RUNS: which (shape:T), default all four.
     for run in ${LOSS_BWD_RUNS:-glm51:32768 glm51:131072 v32:32768 v32:131072}; do
       timeout 150 python3 scripts/bench_indexer_loss.py --t "${run#*:}" --shapes "${run%%:*}" \
-        --variants bwd_sm90 no_kl_in_bwd bwd_sm90_no_kl --out "$out/${run/:/_}" 2>&1 \
+        --variants triton_bwd no_kl_in_bwd bwd_sm90_no_kl --out "$out/${run/:/_}" 2>&1 \
         | grep -v -i warn | grep -E "T=|Error|failed" | tee -a "$out/bench_indexer_loss_variants.log"
     done ;;
   norms)

@@ -36,8 +36,8 @@ def _tensors(H=32, D=128, B=1, T=4, S=8, K=6, dtype=torch.bfloat16, q_width=None
     return q, w, k, idx, p, row, row
 
 
-def test_option_is_off_by_default_and_must_be_a_bool():
-    assert IndexerLossKernelOptions.DEFAULT.bwd_sm90 is False
+def test_option_is_on_by_default_and_must_be_a_bool():
+    assert IndexerLossKernelOptions.DEFAULT.bwd_sm90 is True
     assert SM90.bwd_sm90 is True
     for bad in (1, "yes", None):
         with pytest.raises(ValueError, match="IndexerLossKernelOptions.bwd_sm90 must be a bool"):
@@ -97,45 +97,62 @@ def _case(seed=0, B=2, T=6, S=10, H=32, K=24):
     return q, w, k, idx, p, lse, psum
 
 
-@pytest.mark.parametrize("with_kl", [False, True])
-def test_the_option_on_cpu_warns_once_and_returns_the_default_result(monkeypatch, with_kl):
-    """Under the interpreter (or on any non-Hopper device) the option falls back to the Triton
-    kernel with one warning naming why; the outputs are the default's, bitwise: with_kl (the
-    default kl_in_bwd's call) its four, the row KL fp32 [B, T] last."""
+def test_it_applies_to_bf16_index_heads_on_hopper_only(monkeypatch):
+    """On the CPU (CI) it never applies; on a Hopper GPU (the capability faked) to bf16 q / k
+    with 32 or 64 heads of 128, in the default accumulation mode, not in lockstep."""
+    q, w, k, *_ = _tensors()
+    assert not sm90.applies(q, k)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert sm90.applies(q, k) and sm90.applies(*_tensors(H=64)[0:3:2])
+    for kwargs in (dict(deterministic=True), dict(mode=MODE_DISCARD), dict(lockstep=True)):
+        assert not sm90.applies(q, k, **kwargs), kwargs
+    for tensors in (dict(H=4), dict(H=16), dict(D=64), dict(dtype=torch.float16)):
+        t = _tensors(**tensors)
+        assert not sm90.applies(t[0], t[2]), tensors
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert not sm90.applies(q, k)
+
+
+def test_where_it_applies_a_refusal_warns_once_and_runs_the_triton_kernel(monkeypatch):
+    """Made to apply on the CPU (`applies` faked), a call `unsupported` refuses (here: the
+    device) runs the Triton kernel after one warning naming why; the outputs are the
+    default's, bitwise, with_kl's four too; the same cause again: silent."""
     monkeypatch.setattr(checks, "_warned", set())
     args = _case()
     grad = torch.tensor(1.3)
-    opts = replace(IndexerLossKernelOptions.DEFAULT, block_n=16)
-    want = kern.indexer_loss_bwd(*args, grad, 0.7, True, options=opts, with_kl=with_kl)
-    assert len(want) == (4 if with_kl else 3)
-    if with_kl:
-        assert want[3].dtype == torch.float32 and want[3].shape == args[4].shape[:2]
-    with pytest.warns(RuntimeWarning, match="Hopper indexer-loss backward cannot run") as rec:
-        got = kern.indexer_loss_bwd(*args, grad, 0.7, True, options=replace(opts, bwd_sm90=True),
-                                    with_kl=with_kl)
-    msgs = [str(w.message) for w in rec if "indexer-loss" in str(w.message)]
-    assert len(msgs) == 1 and "tensors on cpu" in msgs[0], msgs
-    for a, b in zip(got, want, strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the same cause: silent
-        again = kern.indexer_loss_bwd(*args, grad, 0.7, True,
-                                      options=replace(opts, bwd_sm90=True), with_kl=with_kl)
-    for a, b in zip(again, want, strict=True):
-        assert torch.equal(a, b)
+    opts = replace(IndexerLossKernelOptions.DEFAULT, block_n=16, bwd_sm90=False)
+    on = replace(opts, bwd_sm90=True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(sm90, "applies", lambda *a, **k: True)
+    # indexer_loss_bwd looks for CUDA before it loads the Gluon module: call the dispatch
+    for with_kl in (False, True):
+        want = kern.indexer_loss_bwd(*args, grad, 0.7, True, options=opts, with_kl=with_kl)
+        assert len(want) == (4 if with_kl else 3)
+        with pytest.warns(RuntimeWarning, match="Hopper indexer-loss backward cannot run") \
+                if not with_kl else warnings.catch_warnings():
+            if with_kl:
+                warnings.simplefilter("error")  # the same cause: silent
+            got = sm90.run_if_supported(*args, grad, 0.7, True, deterministic=False,
+                                        with_kl=with_kl, mode=0, lockstep=False)
+        assert got is None
+        again = kern.indexer_loss_bwd(*args, grad, 0.7, True, options=on, with_kl=with_kl)
+        for a, b in zip(again, want, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_a_declined_mode_still_runs_the_triton_kernel(monkeypatch):
-    """deterministic=True with the option: the fixed-point mode runs (bitwise the default's),
-    after a warning naming it."""
-    monkeypatch.setattr(checks, "_warned", set())
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_default_on_cpu_is_the_triton_kernel_without_a_word(deterministic):
+    """On the CPU the option on (the default) changes nothing: no warning, the Triton path's
+    outputs bitwise, the deterministic mode's too."""
     args = _case(seed=1, H=64)
     grad = torch.tensor(0.9)
     opts = replace(IndexerLossKernelOptions.DEFAULT, block_n=16)
-    want = kern.indexer_loss_bwd(*args, grad, 0.5, True, True, options=opts)
-    with pytest.warns(RuntimeWarning, match="deterministic=True"):
-        got = kern.indexer_loss_bwd(*args, grad, 0.5, True, True,
-                                    options=replace(opts, bwd_sm90=True))
+    want = kern.indexer_loss_bwd(*args, grad, 0.5, True, deterministic,
+                                 options=replace(opts, bwd_sm90=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = kern.indexer_loss_bwd(*args, grad, 0.5, True, deterministic, options=opts)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 

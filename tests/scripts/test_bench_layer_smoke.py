@@ -188,7 +188,7 @@ def test_attention_kernel_flags_set_only_their_options() -> None:
     assert bench_layer.indexer_loss_kernel_options(
         bench_layer.parse_args(["--loss-lockstep"])) == replace(loss_default, bwd_lockstep=True)
     assert bench_layer.indexer_loss_kernel_options(
-        bench_layer.parse_args(["--loss-bwd-sm90"])) == replace(loss_default, bwd_sm90=True)
+        bench_layer.parse_args(["--loss-bwd-triton"])) == replace(loss_default, bwd_sm90=False)
     from megatron_hyscale.ops import HyTopKOptions
 
     assert bench_layer.hytopk_options(bench_layer.parse_args([])) is None

@@ -691,8 +691,9 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
     if mode not in (MODE_ATOMIC, MODE_DISCARD) or (deterministic and mode == MODE_DISCARD):
         raise ValueError(f"mode must be MODE_ATOMIC ({MODE_ATOMIC}) or, not deterministic, "
                          f"MODE_DISCARD ({MODE_DISCARD}); got {mode!r}")
-    if options.bwd_sm90:
-        # Imported here: Gluon need not load where the option is off.
+    if (options.bwd_sm90 and q_index.is_cuda
+            and torch.cuda.get_device_capability(q_index.device)[0] == 9):
+        # Imported here: Gluon loads only where the Hopper kernel may run.
         try:
             from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90
         except ImportError as exc:

@@ -355,6 +355,19 @@ def _layout_problem(name: str, x: torch.Tensor, rows: tuple[int, ...]) -> str | 
     return None
 
 
+def applies(q_index: torch.Tensor, k_index: torch.Tensor, *, deterministic: bool = False,
+            mode: int = MODE_ATOMIC, lockstep: bool = False) -> bool:
+    """Whether the kernel is meant for this call: bf16 index heads of a count it takes, on a
+    Hopper GPU, the default accumulation mode. Where it is not, the Triton kernel runs without
+    a word (another model, device or mode); where it is but `unsupported` names a reason, with
+    one warning."""
+    return (not deterministic and mode == MODE_ATOMIC and not lockstep
+            and q_index.dtype == torch.bfloat16 and k_index.dtype == torch.bfloat16
+            and q_index.dim() == 4 and q_index.shape[2] in HEADS
+            and q_index.shape[3] == HEAD_DIM and q_index.is_cuda
+            and torch.cuda.get_device_capability(q_index.device)[0] == 9)
+
+
 def unsupported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor,
                 indices: torch.Tensor, p: torch.Tensor, lse: torch.Tensor, psum: torch.Tensor,
                 *, relu: bool = True, deterministic: bool = False, with_kl: bool = False,
@@ -454,8 +467,11 @@ def run_if_supported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torc
                      deterministic: bool, with_kl: bool, mode: int, lockstep: bool
                      ) -> tuple[torch.Tensor, ...] | None:
     """`indexer_loss_bwd_sm90`'s gradients (with_kl: and the row KL, `indexer_loss_bwd`'s four
-    outputs), or None after one warning per cause where it cannot
-    run (`unsupported`) or its variant fails to compile or launch (not tried again)."""
+    outputs), or None: silently where it does not apply (`applies`), after one warning per
+    cause where it applies but cannot run (`unsupported`) or its variant fails to compile or
+    launch (not tried again)."""
+    if not applies(q_index, k_index, deterministic=deterministic, mode=mode, lockstep=lockstep):
+        return None
     why = unsupported(q_index, weights, k_index, indices, p, lse, psum, relu=relu,
                       deterministic=deterministic, with_kl=with_kl, mode=mode, lockstep=lockstep)
     if why is not None:

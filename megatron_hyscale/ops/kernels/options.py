@@ -680,13 +680,18 @@ class IndexerLossKernelOptions:
     kl_in_bwd: bool = True
     # The backward (`indexer_loss_bwd`) as the warp-specialized Gluon kernel on Hopper
     # (`kernels/indexer_loss_bwd_sm90.py`: a cp.async producer warpgroup gathering the key tiles
-    # a ring ahead, two wgmma consumer warpgroups on two query rows, keys on the MMA's M), for
-    # the Triton kernel latency-bound on its gathers. Where it cannot run (not sm_90a, not bf16
-    # with 32 / 64 heads of 128, deterministic, with the KL (kl_in_bwd), lockstep, a failed
-    # compile) one warning per cause and the Triton kernel. Off until timed on the GPU
-    # (`bench_indexer_loss.py --variants bwd_sm90`); compiled: `inspect_sm90.py --preset
-    # indexer-loss-bwd-sm90-glm51 indexer-loss-bwd-sm90-v32`.
-    bwd_sm90: bool = False
+    # a ring ahead, two wgmma consumer warpgroups on two query rows, keys on the MMA's M, the
+    # row KL summed in the same pass), for the Triton kernel latency-bound on its gathers. It
+    # applies to bf16 index heads of 32 or 64 x 128 on a Hopper GPU, not deterministic, not in
+    # lockstep; elsewhere the Triton kernel runs without a word (QSA's 4 heads, the CPU), and
+    # where it applies but cannot run (a layout, a failed compile) after one warning. Timed on
+    # an H100 (2026-12-06, `bench_indexer_loss.py --variants bwd_sm90`, row pass + backward,
+    # the KL in the backward both): GLM-5.1 22.7 -> 19.0 ms at 32K, 94.1 -> 90.2 at 128K;
+    # V3.2 28.0 -> 20.6, 116.6 -> 103.6; dk to the atomics' order, the KL identical. At 128K
+    # the backward alone gains less (GLM-5.1 73.6 -> 69.3 ms; at 32K 17.6 -> 13.8), not yet
+    # measured why (dk's fp32 sums, 64 MiB at 128K, no longer fit the 50 MiB L2). On by
+    # default; compiled: `inspect_sm90.py --preset indexer-loss-bwd-sm90-glm51 -v32`.
+    bwd_sm90: bool = True
 
     DEFAULT: ClassVar[IndexerLossKernelOptions]
 
