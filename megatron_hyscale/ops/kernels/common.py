@@ -25,6 +25,20 @@ LN2_JIT = tl.constexpr(LN2)
 # its log (the loss kernels, Triton and Gluon).
 INDEXER_LOSS_EPS = 1e-10
 
+def indexer_grad_buffers(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor,
+                         fixed_point: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The indexer loss backward's outputs: dq_index and dweights (written whole, in their
+    inputs' dtypes) and dk_index's zeroed accumulator [B, S, D] (fp32 for atomics, int64 for
+    the deterministic fixed-point sums)."""
+    B, S, D = k_index.shape[0], k_index.shape[1], q_index.shape[3]
+    dev = q_index.device
+    return (torch.empty(q_index.shape, device=dev, dtype=q_index.dtype),
+            torch.empty(weights.shape, device=dev, dtype=weights.dtype),
+            torch.zeros((B, S, D), device=dev,
+                        dtype=torch.int64 if fixed_point else torch.float32))
+
+
 # tl.dot needs every dimension >= 16 (heads, keys and channels are padded up to it).
 MIN_DOT = 16
 # Query heads per program of the attention-shaped kernels (sparse attention, the indexer

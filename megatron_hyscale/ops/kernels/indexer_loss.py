@@ -50,6 +50,7 @@ from megatron_hyscale.ops.kernels.common import (
     dot_precision,
     fix_interpreter,
     fixed_point_scale,
+    indexer_grad_buffers,
     lockstep_plan,
     lockstep_step,
 )
@@ -711,10 +712,7 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
     S = k_index.shape[1]
     NK = indices.shape[-1]
     dev = q_index.device
-    dq = torch.empty(q_index.shape, device=dev, dtype=q_index.dtype)
-    dw = torch.empty(weights.shape, device=dev, dtype=weights.dtype)
-    dk_acc = torch.zeros((B, S, D), device=dev,
-                         dtype=torch.int64 if deterministic else torch.float32)
+    dq, dw, dk_acc = indexer_grad_buffers(q_index, weights, k_index, deterministic)
     discard = mode == MODE_DISCARD
     rowmax = (torch.zeros((B, S), device=dev, dtype=torch.float32) if deterministic or discard
               else lse)
@@ -772,10 +770,7 @@ def indexer_loss_rows_bwd(q_index: torch.Tensor, weights: torch.Tensor, k_index:
     NK = indices.shape[-1]
     dev = q_index.device
     kl, lse, psum = (torch.empty((B, T), device=dev, dtype=torch.float32) for _ in range(3))
-    dq = torch.empty(q_index.shape, device=dev, dtype=q_index.dtype)
-    dw = torch.empty(weights.shape, device=dev, dtype=weights.dtype)
-    dk_acc = torch.zeros((B, S, D), device=dev,
-                         dtype=torch.int64 if deterministic else torch.float32)
+    dq, dw, dk_acc = indexer_grad_buffers(q_index, weights, k_index, deterministic)
     rowmax = torch.zeros((B, S), device=dev, dtype=torch.float32) if deterministic else lse
     grad = grad.detach().reshape(1).to(device=dev, dtype=torch.float32)
     const, num_warps = _bwd_launch(q_index, options)

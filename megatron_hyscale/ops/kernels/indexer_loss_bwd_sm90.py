@@ -429,12 +429,9 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
     `unsupported` accepts (see the module docstring); `indexer_loss.indexer_loss_bwd`'s
     contract without its options."""
     B, T, H, D = q_index.shape
-    S = k_index.shape[1]
     NK = indices.shape[-1]
     dev = q_index.device
-    dq = torch.empty(q_index.shape, device=dev, dtype=q_index.dtype)
-    dw = torch.empty(weights.shape, device=dev, dtype=weights.dtype)
-    dk_acc = torch.zeros((B, S, D), device=dev, dtype=torch.float32)
+    dq, dw, dk_acc = common.indexer_grad_buffers(q_index, weights, k_index)
     # Without the KL lse stands in for its buffer (never written: KL is a constexpr).
     kl = torch.empty((B, T), device=dev, dtype=torch.float32) if with_kl else lse
     rows = B * T
