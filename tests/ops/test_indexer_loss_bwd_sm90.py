@@ -114,31 +114,89 @@ def test_it_applies_to_bf16_index_heads_on_hopper_only(monkeypatch):
     assert not sm90.applies(q, k)
 
 
-def test_where_it_applies_a_refusal_warns_once_and_runs_the_triton_kernel(monkeypatch):
-    """Made to apply on the CPU (`applies` faked), a call `unsupported` refuses (here: the
-    device) runs the Triton kernel after one warning naming why; the outputs are the
-    default's, bitwise, with_kl's four too; the same cause again: silent."""
+def _dispatch(args, with_kl=False):
+    return sm90.run_if_supported(*args, torch.tensor(1.3), 0.7, True, deterministic=False,
+                                 with_kl=with_kl, mode=0, lockstep=False)
+
+
+def test_where_it_applies_a_refusal_warns_once_a_cause(monkeypatch):
+    """Made to apply on the CPU (`applies` faked), calls `unsupported` refuses return None (the
+    Triton kernel's turn) after one warning a cause: the device's for both KL forms, and a q
+    layout's once for three row widths (its strides are not in the cause)."""
     monkeypatch.setattr(checks, "_warned", set())
-    args = _case()
-    grad = torch.tensor(1.3)
-    opts = replace(IndexerLossKernelOptions.DEFAULT, block_n=16, bwd_sm90=False)
-    on = replace(opts, bwd_sm90=True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(sm90, "applies", lambda *a, **k: True)
-    # indexer_loss_bwd looks for CUDA before it loads the Gluon module: call the dispatch
-    for with_kl in (False, True):
-        want = kern.indexer_loss_bwd(*args, grad, 0.7, True, options=opts, with_kl=with_kl)
-        assert len(want) == (4 if with_kl else 3)
-        with pytest.warns(RuntimeWarning, match="Hopper indexer-loss backward cannot run") \
-                if not with_kl else warnings.catch_warnings():
-            if with_kl:
-                warnings.simplefilter("error")  # the same cause: silent
-            got = sm90.run_if_supported(*args, grad, 0.7, True, deterministic=False,
-                                        with_kl=with_kl, mode=0, lockstep=False)
-        assert got is None
-        again = kern.indexer_loss_bwd(*args, grad, 0.7, True, options=on, with_kl=with_kl)
-        for a, b in zip(again, want, strict=True):
-            assert a.dtype == b.dtype and torch.equal(a, b)
+    args = _case()
+    with pytest.warns(RuntimeWarning, match="cannot run \\(tensors on cpu") as rec:
+        assert _dispatch(args) is None
+        assert _dispatch(args, with_kl=True) is None
+    assert len([w for w in rec if "indexer-loss" in str(w.message)]) == 1
+    with pytest.warns(RuntimeWarning, match="q_index's rows are not multiples") as rec:
+        for width in (130, 132, 136):
+            q = torch.zeros(2, 6, 32, width, dtype=torch.bfloat16)[..., 1:129]
+            assert _dispatch((q, *args[1:])) is None
+    assert len([w for w in rec if "indexer-loss" in str(w.message)]) == 1
+
+
+def test_a_failed_launch_disables_its_variant_after_one_warning(monkeypatch):
+    """A kernel that raises: None (the Triton kernel's turn) after one warning naming the
+    error; the same variant then does not apply (silent); another KL form still tries; an
+    out-of-memory error is raised, not taken for the kernel's failure."""
+    monkeypatch.setattr(checks, "_warned", set())
+    monkeypatch.setattr(sm90, "unsupported", lambda *a, **k: None)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    calls = []
+
+    def broken(*a):
+        calls.append(a[-1])
+        raise RuntimeError("PTX assembly failed\nlong log")
+
+    monkeypatch.setattr(sm90, "indexer_loss_bwd_sm90", broken)
+    args = _case()
+    key = sm90.variant(args[0], args[1], args[3], True, False)
+    try:
+        with pytest.warns(RuntimeWarning, match="cannot run .*RuntimeError: PTX assembly failed"):
+            assert _dispatch(args) is None
+        assert key in sm90._disabled
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert _dispatch(args) is None  # disabled: not tried, not said again
+        assert calls == [False]
+        with pytest.warns(RuntimeWarning):
+            assert _dispatch(args, with_kl=True) is None  # its own variant: tried
+        assert calls == [False, True]
+
+        def oom(*a):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+        monkeypatch.setattr(sm90, "indexer_loss_bwd_sm90", oom)
+        sm90._disabled.clear()
+        with pytest.raises(torch.OutOfMemoryError):
+            _dispatch(args)
+        assert not sm90._disabled
+    finally:
+        sm90._disabled.clear()
+
+
+def test_a_gluon_module_that_does_not_load_warns_once(monkeypatch):
+    """On a Hopper GPU with a Triton whose Gluon cannot load the kernel module: one warning,
+    the Triton kernel, and the import not tried again."""
+    import sys
+
+    monkeypatch.setattr(checks, "_warned", set())
+    kern._hopper_backward_module.cache_clear()
+    from megatron_hyscale.ops import kernels
+
+    monkeypatch.setitem(sys.modules, "megatron_hyscale.ops.kernels.indexer_loss_bwd_sm90", None)
+    monkeypatch.delattr(kernels, "indexer_loss_bwd_sm90")
+    try:
+        with pytest.warns(RuntimeWarning, match="cannot be loaded"):
+            assert kern._hopper_backward_module() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert kern._hopper_backward_module() is None  # cached
+    finally:
+        kern._hopper_backward_module.cache_clear()
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -160,14 +218,15 @@ def test_the_default_on_cpu_is_the_triton_kernel_without_a_word(deterministic):
 def test_disable_is_per_variant_and_warns_once(monkeypatch):
     monkeypatch.setattr(checks, "_warned", set())
     q, w, k, idx, *_ = _tensors()
-    key = sm90.variant(q, w, idx, True)
+    key = sm90.variant(q, w, idx, True, False)
     try:
         with pytest.warns(RuntimeWarning,
                           match="indexer-loss backward cannot run.*CompilationError"):
             sm90.disable(key, "CompilationError: at 1:2\nlong MLIR dump ...")
         assert key in sm90._disabled
-        assert sm90.variant(*_tensors(H=64)[:2], idx, True) not in sm90._disabled
-        assert sm90.variant(q, w, idx, False) not in sm90._disabled
+        assert sm90.variant(*_tensors(H=64)[:2], idx, True, False) not in sm90._disabled
+        assert sm90.variant(q, w, idx, False, False) not in sm90._disabled
+        assert sm90.variant(q, w, idx, True, True) not in sm90._disabled
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             sm90.warn_cannot_run(f"{key}: CompilationError: at 1:2")  # same cause: silent

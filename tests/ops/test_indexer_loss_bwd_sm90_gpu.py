@@ -76,14 +76,16 @@ def _indices(B, T, S, K, g):
     """Random keys with -1 slots, repeats (the second copy of a key in a row) and keys a row
     cannot see (causal: key s > t); rows t < K see fewer keys than slots."""
     idx = torch.randint(-1, S, (B, T, K), device=DEV, generator=g)
-    idx[:, :, K - 1] = idx[:, :, 1]  # a repeated index
-    idx[:, 3, :] = -1  # a row with no slot
-    idx[:, 5, K // 2:] = -1  # half a row empty
+    if K > 1:
+        idx[:, :, K - 1] = idx[:, :, 1]  # a repeated index
     # Rows seeing few keys: exactly their visible ones, then -1 (or invisible keys).
     for t in range(min(T, 40)):
         n = min(t + 1, K)
         idx[:, t, :n] = torch.arange(n, device=DEV)
         idx[:, t, n:] = -1 if t % 2 else S - 1
+    if T > 5:
+        idx[:, 3, :] = -1  # a row with no slot
+        idx[:, 5, K // 2:] = -1  # half a row empty
     return idx
 
 
@@ -127,8 +129,7 @@ def test_exact_on_integer_inputs(H, idx_dtype, w_dtype, sm90_calls):
     pn = torch.randint(0, 65, (B, T, K), device=DEV, generator=g).float() / 64
     # Every third row's target 0 or 1 only: its KL terms are integers (lse - s), exact.
     pn[:, ::3] = torch.randint(0, 2, (B, (T + 2) // 3, K), device=DEV, generator=g).float()
-    p = torch.where(valid, pn, -1.0)
-    p[:, 3] = -1.0  # a row none of whose slots takes part: no gradient, KL 0
+    p = torch.where(valid, pn, -1.0)  # row 3: no slot takes part (`_indices`)
     lse = torch.full((B, T), 1e4, device=DEV)  # softmax 0 at every slot
     psum = torch.ones((B, T), device=DEV)
     args = (q, w, k, idx.to(idx_dtype), p, lse, psum, torch.tensor(1.0, device=DEV), 0.25,
@@ -157,6 +158,34 @@ def test_exact_on_integer_inputs(H, idx_dtype, w_dtype, sm90_calls):
     # Positive terms: the sum's order alone, a relative rounding of the row's value.
     err = ((kl - ref).abs() / ref.abs().clamp_min(1.0))[~terms_exact]
     assert float(err.max()) <= KL_TOL, float(err.max())
+
+
+@needs_hopper
+@pytest.mark.parametrize("T, K", [(1, 1), (3, 63), (131, 64), (265, 65), (40, 130)])
+def test_edge_shapes_bitwise_on_integer_inputs(T, K, sm90_calls):
+    """Row counts that leave the last pair one row short, fewer pairs than SMs (a single row
+    too), a single partial key tile, exactly one tile, one tile and one key: dq and dw bit for
+    bit the Triton backward's, dk too (integer inputs, the softmax 0: every sum exact), the KL
+    of rows whose terms are integers too, with and without the KL."""
+    B, S, H = 1, T + 8, 32
+    g = torch.Generator(device=DEV).manual_seed(T * 1000 + K)
+    q = torch.randint(-2, 3, (B, T, H, 128), device=DEV, generator=g).to(torch.bfloat16)
+    k = torch.randint(-2, 3, (B, S, 128), device=DEV, generator=g).to(torch.bfloat16)
+    w = _weights(B, T, H, torch.float32, g, integer=True)
+    idx = _indices(B, T, S, K, g)
+    valid = _target_flags(idx, B, T, S, g)
+    pn = torch.randint(0, 2, (B, T, K), device=DEV, generator=g).float()  # KL terms exact
+    p = torch.where(valid, pn, -1.0)
+    lse = torch.full((B, T), 1e4, device=DEV)
+    psum = torch.ones((B, T), device=DEV)
+    args = (q, w, k, idx, p, lse, psum, torch.tensor(1.0, device=DEV), 0.25, True)
+    for with_kl in (False, True):
+        want, _ = _run(args, TRITON, with_kl=with_kl)
+        got, record = _run(args, SM90, with_kl=with_kl)
+        _no_fallback_warning(record)
+        for name, a, b in zip(("dq", "dw", "dk", "kl"), got, want, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, T, K)
+    assert len(sm90_calls) == 2
 
 
 def _close(a, b, tol, name):

@@ -28,6 +28,8 @@ rows run (the attention backward emitting the target) may run 3 and the backward
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -680,6 +682,22 @@ def indexer_loss_rows(q_index, weights, k_index, indices, p, relu,
     return (kl if with_kl else None), lse, psum
 
 
+@functools.cache
+def _hopper_backward_module():
+    """`kernels/indexer_loss_bwd_sm90` (Gluon), loaded once a process where the Hopper backward
+    may run; None after one warning where it does not load (a Triton without Gluon's Hopper
+    API, or an older one whose layouts differ)."""
+    try:
+        from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90
+    except (ImportError, AttributeError, TypeError) as exc:
+        from megatron_hyscale.ops.checks import warn_once
+
+        warn_once("indexer-loss-bwd-sm90: import", "HyScale: the Hopper indexer-loss backward "
+                  f"cannot be loaded ({type(exc).__name__}: {exc}); using the Triton backward")
+        return None
+    return indexer_loss_bwd_sm90
+
+
 def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coeff, relu,
                      deterministic=False,
                      options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT,
@@ -692,22 +710,14 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
     if mode not in (MODE_ATOMIC, MODE_DISCARD) or (deterministic and mode == MODE_DISCARD):
         raise ValueError(f"mode must be MODE_ATOMIC ({MODE_ATOMIC}) or, not deterministic, "
                          f"MODE_DISCARD ({MODE_DISCARD}); got {mode!r}")
-    if (options.bwd_sm90 and q_index.is_cuda
-            and torch.cuda.get_device_capability(q_index.device)[0] == 9):
-        # Imported here: Gluon loads only where the Hopper kernel may run.
-        try:
-            from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90
-        except ImportError as exc:
-            from megatron_hyscale.ops.checks import warn_once
-            warn_once("indexer-loss-bwd-sm90: import", "HyScale: the Hopper indexer-loss backward "
-                      f"cannot be loaded ({exc}); using the Triton backward")
-        else:
-            done = sm90.run_if_supported(q_index, weights, k_index, indices, p, lse, psum, grad,
-                                         coeff, relu, deterministic=deterministic,
-                                         with_kl=with_kl, mode=mode,
-                                         lockstep=options.bwd_lockstep)
-            if done is not None:
-                return done
+    sm90 = (_hopper_backward_module() if options.bwd_sm90 and q_index.is_cuda
+            and torch.cuda.get_device_capability(q_index.device)[0] == 9 else None)
+    if sm90 is not None:
+        done = sm90.run_if_supported(q_index, weights, k_index, indices, p, lse, psum, grad,
+                                     coeff, relu, deterministic=deterministic, with_kl=with_kl,
+                                     mode=mode, lockstep=options.bwd_lockstep)
+        if done is not None:
+            return done
     B, T, H, D = q_index.shape
     S = k_index.shape[1]
     NK = indices.shape[-1]

@@ -57,8 +57,9 @@ DK_CHUNK = gl.constexpr(64)
 _EPS = gl.constexpr(INDEXER_LOSS_EPS)
 # Key tiles in flight a consumer. A tile is 16 KiB of key rows (plus 0.5-0.75 KiB of target and
 # indices); with two consumers' double-buffered queries (16 KiB each at 64 heads) and G^T tiles
-# three stages take 172 KiB of the 227 a block may have: the gathers are L2 / DRAM latency
-# bound, so the deepest ring that fits, with room left for the compiler's scratch.
+# three stages take 181 KiB of the 227 a block may have (compiled for sm_90a: 185,512 B at 64
+# heads, 143,528 B at 32, int32 indices): the gathers are L2 / DRAM latency bound, so the
+# deepest ring that fits, with room left for the compiler's scratch.
 NUM_STAGES = 3
 # A consumer's query buffers: the producer loads the next row's q while the consumer still
 # multiplies with the last one's, so a row starts without waiting for its q.
@@ -340,32 +341,36 @@ def _indexer_loss_bwd_kernel(
 
 
 def variant(q_index: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-            relu: bool) -> tuple:
+            relu: bool, with_kl: bool = False) -> tuple:
     """The compiled variant a call needs: what a failure disables."""
-    return q_index.dtype, q_index.shape[2], weights.dtype, indices.dtype, bool(relu)
+    return (q_index.dtype, q_index.shape[2], weights.dtype, indices.dtype, bool(relu),
+            bool(with_kl))
 
 
 def _layout_problem(name: str, x: torch.Tensor, rows: tuple[int, ...]) -> str | None:
-    """Why x's rows cannot be copied 16 bytes at a time, or None."""
+    """Why x's rows cannot be copied 16 bytes at a time, or None (no strides in the text: one
+    warning a cause, whatever the shape)."""
     if x.stride(-1) != 1 or any(st % STRIDE_MULTIPLE for st in rows):
-        return (f"{name}'s rows are not multiples of {STRIDE_MULTIPLE} unit-stride elements "
-                f"(strides {tuple(x.stride())})")
+        return f"{name}'s rows are not multiples of {STRIDE_MULTIPLE} unit-stride elements"
     if x.data_ptr() % 16:
         return f"{name} is not 16-byte aligned"
     return None
 
 
 def applies(q_index: torch.Tensor, k_index: torch.Tensor, *, deterministic: bool = False,
-            mode: int = MODE_ATOMIC, lockstep: bool = False) -> bool:
+            mode: int = MODE_ATOMIC, lockstep: bool = False,
+            failed: tuple | None = None) -> bool:
     """Whether the kernel is meant for this call: bf16 index heads of a count it takes, on a
-    Hopper GPU, the default accumulation mode. Where it is not, the Triton kernel runs without
-    a word (another model, device or mode); where it is but `unsupported` names a reason, with
-    one warning."""
+    Hopper GPU, the default accumulation mode, and its compiled variant (`failed`: the call's
+    `variant`) not failed earlier in this process (that failure warned once). Where it is not,
+    the Triton kernel runs without a word (another model, device or mode); where it is but
+    `unsupported` names a reason, after one warning."""
     return (not deterministic and mode == MODE_ATOMIC and not lockstep
             and q_index.dtype == torch.bfloat16 and k_index.dtype == torch.bfloat16
             and q_index.dim() == 4 and q_index.shape[2] in HEADS
             and q_index.shape[3] == HEAD_DIM and q_index.is_cuda
-            and torch.cuda.get_device_capability(q_index.device)[0] == 9)
+            and torch.cuda.get_device_capability(q_index.device)[0] == 9
+            and failed not in _disabled)
 
 
 def unsupported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor,
@@ -392,20 +397,20 @@ def unsupported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Ten
     if q_index.dim() != 4 or q_index.shape[2] not in HEADS:
         return f"index heads {tuple(q_index.shape)[2:3]} (one of {HEADS})"
     if q_index.shape[3] != HEAD_DIM or k_index.shape[-1] != HEAD_DIM:
-        return f"head dim {q_index.shape[3]} ({HEAD_DIM} only)"
+        return (f"head dims {q_index.shape[3]} / {k_index.shape[-1]} of q_index / k_index "
+                f"({HEAD_DIM} only)")
     for problem in (_layout_problem("q_index", q_index, kernel_strides(q_index, 3)),
                     _layout_problem("k_index", k_index, kernel_strides(k_index, 2))):
         if problem is not None:
             return problem
-    S = k_index.shape[1]
-    if S * max(k_index.stride(1), HEAD_DIM) >= 2**31:
-        return f"{S} keys (a batch's key rows must lie within 2^31 elements)"
+    if k_index.shape[1] * max(k_index.stride(1), HEAD_DIM) >= 2**31:
+        return "k_index: a batch's key rows must lie within 2^31 elements"
     if not q_index.is_cuda:
         return f"tensors on {q_index.device} (a CUDA device only)"
     if torch.cuda.get_device_capability(q_index.device)[0] != 9:
         return "not a Hopper GPU (sm_90a only)"
-    if variant(q_index, weights, indices, relu) in _disabled:
-        return f"variant {variant(q_index, weights, indices, relu)} failed earlier"
+    if variant(q_index, weights, indices, relu, with_kl) in _disabled:
+        return f"variant {variant(q_index, weights, indices, relu, with_kl)} failed earlier"
     return None
 
 
@@ -467,7 +472,9 @@ def run_if_supported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torc
     outputs), or None: silently where it does not apply (`applies`), after one warning per
     cause where it applies but cannot run (`unsupported`) or its variant fails to compile or
     launch (not tried again)."""
-    if not applies(q_index, k_index, deterministic=deterministic, mode=mode, lockstep=lockstep):
+    key = variant(q_index, weights, indices, relu, with_kl)
+    if not applies(q_index, k_index, deterministic=deterministic, mode=mode, lockstep=lockstep,
+                   failed=key):
         return None
     why = unsupported(q_index, weights, k_index, indices, p, lse, psum, relu=relu,
                       deterministic=deterministic, with_kl=with_kl, mode=mode, lockstep=lockstep)
@@ -480,12 +487,12 @@ def run_if_supported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torc
     except torch.OutOfMemoryError:
         raise  # not the kernel's failure: the Triton kernel would need the same memory
     except Exception as exc:  # this variant failed to compile or launch: say so, keep training
-        disable(variant(q_index, weights, indices, relu), f"{type(exc).__name__}: {exc}")
+        disable(key, f"{type(exc).__name__}: {exc}")
         return None
 
 
-# Variants (`variant`) that failed to compile or launch in this process (`unsupported` refuses
-# them), and the warnings when the kernel cannot run.
+# Variants (`variant`) that failed to compile or launch in this process (`applies` passes them
+# over), and the warnings when the kernel cannot run.
 _variants = KernelVariants("indexer-loss-bwd-sm90", "Hopper indexer-loss backward",
                            "Triton backward")
 _disabled = _variants.disabled

@@ -684,13 +684,16 @@ class IndexerLossKernelOptions:
     # row KL summed in the same pass), for the Triton kernel latency-bound on its gathers. It
     # applies to bf16 index heads of 32 or 64 x 128 on a Hopper GPU, not deterministic, not in
     # lockstep; elsewhere the Triton kernel runs without a word (QSA's 4 heads, the CPU), and
-    # where it applies but cannot run (a layout, a failed compile) after one warning. Timed on
-    # an H100 (2026-12-06, `bench_indexer_loss.py --variants bwd_sm90`, row pass + backward,
-    # the KL in the backward both): GLM-5.1 22.7 -> 19.0 ms at 32K, 94.1 -> 90.2 at 128K;
-    # V3.2 28.0 -> 20.6, 116.6 -> 103.6; dk to the atomics' order, the KL identical. At 128K
-    # the backward alone gains less (GLM-5.1 73.6 -> 69.3 ms; at 32K 17.6 -> 13.8), not yet
-    # measured why (dk's fp32 sums, 64 MiB at 128K, no longer fit the 50 MiB L2). On by
-    # default; compiled: `inspect_sm90.py --preset indexer-loss-bwd-sm90-glm51 -v32`.
+    # where it applies but cannot run (a layout, a failed compile) after one warning a cause.
+    # Timed on an H100 (2026-12-06, `bench_indexer_loss.py --variants bwd_sm90`, row pass +
+    # backward, the KL in the backward both): GLM-5.1 22.7 -> 19.0 ms at 32K, 94.1 -> 90.2 at 128K;
+    # V3.2 28.0 -> 20.6, 116.6 -> 103.6; dk to the atomics' order, the KL sums equal to the
+    # benchmark's print (per row within 1e-5 in the GPU tests). At 128K the backward alone gains
+    # less (GLM-5.1 73.6 -> 69.3 ms; at 32K 17.6 -> 13.8), not yet measured why (dk's fp32
+    # sums, 64 MiB at 128K, no longer fit the 50 MiB L2); without the KL (the standalone
+    # `indexer_kl_loss`, kl_in_bwd=False) GLM-5.1's at 128K is slower than the Triton one's
+    # (74.0-75.9 against 72.1-72.2 ms; V3.2 and 32K faster). On by default; compiled:
+    # `inspect_sm90.py --preset indexer-loss-bwd-sm90-glm51 indexer-loss-bwd-sm90-v32`.
     bwd_sm90: bool = True
 
     DEFAULT: ClassVar[IndexerLossKernelOptions]
