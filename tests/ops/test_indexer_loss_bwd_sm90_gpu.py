@@ -183,7 +183,8 @@ def test_edge_shapes_bitwise_on_integer_inputs(T, K, sm90_calls):
         want, _ = _run(args, TRITON, with_kl=with_kl)
         got, record = _run(args, SM90, with_kl=with_kl)
         _no_fallback_warning(record)
-        for name, a, b in zip(("dq", "dw", "dk", "kl"), got, want, strict=True):
+        names = ("dq", "dw", "dk", "kl")[:len(want)]
+        for name, a, b in zip(names, got, want, strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b), (name, T, K)
     assert len(sm90_calls) == 2
 
