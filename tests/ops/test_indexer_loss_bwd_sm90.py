@@ -58,7 +58,7 @@ def test_cpu_tensors_of_its_shape_are_refused_for_the_device_alone():
 @pytest.mark.parametrize("kwargs, cause", [
     (dict(deterministic=True), "deterministic=True"),
     (dict(deterministic=True, with_kl=True), "deterministic=True"),
-    (dict(mode=MODE_DISCARD), f"mode={MODE_DISCARD}"),
+    (dict(mode=4), "mode=4"),
     (dict(lockstep=True), "bwd_lockstep"),
 ])
 def test_the_triton_kernels_modes_are_declined(kwargs, cause):
@@ -105,8 +105,9 @@ def test_it_applies_to_bf16_index_heads_on_hopper_only(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert sm90.applies(q, k) and sm90.applies(*_tensors(H=64)[0:3:2])
-    for kwargs in (dict(deterministic=True), dict(mode=MODE_DISCARD), dict(lockstep=True)):
+    for kwargs in (dict(deterministic=True), dict(mode=4), dict(lockstep=True)):
         assert not sm90.applies(q, k, **kwargs), kwargs
+    assert sm90.applies(q, k, mode=MODE_DISCARD)  # the measurement mode has its form
     for tensors in (dict(H=4), dict(H=16), dict(D=64), dict(dtype=torch.float16)):
         t = _tensors(**tensors)
         assert not sm90.applies(t[0], t[2]), tensors
@@ -147,7 +148,7 @@ def test_a_failed_launch_disables_its_variant_after_one_warning(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     calls = []
 
-    def broken(*a):
+    def broken(*a, discard=False):
         calls.append(a[-1])
         raise RuntimeError("PTX assembly failed\nlong log")
 
@@ -165,8 +166,15 @@ def test_a_failed_launch_disables_its_variant_after_one_warning(monkeypatch):
         with pytest.warns(RuntimeWarning):
             assert _dispatch(args, with_kl=True) is None  # its own variant: tried
         assert calls == [False, True]
+        seen = []
+        monkeypatch.setattr(sm90, "indexer_loss_bwd_sm90",
+                            lambda *a, discard=False: seen.append(discard) or a[:3])
+        sm90._disabled.clear()
+        sm90.run_if_supported(*args, torch.tensor(1.3), 0.7, True, deterministic=False,
+                              with_kl=False, mode=MODE_DISCARD, lockstep=False)
+        assert seen == [True]  # the measurement mode reaches the kernel as discard
 
-        def oom(*a):
+        def oom(*a, discard=False):
             raise torch.OutOfMemoryError("CUDA out of memory")
 
         monkeypatch.setattr(sm90, "indexer_loss_bwd_sm90", oom)

@@ -706,7 +706,8 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
     KL fp32 [B, T] from the recomputed scores (after `indexer_loss_rows(..., with_kl=False)`),
     a fourth output. mode=MODE_DISCARD (measurement only: the kernel's time without dk's
     atomics) runs the same products and reduces each dk tile to one number a key row, stored
-    without atomics; its third output is that fp32 [B, S] buffer, not a gradient."""
+    without atomics (the Hopper kernel: added, one scalar atomic a row and chunk); its third
+    output is that buffer (fp32 [B, S]; the Hopper kernel's [B, S, D]), not a gradient."""
     if mode not in (MODE_ATOMIC, MODE_DISCARD) or (deterministic and mode == MODE_DISCARD):
         raise ValueError(f"mode must be MODE_ATOMIC ({MODE_ATOMIC}) or, not deterministic, "
                          f"MODE_DISCARD ({MODE_DISCARD}); got {mode!r}")

@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from megatron_hyscale.ops.checks import KernelVariants
 from megatron_hyscale.ops.kernels import common
-from megatron_hyscale.ops.kernels.common import INDEXER_LOSS_EPS, MODE_ATOMIC
+from megatron_hyscale.ops.kernels.common import INDEXER_LOSS_EPS, MODE_ATOMIC, MODE_DISCARD
 from megatron_hyscale.ops.kernels.gluon_common import gather_rows, kernel_strides, opaque_zero
 from megatron_hyscale.ops.kernels.sparse_mla_bwd_sm90 import RED_LAYOUT
 from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import STRIDE_MULTIPLE
@@ -162,19 +162,25 @@ def _producer(q_ptr, k_ptr, idx_ptr, p_ptr, q_s, k_s, pv_s, ix_s, bars, pid, P, 
 
 
 @gluon.jit
-def _dk_chunk(g_t, q_part, col0, rows, valid, acc_layout: gl.constexpr, KEYS: gl.constexpr):
+def _dk_chunk(g_t, q_part, col0, rows, valid, acc_layout: gl.constexpr, KEYS: gl.constexpr,
+              DISCARD: gl.constexpr):
     """dK's chunk G^T q[:, col0:col0 + 64] [KEYS x 64] added into the key rows (`rows`: their
     addresses, `valid`: which slots add; both in RED_LAYOUT's row slice) with 16-byte fp32
-    atomics (`sparse_mla_bwd_sm90.RED_LAYOUT`)."""
+    atomics (`sparse_mla_bwd_sm90.RED_LAYOUT`). DISCARD (measurement only): each row's sum
+    of the chunk added into its first channel instead, one scalar atomic a row (64 times
+    fewer), the products kept."""
     acc = gl.zeros([KEYS, DK_CHUNK], gl.float32, layout=acc_layout)
     acc = warpgroup_mma(g_t, q_part, acc, use_acc=False, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     acc = gl.convert_layout(acc, RED_LAYOUT)
-    cols = gl.arange(0, DK_CHUNK, layout=gl.SliceLayout(0, RED_LAYOUT))
-    mask = valid[:, None] & gl.full([KEYS, DK_CHUNK], 1, gl.int1, layout=RED_LAYOUT)
-    # The chunk's offset goes into the row addresses (as the attention backward's): the
-    # channels stay a plain range, a thread's four neighbours one vector atomic.
-    gl.atomic_add((rows + col0)[:, None] + cols[None, :], acc, mask=mask, sem="relaxed")
+    if DISCARD:
+        gl.atomic_add(rows + col0, gl.sum(acc, axis=1), mask=valid, sem="relaxed")
+    else:
+        cols = gl.arange(0, DK_CHUNK, layout=gl.SliceLayout(0, RED_LAYOUT))
+        mask = valid[:, None] & gl.full([KEYS, DK_CHUNK], 1, gl.int1, layout=RED_LAYOUT)
+        # The chunk's offset goes into the row addresses (as the attention backward's): the
+        # channels stay a plain range, a thread's four neighbours one vector atomic.
+        gl.atomic_add((rows + col0)[:, None] + cols[None, :], acc, mask=mask, sem="relaxed")
 
 
 @gluon.jit
@@ -183,7 +189,7 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
               swb, swt, swh, slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks,
               H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, RELU: gl.constexpr,
-              KL: gl.constexpr):
+              KL: gl.constexpr, DISCARD: gl.constexpr):
     """Rows 2 (pid + n P) + c, n = 0, 1, ...: per tile S^T, the slot gradients g, dw, G^T,
     dQ^T and the dK additions (KL: and the slots' KL terms); at a row's end dq and dw stored
     (owned: no atomics), KL: the row's KL too."""
@@ -266,9 +272,9 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
             dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq_t,))
             mbarrier.arrive(empty.index(st), count=1)
             _dk_chunk(g_t, q_row.slice(0, DK_CHUNK, dim=1), 0, rows, valid_k, dk_layout,
-                      BLOCK_N)
+                      BLOCK_N, DISCARD)
             _dk_chunk(g_t, q_row.slice(DK_CHUNK, DK_CHUNK, dim=1), DK_CHUNK, rows, valid_k,
-                      dk_layout, BLOCK_N)
+                      dk_layout, BLOCK_N, DISCARD)
         # The row's last reader of its q is done: the producer may load a later row's.
         mbarrier.arrive(q_empty.index(qi), count=1)
 
@@ -288,7 +294,7 @@ def _indexer_loss_bwd_kernel(
     sqb, sqt, sqh, swb, swt, swh, skb, sks, sib, sit, sik, spb, spt, spk, slb, slt, ssb, sst,
     sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks,
     H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    Q_BUFFERS: gl.constexpr, RELU: gl.constexpr, KL: gl.constexpr,
+    Q_BUFFERS: gl.constexpr, RELU: gl.constexpr, KL: gl.constexpr, DISCARD: gl.constexpr,
     q_sl: gl.constexpr, k_sl: gl.constexpr, g_sl: gl.constexpr,
     CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -326,11 +332,11 @@ def _indexer_loss_bwd_kernel(
         (_consumer, (0, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, psum_ptr, grad_ptr,
                      coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, pid, P, R, T, NK, n_tiles, swb, swt,
                      swh, slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks,
-                     H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, RELU, KL)),
+                     H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, RELU, KL, DISCARD)),
         (_consumer, (1, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, psum_ptr, grad_ptr,
                      coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, pid, P, R, T, NK, n_tiles, swb, swt,
                      swh, slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks,
-                     H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, RELU, KL)),
+                     H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, RELU, KL, DISCARD)),
         (_producer, (q_ptr, k_ptr, idx_ptr, p_ptr, q_s, k_s, pv_s, ix_s, bars, pid, P, R, T,
                      NK, n_tiles, sqb, sqt, sqh, skb, sks, sib, sit, sik, spb, spt, spk,
                      H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, PRODUCER_WARPS)),
@@ -361,11 +367,12 @@ def applies(q_index: torch.Tensor, k_index: torch.Tensor, *, deterministic: bool
             mode: int = MODE_ATOMIC, lockstep: bool = False,
             failed: tuple | None = None) -> bool:
     """Whether the kernel is meant for this call: bf16 index heads of a count it takes, on a
-    Hopper GPU, the default accumulation mode, and its compiled variant (`failed`: the call's
+    Hopper GPU, the default accumulation mode (or MODE_DISCARD's measurement), and its compiled
+    variant (`failed`: the call's
     `variant`) not failed earlier in this process (that failure warned once). Where it is not,
     the Triton kernel runs without a word (another model, device or mode); where it is but
     `unsupported` names a reason, after one warning."""
-    return (not deterministic and mode == MODE_ATOMIC and not lockstep
+    return (not deterministic and mode in (MODE_ATOMIC, MODE_DISCARD) and not lockstep
             and q_index.dtype == torch.bfloat16 and k_index.dtype == torch.bfloat16
             and q_index.dim() == 4 and q_index.shape[2] in HEADS
             and q_index.shape[3] == HEAD_DIM and q_index.is_cuda
@@ -382,8 +389,8 @@ def unsupported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Ten
     that would otherwise run says so last. with_kl either way (the kernel sums the row KL)."""
     if deterministic:
         return "deterministic=True (dk's fixed-point mode is the Triton kernel's)"
-    if mode != MODE_ATOMIC:
-        return f"mode={mode} (only MODE_ATOMIC's fp32 atomics)"
+    if mode not in (MODE_ATOMIC, MODE_DISCARD):
+        return f"mode={mode} (MODE_ATOMIC's fp32 atomics, or MODE_DISCARD's measurement)"
     if lockstep:
         return "bwd_lockstep (the paced programs are the Triton kernel's)"
     if q_index.dtype != torch.bfloat16 or k_index.dtype != torch.bfloat16:
@@ -429,10 +436,13 @@ def _shared_layouts(heads: int) -> tuple:
 def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor,
                           indices: torch.Tensor, p: torch.Tensor, lse: torch.Tensor,
                           psum: torch.Tensor, grad: torch.Tensor, coeff: float, relu: bool,
-                          with_kl: bool = False) -> tuple[torch.Tensor, ...]:
+                          with_kl: bool = False, discard: bool = False
+                          ) -> tuple[torch.Tensor, ...]:
     """(dq_index, dweights, dk_index), with with_kl also the row KL fp32 [B, T], on a call
     `unsupported` accepts (see the module docstring); `indexer_loss.indexer_loss_bwd`'s
-    contract without its options."""
+    contract without its options. discard (measurement only, `indexer_loss_bwd`'s
+    MODE_DISCARD): the same products with one scalar atomic a key row and chunk instead of dk's
+    128; the third output then is that fp32 [B, S, D] buffer, not a gradient."""
     B, T, H, D = q_index.shape
     NK = indices.shape[-1]
     dev = q_index.device
@@ -454,12 +464,12 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
         *indices.stride(), *p.stride(), *lse.stride(), *psum.stride(), *dq.stride()[:3],
         *dw.stride(), *dk_acc.stride()[:2],
         H=H, D=D, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, Q_BUFFERS=Q_BUFFERS, RELU=bool(relu),
-        KL=bool(with_kl),
+        KL=bool(with_kl), DISCARD=bool(discard),
         q_sl=q_sl, k_sl=k_sl, g_sl=g_sl, CONSUMER_WARPS=CONSUMER_WARPS,
         PRODUCER_WARPS=PRODUCER_WARPS, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
     )
-    dk = dk_acc.to(k_index.dtype)
+    dk = dk_acc if discard else dk_acc.to(k_index.dtype)
     return (dq, dw, dk, kl) if with_kl else (dq, dw, dk)
 
 
@@ -483,7 +493,7 @@ def run_if_supported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torc
         return None
     try:
         return indexer_loss_bwd_sm90(q_index, weights, k_index, indices, p, lse, psum, grad,
-                                     coeff, relu, with_kl)
+                                     coeff, relu, with_kl, discard=mode == MODE_DISCARD)
     except torch.OutOfMemoryError:
         raise  # not the kernel's failure: the Triton kernel would need the same memory
     except Exception as exc:  # this variant failed to compile or launch: say so, keep training
