@@ -92,9 +92,10 @@
 #                                         # backward kernel spends its time
 #                                         # (probe_indexer_bwd.py: without dk's atomics, rows'
 #                                         # slots shuffled, keys in a window, dk in two halves;
-#                                         # GLM-5.1 and V3.2 at PROBE_T), then one GLM-5.1 128K
-#                                         # backward under Nsight Compute (L2 reductions, their
-#                                         # hit rate, DRAM bytes, warp stalls)      (~3 min)
+#                                         # GLM-5.1 and V3.2 at PROBE_T; the Triton and the
+#                                         # Gluon kernel, PROBE_KERNELS), then one GLM-5.1 128K
+#                                         # Gluon backward under Nsight Compute (L2 reductions,
+#                                         # their hit rate, DRAM bytes, warp stalls) (~5 min)
 #   bash scripts/gpu_session.sh mla-projections [T...]  # issue #20 item 5: the absorbed-MLA
 #                                         # projections written in place: GPU tests, the two
 #                                         # projections alone, then the GLM-5.1 DSA layer (8K,
@@ -868,8 +869,9 @@ case "$stage" in
     ;;
   loss-bwd-probe)
     # shellcheck disable=SC2086  # lengths split on purpose
-    timeout 240 python3 scripts/probe_indexer_bwd.py --t ${PROBE_T:-32768 131072} 2>&1 \
-      | grep -v -i warn | tee "$out/probe.log"
+    # PROBE_KERNELS: the backward kernels each case runs on (default both: triton sm90).
+    timeout 300 python3 scripts/probe_indexer_bwd.py --t ${PROBE_T:-32768 131072} \
+      --kernels ${PROBE_KERNELS:-triton sm90} 2>&1 | grep -v -i warn | tee "$out/probe.log"
     ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
     [ -n "$ncu_bin" ] || { echo "gpu_session.sh loss-bwd-probe: no ncu on this machine" >&2
       exit 1; }
@@ -880,8 +882,8 @@ case "$stage" in
     HYSCALE_RESULTS=/tmp/gpu_session/ncu_probe timeout 200 "$ncu_bin" --kernel-name \
       regex:_bwd_kernel --launch-count 1 --section SpeedOfLight --section WarpStateStats \
       --section MemoryWorkloadAnalysis --metrics "$raw" --clock-control none \
-      python3 scripts/probe_indexer_bwd.py --t 131072 --shapes glm51 --reps 1 \
-      > "$out/ncu_bwd.log" 2>&1
+      python3 scripts/probe_indexer_bwd.py --t 131072 --shapes glm51 --reps 1 --kernels sm90 \
+      --cases spread > "$out/ncu_bwd.log" 2>&1
     echo "ncu rc=$?"
     grep -E "dram__|lts__|gpu__time|Throughput|Stall|Warp Cycles|Hit Rate|Busy|Issue" \
       "$out/ncu_bwd.log" | head -60
