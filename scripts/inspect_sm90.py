@@ -462,10 +462,11 @@ def _indexer_loss(hi: int, di: int, hq: int, d: int, topk: int, T: int = 256, **
     return calls
 
 
-def _indexer_loss_bwd_sm90(hi: int, T: int = 256) -> list[Launch]:
+def _indexer_loss_bwd_sm90(hi: int, T: int = 256, lockstep: bool = False) -> list[Launch]:
     """The warp-specialized Gluon indexer-loss backward (Hopper only; `IndexerLossKernelOptions.
     bwd_sm90`), as `indexer_loss_bwd` launches it by default: hi index heads of 128 dims,
-    top-2048, the row KL in the backward (`kl_in_bwd`: with_kl=True)."""
+    top-2048, the row KL in the backward (`kl_in_bwd`: with_kl=True); lockstep: its consumers
+    paced (`bwd_lockstep`, slack 1)."""
     from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90
 
     qi = torch.zeros(1, T, hi, 128, dtype=torch.bfloat16)
@@ -480,7 +481,7 @@ def _indexer_loss_bwd_sm90(hi: int, T: int = 256) -> list[Launch]:
         assert sm90.unsupported(qi, w, ki, idx, p, row, row,
                                 with_kl=True).startswith("tensors on cpu")
         sm90.indexer_loss_bwd_sm90(qi, w, ki, idx, p, row, row, torch.ones(()), 0.01, True,
-                                   with_kl=True)
+                                   with_kl=True, lockstep=lockstep)
     return calls
 
 
@@ -721,6 +722,7 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     # The warp-specialized Gluon backward (IndexerLossKernelOptions.bwd_sm90).
     "indexer-loss-bwd-sm90-glm51": lambda: _indexer_loss_bwd_sm90(32),
     "indexer-loss-bwd-sm90-v32": lambda: _indexer_loss_bwd_sm90(64),
+    "indexer-loss-bwd-sm90-glm51-lockstep": lambda: _indexer_loss_bwd_sm90(32, lockstep=True),
 }
 
 

@@ -59,10 +59,61 @@ def test_cpu_tensors_of_its_shape_are_refused_for_the_device_alone():
     (dict(deterministic=True), "deterministic=True"),
     (dict(deterministic=True, with_kl=True), "deterministic=True"),
     (dict(mode=4), "mode=4"),
-    (dict(lockstep=True), "bwd_lockstep"),
+    (dict(deterministic=True, lockstep=True), "deterministic=True"),
 ])
 def test_the_triton_kernels_modes_are_declined(kwargs, cause):
     assert sm90.unsupported(*_tensors(), **kwargs).startswith(cause)
+
+
+def test_lockstep_is_the_kernels_own():
+    """bwd_lockstep (any slack) is the kernel's LOCKSTEP: on CPU tensors only the device is
+    named; its variant key differs from the unpaced one's and by slack."""
+    for slack in (1, 2):
+        why = sm90.unsupported(*_tensors(), lockstep=True, lockstep_slack=slack, with_kl=True)
+        assert why.startswith("tensors on cpu"), why
+    q, w, _, idx, *_ = _tensors()
+    keys = {sm90.variant(q, w, idx, True, True),
+            sm90.variant(q, w, idx, True, True, lockstep=True),
+            sm90.variant(q, w, idx, True, True, lockstep=True, lockstep_slack=2)}
+    assert len(keys) == 3
+    assert sm90.variant(q, w, idx, True, True, lockstep=False, lockstep_slack=2) == \
+        sm90.variant(q, w, idx, True, True)  # the slack is no variant unpaced
+
+
+def test_the_lockstep_launch_counts_waves(monkeypatch):
+    """The wrapper's launch on CPU tensors (the kernel intercepted; `common.sm_count` gives
+    INTERPRETER_SMS programs there): unpaced, min(pairs, SMs) programs and no counters; in
+    lockstep, one zeroed int32 counter a wave of pairs and the slack as SYNC_SLACK."""
+    from megatron_hyscale.ops.kernels import common
+
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append((grid, a, k))
+
+    monkeypatch.setattr(sm90, "_indexer_loss_bwd_kernel", Kernel())
+    for T in (13, 2, 1):  # 7 pairs (the last one row): 3 waves; one pair; one row
+        args = _case(T=T, B=1)
+        for lockstep, slack in ((False, 1), (True, 1), (True, 3)):
+            launches.clear()
+            sm90.indexer_loss_bwd_sm90(*args, torch.tensor(1.3), 0.7, True, with_kl=True,
+                                       lockstep=lockstep, lockstep_slack=slack)
+            (grid, a, k), = launches
+            pairs = (T + 1) // 2
+            programs = min(pairs, common.INTERPRETER_SMS)
+            assert grid == (programs,) and a[14:16] == (programs, T)
+            assert k["LOCKSTEP"] is lockstep and k["SYNC_SPINS"] == common.SYNC_SPINS
+            sync = a[13]
+            if lockstep:
+                assert k["SYNC_SLACK"] == slack
+                assert sync.dtype == torch.int32 and not sync.any()
+                assert sync.shape == ((pairs + programs - 1) // programs,)
+            else:
+                assert sync is args[5]  # lse stands in, never read
+    with pytest.raises(ValueError, match="lockstep_slack"):
+        sm90.indexer_loss_bwd_sm90(*_case(), torch.tensor(1.3), 0.7, True, lockstep=True,
+                                   lockstep_slack=0)
 
 
 @pytest.mark.parametrize("tensors, cause", [
@@ -99,14 +150,18 @@ def _case(seed=0, B=2, T=6, S=10, H=32, K=24):
 
 def test_it_applies_to_bf16_index_heads_on_hopper_only(monkeypatch):
     """On the CPU (CI) it never applies; on a Hopper GPU (the capability faked) to bf16 q / k
-    with 32 or 64 heads of 128, in the default accumulation mode, not in lockstep."""
+    with 32 or 64 heads of 128, in the default accumulation mode, paced or not (lockstep: its
+    LOCKSTEP), never deterministic."""
     q, w, k, *_ = _tensors()
     assert not sm90.applies(q, k)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert sm90.applies(q, k) and sm90.applies(*_tensors(H=64)[0:3:2])
-    for kwargs in (dict(deterministic=True), dict(mode=4), dict(lockstep=True)):
+    for kwargs in (dict(deterministic=True), dict(mode=4),
+                   dict(deterministic=True, lockstep=True)):
         assert not sm90.applies(q, k, **kwargs), kwargs
+    assert sm90.applies(q, k, lockstep=True) and sm90.applies(q, k, lockstep=True,
+                                                                mode=MODE_DISCARD)
     assert sm90.applies(q, k, mode=MODE_DISCARD)  # the measurement mode has its form
     for tensors in (dict(H=4), dict(H=16), dict(D=64), dict(dtype=torch.float16)):
         t = _tensors(**tensors)
@@ -148,7 +203,7 @@ def test_a_failed_launch_disables_its_variant_after_one_warning(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     calls = []
 
-    def broken(*a, discard=False):
+    def broken(*a, discard=False, **lockstep):
         calls.append(a[-1])
         raise RuntimeError("PTX assembly failed\nlong log")
 
@@ -168,13 +223,18 @@ def test_a_failed_launch_disables_its_variant_after_one_warning(monkeypatch):
         assert calls == [False, True]
         seen = []
         monkeypatch.setattr(sm90, "indexer_loss_bwd_sm90",
-                            lambda *a, discard=False: seen.append(discard) or a[:3])
+                            lambda *a, discard=False, **kw: seen.append((discard, kw))
+                            or a[:3])
         sm90._disabled.clear()
         sm90.run_if_supported(*args, torch.tensor(1.3), 0.7, True, deterministic=False,
                               with_kl=False, mode=MODE_DISCARD, lockstep=False)
-        assert seen == [True]  # the measurement mode reaches the kernel as discard
+        assert seen == [(True, dict(lockstep=False, lockstep_slack=1))]  # as discard
+        seen.clear()
+        sm90.run_if_supported(*args, torch.tensor(1.3), 0.7, True, deterministic=False,
+                              with_kl=True, mode=0, lockstep=True, lockstep_slack=2)
+        assert seen == [(False, dict(lockstep=True, lockstep_slack=2))]  # paced: its slack
 
-        def oom(*a, discard=False):
+        def oom(*a, discard=False, **lockstep):
             raise torch.OutOfMemoryError("CUDA out of memory")
 
         monkeypatch.setattr(sm90, "indexer_loss_bwd_sm90", oom)

@@ -17,6 +17,9 @@ Hopper GPU, against the Triton backward and the fp32 reference. Run with `pytest
   in its backward (`sparse_attention_indexer_loss_triton`, kl_in_bwd on: the row KL from the
   Gluon backward): the loss and the gradients against the Triton backward's and the fp32
   reference's, and no warning (the Gluon kernel ran).
+- Lockstep (`bwd_lockstep`, the kernel's LOCKSTEP): the exact integer case (three waves on an
+  H100 / H200, the last partial) and an odd row count (a last wave of one row), bitwise the
+  unpaced Triton backward's, through the dispatch (slack 1) and the wrapper (slack 2).
 """
 
 from __future__ import annotations
@@ -53,18 +56,28 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) 
 
 @pytest.fixture
 def sm90_calls(monkeypatch):
-    """Counts the Gluon kernel's launches (the fast path really ran, nothing fell back)."""
+    """Counts the Gluon kernel's launches (the fast path really ran, nothing fell back), and
+    which ran in lockstep."""
     from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90
 
-    calls = []
+    calls = _Calls()
     real = sm90.indexer_loss_bwd_sm90
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
+        calls.lockstep.append(kwargs.get("lockstep", False))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(sm90, "indexer_loss_bwd_sm90", spy)
     return calls
+
+
+class _Calls(list):
+    """The launches' q shapes, and whether each ran in lockstep."""
+
+    def __init__(self):
+        super().__init__()
+        self.lockstep = []
 
 
 def _no_fallback_warning(record) -> None:
@@ -295,3 +308,42 @@ def test_real_size_against_the_reference(H_I, Hq, sm90_calls):
         a, rb = a.float(), rb.float()
         assert float((a - rb).norm() / rb.norm()) < GRAD_L2, name
         assert float((a - rb).abs().max()) <= GRAD_MAX * float(rb.abs().max()), name
+
+
+@needs_hopper
+@pytest.mark.parametrize("B, T, S, K, H", [(2, 300, 300, 200, 32), (1, 265, 273, 65, 64)])
+def test_lockstep_bitwise_on_integer_inputs(B, T, S, K, H, sm90_calls):
+    """The paced kernel (`bwd_lockstep`) only orders the work: on integer inputs (every sum
+    exact) dq, dw, dk and the integer-term KL rows bit for bit the unpaced Triton backward's.
+    600 rows: 300 pairs, three waves of 132 programs (H100: 132 SMs), the last partial; 265
+    rows: 133 pairs, the last pair one row short, alone in its wave. Through the dispatch
+    (slack 1: the option's default) and the wrapper with slack 2."""
+    from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90
+
+    g = torch.Generator(device=DEV).manual_seed(T * 7 + H)
+    q = torch.randint(-2, 3, (B, T, H, 128), device=DEV, generator=g).to(torch.bfloat16)
+    k = torch.randint(-2, 3, (B, S, 128), device=DEV, generator=g).to(torch.bfloat16)
+    w = _weights(B, T, H, torch.float32, g, integer=True)
+    # Each row's slots in increasing key order, -1 last (the DSA layer's order="key").
+    idx = _indices(B, T, S, K, g)
+    idx = torch.where(idx < 0, S + 1, idx).sort(-1).values
+    idx = torch.where(idx > S, -1, idx)
+    valid = _target_flags(idx, B, T, S, g)
+    pn = torch.randint(0, 2, (B, T, K), device=DEV, generator=g).float()  # KL terms exact
+    p = torch.where(valid, pn, -1.0)
+    lse = torch.full((B, T), 1e4, device=DEV)
+    psum = torch.ones((B, T), device=DEV)
+    args = (q, w, k, idx, p, lse, psum, torch.tensor(1.0, device=DEV), 0.25, True)
+    paced = replace(SM90, bwd_lockstep=True)
+    for with_kl in (False, True):
+        want, _ = _run(args, TRITON, with_kl=with_kl)
+        got, record = _run(args, paced, with_kl=with_kl)
+        _no_fallback_warning(record)
+        slack2 = sm90.indexer_loss_bwd_sm90(*args, with_kl=with_kl, lockstep=True,
+                                            lockstep_slack=2)
+        assert float(want[2].float().abs().max()) > 0
+        names = ("dq", "dw", "dk", "kl")[:len(want)]
+        for out in (got, slack2):
+            for name, a, b in zip(names, out, want, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b), (name, T, K, with_kl)
+    assert sm90_calls.lockstep == [True] * 4

@@ -716,7 +716,8 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
     if sm90 is not None:
         done = sm90.run_if_supported(q_index, weights, k_index, indices, p, lse, psum, grad,
                                      coeff, relu, deterministic=deterministic, with_kl=with_kl,
-                                     mode=mode, lockstep=options.bwd_lockstep)
+                                     mode=mode, lockstep=options.bwd_lockstep,
+                                     lockstep_slack=options.bwd_lockstep_slack)
         if done is not None:
             return done
     B, T, H, D = q_index.shape

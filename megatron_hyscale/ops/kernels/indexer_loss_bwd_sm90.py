@@ -20,6 +20,11 @@ constexpr: no work without it) each valid slot's term pn_j (log max(pn_j, EPS) -
 warpgroup at the row's end. dQ^T [D x H] += K^T G^T, and dK = G^T Q in two 64-channel chunks
 added into the fp32 dk rows with 16-byte atomics. The key tile is released after the dQ
 product, so the next gathers run under the dK products and their atomics.
+
+LOCKSTEP (`IndexerLossKernelOptions.bwd_lockstep`): each consumer counts its start of a key tile
+in its wave's counter (wave n: every program's n-th pair) and waits, bounded, until the wave's
+rows have together started the tile bwd_lockstep_slack before: on rows in increasing key order
+the wave's dk additions then fall into the same few key ranges, which the L2 cache serves.
 """
 
 from __future__ import annotations
@@ -38,8 +43,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from megatron_hyscale.ops.checks import KernelVariants
 from megatron_hyscale.ops.kernels import common
-from megatron_hyscale.ops.kernels.common import INDEXER_LOSS_EPS, MODE_ATOMIC, MODE_DISCARD
-from megatron_hyscale.ops.kernels.gluon_common import gather_rows, kernel_strides, opaque_zero
+from megatron_hyscale.ops.kernels.common import (
+    INDEXER_LOSS_EPS,
+    MODE_ATOMIC,
+    MODE_DISCARD,
+    SYNC_SPINS,
+    lockstep_plan,
+)
+from megatron_hyscale.ops.kernels.gluon_common import (
+    gather_rows,
+    kernel_strides,
+    lockstep_wait,
+    opaque_zero,
+)
 from megatron_hyscale.ops.kernels.sparse_mla_bwd_sm90 import RED_LAYOUT
 from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import STRIDE_MULTIPLE
 
@@ -185,14 +201,22 @@ def _dk_chunk(g_t, q_part, col0, rows, valid, acc_layout: gl.constexpr, KEYS: gl
 
 @gluon.jit
 def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, psum_ptr,
-              grad_ptr, coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, pid, P, R, T, NK, n_tiles,
-              swb, swt, swh, slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks,
-              H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+              grad_ptr, coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, pid, P, R, T, NK,
+              n_tiles, swb, swt, swh, slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh,
+              sdkb, sdks, H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, RELU: gl.constexpr,
-              KL: gl.constexpr, DISCARD: gl.constexpr):
+              KL: gl.constexpr, DISCARD: gl.constexpr, LOCKSTEP: gl.constexpr,
+              SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr):
     """Rows 2 (pid + n P) + c, n = 0, 1, ...: per tile S^T, the slot gradients g, dw, G^T,
     dQ^T and the dK additions (KL: and the slots' KL terms); at a row's end dq and dw stored
-    (owned: no atomics), KL: the row's KL too."""
+    (owned: no atomics), KL: the row's KL too. LOCKSTEP: row n is in wave n (counter sync_ptr +
+    n), whose rows are 2 n P .. 2 (n + 1) P - 1 of the R (fewer in a last partial wave, and
+    one fewer where a last pair has one row): both consumers of every program count there.
+    Before tile j the consumer counts its start, then waits (at most SYNC_SPINS reads) until
+    the count holds the starts of all of the wave's rows at tile j - SYNC_SLACK (a total: a
+    fast row's extra starts count too). Every row has n_tiles tiles, so the count it waits for
+    is one that every row of the wave makes; a pace, not a dependency (nothing counted is
+    read), so giving up is safe."""
     q_ready, q_empty, ready, empty = bars
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
@@ -222,9 +246,17 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
         if KL:
             # The row's KL terms slot by slot (two fp32 registers a thread), reduced at its end.
             kl_part = gl.zeros([BLOCK_N], gl.float32, layout=key_l)
+        if LOCKSTEP:
+            wave_ptr = sync_ptr + n
+            wave_rows = gl.minimum(2 * P, R - 2 * n * P)
         qi = c * Q_BUFFERS + n % Q_BUFFERS
         mbarrier.wait(q_ready.index(qi), (n // Q_BUFFERS) & 1)
         for j in range(n_tiles):
+            if LOCKSTEP:
+                # One count a consumer (the replicated scalar's atomic runs once).
+                gl.atomic_add(wave_ptr, 1, sem="relaxed")
+                if j >= SYNC_SLACK:
+                    lockstep_wait(wave_ptr, wave_rows * (j - SYNC_SLACK + 1), SYNC_SPINS)
             g = n * n_tiles + j
             st = c * NUM_STAGES + g % NUM_STAGES
             # Indexed with an opaque zero: the query's wgmma descriptors stay in the loop
@@ -290,19 +322,21 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
 @gluon.jit
 def _indexer_loss_bwd_kernel(
     q_ptr, w_ptr, k_ptr, idx_ptr, p_ptr, lse_ptr, psum_ptr, grad_ptr, coeff,
-    dq_ptr, dw_ptr, dk_ptr, kl_ptr, P, R, T, NK, n_tiles,
+    dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, P, R, T, NK, n_tiles,
     sqb, sqt, sqh, swb, swt, swh, skb, sks, sib, sit, sik, spb, spt, spk, slb, slt, ssb, sst,
     sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks,
     H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, RELU: gl.constexpr, KL: gl.constexpr, DISCARD: gl.constexpr,
+    LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr,
     q_sl: gl.constexpr, k_sl: gl.constexpr, g_sl: gl.constexpr,
     CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """dq, dw of the program's rows (R = B x T of them, taken two at a time, every P-th pair)
-    and their dk additions; KL: also each row's KL into kl_ptr (contiguous [B, T]). Unit-stride
-    channels of q, k, dq; row strides of q and k multiples of 16 elements (the wrapper
-    checks)."""
+    and their dk additions; KL: also each row's KL into kl_ptr (contiguous [B, T]). LOCKSTEP: the
+    consumers paced by the waves' zeroed int32 counters in sync_ptr (`_consumer`), SYNC_SLACK
+    >= 1. Unit-stride channels of q, k, dq; row strides of q and k multiples of 16 elements (the
+    wrapper checks)."""
     pid = gl.program_id(0)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_s = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS, H, D], q_sl)
@@ -330,13 +364,15 @@ def _indexer_loss_bwd_kernel(
     # would reach the partitions as runtime values.
     gl.warp_specialize([
         (_consumer, (0, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, psum_ptr, grad_ptr,
-                     coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, pid, P, R, T, NK, n_tiles, swb, swt,
-                     swh, slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks,
-                     H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, RELU, KL, DISCARD)),
+                     coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, pid, P, R, T, NK, n_tiles,
+                     swb, swt, swh, slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb,
+                     sdks, H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, RELU, KL, DISCARD, LOCKSTEP,
+                     SYNC_SLACK, SYNC_SPINS)),
         (_consumer, (1, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, psum_ptr, grad_ptr,
-                     coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, pid, P, R, T, NK, n_tiles, swb, swt,
-                     swh, slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks,
-                     H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, RELU, KL, DISCARD)),
+                     coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, pid, P, R, T, NK, n_tiles,
+                     swb, swt, swh, slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb,
+                     sdks, H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, RELU, KL, DISCARD, LOCKSTEP,
+                     SYNC_SLACK, SYNC_SPINS)),
         (_producer, (q_ptr, k_ptr, idx_ptr, p_ptr, q_s, k_s, pv_s, ix_s, bars, pid, P, R, T,
                      NK, n_tiles, sqb, sqt, sqh, skb, sks, sib, sit, sik, spb, spt, spk,
                      H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, PRODUCER_WARPS)),
@@ -347,10 +383,12 @@ def _indexer_loss_bwd_kernel(
 
 
 def variant(q_index: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-            relu: bool, with_kl: bool = False) -> tuple:
-    """The compiled variant a call needs: what a failure disables."""
+            relu: bool, with_kl: bool = False, lockstep: bool = False,
+            lockstep_slack: int = 1) -> tuple:
+    """The compiled variant a call needs: what a failure disables (lockstep: with its slack,
+    a constexpr)."""
     return (q_index.dtype, q_index.shape[2], weights.dtype, indices.dtype, bool(relu),
-            bool(with_kl))
+            bool(with_kl), lockstep_slack if lockstep else 0)
 
 
 def _layout_problem(name: str, x: torch.Tensor, rows: tuple[int, ...]) -> str | None:
@@ -367,12 +405,13 @@ def applies(q_index: torch.Tensor, k_index: torch.Tensor, *, deterministic: bool
             mode: int = MODE_ATOMIC, lockstep: bool = False,
             failed: tuple | None = None) -> bool:
     """Whether the kernel is meant for this call: bf16 index heads of a count it takes, on a
-    Hopper GPU, the default accumulation mode (or MODE_DISCARD's measurement), and its compiled
-    variant (`failed`: the call's
+    Hopper GPU, the default accumulation mode (or MODE_DISCARD's measurement), paced or not
+    (lockstep: the kernel's LOCKSTEP), and its compiled variant (`failed`: the call's
     `variant`) not failed earlier in this process (that failure warned once). Where it is not,
     the Triton kernel runs without a word (another model, device or mode); where it is but
     `unsupported` names a reason, after one warning."""
-    return (not deterministic and mode in (MODE_ATOMIC, MODE_DISCARD) and not lockstep
+    del lockstep  # both forms are the kernel's
+    return (not deterministic and mode in (MODE_ATOMIC, MODE_DISCARD)
             and q_index.dtype == torch.bfloat16 and k_index.dtype == torch.bfloat16
             and q_index.dim() == 4 and q_index.shape[2] in HEADS
             and q_index.shape[3] == HEAD_DIM and q_index.is_cuda
@@ -383,16 +422,16 @@ def applies(q_index: torch.Tensor, k_index: torch.Tensor, *, deterministic: bool
 def unsupported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor,
                 indices: torch.Tensor, p: torch.Tensor, lse: torch.Tensor, psum: torch.Tensor,
                 *, relu: bool = True, deterministic: bool = False, with_kl: bool = False,
-                mode: int = MODE_ATOMIC, lockstep: bool = False) -> str | None:
+                mode: int = MODE_ATOMIC, lockstep: bool = False, lockstep_slack: int = 1
+                ) -> str | None:
     """Why `indexer_loss_bwd_sm90` cannot take this call (the Triton kernel's then), or None.
     The options first, then dtypes, shapes and layouts, then the device: on a CPU tensor a call
-    that would otherwise run says so last. with_kl either way (the kernel sums the row KL)."""
+    that would otherwise run says so last. with_kl and lockstep either way (the kernel sums the
+    row KL, and paces its programs with LOCKSTEP)."""
     if deterministic:
         return "deterministic=True (dk's fixed-point mode is the Triton kernel's)"
     if mode not in (MODE_ATOMIC, MODE_DISCARD):
         return f"mode={mode} (MODE_ATOMIC's fp32 atomics, or MODE_DISCARD's measurement)"
-    if lockstep:
-        return "bwd_lockstep (the paced programs are the Triton kernel's)"
     if q_index.dtype != torch.bfloat16 or k_index.dtype != torch.bfloat16:
         return f"q_index / k_index dtypes {q_index.dtype} / {k_index.dtype} (bf16 only)"
     if weights.dtype not in (torch.float32, torch.bfloat16):
@@ -416,8 +455,9 @@ def unsupported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Ten
         return f"tensors on {q_index.device} (a CUDA device only)"
     if torch.cuda.get_device_capability(q_index.device)[0] != 9:
         return "not a Hopper GPU (sm_90a only)"
-    if variant(q_index, weights, indices, relu, with_kl) in _disabled:
-        return f"variant {variant(q_index, weights, indices, relu, with_kl)} failed earlier"
+    key = variant(q_index, weights, indices, relu, with_kl, lockstep, lockstep_slack)
+    if key in _disabled:
+        return f"variant {key} failed earlier"
     return None
 
 
@@ -436,13 +476,16 @@ def _shared_layouts(heads: int) -> tuple:
 def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor,
                           indices: torch.Tensor, p: torch.Tensor, lse: torch.Tensor,
                           psum: torch.Tensor, grad: torch.Tensor, coeff: float, relu: bool,
-                          with_kl: bool = False, discard: bool = False
-                          ) -> tuple[torch.Tensor, ...]:
+                          with_kl: bool = False, discard: bool = False, lockstep: bool = False,
+                          lockstep_slack: int = 1) -> tuple[torch.Tensor, ...]:
     """(dq_index, dweights, dk_index), with with_kl also the row KL fp32 [B, T], on a call
     `unsupported` accepts (see the module docstring); `indexer_loss.indexer_loss_bwd`'s
     contract without its options. discard (measurement only, `indexer_loss_bwd`'s
     MODE_DISCARD): the same products with one scalar atomic a key row and chunk instead of dk's
-    128; the third output then is that fp32 [B, S, D] buffer, not a gradient."""
+    128; the third output then is that fp32 [B, S, D] buffer, not a gradient. lockstep: the
+    programs of a wave paced within lockstep_slack key tiles of each other (an int >= 1, else
+    ValueError; `common.lockstep_plan`), on zeroed counters, one a wave; the same results up to
+    fp32 rounding order."""
     B, T, H, D = q_index.shape
     NK = indices.shape[-1]
     dev = q_index.device
@@ -454,17 +497,23 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
         dk = dk_acc.to(k_index.dtype)
         return (dq, dw, dk, kl) if with_kl else (dq, dw, dk)
     grad = grad.detach().reshape(1).to(device=dev, dtype=torch.float32)
-    # One program an SM (its 12 warps take the SM's registers), each over pairs of rows.
-    programs = min(triton.cdiv(rows, 2), common.sm_count(dev))
+    # One program an SM (its 12 warps take the SM's registers), each over pairs of rows; in
+    # lockstep a wave is the programs' n-th pairs, one zeroed counter each (unpaced: lse stands
+    # in for the counters, never read).
+    if lockstep:
+        programs, sync = lockstep_plan(triton.cdiv(rows, 2), dev, lockstep_slack)
+    else:
+        programs, sync = min(triton.cdiv(rows, 2), common.sm_count(dev)), lse
     q_sl, k_sl, g_sl = _shared_layouts(H)
     _indexer_loss_bwd_kernel[(programs,)](
         q_index, weights, k_index, indices, p, lse, psum, grad, float(coeff), dq, dw, dk_acc,
-        kl, programs, rows, T, NK, triton.cdiv(NK, BLOCK_N),
+        kl, sync, programs, rows, T, NK, triton.cdiv(NK, BLOCK_N),
         *kernel_strides(q_index, 3), *weights.stride(), *kernel_strides(k_index, 2),
         *indices.stride(), *p.stride(), *lse.stride(), *psum.stride(), *dq.stride()[:3],
         *dw.stride(), *dk_acc.stride()[:2],
         H=H, D=D, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, Q_BUFFERS=Q_BUFFERS, RELU=bool(relu),
-        KL=bool(with_kl), DISCARD=bool(discard),
+        KL=bool(with_kl), DISCARD=bool(discard), LOCKSTEP=bool(lockstep),
+        SYNC_SLACK=lockstep_slack if lockstep else 1, SYNC_SPINS=SYNC_SPINS,
         q_sl=q_sl, k_sl=k_sl, g_sl=g_sl, CONSUMER_WARPS=CONSUMER_WARPS,
         PRODUCER_WARPS=PRODUCER_WARPS, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
@@ -476,24 +525,27 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
 def run_if_supported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor,
                      indices: torch.Tensor, p: torch.Tensor, lse: torch.Tensor,
                      psum: torch.Tensor, grad: torch.Tensor, coeff: float, relu: bool, *,
-                     deterministic: bool, with_kl: bool, mode: int, lockstep: bool
-                     ) -> tuple[torch.Tensor, ...] | None:
+                     deterministic: bool, with_kl: bool, mode: int, lockstep: bool,
+                     lockstep_slack: int = 1) -> tuple[torch.Tensor, ...] | None:
     """`indexer_loss_bwd_sm90`'s gradients (with_kl: and the row KL, `indexer_loss_bwd`'s four
     outputs), or None: silently where it does not apply (`applies`), after one warning per
     cause where it applies but cannot run (`unsupported`) or its variant fails to compile or
-    launch (not tried again)."""
-    key = variant(q_index, weights, indices, relu, with_kl)
+    launch (not tried again). lockstep, lockstep_slack: `IndexerLossKernelOptions.bwd_lockstep`
+    and `bwd_lockstep_slack`."""
+    key = variant(q_index, weights, indices, relu, with_kl, lockstep, lockstep_slack)
     if not applies(q_index, k_index, deterministic=deterministic, mode=mode, lockstep=lockstep,
                    failed=key):
         return None
     why = unsupported(q_index, weights, k_index, indices, p, lse, psum, relu=relu,
-                      deterministic=deterministic, with_kl=with_kl, mode=mode, lockstep=lockstep)
+                      deterministic=deterministic, with_kl=with_kl, mode=mode, lockstep=lockstep,
+                      lockstep_slack=lockstep_slack)
     if why is not None:
         warn_cannot_run(why)
         return None
     try:
         return indexer_loss_bwd_sm90(q_index, weights, k_index, indices, p, lse, psum, grad,
-                                     coeff, relu, with_kl, discard=mode == MODE_DISCARD)
+                                     coeff, relu, with_kl, discard=mode == MODE_DISCARD,
+                                     lockstep=lockstep, lockstep_slack=lockstep_slack)
     except torch.OutOfMemoryError:
         raise  # not the kernel's failure: the Triton kernel would need the same memory
     except Exception as exc:  # this variant failed to compile or launch: say so, keep training

@@ -623,7 +623,11 @@ class IndexerLossKernelOptions:
     # backward kernel only (not fused_rows_bwd's); deterministic runs unpaced. Off: tested
     # under the interpreter, compiled for sm_90a (`inspect_sm90.py --preset
     # indexer-loss-glm51-lockstep`), not yet timed (`bench_indexer_loss.py --variants
-    # lockstep`).
+    # lockstep`). With bwd_sm90 (the default on Hopper) the Gluon backward takes the pace
+    # instead (one program an SM: bwd_lockstep_programs_per_sm unused), for its dk atomics,
+    # which bound it at 128K (2026-12-06 probe: 76.3 ms, 54.0 with dk L2-resident): compiled
+    # for sm_90a (`--preset indexer-loss-bwd-sm90-glm51-lockstep`, no spill in the tile loops),
+    # its GPU test written, not yet run or timed (`--variants bwd_sm90_lockstep`).
     bwd_lockstep: bool = False
     bwd_lockstep_slack: int = 1
     bwd_lockstep_programs_per_sm: int = 2
