@@ -86,8 +86,9 @@
 #                                         # bwd_sm90, the default): a smoke case first (a hang
 #                                         # stops the stage), its GPU tests, then timed beside
 #                                         # the Triton backward (the KL in the backward, both),
-#                                         # and both without the KL, GLM-5.1 / V3.2 at 32K and
-#                                         # 128K, one process each (LOSS_BWD_RUNS)   (~6 min)
+#                                         # itself in lockstep, and both without the KL,
+#                                         # GLM-5.1 / V3.2 at 32K and 128K, one process each
+#                                         # (LOSS_BWD_RUNS)                           (~7 min)
 #   bash scripts/gpu_session.sh loss-bwd-probe  # issue #20 item 3: where the indexer loss's
 #                                         # backward kernel spends its time
 #                                         # (probe_indexer_bwd.py: without dk's atomics, rows'
@@ -720,7 +721,8 @@ case "$stage" in
     # not fit the H100's 80 GB. LOSS_BWD_RUNS: which (shape:T), default all four.
     for run in ${LOSS_BWD_RUNS:-glm51:32768 glm51:131072 v32:32768 v32:131072}; do
       timeout 150 python3 scripts/bench_indexer_loss.py --t "${run#*:}" --shapes "${run%%:*}" \
-        --variants triton_bwd no_kl_in_bwd bwd_sm90_no_kl --out "$out/${run/:/_}" 2>&1 \
+        --variants triton_bwd bwd_sm90_lockstep no_kl_in_bwd bwd_sm90_no_kl \
+        --out "$out/${run/:/_}" 2>&1 \
         | grep -v -i warn | grep -E "T=|Error|failed" | tee -a "$out/bench_indexer_loss_variants.log"
     done ;;
   norms)
