@@ -173,6 +173,26 @@ def test_exact_on_integer_inputs(H, idx_dtype, w_dtype, sm90_calls):
     assert float(err.max()) <= KL_TOL, float(err.max())
 
 
+def _integer_case(B, T, S, K, H, seed, key_order=False):
+    """`indexer_loss_bwd`'s arguments on integer q / k / w with a 0-or-1 target and the softmax
+    0 (lse 1e4): every product and sum exact in any order, the KL terms integers. key_order:
+    each row's slots in increasing key order, -1 last (the DSA layer's order="key")."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randint(-2, 3, (B, T, H, 128), device=DEV, generator=g).to(torch.bfloat16)
+    k = torch.randint(-2, 3, (B, S, 128), device=DEV, generator=g).to(torch.bfloat16)
+    w = _weights(B, T, H, torch.float32, g, integer=True)
+    idx = _indices(B, T, S, K, g)
+    if key_order:
+        idx = torch.where(idx < 0, S + 1, idx).sort(-1).values
+        idx = torch.where(idx > S, -1, idx)
+    valid = _target_flags(idx, B, T, S, g)
+    pn = torch.randint(0, 2, (B, T, K), device=DEV, generator=g).float()
+    p = torch.where(valid, pn, -1.0)
+    lse = torch.full((B, T), 1e4, device=DEV)
+    psum = torch.ones((B, T), device=DEV)
+    return q, w, k, idx, p, lse, psum, torch.tensor(1.0, device=DEV), 0.25, True
+
+
 @needs_hopper
 @pytest.mark.parametrize("T, K", [(1, 1), (3, 63), (131, 64), (265, 65), (40, 130)])
 def test_edge_shapes_bitwise_on_integer_inputs(T, K, sm90_calls):
@@ -180,18 +200,7 @@ def test_edge_shapes_bitwise_on_integer_inputs(T, K, sm90_calls):
     too), a single partial key tile, exactly one tile, one tile and one key: dq and dw bit for
     bit the Triton backward's, dk too (integer inputs, the softmax 0: every sum exact), the KL
     of rows whose terms are integers too, with and without the KL."""
-    B, S, H = 1, T + 8, 32
-    g = torch.Generator(device=DEV).manual_seed(T * 1000 + K)
-    q = torch.randint(-2, 3, (B, T, H, 128), device=DEV, generator=g).to(torch.bfloat16)
-    k = torch.randint(-2, 3, (B, S, 128), device=DEV, generator=g).to(torch.bfloat16)
-    w = _weights(B, T, H, torch.float32, g, integer=True)
-    idx = _indices(B, T, S, K, g)
-    valid = _target_flags(idx, B, T, S, g)
-    pn = torch.randint(0, 2, (B, T, K), device=DEV, generator=g).float()  # KL terms exact
-    p = torch.where(valid, pn, -1.0)
-    lse = torch.full((B, T), 1e4, device=DEV)
-    psum = torch.ones((B, T), device=DEV)
-    args = (q, w, k, idx, p, lse, psum, torch.tensor(1.0, device=DEV), 0.25, True)
+    args = _integer_case(1, T, T + 8, K, 32, T * 1000 + K)
     for with_kl in (False, True):
         want, _ = _run(args, TRITON, with_kl=with_kl)
         got, record = _run(args, SM90, with_kl=with_kl)
@@ -320,20 +329,7 @@ def test_lockstep_bitwise_on_integer_inputs(B, T, S, K, H, sm90_calls):
     (slack 1: the option's default) and the wrapper with slack 2."""
     from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90
 
-    g = torch.Generator(device=DEV).manual_seed(T * 7 + H)
-    q = torch.randint(-2, 3, (B, T, H, 128), device=DEV, generator=g).to(torch.bfloat16)
-    k = torch.randint(-2, 3, (B, S, 128), device=DEV, generator=g).to(torch.bfloat16)
-    w = _weights(B, T, H, torch.float32, g, integer=True)
-    # Each row's slots in increasing key order, -1 last (the DSA layer's order="key").
-    idx = _indices(B, T, S, K, g)
-    idx = torch.where(idx < 0, S + 1, idx).sort(-1).values
-    idx = torch.where(idx > S, -1, idx)
-    valid = _target_flags(idx, B, T, S, g)
-    pn = torch.randint(0, 2, (B, T, K), device=DEV, generator=g).float()  # KL terms exact
-    p = torch.where(valid, pn, -1.0)
-    lse = torch.full((B, T), 1e4, device=DEV)
-    psum = torch.ones((B, T), device=DEV)
-    args = (q, w, k, idx, p, lse, psum, torch.tensor(1.0, device=DEV), 0.25, True)
+    args = _integer_case(B, T, S, K, H, T * 7 + H, key_order=True)
     paced = replace(SM90, bwd_lockstep=True)
     for with_kl in (False, True):
         want, _ = _run(args, TRITON, with_kl=with_kl)
