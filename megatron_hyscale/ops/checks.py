@@ -146,6 +146,25 @@ def check_distinct_indices(name: str, indices: torch.Tensor,
                 "skips this check for indices distinct by construction (HyTopK's)")
 
 
+def check_rope_shapes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      heads: bool) -> None:
+    """DeepSeek-V4's interleaved RoPE of x's trailing 2 x cos.shape[-1] channels: x [B, T, D]
+    or, with heads, [B, T, H, D], an even number of other channels, cos and sin [T, R/2] or
+    [B, T, R/2] (B may be 1); ValueError naming what does not fit."""
+    rope_dim = 2 * cos.shape[-1]
+    if x.shape[-1] < rope_dim or (x.shape[-1] - rope_dim) % 2:
+        raise ValueError(f"x has {x.shape[-1]} channels: the rope dim {rope_dim} needs at least "
+                         "as many and an even number of others")
+    if x.dim() != (4 if heads else 3):
+        raise ValueError(f"x must be [B, T, {'H, ' if heads else ''}D] (heads={heads}), got "
+                         f"shape {tuple(x.shape)}")
+    B, T = x.shape[:2]
+    if (cos.shape != sin.shape or cos.dim() not in (2, 3) or cos.shape[-2] != T
+            or (cos.dim() == 3 and cos.shape[0] not in (1, B))):
+        raise ValueError(f"cos and sin must be [T, R/2] or [B, T, R/2] for x of shape "
+                         f"{tuple(x.shape)}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+
+
 def triton_interpret() -> bool:
     """Whether Triton runs its kernels in the interpreter (TRITON_INTERPRET=1)."""
     try:

@@ -35,6 +35,7 @@ from typing import Literal
 import torch
 from torch.autograd.function import once_differentiable
 
+from megatron_hyscale.ops.checks import check_rope_shapes
 from megatron_hyscale.ops.rms_norm import rms_norm
 
 
@@ -160,18 +161,7 @@ def _rope_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: b
                  kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Check x, cos, sin and kernel as `apply_interleaved_rope` takes them; cos and sin fp32,
     [T, R/2] where one batch row serves all."""
-    rope_dim = 2 * cos.shape[-1]
-    if x.shape[-1] < rope_dim or (x.shape[-1] - rope_dim) % 2:
-        raise ValueError(f"x has {x.shape[-1]} channels: the rope dim {rope_dim} needs at least "
-                         "as many and an even number of others")
-    if x.dim() != (4 if heads else 3):
-        raise ValueError(f"x must be [B, T, {'H, ' if heads else ''}D] (heads={heads}), got "
-                         f"shape {tuple(x.shape)}")
-    B, T = x.shape[:2]
-    if (cos.shape != sin.shape or cos.dim() not in (2, 3) or cos.shape[-2] != T
-            or (cos.dim() == 3 and cos.shape[0] not in (1, B))):
-        raise ValueError(f"cos and sin must be [T, R/2] or [B, T, R/2] for x of shape "
-                         f"{tuple(x.shape)}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    check_rope_shapes(x, cos, sin, heads)
     if kernel not in ("auto", "triton", "torch"):
         raise ValueError(f"kernel must be 'auto', 'triton' or 'torch', got {kernel!r}")
     if cos.dim() == 3 and cos.shape[0] == 1:

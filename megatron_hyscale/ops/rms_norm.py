@@ -225,24 +225,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
     if kernel not in ("auto", "triton", "fused", "chunked"):
         raise ValueError(f"rms_norm: kernel must be 'auto', 'triton', 'fused' or 'chunked', got "
                          f"{kernel!r}")
-    if kernel == "auto":
-        kernel = "chunked"
-        if x.is_cuda:
-            from megatron_hyscale.ops.kernels.rms_norm import unsupported_width
+    wide = None  # why the Triton kernels cannot take x's rows, where they are asked
+    if kernel == "triton" or (kernel == "auto" and x.is_cuda):
+        from megatron_hyscale.ops.kernels.rms_norm import unsupported_width
 
-            wide = unsupported_width(x.shape[-1])
-            if wide is None:
-                kernel = "triton"
-            elif rope is None:
-                warn_once(f"rms_norm: {wide}", "HyScale: rms_norm runs its chunked torch ops, "
-                          f"not the Triton kernels: {wide}")
+        wide = unsupported_width(x.shape[-1])
+    if kernel == "auto":
+        kernel = "triton" if x.is_cuda and wide is None else "chunked"
+        if wide is not None and rope is None:
+            warn_once(f"rms_norm: {wide}", "HyScale: rms_norm runs its chunked torch ops, "
+                      f"not the Triton kernels: {wide}")
     if rope is not None and kernel != "triton":
         raise ValueError(f"rms_norm: rope runs on the Triton kernels only (here: {kernel!r}); "
                          "compress.rms_norm_rope composes the norm and the rotation elsewhere")
     if kernel == "triton":
-        from megatron_hyscale.ops.kernels.rms_norm import unsupported_width
-
-        wide = unsupported_width(x.shape[-1])
         if wide is not None:
             raise ValueError(f"rms_norm: the Triton kernels cannot run: {wide}")
         if not x.is_cuda and not triton_interpret():

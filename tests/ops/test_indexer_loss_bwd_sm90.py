@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
                     reason="Gluon's Hopper API (tested with Triton 3.6)")
 from megatron_hyscale.ops import checks  # noqa: E402
+from megatron_hyscale.ops.kernels import common  # noqa: E402
 from megatron_hyscale.ops.kernels import indexer_loss as kern  # noqa: E402
 from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90  # noqa: E402
 from megatron_hyscale.ops.kernels.common import MODE_DISCARD  # noqa: E402
@@ -252,7 +253,7 @@ def test_a_gluon_module_that_does_not_load_warns_once(monkeypatch):
     import sys
 
     monkeypatch.setattr(checks, "_warned", set())
-    kern._hopper_backward_module.cache_clear()
+    common.gluon_module.cache_clear()
     from megatron_hyscale.ops import kernels
 
     monkeypatch.setitem(sys.modules, "megatron_hyscale.ops.kernels.indexer_loss_bwd_sm90", None)
@@ -262,9 +263,11 @@ def test_a_gluon_module_that_does_not_load_warns_once(monkeypatch):
             assert kern._hopper_backward_module() is None
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert kern._hopper_backward_module() is None  # cached
+            assert kern._hopper_backward_module() is None
+        info = common.gluon_module.cache_info()
+        assert (info.misses, info.hits) == (1, 1)  # the import tried once
     finally:
-        kern._hopper_backward_module.cache_clear()
+        common.gluon_module.cache_clear()
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

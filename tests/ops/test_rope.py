@@ -204,7 +204,7 @@ def test_rms_norm_rope_refuses_bad_inputs():
                         (Rope(cos, sin, 2), "heads 2"),
                         (Rope(cos.double(), sin.double(), 3), "fp32"),
                         (Rope(cos.expand(3, 5, 2), sin.expand(3, 5, 2), 3), "cos and sin must be"),
-                        (Rope(torch.ones(5, 8), torch.ones(5, 8), 3), "16 rope channels")):
+                        (Rope(torch.ones(5, 8), torch.ones(5, 8), 3), "the rope dim 16")):
         with pytest.raises(ValueError, match=match):
             rms_norm(x.to(bf16), None, 1e-6, kernel="triton", rope=rope)
 

@@ -7,7 +7,9 @@ One definition each, so that no kernel module reads another's private names.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
+from types import ModuleType
 
 import torch
 import triton
@@ -24,6 +26,7 @@ LN2_JIT = tl.constexpr(LN2)
 # megatron-core's INDEXER_LOSS_EPS: the clamp of the indexer loss's target normalization and of
 # its log (the loss kernels, Triton and Gluon).
 INDEXER_LOSS_EPS = 1e-10
+
 
 def indexer_grad_buffers(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor,
                          fixed_point: bool = False
@@ -166,6 +169,17 @@ def lockstep_step(count_ptr, need, SPINS: tl.constexpr, PTX: tl.constexpr):
 # Programs a lockstep launch runs off CUDA (Triton's interpreter, one program after another):
 # enough for several waves in a test's few rows, each waiting out its SYNC_SPINS alone.
 INTERPRETER_SMS = 3
+
+
+@functools.cache
+def gluon_module(name: str) -> tuple[ModuleType | None, str]:
+    """(the kernels module `name` of this package, "") or (None, why it cannot be loaded):
+    tried once a process, since a Triton without Gluon's Hopper API (tested: 3.6), or an older
+    one whose layouts differ, will not gain it later."""
+    try:
+        return importlib.import_module(f"{__package__}.{name}"), ""
+    except (ImportError, AttributeError, TypeError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 @functools.cache

@@ -28,8 +28,6 @@ rows run (the attention backward emitting the target) may run 3 and the backward
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -52,6 +50,7 @@ from megatron_hyscale.ops.kernels.common import (
     dot_precision,
     fix_interpreter,
     fixed_point_scale,
+    gluon_module,
     indexer_grad_buffers,
     lockstep_plan,
     lockstep_step,
@@ -682,20 +681,16 @@ def indexer_loss_rows(q_index, weights, k_index, indices, p, relu,
     return (kl if with_kl else None), lse, psum
 
 
-@functools.cache
 def _hopper_backward_module():
-    """`kernels/indexer_loss_bwd_sm90` (Gluon), loaded once a process where the Hopper backward
-    may run; None after one warning where it does not load (a Triton without Gluon's Hopper
-    API, or an older one whose layouts differ)."""
-    try:
-        from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90
-    except (ImportError, AttributeError, TypeError) as exc:
+    """`kernels/indexer_loss_bwd_sm90` (Gluon, `common.gluon_module`: loaded once a process)
+    where the Hopper backward may run; None after one warning where it does not load."""
+    module, why = gluon_module("indexer_loss_bwd_sm90")
+    if module is None:
         from megatron_hyscale.ops.checks import warn_once
 
         warn_once("indexer-loss-bwd-sm90: import", "HyScale: the Hopper indexer-loss backward "
-                  f"cannot be loaded ({type(exc).__name__}: {exc}); using the Triton backward")
-        return None
-    return indexer_loss_bwd_sm90
+                  f"cannot be loaded ({why}); using the Triton backward")
+    return module
 
 
 def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coeff, relu,

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_hyscale.ops.checks import check_rope_shapes
 from megatron_hyscale.ops.kernels.common import fix_interpreter, sm_count
 
 fix_interpreter()
@@ -190,17 +191,11 @@ def _rope_args(x: torch.Tensor, rope: Rope | None
     if rope is None:
         return (x, x, 1, 1, 0), 0
     cos, sin, heads = rope
-    C, R = x.shape[-1], 2 * cos.shape[-1]
-    if R > C or (C - R) % 2:
-        raise ValueError(f"rope: {R} rope channels need at most {C} and an even rest")
-    B, T = x.shape[:2] if x.dim() >= 2 else (0, 0)
-    if x.dim() not in (3, 4) or heads != (x.shape[2] if x.dim() == 4 else 1):
+    check_rope_shapes(x, cos, sin, x.dim() == 4)
+    R, T = 2 * cos.shape[-1], x.shape[1]
+    if heads != (x.shape[2] if x.dim() == 4 else 1):
         raise ValueError(f"rope: x must be [B, T, C] with heads 1 or [B, T, heads, C]; got "
                          f"{tuple(x.shape)} with heads {heads}")
-    if (sin.shape != cos.shape or cos.dim() not in (2, 3) or cos.shape[-2] != T
-            or (cos.dim() == 3 and cos.shape[0] not in (1, B))):
-        raise ValueError(f"rope: cos and sin must be [T, R/2] or [B, T, R/2] for x of shape "
-                         f"{tuple(x.shape)}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if any(t.dtype != torch.float32 or t.device != x.device for t in (cos, sin)):
         raise ValueError(f"rope: cos and sin must be fp32 on {x.device}, got {cos.dtype} on "
                          f"{cos.device} and {sin.dtype} on {sin.device}")

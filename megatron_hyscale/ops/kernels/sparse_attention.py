@@ -34,7 +34,6 @@ resolution 2^-44 of the row's largest contribution).
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 
 import torch
@@ -59,6 +58,7 @@ from megatron_hyscale.ops.kernels.common import (
     dot_precision,
     fix_interpreter,
     fixed_point_scale,
+    gluon_module,
     launch_grid,
     lockstep_plan,
     lockstep_step,
@@ -928,15 +928,9 @@ def sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=None, sink=None,
     return out, lse
 
 
-@functools.cache
 def hopper_forward_module() -> tuple[ModuleType | None, str]:
-    """(`sparse_mla_fwd_sm90`, "") or (None, why it cannot be imported): tried once a process,
-    since a Triton without Gluon's Hopper API (tested: 3.6) will not gain it later."""
-    try:
-        from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90
-    except ImportError as exc:
-        return None, str(exc)
-    return sparse_mla_fwd_sm90, ""
+    """(`sparse_mla_fwd_sm90`, "") or (None, why it cannot be loaded: `common.gluon_module`)."""
+    return gluon_module("sparse_mla_fwd_sm90")
 
 
 def hopper_forward(q, k, v, dv, sink, prefix_lengths, *,
@@ -1299,14 +1293,9 @@ def sparse_attention_bwd_with_target(
                      keys_ascending=keys_ascending)
 
 
-@functools.cache
 def hopper_backward_module() -> tuple[ModuleType | None, str]:
-    """(`sparse_mla_bwd_sm90`, "") or (None, why it cannot be imported), tried once a process."""
-    try:
-        from megatron_hyscale.ops.kernels import sparse_mla_bwd_sm90
-    except ImportError as exc:
-        return None, str(exc)
-    return sparse_mla_bwd_sm90, ""
+    """(`sparse_mla_bwd_sm90`, "") or (None, why it cannot be loaded: `common.gluon_module`)."""
+    return gluon_module("sparse_mla_bwd_sm90")
 
 
 def _sm90_backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, sink,
