@@ -79,6 +79,9 @@ def test_lockstep_is_the_kernels_own():
     assert len(keys) == 3
     assert sm90.variant(q, w, idx, True, True, lockstep=False, lockstep_slack=2) == \
         sm90.variant(q, w, idx, True, True)  # the slack is no variant unpaced
+    # the measurement mode compiles another kernel: its failure must not disable the gradients'
+    assert sm90.variant(q, w, idx, True, True, mode=MODE_DISCARD) != \
+        sm90.variant(q, w, idx, True, True)
 
 
 def test_the_lockstep_launch_counts_waves(monkeypatch):

@@ -384,11 +384,12 @@ def _indexer_loss_bwd_kernel(
 
 def variant(q_index: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
             relu: bool, with_kl: bool = False, lockstep: bool = False,
-            lockstep_slack: int = 1) -> tuple:
+            lockstep_slack: int = 1, mode: int = MODE_ATOMIC) -> tuple:
     """The compiled variant a call needs: what a failure disables (lockstep: with its slack,
-    a constexpr)."""
+    a constexpr; mode: MODE_DISCARD's measurement compiles another kernel, whose failure must
+    not disable the gradients' one)."""
     return (q_index.dtype, q_index.shape[2], weights.dtype, indices.dtype, bool(relu),
-            bool(with_kl), lockstep_slack if lockstep else 0)
+            bool(with_kl), lockstep_slack if lockstep else 0, mode)
 
 
 def _layout_problem(name: str, x: torch.Tensor, rows: tuple[int, ...]) -> str | None:
@@ -455,7 +456,7 @@ def unsupported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Ten
         return f"tensors on {q_index.device} (a CUDA device only)"
     if torch.cuda.get_device_capability(q_index.device)[0] != 9:
         return "not a Hopper GPU (sm_90a only)"
-    key = variant(q_index, weights, indices, relu, with_kl, lockstep, lockstep_slack)
+    key = variant(q_index, weights, indices, relu, with_kl, lockstep, lockstep_slack, mode)
     if key in _disabled:
         return f"variant {key} failed earlier"
     return None
@@ -532,7 +533,7 @@ def run_if_supported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torc
     cause where it applies but cannot run (`unsupported`) or its variant fails to compile or
     launch (not tried again). lockstep, lockstep_slack: `IndexerLossKernelOptions.bwd_lockstep`
     and `bwd_lockstep_slack`."""
-    key = variant(q_index, weights, indices, relu, with_kl, lockstep, lockstep_slack)
+    key = variant(q_index, weights, indices, relu, with_kl, lockstep, lockstep_slack, mode)
     if not applies(q_index, k_index, deterministic=deterministic, mode=mode, lockstep=lockstep,
                    failed=key):
         return None
