@@ -480,7 +480,8 @@ def loss_variant_sweep(shapes, Ts, names, deterministic, warmup, reps, out_dir):
                 json.dump(meta, fh, indent=1)
             save_record("bench_indexer_loss_variants", "-".join(shapes), meta["results"],
                         matmul=mm, copy=float("nan"), extra={"variants": meta["variants"]})
-            del x, idx
+            # ref holds the default's gradients at this T: not to be held through the next T.
+            del x, idx, ref
             torch.cuda.empty_cache()
     log(f"wrote {path}")
 
