@@ -325,11 +325,12 @@ def _sparse_attention_calls(sa: Any, hq: int, hkv: int, d: int, dv: int | None, 
 
 
 def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256, ws: bool = False,
-                         sink: bool = False, lockstep: bool = False) -> list[Launch]:
+                         sink: bool = False, lockstep: bool = False,
+                         prefix: bool = False) -> list[Launch]:
     """The Gluon sparse-MLA forward (Hopper only; absorbed MLA, one KV head); ws: its
     warp-specialized form (`AttentionKernelOptions.fwd_sm90_ws`: a cp.async producer warpgroup,
-    two consumer warpgroups), which also takes K = V without a tail and a sink (CSA);
-    lockstep: that form in lockstep (`fwd_lockstep`)."""
+    two consumer warpgroups), which also takes K = V without a tail and a sink (CSA) and a
+    dense prefix (prefix: HCA's); lockstep: that form in lockstep (`fwd_lockstep`)."""
     from megatron_hyscale.ops.kernels import common
     from megatron_hyscale.ops.kernels import sparse_mla_fwd_sm90 as fwd
     from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90 as fwd_ws
@@ -345,7 +346,9 @@ def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256, ws: bool = Fa
     with intercept(module, kernel) as calls, \
             mock.patch.object(common, "sm_count", lambda device: 132):
         fwd.sparse_mla_fwd_sm90(q, k, idx, d ** -0.5, options=options,
-                                sink=torch.zeros(hq) if sink else None)
+                                sink=torch.zeros(hq) if sink else None,
+                                prefix_lengths=torch.zeros(1, T, dtype=torch.int32)
+                                if prefix else None)
     return calls
 
 
@@ -651,6 +654,9 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "sparse-mla-fwd-ws-sm90-v32": lambda: _sparse_mla_fwd_sm90(128, 576, 2048, ws=True),
     "sparse-mla-fwd-ws-sm90-csa": lambda: _sparse_mla_fwd_sm90(64, 512, 640, ws=True,
                                                                sink=True),
+    # HCA: a window of 128 listed keys after a dense prefix of compressed entries.
+    "sparse-mla-fwd-ws-sm90-hca": lambda: _sparse_mla_fwd_sm90(64, 512, 128, ws=True,
+                                                               sink=True, prefix=True),
     "sparse-mla-fwd-ws-sm90-glm51-tp2": lambda: _sparse_mla_fwd_sm90(32, 576, 2048, ws=True),
     "sparse-mla-fwd-ws-sm90-glm51-lockstep": lambda: _sparse_mla_fwd_sm90(64, 576, 2048,
                                                                           ws=True,

@@ -320,3 +320,80 @@ def test_warp_specialized_kernel_with_no_slot_at_all_gives_the_sink():
     out, lse = run(q, k, idx, scale, ws=True, sink=sink)
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.equal(lse, sink.expand(1, 8, 64))
+
+
+def _hca_inputs(B=2, T=48, S=512, K=128, seed=5):
+    """HCA's form: K = V of 512 channels, a sink a head, each row a dense prefix of keys
+    0 .. n - 1 (0, inside one tile, on tile edges, several tiles) before K listed keys from
+    n on (holes, a half-empty row, a row with none)."""
+    q, k, _, scale = inputs(64, T, S, 4, seed=seed, B=B, d=512)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    pre = torch.randint(0, 300, (B, T), device="cuda", generator=g, dtype=torch.int32)
+    pre[:, :8] = torch.tensor([0, 1, 63, 64, 65, 127, 128, 129], device="cuda",
+                              dtype=torch.int32)
+    listed = torch.rand(B * T, S - 300, device="cuda", generator=g).topk(K, dim=-1).indices
+    idx = (listed.view(B, T, K) + 300).to(torch.int32)  # past every prefix: distinct keys
+    idx[:, 3, K // 2:] = -1
+    idx[:, 9] = -1
+    idx[:, 0, 1::3] = -1
+    return q, k, idx, pre, scale
+
+
+@needs_hopper
+@pytest.mark.parametrize("K", [128, 5])
+def test_warp_specialized_kernel_takes_a_dense_prefix(K, monkeypatch):
+    """DeepSeek-V4's HCA form (`prefix_lengths`): each row's own count of key tiles, against
+    the fp32 reference and the Triton forward; row 0 of batch 0 with neither prefix nor listed
+    keys holds the sink only; `sparse_attention` runs it there."""
+    from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90 as ws_mod
+    from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import sparse_mla_fwd_sm90
+    from megatron_hyscale.ops.sparse_attention import sparse_attention
+
+    q, k, idx, pre, scale = _hca_inputs(K=K, seed=K)
+    idx[0, 0] = -1  # row 0 of batch 0: prefix 0 and no listed key
+    sink = torch.randn(64, device="cuda")
+    options = replace(AttentionKernelOptions.DEFAULT, fwd_sm90_ws=True)
+    out, lse = sparse_mla_fwd_sm90(q, k, idx, scale, sink=sink, options=options,
+                                   prefix_lengths=pre)
+    ref_out, ref_lse = sparse_attention(q.float(), k.float(), None, idx, scale, sink=sink,
+                                        prefix_lengths=pre, return_lse=True,
+                                        backend="reference")
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert rel(out, ref_out) < OUT_TOL
+    assert (lse - ref_lse).abs().max().item() < 1e-2
+    assert (out[0, 0] == 0).all() and torch.allclose(lse[0, 0], sink)
+    tri_out, tri_lse = sparse_attention(q, k, None, idx, scale, sink=sink, prefix_lengths=pre,
+                                        return_lse=True, options=replace(
+                                            options, fwd_sm90=False))
+    assert rel(out, tri_out) < BF16_STEP
+    assert (lse - tri_lse).abs().max().item() < 1e-4
+    calls = []
+    real = ws_mod.launch
+
+    def counting(*a, **kw):
+        calls.append(kw.get("prefix_lengths") is not None)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ws_mod, "launch", counting)
+    got = sparse_attention(q, k, None, idx, scale, sink=sink, prefix_lengths=pre,
+                           options=options)
+    assert calls == [True] and rel(got, out) == 0.0
+
+
+@needs_hopper
+def test_warp_specialized_kernel_with_a_prefix_and_no_listed_slot():
+    """No listed slot at all (indices [B, T, 0]): the prefix alone, as the reference."""
+    from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import sparse_mla_fwd_sm90
+    from megatron_hyscale.ops.sparse_attention import sparse_attention
+
+    q, k, idx, pre, scale = _hca_inputs(B=1, T=16)
+    none = idx[..., :0]
+    sink = torch.randn(64, device="cuda")
+    out, lse = sparse_mla_fwd_sm90(q, k, none, scale, sink=sink, prefix_lengths=pre,
+                                   options=replace(AttentionKernelOptions.DEFAULT,
+                                                   fwd_sm90_ws=True))
+    ref_out, ref_lse = sparse_attention(q.float(), k.float(), None, none, scale, sink=sink,
+                                        prefix_lengths=pre, return_lse=True,
+                                        backend="reference")
+    assert rel(out, ref_out) < OUT_TOL
+    assert (lse - ref_lse).abs().max().item() < 1e-2

@@ -1,7 +1,8 @@
 """Device functions the Gluon kernels share (a Gluon kernel cannot call a Triton function):
 which (batch, query, head block) a program or a lockstep work item computes, a block's query
-heads, the lockstep pace, the cp.async gather of a block of rows, an opaque zero that keeps
-shared-memory descriptors inside a loop; and the strides their launches pass."""
+heads, a row's dense prefix and its slots' keys, the lockstep pace, the cp.async gather of a
+block of rows, an opaque zero that keeps shared-memory descriptors inside a loop; and the
+strides their launches pass."""
 
 from __future__ import annotations
 
@@ -70,6 +71,31 @@ def query_heads(hb, H, BLOCK_H: gl.constexpr, PAD_HEADS: gl.constexpr, layout: g
     else:
         every = gl.full([BLOCK_H], 1, gl.int1, layout=layout)
     return heads, every
+
+
+@gluon.jit
+def prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX: gl.constexpr):
+    """Keys 0 .. n - 1 that row (b, t) attends before its listed indices (HCA's dense prefix,
+    `sparse_attention`'s prefix_lengths); 0 without a prefix."""
+    if HAS_PREFIX:
+        n_pre = gl.load(pre_ptr + b * spb + t * spt).to(gl.int32)
+    else:
+        n_pre = 0
+    return n_pre
+
+
+@gluon.jit
+def slot_keys(idx_base, sik, offs, NK, n_pre, HAS_PREFIX: gl.constexpr):
+    """Key index of each slot in offs (-1 for an unused slot or one past the row's n_pre + NK):
+    with HAS_PREFIX, slot j < n_pre is key j and slot j >= n_pre the listed index j - n_pre,
+    as the Triton kernels' `sparse_attention._load_rows`."""
+    if HAS_PREFIX:
+        listed = offs - n_pre
+        idx = gl.load(idx_base + listed * sik, mask=(listed >= 0) & (listed < NK), other=-1)
+        idx = gl.where(listed < 0, offs, idx)
+    else:
+        idx = gl.load(idx_base + offs * sik, mask=offs < NK, other=-1)
+    return idx
 
 
 @gluon.jit

@@ -970,11 +970,13 @@ def _sm90_forward(q, k, v, indices, softmax_scale, dv, sink, prefix_lengths, opt
         return None
     try:
         return sm90.sparse_mla_fwd_sm90(q, k, indices, softmax_scale, sink=sink,
-                                        options=options, keys_ascending=keys_ascending)
+                                        options=options, keys_ascending=keys_ascending,
+                                        prefix_lengths=prefix_lengths)
     except torch.OutOfMemoryError:
         raise  # not the kernel's failure: the Triton forward would need the same memory
     except Exception as exc:  # this variant failed to compile or launch: say so, keep training
-        sm90.disable(sm90.variant(q, options.fwd_sm90_ws), f"{type(exc).__name__}: {exc}")
+        sm90.disable(sm90.variant(q, options.fwd_sm90_ws, prefix_lengths is not None),
+                     f"{type(exc).__name__}: {exc}")
         return None
 
 

@@ -196,10 +196,10 @@ def _sparse_mla_fwd_kernel(
 # --------------------------------------------------------------------------- launch
 
 
-def variant(q: torch.Tensor, ws: bool = False) -> tuple:
+def variant(q: torch.Tensor, ws: bool = False, prefix: bool = False) -> tuple:
     """The compiled variant a call needs (dtype, channels, query heads, the warp-specialized
-    kernel or not): what a failure disables."""
-    return q.dtype, q.shape[-1], q.shape[2], ws
+    kernel or not, a dense prefix or not): what a failure disables."""
+    return q.dtype, q.shape[-1], q.shape[2], ws, prefix
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
@@ -210,8 +210,9 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
     (ws: the warp-specialized kernel's) not disabled by an earlier failure. Channels: a main
     part of 128 / 256 / 512 (V) and a tail of TAIL, the gathers' row width. The
     warp-specialized kernel also takes DeepSeek-V4's K = V (no tail: v None, dv = all of K),
-    a sink, and fewer than BLOCK_H query heads (one block padded with zero queries whose rows
-    are not stored: tensor parallelism's share of GLM-5.1's 64)."""
+    a sink, a dense prefix (HCA's prefix_lengths) and fewer than BLOCK_H query heads (one
+    block padded with zero queries whose rows are not stored: tensor parallelism's share of
+    GLM-5.1's 64)."""
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     d = q.shape[-1]
@@ -220,8 +221,8 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
     return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v is None
             and dv == d_main and d_main in (128, 256, 512) and d - d_main in tails
             and k.shape[2] == 1 and (q.shape[2] % BLOCK_H == 0 or ws and q.shape[2] < BLOCK_H)
-            and (ws or sink is None)
-            and prefix_lengths is None and variant(q, ws) not in _disabled)
+            and (ws or sink is None and prefix_lengths is None)
+            and variant(q, ws, prefix_lengths is not None) not in _disabled)
 
 
 def layout_problem(q: torch.Tensor, k: torch.Tensor) -> tuple[str, str] | None:
@@ -257,23 +258,31 @@ def shared_layouts(dtype: torch.dtype, d_main: int, d_tail: int) -> tuple:
 def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
                         softmax_scale: float, *, sink: torch.Tensor | None = None,
                         options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT,
-                        keys_ascending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        keys_ascending: bool = False,
+                        prefix_lengths: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, T, Hq, D_MAIN], lse fp32 [B, T, Hq]) on inputs that `applies` and
     `layout_problem` accept (sink [Hq]: the warp-specialized kernel's only). A query's head
     blocks (V3.2: two) launch as the Triton kernels' do (`common.launch_grid`,
     options.head_blocks_adjacent); options.fwd_sm90_ws runs the warp-specialized kernel
     (`sparse_mla_fwd_ws_sm90`) instead; the other options are the dispatcher's
     (`sparse_attention.hopper_forward`). keys_ascending: each row's valid keys increase
-    already (the lockstep forward skips its sort)."""
-    if sink is not None and not options.fwd_sm90_ws:
-        raise ValueError("sink: only the warp-specialized forward (options.fwd_sm90_ws) takes "
-                         "one")
+    already (the lockstep forward skips its sort). prefix_lengths (int [B, T], the
+    warp-specialized kernel's only): row (b, t) also attends keys 0 .. n - 1 before its
+    indices (HCA's dense prefix)."""
+    for name, given in (("sink", sink), ("prefix_lengths", prefix_lengths)):
+        if given is not None and not options.fwd_sm90_ws:
+            raise ValueError(f"{name}: only the warp-specialized forward (options.fwd_sm90_ws) "
+                             "takes one")
     B, T, Hq, d = q.shape
     d_main = 1 << (d.bit_length() - 1)
     out = torch.empty((B, T, Hq, d_main), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, T, Hq), device=q.device, dtype=torch.float32)
     if B * T == 0:
         return out, lse
+    if indices.shape[-1] == 0 and prefix_lengths is not None:
+        # No listed slot, only the prefix: one unused slot keeps the kernel's NK >= 1.
+        indices = indices.new_full((*indices.shape[:-1], 1), -1)
     if indices.shape[-1] == 0:  # no slot at all: every row is empty (lse = its sink if any)
         if sink is not None:
             return out.zero_(), lse.copy_(sink.float().expand(B, T, Hq))
@@ -290,7 +299,8 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
         sparse_mla_fwd_ws_sm90.launch(q, k, indices, sink, out, lse, softmax_scale, grid, ng,
                                       layouts, lockstep=options.fwd_lockstep,
                                       lockstep_slack=options.fwd_lockstep_slack,
-                                      keys_ascending=keys_ascending)
+                                      keys_ascending=keys_ascending,
+                                      prefix_lengths=prefix_lengths)
         return out, lse
     sqb, sqt, sqh = kernel_strides(q, 3)
     skb, sks = kernel_strides(k, 2)

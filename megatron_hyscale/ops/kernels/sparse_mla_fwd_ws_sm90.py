@@ -43,7 +43,9 @@ from megatron_hyscale.ops.kernels.gluon_common import (
     kernel_strides,
     lockstep_wait,
     opaque_zero,
+    prefix_length,
     query_heads,
+    slot_keys,
     work_item_coords,
     work_item_count,
 )
@@ -123,34 +125,62 @@ def _fill_half(k_main_s, k_tail_s, ready, empty, stage: gl.constexpr, half: gl.c
 
 
 @gluon.jit
-def _tile_rows(idx_base, sik, k_base, sks, j, NK, row_l: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(row pointers, which hold a key) of key tile j's slots (-1 or past NK do not)."""
+def _tile_rows(idx_base, sik, k_base, sks, j, NK, n_pre, row_l: gl.constexpr,
+               BLOCK_N: gl.constexpr, HAS_PREFIX: gl.constexpr):
+    """(row pointers, which hold a key) of key tile j's slots (`gluon_common.slot_keys`)."""
     offs = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=row_l)
-    idx = gl.load(idx_base + offs * sik, mask=offs < NK, other=-1)
+    idx = slot_keys(idx_base, sik, offs, NK, n_pre, HAS_PREFIX)
     valid = idx >= 0
     return k_base + gl.where(valid, idx, 0).to(gl.int64) * sks, valid
 
 
 @gluon.jit
-def _producer(q_ptr, k_ptr, idx_ptr, sync_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s, bars,
-              pid, T, NHB, P, W, H, NK, n_iter, sqb, sqt, sqh, skb, sks, sib, sit, sik,
+def _item_iterations(n_iter, n_pre, NK, BLOCK_N: gl.constexpr, HAS_PREFIX: gl.constexpr):
+    """Two-tile iterations of a work item: the launch's n_iter, or with a dense prefix the
+    row's own (its n_pre + NK slots)."""
+    if HAS_PREFIX:
+        n_it = gl.cdiv(n_pre + NK, 2 * BLOCK_N)
+    else:
+        n_it = n_iter
+    return n_it
+
+
+@gluon.jit
+def _phase_base(done, n, n_iter, HAS_PREFIX: gl.constexpr):
+    """Iterations before the program's n-th item: the sum of the earlier items' own counts
+    (`done`) with a dense prefix, else n x the launch's n_iter (the same number)."""
+    if HAS_PREFIX:
+        base = done
+    else:
+        base = n * n_iter
+    return base
+
+
+@gluon.jit
+def _producer(q_ptr, k_ptr, idx_ptr, pre_ptr, sync_ptr, q_main_s, q_tail_s, k_main_s,
+              k_tail_s, bars, pid, T, NHB, P, W, H, NK, n_iter, sqb, sqt, sqh, skb, sks, sib,
+              sit, sik, spb, spt,
               D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, PAD_HEADS: gl.constexpr, NG: gl.constexpr,
-              LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr,
-              WARPS: gl.constexpr):
+              HAS_PREFIX: gl.constexpr, LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr,
+              SYNC_SPINS: gl.constexpr, WARPS: gl.constexpr):
     """The query block once a work item (PAD_HEADS: rows past the H heads zero-filled), then
     each iteration's halves in the order they are freed: L0, R1 (mid-iteration), R0, L1 (at
     its end). LOCKSTEP: the items pid, pid + P, ...; before an iteration's gathers, wait
     (bounded) until the wave's counter holds the starts of every program at the iteration
     SYNC_SLACK before (their total, as `sparse_mla_bwd_sm90`'s lockstep, by two-tile
-    iterations), and count this one's start."""
+    iterations), and count this one's start. HAS_PREFIX: each item's own iteration count, the
+    barriers' parity from the iterations of the program's items so far."""
     q_bar, q_empty, ready, empty = bars[0], bars[1], bars[2], bars[3]
     # A warp covers 4 rows x 64 channels in 16-byte vectors (one swizzle atom a row); 4 warps,
     # 16 rows a pass; a thread's copies of a row differ by immediate offsets only.
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, ld_layout)
+    done = 0  # iterations of the earlier items: the barriers' phase
     for n in range(work_item_count(pid, P, W, LOCKSTEP)):
         b, t, hb = work_item_coords(pid, n, P, T, NHB, NG, LOCKSTEP)
+        n_pre = prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX)
+        n_it = _item_iterations(n_iter, n_pre, NK, BLOCK_N, HAS_PREFIX)
         if LOCKSTEP:
             active = gl.minimum(P, W - n * P)
             # The consumers' last S products of the previous item read the query block.
@@ -164,11 +194,12 @@ def _producer(q_ptr, k_ptr, idx_ptr, sync_ptr, q_main_s, q_tail_s, k_main_s, k_t
 
         idx_base = idx_ptr + b * sib + t * sit
         k_base = k_ptr + b * skb
-        for i in range(n_iter):
-            ph = (n * n_iter + i) & 1
-            rows0, valid0 = _tile_rows(idx_base, sik, k_base, sks, 2 * i, NK, row_l, BLOCK_N)
-            rows1, valid1 = _tile_rows(idx_base, sik, k_base, sks, 2 * i + 1, NK, row_l,
-                                       BLOCK_N)
+        for i in range(n_it):
+            ph = (_phase_base(done, n, n_iter, HAS_PREFIX) + i) & 1
+            rows0, valid0 = _tile_rows(idx_base, sik, k_base, sks, 2 * i, NK, n_pre, row_l,
+                                       BLOCK_N, HAS_PREFIX)
+            rows1, valid1 = _tile_rows(idx_base, sik, k_base, sks, 2 * i + 1, NK, n_pre, row_l,
+                                       BLOCK_N, HAS_PREFIX)
             if LOCKSTEP:
                 if i >= SYNC_SLACK:
                     lockstep_wait(sync_ptr + n, active * (i - SYNC_SLACK + 1), SYNC_SPINS)
@@ -183,6 +214,7 @@ def _producer(q_ptr, k_ptr, idx_ptr, sync_ptr, q_main_s, q_tail_s, k_main_s, k_t
                        D_TAIL, ld_layout)
             _fill_half(k_main_s, k_tail_s, ready, empty, 1, L, rows1, valid1, ph, D_MAIN,
                        D_TAIL, ld_layout)
+        done += n_it
 
 
 @gluon.jit
@@ -204,11 +236,11 @@ def _s_half(acc, q_main, q_tail, k_stage, k_tail, ready, stage: gl.constexpr,
 
 @gluon.jit
 def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_s, m_s, l_s,
-              bars, idx_ptr, sink_ptr, out_ptr, lse_ptr, pid, T, NHB, P, W, H, NK, n_iter,
-              qk_scale, sib, sit, sik, sob, sot, soh, slb, slt, slh,
+              bars, idx_ptr, pre_ptr, sink_ptr, out_ptr, lse_ptr, pid, T, NHB, P, W, H, NK,
+              n_iter, qk_scale, sib, sit, sik, spb, spt, sob, sot, soh, slb, slt, slh,
               D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, HAS_SINK: gl.constexpr, PAD_HEADS: gl.constexpr,
-              NG: gl.constexpr, LOCKSTEP: gl.constexpr):
+              NG: gl.constexpr, HAS_PREFIX: gl.constexpr, LOCKSTEP: gl.constexpr):
     """S for the tiles of stage c, O for value channels c * D_MAIN / 2 .. (c + 1) * D_MAIN / 2
     over every tile; stores its half of out, and consumer 0 the lse. LOCKSTEP: the work
     items pid, pid + P, ... one after the other.
@@ -229,8 +261,11 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_
     # Consumer 0 starts with the half refilled first in its stage (L0), consumer 1 with R1.
     FIRST: gl.constexpr = L if c == 0 else R
 
+    done = 0  # iterations of the earlier items: the barriers' phase
     for n in range(work_item_count(pid, P, W, LOCKSTEP)):
         b, t, hb = work_item_coords(pid, n, P, T, NHB, NG, LOCKSTEP)
+        n_pre = prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX)
+        n_it = _item_iterations(n_iter, n_pre, NK, BLOCK_N, HAS_PREFIX)
         idx_base = idx_ptr + b * sib + t * sit
         slots = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
@@ -239,10 +274,10 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_
         s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
 
         mbarrier.wait(q_bar, n & 1)
-        for i in range(n_iter):
-            ph = (n * n_iter + i) & 1
+        for i in range(n_it):
+            ph = (_phase_base(done, n, n_iter, HAS_PREFIX) + i) & 1
             offs = (2 * i + c) * BLOCK_N + slots
-            valid = gl.load(idx_base + offs * sik, mask=offs < NK, other=-1) >= 0
+            valid = slot_keys(idx_base, sik, offs, NK, n_pre, HAS_PREFIX) >= 0
             zero = opaque_zero(i)
             q_main, q_tail = q_main_s.index(zero), q_tail_s.index(zero)
             k_own, k_own_tail = k_main_s.index(c + zero), k_tail_s.index(c + zero)
@@ -308,6 +343,7 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_
                                   is_async=True)
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                 mbarrier.arrive(empty.index(2 * 0 + R), count=1)
+        done += n_it
 
         if LOCKSTEP:
             # This item's products are done with the query block: the producer may gather the
@@ -351,11 +387,11 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_
 # NHB not specialized (as the backward's: a constant 1 lets LLVM hoist per-item values).
 @gluon.jit(do_not_specialize=["NHB"])
 def _sparse_mla_fwd_ws_kernel(
-    q_ptr, k_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, sync_ptr,
+    q_ptr, k_ptr, idx_ptr, pre_ptr, sink_ptr, out_ptr, lse_ptr, sync_ptr,
     T, H, NK, NHB, P, W, qk_scale,
-    sqb, sqt, sqh, skb, sks, sib, sit, sik, sob, sot, soh, slb, slt, slh,
+    sqb, sqt, sqh, skb, sks, sib, sit, sik, spb, spt, sob, sot, soh, slb, slt, slh,
     D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-    NG: gl.constexpr, HAS_SINK: gl.constexpr, PAD_HEADS: gl.constexpr,
+    NG: gl.constexpr, HAS_SINK: gl.constexpr, PAD_HEADS: gl.constexpr, HAS_PREFIX: gl.constexpr,
     LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr,
     q_main_sl: gl.constexpr, q_tail_sl: gl.constexpr, k_main_sl: gl.constexpr,
     k_tail_sl: gl.constexpr, p_sl: gl.constexpr,
@@ -368,7 +404,9 @@ def _sparse_mla_fwd_ws_kernel(
     Row strides multiples of 16 elements, unit-stride channels, NK >= 1 (the wrapper checks).
     NG: the grid's form (`gluon_common.program_coords`). LOCKSTEP: a grid of P programs over
     W work items (NHB head blocks a query, adjacent), program pid taking items pid, pid + P,
-    ...; sync_ptr: one zeroed int32 iteration counter a wave of P items.
+    ...; sync_ptr: one zeroed int32 iteration counter a wave of P items. HAS_PREFIX (not with
+    LOCKSTEP): row (b, t) attends keys 0 .. pre[b, t] - 1, then its listed indices; n_iter is
+    then each item's own.
     """
     pid = gl.program_id(0)
     n_iter = gl.cdiv(NK, 2 * BLOCK_N)
@@ -412,17 +450,20 @@ def _sparse_mla_fwd_ws_kernel(
     # would reach the partitions as runtime values.
     gl.warp_specialize([
         (_consumer, (0, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_s, m_s, l_s, bars,
-                     idx_ptr, sink_ptr, out_ptr, lse_ptr, pid, T, NHB, P, W, H, NK, n_iter,
-                     qk_scale, sib, sit, sik, sob, sot, soh, slb, slt, slh, D_MAIN, D_TAIL,
-                     BLOCK_H, BLOCK_N, HAS_SINK, PAD_HEADS, NG, LOCKSTEP)),
+                     idx_ptr, pre_ptr, sink_ptr, out_ptr, lse_ptr, pid, T, NHB, P, W, H, NK,
+                     n_iter, qk_scale, sib, sit, sik, spb, spt, sob, sot, soh, slb, slt, slh,
+                     D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, HAS_SINK, PAD_HEADS, NG, HAS_PREFIX,
+                     LOCKSTEP)),
         (_consumer, (1, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_s, m_s, l_s, bars,
-                     idx_ptr, sink_ptr, out_ptr, lse_ptr, pid, T, NHB, P, W, H, NK, n_iter,
-                     qk_scale, sib, sit, sik, sob, sot, soh, slb, slt, slh, D_MAIN, D_TAIL,
-                     BLOCK_H, BLOCK_N, HAS_SINK, PAD_HEADS, NG, LOCKSTEP)),
-        (_producer, (q_ptr, k_ptr, idx_ptr, sync_ptr, q_main_s, q_tail_s, k_main_s, k_tail_s,
-                     (q_bar, q_empty, ready, empty), pid, T, NHB, P, W, H, NK, n_iter, sqb,
-                     sqt, sqh, skb, sks, sib, sit, sik, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N,
-                     PAD_HEADS, NG, LOCKSTEP, SYNC_SLACK, SYNC_SPINS, PRODUCER_WARPS)),
+                     idx_ptr, pre_ptr, sink_ptr, out_ptr, lse_ptr, pid, T, NHB, P, W, H, NK,
+                     n_iter, qk_scale, sib, sit, sik, spb, spt, sob, sot, soh, slb, slt, slh,
+                     D_MAIN, D_TAIL, BLOCK_H, BLOCK_N, HAS_SINK, PAD_HEADS, NG, HAS_PREFIX,
+                     LOCKSTEP)),
+        (_producer, (q_ptr, k_ptr, idx_ptr, pre_ptr, sync_ptr, q_main_s, q_tail_s, k_main_s,
+                     k_tail_s, (q_bar, q_empty, ready, empty), pid, T, NHB, P, W, H, NK,
+                     n_iter, sqb, sqt, sqh, skb, sks, sib, sit, sik, spb, spt, D_MAIN, D_TAIL,
+                     BLOCK_H, BLOCK_N, PAD_HEADS, NG, HAS_PREFIX, LOCKSTEP, SYNC_SLACK,
+                     SYNC_SPINS, PRODUCER_WARPS)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -432,7 +473,8 @@ def _sparse_mla_fwd_ws_kernel(
 def launch(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor | None,
            out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, grid: tuple,
            ng: int, layouts: tuple, lockstep: bool = False, lockstep_slack: int = 1,
-           keys_ascending: bool = False) -> None:
+           keys_ascending: bool = False,
+           prefix_lengths: torch.Tensor | None = None) -> None:
     """Fill out [B, T, Hq, D_MAIN] and lse [B, T, Hq] for `sparse_mla_fwd_sm90`, whose wrapper
     checked the inputs (`applies`: a tail of 0 or BLOCK_N channels; `layout_problem`), took
     care of empty calls, made indices [B, T, K] with K >= 1, chose the grid
@@ -442,7 +484,11 @@ def launch(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, sink: torch.
     each row's keys sorted here (not where keys_ascending: the caller's rows are in that
     order already, `ops/key_order.py`), the programs of a wave kept within lockstep_slack
     two-tile iterations of each other (`common.lockstep_plan`), so that their key gathers hit
-    L2."""
+    L2. prefix_lengths (int [B, T], HCA's dense prefix): row (b, t) also attends keys
+    0 .. n - 1 before its indices; it runs unpaced (the pace counts equal iterations a row,
+    and every row reads the same prefix keys from L2 anyway)."""
+    if prefix_lengths is not None:
+        lockstep = False
     d = q.shape[-1]
     d_main = out.shape[-1]
     sqb, sqt, sqh = kernel_strides(q, 3)
@@ -456,12 +502,15 @@ def launch(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, sink: torch.
         grid, ng = (programs,), n_hb
         if not keys_ascending:
             indices = indices.sort(dim=-1).values
+    pre = prefix_lengths if prefix_lengths is not None else indices
     _sparse_mla_fwd_ws_kernel[grid](
-        q, k, indices, sink.contiguous() if sink is not None else lse, out, lse, sync,
+        q, k, indices, pre, sink.contiguous() if sink is not None else lse, out, lse, sync,
         q.shape[1], q.shape[2], indices.shape[-1], n_hb, programs, work, softmax_scale * LOG2E,
-        sqb, sqt, sqh, skb, sks, *indices.stride(), *out.stride()[:3], *lse.stride(),
+        sqb, sqt, sqh, skb, sks, *indices.stride(), *kernel_strides(pre, 2),
+        *out.stride()[:3], *lse.stride(),
         D_MAIN=d_main, D_TAIL=d - d_main, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, NG=ng,
         HAS_SINK=sink is not None, PAD_HEADS=q.shape[2] < BLOCK_H,
+        HAS_PREFIX=prefix_lengths is not None,
         LOCKSTEP=lockstep, SYNC_SLACK=lockstep_slack, SYNC_SPINS=SYNC_SPINS,
         q_main_sl=q_main_sl, q_tail_sl=q_tail_sl, k_main_sl=k_main_sl, k_tail_sl=k_tail_sl,
         p_sl=p_sl, CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
