@@ -354,12 +354,13 @@ def _sparse_mla_fwd_sm90(hq: int, d: int, topk: int, T: int = 256, ws: bool = Fa
 
 def _sparse_mla_bwd_sm90(hq: int, d: int, topk: int, T: int = 256, sink: bool = False,
                          dlse: bool = False, target: bool = False,
-                         dk_vec4: bool = False, lockstep: bool = False) -> list[Launch]:
+                         dk_vec4: bool = False, lockstep: bool = False,
+                         prefix: bool = False) -> list[Launch]:
     """The warp-specialized Gluon sparse-MLA backward (Hopper only; `AttentionKernelOptions.
     bwd_sm90`: a cp.async producer warpgroup, two consumer warpgroups); with the lse's
     gradient, a sink (CSA: K = V, no tail) or the indexer loss's target; dk_vec4: 16-byte dK
     atomics (`AttentionKernelOptions.bwd_dk_vec4`); lockstep: one program an SM, the programs
-    paced together (`bwd_lockstep`)."""
+    paced together (`bwd_lockstep`; unpaced with a prefix); prefix: HCA's dense prefix."""
     from megatron_hyscale.ops.kernels import sparse_mla_bwd_sm90 as bwd
 
     d_main = 1 << (d.bit_length() - 1)
@@ -379,7 +380,9 @@ def _sparse_mla_bwd_sm90(hq: int, d: int, topk: int, T: int = 256, sink: bool = 
                                 dlse=torch.zeros_like(lse) if dlse else None,
                                 sink=torch.zeros(hq) if sink else None,
                                 target=(tgt, (0, *tgt.stride()), hq > 64) if target else None,
-                                dk_vec4=dk_vec4, lockstep=lockstep)
+                                dk_vec4=dk_vec4, lockstep=lockstep,
+                                prefix_lengths=torch.zeros(1, T, dtype=torch.int32)
+                                if prefix else None)
     return calls
 
 
@@ -667,6 +670,10 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "sparse-mla-bwd-sm90-glm51": lambda: _sparse_mla_bwd_sm90(64, 576, 2048),
     "sparse-mla-bwd-sm90-v32": lambda: _sparse_mla_bwd_sm90(128, 576, 2048),
     "sparse-mla-bwd-sm90-csa": lambda: _sparse_mla_bwd_sm90(64, 512, 640, sink=True),
+    # HCA as the layer runs it (dK atomics 16 bytes wide, lockstep asked: unpaced with a prefix).
+    "sparse-mla-bwd-sm90-hca": lambda: _sparse_mla_bwd_sm90(64, 512, 128, sink=True,
+                                                            dk_vec4=True, lockstep=True,
+                                                            prefix=True),
     "sparse-mla-bwd-sm90-glm51-target": lambda: _sparse_mla_bwd_sm90(64, 576, 2048, dlse=True,
                                                                      target=True),
     # The RoPE kernels, MLA's and V4's (no FMA may appear: tests/ops/test_absorbed_mla.py,

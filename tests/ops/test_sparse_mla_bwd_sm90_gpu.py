@@ -343,3 +343,42 @@ def test_other_shapes_run_the_triton_backward_silently(launches):
         sa.sparse_attention_bwd(q, k, v, idx, 1 / 16, out, lse, torch.ones_like(out),
                                 options=SM90)
     assert launches == []
+
+
+@needs_hopper
+@pytest.mark.parametrize("K", [128, 5])
+def test_k_equals_v_with_a_sink_and_a_dense_prefix(K, launches, sm90):
+    """DeepSeek-V4's HCA form (`prefix_lengths`: keys 0 .. n - 1 before the listed ones, n
+    from 0 over several tiles; lockstep asked runs unpaced): against the Triton backward, and
+    through autograd (`sparse_attention`) against the fp32 reference."""
+    from megatron_hyscale.ops.kernels import sparse_attention as sa
+    from megatron_hyscale.ops.sparse_attention import sparse_attention
+
+    B, T, S = 2, 48, 512
+    q, k, _, sink, dout, scale = inputs(64, T, S, 4, seed=K + 1, B=B, d=512, sink=True)
+    g = torch.Generator(device="cuda").manual_seed(K)
+    pre = torch.randint(0, 300, (B, T), device="cuda", generator=g, dtype=torch.int32)
+    pre[:, :8] = torch.tensor([0, 1, 63, 64, 65, 127, 128, 129], device="cuda",
+                              dtype=torch.int32)
+    listed = torch.rand(B * T, S - 300, device="cuda", generator=g).topk(K, dim=-1).indices
+    idx = (listed.view(B, T, K) + 300).to(torch.int32)  # past every prefix: distinct keys
+    idx[:, 3, K // 2:] = -1
+    idx[:, 9] = -1
+    idx[0, 0] = -1  # prefix 0 and no listed key: the sink only
+    out, lse = sa.sparse_attention_fwd(q, k, None, idx, scale, dv=512, sink=sink,
+                                       prefix_lengths=pre)
+    got = sa.sparse_attention_bwd(q, k, None, idx, scale, out, lse, dout, dv=512, sink=sink,
+                                  prefix_lengths=pre, options=sm90)
+    want = sa.sparse_attention_bwd(q, k, None, idx, scale, out, lse, dout, dv=512, sink=sink,
+                                   prefix_lengths=pre, options=TRITON)
+    assert launches == [1] and launches.kw[0]["prefix_lengths"] is pre
+    assert got[2] is None and want[2] is None
+    check_same((got[0], got[1], got[3]), (want[0], want[1], want[3]))
+
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, sink)]
+    ref = sparse_attention(*leaves[:2], None, idx, scale, sink=leaves[2], prefix_lengths=pre,
+                           backend="reference")
+    ref.backward(dout.float())
+    for name, a, b in zip(("dq", "dk", "dsink"), (got[0], got[1], got[3]),
+                          (x.grad for x in leaves), strict=True):
+        assert rel(a, b.to(a.dtype).view(a.shape)) < GRAD_TOL, name

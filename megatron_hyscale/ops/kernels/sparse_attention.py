@@ -1335,11 +1335,11 @@ def _sm90_backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, si
             target=(*target.args(), target.atomic) if target is not None else None,
             head_blocks_adjacent=options.head_blocks_adjacent, dk_vec4=options.bwd_dk_vec4,
             lockstep=options.bwd_lockstep, lockstep_slack=options.bwd_lockstep_slack,
-            keys_ascending=keys_ascending)
+            keys_ascending=keys_ascending, prefix_lengths=prefix_lengths)
     except torch.OutOfMemoryError:
         raise  # not the kernel's failure: the Triton backward would need the same memory
     except Exception as exc:  # this variant failed to compile or launch: say so, keep training
-        bwd.disable(bwd.variant(q), f"{type(exc).__name__}: {exc}")
+        bwd.disable(bwd.variant(q, prefix_lengths is not None), f"{type(exc).__name__}: {exc}")
         return None
     dk, _ = acc.result(k, v)
     dsink = dsink_part.sum(dim=(0, 1)).to(sink.dtype) if sink is not None else None

@@ -39,7 +39,9 @@ from megatron_hyscale.ops.kernels.gluon_common import (
     kernel_strides,
     lockstep_wait,
     opaque_zero,
+    prefix_length,
     query_heads,
+    slot_keys,
     work_item_coords,
     work_item_count,
 )
@@ -102,31 +104,57 @@ DELTA_CHUNK = gl.constexpr(64)
 
 
 @gluon.jit
-def _slot_index(idx_base, sik, n0, NK, slots):
-    """Key index of slots n0 + slots (-1 for an unused slot or one past NK)."""
-    offs = n0 + slots
-    return gl.load(idx_base + offs * sik, mask=offs < NK, other=-1)
+def _slot_index(idx_base, sik, n0, NK, n_pre, slots, HAS_PREFIX: gl.constexpr):
+    """Key index of slots n0 + slots (`gluon_common.slot_keys`: -1 for an unused slot or one
+    past the row's slots)."""
+    return slot_keys(idx_base, sik, n0 + slots, NK, n_pre, HAS_PREFIX)
 
 
 @gluon.jit
-def _producer(q_ptr, k_ptr, idx_ptr, dout_ptr, sync_ptr, q_main_s, q_tail_s, do_s, k_main_s,
-              k_tail_s, q_bar, q_empty, k_ready, k_empty, pid, T, NHB, P, W, H, NK, n_tiles,
-              sqb, sqt, sqh, skb, sks, sib, sit, sik, sdob, sdot, sdoh,
+def _item_tiles(n_tiles, n_pre, NK, BLOCK_N: gl.constexpr, HAS_PREFIX: gl.constexpr):
+    """Key tiles of a work item: the launch's n_tiles, or with a dense prefix the row's own
+    (its n_pre + NK slots)."""
+    if HAS_PREFIX:
+        n_it = gl.cdiv(n_pre + NK, BLOCK_N)
+    else:
+        n_it = n_tiles
+    return n_it
+
+
+@gluon.jit
+def _tile_base(done, n, n_tiles, HAS_PREFIX: gl.constexpr):
+    """Key tiles before the program's n-th item: the sum of the earlier items' own counts
+    (`done`) with a dense prefix, else n x the launch's n_tiles (the same number)."""
+    if HAS_PREFIX:
+        base = done
+    else:
+        base = n * n_tiles
+    return base
+
+
+@gluon.jit
+def _producer(q_ptr, k_ptr, idx_ptr, pre_ptr, dout_ptr, sync_ptr, q_main_s, q_tail_s, do_s,
+              k_main_s, k_tail_s, q_bar, q_empty, k_ready, k_empty, pid, T, NHB, P, W, H, NK,
+              n_tiles, sqb, sqt, sqh, skb, sks, sib, sit, sik, spb, spt, sdob, sdot, sdoh,
               D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, PAD_HEADS: gl.constexpr, NG: gl.constexpr,
-              LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr,
-              WARPS: gl.constexpr):
+              HAS_PREFIX: gl.constexpr, LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr,
+              SYNC_SPINS: gl.constexpr, WARPS: gl.constexpr):
     """q and dO once a work item (PAD_HEADS: rows past the H heads zero-filled), then each key
     tile once the consumers' dQ products released the last. LOCKSTEP: the program's items
     pid, pid + P, ...; before a tile's gather, wait (bounded) until the wave's counter holds
     the starts of every program at the tile SYNC_SLACK before (their total: a fast program's
-    extra starts count too), and count this one's start."""
+    extra starts count too), and count this one's start. HAS_PREFIX: each item's own tile
+    count, the barriers' parity from the tiles of the program's items so far."""
     # A warp covers 4 rows x 64 channels in 16-byte vectors (one swizzle atom a row).
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, ld_layout)
     slots = gl.arange(0, BLOCK_N, layout=row_l)
+    done = 0  # key tiles of the earlier items: the barriers' phase
     for n in range(work_item_count(pid, P, W, LOCKSTEP)):
         b, t, hb = work_item_coords(pid, n, P, T, NHB, NG, LOCKSTEP)
+        n_pre = prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX)
+        n_it = _item_tiles(n_tiles, n_pre, NK, BLOCK_N, HAS_PREFIX)
         if LOCKSTEP:
             active = gl.minimum(P, W - n * P)
             # The consumers are done with the last item's q and dO.
@@ -142,9 +170,9 @@ def _producer(q_ptr, k_ptr, idx_ptr, dout_ptr, sync_ptr, q_main_s, q_tail_s, do_
 
         idx_base = idx_ptr + b * sib + t * sit
         k_base = k_ptr + b * skb
-        for j in range(n_tiles):
-            g = n * n_tiles + j
-            idx = _slot_index(idx_base, sik, j * BLOCK_N, NK, slots)
+        for j in range(n_it):
+            g = _tile_base(done, n, n_tiles, HAS_PREFIX) + j
+            idx = _slot_index(idx_base, sik, j * BLOCK_N, NK, n_pre, slots, HAS_PREFIX)
             valid = idx >= 0
             rows = k_base + gl.where(valid, idx, 0).to(gl.int64) * sks
             mbarrier.wait(k_empty, (g & 1) ^ 1)
@@ -158,6 +186,7 @@ def _producer(q_ptr, k_ptr, idx_ptr, dout_ptr, sync_ptr, q_main_s, q_tail_s, do_
             if LOCKSTEP:
                 # One count a program (the replicated scalar's atomic runs once).
                 gl.atomic_add(sync_ptr + n, 1, sem="relaxed")
+        done += n_it
 
 
 @gluon.jit
@@ -216,19 +245,21 @@ def _dk_chunk(ds_t, p_t, q_part, do_part, col0, rows, valid, acc_layout: gl.cons
 
 @gluon.jit
 def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t_s, ds_t_s,
-              d_s, bars, idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr, dq_ptr,
-              dk_ptr, dsink_ptr, tgt_ptr, pid, T, NHB, P, W, H, NK, n_tiles, qk_scale, sm_scale,
-              sib, sit, sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh,
+              d_s, bars, idx_ptr, pre_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr,
+              dq_ptr, dk_ptr, dsink_ptr, tgt_ptr, pid, T, NHB, P, W, H, NK, n_tiles, qk_scale,
+              sm_scale, sib, sit, sik, spb, spt, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh,
               sdqb, sdqt, sdqh, sdkb, sdks, stg, stb, stt, stk,
               D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_N: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_SINK: gl.constexpr,
               TARGET: gl.constexpr, TARGET_ATOMIC: gl.constexpr, PAD_HEADS: gl.constexpr,
-              DK_VEC4: gl.constexpr, NG: gl.constexpr, LOCKSTEP: gl.constexpr):
+              DK_VEC4: gl.constexpr, NG: gl.constexpr, HAS_PREFIX: gl.constexpr,
+              LOCKSTEP: gl.constexpr):
     """S, P, dP, dS for keys c * HALF_N .. of each tile; dQ for channels c * D_MAIN / 2 ..
     (consumer 1 also the tail), dK for the same main channels (consumer 0 also the tail).
     PAD_HEADS (fewer than BLOCK_H heads): the rows past H have zero q and dO and an lse of
     +inf, so their P, dS and Delta are 0 and they add nothing; their dq is not stored.
-    LOCKSTEP: the program's work items pid, pid + P, ... one after the other."""
+    LOCKSTEP: the program's work items pid, pid + P, ... one after the other. HAS_PREFIX (no
+    TARGET): each row's own tile count (`_item_tiles`)."""
     q_bar, q_empty, k_ready, k_empty, ps_ready, ps_empty, d_ready = bars
     HALF: gl.constexpr = D_MAIN // 2
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -244,8 +275,11 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_main_s.dtype
 
+    done = 0  # key tiles of the earlier items: the barriers' phase
     for n in range(work_item_count(pid, P, W, LOCKSTEP)):
         b, t, hb = work_item_coords(pid, n, P, T, NHB, NG, LOCKSTEP)
+        n_pre = prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX)
+        n_it = _item_tiles(n_tiles, n_pre, NK, BLOCK_N, HAS_PREFIX)
         heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
         stat = b * slb + t * slt + heads * slh
         h_ok = heads < H
@@ -287,14 +321,15 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
             dq_tail = gl.zeros([BLOCK_H, D_TAIL], gl.float32, layout=dqt_layout)
 
         mbarrier.wait(q_bar, n & 1)
-        for j in range(n_tiles):
-            ph = (n * n_tiles + j) & 1
+        for j in range(n_it):
+            ph = (_tile_base(done, n, n_tiles, HAS_PREFIX) + j) & 1
             zero = opaque_zero(j)
             q_main, do_t = q_main_s.index(zero), do_s.index(zero)
             k_main, k_tail = k_main_s.index(zero), k_tail_s.index(zero)
             p_t, ds_t = p_t_s.index(zero), ds_t_s.index(zero)
             k_own = k_main.slice(c * HALF_N, HALF_N, dim=0)
-            valid = _slot_index(idx_base, sik, j * BLOCK_N, NK, slots_s) >= 0
+            valid = _slot_index(idx_base, sik, j * BLOCK_N, NK, n_pre, slots_s,
+                                HAS_PREFIX) >= 0
 
             mbarrier.wait(k_ready, ph)
             # The rows came through cp.async (generic proxy); the products read them through
@@ -345,7 +380,7 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
 
             # dK (+ dV) of the tile's 64 keys for this consumer's main channels (consumer 0
             # also the tail), added into the key rows.
-            idx_k = _slot_index(idx_base, sik, j * BLOCK_N, NK, slots_k)
+            idx_k = _slot_index(idx_base, sik, j * BLOCK_N, NK, n_pre, slots_k, HAS_PREFIX)
             valid_k = idx_k >= 0
             rows = dk_base + gl.where(valid_k, idx_k, 0).to(gl.int64) * sdks
             for ch in gl.static_range(HALF // DK_CHUNK):
@@ -359,6 +394,7 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
                 _dk_chunk(ds_t, p_t, q_tail_s.index(zero), q_tail_s.index(zero), D_MAIN, rows,
                           valid_k, dkt_layout, BLOCK_N, D_TAIL, False, DK_VEC4)
             mbarrier.arrive(ps_empty, count=1)
+        done += n_it
         if LOCKSTEP:
             # The item's last readers of q and dO in shared memory are done: the producer may
             # gather the next item's.
@@ -390,15 +426,17 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
 # (27 reloads a tile; sm_90a, 2026-12-05).
 @gluon.jit(do_not_specialize=["NHB"])
 def _sparse_mla_bwd_kernel(
-    q_ptr, k_ptr, idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr,
+    q_ptr, k_ptr, idx_ptr, pre_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr,
     dq_ptr, dk_ptr, dsink_ptr, tgt_ptr, sync_ptr,
     T, H, NK, NHB, P, W, qk_scale, sm_scale,
-    sqb, sqt, sqh, skb, sks, sib, sit, sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh,
+    sqb, sqt, sqh, skb, sks, sib, sit, sik, spb, spt, sob, sot, soh, sdob, sdot, sdoh,
+    slb, slt, slh,
     sdqb, sdqt, sdqh, sdkb, sdks, stg, stb, stt, stk,
     D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     NG: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_SINK: gl.constexpr, TARGET: gl.constexpr,
     TARGET_ATOMIC: gl.constexpr, PAD_HEADS: gl.constexpr, DK_VEC4: gl.constexpr,
-    LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr,
+    HAS_PREFIX: gl.constexpr, LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr,
+    SYNC_SPINS: gl.constexpr,
     q_main_sl: gl.constexpr, q_tail_sl: gl.constexpr, k_main_sl: gl.constexpr,
     k_tail_sl: gl.constexpr, p_sl: gl.constexpr,
     CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
@@ -410,6 +448,8 @@ def _sparse_mla_bwd_kernel(
     >= 1 (the wrapper checks). NG: the grid's form (`gluon_common.program_coords`). LOCKSTEP:
     a grid of P programs over W work items (NHB head blocks a query, adjacent), program pid
     taking items pid, pid + P, ...; sync_ptr: one zeroed int32 tile counter a wave of P items.
+    HAS_PREFIX (not with LOCKSTEP or TARGET): row (b, t) attends keys 0 .. pre[b, t] - 1, then
+    its listed indices.
     """
     pid = gl.program_id(0)
     n_tiles = gl.cdiv(NK, BLOCK_N)
@@ -452,35 +492,35 @@ def _sparse_mla_bwd_kernel(
     # would reach the partitions as runtime values.
     gl.warp_specialize([
         (_consumer, (0, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t_s, ds_t_s, d_s, bars,
-                     idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr, dq_ptr, dk_ptr,
-                     dsink_ptr, tgt_ptr, pid, T, NHB, P, W, H, NK, n_tiles, qk_scale, sm_scale,
-                     sib, sit, sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh, sdqb, sdqt,
-                     sdqh, sdkb, sdks, stg, stb, stt, stk, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N,
-                     HAS_DLSE, HAS_SINK, TARGET, TARGET_ATOMIC, PAD_HEADS, DK_VEC4, NG,
-                     LOCKSTEP)),
+                     idx_ptr, pre_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr, dq_ptr,
+                     dk_ptr, dsink_ptr, tgt_ptr, pid, T, NHB, P, W, H, NK, n_tiles, qk_scale,
+                     sm_scale, sib, sit, sik, spb, spt, sob, sot, soh, sdob, sdot, sdoh, slb,
+                     slt, slh, sdqb, sdqt, sdqh, sdkb, sdks, stg, stb, stt, stk, D_MAIN, D_TAIL,
+                     BLOCK_H, BLOCK_N, HAS_DLSE, HAS_SINK, TARGET, TARGET_ATOMIC, PAD_HEADS,
+                     DK_VEC4, NG, HAS_PREFIX, LOCKSTEP)),
         (_consumer, (1, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t_s, ds_t_s, d_s, bars,
-                     idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr, dq_ptr, dk_ptr,
-                     dsink_ptr, tgt_ptr, pid, T, NHB, P, W, H, NK, n_tiles, qk_scale, sm_scale,
-                     sib, sit, sik, sob, sot, soh, sdob, sdot, sdoh, slb, slt, slh, sdqb, sdqt,
-                     sdqh, sdkb, sdks, stg, stb, stt, stk, D_MAIN, D_TAIL, BLOCK_H, BLOCK_N,
-                     HAS_DLSE, HAS_SINK, TARGET, TARGET_ATOMIC, PAD_HEADS, DK_VEC4, NG,
-                     LOCKSTEP)),
-        (_producer, (q_ptr, k_ptr, idx_ptr, dout_ptr, sync_ptr, q_main_s.index(0),
+                     idx_ptr, pre_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, sink_ptr, dq_ptr,
+                     dk_ptr, dsink_ptr, tgt_ptr, pid, T, NHB, P, W, H, NK, n_tiles, qk_scale,
+                     sm_scale, sib, sit, sik, spb, spt, sob, sot, soh, sdob, sdot, sdoh, slb,
+                     slt, slh, sdqb, sdqt, sdqh, sdkb, sdks, stg, stb, stt, stk, D_MAIN, D_TAIL,
+                     BLOCK_H, BLOCK_N, HAS_DLSE, HAS_SINK, TARGET, TARGET_ATOMIC, PAD_HEADS,
+                     DK_VEC4, NG, HAS_PREFIX, LOCKSTEP)),
+        (_producer, (q_ptr, k_ptr, idx_ptr, pre_ptr, dout_ptr, sync_ptr, q_main_s.index(0),
                      q_tail_s.index(0), do_s.index(0), k_main_s.index(0), k_tail_s.index(0),
                      q_bar, q_empty, k_ready, k_empty, pid, T, NHB, P, W, H, NK, n_tiles, sqb,
-                     sqt, sqh, skb, sks, sib, sit, sik, sdob, sdot, sdoh, D_MAIN, D_TAIL,
-                     BLOCK_H, BLOCK_N, PAD_HEADS, NG, LOCKSTEP, SYNC_SLACK, SYNC_SPINS,
-                     PRODUCER_WARPS)),
+                     sqt, sqh, skb, sks, sib, sit, sik, spb, spt, sdob, sdot, sdoh, D_MAIN,
+                     D_TAIL, BLOCK_H, BLOCK_N, PAD_HEADS, NG, HAS_PREFIX, LOCKSTEP, SYNC_SLACK,
+                     SYNC_SPINS, PRODUCER_WARPS)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # --------------------------------------------------------------------------- launch
 
 
-def variant(q: torch.Tensor) -> tuple:
-    """The compiled variant a call needs (dtype, channels, query heads): what a failure
-    disables."""
-    return q.dtype, q.shape[-1], q.shape[2]
+def variant(q: torch.Tensor, prefix: bool = False) -> tuple:
+    """The compiled variant a call needs (dtype, channels, query heads, a dense prefix or not):
+    what a failure disables."""
+    return q.dtype, q.shape[-1], q.shape[2], prefix
 
 
 def heads_fit(heads: int) -> bool:
@@ -493,16 +533,16 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
             prefix_lengths: torch.Tensor | None) -> bool:
     """Whether these inputs are this kernel's case: on Hopper, q and k both bf16 or both fp16,
     one KV head, V = K's main part of 128 / 256 / 512 channels (v None, dv = that part), a
-    tail of 0 or TAIL channels, query heads that fit (`heads_fit`), no dense prefix, and the
-    variant not disabled by an earlier failure. A sink is taken."""
+    tail of 0 or TAIL channels, query heads that fit (`heads_fit`), and the variant not
+    disabled by an earlier failure. A sink and a dense prefix (HCA's) are taken."""
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     d = q.shape[-1]
     d_main = 1 << (d.bit_length() - 1)
     return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v is None
             and dv == d_main and d_main in (128, 256, 512) and d - d_main in (0, TAIL)
-            and k.shape[2] == 1 and heads_fit(q.shape[2]) and prefix_lengths is None
-            and variant(q) not in _disabled)
+            and k.shape[2] == 1 and heads_fit(q.shape[2])
+            and variant(q, prefix_lengths is not None) not in _disabled)
 
 
 def layout_problem(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
@@ -530,6 +570,7 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
                         head_blocks_adjacent: bool = True, dk_vec4: bool = False,
                         lockstep: bool = False, lockstep_slack: int = 1,
                         keys_ascending: bool = False,
+                        prefix_lengths: torch.Tensor | None = None,
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dq [B, T, Hq, D] in q's dtype, the sink terms fp32 [B, T, Hq] or None) on inputs that
     `applies` and `layout_problem` accept; adds dK (dV merged) into dk, fp32 [B, S, 1, D].
@@ -544,7 +585,14 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
     32-ths of the keys and the L2 cache serves the dK additions
     (`AttentionKernelOptions.bwd_lockstep`). keys_ascending: each row's valid keys increase
     already (`ops/key_order.py`): lockstep runs them as they are, no sort, no permutation, the
-    target written in place."""
+    target written in place. prefix_lengths (int [B, T], HCA's dense prefix; no target): row
+    (b, t) also attends keys 0 .. n - 1 before its indices; unpaced (the pace counts equal
+    tiles a row)."""
+    if prefix_lengths is not None:
+        if target is not None:
+            raise ValueError("target: the indexer loss's target has no slots for a dense "
+                             "prefix (prefix_lengths)")
+        lockstep = False
     from megatron_hyscale.ops.kernels.common import launch_grid
     from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import shared_layouts
 
@@ -556,6 +604,9 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
         return dq, dsink
     if indices.dim() == 4:
         indices = indices[:, :, 0]
+    if indices.shape[-1] == 0 and prefix_lengths is not None:
+        # No listed slot, only the prefix: one unused slot keeps the kernel's NK >= 1.
+        indices = indices.new_full((*indices.shape[:-1], 1), -1)
     # Fewer heads than a block (tensor parallelism's share of GLM-5.1's 64): one padded block.
     n_hb = max(Hq // BLOCK_H, 1)
     grid, ng = launch_grid(B * T, 1, n_hb, head_blocks_adjacent)
@@ -572,17 +623,20 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
                                                                        d - d_main or TAIL)
     tgt, tgt_strides, tgt_atomic = (slot_target if slot_target is not None
                                     else (lse, (0,) * 4, False))
+    pre = prefix_lengths if prefix_lengths is not None else indices
     _sparse_mla_bwd_kernel[grid](
-        q, k, indices, out, dout, lse, dlse if dlse is not None else lse,
+        q, k, indices, pre, out, dout, lse, dlse if dlse is not None else lse,
         sink.contiguous() if sink is not None else lse, dq, dk,
         dsink if dsink is not None else lse, tgt, sync,
         T, Hq, indices.shape[-1], n_hb, programs, work, softmax_scale * LOG2E, softmax_scale,
-        *kernel_strides(q, 3), *kernel_strides(k, 2), *indices.stride(), *out.stride()[:3],
+        *kernel_strides(q, 3), *kernel_strides(k, 2), *indices.stride(), *kernel_strides(pre, 2),
+        *out.stride()[:3],
         *kernel_strides(dout, 3), *lse.stride(), *dq.stride()[:3], *dk.stride()[:2], *tgt_strides,
         D_MAIN=d_main, D_TAIL=d - d_main, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, NG=ng,
         HAS_DLSE=dlse is not None, HAS_SINK=sink is not None, TARGET=target is not None,
         TARGET_ATOMIC=tgt_atomic, PAD_HEADS=Hq < BLOCK_H, DK_VEC4=dk_vec4,
-        LOCKSTEP=lockstep, SYNC_SLACK=lockstep_slack, SYNC_SPINS=SYNC_SPINS,
+        HAS_PREFIX=prefix_lengths is not None, LOCKSTEP=lockstep, SYNC_SLACK=lockstep_slack,
+        SYNC_SPINS=SYNC_SPINS,
         q_main_sl=q_main_sl, q_tail_sl=q_tail_sl, k_main_sl=k_main_sl, k_tail_sl=k_tail_sl,
         p_sl=p_sl, CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
