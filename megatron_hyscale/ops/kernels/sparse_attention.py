@@ -14,7 +14,8 @@ gathered K tile is reused as V. Head dims under MIN_DOT are zero-padded to it by
 fp32 accumulation, base-2 online softmax. On Hopper the forward of absorbed MLA (one KV head,
 V = K's main part, no sink or prefix: GLM-5.1, V3.2) runs the Gluon kernel of
 `sparse_mla_fwd_sm90` instead (`AttentionKernelOptions.fwd_sm90`; its warp-specialized form by
-default, `fwd_sm90_ws`, which also takes DeepSeek-V4's K = V with a sink), the same results.
+default, `fwd_sm90_ws`, which also takes DeepSeek-V4's K = V with a sink and HCA's dense
+prefix), the same results.
 
 Backward: one kernel per query computes dQ (no atomics), the row's Delta = dO . O and the sink
 gradient terms; a second kernel recomputes P and dS per query and adds dK / dV tiles into fp32
@@ -24,8 +25,9 @@ iteration later). `bwd_fused` does both in the dQ kernel's single pass. Variants
 come in an `AttentionKernelOptions` (`kernels/options.py`). `sparse_attention_bwd_with_target`
 also has the dQ kernel sum each P tile over its heads: the DSA indexer loss's target, without
 `indexer_loss.attention_target`'s second gather of the selected keys. On Hopper,
-`bwd_sm90` runs the backward of absorbed MLA and of K = V as one warp-specialized Gluon kernel
-instead (`sparse_mla_bwd_sm90`, target included; not under `deterministic`).
+`bwd_sm90` runs the backward of absorbed MLA and of K = V (a sink, a dense prefix) as one
+warp-specialized Gluon kernel instead (`sparse_mla_bwd_sm90`, target included; not under
+`deterministic`).
 `deterministic=True` replaces the fp32 atomics by two passes: an order-free atomic max of each
 key row's contributions, then int64 fixed-point atomic adds on a per-row power-of-two scale
 (integer addition is associative, so the result does not depend on the order of the atomics;

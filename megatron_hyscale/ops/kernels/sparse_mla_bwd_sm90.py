@@ -4,9 +4,10 @@ warp-specialized, in Gluon.
 Shapes: q [B, T, Hq, D_MAIN + D_TAIL] bf16 / fp16 (D_MAIN 128 / 256 / 512, D_TAIL 64: GLM-5.1,
 V3.2; or 0: DeepSeek-V4's K = V), k [B, S, 1, same], V = k[..., :D_MAIN]; indices [B, T, K] (-1
 unused, distinct within a row); out, dout [B, T, Hq, D_MAIN]; lse (and its gradient dlse) fp32
-[B, T, Hq]; optional sink [Hq]. Writes dq [B, T, Hq, D] in q's dtype and adds dK (dV merged into
-its first D_MAIN channels) into an fp32 [B, S, 1, D] buffer with atomics; with a sink, each
-(query, head)'s -p_sink * Delta into an fp32 [B, T, Hq] buffer. The Triton backward's results
+[B, T, Hq]; optional sink [Hq]; optional prefix_lengths int [B, T] (HCA: row t's slots are
+keys 0 .. n_t - 1, then its indices; its own tile count). Writes dq [B, T, Hq, D] in q's dtype
+and adds dK (dV merged into its first D_MAIN channels) into an fp32 [B, S, 1, D] buffer with
+atomics; with a sink, each (query, head)'s -p_sink * Delta into an fp32 [B, T, Hq] buffer. The Triton backward's results
 (`sparse_attention._bwd_dq_kernel` with FUSE_DKV) up to fp32 rounding order.
 
 Algorithm: one program per (query, 64 heads), three warpgroups, every product computed once.

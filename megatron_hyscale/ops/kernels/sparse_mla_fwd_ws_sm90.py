@@ -1,12 +1,13 @@
 """Sparse attention forward for absorbed MLA on Hopper (sm_90a), warp-specialized, in Gluon.
 
 Shapes: q [B, T, Hq, D_MAIN + D_TAIL] bf16 / fp16, D_MAIN 128 / 256 / 512 and D_TAIL 64
-(absorbed MLA: GLM-5.1, V3.2) or 0 (DeepSeek-V4's K = V: CSA, the window), k [B, S, 1, same],
-V = k[..., :D_MAIN], indices [B, T, K] with -1 unused, optional sink [Hq] (a logit added to each
-softmax denominator only); out [B, T, Hq, D_MAIN], lse fp32 natural log (-inf for a row without
-keys or sink). The Triton forward's results (`sparse_attention._fwd_kernel`) up to fp32
-rounding order. `sparse_mla_fwd_sm90`'s wrapper runs this kernel (`launch`) under
-`AttentionKernelOptions.fwd_sm90_ws`.
+(absorbed MLA: GLM-5.1, V3.2) or 0 (DeepSeek-V4's K = V: CSA, HCA, the window), k [B, S, 1,
+same], V = k[..., :D_MAIN], indices [B, T, K] with -1 unused, optional sink [Hq] (a logit added
+to each softmax denominator only), optional prefix_lengths int [B, T] (HCA: row t's slots are
+keys 0 .. n_t - 1, then its indices; its own iteration count); out [B, T, Hq, D_MAIN], lse fp32
+natural log (-inf for a row without keys or sink). The Triton forward's results
+(`sparse_attention._fwd_kernel`) up to fp32 rounding order. `sparse_mla_fwd_sm90`'s wrapper
+runs this kernel (`launch`) under `AttentionKernelOptions.fwd_sm90_ws`.
 
 Algorithm: one program per (query, 64 heads), three warpgroups. A producer warpgroup gathers the
 selected key rows with cp.async into two stages, each in two halves (channels below D_MAIN / 2;
