@@ -7,8 +7,9 @@ unused, distinct within a row); out, dout [B, T, Hq, D_MAIN]; lse (and its gradi
 [B, T, Hq]; optional sink [Hq]; optional prefix_lengths int [B, T] (HCA: row t's slots are
 keys 0 .. n_t - 1, then its indices; its own tile count). Writes dq [B, T, Hq, D] in q's dtype
 and adds dK (dV merged into its first D_MAIN channels) into an fp32 [B, S, 1, D] buffer with
-atomics; with a sink, each (query, head)'s -p_sink * Delta into an fp32 [B, T, Hq] buffer. The Triton backward's results
-(`sparse_attention._bwd_dq_kernel` with FUSE_DKV) up to fp32 rounding order.
+atomics; with a sink, each (query, head)'s -p_sink * Delta into an fp32 [B, T, Hq] buffer. The
+Triton backward's results (`sparse_attention._bwd_dq_kernel` with FUSE_DKV) up to fp32 rounding
+order.
 
 Algorithm: one program per (query, 64 heads), three warpgroups, every product computed once.
 A producer warpgroup gathers q and dO once and then each 64-key tile's rows with cp.async.
