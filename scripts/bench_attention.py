@@ -200,6 +200,8 @@ def forward_kernel(inp, options):
     if hopper is None:
         paced = options.fwd_lockstep and options.fwd_softmax
         return f"triton-lockstep{options.triton_lockstep_slack}" if paced else "triton"
+    if inp["prefix"] is not None:  # the Gluon kernels run a dense prefix unpaced
+        options = replace(options, fwd_lockstep=False)
     return options.forward_kernel_name()
 
 
@@ -324,6 +326,10 @@ def backward_kernel(inp, options):
         return triton_name
     bwd, _ = kern.hopper_backward_module()
     dv = kern._Geometry(q, k, v, inp["dv"]).dv
+    if inp["prefix"] is not None:
+        if not options.prefix_sm90:
+            return triton_name
+        options = replace(options, bwd_lockstep=False)  # a dense prefix runs unpaced
     if bwd is None or not bwd.applies(q, k, v, dv, inp["prefix"]):
         return triton_name
     return options.backward_kernel_name()

@@ -345,35 +345,49 @@ def test_other_shapes_run_the_triton_backward_silently(launches):
     assert launches == []
 
 
+def _row_rel(a, b):
+    """Largest relative difference of one query row's [heads x D] block (a dropped or doubled
+    key shows in its own row, not diluted by the others)."""
+    a, b = a.float().flatten(2), b.float().flatten(2)
+    return ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-6)).max().item()
+
+
 @needs_hopper
-@pytest.mark.parametrize("K", [128, 5])
-def test_k_equals_v_with_a_sink_and_a_dense_prefix(K, launches, sm90):
+@pytest.mark.parametrize("hq,K", [(64, 128), (64, 5), (32, 128), (64, 0)])
+def test_k_equals_v_with_a_sink_and_a_dense_prefix(hq, K, launches, sm90):
     """DeepSeek-V4's HCA form (`prefix_lengths`: keys 0 .. n - 1 before the listed ones, n
-    from 0 over several tiles; lockstep asked runs unpaced): against the Triton backward, and
-    through autograd (`sparse_attention`) against the fp32 reference."""
+    from 0 over several tiles; lockstep asked runs unpaced; 32 heads: one padded block; no
+    listed slot at all) under `AttentionKernelOptions.prefix_sm90`: against the Triton
+    backward (also row by row) and the fp32 reference's gradients (autograd)."""
     from megatron_hyscale.ops.kernels import sparse_attention as sa
     from megatron_hyscale.ops.sparse_attention import sparse_attention
 
     B, T, S = 2, 48, 512
-    q, k, _, sink, dout, scale = inputs(64, T, S, 4, seed=K + 1, B=B, d=512, sink=True)
+    q, k, _, sink, dout, scale = inputs(hq, T, S, 4, seed=K + hq, B=B, d=512, sink=True)
     g = torch.Generator(device="cuda").manual_seed(K)
     pre = torch.randint(0, 300, (B, T), device="cuda", generator=g, dtype=torch.int32)
     pre[:, :8] = torch.tensor([0, 1, 63, 64, 65, 127, 128, 129], device="cuda",
                               dtype=torch.int32)
     listed = torch.rand(B * T, S - 300, device="cuda", generator=g).topk(K, dim=-1).indices
     idx = (listed.view(B, T, K) + 300).to(torch.int32)  # past every prefix: distinct keys
-    idx[:, 3, K // 2:] = -1
-    idx[:, 9] = -1
-    idx[0, 0] = -1  # prefix 0 and no listed key: the sink only
+    if K:
+        idx[:, 3, K // 2:] = -1
+        idx[:, 9] = -1
+        idx[0, 0] = -1  # prefix 0 and no listed key: the sink only
     out, lse = sa.sparse_attention_fwd(q, k, None, idx, scale, dv=512, sink=sink,
                                        prefix_lengths=pre)
+    # without prefix_sm90 (the default until timed) the prefix runs the Triton backward
+    sa.sparse_attention_bwd(q, k, None, idx, scale, out, lse, dout, dv=512, sink=sink,
+                            prefix_lengths=pre, options=sm90)
+    assert launches == []
     got = sa.sparse_attention_bwd(q, k, None, idx, scale, out, lse, dout, dv=512, sink=sink,
-                                  prefix_lengths=pre, options=sm90)
+                                  prefix_lengths=pre, options=replace(sm90, prefix_sm90=True))
     want = sa.sparse_attention_bwd(q, k, None, idx, scale, out, lse, dout, dv=512, sink=sink,
                                    prefix_lengths=pre, options=TRITON)
     assert launches == [1] and launches.kw[0]["prefix_lengths"] is pre
     assert got[2] is None and want[2] is None
     check_same((got[0], got[1], got[3]), (want[0], want[1], want[3]))
+    assert _row_rel(got[0], want[0]) < 1e-2  # the sink-only row's dq: 0 in both
 
     leaves = [x.detach().float().requires_grad_() for x in (q, k, sink)]
     ref = sparse_attention(*leaves[:2], None, idx, scale, sink=leaves[2], prefix_lengths=pre,

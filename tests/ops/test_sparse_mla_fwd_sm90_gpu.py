@@ -322,11 +322,11 @@ def test_warp_specialized_kernel_with_no_slot_at_all_gives_the_sink():
     assert torch.equal(lse, sink.expand(1, 8, 64))
 
 
-def _hca_inputs(B=2, T=48, S=512, K=128, seed=5):
+def _hca_inputs(B=2, T=48, S=512, K=128, seed=5, hq=64):
     """HCA's form: K = V of 512 channels, a sink a head, each row a dense prefix of keys
     0 .. n - 1 (0, inside one tile, on tile edges, several tiles) before K listed keys from
     n on (holes, a half-empty row, a row with none)."""
-    q, k, _, scale = inputs(64, T, S, 4, seed=seed, B=B, d=512)
+    q, k, _, scale = inputs(hq, T, S, 4, seed=seed, B=B, d=512)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     pre = torch.randint(0, 300, (B, T), device="cuda", generator=g, dtype=torch.int32)
     pre[:, :8] = torch.tensor([0, 1, 63, 64, 65, 127, 128, 129], device="cuda",
@@ -340,19 +340,23 @@ def _hca_inputs(B=2, T=48, S=512, K=128, seed=5):
 
 
 @needs_hopper
-@pytest.mark.parametrize("K", [128, 5])
-def test_warp_specialized_kernel_takes_a_dense_prefix(K, monkeypatch):
+@pytest.mark.parametrize("hq,K,lockstep", [(64, 128, False), (64, 5, False), (32, 128, True),
+                                           (128, 128, False)])
+def test_warp_specialized_kernel_takes_a_dense_prefix(hq, K, lockstep, monkeypatch):
     """DeepSeek-V4's HCA form (`prefix_lengths`): each row's own count of key tiles, against
     the fp32 reference and the Triton forward; row 0 of batch 0 with neither prefix nor listed
-    keys holds the sink only; `sparse_attention` runs it there."""
+    keys holds the sink only; `sparse_attention` runs it there under
+    `AttentionKernelOptions.prefix_sm90` only. 32 heads: one padded block; 128: two blocks;
+    lockstep asked: runs unpaced."""
     from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90 as ws_mod
     from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import sparse_mla_fwd_sm90
     from megatron_hyscale.ops.sparse_attention import sparse_attention
 
-    q, k, idx, pre, scale = _hca_inputs(K=K, seed=K)
+    q, k, idx, pre, scale = _hca_inputs(K=K, seed=K + hq, hq=hq)
     idx[0, 0] = -1  # row 0 of batch 0: prefix 0 and no listed key
-    sink = torch.randn(64, device="cuda")
-    options = replace(AttentionKernelOptions.DEFAULT, fwd_sm90_ws=True)
+    sink = torch.randn(hq, device="cuda")
+    options = replace(AttentionKernelOptions.DEFAULT, fwd_sm90_ws=True, prefix_sm90=True,
+                      fwd_lockstep=lockstep)
     out, lse = sparse_mla_fwd_sm90(q, k, idx, scale, sink=sink, options=options,
                                    prefix_lengths=pre)
     ref_out, ref_lse = sparse_attention(q.float(), k.float(), None, idx, scale, sink=sink,
@@ -378,6 +382,10 @@ def test_warp_specialized_kernel_takes_a_dense_prefix(K, monkeypatch):
     got = sparse_attention(q, k, None, idx, scale, sink=sink, prefix_lengths=pre,
                            options=options)
     assert calls == [True] and rel(got, out) == 0.0
+    # without prefix_sm90 (the default until timed) the prefix runs the Triton forward
+    sparse_attention(q, k, None, idx, scale, sink=sink, prefix_lengths=pre,
+                     options=replace(options, prefix_sm90=False))
+    assert calls == [True]
 
 
 @needs_hopper

@@ -290,7 +290,8 @@ class AttentionKernelOptions:
     # backward then). Always the Triton forward.
     fwd_softmax: bool = True
     # The forward of absorbed MLA (one KV head, V = K's power-of-two main part, no sink or
-    # prefix: GLM-5.1, DeepSeek-V3.2) on Hopper runs the Gluon kernel of `sparse_mla_fwd_sm90`,
+    # prefix: GLM-5.1, DeepSeek-V3.2; fwd_sm90_ws also takes V4's sink and, under prefix_sm90,
+    # HCA's prefix) on Hopper runs the Gluon kernel of `sparse_mla_fwd_sm90`,
     # whose gathers overlap the products; every other shape and device runs the Triton
     # `_fwd_kernel`. False: always `_fwd_kernel` (`bench_attention.py --fwd-kernel triton`
     # times it beside the Gluon one).
@@ -322,6 +323,15 @@ class AttentionKernelOptions:
     # Two-tile iterations a program may lead the slowest of its wave by (an int >= 1;
     # ValueError otherwise).
     fwd_lockstep_slack: int = 1
+    # DeepSeek-V4 HCA's dense prefix (`sparse_attention(prefix_lengths=...)`: row t attends keys
+    # 0 .. n_t - 1 before its listed window) on the Hopper Gluon kernels, the forward under
+    # fwd_sm90_ws and the backward under bwd_sm90 (each row its own count of key tiles;
+    # unpaced: lockstep counts equal tiles a row). Off: HCA runs the Triton kernels. Compiled
+    # for sm_90a without spill in the hot loops (`inspect_sm90.py --preset
+    # sparse-mla-fwd-ws-sm90-hca`, `sparse-mla-bwd-sm90-hca`); off until its GPU tests pass and
+    # the HCA layer is timed with it against the Triton kernels in the same run
+    # (`bench_layer.py --model hca --attention-prefix-sm90`).
+    prefix_sm90: bool = False
     # The forward on FlashMLA's SM90 sparse kernel (`pip install megatron-hyscale[cudnn]`; bf16,
     # one KV head, 512 value channels from K's 576 or 512) inside HyScale's autograd function,
     # whose backward (HyScale's: `bwd_sm90`, deterministic if asked) then runs on FlashMLA's
@@ -339,13 +349,13 @@ class AttentionKernelOptions:
     bwd_fused: bool = False
     # The backward of absorbed MLA and DeepSeek-V4's K = V (one KV head, V = K's main part of
     # 128 / 256 / 512 channels, a tail of 0 or 64, heads a multiple of 64 or fewer: tensor
-    # parallelism's share, one block padded; no prefix; a sink taken) on Hopper as one
-    # warp-specialized Gluon kernel (`sparse_mla_bwd_sm90`): a cp.async producer warpgroup
-    # gathers each 64-key tile once; two consumer warpgroups compute S, P, dP and dS once (32
-    # keys each), exchange P and dS through shared memory and each accumulate dQ and add dK (dV
-    # merged) for half the channels, from registers with REDG.F32x2 atomics. The Triton
-    # backward computes S and dP twice (its dQ and dK/dV passes). Same results up to fp32
-    # rounding order; deterministic=True keeps the Triton backward's fixed-point accumulation
+    # parallelism's share, one block padded; a prefix under prefix_sm90; a sink taken) on
+    # Hopper as one warp-specialized Gluon kernel (`sparse_mla_bwd_sm90`): a cp.async producer
+    # warpgroup gathers each 64-key tile once; two consumer warpgroups compute S, P, dP and dS
+    # once (32 keys each), exchange P and dS through shared memory and each accumulate dQ and
+    # add dK (dV merged) for half the channels, from registers with REDG.F32x2 atomics. The
+    # Triton backward computes S and dP twice (its dQ and dK/dV passes). Same results up to
+    # fp32 rounding order; deterministic=True keeps the Triton backward's fixed-point accumulation
     # (one warning). Timed on the H200 (2026-12-05, `bench_attention.py --bwd-also sm90`,
     # same process, random indices) against the Triton backward: GLM-5.1 75.6 -> 41.7 / 342.5
     # -> 279.0 / 723.0 -> 605.8 ms at 16K / 64K / 128K, V3.2 149.6 -> 81.1 / 614.4 -> 445.9
@@ -520,8 +530,8 @@ class AttentionKernelOptions:
     def __post_init__(self) -> None:
         # Checked here, not at launch: a kernel launch's failure disables the Gluon variant
         # and falls back (with a warning), which would hide a wrong setting.
-        for name in ("fwd_flashmla", "fwd_sm90", "fwd_sm90_ws", "fwd_lockstep", "bwd_sm90",
-                     "bwd_lockstep", "bwd_dk_vec4", "dkv_lockstep", "dq_lockstep"):
+        for name in ("fwd_flashmla", "fwd_sm90", "fwd_sm90_ws", "fwd_lockstep", "prefix_sm90",
+                     "bwd_sm90", "bwd_lockstep", "bwd_dk_vec4", "dkv_lockstep", "dq_lockstep"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"AttentionKernelOptions.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")

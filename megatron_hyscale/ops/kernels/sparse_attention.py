@@ -940,10 +940,13 @@ def hopper_forward(q, k, v, dv, sink, prefix_lengths, *,
                    warn: bool = True):
     """The `sparse_mla_fwd_sm90` module when `sparse_attention_fwd` runs its Hopper forward on
     these inputs, else None (then the Triton forward runs: silently for another shape, device,
-    options.fwd_sm90 = False or a variant that failed before; with one warning per cause, under
+    options.fwd_sm90 = False, a dense prefix without options.prefix_sm90 or a variant that
+    failed before; with one warning per cause, under
     `warn`, when the shape is absorbed MLA on Hopper and the kernel still cannot run: no Gluon,
     or a layout its copies cannot take)."""
     if not (options.fwd_sm90 and options.fwd_softmax and q.is_cuda):
+        return None
+    if prefix_lengths is not None and not options.prefix_sm90:
         return None
     sm90, import_error = hopper_forward_module()
     if sm90 is None:
@@ -1305,11 +1308,14 @@ def hopper_backward_module() -> tuple[ModuleType | None, str]:
 def _sm90_backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, sink,
                    deterministic, prefix_lengths, options, emit_target, keys_ascending=False):
     """(dq, dk, None, dsink or None, the target or None) from the Hopper backward
-    (options.bwd_sm90), or None where it does not run: silently for another shape or device;
+    (options.bwd_sm90), or None where it does not run: silently for another shape or device,
+    or a dense prefix without options.prefix_sm90;
     with one warning per cause where it is the shape's kernel on Hopper and still cannot run
     (no Gluon, deterministic=True, a layout its copies cannot take), or where this variant
     fails (it is not tried again: `sparse_mla_bwd_sm90.disable`)."""
     if not (options.bwd_sm90 and q.is_cuda):
+        return None
+    if prefix_lengths is not None and not options.prefix_sm90:
         return None
     bwd, import_error = hopper_backward_module()
     if bwd is None:

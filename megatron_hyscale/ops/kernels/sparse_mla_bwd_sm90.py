@@ -625,13 +625,16 @@ def sparse_mla_bwd_sm90(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
                                                                        d - d_main or TAIL)
     tgt, tgt_strides, tgt_atomic = (slot_target if slot_target is not None
                                     else (lse, (0,) * 4, False))
-    pre = prefix_lengths if prefix_lengths is not None else indices
+    # Without a prefix: a placeholder pointer and zero strides (no compiled variant of their
+    # own).
+    pre, pre_strides = ((prefix_lengths, kernel_strides(prefix_lengths, 2))
+                        if prefix_lengths is not None else (indices, (0, 0)))
     _sparse_mla_bwd_kernel[grid](
         q, k, indices, pre, out, dout, lse, dlse if dlse is not None else lse,
         sink.contiguous() if sink is not None else lse, dq, dk,
         dsink if dsink is not None else lse, tgt, sync,
         T, Hq, indices.shape[-1], n_hb, programs, work, softmax_scale * LOG2E, softmax_scale,
-        *kernel_strides(q, 3), *kernel_strides(k, 2), *indices.stride(), *kernel_strides(pre, 2),
+        *kernel_strides(q, 3), *kernel_strides(k, 2), *indices.stride(), *pre_strides,
         *out.stride()[:3],
         *kernel_strides(dout, 3), *lse.stride(), *dq.stride()[:3], *dk.stride()[:2], *tgt_strides,
         D_MAIN=d_main, D_TAIL=d - d_main, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, NG=ng,

@@ -503,11 +503,14 @@ def launch(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, sink: torch.
         grid, ng = (programs,), n_hb
         if not keys_ascending:
             indices = indices.sort(dim=-1).values
-    pre = prefix_lengths if prefix_lengths is not None else indices
+    # Without a prefix: a placeholder pointer and zero strides (no compiled variant of their
+    # own).
+    pre, pre_strides = ((prefix_lengths, kernel_strides(prefix_lengths, 2))
+                        if prefix_lengths is not None else (indices, (0, 0)))
     _sparse_mla_fwd_ws_kernel[grid](
         q, k, indices, pre, sink.contiguous() if sink is not None else lse, out, lse, sync,
         q.shape[1], q.shape[2], indices.shape[-1], n_hb, programs, work, softmax_scale * LOG2E,
-        sqb, sqt, sqh, skb, sks, *indices.stride(), *kernel_strides(pre, 2),
+        sqb, sqt, sqh, skb, sks, *indices.stride(), *pre_strides,
         *out.stride()[:3], *lse.stride(),
         D_MAIN=d_main, D_TAIL=d - d_main, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, NG=ng,
         HAS_SINK=sink is not None, PAD_HEADS=q.shape[2] < BLOCK_H,
