@@ -205,10 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "warp-specialized Gluon forward where it applies, fwd_sm90_ws); gluon, "
                         "the plain Gluon kernel (fwd_sm90_ws=False); gluon_ws; triton "
                         "(fwd_sm90=False)")
-    p.add_argument("--attention-prefix-sm90", action="store_true",
-                   help="hca: the dense prefix on the Hopper Gluon attention kernels "
-                        "(AttentionKernelOptions.prefix_sm90; off by default: the Triton "
-                        "kernels)")
+    p.add_argument("--attention-prefix", choices=("auto", "sm90", "triton"), default="auto",
+                   help="hca: the dense prefix's attention kernels on Hopper: auto, the default "
+                        "(the Gluon kernels, AttentionKernelOptions.prefix_sm90); sm90; triton "
+                        "(prefix_sm90=False)")
     p.add_argument("--stock-kernel-backend", choices=STOCK_KERNEL_BACKENDS, default="none",
                    help="dsa: tilelang also times the stock DSAttention with megatron-core's "
                         "TileLang kernels (dsa_kernel_backend='tilelang') as a second stock row, "
@@ -1092,8 +1092,8 @@ def attention_kernel_options(args: argparse.Namespace) -> Any:
     changes |= {"gluon": dict(fwd_sm90=True, fwd_sm90_ws=False),
                 "gluon_ws": dict(fwd_sm90=True, fwd_sm90_ws=True),
                 "triton": dict(fwd_sm90=False, fwd_sm90_ws=False)}.get(args.attention_fwd, {})
-    if args.attention_prefix_sm90:
-        changes["prefix_sm90"] = True
+    if args.attention_prefix != "auto":
+        changes["prefix_sm90"] = args.attention_prefix == "sm90"
     if args.attention_lockstep is not None:
         paced = {"off": (), "dkv": ("dkv_lockstep",),
                  "all": ("fwd_lockstep", "dq_lockstep", "dkv_lockstep")}[args.attention_lockstep]

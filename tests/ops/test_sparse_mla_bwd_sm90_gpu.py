@@ -357,7 +357,7 @@ def _row_rel(a, b):
 def test_k_equals_v_with_a_sink_and_a_dense_prefix(hq, K, launches, sm90):
     """DeepSeek-V4's HCA form (`prefix_lengths`: keys 0 .. n - 1 before the listed ones, n
     from 0 over several tiles; lockstep asked runs unpaced; 32 heads: one padded block; no
-    listed slot at all) under `AttentionKernelOptions.prefix_sm90`: against the Triton
+    listed slot at all; `AttentionKernelOptions.prefix_sm90`, the default): against the Triton
     backward (also row by row) and the fp32 reference's gradients (autograd)."""
     from megatron_hyscale.ops.kernels import sparse_attention as sa
     from megatron_hyscale.ops.sparse_attention import sparse_attention
@@ -376,12 +376,12 @@ def test_k_equals_v_with_a_sink_and_a_dense_prefix(hq, K, launches, sm90):
         idx[0, 0] = -1  # prefix 0 and no listed key: the sink only
     out, lse = sa.sparse_attention_fwd(q, k, None, idx, scale, dv=512, sink=sink,
                                        prefix_lengths=pre)
-    # without prefix_sm90 (the default until timed) the prefix runs the Triton backward
+    # prefix_sm90=False: the Triton backward
     sa.sparse_attention_bwd(q, k, None, idx, scale, out, lse, dout, dv=512, sink=sink,
-                            prefix_lengths=pre, options=sm90)
+                            prefix_lengths=pre, options=replace(sm90, prefix_sm90=False))
     assert launches == []
     got = sa.sparse_attention_bwd(q, k, None, idx, scale, out, lse, dout, dv=512, sink=sink,
-                                  prefix_lengths=pre, options=replace(sm90, prefix_sm90=True))
+                                  prefix_lengths=pre, options=sm90)  # prefix_sm90 by default
     want = sa.sparse_attention_bwd(q, k, None, idx, scale, out, lse, dout, dv=512, sink=sink,
                                    prefix_lengths=pre, options=TRITON)
     assert launches == [1] and launches.kw[0]["prefix_lengths"] is pre

@@ -346,8 +346,8 @@ def test_warp_specialized_kernel_takes_a_dense_prefix(hq, K, lockstep, monkeypat
     """DeepSeek-V4's HCA form (`prefix_lengths`): each row's own count of key tiles, against
     the fp32 reference and the Triton forward; row 0 of batch 0 with neither prefix nor listed
     keys holds the sink only; `sparse_attention` runs it there under
-    `AttentionKernelOptions.prefix_sm90` only. 32 heads: one padded block; 128: two blocks;
-    lockstep asked: runs unpaced."""
+    `AttentionKernelOptions.prefix_sm90` (the default) only. 32 heads: one padded block;
+    128: two blocks; lockstep asked: runs unpaced."""
     from megatron_hyscale.ops.kernels import sparse_mla_fwd_ws_sm90 as ws_mod
     from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import sparse_mla_fwd_sm90
     from megatron_hyscale.ops.sparse_attention import sparse_attention
@@ -382,7 +382,7 @@ def test_warp_specialized_kernel_takes_a_dense_prefix(hq, K, lockstep, monkeypat
     got = sparse_attention(q, k, None, idx, scale, sink=sink, prefix_lengths=pre,
                            options=options)
     assert calls == [True] and rel(got, out) == 0.0
-    # without prefix_sm90 (the default until timed) the prefix runs the Triton forward
+    # prefix_sm90=False: the Triton forward
     sparse_attention(q, k, None, idx, scale, sink=sink, prefix_lengths=pre,
                      options=replace(options, prefix_sm90=False))
     assert calls == [True]

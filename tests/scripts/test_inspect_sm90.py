@@ -462,3 +462,28 @@ def test_warp_specialized_indexer_loss_backward_compiles_its_partitions(tmp_path
         assert sass.count("ARRIVES.LDGSTSBAR") == 4
         assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8" in sass  # 232 for consumer 1
         assert "USETMAXREG.DEALLOC.CTAPOOL 0x28" in sass  # 40 for the producer
+
+
+def test_gluon_kernels_with_hcas_dense_prefix_compile_without_local_memory(tmp_path: Path
+                                                                           ) -> None:
+    """AttentionKernelOptions.prefix_sm90 (DeepSeek-V4 HCA: a dense prefix before the listed
+    window, each row its own tile count): the warp-specialized forward and the Gluon backward
+    compile with HAS_PREFIX, unpaced (LOCKSTEP off although the backward's lockstep is asked),
+    the hot loops' products and atomics those of the K = V form without a prefix (forward S
+    32 + P V 8 HGMMA; backward 100 HGMMA and 32 16-byte dK atomics) and no local memory in
+    them; the forward none at all."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "sparse-mla-fwd-ws-sm90-hca", "sparse-mla-bwd-sm90-hca", "--json",
+                str(out), "--sass-out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fwd, bwd = json.loads(out.read_text())
+    for rep in (fwd, bwd):
+        c = rep["constexprs"]
+        assert c["HAS_PREFIX"] is True and c["LOCKSTEP"] is False and c["D_TAIL"] == 0
+        assert rep["perf_warnings"] == [] and rep["shared_bytes"] <= 232448
+        assert rep["loop_ops"]["LDL"] == 0 and rep["loop_ops"]["STL"] == 0
+    assert fwd["spill_stores"] == 0 and fwd["spill_loads"] == 0
+    assert fwd["loop_ops"]["HGMMA"] == 40
+    assert bwd["loop_ops"]["HGMMA"] == 100 and bwd["loop_ops"]["REDG"] == 32
+    sass = next(tmp_path.glob("sparse-mla-bwd-sm90-hca_0_*.sass")).read_text()
+    assert "REDG.E.ADD.F32x4" in sass

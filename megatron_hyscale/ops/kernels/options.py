@@ -326,12 +326,11 @@ class AttentionKernelOptions:
     # DeepSeek-V4 HCA's dense prefix (`sparse_attention(prefix_lengths=...)`: row t attends keys
     # 0 .. n_t - 1 before its listed window) on the Hopper Gluon kernels, the forward under
     # fwd_sm90_ws and the backward under bwd_sm90 (each row its own count of key tiles;
-    # unpaced: lockstep counts equal tiles a row). Off: HCA runs the Triton kernels. Compiled
-    # for sm_90a without spill in the hot loops (`inspect_sm90.py --preset
-    # sparse-mla-fwd-ws-sm90-hca`, `sparse-mla-bwd-sm90-hca`); off until its GPU tests pass and
-    # the HCA layer is timed with it against the Triton kernels in the same run
-    # (`bench_layer.py --model hca --attention-prefix-sm90`).
-    prefix_sm90: bool = False
+    # unpaced: lockstep counts equal tiles a row). False: HCA runs the Triton kernels. The HCA
+    # layer at 128K on an H100 (2026-12-06, `bench_layer.py --model hca --attention-prefix`,
+    # consecutive processes): 532.8 -> 370.3 ms a step (forward + backward, full recompute),
+    # the same peak memory. On.
+    prefix_sm90: bool = True
     # The forward on FlashMLA's SM90 sparse kernel (`pip install megatron-hyscale[cudnn]`; bf16,
     # one KV head, 512 value channels from K's 576 or 512) inside HyScale's autograd function,
     # whose backward (HyScale's: `bwd_sm90`, deterministic if asked) then runs on FlashMLA's
