@@ -99,6 +99,29 @@ def slot_keys(idx_base, sik, offs, NK, n_pre, HAS_PREFIX: gl.constexpr):
 
 
 @gluon.jit
+def item_steps(n_steps, n_pre, NK, SLOTS: gl.constexpr, HAS_PREFIX: gl.constexpr):
+    """Key steps (of SLOTS slots each) of a work item: the launch's n_steps, or with a dense
+    prefix the row's own (its n_pre + NK slots)."""
+    if HAS_PREFIX:
+        n_it = gl.cdiv(n_pre + NK, SLOTS)
+    else:
+        n_it = n_steps
+    return n_it
+
+
+@gluon.jit
+def steps_before(done, n, n_steps, HAS_PREFIX: gl.constexpr):
+    """Key steps before a program's n-th work item, which the mbarriers' phases count: the sum
+    of the earlier items' own counts (`done`) with a dense prefix, else n x the launch's
+    n_steps (the same number)."""
+    if HAS_PREFIX:
+        base = done
+    else:
+        base = n * n_steps
+    return base
+
+
+@gluon.jit
 def lockstep_wait(count_ptr, need, SPINS: gl.constexpr):
     """Spin (at most SPINS reads) until a wave's counter reaches `need`: a pace, not a
     dependency (nothing is read that the counted programs wrote), so giving up is safe."""

@@ -38,12 +38,14 @@ from megatron_hyscale.ops.checks import KernelVariants
 from megatron_hyscale.ops.kernels.common import LOG2E, LOG2E_JIT, SYNC_SPINS, lockstep_plan
 from megatron_hyscale.ops.kernels.gluon_common import (
     gather_rows,
+    item_steps,
     kernel_strides,
     lockstep_wait,
     opaque_zero,
     prefix_length,
     query_heads,
     slot_keys,
+    steps_before,
     work_item_coords,
     work_item_count,
 )
@@ -113,28 +115,6 @@ def _slot_index(idx_base, sik, n0, NK, n_pre, slots, HAS_PREFIX: gl.constexpr):
 
 
 @gluon.jit
-def _item_tiles(n_tiles, n_pre, NK, BLOCK_N: gl.constexpr, HAS_PREFIX: gl.constexpr):
-    """Key tiles of a work item: the launch's n_tiles, or with a dense prefix the row's own
-    (its n_pre + NK slots)."""
-    if HAS_PREFIX:
-        n_it = gl.cdiv(n_pre + NK, BLOCK_N)
-    else:
-        n_it = n_tiles
-    return n_it
-
-
-@gluon.jit
-def _tile_base(done, n, n_tiles, HAS_PREFIX: gl.constexpr):
-    """Key tiles before the program's n-th item: the sum of the earlier items' own counts
-    (`done`) with a dense prefix, else n x the launch's n_tiles (the same number)."""
-    if HAS_PREFIX:
-        base = done
-    else:
-        base = n * n_tiles
-    return base
-
-
-@gluon.jit
 def _producer(q_ptr, k_ptr, idx_ptr, pre_ptr, dout_ptr, sync_ptr, q_main_s, q_tail_s, do_s,
               k_main_s, k_tail_s, q_bar, q_empty, k_ready, k_empty, pid, T, NHB, P, W, H, NK,
               n_tiles, sqb, sqt, sqh, skb, sks, sib, sit, sik, spb, spt, sdob, sdot, sdoh,
@@ -156,7 +136,7 @@ def _producer(q_ptr, k_ptr, idx_ptr, pre_ptr, dout_ptr, sync_ptr, q_main_s, q_ta
     for n in range(work_item_count(pid, P, W, LOCKSTEP)):
         b, t, hb = work_item_coords(pid, n, P, T, NHB, NG, LOCKSTEP)
         n_pre = prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX)
-        n_it = _item_tiles(n_tiles, n_pre, NK, BLOCK_N, HAS_PREFIX)
+        n_it = item_steps(n_tiles, n_pre, NK, BLOCK_N, HAS_PREFIX)
         if LOCKSTEP:
             active = gl.minimum(P, W - n * P)
             # The consumers are done with the last item's q and dO.
@@ -173,7 +153,7 @@ def _producer(q_ptr, k_ptr, idx_ptr, pre_ptr, dout_ptr, sync_ptr, q_main_s, q_ta
         idx_base = idx_ptr + b * sib + t * sit
         k_base = k_ptr + b * skb
         for j in range(n_it):
-            g = _tile_base(done, n, n_tiles, HAS_PREFIX) + j
+            g = steps_before(done, n, n_tiles, HAS_PREFIX) + j
             idx = _slot_index(idx_base, sik, j * BLOCK_N, NK, n_pre, slots, HAS_PREFIX)
             valid = idx >= 0
             rows = k_base + gl.where(valid, idx, 0).to(gl.int64) * sks
@@ -261,7 +241,7 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
     PAD_HEADS (fewer than BLOCK_H heads): the rows past H have zero q and dO and an lse of
     +inf, so their P, dS and Delta are 0 and they add nothing; their dq is not stored.
     LOCKSTEP: the program's work items pid, pid + P, ... one after the other. HAS_PREFIX (no
-    TARGET): each row's own tile count (`_item_tiles`)."""
+    TARGET): each row's own tile count (`gluon_common.item_steps`)."""
     q_bar, q_empty, k_ready, k_empty, ps_ready, ps_empty, d_ready = bars
     HALF: gl.constexpr = D_MAIN // 2
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -281,7 +261,7 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
     for n in range(work_item_count(pid, P, W, LOCKSTEP)):
         b, t, hb = work_item_coords(pid, n, P, T, NHB, NG, LOCKSTEP)
         n_pre = prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX)
-        n_it = _item_tiles(n_tiles, n_pre, NK, BLOCK_N, HAS_PREFIX)
+        n_it = item_steps(n_tiles, n_pre, NK, BLOCK_N, HAS_PREFIX)
         heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_s)
         stat = b * slb + t * slt + heads * slh
         h_ok = heads < H
@@ -324,7 +304,7 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, do_s, k_main_s, k_tail_s, p_t
 
         mbarrier.wait(q_bar, n & 1)
         for j in range(n_it):
-            ph = (_tile_base(done, n, n_tiles, HAS_PREFIX) + j) & 1
+            ph = (steps_before(done, n, n_tiles, HAS_PREFIX) + j) & 1
             zero = opaque_zero(j)
             q_main, do_t = q_main_s.index(zero), do_s.index(zero)
             k_main, k_tail = k_main_s.index(zero), k_tail_s.index(zero)

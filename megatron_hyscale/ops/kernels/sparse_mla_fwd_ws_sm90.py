@@ -41,12 +41,14 @@ from megatron_hyscale.ops.kernels.common import (
 )
 from megatron_hyscale.ops.kernels.gluon_common import (
     gather_rows,
+    item_steps,
     kernel_strides,
     lockstep_wait,
     opaque_zero,
     prefix_length,
     query_heads,
     slot_keys,
+    steps_before,
     work_item_coords,
     work_item_count,
 )
@@ -136,28 +138,6 @@ def _tile_rows(idx_base, sik, k_base, sks, j, NK, n_pre, row_l: gl.constexpr,
 
 
 @gluon.jit
-def _item_iterations(n_iter, n_pre, NK, BLOCK_N: gl.constexpr, HAS_PREFIX: gl.constexpr):
-    """Two-tile iterations of a work item: the launch's n_iter, or with a dense prefix the
-    row's own (its n_pre + NK slots)."""
-    if HAS_PREFIX:
-        n_it = gl.cdiv(n_pre + NK, 2 * BLOCK_N)
-    else:
-        n_it = n_iter
-    return n_it
-
-
-@gluon.jit
-def _phase_base(done, n, n_iter, HAS_PREFIX: gl.constexpr):
-    """Iterations before the program's n-th item: the sum of the earlier items' own counts
-    (`done`) with a dense prefix, else n x the launch's n_iter (the same number)."""
-    if HAS_PREFIX:
-        base = done
-    else:
-        base = n * n_iter
-    return base
-
-
-@gluon.jit
 def _producer(q_ptr, k_ptr, idx_ptr, pre_ptr, sync_ptr, q_main_s, q_tail_s, k_main_s,
               k_tail_s, bars, pid, T, NHB, P, W, H, NK, n_iter, sqb, sqt, sqh, skb, sks, sib,
               sit, sik, spb, spt,
@@ -181,7 +161,7 @@ def _producer(q_ptr, k_ptr, idx_ptr, pre_ptr, sync_ptr, q_main_s, q_tail_s, k_ma
     for n in range(work_item_count(pid, P, W, LOCKSTEP)):
         b, t, hb = work_item_coords(pid, n, P, T, NHB, NG, LOCKSTEP)
         n_pre = prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX)
-        n_it = _item_iterations(n_iter, n_pre, NK, BLOCK_N, HAS_PREFIX)
+        n_it = item_steps(n_iter, n_pre, NK, 2 * BLOCK_N, HAS_PREFIX)
         if LOCKSTEP:
             active = gl.minimum(P, W - n * P)
             # The consumers' last S products of the previous item read the query block.
@@ -196,7 +176,7 @@ def _producer(q_ptr, k_ptr, idx_ptr, pre_ptr, sync_ptr, q_main_s, q_tail_s, k_ma
         idx_base = idx_ptr + b * sib + t * sit
         k_base = k_ptr + b * skb
         for i in range(n_it):
-            ph = (_phase_base(done, n, n_iter, HAS_PREFIX) + i) & 1
+            ph = (steps_before(done, n, n_iter, HAS_PREFIX) + i) & 1
             rows0, valid0 = _tile_rows(idx_base, sik, k_base, sks, 2 * i, NK, n_pre, row_l,
                                        BLOCK_N, HAS_PREFIX)
             rows1, valid1 = _tile_rows(idx_base, sik, k_base, sks, 2 * i + 1, NK, n_pre, row_l,
@@ -266,7 +246,7 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_
     for n in range(work_item_count(pid, P, W, LOCKSTEP)):
         b, t, hb = work_item_coords(pid, n, P, T, NHB, NG, LOCKSTEP)
         n_pre = prefix_length(pre_ptr, b, t, spb, spt, HAS_PREFIX)
-        n_it = _item_iterations(n_iter, n_pre, NK, BLOCK_N, HAS_PREFIX)
+        n_it = item_steps(n_iter, n_pre, NK, 2 * BLOCK_N, HAS_PREFIX)
         idx_base = idx_ptr + b * sib + t * sit
         slots = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
@@ -276,7 +256,7 @@ def _consumer(c: gl.constexpr, q_main_s, q_tail_s, k_main_s, k_tail_s, p0_s, p1_
 
         mbarrier.wait(q_bar, n & 1)
         for i in range(n_it):
-            ph = (_phase_base(done, n, n_iter, HAS_PREFIX) + i) & 1
+            ph = (steps_before(done, n, n_iter, HAS_PREFIX) + i) & 1
             offs = (2 * i + c) * BLOCK_N + slots
             valid = slot_keys(idx_base, sik, offs, NK, n_pre, HAS_PREFIX) >= 0
             zero = opaque_zero(i)
