@@ -184,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "selects in key order): off, none of them; dkv, the dK/dV pass only; "
                         "all (the bare flag), the three, and the Gluon warp-specialized forward "
                         "where it runs. Default: the layer's own (the QSA layer paces dK/dV, "
-                        "layers.qsa.QSA_ATTENTION_OPTIONS; the others nothing)")
+                        "layers.qsa.QSA_ATTENTION_OPTIONS; the others nothing). HCA's prefix "
+                        "runs the Gluon kernels, unpaced: with --attention-prefix triton to "
+                        "pace its Triton kernels")
     p.add_argument("--hytopk-scores-sm90", choices=("default", "on", "off"), nargs="?",
                    const="on", default="default",
                    help="the DSA layer's selection from the warp-specialized Gluon scores "

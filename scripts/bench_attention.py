@@ -1,11 +1,11 @@
 """Benchmark HyScale's sparse attention kernels (forward, backward, deterministic backward).
 
 On an H100 / H200 the forward and backward of absorbed MLA (GLM-5.1, V3.2) and of DeepSeek-V4's
-K = V (CSA) run the warp-specialized Gluon kernels by default (`ops/kernels/
-sparse_mla_fwd_ws_sm90.py`, `sparse_mla_bwd_sm90.py`; the tables' "fwd kernel" / "bwd kernel"
-columns), the other shapes the Triton kernels; `--fwd-kernel gluon` / `triton` and
-`--bwd-kernel triton` time the previous kernels instead, `--fwd-also` / `--bwd-also` beside the
-main ones in the same process.
+K = V (CSA; HCA with its dense prefix) run the warp-specialized Gluon kernels by default
+(`ops/kernels/sparse_mla_fwd_ws_sm90.py`, `sparse_mla_bwd_sm90.py`; the tables' "fwd
+kernel" / "bwd kernel" columns), the other shapes (QSA) the Triton kernels; `--fwd-kernel
+gluon` / `triton` and `--bwd-kernel triton` time the previous kernels instead, `--fwd-also` /
+`--bwd-also` beside the main ones in the same process.
 
 Shapes: GLM-5.1 / DeepSeek-V3.2 absorbed MLA (1 KV head, Dqk 576, V = first 512
 channels of K, 64 / 128 heads, top-2048; glm51-tp2: GLM-5.1's 32 heads a rank at tensor
@@ -250,8 +250,9 @@ FWD_KERNELS = {"auto": {},  # the defaults (AttentionKernelOptions.DEFAULT)
                "gluon_ws": dict(_OWN, fwd_sm90=True, fwd_sm90_ws=True, fwd_lockstep=False),
                "gluon_ws_lockstep": dict(_OWN, fwd_sm90=True, fwd_sm90_ws=True,
                                          fwd_lockstep=True),
-               # the Triton forward in lockstep (QSA, HCA; with --indices sorted)
-               "triton_lockstep": dict(_OWN, fwd_lockstep=True),
+               # the Triton forward in lockstep (QSA, HCA's prefix on the Triton kernels; with
+               # --indices sorted)
+               "triton_lockstep": dict(_OWN, fwd_lockstep=True, prefix_sm90=False),
                # FlashMLA's forward inside HyScale's autograd function (`fwd_flashmla`)
                "flashmla": dict(fwd_flashmla=True),
                "triton": dict(_OWN, fwd_sm90=False, fwd_sm90_ws=False)}
@@ -303,13 +304,15 @@ BWD_KERNELS = {"auto": {}, "triton": dict(bwd_sm90=False),
                "sm90_lockstep": dict(bwd_sm90=True, bwd_dk_vec4=True, bwd_lockstep=True),
                "sm90_lockstep2": dict(bwd_sm90=True, bwd_dk_vec4=True, bwd_lockstep=True,
                                       bwd_lockstep_slack=2),
-               # the Triton backward kernels in lockstep (QSA, HCA; with --indices sorted)
-               "triton_lockstep": dict(dkv_lockstep=True, dq_lockstep=True),
-               "triton_lockstep_dkv": dict(dkv_lockstep=True),
+               # the Triton backward kernels in lockstep (QSA, HCA's prefix on the Triton
+               # kernels; with --indices sorted)
+               "triton_lockstep": dict(dkv_lockstep=True, dq_lockstep=True, prefix_sm90=False),
+               "triton_lockstep_dkv": dict(dkv_lockstep=True, prefix_sm90=False),
                "triton_lockstep2": dict(dkv_lockstep=True, dq_lockstep=True,
-                                        triton_lockstep_slack=2),
+                                        triton_lockstep_slack=2, prefix_sm90=False),
                "triton_lockstep_1sm": dict(dkv_lockstep=True, dq_lockstep=True,
-                                           triton_lockstep_programs_per_sm=1)}
+                                           triton_lockstep_programs_per_sm=1,
+                                           prefix_sm90=False)}
 
 
 def backward_kernel(inp, options):

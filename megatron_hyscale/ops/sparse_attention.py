@@ -148,8 +148,9 @@ def sparse_attention(
             the backward time). The reference is always deterministic.
         prefix_lengths: int [B, T] or None. Row (b, t) also attends to the keys
             0 .. prefix_lengths[b, t] - 1 (shared by all KV heads), before its listed indices,
-            which must not repeat them. The Triton kernels generate these slots instead of
-            reading them (DeepSeek-V4's HCA: every visible compressed entry, then the window),
+            which must not repeat them. The kernels (Triton's; on Hopper the Gluon ones) generate
+            these slots instead of reading them (DeepSeek-V4's HCA: every visible compressed
+            entry, then the window),
             so no [T, S] index tensor exists and each row runs only its own slots.
         backend: "auto" (Triton on CUDA tensors, the reference elsewhere), "triton" (CPU
             tensors need TRITON_INTERPRET=1, else ValueError) or "reference". On Hopper the

@@ -65,6 +65,11 @@ def test_cpu_tensors_are_never_its_case():
     assert not bwd.applies(q, k, None, 512, None)
 
 
+def test_a_prefix_is_its_own_variant():
+    q, _, _, _ = _tensors()
+    assert bwd.variant(q, True) != bwd.variant(q)
+
+
 def test_disable_is_per_variant_and_warns_once_per_cause(monkeypatch):
     monkeypatch.setattr(checks, "_warned", set())
     q, _, _, _ = _tensors()
@@ -155,7 +160,7 @@ def test_lockstep_slack_option_is_checked_when_made(cls, name, value):
 
 
 @pytest.mark.parametrize("name", ["fwd_flashmla", "bwd_lockstep", "dkv_lockstep", "dq_lockstep",
-                                  "fwd_sm90"])
+                                  "fwd_sm90", "prefix_sm90"])
 def test_switches_must_be_bools(name):
     with pytest.raises(ValueError, match=f"AttentionKernelOptions.{name} must be a bool"):
         replace(AttentionKernelOptions.DEFAULT, **{name: 1})

@@ -354,14 +354,19 @@ def _row_rel(a, b):
 
 @needs_hopper
 @pytest.mark.parametrize("hq,K", [(64, 128), (64, 5), (32, 128), (64, 0)])
-def test_k_equals_v_with_a_sink_and_a_dense_prefix(hq, K, launches, sm90):
+def test_k_equals_v_with_a_sink_and_a_dense_prefix(hq, K, launches, sm90, monkeypatch):
     """DeepSeek-V4's HCA form (`prefix_lengths`: keys 0 .. n - 1 before the listed ones, n
     from 0 over several tiles; lockstep asked runs unpaced; 32 heads: one padded block; no
     listed slot at all; `AttentionKernelOptions.prefix_sm90`, the default): against the Triton
     backward (also row by row) and the fp32 reference's gradients (autograd)."""
     from megatron_hyscale.ops.kernels import sparse_attention as sa
+    from megatron_hyscale.ops.kernels import sparse_mla_bwd_sm90 as bwd
     from megatron_hyscale.ops.sparse_attention import sparse_attention
 
+    def unpaced(*args, **kwargs):
+        raise AssertionError("a dense prefix runs unpaced")
+
+    monkeypatch.setattr(bwd, "lockstep_plan", unpaced)
     B, T, S = 2, 48, 512
     q, k, _, sink, dout, scale = inputs(hq, T, S, 4, seed=K + hq, B=B, d=512, sink=True)
     g = torch.Generator(device="cuda").manual_seed(K)

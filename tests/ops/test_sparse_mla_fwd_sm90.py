@@ -84,15 +84,30 @@ def test_the_warp_specialized_kernel_is_its_own_variant():
         sm90._disabled.discard(key)
 
 
-def test_a_sink_is_refused_by_the_plain_kernel_before_anything_runs():
+@pytest.mark.parametrize("name", ["sink", "prefix_lengths"])
+def test_a_sink_or_a_prefix_is_refused_by_the_plain_kernel_before_anything_runs(name):
     from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 
     q, k = _qk()
     idx = torch.zeros(1, 4, 8, dtype=torch.int32)
-    with pytest.raises(ValueError, match="sink: only the warp-specialized"):
-        sm90.sparse_mla_fwd_sm90(q, k, idx, 0.1, sink=torch.zeros(64),
+    given = torch.zeros(64) if name == "sink" else torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"{name}: only the warp-specialized"):
+        sm90.sparse_mla_fwd_sm90(q, k, idx, 0.1, **{name: given},
                                  options=replace(AttentionKernelOptions.DEFAULT,
                                                  fwd_sm90_ws=False))
+
+
+def test_a_prefix_is_its_own_variant():
+    """A failure of the prefix form (HCA's) leaves the form without one selectable, and the
+    other way round."""
+    q, _ = _qk()
+    with_prefix, without = sm90.variant(q, ws=True, prefix=True), sm90.variant(q, ws=True)
+    assert with_prefix != without
+    sm90._disabled.add(with_prefix)
+    try:
+        assert without not in sm90._disabled
+    finally:
+        sm90._disabled.discard(with_prefix)
 
 
 def test_both_gluon_kernels_share_the_tiles_the_wrapper_builds_layouts_for():

@@ -352,6 +352,10 @@ def test_warp_specialized_kernel_takes_a_dense_prefix(hq, K, lockstep, monkeypat
     from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import sparse_mla_fwd_sm90
     from megatron_hyscale.ops.sparse_attention import sparse_attention
 
+    def unpaced(*args, **kwargs):
+        raise AssertionError("a dense prefix runs unpaced")
+
+    monkeypatch.setattr(ws_mod, "lockstep_plan", unpaced)
     q, k, idx, pre, scale = _hca_inputs(K=K, seed=K + hq, hq=hq)
     idx[0, 0] = -1  # row 0 of batch 0: prefix 0 and no listed key
     sink = torch.randn(hq, device="cuda")

@@ -316,9 +316,10 @@ class AttentionKernelOptions:
     # L2 (GLM-5.1's bf16 keys are 151 MB at 128K, three times the L2; the forward reaches 77%
     # of the matmul rate at 16K, 57-59% at 128K). Compiled for sm_90a, not yet run on a GPU:
     # off until tested and timed (`bench_attention.py --fwd-also gluon_ws_lockstep`). The
-    # Triton forward (QSA, HCA, the shapes the Gluon ones do not take) is paced the same way
-    # under it, by key tiles, with the Triton kernels' triton_lockstep_slack and
-    # triton_lockstep_programs_per_sm (tested under the interpreter, compiled, not yet timed).
+    # Triton forward (QSA, HCA with prefix_sm90 off: the shapes the Gluon ones do not take) is
+    # paced the same way under it, by key tiles, with the Triton kernels' triton_lockstep_slack
+    # and triton_lockstep_programs_per_sm (tested under the interpreter, compiled, not yet
+    # timed).
     fwd_lockstep: bool = False
     # Two-tile iterations a program may lead the slowest of its wave by (an int >= 1;
     # ValueError otherwise).
@@ -327,9 +328,9 @@ class AttentionKernelOptions:
     # 0 .. n_t - 1 before its listed window) on the Hopper Gluon kernels, the forward under
     # fwd_sm90_ws and the backward under bwd_sm90 (each row its own count of key tiles;
     # unpaced: lockstep counts equal tiles a row). False: HCA runs the Triton kernels. The HCA
-    # layer at 128K on an H100 (2026-12-06, `bench_layer.py --model hca --attention-prefix`,
-    # consecutive processes): 532.8 -> 370.3 ms a step (forward + backward, full recompute),
-    # the same peak memory. On.
+    # layer at 128K on an H100 (2026-12-06, `bench_layer.py --model hca` against
+    # `--attention-prefix triton`, consecutive processes): 532.8 -> 370.3 ms a step (forward +
+    # backward, full recompute), the same peak memory. On.
     prefix_sm90: bool = True
     # The forward on FlashMLA's SM90 sparse kernel (`pip install megatron-hyscale[cudnn]`; bf16,
     # one KV head, 512 value channels from K's 576 or 512) inside HyScale's autograd function,
@@ -465,7 +466,8 @@ class AttentionKernelOptions:
     # 64 x 1 (tiling.py). Ignored with the keys on M.
     dkv_carry: bool = True
     # The Triton dK/dV kernel in lockstep (the Gluon backward's `bwd_lockstep` for the shapes
-    # it does not take: QSA's two KV heads of 12 query heads, HCA with its prefix): persistent
+    # it does not take: QSA's two KV heads of 12 query heads, HCA's prefix with prefix_sm90
+    # off): persistent
     # programs (triton_lockstep_programs_per_sm an SM, fewer where the tiling's shared memory
     # leaves room for fewer: `sparse_attention._resident_programs`) over the
     # (query, head block) items in the grid's order, each program's start of a key tile counted
