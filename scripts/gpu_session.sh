@@ -597,12 +597,12 @@ case "$stage" in
     # which (default "qsa dsa"; also csa, hca: PROFILE_V4_T, default 131072); PROFILE_FLAGS:
     # more bench_layer flags for the DSA layer (e.g. "--hytopk-scores-sm90
     # --compare-own-kernels --compare-indexer-target": the loss's target from the attention
-    # backward against its own pass, each row profiled). First, that the DSA layer's step
-    # runs the Gluon forward and backward at all (no fallback, no warning); PROFILE_TESTS=0
-    # skips that test.
+    # backward against its own pass, each row profiled). First, that the DSA and HCA layers'
+    # steps run the Gluon forward and backward at all (no fallback, no warning);
+    # PROFILE_TESTS=0 skips those tests.
     if [ "${PROFILE_TESTS:-1}" != 0 ]; then
       timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
-        tests/layers/test_dsa_hopper_kernels_gpu.py > "$out/tests.log" 2>&1
+        tests/layers/test_layer_hopper_kernels_gpu.py > "$out/tests.log" 2>&1
       echo "layer kernels test rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
       grep -h -E "^(FAILED|ERROR|E  )" "$out/tests.log" | cut -c1-300 | head -12
     fi
@@ -1051,7 +1051,7 @@ case "$stage" in
     # shellcheck disable=SC2086  # a list of paths, split on purpose
     timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
       ${MLA_TESTS:-tests/ops/test_absorbed_mla.py tests/layers/test_dsa_layer.py \
-      tests/layers/test_dsa_hopper_kernels_gpu.py} > "$out/tests.log" 2>&1
+      tests/layers/test_layer_hopper_kernels_gpu.py} > "$out/tests.log" 2>&1
     echo "tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
     grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -20
     # The two projections alone (forward + backward, 32K and 128K), then the layer unless
