@@ -198,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-lockstep", action="store_true",
                    help="the indexer loss's backward in lockstep (IndexerLossKernelOptions."
                         "bwd_lockstep)")
+    p.add_argument("--compare-selection-lse", action="store_true",
+                   help="dsa: also time the layer with the indexer loss's row pass gathering "
+                        "its own index-score log-sum-exp (IndexerLossKernelOptions."
+                        "lse_from_selection=False), row hyscale_row_pass_lse, beside the "
+                        "default's from the selection's scores")
     p.add_argument("--loss-bwd-triton", action="store_true",
                    help="the indexer loss's backward on the Triton kernel (IndexerLossKernel"
                         "Options.bwd_sm90=False; the default on Hopper is the Gluon kernel)")
@@ -336,6 +341,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--packed-selection needs --packed N")
     if args.compare_mla_projections and args.model != "dsa":
         p.error("--compare-mla-projections needs --model dsa (absorbed MLA)")
+    if args.compare_selection_lse and (args.model != "dsa" or args.dense_loss):
+        p.error("--compare-selection-lse needs --model dsa and the sparse loss (not "
+                "--dense-loss): the selection's log-sum-exp serves the sparse loss")
     if args.compare_indexer_target and (args.model != "dsa" or args.dense_loss):
         p.error("--compare-indexer-target needs --model dsa and the sparse loss (not "
                 "--dense-loss): the target from the attention backward is the sparse loss's")
@@ -1325,6 +1333,10 @@ def run(args: argparse.Namespace) -> int:
         bases.append(("hyscale_own_target_in_bwd",
                       hyscale_layer(hyscale_kernel_backend="own",
                                     hyscale_indexer_target="attention_backward")))
+    if args.compare_selection_lse:
+        bases.append(("hyscale_row_pass_lse", hyscale_layer(
+            indexer_loss_kernel_options=replace(indexer_loss_kernel_options(args),
+                                                lse_from_selection=False))))
     if args.compare_mla_projections:
         bases.append(("hyscale_megatron_projections",
                       hyscale_layer(hyscale_mla_projections="megatron")))

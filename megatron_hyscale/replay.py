@@ -136,7 +136,7 @@ class _Entry:
         t = self.tensor if self.tensor is not None else self.host
         return tuple(t.shape)
 
-    def offload(self) -> None:
+    def offload(self, counted: bool = True) -> None:
         indices = self.tensor
         cached = _host_copies.get(id(indices))
         if cached is not None and cached[0]() is indices:
@@ -157,7 +157,8 @@ class _Entry:
         _host_copies[id(indices)] = (weakref.ref(indices), self.host, self.host_ready)
         self.tensor = None
         _offloaded.append(self)
-        _stats["selections_offloaded"] += 1
+        if counted:
+            _stats["selections_offloaded"] += 1
 
     def prefetch(self) -> None:
         """Start the copy back to the device (no-op if already started)."""
@@ -198,6 +199,9 @@ class SelectionReplay:
 
     name: str
     replays: bool = True
+    # False: a store of what travels with a layer's selection (DSA's selected scores'
+    # log-sum-exp), recorded and replayed in step with it; the stats do not count its entries.
+    counted: bool = True
     queue: deque = field(default_factory=deque)
 
     def __post_init__(self) -> None:
@@ -225,7 +229,7 @@ class SelectionReplay:
         phase = self.phase()
         if phase == "replay":
             return self.replay(shape)
-        if shared:
+        if shared or not self.counted:
             indices = compute()
         else:
             with phase_spans.span(phase_spans.SELECTION):  # every layer's selection phase
@@ -233,7 +237,7 @@ class SelectionReplay:
         if tuple(indices.shape) != tuple(shape):
             raise ReplayError(f"{self.name}: the selection has shape {tuple(indices.shape)}, "
                               f"expected {tuple(shape)}")
-        if not shared:
+        if not shared and self.counted:
             _stats["selections_computed"] += 1
         if phase == "record":
             self.record(indices)
@@ -247,7 +251,7 @@ class SelectionReplay:
             )
         entry = _Entry(indices)
         if _config["offload"]:
-            entry.offload()
+            entry.offload(self.counted)
         self.queue.append(entry)
 
     def replay(self, expected_shape: tuple[int, ...]) -> torch.Tensor:
@@ -265,5 +269,6 @@ class SelectionReplay:
         indices = entry.take()
         if _offloaded:
             _offloaded[-1].prefetch()  # the next recompute, in the usual reverse order
-        _stats["selections_replayed"] += 1
+        if self.counted:
+            _stats["selections_replayed"] += 1
         return indices

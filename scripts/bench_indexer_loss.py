@@ -71,7 +71,7 @@ from hyscale_bench.measure import (  # noqa: E402
     time_ms,
 )
 from hyscale_bench.stock_kernels import tilelang_unavailable  # noqa: E402
-from megatron_hyscale.ops.indexer_loss import indexer_kl_loss  # noqa: E402
+from megatron_hyscale.ops.indexer_loss import index_lse_from_scores, indexer_kl_loss  # noqa: E402
 from megatron_hyscale.ops.kernels import indexer_loss as kern  # noqa: E402
 from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions  # noqa: E402
 from megatron_hyscale.ops.sparse_attention import sparse_attention  # noqa: E402
@@ -348,6 +348,9 @@ def target_sweep(shapes, Ts, tilings, warmup, reps, out_dir):
 # Triton backward's own tunings (warps, registers, tilings, lockstep) take bwd_sm90=False: on
 # Hopper the default backward is the Gluon kernel, which they do not tune.
 TRITON_BWD = dict(bwd_sm90=False)
+# The variant whose row pass takes the selection's log-sum-exp (not an options field: the DSA
+# layer's IndexerLossKernelOptions.lse_from_selection hands the op `index_lse`).
+SELECTION_LSE = "selection_lse"
 LOSS_VARIANTS = {
     "one_pass": dict(loss_one_pass=True),
     "fused": dict(fused_rows_bwd=True),
@@ -383,13 +386,20 @@ LOSS_VARIANTS = {
     "bwd_sm90_no_kl": dict(bwd_sm90=True, kl_in_bwd=False),
     # ... and the Triton backward without them: bwd_sm90_no_kl's baseline of the same work
     "no_kl_in_bwd": dict(kl_in_bwd=False, **TRITON_BWD),
+    # the row pass as the DSA layer runs it with lse_from_selection: the index scores'
+    # log-sum-exp from the selection's scores (torch.logsumexp over a [B, T, K] fp32 tensor,
+    # timed in the row pass) and the target normalized without a gather (`normalize_target`)
+    SELECTION_LSE: dict(),
 }
 
 
-def loss_variant_row(x, idx, options, warmup, reps, deterministic, reference=None):
+def loss_variant_row(x, idx, options, warmup, reps, deterministic, reference=None,
+                     selection_lse=False):
     """ms of the row pass, the backward kernel and the two back to back under `options` (and
     the deterministic pair when asked); the outputs' largest differences from `reference`
-    (the default's (kl, dq, dw, dk)). Returns (row, outputs)."""
+    (the default's (kl, dq, dw, dk)). selection_lse: the row pass is the log-sum-exp of a
+    selection's [B, T, K] scores (their values: this run's index scores' row log-sum-exp,
+    taken once untimed) and `normalize_target`. Returns (row, outputs)."""
     scale = x["query"].shape[-1] ** -0.5
     T = idx.shape[1]
     pos = torch.arange(T, device=idx.device)[None]
@@ -413,10 +423,28 @@ def loss_variant_row(x, idx, options, warmup, reps, deterministic, reference=Non
     rows = partial(kern.indexer_loss_rows, q, w, k, idx, p, True, options,
                    with_kl=not kl_in_bwd)
     _, lse, psum = rows()
+    if selection_lse:
+        # A stand-in for HyTopK's scores with the same log-sum-exp a row: the row's lse at
+        # its first valid slot, -inf elsewhere (logsumexp's cost does not depend on values).
+        scores = torch.full(idx.shape, float("-inf"), device=idx.device)
+        scores[..., 0] = lse
+        given = index_lse_from_scores(scores)
+
+        def rows():
+            return None, index_lse_from_scores(scores), kern.normalize_target(p, options)
+
+        p = p0.clone()
+        psum = kern.normalize_target(p, options)
+        dq, dw, dk, kl = kern.indexer_loss_bwd(q, w, k, idx, p, given, psum, grad, 1.0 / T,
+                                               True, options=options, with_kl=True)
     bwd = partial(kern.indexer_loss_bwd, q, w, k, idx, p, lse, psum, grad, 1.0 / T, True,
                   options=options, with_kl=kl_in_bwd)
 
     def pair(det=False):
+        if selection_lse:
+            _, lse_, psum_ = rows()
+            return kern.indexer_loss_bwd(q, w, k, idx, p, lse_, psum_, grad, 1.0 / T, True,
+                                         det, options, with_kl=True)
         if options.fused_rows_bwd:
             return kern.indexer_loss_rows_bwd(q, w, k, idx, p, grad, 1.0 / T, True, det,
                                               options)
@@ -464,7 +492,8 @@ def loss_variant_sweep(shapes, Ts, names, deterministic, warmup, reps, out_dir):
             for name in names:
                 options = replace(IndexerLossKernelOptions.DEFAULT, **LOSS_VARIANTS[name])
                 try:
-                    row, _ = loss_variant_row(x, idx, options, warmup, reps, deterministic, ref)
+                    row, _ = loss_variant_row(x, idx, options, warmup, reps, deterministic, ref,
+                                              selection_lse=name == SELECTION_LSE)
                 except RuntimeError as err:  # no tiling fits: reported, not fatal
                     row = f"failed: {str(err)[:120]}"
                     log(f"{shape} T={T} {name}: {row}")

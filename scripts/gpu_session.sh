@@ -89,6 +89,17 @@
 #                                         # itself in lockstep, and both without the KL,
 #                                         # GLM-5.1 / V3.2 at 32K and 128K, one process each
 #                                         # (LOSS_BWD_RUNS)                           (~7 min)
+#   bash scripts/gpu_session.sh selection-lse  # issue #20 item 3: the indexer loss's row
+#                                         # pass with the selection's log-sum-exp
+#                                         # (IndexerLossKernelOptions.lse_from_selection): the
+#                                         # op's and the layer's tests on CUDA, the row pass +
+#                                         # backward beside the gathered row pass (GLM-5.1 and
+#                                         # V3.2 at 32K and 128K, one process each: LSE_RUNS),
+#                                         # then the GLM-5.1 layer at LSE_LAYER_T (128K) with
+#                                         # and without it; LSE_LAYER_FLAGS adds bench_layer
+#                                         # flags (e.g. "--stock-kernel-backend cudnn
+#                                         # --fused-stock-max-seq 131072" after
+#                                         # scripts/gpu_cudnn.sh 1 and 2)            (~6 min)
 #   bash scripts/gpu_session.sh loss-bwd-probe  # issue #20 item 3: where the indexer loss's
 #                                         # backward kernel spends its time
 #                                         # (probe_indexer_bwd.py: without dk's atomics, rows'
@@ -322,7 +333,7 @@ if [ -d .carry/site/nvidia_cutlass_dsl ]; then
 fi
 case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|filter-sm90\
-  |profile-layers|models|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90\
+  |profile-layers|models|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse\
   |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton)
     case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
@@ -725,6 +736,25 @@ case "$stage" in
         --out "$out/${run/:/_}" 2>&1 \
         | grep -v -i warn | grep -E "T=|Error|failed" | tee -a "$out/bench_indexer_loss_variants.log"
     done ;;
+  selection-lse)
+    : > "$out/failures.log"
+    HYSCALE_FAILURE_LOG=$(cd "$out" && pwd)/failures.log; export HYSCALE_FAILURE_LOG
+    timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+      tests/ops/test_attention_indexer_loss.py tests/layers/test_dsa_indexer_target.py \
+      tests/layers/test_layer_hopper_kernels_gpu.py > "$out/tests.log" 2>&1
+    echo "tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -20
+    for run in ${LSE_RUNS:-glm51:32768 glm51:131072 v32:32768 v32:131072}; do
+      timeout 150 python3 scripts/bench_indexer_loss.py --t "${run#*:}" --shapes "${run%%:*}" \
+        --variants selection_lse --out "$out/${run/:/_}" 2>&1 \
+        | grep -v -i warn | grep -E "T=|Error|failed" | tee -a "$out/bench_indexer_loss_variants.log"
+    done
+    # shellcheck disable=SC2086  # flags split on purpose
+    timeout "${LSE_LAYER_S:-300}" python3 scripts/bench_layer.py --model dsa \
+      --seq ${LSE_LAYER_T:-131072} --repeats "${REPEATS:-2}" --skip-stock \
+      --compare-selection-lse ${LSE_LAYER_FLAGS:-} --out "$out" 2>&1 | grep -v Warning \
+      | grep -E -A8 "^\| T|Error" | tee "$out/bench_layer.log"
+    ;;
   norms)
     timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/ops/test_rms_norm.py \
       tests/ops/test_rope.py > "$out/tests.log" 2>&1

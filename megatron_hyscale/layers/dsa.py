@@ -83,6 +83,8 @@ from megatron_hyscale.ops import hytopk
 from megatron_hyscale.ops.absorbed_mla import project_values
 from megatron_hyscale.ops.backends.dispatch import attention_uses_library
 from megatron_hyscale.ops.checks import triton_interpret, warn_once
+from megatron_hyscale.ops.indexer_loss import index_lse_from_scores
+from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions
 from megatron_hyscale.parallel import CPRowLayout, cp_row_layout
 
 # The ops this layer's phases are timed by (`phase_spans`: plain calls unless phase_times
@@ -114,6 +116,9 @@ class DSARowState:
     value_b: torch.Tensor | None = None  # [b, S, hkv, dv] per-head values; None: absorbed
     # bool [b, rows, S]: the keys each row may see (an explicit attention_mask); None: causal.
     visible: torch.Tensor | None = None
+    # fp32 [b, rows]: each row's log-sum-exp of its selected keys' index scores, from the
+    # selection (`_keeps_index_lse`); None: the indexer loss's row pass takes it.
+    index_lse: torch.Tensor | None = None
 
 
 class HyScaleDSAttention(DSAttention):
@@ -122,6 +127,9 @@ class HyScaleDSAttention(DSAttention):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.selection_replay = replay.SelectionReplay(f"DSA layer {self.layer_number}")
+        # The selected scores' log-sum-exp a row, kept and replayed beside the indices.
+        self.index_lse_replay = replay.SelectionReplay(
+            f"DSA layer {self.layer_number} index lse", counted=False)
 
     def _check_inputs(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
@@ -351,9 +359,9 @@ class HyScaleDSAttention(DSAttention):
         # Without CP or row parts the rows sit at HyTopK's default positions, which its
         # library path then knows on the host instead of reading them back.
         default_rows = cp_group is None and query_rows is None
-        indices = self._selection(q_idx, k_idx, weights, b, sq, packed_seq_params, attention_mask,
-                                  None if default_rows else q_positions, packed,
-                                  rows=query_rows, visible=visible)
+        indices, index_lse = self._selection(
+            q_idx, k_idx, weights, b, sq, packed_seq_params, attention_mask,
+            None if default_rows else q_positions, packed, rows=query_rows, visible=visible)
         # Padded query rows (local rows, as stock reads them): out of the loss, not the attention.
         loss_rows = None
         if use_indexer_loss:
@@ -366,7 +374,7 @@ class HyScaleDSAttention(DSAttention):
             rows=sq, loss_coeff=loss_coeff if use_indexer_loss else 0.0, packed=packed,
             loss_rows=loss_rows,
             value_b=None if pending_value is None else pending_value.wait().transpose(0, 1),
-            visible=visible,
+            visible=visible, index_lse=index_lse,
         )
 
     def attend_rows(
@@ -512,7 +520,8 @@ class HyScaleDSAttention(DSAttention):
             options=getattr(cfg, "attention_kernel_options", None),
             loss_options=getattr(cfg, "indexer_loss_kernel_options", None),
             on_loss=log_from_backward, check_values=False, backend=kernel_backend(cfg),
-            hytopk_layout=True, keys_ascending=True)  # no explicit mask: HyTopK's causal rows
+            hytopk_layout=True, keys_ascending=True,  # no explicit mask: HyTopK's causal rows
+            index_lse=None if state.index_lse is None else part(state.index_lse))
         output = self._output_rows(out, state, up_v_weight)
         return DSAIndexerLossAutoScaler.apply(output, weigh.finish(anchor)), None
 
@@ -564,8 +573,10 @@ class HyScaleDSAttention(DSAttention):
         attention_mask: torch.Tensor | None, q_positions: torch.Tensor | None,
         packed: PackedLayout | None = None, *, rows: tuple[int, int] | None = None,
         visible: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """int32 [b, sq, topk] indices into the (gathered) keys: replayed, shared or computed.
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """int32 [b, sq, topk] indices into the (gathered) keys: replayed, shared or computed;
+        and, where `_keeps_index_lse`, fp32 [b, sq] each row's log-sum-exp of its selected
+        scores (replayed with the indices), else None.
 
         `q_positions` ([sq] int64) are the query rows' global positions, None where they are
         HyTopK's default (no CP, all rows); the keys are the whole sequence in global order, so
@@ -582,13 +593,16 @@ class HyScaleDSAttention(DSAttention):
         """
         shape = (b, sq, self.index_topk)
         first, end = (0, sq) if rows is None else rows
+        keep_lse = self._keeps_index_lse(packed, visible, rows)
+        index_lse = None
         if self.skip_topk:
             indices = self.selection_replay.select(
                 shape, lambda: self._shared_selection(packed_seq_params, attention_mask),
                 shared=True)
         else:
-            def select_from(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
-                            positions: torch.Tensor | None) -> torch.Tensor:
+            def select_scored(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
+                              positions: torch.Tensor | None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
                 masked = visible is not None
                 return hytopk(
                     q.detach(), k.detach(), w.detach(), self.index_topk,
@@ -602,13 +616,22 @@ class HyScaleDSAttention(DSAttention):
                     order="key",
                     # HyTopK's kernel variant (e.g. scores_sm90); None: its DEFAULT.
                     options=getattr(self.config, "hytopk_options", None),
-                )[0]
+                )
+
+            def select_from(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
+                            positions: torch.Tensor | None) -> torch.Tensor:
+                return select_scored(q, k, w, positions)[0]
 
             def select(rows: slice, keys: slice, positions: torch.Tensor | None) -> torch.Tensor:
                 return select_from(q_idx[:, rows], k_idx[:, keys], weights[:, rows], positions)
 
             def compute() -> torch.Tensor:
+                nonlocal index_lse
                 with torch.no_grad():
+                    if packed is None and keep_lse:
+                        indices, scores = select_scored(q_idx, k_idx, weights, q_positions)
+                        index_lse = index_lse_from_scores(scores)
+                        return indices
                     if packed is None:
                         return select(slice(None), slice(None), q_positions)
                     if (packed_selection(self.config) == "batched" and b == 1
@@ -635,10 +658,32 @@ class HyScaleDSAttention(DSAttention):
                     return indices
 
             indices = self.selection_replay.select(shape, compute)
+            if keep_lse:
+                # Recorded and replayed in step with the indices; compute() set it unless they
+                # were replayed.
+                index_lse = self.index_lse_replay.select((b, sq), lambda: index_lse)
         if self.index_share and not self.skip_topk:
             self._get_index_share_topk_holder(packed_seq_params, attention_mask)[
                 self.layer_number] = indices
-        return indices
+        return indices, index_lse
+
+    def _keeps_index_lse(self, packed: PackedLayout | None, visible: torch.Tensor | None,
+                         rows: tuple[int, int] | None) -> bool:
+        """Whether the selection also gives the indexer loss each row's log-sum-exp of its
+        selected scores (`IndexerLossKernelOptions.lse_from_selection`): a training layer with
+        a sparse loss whose target may come from the attention backward, one causal sequence
+        (no packed documents, mask or query-row part), the selection in bf16 (the loss scores
+        bf16 q and k). Decided from the configuration alone, so that the checkpointed forward
+        that records and the recompute that replays agree."""
+        cfg = self.config
+        options = getattr(cfg, "indexer_loss_kernel_options", None) or \
+            IndexerLossKernelOptions.DEFAULT
+        return (self.training and not self.skip_topk and options.lse_from_selection
+                and options.kl_in_bwd and not options.fused_rows_bwd
+                and (cfg.dsa_indexer_loss_coeff or 0.0) > 0
+                and bool(cfg.dsa_indexer_use_sparse_loss)
+                and indexer_target(cfg) != "separate" and indexer_precision(cfg) == "bf16"
+                and packed is None and visible is None and rows is None)
 
     def _shared_selection(self, packed_seq_params: Any,
                           attention_mask: torch.Tensor | None) -> torch.Tensor:

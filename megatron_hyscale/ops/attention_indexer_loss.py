@@ -26,7 +26,11 @@ from megatron_hyscale.ops.checks import (
     check_options,
     check_triton_device,
 )
-from megatron_hyscale.ops.indexer_loss import normalize_valid_rows, validate_indexer_loss_inputs
+from megatron_hyscale.ops.indexer_loss import (
+    check_index_lse,
+    normalize_valid_rows,
+    validate_indexer_loss_inputs,
+)
 from megatron_hyscale.ops.kernels.options import AttentionKernelOptions, IndexerLossKernelOptions
 from megatron_hyscale.ops.sparse_attention import validate_sparse_attention_inputs
 
@@ -55,6 +59,7 @@ def sparse_attention_indexer_loss(
     backend: str = "auto",
     hytopk_layout: bool = False,
     keys_ascending: bool = False,
+    index_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse attention whose backward also runs the sparse indexer KL loss.
 
@@ -73,6 +78,13 @@ def sparse_attention_indexer_loss(
             least: spares FlashMLA's forward its layout test and host syncs).
         keys_ascending: as `ops.sparse_attention`'s (each row's valid indices increase: the
             lockstep kernels skip their sort).
+        index_lse: None, or [B, T] each row's natural log-sum-exp of its index scores over the
+            selected slots, from the selection that chose `indices` on these q_index, weights
+            and k_index (`ops.indexer_loss.index_lse_from_scores` of `ops.hytopk`'s scores,
+            bf16 precision): the backward then skips the loss's gathered row pass
+            (`IndexerLossKernelOptions.kl_in_bwd`, the default; ignored with fused_rows_bwd or
+            without kl_in_bwd). The loss's own scores may differ from the selection's by fp32
+            rounding (another summation order): the loss and gradients agree to that rounding.
 
     Returns:
         (out, lse, anchor): the attention's output and log-sum-exp, and an fp32 scalar equal to
@@ -96,6 +108,7 @@ def sparse_attention_indexer_loss(
         q_index, weights, k_index, query, key, indices.flatten(2) if indices.dim() == 4
         else indices, scale, loss_coeff, True, None, None, check_values)
     valid_rows = normalize_valid_rows(query_valid_rows, q_index)
+    check_index_lse(index_lse, q_index)
     check_triton_device("triton", query)
     if backend in LIBRARY_BACKENDS and dispatch.attention_plan(
             query, key, value, indices, backend=backend, dv=dv, sink=None,
@@ -112,4 +125,4 @@ def sparse_attention_indexer_loss(
         loss_coeff=coeff, relu=relu, dv=dv, calculate_per_token_loss=calculate_per_token_loss,
         query_valid_rows=valid_rows, tp_group=tp_group, deterministic=deterministic,
         options=options, loss_options=loss_options, on_loss=on_loss,
-        hytopk_layout=hytopk_layout, keys_ascending=keys_ascending)
+        hytopk_layout=hytopk_layout, keys_ascending=keys_ascending, index_lse=index_lse)

@@ -310,3 +310,24 @@ def normalize_valid_rows(query_valid_rows: torch.Tensor | None,
         raise ValueError(f"query_valid_rows must be [T={T}], [1, T] or [B={B}, T], got "
                          f"{tuple(query_valid_rows.shape)}")
     return query_valid_rows.expand(B, T)
+
+
+def index_lse_from_scores(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's natural log-sum-exp of its selected index scores (`ops.hytopk`'s scores
+    [B, T, K], -inf at unused slots): fp32 [B, T], 0 for a row without a selected key (as the
+    loss's row pass has it). Handed to `sparse_attention_indexer_loss(index_lse=...)`, it
+    spares the loss the gathered pass that scores the same slots again."""
+    check_tensor("scores", scores, ndim=3)
+    lse = torch.logsumexp(scores.float(), dim=-1)
+    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+
+def check_index_lse(index_lse: torch.Tensor | None, q_index: torch.Tensor) -> None:
+    """index_lse None, or a floating [B, T] tensor on q_index's device (B, T its first dims)."""
+    if index_lse is None:
+        return
+    check_tensor("index_lse", index_lse, ndim=2)
+    check_same_device(q_index=q_index, index_lse=index_lse)
+    if tuple(index_lse.shape) != tuple(q_index.shape[:2]):
+        raise ValueError(f"index_lse must be [B, T] = {tuple(q_index.shape[:2])} (q_index's "
+                         f"first dims), got {tuple(index_lse.shape)}")

@@ -139,12 +139,13 @@ def test_kl_from_the_indexer_backward_changes_nothing(monkeypatch):
     model = build_gpt(cfg, stock=False, vocab_size=VOCAB, max_sequence_length=T).to(DEVICE)
     cfg.hyscale_indexer_target = "attention_backward"
     try:
+        # The row pass's log-sum-exp both times (lse_from_selection's own test is below).
         cfg.indexer_loss_kernel_options = replace(IndexerLossKernelOptions.DEFAULT,
-                                                  kl_in_bwd=False)
+                                                  kl_in_bwd=False, lse_from_selection=False)
         want = run_step(model)
         assert kl_from_bwd == [False, False]  # the row pass's KL, 2 layers
         cfg.indexer_loss_kernel_options = replace(IndexerLossKernelOptions.DEFAULT,
-                                                  kl_in_bwd=True)
+                                                  kl_in_bwd=True, lse_from_selection=False)
         got = run_step(model)
         assert kl_from_bwd[2:] == [True, True]
     finally:
@@ -156,6 +157,68 @@ def test_kl_from_the_indexer_backward_changes_nothing(monkeypatch):
     assert set(got[3]) == set(want[3])
     for name, grad in want[3].items():
         torch.testing.assert_close(got[3][name], grad, rtol=1e-6, atol=1e-9,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("recompute", list(RECOMPUTE))
+def test_lse_from_the_selection_changes_nothing(recompute, monkeypatch):
+    """IndexerLossKernelOptions.lse_from_selection (the default): the layer takes each row's
+    index-score log-sum-exp from its selection (replayed with the indices under recompute)
+    and the loss's row pass gathers nothing; off, the row pass runs. The same logged losses
+    and gradients, to fp32 rounding; the replay stores drained."""
+    from dataclasses import replace
+
+    from megatron_hyscale import replay
+    from megatron_hyscale.ops import IndexerLossKernelOptions
+    from megatron_hyscale.ops.kernels import attention_indexer_loss as ail
+
+    passes = []
+    real_rows, real_norm = ail.indexer_loss_rows, ail.normalize_target
+    monkeypatch.setattr(ail, "indexer_loss_rows",
+                        lambda *a, **k: passes.append("rows") or real_rows(*a, **k))
+    monkeypatch.setattr(ail, "normalize_target",
+                        lambda *a, **k: passes.append("given") or real_norm(*a, **k))
+    given = []
+    real_op = dsa.sparse_attention_indexer_loss
+
+    def op(*args, index_lse=None, **kwargs):
+        given.append(index_lse is not None)
+        return real_op(*args, index_lse=index_lse, **kwargs)
+
+    monkeypatch.setattr(dsa, "sparse_attention_indexer_loss", op)
+    cfg = tiny_dsa_config(dsa_indexer_use_sparse_loss=True, dsa_indexer_topk=TOPK,
+                          **RECOMPUTE[recompute])
+    torch.manual_seed(1234)
+    model = build_gpt(cfg, stock=False, vocab_size=VOCAB, max_sequence_length=T).to(DEVICE)
+    cfg.hyscale_indexer_target = "attention_backward"
+    try:
+        cfg.indexer_loss_kernel_options = replace(IndexerLossKernelOptions.DEFAULT,
+                                                  lse_from_selection=False)
+        want = run_step(model)
+        assert passes == ["rows", "rows"] and given == [False, False]  # 2 layers
+        del cfg.indexer_loss_kernel_options
+        replay.reset_stats()
+        got = run_step(model)
+        assert passes[2:] == ["given", "given"] and given[2:] == [True, True]
+    finally:
+        del cfg.hyscale_indexer_target
+        cfg.__dict__.pop("indexer_loss_kernel_options", None)
+    stats = replay.get_stats()
+    # one selection a layer, replayed (not computed again) by the recompute, lse beside it
+    assert stats["selections_computed"] == 4  # and 2 in the eval forward of run_step
+    assert stats["selections_replayed"] == (2 if recompute != "none" else 0)
+    replay.assert_drained()
+    assert want[2].abs().sum() > 0, "the indexer loss never ran"
+    for a, b in zip(got[:2], want[:2], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0.0)
+    # The logged KL is small here (about 6e-6): the two log-sum-exps' fp32 rounding (torch's
+    # over the selection's scores, the kernel's base-2 one) moves it by up to about 1e-9,
+    # far below the fp32 error of the KL's own sum of O(1) terms (stock's too); the
+    # tolerance is the one the layer's tests hold against stock.
+    torch.testing.assert_close(got[2], want[2], rtol=1e-3, atol=0.0)
+    assert set(got[3]) == set(want[3])
+    for name, grad in want[3].items():
+        torch.testing.assert_close(got[3][name], grad, rtol=1e-5, atol=1e-8,
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 

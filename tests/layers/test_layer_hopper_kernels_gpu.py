@@ -3,7 +3,8 @@ each layer as `hyscale_bench.layer` builds and steps it (one sequence, full reco
 HyScale warning:
 - the DSA layer (GLM-5.1's attention geometry: MLA absorbed, 64 heads, 576 / 512 channels, own
   kernels): the warp-specialized forward, the Gluon backward (target emitted for the indexer
-  loss) and the indexer loss's Gluon backward. Until 2026-12-05 one sequence's dout (the V
+  loss) and the indexer loss's Gluon backward, its row pass on the selection's log-sum-exp
+  (no gathered pass). Until 2026-12-05 one sequence's dout (the V
   up-projection's einsum gradient, batch stride 1) failed the backward's layout check: the
   layer ran the Triton backward at every length, which only a profile showed.
 - DeepSeek-V4's HCA layer (V4-Flash geometry): its attention (a dense prefix of compressed
@@ -65,6 +66,7 @@ def _step(monkeypatch, argv: list[str], build: str, patched: dict[str, tuple]
 
 def test_the_step_runs_the_gluon_forward_and_backward(monkeypatch):
     from megatron_hyscale.ops.kernels import (
+        attention_indexer_loss,
         indexer_loss_bwd_sm90,
         sparse_mla_bwd_sm90,
         sparse_mla_fwd_ws_sm90,
@@ -74,10 +76,14 @@ def test_the_step_runs_the_gluon_forward_and_backward(monkeypatch):
                                    "--hyscale-kernel-backend", "own"], "build_dsa", {
         "fwd": (sparse_mla_fwd_ws_sm90, "launch"),
         "bwd": (sparse_mla_bwd_sm90, "sparse_mla_bwd_sm90"),
-        "loss_bwd": (indexer_loss_bwd_sm90, "indexer_loss_bwd_sm90")})
-    # the forward twice (the step's and the recompute's), each backward once
+        "loss_bwd": (indexer_loss_bwd_sm90, "indexer_loss_bwd_sm90"),
+        "loss_rows": (attention_indexer_loss, "indexer_loss_rows"),
+        "loss_rows_given_lse": (attention_indexer_loss, "normalize_target")})
+    # the forward twice (the step's and the recompute's), each backward once; the loss's row
+    # pass on the selection's log-sum-exp (no gathered pass)
     counts = {name: len(calls) for name, calls in launched.items()}
-    assert counts == {"fwd": 2, "bwd": 1, "loss_bwd": 1}, counts
+    assert counts == {"fwd": 2, "bwd": 1, "loss_bwd": 1, "loss_rows": 0,
+                      "loss_rows_given_lse": 1}, counts
 
 
 def test_the_hca_step_runs_the_gluon_kernels_with_its_prefix(monkeypatch):

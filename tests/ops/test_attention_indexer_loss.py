@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from megatron_hyscale.ops import reference  # noqa: E402
+from megatron_hyscale.ops.indexer_loss import index_lse_from_scores  # noqa: E402
 from megatron_hyscale.ops.kernels.attention_indexer_loss import (  # noqa: E402
     sparse_attention_indexer_loss_triton,
 )
@@ -215,3 +216,86 @@ def test_public_op_checks_its_arguments():
     with pytest.raises(ValueError, match="weights must be"):
         sparse_attention_indexer_loss(x["q"], x["k"], None, idx, SCALE,
                                       **{**kw, "weights": x["weights"][:, :2]})
+    for bad, words in ((torch.zeros(1, 3, device=DEVICE), "index_lse must be \\[B, T\\]"),
+                       (torch.zeros(1, 4, dtype=torch.int32, device=DEVICE),
+                        "index_lse dtype must be"),
+                       (torch.zeros(4, device=DEVICE), "index_lse must have 2 dims")):
+        with pytest.raises(ValueError, match=words):
+            sparse_attention_indexer_loss(x["q"], x["k"], None, idx, SCALE, index_lse=bad, **kw)
+
+
+def selected_scores(x, idx, relu):
+    """The index scores of each row's selected slots (fp32 [B, T, K], -inf at -1 slots), as
+    HyTopK returns them: sum_h w_h act(q_index_h . k_index[idx])."""
+    keys = x["k_index"][torch.arange(idx.shape[0], device=DEVICE)[:, None, None],
+                        idx.clamp_min(0)]                               # [B, T, K, D_I]
+    dots = torch.einsum("bthd,btkd->bthk", x["q_index"], keys)
+    act = dots.relu() if relu else dots
+    scores = (x["weights"].unsqueeze(-1) * act).sum(2)
+    return scores.masked_fill(idx < 0, float("-inf"))
+
+
+def test_index_lse_from_scores():
+    scores = torch.tensor([[[1.0, 2.0, float("-inf")], [float("-inf")] * 3]])
+    got = index_lse_from_scores(scores)
+    assert got.dtype == torch.float32 and got.shape == (1, 2)
+    torch.testing.assert_close(got[0, 0], torch.logsumexp(scores[0, 0], 0))
+    assert got[0, 1] == 0.0  # no selected key: the row pass's 0, not -inf
+
+
+@pytest.mark.parametrize("relu,masked", [(True, False), (False, False), (True, True)])
+def test_index_lse_skips_the_gathered_row_pass(relu, masked, monkeypatch):
+    """Given the selection's log-sum-exp (`index_lse`), the backward only normalizes the
+    target (no `indexer_loss_rows`): the same loss and indexer gradients as the row pass's,
+    to fp32 rounding; the attention's results bitwise. Row (0, 1) has no slot (its lse 0)."""
+    from megatron_hyscale.ops.kernels import attention_indexer_loss as ail
+
+    x, idx, _, dv = case(seed=21 + relu + 2 * masked)
+    grad_out = torch.randn(2, 6, 4, dv, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    rows = None
+    if masked:
+        rows = torch.ones(2, 6, dtype=torch.bool, device=DEVICE)
+        rows[0, 3:5] = False
+    kw = dict(relu=relu, query_valid_rows=rows)
+    want = fused_run(x, idx, dv, grad_out=grad_out, **kw)
+    index_lse = index_lse_from_scores(selected_scores(x, idx, relu))
+    assert index_lse[0, 1] == 0.0
+
+    row_passes, normalized = [], []
+    real_rows, real_norm = ail.indexer_loss_rows, ail.normalize_target
+    monkeypatch.setattr(ail, "indexer_loss_rows",
+                        lambda *a, **k: row_passes.append(1) or real_rows(*a, **k))
+    monkeypatch.setattr(ail, "normalize_target",
+                        lambda *a, **k: normalized.append(1) or real_norm(*a, **k))
+    got = fused_run(x, idx, dv, grad_out=grad_out, index_lse=index_lse, **kw)
+    assert row_passes == [] and normalized == [1]
+    for a, b in zip(got[:3], want[:3], strict=True):
+        assert torch.equal(a, b)
+    assert float(want[3][0]) > 0
+    assert_close(got[3][0], want[3][0])
+    for name in ("q", "k"):
+        assert torch.equal(got[4][name], want[4][name]) or DEVICE != "cpu", name
+    for name in ("q_index", "weights", "k_index"):
+        assert want[4][name].abs().max() > 0, name
+        assert_close(got[4][name], want[4][name])
+    # a wrong log-sum-exp changes the gradients: the given one is what the backward used
+    shifted = fused_run(x, idx, dv, grad_out=grad_out, index_lse=index_lse + 0.5, **kw)
+    assert not torch.allclose(shifted[4]["q_index"], want[4]["q_index"], rtol=1e-3, atol=1e-6)
+
+
+def test_normalize_target_is_the_row_pass_without_its_gather():
+    """`normalize_target`: the target normalized in place and its sums, bitwise the row pass's
+    (`indexer_loss_rows(..., with_kl=False)`) at the same tile size; -1 slots untouched."""
+    from megatron_hyscale.ops.kernels.indexer_loss import indexer_loss_rows, normalize_target
+
+    x, idx, _, _ = case(seed=31)
+    g = torch.Generator().manual_seed(2)
+    p = torch.rand(idx.shape, generator=g).to(DEVICE)
+    p = torch.where(idx >= 0, p, torch.full_like(p, -1.0))
+    want_p, got_p = p.clone(), p.clone()
+    _, _, want_psum = indexer_loss_rows(x["q_index"], x["weights"], x["k_index"], idx, want_p,
+                                        True, LOSS, with_kl=False)
+    got_psum = normalize_target(got_p, LOSS)
+    assert torch.equal(got_p, want_p) and torch.equal(got_psum, want_psum)
+    assert (got_p[idx < 0] == -1.0).all() and got_psum[0, 1] == 0.0
+    torch.testing.assert_close(got_psum[0, 0], torch.tensor(1.0, device=DEVICE))

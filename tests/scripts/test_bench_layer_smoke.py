@@ -633,3 +633,17 @@ def test_compare_mla_projections_row(tmp_path: Path) -> None:
     _check_record(row["hyscale_megatron_projections"], selects=True, replays=True)
     with pytest.raises(SystemExit):
         bench_layer.parse_args(["--model", "csa", "--compare-mla-projections"])
+
+
+def test_compare_selection_lse_row(tmp_path: Path) -> None:
+    """`--compare-selection-lse`: the row hyscale_row_pass_lse (the indexer loss's row pass
+    takes its own log-sum-exp) beside hyscale, finite, one selection a step either way;
+    refused for other models and the dense loss."""
+    proc = _run(["--model", "dsa", "--skip-stock", "--compare-selection-lse"], tmp_path)
+    row = _load(tmp_path, "dsa", proc)["rows"][0]
+    for name in ("hyscale", "hyscale_row_pass_lse"):
+        _check_record(row[name], selects=True, replays=True)
+    for bad in (["--model", "qsa", "--compare-selection-lse"],
+                ["--dense-loss", "--compare-selection-lse"]):
+        with pytest.raises(SystemExit):
+            bench_layer.parse_args(bad)

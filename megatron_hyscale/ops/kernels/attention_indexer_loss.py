@@ -4,7 +4,9 @@ from the dQ kernel (`sparse_attention_bwd_with_target`) instead of a second gath
 The loss's target is the head-summed attention probability of each selected key, which the
 backward's dQ kernel recomputes anyway; `attention_target` gathers the same key rows again for
 it (the dominant part of the standalone loss). So here the attention's backward emits the
-target, then runs the loss's row pass (KL, the index scores' log-sum-exp) and its backward.
+target, then runs the loss's row pass (KL, the index scores' log-sum-exp) and its backward;
+given the index scores' log-sum-exp (the selection's: HyTopK scored the same slots), the row
+pass gathers nothing (`normalize_target`).
 The loss's value is known only then: the forward returns a zero-valued `anchor` that stands
 for it in the graph (its gradient is the loss's gradient; scale and divide it as the loss
 itself), and the backward hands the value to `on_loss`. Exactly the standalone
@@ -24,6 +26,7 @@ from megatron_hyscale.ops.kernels.indexer_loss import (
     indexer_loss_rows,
     indexer_loss_rows_bwd,
     loss_scaling,
+    normalize_target,
 )
 from megatron_hyscale.ops.kernels.options import AttentionKernelOptions, IndexerLossKernelOptions
 from megatron_hyscale.ops.kernels.sparse_attention import (
@@ -43,13 +46,13 @@ class SparseAttentionIndexerLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, softmax_scale, dv, deterministic, options, q_index,
                 weights, k_index, coeff, relu, tp_group, query_valid_rows, loss_options,
-                on_loss, hytopk_layout, keys_ascending):
+                on_loss, hytopk_layout, keys_ascending, index_lse):
         ctx.set_materialize_grads(False)
         out, lse = sparse_attention_fwd(q, k, v, indices, softmax_scale, dv=dv, options=options,
                                         hytopk_layout=hytopk_layout,
                                         keys_ascending=keys_ascending)
         ctx.save_for_backward(q, k, v, indices, out, lse, q_index, weights, k_index,
-                              query_valid_rows)
+                              query_valid_rows, index_lse)
         ctx.softmax_scale, ctx.dv, ctx.deterministic, ctx.options = (softmax_scale, dv,
                                                                        deterministic, options)
         ctx.coeff, ctx.relu, ctx.tp_group = coeff, relu, tp_group
@@ -61,7 +64,7 @@ class SparseAttentionIndexerLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse, danchor):
         (q, k, v, indices, out, lse, q_index, weights, k_index,
-         query_valid_rows) = ctx.saved_tensors
+         query_valid_rows, index_lse) = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
         if dlse is not None:
@@ -83,7 +86,11 @@ class SparseAttentionIndexerLossFunction(torch.autograd.Function):
             kl, dqi, dw, dki = indexer_loss_rows_bwd(*index_args, danchor, ctx.coeff, ctx.relu,
                                                      ctx.deterministic, opts)
         elif danchor is not None and opts.kl_in_bwd:
-            _, index_lse, psum = indexer_loss_rows(*index_args, ctx.relu, opts, with_kl=False)
+            if index_lse is not None:  # the selection's: no gathered row pass
+                psum = normalize_target(target, opts)
+            else:
+                _, index_lse, psum = indexer_loss_rows(*index_args, ctx.relu, opts,
+                                                       with_kl=False)
             dqi, dw, dki, kl = indexer_loss_bwd(*index_args, index_lse, psum, danchor,
                                                 ctx.coeff, ctx.relu, ctx.deterministic, opts,
                                                 with_kl=True)
@@ -94,7 +101,7 @@ class SparseAttentionIndexerLossFunction(torch.autograd.Function):
                                                 ctx.coeff, ctx.relu, ctx.deterministic, opts)
         if ctx.on_loss is not None:
             ctx.on_loss((kl.sum() * ctx.coeff).detach())
-        return (dq, dk, dvv, None, None, None, None, None, dqi, dw, dki) + (None,) * 8
+        return (dq, dk, dvv, None, None, None, None, None, dqi, dw, dki) + (None,) * 9
 
 
 def sparse_attention_indexer_loss_triton(
@@ -106,7 +113,7 @@ def sparse_attention_indexer_loss_triton(
         options: AttentionKernelOptions = AttentionKernelOptions.DEFAULT,
         loss_options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT,
         on_loss: LossReport | None = None, hytopk_layout: bool = False,
-        keys_ascending: bool = False,
+        keys_ascending: bool = False, index_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse attention (no sink or prefix) and the sparse indexer KL loss on validated inputs.
 
@@ -118,6 +125,9 @@ def sparse_attention_indexer_loss_triton(
     their rows (HyTopK's), so that the attention's slots are the loss's. hytopk_layout: as
     `sparse_attention_triton`'s (valid slots first and one at least a row); keys_ascending:
     as its (each row's valid keys increasing: the lockstep kernels skip their sort).
+    index_lse: fp32 [B, T], each row's log-sum-exp of its index scores over its selected
+    slots (`ops.indexer_loss.index_lse_from_scores` of the selection's scores): the backward
+    skips the loss's gathered row pass (with the options' kl_in_bwd, fused_rows_bwd off).
 
     Returns (out, lse, anchor): anchor is an fp32 scalar equal to 0 that carries the loss's
     gradient to q_index, weights and k_index; on_loss(value) receives the loss (an fp32 device
@@ -136,5 +146,6 @@ def sparse_attention_indexer_loss_triton(
     out, lse, anchor = SparseAttentionIndexerLossFunction.apply(
         q, k, v, indices, float(softmax_scale), dv, bool(deterministic), options, q_index,
         weights, k_index, coeff, bool(relu), tp_group, query_valid_rows, loss_options, report,
-        bool(hytopk_layout), bool(keys_ascending))
+        bool(hytopk_layout), bool(keys_ascending),
+        None if index_lse is None else index_lse.detach().float().contiguous())
     return out, lse, anchor if count is None else anchor / count

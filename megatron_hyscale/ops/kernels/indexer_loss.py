@@ -66,6 +66,8 @@ _EPS = tl.constexpr(EPS)
 # all-reduce, which sums the sentinels to -tp).
 INVALID = -1.0
 _INVALID = tl.constexpr(INVALID)
+# Warps of `normalize_target`'s programs: a row's K fp32 target values, read twice, written once.
+TARGET_NORM_WARPS = 2
 
 
 
@@ -308,6 +310,21 @@ def _normalize_target(p_base, spk, NK, den, BLOCK_N: tl.constexpr, STORE: tl.con
         if STORE:
             tl.store(p_ptrs, pn, mask=p >= 0.0)
     return psum
+
+
+@triton.jit
+def _normalize_target_kernel(p_ptr, psum_ptr, T, NK, spb, spt, spk, srb, srt,
+                             BLOCK_N: tl.constexpr):
+    """The loss row pass without its gathered pass (KL=False, the index scores' log-sum-exp
+    given): row (b, t)'s target L1-normalized in place over its valid slots, and the sum of
+    the normalized values; the same tile sums as `_loss_kernel`'s at the same BLOCK_N."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // T
+    t = pid % T
+    p_base = p_ptr + b * spb + t * spt
+    den = _target_sum(p_base, spk, NK, BLOCK_N)
+    psum = _normalize_target(p_base, spk, NK, den, BLOCK_N, True)
+    tl.store(psum_ptr + b * srb + t * srt, psum)
 
 
 @triton.jit
@@ -679,6 +696,23 @@ def indexer_loss_rows(q_index, weights, k_index, indices, p, relu,
     _launch(_loss_kernel, (B * T,), args, const, options.index_tilings, num_warps,
             ("loss", q_index.dtype, k_index.dtype, tuple(sorted(const.items()))), options)
     return (kl if with_kl else None), lse, psum
+
+
+def normalize_target(p: torch.Tensor,
+                     options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT
+                     ) -> torch.Tensor:
+    """`indexer_loss_rows(..., with_kl=False)` for a caller that has each row's index-score
+    log-sum-exp already (`IndexerLossKernelOptions.lse_from_selection`): p (fp32 [B, T, K], the
+    head-summed target, < 0 at invalid slots) L1-normalized in place over each row's valid
+    slots, no key gathered; returns the rows' normalized sums (fp32 [B, T], its `psum`)."""
+    B, T, NK = p.shape
+    psum = torch.empty((B, T), device=p.device, dtype=torch.float32)
+    if B * T == 0:
+        return psum
+    block_n = options.block_n or options.index_tilings[0][0]
+    _normalize_target_kernel[(B * T,)](p, psum, T, NK, *p.stride(), *psum.stride(),
+                                       BLOCK_N=block_n, num_warps=TARGET_NORM_WARPS)
+    return psum
 
 
 def _hopper_backward_module():

@@ -695,6 +695,16 @@ class IndexerLossKernelOptions:
     # gradients identical to the default's on the GPU too. On by default; the standalone
     # `indexer_kl_loss` returns its value in the forward and ignores it.
     kl_in_bwd: bool = True
+    # Where the loss runs in the attention backward (above), the index scores' log-sum-exp of
+    # each row from its selection instead of the row pass's gathered pass: HyTopK returns the
+    # selected keys' scores anyway, so the DSA layer (HyScaleDSAttention, one sequence, bf16
+    # selection) takes their log-sum-exp (a [T, K] fp32 read) when it selects, keeps it with
+    # the replayed indices ([T] fp32), and the row pass only normalizes the target
+    # (`indexer_loss.normalize_target`, no gather). The loss's recomputed scores may differ
+    # from the selection's by fp32 summation order: the loss and the gradients agree to that
+    # rounding (bitwise on integer-valued inputs). The layer's choice; the op takes
+    # `index_lse` from any caller.
+    lse_from_selection: bool = True
     # The backward (`indexer_loss_bwd`) as the warp-specialized Gluon kernel on Hopper
     # (`kernels/indexer_loss_bwd_sm90.py`: a cp.async producer warpgroup gathering the key tiles
     # a ring ahead, two wgmma consumer warpgroups on two query rows, keys on the MMA's M, the
@@ -717,7 +727,7 @@ class IndexerLossKernelOptions:
 
     def __post_init__(self) -> None:
         # Checked here: a launch that fails on them would read as the kernel's failure.
-        for name in ("bwd_sm90",):
+        for name in ("bwd_sm90", "lse_from_selection"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"IndexerLossKernelOptions.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
