@@ -156,7 +156,10 @@ def test_kl_from_the_indexer_backward_changes_nothing(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0.0)
     assert set(got[3]) == set(want[3])
     for name, grad in want[3].items():
-        torch.testing.assert_close(got[3][name], grad, rtol=1e-6, atol=1e-9,
+        # On a GPU the attention backward's dK fp32 atomics add in any order: entries near 0
+        # (an embedding row) then differ by ~1e-9 between two steps (an H100, 2026-12-06).
+        atol = 1e-9 if DEVICE.type == "cpu" else 1e-6 * float(grad.abs().max())
+        torch.testing.assert_close(got[3][name], grad, rtol=1e-6, atol=atol,
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
