@@ -221,7 +221,9 @@ def test_lse_from_the_selection_changes_nothing(recompute, monkeypatch):
     torch.testing.assert_close(got[2], want[2], rtol=1e-3, atol=0.0)
     assert set(got[3]) == set(want[3])
     for name, grad in want[3].items():
-        torch.testing.assert_close(got[3][name], grad, rtol=1e-5, atol=1e-8,
+        # (On a GPU also the attention backward's atomic order, as in the test above.)
+        atol = 1e-8 if DEVICE.type == "cpu" else 1e-6 * float(grad.abs().max())
+        torch.testing.assert_close(got[3][name], grad, rtol=1e-5, atol=atol,
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
