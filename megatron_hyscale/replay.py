@@ -200,7 +200,8 @@ class SelectionReplay:
     name: str
     replays: bool = True
     # False: a store of what travels with a layer's selection (DSA's selected scores'
-    # log-sum-exp), recorded and replayed in step with it; the stats do not count its entries.
+    # log-sum-exp), which the layer records and replays in step with it (`record`, `replay`);
+    # the stats do not count its entries.
     counted: bool = True
     queue: deque = field(default_factory=deque)
 
@@ -229,7 +230,7 @@ class SelectionReplay:
         phase = self.phase()
         if phase == "replay":
             return self.replay(shape)
-        if shared or not self.counted:
+        if shared:
             indices = compute()
         else:
             with phase_spans.span(phase_spans.SELECTION):  # every layer's selection phase
@@ -237,7 +238,7 @@ class SelectionReplay:
         if tuple(indices.shape) != tuple(shape):
             raise ReplayError(f"{self.name}: the selection has shape {tuple(indices.shape)}, "
                               f"expected {tuple(shape)}")
-        if not shared and self.counted:
+        if not shared:
             _stats["selections_computed"] += 1
         if phase == "record":
             self.record(indices)

@@ -659,13 +659,25 @@ class HyScaleDSAttention(DSAttention):
 
             indices = self.selection_replay.select(shape, compute)
             if keep_lse:
-                # Recorded and replayed in step with the indices; compute() set it unless they
-                # were replayed.
-                index_lse = self.index_lse_replay.select((b, sq), lambda: index_lse)
+                index_lse = self._index_lse_in_step(index_lse, (b, sq))
         if self.index_share and not self.skip_topk:
             self._get_index_share_topk_holder(packed_seq_params, attention_mask)[
                 self.layer_number] = indices
         return indices, index_lse
+
+    def _index_lse_in_step(self, computed: torch.Tensor | None,
+                           shape: tuple[int, int]) -> torch.Tensor | None:
+        """The selection's log-sum-exp kept in step with its indices: `computed` (set when
+        this forward's selection ran) recorded for the recompute, or the recorded one replayed.
+        None where the indices came from elsewhere (a hook that replaced the selection: no
+        log-sum-exp was taken, the loss's row pass takes its own)."""
+        store = self.index_lse_replay
+        phase = store.phase()
+        if phase == "replay":
+            return store.replay(shape) if len(store) else None
+        if computed is not None and phase == "record":
+            store.record(computed)
+        return computed
 
     def _keeps_index_lse(self, packed: PackedLayout | None, visible: torch.Tensor | None,
                          rows: tuple[int, int] | None) -> bool:

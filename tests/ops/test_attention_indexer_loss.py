@@ -283,19 +283,26 @@ def test_index_lse_skips_the_gathered_row_pass(relu, masked, monkeypatch):
     assert not torch.allclose(shifted[4]["q_index"], want[4]["q_index"], rtol=1e-3, atol=1e-6)
 
 
-def test_normalize_target_is_the_row_pass_without_its_gather():
+@pytest.mark.parametrize("K", [12, 200])
+def test_normalize_target_is_the_row_pass_without_its_gather(K):
     """`normalize_target`: the target normalized in place and its sums, bitwise the row pass's
-    (`indexer_loss_rows(..., with_kl=False)`) at the same tile size; -1 slots untouched."""
+    (`indexer_loss_rows(..., with_kl=False)`) at the same tile size (options.block_n), within
+    fp32 rounding at its own wide tiles (one of 16 slots, or 256 over 200); -1 slots
+    untouched, a row without a slot summing to 0."""
     from megatron_hyscale.ops.kernels.indexer_loss import indexer_loss_rows, normalize_target
 
-    x, idx, _, _ = case(seed=31)
+    x, idx, _, _ = case(S=300, K=K, seed=31)
     g = torch.Generator().manual_seed(2)
     p = torch.rand(idx.shape, generator=g).to(DEVICE)
     p = torch.where(idx >= 0, p, torch.full_like(p, -1.0))
-    want_p, got_p = p.clone(), p.clone()
+    want_p, got_p, wide_p = p.clone(), p.clone(), p.clone()
     _, _, want_psum = indexer_loss_rows(x["q_index"], x["weights"], x["k_index"], idx, want_p,
                                         True, LOSS, with_kl=False)
     got_psum = normalize_target(got_p, LOSS)
     assert torch.equal(got_p, want_p) and torch.equal(got_psum, want_psum)
-    assert (got_p[idx < 0] == -1.0).all() and got_psum[0, 1] == 0.0
-    torch.testing.assert_close(got_psum[0, 0], torch.tensor(1.0, device=DEVICE))
+    wide_psum = normalize_target(wide_p)
+    torch.testing.assert_close(wide_p, want_p, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(wide_psum, want_psum, rtol=1e-6, atol=1e-7)
+    for q, s in ((got_p, got_psum), (wide_p, wide_psum)):
+        assert (q[idx < 0] == -1.0).all() and s[0, 1] == 0.0
+        torch.testing.assert_close(s[0, 0], torch.tensor(1.0, device=DEVICE))

@@ -313,7 +313,7 @@ def _body(rank: int, result: dict) -> None:
     def recording(self, *args, **kwargs):
         # Each layer's selection of a forward (computed, replayed or shared), as it returns it.
         got = original(self, *args, **kwargs)
-        record.append(got.clone())
+        record.append(got[0].clone())  # (indices, the selected scores' log-sum-exp)
         return got
 
     with _cpu_patches(), mock.patch.object(HyScaleDSAttention, "_selection", recording):
