@@ -341,9 +341,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--packed-selection needs --packed N")
     if args.compare_mla_projections and args.model != "dsa":
         p.error("--compare-mla-projections needs --model dsa (absorbed MLA)")
-    if args.compare_selection_lse and (args.model != "dsa" or args.dense_loss):
+    if args.compare_selection_lse and (args.model != "dsa" or args.dense_loss
+                                       or args.loss_kl_in_rows):
         p.error("--compare-selection-lse needs --model dsa and the sparse loss (not "
-                "--dense-loss): the selection's log-sum-exp serves the sparse loss")
+                "--dense-loss), with the KL in the backward (not --loss-kl-in-rows): the "
+                "selection's log-sum-exp serves that row pass only")
     if args.compare_indexer_target and (args.model != "dsa" or args.dense_loss):
         p.error("--compare-indexer-target needs --model dsa and the sparse loss (not "
                 "--dense-loss): the target from the attention backward is the sparse loss's")

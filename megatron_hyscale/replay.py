@@ -18,9 +18,11 @@ The protocol every HyScale layer follows is `SelectionReplay.select(shape, compu
 replay phase it pops the layer's oldest recorded selection (which must have `shape`); otherwise
 it calls `compute()` (timed as the layer's selection phase, `phase_spans`), counts the
 selection as computed and, in the record phase, records it.
-`replaying()` tells a layer beforehand whether it may skip the indexer's forward. A store made
-with `replays=False` belongs to a baseline selection that, like the stock layers, selects again
-in the recompute: its phase is always "off".
+`replaying()` tells a layer beforehand whether it may skip the indexer's forward. What travels
+with a selection (the DSA layer's selected scores' log-sum-exp) goes into a second store of the
+layer's (`counted=False`), which the layer records and replays itself in step with the first.
+A store made with `replays=False` belongs to a baseline selection that, like the stock layers,
+selects again in the recompute: its phase is always "off".
 
 `configure(offload=True)` keeps the recorded indices in pinned host memory between a forward
 and its recompute (int32 T x k per layer: 8 GiB at 1M tokens and k = 2048): the device-to-host
@@ -238,7 +240,7 @@ class SelectionReplay:
         if tuple(indices.shape) != tuple(shape):
             raise ReplayError(f"{self.name}: the selection has shape {tuple(indices.shape)}, "
                               f"expected {tuple(shape)}")
-        if not shared:
+        if not shared and self.counted:
             _stats["selections_computed"] += 1
         if phase == "record":
             self.record(indices)

@@ -628,9 +628,9 @@ class HyScaleDSAttention(DSAttention):
             def compute() -> torch.Tensor:
                 nonlocal index_lse
                 with torch.no_grad():
-                    if packed is None and keep_lse:
+                    if keep_lse:  # (one sequence)
                         indices, scores = select_scored(q_idx, k_idx, weights, q_positions)
-                        index_lse = index_lse_from_scores(scores)
+                        index_lse = index_lse_from_scores(scores, self._loss_options().block_n)
                         return indices
                     if packed is None:
                         return select(slice(None), slice(None), q_positions)
@@ -674,10 +674,22 @@ class HyScaleDSAttention(DSAttention):
         store = self.index_lse_replay
         phase = store.phase()
         if phase == "replay":
-            return store.replay(shape) if len(store) else None
+            # The indices' entry was just taken: every recorded selection left one here, or
+            # (a hook replaced the selections) none did.
+            if len(store) == len(self.selection_replay) + 1:
+                return store.replay(shape)
+            if len(store):
+                raise replay.ReplayError(
+                    f"{store.name}: {len(store)} log-sum-exps recorded for "
+                    f"{len(self.selection_replay) + 1} selections: out of step")
+            return None
         if computed is not None and phase == "record":
             store.record(computed)
         return computed
+
+    def _loss_options(self) -> IndexerLossKernelOptions:
+        return (getattr(self.config, "indexer_loss_kernel_options", None)
+                or IndexerLossKernelOptions.DEFAULT)
 
     def _keeps_index_lse(self, packed: PackedLayout | None, visible: torch.Tensor | None,
                          rows: tuple[int, int] | None) -> bool:
@@ -686,10 +698,11 @@ class HyScaleDSAttention(DSAttention):
         a sparse loss whose target may come from the attention backward, one causal sequence
         (no packed documents, mask or query-row part), the selection in bf16 (the loss scores
         bf16 q and k). Decided from the configuration alone, so that the checkpointed forward
-        that records and the recompute that replays agree."""
+        that records and the recompute that replays agree. Where the attention then runs the
+        library pair (`_target_from_attention_backward` false: the separate target pass), the
+        log-sum-exp goes unused (one read of the selected scores, [T] fp32 kept)."""
         cfg = self.config
-        options = getattr(cfg, "indexer_loss_kernel_options", None) or \
-            IndexerLossKernelOptions.DEFAULT
+        options = self._loss_options()
         return (self.training and not self.skip_topk and options.lse_from_selection
                 and options.kl_in_bwd and not options.fused_rows_bwd
                 and (cfg.dsa_indexer_loss_coeff or 0.0) > 0

@@ -40,6 +40,7 @@ from megatron_hyscale.ops.checks import (
     check_triton_device,
     normalize_positions,
     normalize_visible,
+    triton_interpret,
     warn_once,
 )
 from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions
@@ -312,21 +313,27 @@ def normalize_valid_rows(query_valid_rows: torch.Tensor | None,
     return query_valid_rows.expand(B, T)
 
 
-def index_lse_from_scores(scores: torch.Tensor) -> torch.Tensor:
+def index_lse_from_scores(scores: torch.Tensor, block_n: int | None = None) -> torch.Tensor:
     """Each row's natural log-sum-exp of its selected index scores (`ops.hytopk`'s scores
     [B, T, K], -inf at unused slots): fp32 [B, T], 0 for a row without a selected key (as the
     loss's row pass has it). Handed to `sparse_attention_indexer_loss(index_lse=...)`, it
-    spares the loss the gathered pass that scores the same slots again."""
+    spares the loss the gathered pass that scores the same slots again. On CUDA (or under
+    Triton's interpreter) one Triton read of the scores (`kernels.indexer_loss.
+    selected_scores_lse`, tiles of block_n slots if given), else torch's logsumexp."""
     check_tensor("scores", scores, ndim=3)
+    if scores.is_cuda or triton_interpret():
+        from megatron_hyscale.ops.kernels.indexer_loss import selected_scores_lse
+
+        return selected_scores_lse(scores, block_n)
     lse = torch.logsumexp(scores.float(), dim=-1)
-    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
 
 
 def check_index_lse(index_lse: torch.Tensor | None, q_index: torch.Tensor) -> None:
-    """index_lse None, or a floating [B, T] tensor on q_index's device (B, T its first dims)."""
+    """index_lse None, or an fp32 [B, T] tensor on q_index's device (B, T its first dims)."""
     if index_lse is None:
         return
-    check_tensor("index_lse", index_lse, ndim=2)
+    check_tensor("index_lse", index_lse, ndim=2, dtypes=(torch.float32,))
     check_same_device(q_index=q_index, index_lse=index_lse)
     if tuple(index_lse.shape) != tuple(q_index.shape[:2]):
         raise ValueError(f"index_lse must be [B, T] = {tuple(q_index.shape[:2])} (q_index's "

@@ -397,3 +397,76 @@ def test_one_sequences_backward_inputs_suit_the_hopper_backward(monkeypatch, pro
     if projections == "megatron":
         assert dout.stride(0) % gluon_bwd.STRIDE_MULTIPLE, "B = 1's odd batch stride is the case"
     assert gluon_bwd.layout_problem(q, k, out, dout) is None, dout.stride()
+
+
+def test_lse_travels_with_micro_batches_in_flight_and_offload(monkeypatch):
+    """Three micro-batches' forwards first, then their backwards (a pipeline stage's order),
+    under full recompute with index sharing (4 layers, 2 select), the replay store offloaded:
+    each layer's log-sum-exps go to the host with its indices and come back in order, the
+    loss's row pass gathers nothing, and the gradients are the row pass's (lse_from_selection
+    off) to fp32 rounding."""
+    from dataclasses import replace
+
+    from megatron_hyscale import replay
+    from megatron_hyscale.ops import IndexerLossKernelOptions
+    from megatron_hyscale.ops.kernels import attention_indexer_loss as ail
+    from tests.layers.test_dsa_replay import FULL_UNIFORM, pipelined_grads
+
+    row_passes = []
+    real_rows = ail.indexer_loss_rows
+    monkeypatch.setattr(ail, "indexer_loss_rows",
+                        lambda *a, **k: row_passes.append(1) or real_rows(*a, **k))
+    cfg = tiny_dsa_config(num_layers=4, dsa_indexer_topk_freq=2, dsa_indexer_topk=TOPK,
+                          dsa_indexer_use_sparse_loss=True, **FULL_UNIFORM)
+    torch.manual_seed(5)
+    model = build_gpt(cfg, stock=False, vocab_size=VOCAB, max_sequence_length=T).to(DEVICE)
+    g = torch.Generator().manual_seed(11)
+    pos = torch.arange(T, device=DEVICE).expand(B, T)
+    mbs = [(torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE), pos,
+            torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE)) for _ in range(3)]
+    cfg.hyscale_indexer_target = "attention_backward"
+    try:
+        cfg.indexer_loss_kernel_options = replace(IndexerLossKernelOptions.DEFAULT,
+                                                  lse_from_selection=False)
+        want = pipelined_grads(model, mbs)
+        assert len(row_passes) == 3 * 2  # micro-batches x selecting layers
+        del cfg.indexer_loss_kernel_options
+        replay.configure(offload=True)
+        replay.reset_stats()
+        got = pipelined_grads(model, mbs)
+    finally:
+        replay.configure(offload=False)
+        del cfg.hyscale_indexer_target
+        cfg.__dict__.pop("indexer_loss_kernel_options", None)
+    assert len(row_passes) == 3 * 2  # none more
+    stats = replay.get_stats()
+    # the indices' entries only (the log-sum-exps' store is not counted): 2 computing layers
+    # x 3 micro-batches, every layer's recompute replaying its (shared) indices
+    assert stats["selections_offloaded"] == 3 * 4 and stats["selections_replayed"] == 3 * 4
+    assert replay.pending_entries() == 0 and not replay._offloaded
+    for name, grad in want.items():
+        atol = 1e-8 if DEVICE.type == "cpu" else 1e-6 * float(grad.abs().max())
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=atol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_log_sum_exps_out_of_step_with_the_indices_raise():
+    """In the replay phase the layer takes a recorded log-sum-exp only when every recorded
+    selection left one (or none did: a hook replaced the selections); a mismatch raises."""
+    from megatron_hyscale import replay
+    from megatron_hyscale.layers.dsa import HyScaleDSAttention
+
+    indices = replay.SelectionReplay("test indices")
+    lses = replay.SelectionReplay("test lse", counted=False)
+    layer = types.SimpleNamespace(selection_replay=indices, index_lse_replay=lses)
+    lses.phase = lambda: "replay"
+    step = HyScaleDSAttention._index_lse_in_step
+    assert step(layer, None, (1, 4)) is None  # nothing recorded anywhere
+    lse = torch.arange(4.0).reshape(1, 4)
+    lses.record(lse)  # its indices' entry already taken, as in the layer
+    assert torch.equal(step(layer, None, (1, 4)), lse)
+    lses.record(lse)
+    lses.record(lse)  # two log-sum-exps for one selection
+    with pytest.raises(replay.ReplayError, match="out of step"):
+        step(layer, None, (1, 4))
+    lses.queue.clear()

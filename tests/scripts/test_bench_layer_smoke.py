@@ -637,13 +637,15 @@ def test_compare_mla_projections_row(tmp_path: Path) -> None:
 
 def test_compare_selection_lse_row(tmp_path: Path) -> None:
     """`--compare-selection-lse`: the row hyscale_row_pass_lse (the indexer loss's row pass
-    takes its own log-sum-exp) beside hyscale, finite, one selection a step either way;
-    refused for other models and the dense loss."""
+    takes its own log-sum-exp) beside hyscale, finite, one selection a step either way (on the
+    CPU both rows take the separate target pass: the plumbing only); refused for other
+    models, the dense loss and the KL in the row pass."""
     proc = _run(["--model", "dsa", "--skip-stock", "--compare-selection-lse"], tmp_path)
     row = _load(tmp_path, "dsa", proc)["rows"][0]
     for name in ("hyscale", "hyscale_row_pass_lse"):
         _check_record(row[name], selects=True, replays=True)
     for bad in (["--model", "qsa", "--compare-selection-lse"],
-                ["--dense-loss", "--compare-selection-lse"]):
+                ["--dense-loss", "--compare-selection-lse"],
+                ["--loss-kl-in-rows", "--compare-selection-lse"]):
         with pytest.raises(SystemExit):
             bench_layer.parse_args(bad)

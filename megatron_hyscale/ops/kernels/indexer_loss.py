@@ -315,6 +315,23 @@ def _normalize_target(p_base, spk, NK, den, BLOCK_N: tl.constexpr, STORE: tl.con
 
 
 @triton.jit
+def _scores_lse_kernel(s_ptr, lse_ptr, T, NK, ssb, sst, ssk, srb, srt, BLOCK_N: tl.constexpr):
+    """Row (b, t)'s natural log-sum-exp of its selected scores (-inf at unused slots; 0 for a
+    row without one), one read of the row, `_row_stats`' running form over BLOCK_N tiles."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // T
+    t = pid % T
+    s_base = s_ptr + b * ssb + t * sst
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.zeros([], tl.float32)
+    for n0 in range(0, NK, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        s = tl.load(s_base + offs * ssk, mask=offs < NK, other=float("-inf")).to(tl.float32)
+        m_i, _, l_i = lse_step(m_i, l_i, s, s > float("-inf"))
+    tl.store(lse_ptr + b * srb + t * srt, lse_of(m_i, l_i))
+
+
+@triton.jit
 def _normalize_target_kernel(p_ptr, psum_ptr, T, NK, spb, spt, spk, srb, srt,
                              BLOCK_N: tl.constexpr):
     """The loss row pass without its gathered pass (KL=False, the index scores' log-sum-exp
@@ -698,6 +715,21 @@ def indexer_loss_rows(q_index, weights, k_index, indices, p, relu,
     _launch(_loss_kernel, (B * T,), args, const, options.index_tilings, num_warps,
             ("loss", q_index.dtype, k_index.dtype, tuple(sorted(const.items()))), options)
     return (kl if with_kl else None), lse, psum
+
+
+def selected_scores_lse(scores: torch.Tensor, block_n: int | None = None) -> torch.Tensor:
+    """Each row's natural log-sum-exp of its selected scores (fp32 [B, T, K], -inf at unused
+    slots): fp32 [B, T], 0 for a row without a selected key; one read of the scores, no
+    temporary (torch.logsumexp makes a second [B, T, K] tensor and five passes). Tiles of up
+    to NORMALIZE_MAX_TILE slots, or block_n."""
+    B, T, NK = scores.shape
+    lse = torch.empty((B, T), device=scores.device, dtype=torch.float32)
+    if B * T == 0:
+        return lse
+    block_n = block_n or min(triton.next_power_of_2(NK), NORMALIZE_MAX_TILE)
+    _scores_lse_kernel[(B * T,)](scores, lse, T, NK, *scores.stride(), *lse.stride(),
+                                 BLOCK_N=block_n, num_warps=NORMALIZE_WARPS)
+    return lse
 
 
 def normalize_target(p: torch.Tensor,
