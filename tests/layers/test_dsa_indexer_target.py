@@ -163,6 +163,23 @@ def test_kl_from_the_indexer_backward_changes_nothing(monkeypatch):
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+def assert_grads_close(got: dict, want: dict) -> None:
+    """Gradients with the selection's log-sum-exp against the row pass's. The indexer's come
+    from g = softmax(s) * psum - pn, near-equal terms in the tiny GPT (its KL is about 6e-6),
+    so the two log-sum-exps' fp32 rounding (1e-7 relative) shows at about 1e-5 of each
+    gradient's largest entry (an H100, 2026-12-06: up to 1.4e-5): atol 1e-4 of it there. The
+    rest see the loss only through the attention, as before (on a GPU also its dK atomics'
+    order)."""
+    for name, grad in want.items():
+        scale = float(grad.abs().max())
+        if ".indexer." in name:
+            atol = 1e-4 * scale
+        else:
+            atol = 1e-8 if DEVICE.type == "cpu" else 1e-6 * scale
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=atol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("recompute", list(RECOMPUTE))
 def test_lse_from_the_selection_changes_nothing(recompute, monkeypatch):
     """IndexerLossKernelOptions.lse_from_selection (the default): the layer takes each row's
@@ -220,11 +237,7 @@ def test_lse_from_the_selection_changes_nothing(recompute, monkeypatch):
     # tolerance is the one the layer's tests hold against stock.
     torch.testing.assert_close(got[2], want[2], rtol=1e-3, atol=0.0)
     assert set(got[3]) == set(want[3])
-    for name, grad in want[3].items():
-        # (On a GPU also the attention backward's atomic order, as in the test above.)
-        atol = 1e-8 if DEVICE.type == "cpu" else 1e-6 * float(grad.abs().max())
-        torch.testing.assert_close(got[3][name], grad, rtol=1e-5, atol=atol,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    assert_grads_close(got[3], want[3])
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -444,10 +457,7 @@ def test_lse_travels_with_micro_batches_in_flight_and_offload(monkeypatch):
     # x 3 micro-batches, every layer's recompute replaying its (shared) indices
     assert stats["selections_offloaded"] == 3 * 4 and stats["selections_replayed"] == 3 * 4
     assert replay.pending_entries() == 0 and not replay._offloaded
-    for name, grad in want.items():
-        atol = 1e-8 if DEVICE.type == "cpu" else 1e-6 * float(grad.abs().max())
-        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=atol,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    assert_grads_close(got, want)
 
 
 def test_log_sum_exps_out_of_step_with_the_indices_raise():
