@@ -705,9 +705,10 @@ class IndexerLossKernelOptions:
     # the two log-sum-exps by their own (one over the row's tiles here, over 64-key tiles in
     # the row pass): the loss and the gradients agree to that rounding, not bitwise. The
     # recompute's scores must be the first forward's (the replayed log-sum-exp belongs to
-    # them; megatron's recompute is bit-identical). Timed on an H100 (2026-12-06, row pass +
-    # backward at 128K: GLM-5.1 89.96 -> 72.80 ms, V3.2 103.37 -> 81.54). A layer policy, kept
-    # with the loss's options; the op takes `index_lse` from any caller.
+    # them; megatron's recompute is bit-identical). Timed on an H100 (2026-12-06, `fae8403`,
+    # row pass + backward at 128K: GLM-5.1 90.27 -> 70.65 ms, V3.2 103.59 -> 79.10; the
+    # GLM-5.1 layer 1144.1 -> 1107.3 ms). A layer policy, kept with the loss's options; the op
+    # takes `index_lse` from any caller.
     lse_from_selection: bool = True
     # The backward (`indexer_loss_bwd`) as the warp-specialized Gluon kernel on Hopper
     # (`kernels/indexer_loss_bwd_sm90.py`: a cp.async producer warpgroup gathering the key tiles
