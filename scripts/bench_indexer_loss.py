@@ -387,8 +387,9 @@ LOSS_VARIANTS = {
     # ... and the Triton backward without them: bwd_sm90_no_kl's baseline of the same work
     "no_kl_in_bwd": dict(kl_in_bwd=False, **TRITON_BWD),
     # the row pass as the DSA layer runs it with lse_from_selection: the index scores'
-    # log-sum-exp from the selection's scores (torch.logsumexp over a [B, T, K] fp32 tensor,
-    # timed in the row pass) and the target normalized without a gather (`normalize_target`)
+    # log-sum-exp from the selection's scores (`index_lse_from_scores` over a [B, T, K] fp32
+    # tensor, timed in the row pass) and the target normalized without a gather
+    # (`normalize_target`)
     SELECTION_LSE: dict(),
 }
 

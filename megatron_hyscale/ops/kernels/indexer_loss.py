@@ -66,10 +66,11 @@ _EPS = tl.constexpr(EPS)
 # all-reduce, which sums the sentinels to -tp).
 INVALID = -1.0
 _INVALID = tl.constexpr(INVALID)
-# `normalize_target`'s programs: a row's slots in tiles of up to this many (one tile at
-# top-2048: its two sums over it read the row's 8 KiB from L1 / L2 the second time), 4 warps.
-NORMALIZE_MAX_TILE = 2048
-NORMALIZE_WARPS = 4
+# `selected_scores_lse`'s and `normalize_target`'s programs (one a row, no gather): the row's
+# slots in tiles of up to this many (one tile at top-2048: normalize_target's second sum reads
+# the row's 8 KiB from L1 / L2), 4 warps.
+ROW_MAX_TILE = 2048
+ROW_WARPS = 4
 
 
 
@@ -717,19 +718,25 @@ def indexer_loss_rows(q_index, weights, k_index, indices, p, relu,
     return (kl if with_kl else None), lse, psum
 
 
+def _per_row(kernel, x: torch.Tensor, block_n: int | None) -> torch.Tensor:
+    """Launch `kernel(x, out, T, NK, x's strides, out's strides)` one program a row of x
+    (fp32 [B, T, NK]) in tiles of block_n slots (None: the row in one tile, up to
+    ROW_MAX_TILE); out fp32 [B, T]."""
+    B, T, NK = x.shape
+    out = torch.empty((B, T), device=x.device, dtype=torch.float32)
+    if B * T:
+        kernel[(B * T,)](x, out, T, NK, *x.stride(), *out.stride(),
+                         BLOCK_N=block_n or min(triton.next_power_of_2(NK), ROW_MAX_TILE),
+                         num_warps=ROW_WARPS)
+    return out
+
+
 def selected_scores_lse(scores: torch.Tensor, block_n: int | None = None) -> torch.Tensor:
     """Each row's natural log-sum-exp of its selected scores (fp32 [B, T, K], -inf at unused
     slots): fp32 [B, T], 0 for a row without a selected key; one read of the scores, no
     temporary (torch.logsumexp makes a second [B, T, K] tensor and five passes). Tiles of up
-    to NORMALIZE_MAX_TILE slots, or block_n."""
-    B, T, NK = scores.shape
-    lse = torch.empty((B, T), device=scores.device, dtype=torch.float32)
-    if B * T == 0:
-        return lse
-    block_n = block_n or min(triton.next_power_of_2(NK), NORMALIZE_MAX_TILE)
-    _scores_lse_kernel[(B * T,)](scores, lse, T, NK, *scores.stride(), *lse.stride(),
-                                 BLOCK_N=block_n, num_warps=NORMALIZE_WARPS)
-    return lse
+    to ROW_MAX_TILE slots, or block_n."""
+    return _per_row(_scores_lse_kernel, scores, block_n)
 
 
 def normalize_target(p: torch.Tensor,
@@ -742,14 +749,7 @@ def normalize_target(p: torch.Tensor,
     sums run over wide tiles (the row pass's 64-slot ones cost it 3.7 ms at 128K on an H100,
     2026-12-06), so they equal the row pass's to fp32 rounding order; bitwise at
     options.block_n, which both then use."""
-    B, T, NK = p.shape
-    psum = torch.empty((B, T), device=p.device, dtype=torch.float32)
-    if B * T == 0:
-        return psum
-    block_n = options.block_n or min(triton.next_power_of_2(NK), NORMALIZE_MAX_TILE)
-    _normalize_target_kernel[(B * T,)](p, psum, T, NK, *p.stride(), *psum.stride(),
-                                       BLOCK_N=block_n, num_warps=NORMALIZE_WARPS)
-    return psum
+    return _per_row(_normalize_target_kernel, p, options.block_n)
 
 
 def _hopper_backward_module():
