@@ -254,8 +254,11 @@ def selection_hook(module: torch.nn.Module, captured: list[torch.Tensor],
         for store in stores:
             original = store.select
 
-            def select(shape: tuple[int, ...], compute: Callable[[], torch.Tensor], *a: Any,
-                       _orig: Callable = original, **kw: Any) -> torch.Tensor:
+            def select(shape: tuple[int, ...], compute: Callable[[], Any], *a: Any,
+                       _orig: Callable = original, **kw: Any) -> Any:
+                # A forced selection is the indices alone: what travels with a computed one
+                # (the DSA layer's selected scores' log-sum-exp) would not match them, and
+                # without it the layer's indexer loss takes its own.
                 if forced is not None:
                     if tuple(forced.shape) != tuple(shape):
                         raise ValueError(f"forced selection {tuple(forced.shape)} is not the "
@@ -263,7 +266,8 @@ def selection_hook(module: torch.nn.Module, captured: list[torch.Tensor],
                     got = forced.to(torch.int32)
                 else:
                     got = _orig(shape, compute, *a, **kw)
-                captured.append(got.detach().clone())
+                indices = got[0] if isinstance(got, tuple) else got
+                captured.append(indices.detach().clone())
                 return got
 
             store.select = select

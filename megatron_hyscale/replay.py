@@ -19,15 +19,17 @@ replay phase it pops the layer's oldest recorded selection (which must have `sha
 it calls `compute()` (timed as the layer's selection phase, `phase_spans`), counts the
 selection as computed and, in the record phase, records it.
 `replaying()` tells a layer beforehand whether it may skip the indexer's forward. What travels
-with a selection (the DSA layer's selected scores' log-sum-exp) goes into a second store of the
-layer's (`counted=False`), which the layer records and replays itself in step with the first.
+with a selection (the DSA layer's selected scores' log-sum-exp) travels in the same entry:
+`compute` returns the pair (indices, companion) and `select` returns the pair, recorded,
+offloaded and replayed together, so the two cannot get out of step.
 A store made with `replays=False` belongs to a baseline selection that, like the stock layers,
 selects again in the recompute: its phase is always "off".
 
-`configure(offload=True)` keeps the recorded indices in pinned host memory between a forward
-and its recompute (int32 T x k per layer: 8 GiB at 1M tokens and k = 2048): the device-to-host
-copy runs on a side stream, and each replay starts the host-to-device copy of the entry most
-recently recorded, which is the next one the usual recompute order (layers in reverse) asks for.
+`configure(offload=True)` keeps the recorded indices (and companions) in pinned host memory
+between a forward and its recompute (int32 T x k per layer: 8 GiB at 1M tokens and k = 2048):
+the device-to-host copies run on a side stream, and each replay starts the host-to-device
+copies of the entry most recently recorded, which is the next one the usual recompute order
+(layers in reverse) asks for.
 """
 
 from __future__ import annotations
@@ -123,14 +125,14 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return _copy_streams[device]
 
 
-class _Entry:
-    """A recorded selection: on its device, or in host memory with its copy events."""
+class _Copy:
+    """One recorded tensor: on its device, or in host memory with its copy events."""
 
     __slots__ = ("tensor", "device", "host", "host_ready", "back", "back_ready")
 
-    def __init__(self, indices: torch.Tensor) -> None:
-        self.tensor: torch.Tensor | None = indices
-        self.device = indices.device
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.device = tensor.device
         self.host = self.host_ready = self.back = self.back_ready = None
 
     @property
@@ -138,29 +140,26 @@ class _Entry:
         t = self.tensor if self.tensor is not None else self.host
         return tuple(t.shape)
 
-    def offload(self, counted: bool = True) -> None:
-        indices = self.tensor
-        cached = _host_copies.get(id(indices))
-        if cached is not None and cached[0]() is indices:
+    def offload(self) -> None:
+        tensor = self.tensor
+        cached = _host_copies.get(id(tensor))
+        if cached is not None and cached[0]() is tensor:
             _, self.host, self.host_ready = cached
-        elif indices.is_cuda:
-            stream = _copy_stream(indices.device)
-            stream.wait_stream(torch.cuda.current_stream(indices.device))
-            self.host = torch.empty(indices.shape, dtype=indices.dtype, pin_memory=True)
+        elif tensor.is_cuda:
+            stream = _copy_stream(tensor.device)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             with torch.cuda.stream(stream):
-                self.host.copy_(indices, non_blocking=True)
+                self.host.copy_(tensor, non_blocking=True)
                 self.host_ready = torch.cuda.Event()
                 self.host_ready.record(stream)
-            indices.record_stream(stream)  # keep its memory until the copy is done
+            tensor.record_stream(stream)  # keep its memory until the copy is done
         else:
-            self.host = indices.clone()
+            self.host = tensor.clone()
         for key in [k for k, (ref, _, _) in _host_copies.items() if ref() is None]:
             del _host_copies[key]
-        _host_copies[id(indices)] = (weakref.ref(indices), self.host, self.host_ready)
+        _host_copies[id(tensor)] = (weakref.ref(tensor), self.host, self.host_ready)
         self.tensor = None
-        _offloaded.append(self)
-        if counted:
-            _stats["selections_offloaded"] += 1
 
     def prefetch(self) -> None:
         """Start the copy back to the device (no-op if already started)."""
@@ -181,14 +180,53 @@ class _Entry:
         self.back.record_stream(stream)
 
     def take(self) -> torch.Tensor:
-        """The indices on their device, ready for the current stream."""
+        """The tensor on its device, ready for the current stream."""
         if self.tensor is not None:
             return self.tensor
-        _offloaded.remove(self)
         self.prefetch()
         if self.back_ready is not None:
             torch.cuda.current_stream(self.device).wait_event(self.back_ready)
         return self.back
+
+
+# What `compute` returns and `select` gives back: int32 indices, or the pair (indices,
+# companion) of a selection that carries a tensor of its own.
+Selected = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+class _Entry:
+    """A recorded selection: its indices and, where it has one, its companion tensor."""
+
+    __slots__ = ("copies", "paired", "offloaded")
+
+    def __init__(self, selected: Selected) -> None:
+        self.paired = isinstance(selected, tuple)
+        self.copies = [_Copy(t) for t in (selected if self.paired else (selected,))]
+        self.offloaded = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The indices' shape."""
+        return self.copies[0].shape
+
+    def offload(self) -> None:
+        for copy in self.copies:
+            copy.offload()
+        self.offloaded = True
+        _offloaded.append(self)
+        _stats["selections_offloaded"] += 1
+
+    def prefetch(self) -> None:
+        for copy in self.copies:
+            copy.prefetch()
+
+    def take(self) -> Selected:
+        """The recorded selection on its device, in the form it was recorded."""
+        if self.offloaded:
+            _offloaded.remove(self)
+            self.offloaded = False
+        tensors = tuple(copy.take() for copy in self.copies)
+        return tensors if self.paired else tensors[0]
 
 
 @dataclass(eq=False)
@@ -201,10 +239,6 @@ class SelectionReplay:
 
     name: str
     replays: bool = True
-    # False: a store of what travels with a layer's selection (DSA's selected scores'
-    # log-sum-exp), which the layer records and replays in step with it (`record`, `replay`);
-    # the stats do not count its entries.
-    counted: bool = True
     queue: deque = field(default_factory=deque)
 
     def __post_init__(self) -> None:
@@ -221,11 +255,14 @@ class SelectionReplay:
         """True when `select` will replay: the layer needs no indexer output for it."""
         return self.phase() == "replay"
 
-    def select(self, shape: tuple[int, ...], compute: Callable[[], torch.Tensor], *,
-               shared: bool = False) -> torch.Tensor:
+    def select(self, shape: tuple[int, ...], compute: Callable[[], Selected], *,
+               shared: bool = False) -> Selected:
         """The layer's selection of this forward, of `shape`: replayed, or computed (counted,
         and recorded when a recompute will follow).
 
+        `compute` returns the int32 indices, or the pair (indices, companion) where something
+        travels with them (the DSA layer's selected scores' log-sum-exp); `select` returns the
+        same form, the pair recorded and replayed as one entry. `shape` is the indices'.
         `shared=True`: `compute` returns a selection another layer made (DSA index sharing);
         it is recorded and replayed like any, but not counted as computed.
         """
@@ -233,31 +270,35 @@ class SelectionReplay:
         if phase == "replay":
             return self.replay(shape)
         if shared:
-            indices = compute()
+            selected = compute()
         else:
             with phase_spans.span(phase_spans.SELECTION):  # every layer's selection phase
-                indices = compute()
+                selected = compute()
+        indices = selected[0] if isinstance(selected, tuple) else selected
         if tuple(indices.shape) != tuple(shape):
             raise ReplayError(f"{self.name}: the selection has shape {tuple(indices.shape)}, "
                               f"expected {tuple(shape)}")
-        if not shared and self.counted:
+        if not shared:
             _stats["selections_computed"] += 1
         if phase == "record":
-            self.record(indices)
-        return indices
+            self.record(selected)
+        return selected
 
-    def record(self, indices: torch.Tensor) -> None:
+    def record(self, selected: Selected) -> None:
+        """Keep `selected` (indices, or the pair (indices, companion)) for the recompute."""
         if len(self.queue) >= MAX_PENDING_PER_LAYER:
             raise ReplayError(
                 f"{self.name}: {len(self.queue)} selections recorded and none replayed; "
                 "checkpointed forwards are not followed by their backward"
             )
-        entry = _Entry(indices)
+        entry = _Entry(selected)
         if _config["offload"]:
-            entry.offload(self.counted)
+            entry.offload()
         self.queue.append(entry)
 
-    def replay(self, expected_shape: tuple[int, ...]) -> torch.Tensor:
+    def replay(self, expected_shape: tuple[int, ...]) -> Selected:
+        """The oldest recorded selection, in the form it was recorded; its indices must have
+        `expected_shape`."""
         if not self.queue:
             raise ReplayError(
                 f"{self.name}: recompute asked for a recorded selection but none was recorded "
@@ -269,9 +310,8 @@ class SelectionReplay:
                 f"{self.name}: recorded selection has shape {entry.shape} but the "
                 f"recompute expects {tuple(expected_shape)}"
             )
-        indices = entry.take()
+        selected = entry.take()
         if _offloaded:
             _offloaded[-1].prefetch()  # the next recompute, in the usual reverse order
-        if self.counted:
-            _stats["selections_replayed"] += 1
-        return indices
+        _stats["selections_replayed"] += 1
+        return selected

@@ -361,8 +361,12 @@ LOSS_VARIANTS = {
     "lockstep2": dict(bwd_lockstep=True, bwd_lockstep_slack=2, **TRITON_BWD),
     "lockstep_1sm": dict(bwd_lockstep=True, bwd_lockstep_programs_per_sm=1,
                          **TRITON_BWD),
-    # the same pace in the Hopper (Gluon) backward: each consumer's rows by waves
+    # the same pace in the Hopper (Gluon) backward: each consumer's rows by waves; a wider
+    # slack waits less and keeps more of dk_index live (a tile's keys span about T / 32 rows of
+    # it on the stratified rows, 2 MiB at 128K: 8 tiles stay within the 50 MiB L2)
     "bwd_sm90_lockstep": dict(bwd_lockstep=True),
+    "bwd_sm90_lockstep4": dict(bwd_lockstep=True, bwd_lockstep_slack=4),
+    "bwd_sm90_lockstep8": dict(bwd_lockstep=True, bwd_lockstep_slack=8),
     "warps8": dict(bwd_num_warps=8, loss_num_warps=8, **TRITON_BWD),
     "warps8_r128": dict(bwd_num_warps=8, bwd_maxnreg=128, **TRITON_BWD),
     "r168": dict(bwd_maxnreg=168, **TRITON_BWD),

@@ -220,6 +220,11 @@
 #                                         # (and "none" at 8K), $REPEATS timed steps (3);
 #                                         # $LAYER_FLAGS: more bench_layer flags (the own
 #                                         # kernels' variants: --attention-bwd sm90)  (~5 min)
+#   bash scripts/gpu_session.sh cudnn-loss  # issue #20 item 3 against stock cudnn's loss
+#                                         # kernels in one call: bench_indexer_loss.py's default
+#                                         # mode (cuDNN's given the attention's lse, HyScale's
+#                                         # target from the dQ kernel), then --variants
+#                                         # selection_lse; LOSS_RUNS (glm51:131072) (~3 min)
 #                                         # The cudnn-* and flashmla-pair stages pack their files into
 #                                         # $OUT/<stage>.tgz, records in results/ inside.
 #   bash scripts/gpu_session.sh pair 'STAGE [ARGS]' 'STAGE [ARGS]'  # on nvidia-h200-x2: two
@@ -278,7 +283,7 @@ case "$stage" in
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |flashmla-pair|lockstep-triton|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
   |ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection\
-  |profile-layers|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse) ;;
+  |profile-layers|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse|cudnn-loss) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
@@ -288,7 +293,7 @@ case "$stage" in
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
        "|ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics" \
        "|captured-selection|profile-layers|loss-bwd-probe|mla-projections|norms" \
-       "|loss-bwd-sm90}" \
+       "|loss-bwd-sm90|selection-lse|cudnn-loss}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -1004,6 +1009,22 @@ case "$stage" in
     timeout 200 python3 scripts/bench_indexer_loss.py --t 32768 131072 --shapes glm51 \
       --reps 2 --out "$out" 2>&1 | grep -v -i warn | tee "$out/bench_indexer_loss.log"
     ;;
+  cudnn-loss)
+    # Issue #20 item 3 against the stock cudnn path, in one call: the default mode (HyScale's
+    # loss with the target from the attention's dQ kernel, cuDNN's loss kernels, both given
+    # the attention's lse), then the row pass + backward with the selection's log-sum-exp
+    # (the DSA layer's path) and LOSS_VARIANTS beside it (e.g. "bwd_sm90_lockstep4"). LOSS_RUNS:
+    # shape:T pairs, one process each (default GLM-5.1 at 128K; ~2 min each).
+    # shellcheck disable=SC2086  # variants split on purpose
+    for run in ${LOSS_RUNS:-glm51:131072}; do
+      timeout 240 python3 scripts/bench_indexer_loss.py --t "${run#*:}" --shapes "${run%%:*}" \
+        --reps 3 --no-tilelang --out "$out/${run/:/_}" 2>&1 | grep -v -i warn \
+        | tee -a "$out/bench_indexer_loss.log" | grep -E "T=|target from|cudnn|Error"
+      timeout 150 python3 scripts/bench_indexer_loss.py --t "${run#*:}" --shapes "${run%%:*}" \
+        --variants selection_lse ${LOSS_VARIANTS:-} --out "$out/${run/:/_}_lse" 2>&1 \
+        | grep -v -i warn \
+        | grep -E "T=|Error|failed" | tee -a "$out/bench_indexer_loss_variants.log"
+    done ;;
   cudnn-tests)
     fail=0
     for f in tests/ops/test_library_backends_gpu.py tests/layers/test_stock_cudnn_gpu.py; do

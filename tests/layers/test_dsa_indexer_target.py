@@ -453,30 +453,8 @@ def test_lse_travels_with_micro_batches_in_flight_and_offload(monkeypatch):
         cfg.__dict__.pop("indexer_loss_kernel_options", None)
     assert len(row_passes) == 3 * 2  # none more
     stats = replay.get_stats()
-    # the indices' entries only (the log-sum-exps' store is not counted): 2 computing layers
-    # x 3 micro-batches, every layer's recompute replaying its (shared) indices
+    # one entry a selection (its log-sum-exp inside it): 2 computing layers x 3 micro-batches,
+    # every layer's recompute replaying its (shared) indices
     assert stats["selections_offloaded"] == 3 * 4 and stats["selections_replayed"] == 3 * 4
     assert replay.pending_entries() == 0 and not replay._offloaded
     assert_grads_close(got, want)
-
-
-def test_log_sum_exps_out_of_step_with_the_indices_raise():
-    """In the replay phase the layer takes a recorded log-sum-exp only when every recorded
-    selection left one (or none did: a hook replaced the selections); a mismatch raises."""
-    from megatron_hyscale import replay
-    from megatron_hyscale.layers.dsa import HyScaleDSAttention
-
-    indices = replay.SelectionReplay("test indices")
-    lses = replay.SelectionReplay("test lse", counted=False)
-    layer = types.SimpleNamespace(selection_replay=indices, index_lse_replay=lses)
-    lses.phase = lambda: "replay"
-    step = HyScaleDSAttention._index_lse_in_step
-    assert step(layer, None, (1, 4)) is None  # nothing recorded anywhere
-    lse = torch.arange(4.0).reshape(1, 4)
-    lses.record(lse)  # its indices' entry already taken, as in the layer
-    assert torch.equal(step(layer, None, (1, 4)), lse)
-    lses.record(lse)
-    lses.record(lse)  # two log-sum-exps for one selection
-    with pytest.raises(replay.ReplayError, match="out of step"):
-        step(layer, None, (1, 4))
-    lses.queue.clear()

@@ -145,7 +145,8 @@ def test_offload_keeps_entries_on_host_and_changes_nothing():
         stores = [s for s in replay._stores if len(s)]
         entries = [e for s in stores for e in s.queue]
         assert len(entries) == 2 * 4
-        assert all(e.tensor is None and e.host.device.type == "cpu" for e in entries)
+        copies = [c for e in entries for c in e.copies]
+        assert all(c.tensor is None and c.host.device.type == "cpu" for c in copies)
         for loss in losses:
             loss.backward()
         got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

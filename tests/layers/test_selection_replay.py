@@ -4,6 +4,8 @@ Layer-level replay is covered by test_dsa_replay.py, test_csa.py, test_qsa.py an
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from megatron.core import tensor_parallel
@@ -162,3 +164,50 @@ def test_a_flag_left_set_by_a_failed_checkpoint_records_nothing():
     checkpointed(layer, x).sum().backward()
     assert [phase for phase, _, _ in layer.seen[1:]] == ["record", "replay"]
     assert layer.computed == [3, 5] and len(layer.store) == 0
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_selection_with_its_companion_is_replayed_as_one_entry(offload):
+    """`compute` returning (indices, companion) (the DSA layer's selected scores' log-sum-exp):
+    over micro-batches in flight each recompute gets its own pair back, as a pair, from one
+    entry (counted once), also through host memory; the indices' shape is what is checked."""
+    store = replay.SelectionReplay("paired")
+    outs, computed = [], []
+
+    def forward(x: torch.Tensor, value: int) -> torch.Tensor:
+        def compute():
+            computed.append(value)
+            return indices(value), torch.full((1, 2), value + 0.5)
+
+        picked, companion = store.select(SHAPE, compute)
+        seen.append((store.phase(), int(picked[0, 0, 0]), float(companion[0, 1])))
+        return x * (1 + picked.float().sum() + companion.sum())
+
+    seen: list[tuple[str, int, float]] = []
+    replay.configure(offload=offload)
+    try:
+        for mb in range(3):
+            outs.append(tensor_parallel.checkpoint(partial(forward, value=mb), False,
+                                                   torch.ones(2, requires_grad=True)))
+        assert len(store) == 3 and replay.pending_entries() == 3
+        for out in outs:
+            out.sum().backward()
+    finally:
+        replay.configure(offload=False)
+    assert computed == [0, 1, 2]  # never again in the recompute
+    assert seen == [("record", 0, 0.5), ("record", 1, 1.5), ("record", 2, 2.5),
+                    ("replay", 0, 0.5), ("replay", 1, 1.5), ("replay", 2, 2.5)]
+    stats = replay.get_stats()
+    assert stats["selections_computed"] == 3 and stats["selections_replayed"] == 3
+    assert stats["selections_offloaded"] == (3 if offload else 0)
+    assert not replay._offloaded
+    replay.assert_drained()
+
+
+def test_a_paired_selection_is_checked_on_its_indices_shape():
+    store = replay.SelectionReplay("paired shape")
+    with pytest.raises(replay.ReplayError, match=r"paired shape: the selection has shape"):
+        store.select((1, 2, 4), lambda: (indices(0), torch.zeros(1, 2)))
+    store.record((indices(1), torch.zeros(1, 2)))
+    with pytest.raises(replay.ReplayError, match=r"recorded selection has shape \(1, 2, 3\)"):
+        store.replay((1, 2, 4))
