@@ -100,7 +100,9 @@
 #                                         # flags (e.g. "--stock-kernel-backend cudnn
 #                                         # --fused-stock-max-seq 131072" after
 #                                         # scripts/gpu_cudnn.sh 1 and 2); LSE_TESTS=0 skips
-#                                         # the tests                                (~6 min)
+#                                         # the tests, LSE_TEST_FILES names others,
+#                                         # LSE_VARIANTS adds bench_indexer_loss variants,
+#                                         # LSE_LAYER=0 skips the layer             (~6 min)
 #   bash scripts/gpu_session.sh loss-bwd-probe  # issue #20 item 3: where the indexer loss's
 #                                         # backward kernel spends its time
 #                                         # (probe_indexer_bwd.py: without dk's atomics, rows'
@@ -746,17 +748,21 @@ case "$stage" in
     if [ "${LSE_TESTS:-1}" != 0 ]; then  # LSE_TESTS=0: the timings alone
       : > "$out/failures.log"
       HYSCALE_FAILURE_LOG=$(cd "$out" && pwd)/failures.log; export HYSCALE_FAILURE_LOG
+      # shellcheck disable=SC2086  # files split on purpose
       timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
-        tests/ops/test_attention_indexer_loss.py tests/layers/test_dsa_indexer_target.py \
-        tests/layers/test_layer_hopper_kernels_gpu.py > "$out/tests.log" 2>&1
+        ${LSE_TEST_FILES:-tests/ops/test_attention_indexer_loss.py \
+        tests/layers/test_dsa_indexer_target.py tests/layers/test_layer_hopper_kernels_gpu.py} \
+        > "$out/tests.log" 2>&1
       echo "tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
       grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -20
     fi
     for run in ${LSE_RUNS:-glm51:32768 glm51:131072 v32:32768 v32:131072}; do
+      # shellcheck disable=SC2086  # variants split on purpose
       timeout 150 python3 scripts/bench_indexer_loss.py --t "${run#*:}" --shapes "${run%%:*}" \
-        --variants selection_lse --out "$out/${run/:/_}" 2>&1 \
+        --variants selection_lse ${LSE_VARIANTS:-} --out "$out/${run/:/_}" 2>&1 \
         | grep -v -i warn | grep -E "T=|Error|failed" | tee -a "$out/bench_indexer_loss_variants.log"
     done
+    [ "${LSE_LAYER:-1}" = 0 ] && exit 0  # LSE_LAYER=0: no layer
     # shellcheck disable=SC2086  # flags split on purpose
     timeout "${LSE_LAYER_S:-300}" python3 scripts/bench_layer.py --model dsa \
       --seq ${LSE_LAYER_T:-131072} --repeats "${REPEATS:-2}" --skip-stock \
