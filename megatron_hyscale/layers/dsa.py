@@ -591,7 +591,7 @@ class HyScaleDSAttention(DSAttention):
         """
         shape = (b, sq, self.index_topk)
         first, end = (0, sq) if rows is None else rows
-        keep_lse = self._keeps_index_lse(packed, visible, rows)
+        keep_lse = self._keeps_index_lse(visible)
         index_lse = None
         if self.skip_topk:
             indices = self.selection_replay.select(
@@ -617,26 +617,30 @@ class HyScaleDSAttention(DSAttention):
                 )
 
             def select_from(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
-                            positions: torch.Tensor | None) -> torch.Tensor:
-                return select_scored(q, k, w, positions)[0]
-
-            def select(rows: slice, keys: slice, positions: torch.Tensor | None) -> torch.Tensor:
-                return select_from(q_idx[:, rows], k_idx[:, keys], weights[:, rows], positions)
+                            positions: torch.Tensor | None) -> replay.Selected:
+                """The indices; where `keep_lse`, the pair (indices, fp32 [n, rows] each
+                row's log-sum-exp of its selected scores)."""
+                indices, scores = select_scored(q, k, w, positions)
+                if not keep_lse:
+                    return indices
+                return indices, index_lse_from_scores(scores, self._loss_options().block_n)
 
             def compute() -> replay.Selected:
+                # Where `keep_lse`, the pair (indices, log-sum-exps), recorded and replayed as
+                # one entry.
                 with torch.no_grad():
-                    if keep_lse:  # (one sequence): the pair, recorded and replayed as one
-                        indices, scores = select_scored(q_idx, k_idx, weights, q_positions)
-                        return indices, index_lse_from_scores(scores,
-                                                              self._loss_options().block_n)
                     if packed is None:
-                        return select(slice(None), slice(None), q_positions)
+                        return select_from(q_idx, k_idx, weights, q_positions)
                     if (packed_selection(self.config) == "batched" and b == 1
                             and rows is None):
                         return batched_document_selection(select_from, q_idx, k_idx, weights,
-                                                          packed, self.index_topk)
-                    # Each document over its own keys; its indices become packed rows.
+                                                          packed, self.index_topk,
+                                                          row_values=keep_lse)
+                    # Each document over its own keys; its indices become packed rows. Rows of
+                    # no document select nothing (their log-sum-exp 0, as the row pass has it).
                     indices = torch.full(shape, -1, dtype=torch.int32, device=q_idx.device)
+                    lse = (torch.zeros((b, sq), dtype=torch.float32, device=q_idx.device)
+                           if keep_lse else None)
                     for (start, stop), (r0, r1) in zip(packed.documents, packed.local,
                                                        strict=True):
                         lo, hi = max(r0, first), min(r1, end)  # the query's rows of it
@@ -648,11 +652,13 @@ class HyScaleDSAttention(DSAttention):
                             positions = torch.arange(lo - r0, hi - r0, device=q_idx.device)
                         else:
                             positions = None  # the whole document: HyTopK's default
-                        got = select(slice(lo - first, hi - first), slice(start, stop),
-                                     positions)
-                        indices[:, lo - first:hi - first] = torch.where(got >= 0, got + start,
-                                                                        got)
-                    return indices
+                        mine = slice(lo - first, hi - first)
+                        got = select_from(q_idx[:, mine], k_idx[:, start:stop],
+                                          weights[:, mine], positions)
+                        if keep_lse:
+                            got, lse[:, mine] = got
+                        indices[:, mine] = torch.where(got >= 0, got + start, got)
+                    return indices if lse is None else (indices, lse)
 
             indices = self.selection_replay.select(shape, compute)
             # A hook that replaces the selections (hyscale_bench.accuracy's forced ones) gives
@@ -668,16 +674,15 @@ class HyScaleDSAttention(DSAttention):
         return (getattr(self.config, "indexer_loss_kernel_options", None)
                 or IndexerLossKernelOptions.DEFAULT)
 
-    def _keeps_index_lse(self, packed: PackedLayout | None, visible: torch.Tensor | None,
-                         rows: tuple[int, int] | None) -> bool:
+    def _keeps_index_lse(self, visible: torch.Tensor | None) -> bool:
         """Whether the selection also gives the indexer loss each row's log-sum-exp of its
         selected scores (`IndexerLossKernelOptions.lse_from_selection`): a training layer with
-        a sparse loss whose target may come from the attention backward, one causal sequence
-        (no packed documents, mask or query-row part), the selection in bf16 (the loss scores
-        bf16 q and k). Decided from the configuration alone, so that the checkpointed forward
-        that records and the recompute that replays agree. Where the attention then runs the
-        library pair (`_target_from_attention_backward` false: the separate target pass), the
-        log-sum-exp goes unused (one read of the selected scores, [T] fp32 kept)."""
+        a sparse loss whose target may come from the attention backward, causal rows (packed
+        documents included; not an explicit mask, whose selection runs on the reference), the
+        selection in bf16 (the loss scores bf16 q and k). Where the
+        attention then runs the library pair (`_target_from_attention_backward` false: the
+        separate target pass), the log-sum-exp goes unused (one read of the selected scores,
+        [T] fp32 kept)."""
         cfg = self.config
         options = self._loss_options()
         return (self.training and not self.skip_topk and options.lse_from_selection
@@ -685,7 +690,7 @@ class HyScaleDSAttention(DSAttention):
                 and (cfg.dsa_indexer_loss_coeff or 0.0) > 0
                 and bool(cfg.dsa_indexer_use_sparse_loss)
                 and indexer_target(cfg) != "separate" and indexer_precision(cfg) == "bf16"
-                and packed is None and visible is None and rows is None)
+                and visible is None)
 
     def _shared_selection(self, packed_seq_params: Any,
                           attention_mask: torch.Tensor | None) -> torch.Tensor:

@@ -29,9 +29,10 @@ MIN_FILL = 0.5
 SHORT_DOCUMENT_ROWS = 4096
 
 # select(q [n, Lq, H, D], k [n, Lk, D], weights [n, Lq, H], q_positions [n, Lq] or None for
-# 0 .. Lq - 1) -> int32 indices [n, Lq, topk] into each batch row's keys, -1 padded.
+# 0 .. Lq - 1) -> int32 indices [n, Lq, topk] into each batch row's keys, -1 padded; with
+# `row_values`, the pair (indices, a value a row [n, Lq]: the DSA layer's log-sum-exps).
 SelectFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
-                    torch.Tensor]
+                    torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 
 
 def document_groups(lengths: list[int], *, min_fill: float = MIN_FILL,
@@ -66,9 +67,12 @@ def _row_table(ranges: list[tuple[int, int]], width: int
 def batched_document_selection(select: SelectFn, q_idx: torch.Tensor, k_idx: torch.Tensor,
                                weights: torch.Tensor, packed: PackedLayout, topk: int, *,
                                min_fill: float = MIN_FILL,
-                               short_rows: int = SHORT_DOCUMENT_ROWS) -> torch.Tensor:
+                               short_rows: int = SHORT_DOCUMENT_ROWS, row_values: bool = False
+                               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """int32 [1, rows, topk]: every document's selection over its own keys, as indices into
     the packed keys (k_idx's rows), -1 padded; the same as one `select` call per document.
+    `row_values`: `select` returns pairs (indices, a value a row), and so does this: the values
+    [1, rows] in the packed rows, 0 at rows of no document.
 
     q_idx [1, rows, H, D], weights [1, rows, H] (the local rows), k_idx [1, S, D] (the whole
     packed key sequence, gathered under CP). `packed.local` gives each document's local rows,
@@ -81,6 +85,7 @@ def batched_document_selection(select: SelectFn, q_idx: torch.Tensor, k_idx: tor
     device = q_idx.device
     rows = q_idx.shape[1]
     out = torch.full((1, rows, topk), -1, dtype=torch.int32, device=device)
+    values = torch.zeros((1, rows), dtype=torch.float32, device=device) if row_values else None
     docs = [(d, loc) for d, loc in zip(packed.documents, packed.local, strict=True)
             if loc[1] > loc[0]]
     lengths = [d[1] - d[0] for d, _ in docs]
@@ -101,6 +106,9 @@ def batched_document_selection(select: SelectFn, q_idx: torch.Tensor, k_idx: tor
         elif q_width != k_width:
             raise ValueError("without context parallelism a document's local rows are its keys")
         got = select(q_idx[0][q_rows], k_idx[0][key_rows], weights[0][q_rows], positions)
+        if row_values:
+            got, got_values = got
+            values[0, q_dest] = got_values.reshape(-1)[q_slots].to(values.dtype)
         got = torch.where(got >= 0, got + first[:, None, None], got)
         out[0, q_dest] = got.reshape(-1, topk)[q_slots]
-    return out
+    return out if values is None else (out, values)

@@ -458,3 +458,44 @@ def test_lse_travels_with_micro_batches_in_flight_and_offload(monkeypatch):
     assert stats["selections_offloaded"] == 3 * 4 and stats["selections_replayed"] == 3 * 4
     assert replay.pending_entries() == 0 and not replay._offloaded
     assert_grads_close(got, want)
+
+
+@pytest.mark.parametrize("mode", ["per_document", "batched"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_packed_documents_take_the_lse_from_their_selection(mode, recompute, monkeypatch):
+    """Packed THD documents (one shorter than top-k, each in padded storage: rows of no
+    document between them): each document's selection gives its rows' log-sum-exps (replayed
+    with the indices), the loss's row pass gathers nothing, and the output, input and
+    parameter gradients and the logged loss are the row pass's (lse_from_selection off) to
+    fp32 rounding."""
+    from dataclasses import replace
+
+    from megatron_hyscale.ops import IndexerLossKernelOptions
+    from megatron_hyscale.ops.kernels import attention_indexer_loss as ail
+    from tests.layers.test_dsa_packed import build_pair, hyscale_step, packed_params
+
+    passes = []
+    real_rows, real_norm = ail.indexer_loss_rows, ail.normalize_target
+    monkeypatch.setattr(ail, "indexer_loss_rows",
+                        lambda *a, **k: passes.append("rows") or real_rows(*a, **k))
+    monkeypatch.setattr(ail, "normalize_target",
+                        lambda *a, **k: passes.append("given") or real_norm(*a, **k))
+    padded = torch.tensor([0, 16, 56, 80], dtype=torch.int32, device=DEVICE)
+    params = packed_params((13, 40, 27), padded=padded)
+    _, layer = build_pair(dsa_indexer_use_sparse_loss=True)
+    layer.config.hyscale_packed_selection = mode
+    layer.config.hyscale_indexer_target = "attention_backward"
+    hidden = torch.randn(80, 1, 64, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    layer.config.indexer_loss_kernel_options = replace(IndexerLossKernelOptions.DEFAULT,
+                                                       lse_from_selection=False)
+    want = hyscale_step(layer, hidden, params, recompute)
+    assert passes == ["rows"]
+    del layer.config.indexer_loss_kernel_options
+    got = hyscale_step(layer, hidden, params, recompute)
+    assert passes == ["rows", "given"]
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-8)
+    assert any(".indexer." in n for n in want[2]), "no indexer gradient: the loss never ran"
+    assert_grads_close(got[2], want[2])
+    assert want[3].abs().sum() > 0
+    torch.testing.assert_close(got[3], want[3], rtol=1e-3, atol=0.0)

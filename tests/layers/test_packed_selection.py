@@ -79,6 +79,37 @@ def test_batched_equals_per_document_under_context_parallelism(rank):
         assert torch.equal(got, per_document(q, k, w, packed))
 
 
+@pytest.mark.parametrize("cp_rank", [None, 0, 1])
+def test_row_values_travel_to_their_packed_rows(cp_rank):
+    """row_values: `select`'s value a row (the DSA layer's log-sum-exps) lands in the row's
+    packed place, 0 at rows of no document, the indices unchanged; grouped or not."""
+    from megatron_hyscale.ops.indexer_loss import index_lse_from_scores
+
+    def select_lse(q, k, w, positions):
+        idx, scores = hytopk(q, k, w, TOPK, q_positions=positions, backend="reference")
+        return idx, index_lse_from_scores(scores)
+
+    if cp_rank is None:
+        cu = [0, 13, 53, 54, 63]  # and rows 63 .. 66 in no document (padding)
+        docs = tuple(zip(cu, cu[1:]))
+        packed = PackedLayout(docs, docs, None, None, None)
+        q, k, w = inputs(cu[-1] + 3, cu[-1] + 3, seed=4)
+    else:
+        cu = (0, 8, 40, 52, 56)
+        packed = _cp_layout(cu, 2, cp_rank, "cpu")
+        q, k, w = inputs(cu[-1] // 2, cu[-1], seed=5 + cp_rank)
+    want = torch.zeros(q.shape[:2])
+    for (start, end), (r0, r1) in zip(packed.documents, packed.local, strict=True):
+        pos = None if packed.offsets is None else packed.offsets[r0:r1]
+        want[:, r0:r1] = select_lse(q[:, r0:r1], k[:, start:end], w[:, r0:r1], pos)[1]
+    assert want.abs().sum() > 0
+    for short_rows in (0, 10**9):
+        got, values = batched_document_selection(select_lse, q, k, w, packed, TOPK,
+                                                 short_rows=short_rows, row_values=True)
+        assert torch.equal(got, per_document(q, k, w, packed))
+        assert values.dtype == torch.float32 and torch.equal(values, want)
+
+
 def test_batch_size_above_one_is_refused():
     docs = ((0, 4),)
     packed = PackedLayout(docs, docs, None, None, None)

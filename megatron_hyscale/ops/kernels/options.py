@@ -697,10 +697,11 @@ class IndexerLossKernelOptions:
     kl_in_bwd: bool = True
     # Where the loss runs in the attention backward (above), the index scores' log-sum-exp of
     # each row from its selection instead of the row pass's gathered pass: HyTopK returns the
-    # selected keys' scores anyway, so the DSA layer (HyScaleDSAttention, one sequence, bf16
-    # selection) takes their log-sum-exp when it selects (`indexer_loss.selected_scores_lse`:
-    # one read of the [T, K] fp32 scores), keeps it with the replayed indices ([T] fp32), and
-    # the row pass only normalizes the target (`indexer_loss.normalize_target`, no gather).
+    # selected keys' scores anyway, so the DSA layer (HyScaleDSAttention, one sequence or
+    # packed documents, bf16 selection) takes their log-sum-exp when it selects
+    # (`indexer_loss.selected_scores_lse`: one read of the [T, K] fp32 scores), keeps it with
+    # the replayed indices ([T] fp32), and the row pass only normalizes the target
+    # (`indexer_loss.normalize_target`, no gather).
     # The loss's recomputed scores may differ from the selection's by fp32 summation order, and
     # the two log-sum-exps by their own (one over the row's tiles here, over 64-key tiles in
     # the row pass): the loss and the gradients agree to that rounding, not bitwise. The
