@@ -640,7 +640,9 @@ class IndexerLossKernelOptions:
     # for sm_90a (`--preset indexer-loss-bwd-sm90-glm51-lockstep`, no spill in the tile loops);
     # its GPU test passes (bitwise the unpaced kernel on integer inputs), but on an H100
     # (2026-12-06, GLM-5.1 at 128K, `--variants bwd_sm90_lockstep`, same process) the paced
-    # backward took 82.5 ms against 69.5 unpaced (row pass + backward 102.9 against 90.6).
+    # backward took 82.5 ms against 69.5 unpaced (row pass + backward 102.9 against 90.6), and
+    # a wider slack is slower still (another H100, same process: 65.3 unpaced, 81.6 / 88.2 /
+    # 95.0 ms at slack 1 / 4 / 8): the cost is not the waiting.
     bwd_lockstep: bool = False
     bwd_lockstep_slack: int = 1
     bwd_lockstep_programs_per_sm: int = 2
