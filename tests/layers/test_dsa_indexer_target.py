@@ -25,6 +25,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 from hyscale_bench.models import build_gpt, default_device, tiny_dsa_config
 from megatron_hyscale.layers import dsa
 from megatron_hyscale.layers.kernel_backend import indexer_target
+from megatron_hyscale.ops.kernels import attention_indexer_loss as ail
 from megatron_hyscale.testing.dsa_core import assert_core_steps_match, build_core_pair, core_step
 from megatron_hyscale.testing.stock import stock_topk_breaks_ties_by_index
 
@@ -124,7 +125,6 @@ def test_kl_from_the_indexer_backward_changes_nothing(monkeypatch):
     from dataclasses import replace
 
     from megatron_hyscale.ops import IndexerLossKernelOptions
-    from megatron_hyscale.ops.kernels import attention_indexer_loss as ail
 
     kl_from_bwd = []
     real = ail.indexer_loss_bwd
@@ -163,6 +163,18 @@ def test_kl_from_the_indexer_backward_changes_nothing(monkeypatch):
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+def row_passes(monkeypatch) -> list[str]:
+    """The loss's row passes, in call order (a list that grows): "rows" for the gathered pass,
+    "given" for the target's normalization alone (the log-sum-exp given)."""
+    passes: list[str] = []
+    real_rows, real_norm = ail.indexer_loss_rows, ail.normalize_target
+    monkeypatch.setattr(ail, "indexer_loss_rows",
+                        lambda *a, **k: passes.append("rows") or real_rows(*a, **k))
+    monkeypatch.setattr(ail, "normalize_target",
+                        lambda *a, **k: passes.append("given") or real_norm(*a, **k))
+    return passes
+
+
 def assert_grads_close(got: dict, want: dict) -> None:
     """Gradients with the selection's log-sum-exp against the row pass's. The indexer's come
     from g = softmax(s) * psum - pn, near-equal terms in the tiny GPT (its KL is about 6e-6),
@@ -190,14 +202,8 @@ def test_lse_from_the_selection_changes_nothing(recompute, monkeypatch):
 
     from megatron_hyscale import replay
     from megatron_hyscale.ops import IndexerLossKernelOptions
-    from megatron_hyscale.ops.kernels import attention_indexer_loss as ail
 
-    passes = []
-    real_rows, real_norm = ail.indexer_loss_rows, ail.normalize_target
-    monkeypatch.setattr(ail, "indexer_loss_rows",
-                        lambda *a, **k: passes.append("rows") or real_rows(*a, **k))
-    monkeypatch.setattr(ail, "normalize_target",
-                        lambda *a, **k: passes.append("given") or real_norm(*a, **k))
+    passes = row_passes(monkeypatch)
     given = []
     real_op = dsa.sparse_attention_indexer_loss
 
@@ -422,7 +428,6 @@ def test_lse_travels_with_micro_batches_in_flight_and_offload(monkeypatch):
 
     from megatron_hyscale import replay
     from megatron_hyscale.ops import IndexerLossKernelOptions
-    from megatron_hyscale.ops.kernels import attention_indexer_loss as ail
     from tests.layers.test_dsa_replay import FULL_UNIFORM, pipelined_grads
 
     row_passes = []
@@ -471,15 +476,9 @@ def test_packed_documents_take_the_lse_from_their_selection(mode, recompute, mon
     from dataclasses import replace
 
     from megatron_hyscale.ops import IndexerLossKernelOptions
-    from megatron_hyscale.ops.kernels import attention_indexer_loss as ail
     from tests.layers.test_dsa_packed import build_pair, hyscale_step, packed_params
 
-    passes = []
-    real_rows, real_norm = ail.indexer_loss_rows, ail.normalize_target
-    monkeypatch.setattr(ail, "indexer_loss_rows",
-                        lambda *a, **k: passes.append("rows") or real_rows(*a, **k))
-    monkeypatch.setattr(ail, "normalize_target",
-                        lambda *a, **k: passes.append("given") or real_norm(*a, **k))
+    passes = row_passes(monkeypatch)
     padded = torch.tensor([0, 16, 56, 80], dtype=torch.int32, device=DEVICE)
     params = packed_params((13, 40, 27), padded=padded)
     _, layer = build_pair(dsa_indexer_use_sparse_loss=True)
