@@ -71,7 +71,8 @@ def current_phase() -> str:
 
 
 def get_stats() -> dict[str, int]:
-    """Counts since the last reset: `selections_computed`, `selections_replayed`."""
+    """Counts since the last reset: `selections_computed`, `selections_replayed`,
+    `selections_offloaded` (a pair counts once)."""
     return dict(_stats)
 
 
@@ -81,7 +82,8 @@ def reset_stats() -> None:
 
 
 def configure(*, offload: bool | None = None) -> None:
-    """Set replay options; `offload`: keep recorded indices in (pinned) host memory."""
+    """Set replay options; `offload`: keep recorded selections (indices and companions) in
+    (pinned) host memory."""
     if offload is not None:
         if not isinstance(offload, bool):
             raise ValueError(f"offload must be a bool, got {offload!r}")
@@ -231,7 +233,8 @@ class _Entry:
 
 @dataclass(eq=False)
 class SelectionReplay:
-    """One layer's selection protocol and the FIFO of its recorded selections (int32 indices).
+    """One layer's selection protocol and the FIFO of its recorded selections (int32 indices,
+    or pairs (indices, companion)).
 
     `replays=False`: the layer's selection is a baseline that selects again in the recompute
     (nothing is recorded; every selection counts as computed).
@@ -274,6 +277,11 @@ class SelectionReplay:
         else:
             with phase_spans.span(phase_spans.SELECTION):  # every layer's selection phase
                 selected = compute()
+        if isinstance(selected, tuple) and not (
+                len(selected) == 2 and all(isinstance(t, torch.Tensor) for t in selected)):
+            raise ReplayError(f"{self.name}: a selection is int32 indices or the pair (indices, "
+                              f"companion) of tensors, got a tuple of {len(selected)}: "
+                              f"{[type(t).__name__ for t in selected]}")
         indices = selected[0] if isinstance(selected, tuple) else selected
         if tuple(indices.shape) != tuple(shape):
             raise ReplayError(f"{self.name}: the selection has shape {tuple(indices.shape)}, "
@@ -306,6 +314,8 @@ class SelectionReplay:
             )
         entry = self.queue.popleft()
         if entry.shape != tuple(expected_shape):
+            if entry.offloaded:  # dropped: no later replay may prefetch it
+                _offloaded.remove(entry)
             raise ReplayError(
                 f"{self.name}: recorded selection has shape {entry.shape} but the "
                 f"recompute expects {tuple(expected_shape)}"

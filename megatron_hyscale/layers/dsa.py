@@ -574,7 +574,8 @@ class HyScaleDSAttention(DSAttention):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """int32 [b, sq, topk] indices into the (gathered) keys: replayed, shared or computed;
         and, where `_keeps_index_lse`, fp32 [b, sq] each row's log-sum-exp of its selected
-        scores (replayed with the indices), else None.
+        scores (replayed with the indices), else None (also where a hook replaced the
+        selection with indices alone).
 
         `q_positions` ([sq] int64) are the query rows' global positions, None where they are
         HyTopK's default (no CP, all rows); the keys are the whole sequence in global order, so

@@ -190,6 +190,9 @@ def test_a_selection_with_its_companion_is_replayed_as_one_entry(offload):
             outs.append(tensor_parallel.checkpoint(partial(forward, value=mb), False,
                                                    torch.ones(2, requires_grad=True)))
         assert len(store) == 3 and replay.pending_entries() == 3
+        copies = [copy for entry in store.queue for copy in entry.copies]
+        assert len(copies) == 6  # indices and companion, each kept (on the host if offloaded)
+        assert all((c.tensor is None and c.host is not None) == offload for c in copies)
         for out in outs:
             out.sum().backward()
     finally:
@@ -204,10 +207,30 @@ def test_a_selection_with_its_companion_is_replayed_as_one_entry(offload):
     replay.assert_drained()
 
 
-def test_a_paired_selection_is_checked_on_its_indices_shape():
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_paired_selection_is_checked_on_its_indices_shape(offload):
+    """The indices' shape is checked on record and on replay; an offloaded entry refused on
+    replay leaves nothing for a later replay to prefetch."""
     store = replay.SelectionReplay("paired shape")
     with pytest.raises(replay.ReplayError, match=r"paired shape: the selection has shape"):
         store.select((1, 2, 4), lambda: (indices(0), torch.zeros(1, 2)))
-    store.record((indices(1), torch.zeros(1, 2)))
+    replay.configure(offload=offload)
+    try:
+        store.record((indices(1), torch.zeros(1, 2)))
+    finally:
+        replay.configure(offload=False)
+    assert len(replay._offloaded) == (1 if offload else 0)
     with pytest.raises(replay.ReplayError, match=r"recorded selection has shape \(1, 2, 3\)"):
         store.replay((1, 2, 4))
+    assert not replay._offloaded and replay.pending_entries() == 0
+
+
+@pytest.mark.parametrize("selected", [
+    (indices(0),), (indices(0), torch.zeros(1, 2), torch.zeros(1, 2)), (indices(0), None)],
+    ids=["one", "three", "not-a-tensor"])
+def test_a_tuple_other_than_a_pair_of_tensors_is_refused(selected):
+    store = replay.SelectionReplay("bad tuple")
+    with pytest.raises(replay.ReplayError, match=r"bad tuple: a selection is int32 indices or "
+                                                 r"the pair"):
+        store.select(SHAPE, lambda: selected)
+    assert replay.get_stats()["selections_computed"] == 0 and len(store) == 0

@@ -36,9 +36,9 @@ def test_a_growing_store_is_caught(monkeypatch):
     original = replay.SelectionReplay.select
 
     def leaky_select(self, *args, **kwargs):
-        indices = original(self, *args, **kwargs)
-        kept.append(indices.clone())
-        return indices
+        selected = original(self, *args, **kwargs)  # indices, or (indices, companion)
+        kept.append((selected[0] if isinstance(selected, tuple) else selected).clone())
+        return selected
 
     monkeypatch.setattr(replay.SelectionReplay, "select", leaky_select)
     result = soak.run_soak(20, offload=False)
