@@ -9,8 +9,9 @@ training step per scenario: dense / sparse indexer loss, per-token loss, full re
 selection replayed), padded documents (cu_seqlens_q_padded, real tokens fewer), padded rows
 masked out of the indexer loss (real_token_mask_q, each rank's local rows: mean and per-token
 loss), two layers sharing one selection (dsa_indexer_topk_freq=2), and HyScale's MLA layer in
-checkpointed row parts that cut documents (row_chunk; stock whole). Rank 0 keeps what it
-saw; the tests compare
+checkpointed row parts that cut documents (row_chunk; stock whole), and the sparse loss in
+the attention backward with each document's selection giving its rows' index log-sum-exps.
+Rank 0 keeps what it saw; the tests compare
 - outputs (reassembled), the logged indexer loss (reduced over CP as megatron's tracker does
   with the groups the layer gave it), every parameter gradient (averaged over CP; summed for
   per-token losses) and the input gradient;
@@ -70,6 +71,10 @@ SCENARIOS: dict[str, dict] = {
     "row-chunks-sparse-recompute": dict(row_chunk=True, dsa_indexer_use_sparse_loss=True,
                                         recompute=True),
     "row-chunks-dense-masked": dict(row_chunk=True, padded=True, masked=True),
+    # The sparse loss in the attention backward (Triton's interpreter on CPU), its rows' index
+    # log-sum-exps from each document's selection at the rows' in-document positions, replayed.
+    "sparse-loss-recompute-target-in-backward": dict(target_in_backward=True, recompute=True,
+                                           dsa_indexer_use_sparse_loss=True),
 }
 ROW_CHUNK = 14  # local rows: 80 at CP = 1 (6 parts), 40 at CP = 2 (3 parts)
 
@@ -308,12 +313,15 @@ def _body(rank: int, result: dict) -> None:
     from megatron_hyscale.layers.dsa import HyScaleDSAttention
 
     record: list = []
+    with_lse: list = []  # one entry a selection that gave the loss its log-sum-exps
     original = HyScaleDSAttention._selection
 
     def recording(self, *args, **kwargs):
         # Each layer's selection of a forward (computed, replayed or shared), as it returns it.
         got = original(self, *args, **kwargs)
         record.append(got[0].clone())  # (indices, the selected scores' log-sum-exp)
+        if got[1] is not None:
+            with_lse.append(1)
         return got
 
     with _cpu_patches(), mock.patch.object(HyScaleDSAttention, "_selection", recording):
@@ -329,9 +337,12 @@ def _body(rank: int, result: dict) -> None:
                 masked = overrides.pop("masked", False)
                 tied = overrides.pop("tied", False)
                 row_chunk = ROW_CHUNK if overrides.pop("row_chunk", False) else None
+                target_in_backward = overrides.pop("target_in_backward", False)
                 cfg = tiny_dsa_config(dsa_indexer_topk=TOPK, context_parallel_size=cp,
                                       cp_comm_type="allgather" if cp > 1 else None,
                                       **{"num_layers": 1, **overrides})
+                if target_in_backward:  # HyScale's setting (stock's layer does not read it)
+                    cfg.hyscale_indexer_target = "attention_backward"
                 for kind in ("stock", "hyscale"):
                     try:
                         layers = _build(cfg, stock=kind == "stock", state=states.get(name),
@@ -339,8 +350,10 @@ def _body(rank: int, result: dict) -> None:
                         states.setdefault(name, layers.state_dict())
                         params = _params(padded, masked, cp,
                                          0 if cp_group is None else cp_group.rank())
+                        before = len(with_lse)
                         result[(name, kind, cp)] = _step(layers, cfg, cp_group, params,
                                                          recompute, record)
+                        result[(name, kind, cp)]["lse_selections"] = len(with_lse) - before
                     except Exception:
                         # Both ranks fail alike (the checks are symmetric); the tests say why.
                         result[(name, kind, cp)] = {
@@ -423,6 +436,16 @@ def test_stock_cp2_matches_cp1(results, scenario):
     assert_same_step(_ok(results, (scenario, "stock", WORLD)),
                      _ok(results, (scenario, "stock", 1)), f"{scenario} stock CP=2 vs CP=1",
                      loss_atol=ATOL, indexer=scenario not in CP_MEANS_DIFFER)
+
+
+@pytest.mark.parametrize("cp", [1, WORLD])
+def test_the_loss_in_the_backward_takes_each_documents_lse(results, cp):
+    """The sparse loss in the attention backward: the selections (first forward and replayed
+    recompute) carry their rows' log-sum-exps, here under CP too; the step matching stock's is
+    `test_hyscale_cp2_matches_stock_cp2`'s."""
+    res = _ok(results, ("sparse-loss-recompute-target-in-backward", "hyscale", cp))
+    assert res["lse_selections"] == 2  # the forward's and the recompute's (replayed)
+    assert _ok(results, ("dense-loss", "hyscale", cp))["lse_selections"] == 0  # none to take
 
 
 def test_selection_stays_in_each_document(results):
