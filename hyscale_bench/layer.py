@@ -134,6 +134,9 @@ PACKED_SPLITS = ("even", "uneven", "both")
 PACKED_SEED = 2026
 # The stock rows that also run packed THD (megatron's none and cudnn backends take it).
 PACKED_STOCK_ROWS = ("stock", "stock_cudnn")
+# HyScale's comparison rows that also run packed THD, in each selection mode as the main row
+# (--compare-selection-lse: the selection's log-sum-exp serves packed documents too).
+PACKED_HYSCALE_ROWS = ("hyscale_row_pass_lse",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1088,6 +1091,26 @@ def measure_packed(layer: Layer, T: int, args: argparse.Namespace, n: int, split
     return rec
 
 
+def measure_hyscale_packed(row: dict[str, Any], key: str, layer: Layer, T: int,
+                           args: argparse.Namespace, packed: list[tuple[int, str]]) -> None:
+    """The packed rows of HyScale's row `key` (the same module and hidden states as its
+    unpacked row, CP 1 only), in each selection mode: row[packed_name(key, ...)]."""
+    from megatron_hyscale import replay
+
+    config = layer.module.config
+    for (n, split), mode in product(packed, packed_selections(args)):
+        name = packed_name(key, n, split, mode)
+        log(f"[T={T}] {name} ...")
+        config.hyscale_packed_selection = mode
+        try:
+            row[name] = measure_packed(layer, T, args, n, split, row[key], hyscale=True)
+        finally:
+            config.hyscale_packed_selection = None
+        if isinstance(row[name], dict):  # else the row's error message
+            row[name]["packed_selection"] = mode
+        replay.clear()
+
+
 def attention_kernel_options(args: argparse.Namespace) -> Any:
     """HyScale's sparse-attention kernel variants for this run (--attention-bwd,
     --attention-fwd). They reach the kernels HyScale runs itself: with --hyscale-kernel-backend
@@ -1371,20 +1394,7 @@ def run(args: argparse.Namespace) -> int:
         row["hyscale"] = combine(gather_ranks(rec))
         replay.clear()
         packed = [(n, split) for n in args.packed or () for split in packed_splits(args)]
-        config = hyscale.module.config
-        for (n, split), mode in product(packed, packed_selections(args)):
-            # the same module and hidden states, packed (CP 1 only), each selection mode
-            name = packed_name("hyscale", n, split, mode)
-            log(f"[T={T}] {name} ...")
-            config.hyscale_packed_selection = mode
-            try:
-                row[name] = measure_packed(hyscale, T, args, n, split, row["hyscale"],
-                                           hyscale=True)
-            finally:
-                config.hyscale_packed_selection = None
-            if isinstance(row[name], dict):  # else the row's error message
-                row[name]["packed_selection"] = mode
-            replay.clear()
+        measure_hyscale_packed(row, "hyscale", hyscale, T, args, packed)
         for name, base in bases:
             # the fused stock backends are not bound by the unfused path's score table
             limit = (args.baseline_max_seq if name == base_name else
@@ -1395,6 +1405,8 @@ def run(args: argparse.Namespace) -> int:
             log(f"[T={T}] {name} ...")
             row[name] = combine(gather_ranks(guarded(partial(measure, base, T, args),
                                                      args.device, keep_going=name != base_name)))
+            if name in PACKED_HYSCALE_ROWS:
+                measure_hyscale_packed(row, name, base, T, args, packed)
             if name in PACKED_STOCK_ROWS:  # megatron's none and cudnn backends take THD
                 for n, split in packed:
                     key = packed_name(name, n, split)
@@ -1451,7 +1463,8 @@ def packed_meta(args: argparse.Namespace) -> dict[str, Any]:
             "selections": packed_selections(args),
             "goal_per_token_vs_unpacked": PACKED_GOAL, "uneven_seed": PACKED_SEED,
             "uneven_lengths": "log-normal(0, 1) shares of T from random.Random(seed + N)",
-            "stock_rows_packed_where_timed": list(PACKED_STOCK_ROWS)}
+            "stock_rows_packed_where_timed": list(PACKED_STOCK_ROWS),
+            "hyscale_rows_packed_where_timed": list(PACKED_HYSCALE_ROWS)}
 
 
 def _f(v: Any, key: str, digits: int = 1) -> str:

@@ -927,12 +927,14 @@ case "$stage" in
     # The first backward launch: the default case's warm-up (its record goes to /tmp).
     HYSCALE_RESULTS=/tmp/gpu_session/ncu_probe timeout 200 "$ncu_bin" --kernel-name \
       regex:_bwd_kernel --launch-count 1 --section SpeedOfLight --section WarpStateStats \
-      --section MemoryWorkloadAnalysis --metrics "$raw" --clock-control none \
+      --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+      --metrics "$raw" --clock-control none \
       python3 scripts/probe_indexer_bwd.py --t 131072 --shapes glm51 --reps 1 --kernels sm90 \
       --cases spread > "$out/ncu_bwd.log" 2>&1
     echo "ncu rc=$?"
-    grep -E "dram__|lts__|gpu__time|Throughput|Stall|Warp Cycles|Hit Rate|Busy|Issue" \
-      "$out/ncu_bwd.log" | head -60
+    # The L2 table's reduction rows: whether dk's atomics hold the L2 at its peak.
+    grep -E "dram__|lts__|gpu__time|Throughput|Stall|Warp Cycles|Hit Rate|Busy|Issue|Red" \
+      "$out/ncu_bwd.log" | head -80
     ;;
   ncu-attention)
     # Issue #20 item 2: where the sparse-attention backward's time goes, HyScale's against

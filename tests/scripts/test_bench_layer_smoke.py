@@ -644,8 +644,28 @@ def test_compare_selection_lse_row(tmp_path: Path) -> None:
     row = _load(tmp_path, "dsa", proc)["rows"][0]
     for name in ("hyscale", "hyscale_row_pass_lse"):
         _check_record(row[name], selects=True, replays=True)
+    assert not any("_packed_" in key for key in row)
     for bad in (["--model", "qsa", "--compare-selection-lse"],
                 ["--dense-loss", "--compare-selection-lse"],
                 ["--loss-kl-in-rows", "--compare-selection-lse"]):
         with pytest.raises(SystemExit):
             bench_layer.parse_args(bad)
+
+
+def test_compare_selection_lse_packed_rows(tmp_path: Path) -> None:
+    """`--compare-selection-lse --packed 3 --packed-selection both`: the row-pass comparison
+    gets packed rows in each selection mode too, on its own path, each per token against its
+    own unpacked row (not the main row's)."""
+    proc = _run(["--model", "dsa", "--skip-stock", "--compare-selection-lse", "--packed", "3",
+                 "--packed-selection", "both"], tmp_path)
+    data = _load(tmp_path, "dsa", proc)
+    row = data["rows"][0]
+    assert data["packed"]["hyscale_rows_packed_where_timed"] == ["hyscale_row_pass_lse"]
+    for base in ("hyscale", "hyscale_row_pass_lse"):
+        for name, mode in ((f"{base}_packed_3", "per_document"),
+                           (f"{base}_packed_3_batched", "batched")):
+            rec = row[name]
+            assert (rec["path"], rec["packed_selection"]) == ("hyscale", mode), name
+            _check_record(rec, selects=True, replays=True)
+            assert rec["per_token_vs_unpacked"] == pytest.approx(
+                rec["fwd_bwd_ms"] / row[base]["fwd_bwd_ms"])
