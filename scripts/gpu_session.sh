@@ -511,11 +511,14 @@ case "$stage" in
     # benchmarks/results record (benchmark_tables.py renders it) lands in the stage's folder.
     # PROFILE=N: one profiled step a row, its N costliest operators in the log and the JSON.
     # PACKED_SELECTION: per_document, batched or both (default: both, rows side by side).
+    # LAYER_FLAGS: more bench_layer flags (--compare-selection-lse: the row pass's own
+    # log-sum-exp beside the selection's, packed rows too).
+    # shellcheck disable=SC2086  # flags split on purpose
     HYSCALE_RESULTS=$out timeout "${LAYER_PACKED_TIMEOUT:-420}" python3 scripts/bench_layer.py \
       --seq $seqs --packed ${PACKED_DOCS:-8 64} \
       --packed-split "${PACKED_SPLIT:-even}" --skip-stock --repeats "${REPEATS:-3}" \
       --profile-kernels "${PROFILE:-0}" --packed-selection "${PACKED_SELECTION:-both}" \
-      --out "$out" 2>&1 | tee "$out/bench_layer.log" \
+      ${LAYER_FLAGS:-} --out "$out" 2>&1 | tee "$out/bench_layer.log" \
       | grep -E "^\||Error|Traceback|T=.*floor|HyScaleDSAttention|profile:|^ +[0-9.]+ ms +[0-9]+x"
     ;;
   accuracy)
