@@ -203,8 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "bwd_lockstep)")
     p.add_argument("--compare-selection-lse", action="store_true",
                    help="dsa: also time the layer with the indexer loss's row pass gathering "
-                        "its own index-score log-sum-exp (IndexerLossKernelOptions."
-                        "lse_from_selection=False), row hyscale_row_pass_lse, beside the "
+                        "its own index-score log-sum-exp (config.hyscale_indexer_lse = "
+                        "'row_pass'), row hyscale_row_pass_lse, beside the "
                         "default's from the selection's scores")
     p.add_argument("--loss-bwd-triton", action="store_true",
                    help="the indexer loss's backward on the Triton kernel (IndexerLossKernel"
@@ -1345,10 +1345,11 @@ def run(args: argparse.Namespace) -> int:
             setattr(config, name, value)
         return layer
 
-    # With --compare-mla-projections the main row's projections are pinned, not read from
-    # $HYSCALE_MLA_PROJECTIONS: the two rows must differ.
-    hyscale = hyscale_layer(**({"hyscale_mla_projections": "hyscale"}
-                               if args.compare_mla_projections else {}))
+    # With --compare-mla-projections / --compare-selection-lse the main row's setting is
+    # pinned, not read from $HYSCALE_MLA_PROJECTIONS / $HYSCALE_INDEXER_LSE: the rows must differ.
+    pinned = ({"hyscale_mla_projections": "hyscale"} if args.compare_mla_projections else {})
+    pinned |= {"hyscale_indexer_lse": "selection"} if args.compare_selection_lse else {}
+    hyscale = hyscale_layer(**pinned)
     bases: list[tuple[str, Layer]] = []  # (row key, layer), each on HyScale's weights
     if args.compare_own_kernels:
         # with --compare-indexer-target, the other side of that comparison
@@ -1359,9 +1360,7 @@ def run(args: argparse.Namespace) -> int:
                       hyscale_layer(hyscale_kernel_backend="own",
                                     hyscale_indexer_target="attention_backward")))
     if args.compare_selection_lse:
-        bases.append(("hyscale_row_pass_lse", hyscale_layer(
-            indexer_loss_kernel_options=replace(indexer_loss_kernel_options(args),
-                                                lse_from_selection=False))))
+        bases.append(("hyscale_row_pass_lse", hyscale_layer(hyscale_indexer_lse="row_pass")))
     if args.compare_mla_projections:
         bases.append(("hyscale_megatron_projections",
                       hyscale_layer(hyscale_mla_projections="megatron")))

@@ -349,7 +349,7 @@ def target_sweep(shapes, Ts, tilings, warmup, reps, out_dir):
 # Hopper the default backward is the Gluon kernel, which they do not tune.
 TRITON_BWD = dict(bwd_sm90=False)
 # The variant whose row pass takes the selection's log-sum-exp (not an options field: the DSA
-# layer's IndexerLossKernelOptions.lse_from_selection hands the op `index_lse`).
+# layer's hyscale_indexer_lse = "selection" hands the op `index_lse`).
 SELECTION_LSE = "selection_lse"
 LOSS_VARIANTS = {
     "one_pass": dict(loss_one_pass=True),
@@ -390,7 +390,7 @@ LOSS_VARIANTS = {
     "bwd_sm90_no_kl": dict(bwd_sm90=True, kl_in_bwd=False),
     # ... and the Triton backward without them: bwd_sm90_no_kl's baseline of the same work
     "no_kl_in_bwd": dict(kl_in_bwd=False, **TRITON_BWD),
-    # the row pass as the DSA layer runs it with lse_from_selection: the index scores'
+    # the row pass as the DSA layer runs it (hyscale_indexer_lse "selection"): the index scores'
     # log-sum-exp from the selection's scores (`index_lse_from_scores` over a [B, T, K] fp32
     # tensor, timed in the row pass) and the target normalized without a gather
     # (`normalize_target`)

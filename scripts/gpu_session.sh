@@ -91,7 +91,7 @@
 #                                         # (LOSS_BWD_RUNS)                           (~7 min)
 #   bash scripts/gpu_session.sh selection-lse  # issue #20 item 3: the indexer loss's row
 #                                         # pass with the selection's log-sum-exp
-#                                         # (IndexerLossKernelOptions.lse_from_selection): the
+#                                         # (config.hyscale_indexer_lse = "selection"): the
 #                                         # op's and the layer's tests on CUDA, the row pass +
 #                                         # backward beside the gathered row pass (GLM-5.1 and
 #                                         # V3.2 at 32K and 128K, one process each: LSE_RUNS),

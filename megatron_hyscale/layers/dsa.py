@@ -69,6 +69,7 @@ from megatron.core.utils import get_pg_size
 
 from megatron_hyscale import ops, parallel, phase_spans, replay
 from megatron_hyscale.layers.kernel_backend import (
+    indexer_lse,
     indexer_precision,
     indexer_target,
     kernel_backend,
@@ -677,7 +678,7 @@ class HyScaleDSAttention(DSAttention):
 
     def _keeps_index_lse(self, visible: torch.Tensor | None) -> bool:
         """Whether the selection also gives the indexer loss each row's log-sum-exp of its
-        selected scores (`IndexerLossKernelOptions.lse_from_selection`): a training layer with
+        selected scores (`kernel_backend.indexer_lse` "selection"): a training layer with
         a sparse loss whose target may come from the attention backward, causal rows (packed
         documents included; not an explicit mask, whose selection runs on the reference), the
         selection in bf16 (the loss scores bf16 q and k). Where the
@@ -686,7 +687,7 @@ class HyScaleDSAttention(DSAttention):
         [T] fp32 kept)."""
         cfg = self.config
         options = self._loss_options()
-        return (self.training and not self.skip_topk and options.lse_from_selection
+        return (self.training and not self.skip_topk and indexer_lse(cfg) == "selection"
                 and options.kl_in_bwd and not options.fused_rows_bwd
                 and (cfg.dsa_indexer_loss_coeff or 0.0) > 0
                 and bool(cfg.dsa_indexer_use_sparse_loss)

@@ -31,6 +31,22 @@ for the sparse loss without an explicit attention mask and in a training forward
 gradients; other calls run the separate path, as do tensors off CUDA without Triton's
 interpreter (an explicit "attention_backward" warns once).
 
+Where the sparse loss runs in the attention backward, each row's index-score log-sum-exp:
+`config.hyscale_indexer_lse`, else $HYSCALE_INDEXER_LSE, else "selection": HyScaleDSAttention
+takes it from the selected keys' scores when it selects (HyTopK returns them anyway;
+`ops.indexer_loss.selected_scores_lse`: one read of the [T, K] fp32 scores), keeps it with the
+replayed indices ([T] fp32 in the same replay entry) and hands it to the loss
+(`ops.sparse_attention_indexer_loss(index_lse=...)`), whose row pass then only normalizes the
+target (`normalize_target`, no key gathered); one sequence or packed THD documents (each
+document's rows from its own selection), a bf16 selection, the loss's `kl_in_bwd` on and
+`fused_rows_bwd` off. "row_pass": the loss's row pass gathers the keys and takes its own.
+An explicit attention mask always takes the row pass. The loss's recomputed scores may differ
+from the selection's by fp32 summation order, so the loss and gradients agree with the row
+pass's to that rounding, not bitwise; the recompute's scores must be the first forward's
+(megatron's recompute is bit-identical). Where the attention then runs the library pair (the
+separate target pass) the log-sum-exp goes unused. BENCHMARKS.md has the timings
+(`bench_indexer_loss.py --variants selection_lse`, `bench_layer.py --compare-selection-lse`).
+
 Packed THD sequences select per document: `config.hyscale_packed_selection`, else
 $HYSCALE_PACKED_SELECTION, else "per_document" (one selection call a document) or "batched"
 (documents of similar length batched into one call, `layers/packed_selection.py`: the same
@@ -60,6 +76,8 @@ PACKED_SELECTION_ENV = "HYSCALE_PACKED_SELECTION"
 PACKED_SELECTION_MODES = ("per_document", "batched")
 INDEXER_TARGET_ENV = "HYSCALE_INDEXER_TARGET"
 INDEXER_TARGETS = ("auto", "separate", "attention_backward")
+INDEXER_LSE_ENV = "HYSCALE_INDEXER_LSE"
+INDEXER_LSE_SOURCES = ("selection", "row_pass")
 MLA_PROJECTIONS_ENV = "HYSCALE_MLA_PROJECTIONS"
 MLA_PROJECTIONS = ("hyscale", "megatron")
 
@@ -96,6 +114,13 @@ def indexer_target(config: object) -> str:
     "attention_backward"."""
     return _setting(config, "hyscale_indexer_target", INDEXER_TARGET_ENV, "auto",
                     INDEXER_TARGETS)
+
+
+def indexer_lse(config: object) -> str:
+    """Where the sparse loss in the attention backward takes each row's index-score
+    log-sum-exp: "selection" (from the selected keys' scores) or "row_pass" (its own pass)."""
+    return _setting(config, "hyscale_indexer_lse", INDEXER_LSE_ENV, "selection",
+                    INDEXER_LSE_SOURCES)
 
 
 def mla_projections(config: object) -> str:

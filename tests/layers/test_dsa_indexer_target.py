@@ -24,7 +24,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 
 from hyscale_bench.models import build_gpt, default_device, tiny_dsa_config
 from megatron_hyscale.layers import dsa
-from megatron_hyscale.layers.kernel_backend import indexer_target
+from megatron_hyscale.layers.kernel_backend import indexer_lse, indexer_target
 from megatron_hyscale.ops.kernels import attention_indexer_loss as ail
 from megatron_hyscale.testing.dsa_core import assert_core_steps_match, build_core_pair, core_step
 from megatron_hyscale.testing.stock import stock_topk_breaks_ties_by_index
@@ -139,17 +139,18 @@ def test_kl_from_the_indexer_backward_changes_nothing(monkeypatch):
     model = build_gpt(cfg, stock=False, vocab_size=VOCAB, max_sequence_length=T).to(DEVICE)
     cfg.hyscale_indexer_target = "attention_backward"
     try:
-        # The row pass's log-sum-exp both times (lse_from_selection's own test is below).
+        # The row pass's log-sum-exp both times (the selection's has its own test below).
+        cfg.hyscale_indexer_lse = "row_pass"
         cfg.indexer_loss_kernel_options = replace(IndexerLossKernelOptions.DEFAULT,
-                                                  kl_in_bwd=False, lse_from_selection=False)
+                                                  kl_in_bwd=False)
         want = run_step(model)
         assert kl_from_bwd == [False, False]  # the row pass's KL, 2 layers
         cfg.indexer_loss_kernel_options = replace(IndexerLossKernelOptions.DEFAULT,
-                                                  kl_in_bwd=True, lse_from_selection=False)
+                                                  kl_in_bwd=True)
         got = run_step(model)
         assert kl_from_bwd[2:] == [True, True]
     finally:
-        del cfg.hyscale_indexer_target
+        del cfg.hyscale_indexer_target, cfg.hyscale_indexer_lse
         cfg.__dict__.pop("indexer_loss_kernel_options", None)
     assert want[2].abs().sum() > 0, "the indexer loss never ran"
     for a, b in zip(got[:3], want[:3], strict=True):
@@ -194,15 +195,13 @@ def assert_grads_close(got: dict, want: dict) -> None:
 
 @pytest.mark.parametrize("recompute", list(RECOMPUTE))
 def test_lse_from_the_selection_changes_nothing(recompute, monkeypatch):
-    """IndexerLossKernelOptions.lse_from_selection (the default): the layer takes each row's
-    index-score log-sum-exp from its selection (replayed with the indices under recompute)
-    and the loss's row pass gathers nothing; off, the row pass runs. The same logged losses
-    and gradients, to fp32 rounding; the replay stores drained."""
-    from dataclasses import replace
-
+    """hyscale_indexer_lse "selection" (the default): the layer takes each row's index-score
+    log-sum-exp from its selection (replayed with the indices under recompute) and the loss's
+    row pass gathers nothing; "row_pass", the row pass runs. The same logged losses and
+    gradients, to fp32 rounding; the replay stores drained."""
     from megatron_hyscale import replay
-    from megatron_hyscale.ops import IndexerLossKernelOptions
 
+    monkeypatch.delenv("HYSCALE_INDEXER_LSE", raising=False)
     passes = row_passes(monkeypatch)
     given = []
     real_op = dsa.sparse_attention_indexer_loss
@@ -218,11 +217,10 @@ def test_lse_from_the_selection_changes_nothing(recompute, monkeypatch):
     model = build_gpt(cfg, stock=False, vocab_size=VOCAB, max_sequence_length=T).to(DEVICE)
     cfg.hyscale_indexer_target = "attention_backward"
     try:
-        cfg.indexer_loss_kernel_options = replace(IndexerLossKernelOptions.DEFAULT,
-                                                  lse_from_selection=False)
+        cfg.hyscale_indexer_lse = "row_pass"
         want = run_step(model)
         assert passes == ["rows", "rows"] and given == [False, False]  # 2 layers
-        del cfg.indexer_loss_kernel_options
+        del cfg.hyscale_indexer_lse
         replay.reset_stats()
         got = run_step(model)
         assert passes[2:] == ["given", "given"] and given[2:] == [True, True]
@@ -280,6 +278,35 @@ def test_setting_is_checked_by_name(monkeypatch):
     monkeypatch.setenv("HYSCALE_INDEXER_TARGET", "forward")
     with pytest.raises(ValueError, match="HYSCALE_INDEXER_TARGET must be one of"):
         indexer_target(types.SimpleNamespace())
+
+
+def test_lse_setting_is_checked_by_name(monkeypatch):
+    monkeypatch.delenv("HYSCALE_INDEXER_LSE", raising=False)
+    assert indexer_lse(types.SimpleNamespace()) == "selection"
+    monkeypatch.setenv("HYSCALE_INDEXER_LSE", "row_pass")
+    assert indexer_lse(types.SimpleNamespace()) == "row_pass"
+    assert indexer_lse(types.SimpleNamespace(hyscale_indexer_lse="selection")) == "selection"
+    with pytest.raises(ValueError, match="config.hyscale_indexer_lse must be one of"):
+        indexer_lse(types.SimpleNamespace(hyscale_indexer_lse=True))
+    monkeypatch.setenv("HYSCALE_INDEXER_LSE", "rows")
+    with pytest.raises(ValueError, match="HYSCALE_INDEXER_LSE must be one of"):
+        indexer_lse(types.SimpleNamespace())
+
+
+def test_the_row_pass_setting_reaches_the_layer(monkeypatch):
+    """$HYSCALE_INDEXER_LSE=row_pass (a `--spec` launch's way) keeps the loss's gathered row
+    pass in a layer whose config says nothing."""
+    passes = row_passes(monkeypatch)
+    monkeypatch.setenv("HYSCALE_INDEXER_LSE", "row_pass")
+    cfg = tiny_dsa_config(dsa_indexer_use_sparse_loss=True, dsa_indexer_topk=TOPK)
+    torch.manual_seed(1234)
+    model = build_gpt(cfg, stock=False, vocab_size=VOCAB, max_sequence_length=T).to(DEVICE)
+    cfg.hyscale_indexer_target = "attention_backward"
+    try:
+        run_step(model)
+    finally:
+        del cfg.hyscale_indexer_target
+    assert passes == ["rows", "rows"]
 
 
 def core_tensors(seed):
@@ -422,12 +449,9 @@ def test_lse_travels_with_micro_batches_in_flight_and_offload(monkeypatch):
     """Three micro-batches' forwards first, then their backwards (a pipeline stage's order),
     under full recompute with index sharing (4 layers, 2 select), the replay store offloaded:
     each layer's log-sum-exps go to the host with its indices and come back in order, the
-    loss's row pass gathers nothing, and the gradients are the row pass's (lse_from_selection
-    off) to fp32 rounding."""
-    from dataclasses import replace
-
+    loss's row pass gathers nothing, and the gradients are the row pass's (hyscale_indexer_lse
+    "row_pass") to fp32 rounding."""
     from megatron_hyscale import replay
-    from megatron_hyscale.ops import IndexerLossKernelOptions
     from tests.layers.test_dsa_replay import FULL_UNIFORM, pipelined_grads
 
     row_passes = []
@@ -444,18 +468,16 @@ def test_lse_travels_with_micro_batches_in_flight_and_offload(monkeypatch):
             torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE)) for _ in range(3)]
     cfg.hyscale_indexer_target = "attention_backward"
     try:
-        cfg.indexer_loss_kernel_options = replace(IndexerLossKernelOptions.DEFAULT,
-                                                  lse_from_selection=False)
+        cfg.hyscale_indexer_lse = "row_pass"
         want = pipelined_grads(model, mbs)
         assert len(row_passes) == 3 * 2  # micro-batches x selecting layers
-        del cfg.indexer_loss_kernel_options
+        cfg.hyscale_indexer_lse = "selection"
         replay.configure(offload=True)
         replay.reset_stats()
         got = pipelined_grads(model, mbs)
     finally:
         replay.configure(offload=False)
-        del cfg.hyscale_indexer_target
-        cfg.__dict__.pop("indexer_loss_kernel_options", None)
+        del cfg.hyscale_indexer_target, cfg.hyscale_indexer_lse
     assert len(row_passes) == 3 * 2  # none more
     stats = replay.get_stats()
     # one entry a selection (its log-sum-exp inside it): 2 computing layers x 3 micro-batches,
@@ -471,11 +493,8 @@ def test_packed_documents_take_the_lse_from_their_selection(mode, recompute, mon
     """Packed THD documents (one shorter than top-k, each in padded storage: rows of no
     document between them): each document's selection gives its rows' log-sum-exps (replayed
     with the indices), the loss's row pass gathers nothing, and the output, input and
-    parameter gradients and the logged loss are the row pass's (lse_from_selection off) to
-    fp32 rounding."""
-    from dataclasses import replace
-
-    from megatron_hyscale.ops import IndexerLossKernelOptions
+    parameter gradients and the logged loss are the row pass's (hyscale_indexer_lse
+    "row_pass") to fp32 rounding."""
     from tests.layers.test_dsa_packed import build_pair, hyscale_step, packed_params
 
     passes = row_passes(monkeypatch)
@@ -485,11 +504,10 @@ def test_packed_documents_take_the_lse_from_their_selection(mode, recompute, mon
     layer.config.hyscale_packed_selection = mode
     layer.config.hyscale_indexer_target = "attention_backward"
     hidden = torch.randn(80, 1, 64, generator=torch.Generator().manual_seed(7)).to(DEVICE)
-    layer.config.indexer_loss_kernel_options = replace(IndexerLossKernelOptions.DEFAULT,
-                                                       lse_from_selection=False)
+    layer.config.hyscale_indexer_lse = "row_pass"
     want = hyscale_step(layer, hidden, params, recompute)
     assert passes == ["rows"]
-    del layer.config.indexer_loss_kernel_options
+    layer.config.hyscale_indexer_lse = "selection"
     got = hyscale_step(layer, hidden, params, recompute)
     assert passes == ["rows", "given"]
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0.0)

@@ -743,7 +743,7 @@ def normalize_target(p: torch.Tensor,
                      options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT
                      ) -> torch.Tensor:
     """`indexer_loss_rows(..., with_kl=False)` for a caller that has each row's index-score
-    log-sum-exp already (`IndexerLossKernelOptions.lse_from_selection`): p (fp32 [B, T, K], the
+    log-sum-exp already (the DSA layer's `hyscale_indexer_lse` "selection"): p (fp32 [B, T, K], the
     head-summed target, < 0 at invalid slots) L1-normalized in place over each row's valid
     slots, no key gathered; returns the rows' normalized sums (fp32 [B, T], its `psum`). Its
     sums run over wide tiles (the row pass's 64-slot ones cost it 3.7 ms at 128K on an H100,

@@ -697,22 +697,6 @@ class IndexerLossKernelOptions:
     # gradients identical to the default's on the GPU too. On by default; the standalone
     # `indexer_kl_loss` returns its value in the forward and ignores it.
     kl_in_bwd: bool = True
-    # Where the loss runs in the attention backward (above), the index scores' log-sum-exp of
-    # each row from its selection instead of the row pass's gathered pass: HyTopK returns the
-    # selected keys' scores anyway, so the DSA layer (HyScaleDSAttention, one sequence or
-    # packed documents, bf16 selection) takes their log-sum-exp when it selects
-    # (`indexer_loss.selected_scores_lse`: one read of the [T, K] fp32 scores), keeps it with
-    # the replayed indices ([T] fp32), and the row pass only normalizes the target
-    # (`indexer_loss.normalize_target`, no gather).
-    # The loss's recomputed scores may differ from the selection's by fp32 summation order, and
-    # the two log-sum-exps by their own (one over the row's tiles here, over 64-key tiles in
-    # the row pass): the loss and the gradients agree to that rounding, not bitwise. The
-    # recompute's scores must be the first forward's (the replayed log-sum-exp belongs to
-    # them; megatron's recompute is bit-identical). Timed on an H100 (2026-12-06, `fae8403`,
-    # row pass + backward at 128K: GLM-5.1 90.27 -> 70.65 ms, V3.2 103.59 -> 79.10; the
-    # GLM-5.1 layer 1144.1 -> 1107.3 ms). A layer policy, kept with the loss's options; the op
-    # takes `index_lse` from any caller.
-    lse_from_selection: bool = True
     # The backward (`indexer_loss_bwd`) as the warp-specialized Gluon kernel on Hopper
     # (`kernels/indexer_loss_bwd_sm90.py`: a cp.async producer warpgroup gathering the key tiles
     # a ring ahead, two wgmma consumer warpgroups on two query rows, keys on the MMA's M, the
@@ -735,7 +719,7 @@ class IndexerLossKernelOptions:
 
     def __post_init__(self) -> None:
         # Checked here: a launch that fails on them would read as the kernel's failure.
-        for name in ("bwd_sm90", "lse_from_selection"):
+        for name in ("bwd_sm90",):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"IndexerLossKernelOptions.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
