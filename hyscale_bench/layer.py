@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "its own index-score log-sum-exp (config.hyscale_indexer_lse = "
                         "'row_pass'), row hyscale_row_pass_lse, beside the "
                         "default's from the selection's scores")
+    p.add_argument("--loss-key-passes", type=int, default=None, metavar="N",
+                   help="the Gluon indexer-loss backward in N key passes (IndexerLossKernel"
+                        "Options.bwd_key_passes; default: the option's own, 1)")
     p.add_argument("--loss-bwd-triton", action="store_true",
                    help="the indexer loss's backward on the Triton kernel (IndexerLossKernel"
                         "Options.bwd_sm90=False; the default on Hopper is the Gluon kernel)")
@@ -342,6 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--packed-split needs --packed N")
     if args.packed_selection is not None and args.packed is None:
         p.error("--packed-selection needs --packed N")
+    if args.loss_key_passes is not None and args.loss_key_passes < 1:
+        p.error(f"--loss-key-passes must be >= 1, got {args.loss_key_passes}")
     if args.compare_mla_projections and args.model != "dsa":
         p.error("--compare-mla-projections needs --model dsa (absorbed MLA)")
     if args.compare_selection_lse and (args.model != "dsa" or args.dense_loss
@@ -1147,12 +1152,14 @@ def hytopk_options(args: argparse.Namespace) -> Any:
 
 def indexer_loss_kernel_options(args: argparse.Namespace) -> Any:
     """HyScale's indexer-loss kernel variants for this run (--loss-kl-in-rows,
-    --loss-lockstep, --loss-bwd-triton)."""
+    --loss-lockstep, --loss-bwd-triton, --loss-key-passes)."""
     from megatron_hyscale.ops import IndexerLossKernelOptions
 
     changes = dict(kl_in_bwd=False) if args.loss_kl_in_rows else {}
     if args.loss_lockstep:
         changes["bwd_lockstep"] = True
+    if args.loss_key_passes is not None:
+        changes["bwd_key_passes"] = args.loss_key_passes
     if args.loss_bwd_triton:
         changes["bwd_sm90"] = False
     return replace(IndexerLossKernelOptions.DEFAULT, **changes)

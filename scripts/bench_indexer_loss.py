@@ -395,6 +395,15 @@ LOSS_VARIANTS = {
     # tensor, timed in the row pass) and the target normalized without a gather
     # (`normalize_target`)
     SELECTION_LSE: dict(),
+    # the Gluon backward in key passes (bwd_key_passes; the stratified rows are in key order,
+    # valid keys first, as HyTopK's key-ordered output): with the gathered row pass, and as
+    # the DSA layer would run it, on the selection's log-sum-exp
+    "key_passes2": dict(bwd_key_passes=2),
+    "key_passes4": dict(bwd_key_passes=4),
+    f"{SELECTION_LSE}_key_passes2": dict(bwd_key_passes=2),
+    f"{SELECTION_LSE}_key_passes3": dict(bwd_key_passes=3),
+    f"{SELECTION_LSE}_key_passes4": dict(bwd_key_passes=4),
+    f"{SELECTION_LSE}_key_passes8": dict(bwd_key_passes=8),
 }
 
 
@@ -422,7 +431,8 @@ def loss_variant_row(x, idx, options, warmup, reps, deterministic, reference=Non
         kl, lse, psum = kern.indexer_loss_rows(q, w, k, idx, p, True, options,
                                                with_kl=not kl_in_bwd)
         dq, dw, dk, *kl_bwd = kern.indexer_loss_bwd(q, w, k, idx, p, lse, psum, grad, 1.0 / T,
-                                                    True, options=options, with_kl=kl_in_bwd)
+                                                    True, options=options, with_kl=kl_in_bwd,
+                                                    keys_ascending=True)
         kl = kl_bwd[0] if kl_in_bwd else kl
     # The row pass normalizes p in place; normalizing a normalized p repeats the same work.
     rows = partial(kern.indexer_loss_rows, q, w, k, idx, p, True, options,
@@ -441,22 +451,23 @@ def loss_variant_row(x, idx, options, warmup, reps, deterministic, reference=Non
         p = p0.clone()
         psum = kern.normalize_target(p, options)
         dq, dw, dk, kl = kern.indexer_loss_bwd(q, w, k, idx, p, given, psum, grad, 1.0 / T,
-                                               True, options=options, with_kl=True)
+                                               True, options=options, with_kl=True,
+                                               keys_ascending=True)
     bwd = partial(kern.indexer_loss_bwd, q, w, k, idx, p, lse, psum, grad, 1.0 / T, True,
-                  options=options, with_kl=kl_in_bwd)
+                  options=options, with_kl=kl_in_bwd, keys_ascending=True)
 
     def pair(det=False):
         if selection_lse:
             _, lse_, psum_ = rows()
             return kern.indexer_loss_bwd(q, w, k, idx, p, lse_, psum_, grad, 1.0 / T, True,
-                                         det, options, with_kl=True)
+                                         det, options, with_kl=True, keys_ascending=True)
         if options.fused_rows_bwd:
             return kern.indexer_loss_rows_bwd(q, w, k, idx, p, grad, 1.0 / T, True, det,
                                               options)
         _, lse_, psum_ = kern.indexer_loss_rows(q, w, k, idx, p, True, options,
                                                 with_kl=not kl_in_bwd)
         return kern.indexer_loss_bwd(q, w, k, idx, p, lse_, psum_, grad, 1.0 / T, True, det,
-                                     options, with_kl=kl_in_bwd)
+                                     options, with_kl=kl_in_bwd, keys_ascending=True)
 
     row = dict(rows_ms=time_ms(rows, reps=reps, warmup=warmup),
                bwd_kernel_ms=time_ms(bwd, reps=reps, warmup=warmup),
@@ -498,7 +509,7 @@ def loss_variant_sweep(shapes, Ts, names, deterministic, warmup, reps, out_dir):
                 options = replace(IndexerLossKernelOptions.DEFAULT, **LOSS_VARIANTS[name])
                 try:
                     row, _ = loss_variant_row(x, idx, options, warmup, reps, deterministic, ref,
-                                              selection_lse=name == SELECTION_LSE)
+                                              selection_lse=name.startswith(SELECTION_LSE))
                 except RuntimeError as err:  # no tiling fits: reported, not fatal
                     row = f"failed: {str(err)[:120]}"
                     log(f"{shape} T={T} {name}: {row}")

@@ -468,12 +468,15 @@ def _indexer_loss(hi: int, di: int, hq: int, d: int, topk: int, T: int = 256, **
     return calls
 
 
-def _indexer_loss_bwd_sm90(hi: int, T: int = 256, lockstep: bool = False) -> list[Launch]:
+def _indexer_loss_bwd_sm90(hi: int, T: int = 256, lockstep: bool = False,
+                           key_passes: int = 1) -> list[Launch]:
     """The warp-specialized Gluon indexer-loss backward (Hopper only; `IndexerLossKernelOptions.
     bwd_sm90`), as `indexer_loss_bwd` launches it by default: hi index heads of 128 dims,
     top-2048, the row KL in the backward (`kl_in_bwd`: with_kl=True); lockstep: its consumers
-    paced (`bwd_lockstep`, slack 1)."""
+    paced (`bwd_lockstep`, slack 1); key_passes: `bwd_key_passes` (the split kernel, then the
+    first pass and an accumulating one)."""
     from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90
+    from megatron_hyscale.ops.kernels import key_split
 
     qi = torch.zeros(1, T, hi, 128, dtype=torch.bfloat16)
     w = torch.zeros(1, T, hi, dtype=torch.float32)
@@ -483,12 +486,14 @@ def _indexer_loss_bwd_sm90(hi: int, T: int = 256, lockstep: bool = False) -> lis
     row = torch.zeros(1, T)
     # CPU tensors here: `unsupported` would refuse them, so the wrapper is called directly
     # (its grid on CPU: the H200's 132 SMs, `indexer_loss_bwd_sm90.CPU_SMS`).
-    with intercept(sm90, "_indexer_loss_bwd_kernel") as calls:
+    with intercept(sm90, "_indexer_loss_bwd_kernel") as calls, \
+            intercept(key_split, "_key_split_kernel") as split_calls:
         assert sm90.unsupported(qi, w, ki, idx, p, row, row,
                                 with_kl=True).startswith("tensors on cpu")
         sm90.indexer_loss_bwd_sm90(qi, w, ki, idx, p, row, row, torch.ones(()), 0.01, True,
-                                   with_kl=True, lockstep=lockstep)
-    return calls
+                                   with_kl=True, lockstep=lockstep, key_passes=key_passes)
+    # A pass after the first differs only in ACCUMULATE: the first two launches.
+    return split_calls + calls[:2]
 
 
 def _indexer_loss_dense(hi: int, di: int, hq: int, hkv: int, d: int, T: int = 256,
@@ -736,6 +741,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "indexer-loss-bwd-sm90-glm51": lambda: _indexer_loss_bwd_sm90(32),
     "indexer-loss-bwd-sm90-v32": lambda: _indexer_loss_bwd_sm90(64),
     "indexer-loss-bwd-sm90-glm51-lockstep": lambda: _indexer_loss_bwd_sm90(32, lockstep=True),
+    "indexer-loss-bwd-sm90-glm51-passes": lambda: _indexer_loss_bwd_sm90(32, key_passes=4),
+    "indexer-loss-bwd-sm90-v32-passes": lambda: _indexer_loss_bwd_sm90(64, key_passes=4),
 }
 
 

@@ -106,7 +106,8 @@ def test_the_lockstep_launch_counts_waves(monkeypatch):
             (grid, a, k), = launches
             pairs = (T + 1) // 2
             programs = min(pairs, common.INTERPRETER_SMS)
-            assert grid == (programs,) and a[14:16] == (programs, T)
+            assert grid == (programs,) and a[15:17] == (programs, T)
+            assert a[14] is args[5] and not k["RANGED"] and not k["ACCUMULATE"]  # one pass
             assert k["LOCKSTEP"] is lockstep and k["SYNC_SPINS"] == common.SYNC_SPINS
             sync = a[13]
             if lockstep:
@@ -118,6 +119,68 @@ def test_the_lockstep_launch_counts_waves(monkeypatch):
     with pytest.raises(ValueError, match="lockstep_slack"):
         sm90.indexer_loss_bwd_sm90(*_case(), torch.tensor(1.3), 0.7, True, lockstep=True,
                                    lockstep_slack=0)
+
+
+def test_key_passes_launch_a_pass_each(monkeypatch):
+    """bwd_key_passes: the wrapper (the kernel intercepted) splits the rows once
+    (`key_split`, the same tensor for every launch) and launches each pass, the first storing
+    and the rest adding into fp32 dq / dw buffers, then returns them in the inputs' dtypes;
+    a pass count that is not an int >= 1, or passes with lockstep, are refused."""
+    from megatron_hyscale.ops.kernels.key_split import key_split_reference
+
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append((a, k))
+
+    monkeypatch.setattr(sm90, "_indexer_loss_bwd_kernel", Kernel())
+    args = list(_case(T=5, B=2, S=10))
+    args[3] = torch.where(args[3] < 0, 99, args[3]).sort(-1).values  # keys in order, -1 last
+    args[3] = torch.where(args[3] == 99, -1, args[3])
+    w16 = args[1].to(torch.bfloat16)
+    for weights in (args[1], w16):
+        launches.clear()
+        dq, dw, dk, kl = sm90.indexer_loss_bwd_sm90(args[0], weights, *args[2:],
+                                                    torch.tensor(1.3), 0.7, True, with_kl=True,
+                                                    key_passes=3)
+        assert [k["RANGED"] for _, k in launches] == [True] * 3
+        assert [k["ACCUMULATE"] for _, k in launches] == [False, True, True]
+        assert [a[21] for a, _ in launches] == [0, 1, 2] and launches[0][0][20] == 4
+        split = launches[0][0][14]
+        assert all(a[14] is split for a, _ in launches)
+        assert torch.equal(split, key_split_reference(args[3], 10, 3))
+        assert all(a[9].dtype == a[10].dtype == torch.float32 for a, _ in launches)
+        assert dq.dtype == torch.bfloat16 and dw.dtype == weights.dtype
+        assert dq.shape == args[0].shape and dw.shape == weights.shape
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="key_passes must be an int >= 1"):
+            sm90.indexer_loss_bwd_sm90(*args, torch.tensor(1.3), 0.7, True, key_passes=bad)
+    with pytest.raises(ValueError, match="key_passes > 1 does not pace"):
+        sm90.indexer_loss_bwd_sm90(*args, torch.tensor(1.3), 0.7, True, key_passes=2,
+                                   lockstep=True)
+    why = sm90.unsupported(*_tensors(), key_passes=2, lockstep=True)
+    assert why.startswith("bwd_key_passes > 1 with bwd_lockstep"), why
+    q, w, _, idx, *_ = _tensors()
+    assert sm90.variant(q, w, idx, True, True, key_passes=2) == \
+        sm90.variant(q, w, idx, True, True, key_passes=4) != sm90.variant(q, w, idx, True, True)
+
+
+def test_the_dispatch_passes_key_passes_where_keys_increase(monkeypatch):
+    """`indexer_loss_bwd` hands the kernel options.bwd_key_passes only where the caller says
+    each row's keys increase (keys_ascending) and the backward is not paced; else one pass."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    seen = []
+    monkeypatch.setattr(sm90, "run_if_supported",
+                        lambda *a, key_passes, **k: seen.append(key_passes) or a[:3])
+    args = _case()
+    opts = replace(SM90, bwd_key_passes=4)
+    for options, ascending in ((opts, True), (opts, False), (replace(opts, bwd_lockstep=True),
+                                                             True), (SM90, True)):
+        kern.indexer_loss_bwd(*args, torch.tensor(1.0), 0.5, True, options=options,
+                              keys_ascending=ascending)
+    assert seen == [4, 1, 1, 1]
 
 
 @pytest.mark.parametrize("tensors, cause", [
@@ -232,11 +295,11 @@ def test_a_failed_launch_disables_its_variant_after_one_warning(monkeypatch):
         sm90._disabled.clear()
         sm90.run_if_supported(*args, torch.tensor(1.3), 0.7, True, deterministic=False,
                               with_kl=False, mode=MODE_DISCARD, lockstep=False)
-        assert seen == [(True, dict(lockstep=False, lockstep_slack=1))]  # as discard
+        assert seen == [(True, dict(lockstep=False, lockstep_slack=1, key_passes=1))]
         seen.clear()
         sm90.run_if_supported(*args, torch.tensor(1.3), 0.7, True, deterministic=False,
                               with_kl=True, mode=0, lockstep=True, lockstep_slack=2)
-        assert seen == [(False, dict(lockstep=True, lockstep_slack=2))]  # paced: its slack
+        assert seen == [(False, dict(lockstep=True, lockstep_slack=2, key_passes=1))]  # paced
 
         def oom(*a, discard=False, **lockstep):
             raise torch.OutOfMemoryError("CUDA out of memory")

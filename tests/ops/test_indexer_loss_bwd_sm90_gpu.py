@@ -20,6 +20,9 @@ Hopper GPU, against the Triton backward and the fp32 reference. Run with `pytest
 - Lockstep (`bwd_lockstep`, the kernel's LOCKSTEP): the exact integer case (three waves on an
   H100 / H200, the last partial) and an odd row count (a last wave of one row), bitwise the
   unpaced Triton backward's, through the dispatch (slack 1) and the wrapper (slack 2).
+- Key passes (`bwd_key_passes`, the kernel's RANGED / ACCUMULATE): the exact integer case in
+  key order, 2 to 5 passes, bitwise the Triton backward's; one pass where the caller does not
+  say the keys increase; random bf16 inputs to fp32 order.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def sm90_calls(monkeypatch):
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
         calls.lockstep.append(kwargs.get("lockstep", False))
+        calls.key_passes.append(kwargs.get("key_passes", 1))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(sm90, "indexer_loss_bwd_sm90", spy)
@@ -73,11 +77,12 @@ def sm90_calls(monkeypatch):
 
 
 class _Calls(list):
-    """The launches' q shapes, and whether each ran in lockstep."""
+    """The launches' q shapes, whether each ran in lockstep, and in how many key passes."""
 
     def __init__(self):
         super().__init__()
         self.lockstep = []
+        self.key_passes = []
 
 
 def _no_fallback_warning(record) -> None:
@@ -119,10 +124,11 @@ def _weights(B, T, H, dtype, g, scale=1.0, integer=False):
     return w.to(dtype).transpose(1, 2)
 
 
-def _run(args, options, with_kl=False):
+def _run(args, options, with_kl=False, keys_ascending=False):
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        out = kern.indexer_loss_bwd(*args, options=options, with_kl=with_kl)
+        out = kern.indexer_loss_bwd(*args, options=options, with_kl=with_kl,
+                                    keys_ascending=keys_ascending)
     assert len(out) == (4 if with_kl else 3)
     return out, record
 
@@ -343,3 +349,62 @@ def test_lockstep_bitwise_on_integer_inputs(B, T, S, K, H, sm90_calls):
             for name, a, b in zip(names, out, want, strict=True):
                 assert a.dtype == b.dtype and torch.equal(a, b), (name, T, K, with_kl)
     assert sm90_calls.lockstep == [True] * 4
+
+
+@needs_hopper
+@pytest.mark.parametrize("B, T, S, K, H", [(2, 300, 300, 200, 32), (1, 265, 1000, 130, 64)])
+def test_key_passes_bitwise_on_integer_inputs(B, T, S, K, H, sm90_calls):
+    """The backward in key passes (`bwd_key_passes`) only splits the work: on integer inputs in
+    key order (every sum exact) dq, dw, dk and the integer-term KL rows bit for bit the Triton
+    backward's, for 2 to 5 passes (rows with no slot in a pass, a pass boundary inside a tile
+    and on one, keys past the last boundary), through the dispatch (keys_ascending) and the
+    wrapper. Without keys_ascending the dispatch runs one pass."""
+    from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90
+
+    args = _integer_case(B, T, S, K, H, T * 11 + H, key_order=True)
+    for with_kl in (False, True):
+        want, _ = _run(args, TRITON, with_kl=with_kl)
+        assert float(want[2].float().abs().max()) > 0
+        names = ("dq", "dw", "dk", "kl")[:len(want)]
+        outs = []
+        for passes in (2, 3):
+            got, record = _run(args, replace(SM90, bwd_key_passes=passes), with_kl=with_kl,
+                               keys_ascending=True)
+            _no_fallback_warning(record)
+            outs.append(got)
+        outs.append(sm90.indexer_loss_bwd_sm90(*args, with_kl=with_kl, key_passes=5))
+        for out in outs:
+            for name, a, b in zip(names, out, want, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b), (name, T, K, with_kl)
+    assert sm90_calls.key_passes == [2, 3, 5] * 2
+    _run(args, replace(SM90, bwd_key_passes=4), keys_ascending=False)
+    assert sm90_calls.key_passes[-1] == 1
+
+
+@needs_hopper
+def test_key_passes_softmax_path_matches_one_pass(sm90_calls):
+    """Random bf16 inputs in key order with the softmax alive (the row pass's lse and sum pn):
+    four key passes give one pass's dq, dw, dk and KL to fp32 order."""
+    B, T, S, K, H = 1, 1024, 1024, 256, 32
+    g = torch.Generator(device=DEV).manual_seed(3)
+    q = torch.randn(B, T, H, 128, device=DEV, generator=g).to(torch.bfloat16)
+    k = torch.randn(B, S, 128, device=DEV, generator=g).to(torch.bfloat16)
+    w = _weights(B, T, H, torch.float32, g, scale=0.1)
+    idx = _indices(B, T, S, K, g)
+    idx = torch.where(idx < 0, S + 1, idx).sort(-1).values
+    idx = torch.where(idx > S, -1, idx)
+    valid = _target_flags(idx, B, T, S, g)
+    pn = torch.rand(B, T, K, device=DEV, generator=g)
+    p = torch.where(valid, pn, -1.0)
+    # the row pass normalizes p in place
+    _, lse, psum = kern.indexer_loss_rows(q, w, k, idx, p, True, SM90, with_kl=False)
+    args = (q, w, k, idx, p, lse, psum, torch.tensor(1.0, device=DEV), 0.5, True)
+    want, _ = _run(args, SM90, with_kl=True, keys_ascending=True)
+    got, record = _run(args, replace(SM90, bwd_key_passes=4), with_kl=True,
+                       keys_ascending=True)
+    _no_fallback_warning(record)
+    for name, a, b in zip(("dq", "dw", "dk"), got[:3], want[:3], strict=True):
+        assert a.dtype == b.dtype, name
+        _close(a, b, SAME_TOL, name)
+    torch.testing.assert_close(got[3], want[3], rtol=KL_TOL, atol=KL_TOL)
+    assert sm90_calls.key_passes == [1, 4]

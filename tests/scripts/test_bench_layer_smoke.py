@@ -669,3 +669,12 @@ def test_compare_selection_lse_packed_rows(tmp_path: Path) -> None:
             _check_record(rec, selects=True, replays=True)
             assert rec["per_token_vs_unpacked"] == pytest.approx(
                 rec["fwd_bwd_ms"] / row[base]["fwd_bwd_ms"])
+
+
+def test_loss_key_passes_flag() -> None:
+    """`--loss-key-passes N` reaches IndexerLossKernelOptions.bwd_key_passes; below 1 refused."""
+    args = bench_layer.parse_args(["--loss-key-passes", "3"])
+    assert bench_layer.indexer_loss_kernel_options(args).bwd_key_passes == 3
+    assert bench_layer.indexer_loss_kernel_options(bench_layer.parse_args([])).bwd_key_passes == 1
+    with pytest.raises(SystemExit):
+        bench_layer.parse_args(["--loss-key-passes", "0"])

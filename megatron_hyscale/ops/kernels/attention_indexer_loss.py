@@ -58,6 +58,8 @@ class SparseAttentionIndexerLossFunction(torch.autograd.Function):
         ctx.coeff, ctx.relu, ctx.tp_group = coeff, relu, tp_group
         ctx.loss_options, ctx.on_loss = loss_options, on_loss
         ctx.keys_ascending = keys_ascending
+        # The loss backward's key passes need both: valid keys first, increasing.
+        ctx.keys_in_order = bool(keys_ascending and hytopk_layout)
         anchor = torch.zeros((), device=q.device, dtype=torch.float32)
         return out, lse, anchor
 
@@ -93,12 +95,13 @@ class SparseAttentionIndexerLossFunction(torch.autograd.Function):
                                                        with_kl=False)
             dqi, dw, dki, kl = indexer_loss_bwd(*index_args, index_lse, psum, danchor,
                                                 ctx.coeff, ctx.relu, ctx.deterministic, opts,
-                                                with_kl=True)
+                                                with_kl=True, keys_ascending=ctx.keys_in_order)
         else:
             kl, index_lse, psum = indexer_loss_rows(*index_args, ctx.relu, opts)
             if danchor is not None:
                 dqi, dw, dki = indexer_loss_bwd(*index_args, index_lse, psum, danchor,
-                                                ctx.coeff, ctx.relu, ctx.deterministic, opts)
+                                                ctx.coeff, ctx.relu, ctx.deterministic, opts,
+                                                keys_ascending=ctx.keys_in_order)
         if ctx.on_loss is not None:
             ctx.on_loss((kl.sum() * ctx.coeff).detach())
         return (dq, dk, dvv, None, None, None, None, None, dqi, dw, dki) + (None,) * 9

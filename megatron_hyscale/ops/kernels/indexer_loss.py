@@ -767,10 +767,13 @@ def _hopper_backward_module():
 def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coeff, relu,
                      deterministic=False,
                      options: IndexerLossKernelOptions = IndexerLossKernelOptions.DEFAULT,
-                     with_kl: bool = False, mode: int = MODE_ATOMIC):
+                     with_kl: bool = False, mode: int = MODE_ATOMIC,
+                     keys_ascending: bool = False):
     """Gradients (dq_index, dweights, dk_index) in their inputs' dtypes; with_kl: also the row
     KL fp32 [B, T] from the recomputed scores (after `indexer_loss_rows(..., with_kl=False)`),
-    a fourth output. mode=MODE_DISCARD (measurement only: the kernel's time without dk's
+    a fourth output. keys_ascending: each row's valid indices increase first, -1 after
+    (HyTopK's key-ordered output), which `options.bwd_key_passes` needs (one pass without).
+    mode=MODE_DISCARD (measurement only: the kernel's time without dk's
     atomics) runs the same products and reduces each dk tile to one number a key row, stored
     without atomics (the Hopper kernel: added, one scalar atomic a row and chunk); its third
     output is that buffer (fp32 [B, S]; the Hopper kernel's [B, S, D]), not a gradient."""
@@ -783,7 +786,9 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
         done = sm90.run_if_supported(q_index, weights, k_index, indices, p, lse, psum, grad,
                                      coeff, relu, deterministic=deterministic, with_kl=with_kl,
                                      mode=mode, lockstep=options.bwd_lockstep,
-                                     lockstep_slack=options.bwd_lockstep_slack)
+                                     lockstep_slack=options.bwd_lockstep_slack,
+                                     key_passes=(options.bwd_key_passes if keys_ascending
+                                                 and not options.bwd_lockstep else 1))
         if done is not None:
             return done
     B, T, H, D = q_index.shape

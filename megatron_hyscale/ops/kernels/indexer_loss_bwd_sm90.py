@@ -56,6 +56,7 @@ from megatron_hyscale.ops.kernels.gluon_common import (
     lockstep_wait,
     opaque_zero,
 )
+from megatron_hyscale.ops.kernels.key_split import key_split
 from megatron_hyscale.ops.kernels.sparse_mla_bwd_sm90 import RED_LAYOUT
 from megatron_hyscale.ops.kernels.sparse_mla_fwd_sm90 import STRIDE_MULTIPLE
 
@@ -124,14 +125,39 @@ def _items(pid, P, R, c: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_ptr, k_ptr, idx_ptr, p_ptr, q_s, k_s, pv_s, ix_s, bars, pid, P, R, T, NK,
-              n_tiles, sqb, sqt, sqh, skb, sks, sib, sit, sik, spb, spt, spk,
-              H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, WARPS: gl.constexpr):
+def _row_slots(split_ptr, pid, n, P, c: gl.constexpr, R, s_split, pass_idx, NK, n_tiles,
+               BLOCK_N: gl.constexpr, RANGED: gl.constexpr):
+    """(lo, hi, first tile, tiles) of consumer c's n-th row in this launch: RANGED, the row's
+    slots [lo, hi) of key pass pass_idx (`key_split.key_split`'s row, s_split its stride),
+    else all NK slots; no tiles where the row does not exist (a last pair's second row)."""
+    r = (2 * (pid + n * P) + c).to(gl.int64)
+    exists = r < R
+    if RANGED:
+        at = split_ptr + gl.where(exists, r, 0) * s_split + pass_idx
+        lo = gl.load(at)
+        hi = gl.load(at + 1)
+        j0 = lo // BLOCK_N
+        tiles = gl.where(exists & (hi > lo), gl.cdiv(hi, BLOCK_N) - j0, 0)
+    else:
+        lo = 0
+        hi = NK
+        j0 = 0
+        tiles = gl.where(exists, n_tiles, 0)
+    return lo, hi, j0, tiles
+
+
+@gluon.jit
+def _producer(q_ptr, k_ptr, idx_ptr, p_ptr, split_ptr, q_s, k_s, pv_s, ix_s, bars, pid, P, R,
+              T, NK, n_tiles, s_split, pass_idx, sqb, sqt, sqh, skb, sks, sib, sit, sik, spb,
+              spt, spk, H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, RANGED: gl.constexpr,
+              WARPS: gl.constexpr):
     """Each row's q, then its tiles, both consumers' in turn. A slot is gathered only where p
-    marks it valid (the rest zero-filled, so -1 and invisible indices are never read); the
-    target values and indices are copied as they are (past NK zero-filled: the consumers mask
-    by NK)."""
+    marks it valid (the rest zero-filled, so -1 and invisible indices are never read) and, with
+    RANGED, where it lies in the row's slots of this pass; the target values and indices are
+    copied as they are (past NK zero-filled: the consumers mask by NK and the pass). The two
+    consumers' rows may have different tile counts (RANGED): each ring's position is counted
+    (g0, g1)."""
     q_ready, q_empty, ready, empty = bars
     # A warp covers 4 rows x 64 channels in 16-byte vectors (one swizzle atom a row).
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
@@ -141,6 +167,8 @@ def _producer(q_ptr, k_ptr, idx_ptr, p_ptr, q_s, k_s, pv_s, ix_s, bars, pid, P, 
     every = gl.full([H], 1, gl.int1, layout=row_l)
     slots = gl.arange(0, BLOCK_N, layout=row_l)
     vslots = gl.arange(0, BLOCK_N, layout=vec_l)
+    g0 = 0
+    g1 = 0
     for n in range(_items(pid, P, R, 0)):
         qi = n % Q_BUFFERS
         qph = ((n // Q_BUFFERS) & 1) ^ 1
@@ -151,11 +179,18 @@ def _producer(q_ptr, k_ptr, idx_ptr, p_ptr, q_s, k_s, pv_s, ix_s, bars, pid, P, 
                 gather_rows(q_s.index(c * Q_BUFFERS + qi), q_ptr + b * sqb + t * sqt + heads * sqh,
                             every, D, ld_layout)
                 cp.mbarrier_arrive(q_ready.index(c * Q_BUFFERS + qi), increment_count=False)
-        for j in range(n_tiles):
-            g = n * n_tiles + j
-            ph = ((g // NUM_STAGES) & 1) ^ 1
+        lo0, hi0, j00, tiles0 = _row_slots(split_ptr, pid, n, P, 0, R, s_split, pass_idx, NK,
+                                           n_tiles, BLOCK_N, RANGED)
+        lo1, hi1, j01, tiles1 = _row_slots(split_ptr, pid, n, P, 1, R, s_split, pass_idx, NK,
+                                           n_tiles, BLOCK_N, RANGED)
+        for jj in range(gl.maximum(tiles0, tiles1)):
             for c in gl.static_range(2):
-                if n < _items(pid, P, R, c):
+                if c == 0:
+                    lo, hi, j, tiles, g = lo0, hi0, j00 + jj, tiles0, g0 + jj
+                else:
+                    lo, hi, j, tiles, g = lo1, hi1, j01 + jj, tiles1, g1 + jj
+                if jj < tiles:
+                    ph = ((g // NUM_STAGES) & 1) ^ 1
                     st = c * NUM_STAGES + g % NUM_STAGES
                     b, t = _row_coords(pid, n, P, c, T)
                     idx_base = idx_ptr + b * sib + t * sit
@@ -166,6 +201,8 @@ def _producer(q_ptr, k_ptr, idx_ptr, p_ptr, q_s, k_s, pv_s, ix_s, bars, pid, P, 
                     pv = gl.load(p_base + offs * spk, mask=inside, other=-1.0)
                     idx = gl.load(idx_base + offs * sik, mask=inside, other=0)
                     valid = pv >= 0.0
+                    if RANGED:
+                        valid = valid & (offs >= lo) & (offs < hi)
                     rows = k_ptr + b * skb + gl.where(valid, idx, 0).to(gl.int32) * sks
                     voffs = j * BLOCK_N + vslots
                     vin = voffs < NK
@@ -175,6 +212,8 @@ def _producer(q_ptr, k_ptr, idx_ptr, p_ptr, q_s, k_s, pv_s, ix_s, bars, pid, P, 
                     cp.async_copy_global_to_shared(ix_s.index(st), idx_base + voffs * sik,
                                                    mask=vin)
                     cp.mbarrier_arrive(ready.index(st), increment_count=False)
+        g0 += tiles0
+        g1 += tiles1
 
 
 @gluon.jit
@@ -201,12 +240,13 @@ def _dk_chunk(g_t, q_part, col0, rows, valid, acc_layout: gl.constexpr, KEYS: gl
 
 @gluon.jit
 def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, psum_ptr,
-              grad_ptr, coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, pid, P, R, T, NK,
-              n_tiles, swb, swt, swh, slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh,
-              sdkb, sdks, H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, RELU: gl.constexpr,
-              KL: gl.constexpr, DISCARD: gl.constexpr, LOCKSTEP: gl.constexpr,
-              SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr):
+              grad_ptr, coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, split_ptr, pid, P, R,
+              T, NK, n_tiles, s_split, pass_idx, swb, swt, swh, slb, slt, ssb, sst, sdqb, sdqt,
+              sdqh, sdwb, sdwt, sdwh, sdkb, sdks, H: gl.constexpr, D: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
+              RELU: gl.constexpr, KL: gl.constexpr, DISCARD: gl.constexpr,
+              LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr,
+              RANGED: gl.constexpr, ACCUMULATE: gl.constexpr):
     """Rows 2 (pid + n P) + c, n = 0, 1, ...: per tile S^T, the slot gradients g, dw, G^T,
     dQ^T and the dK additions (KL: and the slots' KL terms); at a row's end dq and dw stored
     (owned: no atomics), KL: the row's KL too. LOCKSTEP: row n is in wave n (counter sync_ptr +
@@ -216,7 +256,10 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
     the count holds the starts of all of the wave's rows at tile j - SYNC_SLACK (a total: a
     fast row's extra starts count too). Every row has n_tiles tiles, so the count it waits for
     is one that every row of the wave makes; a pace, not a dependency (nothing counted is
-    read), so giving up is safe."""
+    read), so giving up is safe. RANGED: only the row's slots of key pass pass_idx
+    (`_row_slots`; not with LOCKSTEP, whose count assumes equal tiles); ACCUMULATE: dq, dw (fp32
+    buffers then) and the KL added to what the earlier passes stored, where the row had
+    tiles."""
     q_ready, q_empty, ready, empty = bars
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
@@ -235,8 +278,11 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
     g_scale = gl.load(grad_ptr).to(gl.float32) * coeff
     g_t = g_s.index(c)
 
+    g_first = 0  # the row's first position in the consumer's ring
     for n in range(_items(pid, P, R, c)):
         b, t = _row_coords(pid, n, P, c, T)
+        lo, hi, j0, tiles = _row_slots(split_ptr, pid, n, P, c, R, s_split, pass_idx, NK,
+                                       n_tiles, BLOCK_N, RANGED)
         w = gl.load(w_ptr + b * swb + t * swt + heads * swh).to(gl.float32)
         lse = gl.load(lse_ptr + b * slb + t * slt)
         psum = gl.load(psum_ptr + b * ssb + t * sst)
@@ -251,13 +297,14 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
             wave_rows = gl.minimum(2 * P, R - 2 * n * P)
         qi = c * Q_BUFFERS + n % Q_BUFFERS
         mbarrier.wait(q_ready.index(qi), (n // Q_BUFFERS) & 1)
-        for j in range(n_tiles):
+        for jj in range(tiles):
+            j = j0 + jj
             if LOCKSTEP:
                 # One count a consumer (the replicated scalar's atomic runs once).
                 gl.atomic_add(wave_ptr, 1, sem="relaxed")
                 if j >= SYNC_SLACK:
                     lockstep_wait(wave_ptr, wave_rows * (j - SYNC_SLACK + 1), SYNC_SPINS)
-            g = n * n_tiles + j
+            g = g_first + jj
             st = c * NUM_STAGES + g % NUM_STAGES
             # Indexed with an opaque zero: the query's wgmma descriptors stay in the loop
             # (`gluon_common.opaque_zero`).
@@ -270,8 +317,13 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
             s = warpgroup_mma(k_t, q_row.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             # The slot values, in the scores' and the atomics' layouts, under the product.
             pn = pv_s.index(st).load(key_l)
-            valid = (pn >= 0.0) & (j * BLOCK_N + slots < NK)
-            valid_k = (pv_s.index(st).load(red_row) >= 0.0) & (j * BLOCK_N + slots_k < NK)
+            offs = j * BLOCK_N + slots
+            offs_k = j * BLOCK_N + slots_k
+            valid = (pn >= 0.0) & (offs < NK)
+            valid_k = (pv_s.index(st).load(red_row) >= 0.0) & (offs_k < NK)
+            if RANGED:
+                valid = valid & (offs >= lo) & (offs < hi)
+                valid_k = valid_k & (offs_k >= lo) & (offs_k < hi)
             idx_k = ix_s.index(st).load(red_row)
             # 32-bit row offsets (the wrapper checks S x D < 2^31): a 64-bit product needs the
             # stride's sign word, which ptxas hoisted out of the partition and spilled.
@@ -307,27 +359,37 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
                       BLOCK_N, DISCARD)
             _dk_chunk(g_t, q_row.slice(DK_CHUNK, DK_CHUNK, dim=1), DK_CHUNK, rows, valid_k,
                       dk_layout, BLOCK_N, DISCARD)
+        g_first += tiles
         # The row's last reader of its q is done: the producer may load a later row's.
         mbarrier.arrive(q_empty.index(qi), count=1)
 
-        gl.store(dw_ptr + b * sdwb + t * sdwt + heads * sdwh,
-                 gl.sum(dw_part, axis=0).to(dw_ptr.dtype.element_ty))
-        gl.store(dq_ptr + b * sdqb + t * sdqt + heads[None, :] * sdqh + chans[:, None],
-                 dq_t.to(dq_ptr.dtype.element_ty))
-        if KL:
-            # kl is the wrapper's contiguous [B, T]: no strides held across the row.
-            gl.store(kl_ptr + b * T + t, gl.sum(kl_part, axis=0))
+        dw_at = dw_ptr + b * sdwb + t * sdwt + heads * sdwh
+        dq_at = dq_ptr + b * sdqb + t * sdqt + heads[None, :] * sdqh + chans[:, None]
+        # kl is the wrapper's contiguous [B, T]: no strides held across the row.
+        kl_at = kl_ptr + b * T + t
+        if ACCUMULATE:
+            if tiles > 0:
+                gl.store(dw_at, gl.load(dw_at) + gl.sum(dw_part, axis=0))
+                gl.store(dq_at, gl.load(dq_at) + dq_t)
+                if KL:
+                    gl.store(kl_at, gl.load(kl_at) + gl.sum(kl_part, axis=0))
+        else:
+            gl.store(dw_at, gl.sum(dw_part, axis=0).to(dw_ptr.dtype.element_ty))
+            gl.store(dq_at, dq_t.to(dq_ptr.dtype.element_ty))
+            if KL:
+                gl.store(kl_at, gl.sum(kl_part, axis=0))
 
 
 @gluon.jit
 def _indexer_loss_bwd_kernel(
     q_ptr, w_ptr, k_ptr, idx_ptr, p_ptr, lse_ptr, psum_ptr, grad_ptr, coeff,
-    dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, P, R, T, NK, n_tiles,
+    dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, split_ptr, P, R, T, NK, n_tiles, s_split, pass_idx,
     sqb, sqt, sqh, swb, swt, swh, skb, sks, sib, sit, sik, spb, spt, spk, slb, slt, ssb, sst,
     sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks,
     H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, RELU: gl.constexpr, KL: gl.constexpr, DISCARD: gl.constexpr,
     LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr,
+    RANGED: gl.constexpr, ACCUMULATE: gl.constexpr,
     q_sl: gl.constexpr, k_sl: gl.constexpr, g_sl: gl.constexpr,
     CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -335,8 +397,10 @@ def _indexer_loss_bwd_kernel(
     """dq, dw of the program's rows (R = B x T of them, taken two at a time, every P-th pair)
     and their dk additions; KL: also each row's KL into kl_ptr (contiguous [B, T]). LOCKSTEP: the
     consumers paced by the waves' zeroed int32 counters in sync_ptr (`_consumer`), SYNC_SLACK
-    >= 1. Unit-stride channels of q, k, dq; row strides of q and k multiples of 16 elements (the
-    wrapper checks)."""
+    >= 1. RANGED: key pass pass_idx of the rows' slots in split_ptr (int32, row stride
+    s_split); ACCUMULATE: added into the earlier passes' dq, dw (fp32) and KL. Unit-stride
+    channels of q, k, dq; row strides of q and k multiples of 16 elements (the wrapper
+    checks)."""
     pid = gl.program_id(0)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_s = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS, H, D], q_sl)
@@ -364,18 +428,21 @@ def _indexer_loss_bwd_kernel(
     # would reach the partitions as runtime values.
     gl.warp_specialize([
         (_consumer, (0, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, psum_ptr, grad_ptr,
-                     coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, pid, P, R, T, NK, n_tiles,
-                     swb, swt, swh, slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb,
-                     sdks, H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, RELU, KL, DISCARD, LOCKSTEP,
-                     SYNC_SLACK, SYNC_SPINS)),
+                     coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, split_ptr, pid, P, R, T,
+                     NK, n_tiles, s_split, pass_idx, swb, swt, swh, slb, slt, ssb, sst, sdqb,
+                     sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks, H, D, BLOCK_N, NUM_STAGES,
+                     Q_BUFFERS, RELU, KL, DISCARD, LOCKSTEP, SYNC_SLACK, SYNC_SPINS, RANGED,
+                     ACCUMULATE)),
         (_consumer, (1, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, psum_ptr, grad_ptr,
-                     coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, pid, P, R, T, NK, n_tiles,
-                     swb, swt, swh, slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb,
-                     sdks, H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, RELU, KL, DISCARD, LOCKSTEP,
-                     SYNC_SLACK, SYNC_SPINS)),
-        (_producer, (q_ptr, k_ptr, idx_ptr, p_ptr, q_s, k_s, pv_s, ix_s, bars, pid, P, R, T,
-                     NK, n_tiles, sqb, sqt, sqh, skb, sks, sib, sit, sik, spb, spt, spk,
-                     H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, PRODUCER_WARPS)),
+                     coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, split_ptr, pid, P, R, T,
+                     NK, n_tiles, s_split, pass_idx, swb, swt, swh, slb, slt, ssb, sst, sdqb,
+                     sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks, H, D, BLOCK_N, NUM_STAGES,
+                     Q_BUFFERS, RELU, KL, DISCARD, LOCKSTEP, SYNC_SLACK, SYNC_SPINS, RANGED,
+                     ACCUMULATE)),
+        (_producer, (q_ptr, k_ptr, idx_ptr, p_ptr, split_ptr, q_s, k_s, pv_s, ix_s, bars, pid,
+                     P, R, T, NK, n_tiles, s_split, pass_idx, sqb, sqt, sqh, skb, sks, sib,
+                     sit, sik, spb, spt, spk, H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, RANGED,
+                     PRODUCER_WARPS)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -384,12 +451,12 @@ def _indexer_loss_bwd_kernel(
 
 def variant(q_index: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
             relu: bool, with_kl: bool = False, lockstep: bool = False,
-            lockstep_slack: int = 1, mode: int = MODE_ATOMIC) -> tuple:
+            lockstep_slack: int = 1, mode: int = MODE_ATOMIC, key_passes: int = 1) -> tuple:
     """The compiled variant a call needs: what a failure disables (lockstep: with its slack,
     a constexpr; mode: MODE_DISCARD's measurement compiles another kernel, whose failure must
-    not disable the gradients' one)."""
+    not disable the gradients' one; key passes: the RANGED kernels)."""
     return (q_index.dtype, q_index.shape[2], weights.dtype, indices.dtype, bool(relu),
-            bool(with_kl), lockstep_slack if lockstep else 0, mode)
+            bool(with_kl), lockstep_slack if lockstep else 0, mode, key_passes > 1)
 
 
 def _layout_problem(name: str, x: torch.Tensor, rows: tuple[int, ...]) -> str | None:
@@ -423,8 +490,8 @@ def applies(q_index: torch.Tensor, k_index: torch.Tensor, *, deterministic: bool
 def unsupported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor,
                 indices: torch.Tensor, p: torch.Tensor, lse: torch.Tensor, psum: torch.Tensor,
                 *, relu: bool = True, deterministic: bool = False, with_kl: bool = False,
-                mode: int = MODE_ATOMIC, lockstep: bool = False, lockstep_slack: int = 1
-                ) -> str | None:
+                mode: int = MODE_ATOMIC, lockstep: bool = False, lockstep_slack: int = 1,
+                key_passes: int = 1) -> str | None:
     """Why `indexer_loss_bwd_sm90` cannot take this call (the Triton kernel's then), or None.
     The options first, then dtypes, shapes and layouts, then the device: on a CPU tensor a call
     that would otherwise run says so last. with_kl and lockstep either way (the kernel sums the
@@ -433,6 +500,8 @@ def unsupported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Ten
         return "deterministic=True (dk's fixed-point mode is the Triton kernel's)"
     if mode not in (MODE_ATOMIC, MODE_DISCARD):
         return f"mode={mode} (MODE_ATOMIC's fp32 atomics, or MODE_DISCARD's measurement)"
+    if key_passes > 1 and lockstep:
+        return "bwd_key_passes > 1 with bwd_lockstep (the pace counts equal tiles a row)"
     if q_index.dtype != torch.bfloat16 or k_index.dtype != torch.bfloat16:
         return f"q_index / k_index dtypes {q_index.dtype} / {k_index.dtype} (bf16 only)"
     if weights.dtype not in (torch.float32, torch.bfloat16):
@@ -456,7 +525,8 @@ def unsupported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Ten
         return f"tensors on {q_index.device} (a CUDA device only)"
     if torch.cuda.get_device_capability(q_index.device)[0] != 9:
         return "not a Hopper GPU (sm_90a only)"
-    key = variant(q_index, weights, indices, relu, with_kl, lockstep, lockstep_slack, mode)
+    key = variant(q_index, weights, indices, relu, with_kl, lockstep, lockstep_slack, mode,
+                  key_passes)
     if key in _disabled:
         return f"variant {key} failed earlier"
     return None
@@ -478,7 +548,8 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
                           indices: torch.Tensor, p: torch.Tensor, lse: torch.Tensor,
                           psum: torch.Tensor, grad: torch.Tensor, coeff: float, relu: bool,
                           with_kl: bool = False, discard: bool = False, lockstep: bool = False,
-                          lockstep_slack: int = 1) -> tuple[torch.Tensor, ...]:
+                          lockstep_slack: int = 1, key_passes: int = 1
+                          ) -> tuple[torch.Tensor, ...]:
     """(dq_index, dweights, dk_index), with with_kl also the row KL fp32 [B, T], on a call
     `unsupported` accepts (see the module docstring); `indexer_loss.indexer_loss_bwd`'s
     contract without its options. discard (measurement only, `indexer_loss_bwd`'s
@@ -486,11 +557,22 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
     128; the third output then is that fp32 [B, S, D] buffer, not a gradient. lockstep: the
     programs of a wave paced within lockstep_slack key tiles of each other (an int >= 1, else
     ValueError; `common.lockstep_plan`), on zeroed counters, one a wave; the same results up to
-    fp32 rounding order."""
+    fp32 rounding order. key_passes > 1 (`IndexerLossKernelOptions.bwd_key_passes`; each row's
+    valid keys increasing first, -1 after, as `key_split` needs; not with lockstep): one launch
+    a key range of S / key_passes keys, each row's slots of that range only, so the live part
+    of the fp32 dk accumulator is 1 / key_passes of it; dq and dw summed over the launches in
+    fp32 buffers (B x T x H x D x 4 bytes more), then cast."""
     B, T, H, D = q_index.shape
     NK = indices.shape[-1]
     dev = q_index.device
+    if isinstance(key_passes, bool) or not isinstance(key_passes, int) or key_passes < 1:
+        raise ValueError(f"key_passes must be an int >= 1, got {key_passes!r}")
+    if key_passes > 1 and lockstep:
+        raise ValueError("key_passes > 1 does not pace (lockstep=False)")
     dq, dw, dk_acc = common.indexer_grad_buffers(q_index, weights, k_index)
+    if key_passes > 1:
+        dq_out, dw_out = dq, dw
+        dq, dw = dq.float(), dw.float()
     # Without the KL lse stands in for its buffer (never written: KL is a constexpr).
     kl = torch.empty((B, T), device=dev, dtype=torch.float32) if with_kl else lse
     rows = B * T
@@ -506,19 +588,27 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
     else:
         programs, sync = min(triton.cdiv(rows, 2), common.sm_count(dev)), lse
     q_sl, k_sl, g_sl = _shared_layouts(H)
-    _indexer_loss_bwd_kernel[(programs,)](
-        q_index, weights, k_index, indices, p, lse, psum, grad, float(coeff), dq, dw, dk_acc,
-        kl, sync, programs, rows, T, NK, triton.cdiv(NK, BLOCK_N),
-        *kernel_strides(q_index, 3), *weights.stride(), *kernel_strides(k_index, 2),
-        *indices.stride(), *p.stride(), *lse.stride(), *psum.stride(), *dq.stride()[:3],
-        *dw.stride(), *dk_acc.stride()[:2],
-        H=H, D=D, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, Q_BUFFERS=Q_BUFFERS, RELU=bool(relu),
-        KL=bool(with_kl), DISCARD=bool(discard), LOCKSTEP=bool(lockstep),
-        SYNC_SLACK=lockstep_slack if lockstep else 1, SYNC_SPINS=SYNC_SPINS,
-        q_sl=q_sl, k_sl=k_sl, g_sl=g_sl, CONSUMER_WARPS=CONSUMER_WARPS,
-        PRODUCER_WARPS=PRODUCER_WARPS, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
-    )
+    # One pass: the split is never read (lse stands in for it).
+    split = key_split(indices, k_index.shape[1], key_passes) if key_passes > 1 else lse
+    for pass_idx in range(key_passes):
+        _indexer_loss_bwd_kernel[(programs,)](
+            q_index, weights, k_index, indices, p, lse, psum, grad, float(coeff), dq, dw,
+            dk_acc, kl, sync, split, programs, rows, T, NK, triton.cdiv(NK, BLOCK_N),
+            key_passes + 1, pass_idx,
+            *kernel_strides(q_index, 3), *weights.stride(), *kernel_strides(k_index, 2),
+            *indices.stride(), *p.stride(), *lse.stride(), *psum.stride(), *dq.stride()[:3],
+            *dw.stride(), *dk_acc.stride()[:2],
+            H=H, D=D, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, Q_BUFFERS=Q_BUFFERS,
+            RELU=bool(relu), KL=bool(with_kl), DISCARD=bool(discard), LOCKSTEP=bool(lockstep),
+            SYNC_SLACK=lockstep_slack if lockstep else 1, SYNC_SPINS=SYNC_SPINS,
+            RANGED=key_passes > 1, ACCUMULATE=pass_idx > 0,
+            q_sl=q_sl, k_sl=k_sl, g_sl=g_sl, CONSUMER_WARPS=CONSUMER_WARPS,
+            PRODUCER_WARPS=PRODUCER_WARPS, CONSUMER_REGS=CONSUMER_REGS,
+            PRODUCER_REGS=PRODUCER_REGS, num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
+        )
+    if key_passes > 1:
+        dq = dq_out.copy_(dq)
+        dw = dw_out.copy_(dw)
     dk = dk_acc if discard else dk_acc.to(k_index.dtype)
     return (dq, dw, dk, kl) if with_kl else (dq, dw, dk)
 
@@ -527,26 +617,30 @@ def run_if_supported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torc
                      indices: torch.Tensor, p: torch.Tensor, lse: torch.Tensor,
                      psum: torch.Tensor, grad: torch.Tensor, coeff: float, relu: bool, *,
                      deterministic: bool, with_kl: bool, mode: int, lockstep: bool,
-                     lockstep_slack: int = 1) -> tuple[torch.Tensor, ...] | None:
+                     lockstep_slack: int = 1, key_passes: int = 1
+                     ) -> tuple[torch.Tensor, ...] | None:
     """`indexer_loss_bwd_sm90`'s gradients (with_kl: and the row KL, `indexer_loss_bwd`'s four
     outputs), or None: silently where it does not apply (`applies`), after one warning per
     cause where it applies but cannot run (`unsupported`) or its variant fails to compile or
-    launch (not tried again). lockstep, lockstep_slack: `IndexerLossKernelOptions.bwd_lockstep`
-    and `bwd_lockstep_slack`."""
-    key = variant(q_index, weights, indices, relu, with_kl, lockstep, lockstep_slack, mode)
+    launch (not tried again). lockstep, lockstep_slack, key_passes: `IndexerLossKernelOptions.
+    bwd_lockstep`, `bwd_lockstep_slack` and `bwd_key_passes` (the caller passes 1 where the
+    rows' keys are not known to increase)."""
+    key = variant(q_index, weights, indices, relu, with_kl, lockstep, lockstep_slack, mode,
+                  key_passes)
     if not applies(q_index, k_index, deterministic=deterministic, mode=mode, lockstep=lockstep,
                    failed=key):
         return None
     why = unsupported(q_index, weights, k_index, indices, p, lse, psum, relu=relu,
                       deterministic=deterministic, with_kl=with_kl, mode=mode, lockstep=lockstep,
-                      lockstep_slack=lockstep_slack)
+                      lockstep_slack=lockstep_slack, key_passes=key_passes)
     if why is not None:
         warn_cannot_run(why)
         return None
     try:
         return indexer_loss_bwd_sm90(q_index, weights, k_index, indices, p, lse, psum, grad,
                                      coeff, relu, with_kl, discard=mode == MODE_DISCARD,
-                                     lockstep=lockstep, lockstep_slack=lockstep_slack)
+                                     lockstep=lockstep, lockstep_slack=lockstep_slack,
+                                     key_passes=key_passes)
     except torch.OutOfMemoryError:
         raise  # not the kernel's failure: the Triton kernel would need the same memory
     except Exception as exc:  # this variant failed to compile or launch: say so, keep training

@@ -714,6 +714,19 @@ class IndexerLossKernelOptions:
     # (74.0-75.9 against 72.1-72.2 ms; V3.2 and 32K faster). On by default; compiled:
     # `inspect_sm90.py --preset indexer-loss-bwd-sm90-glm51 indexer-loss-bwd-sm90-v32`.
     bwd_sm90: bool = True
+    # The Gluon backward (bwd_sm90) in key passes: one launch a range of S / bwd_key_passes
+    # keys, each row's slots of that range only (`key_split`), dq and dw summed over the
+    # launches in fp32 buffers (B x T x H x D x 4 bytes more, cast at the end), the KL too. Why:
+    # the backward is bound by dk_index's fp32 atomics, 64 MiB at 128K against a 50 MiB L2
+    # (2026-12-06 probe on an H100: 76.3 ms, 54.0 with every row's keys in its last 16K); a
+    # pass's live part of dk_index (and of k_index's gathers) is 1 / bwd_key_passes of it.
+    # Costs a pass: q read again, the fp32 dq read and written, a partly masked tile a row at
+    # each boundary. Needs each row's valid keys increasing first, -1 after (HyTopK's
+    # key-ordered output: the DSA layer's, `keys_ascending` on the attention-backward path);
+    # elsewhere (the standalone `indexer_kl_loss`) and with bwd_lockstep one pass runs. The
+    # Triton backward has no passes. 1 (off) until timed (`bench_indexer_loss.py --variants
+    # key_passes2 key_passes4`); the same results up to fp32 rounding order.
+    bwd_key_passes: int = 1
 
     DEFAULT: ClassVar[IndexerLossKernelOptions]
 
@@ -723,7 +736,7 @@ class IndexerLossKernelOptions:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"IndexerLossKernelOptions.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
-        for name in ("bwd_lockstep_slack", "bwd_lockstep_programs_per_sm"):
+        for name in ("bwd_lockstep_slack", "bwd_lockstep_programs_per_sm", "bwd_key_passes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"IndexerLossKernelOptions.{name} must be an int >= 1, got "
