@@ -209,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-key-passes", type=int, default=None, metavar="N",
                    help="the Gluon indexer-loss backward in N key passes (IndexerLossKernel"
                         "Options.bwd_key_passes; default: the option's own, 1)")
+    p.add_argument("--compare-loss-key-passes", type=int, default=None, metavar="N",
+                   help="dsa: also time the layer with the indexer loss's Gluon backward in N "
+                        "key passes (IndexerLossKernelOptions.bwd_key_passes = N), row "
+                        "hyscale_loss_key_passes, beside the run's own options")
     p.add_argument("--loss-bwd-triton", action="store_true",
                    help="the indexer loss's backward on the Triton kernel (IndexerLossKernel"
                         "Options.bwd_sm90=False; the default on Hopper is the Gluon kernel)")
@@ -345,8 +349,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--packed-split needs --packed N")
     if args.packed_selection is not None and args.packed is None:
         p.error("--packed-selection needs --packed N")
-    if args.loss_key_passes is not None and args.loss_key_passes < 1:
-        p.error(f"--loss-key-passes must be >= 1, got {args.loss_key_passes}")
+    for flag in ("loss_key_passes", "compare_loss_key_passes"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.compare_loss_key_passes is not None and args.model != "dsa":
+        p.error("--compare-loss-key-passes needs --model dsa (the sparse indexer loss's "
+                "backward)")
     if args.compare_mla_projections and args.model != "dsa":
         p.error("--compare-mla-projections needs --model dsa (absorbed MLA)")
     if args.compare_selection_lse and (args.model != "dsa" or args.dense_loss
@@ -1368,6 +1376,10 @@ def run(args: argparse.Namespace) -> int:
                                     hyscale_indexer_target="attention_backward")))
     if args.compare_selection_lse:
         bases.append(("hyscale_row_pass_lse", hyscale_layer(hyscale_indexer_lse="row_pass")))
+    if args.compare_loss_key_passes is not None:
+        bases.append(("hyscale_loss_key_passes", hyscale_layer(
+            indexer_loss_kernel_options=replace(indexer_loss_kernel_options(args),
+                                                bwd_key_passes=args.compare_loss_key_passes))))
     if args.compare_mla_projections:
         bases.append(("hyscale_megatron_projections",
                       hyscale_layer(hyscale_mla_projections="megatron")))

@@ -676,5 +676,17 @@ def test_loss_key_passes_flag() -> None:
     args = bench_layer.parse_args(["--loss-key-passes", "3"])
     assert bench_layer.indexer_loss_kernel_options(args).bwd_key_passes == 3
     assert bench_layer.indexer_loss_kernel_options(bench_layer.parse_args([])).bwd_key_passes == 1
-    with pytest.raises(SystemExit):
-        bench_layer.parse_args(["--loss-key-passes", "0"])
+    for bad in (["--loss-key-passes", "0"], ["--compare-loss-key-passes", "0"],
+                ["--model", "csa", "--compare-loss-key-passes", "2"]):
+        with pytest.raises(SystemExit):
+            bench_layer.parse_args(bad)
+
+
+def test_compare_loss_key_passes_row(tmp_path: Path) -> None:
+    """`--compare-loss-key-passes 2`: the row hyscale_loss_key_passes beside hyscale, finite
+    (on the CPU the Triton backward runs either way: the plumbing only)."""
+    proc = _run(["--model", "dsa", "--skip-stock", "--compare-loss-key-passes", "2"], tmp_path)
+    row = _load(tmp_path, "dsa", proc)["rows"][0]
+    for name in ("hyscale", "hyscale_loss_key_passes"):
+        _check_record(row[name], selects=True, replays=True)
+    assert _load(tmp_path, "dsa", proc)["args"]["compare_loss_key_passes"] == 2
