@@ -101,7 +101,8 @@
 #                                         # --fused-stock-max-seq 131072" after
 #                                         # scripts/gpu_cudnn.sh 1 and 2); LSE_TESTS=0 skips
 #                                         # the tests, LSE_TEST_FILES names others,
-#                                         # LSE_VARIANTS adds bench_indexer_loss variants,
+#                                         # LSE_VARIANTS adds bench_indexer_loss variants
+#                                         # (LSE_RUN_S: a run's limit, 150 s),
 #                                         # LSE_LAYER=0 skips the layer             (~6 min)
 #   bash scripts/gpu_session.sh loss-bwd-probe  # issue #20 item 3: where the indexer loss's
 #                                         # backward kernel spends its time
@@ -761,8 +762,8 @@ case "$stage" in
     fi
     for run in ${LSE_RUNS:-glm51:32768 glm51:131072 v32:32768 v32:131072}; do
       # shellcheck disable=SC2086  # variants split on purpose
-      timeout 150 python3 scripts/bench_indexer_loss.py --t "${run#*:}" --shapes "${run%%:*}" \
-        --variants selection_lse ${LSE_VARIANTS:-} --out "$out/${run/:/_}" 2>&1 \
+      timeout "${LSE_RUN_S:-150}" python3 scripts/bench_indexer_loss.py --t "${run#*:}" \
+        --shapes "${run%%:*}" --variants selection_lse ${LSE_VARIANTS:-} --out "$out/${run/:/_}" 2>&1 \
         | grep -v -i warn | grep -E "T=|Error|failed" | tee -a "$out/bench_indexer_loss_variants.log"
     done
     [ "${LSE_LAYER:-1}" = 0 ] && exit 0  # LSE_LAYER=0: no layer
