@@ -5,7 +5,8 @@
 #                                 # came back earlier; part 1 needs no .whl, and with it the
 #                                 # call passes 64 MiB): keeps part 1 on the machine
 #   bash scripts/gpu_cudnn.sh 2   # carry [".carry/cudnn2", ".whl"]: installs, builds FlashMLA
-#                                 # (unless part 1 brought a build), checks
+#                                 # (unless part 1 brought a build or CUDNN_SKIP_FLASHMLA=1
+#                                 # asks for cuDNN's kernels alone), checks
 # Afterwards `export PYTHONPATH=$PWD/.carry/site:$PYTHONPATH` gives every later command on that
 # machine cuDNN-frontend's DSA kernels (`from cudnn import DSA`), FlashMLA's sparse forward
 # (`from flash_mla import flash_mla_sparse_fwd`) and megatron-core's cudnn backend.
@@ -55,6 +56,14 @@ fi
 # nvidia-cutlass-dsl's .pth is not processed under --target: its packages go on the path here.
 export PYTHONPATH=$(pwd)/$site:$(pwd)/$site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
 
+# CUDNN_SKIP_FLASHMLA=1: cuDNN-frontend's kernels only (what the cudnn-loss and selection
+# stages use), no FlashMLA build (~1.5-4 min of device time) and no backend check (it needs it).
+if [ -n "${CUDNN_SKIP_FLASHMLA:-}" ]; then
+  cat "$stash/SOURCE"
+  "$py" -c "from cudnn import DSA; print('[cudnn 2] cuDNN-frontend DSA:', DSA.__name__)"
+  echo "[cudnn 2] ready without FlashMLA (CUDNN_SKIP_FLASHMLA): export PYTHONPATH=$PYTHONPATH"
+  exit 0
+fi
 # FlashMLA: its sources (part 1) + HyScale's SM90-only binding, built here unless carried.
 rm -rf .carry/flashmla && mkdir -p .carry/flashmla
 tar -xzf "$stash/flashmla-src.tar.gz" -C .carry
