@@ -75,9 +75,12 @@ def sparse_attention_indexer_loss(
             on FlashMLA (where it can; "best" where measured faster, `ops.sparse_attention`),
             the backward is always HyScale's, which emits the target.
         hytopk_layout: as `ops.sparse_attention`'s (each row's valid slots first, one at
-            least: spares FlashMLA's forward its layout test and host syncs).
+            least: spares FlashMLA's forward its layout test and host syncs). With
+            keys_ascending, the loss backward may run in key passes
+            (`IndexerLossKernelOptions.bwd_key_passes`), whose results rely on it.
         keys_ascending: as `ops.sparse_attention`'s (each row's valid indices increase: the
-            lockstep kernels skip their sort).
+            lockstep kernels skip their sort; the loss backward's key passes, with
+            hytopk_layout).
         index_lse: None, or [B, T] each row's natural log-sum-exp of its index scores over the
             selected slots, from the selection that chose `indices` on these q_index, weights
             and k_index (`ops.indexer_loss.index_lse_from_scores` of `ops.hytopk`'s scores,

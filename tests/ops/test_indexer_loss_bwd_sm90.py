@@ -153,6 +153,10 @@ def test_key_passes_launch_a_pass_each(monkeypatch):
         assert all(a[9].dtype == a[10].dtype == torch.float32 for a, _ in launches)
         assert dq.dtype == torch.bfloat16 and dw.dtype == weights.dtype
         assert dq.shape == args[0].shape and dw.shape == weights.shape
+    empty = [x[:, :0] for x in _case(T=5, B=1)]  # no rows: no launch, the inputs' dtypes
+    launches.clear()
+    dq, dw, _ = sm90.indexer_loss_bwd_sm90(*empty, torch.tensor(1.3), 0.7, True, key_passes=2)
+    assert not launches and (dq.dtype, dw.dtype) == (torch.bfloat16, torch.float32)
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="key_passes must be an int >= 1"):
             sm90.indexer_loss_bwd_sm90(*args, torch.tensor(1.3), 0.7, True, key_passes=bad)
@@ -181,6 +185,14 @@ def test_the_dispatch_passes_key_passes_where_keys_increase(monkeypatch):
         kern.indexer_loss_bwd(*args, torch.tensor(1.0), 0.5, True, options=options,
                               keys_ascending=ascending)
     assert seen == [4, 1, 1, 1]
+    # The passes' variant refused or failed (None, after its warning): one pass, not Triton.
+    seen.clear()
+    monkeypatch.setattr(sm90, "run_if_supported",
+                        lambda *a, key_passes, **k: seen.append(key_passes) or (
+                            None if key_passes > 1 else a[:3]))
+    out = kern.indexer_loss_bwd(*args, torch.tensor(1.0), 0.5, True, options=opts,
+                                keys_ascending=True)
+    assert seen == [4, 1] and out[0] is args[0]
 
 
 @pytest.mark.parametrize("tensors, cause", [

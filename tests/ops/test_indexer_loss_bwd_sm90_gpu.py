@@ -353,15 +353,19 @@ def test_lockstep_bitwise_on_integer_inputs(B, T, S, K, H, sm90_calls):
 
 @needs_hopper
 @pytest.mark.parametrize("B, T, S, K, H", [(2, 300, 300, 200, 32), (1, 265, 1000, 130, 64)])
-def test_key_passes_bitwise_on_integer_inputs(B, T, S, K, H, sm90_calls):
+@pytest.mark.parametrize("idx_dtype, w_dtype", [(torch.int64, torch.float32),
+                                                 (torch.int32, torch.bfloat16)])
+def test_key_passes_bitwise_on_integer_inputs(B, T, S, K, H, idx_dtype, w_dtype, sm90_calls):
     """The backward in key passes (`bwd_key_passes`) only splits the work: on integer inputs in
     key order (every sum exact) dq, dw, dk and the integer-term KL rows bit for bit the Triton
-    backward's, for 2 to 5 passes (rows with no slot in a pass, a pass boundary inside a tile
-    and on one, keys past the last boundary), through the dispatch (keys_ascending) and the
-    wrapper. Without keys_ascending the dispatch runs one pass."""
+    backward's, for 2 to 5 passes (rows with no slot in a pass, pass boundaries inside tiles),
+    int32 (HyTopK's) and int64 indices, fp32 and bf16 weights (dw summed in fp32, then cast),
+    through the dispatch (keys_ascending) and the wrapper. Without keys_ascending the
+    dispatch runs one pass."""
     from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90
 
-    args = _integer_case(B, T, S, K, H, T * 11 + H, key_order=True)
+    q, w, k, idx, *rest = _integer_case(B, T, S, K, H, T * 11 + H, key_order=True)
+    args = (q, w.to(w_dtype), k, idx.to(idx_dtype), *rest)
     for with_kl in (False, True):
         want, _ = _run(args, TRITON, with_kl=with_kl)
         assert float(want[2].float().abs().max()) > 0

@@ -783,12 +783,17 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
     sm90 = (_hopper_backward_module() if options.bwd_sm90 and q_index.is_cuda
             and torch.cuda.get_device_capability(q_index.device)[0] == 9 else None)
     if sm90 is not None:
+        passes = options.bwd_key_passes if keys_ascending and not options.bwd_lockstep else 1
         done = sm90.run_if_supported(q_index, weights, k_index, indices, p, lse, psum, grad,
                                      coeff, relu, deterministic=deterministic, with_kl=with_kl,
                                      mode=mode, lockstep=options.bwd_lockstep,
                                      lockstep_slack=options.bwd_lockstep_slack,
-                                     key_passes=(options.bwd_key_passes if keys_ascending
-                                                 and not options.bwd_lockstep else 1))
+                                     key_passes=passes)
+        if done is None and passes > 1:  # the passes' variant failed (it warned): one pass
+            done = sm90.run_if_supported(q_index, weights, k_index, indices, p, lse, psum,
+                                         grad, coeff, relu, deterministic=deterministic,
+                                         with_kl=with_kl, mode=mode, lockstep=False,
+                                         key_passes=1)
         if done is not None:
             return done
     B, T, H, D = q_index.shape

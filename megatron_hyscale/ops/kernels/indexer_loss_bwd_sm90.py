@@ -96,8 +96,9 @@ MAXNREG = 168
 # counts its phase of parity 1 as completed). A consumer's arrival is one thread's after the
 # partition barrier; the producer's are cp.async arrivals, one a thread (counts of 128).
 # Consumer c's n-th row (item n) uses query buffer c * Q_BUFFERS + n % Q_BUFFERS, round
-# u = n // Q_BUFFERS; its g-th tile overall (g = n * n_tiles + j: every row has n_tiles) uses
-# stage c * NUM_STAGES + g % NUM_STAGES, round v = g // NUM_STAGES.
+# u = n // Q_BUFFERS; its g-th tile overall (g: the tiles of its earlier rows plus j; one pass,
+# every row has n_tiles; RANGED, each row its own count, which producer and consumer both take
+# from `_row_slots`) uses stage c * NUM_STAGES + g % NUM_STAGES, round v = g // NUM_STAGES.
 #   q_ready[i] (128): the row's q landed; the consumer waits parity u & 1.
 #   q_empty[i] (1):   the consumer's last product reading that q is done (after the row's last
 #                     tile); the producer waits parity (u & 1) ^ 1 before loading into it.
@@ -558,7 +559,8 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
     programs of a wave paced within lockstep_slack key tiles of each other (an int >= 1, else
     ValueError; `common.lockstep_plan`), on zeroed counters, one a wave; the same results up to
     fp32 rounding order. key_passes > 1 (`IndexerLossKernelOptions.bwd_key_passes`; each row's
-    valid keys increasing first, -1 after, as `key_split` needs; not with lockstep): one launch
+    valid slots first, -1 after, which the results need, in increasing key order, which the
+    gain needs; not with lockstep): one launch
     a key range of S / key_passes keys, each row's slots of that range only, so the live part
     of the fp32 dk accumulator is 1 / key_passes of it; dq and dw summed over the launches in
     fp32 buffers (B x T x H x D x 4 bytes more), then cast."""
@@ -570,15 +572,15 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
     if key_passes > 1 and lockstep:
         raise ValueError("key_passes > 1 does not pace (lockstep=False)")
     dq, dw, dk_acc = common.indexer_grad_buffers(q_index, weights, k_index)
-    if key_passes > 1:
-        dq_out, dw_out = dq, dw
-        dq, dw = dq.float(), dw.float()
     # Without the KL lse stands in for its buffer (never written: KL is a constexpr).
     kl = torch.empty((B, T), device=dev, dtype=torch.float32) if with_kl else lse
     rows = B * T
     if rows == 0:
         dk = dk_acc.to(k_index.dtype)
         return (dq, dw, dk, kl) if with_kl else (dq, dw, dk)
+    if key_passes > 1:
+        dq_out, dw_out = dq, dw
+        dq, dw = dq.float(), dw.float()
     grad = grad.detach().reshape(1).to(device=dev, dtype=torch.float32)
     # One program an SM (its 12 warps take the SM's registers), each over pairs of rows; in
     # lockstep a wave is the programs' n-th pairs, one zeroed counter each (unpaced: lse stands

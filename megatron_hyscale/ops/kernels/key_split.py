@@ -1,12 +1,14 @@
 """Each row's slot ranges by key range: where a backward split into key passes starts and ends a
 row in each pass (`IndexerLossKernelOptions.bwd_key_passes`).
 
-Shapes: indices int32 / int64 [B, T, K] whose rows hold their valid keys (>= 0) in increasing
-order first, -1 after them (HyTopK's key-ordered layout, `keys_ascending`), S the key count,
+Shapes: indices int32 / int64 [B, T, K] whose rows hold their valid keys (>= 0) first, -1 after
+them, in increasing key order (HyTopK's key-ordered layout, `keys_ascending`), S the key count,
 passes P >= 1. Returns int32 [B * T, P + 1]: column 0 is 0, column p (1 .. P) the number of the
 row's slots whose key is below p * S // P. With that layout pass p's keys are exactly the row's
 slots [split[r, p], split[r, p + 1]), and the last column counts the row's valid slots (the -1
-tail belongs to no pass).
+tail belongs to no pass). Valid slots first is what a backward's results need (the passes then
+cover each valid slot once, whatever the order); the increasing order is what bounds each
+pass's keys (a -1 between valid slots would drop the slots after it).
 
 Algorithm: one program a row; each block of its indices is compared with the P bounds at once
 and the counts summed, one read of the indices.
