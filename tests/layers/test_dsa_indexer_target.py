@@ -267,30 +267,23 @@ def test_core_with_per_head_values_matches_stock(recompute, monkeypatch):
     assert_core_steps_match(got, want)
 
 
-def test_setting_is_checked_by_name(monkeypatch):
-    monkeypatch.delenv("HYSCALE_INDEXER_TARGET", raising=False)
-    assert indexer_target(types.SimpleNamespace()) == "auto"
-    monkeypatch.setenv("HYSCALE_INDEXER_TARGET", "attention_backward")
-    assert indexer_target(types.SimpleNamespace()) == "attention_backward"
-    assert indexer_target(types.SimpleNamespace(hyscale_indexer_target="separate")) == "separate"
-    with pytest.raises(ValueError, match="config.hyscale_indexer_target must be one of"):
-        indexer_target(types.SimpleNamespace(hyscale_indexer_target="dq"))
-    monkeypatch.setenv("HYSCALE_INDEXER_TARGET", "forward")
-    with pytest.raises(ValueError, match="HYSCALE_INDEXER_TARGET must be one of"):
-        indexer_target(types.SimpleNamespace())
-
-
-def test_lse_setting_is_checked_by_name(monkeypatch):
-    monkeypatch.delenv("HYSCALE_INDEXER_LSE", raising=False)
-    assert indexer_lse(types.SimpleNamespace()) == "selection"
-    monkeypatch.setenv("HYSCALE_INDEXER_LSE", "row_pass")
-    assert indexer_lse(types.SimpleNamespace()) == "row_pass"
-    assert indexer_lse(types.SimpleNamespace(hyscale_indexer_lse="selection")) == "selection"
-    with pytest.raises(ValueError, match="config.hyscale_indexer_lse must be one of"):
-        indexer_lse(types.SimpleNamespace(hyscale_indexer_lse=True))
-    monkeypatch.setenv("HYSCALE_INDEXER_LSE", "rows")
-    with pytest.raises(ValueError, match="HYSCALE_INDEXER_LSE must be one of"):
-        indexer_lse(types.SimpleNamespace())
+@pytest.mark.parametrize("setting, attr, env, default, other, bad", [
+    (indexer_target, "hyscale_indexer_target", "HYSCALE_INDEXER_TARGET", "auto",
+     "attention_backward", "dq"),
+    (indexer_lse, "hyscale_indexer_lse", "HYSCALE_INDEXER_LSE", "selection", "row_pass", True),
+])
+def test_setting_is_checked_by_name(setting, attr, env, default, other, bad, monkeypatch):
+    """config.<attr>, else $<env>, else the default; a bad value named by its source."""
+    monkeypatch.delenv(env, raising=False)
+    assert setting(types.SimpleNamespace()) == default
+    monkeypatch.setenv(env, other)
+    assert setting(types.SimpleNamespace()) == other
+    assert setting(types.SimpleNamespace(**{attr: default})) == default
+    with pytest.raises(ValueError, match=f"config.{attr} must be one of"):
+        setting(types.SimpleNamespace(**{attr: bad}))
+    monkeypatch.setenv(env, "forward")
+    with pytest.raises(ValueError, match=f"{env} must be one of"):
+        setting(types.SimpleNamespace())
 
 
 def test_the_row_pass_setting_reaches_the_layer(monkeypatch):
