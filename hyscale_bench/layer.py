@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default's from the selection's scores")
     p.add_argument("--loss-key-passes", type=int, default=None, metavar="N",
                    help="the Gluon indexer-loss backward in N key passes (IndexerLossKernel"
-                        "Options.bwd_key_passes; default: the option's own, 1)")
+                        "Options.bwd_key_passes; default: the option's own, 0: by size)")
     p.add_argument("--compare-loss-key-passes", type=int, default=None, metavar="N",
                    help="dsa: also time the layer with the indexer loss's Gluon backward in N "
                         "key passes (IndexerLossKernelOptions.bwd_key_passes = N), row "

@@ -395,11 +395,14 @@ LOSS_VARIANTS = {
     # tensor, timed in the row pass) and the target normalized without a gather
     # (`normalize_target`)
     SELECTION_LSE: dict(),
-    # the Gluon backward in key passes (bwd_key_passes; the stratified rows are in key order,
-    # valid keys first, as HyTopK's key-ordered output): with the gathered row pass, and as
-    # the DSA layer would run it, on the selection's log-sum-exp
+    # the Gluon backward in N key passes (bwd_key_passes; the default 0 picks by size; the
+    # stratified rows are in key order, valid keys first, as HyTopK's key-ordered output):
+    # with the gathered row pass, and as the DSA layer runs it, on the selection's
+    # log-sum-exp (key_passes1: one pass, the form before 2026-12-07)
+    "key_passes1": dict(bwd_key_passes=1),
     "key_passes2": dict(bwd_key_passes=2),
     "key_passes4": dict(bwd_key_passes=4),
+    f"{SELECTION_LSE}_key_passes1": dict(bwd_key_passes=1),
     f"{SELECTION_LSE}_key_passes2": dict(bwd_key_passes=2),
     f"{SELECTION_LSE}_key_passes3": dict(bwd_key_passes=3),
     f"{SELECTION_LSE}_key_passes4": dict(bwd_key_passes=4),

@@ -21,9 +21,23 @@ from megatron_hyscale.ops.kernels import common  # noqa: E402
 from megatron_hyscale.ops.kernels import indexer_loss as kern  # noqa: E402
 from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90  # noqa: E402
 from megatron_hyscale.ops.kernels.common import MODE_DISCARD  # noqa: E402
+from megatron_hyscale.ops.kernels.key_split import (  # noqa: E402
+    AUTO_KEY_PASSES,
+    KEY_BYTES,
+    ONE_PASS_BYTES,
+)
 from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions  # noqa: E402
 
 SM90 = replace(IndexerLossKernelOptions.DEFAULT, bwd_sm90=True)
+# The most keys one pass takes by default (`key_split.auto_key_passes`).
+KEY_BYTES_KEYS = ONE_PASS_BYTES // KEY_BYTES
+
+
+@pytest.mark.parametrize("value", [-1, 1.0, True, None])
+def test_key_passes_option_is_checked_when_made(value):
+    with pytest.raises(ValueError, match="bwd_key_passes must be an int >= 0"):
+        replace(IndexerLossKernelOptions.DEFAULT, bwd_key_passes=value)
+    assert replace(IndexerLossKernelOptions.DEFAULT, bwd_key_passes=3).bwd_key_passes == 3
 
 
 def _tensors(H=32, D=128, B=1, T=4, S=8, K=6, dtype=torch.bfloat16, q_width=None,
@@ -185,6 +199,14 @@ def test_the_dispatch_passes_key_passes_where_keys_increase(monkeypatch):
         kern.indexer_loss_bwd(*args, torch.tensor(1.0), 0.5, True, options=options,
                               keys_ascending=ascending)
     assert seen == [4, 1, 1, 1]
+    # The default (0) by size: one pass while dk_index and k_index fit half the L2, else 3.
+    assert IndexerLossKernelOptions.DEFAULT.bwd_key_passes == 0
+    seen.clear()
+    for keys in (KEY_BYTES_KEYS, KEY_BYTES_KEYS + 1):
+        k = torch.zeros(2, keys, 128, dtype=torch.bfloat16)
+        kern.indexer_loss_bwd(args[0], args[1], k, *args[3:], torch.tensor(1.0), 0.5, True,
+                              options=SM90, keys_ascending=True)
+    assert seen == [1, AUTO_KEY_PASSES]
     # The passes' variant refused or failed (None, after its warning): one pass, not Triton.
     seen.clear()
     monkeypatch.setattr(sm90, "run_if_supported",

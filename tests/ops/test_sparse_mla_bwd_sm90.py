@@ -148,8 +148,7 @@ def test_lockstep_slack_is_checked_first(slack):
     (AttentionKernelOptions, "triton_lockstep_slack"),
     (AttentionKernelOptions, "triton_lockstep_programs_per_sm"),
     (IndexerLossKernelOptions, "bwd_lockstep_slack"),
-    (IndexerLossKernelOptions, "bwd_lockstep_programs_per_sm"),
-    (IndexerLossKernelOptions, "bwd_key_passes")])
+    (IndexerLossKernelOptions, "bwd_lockstep_programs_per_sm")])
 @pytest.mark.parametrize("value", [0, -2, 1.0, True])
 def test_lockstep_slack_option_is_checked_when_made(cls, name, value):
     """The options objects refuse a slack or a program count that is not an int >= 1 when

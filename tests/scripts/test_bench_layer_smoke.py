@@ -675,7 +675,7 @@ def test_loss_key_passes_flag() -> None:
     """`--loss-key-passes N` reaches IndexerLossKernelOptions.bwd_key_passes; below 1 refused."""
     args = bench_layer.parse_args(["--loss-key-passes", "3"])
     assert bench_layer.indexer_loss_kernel_options(args).bwd_key_passes == 3
-    assert bench_layer.indexer_loss_kernel_options(bench_layer.parse_args([])).bwd_key_passes == 1
+    assert bench_layer.indexer_loss_kernel_options(bench_layer.parse_args([])).bwd_key_passes == 0
     for bad in (["--loss-key-passes", "0"], ["--compare-loss-key-passes", "0"],
                 ["--model", "csa", "--compare-loss-key-passes", "2"]):
         with pytest.raises(SystemExit):

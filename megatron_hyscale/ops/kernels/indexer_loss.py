@@ -55,6 +55,7 @@ from megatron_hyscale.ops.kernels.common import (
     lockstep_plan,
     lockstep_step,
 )
+from megatron_hyscale.ops.kernels.key_split import auto_key_passes
 from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions, Tilings
 from megatron_hyscale.ops.kernels.tiling import launch_first_fitting
 
@@ -783,7 +784,8 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
     sm90 = (_hopper_backward_module() if options.bwd_sm90 and q_index.is_cuda
             and torch.cuda.get_device_capability(q_index.device)[0] == 9 else None)
     if sm90 is not None:
-        passes = options.bwd_key_passes if keys_ascending and not options.bwd_lockstep else 1
+        passes = options.bwd_key_passes or auto_key_passes(k_index.shape[1])
+        passes = passes if keys_ascending and not options.bwd_lockstep else 1
         done = sm90.run_if_supported(q_index, weights, k_index, indices, p, lse, psum, grad,
                                      coeff, relu, deterministic=deterministic, with_kl=with_kl,
                                      mode=mode, lockstep=options.bwd_lockstep,

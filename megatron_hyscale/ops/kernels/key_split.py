@@ -25,6 +25,19 @@ from megatron_hyscale.ops.kernels.common import fix_interpreter
 fix_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1
 # Slots a program compares at a time ([KEY_BLOCK x next_power_of_2(P)] booleans).
 KEY_BLOCK = 512
+# `auto_key_passes`: bytes a key costs a backward pass (its fp32 dk_index row of 128 and its
+# bf16 k_index row), the live bytes one pass may keep (half the 50 MiB L2 of an H100 / H200:
+# 32K keys, 24 MiB, ran faster in one pass), and the passes beyond that: the fastest count
+# measured at 128K (96 MiB; 2026-12-07, H100: GLM-5.1 and V3.2 both fastest at 3 of 2 / 3 / 4
+# / 8). Lengths between and beyond are untimed.
+KEY_BYTES = 128 * 4 + 128 * 2
+ONE_PASS_BYTES = 25 * 2**20
+AUTO_KEY_PASSES = 3
+
+
+def auto_key_passes(keys: int) -> int:
+    """The key passes `IndexerLossKernelOptions.bwd_key_passes = 0` runs over `keys` keys."""
+    return 1 if keys * KEY_BYTES <= ONE_PASS_BYTES else AUTO_KEY_PASSES
 
 
 @triton.jit

@@ -724,9 +724,15 @@ class IndexerLossKernelOptions:
     # each boundary. Needs each row's valid keys increasing first, -1 after (HyTopK's
     # key-ordered output: the DSA layer's, `keys_ascending` on the attention-backward path);
     # elsewhere (the standalone `indexer_kl_loss`) and with bwd_lockstep one pass runs. The
-    # Triton backward has no passes. 1 (off) until timed (`bench_indexer_loss.py --variants
-    # key_passes2 key_passes4`); the same results up to fp32 rounding order.
-    bwd_key_passes: int = 1
+    # Triton backward has no passes. The same results up to fp32 rounding order (bitwise on
+    # integer inputs, GPU tests). 0 (the default): `key_split.auto_key_passes`, one pass while
+    # dk_index and k_index fit half the L2 (up to ~34K keys), else AUTO_KEY_PASSES (3). Timed
+    # on an H100 (2026-12-07, `bench_indexer_loss.py --variants selection_lse_key_passesN`,
+    # row pass + backward on the selection's log-sum-exp, same process): GLM-5.1 at 128K
+    # 69.39 -> 64.34 / 60.56 / 61.12 / 65.36 ms at 2 / 3 / 4 / 8 passes, V3.2 73.95 -> 70.49 /
+    # 71.01 / 79.58 at 3 / 4 / 8; at 32K slower (GLM-5.1 14.16 -> 14.84 / 15.14 at 2 / 3, V3.2
+    # 14.41 -> 15.91 / 16.46). Other lengths, the layer's step and its peak memory untimed.
+    bwd_key_passes: int = 0
 
     DEFAULT: ClassVar[IndexerLossKernelOptions]
 
@@ -736,11 +742,15 @@ class IndexerLossKernelOptions:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"IndexerLossKernelOptions.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
-        for name in ("bwd_lockstep_slack", "bwd_lockstep_programs_per_sm", "bwd_key_passes"):
+        for name in ("bwd_lockstep_slack", "bwd_lockstep_programs_per_sm"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"IndexerLossKernelOptions.{name} must be an int >= 1, got "
                                  f"{value!r}")
+        value = self.bwd_key_passes
+        if isinstance(value, bool) or not (isinstance(value, int) and value >= 0):
+            raise ValueError("IndexerLossKernelOptions.bwd_key_passes must be an int >= 0 (0: "
+                             f"by size), got {value!r}")
 
 
 IndexerLossKernelOptions.DEFAULT = IndexerLossKernelOptions()
