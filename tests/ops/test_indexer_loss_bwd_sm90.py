@@ -207,14 +207,6 @@ def test_the_dispatch_passes_key_passes_where_keys_increase(monkeypatch):
         kern.indexer_loss_bwd(args[0], args[1], k, *args[3:], torch.tensor(1.0), 0.5, True,
                               options=SM90, keys_ascending=True)
     assert seen == [1, AUTO_KEY_PASSES]
-    # The passes' variant refused or failed (None, after its warning): one pass, not Triton.
-    seen.clear()
-    monkeypatch.setattr(sm90, "run_if_supported",
-                        lambda *a, key_passes, **k: seen.append(key_passes) or (
-                            None if key_passes > 1 else a[:3]))
-    out = kern.indexer_loss_bwd(*args, torch.tensor(1.0), 0.5, True, options=opts,
-                                keys_ascending=True)
-    assert seen == [4, 1] and out[0] is args[0]
 
 
 @pytest.mark.parametrize("tensors, cause", [
@@ -343,6 +335,40 @@ def test_a_failed_launch_disables_its_variant_after_one_warning(monkeypatch):
         with pytest.raises(torch.OutOfMemoryError):
             _dispatch(args)
         assert not sm90._disabled
+    finally:
+        sm90._disabled.clear()
+
+
+def test_a_failed_key_passes_variant_runs_one_pass(monkeypatch):
+    """The key passes' variant failing to compile or launch: one warning, its variant disabled,
+    and the same call runs one Gluon pass (not the Triton backward); later calls asking for
+    passes go to one pass at once, without the warning again."""
+    monkeypatch.setattr(checks, "_warned", set())
+    monkeypatch.setattr(sm90, "unsupported", lambda *a, **k: None)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    calls = []
+
+    def kernel(*a, key_passes=1, **kw):
+        calls.append(key_passes)
+        if key_passes > 1:
+            raise RuntimeError("PTX assembly failed")
+        return a[:3]
+
+    monkeypatch.setattr(sm90, "indexer_loss_bwd_sm90", kernel)
+    args = _case()
+    run = lambda: sm90.run_if_supported(*args, torch.tensor(1.3), 0.7, True,  # noqa: E731
+                                        deterministic=False, with_kl=False, mode=0,
+                                        lockstep=False, key_passes=3)
+    try:
+        with pytest.warns(RuntimeWarning, match="cannot run .*RuntimeError: PTX assembly"):
+            assert run()[0] is args[0]
+        assert calls == [3, 1]
+        assert sm90.variant(args[0], args[1], args[3], True, False, key_passes=3) in sm90._disabled
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert run()[0] is args[0]
+        assert calls == [3, 1, 1]
     finally:
         sm90._disabled.clear()
 

@@ -791,11 +791,6 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
                                      mode=mode, lockstep=options.bwd_lockstep,
                                      lockstep_slack=options.bwd_lockstep_slack,
                                      key_passes=passes)
-        if done is None and passes > 1:  # the passes' variant failed (it warned): one pass
-            done = sm90.run_if_supported(q_index, weights, k_index, indices, p, lse, psum,
-                                         grad, coeff, relu, deterministic=deterministic,
-                                         with_kl=with_kl, mode=mode, lockstep=False,
-                                         key_passes=1)
         if done is not None:
             return done
     B, T, H, D = q_index.shape

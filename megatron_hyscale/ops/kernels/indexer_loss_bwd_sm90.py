@@ -578,7 +578,7 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
     if rows == 0:
         dk = dk_acc.to(k_index.dtype)
         return (dq, dw, dk, kl) if with_kl else (dq, dw, dk)
-    if key_passes > 1:
+    if key_passes > 1:  # the passes add into fp32 (fp32 weights' dw already is)
         dq_out, dw_out = dq, dw
         dq, dw = dq.float(), dw.float()
     grad = grad.detach().reshape(1).to(device=dev, dtype=torch.float32)
@@ -610,7 +610,7 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
         )
     if key_passes > 1:
         dq = dq_out.copy_(dq)
-        dw = dw_out.copy_(dw)
+        dw = dw if dw is dw_out else dw_out.copy_(dw)
     dk = dk_acc if discard else dk_acc.to(k_index.dtype)
     return (dq, dw, dk, kl) if with_kl else (dq, dw, dk)
 
@@ -626,7 +626,11 @@ def run_if_supported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torc
     cause where it applies but cannot run (`unsupported`) or its variant fails to compile or
     launch (not tried again). lockstep, lockstep_slack, key_passes: `IndexerLossKernelOptions.
     bwd_lockstep`, `bwd_lockstep_slack` and `bwd_key_passes` (the caller passes 1 where the
-    rows' keys are not known to increase)."""
+    rows' keys are not known to increase); where the key passes' variant failed (now or
+    earlier, one warning), one pass runs."""
+    if key_passes > 1 and variant(q_index, weights, indices, relu, with_kl, lockstep,
+                                  lockstep_slack, mode, key_passes) in _disabled:
+        key_passes = 1
     key = variant(q_index, weights, indices, relu, with_kl, lockstep, lockstep_slack, mode,
                   key_passes)
     if not applies(q_index, k_index, deterministic=deterministic, mode=mode, lockstep=lockstep,
@@ -647,7 +651,11 @@ def run_if_supported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torc
         raise  # not the kernel's failure: the Triton kernel would need the same memory
     except Exception as exc:  # this variant failed to compile or launch: say so, keep training
         disable(key, f"{type(exc).__name__}: {exc}")
-        return None
+        if key_passes == 1:
+            return None
+        return run_if_supported(q_index, weights, k_index, indices, p, lse, psum, grad, coeff,
+                                relu, deterministic=deterministic, with_kl=with_kl, mode=mode,
+                                lockstep=lockstep, lockstep_slack=lockstep_slack)
 
 
 # Variants (`variant`) that failed to compile or launch in this process (`applies` passes them
