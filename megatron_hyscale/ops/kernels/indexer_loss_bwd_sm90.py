@@ -241,13 +241,14 @@ def _dk_chunk(g_t, q_part, col0, rows, valid, acc_layout: gl.constexpr, KEYS: gl
 
 @gluon.jit
 def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, psum_ptr,
-              grad_ptr, coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, split_ptr, pid, P, R,
+              grad_ptr, coeff, dq_ptr, dw_ptr, dq_out_ptr, dw_out_ptr, dk_ptr, kl_ptr, sync_ptr,
+              split_ptr, pid, P, R,
               T, NK, n_tiles, s_split, pass_idx, swb, swt, swh, slb, slt, ssb, sst, sdqb, sdqt,
               sdqh, sdwb, sdwt, sdwh, sdkb, sdks, H: gl.constexpr, D: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
               RELU: gl.constexpr, KL: gl.constexpr, DISCARD: gl.constexpr,
               LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr,
-              RANGED: gl.constexpr, ACCUMULATE: gl.constexpr):
+              RANGED: gl.constexpr, ACCUMULATE: gl.constexpr, FINAL: gl.constexpr):
     """Rows 2 (pid + n P) + c, n = 0, 1, ...: per tile S^T, the slot gradients g, dw, G^T,
     dQ^T and the dK additions (KL: and the slots' KL terms); at a row's end dq and dw stored
     (owned: no atomics), KL: the row's KL too. LOCKSTEP: row n is in wave n (counter sync_ptr +
@@ -260,7 +261,8 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
     read), so giving up is safe. RANGED: only the row's slots of key pass pass_idx
     (`_row_slots`; not with LOCKSTEP, whose count assumes equal tiles); ACCUMULATE: dq, dw (fp32
     buffers then) and the KL added to what the earlier passes stored, where the row had
-    tiles."""
+    tiles; FINAL (the last pass): every row's dq and dw sums cast into dq_out_ptr and
+    dw_out_ptr (the outputs, same strides), so no separate cast reads the fp32 buffers again."""
     q_ready, q_empty, ready, empty = bars
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
@@ -364,11 +366,21 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
         # The row's last reader of its q is done: the producer may load a later row's.
         mbarrier.arrive(q_empty.index(qi), count=1)
 
-        dw_at = dw_ptr + b * sdwb + t * sdwt + heads * sdwh
-        dq_at = dq_ptr + b * sdqb + t * sdqt + heads[None, :] * sdqh + chans[:, None]
+        dw_off = b * sdwb + t * sdwt + heads * sdwh
+        dq_off = b * sdqb + t * sdqt + heads[None, :] * sdqh + chans[:, None]
+        dw_at = dw_ptr + dw_off
+        dq_at = dq_ptr + dq_off
         # kl is the wrapper's contiguous [B, T]: no strides held across the row.
         kl_at = kl_ptr + b * T + t
-        if ACCUMULATE:
+        if FINAL:
+            # Rows without tiles in this pass too: each row's output is written here once.
+            dw_sum = gl.load(dw_at) + gl.sum(dw_part, axis=0)
+            gl.store(dw_out_ptr + dw_off, dw_sum.to(dw_out_ptr.dtype.element_ty))
+            gl.store(dq_out_ptr + dq_off, (gl.load(dq_at) + dq_t).to(dq_out_ptr.dtype.element_ty))
+            if KL:
+                if tiles > 0:
+                    gl.store(kl_at, gl.load(kl_at) + gl.sum(kl_part, axis=0))
+        elif ACCUMULATE:
             if tiles > 0:
                 gl.store(dw_at, gl.load(dw_at) + gl.sum(dw_part, axis=0))
                 gl.store(dq_at, gl.load(dq_at) + dq_t)
@@ -384,13 +396,14 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
 @gluon.jit
 def _indexer_loss_bwd_kernel(
     q_ptr, w_ptr, k_ptr, idx_ptr, p_ptr, lse_ptr, psum_ptr, grad_ptr, coeff,
-    dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, split_ptr, P, R, T, NK, n_tiles, s_split, pass_idx,
+    dq_ptr, dw_ptr, dq_out_ptr, dw_out_ptr, dk_ptr, kl_ptr, sync_ptr, split_ptr, P, R, T, NK,
+    n_tiles, s_split, pass_idx,
     sqb, sqt, sqh, swb, swt, swh, skb, sks, sib, sit, sik, spb, spt, spk, slb, slt, ssb, sst,
     sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks,
     H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, RELU: gl.constexpr, KL: gl.constexpr, DISCARD: gl.constexpr,
     LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr,
-    RANGED: gl.constexpr, ACCUMULATE: gl.constexpr,
+    RANGED: gl.constexpr, ACCUMULATE: gl.constexpr, FINAL: gl.constexpr,
     q_sl: gl.constexpr, k_sl: gl.constexpr, g_sl: gl.constexpr,
     CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -399,7 +412,9 @@ def _indexer_loss_bwd_kernel(
     and their dk additions; KL: also each row's KL into kl_ptr (contiguous [B, T]). LOCKSTEP: the
     consumers paced by the waves' zeroed int32 counters in sync_ptr (`_consumer`), SYNC_SLACK
     >= 1. RANGED: key pass pass_idx of the rows' slots in split_ptr (int32, row stride
-    s_split); ACCUMULATE: added into the earlier passes' dq, dw (fp32) and KL. Unit-stride
+    s_split); ACCUMULATE: added into the earlier passes' dq, dw (fp32) and KL; FINAL: the sums
+    cast into dq_out_ptr, dw_out_ptr (dq_ptr, dw_ptr's strides; with one pass, dq_ptr and
+    dw_ptr themselves, never read). Unit-stride
     channels of q, k, dq; row strides of q and k multiples of 16 elements (the wrapper
     checks)."""
     pid = gl.program_id(0)
@@ -429,17 +444,17 @@ def _indexer_loss_bwd_kernel(
     # would reach the partitions as runtime values.
     gl.warp_specialize([
         (_consumer, (0, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, psum_ptr, grad_ptr,
-                     coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, split_ptr, pid, P, R, T,
-                     NK, n_tiles, s_split, pass_idx, swb, swt, swh, slb, slt, ssb, sst, sdqb,
-                     sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks, H, D, BLOCK_N, NUM_STAGES,
-                     Q_BUFFERS, RELU, KL, DISCARD, LOCKSTEP, SYNC_SLACK, SYNC_SPINS, RANGED,
-                     ACCUMULATE)),
+                     coeff, dq_ptr, dw_ptr, dq_out_ptr, dw_out_ptr, dk_ptr, kl_ptr, sync_ptr,
+                     split_ptr, pid, P, R, T, NK, n_tiles, s_split, pass_idx, swb, swt, swh,
+                     slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks, H, D,
+                     BLOCK_N, NUM_STAGES, Q_BUFFERS, RELU, KL, DISCARD, LOCKSTEP, SYNC_SLACK,
+                     SYNC_SPINS, RANGED, ACCUMULATE, FINAL)),
         (_consumer, (1, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, psum_ptr, grad_ptr,
-                     coeff, dq_ptr, dw_ptr, dk_ptr, kl_ptr, sync_ptr, split_ptr, pid, P, R, T,
-                     NK, n_tiles, s_split, pass_idx, swb, swt, swh, slb, slt, ssb, sst, sdqb,
-                     sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks, H, D, BLOCK_N, NUM_STAGES,
-                     Q_BUFFERS, RELU, KL, DISCARD, LOCKSTEP, SYNC_SLACK, SYNC_SPINS, RANGED,
-                     ACCUMULATE)),
+                     coeff, dq_ptr, dw_ptr, dq_out_ptr, dw_out_ptr, dk_ptr, kl_ptr, sync_ptr,
+                     split_ptr, pid, P, R, T, NK, n_tiles, s_split, pass_idx, swb, swt, swh,
+                     slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks, H, D,
+                     BLOCK_N, NUM_STAGES, Q_BUFFERS, RELU, KL, DISCARD, LOCKSTEP, SYNC_SLACK,
+                     SYNC_SPINS, RANGED, ACCUMULATE, FINAL)),
         (_producer, (q_ptr, k_ptr, idx_ptr, p_ptr, split_ptr, q_s, k_s, pv_s, ix_s, bars, pid,
                      P, R, T, NK, n_tiles, s_split, pass_idx, sqb, sqt, sqh, skb, sks, sib,
                      sit, sik, spb, spt, spk, H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, RANGED,
@@ -563,7 +578,8 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
     gain needs; not with lockstep): one launch
     a key range of S / key_passes keys, each row's slots of that range only, so the live part
     of the fp32 dk accumulator is 1 / key_passes of it; dq and dw summed over the launches in
-    fp32 buffers (B x T x H x D x 4 bytes more), then cast."""
+    fp32 buffers (B x T x H x D x 4 bytes more), which the last launch casts into the
+    outputs."""
     B, T, H, D = q_index.shape
     NK = indices.shape[-1]
     dev = q_index.device
@@ -578,9 +594,13 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
     if rows == 0:
         dk = dk_acc.to(k_index.dtype)
         return (dq, dw, dk, kl) if with_kl else (dq, dw, dk)
-    if key_passes > 1:  # the passes add into fp32 (fp32 weights' dw already is)
-        dq_out, dw_out = dq, dw
-        dq, dw = dq.float(), dw.float()
+    # With passes, the launches add into fp32 buffers (fp32 weights' dw already is one) and the
+    # last casts the sums into the outputs; one pass stores the outputs directly.
+    dq_out, dw_out = dq, dw
+    if key_passes > 1:
+        dq = torch.empty(dq.shape, device=dev, dtype=torch.float32)
+        dw = dw if dw.dtype == torch.float32 else torch.empty(dw.shape, device=dev,
+                                                             dtype=torch.float32)
     grad = grad.detach().reshape(1).to(device=dev, dtype=torch.float32)
     # One program an SM (its 12 warps take the SM's registers), each over pairs of rows; in
     # lockstep a wave is the programs' n-th pairs, one zeroed counter each (unpaced: lse stands
@@ -595,8 +615,8 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
     for pass_idx in range(key_passes):
         _indexer_loss_bwd_kernel[(programs,)](
             q_index, weights, k_index, indices, p, lse, psum, grad, float(coeff), dq, dw,
-            dk_acc, kl, sync, split, programs, rows, T, NK, triton.cdiv(NK, BLOCK_N),
-            key_passes + 1, pass_idx,
+            dq_out, dw_out, dk_acc, kl, sync, split, programs, rows, T, NK,
+            triton.cdiv(NK, BLOCK_N), key_passes + 1, pass_idx,
             *kernel_strides(q_index, 3), *weights.stride(), *kernel_strides(k_index, 2),
             *indices.stride(), *p.stride(), *lse.stride(), *psum.stride(), *dq.stride()[:3],
             *dw.stride(), *dk_acc.stride()[:2],
@@ -604,15 +624,13 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
             RELU=bool(relu), KL=bool(with_kl), DISCARD=bool(discard), LOCKSTEP=bool(lockstep),
             SYNC_SLACK=lockstep_slack if lockstep else 1, SYNC_SPINS=SYNC_SPINS,
             RANGED=key_passes > 1, ACCUMULATE=pass_idx > 0,
+            FINAL=key_passes > 1 and pass_idx == key_passes - 1,
             q_sl=q_sl, k_sl=k_sl, g_sl=g_sl, CONSUMER_WARPS=CONSUMER_WARPS,
             PRODUCER_WARPS=PRODUCER_WARPS, CONSUMER_REGS=CONSUMER_REGS,
             PRODUCER_REGS=PRODUCER_REGS, num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
         )
-    if key_passes > 1:
-        dq = dq_out.copy_(dq)
-        dw = dw if dw is dw_out else dw_out.copy_(dw)
     dk = dk_acc if discard else dk_acc.to(k_index.dtype)
-    return (dq, dw, dk, kl) if with_kl else (dq, dw, dk)
+    return (dq_out, dw_out, dk, kl) if with_kl else (dq_out, dw_out, dk)
 
 
 def run_if_supported(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor,
