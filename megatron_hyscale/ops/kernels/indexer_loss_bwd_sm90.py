@@ -173,17 +173,23 @@ def _producer(q_ptr, k_ptr, idx_ptr, p_ptr, split_ptr, q_s, k_s, pv_s, ix_s, bar
     for n in range(_items(pid, P, R, 0)):
         qi = n % Q_BUFFERS
         qph = ((n // Q_BUFFERS) & 1) ^ 1
-        for c in gl.static_range(2):
-            if n < _items(pid, P, R, c):
-                b, t = _row_coords(pid, n, P, c, T)
-                mbarrier.wait(q_empty.index(c * Q_BUFFERS + qi), qph)
-                gather_rows(q_s.index(c * Q_BUFFERS + qi), q_ptr + b * sqb + t * sqt + heads * sqh,
-                            every, D, ld_layout)
-                cp.mbarrier_arrive(q_ready.index(c * Q_BUFFERS + qi), increment_count=False)
         lo0, hi0, j00, tiles0 = _row_slots(split_ptr, pid, n, P, 0, R, s_split, pass_idx, NK,
                                            n_tiles, BLOCK_N, RANGED)
         lo1, hi1, j01, tiles1 = _row_slots(split_ptr, pid, n, P, 1, R, s_split, pass_idx, NK,
                                            n_tiles, BLOCK_N, RANGED)
+        for c in gl.static_range(2):
+            if n < _items(pid, P, R, c):
+                b, t = _row_coords(pid, n, P, c, T)
+                # A row without tiles in this pass (RANGED) only passes its buffer through:
+                # its q is zero-filled, not read.
+                if c == 0:
+                    has_tiles = tiles0 > 0
+                else:
+                    has_tiles = tiles1 > 0
+                mbarrier.wait(q_empty.index(c * Q_BUFFERS + qi), qph)
+                gather_rows(q_s.index(c * Q_BUFFERS + qi), q_ptr + b * sqb + t * sqt + heads * sqh,
+                            every & has_tiles, D, ld_layout)
+                cp.mbarrier_arrive(q_ready.index(c * Q_BUFFERS + qi), increment_count=False)
         for jj in range(gl.maximum(tiles0, tiles1)):
             for c in gl.static_range(2):
                 if c == 0:
