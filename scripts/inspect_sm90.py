@@ -474,7 +474,7 @@ def _indexer_loss_bwd_sm90(hi: int, T: int = 256, lockstep: bool = False,
     bwd_sm90`), as `indexer_loss_bwd` launches it by default: hi index heads of 128 dims,
     top-2048, the row KL in the backward (`kl_in_bwd`: with_kl=True); lockstep: its consumers
     paced (`bwd_lockstep`, slack 1); key_passes: `bwd_key_passes` (the split kernel, then the
-    first pass, an accumulating one and the last)."""
+    RANGED launch that every pass runs)."""
     from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90
     from megatron_hyscale.ops.kernels import key_split
 
@@ -492,9 +492,8 @@ def _indexer_loss_bwd_sm90(hi: int, T: int = 256, lockstep: bool = False,
                                 with_kl=True).startswith("tensors on cpu")
         sm90.indexer_loss_bwd_sm90(qi, w, ki, idx, p, row, row, torch.ones(()), 0.01, True,
                                    with_kl=True, lockstep=lockstep, key_passes=key_passes)
-    # The passes' three variants: the first (stores), a middle one (ACCUMULATE) and the last
-    # (FINAL: casts into the outputs); one pass is one launch.
-    return split_calls + (calls[:2] + calls[-1:] if len(calls) > 2 else calls)
+    # The passes differ only in pass_idx (a run-time argument): one launch compiles them all.
+    return split_calls + calls[:1]
 
 
 def _indexer_loss_dense(hi: int, di: int, hq: int, hkv: int, d: int, T: int = 256,

@@ -20,9 +20,9 @@ Hopper GPU, against the Triton backward and the fp32 reference. Run with `pytest
 - Lockstep (`bwd_lockstep`, the kernel's LOCKSTEP): the exact integer case (three waves on an
   H100 / H200, the last partial) and an odd row count (a last wave of one row), bitwise the
   unpaced Triton backward's, through the dispatch (slack 1) and the wrapper (slack 2).
-- Key passes (`bwd_key_passes`, the kernel's RANGED / ACCUMULATE): the exact integer case in
-  key order, 2 to 5 passes, bitwise the Triton backward's; one pass where the caller does not
-  say the keys increase; random bf16 inputs to fp32 order.
+- Key passes (`bwd_key_passes`, the kernel's RANGED): the exact integer case in key order
+  (rows whose slots skip passes too), 2 to 5 passes, bitwise the Triton backward's; one pass
+  where the caller does not say the keys increase; random bf16 inputs to fp32 order.
 """
 
 from __future__ import annotations
@@ -179,15 +179,27 @@ def test_exact_on_integer_inputs(H, idx_dtype, w_dtype, sm90_calls):
     assert float(err.max()) <= KL_TOL, float(err.max())
 
 
-def _integer_case(B, T, S, K, H, seed, key_order=False):
+def _integer_case(B, T, S, K, H, seed, key_order=False, key_windows=False):
     """`indexer_loss_bwd`'s arguments on integer q / k / w with a 0-or-1 target and the softmax
     0 (lse 1e4): every product and sum exact in any order, the KL terms integers. key_order:
-    each row's slots in increasing key order, -1 last (the DSA layer's order="key")."""
+    each row's slots in increasing key order, -1 last (the DSA layer's order="key").
+    key_windows (T > 8): rows 6 to 8 take keys only from the last sixth of S, from the first
+    and last sixths (none between), and from the middle sixth: with 2 to 5 key passes, rows
+    without slots in the first passes, with a pass between two that has none, and with slots
+    in one middle pass only."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     q = torch.randint(-2, 3, (B, T, H, 128), device=DEV, generator=g).to(torch.bfloat16)
     k = torch.randint(-2, 3, (B, S, 128), device=DEV, generator=g).to(torch.bfloat16)
     w = _weights(B, T, H, torch.float32, g, integer=True)
     idx = _indices(B, T, S, K, g)
+    if key_windows and T > 8:
+        sixth = S // 6
+        last = torch.randint(S - sixth, S, (B, K), device=DEV, generator=g)
+        first = torch.randint(0, sixth, (B, K), device=DEV, generator=g)
+        idx[:, 6] = last
+        idx[:, 7] = torch.where(torch.arange(K, device=DEV) % 2 == 0, first, last)
+        idx[:, 8] = torch.randint(S // 2 - sixth // 2, S // 2 + sixth // 2, (B, K), device=DEV,
+                                  generator=g)
     if key_order:
         idx = torch.where(idx < 0, S + 1, idx).sort(-1).values
         idx = torch.where(idx > S, -1, idx)
@@ -358,13 +370,15 @@ def test_lockstep_bitwise_on_integer_inputs(B, T, S, K, H, sm90_calls):
 def test_key_passes_bitwise_on_integer_inputs(B, T, S, K, H, idx_dtype, w_dtype, sm90_calls):
     """The backward in key passes (`bwd_key_passes`) only splits the work: on integer inputs in
     key order (every sum exact) dq, dw, dk and the integer-term KL rows bit for bit the Triton
-    backward's, for 2 to 5 passes (rows with no slot in a pass, pass boundaries inside tiles),
+    backward's, for 2 to 5 passes (rows with no slot in a pass, in the first passes, in a pass
+    between two with slots, in every pass; pass boundaries inside tiles),
     int32 (HyTopK's) and int64 indices, fp32 and bf16 weights (dw summed in fp32, then cast),
     through the dispatch (keys_ascending) and the wrapper. Without keys_ascending the
     dispatch runs one pass."""
     from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90
 
-    q, w, k, idx, *rest = _integer_case(B, T, S, K, H, T * 11 + H, key_order=True)
+    q, w, k, idx, *rest = _integer_case(B, T, S, K, H, T * 11 + H, key_order=True,
+                                        key_windows=True)
     args = (q, w.to(w_dtype), k, idx.to(idx_dtype), *rest)
     for with_kl in (False, True):
         want, _ = _run(args, TRITON, with_kl=with_kl)

@@ -148,6 +148,17 @@ def _row_slots(split_ptr, pid, n, P, c: gl.constexpr, R, s_split, pass_idx, NK, 
 
 
 @gluon.jit
+def _row_end(split_ptr, pid, n, P, c: gl.constexpr, s_split, NK, RANGED: gl.constexpr):
+    """Where consumer c's n-th row (one that exists) ends its slots over all passes: RANGED,
+    the count of its valid slots (`key_split`'s last column), else NK."""
+    if RANGED:
+        r = (2 * (pid + n * P) + c).to(gl.int64)
+        return gl.load(split_ptr + r * s_split + (s_split - 1))
+    else:
+        return NK
+
+
+@gluon.jit
 def _producer(q_ptr, k_ptr, idx_ptr, p_ptr, split_ptr, q_s, k_s, pv_s, ix_s, bars, pid, P, R,
               T, NK, n_tiles, s_split, pass_idx, sqb, sqt, sqh, skb, sks, sib, sit, sik, spb,
               spt, spk, H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -254,7 +265,7 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
               RELU: gl.constexpr, KL: gl.constexpr, DISCARD: gl.constexpr,
               LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr,
-              RANGED: gl.constexpr, ACCUMULATE: gl.constexpr, FINAL: gl.constexpr):
+              RANGED: gl.constexpr):
     """Rows 2 (pid + n P) + c, n = 0, 1, ...: per tile S^T, the slot gradients g, dw, G^T,
     dQ^T and the dK additions (KL: and the slots' KL terms); at a row's end dq and dw stored
     (owned: no atomics), KL: the row's KL too. LOCKSTEP: row n is in wave n (counter sync_ptr +
@@ -265,10 +276,10 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
     fast row's extra starts count too). Every row has n_tiles tiles, so the count it waits for
     is one that every row of the wave makes; a pace, not a dependency (nothing counted is
     read), so giving up is safe. RANGED: only the row's slots of key pass pass_idx
-    (`_row_slots`; not with LOCKSTEP, whose count assumes equal tiles); ACCUMULATE: dq, dw (fp32
-    buffers then) and the KL added to what the earlier passes stored, where the row had
-    tiles; FINAL (the last pass): every row's dq and dw sums cast into dq_out_ptr and
-    dw_out_ptr (the outputs, same strides), so no separate cast reads the fp32 buffers again."""
+    (`_row_slots`; not with LOCKSTEP, whose count assumes equal tiles), a row whose slots span
+    passes summed in the fp32 buffers dq_ptr, dw_ptr and kl_ptr until its last pass with slots
+    writes dq_out_ptr, dw_out_ptr (the outputs, the buffers' strides; one pass: the outputs
+    themselves)."""
     q_ready, q_empty, ready, empty = bars
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
@@ -292,6 +303,7 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
         b, t = _row_coords(pid, n, P, c, T)
         lo, hi, j0, tiles = _row_slots(split_ptr, pid, n, P, c, R, s_split, pass_idx, NK,
                                        n_tiles, BLOCK_N, RANGED)
+        end = _row_end(split_ptr, pid, n, P, c, s_split, NK, RANGED)
         w = gl.load(w_ptr + b * swb + t * swt + heads * swh).to(gl.float32)
         lse = gl.load(lse_ptr + b * slb + t * slt)
         psum = gl.load(psum_ptr + b * ssb + t * sst)
@@ -374,27 +386,38 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
 
         dw_off = b * sdwb + t * sdwt + heads * sdwh
         dq_off = b * sdqb + t * sdqt + heads[None, :] * sdqh + chans[:, None]
-        dw_at = dw_ptr + dw_off
-        dq_at = dq_ptr + dq_off
-        # kl is the wrapper's contiguous [B, T]: no strides held across the row.
+        dw_row = gl.sum(dw_part, axis=0)
+        # kl is the wrapper's contiguous fp32 [B, T]: no strides held across the row.
         kl_at = kl_ptr + b * T + t
-        if FINAL:
-            # Rows without tiles in this pass too: each row's output is written here once.
-            dw_sum = gl.load(dw_at) + gl.sum(dw_part, axis=0)
-            gl.store(dw_out_ptr + dw_off, dw_sum.to(dw_out_ptr.dtype.element_ty))
-            gl.store(dq_out_ptr + dq_off, (gl.load(dq_at) + dq_t).to(dq_out_ptr.dtype.element_ty))
-            if KL:
-                if tiles > 0:
-                    gl.store(kl_at, gl.load(kl_at) + gl.sum(kl_part, axis=0))
-        elif ACCUMULATE:
-            if tiles > 0:
-                gl.store(dw_at, gl.load(dw_at) + gl.sum(dw_part, axis=0))
-                gl.store(dq_at, gl.load(dq_at) + dq_t)
+        if RANGED:
+            # The row's first pass with slots stores, a later one adds into the fp32 buffers,
+            # and its last pass with slots writes the outputs; a row with no slot at all gets
+            # zeros from pass 0. Only rows whose slots span passes go through the buffers. Four
+            # plain branches (each one read-add-write or one write): a branch that yields the
+            # MMA-layout dq to a shared store spills it.
+            if (tiles > 0) | ((end == 0) & (pass_idx == 0)):
+                if hi >= end:  # no slots in later passes: the outputs
+                    if lo > 0:  # slots in earlier passes: their sums added
+                        gl.store(dw_out_ptr + dw_off, (gl.load(dw_ptr + dw_off) + dw_row).to(
+                            dw_out_ptr.dtype.element_ty))
+                        gl.store(dq_out_ptr + dq_off, (gl.load(dq_ptr + dq_off) + dq_t).to(
+                            dq_out_ptr.dtype.element_ty))
+                    else:
+                        gl.store(dw_out_ptr + dw_off, dw_row.to(dw_out_ptr.dtype.element_ty))
+                        gl.store(dq_out_ptr + dq_off, dq_t.to(dq_out_ptr.dtype.element_ty))
+                else:
+                    if lo > 0:
+                        gl.store(dw_ptr + dw_off, gl.load(dw_ptr + dw_off) + dw_row)
+                        gl.store(dq_ptr + dq_off, gl.load(dq_ptr + dq_off) + dq_t)
+                    else:
+                        gl.store(dw_ptr + dw_off, dw_row)
+                        gl.store(dq_ptr + dq_off, dq_t)
                 if KL:
-                    gl.store(kl_at, gl.load(kl_at) + gl.sum(kl_part, axis=0))
+                    kl_row = gl.sum(kl_part, axis=0) + gl.load(kl_at, mask=lo > 0, other=0.0)
+                    gl.store(kl_at, kl_row)
         else:
-            gl.store(dw_at, gl.sum(dw_part, axis=0).to(dw_ptr.dtype.element_ty))
-            gl.store(dq_at, dq_t.to(dq_ptr.dtype.element_ty))
+            gl.store(dw_out_ptr + dw_off, dw_row.to(dw_out_ptr.dtype.element_ty))
+            gl.store(dq_out_ptr + dq_off, dq_t.to(dq_out_ptr.dtype.element_ty))
             if KL:
                 gl.store(kl_at, gl.sum(kl_part, axis=0))
 
@@ -409,7 +432,7 @@ def _indexer_loss_bwd_kernel(
     H: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, RELU: gl.constexpr, KL: gl.constexpr, DISCARD: gl.constexpr,
     LOCKSTEP: gl.constexpr, SYNC_SLACK: gl.constexpr, SYNC_SPINS: gl.constexpr,
-    RANGED: gl.constexpr, ACCUMULATE: gl.constexpr, FINAL: gl.constexpr,
+    RANGED: gl.constexpr,
     q_sl: gl.constexpr, k_sl: gl.constexpr, g_sl: gl.constexpr,
     CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -418,9 +441,8 @@ def _indexer_loss_bwd_kernel(
     and their dk additions; KL: also each row's KL into kl_ptr (contiguous [B, T]). LOCKSTEP: the
     consumers paced by the waves' zeroed int32 counters in sync_ptr (`_consumer`), SYNC_SLACK
     >= 1. RANGED: key pass pass_idx of the rows' slots in split_ptr (int32, row stride
-    s_split); ACCUMULATE: added into the earlier passes' dq, dw (fp32) and KL; FINAL: the sums
-    cast into dq_out_ptr, dw_out_ptr (dq_ptr, dw_ptr's strides; with one pass, dq_ptr and
-    dw_ptr themselves, never read). Unit-stride
+    s_split), dq, dw summed in the fp32 dq_ptr, dw_ptr and written to dq_out_ptr, dw_out_ptr
+    (their strides) at each row's last pass with slots (one pass: the same tensors). Unit-stride
     channels of q, k, dq; row strides of q and k multiples of 16 elements (the wrapper
     checks)."""
     pid = gl.program_id(0)
@@ -454,13 +476,13 @@ def _indexer_loss_bwd_kernel(
                      split_ptr, pid, P, R, T, NK, n_tiles, s_split, pass_idx, swb, swt, swh,
                      slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks, H, D,
                      BLOCK_N, NUM_STAGES, Q_BUFFERS, RELU, KL, DISCARD, LOCKSTEP, SYNC_SLACK,
-                     SYNC_SPINS, RANGED, ACCUMULATE, FINAL)),
+                     SYNC_SPINS, RANGED)),
         (_consumer, (1, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, psum_ptr, grad_ptr,
                      coeff, dq_ptr, dw_ptr, dq_out_ptr, dw_out_ptr, dk_ptr, kl_ptr, sync_ptr,
                      split_ptr, pid, P, R, T, NK, n_tiles, s_split, pass_idx, swb, swt, swh,
                      slb, slt, ssb, sst, sdqb, sdqt, sdqh, sdwb, sdwt, sdwh, sdkb, sdks, H, D,
                      BLOCK_N, NUM_STAGES, Q_BUFFERS, RELU, KL, DISCARD, LOCKSTEP, SYNC_SLACK,
-                     SYNC_SPINS, RANGED, ACCUMULATE, FINAL)),
+                     SYNC_SPINS, RANGED)),
         (_producer, (q_ptr, k_ptr, idx_ptr, p_ptr, split_ptr, q_s, k_s, pv_s, ix_s, bars, pid,
                      P, R, T, NK, n_tiles, s_split, pass_idx, sqb, sqt, sqh, skb, sks, sib,
                      sit, sik, spb, spt, spk, H, D, BLOCK_N, NUM_STAGES, Q_BUFFERS, RANGED,
@@ -583,9 +605,9 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
     valid slots first, -1 after, which the results need, in increasing key order, which the
     gain needs; not with lockstep): one launch
     a key range of S / key_passes keys, each row's slots of that range only, so the live part
-    of the fp32 dk accumulator is 1 / key_passes of it; dq and dw summed over the launches in
-    fp32 buffers (B x T x H x D x 4 bytes more), which the last launch casts into the
-    outputs."""
+    of the fp32 dk accumulator is 1 / key_passes of it; the dq and dw of a row whose slots
+    span passes summed in fp32 buffers (B x T x H x D x 4 bytes more) and cast into the
+    outputs by its last pass with slots."""
     B, T, H, D = q_index.shape
     NK = indices.shape[-1]
     dev = q_index.device
@@ -600,8 +622,8 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
     if rows == 0:
         dk = dk_acc.to(k_index.dtype)
         return (dq, dw, dk, kl) if with_kl else (dq, dw, dk)
-    # With passes, the launches add into fp32 buffers (fp32 weights' dw already is one) and the
-    # last casts the sums into the outputs; one pass stores the outputs directly.
+    # With passes, rows that span them add into fp32 buffers (fp32 weights' dw already is one);
+    # one pass stores the outputs directly.
     dq_out, dw_out = dq, dw
     if key_passes > 1:
         dq = torch.empty(dq.shape, device=dev, dtype=torch.float32)
@@ -629,8 +651,7 @@ def indexer_loss_bwd_sm90(q_index: torch.Tensor, weights: torch.Tensor, k_index:
             H=H, D=D, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, Q_BUFFERS=Q_BUFFERS,
             RELU=bool(relu), KL=bool(with_kl), DISCARD=bool(discard), LOCKSTEP=bool(lockstep),
             SYNC_SLACK=lockstep_slack if lockstep else 1, SYNC_SPINS=SYNC_SPINS,
-            RANGED=key_passes > 1, ACCUMULATE=pass_idx > 0,
-            FINAL=key_passes > 1 and pass_idx == key_passes - 1,
+            RANGED=key_passes > 1,
             q_sl=q_sl, k_sl=k_sl, g_sl=g_sl, CONSUMER_WARPS=CONSUMER_WARPS,
             PRODUCER_WARPS=PRODUCER_WARPS, CONSUMER_REGS=CONSUMER_REGS,
             PRODUCER_REGS=PRODUCER_REGS, num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
