@@ -62,8 +62,8 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              row's survivors, HyTopK's select over them, missed rows redone by the Triton
              kernel (norelu too: issue #21's folded query; its survivors stored right after
              their atomics); reports redone_rows_share and phase_ms (sample, filter, select timed
-             apart, select_torch: torch.topk's select, which it replaced, and sample_gluon:
-             the sample on the Gluon table);
+             apart, select_torch: torch.topk's select, which it replaced, sample_gluon:
+             the sample on the Gluon table, and sample_topk: the sample's torch.topk alone);
              hytopk_scores_sm90_immediate: the filter storing each survivor right after its
              slot atomic (scores_sm90_defer_store=False); hytopk_scores_sm90_gluon_sample:
              the sample scored by the Gluon kernel's table epilogue (scores_sm90_sample_table;
@@ -519,7 +519,8 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
     on a copy of the first chunk's buffer once a chunk, the copy's time taken off, its
     decode and order included), and torch.topk alone over the same buffers (select_torch: the
     select it replaced, without that path's decode and key-order sort); the rest (redone
-    rows, masks) is the difference. relu=False: on the folded query's parts."""
+    rows, masks) is the difference. sample_topk: the sample's torch.topk alone, as often as
+    the sample runs it, over one chunk's table. relu=False: on the folded query's parts."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
@@ -557,6 +558,27 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
             torch.topk(keys, topk, dim=-1)
 
     copy = time_ms(copy_all, reps=reps, warmup=1)
+    # The sample's threshold pick alone: torch.topk over the last sample chunk's Gluon table
+    # (every row seeing keys), as often as the sample has chunks.
+    from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_table_sm90
+
+    stride = max(1, math.ceil(T / opts.scores_sm90_samples))
+    s0 = max(0, T - hytopk_sm90.SAMPLE_CHUNK_ROWS)
+    sample_chunks = sum(1 for c0 in range(0, T, hytopk_sm90.SAMPLE_CHUNK_ROWS)
+                        if min(c0 + hytopk_sm90.SAMPLE_CHUNK_ROWS, T) > topk)
+    try:
+        table = indexer_table_sm90(q[:1], k[:1, ::stride].contiguous(), w[:1], stride, s0, T,
+                                   relu=relu)[0]
+        rank = math.ceil(hytopk_sm90.SURVIVOR_MARGIN * topk * table.shape[1] / T)
+
+        def sample_topk_all():
+            for _ in range(B * sample_chunks):
+                torch.topk(table, rank, dim=1)
+
+        sample_topk = time_ms(sample_topk_all, reps=reps, warmup=1)
+    except Exception as exc:  # noqa: BLE001  (reported, not hidden)
+        print(f"sample_topk failed: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+        sample_topk = None
     gluon = replace(opts, scores_sm90_sample_table=True)
     try:  # the newer kernel: its failure must not cost the other phases' timings
         sample_gluon = time_ms(lambda: hytopk_sm90.sample_thresholds(
@@ -569,6 +591,7 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
                 q, k, w, topk, opts.scores_sm90_samples, options=opts, relu=relu), reps=reps,
                 warmup=1),
             "sample_gluon": sample_gluon,
+            "sample_topk": sample_topk,
             "filter": time_ms(filter_all, reps=reps, warmup=1),
             "select": max(0.0, time_ms(select_all, reps=reps, warmup=1) - copy),
             "select_torch": time_ms(select_torch_all, reps=reps, warmup=1)}
