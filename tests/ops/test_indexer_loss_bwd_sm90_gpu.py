@@ -183,23 +183,23 @@ def _integer_case(B, T, S, K, H, seed, key_order=False, key_windows=False):
     """`indexer_loss_bwd`'s arguments on integer q / k / w with a 0-or-1 target and the softmax
     0 (lse 1e4): every product and sum exact in any order, the KL terms integers. key_order:
     each row's slots in increasing key order, -1 last (the DSA layer's order="key").
-    key_windows (T > 8): rows 6 to 8 take keys only from the last sixth of S, from the first
-    and last sixths (none between), and from the middle sixth: with 2 to 5 key passes, rows
-    without slots in the first passes, with a pass between two that has none, and with slots
-    in one middle pass only."""
+    key_windows (T > 40): the last three rows (which see every key where S <= T) take keys
+    only from the last sixth of S, from the first and last sixths (none between), and from
+    the middle sixth: with 3 to 5 key passes, rows without slots in the first passes, with a
+    pass between two that has none, and with slots in one middle pass only."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     q = torch.randint(-2, 3, (B, T, H, 128), device=DEV, generator=g).to(torch.bfloat16)
     k = torch.randint(-2, 3, (B, S, 128), device=DEV, generator=g).to(torch.bfloat16)
     w = _weights(B, T, H, torch.float32, g, integer=True)
     idx = _indices(B, T, S, K, g)
-    if key_windows and T > 8:
+    if key_windows and T > 40:
         sixth = S // 6
         last = torch.randint(S - sixth, S, (B, K), device=DEV, generator=g)
         first = torch.randint(0, sixth, (B, K), device=DEV, generator=g)
-        idx[:, 6] = last
-        idx[:, 7] = torch.where(torch.arange(K, device=DEV) % 2 == 0, first, last)
-        idx[:, 8] = torch.randint(S // 2 - sixth // 2, S // 2 + sixth // 2, (B, K), device=DEV,
-                                  generator=g)
+        idx[:, T - 3] = last
+        idx[:, T - 2] = torch.where(torch.arange(K, device=DEV) % 2 == 0, first, last)
+        idx[:, T - 1] = torch.randint(S // 2 - sixth // 2, S // 2 + sixth // 2, (B, K),
+                                      device=DEV, generator=g)
     if key_order:
         idx = torch.where(idx < 0, S + 1, idx).sort(-1).values
         idx = torch.where(idx > S, -1, idx)
@@ -371,10 +371,10 @@ def test_key_passes_bitwise_on_integer_inputs(B, T, S, K, H, idx_dtype, w_dtype,
     """The backward in key passes (`bwd_key_passes`) only splits the work: on integer inputs in
     key order (every sum exact) dq, dw, dk and the integer-term KL rows bit for bit the Triton
     backward's, for 2 to 5 passes (rows with no slot in a pass, in the first passes, in a pass
-    between two with slots, in every pass; pass boundaries inside tiles),
-    int32 (HyTopK's) and int64 indices, fp32 and bf16 weights (dw summed in fp32, then cast),
-    through the dispatch (keys_ascending) and the wrapper. Without keys_ascending the
-    dispatch runs one pass."""
+    between two with slots, in every pass; pass boundaries inside tiles), int32 (HyTopK's)
+    and int64 indices, fp32 and bf16 weights (a row spanning passes sums dw in fp32, then
+    casts), through the dispatch (keys_ascending) and the wrapper. Without keys_ascending
+    the dispatch runs one pass."""
     from megatron_hyscale.ops.kernels import indexer_loss_bwd_sm90 as sm90
 
     q, w, k, idx, *rest = _integer_case(B, T, S, K, H, T * 11 + H, key_order=True,
@@ -383,6 +383,8 @@ def test_key_passes_bitwise_on_integer_inputs(B, T, S, K, H, idx_dtype, w_dtype,
     for with_kl in (False, True):
         want, _ = _run(args, TRITON, with_kl=with_kl)
         assert float(want[2].float().abs().max()) > 0
+        if S <= T:  # the window rows see their keys: gradients from the later passes
+            assert (want[0][:, T - 3:].float().abs().flatten(2).amax(-1) > 0).all()
         names = ("dq", "dw", "dk", "kl")[:len(want)]
         outs = []
         for passes in (2, 3):

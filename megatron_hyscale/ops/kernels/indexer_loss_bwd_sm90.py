@@ -422,7 +422,9 @@ def _consumer(c: gl.constexpr, q_s, k_s, pv_s, ix_s, g_s, bars, w_ptr, lse_ptr, 
                 gl.store(kl_at, gl.sum(kl_part, axis=0))
 
 
-@gluon.jit
+# pass_idx not specialized: every key pass runs one compiled kernel (Triton would make 0, 1
+# and the rest three).
+@gluon.jit(do_not_specialize=["pass_idx"])
 def _indexer_loss_bwd_kernel(
     q_ptr, w_ptr, k_ptr, idx_ptr, p_ptr, lse_ptr, psum_ptr, grad_ptr, coeff,
     dq_ptr, dw_ptr, dq_out_ptr, dw_out_ptr, dk_ptr, kl_ptr, sync_ptr, split_ptr, P, R, T, NK,

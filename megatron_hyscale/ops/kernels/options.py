@@ -715,14 +715,16 @@ class IndexerLossKernelOptions:
     # `inspect_sm90.py --preset indexer-loss-bwd-sm90-glm51 indexer-loss-bwd-sm90-v32`.
     bwd_sm90: bool = True
     # The Gluon backward (bwd_sm90) in key passes: one launch a range of S / bwd_key_passes
-    # keys, each row's slots of that range only (`key_split`), dq and dw summed over the
-    # launches in fp32 buffers (B x T x H x D x 4 bytes more, cast at the end), the KL too. Why:
-    # the backward is bound by dk_index's fp32 atomics, 64 MiB at 128K against a 50 MiB L2
-    # (2026-12-06 probe on an H100: 76.3 ms, 54.0 with every row's keys in its last 16K); a
-    # pass's live part of dk_index (and of k_index's gathers) is 1 / bwd_key_passes of it.
-    # Costs a pass: q read again, the fp32 dq read and written, a partly masked tile a row at
-    # each boundary. Needs each row's valid keys increasing first, -1 after (HyTopK's
-    # key-ordered output: the DSA layer's, `keys_ascending` on the attention-backward path);
+    # keys, each row's slots of that range only (`key_split`); a row whose slots span passes
+    # sums its dq and dw in fp32 buffers (B x T x H x D x 4 bytes more) until its last pass
+    # with slots writes the outputs, the KL likewise. Why: the backward is bound by dk_index's
+    # fp32 atomics, 64 MiB at 128K against a 50 MiB L2 (2026-12-06 probe on an H100: 76.3 ms,
+    # 54.0 with every row's keys in its last 16K); a pass's live part of dk_index (and of
+    # k_index's gathers) is 1 / bwd_key_passes of it. Costs a pass: q read again for the rows
+    # with slots in it, the fp32 dq read and written for rows that span it, a partly masked
+    # tile a row at each boundary. Needs each row's valid keys increasing first, -1 after
+    # (HyTopK's key-ordered output: the DSA layer's, `keys_ascending` on the attention-backward
+    # path);
     # elsewhere (the standalone `indexer_kl_loss`) and with bwd_lockstep one pass runs. The
     # Triton backward has no passes. The same results up to fp32 rounding order (bitwise on
     # integer inputs, GPU tests). 0 (the default): `key_split.auto_key_passes`, one pass while
