@@ -60,7 +60,7 @@ export PYTHONPATH=$(pwd)/$site:$(pwd)/$site/nvidia_cutlass_dsl/dsl_packages:${PY
 # stages use), no FlashMLA build (~1.5-4 min of device time) and no backend check (it needs it).
 if [ -n "${CUDNN_SKIP_FLASHMLA:-}" ]; then
   cat "$stash/SOURCE"
-  "$py" -c "from cudnn import DSA; print('[cudnn 2] cuDNN-frontend DSA:', DSA.__name__)"
+  "$py" -c "from cudnn import DSA; print('[cudnn 2] cuDNN-frontend DSA:', type(DSA).__name__)"
   echo "[cudnn 2] ready without FlashMLA (CUDNN_SKIP_FLASHMLA): export PYTHONPATH=$PYTHONPATH"
   exit 0
 fi
