@@ -29,7 +29,8 @@ KEY_BLOCK = 512
 # bf16 k_index row), the live bytes one pass may keep (half the 50 MiB L2 of an H100 / H200:
 # 32K keys, 24 MiB, ran faster in one pass), and the passes beyond that: the fastest count
 # measured at 128K (96 MiB; 2026-12-07, H100: GLM-5.1 and V3.2 both fastest at 3 of 2 / 3 / 4
-# / 8). Lengths between and beyond are untimed.
+# / 8, and again of 1 / 2 / 3 / 4 once rows within one pass skipped the fp32 buffers). Lengths
+# between and beyond are untimed.
 KEY_BYTES = 128 * 4 + 128 * 2
 ONE_PASS_BYTES = 25 * 2**20
 AUTO_KEY_PASSES = 3
