@@ -724,16 +724,17 @@ class IndexerLossKernelOptions:
     # with slots in it, the fp32 dq read and written for rows that span it, a partly masked
     # tile a row at each boundary. Needs each row's valid keys increasing first, -1 after
     # (HyTopK's key-ordered output: the DSA layer's, `keys_ascending` on the attention-backward
-    # path);
-    # elsewhere (the standalone `indexer_kl_loss`) and with bwd_lockstep one pass runs. The
+    # path); elsewhere (the standalone `indexer_kl_loss`) and with bwd_lockstep one pass runs. The
     # Triton backward has no passes. The same results up to fp32 rounding order (bitwise on
     # integer inputs, GPU tests). 0 (the default): `key_split.auto_key_passes`, one pass while
     # dk_index and k_index fit half the L2 (up to ~34K keys), else AUTO_KEY_PASSES (3). Timed
-    # on an H100 (2026-12-07, `bench_indexer_loss.py --variants selection_lse_key_passesN`,
-    # row pass + backward on the selection's log-sum-exp, same process): GLM-5.1 at 128K
-    # 69.39 -> 64.34 / 60.56 / 61.12 / 65.36 ms at 2 / 3 / 4 / 8 passes, V3.2 73.95 -> 70.49 /
-    # 71.01 / 79.58 at 3 / 4 / 8; at 32K slower (GLM-5.1 14.16 -> 14.84 / 15.14 at 2 / 3, V3.2
-    # 14.41 -> 15.91 / 16.46). Other lengths, the layer's step and its peak memory untimed.
+    # on an H100 (2026-12-07 03:37 UTC, `bench_indexer_loss.py --variants
+    # selection_lse_key_passesN`, row pass + backward on the selection's log-sum-exp, same
+    # process): GLM-5.1 at 128K 74.74 -> 64.42 / 58.26 / 58.84 ms at 2 / 3 / 4 passes, V3.2
+    # 78.33 -> 68.43 / 64.54 / 66.10; the GLM-5.1 layer's step 1119.7 -> 1095.7 ms, its peak
+    # 47.16 -> 49.21 GiB; at 32K slower (00:01 UTC, before rows within one pass skipped the
+    # buffers: GLM-5.1 14.16 -> 14.84 / 15.14 at 2 / 3, V3.2 14.41 -> 15.91 / 16.46). Other
+    # lengths untimed.
     bwd_key_passes: int = 0
 
     DEFAULT: ClassVar[IndexerLossKernelOptions]
