@@ -63,13 +63,17 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              kernel (norelu too: issue #21's folded query; its survivors stored right after
              their atomics); reports redone_rows_share and phase_ms (sample, filter, select timed
              apart, select_torch: torch.topk's select, which it replaced, sample_gluon:
-             the sample on the Gluon table, and sample_topk: the sample's torch.topk alone);
+             the sample on the Gluon table, sample_topk: the sample's torch.topk alone, and
+             sample_pick: the radix pick in its place, `row_rank.rank_values`);
              hytopk_scores_sm90_immediate: the filter storing each survivor right after its
              slot atomic (scores_sm90_defer_store=False); hytopk_scores_sm90_gluon_sample:
              the sample scored by the Gluon kernel's table epilogue (scores_sm90_sample_table;
              the phases' sample_gluon times it alone); hytopk_scores_sm90_gluon_sample_x4: the
              same with 4x the sampled keys (scores_sm90_samples=8192: each row's threshold
-             ranked among 4x the samples, fewer rows redone past 128K)
+             ranked among 4x the samples, fewer rows redone past 128K);
+             hytopk_scores_sm90_radix_pick: the Gluon sample with each row's threshold picked
+             by `row_rank.rank_values` (scores_sm90_sample_pick="radix"; the phases'
+             sample_pick times it alone) instead of torch.topk
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
   128K; where not, same_rows_as_hytopk: the share of rows whose selected set equals the
   Triton kernel's, as the library methods report it)
@@ -204,6 +208,7 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_scores_sm90": 1048576, "hytopk_scores_sm90_immediate": 1048576,
          "hytopk_scores_sm90_gluon_sample": 1048576,
          "hytopk_scores_sm90_gluon_sample_x4": 1048576,
+         "hytopk_scores_sm90_radix_pick": 1048576,
          "hytopk_fp8_scores_sm90": 1048576, "scoreonly_sm90_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
@@ -500,16 +505,19 @@ def run_hytopk_default(q, k, w, topk, relu):
 
 
 def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, defer_store=True,
-                           sample_table=False, samples=HyTopKOptions.DEFAULT.scores_sm90_samples):
+                           sample_table=False, samples=HyTopKOptions.DEFAULT.scores_sm90_samples,
+                           sample_pick="topk"):
     """HyTopK from the warp-specialized Gluon scores (`kernels/hytopk_sm90.py`,
     HyTopKOptions.scores_sm90): sampled thresholds, the Gluon filter, a select over the
     survivors, the missed rows redone by the Triton kernel. ReLU configs with 32 or 64 heads,
     or without ReLU any head count (the folded query's bf16 parts). defer_store, sample_table,
-    samples: HyTopKOptions.scores_sm90_defer_store, _sample_table, _samples."""
+    samples, sample_pick: HyTopKOptions.scores_sm90_defer_store, _sample_table, _samples,
+    _sample_pick."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
     opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True, scores_sm90_defer_store=defer_store,
-                   scores_sm90_sample_table=sample_table, scores_sm90_samples=samples)
+                   scores_sm90_sample_table=sample_table, scores_sm90_samples=samples,
+                   scores_sm90_sample_pick=sample_pick)
     return hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, stats=stats, relu=relu)
 
 
@@ -520,8 +528,9 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
     decode and order included), and torch.topk alone over the same buffers (select_torch: the
     select it replaced, without that path's decode and key-order sort); the rest (redone
     rows, masks) is the difference. sample_topk: the sample's torch.topk alone, as often as
-    the sample runs it, over one chunk's table. relu=False: on the folded query's parts."""
-    from megatron_hyscale.ops.kernels import hytopk_sm90
+    the sample runs it, over one chunk's table; sample_pick: `row_rank.rank_values` (the
+    radix pick) in its place. relu=False: on the folded query's parts."""
+    from megatron_hyscale.ops.kernels import hytopk_sm90, row_rank
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
     # The phases of hytopk_scores_sm90's row (the Triton sample; sample_gluon times the other).
@@ -575,10 +584,21 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
             for _ in range(B * sample_chunks):
                 torch.topk(table, rank, dim=1)
 
+        ranks = torch.full((table.shape[0],), rank, device=table.device)
+
+        def sample_pick_all():
+            for _ in range(B * sample_chunks):
+                row_rank.rank_values(table, ranks)
+
         sample_topk = time_ms(sample_topk_all, reps=reps, warmup=1)
+        sample_pick = time_ms(sample_pick_all, reps=reps, warmup=1)
+        if not torch.equal(row_rank.rank_values(table, ranks),
+                           row_rank.rank_values_reference(table, ranks)):
+            print("sample_pick: rank_values differ from torch.topk's", file=sys.stderr)
+            sample_pick = float("nan")
     except Exception as exc:  # noqa: BLE001  (reported, not hidden)
         print(f"sample_topk failed: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
-        sample_topk = None
+        sample_topk = sample_pick = None
     gluon = replace(opts, scores_sm90_sample_table=True)
     try:  # the newer kernel: its failure must not cost the other phases' timings
         sample_gluon = time_ms(lambda: hytopk_sm90.sample_thresholds(
@@ -592,6 +612,7 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
                 warmup=1),
             "sample_gluon": sample_gluon,
             "sample_topk": sample_topk,
+            "sample_pick": sample_pick,
             "filter": time_ms(filter_all, reps=reps, warmup=1),
             "select": max(0.0, time_ms(select_all, reps=reps, warmup=1) - copy),
             "select_torch": time_ms(select_torch_all, reps=reps, warmup=1)}
@@ -760,6 +781,8 @@ METHODS = {
                                                          sample_table=True),
     "hytopk_scores_sm90_gluon_sample_x4": functools.partial(run_hytopk_scores_sm90,
                                                             sample_table=True, samples=8192),
+    "hytopk_scores_sm90_radix_pick": functools.partial(run_hytopk_scores_sm90, sample_table=True,
+                                                       sample_pick="radix"),
     "hytopk_fp8_scores_sm90": run_hytopk_fp8_scores_sm90,
     "scoreonly_sm90_fp8": run_scoreonly_sm90_fp8,
     **{name: with_options(run, **fields) for name, (run, fields) in OPTION_METHODS.items()},
@@ -792,6 +815,7 @@ VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_s
                                              "hytopk_scores_sm90_immediate",
                                              "hytopk_scores_sm90_gluon_sample",
                                              "hytopk_scores_sm90_gluon_sample_x4",
+                                             "hytopk_scores_sm90_radix_pick",
                                              "hytopk_default")
 KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3",
                                      "scoreonly_key_tma") + (
@@ -891,6 +915,7 @@ SM90_SCORE_METHODS = ("scoreonly_sm90", "scoreonly_sm90_free")
 GLUON_METHODS = SM90_SCORE_METHODS + ("hytopk_scores_sm90", "hytopk_scores_sm90_immediate",
                                       "hytopk_scores_sm90_gluon_sample",
                                       "hytopk_scores_sm90_gluon_sample_x4",
+                                      "hytopk_scores_sm90_radix_pick",
                                       "hytopk_fp8_scores_sm90", "scoreonly_sm90_fp8")
 # Longest T at which the library paths' selections are compared with HyTopK's, row by row.
 SAME_SET_MAX_T = 131072

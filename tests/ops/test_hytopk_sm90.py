@@ -210,8 +210,9 @@ def torch_table(q, k_sampled, w, stride, t_lo, t_hi, k_scale=None, relu=True):
 def test_thresholds_from_a_table_function_equal_the_triton_tables(monkeypatch, samples):
     """The sampled thresholds from a table function (the Gluon table's contract, here plain
     torch) equal those from HyTopK's Triton score-table kernel (the interpreter) on integer
-    inputs, batch 2, sample tables of 64 rows (the chunk loop), strides 10 / 30 / 1; and the
-    option routes to the Gluon table (a spy in its place)."""
+    inputs, batch 2, sample tables of 64 rows (the chunk loop), strides 10 / 30 / 1, picked
+    by either scores_sm90_sample_pick; and the option routes to the Gluon table (a spy in its
+    place)."""
     monkeypatch.setattr(hytopk_sm90, "SAMPLE_CHUNK_ROWS", 64)
     q, k, w = int_inputs(2, 150, 2, 16, seed=samples)
     opts = HyTopKOptions(scores_sm90=True, scores_sm90_sample_table=False, interpret_programs=2)
@@ -224,15 +225,19 @@ def test_thresholds_from_a_table_function_equal_the_triton_tables(monkeypatch, s
 
     got = hytopk_sm90.sample_thresholds(q, k, w, 8, samples, options=opts, table_fn=table)
     assert torch.equal(got, want)
+    other = "topk" if opts.scores_sm90_sample_pick == "radix" else "radix"  # same thresholds
+    assert torch.equal(hytopk_sm90.sample_thresholds(
+        q, k, w, 8, samples, options=replace(opts, scores_sm90_sample_pick=other),
+        table_fn=table), want)
     stride = -(-150 // samples)
     assert calls[0] == (stride, 0, 64) and calls[-1] == (stride, 128, 150)
-    assert len(calls) == 2 * 3  # a call a batch and chunk of rows
+    assert len(calls) == 4 * 3  # a call a batch and chunk of rows, twice
     from megatron_hyscale.ops.kernels import indexer_scores_sm90
 
     monkeypatch.setattr(indexer_scores_sm90, "indexer_table_sm90", table)
     gluon = replace(opts, scores_sm90_sample_table=True)
     assert torch.equal(hytopk_sm90.sample_thresholds(q, k, w, 8, samples, options=gluon), want)
-    assert len(calls) == 4 * 3
+    assert len(calls) == 6 * 3
 
 
 def test_a_failing_gluon_table_warns_once_and_the_triton_table_runs(monkeypatch):
@@ -463,7 +468,8 @@ def test_folded_query_matches_the_reference(samples):
 
 @pytest.mark.parametrize("field, value", [("scores_sm90", 1), ("scores_sm90", "auto"),
                                           ("scores_sm90_min_keys", 0),
-                                          ("scores_sm90_min_keys", True)])
+                                          ("scores_sm90_min_keys", True),
+                                          ("scores_sm90_sample_pick", "sort")])
 def test_bad_gluon_path_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=f"HyTopKOptions.{field}"):
         HyTopKOptions(**{field: value})

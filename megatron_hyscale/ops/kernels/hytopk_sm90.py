@@ -14,10 +14,10 @@ the visible keys and last.
 Algorithm: (1) every `stride`-th key is scored for every row (HyTopK's score-table kernel over
 those keys, or the Gluon kernel's table epilogue: `scores_sm90_sample_table`): a row's
 threshold is the sample score ranked where SURVIVOR_MARGIN x topk of its visible keys would
-rank; (2) `indexer_filter_sm90` appends each row's scores at or above its threshold as packed
-int64 keys (score, then the smaller index), at most `survivor_cap(topk)` a row; (3) each row's
-top-k of its survivors (`select_survivors`: HyTopK's radix select and row sort on the packed
-keys, in the caller's order). A row with fewer
+rank (picked as `scores_sm90_sample_pick` says); (2) `indexer_filter_sm90` appends each row's
+scores at or above its threshold as packed int64 keys (score, then the smaller index), at most
+`survivor_cap(topk)` a row; (3) each row's top-k of its survivors (`select_survivors`: HyTopK's
+radix select and row sort on the packed keys, in the caller's order). A row with fewer
 survivors than min(topk, visible keys), or more than the cap (a threshold off its quantile,
 ties at it), is redone by the Triton kernel: the result is exact whatever the sample, for the
 scores each row was selected on (the Gluon kernel's fp32 sums, the Triton kernel's for a redone
@@ -35,6 +35,7 @@ import torch
 
 from megatron_hyscale.ops.checks import KernelVariants
 from megatron_hyscale.ops.kernels import hytopk as hk
+from megatron_hyscale.ops.kernels import row_rank
 from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
 # Survivors aimed at, in units of topk: the sample's quantile error must rarely push the count
@@ -205,8 +206,11 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
                                q_positions=rows[None], k_positions=sampled[None], causal=True,
                                t0=t0, t1=t1, table=table, options=options)
             r = rank[t0:t1]
-            best = torch.topk(table, int(rank_host[t0:t1].max()), dim=1).values
-            tau[b, t0:t1] = best.gather(1, (r - 1)[:, None])[:, 0]
+            if options.scores_sm90_sample_pick == "radix":
+                tau[b, t0:t1] = row_rank.rank_values(table, r)
+            else:
+                tau[b, t0:t1] = row_rank.rank_values_reference(
+                    table, r, max_rank=int(rank_host[t0:t1].max()))
     tau[:, :topk] = float("-inf")  # rows 0 .. topk - 1 see at most topk keys
     return tau
 

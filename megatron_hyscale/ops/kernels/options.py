@@ -15,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+# HyTopKOptions.scores_sm90_sample_pick's values.
+SAMPLE_PICKS = ("radix", "topk")
+
 
 @dataclass(frozen=True)
 class HyTopKOptions:
@@ -235,11 +238,19 @@ class HyTopKOptions:
     # and GLM-5.1, and 1.11-1.13x the Triton kernel at 16K (the Gluon path with the Triton
     # sample was not timed there); False: the Triton table, kept to compare.
     scores_sm90_sample_table: bool = True
+    # How each row's threshold is picked from its sample scores: "radix" (`row_rank.
+    # rank_values`: one Triton program a row, its r-th largest value built bit by bit in
+    # registers, one read of the table) or "topk" (torch.topk over the table, then the row's
+    # rank; 7.0 of the Gluon sample's 9-11 ms at 128K on an H100, 2026-12-07). Same values.
+    scores_sm90_sample_pick: str = "topk"
 
     def __post_init__(self) -> None:
         if not (self.scores_sm90 is None or isinstance(self.scores_sm90, bool)):
             raise ValueError(f"HyTopKOptions.scores_sm90 must be None, True or False, got "
                              f"{self.scores_sm90!r}")
+        if self.scores_sm90_sample_pick not in SAMPLE_PICKS:
+            raise ValueError(f"HyTopKOptions.scores_sm90_sample_pick must be one of "
+                             f"{SAMPLE_PICKS}, got {self.scores_sm90_sample_pick!r}")
         value = self.scores_sm90_min_keys
         if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
             raise ValueError(f"HyTopKOptions.scores_sm90_min_keys must be an int >= 1, got "

@@ -1,0 +1,71 @@
+"""row_rank.rank_values (the sample's threshold pick) against torch.topk's, under the Triton
+interpreter on CPU and on a GPU where there is one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_hyscale.ops.kernels import row_rank
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def adversarial_table(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Small integers (many ties), with rows of -inf, of -0.0 beside 0.0, of subnormals, of
+    one value, of huge magnitudes and of -inf tails (a row seeing few keys)."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(-3, 4, (rows, cols), generator=g).float()
+    t[0] = float("-inf")
+    t[1, : cols // 2], t[1, cols // 2:] = -0.0, 0.0
+    t[2] = torch.randn(cols, generator=g) * 1e-40
+    t[3] = 5.0
+    t[4] = torch.randn(cols, generator=g) * 3e38
+    t[5, 3:] = float("-inf")
+    t[6] = -torch.rand(cols, generator=g)
+    return t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cols", [1, 7, 100, 2048])
+def test_rank_values_equal_torch_topk(device, cols):
+    """Every rank from 1 to the row's width, on ties, -inf rows, -0.0 / 0.0, subnormals,
+    values near fp32's largest, rows of negatives, a width that is not a power of two."""
+    table = adversarial_table(12, cols, seed=cols).to(device)
+    g = torch.Generator().manual_seed(1)
+    rank = torch.randint(1, cols + 1, (12,), generator=g)
+    rank[0], rank[-1] = 1, cols
+    rank = rank.to(device)
+    got = row_rank.rank_values(table, rank)
+    want = row_rank.rank_values_reference(table, rank)
+    assert torch.equal(got, want)
+    assert not torch.signbit(got[1])  # -0.0 given as 0.0
+    # the reference is torch.topk's value at the row's rank
+    sorted_rows = table.sort(dim=1, descending=True).values
+    assert torch.equal(want, sorted_rows.gather(1, rank[:, None] - 1)[:, 0] + 0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rank_values_on_strided_tables_and_int32_ranks(device):
+    """A transposed (column-major) table and a row-sliced one, ranks as int32 or int64."""
+    base = adversarial_table(40, 33, seed=5).to(device)
+    table = base.t().contiguous().t()
+    rank = torch.arange(1, 41, device=device).clamp(max=33)
+    assert torch.equal(row_rank.rank_values(table, rank.int()),
+                       row_rank.rank_values_reference(base, rank))
+    sliced = base[::3]
+    assert torch.equal(row_rank.rank_values(sliced, rank[::3]),
+                       row_rank.rank_values_reference(sliced, rank[::3]))
+
+
+def test_rank_values_reject_bad_inputs():
+    table = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="table must be fp32"):
+        row_rank.rank_values(table.double(), torch.ones(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"rank must have shape \(4,\)"):
+        row_rank.rank_values(table, torch.ones(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="no columns"):
+        row_rank.rank_values(torch.zeros(4, 0), torch.ones(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="at most"):
+        row_rank.rank_values(torch.zeros(1, row_rank.MAX_COLUMNS + 1), torch.ones(1))
+    assert row_rank.rank_values(torch.zeros(0, 8), torch.ones(0)).shape == (0,)
