@@ -216,15 +216,14 @@ def _from_sm90_scores(q, k, weights, topk, *, relu, causal, default_positions, p
     with their scales under precision "fp8"; relu=False: the folded query's parts), or None
     when it does not run this call (the Triton kernel then runs): asked for (True), after one
     warning naming why; by default (None), for rows shorter than
-    options.scores_sm90_min_keys, without ReLU, while a CUDA graph is captured, or where it
-    cannot run, without one."""
+    options.scores_sm90_min_keys (without ReLU: options.scores_sm90_folded_min_keys, None:
+    never), while a CUDA graph is captured, or where it cannot run, without one."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
     asked = options.scores_sm90 is True
-    if not asked and (k.shape[1] < options.scores_sm90_min_keys or not relu
-                      or _capturing_graph(q)):
-        # the folded (relu=False) variant is not yet timed on a GPU: asked for only; a CUDA
-        # graph cannot hold the path's host sync (whether rows are redone)
+    min_keys = options.scores_sm90_min_keys if relu else options.scores_sm90_folded_min_keys
+    if not asked and (min_keys is None or k.shape[1] < min_keys or _capturing_graph(q)):
+        # a CUDA graph cannot hold the path's host sync (whether rows are redone)
         return None
     reason = hytopk_sm90.unsupported(q, k, weights, relu=relu, causal=causal,
                                      default_positions=default_positions,

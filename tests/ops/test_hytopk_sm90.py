@@ -401,9 +401,13 @@ def test_no_graph_is_captured_off_cuda():
     assert op_module._capturing_graph(torch.zeros(1)) is False
 
 
-def test_the_default_leaves_the_folded_query_to_the_triton_kernel(monkeypatch):
-    """relu=False: the Gluon path (its folded variant, not yet timed on a GPU) runs when asked
-    (True) and not by default, whatever the length; the rows are the reference's either way."""
+@pytest.mark.parametrize("folded_min_keys, default_runs", [(None, False), (64, True),
+                                                            (65, False)])
+def test_the_folded_query_takes_the_gluon_path_from_its_own_length(monkeypatch, folded_min_keys,
+                                                                  default_runs):
+    """relu=False: the Gluon path (its folded variant) runs when asked (True); by default from
+    scores_sm90_folded_min_keys keys on (None: never), whatever scores_sm90_min_keys says;
+    the rows are the reference's either way."""
     taken = []
 
     def gluon(q, k, w, topk, options, order, q_scale=None, k_scale=None, relu=True):
@@ -414,9 +418,10 @@ def test_the_default_leaves_the_folded_query_to_the_triton_kernel(monkeypatch):
     monkeypatch.setattr(hytopk_sm90, "hytopk_sm90", gluon)
     q, k, w = int_inputs(1, 64, 2, 16, seed=5)
     want = hytopk(q, k, w, 5, relu=False, backend="reference")
-    for setting, runs in ((None, []), (True, [False])):
+    for setting, runs in ((None, [False] if default_runs else []), (True, [False])):
         taken.clear()
-        opts = HyTopKOptions(scores_sm90=setting, scores_sm90_min_keys=1, interpret_programs=2)
+        opts = HyTopKOptions(scores_sm90=setting, scores_sm90_min_keys=1, interpret_programs=2,
+                             scores_sm90_folded_min_keys=folded_min_keys)
         got = hytopk(q, k, w, 5, relu=False, backend="triton", options=opts)
         assert taken == runs
         assert torch.equal(got[0], want[0])
@@ -469,6 +474,8 @@ def test_folded_query_matches_the_reference(samples):
 @pytest.mark.parametrize("field, value", [("scores_sm90", 1), ("scores_sm90", "auto"),
                                           ("scores_sm90_min_keys", 0),
                                           ("scores_sm90_min_keys", True),
+                                          ("scores_sm90_folded_min_keys", 0),
+                                          ("scores_sm90_folded_min_keys", 2.0),
                                           ("scores_sm90_sample_pick", "sort")])
 def test_bad_gluon_path_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=f"HyTopKOptions.{field}"):

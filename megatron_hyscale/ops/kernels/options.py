@@ -223,6 +223,10 @@ class HyTopKOptions:
     # 12.8 / 102.8 / 379.2, GLM-5.1 9.6 / 56.1 / 181.9 against 10.6 / 73.1 / 245.0, rows
     # equal); shorter ranges were not timed.
     scores_sm90_min_keys: int = 16384
+    # The same for the folded query (relu=False, `hytopk_sm90.folded_parts`); None: the default
+    # leaves the folded query to the Triton kernel at every length (its Gluon path ran slower
+    # with the Triton sample: 95.9 against 81.2 ms at 128K, H100 2026-12-06).
+    scores_sm90_folded_min_keys: int | None = None
     # Keys scored for the thresholds (every max(1, ceil(S / this))-th key, for every row).
     scores_sm90_samples: int = 2048
     # The Gluon filter stores a key tile's survivors while the next tile's product runs, not
@@ -251,10 +255,13 @@ class HyTopKOptions:
         if self.scores_sm90_sample_pick not in SAMPLE_PICKS:
             raise ValueError(f"HyTopKOptions.scores_sm90_sample_pick must be one of "
                              f"{SAMPLE_PICKS}, got {self.scores_sm90_sample_pick!r}")
-        value = self.scores_sm90_min_keys
-        if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
-            raise ValueError(f"HyTopKOptions.scores_sm90_min_keys must be an int >= 1, got "
-                             f"{value!r}")
+        for name in ("scores_sm90_min_keys", "scores_sm90_folded_min_keys"):
+            value = getattr(self, name)
+            if value is None and name == "scores_sm90_folded_min_keys":
+                continue
+            if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"HyTopKOptions.{name} must be an int >= 1"
+                                 f"{' or None' if 'folded' in name else ''}, got {value!r}")
 
     DEFAULT: ClassVar[HyTopKOptions]
 
