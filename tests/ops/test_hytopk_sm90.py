@@ -720,16 +720,19 @@ def test_folded_gluon_filter_and_op(monkeypatch):
 @pytest.mark.parametrize("H", [64, 32])
 def test_gluon_sample_table_gives_the_same_thresholds_and_rows(H):
     """scores_sm90_sample_table: the thresholds from the Gluon table equal the Triton table's
-    on integer inputs (T = 4101, batch 2), and the op's rows are the reference's."""
+    on integer inputs (T = 4101, batch 2), by either scores_sm90_sample_pick, and the op's
+    rows are the reference's."""
     q, k, w = int_inputs(2, 4101, H, 128, seed=H + 3)
     opts = HyTopKOptions(scores_sm90=True, scores_sm90_sample_table=False)
     gluon = replace(opts, scores_sm90_sample_table=True)
     want = hytopk_sm90.sample_thresholds(q, k, w, 2048, 512, options=opts)
-    got = hytopk_sm90.sample_thresholds(q, k, w, 2048, 512, options=gluon)
-    assert torch.equal(got, want)
-    rows = hytopk(q, k, w, 2048, options=gluon)
     ref = [t.contiguous() for t in hytopk(q, k, w, 2048, backend="reference")]
-    assert torch.equal(rows[0], ref[0]) and torch.equal(rows[1], ref[1])
+    for pick in ("topk", "radix"):
+        picked = replace(gluon, scores_sm90_sample_pick=pick)
+        got = hytopk_sm90.sample_thresholds(q, k, w, 2048, 512, options=picked)
+        assert torch.equal(got, want)
+        rows = hytopk(q, k, w, 2048, options=picked)
+        assert torch.equal(rows[0], ref[0]) and torch.equal(rows[1], ref[1])
 
 
 @pytest.mark.gpu

@@ -69,3 +69,20 @@ def test_rank_values_reject_bad_inputs():
     with pytest.raises(ValueError, match="at most"):
         row_rank.rank_values(torch.zeros(1, row_rank.MAX_COLUMNS + 1), torch.ones(1))
     assert row_rank.rank_values(torch.zeros(0, 8), torch.ones(0)).shape == (0,)
+
+
+@pytest.mark.gpu
+def test_rank_values_on_a_sample_table_at_scale():
+    """A sample table as `sample_thresholds` builds it at 128K (8192 rows, 2048 sampled keys,
+    -inf past each row's visible samples, bf16-rounded scores: ties), at its ranks."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, cols, stride = 8192, 2048, 64
+    t = torch.arange(131072 - rows, 131072, device="cuda")
+    table = torch.randn(rows, cols, device="cuda", generator=g).bfloat16().float()
+    seen = t // stride + 1
+    table[torch.arange(cols, device="cuda")[None] >= seen[:, None]] = float("-inf")
+    table[:, ::7] = 0.0
+    rank = torch.ceil(1.5 * 2048 * seen / (t + 1)).long().clamp(1)
+    for r in (rank, torch.full_like(rank, 1), torch.full_like(rank, cols - 1)):
+        assert torch.equal(row_rank.rank_values(table, r),
+                           row_rank.rank_values_reference(table, r))
