@@ -139,6 +139,16 @@
 #                                         # alone and cuDNN's selection where installed,
 #                                         # V3.2 / GLM-5.1 at 16K and 128K
 #                                         # (FILTER_T, FILTER_BENCH_S)            (~5 min)
+#   bash scripts/gpu_session.sh sample-pick  # issue #21: the sample's threshold pick by
+#                                         # row_rank.rank_values (scores_sm90_sample_pick=
+#                                         # "radix") against torch.topk: its GPU tests, then
+#                                         # the Gluon path with each pick beside the Triton
+#                                         # kernel, GLM-5.1 / V3.2 / the folded query at
+#                                         # PICK_T (16K 64K 128K; the folded query's
+#                                         # default length, scores_sm90_folded_min_keys),
+#                                         # then the phases at 128K (sample_pick beside
+#                                         # sample_topk); cuDNN's selection where installed
+#                                         # (~6 min)
 #   bash scripts/gpu_session.sh profile-layers  # issues #20 items 4-5: one profiled step
 #                                         # (bench_layer.py --profile-kernels) of the QSA
 #                                         # layer at 512K (PROFILE_QSA_T) and the GLM-5.1 DSA
@@ -286,7 +296,8 @@ case "$stage" in
   |pair|cudnn-verify|cudnn-tests|cudnn-kernels|cudnn-layer|tilelang-kernels|te|fp8|reliability\
   |flashmla-pair|lockstep-triton|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
   |ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection\
-  |profile-layers|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse|cudnn-loss) ;;
+  |profile-layers|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse|cudnn-loss\
+  |sample-pick) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
@@ -296,7 +307,7 @@ case "$stage" in
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
        "|ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics" \
        "|captured-selection|profile-layers|loss-bwd-probe|mla-projections|norms" \
-       "|loss-bwd-sm90|selection-lse|cudnn-loss}" \
+       "|loss-bwd-sm90|selection-lse|cudnn-loss|sample-pick}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -343,7 +354,7 @@ fi
 case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|filter-sm90\
   |profile-layers|models|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse\
-  |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton)
+  |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton|sample-pick)
     case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -814,6 +825,24 @@ case "$stage" in
       --tag _filter_sm90 \
       --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
       | tee "$out/bench_selection_filter_sm90.log" ;;
+  sample-pick)
+    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_row_rank.py \
+      > "$out/tests.log" 2>&1
+    echo "row_rank tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+      tests/ops/test_hytopk_sm90.py -k "sample_table" >> "$out/tests.log" 2>&1
+    echo "sample table tests rc=$?: $(verdict "$out/tests.log")" | tee -a "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -10
+    library=()
+    [ -d .carry/site/nvidia_cutlass_dsl ] && library=(cudnn)
+    # shellcheck disable=SC2086  # lengths split on purpose
+    timeout ${PICK_BENCH_S:-300} python3 scripts/bench_selection.py --T ${PICK_T:-16384 65536 131072} \
+      --configs glm51 dsv32 norelu --reps 3 --methods hytopk hytopk_scores_sm90_gluon_sample \
+      hytopk_scores_sm90_radix_pick "${library[@]}" --tag _sample_pick --out "$out" 2>&1 \
+      | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_pick.log"
+    timeout 150 python3 scripts/bench_selection.py --T 131072 --configs glm51 norelu --reps 2 \
+      --methods hytopk_scores_sm90 --tag _pick_phases --out "$out" 2>&1 | grep -v -i warn \
+      | grep -E "^random|Error|error|sample" | tee "$out/bench_selection_phases.log" ;;
   key-tma)
     # Issue #21: the key tiles through TMA. The TMA cases of the select-variant tests first
     # (integer inputs = the reference; random bf16 = the default kernel bit for bit).
