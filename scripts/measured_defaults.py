@@ -51,8 +51,11 @@ from megatron_hyscale.ops.kernels.options import (  # noqa: E402
 # today's, else the method that runs what today's default runs at that length
 # (`own_selection_methods`); the library's: cuDNN's.
 LIBRARY_SELECTION_METHOD = "cudnn"
-# bench_selection's Gluon-path methods by HyTopKOptions.scores_sm90_sample_table.
-GLUON_METHODS = {True: "hytopk_scores_sm90_gluon_sample", False: "hytopk_scores_sm90"}
+# bench_selection's Gluon-path methods by HyTopKOptions (scores_sm90_sample_table,
+# scores_sm90_sample_pick): the sample's table and its threshold pick.
+GLUON_METHODS = {(True, "topk"): "hytopk_scores_sm90_gluon_sample",
+                 (True, "radix"): "hytopk_scores_sm90_radix_pick",
+                 (False, "topk"): "hytopk_scores_sm90"}
 # The attention's own times are those of the kernels the defaults run (a record names the
 # kernel of each time); lib_fwd_ms / lib_bwd_ms are FlashMLA's forward and cuDNN's backward.
 LIBRARY_FORWARD = "flashmla"
@@ -95,15 +98,24 @@ def own_selection_methods(keys: int, defaults_current: bool = True) -> tuple[str
     first: hytopk_default where the record ran today's defaults; the method running today's
     default path (on Hopper from HyTopKOptions.scores_sm90_min_keys keys the Gluon path with
     the sample the default takes, `GLUON_METHODS`; the records that hold it ran on Hopper,
-    else the Triton kernel); hytopk_default of older defaults; the other Gluon method; the
+    else the Triton kernel); hytopk_default of older defaults; the other Gluon methods; the
     Triton kernel (hytopk). Fixed slots ("" where a record has no such method), so a method
     has the same rank in every record and the newer of two equal ranks wins (`table`)."""
+    path, others = gluon_path_methods(HyTopKOptions.DEFAULT)
     default = HyTopKOptions.DEFAULT
     gluon = default.scores_sm90 is not False and keys >= default.scores_sm90_min_keys
-    path = GLUON_METHODS[default.scores_sm90_sample_table] if gluon else "hytopk"
-    other = GLUON_METHODS[not default.scores_sm90_sample_table] if gluon else ""
+    if not gluon:
+        path, others = "hytopk", ("",) * len(others)
     return ("hytopk_default" if defaults_current else "", path,
-            "" if defaults_current else "hytopk_default", other, "hytopk")
+            "" if defaults_current else "hytopk_default", *others, "hytopk")
+
+
+def gluon_path_methods(options: HyTopKOptions) -> tuple[str, tuple[str, ...]]:
+    """The bench_selection method running the Gluon path with options' sample ("" if none
+    does), and every Gluon method in `GLUON_METHODS`' order with that one's slot left ""."""
+    key = (options.scores_sm90_sample_table, options.scores_sm90_sample_pick)
+    return (GLUON_METHODS.get(key, ""),
+            tuple("" if k == key else m for k, m in GLUON_METHODS.items()))
 
 
 def entries_from(path: str) -> list[dict]:

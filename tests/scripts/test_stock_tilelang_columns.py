@@ -376,8 +376,8 @@ def test_measured_defaults_trusts_hytopk_default_only_under_todays_defaults(tmp_
     default = HyTopKOptions.DEFAULT
     long_t = default.scores_sm90_min_keys * 2
     pair = [dict(r, T=long_t) for r in SELECTION[:2]]  # hytopk 300 ms, cudnn 200 ms
-    path_method = md.GLUON_METHODS[default.scores_sm90_sample_table]
-    other_method = md.GLUON_METHODS[not default.scores_sm90_sample_table]
+    path_method, others = md.gluon_path_methods(default)
+    other_method = next(m for m in others if m)
     rows = [*pair, dict(pair[0], method="hytopk_default", ms=180.0),
             dict(pair[0], method=path_method, ms=170.0),
             dict(pair[0], method=other_method, ms=160.0)]
