@@ -73,7 +73,10 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              ranked among 4x the samples, fewer rows redone past 128K);
              hytopk_scores_sm90_radix_pick: the Gluon sample with each row's threshold picked
              by `row_rank.rank_values` (scores_sm90_sample_pick="radix"; the phases'
-             sample_pick times it alone) instead of torch.topk
+             sample_pick times it alone) instead of torch.topk;
+             hytopk_scores_sm90_scan_slots: that with the filter's slots from a scan over each
+             key tile, no atomics (scores_sm90_scan_slots; the phases' filter_scan times the
+             filter alone so)
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
   128K; where not, same_rows_as_hytopk: the share of rows whose selected set equals the
   Triton kernel's, as the library methods report it)
@@ -209,6 +212,7 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_scores_sm90_gluon_sample": 1048576,
          "hytopk_scores_sm90_gluon_sample_x4": 1048576,
          "hytopk_scores_sm90_radix_pick": 1048576,
+         "hytopk_scores_sm90_scan_slots": 1048576,
          "hytopk_fp8_scores_sm90": 1048576, "scoreonly_sm90_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
@@ -506,18 +510,18 @@ def run_hytopk_default(q, k, w, topk, relu):
 
 def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, defer_store=True,
                            sample_table=False, samples=HyTopKOptions.DEFAULT.scores_sm90_samples,
-                           sample_pick="topk"):
+                           sample_pick="topk", scan_slots=False):
     """HyTopK from the warp-specialized Gluon scores (`kernels/hytopk_sm90.py`,
     HyTopKOptions.scores_sm90): sampled thresholds, the Gluon filter, a select over the
     survivors, the missed rows redone by the Triton kernel. ReLU configs with 32 or 64 heads,
     or without ReLU any head count (the folded query's bf16 parts). defer_store, sample_table,
-    samples, sample_pick: HyTopKOptions.scores_sm90_defer_store, _sample_table, _samples,
-    _sample_pick."""
+    samples, sample_pick, scan_slots: HyTopKOptions.scores_sm90_defer_store, _sample_table,
+    _samples, _sample_pick, _scan_slots."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
     opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True, scores_sm90_defer_store=defer_store,
                    scores_sm90_sample_table=sample_table, scores_sm90_samples=samples,
-                   scores_sm90_sample_pick=sample_pick)
+                   scores_sm90_sample_pick=sample_pick, scores_sm90_scan_slots=scan_slots)
     return hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, stats=stats, relu=relu)
 
 
@@ -529,7 +533,8 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
     select it replaced, without that path's decode and key-order sort); the rest (redone
     rows, masks) is the difference. sample_topk: the sample's torch.topk alone, as often as
     the sample runs it, over one chunk's table; sample_pick: `row_rank.rank_values` (the
-    radix pick) in its place. relu=False: on the folded query's parts."""
+    radix pick) in its place; filter_scan: the filter with its slots from a scan (no atomics,
+    scores_sm90_scan_slots). relu=False: on the folded query's parts."""
     from megatron_hyscale.ops.kernels import hytopk_sm90, row_rank
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
@@ -543,10 +548,11 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
                                         relu=relu)
     chunks = hytopk_sm90.row_chunks(B, T, topk)
 
-    def filter_all():
+    def filter_all(scan_slots=False):
         for t0, t1 in chunks:
             indexer_filter_sm90(q, k, w, tau[:, t0:t1].contiguous(), t0, t1, cap,
-                                defer_store=opts.scores_sm90_defer_store, relu=relu)
+                                defer_store=opts.scores_sm90_defer_store, relu=relu,
+                                scan_slots=scan_slots)
 
     t1 = chunks[0][1]
     keys, counts = indexer_filter_sm90(q, k, w, tau[:, :t1].contiguous(), 0, t1, cap,
@@ -599,6 +605,11 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
     except Exception as exc:  # noqa: BLE001  (reported, not hidden)
         print(f"sample_topk failed: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
         sample_topk = sample_pick = None
+    try:  # the newer variant: its failure must not cost the other phases' timings
+        filter_scan = time_ms(lambda: filter_all(scan_slots=True), reps=reps, warmup=1)
+    except Exception as exc:  # noqa: BLE001  (reported, not hidden)
+        print(f"filter_scan failed: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+        filter_scan = None
     gluon = replace(opts, scores_sm90_sample_table=True)
     try:  # the newer kernel: its failure must not cost the other phases' timings
         sample_gluon = time_ms(lambda: hytopk_sm90.sample_thresholds(
@@ -614,6 +625,7 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
             "sample_topk": sample_topk,
             "sample_pick": sample_pick,
             "filter": time_ms(filter_all, reps=reps, warmup=1),
+            "filter_scan": filter_scan,
             "select": max(0.0, time_ms(select_all, reps=reps, warmup=1) - copy),
             "select_torch": time_ms(select_torch_all, reps=reps, warmup=1)}
 
@@ -783,6 +795,8 @@ METHODS = {
                                                             sample_table=True, samples=8192),
     "hytopk_scores_sm90_radix_pick": functools.partial(run_hytopk_scores_sm90, sample_table=True,
                                                        sample_pick="radix"),
+    "hytopk_scores_sm90_scan_slots": functools.partial(run_hytopk_scores_sm90, sample_table=True,
+                                                       sample_pick="radix", scan_slots=True),
     "hytopk_fp8_scores_sm90": run_hytopk_fp8_scores_sm90,
     "scoreonly_sm90_fp8": run_scoreonly_sm90_fp8,
     **{name: with_options(run, **fields) for name, (run, fields) in OPTION_METHODS.items()},
@@ -816,6 +830,7 @@ VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_s
                                              "hytopk_scores_sm90_gluon_sample",
                                              "hytopk_scores_sm90_gluon_sample_x4",
                                              "hytopk_scores_sm90_radix_pick",
+                                             "hytopk_scores_sm90_scan_slots",
                                              "hytopk_default")
 KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3",
                                      "scoreonly_key_tma") + (
@@ -916,6 +931,7 @@ GLUON_METHODS = SM90_SCORE_METHODS + ("hytopk_scores_sm90", "hytopk_scores_sm90_
                                       "hytopk_scores_sm90_gluon_sample",
                                       "hytopk_scores_sm90_gluon_sample_x4",
                                       "hytopk_scores_sm90_radix_pick",
+                                      "hytopk_scores_sm90_scan_slots",
                                       "hytopk_fp8_scores_sm90", "scoreonly_sm90_fp8")
 # Longest T at which the library paths' selections are compared with HyTopK's, row by row.
 SAME_SET_MAX_T = 131072

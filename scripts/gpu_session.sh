@@ -147,8 +147,9 @@
 #                                         # PICK_T (16K 64K 128K; the folded query's
 #                                         # default length, scores_sm90_folded_min_keys),
 #                                         # then the phases at 128K (sample_pick beside
-#                                         # sample_topk); cuDNN's selection where installed
-#                                         # (~6 min)
+#                                         # sample_topk); the filter's slots by a scan
+#                                         # (scores_sm90_scan_slots) the same way; cuDNN's
+#                                         # selection where installed             (~7 min)
 #   bash scripts/gpu_session.sh profile-layers  # issues #20 items 4-5: one profiled step
 #                                         # (bench_layer.py --profile-kernels) of the QSA
 #                                         # layer at 512K (PROFILE_QSA_T) and the GLM-5.1 DSA
@@ -829,17 +830,27 @@ case "$stage" in
     timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_row_rank.py \
       > "$out/tests.log" 2>&1
     echo "row_rank tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
-    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
-      tests/ops/test_hytopk_sm90.py -k "sample_table" >> "$out/tests.log" 2>&1
-    echo "sample table tests rc=$?: $(verdict "$out/tests.log")" | tee -a "$out/summary.txt"
-    grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -10
+    # The scan slots' filter first under a short timeout (a fault may hang): without it, no
+    # scan method and no phases (they time its filter too).
+    scan=(hytopk_scores_sm90_scan_slots)
+    timeout 90 python3 -m pytest -x -q -rfE -p no:cacheprovider -m gpu \
+      tests/ops/test_hytopk_sm90.py -k "gluon_filter_matches and False-True" \
+      > "$out/smoke.log" 2>&1 || scan=()
+    echo "scan slots smoke: $(verdict "$out/smoke.log")" | tee -a "$out/summary.txt"
+    timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+      tests/ops/test_hytopk_sm90.py -k "sample_table or gluon_filter" >> "$out/tests.log" 2>&1
+    echo "sample table + filter tests rc=$?: $(verdict "$out/tests.log")" \
+      | tee -a "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR)" "$out/smoke.log" "$out/tests.log" | cut -c1-300 | head -10
     library=()
     [ -d .carry/site/nvidia_cutlass_dsl ] && library=(cudnn)
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout ${PICK_BENCH_S:-300} python3 scripts/bench_selection.py --T ${PICK_T:-16384 65536 131072} \
       --configs glm51 dsv32 norelu --reps 3 --methods hytopk hytopk_scores_sm90_gluon_sample \
-      hytopk_scores_sm90_radix_pick "${library[@]}" --tag _sample_pick --out "$out" 2>&1 \
+      hytopk_scores_sm90_radix_pick "${scan[@]}" "${library[@]}" \
+      --tag _sample_pick --out "$out" 2>&1 \
       | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_pick.log"
+    [ ${#scan[@]} -gt 0 ] || exit 1
     timeout 150 python3 scripts/bench_selection.py --T 131072 --configs glm51 norelu --reps 2 \
       --methods hytopk_scores_sm90 --tag _pick_phases --out "$out" 2>&1 | grep -v -i warn \
       | grep -E "^random|Error|error|sample" | tee "$out/bench_selection_phases.log" ;;

@@ -407,11 +407,12 @@ def _indexer_scores_sm90(h: int, T: int = 4096, fp8: bool = False, relu: bool = 
 
 
 def _indexer_filter_sm90(h: int, topk: int = 2048, T: int = 4096,
-                         defer_store: bool = True, fp8: bool = False, relu: bool = True
-                         ) -> list[Launch]:
+                         defer_store: bool = True, fp8: bool = False, relu: bool = True,
+                         scan_slots: bool = False) -> list[Launch]:
     """The same kernel's FILTER epilogue (`indexer_filter_sm90`: each row's scores at or above
     its threshold appended to its survivor list), the cap `kernels/hytopk_sm90.py` uses;
-    defer_store as `HyTopKOptions.scores_sm90_defer_store`; relu as `_indexer_scores_sm90`'s."""
+    defer_store, scan_slots as `HyTopKOptions.scores_sm90_defer_store`, `_scan_slots`; relu as
+    `_indexer_scores_sm90`'s."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
     from megatron_hyscale.ops.kernels import indexer_scores_sm90 as scores
 
@@ -419,7 +420,8 @@ def _indexer_filter_sm90(h: int, topk: int = 2048, T: int = 4096,
     tau = torch.zeros(1, T)
     with intercept(scores, "_indexer_scores_kernel") as calls:
         scores.indexer_filter_sm90(q, k, w, tau, 0, T, hytopk_sm90.survivor_cap(topk),
-                                   defer_store=defer_store, k_scale=ks, relu=relu)
+                                   defer_store=defer_store, k_scale=ks, relu=relu,
+                                   scan_slots=scan_slots)
     return calls
 
 
@@ -703,6 +705,10 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "indexer-scores-sm90-glm51": lambda: _indexer_scores_sm90(32),
     "indexer-filter-sm90-dsv32": lambda: _indexer_filter_sm90(64),
     "indexer-filter-sm90-glm51": lambda: _indexer_filter_sm90(32),
+    "indexer-filter-sm90-dsv32-scan": lambda: _indexer_filter_sm90(64, scan_slots=True),
+    "indexer-filter-sm90-glm51-scan": lambda: _indexer_filter_sm90(32, scan_slots=True),
+    "indexer-filter-sm90-folded-scan": lambda: _indexer_filter_sm90(4, relu=False,
+                                                                    scan_slots=True),
     "indexer-filter-sm90-dsv32-immediate": lambda: _indexer_filter_sm90(64, defer_store=False),
     "indexer-table-sm90-dsv32": lambda: _indexer_table_sm90(64),
     "indexer-table-sm90-glm51": lambda: _indexer_table_sm90(32),

@@ -52,10 +52,12 @@ from megatron_hyscale.ops.kernels.options import (  # noqa: E402
 # (`own_selection_methods`); the library's: cuDNN's.
 LIBRARY_SELECTION_METHOD = "cudnn"
 # bench_selection's Gluon-path methods by HyTopKOptions (scores_sm90_sample_table,
-# scores_sm90_sample_pick): the sample's table and its threshold pick.
-GLUON_METHODS = {(True, "topk"): "hytopk_scores_sm90_gluon_sample",
-                 (True, "radix"): "hytopk_scores_sm90_radix_pick",
-                 (False, "topk"): "hytopk_scores_sm90"}
+# scores_sm90_sample_pick, scores_sm90_scan_slots): the sample's table, its threshold pick,
+# the filter's slots.
+GLUON_METHODS = {(True, "topk", False): "hytopk_scores_sm90_gluon_sample",
+                 (True, "radix", False): "hytopk_scores_sm90_radix_pick",
+                 (True, "radix", True): "hytopk_scores_sm90_scan_slots",
+                 (False, "topk", False): "hytopk_scores_sm90"}
 # The attention's own times are those of the kernels the defaults run (a record names the
 # kernel of each time); lib_fwd_ms / lib_bwd_ms are FlashMLA's forward and cuDNN's backward.
 LIBRARY_FORWARD = "flashmla"
@@ -113,7 +115,8 @@ def own_selection_methods(keys: int, defaults_current: bool = True) -> tuple[str
 def gluon_path_methods(options: HyTopKOptions) -> tuple[str, tuple[str, ...]]:
     """The bench_selection method running the Gluon path with options' sample ("" if none
     does), and every Gluon method in `GLUON_METHODS`' order with that one's slot left ""."""
-    key = (options.scores_sm90_sample_table, options.scores_sm90_sample_pick)
+    key = (options.scores_sm90_sample_table, options.scores_sm90_sample_pick,
+           options.scores_sm90_scan_slots)
     return (GLUON_METHODS.get(key, ""),
             tuple("" if k == key else m for k, m in GLUON_METHODS.items()))
 

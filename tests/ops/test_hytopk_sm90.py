@@ -584,14 +584,17 @@ def assert_gluon_filter_matches(filter_fn, q, k, w, **kwargs):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("defer_store", [True, False])
+@pytest.mark.parametrize("defer_store, scan_slots", [(True, False), (False, False),
+                                                     (False, True)])
 @pytest.mark.parametrize("H", [64, 32])
-def test_gluon_filter_matches_the_torch_filter(H, defer_store):
+def test_gluon_filter_matches_the_torch_filter(H, defer_store, scan_slots):
     """indexer_filter_sm90 on integer inputs, batch 2, a chunk of rows [100, 1031) off every
     block boundary: the same counts as the torch filter, and where a row's survivors fit the
     cap the same keys; rows over the cap wrote cap of their survivors. Thresholds at each row's
     40th score (ties at it included), -inf for a few rows (every visible key), +inf for one.
-    Both stores (under the next tile's product, and at once), the last tile's included."""
+    Both stores (under the next tile's product, and at once), the last tile's included; slots
+    by atomics or by the scan (scan_slots: each row's survivors in increasing key order, the
+    first cap of them for a row over the cap)."""
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
     B, T, cap, t_lo = 2, 1031, 64, 100
@@ -601,7 +604,8 @@ def test_gluon_filter_matches_the_torch_filter(H, defer_store):
     tau = scores.topk(40, dim=-1).values[..., -1].contiguous()
     tau[:, :3] = float("-inf")
     tau[1, 7] = float("inf")
-    got = indexer_filter_sm90(q, k, w, tau, t_lo, T, cap, defer_store=defer_store)
+    got = indexer_filter_sm90(q, k, w, tau, t_lo, T, cap, defer_store=defer_store,
+                              scan_slots=scan_slots)
     want = torch_filter(q, k, w, tau, t_lo, T, T)  # every survivor
     torch.cuda.synchronize()
     assert torch.equal(got[1], want[1])
@@ -615,6 +619,15 @@ def test_gluon_filter_matches_the_torch_filter(H, defer_store):
         else:  # cap distinct ones of the row's survivors
             assert g.numel() == cap and g.unique().numel() == cap
             assert torch.isin(g, wnt).all()
+    if scan_slots:  # in key order as written: the first min(count, cap) visible survivors
+        written = LOW32 - (got[0] & LOW32)
+        for r, n in enumerate(got[1].flatten().tolist()):
+            row = written.flatten(0, 1)[r, :min(n, cap)]
+            assert bool((row[1:] > row[:-1]).all()), r
+            b, t = divmod(r, T - t_lo)
+            first = LOW32 - (want[0][b, t] & LOW32)
+            first = first[want[0][b, t] != INT64_MIN].sort().values[:min(n, cap)]
+            assert torch.equal(row, first), r
 
 
 @pytest.mark.gpu
@@ -689,6 +702,7 @@ def test_folded_gluon_filter_and_op(monkeypatch):
     w = w * 101.0
     q4, w4 = hytopk_sm90.folded_parts(q, w)
     assert_gluon_filter_matches(indexer_filter_sm90, q4, k, w4, relu=False)
+    assert_gluon_filter_matches(indexer_filter_sm90, q4, k, w4, relu=False, scan_slots=True)
     calls = []
 
     def counted(*args, **kwargs):

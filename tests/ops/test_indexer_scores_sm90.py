@@ -225,6 +225,20 @@ def test_filter_presets_compile_without_spills(tmp_path: Path):
         assert ops["ATOMG"] == per_thread and ops["STG"] == per_thread
 
 
+def test_scan_slot_presets_compile_without_atomics(tmp_path: Path):
+    """The filter with its slots from a scan (`_scan_slots`, scores_sm90_scan_slots): the same
+    product, no atomics, the survivors stored at once (no deferred store), one store a key and
+    row of each thread in the scan layout (a tile's keys in one warp: BLOCK_S / 32 a thread,
+    the rows over the warps), no spill; every row count (2, 4 and the folded query's 32)."""
+    for rep in _epilogue_reports(tmp_path, "indexer-filter-sm90-dsv32-scan",
+                                 "indexer-filter-sm90-glm51-scan",
+                                 "indexer-filter-sm90-folded-scan"):
+        c, ops = rep["constexprs"], rep["loop_ops"]
+        assert c["FILTER"] is True and c["SCAN_SLOTS"] is True and c["DEFER_STORE"] is False
+        assert ops["ATOMG"] == 0 and ops.get("ATOMS", 0) == 0
+        assert ops["STG"] == (64 // 32) * max(1, c["ROWS"] // 4)
+
+
 def test_fp8_presets_compile_without_spills(tmp_path: Path):
     """e4m3 q and k (HyTopK's precision="fp8"): the same loops on fp8 wgmma (4 QGMMA of K = 32
     a [64 x 128 x 128] product, no HGMMA), the keys' scales loaded under the product (2 LDG a

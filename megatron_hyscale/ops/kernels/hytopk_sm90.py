@@ -237,7 +237,8 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
     if filter_fn is None:
         from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
-        filter_fn = partial(indexer_filter_sm90, defer_store=options.scores_sm90_defer_store)
+        filter_fn = partial(indexer_filter_sm90, defer_store=options.scores_sm90_defer_store,
+                            scan_slots=options.scores_sm90_scan_slots)
     B, T = q.shape[:2]
     cap = survivor_cap(topk)
     if B * T == 0:

@@ -153,6 +153,28 @@ def _claim_slots(s, j, rows, in_chunk, row_slot, tau, cnt_ptr, BLOCK_S: gl.const
 
 
 @gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _scan_slots(s, j, rows, in_chunk, tau, count, BLOCK_S: gl.constexpr,
+                flt_layout: gl.constexpr):
+    """`_claim_slots` without atomics (SCAN_SLOTS): a consumer owns its rows over every key
+    tile, so each survivor's slot is its row's count so far (count [ROWS], in registers) plus
+    the survivors before it in the tile (a scan over the tile's keys). flt_layout: the scan's
+    (`_scan_layout`). Returns (slot, packed key, kept, the rows' counts after the tile)."""
+    s = gl.convert_layout(s, flt_layout)
+    keys = j * BLOCK_S + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, flt_layout))
+    keep = ((keys[:, None] <= rows[None, :]) & in_chunk[None, :]) & (s >= tau[None, :])
+    ones = keep.to(gl.int32)
+    before = gl.associative_scan(ones, 0, _add) - ones
+    pos = count[None, :] + before
+    key = _pack_key(s, keys[:, None] + gl.zeros(s.shape, gl.int64, flt_layout))
+    return pos, key, keep, count + gl.sum(ones, axis=0)
+
+
+@gluon.jit
 def _store_survivors(buf_ptr, row_slot, pos, key, keep, CAP: gl.constexpr):
     """The claimed keys into their rows' slots below CAP (a row's count goes on past CAP)."""
     gl.store(buf_ptr + row_slot * CAP + pos, key, mask=keep & (pos < CAP))
@@ -179,7 +201,8 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
               BLOCK_S: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
               red_layout: gl.constexpr, FILTER: gl.constexpr, CAP: gl.constexpr,
               flt_layout: gl.constexpr, DEFER_STORE: gl.constexpr, TABLE: gl.constexpr,
-              MMA_K: gl.constexpr, KEY_SCALE: gl.constexpr, RELU: gl.constexpr):
+              MMA_K: gl.constexpr, KEY_SCALE: gl.constexpr, RELU: gl.constexpr,
+              SCAN_SLOTS: gl.constexpr):
     """Rows t0 .. t0 + ROWS - 1 (t0 = t_base + c * ROWS): each key tile's scores as
     [keys x (row, head)] = K_tile Q^T on wgmma, then ReLU x w, the head sum (N, in registers),
     the causal mask and a running max per (key slot, row); the max over key slots at the end.
@@ -187,6 +210,8 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
     (`_claim_slots`, `_store_survivors`; rows outside [t_lo, t_hi) write nothing).
     DEFER_STORE: a tile's survivors are stored while the next tile's product runs, so the
     consumer does not wait for its slot atomics' return before its next wgmma.
+    SCAN_SLOTS: the slots from the rows' counts in registers and a scan over each tile's keys
+    (`_scan_slots`), the counts stored at the end, instead of an atomic a survivor.
     TABLE: each visible score (key j at position j x key_stride) into out[b, row - t_lo, j]
     (strides sob, sot, sok) for rows in [t_lo, t_hi); the rest is the caller's fill.
     MMA_K: the wgmma's K (16 for bf16, 32 for e4m3); KEY_SCALE: each key's head sum times
@@ -215,6 +240,8 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
                       other=float("inf"))
         row_slot = ((b * n_rows + (f_rows - t_lo)).to(gl.int64)[None, :]
                     + gl.zeros([BLOCK_S, ROWS], gl.int64, layout=flt_layout))
+        if SCAN_SLOTS:
+            count = gl.zeros([ROWS], gl.int32, layout=gl.SliceLayout(0, flt_layout))
         if DEFER_STORE:  # nothing pending before the first tile
             pend_pos = gl.zeros([BLOCK_S, ROWS], gl.int32, layout=flt_layout)
             pend_key = gl.zeros([BLOCK_S, ROWS], gl.int64, layout=flt_layout)
@@ -253,8 +280,12 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
         if KEY_SCALE:
             s = s * k_scale[:, None]
         if FILTER:
-            pos, key, keep = _claim_slots(s, j, f_rows, in_chunk, row_slot, tau, cnt_ptr,
-                                          BLOCK_S, flt_layout)
+            if SCAN_SLOTS:
+                pos, key, keep, count = _scan_slots(s, j, f_rows, in_chunk, tau, count,
+                                                    BLOCK_S, flt_layout)
+            else:
+                pos, key, keep = _claim_slots(s, j, f_rows, in_chunk, row_slot, tau, cnt_ptr,
+                                              BLOCK_S, flt_layout)
             if DEFER_STORE:
                 pend_pos, pend_key, pend_keep = pos, key, keep
             else:
@@ -269,6 +300,8 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
     if FILTER:
         if DEFER_STORE:
             _store_survivors(buf_ptr, row_slot, pend_pos, pend_key, pend_keep, CAP)
+        if SCAN_SLOTS:
+            gl.store(cnt_ptr + b * n_rows + (f_rows - t_lo), count, mask=in_chunk)
     elif not TABLE:
         row_max = gl.max(m, axis=0)
         gl.store(out_ptr + b * sob + rows * sot, row_max, mask=rows < T)
@@ -283,7 +316,7 @@ def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
                            red_layout: gl.constexpr, FILTER: gl.constexpr, CAP: gl.constexpr,
                            flt_layout: gl.constexpr, DEFER_STORE: gl.constexpr,
                            TABLE: gl.constexpr, MMA_K: gl.constexpr, KEY_SCALE: gl.constexpr,
-                           RELU: gl.constexpr,
+                           RELU: gl.constexpr, SCAN_SLOTS: gl.constexpr,
                            CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """One program: query rows t_base .. t_base + 2 * ROWS - 1 of batch b, from t_lo, against
@@ -323,12 +356,12 @@ def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
                      swb, swt, swh, sob, sot, sok, key_stride, n_keys, ks_ptr, sksb, skss,
                      tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows, ROWS, H, BLOCK_S,
                      NUM_STAGES, PINGPONG, red_layout, FILTER, CAP, flt_layout, DEFER_STORE,
-                     TABLE, MMA_K, KEY_SCALE, RELU)),
+                     TABLE, MMA_K, KEY_SCALE, RELU, SCAN_SLOTS)),
         (_consumer, (1, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
                      swb, swt, swh, sob, sot, sok, key_stride, n_keys, ks_ptr, sksb, skss,
                      tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows, ROWS, H, BLOCK_S,
                      NUM_STAGES, PINGPONG, red_layout, FILTER, CAP, flt_layout, DEFER_STORE,
-                     TABLE, MMA_K, KEY_SCALE, RELU)),
+                     TABLE, MMA_K, KEY_SCALE, RELU, SCAN_SLOTS)),
         (_producer, (q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, k_row0, n_tiles,
                      ROWS, H, BLOCK_S, NUM_STAGES)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -362,6 +395,14 @@ def _filter_layout(rows: int) -> gl.BlockedLayout:
     if rows % 2:
         raise ValueError(f"the survivors' layout needs an even count of rows, got {rows}")
     return gl.BlockedLayout([1, max(1, rows // 2)], [16, 2], [CONSUMER_WARPS, 1], [1, 0])
+
+
+def _scan_layout(rows: int) -> gl.BlockedLayout:
+    """[BLOCK_S keys x rows] for `_scan_slots`: a key tile's keys inside one warp (32 lanes x
+    BLOCK_S / 32 registers), the rows over the warps (fewer rows than warps: repeated, which
+    a scan allows), so the scan over keys and the rows' sums need no shared memory."""
+    return gl.BlockedLayout([BLOCK_S // 32, max(1, rows // CONSUMER_WARPS)], [32, 1],
+                            [1, CONSUMER_WARPS], [0, 1])
 
 
 _layouts: dict[tuple, tuple] = {}
@@ -460,7 +501,8 @@ def indexer_row_max_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *,
 def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: torch.Tensor,
                         t_lo: int, t_hi: int, cap: int, *, pingpong: bool = True,
                         defer_store: bool = True, k_scale: torch.Tensor | None = None,
-                        relu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        relu: bool = True, scan_slots: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The survivors of query rows [t_lo, t_hi): keys int64 [B, t_hi - t_lo, cap] (HyTopK's
     packed keys of the visible scores >= tau of each row, in no order, the first min(count,
     cap) slots written, INT64_MIN after) and counts int32 [B, t_hi - t_lo] (all survivors,
@@ -468,7 +510,10 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
     defer_store: store a key tile's survivors under the next tile's product (False: right
     after their slot atomics return, as first built; relu=False always: its 32 rows' pending
     survivors would not fit the registers, compiled for sm_90a). k_scale, relu: as
-    `indexer_row_max_sm90`'s. Hopper only: the caller checks the device."""
+    `indexer_row_max_sm90`'s. scan_slots: each survivor's slot from its row's count in
+    registers and a scan over the key tile, no atomics (the survivors in key order; a consumer
+    owns its rows; stored at once, defer_store ignored: nothing returns late); False: a
+    relaxed atomic a survivor. Hopper only: the caller checks the device."""
     check_inputs(q, k, w, k_scale=k_scale, relu=relu)
     B, T, H, D = q.shape
     n = t_hi - t_lo
@@ -487,8 +532,9 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
     counts = torch.zeros((B, n), device=q.device, dtype=torch.int32)
     if B * n:
         _launch(q, k, w, None, t_lo, t_hi, pingpong=pingpong,
-                survivors=(tau, counts, keys, cap), defer_store=defer_store and relu,
-                k_scale=k_scale, relu=relu)
+                survivors=(tau, counts, keys, cap),
+                defer_store=defer_store and relu and not scan_slots,
+                k_scale=k_scale, relu=relu, scan_slots=scan_slots)
     return keys, counts
 
 
@@ -517,14 +563,17 @@ def indexer_table_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_st
 
 
 def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=True,
-            table=False, key_stride=1, k_scale=None, relu=True):
+            table=False, key_stride=1, k_scale=None, relu=True, scan_slots=False):
     """One launch over query rows [t_lo, t_hi): the row maxima into out, or with survivors =
     (tau, counts, keys, cap) the survivors (defer_store: `_consumer`'s DEFER_STORE), or with
     table the scores into out [B, t_hi - t_lo, S] against keys every key_stride-th; k_scale
-    with e4m3 q and k."""
+    with e4m3 q and k; scan_slots: `_consumer`'s SCAN_SLOTS."""
     B, T, H, D = q.shape
     rows = PAIRS // H
     q_layout, k_layout, red_layout, flt_layout = _shared_layouts(H, q.dtype)
+    scan_slots = survivors is not None and scan_slots
+    if scan_slots:
+        flt_layout = _scan_layout(rows)
     q_desc = TensorDescriptor(q, [B * T * H, D], [q.stride(2), 1], [PAIRS, D], q_layout)
     n_keys = k.shape[1]
     k_desc = TensorDescriptor(k, [B * n_keys, D], [k.stride(1), 1], [BLOCK_S, D], k_layout)
@@ -545,6 +594,7 @@ def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=T
         red_layout=red_layout, FILTER=survivors is not None, CAP=cap, flt_layout=flt_layout,
         DEFER_STORE=survivors is not None and defer_store, TABLE=table,
         MMA_K=MMA_K_BY_DTYPE[q.dtype], KEY_SCALE=k_scale is not None, RELU=relu,
+        SCAN_SLOTS=scan_slots,
         CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,

@@ -247,6 +247,13 @@ class HyTopKOptions:
     # registers, one read of the table) or "topk" (torch.topk over the table, then the row's
     # rank; 7.0 of the Gluon sample's 9-11 ms at 128K on an H100, 2026-12-07). Same values.
     scores_sm90_sample_pick: str = "topk"
+    # How the Gluon filter gives each survivor its slot: False (default) a relaxed atomic on
+    # its row's count a survivor (each survivor waits for an L2 round trip: deferred under the
+    # next product, `scores_sm90_defer_store`); True a scan over each key tile's keys plus the
+    # row's count so far, kept in registers (a consumer owns its rows over every key tile), no
+    # atomics, the survivors in key order, stored at once. Compiled for sm_90a without a spill
+    # (hot loop 289 against 256 instructions for GLM-5.1, 702 against 601 folded); untimed.
+    scores_sm90_scan_slots: bool = False
 
     def __post_init__(self) -> None:
         if not (self.scores_sm90 is None or isinstance(self.scores_sm90, bool)):
