@@ -76,7 +76,9 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              sample_pick times it alone) instead of torch.topk;
              hytopk_scores_sm90_scan_slots: that with the filter's slots from a scan over each
              key tile, no atomics (scores_sm90_scan_slots; the phases' filter_scan times the
-             filter alone so)
+             filter alone so); hytopk_scores_sm90_radix_pick_key, _scan_slots_key: the two in
+             key order (the layers' order; the scan's key-ordered buffers skip the row sort;
+             compared with the default as sets)
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
   128K; where not, same_rows_as_hytopk: the share of rows whose selected set equals the
   Triton kernel's, as the library methods report it)
@@ -213,6 +215,8 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_scores_sm90_gluon_sample_x4": 1048576,
          "hytopk_scores_sm90_radix_pick": 1048576,
          "hytopk_scores_sm90_scan_slots": 1048576,
+         "hytopk_scores_sm90_radix_pick_key": 1048576,
+         "hytopk_scores_sm90_scan_slots_key": 1048576,
          "hytopk_fp8_scores_sm90": 1048576, "scoreonly_sm90_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
@@ -510,19 +514,20 @@ def run_hytopk_default(q, k, w, topk, relu):
 
 def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, defer_store=True,
                            sample_table=False, samples=HyTopKOptions.DEFAULT.scores_sm90_samples,
-                           sample_pick="topk", scan_slots=False):
+                           sample_pick="topk", scan_slots=False, order="score"):
     """HyTopK from the warp-specialized Gluon scores (`kernels/hytopk_sm90.py`,
     HyTopKOptions.scores_sm90): sampled thresholds, the Gluon filter, a select over the
     survivors, the missed rows redone by the Triton kernel. ReLU configs with 32 or 64 heads,
     or without ReLU any head count (the folded query's bf16 parts). defer_store, sample_table,
     samples, sample_pick, scan_slots: HyTopKOptions.scores_sm90_defer_store, _sample_table,
-    _samples, _sample_pick, _scan_slots."""
+    _samples, _sample_pick, _scan_slots; order: the rows' order ("key": the layers')."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
     opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True, scores_sm90_defer_store=defer_store,
                    scores_sm90_sample_table=sample_table, scores_sm90_samples=samples,
                    scores_sm90_sample_pick=sample_pick, scores_sm90_scan_slots=scan_slots)
-    return hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, stats=stats, relu=relu)
+    return hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, stats=stats, relu=relu,
+                                   order=order)
 
 
 def scores_sm90_phases(q, k, w, topk, reps, relu=True):
@@ -797,6 +802,12 @@ METHODS = {
                                                        sample_pick="radix"),
     "hytopk_scores_sm90_scan_slots": functools.partial(run_hytopk_scores_sm90, sample_table=True,
                                                        sample_pick="radix", scan_slots=True),
+    # In key order, as the layers select: the scan's buffers need no row sort then.
+    "hytopk_scores_sm90_radix_pick_key": functools.partial(
+        run_hytopk_scores_sm90, sample_table=True, sample_pick="radix", order="key"),
+    "hytopk_scores_sm90_scan_slots_key": functools.partial(
+        run_hytopk_scores_sm90, sample_table=True, sample_pick="radix", scan_slots=True,
+        order="key"),
     "hytopk_fp8_scores_sm90": run_hytopk_fp8_scores_sm90,
     "scoreonly_sm90_fp8": run_scoreonly_sm90_fp8,
     **{name: with_options(run, **fields) for name, (run, fields) in OPTION_METHODS.items()},
@@ -831,6 +842,8 @@ VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_s
                                              "hytopk_scores_sm90_gluon_sample_x4",
                                              "hytopk_scores_sm90_radix_pick",
                                              "hytopk_scores_sm90_scan_slots",
+                                             "hytopk_scores_sm90_radix_pick_key",
+                                             "hytopk_scores_sm90_scan_slots_key",
                                              "hytopk_default")
 KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3",
                                      "scoreonly_key_tma") + (
@@ -932,6 +945,8 @@ GLUON_METHODS = SM90_SCORE_METHODS + ("hytopk_scores_sm90", "hytopk_scores_sm90_
                                       "hytopk_scores_sm90_gluon_sample_x4",
                                       "hytopk_scores_sm90_radix_pick",
                                       "hytopk_scores_sm90_scan_slots",
+                                      "hytopk_scores_sm90_radix_pick_key",
+                                      "hytopk_scores_sm90_scan_slots_key",
                                       "hytopk_fp8_scores_sm90", "scoreonly_sm90_fp8")
 # Longest T at which the library paths' selections are compared with HyTopK's, row by row.
 SAME_SET_MAX_T = 131072
@@ -946,13 +961,18 @@ def same_sets_as_hytopk(idx, q, k, w, topk, relu, ref=None):
     return (got.sort(-1).values == ref.sort(-1).values).all(-1).float().mean().item()
 
 
+# Variants whose rows come in another order than the default's (compared as sets).
+SET_COMPARED_METHODS = ("hytopk_select_unordered", "hytopk_scores_sm90_radix_pick_key",
+                        "hytopk_scores_sm90_scan_slots_key")
+
+
 def agreement_with_hytopk(method, out, q, k, w, topk, relu):
     """A variant's record fields: same_as_hytopk (its outputs the default kernel's bit for bit;
     unordered methods: the same sets) and, where not, same_rows_as_hytopk (the share of rows
     whose selected set is the Triton kernel's: scores summed in another fp32 order can swap
     near-tied keys at a row's boundary)."""
     same = same_as_default(out, q, k, w, topk, relu,
-                           ordered=method != "hytopk_select_unordered")
+                           ordered=method not in SET_COMPARED_METHODS)
     if same:
         return {"same_as_hytopk": True}
     ref = default_outputs(q, k, w, topk, relu)[0]  # kept by same_as_default: not rerun

@@ -139,17 +139,19 @@
 #                                         # alone and cuDNN's selection where installed,
 #                                         # V3.2 / GLM-5.1 at 16K and 128K
 #                                         # (FILTER_T, FILTER_BENCH_S)            (~5 min)
-#   bash scripts/gpu_session.sh sample-pick  # issue #21: the sample's threshold pick by
-#                                         # row_rank.rank_values (scores_sm90_sample_pick=
-#                                         # "radix") against torch.topk: its GPU tests, then
-#                                         # the Gluon path with each pick beside the Triton
-#                                         # kernel, GLM-5.1 / V3.2 / the folded query at
-#                                         # PICK_T (16K 64K 128K; the folded query's
-#                                         # default length, scores_sm90_folded_min_keys),
-#                                         # then the phases at 128K (sample_pick beside
-#                                         # sample_topk); the filter's slots by a scan
-#                                         # (scores_sm90_scan_slots) the same way; cuDNN's
-#                                         # selection where installed             (~7 min)
+#   bash scripts/gpu_session.sh sample-pick [tests|bench]  # issue #21: the sample's
+#                                         # threshold pick by row_rank.rank_values
+#                                         # (scores_sm90_sample_pick="radix") against
+#                                         # torch.topk, and the filter's slots by a scan
+#                                         # (scores_sm90_scan_slots, key order without the row
+#                                         # sort): their GPU tests (~3 min), then the Gluon
+#                                         # path with each beside the Triton kernel, GLM-5.1 /
+#                                         # V3.2 / the folded query at PICK_T (16K 64K 128K;
+#                                         # the folded query's default length,
+#                                         # scores_sm90_folded_min_keys), then the phases at
+#                                         # 128K (sample_pick beside sample_topk, filter_scan
+#                                         # beside filter); cuDNN's selection where installed
+#                                         # (~6 min)
 #   bash scripts/gpu_session.sh profile-layers  # issues #20 items 4-5: one profiled step
 #                                         # (bench_layer.py --profile-kernels) of the QSA
 #                                         # layer at 512K (PROFILE_QSA_T) and the GLM-5.1 DSA
@@ -827,25 +829,33 @@ case "$stage" in
       --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
       | tee "$out/bench_selection_filter_sm90.log" ;;
   sample-pick)
-    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_row_rank.py \
-      > "$out/tests.log" 2>&1
-    echo "row_rank tests rc=$?: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
-    # The scan slots' filter first under a short timeout (a fault may hang): without it, no
-    # scan method and no phases (they time its filter too).
-    scan=(hytopk_scores_sm90_scan_slots)
+    # PART: tests (~3 min), bench (~6 min), or both in turn (default; over one call's limit
+    # on a cold machine). The scan slots' filter first under a short timeout (a fault may
+    # hang): without it no scan method and no phases (they time its filter too).
+    part=${1:-all}
+    scan=(hytopk_scores_sm90_scan_slots hytopk_scores_sm90_radix_pick_key
+          hytopk_scores_sm90_scan_slots_key)
     timeout 90 python3 -m pytest -x -q -rfE -p no:cacheprovider -m gpu \
       tests/ops/test_hytopk_sm90.py -k "gluon_filter_matches and False-True" \
       > "$out/smoke.log" 2>&1 || scan=()
-    echo "scan slots smoke: $(verdict "$out/smoke.log")" | tee -a "$out/summary.txt"
-    timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
-      tests/ops/test_hytopk_sm90.py -k "sample_table or gluon_filter" >> "$out/tests.log" 2>&1
-    echo "sample table + filter tests rc=$?: $(verdict "$out/tests.log")" \
-      | tee -a "$out/summary.txt"
-    grep -h -E "^(FAILED|ERROR)" "$out/smoke.log" "$out/tests.log" | cut -c1-300 | head -10
+    echo "scan slots smoke: $(verdict "$out/smoke.log")" | tee "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR)" "$out/smoke.log" | cut -c1-300 | head -5
+    if [ "$part" != bench ]; then
+      timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_row_rank.py \
+        > "$out/tests.log" 2>&1
+      echo "row_rank tests rc=$?: $(verdict "$out/tests.log")" | tee -a "$out/summary.txt"
+      timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+        tests/ops/test_hytopk_sm90.py -k "sample_table or gluon_filter or real_size" \
+        >> "$out/tests.log" 2>&1
+      echo "sample table, filter, op tests rc=$?: $(verdict "$out/tests.log")" \
+        | tee -a "$out/summary.txt"
+      grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -10
+    fi
+    [ "$part" = tests ] && exit 0
     library=()
     [ -d .carry/site/nvidia_cutlass_dsl ] && library=(cudnn)
     # shellcheck disable=SC2086  # lengths split on purpose
-    timeout ${PICK_BENCH_S:-300} python3 scripts/bench_selection.py --T ${PICK_T:-16384 65536 131072} \
+    timeout ${PICK_BENCH_S:-330} python3 scripts/bench_selection.py --T ${PICK_T:-16384 65536 131072} \
       --configs glm51 dsv32 norelu --reps 3 --methods hytopk hytopk_scores_sm90_gluon_sample \
       hytopk_scores_sm90_radix_pick "${scan[@]}" "${library[@]}" \
       --tag _sample_pick --out "$out" 2>&1 \

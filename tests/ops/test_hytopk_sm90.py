@@ -536,6 +536,42 @@ def test_select_survivors_takes_each_rows_top_k(order):
     assert torch.equal(idx[ok], want_idx[ok]) and torch.equal(val[ok], want_val[ok])
 
 
+@pytest.mark.parametrize("order", ["score", "key"])
+def test_select_survivors_of_key_ordered_buffers(order):
+    """keys_in_order (the scan slots' buffers: each row's survivors by increasing index): the
+    same rows as the plain-torch select in either order, order "key" without the row sort;
+    rows with more survivors than topk (ties: the smaller index wins), fewer, none."""
+    g = torch.Generator().manual_seed(1)
+    B, n, cap, topk = 2, 5, 16, 5
+    scores = torch.randint(-4, 5, (B, n, cap), generator=g).float()
+    index = torch.stack([torch.randperm(100, generator=g)[:cap].sort().values
+                         for _ in range(B * n)]).view(B, n, cap)
+    counts = torch.tensor([[16, 5, 3, 0, 9], [12, 7, 1, 5, 16]], dtype=torch.int32)
+    keys = torch.where(torch.arange(cap) < counts[..., None], pack(scores, index), INT64_MIN)
+    opts = HyTopKOptions(interpret_programs=2)
+    idx, val = hytopk_sm90.select_survivors(keys.clone().to(DEV), counts.to(DEV), topk,
+                                            order=order, options=opts, keys_in_order=True)
+    want_idx, want_val = torch_select(keys, counts, topk, order=order, options=opts)
+    assert torch.equal(idx.cpu(), want_idx) and torch.equal(val.cpu(), want_val)
+
+
+def test_only_the_scan_filters_buffers_skip_the_sort(monkeypatch):
+    """hytopk_sm90 tells the select its buffers are in key order only for its own filter with
+    scores_sm90_scan_slots (an injected filter's order is its own)."""
+    seen = []
+
+    def spy(keys, counts, topk, *, order, options, keys_in_order=False):
+        seen.append(keys_in_order)
+        return torch_select(keys, counts, topk, order=order, options=options)
+
+    monkeypatch.setattr(hytopk_sm90, "select_survivors", spy)
+    q, k, w = int_inputs(1, 40, 2, 16, seed=2)
+    opts = HyTopKOptions(scores_sm90=True, scores_sm90_scan_slots=True, interpret_programs=2)
+    hytopk_sm90.hytopk_sm90(q, k, w, 6, options=opts, order="key", filter_fn=torch_filter,
+                            table_fn=torch_table)
+    assert seen and not any(seen)
+
+
 @pytest.mark.parametrize("order", ["score", "key", "any"])
 def test_the_op_on_the_select_kernel(order):
     """The op with the select kernel itself (the other CPU tests use the plain-torch select):
@@ -632,15 +668,17 @@ def test_gluon_filter_matches_the_torch_filter(H, defer_store, scan_slots):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("scan_slots", [False, True])
 @pytest.mark.parametrize("H", [64, 32])
-def test_the_op_matches_the_reference_at_real_size(H):
+def test_the_op_matches_the_reference_at_real_size(H, scan_slots):
     """hytopk(options.scores_sm90) at T = 4096 + 5, topk 2048, batch 2, integer inputs (ties:
-    some rows redone), an all-zero row: the reference's rows bit for bit."""
+    some rows redone), an all-zero row: the reference's rows bit for bit, in score and in key
+    order (scan_slots: the filter's key-ordered buffers, order "key" without the row sort)."""
     from megatron_hyscale.ops.key_order import sort_rows_by_key
 
     q, k, w = int_inputs(2, 4101, H, 128, seed=H + 1)
     q[0, 3000] = 0  # every score 0: over the cap, redone
-    opts = HyTopKOptions(scores_sm90=True)
+    opts = HyTopKOptions(scores_sm90=True, scores_sm90_scan_slots=scan_slots)
     got = hytopk(q, k, w, 2048, options=opts)
     want = [t.contiguous() for t in hytopk(q, k, w, 2048, backend="reference")]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

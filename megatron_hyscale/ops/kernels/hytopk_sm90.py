@@ -234,6 +234,8 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
     if order not in ("score", "key", "any"):
         raise ValueError(f"order must be 'score', 'key' or 'any', got {order!r}")
 
+    # The scan's slots leave each row's survivors in key order (the default filter's only).
+    keys_in_order = filter_fn is None and options.scores_sm90_scan_slots
     if filter_fn is None:
         from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
@@ -265,7 +267,8 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
     for t0, t1 in row_chunks(B, T, topk):
         keys, counts = filter_fn(q_in, k, w_eff, tau[:, t0:t1].contiguous(), t0, t1, cap,
                                  **keyed)
-        indices[:, t0:t1], scores[:, t0:t1] = (select_fn or select_survivors)(
+        indices[:, t0:t1], scores[:, t0:t1] = (
+            select_fn or partial(select_survivors, keys_in_order=keys_in_order))(
             keys, counts, topk, order=order, options=options)
         redo[:, t0:t1] = (counts < need[t0:t1]) | (counts > cap)
         del keys, counts
@@ -291,14 +294,18 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
 
 
 def select_survivors(keys: torch.Tensor, counts: torch.Tensor, topk: int, *, order: str,
-                     options: HyTopKOptions) -> tuple[torch.Tensor, torch.Tensor]:
+                     options: HyTopKOptions, keys_in_order: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's top-k of its survivors: keys int64 [B, n, cap] as `indexer_filter_sm90`
     writes them (compacted in place), counts int32 [B, n] -> indices int32 and scores fp32
     [B, n, topk] in `order` ("score": descending score, ties to the smaller index; "key":
-    increasing index; "any": the set, empty slots last). A row with more survivors than cap
-    comes back wrong: the caller redoes it."""
+    increasing index; "any": the set, empty slots last). keys_in_order: each row's survivors
+    lie in increasing index (the filter's scan slots), which the select's compaction keeps, so
+    order "key" needs no sort. A row with more survivors than cap comes back wrong: the caller
+    redoes it."""
     B, n, cap = keys.shape
+    sort = order == "score" or (order == "key" and not keys_in_order)
     idx, val = hk.write_rows(keys.view(B * n, cap), counts.view(B * n), topk,
-                             ordered=order != "any", key_order=order == "key", select=True,
+                             ordered=sort, key_order=order == "key", select=True,
                              options=options)
     return idx.view(B, n, topk), val.view(B, n, topk)
