@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_hyscale.ops import HyTopKOptions, hytopk
-from megatron_hyscale.ops.kernels import hytopk_sm90
+from megatron_hyscale.ops.kernels import hytopk_sm90, row_rank
 
 INT64_MIN = torch.iinfo(torch.int64).min
 LOW32 = (1 << 32) - 1
@@ -487,6 +487,11 @@ def test_bad_sample_count_is_refused():
     with pytest.raises(ValueError, match="scores_sm90_samples"):
         hytopk_sm90.unsupported(q, k, w, relu=True, causal=True, default_positions=True,
                                 precision="bf16", options=HyTopKOptions(scores_sm90_samples=0))
+    wide = HyTopKOptions(scores_sm90_samples=row_rank.MAX_COLUMNS + 1,
+                         scores_sm90_sample_pick="radix")
+    with pytest.raises(ValueError, match="scores_sm90_samples = 16385 .*sample_pick='radix'"):
+        hytopk_sm90.unsupported(q, k, w, relu=True, causal=True, default_positions=True,
+                                precision="bf16", options=wide)
 
 
 def test_redone_rows_go_in_fixed_multiples(monkeypatch):

@@ -98,6 +98,10 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool
     samples = options.scores_sm90_samples
     if isinstance(samples, bool) or not (isinstance(samples, int) and samples >= 1):
         raise ValueError(f"options.scores_sm90_samples must be an int >= 1, got {samples!r}")
+    if options.scores_sm90_sample_pick == "radix" and samples > row_rank.MAX_COLUMNS:
+        raise ValueError(f"options.scores_sm90_samples = {samples} is over the "
+                         f"{row_rank.MAX_COLUMNS} sampled keys a row that "
+                         f"scores_sm90_sample_pick='radix' holds; use 'topk' or fewer samples")
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "the Gluon scores need a Hopper (sm_90) GPU"
     want = torch.float8_e4m3fn if precision == "fp8" else torch.bfloat16
