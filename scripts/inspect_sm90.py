@@ -225,12 +225,13 @@ def _hytopk(H: int, D: int, topk: int, relu: bool, T: int = 8192, mode: int = 0,
 
 
 def _write_rows(topk: int, rows: int = 264, select: bool = False, key_order: bool = False,
-                **options: Any) -> list[Launch]:
+                ordered: bool = True, **options: Any) -> list[Launch]:
     """HyTopK's row output alone (`hytopk.write_rows`: load, sort, decode, store of each
     row's packed keys) over rows of a 2 x topk buffer; options: HyTopKOptions fields (such as
-    row_sort); select, key_order: write_rows' (select: the survivors' select of
-    `hytopk_sm90.select_survivors`, a radix select over the 2 x topk buffer first). No MMA:
-    read the whole kernel's counts."""
+    row_sort); select, key_order, ordered: write_rows' (select: the survivors' select of
+    `hytopk_sm90.select_survivors`, a radix select over the 2 x topk buffer first; ordered
+    False: no row sort, as for the scan slots' key-ordered buffers). No MMA: read the whole
+    kernel's counts."""
     from megatron_hyscale.ops.kernels import hytopk as hk
     from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
@@ -238,7 +239,7 @@ def _write_rows(topk: int, rows: int = 264, select: bool = False, key_order: boo
     counts = torch.zeros(rows, dtype=torch.int32)
     with intercept(hk, "_write_rows_kernel") as calls:
         hk.write_rows(keys, counts, topk, options=replace(HyTopKOptions.DEFAULT, **options),
-                      programs=132 * 2, select=select, key_order=key_order)
+                      programs=132 * 2, select=select, key_order=key_order, ordered=ordered)
     return calls
 
 
@@ -639,6 +640,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-write-rows": lambda: _write_rows(2048),
     "hytopk-write-rows-regs": lambda: _write_rows(2048, row_sort="bitonic_regs"),
     "hytopk-select-survivors": lambda: _write_rows(2048, select=True, key_order=True),
+    # The same over the scan slots' key-ordered buffers: order "key" without the row sort.
+    "hytopk-select-survivors-in-order": lambda: _write_rows(2048, select=True, ordered=False),
     "hytopk-norelu-sort-regs": lambda: _hytopk(32, 128, 2048, False, row_sort="bitonic_regs"),
     # A head dim below tl.dot's 16 (tests' tiny geometries): must still compile.
     "hytopk-tiny-head-dim": lambda: _hytopk(4, 8, 16, True, T=256),

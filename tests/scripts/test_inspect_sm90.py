@@ -507,3 +507,19 @@ def test_gluon_kernels_with_hcas_dense_prefix_compile_without_local_memory(tmp_p
     assert bwd["loop_ops"]["HGMMA"] == 100 and bwd["loop_ops"]["REDG"] == 32
     sass = next(tmp_path.glob("sparse-mla-bwd-sm90-hca_0_*.sass")).read_text()
     assert "REDG.E.ADD.F32x4" in sass
+
+
+def test_select_over_key_ordered_buffers_has_no_row_sort(tmp_path: Path) -> None:
+    """The survivors' select for the scan slots' key-ordered buffers (order "key" without the
+    row sort, `select_survivors(keys_in_order=True)`) compiles without the sort: ORDERED off,
+    under half the sorting select's instructions and shared memory, no spill."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "hytopk-select-survivors", "hytopk-select-survivors-in-order",
+                "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sorting, in_order = json.loads(out.read_text())
+    assert sorting["constexprs"]["ORDERED"] is True and sorting["constexprs"]["KEY_ORDER"]
+    assert in_order["constexprs"]["ORDERED"] is False and in_order["constexprs"]["SELECT"]
+    assert 2 * in_order["instructions"] < sorting["instructions"]
+    assert in_order["shared_bytes"] < sorting["shared_bytes"]
+    assert in_order["spill_stores"] == 0 and in_order["spill_loads"] == 0
