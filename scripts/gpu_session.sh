@@ -831,7 +831,8 @@ case "$stage" in
   sample-pick)
     # PART: tests (~3 min), bench (~6 min), or both in turn (default; over one call's limit
     # on a cold machine). The scan slots' filter first under a short timeout (a fault may
-    # hang): without it no scan method and no phases (they time its filter too).
+    # hang): without it no scan method and no phases (they time its filter too). PICK_TESTS_S,
+    # PICK_BENCH_S: the tests' and the bench's limits; PICK_PHASES=0: no phases.
     part=${1:-all}
     scan=(hytopk_scores_sm90_scan_slots hytopk_scores_sm90_radix_pick_key
           hytopk_scores_sm90_scan_slots_key)
@@ -844,7 +845,7 @@ case "$stage" in
       timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_row_rank.py \
         > "$out/tests.log" 2>&1
       echo "row_rank tests rc=$?: $(verdict "$out/tests.log")" | tee -a "$out/summary.txt"
-      timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+      timeout "${PICK_TESTS_S:-300}" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
         tests/ops/test_hytopk_sm90.py -k "sample_table or gluon_filter or real_size" \
         >> "$out/tests.log" 2>&1
       echo "sample table, filter, op tests rc=$?: $(verdict "$out/tests.log")" \
@@ -861,6 +862,7 @@ case "$stage" in
       --tag _sample_pick --out "$out" 2>&1 \
       | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_pick.log"
     [ ${#scan[@]} -gt 0 ] || exit 1
+    [ "${PICK_PHASES:-1}" = 0 ] && exit 0  # PICK_PHASES=0: no phases
     timeout 150 python3 scripts/bench_selection.py --T 131072 --configs glm51 norelu --reps 2 \
       --methods hytopk_scores_sm90 --tag _pick_phases --out "$out" 2>&1 | grep -v -i warn \
       | grep -E "^random|Error|error|sample" | tee "$out/bench_selection_phases.log" ;;
