@@ -832,7 +832,8 @@ case "$stage" in
     # PART: tests (~3 min), bench (~6 min), or both in turn (default; over one call's limit
     # on a cold machine). The scan slots' filter first under a short timeout (a fault may
     # hang): without it no scan method and no phases (they time its filter too). PICK_TESTS_S,
-    # PICK_BENCH_S: the tests' and the bench's limits; PICK_PHASES=0: no phases.
+    # PICK_BENCH_S: the tests' and the bench's limits; PICK_TESTS_K: fewer tests (a -k
+    # expression); PICK_PHASES=0: no phases.
     part=${1:-all}
     scan=(hytopk_scores_sm90_scan_slots hytopk_scores_sm90_radix_pick_key
           hytopk_scores_sm90_scan_slots_key)
@@ -846,7 +847,7 @@ case "$stage" in
         > "$out/tests.log" 2>&1
       echo "row_rank tests rc=$?: $(verdict "$out/tests.log")" | tee -a "$out/summary.txt"
       timeout "${PICK_TESTS_S:-300}" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
-        tests/ops/test_hytopk_sm90.py -k "sample_table or gluon_filter or real_size" \
+        tests/ops/test_hytopk_sm90.py -k "${PICK_TESTS_K:-sample_table or gluon_filter or real_size}" \
         >> "$out/tests.log" 2>&1
       echo "sample table, filter, op tests rc=$?: $(verdict "$out/tests.log")" \
         | tee -a "$out/summary.txt"
