@@ -837,7 +837,7 @@ case "$stage" in
     part=${1:-all}
     scan=(hytopk_scores_sm90_scan_slots hytopk_scores_sm90_radix_pick_key
           hytopk_scores_sm90_scan_slots_key)
-    timeout 90 python3 -m pytest -x -q -rfE -p no:cacheprovider -m gpu \
+    timeout 150 python3 -m pytest -x -q -rfE -p no:cacheprovider -m gpu \
       tests/ops/test_hytopk_sm90.py -k "gluon_filter_matches and False-True" \
       > "$out/smoke.log" 2>&1 || scan=()
     echo "scan slots smoke: $(verdict "$out/smoke.log")" | tee "$out/summary.txt"

@@ -243,6 +243,17 @@ def _write_rows(topk: int, rows: int = 264, select: bool = False, key_order: boo
     return calls
 
 
+def _row_rank(columns: int = 2048, rows: int = 8192) -> list[Launch]:
+    """The sample's threshold pick (`row_rank.rank_values`, scores_sm90_sample_pick="radix") on
+    a sample table's chunk (SAMPLE_CHUNK_ROWS rows of 2048 sampled keys). No MMA: read the
+    whole kernel's counts."""
+    from megatron_hyscale.ops.kernels import row_rank
+
+    with intercept(row_rank, "_rank_value_kernel") as calls:
+        row_rank.rank_values(torch.zeros(rows, columns), torch.ones(rows, dtype=torch.long))
+    return calls
+
+
 def _mla_rope(dtype: torch.dtype) -> list[Launch]:
     """The absorbed query's RoPE (`mla_rope`: forward, then backward) on GLM-5.1's 64 heads of
     64 rotary dims, the query a strided view as `absorbed_query` passes it. No MMA: read the
@@ -640,6 +651,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "hytopk-write-rows": lambda: _write_rows(2048),
     "hytopk-write-rows-regs": lambda: _write_rows(2048, row_sort="bitonic_regs"),
     "hytopk-select-survivors": lambda: _write_rows(2048, select=True, key_order=True),
+    "row-rank": lambda: _row_rank(),
+    "row-rank-widest": lambda: _row_rank(columns=1 << 14, rows=64),
     # The same over the scan slots' key-ordered buffers: order "key" without the row sort.
     "hytopk-select-survivors-in-order": lambda: _write_rows(2048, select=True, ordered=False),
     "hytopk-norelu-sort-regs": lambda: _hytopk(32, 128, 2048, False, row_sort="bitonic_regs"),

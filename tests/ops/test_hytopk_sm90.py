@@ -476,7 +476,8 @@ def test_folded_query_matches_the_reference(samples):
                                           ("scores_sm90_min_keys", True),
                                           ("scores_sm90_folded_min_keys", 0),
                                           ("scores_sm90_folded_min_keys", 2.0),
-                                          ("scores_sm90_sample_pick", "sort")])
+                                          ("scores_sm90_sample_pick", "sort"),
+                                          ("scores_sm90_scan_slots", 1)])
 def test_bad_gluon_path_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=f"HyTopKOptions.{field}"):
         HyTopKOptions(**{field: value})
@@ -561,20 +562,34 @@ def test_select_survivors_of_key_ordered_buffers(order):
 
 
 def test_only_the_scan_filters_buffers_skip_the_sort(monkeypatch):
-    """hytopk_sm90 tells the select its buffers are in key order only for its own filter with
-    scores_sm90_scan_slots (an injected filter's order is its own)."""
-    seen = []
+    """hytopk_sm90 tells the select its buffers are in key order for its own filter with
+    scores_sm90_scan_slots, which it asks for; not without the option, nor for an injected
+    filter (whose order is its own). The Gluon filter stands in as the torch filter."""
+    from megatron_hyscale.ops.kernels import indexer_scores_sm90
+
+    seen, scans = [], []
 
     def spy(keys, counts, topk, *, order, options, keys_in_order=False):
         seen.append(keys_in_order)
         return torch_select(keys, counts, topk, order=order, options=options)
 
+    def gluon_filter(*args, defer_store, scan_slots, **kwargs):
+        scans.append(scan_slots)
+        return torch_filter(*args, **kwargs)
+
     monkeypatch.setattr(hytopk_sm90, "select_survivors", spy)
+    monkeypatch.setattr(indexer_scores_sm90, "indexer_filter_sm90", gluon_filter)
     q, k, w = int_inputs(1, 40, 2, 16, seed=2)
+    want = hytopk(q, k, w, 6, backend="reference", order="key")
     opts = HyTopKOptions(scores_sm90=True, scores_sm90_scan_slots=True, interpret_programs=2)
-    hytopk_sm90.hytopk_sm90(q, k, w, 6, options=opts, order="key", filter_fn=torch_filter,
-                            table_fn=torch_table)
-    assert seen and not any(seen)
+    for scan, injected in ((True, False), (False, False), (True, True)):
+        seen.clear(), scans.clear()
+        got = hytopk_sm90.hytopk_sm90(
+            q, k, w, 6, options=replace(opts, scores_sm90_scan_slots=scan), order="key",
+            table_fn=torch_table, filter_fn=torch_filter if injected else None)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert seen and set(seen) == {scan and not injected}
+        assert scans == ([] if injected else [scan] * len(scans)) and (injected or scans)
 
 
 @pytest.mark.parametrize("order", ["score", "key", "any"])
@@ -693,6 +708,8 @@ def test_the_op_matches_the_reference_at_real_size(H, scan_slots):
     key = hytopk(q, k, w, 2048, options=opts, order="key")
     sort_rows_by_key(*want)
     assert torch.equal(key[0], want[0]) and torch.equal(key[1], want[1])
+    # the Gluon path ran (the op falls back to the Triton kernel after a failure)
+    assert (H, 2048, "bf16") not in hytopk_sm90.VARIANTS.disabled
 
 
 @pytest.mark.gpu

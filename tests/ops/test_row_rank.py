@@ -30,17 +30,21 @@ def adversarial_table(rows: int, cols: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cols", [1, 7, 100, 2048])
 def test_rank_values_equal_torch_topk(device, cols):
-    """Every rank from 1 to the row's width, on ties, -inf rows, -0.0 / 0.0, subnormals,
-    values near fp32's largest, rows of negatives, a width that is not a power of two."""
+    """Ranks 1, the row's width and random ones between, on ties, -inf rows, -0.0 / 0.0 (a
+    rank in the -0.0 half), subnormals, values near fp32's largest, rows of negatives, a width
+    that is not a power of two; the values bit for bit."""
     table = adversarial_table(12, cols, seed=cols).to(device)
     g = torch.Generator().manual_seed(1)
     rank = torch.randint(1, cols + 1, (12,), generator=g)
-    rank[0], rank[-1] = 1, cols
+    # rows 0 and 1 at their last rank: -inf, and the -0.0 half of a -0.0 / 0.0 row
+    rank[0], rank[1], rank[-1] = 1, cols, cols
     rank = rank.to(device)
     got = row_rank.rank_values(table, rank)
     want = row_rank.rank_values_reference(table, rank)
     assert torch.equal(got, want)
-    assert not torch.signbit(got[1])  # -0.0 given as 0.0
+    # -0.0 given as 0.0 (torch.equal takes them as equal: the bits tell)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert not torch.signbit(got[1])
     # the reference is torch.topk's value at the row's rank
     sorted_rows = table.sort(dim=1, descending=True).values
     assert torch.equal(want, sorted_rows.gather(1, rank[:, None] - 1)[:, 0] + 0.0)
@@ -63,13 +67,15 @@ def test_rank_values_reject_bad_inputs():
     table = torch.zeros(4, 8)
     with pytest.raises(ValueError, match="table must be fp32"):
         row_rank.rank_values(table.double(), torch.ones(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="rank must be an integer tensor"):
+        row_rank.rank_values(table, torch.ones(4))
     with pytest.raises(ValueError, match=r"rank must have shape \(4,\)"):
         row_rank.rank_values(table, torch.ones(3, dtype=torch.long))
     with pytest.raises(ValueError, match="no columns"):
         row_rank.rank_values(torch.zeros(4, 0), torch.ones(4, dtype=torch.long))
     with pytest.raises(ValueError, match="at most"):
-        row_rank.rank_values(torch.zeros(1, row_rank.MAX_COLUMNS + 1), torch.ones(1))
-    assert row_rank.rank_values(torch.zeros(0, 8), torch.ones(0)).shape == (0,)
+        row_rank.rank_values(torch.zeros(1, row_rank.MAX_COLUMNS + 1), torch.ones(1).long())
+    assert row_rank.rank_values(torch.zeros(0, 8), torch.ones(0).long()).shape == (0,)
 
 
 @pytest.mark.gpu

@@ -523,3 +523,15 @@ def test_select_over_key_ordered_buffers_has_no_row_sort(tmp_path: Path) -> None
     assert 2 * in_order["instructions"] < sorting["instructions"]
     assert in_order["shared_bytes"] < sorting["shared_bytes"]
     assert in_order["spill_stores"] == 0 and in_order["spill_loads"] == 0
+
+
+def test_row_rank_compiles_for_sm90(tmp_path: Path) -> None:
+    """The sample's radix pick compiles for sm_90a (the interpreter does not enforce Triton's
+    rule that a kernel reads only constexpr globals), at the sample's 2048 columns and the
+    widest row it takes, without a spill."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "row-rank", "row-rank-widest", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for rep, block in zip(json.loads(out.read_text()), (2048, 1 << 14), strict=True):
+        assert rep["constexprs"]["BLOCK"] == block and rep["constexprs"]["NUM_BITS"] == 32
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0

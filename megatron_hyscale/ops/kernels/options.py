@@ -259,6 +259,9 @@ class HyTopKOptions:
         if not (self.scores_sm90 is None or isinstance(self.scores_sm90, bool)):
             raise ValueError(f"HyTopKOptions.scores_sm90 must be None, True or False, got "
                              f"{self.scores_sm90!r}")
+        if not isinstance(self.scores_sm90_scan_slots, bool):
+            raise ValueError(f"HyTopKOptions.scores_sm90_scan_slots must be True or False, got "
+                             f"{self.scores_sm90_scan_slots!r}")
         if self.scores_sm90_sample_pick not in SAMPLE_PICKS:
             raise ValueError(f"HyTopKOptions.scores_sm90_sample_pick must be one of "
                              f"{SAMPLE_PICKS}, got {self.scores_sm90_sample_pick!r}")

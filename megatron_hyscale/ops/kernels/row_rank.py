@@ -21,9 +21,9 @@ from megatron_hyscale.ops.kernels.common import fix_interpreter
 
 fix_interpreter()
 # The smallest int32: padding past the row's end (below every float's key, -inf's included).
-KEY_MIN = -(2**31)
+KEY_MIN = tl.constexpr(-(2**31))
 # Magnitude bits flipped for negative floats (and back): the float order as signed int order.
-MAGNITUDE_BITS = 2**31 - 1
+MAGNITUDE_BITS = tl.constexpr(2**31 - 1)
 KEY_BITS = 32
 # The widest row a program holds in registers (the sample's 2048 columns by default).
 MAX_COLUMNS = 1 << 14
@@ -55,6 +55,9 @@ def rank_values(table: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
     if table.dim() != 2 or table.dtype != torch.float32:
         raise ValueError(f"table must be fp32 [R, N], got {table.dtype} {tuple(table.shape)}")
     R, N = table.shape
+    if rank.dtype.is_floating_point or rank.dtype == torch.bool or rank.device != table.device:
+        raise ValueError(f"rank must be an integer tensor on {table.device}, got {rank.dtype} "
+                         f"on {rank.device}")
     if rank.shape != (R,):
         raise ValueError(f"rank must have shape ({R},) to match table's rows, got "
                          f"{tuple(rank.shape)}")
