@@ -585,3 +585,15 @@ def test_measured_defaults_keeps_devices_apart(tmp_path) -> None:
     assert sel == {"NVIDIA H200": 300.0, "NVIDIA H100 80GB HBM3": 100.0}
     att_devices = [e["device"] for e in entries if e["op"] == "attention"]
     assert att_devices == [META["device"]]
+
+
+def test_measured_defaults_names_the_method_of_todays_gluon_path() -> None:
+    """bench_selection has a method running the Gluon path as today's HyTopKOptions.DEFAULT
+    samples and filters (else the measured table would take another method's time for the
+    default's): `GLUON_METHODS` names it, and bench_selection knows every name there."""
+    from megatron_hyscale.ops import HyTopKOptions
+
+    md, bench = load("measured_defaults"), load("bench_selection")
+    path, others = md.gluon_path_methods(HyTopKOptions.DEFAULT)
+    assert path and path not in others
+    assert set(md.GLUON_METHODS.values()) <= set(bench.METHODS)
