@@ -833,7 +833,7 @@ case "$stage" in
     # on a cold machine). The scan slots' filter first under a short timeout (a fault may
     # hang): without it no scan method and no phases (they time its filter too). PICK_TESTS_S,
     # PICK_BENCH_S: the tests' and the bench's limits; PICK_TESTS_K: fewer tests (a -k
-    # expression); PICK_PHASES=0: no phases.
+    # expression); PICK_CONFIGS: fewer configs; PICK_PHASES=0: no phases.
     part=${1:-all}
     scan=(hytopk_scores_sm90_scan_slots hytopk_scores_sm90_radix_pick_key
           hytopk_scores_sm90_scan_slots_key)
@@ -858,8 +858,8 @@ case "$stage" in
     [ -d .carry/site/nvidia_cutlass_dsl ] && library=(cudnn)
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout ${PICK_BENCH_S:-330} python3 scripts/bench_selection.py --T ${PICK_T:-16384 65536 131072} \
-      --configs glm51 dsv32 norelu --reps 3 --methods hytopk hytopk_scores_sm90_gluon_sample \
-      hytopk_scores_sm90_radix_pick "${scan[@]}" "${library[@]}" \
+      --configs ${PICK_CONFIGS:-glm51 dsv32 norelu} --reps 3 --methods hytopk \
+      hytopk_scores_sm90_gluon_sample hytopk_scores_sm90_radix_pick "${scan[@]}" "${library[@]}" \
       --tag _sample_pick --out "$out" 2>&1 \
       | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_pick.log"
     [ ${#scan[@]} -gt 0 ] || exit 1
