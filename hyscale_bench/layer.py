@@ -196,8 +196,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "(config.hytopk_options with HyTopKOptions.scores_sm90; where HyScale's "
                         "own HyTopK runs: --hyscale-kernel-backend own, or the "
                         "--compare-own-kernels row): default, HyTopKOptions' own (on Hopper "
-                        "from 64K keys); on (the bare flag), wherever it can run; off, the "
-                        "Triton kernel")
+                        "from scores_sm90_min_keys, 16K keys); on (the bare flag), wherever "
+                        "it can run; off, the Triton kernel")
+    p.add_argument("--hytopk-sample-pick", choices=("topk", "radix"), default=None,
+                   help="the Gluon selection's threshold pick (HyTopKOptions."
+                        "scores_sm90_sample_pick): topk (torch.topk over the sample table) or "
+                        "radix (row_rank.rank_values); default: HyTopKOptions' own")
+    p.add_argument("--hytopk-scan-slots", action="store_true",
+                   help="the Gluon filter's survivor slots from a scan, no atomics, and the "
+                        "layer's key-ordered rows without the select's row sort "
+                        "(HyTopKOptions.scores_sm90_scan_slots)")
     p.add_argument("--loss-lockstep", action="store_true",
                    help="the indexer loss's backward in lockstep (IndexerLossKernelOptions."
                         "bwd_lockstep)")
@@ -1151,11 +1159,17 @@ def attention_kernel_options(args: argparse.Namespace) -> Any:
 
 
 def hytopk_options(args: argparse.Namespace) -> Any:
-    """HyTopK's kernel variant for this run (--hytopk-scores-sm90); None: its DEFAULT."""
+    """HyTopK's kernel variant for this run (--hytopk-scores-sm90, --hytopk-sample-pick,
+    --hytopk-scan-slots); None: its DEFAULT."""
     from megatron_hyscale.ops import HyTopKOptions
 
     setting = {"default": None, "on": True, "off": False}[args.hytopk_scores_sm90]
-    return None if setting is None else HyTopKOptions(scores_sm90=setting)
+    changes = {} if setting is None else {"scores_sm90": setting}
+    if args.hytopk_sample_pick is not None:
+        changes["scores_sm90_sample_pick"] = args.hytopk_sample_pick
+    if args.hytopk_scan_slots:
+        changes["scores_sm90_scan_slots"] = True
+    return replace(HyTopKOptions.DEFAULT, **changes) if changes else None
 
 
 def indexer_loss_kernel_options(args: argparse.Namespace) -> Any:

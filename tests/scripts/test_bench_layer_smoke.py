@@ -196,6 +196,9 @@ def test_attention_kernel_flags_set_only_their_options() -> None:
         == HyTopKOptions(scores_sm90=True)
     assert bench_layer.hytopk_options(bench_layer.parse_args(["--hytopk-scores-sm90", "off"])) \
         == HyTopKOptions(scores_sm90=False)
+    assert bench_layer.hytopk_options(bench_layer.parse_args(
+        ["--hytopk-sample-pick", "radix", "--hytopk-scan-slots"])) == HyTopKOptions(
+        scores_sm90_sample_pick="radix", scores_sm90_scan_slots=True)
 
 
 def test_stock_kernel_backend_flag_parses() -> None:
