@@ -221,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dsa: also time the layer with the indexer loss's Gluon backward in N "
                         "key passes (IndexerLossKernelOptions.bwd_key_passes = N), row "
                         "hyscale_loss_key_passes, beside the run's own options")
+    p.add_argument("--compare-hytopk-scan", action="store_true",
+                   help="dsa: also time the layer with the Gluon selection's radix pick and "
+                        "scan slots (HyTopKOptions.scores_sm90_sample_pick='radix', "
+                        "scores_sm90_scan_slots=True; the layer's key-ordered rows then skip "
+                        "the select's row sort), row hyscale_hytopk_scan, beside the run's "
+                        "own options")
     p.add_argument("--loss-bwd-triton", action="store_true",
                    help="the indexer loss's backward on the Triton kernel (IndexerLossKernel"
                         "Options.bwd_sm90=False; the default on Hopper is the Gluon kernel)")
@@ -363,6 +369,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.compare_loss_key_passes is not None and args.model != "dsa":
         p.error("--compare-loss-key-passes needs --model dsa (the sparse indexer loss's "
                 "backward)")
+    if args.compare_hytopk_scan and args.model != "dsa":
+        p.error("--compare-hytopk-scan needs --model dsa (the DSA layer's selection)")
     if args.compare_mla_projections and args.model != "dsa":
         p.error("--compare-mla-projections needs --model dsa (absorbed MLA)")
     if args.compare_selection_lse and (args.model != "dsa" or args.dense_loss
@@ -1394,6 +1402,12 @@ def run(args: argparse.Namespace) -> int:
         bases.append(("hyscale_loss_key_passes", hyscale_layer(
             indexer_loss_kernel_options=replace(indexer_loss_kernel_options(args),
                                                 bwd_key_passes=args.compare_loss_key_passes))))
+    if args.compare_hytopk_scan:
+        from megatron_hyscale.ops import HyTopKOptions
+
+        bases.append(("hyscale_hytopk_scan", hyscale_layer(hytopk_options=replace(
+            hytopk_options(args) or HyTopKOptions.DEFAULT, scores_sm90_sample_pick="radix",
+            scores_sm90_scan_slots=True))))
     if args.compare_mla_projections:
         bases.append(("hyscale_megatron_projections",
                       hyscale_layer(hyscale_mla_projections="megatron")))

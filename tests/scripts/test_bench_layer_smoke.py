@@ -693,3 +693,14 @@ def test_compare_loss_key_passes_row(tmp_path: Path) -> None:
     for name in ("hyscale", "hyscale_loss_key_passes"):
         _check_record(row[name], selects=True, replays=True)
     assert _load(tmp_path, "dsa", proc)["args"]["compare_loss_key_passes"] == 2
+
+
+def test_compare_hytopk_scan_row(tmp_path: Path) -> None:
+    """`--compare-hytopk-scan`: the row hyscale_hytopk_scan beside hyscale, finite (on the CPU
+    the Gluon selection does not run: the plumbing only); refused outside the DSA layer."""
+    proc = _run(["--model", "dsa", "--skip-stock", "--compare-hytopk-scan"], tmp_path)
+    row = _load(tmp_path, "dsa", proc)["rows"][0]
+    for name in ("hyscale", "hyscale_hytopk_scan"):
+        _check_record(row[name], selects=True, replays=True)
+    with pytest.raises(SystemExit):
+        bench_layer.parse_args(["--model", "csa", "--compare-hytopk-scan"])
