@@ -78,7 +78,7 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              key tile, no atomics (scores_sm90_scan_slots; the phases' filter_scan times the
              filter alone so); hytopk_scores_sm90_radix_pick_key, _scan_slots_key: the two in
              key order (the layers' order; the scan's key-ordered buffers skip the row sort;
-             compared with the default as sets)
+             compared with the default's rows sorted by key)
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
   128K; where not, same_rows_as_hytopk: the share of rows whose selected set equals the
   Triton kernel's, as the library methods report it)

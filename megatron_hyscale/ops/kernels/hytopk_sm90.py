@@ -267,13 +267,13 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
     indices = torch.empty(B, T, topk, dtype=torch.int32, device=q.device)
     scores = torch.empty(B, T, topk, dtype=torch.float32, device=q.device)
     need = torch.clamp(torch.arange(1, T + 1, device=q.device), max=topk)
+    select = select_fn or partial(select_survivors, keys_in_order=keys_in_order)
     redo = torch.zeros(B, T, dtype=torch.bool, device=q.device)
     for t0, t1 in row_chunks(B, T, topk):
         keys, counts = filter_fn(q_in, k, w_eff, tau[:, t0:t1].contiguous(), t0, t1, cap,
                                  **keyed)
-        indices[:, t0:t1], scores[:, t0:t1] = (
-            select_fn or partial(select_survivors, keys_in_order=keys_in_order))(
-            keys, counts, topk, order=order, options=options)
+        indices[:, t0:t1], scores[:, t0:t1] = select(keys, counts, topk, order=order,
+                                                     options=options)
         redo[:, t0:t1] = (counts < need[t0:t1]) | (counts > cap)
         del keys, counts
     n_redo = int(redo.sum())  # a host sync: whether any row is redone

@@ -137,19 +137,26 @@ def _pack_key(score, index):
 
 
 @gluon.jit
-def _claim_slots(s, j, rows, in_chunk, row_slot, tau, cnt_ptr, BLOCK_S: gl.constexpr,
-                 flt_layout: gl.constexpr):
-    """Key tile j's scores s [BLOCK_S x ROWS] (rows `rows`): each visible one >= its row's
-    threshold tau takes the next slot of its row (a relaxed atomic on the row's count).
-    Returns (slot, packed key, kept) for `_store_survivors`. In flt_layout, one element a
-    thread: the reduced layout broadcasts each score over four lanes, which would count it
-    four times."""
+def _survivors(s, j, rows, in_chunk, tau, BLOCK_S: gl.constexpr, flt_layout: gl.constexpr):
+    """Key tile j's scores s [BLOCK_S x ROWS] (rows `rows`) in flt_layout: (the scores, their
+    keys' indices [BLOCK_S x ROWS], which are visible and >= their row's threshold tau)."""
     s = gl.convert_layout(s, flt_layout)
     keys = j * BLOCK_S + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, flt_layout))
     keep = ((keys[:, None] <= rows[None, :]) & in_chunk[None, :]) & (s >= tau[None, :])
+    return s, keys[:, None] + gl.zeros(s.shape, gl.int64, flt_layout), keep
+
+
+@gluon.jit
+def _claim_slots(s, j, rows, in_chunk, row_slot, tau, cnt_ptr, BLOCK_S: gl.constexpr,
+                 flt_layout: gl.constexpr):
+    """Each `_survivors` of key tile j takes the next slot of its row (a relaxed atomic on
+    the row's count). Returns (slot, packed key, kept) for `_store_survivors`. In flt_layout,
+    one element a thread: the reduced layout broadcasts each score over four lanes, which
+    would count it four times."""
+    s, index, keep = _survivors(s, j, rows, in_chunk, tau, BLOCK_S, flt_layout)
     pos = gl.atomic_add(cnt_ptr + row_slot, gl.full(s.shape, 1, gl.int32, flt_layout),
                         mask=keep, sem="relaxed")
-    return pos, _pack_key(s, keys[:, None] + gl.zeros(s.shape, gl.int64, flt_layout)), keep
+    return pos, _pack_key(s, index), keep
 
 
 @gluon.jit
@@ -164,14 +171,10 @@ def _scan_slots(s, j, rows, in_chunk, tau, count, BLOCK_S: gl.constexpr,
     tile, so each survivor's slot is its row's count so far (count [ROWS], in registers) plus
     the survivors before it in the tile (a scan over the tile's keys). flt_layout: the scan's
     (`_scan_layout`). Returns (slot, packed key, kept, the rows' counts after the tile)."""
-    s = gl.convert_layout(s, flt_layout)
-    keys = j * BLOCK_S + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, flt_layout))
-    keep = ((keys[:, None] <= rows[None, :]) & in_chunk[None, :]) & (s >= tau[None, :])
+    s, index, keep = _survivors(s, j, rows, in_chunk, tau, BLOCK_S, flt_layout)
     ones = keep.to(gl.int32)
-    before = gl.associative_scan(ones, 0, _add) - ones
-    pos = count[None, :] + before
-    key = _pack_key(s, keys[:, None] + gl.zeros(s.shape, gl.int64, flt_layout))
-    return pos, key, keep, count + gl.sum(ones, axis=0)
+    pos = count[None, :] + gl.associative_scan(ones, 0, _add) - ones
+    return pos, _pack_key(s, index), keep, count + gl.sum(ones, axis=0)
 
 
 @gluon.jit
