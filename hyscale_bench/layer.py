@@ -202,10 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the Gluon selection's threshold pick (HyTopKOptions."
                         "scores_sm90_sample_pick): topk (torch.topk over the sample table) or "
                         "radix (row_rank.rank_values); default: HyTopKOptions' own")
-    p.add_argument("--hytopk-scan-slots", action="store_true",
-                   help="the Gluon filter's survivor slots from a scan, no atomics, and the "
-                        "layer's key-ordered rows without the select's row sort "
-                        "(HyTopKOptions.scores_sm90_scan_slots)")
+    p.add_argument("--hytopk-scan-slots", choices=("on", "off"), default=None,
+                   help="the Gluon filter's survivor slots (HyTopKOptions.scores_sm90_scan_"
+                        "slots): on, from a scan, no atomics, the layer's key-ordered rows "
+                        "without the select's row sort; off, a relaxed atomic a survivor; "
+                        "default: HyTopKOptions' own")
     p.add_argument("--loss-lockstep", action="store_true",
                    help="the indexer loss's backward in lockstep (IndexerLossKernelOptions."
                         "bwd_lockstep)")
@@ -221,12 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dsa: also time the layer with the indexer loss's Gluon backward in N "
                         "key passes (IndexerLossKernelOptions.bwd_key_passes = N), row "
                         "hyscale_loss_key_passes, beside the run's own options")
-    p.add_argument("--compare-hytopk-scan", action="store_true",
-                   help="dsa: also time the layer with the Gluon selection's radix pick and "
-                        "scan slots (HyTopKOptions.scores_sm90_sample_pick='radix', "
-                        "scores_sm90_scan_slots=True; the layer's key-ordered rows then skip "
-                        "the select's row sort), row hyscale_hytopk_scan, beside the run's "
-                        "own options")
+    p.add_argument("--compare-hytopk-atomics", action="store_true",
+                   help="dsa: also time the layer with the Gluon selection as it was before "
+                        "2026-12-07: torch.topk's threshold pick and a slot atomic a survivor "
+                        "(HyTopKOptions.scores_sm90_sample_pick='topk', scores_sm90_scan_"
+                        "slots=False; the layer's key-ordered rows then need the select's row "
+                        "sort), row hyscale_hytopk_atomics, beside the run's own options")
     p.add_argument("--loss-bwd-triton", action="store_true",
                    help="the indexer loss's backward on the Triton kernel (IndexerLossKernel"
                         "Options.bwd_sm90=False; the default on Hopper is the Gluon kernel)")
@@ -369,8 +370,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.compare_loss_key_passes is not None and args.model != "dsa":
         p.error("--compare-loss-key-passes needs --model dsa (the sparse indexer loss's "
                 "backward)")
-    if args.compare_hytopk_scan and args.model != "dsa":
-        p.error("--compare-hytopk-scan needs --model dsa (the DSA layer's selection)")
+    if args.compare_hytopk_atomics and args.model != "dsa":
+        p.error("--compare-hytopk-atomics needs --model dsa (the DSA layer's selection)")
     if args.compare_mla_projections and args.model != "dsa":
         p.error("--compare-mla-projections needs --model dsa (absorbed MLA)")
     if args.compare_selection_lse and (args.model != "dsa" or args.dense_loss
@@ -1175,8 +1176,8 @@ def hytopk_options(args: argparse.Namespace) -> Any:
     changes = {} if setting is None else {"scores_sm90": setting}
     if args.hytopk_sample_pick is not None:
         changes["scores_sm90_sample_pick"] = args.hytopk_sample_pick
-    if args.hytopk_scan_slots:
-        changes["scores_sm90_scan_slots"] = True
+    if args.hytopk_scan_slots is not None:
+        changes["scores_sm90_scan_slots"] = args.hytopk_scan_slots == "on"
     return replace(HyTopKOptions.DEFAULT, **changes) if changes else None
 
 
@@ -1402,12 +1403,12 @@ def run(args: argparse.Namespace) -> int:
         bases.append(("hyscale_loss_key_passes", hyscale_layer(
             indexer_loss_kernel_options=replace(indexer_loss_kernel_options(args),
                                                 bwd_key_passes=args.compare_loss_key_passes))))
-    if args.compare_hytopk_scan:
+    if args.compare_hytopk_atomics:
         from megatron_hyscale.ops import HyTopKOptions
 
-        bases.append(("hyscale_hytopk_scan", hyscale_layer(hytopk_options=replace(
-            hytopk_options(args) or HyTopKOptions.DEFAULT, scores_sm90_sample_pick="radix",
-            scores_sm90_scan_slots=True))))
+        bases.append(("hyscale_hytopk_atomics", hyscale_layer(hytopk_options=replace(
+            hytopk_options(args) or HyTopKOptions.DEFAULT, scores_sm90_sample_pick="topk",
+            scores_sm90_scan_slots=False))))
     if args.compare_mla_projections:
         bases.append(("hyscale_megatron_projections",
                       hyscale_layer(hyscale_mla_projections="megatron")))

@@ -361,8 +361,10 @@ _DEFAULT_OUTPUTS: dict = {}
 
 
 def default_outputs(q, k, w, topk, relu):
-    """The default kernel's (indices, scores) on these inputs, kept for the next variant."""
-    key = (q.data_ptr(), k.data_ptr(), q.shape, topk)
+    """The default kernel's (indices, scores) on these inputs, kept for the next variant.
+    Keyed by relu and every input's address: two configs of one geometry (GLM-5.1 and the
+    folded query) get equal inputs, often at the addresses the previous config freed."""
+    key = (q.data_ptr(), k.data_ptr(), w.data_ptr(), q.shape, k.shape, topk, relu)
     if key not in _DEFAULT_OUTPUTS:
         _DEFAULT_OUTPUTS.clear()
         _DEFAULT_OUTPUTS[key] = run_hytopk(q, k, w, topk, relu)

@@ -197,8 +197,10 @@ def test_attention_kernel_flags_set_only_their_options() -> None:
     assert bench_layer.hytopk_options(bench_layer.parse_args(["--hytopk-scores-sm90", "off"])) \
         == HyTopKOptions(scores_sm90=False)
     assert bench_layer.hytopk_options(bench_layer.parse_args(
-        ["--hytopk-sample-pick", "radix", "--hytopk-scan-slots"])) == HyTopKOptions(
-        scores_sm90_sample_pick="radix", scores_sm90_scan_slots=True)
+        ["--hytopk-sample-pick", "topk", "--hytopk-scan-slots", "off"])) == HyTopKOptions(
+        scores_sm90_sample_pick="topk", scores_sm90_scan_slots=False)
+    assert bench_layer.hytopk_options(bench_layer.parse_args(
+        ["--hytopk-scan-slots", "on"])) == HyTopKOptions(scores_sm90_scan_slots=True)
 
 
 def test_stock_kernel_backend_flag_parses() -> None:
@@ -695,12 +697,13 @@ def test_compare_loss_key_passes_row(tmp_path: Path) -> None:
     assert _load(tmp_path, "dsa", proc)["args"]["compare_loss_key_passes"] == 2
 
 
-def test_compare_hytopk_scan_row(tmp_path: Path) -> None:
-    """`--compare-hytopk-scan`: the row hyscale_hytopk_scan beside hyscale, finite (on the CPU
-    the Gluon selection does not run: the plumbing only); refused outside the DSA layer."""
-    proc = _run(["--model", "dsa", "--skip-stock", "--compare-hytopk-scan"], tmp_path)
+def test_compare_hytopk_atomics_row(tmp_path: Path) -> None:
+    """`--compare-hytopk-atomics`: the row hyscale_hytopk_atomics beside hyscale, finite (on
+    the CPU the Gluon selection does not run: the plumbing only); refused outside the DSA
+    layer."""
+    proc = _run(["--model", "dsa", "--skip-stock", "--compare-hytopk-atomics"], tmp_path)
     row = _load(tmp_path, "dsa", proc)["rows"][0]
-    for name in ("hyscale", "hyscale_hytopk_scan"):
+    for name in ("hyscale", "hyscale_hytopk_atomics"):
         _check_record(row[name], selects=True, replays=True)
     with pytest.raises(SystemExit):
-        bench_layer.parse_args(["--model", "csa", "--compare-hytopk-scan"])
+        bench_layer.parse_args(["--model", "csa", "--compare-hytopk-atomics"])

@@ -80,3 +80,20 @@ def test_variant_table_renders_times_and_flags(sel, capsys):  # noqa: F811
     assert "140.0" in cells and "90.0 (3 redone)" in cells and "60.0 NOT EXACT" in cells
     sel.variant_summary(records[:3], ["random"], ["norelu"], [131072])
     assert capsys.readouterr().out == ""  # no variant timed, no table
+
+
+def test_the_default_outputs_kept_are_those_of_the_relu_asked(sel, monkeypatch):  # noqa: F811
+    """GLM-5.1 and the folded query share a geometry, so the bench gives them equal inputs,
+    often at the same addresses: the kept default outputs must be the asked relu's (a stale
+    ReLU entry made the folded query's Gluon rows look wrong on 98% of rows, 2026-12-07)."""
+    monkeypatch.setattr(sel, "positions", cpu_positions)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-2, 3, (1, 16, 4, 32), generator=g).float()
+    k = torch.randint(-2, 3, (1, 16, 32), generator=g).float()
+    w = torch.randint(-2, 3, (1, 16, 4), generator=g).float()
+    with_relu = sel.default_outputs(q, k, w, 6, True)
+    without = sel.default_outputs(q, k, w, 6, False)
+    assert torch.equal(without[0], hytopk(q, k, w, 6, relu=False, backend="reference")[0])
+    assert not torch.equal(with_relu[0], without[0])  # the inputs tell the two apart
+    assert sel.same_as_default(without, q, k, w, 6, False)
+    assert not sel.same_as_default(with_relu, q, k, w, 6, False)

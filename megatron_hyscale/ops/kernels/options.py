@@ -242,18 +242,26 @@ class HyTopKOptions:
     # and GLM-5.1, and 1.11-1.13x the Triton kernel at 16K (the Gluon path with the Triton
     # sample was not timed there); False: the Triton table, kept to compare.
     scores_sm90_sample_table: bool = True
-    # How each row's threshold is picked from its sample scores: "radix" (`row_rank.
-    # rank_values`: one Triton program a row, its r-th largest value built bit by bit in
-    # registers, one read of the table) or "topk" (torch.topk over the table, then the row's
-    # rank; 7.0 of the Gluon sample's 9-11 ms at 128K on an H100, 2026-12-07). Same values.
-    scores_sm90_sample_pick: str = "topk"
-    # How the Gluon filter gives each survivor its slot: False (default) a relaxed atomic on
-    # its row's count a survivor (each survivor waits for an L2 round trip: deferred under the
-    # next product, `scores_sm90_defer_store`); True a scan over each key tile's keys plus the
-    # row's count so far, kept in registers (a consumer owns its rows over every key tile), no
-    # atomics, the survivors in key order, stored at once. Compiled for sm_90a without a spill
-    # (hot loop 289 against 256 instructions for GLM-5.1, 702 against 601 folded); untimed.
-    scores_sm90_scan_slots: bool = False
+    # How each row's threshold is picked from its sample scores: "radix" (default;
+    # `row_rank.rank_values`: one Triton program a row, its r-th largest value built bit by
+    # bit in registers, one read of the table, at most `row_rank.MAX_COLUMNS` samples) or
+    # "topk" (torch.topk over the table, then the row's rank), kept to compare. Same values.
+    # On an H100 (2026-12-07, same run, rows equal) the pick took 1.8 ms at 128K against
+    # torch.topk's 6.9, the Gluon path 0.98-1.08x as long (GLM-5.1 178.3 / 179.2 against
+    # 181.6 / 178.8 ms, V3.2 297.1 against 308.1, the folded query 67.9-68.8 against
+    # 73.0-74.5).
+    scores_sm90_sample_pick: str = "radix"
+    # How the Gluon filter gives each survivor its slot: True (default) a scan over each key
+    # tile's keys plus the row's count so far, kept in registers (a consumer owns its rows over
+    # every key tile), no atomics, the survivors in key order, stored at once, so order "key"
+    # (the layers') needs no row sort; False a relaxed atomic on its row's count a survivor
+    # (each waits for an L2 round trip, deferred under the next product:
+    # `scores_sm90_defer_store`), kept to compare. On an H100 (2026-12-07, same runs, rows
+    # equal, both with the radix pick) at 128K in key order: GLM-5.1 156.0 / 161.7 ms
+    # against 175.2 / 178.6, V3.2 292.1 against 299.6, the folded query 55.9-60.2 against
+    # 69.1-73.3; in score order within -1% / +4% of the atomics. The DSA layer's step (GLM-5.1,
+    # 128K) 1093.9 against 1106.7 ms, its selection 189.3 against 216.6.
+    scores_sm90_scan_slots: bool = True
 
     def __post_init__(self) -> None:
         if not (self.scores_sm90 is None or isinstance(self.scores_sm90, bool)):
