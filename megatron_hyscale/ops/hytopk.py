@@ -110,8 +110,9 @@ def hytopk(
             (the Triton backend skips its final per-row sort: QSA at 512K tokens, 43 of 460
             ms; for consumers that need the set only).
         options: the kernels' variant and tiling (`HyTopKOptions`; None: its DEFAULT, which
-            on Hopper runs the Gluon scores' selection from `scores_sm90_min_keys` keys (16K),
-            `scores_sm90`, and the Triton kernel elsewhere). Every variant returns the same
+            on Hopper runs the Gluon scores' selection from `scores_sm90_min_keys` keys (16K;
+            without ReLU `scores_sm90_folded_min_keys`, 16K), `scores_sm90`, and the Triton
+            kernel elsewhere). Every variant returns the same
             outputs (but the Gluon path: exact for its kernel's fp32 scores, whose sums
             near-tied bf16 scores may order otherwise than the Triton kernel's); the
             reference ignores it.

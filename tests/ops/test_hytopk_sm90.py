@@ -622,15 +622,15 @@ def survivors(keys: torch.Tensor, counts: torch.Tensor, cap: int) -> list[torch.
     return [flat[r, :int(n[r])].sort().values for r in range(flat.shape[0])]
 
 
-def assert_gluon_filter_matches(filter_fn, q, k, w, **kwargs):
+def assert_gluon_filter_matches(filter_fn, q, k, w, scan_slots=False, **kwargs):
     """The Gluon filter's counts and survivors (rows 1000 .. 1530, cap 4096, each row's 300th
     best score its threshold) equal the torch filter's on the same inputs (kwargs: k_scale,
-    relu)."""
+    relu; scan_slots: the filter's slots by the scan, the torch filter has no such choice)."""
     t_lo, t_hi, cap = 1000, 1531, 4096
     keys = scaled_keys(k, kwargs.get("k_scale"))
     scores = exact_scores(q, keys, w, kwargs.get("relu", True))[:, t_lo:t_hi]
     tau = scores.topk(300, dim=-1).values[..., -1].float().contiguous()
-    got = filter_fn(q, k, w, tau, t_lo, t_hi, cap, **kwargs)
+    got = filter_fn(q, k, w, tau, t_lo, t_hi, cap, scan_slots=scan_slots, **kwargs)
     want = torch_filter(q, k, w, tau, t_lo, t_hi, cap, **kwargs)
     torch.cuda.synchronize()
     assert torch.equal(got[1], want[1])

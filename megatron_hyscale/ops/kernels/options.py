@@ -224,9 +224,13 @@ class HyTopKOptions:
     # equal); shorter ranges were not timed.
     scores_sm90_min_keys: int = 16384
     # The same for the folded query (relu=False, `hytopk_sm90.folded_parts`); None: the default
-    # leaves the folded query to the Triton kernel at every length (its Gluon path ran slower
-    # with the Triton sample: 95.9 against 81.2 ms at 128K, H100 2026-12-06).
-    scores_sm90_folded_min_keys: int | None = None
+    # leaves the folded query to the Triton kernel at every length. With the radix pick and
+    # the scan slots its Gluon path was faster than the Triton kernel at every length timed,
+    # on an H100 (2026-12-07, same runs, the same sets on every row): 7.97 / 12.22 / 27.54 /
+    # 69.1-71.1 ms at 16K / 32K / 64K / 128K in score order, 5.90 / 9.05 / 20.49 / 55.9-60.2
+    # in key order (the layers'), against 8.46 / 13.14 / 31.60 / 80.1-80.6; shorter ranges
+    # were not timed. (With the Triton sample, 2026-12-06: 95.9 against 81.2 ms at 128K.)
+    scores_sm90_folded_min_keys: int | None = 16384
     # Keys scored for the thresholds (every max(1, ceil(S / this))-th key, for every row).
     scores_sm90_samples: int = 2048
     # The Gluon filter stores a key tile's survivors while the next tile's product runs, not
@@ -249,7 +253,7 @@ class HyTopKOptions:
     # On an H100 (2026-12-07, same run, rows equal) the pick took 1.8 ms at 128K against
     # torch.topk's 6.9, the Gluon path 0.98-1.08x as long (GLM-5.1 178.3 / 179.2 against
     # 181.6 / 178.8 ms, V3.2 297.1 against 308.1, the folded query 67.9-68.8 against
-    # 73.0-74.5).
+    # 73.0-74.4).
     scores_sm90_sample_pick: str = "radix"
     # How the Gluon filter gives each survivor its slot: True (default) a scan over each key
     # tile's keys plus the row's count so far, kept in registers (a consumer owns its rows over
@@ -259,7 +263,7 @@ class HyTopKOptions:
     # `scores_sm90_defer_store`), kept to compare. On an H100 (2026-12-07, same runs, rows
     # equal, both with the radix pick) at 128K in key order: GLM-5.1 156.0 / 161.7 ms
     # against 175.2 / 178.6, V3.2 292.1 against 299.6, the folded query 55.9-60.2 against
-    # 69.1-73.3; in score order within -1% / +4% of the atomics. The DSA layer's step (GLM-5.1,
+    # 69.1-73.3; in score order within -6% / +4% of the atomics. The DSA layer's step (GLM-5.1,
     # 128K) 1093.9 against 1106.7 ms, its selection 189.3 against 216.6.
     scores_sm90_scan_slots: bool = True
 
