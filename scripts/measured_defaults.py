@@ -53,10 +53,11 @@ from megatron_hyscale.ops.kernels.options import (  # noqa: E402
 LIBRARY_SELECTION_METHOD = "cudnn"
 # bench_selection's Gluon-path methods by HyTopKOptions (scores_sm90_sample_table,
 # scores_sm90_sample_pick, scores_sm90_scan_slots): the sample's table, its threshold pick,
-# the filter's slots.
-GLUON_METHODS = {(True, "topk", False): "hytopk_scores_sm90_gluon_sample",
+# the filter's slots. Newest first: where a record lacks the default's method, the nearest
+# one it has stands for it (each was timed slower than the next newer one, same runs).
+GLUON_METHODS = {(True, "radix", True): "hytopk_scores_sm90_scan_slots",
                  (True, "radix", False): "hytopk_scores_sm90_radix_pick",
-                 (True, "radix", True): "hytopk_scores_sm90_scan_slots",
+                 (True, "topk", False): "hytopk_scores_sm90_gluon_sample",
                  (False, "topk", False): "hytopk_scores_sm90"}
 # The attention's own times are those of the kernels the defaults run (a record names the
 # kernel of each time); lib_fwd_ms / lib_bwd_ms are FlashMLA's forward and cuDNN's backward.
@@ -99,17 +100,23 @@ def own_selection_methods(keys: int, defaults_current: bool = True) -> tuple[str
     """The methods whose time stands for HyScale's default selection over `keys` keys, best
     first: hytopk_default where the record ran today's defaults; the method running today's
     default path (on Hopper from HyTopKOptions.scores_sm90_min_keys keys the Gluon path with
-    the sample the default takes, `GLUON_METHODS`; the records that hold it ran on Hopper,
-    else the Triton kernel); hytopk_default of older defaults; the other Gluon methods; the
+    the sample and slots the default takes, `GLUON_METHODS`; the records that hold it ran on
+    Hopper, else the Triton kernel); on the Gluon path, the other Gluon methods with the
+    default's sample table, newest first (the same path but an older pick or slots: nearer
+    today's than an older default, which may have run the Triton kernel at that length);
+    hytopk_default of older defaults; the Gluon methods with the other sample table; the
     Triton kernel (hytopk). Fixed slots ("" where a record has no such method), so a method
     has the same rank in every record and the newer of two equal ranks wins (`table`)."""
-    path, others = gluon_path_methods(HyTopKOptions.DEFAULT)
     default = HyTopKOptions.DEFAULT
+    path, others = gluon_path_methods(default)
+    same_table = [key[0] == default.scores_sm90_sample_table for key in GLUON_METHODS]
+    near = tuple(m if same else "" for m, same in zip(others, same_table, strict=True))
+    far = tuple("" if same else m for m, same in zip(others, same_table, strict=True))
     gluon = default.scores_sm90 is not False and keys >= default.scores_sm90_min_keys
     if not gluon:
-        path, others = "hytopk", ("",) * len(others)
-    return ("hytopk_default" if defaults_current else "", path,
-            "" if defaults_current else "hytopk_default", *others, "hytopk")
+        path, near, far = "hytopk", ("",) * len(near), ("",) * len(far)
+    return ("hytopk_default" if defaults_current else "", path, *near,
+            "" if defaults_current else "hytopk_default", *far, "hytopk")
 
 
 def gluon_path_methods(options: HyTopKOptions) -> tuple[str, tuple[str, ...]]:

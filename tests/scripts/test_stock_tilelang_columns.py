@@ -392,6 +392,12 @@ def test_measured_defaults_trusts_hytopk_default_only_under_todays_defaults(tmp_
     assert own(today) == (180.0, "hytopk_default")
     assert own(older) == (170.0, path_method)
     assert own(None) == (170.0, path_method)
+    # Without the path's method, another Gluon method (the same path, an older sample or
+    # slots) stands for it before an older default's time (which may be the Triton kernel's).
+    rows.pop(3)
+    assert own(older) == (160.0, other_method)
+    rows[2]["ms"] = 150.0
+    assert own(older) == (160.0, other_method)
 
     # Across records a method ranks alike whatever defaults each ran: a newer record of
     # today's defaults without a hytopk_default row displaces an older one's same method.
