@@ -96,12 +96,14 @@ def current_defaults(meta: dict) -> bool:
     return meta.get("hytopk_default_options") == today
 
 
-def own_selection_methods(keys: int, defaults_current: bool = True) -> tuple[str, ...]:
+def own_selection_methods(keys: int, defaults_current: bool = True,
+                          relu: bool = True) -> tuple[str, ...]:
     """The methods whose time stands for HyScale's default selection over `keys` keys, best
     first: hytopk_default where the record ran today's defaults; the method running today's
-    default path (on Hopper from HyTopKOptions.scores_sm90_min_keys keys the Gluon path with
-    the sample and slots the default takes, `GLUON_METHODS`; the records that hold it ran on
-    Hopper, else the Triton kernel); on the Gluon path, the other Gluon methods with the
+    default path (on Hopper from HyTopKOptions.scores_sm90_min_keys keys, without ReLU from
+    scores_sm90_folded_min_keys, None: never, the Gluon path with the sample and slots the
+    default takes, `GLUON_METHODS`; the records that hold it ran on Hopper, else the Triton
+    kernel); on the Gluon path, the other Gluon methods with the
     default's sample table, newest first (the same path but an older pick or slots: nearer
     today's than an older default, which may have run the Triton kernel at that length);
     hytopk_default of older defaults; the Gluon methods with the other sample table; the
@@ -112,7 +114,8 @@ def own_selection_methods(keys: int, defaults_current: bool = True) -> tuple[str
     same_table = [key[0] == default.scores_sm90_sample_table for key in GLUON_METHODS]
     near = tuple(m if same else "" for m, same in zip(others, same_table, strict=True))
     far = tuple("" if same else m for m, same in zip(others, same_table, strict=True))
-    gluon = default.scores_sm90 is not False and keys >= default.scores_sm90_min_keys
+    min_keys = default.scores_sm90_min_keys if relu else default.scores_sm90_folded_min_keys
+    gluon = default.scores_sm90 is not False and min_keys is not None and keys >= min_keys
     if not gluon:
         path, near, far = "hytopk", ("",) * len(near), ("",) * len(far)
     return ("hytopk_default" if defaults_current else "", path, *near,
@@ -146,7 +149,8 @@ def entries_from(path: str) -> list[dict]:
         defaults_current = current_defaults(meta)
         for (cfg, T, inputs, method), own in by.items():
             lib = by.get((cfg, T, inputs, LIBRARY_SELECTION_METHOD))
-            own_methods = own_selection_methods(own.get("S", T), defaults_current)
+            own_methods = own_selection_methods(own.get("S", T), defaults_current,
+                                                own.get("relu", True))
             if method not in own_methods or inputs != "random" or not lib or "H" not in own:
                 continue
             # the first own method the record timed at this length (an OOM row has no time)

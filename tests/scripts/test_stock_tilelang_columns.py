@@ -324,10 +324,14 @@ def test_measured_defaults_never_picks_a_stock_row(tmp_path) -> None:
                                                                                        200.0)
 
 
-def test_measured_defaults_takes_the_default_selection_where_a_record_has_it(tmp_path) -> None:
+def test_measured_defaults_takes_the_default_selection_where_a_record_has_it(
+        tmp_path, monkeypatch) -> None:
     """The own selection time is what ops.hytopk runs by default at that length: hytopk_default
     where the record timed it; else the Gluon path (hytopk_scores_sm90) from
-    HyTopKOptions.scores_sm90_min_keys keys; else the Triton kernel (hytopk)."""
+    HyTopKOptions.scores_sm90_min_keys keys (without ReLU scores_sm90_folded_min_keys); else
+    the Triton kernel (hytopk)."""
+    import dataclasses
+
     from megatron_hyscale.ops import HyTopKOptions
 
     md = load("measured_defaults")
@@ -348,6 +352,17 @@ def test_measured_defaults_takes_the_default_selection_where_a_record_has_it(tmp
     assert found(*short) == [(short_t, 300.0, 200.0, "hytopk")]
     oom = dict(gluon, ms=None, status="OOM")  # an untimed method gives way to the next
     assert found(*pair, oom) == [(long_t, 300.0, 200.0, "hytopk")]
+    # Without ReLU the Gluon path starts at scores_sm90_folded_min_keys (None: never).
+    folded = dataclasses.replace(HyTopKOptions.DEFAULT,
+                                 scores_sm90_folded_min_keys=long_t * 2)
+    monkeypatch.setattr(HyTopKOptions, "DEFAULT", folded)
+    unfolded = [dict(r, relu=False) for r in (*pair, gluon)]
+    assert found(*unfolded) == [(long_t, 300.0, 200.0, "hytopk")]
+    assert found(*pair, gluon) == [(long_t, 250.0, 200.0, "hytopk_scores_sm90")]
+    monkeypatch.setattr(HyTopKOptions, "DEFAULT", dataclasses.replace(
+        folded, scores_sm90_folded_min_keys=None))
+    assert found(*unfolded) == [(long_t, 300.0, 200.0, "hytopk")]
+    monkeypatch.undo()
 
     # Across records: a newer record that timed only the Triton kernel does not displace the
     # Gluon path's time; a newer one of the same method does.
