@@ -141,14 +141,15 @@
 #                                         # (FILTER_T, FILTER_BENCH_S)            (~5 min)
 #   bash scripts/gpu_session.sh sample-pick [tests|bench]  # issue #21: the sample's
 #                                         # threshold pick by row_rank.rank_values
-#                                         # (scores_sm90_sample_pick="radix") against
-#                                         # torch.topk, and the filter's slots by a scan
-#                                         # (scores_sm90_scan_slots, key order without the row
-#                                         # sort): their GPU tests (~3 min), then the Gluon
-#                                         # path with each beside the Triton kernel, GLM-5.1 /
-#                                         # V3.2 / the folded query at PICK_T (16K 64K 128K;
-#                                         # the folded query's default length,
-#                                         # scores_sm90_folded_min_keys), then the phases at
+#                                         # (scores_sm90_sample_pick="radix", the default since
+#                                         # 2026-12-07) against torch.topk, and the filter's
+#                                         # slots by a scan (scores_sm90_scan_slots, default;
+#                                         # key order without the row sort) against atomics:
+#                                         # their GPU tests (~3 min), then today's defaults
+#                                         # (hytopk_default) and the Gluon path with each
+#                                         # beside the Triton kernel, GLM-5.1 /
+#                                         # V3.2 / the folded query at PICK_T (16K 64K 128K),
+#                                         # then the phases at
 #                                         # 128K (sample_pick beside sample_topk, filter_scan
 #                                         # beside filter); cuDNN's selection where installed
 #                                         # (~6 min)
@@ -858,7 +859,7 @@ case "$stage" in
     [ -d .carry/site/nvidia_cutlass_dsl ] && library=(cudnn)
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout ${PICK_BENCH_S:-330} python3 scripts/bench_selection.py --T ${PICK_T:-16384 65536 131072} \
-      --configs ${PICK_CONFIGS:-glm51 dsv32 norelu} --reps 3 --methods hytopk \
+      --configs ${PICK_CONFIGS:-glm51 dsv32 norelu} --reps 3 --methods hytopk hytopk_default \
       hytopk_scores_sm90_gluon_sample hytopk_scores_sm90_radix_pick "${scan[@]}" "${library[@]}" \
       --tag _sample_pick --out "$out" 2>&1 \
       | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_pick.log"

@@ -54,7 +54,8 @@ LIBRARY_SELECTION_METHOD = "cudnn"
 # bench_selection's Gluon-path methods by HyTopKOptions (scores_sm90_sample_table,
 # scores_sm90_sample_pick, scores_sm90_scan_slots): the sample's table, its threshold pick,
 # the filter's slots. Newest first: where a record lacks the default's method, the nearest
-# one it has stands for it (each was timed slower than the next newer one, same runs).
+# one it has stands for it (in key order, the layers', each was timed slower than the next
+# newer one on an H100, same runs; in score order within a few percent of it).
 GLUON_METHODS = {(True, "radix", True): "hytopk_scores_sm90_scan_slots",
                  (True, "radix", False): "hytopk_scores_sm90_radix_pick",
                  (True, "topk", False): "hytopk_scores_sm90_gluon_sample",
@@ -94,6 +95,28 @@ def current_defaults(meta: dict) -> bool:
     (records name the defaults they ran since 2026-12-06; older ones are not trusted)."""
     today = json.loads(json.dumps(dataclasses.asdict(HyTopKOptions.DEFAULT)))
     return meta.get("hytopk_default_options") == today
+
+
+# HyTopKOptions fields added after records began naming the defaults they ran (2026-12-06), at
+# the value that matches what those records' defaults did.
+ADDED_SELECTION_FIELDS = {"scores_sm90_sample_pick": "topk", "scores_sm90_scan_slots": False,
+                          "scores_sm90_folded_min_keys": None}
+
+
+def older_default_method(meta: dict, keys: int, relu: bool = True) -> str | None:
+    """The bench_selection method running what a record's hytopk_default ran over `keys` keys
+    (its meta's hytopk_default_options, fields added since at `ADDED_SELECTION_FIELDS`): a
+    `GLUON_METHODS` entry, "hytopk" (the Triton kernel), or None (the record names no
+    options, or its default's Gluon path has no method)."""
+    named = meta.get("hytopk_default_options")
+    if not isinstance(named, dict):
+        return None
+    opts = {**ADDED_SELECTION_FIELDS, **named}
+    min_keys = opts.get("scores_sm90_min_keys") if relu else opts["scores_sm90_folded_min_keys"]
+    if opts.get("scores_sm90") is False or min_keys is None or keys < min_keys:
+        return "hytopk"
+    return GLUON_METHODS.get((opts.get("scores_sm90_sample_table"),
+                              opts["scores_sm90_sample_pick"], opts["scores_sm90_scan_slots"]))
 
 
 def own_selection_methods(keys: int, defaults_current: bool = True,
@@ -149,12 +172,20 @@ def entries_from(path: str) -> list[dict]:
         defaults_current = current_defaults(meta)
         for (cfg, T, inputs, method), own in by.items():
             lib = by.get((cfg, T, inputs, LIBRARY_SELECTION_METHOD))
-            own_methods = own_selection_methods(own.get("S", T), defaults_current,
-                                                own.get("relu", True))
-            if method not in own_methods or inputs != "random" or not lib or "H" not in own:
+            keys, relu = own.get("S", T), own.get("relu", True)
+            own_methods = own_selection_methods(keys, defaults_current, relu)
+            order = [m for m in own_methods if m]
+            ranks = {m: len(own_methods) - i for i, m in enumerate(own_methods) if m}
+            # An older default that ran one of the methods ranks as that method, first.
+            ran = None if defaults_current else older_default_method(meta, keys, relu)
+            if ran in ranks:
+                order.remove("hytopk_default")
+                order.insert(order.index(ran), "hytopk_default")
+                ranks["hytopk_default"] = ranks[ran]
+            if method not in ranks or inputs != "random" or not lib or "H" not in own:
                 continue
             # the first own method the record timed at this length (an OOM row has no time)
-            timed = [m for m in own_methods
+            timed = [m for m in order
                      if isinstance(by.get((cfg, T, inputs, m), {}).get("ms"), float)]
             if not timed or timed[0] != method or not isinstance(lib.get("ms"), float):
                 continue
@@ -162,8 +193,8 @@ def entries_from(path: str) -> list[dict]:
             # farther method (a Triton-only record must not displace the Gluon path's time)
             out.append(dict(op="selection", T=T, own_ms=own["ms"], library_ms=lib["ms"],
                             shape=selection_shape(own["H"], own["D"], own["topk"]),
-                            own_kernel=method, rank=len(own_methods) - own_methods.index(method),
-                            source=source, stamp=stamp, device=device))
+                            own_kernel=method, rank=ranks[method], source=source,
+                            stamp=stamp, device=device))
     elif "bench_attention" in script:
         for r in records:
             if r.get("indices") != "random" or "Hq" not in r:

@@ -18,6 +18,9 @@ from megatron_hyscale.ops import HyTopKOptions, hytopk
 from megatron_hyscale.ops.kernels import hytopk_sm90, row_rank
 
 INT64_MIN = torch.iinfo(torch.int64).min
+# What the plain-torch filter leaves in a row's slots past its survivors: the largest key, so a
+# select that read past a row's count would take it (the Gluon filter leaves them unwritten).
+UNWRITTEN = torch.iinfo(torch.int64).max
 LOW32 = (1 << 32) - 1
 # Triton's interpreter on CPU-only machines (tests/conftest.py), the kernels on a GPU.
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,13 +53,14 @@ def scaled_keys(k, k_scale):
 def torch_filter(q, k, w, tau, t_lo, t_hi, cap, *, drop_last=False, shuffle_seed=0,
                  k_scale=None, relu=True):
     """`indexer_filter_sm90`'s contract in plain torch: each row's visible scores >= tau as
-    packed keys, in a shuffled order (the kernel's is its atomics'), INT64_MIN after; counts of
-    all survivors. drop_last: a broken filter that loses each row's last survivor. k_scale:
+    packed keys, in a shuffled order (the kernel's is its atomics', or key order with the
+    scan slots), UNWRITTEN after (the kernel leaves those slots as allocated); counts of all
+    survivors. drop_last: a broken filter that loses each row's last survivor. k_scale:
     e4m3 keys' scales (w then carries q's); relu=False: q the folded query's parts."""
     scores = exact_scores(q, scaled_keys(k, k_scale), w, relu)[:, t_lo:t_hi]
     B, n, S = scores.shape
     keep = (scores >= tau[..., None]) & torch.isfinite(scores)
-    keys = torch.full((B, n, cap), INT64_MIN, dtype=torch.int64, device=q.device)
+    keys = torch.full((B, n, cap), UNWRITTEN, dtype=torch.int64, device=q.device)
     counts = keep.sum(-1).to(torch.int32)
     g = torch.Generator().manual_seed(shuffle_seed)
     for b in range(B):
@@ -483,16 +487,38 @@ def test_bad_gluon_path_settings_are_refused(field, value):
         HyTopKOptions(**{field: value})
 
 
-def test_bad_sample_count_is_refused():
+def test_bad_sample_count_is_refused(monkeypatch):
+    """A sample count below 1 is refused anywhere; one over what the radix pick holds where
+    the Gluon path could run (a Hopper GPU), since the radix pick is the default, and not
+    with the torch.topk pick; elsewhere the device is the reason."""
     q, k, w = int_inputs(1, 8, 2, 16, seed=0)
+
+    def why(options):
+        return hytopk_sm90.unsupported(q, k, w, relu=True, causal=True, default_positions=True,
+                                       precision="bf16", options=options)
+
     with pytest.raises(ValueError, match="scores_sm90_samples"):
-        hytopk_sm90.unsupported(q, k, w, relu=True, causal=True, default_positions=True,
-                                precision="bf16", options=HyTopKOptions(scores_sm90_samples=0))
-    wide = HyTopKOptions(scores_sm90_samples=row_rank.MAX_COLUMNS + 1,
-                         scores_sm90_sample_pick="radix")
+        why(HyTopKOptions(scores_sm90_samples=0))
+    wide = HyTopKOptions(scores_sm90_samples=row_rank.MAX_COLUMNS + 1)
+    assert "Hopper" in why(wide)
+    monkeypatch.setattr(hytopk_sm90, "on_hopper", lambda t: True)
     with pytest.raises(ValueError, match="scores_sm90_samples = 16385 .*sample_pick='radix'"):
-        hytopk_sm90.unsupported(q, k, w, relu=True, causal=True, default_positions=True,
-                                precision="bf16", options=wide)
+        why(wide)
+    why(replace(wide, scores_sm90_sample_pick="topk"))  # past the pick's check: no raise
+
+
+def test_the_folded_query_on_the_fp32_triton_variant_is_not_taken(monkeypatch):
+    """relu=False with options.folded_parts=False (the Triton kernel's fp32 folded query) is
+    a reason not to take the Gluon path, which scores the bf16 parts."""
+    monkeypatch.setattr(hytopk_sm90, "on_hopper", lambda t: True)
+    q, k, w = int_inputs(1, 8, 2, 128, seed=0)
+    def why(options):
+        return hytopk_sm90.unsupported(q.bfloat16(), k.bfloat16(), w, relu=False, causal=True,
+                                       default_positions=True, precision="bf16",
+                                       options=options)
+
+    assert why(HyTopKOptions()) is None
+    assert "folded_parts" in why(HyTopKOptions(folded_parts=False))
 
 
 def test_redone_rows_go_in_fixed_multiples(monkeypatch):
@@ -529,7 +555,7 @@ def test_select_survivors_takes_each_rows_top_k(order):
     index = torch.stack([torch.randperm(100, generator=g)[:cap] for _ in range(B * n)])
     keys = pack(scores, index.view(B, n, cap))
     counts = torch.tensor([[16, 5, 3, 0, 9, 16], [12, 7, 1, 5, 16, 20]], dtype=torch.int32)
-    keys = torch.where(torch.arange(cap) < counts.clamp(max=cap)[..., None], keys, INT64_MIN)
+    keys = torch.where(torch.arange(cap) < counts.clamp(max=cap)[..., None], keys, UNWRITTEN)
     opts = HyTopKOptions(interpret_programs=2)
     idx, val = hytopk_sm90.select_survivors(keys.clone().to(DEV), counts.to(DEV), topk,
                                             order=order, options=opts)
@@ -553,7 +579,7 @@ def test_select_survivors_of_key_ordered_buffers(order):
     index = torch.stack([torch.randperm(100, generator=g)[:cap].sort().values
                          for _ in range(B * n)]).view(B, n, cap)
     counts = torch.tensor([[16, 5, 3, 0, 9], [12, 7, 1, 5, 16]], dtype=torch.int32)
-    keys = torch.where(torch.arange(cap) < counts[..., None], pack(scores, index), INT64_MIN)
+    keys = torch.where(torch.arange(cap) < counts[..., None], pack(scores, index), UNWRITTEN)
     opts = HyTopKOptions(interpret_programs=2)
     idx, val = hytopk_sm90.select_survivors(keys.clone().to(DEV), counts.to(DEV), topk,
                                             order=order, options=opts, keys_in_order=True)
@@ -667,7 +693,6 @@ def test_gluon_filter_matches_the_torch_filter(H, defer_store, scan_slots):
     assert torch.equal(got[1], want[1])
     assert (got[1][:, :3] == torch.arange(t_lo + 1, t_lo + 4, device=DEV)).all()
     assert got[1][1, 7] == 0 and (got[1][:, 400] > cap).all()
-    assert torch.equal((got[0] != INT64_MIN).sum(-1), got[1].clamp(max=cap))
     for g, wnt, n in zip(survivors(got[0], got[1], cap), survivors(*want, T),
                          got[1].flatten().tolist()):
         if n <= cap:
@@ -681,8 +706,8 @@ def test_gluon_filter_matches_the_torch_filter(H, defer_store, scan_slots):
             row = written.flatten(0, 1)[r, :min(n, cap)]
             assert bool((row[1:] > row[:-1]).all()), r
             b, t = divmod(r, T - t_lo)
-            first = LOW32 - (want[0][b, t] & LOW32)
-            first = first[want[0][b, t] != INT64_MIN].sort().values[:min(n, cap)]
+            first = LOW32 - (want[0][b, t, :want[1][b, t]] & LOW32)
+            first = first.sort().values[:min(n, cap)]
             assert torch.equal(row, first), r
 
 

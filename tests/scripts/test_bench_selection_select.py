@@ -97,3 +97,7 @@ def test_the_default_outputs_kept_are_those_of_the_relu_asked(sel, monkeypatch):
     assert not torch.equal(with_relu[0], without[0])  # the inputs tell the two apart
     assert sel.same_as_default(without, q, k, w, 6, False)
     assert not sel.same_as_default(with_relu, q, k, w, 6, False)
+    # Other inputs at the same addresses (another input kind in the memory the last freed).
+    q.copy_(torch.randint(-2, 3, q.shape, generator=g).float())
+    assert torch.equal(sel.default_outputs(q, k, w, 6, False)[0],
+                       hytopk(q, k, w, 6, relu=False, backend="reference")[0])

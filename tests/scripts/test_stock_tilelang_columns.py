@@ -353,10 +353,13 @@ def test_measured_defaults_takes_the_default_selection_where_a_record_has_it(
     oom = dict(gluon, ms=None, status="OOM")  # an untimed method gives way to the next
     assert found(*pair, oom) == [(long_t, 300.0, 200.0, "hytopk")]
     # Without ReLU the Gluon path starts at scores_sm90_folded_min_keys (None: never).
+    unfolded = [dict(r, relu=False) for r in (*pair, gluon)]
+    if HyTopKOptions.DEFAULT.scores_sm90_folded_min_keys is not None:
+        assert HyTopKOptions.DEFAULT.scores_sm90_folded_min_keys <= long_t
+        assert found(*unfolded) == [(long_t, 250.0, 200.0, "hytopk_scores_sm90")]
     folded = dataclasses.replace(HyTopKOptions.DEFAULT,
                                  scores_sm90_folded_min_keys=long_t * 2)
     monkeypatch.setattr(HyTopKOptions, "DEFAULT", folded)
-    unfolded = [dict(r, relu=False) for r in (*pair, gluon)]
     assert found(*unfolded) == [(long_t, 300.0, 200.0, "hytopk")]
     assert found(*pair, gluon) == [(long_t, 250.0, 200.0, "hytopk_scores_sm90")]
     monkeypatch.setattr(HyTopKOptions, "DEFAULT", dataclasses.replace(
@@ -380,9 +383,11 @@ def test_measured_defaults_takes_the_default_selection_where_a_record_has_it(
 
 def test_measured_defaults_trusts_hytopk_default_only_under_todays_defaults(tmp_path) -> None:
     """hytopk_default is the default of the day the record ran: a record naming today's
-    HyTopKOptions.DEFAULT (bench_selection's meta) gives its time; an older record's (no
-    options named, or others) gives way to the method running today's default path (the
-    Gluon path with the sample today's default takes)."""
+    HyTopKOptions.DEFAULT (bench_selection's meta) gives its time; an older record's gives
+    way to the method running today's default path (the Gluon path with the sample and slots
+    today's default takes), unless its options name that same path, and where it names
+    another method's path, it ranks as that method (first); without options named, as the
+    older default's slot."""
     import dataclasses
 
     from megatron_hyscale.ops import HyTopKOptions
@@ -392,27 +397,48 @@ def test_measured_defaults_trusts_hytopk_default_only_under_todays_defaults(tmp_
     long_t = default.scores_sm90_min_keys * 2
     pair = [dict(r, T=long_t) for r in SELECTION[:2]]  # hytopk 300 ms, cudnn 200 ms
     path_method, others = md.gluon_path_methods(default)
-    other_method = next(m for m in others if m)
+    other_key, other_method = next((k, m) for k, m in md.GLUON_METHODS.items()
+                                   if m and m != path_method and k[0] == default
+                                   .scores_sm90_sample_table)
     rows = [*pair, dict(pair[0], method="hytopk_default", ms=180.0),
             dict(pair[0], method=path_method, ms=170.0),
             dict(pair[0], method=other_method, ms=160.0)]
-    today = {"hytopk_default_options": dataclasses.asdict(default)}
-    older = {"hytopk_default_options": dataclasses.asdict(
-        dataclasses.replace(default, scores_sm90_min_keys=default.scores_sm90_min_keys + 1))}
+
+    def named(**changes):
+        return {"hytopk_default_options": dataclasses.asdict(dataclasses.replace(default,
+                                                                                 **changes))}
+
+    today = named()
+    same_path = named(scores_sm90_min_keys=default.scores_sm90_min_keys + 1)
+    other_path = named(scores_sm90_sample_pick=other_key[1], scores_sm90_scan_slots=other_key[2])
+    triton = named(scores_sm90=False)
 
     def own(meta):
         (e,) = md.entries_from(str(write_record(tmp_path, "bench_selection", rows, meta)))
         return e["own_ms"], e["own_kernel"]
 
     assert own(today) == (180.0, "hytopk_default")
-    assert own(older) == (170.0, path_method)
+    assert own(same_path) == (180.0, "hytopk_default")  # it ran the path's configuration
+    assert own(other_path) == (170.0, path_method)
+    assert own(triton) == (170.0, path_method)
     assert own(None) == (170.0, path_method)
-    # Without the path's method, another Gluon method (the same path, an older sample or
-    # slots) stands for it before an older default's time (which may be the Triton kernel's).
+    # Without the path's method: an older default that ran another Gluon method's path
+    # ranks as that method, first; one that ran the Triton kernel (or unnamed options) after
+    # the Gluon methods with today's sample table.
     rows.pop(3)
-    assert own(older) == (160.0, other_method)
+    assert own(other_path) == (180.0, "hytopk_default")
+    assert own(triton) == (160.0, other_method)
+    assert own(None) == (160.0, other_method)
     rows[2]["ms"] = 150.0
-    assert own(older) == (160.0, other_method)
+    assert own(triton) == (160.0, other_method)
+    # A record from before a field existed ran its value of then (ADDED_SELECTION_FIELDS):
+    # options naming neither the pick nor the slots ran torch.topk's pick and the atomics.
+    before = {k: v for k, v in named()["hytopk_default_options"].items()
+              if k not in ("scores_sm90_sample_pick", "scores_sm90_scan_slots")}
+    then = md.GLUON_METHODS[(default.scores_sm90_sample_table, "topk", False)]
+    rows[3:] = [dict(pair[0], method=then, ms=160.0)]
+    assert own({"hytopk_default_options": before}) == (150.0, "hytopk_default")
+    assert own(triton) == (160.0, then)
 
     # Across records a method ranks alike whatever defaults each ran: a newer record of
     # today's defaults without a hytopk_default row displaces an older one's same method.

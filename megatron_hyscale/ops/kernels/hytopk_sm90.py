@@ -90,6 +90,11 @@ def row_chunks(B: int, T: int, topk: int) -> list[tuple[int, int]]:
     return [(t0, min(t0 + step, T)) for t0 in range(0, T, step)]
 
 
+def on_hopper(t: torch.Tensor) -> bool:
+    """Whether t lies on a Hopper (sm_90) GPU."""
+    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
+
+
 def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool,
                 causal: bool, default_positions: bool, precision: str,
                 options: HyTopKOptions, k_scale: torch.Tensor | None = None) -> str | None:
@@ -98,12 +103,12 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool
     samples = options.scores_sm90_samples
     if isinstance(samples, bool) or not (isinstance(samples, int) and samples >= 1):
         raise ValueError(f"options.scores_sm90_samples must be an int >= 1, got {samples!r}")
+    if not on_hopper(q):
+        return "the Gluon scores need a Hopper (sm_90) GPU"
     if options.scores_sm90_sample_pick == "radix" and samples > row_rank.MAX_COLUMNS:
         raise ValueError(f"options.scores_sm90_samples = {samples} is over the "
                          f"{row_rank.MAX_COLUMNS} sampled keys a row that "
                          f"scores_sm90_sample_pick='radix' holds; use 'topk' or fewer samples")
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "the Gluon scores need a Hopper (sm_90) GPU"
     want = torch.float8_e4m3fn if precision == "fp8" else torch.bfloat16
     if q.dtype != want or k.dtype != want:
         return (f"the Gluon scores take {precision} q and k as {want} (got {q.dtype}, "
@@ -112,6 +117,9 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool
         return "the Gluon scores take causal rows at the default positions"
     if not relu and precision == "fp8":
         return "without ReLU the fp8 query folds into fp32 (the Triton kernel's dequantized path)"
+    if not relu and not options.folded_parts:
+        return ("options.folded_parts=False asks for the Triton kernel's fp32 folded query "
+                "(the Gluon kernels take its bf16 parts)")
     if options.prune:
         return "options.prune bounds the Triton kernel's scores"
     if precision == "fp8" and options.fp8_imprecise_acc is not None:
@@ -301,7 +309,8 @@ def select_survivors(keys: torch.Tensor, counts: torch.Tensor, topk: int, *, ord
                      options: HyTopKOptions, keys_in_order: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's top-k of its survivors: keys int64 [B, n, cap] as `indexer_filter_sm90`
-    writes them (compacted in place), counts int32 [B, n] -> indices int32 and scores fp32
+    writes them (compacted in place; a row's slots past min(count, cap) are not read), counts
+    int32 [B, n] -> indices int32 and scores fp32
     [B, n, topk] in `order` ("score": descending score, ties to the smaller index; "key":
     increasing index; "any": the set, empty slots last). keys_in_order: each row's survivors
     lie in increasing index (the filter's scan slots), which the select's compaction keeps, so

@@ -12,8 +12,9 @@ powers of two: they leave the ReLU).
 
 `indexer_filter_sm90` runs the same products with another epilogue (FILTER): each visible score
 at or above its row's threshold is appended to the row's survivor list as HyTopK's packed int64
-key (score, then the smaller index), a relaxed atomic counter a row giving the slot; the
-threshold comes from the caller (`kernels/hytopk_sm90.py` samples it), the exact top-k of the
+key (score, then the smaller index), a relaxed atomic counter a row or a scan over the key
+tile giving the slot (slots past a row's survivors are left unwritten); the threshold comes
+from the caller (`kernels/hytopk_sm90.py` samples it), the exact top-k of the
 survivors is the caller's.
 
 `indexer_table_sm90` runs them with a third epilogue (TABLE): each visible score into a table
@@ -508,8 +509,9 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The survivors of query rows [t_lo, t_hi): keys int64 [B, t_hi - t_lo, cap] (HyTopK's
     packed keys of the visible scores >= tau of each row, in no order, the first min(count,
-    cap) slots written, INT64_MIN after) and counts int32 [B, t_hi - t_lo] (all survivors,
-    also those past cap). tau: fp32 [B, t_hi - t_lo] thresholds (-inf: every visible key).
+    cap) slots written, the rest left as allocated: readers go by the counts) and counts int32
+    [B, t_hi - t_lo] (all survivors, also those past cap). tau: fp32 [B, t_hi - t_lo]
+    thresholds (-inf: every visible key).
     defer_store: store a key tile's survivors under the next tile's product (False: right
     after their slot atomics return, as first built; relu=False always: its 32 rows' pending
     survivors would not fit the registers, compiled for sm_90a). k_scale, relu: as
@@ -530,8 +532,8 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
         raise ValueError(f"tau must be contiguous fp32 [B, t_hi - t_lo] = {(B, n)}, got "
                          f"{tuple(tau.shape)} with strides {tau.stride()}")
     check_same_device(q=q, tau=tau)
-    keys = torch.full((B, n, cap), torch.iinfo(torch.int64).min, device=q.device,
-                      dtype=torch.int64)
+    # Not filled: a row's slots past its count are never read (4 GiB of fill at 128K).
+    keys = torch.empty((B, n, cap), device=q.device, dtype=torch.int64)
     counts = torch.zeros((B, n), device=q.device, dtype=torch.int32)
     if B * n:
         _launch(q, k, w, None, t_lo, t_hi, pingpong=pingpong,

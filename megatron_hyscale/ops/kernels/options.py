@@ -205,9 +205,11 @@ class HyTopKOptions:
     # fp32 sums: near-tied bf16 scores may order otherwise than the Triton kernel's;
     # integer-valued inputs give the reference's rows). Host syncs: one a call, plus one a
     # batch with rows to redo. A compile or launch failure warns once and runs Triton. Runs on
-    # Hopper, ReLU, causal with S == T at the default positions, 32 or 64 heads of 128 dims,
-    # bf16 q and k or precision="fp8" (e4m3 products on the tensor cores), no prune.
-    # None (default): on where it can run, for S >= scores_sm90_min_keys, the Triton kernel
+    # Hopper, causal with S == T at the default positions, no prune: with ReLU 32 or 64 heads
+    # of 128 dims, bf16 q and k or precision="fp8" (e4m3 products on the tensor cores);
+    # without, bf16 with any head count of 128 dims (the folded query's parts, `folded_parts`).
+    # None (default): on where it can run, for S >= scores_sm90_min_keys (without ReLU
+    # scores_sm90_folded_min_keys), the Triton kernel
     # elsewhere without a word (a shape it does not take is not a failure); True: wherever it
     # can run, one warning naming why elsewhere; False: never.
     # Timed against the Triton kernel in the same runs (`bench_selection.py --methods hytopk
@@ -233,10 +235,11 @@ class HyTopKOptions:
     scores_sm90_folded_min_keys: int | None = 16384
     # Keys scored for the thresholds (every max(1, ceil(S / this))-th key, for every row).
     scores_sm90_samples: int = 2048
-    # The Gluon filter stores a key tile's survivors while the next tile's product runs, not
-    # right after their slot atomics return (which stalls the consumer on an L2 round trip
-    # most tiles); False: stored right after, as first built (2026-12-05), kept to compare in
-    # the same run.
+    # With the slot atomics (scores_sm90_scan_slots=False) and ReLU: the Gluon filter stores a
+    # key tile's survivors while the next tile's product runs, not right after their slot
+    # atomics return (which stalls the consumer on an L2 round trip most tiles); False: stored
+    # right after, as first built (2026-12-05), kept to compare in the same run. No effect
+    # with the scan slots (the default: nothing returns late) or without ReLU.
     scores_sm90_defer_store: bool = True
     # The thresholds' sample scored by the same Gluon kernel (its table epilogue, every
     # sampled key against every row: `indexer_table_sm90`) instead of HyTopK's Triton
@@ -251,9 +254,9 @@ class HyTopKOptions:
     # bit in registers, one read of the table, at most `row_rank.MAX_COLUMNS` samples) or
     # "topk" (torch.topk over the table, then the row's rank), kept to compare. Same values.
     # On an H100 (2026-12-07, same run, rows equal) the pick took 1.8 ms at 128K against
-    # torch.topk's 6.9, the Gluon path 0.98-1.08x as long (GLM-5.1 178.3 / 179.2 against
-    # 181.6 / 178.8 ms, V3.2 297.1 against 308.1, the folded query 67.9-68.8 against
-    # 73.0-74.4).
+    # torch.topk's 6.9, and the Gluon path with it ran 1.00-1.08x as fast (GLM-5.1 178.3 /
+    # 179.2 against 181.6 / 178.8 ms, V3.2 297.1 against 308.1, the folded query 67.9-68.8
+    # against 73.0-74.4).
     scores_sm90_sample_pick: str = "radix"
     # How the Gluon filter gives each survivor its slot: True (default) a scan over each key
     # tile's keys plus the row's count so far, kept in registers (a consumer owns its rows over
@@ -263,7 +266,8 @@ class HyTopKOptions:
     # `scores_sm90_defer_store`), kept to compare. On an H100 (2026-12-07, same runs, rows
     # equal, both with the radix pick) at 128K in key order: GLM-5.1 156.0 / 161.7 ms
     # against 175.2 / 178.6, V3.2 292.1 against 299.6, the folded query 55.9-60.2 against
-    # 69.1-73.3; in score order within -6% / +4% of the atomics. The DSA layer's step (GLM-5.1,
+    # 69.1-73.3; in score order within -6% / +4% of the atomics at 128K, 3-13% shorter at
+    # 16K-64K. The DSA layer's step (GLM-5.1,
     # 128K) 1093.9 against 1106.7 ms, its selection 189.3 against 216.6.
     scores_sm90_scan_slots: bool = True
 
