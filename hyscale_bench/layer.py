@@ -76,7 +76,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from functools import partial
 from itertools import accumulate, product
@@ -836,10 +836,16 @@ def hyscale_warnings() -> Iterator[list[str]]:
 
 def measure(layer: Layer, T: int, args: argparse.Namespace) -> dict[str, Any]:
     """Time, peak memory, in-step selection time and replay counters of one layer at length T,
-    and HyScale's warnings raised meanwhile (`hyscale_warnings`)."""
+    HyScale's warnings raised meanwhile (`hyscale_warnings`) and, for a HyScale layer, the
+    selection's options (`hytopk_options`)."""
     with hyscale_warnings() as found:
         result = _measure(layer, T, args)
     result["hyscale_warnings"] = found
+    config = layer.module.config
+    if hasattr(config, "hytopk_options"):  # a HyScale layer (`hyscale_layer` sets it)
+        # the selection's kernel options the row ran (None: HyTopKOptions.DEFAULT)
+        options = config.hytopk_options
+        result["hytopk_options"] = None if options is None else asdict(options)
     return result
 
 

@@ -7,7 +7,9 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              HyTopKOptions.scores_sm90_min_keys keys (16K) the Gluon scores' selection
              (HyTopKOptions.scores_sm90=None), else the Triton kernel;
              the "own" time scripts/measured_defaults.py compares with cuDNN's where a record
-             has it; reports same_as_hytopk (equal to the Triton kernel's rows)
+             has it; reports same_as_hytopk (equal to the Triton kernel's rows);
+             hytopk_default_key: the same in key order, as the layers call it (compared with
+             the default's rows sorted by key), measured_defaults' own time against cudnn_key
   hytopk_prune  the same with exact key-tile pruning on (tiles whose centroid / radius score
              bound is below every row's running threshold are skipped); also reports the share
              of key tiles pruned (tiles skipped / tiles a row block would visit)
@@ -90,7 +92,9 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              then torch.topk on it
   cudnn      HyScale's cudnn backend (ops/backends/cudnn_selection.py): cuDNN-frontend's SM90
              indexer scores in 1 GiB row chunks, keys cropped to each chunk's causal end, then
-             cuDNN's deterministic radix top-k (needs scripts/gpu_cudnn.sh; ReLU configs only)
+             cuDNN's deterministic radix top-k (needs scripts/gpu_cudnn.sh; ReLU configs only);
+             cudnn_key: its rows in key order as they come (no sort by score), what the layers
+             take from it
   stock_cudnn  megatron-core's own cudnn-backend selection (dsa_cudnn_kernels._indexer_topk_bshd),
              what a stock DSA layer with dsa_kernel_backend="cudnn" runs
   stock_tilelang  megatron-core's own tilelang-backend selection
@@ -197,7 +201,8 @@ KEY_RATIO = {"qsa": 4}
 # Configs without learned head weights (QSA sums its heads with one scale): w is constant.
 NO_HEAD_WEIGHTS = ("qsa",)
 # Methods built for S = T token keys only (their masks assume it).
-TOKEN_KEY_METHODS = ("naive", "chunked", "table", "cudnn", "stock_cudnn", "stock_tilelang")
+TOKEN_KEY_METHODS = ("naive", "chunked", "table", "cudnn", "cudnn_key", "stock_cudnn",
+                     "stock_tilelang")
 ALL_T = [16384, 32768, 65536, 131072, 262144, 1048576]
 # Baselines that would take minutes per call beyond these lengths are not run (shown as "-"):
 # lengths for S = T and 64 heads, other configs compared by their work T x S x H.
@@ -209,7 +214,7 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_occ3_s3": 131072, "scoreonly_occ3": 131072,
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          "scoreonly_sm90": 131072, "scoreonly_sm90_free": 131072,
-         "hytopk_default": 1048576,
+         "hytopk_default": 1048576, "hytopk_default_key": 1048576,
          "hytopk_scores_sm90": 1048576, "hytopk_scores_sm90_immediate": 1048576,
          "hytopk_scores_sm90_gluon_sample": 1048576,
          "hytopk_scores_sm90_gluon_sample_x4": 1048576,
@@ -515,11 +520,11 @@ def run_hytopk_fp8_scores_sm90(q, k, w, topk, relu, stats=None):
                                    q_scale=q_scale, k_scale=k_scale)
 
 
-def run_hytopk_default(q, k, w, topk, relu):
+def run_hytopk_default(q, k, w, topk, relu, order="score"):
     """What `ops.hytopk` runs with its default options (on Hopper from
     HyTopKOptions.scores_sm90_min_keys keys the Gluon scores' selection, else the Triton
-    kernel), without its finite-value checks (as the layers call it)."""
-    return hytopk(q, k, w, topk, relu=relu, backend="triton", check_values=False)
+    kernel), without its finite-value checks (as the layers call it; they ask order "key")."""
+    return hytopk(q, k, w, topk, relu=relu, backend="triton", check_values=False, order=order)
 
 
 def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, defer_store=True,
@@ -731,13 +736,14 @@ def run_table(q, k, w, topk, relu):
     return out
 
 
-def run_cudnn(q, k, w, topk, relu):
+def run_cudnn(q, k, w, topk, relu, ordered=True):
     """HyScale's cudnn backend: cuDNN's SM90 scores in 1 GiB row chunks (keys cropped to the
-    chunk's causal end, each chunk's global offset passed), radix top-k, HyTopK's order."""
+    chunk's causal end, each chunk's global offset passed), radix top-k, HyTopK's order
+    (ordered=False: key order, as cuDNN's rows come)."""
     from megatron_hyscale.ops.backends.cudnn_selection import cudnn_selection
 
     qpos = (torch.arange(q.shape[1], device="cuda") + k.shape[1] - q.shape[1])[None]
-    return cudnn_selection(q, k, w, topk, qpos=qpos)[0]
+    return cudnn_selection(q, k, w, topk, qpos=qpos, ordered=ordered)[0]
 
 
 def run_stock_cudnn(q, k, w, topk, relu):
@@ -807,6 +813,7 @@ OPTION_METHODS = {
 METHODS = {
     "hytopk": run_hytopk,
     "hytopk_default": run_hytopk_default,
+    "hytopk_default_key": functools.partial(run_hytopk_default, order="key"),
     "scoreonly": run_scoreonly,
     "hytopk_fp8": run_hytopk_fp8,
     "scoreonly_fp8": run_scoreonly_fp8,
@@ -839,11 +846,12 @@ METHODS = {
     "chunked": run_chunked,
     "table": run_table,
     "cudnn": run_cudnn,
+    "cudnn_key": functools.partial(run_cudnn, ordered=False),
     "stock_cudnn": run_stock_cudnn,
     "stock_tilelang": run_stock_tilelang,
 }
 # Library paths: cuDNN's DSA indexer applies ReLU and takes token keys only.
-LIBRARY_METHODS = ("cudnn", "stock_cudnn")
+LIBRARY_METHODS = ("cudnn", "cudnn_key", "stock_cudnn")
 # Paths compared with HyTopK row by row, each compiled untimed at every length: the library
 # paths and megatron's TileLang selection (its kernels take any length: the call keeps JIT
 # work and first-touch allocations out of the timings, as for cuDNN).
@@ -865,7 +873,10 @@ VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_s
                                              "hytopk_scores_sm90_scan_slots",
                                              "hytopk_scores_sm90_radix_pick_key",
                                              "hytopk_scores_sm90_scan_slots_key",
-                                             "hytopk_default")
+                                             "hytopk_default", "hytopk_default_key")
+# What ops.hytopk runs by default (it switches kernels with the length: a first call at a
+# length may compile, so it is made untimed).
+DEFAULT_METHODS = ("hytopk_default", "hytopk_default_key")
 KERNEL_METHODS = VARIANT_METHODS + ("scoreonly_head_major", "scoreonly_occ3",
                                      "scoreonly_key_tma") + (
                   "hytopk", "hytopk_prune", "hytopk_heads_on_m", "hytopk_scan_slots",
@@ -902,7 +913,7 @@ def bench_one(method, T, cfg, kind, rate, reps):
         # get the same untimed call.
         # hytopk_default switches kernels with the length (the Gluon path from 16K keys): its
         # first call at a length may compile, untimed too.
-        if method in COMPARED_METHODS or method == "hytopk_default":
+        if method in COMPARED_METHODS or method in DEFAULT_METHODS:
             fn(q, k, w, topk, relu)
         # First call: peak memory and one event-timed run (the warm-ups compiled the kernels:
         # at 4K, and above for 64-bit arguments). Long runs stop there.
@@ -985,7 +996,8 @@ def same_sets_as_hytopk(idx, q, k, w, topk, relu, ref=None):
 # Variants whose rows come in no order (compared as sets), and in key order (compared with
 # the default's rows sorted by index: a broken key order shows).
 SET_COMPARED_METHODS = ("hytopk_select_unordered",)
-KEY_ORDER_METHODS = ("hytopk_scores_sm90_radix_pick_key", "hytopk_scores_sm90_scan_slots_key")
+KEY_ORDER_METHODS = ("hytopk_scores_sm90_radix_pick_key", "hytopk_scores_sm90_scan_slots_key",
+                     "hytopk_default_key")
 
 
 def agreement_with_hytopk(method, out, q, k, w, topk, relu):

@@ -146,7 +146,10 @@
 #                                         # slots by a scan (scores_sm90_scan_slots, default;
 #                                         # key order without the row sort) against atomics:
 #                                         # their GPU tests (~3 min), then today's defaults
-#                                         # (hytopk_default) and the Gluon path with each
+#                                         # (hytopk_default, _key: the layers' order; cuDNN's
+#                                         # cudnn, cudnn_key beside them where installed, the
+#                                         # pairs measured_defaults.py reads) and the Gluon
+#                                         # path with each
 #                                         # beside the Triton kernel, GLM-5.1 /
 #                                         # V3.2 / the folded query at PICK_T (16K 64K 128K),
 #                                         # then the phases at
@@ -856,10 +859,11 @@ case "$stage" in
     fi
     [ "$part" = tests ] && exit 0
     library=()
-    [ -d .carry/site/nvidia_cutlass_dsl ] && library=(cudnn)
+    [ -d .carry/site/nvidia_cutlass_dsl ] && library=(cudnn cudnn_key)
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout ${PICK_BENCH_S:-330} python3 scripts/bench_selection.py --T ${PICK_T:-16384 65536 131072} \
       --configs ${PICK_CONFIGS:-glm51 dsv32 norelu} --reps 3 --methods hytopk hytopk_default \
+      hytopk_default_key \
       hytopk_scores_sm90_gluon_sample hytopk_scores_sm90_radix_pick "${scan[@]}" "${library[@]}" \
       --tag _sample_pick --out "$out" 2>&1 \
       | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_pick.log"

@@ -4,7 +4,8 @@
 
 For each op the layers can run on a library kernel, takes every record where HyScale's own
 kernel and the library's ran in the same run on the same shape and length, and keeps the
-newest per (op, shape, T): bench_selection (HyScale's default selection / cudnn),
+newest per (op, shape, T): bench_selection (HyScale's default selection / cudnn; in key
+order, the layers', where a record of today's defaults timed both, `KEY_ORDER_PAIR`),
 bench_attention (per side, random indices: the forward the defaults run against lib_fwd_ms,
 FlashMLA's; the backward against lib_bwd_ms, cuDNN's; each side from the newest record that
 timed the default kernel, else the newest older one, `own_kernels` says which),
@@ -51,6 +52,10 @@ from megatron_hyscale.ops.kernels.options import (  # noqa: E402
 # today's, else the method that runs what today's default runs at that length
 # (`own_selection_methods`); the library's: cuDNN's.
 LIBRARY_SELECTION_METHOD = "cudnn"
+# The pair in the layers' order (key order: no sort by score on either side), timed by records
+# since 2026-12-07: where a record of today's defaults has both, they outrank every pair in
+# score order.
+KEY_ORDER_PAIR = ("hytopk_default_key", "cudnn_key")
 # bench_selection's Gluon-path methods by HyTopKOptions (scores_sm90_sample_table,
 # scores_sm90_sample_pick, scores_sm90_scan_slots): the sample's table, its threshold pick,
 # the filter's slots. Newest first: where a record lacks the default's method, the nearest
@@ -171,6 +176,16 @@ def entries_from(path: str) -> list[dict]:
               if {"config", "T", "inputs", "method"} <= r.keys() and r.get("reps") != 1}
         defaults_current = current_defaults(meta)
         for (cfg, T, inputs, method), own in by.items():
+            if (method == KEY_ORDER_PAIR[0] and defaults_current and inputs == "random"
+                    and "H" in own):
+                lib = by.get((cfg, T, inputs, KEY_ORDER_PAIR[1]), {})
+                if isinstance(own.get("ms"), float) and isinstance(lib.get("ms"), float):
+                    n_methods = len(own_selection_methods(own.get("S", T)))
+                    out.append(dict(op="selection", T=T, own_ms=own["ms"], library_ms=lib["ms"],
+                                    shape=selection_shape(own["H"], own["D"], own["topk"]),
+                                    own_kernel=method, rank=n_methods + 1, source=source,
+                                    stamp=stamp, device=device))
+                continue
             lib = by.get((cfg, T, inputs, LIBRARY_SELECTION_METHOD))
             keys, relu = own.get("S", T), own.get("relu", True)
             own_methods = own_selection_methods(keys, defaults_current, relu)

@@ -705,5 +705,11 @@ def test_compare_hytopk_atomics_row(tmp_path: Path) -> None:
     row = _load(tmp_path, "dsa", proc)["rows"][0]
     for name in ("hyscale", "hyscale_hytopk_atomics"):
         _check_record(row[name], selects=True, replays=True)
+    # Each row names the selection options it ran: the run's own (the defaults), and
+    # torch.topk's pick with the atomics beside them.
+    assert row["hyscale"]["hytopk_options"] is None
+    atomics = row["hyscale_hytopk_atomics"]["hytopk_options"]
+    assert (atomics["scores_sm90_sample_pick"], atomics["scores_sm90_scan_slots"]) == ("topk",
+                                                                                      False)
     with pytest.raises(SystemExit):
         bench_layer.parse_args(["--model", "csa", "--compare-hytopk-atomics"])

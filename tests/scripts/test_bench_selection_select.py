@@ -22,18 +22,26 @@ def test_select_methods_select_as_the_op(sel, monkeypatch):  # noqa: F811
     k = torch.randint(-2, 3, (1, 16, 32), generator=g).float()
     w = torch.randint(-2, 3, (1, 16, 4), generator=g).float()
     want = hytopk(q, k, w, 6, backend="reference")
+    want_key = hytopk(q, k, w, 6, backend="reference", order="key")
     assert set(sel.SELECT_VARIANTS) <= set(sel.VARIANT_METHODS) <= set(sel.KERNEL_METHODS)
     assert sel.SELECT_VARIANTS["hytopk_select"]["sort_in_kernel"] is True
+    assert "hytopk_default_key" in sel.KEY_ORDER_METHODS
     for method in sel.VARIANT_METHODS:
         if method in sel.GLUON_METHODS:  # Hopper only: tests/ops/test_hytopk_sm90.py
             continue
         got = sel.METHODS[method](q, k, w, 6, True)
         ordered = method != "hytopk_select_unordered"
-        if ordered:
+        key_order = method in sel.KEY_ORDER_METHODS
+        if key_order:  # the layers' order, as the default's rows sorted by key
+            assert torch.equal(got[0], want_key[0]) and torch.equal(got[1], want_key[1]), method
+        elif ordered:
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), method
         else:
             assert_rows_hold_sorted_sets(got[0], got[1], want[0], want[1])
-        assert sel.same_as_default(got, q, k, w, 6, True, ordered=ordered), method
+        assert sel.same_as_default(got, q, k, w, 6, True, ordered=ordered,
+                                   key_order=key_order), method
+        if key_order:  # its rows are not the default's order
+            assert not sel.same_as_default(got, q, k, w, 6, True), method
     # The comparison can fail: a row out of order is not the default's output.
     assert not sel.same_as_default((want[0].flip(-1), want[1].flip(-1)), q, k, w, 6, True)
     stats = torch.zeros(2, dtype=torch.int32)

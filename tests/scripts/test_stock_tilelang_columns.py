@@ -452,6 +452,41 @@ def test_measured_defaults_trusts_hytopk_default_only_under_todays_defaults(tmp_
     assert (kept["own_ms"], kept["own_kernel"]) == (150.0, path_method)
 
 
+def test_measured_defaults_prefers_the_layers_key_order(tmp_path) -> None:
+    """A record of today's defaults with both sides in key order (hytopk_default_key,
+    cudnn_key: the layers' order) gives that pair, over its own score-order pair and over a
+    newer record's; a record of older defaults gives its score-order pair only."""
+    import dataclasses
+
+    from megatron_hyscale.ops import HyTopKOptions
+
+    md = load("measured_defaults")
+    pair = SELECTION[:2]  # hytopk 300 ms, cudnn 200 ms, at 128K
+    rows = [*pair, dict(pair[0], method="hytopk_default", ms=180.0),
+            dict(pair[0], method="hytopk_default_key", ms=150.0),
+            dict(pair[1], method="cudnn_key", ms=190.0)]
+    today = {"hytopk_default_options": dataclasses.asdict(HyTopKOptions.DEFAULT)}
+    older = {"hytopk_default_options": dataclasses.asdict(dataclasses.replace(
+        HyTopKOptions.DEFAULT, scores_sm90_samples=HyTopKOptions.DEFAULT.scores_sm90_samples
+        + 1))}
+
+    def found(records, meta):
+        return md.entries_from(str(write_record(tmp_path, "bench_selection", records, meta)))
+
+    (kept,) = md.table(found(rows, today))
+    assert (kept["own_ms"], kept["library_ms"], kept["own_kernel"]) == (
+        150.0, 190.0, "hytopk_default_key")
+    newer = found(rows[:3], today)  # score order only, newer
+    for e in newer:
+        e["stamp"] = "9999"
+    (kept,) = md.table(found(rows, today) + newer)
+    assert kept["own_kernel"] == "hytopk_default_key"
+    old = found(rows, older)
+    assert [e["own_kernel"] for e in old] == ["hytopk_default"]  # its named options ran it
+    without_lib = found(rows[:4], today)
+    assert [e["own_kernel"] for e in without_lib] == ["hytopk_default"]
+
+
 def test_measured_defaults_times_the_kernels_the_defaults_run(tmp_path) -> None:
     """Per side, the time of the kernel the defaults run now (a --*-also column whose relative
     difference is finite; a NaN one is a broken run), else the run's main kernel; FlashMLA's
