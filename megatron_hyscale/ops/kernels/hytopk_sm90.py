@@ -310,12 +310,11 @@ def select_survivors(keys: torch.Tensor, counts: torch.Tensor, topk: int, *, ord
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's top-k of its survivors: keys int64 [B, n, cap] as `indexer_filter_sm90`
     writes them (compacted in place; a row's slots past min(count, cap) are not read), counts
-    int32 [B, n] -> indices int32 and scores fp32
-    [B, n, topk] in `order` ("score": descending score, ties to the smaller index; "key":
-    increasing index; "any": the set, empty slots last). keys_in_order: each row's survivors
-    lie in increasing index (the filter's scan slots), which the select's compaction keeps, so
-    order "key" needs no sort. A row with more survivors than cap comes back wrong: the caller
-    redoes it."""
+    int32 [B, n] -> indices int32 and scores fp32 [B, n, topk] in `order` ("score":
+    descending score, ties to the smaller index; "key": increasing index; "any": the set,
+    empty slots last). keys_in_order: each row's survivors lie in increasing index (the
+    filter's scan slots), which the select's compaction keeps, so order "key" needs no sort.
+    A row with more survivors than cap comes back wrong: the caller redoes it."""
     B, n, cap = keys.shape
     sort = order == "score" or (order == "key" and not keys_in_order)
     idx, val = hk.write_rows(keys.view(B * n, cap), counts.view(B * n), topk,
