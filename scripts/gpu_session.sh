@@ -146,16 +146,13 @@
 #                                         # slots by a scan (scores_sm90_scan_slots, default;
 #                                         # key order without the row sort) against atomics:
 #                                         # their GPU tests (~3 min), then today's defaults
-#                                         # (hytopk_default, _key: the layers' order; cuDNN's
-#                                         # cudnn, cudnn_key beside them where installed, the
-#                                         # pairs measured_defaults.py reads) and the Gluon
-#                                         # path with each
-#                                         # beside the Triton kernel, GLM-5.1 /
-#                                         # V3.2 / the folded query at PICK_T (16K 64K 128K),
-#                                         # then the phases at
-#                                         # 128K (sample_pick beside sample_topk, filter_scan
-#                                         # beside filter); cuDNN's selection where installed
-#                                         # (~6 min)
+#                                         # (hytopk_default, _key: the layers' order) and the
+#                                         # Gluon path with each beside the Triton kernel and,
+#                                         # where installed, cuDNN's (cudnn, cudnn_key: the
+#                                         # pairs measured_defaults.py reads), GLM-5.1 / V3.2 /
+#                                         # the folded query at PICK_T (16K 64K 128K), then the
+#                                         # phases at 128K (sample_pick beside sample_topk,
+#                                         # filter_scan beside filter)                (~6 min)
 #   bash scripts/gpu_session.sh profile-layers  # issues #20 items 4-5: one profiled step
 #                                         # (bench_layer.py --profile-kernels) of the QSA
 #                                         # layer at 512K (PROFILE_QSA_T) and the GLM-5.1 DSA

@@ -53,8 +53,8 @@ from megatron_hyscale.ops.kernels.options import (  # noqa: E402
 # (`own_selection_methods`); the library's: cuDNN's.
 LIBRARY_SELECTION_METHOD = "cudnn"
 # The pair in the layers' order (key order: no sort by score on either side), timed by records
-# since 2026-12-07: where a record of today's defaults has both, they outrank every pair in
-# score order.
+# since 2026-12-07: today's default in key order ranks first among the own methods, against
+# cuDNN's rows in key order.
 KEY_ORDER_PAIR = ("hytopk_default_key", "cudnn_key")
 # bench_selection's Gluon-path methods by HyTopKOptions (scores_sm90_sample_table,
 # scores_sm90_sample_pick, scores_sm90_scan_slots): the sample's table, its threshold pick,
@@ -127,7 +127,9 @@ def older_default_method(meta: dict, keys: int, relu: bool = True) -> str | None
 def own_selection_methods(keys: int, defaults_current: bool = True,
                           relu: bool = True) -> tuple[str, ...]:
     """The methods whose time stands for HyScale's default selection over `keys` keys, best
-    first: hytopk_default where the record ran today's defaults; the method running today's
+    first: where the record ran today's defaults, hytopk_default_key (the layers' order,
+    against cuDNN's in key order: `library_method`), then hytopk_default; the method running
+    today's
     default path (on Hopper from HyTopKOptions.scores_sm90_min_keys keys, without ReLU from
     scores_sm90_folded_min_keys, None: never, the Gluon path with the sample and slots the
     default takes, `GLUON_METHODS`; the records that hold it ran on Hopper, else the Triton
@@ -146,8 +148,15 @@ def own_selection_methods(keys: int, defaults_current: bool = True,
     gluon = default.scores_sm90 is not False and min_keys is not None and keys >= min_keys
     if not gluon:
         path, near, far = "hytopk", ("",) * len(near), ("",) * len(far)
-    return ("hytopk_default" if defaults_current else "", path, *near,
+    current = KEY_ORDER_PAIR[0], "hytopk_default"
+    return (*(current if defaults_current else ("", "")), path, *near,
             "" if defaults_current else "hytopk_default", *far, "hytopk")
+
+
+def library_method(own_method: str) -> str:
+    """The library method an own selection method is compared with: cuDNN's in the same order
+    (key order for `KEY_ORDER_PAIR`'s, else score order)."""
+    return KEY_ORDER_PAIR[1] if own_method == KEY_ORDER_PAIR[0] else LIBRARY_SELECTION_METHOD
 
 
 def gluon_path_methods(options: HyTopKOptions) -> tuple[str, tuple[str, ...]]:
@@ -175,18 +184,11 @@ def entries_from(path: str) -> list[dict]:
         by = {(r["config"], r["T"], r["inputs"], r["method"]): r for r in records
               if {"config", "T", "inputs", "method"} <= r.keys() and r.get("reps") != 1}
         defaults_current = current_defaults(meta)
+
+        def timed(cfg: str, T: int, inputs: str, method: str) -> bool:
+            return isinstance(by.get((cfg, T, inputs, method), {}).get("ms"), float)
+
         for (cfg, T, inputs, method), own in by.items():
-            if (method == KEY_ORDER_PAIR[0] and defaults_current and inputs == "random"
-                    and "H" in own):
-                lib = by.get((cfg, T, inputs, KEY_ORDER_PAIR[1]), {})
-                if isinstance(own.get("ms"), float) and isinstance(lib.get("ms"), float):
-                    n_methods = len(own_selection_methods(own.get("S", T)))
-                    out.append(dict(op="selection", T=T, own_ms=own["ms"], library_ms=lib["ms"],
-                                    shape=selection_shape(own["H"], own["D"], own["topk"]),
-                                    own_kernel=method, rank=n_methods + 1, source=source,
-                                    stamp=stamp, device=device))
-                continue
-            lib = by.get((cfg, T, inputs, LIBRARY_SELECTION_METHOD))
             keys, relu = own.get("S", T), own.get("relu", True)
             own_methods = own_selection_methods(keys, defaults_current, relu)
             order = [m for m in own_methods if m]
@@ -197,13 +199,15 @@ def entries_from(path: str) -> list[dict]:
                 order.remove("hytopk_default")
                 order.insert(order.index(ran), "hytopk_default")
                 ranks["hytopk_default"] = ranks[ran]
-            if method not in ranks or inputs != "random" or not lib or "H" not in own:
+            if method not in ranks or inputs != "random" or "H" not in own:
                 continue
-            # the first own method the record timed at this length (an OOM row has no time)
-            timed = [m for m in order
-                     if isinstance(by.get((cfg, T, inputs, m), {}).get("ms"), float)]
-            if not timed or timed[0] != method or not isinstance(lib.get("ms"), float):
+            # the first own method the record timed at this length with its library method
+            # (an OOM row has no time)
+            first = next((m for m in order if timed(cfg, T, inputs, m)
+                          and timed(cfg, T, inputs, library_method(m))), None)
+            if first != method:
                 continue
+            lib = by[(cfg, T, inputs, library_method(method))]
             # rank: an entry of a method nearer the default wins over a newer one of a
             # farther method (a Triton-only record must not displace the Gluon path's time)
             out.append(dict(op="selection", T=T, own_ms=own["ms"], library_ms=lib["ms"],

@@ -112,10 +112,9 @@ def hytopk(
         options: the kernels' variant and tiling (`HyTopKOptions`; None: its DEFAULT, which
             on Hopper runs the Gluon scores' selection from `scores_sm90_min_keys` keys (16K;
             without ReLU `scores_sm90_folded_min_keys`, 16K), `scores_sm90`, and the Triton
-            kernel elsewhere). Every variant returns the same
-            outputs (but the Gluon path: exact for its kernel's fp32 scores, whose sums
-            near-tied bf16 scores may order otherwise than the Triton kernel's); the
-            reference ignores it.
+            kernel elsewhere). Every variant returns the same outputs (but the Gluon path:
+            exact for its kernel's fp32 scores, whose sums near-tied bf16 scores may order
+            otherwise than the Triton kernel's); the reference ignores it.
         check_values: True (default) checks that q, k and weights are finite (a host sync
             each). False trusts the caller and syncs nothing for the check (the layers pass
             False): a NaN or Inf then gives an undefined selection and a NaN attention

@@ -14,8 +14,8 @@ powers of two: they leave the ReLU).
 at or above its row's threshold is appended to the row's survivor list as HyTopK's packed int64
 key (score, then the smaller index), a relaxed atomic counter a row or a scan over the key
 tile giving the slot (slots past a row's survivors are left unwritten); the threshold comes
-from the caller (`kernels/hytopk_sm90.py` samples it), the exact top-k of the
-survivors is the caller's.
+from the caller (`kernels/hytopk_sm90.py` samples it), the exact top-k of the survivors is
+the caller's.
 
 `indexer_table_sm90` runs them with a third epilogue (TABLE): each visible score into a table
 fp32 [B, rows, keys], against every key_stride-th key of the sequence (k the sampled keys,

@@ -209,9 +209,9 @@ class HyTopKOptions:
     # of 128 dims, bf16 q and k or precision="fp8" (e4m3 products on the tensor cores);
     # without, bf16 with any head count of 128 dims (the folded query's parts, `folded_parts`).
     # None (default): on where it can run, for S >= scores_sm90_min_keys (without ReLU
-    # scores_sm90_folded_min_keys), the Triton kernel
-    # elsewhere without a word (a shape it does not take is not a failure); True: wherever it
-    # can run, one warning naming why elsewhere; False: never.
+    # scores_sm90_folded_min_keys), the Triton kernel elsewhere without a word (a shape it
+    # does not take is not a failure); True: wherever it can run, one warning naming why
+    # elsewhere; False: never.
     # Timed against the Triton kernel in the same runs (`bench_selection.py --methods hytopk
     # hytopk_scores_sm90 cudnn`, rows equal to the Triton kernel's at every length): on an H100
     # (2026-12-05 16:15 UTC) V3.2 12.4 / 94.9 / 331.7 ms at 16K / 64K / 128K against 12.8 /
@@ -267,8 +267,8 @@ class HyTopKOptions:
     # equal, both with the radix pick) at 128K in key order: GLM-5.1 156.0 / 161.7 ms
     # against 175.2 / 178.6, V3.2 292.1 against 299.6, the folded query 55.9-60.2 against
     # 69.1-73.3; in score order within -6% / +4% of the atomics at 128K, 3-13% shorter at
-    # 16K-64K. The DSA layer's step (GLM-5.1,
-    # 128K) 1093.9 against 1106.7 ms, its selection 189.3 against 216.6.
+    # 16K-64K. The DSA layer's step (GLM-5.1, 128K) 1093.9 against 1106.7 ms, its selection
+    # 189.3 against 216.6.
     scores_sm90_scan_slots: bool = True
 
     def __post_init__(self) -> None:
