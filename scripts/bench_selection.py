@@ -58,7 +58,8 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              with 32 / 64 heads, and norelu (the folded query as 4 bf16 "heads": 3 parts and
              a zero one, 32 rows a consumer; its folding timed with it); reports
              max_diff_vs_scoreonly (its row maxima against the Triton scores-only kernel's);
-             scoreonly_sm90_free: the same without the ping-pong
+             scoreonly_sm90_free: the same without the ping-pong; scoreonly_sm90_ahead: with
+             each product issued before the last one's epilogue (scores_sm90_mma_ahead)
   hytopk_scores_sm90  HyTopK on those Gluon scores (HyTopKOptions.scores_sm90,
              `kernels/hytopk_sm90.py`): sampled thresholds, the Gluon filter appending each
              row's survivors, HyTopK's select over them, missed rows redone by the Triton
@@ -80,7 +81,9 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              key tile, no atomics (scores_sm90_scan_slots; the phases' filter_scan times the
              filter alone so); hytopk_scores_sm90_radix_pick_key, _scan_slots_key: the two in
              key order (the layers' order; the scan's key-ordered buffers skip the row sort;
-             compared with the default's rows sorted by key)
+             compared with the default's rows sorted by key); hytopk_scores_sm90_ahead_key,
+             _ahead6_key: _scan_slots_key with each consumer's next product issued before
+             the last tile's epilogue (scores_sm90_mma_ahead), 4 and 6 key tiles in flight
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
   128K; where not, same_rows_as_hytopk: the share of rows whose selected set equals the
   Triton kernel's, as the library methods report it)
@@ -214,6 +217,7 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_occ3_s3": 131072, "scoreonly_occ3": 131072,
          "hytopk_fp8_promote32": 131072, "scoreonly_fp8": 131072,
          "scoreonly_sm90": 131072, "scoreonly_sm90_free": 131072,
+         "scoreonly_sm90_ahead": 131072,
          "hytopk_default": 1048576, "hytopk_default_key": 1048576,
          "hytopk_scores_sm90": 1048576, "hytopk_scores_sm90_immediate": 1048576,
          "hytopk_scores_sm90_gluon_sample": 1048576,
@@ -222,6 +226,7 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "hytopk_scores_sm90_scan_slots": 1048576,
          "hytopk_scores_sm90_radix_pick_key": 1048576,
          "hytopk_scores_sm90_scan_slots_key": 1048576,
+         "hytopk_scores_sm90_ahead_key": 1048576, "hytopk_scores_sm90_ahead6_key": 1048576,
          "hytopk_fp8_scores_sm90": 1048576, "scoreonly_sm90_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
@@ -483,16 +488,17 @@ def run_scoreonly(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT):
                       mode=hk.MODE_SCORES_ONLY, options=options)
 
 
-def run_scoreonly_sm90(q, k, w, topk, relu, pingpong=True):
+def run_scoreonly_sm90(q, k, w, topk, relu, pingpong=True, mma_ahead=False):
     """The warp-specialized Gluon scores (`kernels/indexer_scores_sm90.py`): each causal row's
     largest score, as `scoreonly` writes; ReLU configs with 32 or 64 heads of 128 dims, or
-    without ReLU the folded query's bf16 parts (their folding timed with them)."""
+    without ReLU the folded query's bf16 parts (their folding timed with them). mma_ahead:
+    each product issued before the last one's epilogue (scores_sm90_mma_ahead)."""
     from megatron_hyscale.ops.kernels.hytopk_sm90 import folded_parts
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_row_max_sm90
 
     if not relu:
         q, w = folded_parts(q, w)
-    return indexer_row_max_sm90(q, k, w, pingpong=pingpong, relu=relu)
+    return indexer_row_max_sm90(q, k, w, pingpong=pingpong, relu=relu, mma_ahead=mma_ahead)
 
 
 def run_scoreonly_sm90_fp8(q, k, w, topk, relu):
@@ -529,18 +535,21 @@ def run_hytopk_default(q, k, w, topk, relu, order="score"):
 
 def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, defer_store=True,
                            sample_table=False, samples=HyTopKOptions.DEFAULT.scores_sm90_samples,
-                           sample_pick="topk", scan_slots=False, order="score"):
+                           sample_pick="topk", scan_slots=False, order="score", mma_ahead=False,
+                           stages=HyTopKOptions.DEFAULT.scores_sm90_stages):
     """HyTopK from the warp-specialized Gluon scores (`kernels/hytopk_sm90.py`,
     HyTopKOptions.scores_sm90): sampled thresholds, the Gluon filter, a select over the
     survivors, the missed rows redone by the Triton kernel. ReLU configs with 32 or 64 heads,
     or without ReLU any head count (the folded query's bf16 parts). defer_store, sample_table,
-    samples, sample_pick, scan_slots: HyTopKOptions.scores_sm90_defer_store, _sample_table,
-    _samples, _sample_pick, _scan_slots; order: the rows' order ("key": the layers')."""
+    samples, sample_pick, scan_slots, mma_ahead, stages: HyTopKOptions.scores_sm90_defer_store,
+    _sample_table, _samples, _sample_pick, _scan_slots, _mma_ahead, _stages; order: the rows'
+    order ("key": the layers')."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
     opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True, scores_sm90_defer_store=defer_store,
                    scores_sm90_sample_table=sample_table, scores_sm90_samples=samples,
-                   scores_sm90_sample_pick=sample_pick, scores_sm90_scan_slots=scan_slots)
+                   scores_sm90_sample_pick=sample_pick, scores_sm90_scan_slots=scan_slots,
+                   scores_sm90_mma_ahead=mma_ahead, scores_sm90_stages=stages)
     return hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, stats=stats, relu=relu,
                                    order=order)
 
@@ -819,6 +828,7 @@ METHODS = {
     "scoreonly_fp8": run_scoreonly_fp8,
     "scoreonly_sm90": run_scoreonly_sm90,
     "scoreonly_sm90_free": functools.partial(run_scoreonly_sm90, pingpong=False),
+    "scoreonly_sm90_ahead": functools.partial(run_scoreonly_sm90, mma_ahead=True),
     "hytopk_scores_sm90": run_hytopk_scores_sm90,
     "hytopk_scores_sm90_immediate": functools.partial(run_hytopk_scores_sm90,
                                                       defer_store=False),
@@ -836,6 +846,13 @@ METHODS = {
     "hytopk_scores_sm90_scan_slots_key": functools.partial(
         run_hytopk_scores_sm90, sample_table=True, sample_pick="radix", scan_slots=True,
         order="key"),
+    # That with each product issued before the last one's epilogue, 4 and 6 key tiles in flight.
+    "hytopk_scores_sm90_ahead_key": functools.partial(
+        run_hytopk_scores_sm90, sample_table=True, sample_pick="radix", scan_slots=True,
+        order="key", mma_ahead=True),
+    "hytopk_scores_sm90_ahead6_key": functools.partial(
+        run_hytopk_scores_sm90, sample_table=True, sample_pick="radix", scan_slots=True,
+        order="key", mma_ahead=True, stages=6),
     "hytopk_fp8_scores_sm90": run_hytopk_fp8_scores_sm90,
     "scoreonly_sm90_fp8": run_scoreonly_sm90_fp8,
     **{name: with_options(run, **fields) for name, (run, fields) in OPTION_METHODS.items()},
@@ -873,6 +890,8 @@ VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_s
                                              "hytopk_scores_sm90_scan_slots",
                                              "hytopk_scores_sm90_radix_pick_key",
                                              "hytopk_scores_sm90_scan_slots_key",
+                                             "hytopk_scores_sm90_ahead_key",
+                                             "hytopk_scores_sm90_ahead6_key",
                                              "hytopk_default", "hytopk_default_key")
 # What ops.hytopk runs by default (it switches kernels with the length: a first call at a
 # length may compile, so it is made untimed).
@@ -970,7 +989,7 @@ def bench_one(method, T, cfg, kind, rate, reps):
 
 
 # The Gluon scores-only methods, compared with the Triton scores-only kernel's row maxima.
-SM90_SCORE_METHODS = ("scoreonly_sm90", "scoreonly_sm90_free")
+SM90_SCORE_METHODS = ("scoreonly_sm90", "scoreonly_sm90_free", "scoreonly_sm90_ahead")
 # Methods on Gluon kernels: Hopper only (no interpreter).
 GLUON_METHODS = SM90_SCORE_METHODS + ("hytopk_scores_sm90", "hytopk_scores_sm90_immediate",
                                       "hytopk_scores_sm90_gluon_sample",
@@ -979,6 +998,8 @@ GLUON_METHODS = SM90_SCORE_METHODS + ("hytopk_scores_sm90", "hytopk_scores_sm90_
                                       "hytopk_scores_sm90_scan_slots",
                                       "hytopk_scores_sm90_radix_pick_key",
                                       "hytopk_scores_sm90_scan_slots_key",
+                                      "hytopk_scores_sm90_ahead_key",
+                                      "hytopk_scores_sm90_ahead6_key",
                                       "hytopk_fp8_scores_sm90", "scoreonly_sm90_fp8")
 # Longest T at which the library paths' selections are compared with HyTopK's, row by row.
 SAME_SET_MAX_T = 131072
@@ -997,6 +1018,7 @@ def same_sets_as_hytopk(idx, q, k, w, topk, relu, ref=None):
 # the default's rows sorted by index: a broken key order shows).
 SET_COMPARED_METHODS = ("hytopk_select_unordered",)
 KEY_ORDER_METHODS = ("hytopk_scores_sm90_radix_pick_key", "hytopk_scores_sm90_scan_slots_key",
+                     "hytopk_scores_sm90_ahead_key", "hytopk_scores_sm90_ahead6_key",
                      "hytopk_default_key")
 
 

@@ -153,6 +153,14 @@
 #                                         # the folded query at PICK_T (16K 64K 128K), then the
 #                                         # phases at 128K (sample_pick beside sample_topk,
 #                                         # filter_scan beside filter)                (~6 min)
+#   bash scripts/gpu_session.sh mma-ahead # issue #21 item 1: the Gluon filter's consumers
+#                                         # issuing each product before the last tile's
+#                                         # epilogue (scores_sm90_mma_ahead; 4 and 6 key
+#                                         # tiles in flight): its GPU tests (smoke first),
+#                                         # then timed beside today's default in key order,
+#                                         # GLM-5.1 / V3.2 / the folded query at AHEAD_T
+#                                         # (16K 64K 128K), and the scores alone at 128K
+#                                         #                                         (~7 min)
 #   bash scripts/gpu_session.sh profile-layers  # issues #20 items 4-5: one profiled step
 #                                         # (bench_layer.py --profile-kernels) of the QSA
 #                                         # layer at 512K (PROFILE_QSA_T) and the GLM-5.1 DSA
@@ -301,7 +309,7 @@ case "$stage" in
   |flashmla-pair|lockstep-triton|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
   |ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection\
   |profile-layers|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse|cudnn-loss\
-  |sample-pick) ;;
+  |sample-pick|mma-ahead) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
@@ -311,7 +319,7 @@ case "$stage" in
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
        "|ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics" \
        "|captured-selection|profile-layers|loss-bwd-probe|mla-projections|norms" \
-       "|loss-bwd-sm90|selection-lse|cudnn-loss|sample-pick}" \
+       "|loss-bwd-sm90|selection-lse|cudnn-loss|sample-pick|mma-ahead}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -358,7 +366,7 @@ fi
 case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|filter-sm90\
   |profile-layers|models|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse\
-  |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton|sample-pick)
+  |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton|sample-pick|mma-ahead)
     case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -869,6 +877,32 @@ case "$stage" in
     timeout 150 python3 scripts/bench_selection.py --T 131072 --configs glm51 norelu --reps 2 \
       --methods hytopk_scores_sm90 --tag _pick_phases --out "$out" 2>&1 | grep -v -i warn \
       | grep -E "^random|Error|error|sample" | tee "$out/bench_selection_phases.log" ;;
+  mma-ahead)
+    # Issue #21 item 1: each Gluon consumer's next key tile's product issued before its last
+    # tile's epilogue (HyTopKOptions.scores_sm90_mma_ahead, scores_sm90_stages). Its smallest
+    # row-max cases first (a fault may hang), then its kernel tests, then the filter's and the
+    # op's; then timed beside today's default (key order, the layers') in the same process,
+    # cuDNN's where installed, and the scores alone beside the default scores. AHEAD_T,
+    # AHEAD_CONFIGS, AHEAD_BENCH_S: the bench's lengths, configs and limit.
+    smoke_then_tests tests/ops/test_indexer_scores_sm90.py \
+      "test_products_ahead_exact and 135" "products_ahead or stages" || exit 1
+    timeout "${AHEAD_TESTS_S:-240}" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+      tests/ops/test_hytopk_sm90.py -k "gluon_filter_matches or real_size or folded_gluon" \
+      > "$out/tests_op.log" 2>&1
+    echo "filter and op tests rc=$?: $(verdict "$out/tests_op.log")" | tee -a "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR)" "$out/tests_op.log" | cut -c1-300 | head -10
+    library=()
+    [ -d .carry/site/nvidia_cutlass_dsl ] && library=(cudnn_key)
+    # shellcheck disable=SC2086  # lengths split on purpose
+    timeout "${AHEAD_BENCH_S:-300}" python3 scripts/bench_selection.py \
+      --T ${AHEAD_T:-16384 65536 131072} --configs ${AHEAD_CONFIGS:-glm51 dsv32 norelu} \
+      --reps 3 --methods hytopk_default_key hytopk_scores_sm90_ahead_key \
+      hytopk_scores_sm90_ahead6_key "${library[@]}" --tag _mma_ahead --out "$out" 2>&1 \
+      | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_ahead.log"
+    timeout 120 python3 scripts/bench_selection.py --T 131072 --configs glm51 norelu --reps 3 \
+      --methods scoreonly_sm90 scoreonly_sm90_ahead --tag _scores_ahead --out "$out" 2>&1 \
+      | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_scores.log"
+    ;;
   key-tma)
     # Issue #21: the key tiles through TMA. The TMA cases of the select-variant tests first
     # (integer inputs = the reference; random bf16 = the default kernel bit for bit).

@@ -405,26 +405,27 @@ def _indexer_inputs(h: int, T: int, S: int, fp8: bool) -> tuple:
             torch.zeros(1, T, h, dtype=torch.float32), torch.ones(1, S) if fp8 else None)
 
 
-def _indexer_scores_sm90(h: int, T: int = 4096, fp8: bool = False, relu: bool = True
-                         ) -> list[Launch]:
+def _indexer_scores_sm90(h: int, T: int = 4096, fp8: bool = False, relu: bool = True,
+                         **ahead: Any) -> list[Launch]:
     """The warp-specialized Gluon indexer scores (Hopper only; `indexer_row_max_sm90`: each
     causal row's largest score, HyTopK's scores-only measurement), h heads of 128 dims; fp8:
-    e4m3 q and k (HyTopK's precision="fp8"); relu=False: h the folded query's bf16 parts."""
+    e4m3 q and k (HyTopK's precision="fp8"); relu=False: h the folded query's bf16 parts;
+    ahead: mma_ahead, stages (`HyTopKOptions.scores_sm90_mma_ahead`, `_stages`)."""
     from megatron_hyscale.ops.kernels import indexer_scores_sm90 as scores
 
     q, k, w, ks = _indexer_inputs(h, T, T, fp8)
     with intercept(scores, "_indexer_scores_kernel") as calls:
-        scores.indexer_row_max_sm90(q, k, w, k_scale=ks, relu=relu)
+        scores.indexer_row_max_sm90(q, k, w, k_scale=ks, relu=relu, **ahead)
     return calls
 
 
 def _indexer_filter_sm90(h: int, topk: int = 2048, T: int = 4096,
                          defer_store: bool = True, fp8: bool = False, relu: bool = True,
-                         scan_slots: bool = False) -> list[Launch]:
+                         scan_slots: bool = False, **ahead: Any) -> list[Launch]:
     """The same kernel's FILTER epilogue (`indexer_filter_sm90`: each row's scores at or above
     its threshold appended to its survivor list), the cap `kernels/hytopk_sm90.py` uses;
-    defer_store, scan_slots as `HyTopKOptions.scores_sm90_defer_store`, `_scan_slots`; relu as
-    `_indexer_scores_sm90`'s."""
+    defer_store, scan_slots as `HyTopKOptions.scores_sm90_defer_store`, `_scan_slots`; relu,
+    ahead as `_indexer_scores_sm90`'s."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
     from megatron_hyscale.ops.kernels import indexer_scores_sm90 as scores
 
@@ -433,7 +434,7 @@ def _indexer_filter_sm90(h: int, topk: int = 2048, T: int = 4096,
     with intercept(scores, "_indexer_scores_kernel") as calls:
         scores.indexer_filter_sm90(q, k, w, tau, 0, T, hytopk_sm90.survivor_cap(topk),
                                    defer_store=defer_store, k_scale=ks, relu=relu,
-                                   scan_slots=scan_slots)
+                                   scan_slots=scan_slots, **ahead)
     return calls
 
 
@@ -726,6 +727,17 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "indexer-filter-sm90-folded-scan": lambda: _indexer_filter_sm90(4, relu=False,
                                                                     scan_slots=True),
     "indexer-filter-sm90-dsv32-immediate": lambda: _indexer_filter_sm90(64, defer_store=False),
+    # Each consumer's next product issued before its epilogue (scores_sm90_mma_ahead), with
+    # the default 4 key tiles in flight and with 6.
+    "indexer-scores-sm90-glm51-ahead": lambda: _indexer_scores_sm90(32, mma_ahead=True),
+    "indexer-filter-sm90-dsv32-scan-ahead": lambda: _indexer_filter_sm90(
+        64, scan_slots=True, mma_ahead=True),
+    "indexer-filter-sm90-glm51-scan-ahead": lambda: _indexer_filter_sm90(
+        32, scan_slots=True, mma_ahead=True),
+    "indexer-filter-sm90-glm51-scan-ahead6": lambda: _indexer_filter_sm90(
+        32, scan_slots=True, mma_ahead=True, stages=6),
+    "indexer-filter-sm90-folded-scan-ahead": lambda: _indexer_filter_sm90(
+        4, relu=False, scan_slots=True, mma_ahead=True),
     "indexer-table-sm90-dsv32": lambda: _indexer_table_sm90(64),
     "indexer-table-sm90-glm51": lambda: _indexer_table_sm90(32),
     "indexer-scores-sm90-dsv32-fp8": lambda: _indexer_scores_sm90(64, fp8=True),

@@ -590,17 +590,19 @@ def test_select_survivors_of_key_ordered_buffers(order):
 def test_only_the_scan_filters_buffers_skip_the_sort(monkeypatch):
     """hytopk_sm90 tells the select its buffers are in key order for its own filter with
     scores_sm90_scan_slots, which it asks for; not without the option, nor for an injected
-    filter (whose order is its own). The Gluon filter stands in as the torch filter."""
+    filter (whose order is its own). The Gluon filter stands in as the torch filter; it is
+    handed the options' product-ahead and stages too."""
     from megatron_hyscale.ops.kernels import indexer_scores_sm90
 
-    seen, scans = [], []
+    seen, scans, tunings = [], [], set()
 
     def spy(keys, counts, topk, *, order, options, keys_in_order=False):
         seen.append(keys_in_order)
         return torch_select(keys, counts, topk, order=order, options=options)
 
-    def gluon_filter(*args, defer_store, scan_slots, **kwargs):
+    def gluon_filter(*args, defer_store, scan_slots, mma_ahead, stages, **kwargs):
         scans.append(scan_slots)
+        tunings.add((mma_ahead, stages))
         return torch_filter(*args, **kwargs)
 
     monkeypatch.setattr(hytopk_sm90, "select_survivors", spy)
@@ -616,6 +618,11 @@ def test_only_the_scan_filters_buffers_skip_the_sort(monkeypatch):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert seen and set(seen) == {scan and not injected}
         assert scans == ([] if injected else [scan] * len(scans)) and (injected or scans)
+    assert tunings == {(False, 4)}
+    tunings.clear()
+    hytopk_sm90.hytopk_sm90(q, k, w, 6, table_fn=torch_table, options=replace(
+        opts, scores_sm90_mma_ahead=True, scores_sm90_stages=6))
+    assert tunings == {(True, 6)}
 
 
 @pytest.mark.parametrize("order", ["score", "key", "any"])
@@ -648,15 +655,17 @@ def survivors(keys: torch.Tensor, counts: torch.Tensor, cap: int) -> list[torch.
     return [flat[r, :int(n[r])].sort().values for r in range(flat.shape[0])]
 
 
-def assert_gluon_filter_matches(filter_fn, q, k, w, scan_slots=False, **kwargs):
+def assert_gluon_filter_matches(filter_fn, q, k, w, scan_slots=False, mma_ahead=False,
+                                **kwargs):
     """The Gluon filter's counts and survivors (rows 1000 .. 1530, cap 4096, each row's 300th
     best score its threshold) equal the torch filter's on the same inputs (kwargs: k_scale,
-    relu; scan_slots: the filter's slots by the scan, the torch filter has no such choice)."""
+    relu; scan_slots, mma_ahead: the Gluon filter's, the torch filter has no such choice)."""
     t_lo, t_hi, cap = 1000, 1531, 4096
     keys = scaled_keys(k, kwargs.get("k_scale"))
     scores = exact_scores(q, keys, w, kwargs.get("relu", True))[:, t_lo:t_hi]
     tau = scores.topk(300, dim=-1).values[..., -1].float().contiguous()
-    got = filter_fn(q, k, w, tau, t_lo, t_hi, cap, scan_slots=scan_slots, **kwargs)
+    got = filter_fn(q, k, w, tau, t_lo, t_hi, cap, scan_slots=scan_slots,
+                    mma_ahead=mma_ahead, **kwargs)
     want = torch_filter(q, k, w, tau, t_lo, t_hi, cap, **kwargs)
     torch.cuda.synchronize()
     assert torch.equal(got[1], want[1])
@@ -666,17 +675,20 @@ def assert_gluon_filter_matches(filter_fn, q, k, w, scan_slots=False, **kwargs):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("defer_store, scan_slots", [(True, False), (False, False),
-                                                     (False, True)])
+@pytest.mark.parametrize("defer_store, scan_slots, ahead", [
+    (True, False, {}), (False, False, {}), (False, True, {}),
+    (False, True, {"mma_ahead": True}), (True, False, {"mma_ahead": True, "stages": 2}),
+    (False, True, {"mma_ahead": True, "stages": 7})])
 @pytest.mark.parametrize("H", [64, 32])
-def test_gluon_filter_matches_the_torch_filter(H, defer_store, scan_slots):
+def test_gluon_filter_matches_the_torch_filter(H, defer_store, scan_slots, ahead):
     """indexer_filter_sm90 on integer inputs, batch 2, a chunk of rows [100, 1031) off every
     block boundary: the same counts as the torch filter, and where a row's survivors fit the
     cap the same keys; rows over the cap wrote cap of their survivors. Thresholds at each row's
     40th score (ties at it included), -inf for a few rows (every visible key), +inf for one.
     Both stores (under the next tile's product, and at once), the last tile's included; slots
     by atomics or by the scan (scan_slots: each row's survivors in increasing key order, the
-    first cap of them for a row over the cap)."""
+    first cap of them for a row over the cap); each product issued before the last one's
+    epilogue (ahead: mma_ahead, with the default, the fewest and more key tiles in flight)."""
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
     B, T, cap, t_lo = 2, 1031, 64, 100
@@ -687,7 +699,7 @@ def test_gluon_filter_matches_the_torch_filter(H, defer_store, scan_slots):
     tau[:, :3] = float("-inf")
     tau[1, 7] = float("inf")
     got = indexer_filter_sm90(q, k, w, tau, t_lo, T, cap, defer_store=defer_store,
-                              scan_slots=scan_slots)
+                              scan_slots=scan_slots, **ahead)
     want = torch_filter(q, k, w, tau, t_lo, T, T)  # every survivor
     torch.cuda.synchronize()
     assert torch.equal(got[1], want[1])
@@ -713,17 +725,20 @@ def test_gluon_filter_matches_the_torch_filter(H, defer_store, scan_slots):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("scan_slots", [False, True])
+@pytest.mark.parametrize("scan_slots, mma_ahead", [(False, False), (True, False),
+                                                   (True, True)])
 @pytest.mark.parametrize("H", [64, 32])
-def test_the_op_matches_the_reference_at_real_size(H, scan_slots):
+def test_the_op_matches_the_reference_at_real_size(H, scan_slots, mma_ahead):
     """hytopk(options.scores_sm90) at T = 4096 + 5, topk 2048, batch 2, integer inputs (ties:
     some rows redone), an all-zero row: the reference's rows bit for bit, in score and in key
-    order (scan_slots: the filter's key-ordered buffers, order "key" without the row sort)."""
+    order (scan_slots: the filter's key-ordered buffers, order "key" without the row sort;
+    mma_ahead: scores_sm90_mma_ahead)."""
     from megatron_hyscale.ops.key_order import sort_rows_by_key
 
     q, k, w = int_inputs(2, 4101, H, 128, seed=H + 1)
     q[0, 3000] = 0  # every score 0: over the cap, redone
-    opts = HyTopKOptions(scores_sm90=True, scores_sm90_scan_slots=scan_slots)
+    opts = HyTopKOptions(scores_sm90=True, scores_sm90_scan_slots=scan_slots,
+                         scores_sm90_mma_ahead=mma_ahead)
     got = hytopk(q, k, w, 2048, options=opts)
     want = [t.contiguous() for t in hytopk(q, k, w, 2048, backend="reference")]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -788,6 +803,8 @@ def test_folded_gluon_filter_and_op(monkeypatch):
     q4, w4 = hytopk_sm90.folded_parts(q, w)
     assert_gluon_filter_matches(indexer_filter_sm90, q4, k, w4, relu=False)
     assert_gluon_filter_matches(indexer_filter_sm90, q4, k, w4, relu=False, scan_slots=True)
+    assert_gluon_filter_matches(indexer_filter_sm90, q4, k, w4, relu=False, scan_slots=True,
+                                mma_ahead=True)
     calls = []
 
     def counted(*args, **kwargs):

@@ -135,6 +135,15 @@ def test_unpacked_batches_are_refused():
         sm90.indexer_row_max_sm90(q2, k, w)
 
 
+@pytest.mark.parametrize("stages", [1, 9, True, 4.0, "4"])
+def test_stages_outside_the_range_raise_naming_it(stages):
+    q, k, w = _cpu()
+    with pytest.raises(ValueError, match="stages must be an int from 2 to 8"):
+        sm90.indexer_row_max_sm90(q, k, w, stages=stages)
+    with pytest.raises(ValueError, match="stages must be an int from 2 to 8"):
+        sm90.indexer_filter_sm90(q, k, w, torch.zeros(1, 8), 0, 8, 16, stages=stages)
+
+
 def test_table_checks_its_arguments():
     """`indexer_table_sm90`: k holds every key_stride-th of T keys (ceil(T / stride) of them),
     the stride an int >= 1, the rows within [0, T]; checked before any launch (CPU tensors)."""
@@ -239,6 +248,24 @@ def test_scan_slot_presets_compile_without_atomics(tmp_path: Path):
         assert ops["STG"] == (64 // 32) * max(1, c["ROWS"] // 4)
 
 
+def test_products_ahead_presets_compile_unserialized(tmp_path: Path):
+    """mma_ahead (scores_sm90_mma_ahead): the loop runs two key tiles, each product (8 HGMMA)
+    with one wgmma fence and one wait (ptxas serialized none: every HGMMA with its own wait
+    would give 16 each), on two accumulators; no spill; the scores-only and filter epilogues
+    (every row count), 6 key tiles in flight taking their 96 KiB."""
+    presets = ("indexer-scores-sm90-glm51-ahead", "indexer-filter-sm90-dsv32-scan-ahead",
+               "indexer-filter-sm90-glm51-scan-ahead", "indexer-filter-sm90-glm51-scan-ahead6",
+               "indexer-filter-sm90-folded-scan-ahead")
+    for rep in _epilogue_reports(tmp_path, *presets, steps=16):
+        c, ops = rep["constexprs"], rep["loop_ops"]
+        assert c["MMA_AHEAD"] is True and ops["WARPGROUP"] == 4
+        assert rep["shared_bytes"] >= 2 * 32768 + c["NUM_STAGES"] * 16384
+    assert c["NUM_STAGES"] == 4 and rep["preset"].endswith("folded-scan-ahead")
+    six = [r for r in json.loads((tmp_path / "e.json").read_text())
+           if r["preset"].endswith("ahead6")]
+    assert six[0]["constexprs"]["NUM_STAGES"] == 6
+
+
 def test_fp8_presets_compile_without_spills(tmp_path: Path):
     """e4m3 q and k (HyTopK's precision="fp8"): the same loops on fp8 wgmma (4 QGMMA of K = 32
     a [64 x 128 x 128] product, no HGMMA), the keys' scales loaded under the product (2 LDG a
@@ -326,6 +353,23 @@ def run(q, k, w, pingpong=True):
 def test_integer_inputs_exact(T, H, pingpong):
     q, k, w = int_inputs(2, T, H, seed=T + H)
     out = run(q, k, w, pingpong)
+    ref = reference(q, k, w)
+    assert torch.equal(out, ref.float()), (out - ref.float()).abs().max()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("stages", [2, 4, 6])
+@pytest.mark.parametrize("H", [64, 32])
+@pytest.mark.parametrize("T", [128 + 7, 64 * 4 + 1, 4096])
+def test_products_ahead_exact(T, H, stages):
+    """mma_ahead (each consumer's next key tile's product issued before the last one's
+    epilogue, the tiles in pairs): the reference's maxima on integer inputs, batch 2, programs
+    with an odd and an even count of key tiles (T = 135: 3 tiles for the last block; 257: 5,
+    4 for the one before), every ring depth from the least (2: both stages held)."""
+    q, k, w = int_inputs(2, T, H, seed=T + H + stages)
+    out = sm90.indexer_row_max_sm90(q, k, w, mma_ahead=True, stages=stages)
+    torch.cuda.synchronize()
     ref = reference(q, k, w)
     assert torch.equal(out, ref.float()), (out - ref.float()).abs().max()
 

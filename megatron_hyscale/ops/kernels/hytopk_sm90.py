@@ -252,7 +252,9 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
         from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
         filter_fn = partial(indexer_filter_sm90, defer_store=options.scores_sm90_defer_store,
-                            scan_slots=options.scores_sm90_scan_slots)
+                            scan_slots=options.scores_sm90_scan_slots,
+                            mma_ahead=options.scores_sm90_mma_ahead,
+                            stages=options.scores_sm90_stages)
     B, T = q.shape[:2]
     cap = survivor_cap(topk)
     if B * T == 0:

@@ -43,6 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megatron_hyscale.ops.checks import check_same_device, check_tensor
 from megatron_hyscale.ops.kernels.common import MAX_TMA_ROWS
+from megatron_hyscale.ops.kernels.options import SCORES_SM90_STAGES
 
 # Head dimension: the wgmma's K (8 k-steps of 16).
 HEAD_DIM = 128
@@ -112,8 +113,9 @@ LOW32 = gl.constexpr((1 << 32) - 1)
 @gluon.jit
 def _producer(q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, k_row0, n_tiles,
               ROWS: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr,
-              NUM_STAGES: gl.constexpr):
-    """Both consumers' query blocks, then key tiles 0 .. n_tiles - 1 through the ring."""
+              NUM_STAGES: gl.constexpr, MMA_AHEAD: gl.constexpr):
+    """Both consumers' query blocks, then key tiles 0 .. n_tiles - 1 through the ring (with
+    MMA_AHEAD the last one again, once or twice: `_consumer`'s padded tile and chain end)."""
     q_bar, ready, empty, _ = bars
     for c in gl.static_range(2):
         # A block of rows all past the last token starts at that token instead: its rows are
@@ -121,12 +123,15 @@ def _producer(q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, k_row0, n_tiles
         row = gl.minimum(q_row0 + c * ROWS * H, q_row_cap)
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [row, 0], q_bar.index(c), q_s.index(c))
-    for j in range(n_tiles):
+    n_loads = n_tiles
+    if MMA_AHEAD:  # the consumers' tile pairs (an odd count's last one padded), then one more
+        n_loads = (n_tiles + 1) // 2 * 2 + 1
+    for j in range(n_loads):
         i = j % NUM_STAGES
         mbarrier.wait(empty.index(i), ((j // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(i), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row0 + j * BLOCK_S, 0], ready.index(i),
-                                        k_s.index(i))
+        row = k_row0 + gl.minimum(j, n_tiles - 1) * BLOCK_S
+        tma.async_copy_global_to_shared(k_desc, [row, 0], ready.index(i), k_s.index(i))
 
 
 @gluon.jit
@@ -199,6 +204,73 @@ def _store_table(s, j, rows, in_chunk, row_off, out_ptr, sok, key_stride,
 
 
 @gluon.jit
+def _issue_product(c: gl.constexpr, k_s, q_op, regs, ready, turn, j, NUM_STAGES: gl.constexpr,
+                   PINGPONG: gl.constexpr):
+    """Consumer c's product of key tile j, [keys x (row, head)], issued (async) once the tile
+    landed and, with PINGPONG, the other consumer issued its previous one. regs: the
+    accumulator it overwrites (not added: use_acc off), whose registers it takes."""
+    i = j % NUM_STAGES
+    mbarrier.wait(ready.index(i), (j // NUM_STAGES) & 1)
+    if PINGPONG:
+        mbarrier.wait(turn.index(c), (j & 1) ^ (1 - c))
+    acc = warpgroup_mma(k_s.index(i), q_op, regs, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - c), count=1)
+    return acc
+
+
+@gluon.jit
+def _key_scales(j, keys, ks_ptr, b, sksb, skss, n_keys, BLOCK_S: gl.constexpr,
+                KEY_SCALE: gl.constexpr):
+    """Key tile j's keys' scales (e4m3 keys, KEY_SCALE; loaded under the product), else
+    unused zeros."""
+    k_idx = j * BLOCK_S + keys
+    if KEY_SCALE:
+        return gl.load(ks_ptr + b * sksb + k_idx * skss, mask=k_idx < n_keys, other=0.0)
+    else:
+        return k_idx.to(gl.float32) * 0.0
+
+
+@gluon.jit
+def _tile_epilogue(acc, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off, m,
+                   count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS: gl.constexpr,
+                   H: gl.constexpr, BLOCK_S: gl.constexpr, red_layout: gl.constexpr,
+                   flt_layout: gl.constexpr, FILTER: gl.constexpr, CAP: gl.constexpr,
+                   DEFER_STORE: gl.constexpr, TABLE: gl.constexpr, KEY_SCALE: gl.constexpr,
+                   RELU: gl.constexpr, SCAN_SLOTS: gl.constexpr):
+    """Key tile j's completed product acc [keys x (row, head)]: ReLU x w, the head sum, then
+    the epilogue's work (`_consumer`). Returns the state the tiles carry: (the running maxima
+    m, the scan's counts, the survivors pending a deferred store: slots, keys, kept)."""
+    if RELU:
+        x = gl.maximum(acc, 0.0) * w[None, :]
+    else:
+        x = acc * w[None, :]
+    s = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, H]), axis=2)
+    s = gl.convert_layout(s, red_layout, assert_trivial=True)
+    if KEY_SCALE:
+        s = s * k_scale[:, None]
+    pos = gl.zeros([BLOCK_S, ROWS], gl.int32, layout=flt_layout)
+    key = gl.zeros([BLOCK_S, ROWS], gl.int64, layout=flt_layout)
+    keep = pos != 0
+    if FILTER:
+        if SCAN_SLOTS:
+            pos, key, keep, count = _scan_slots(s, j, f_rows, in_chunk, tau, count, BLOCK_S,
+                                                flt_layout)
+        else:
+            pos, key, keep = _claim_slots(s, j, f_rows, in_chunk, row_slot, tau, cnt_ptr,
+                                          BLOCK_S, flt_layout)
+        if not DEFER_STORE:
+            _store_survivors(buf_ptr, row_slot, pos, key, keep, CAP)
+    elif TABLE:
+        _store_table(s, j, f_rows, in_chunk, row_off, out_ptr, sok, key_stride, BLOCK_S,
+                     flt_layout)
+    else:
+        visible = (j * BLOCK_S + keys)[:, None] <= rows[None, :]
+        m = gl.maximum(m, gl.where(visible, s, float("-inf")))
+    return m, count, pos, key, keep
+
+
+@gluon.jit
 def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
               swb, swt, swh, sob, sot, sok, key_stride, n_keys, ks_ptr, sksb, skss, tau_ptr,
               cnt_ptr, buf_ptr, t_lo, t_hi, n_rows, ROWS: gl.constexpr, H: gl.constexpr,
@@ -206,7 +278,7 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
               red_layout: gl.constexpr, FILTER: gl.constexpr, CAP: gl.constexpr,
               flt_layout: gl.constexpr, DEFER_STORE: gl.constexpr, TABLE: gl.constexpr,
               MMA_K: gl.constexpr, KEY_SCALE: gl.constexpr, RELU: gl.constexpr,
-              SCAN_SLOTS: gl.constexpr):
+              SCAN_SLOTS: gl.constexpr, MMA_AHEAD: gl.constexpr):
     """Rows t0 .. t0 + ROWS - 1 (t0 = t_base + c * ROWS): each key tile's scores as
     [keys x (row, head)] = K_tile Q^T on wgmma, then ReLU x w, the head sum (N, in registers),
     the causal mask and a running max per (key slot, row); the max over key slots at the end.
@@ -220,7 +292,11 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
     (strides sob, sot, sok) for rows in [t_lo, t_hi); the rest is the caller's fill.
     MMA_K: the wgmma's K (16 for bf16, 32 for e4m3); KEY_SCALE: each key's head sum times
     ks[b, key] (strides sksb, skss: e4m3 keys' scales). RELU=False: the heads' products
-    weighted and summed as they are (the folded query's bf16 parts, weights 1)."""
+    weighted and summed as they are (the folded query's bf16 parts, weights 1).
+    MMA_AHEAD: tile j + 1's product is issued before tile j's epilogue, so the tensor core
+    has this consumer's next product queued while the epilogue runs (two accumulators live;
+    the tiles in pairs, an odd count's last one a masked tile past the keys; one more product
+    ends the chain unread)."""
     q_bar, ready, empty, turn = bars
     N: gl.constexpr = ROWS * H
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -236,70 +312,82 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
     rows = t0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, red_layout))
     m = gl.full([BLOCK_S, ROWS], float("-inf"), gl.float32, layout=red_layout)
     zero = gl.zeros([BLOCK_S, N], gl.float32, layout=acc_layout)
+    # The epilogues' state, each epilogue's own set below (the others' go unused).
+    f_rows = t0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, flt_layout))
+    in_chunk = (f_rows >= t_lo) & (f_rows < t_hi)
+    tau = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, flt_layout))
+    count = gl.zeros([ROWS], gl.int32, layout=gl.SliceLayout(0, flt_layout))
+    row_slot = gl.zeros([BLOCK_S, ROWS], gl.int64, layout=flt_layout)
+    row_off = f_rows.to(gl.int64)
+    # nothing pending before the first tile (DEFER_STORE)
+    pend_pos = gl.zeros([BLOCK_S, ROWS], gl.int32, layout=flt_layout)
+    pend_key = gl.zeros([BLOCK_S, ROWS], gl.int64, layout=flt_layout)
+    pend_keep = pend_pos != 0
     if FILTER:
         # rows outside the chunk get +inf: no score passes it
-        f_rows = t0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, flt_layout))
-        in_chunk = (f_rows >= t_lo) & (f_rows < t_hi)
         tau = gl.load(tau_ptr + b * n_rows + (f_rows - t_lo), mask=in_chunk,
                       other=float("inf"))
         row_slot = ((b * n_rows + (f_rows - t_lo)).to(gl.int64)[None, :]
                     + gl.zeros([BLOCK_S, ROWS], gl.int64, layout=flt_layout))
-        if SCAN_SLOTS:
-            count = gl.zeros([ROWS], gl.int32, layout=gl.SliceLayout(0, flt_layout))
-        if DEFER_STORE:  # nothing pending before the first tile
-            pend_pos = gl.zeros([BLOCK_S, ROWS], gl.int32, layout=flt_layout)
-            pend_key = gl.zeros([BLOCK_S, ROWS], gl.int64, layout=flt_layout)
-            pend_keep = pend_pos != 0
     if TABLE:
-        f_rows = t0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, flt_layout))
-        in_chunk = (f_rows >= t_lo) & (f_rows < t_hi)
         row_off = b * sob + (f_rows - t_lo).to(gl.int64) * sot
 
     mbarrier.wait(q_bar.index(c), 0)
     q_op = q_s.index(c).permute((1, 0))  # [D x (row, head)]: K-major B operand
-    for j in range(n_tiles):
-        i = j % NUM_STAGES
-        mbarrier.wait(ready.index(i), (j // NUM_STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(turn.index(c), (j & 1) ^ (1 - c))
-        acc = warpgroup_mma(k_s.index(i), q_op, zero, use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - c), count=1)
-        if KEY_SCALE:  # loaded under the product
-            k_idx = j * BLOCK_S + keys
-            k_scale = gl.load(ks_ptr + b * sksb + k_idx * skss, mask=k_idx < n_keys, other=0.0)
-        if FILTER:
+    if MMA_AHEAD:
+        # Two accumulators in turn over tile pairs (tile n_tiles when n_tiles is odd: every
+        # key past the rows, masked): each tile's product waited for, the next one issued, then
+        # the epilogue. ptxas serializes every wgmma (C7514) if registers are read between a
+        # product's issue and its wait that a product issued in that span writes, or if an
+        # accumulator in flight is copied: so no product is issued before the last one's wait,
+        # and the one carried round the loop reuses its predecessor's registers. The chain ends
+        # with one more product, of the last tile again, never read.
+        acc_a = _issue_product(c, k_s, q_op, zero, ready, turn, 0, NUM_STAGES, PINGPONG)
+        for j in range(0, n_tiles, 2):
+            acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
+            mbarrier.arrive(empty.index(j % NUM_STAGES), count=1)
+            acc_b = _issue_product(c, k_s, q_op, zero, ready, turn, j + 1, NUM_STAGES,
+                                   PINGPONG)
+            k_scale = _key_scales(j, keys, ks_ptr, b, sksb, skss, n_keys, BLOCK_S,
+                                  KEY_SCALE)
             if DEFER_STORE:  # the last tile's, under this tile's product
                 _store_survivors(buf_ptr, row_slot, pend_pos, pend_key, pend_keep, CAP)
-        # The stage is free once the product that reads it completed; the accumulator is not
-        # touched before this wait (ptxas would serialize every wgmma otherwise: C7514).
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(i), count=1)
-        if RELU:
-            x = gl.maximum(acc, 0.0) * w[None, :]
-        else:
-            x = acc * w[None, :]
-        s = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, H]), axis=2)
-        s = gl.convert_layout(s, red_layout, assert_trivial=True)
-        if KEY_SCALE:
-            s = s * k_scale[:, None]
-        if FILTER:
-            if SCAN_SLOTS:
-                pos, key, keep, count = _scan_slots(s, j, f_rows, in_chunk, tau, count,
-                                                    BLOCK_S, flt_layout)
-            else:
-                pos, key, keep = _claim_slots(s, j, f_rows, in_chunk, row_slot, tau, cnt_ptr,
-                                              BLOCK_S, flt_layout)
+            m, count, pend_pos, pend_key, pend_keep = _tile_epilogue(
+                acc_a, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off, m,
+                count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS, H, BLOCK_S,
+                red_layout, flt_layout, FILTER, CAP, DEFER_STORE, TABLE, KEY_SCALE, RELU,
+                SCAN_SLOTS)
+            acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b,))
+            mbarrier.arrive(empty.index((j + 1) % NUM_STAGES), count=1)
+            acc_a = _issue_product(c, k_s, q_op, acc_a, ready, turn, j + 2, NUM_STAGES,
+                                   PINGPONG)
+            k_scale = _key_scales(j + 1, keys, ks_ptr, b, sksb, skss, n_keys, BLOCK_S,
+                                  KEY_SCALE)
             if DEFER_STORE:
-                pend_pos, pend_key, pend_keep = pos, key, keep
-            else:
-                _store_survivors(buf_ptr, row_slot, pos, key, keep, CAP)
-        elif TABLE:
-            _store_table(s, j, f_rows, in_chunk, row_off, out_ptr, sok, key_stride, BLOCK_S,
-                         flt_layout)
-        else:
-            visible = (j * BLOCK_S + keys)[:, None] <= rows[None, :]
-            m = gl.maximum(m, gl.where(visible, s, float("-inf")))
+                _store_survivors(buf_ptr, row_slot, pend_pos, pend_key, pend_keep, CAP)
+            m, count, pend_pos, pend_key, pend_keep = _tile_epilogue(
+                acc_b, j + 1, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off,
+                m, count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS, H, BLOCK_S,
+                red_layout, flt_layout, FILTER, CAP, DEFER_STORE, TABLE, KEY_SCALE, RELU,
+                SCAN_SLOTS)
+        warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
+    else:
+        for j in range(n_tiles):
+            acc = _issue_product(c, k_s, q_op, zero, ready, turn, j, NUM_STAGES, PINGPONG)
+            k_scale = _key_scales(j, keys, ks_ptr, b, sksb, skss, n_keys, BLOCK_S,
+                                  KEY_SCALE)
+            if DEFER_STORE:  # the last tile's, under this tile's product
+                _store_survivors(buf_ptr, row_slot, pend_pos, pend_key, pend_keep, CAP)
+            # The stage is free once the product that reads it completed; the accumulator is
+            # not touched before this wait (ptxas would serialize every wgmma otherwise:
+            # C7514).
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(j % NUM_STAGES), count=1)
+            m, count, pend_pos, pend_key, pend_keep = _tile_epilogue(
+                acc, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off, m,
+                count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS, H, BLOCK_S,
+                red_layout, flt_layout, FILTER, CAP, DEFER_STORE, TABLE, KEY_SCALE, RELU,
+                SCAN_SLOTS)
 
     if FILTER:
         if DEFER_STORE:
@@ -321,8 +409,9 @@ def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
                            flt_layout: gl.constexpr, DEFER_STORE: gl.constexpr,
                            TABLE: gl.constexpr, MMA_K: gl.constexpr, KEY_SCALE: gl.constexpr,
                            RELU: gl.constexpr, SCAN_SLOTS: gl.constexpr,
-                           CONSUMER_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                           MMA_AHEAD: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
+                           PRODUCER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           PRODUCER_REGS: gl.constexpr):
     """One program: query rows t_base .. t_base + 2 * ROWS - 1 of batch b, from t_lo, against
     the keys k_desc holds (n_keys a batch, key j at position j x key_stride: 1 and T but in
     TABLE). Program 0 takes the last row block (the most key tiles): the long programs start
@@ -360,14 +449,14 @@ def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
                      swb, swt, swh, sob, sot, sok, key_stride, n_keys, ks_ptr, sksb, skss,
                      tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows, ROWS, H, BLOCK_S,
                      NUM_STAGES, PINGPONG, red_layout, FILTER, CAP, flt_layout, DEFER_STORE,
-                     TABLE, MMA_K, KEY_SCALE, RELU, SCAN_SLOTS)),
+                     TABLE, MMA_K, KEY_SCALE, RELU, SCAN_SLOTS, MMA_AHEAD)),
         (_consumer, (1, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
                      swb, swt, swh, sob, sot, sok, key_stride, n_keys, ks_ptr, sksb, skss,
                      tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows, ROWS, H, BLOCK_S,
                      NUM_STAGES, PINGPONG, red_layout, FILTER, CAP, flt_layout, DEFER_STORE,
-                     TABLE, MMA_K, KEY_SCALE, RELU, SCAN_SLOTS)),
+                     TABLE, MMA_K, KEY_SCALE, RELU, SCAN_SLOTS, MMA_AHEAD)),
         (_producer, (q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, k_row0, n_tiles,
-                     ROWS, H, BLOCK_S, NUM_STAGES)),
+                     ROWS, H, BLOCK_S, NUM_STAGES, MMA_AHEAD)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -485,27 +574,40 @@ def check_keys(k: torch.Tensor, shape: tuple[int, int, int], what: str = "") -> 
         raise ValueError("k must be 16-byte aligned for TMA")
 
 
+def check_stages(stages: int) -> None:
+    """ValueError unless stages (key tiles in flight) is an int in SCORES_SM90_STAGES."""
+    lo, hi = SCORES_SM90_STAGES
+    if isinstance(stages, bool) or not (isinstance(stages, int) and lo <= stages <= hi):
+        raise ValueError(f"stages must be an int from {lo} to {hi}, got {stages!r}")
+
+
 def indexer_row_max_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *,
                          pingpong: bool = True, k_scale: torch.Tensor | None = None,
-                         relu: bool = True) -> torch.Tensor:
+                         relu: bool = True, mma_ahead: bool = False,
+                         stages: int = NUM_STAGES) -> torch.Tensor:
     """out fp32 [B, T]: each causal row's largest indexer score (key s visible to row t iff
     s <= t). Hopper only: the caller checks the device. pingpong: order the two consumers'
     products alternately (the `turn` barriers); False lets them issue freely. e4m3 q and k:
     k_scale fp32 [B, S], w already times q's scales (module doc). relu=False: q the folded
-    query's FOLDED_HEADS bf16 parts, w their weights (1, the pad 0)."""
+    query's FOLDED_HEADS bf16 parts, w their weights (1, the pad 0). mma_ahead: each
+    consumer issues the next key tile's product before the last one's epilogue
+    (`_consumer`'s MMA_AHEAD); stages: key tiles in flight (`check_stages`)."""
     check_inputs(q, k, w, k_scale=k_scale, relu=relu)
+    check_stages(stages)
     B, T, H, D = q.shape
     out = torch.empty((B, T), device=q.device, dtype=torch.float32)
     if B * T == 0:
         return out
-    _launch(q, k, w, out, 0, T, pingpong=pingpong, k_scale=k_scale, relu=relu)
+    _launch(q, k, w, out, 0, T, pingpong=pingpong, k_scale=k_scale, relu=relu,
+            mma_ahead=mma_ahead, stages=stages)
     return out
 
 
 def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: torch.Tensor,
                         t_lo: int, t_hi: int, cap: int, *, pingpong: bool = True,
                         defer_store: bool = True, k_scale: torch.Tensor | None = None,
-                        relu: bool = True, scan_slots: bool = False
+                        relu: bool = True, scan_slots: bool = False,
+                        mma_ahead: bool = False, stages: int = NUM_STAGES
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The survivors of query rows [t_lo, t_hi): keys int64 [B, t_hi - t_lo, cap] (HyTopK's
     packed keys of the visible scores >= tau of each row, in no order, the first min(count,
@@ -518,8 +620,10 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
     `indexer_row_max_sm90`'s. scan_slots: each survivor's slot from its row's count in
     registers and a scan over the key tile, no atomics (the survivors in key order; a consumer
     owns its rows; stored at once, defer_store ignored: nothing returns late); False: a
-    relaxed atomic a survivor. Hopper only: the caller checks the device."""
+    relaxed atomic a survivor. mma_ahead, stages: as `indexer_row_max_sm90`'s. Hopper only:
+    the caller checks the device."""
     check_inputs(q, k, w, k_scale=k_scale, relu=relu)
+    check_stages(stages)
     B, T, H, D = q.shape
     n = t_hi - t_lo
     if not 0 <= t_lo <= t_hi <= T:
@@ -539,7 +643,8 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
         _launch(q, k, w, None, t_lo, t_hi, pingpong=pingpong,
                 survivors=(tau, counts, keys, cap),
                 defer_store=defer_store and relu and not scan_slots,
-                k_scale=k_scale, relu=relu, scan_slots=scan_slots)
+                k_scale=k_scale, relu=relu, scan_slots=scan_slots, mma_ahead=mma_ahead,
+                stages=stages)
     return keys, counts
 
 
@@ -568,11 +673,14 @@ def indexer_table_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_st
 
 
 def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=True,
-            table=False, key_stride=1, k_scale=None, relu=True, scan_slots=False):
+            table=False, key_stride=1, k_scale=None, relu=True, scan_slots=False,
+            mma_ahead=False, stages=NUM_STAGES):
     """One launch over query rows [t_lo, t_hi): the row maxima into out, or with survivors =
     (tau, counts, keys, cap) the survivors (defer_store: `_consumer`'s DEFER_STORE), or with
     table the scores into out [B, t_hi - t_lo, S] against keys every key_stride-th; k_scale
-    with e4m3 q and k; scan_slots: `_consumer`'s SCAN_SLOTS."""
+    with e4m3 q and k; scan_slots, mma_ahead: `_consumer`'s SCAN_SLOTS, MMA_AHEAD; stages: key
+    tiles in flight (`check_stages`)."""
+    check_stages(stages)
     B, T, H, D = q.shape
     rows = PAIRS // H
     q_layout, k_layout, red_layout, flt_layout = _shared_layouts(H, q.dtype)
@@ -595,11 +703,11 @@ def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=T
         w if k_scale is None else k_scale,  # not read without KEY_SCALE
         *((0, 0) if k_scale is None else k_scale.stride()),
         tau, counts, keys, t_lo, t_hi,
-        H=H, ROWS=rows, BLOCK_S=BLOCK_S, NUM_STAGES=NUM_STAGES, PINGPONG=pingpong,
+        H=H, ROWS=rows, BLOCK_S=BLOCK_S, NUM_STAGES=stages, PINGPONG=pingpong,
         red_layout=red_layout, FILTER=survivors is not None, CAP=cap, flt_layout=flt_layout,
         DEFER_STORE=survivors is not None and defer_store, TABLE=table,
         MMA_K=MMA_K_BY_DTYPE[q.dtype], KEY_SCALE=k_scale is not None, RELU=relu,
-        SCAN_SLOTS=scan_slots,
+        SCAN_SLOTS=scan_slots, MMA_AHEAD=mma_ahead,
         CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,

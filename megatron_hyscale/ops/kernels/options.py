@@ -17,6 +17,10 @@ from typing import ClassVar
 
 # HyTopKOptions.scores_sm90_sample_pick's values.
 SAMPLE_PICKS = ("radix", "topk")
+# HyTopKOptions.scores_sm90_stages' range (`indexer_scores_sm90`: with the product ahead a
+# consumer holds two key tiles; 8 tiles of 16 KiB beside the query blocks and the folded
+# query's scan scratch stay under the 227 KiB of shared memory a block).
+SCORES_SM90_STAGES = (2, 8)
 
 
 @dataclass(frozen=True)
@@ -270,14 +274,32 @@ class HyTopKOptions:
     # 16K-64K. The DSA layer's step (GLM-5.1, 128K) 1093.9 against 1106.7 ms, its selection
     # 189.3 against 216.6.
     scores_sm90_scan_slots: bool = True
+    # The Gluon filter's consumers issue each key tile's product before the last tile's
+    # epilogue (ReLU x weight, head sum, filter), so one product of each runs under its own
+    # epilogue as well as under the other consumer's (without it a consumer's next product
+    # waits for its epilogue: an H100 profile of 2026-12-07, GLM-5.1 at 128K, had the tensor
+    # core busy 55% of the filter's time, its epilogue longer than the other consumer's
+    # product). Same survivors. False (default) until timed in the same run.
+    scores_sm90_mma_ahead: bool = False
+    # Key tiles (16 KiB each) the Gluon filter keeps in flight (SCORES_SM90_STAGES: 2 to 8);
+    # with scores_sm90_mma_ahead a consumer holds two.
+    scores_sm90_stages: int = 4
 
     def __post_init__(self) -> None:
         if not (self.scores_sm90 is None or isinstance(self.scores_sm90, bool)):
             raise ValueError(f"HyTopKOptions.scores_sm90 must be None, True or False, got "
                              f"{self.scores_sm90!r}")
-        if not isinstance(self.scores_sm90_scan_slots, bool):
-            raise ValueError(f"HyTopKOptions.scores_sm90_scan_slots must be True or False, got "
-                             f"{self.scores_sm90_scan_slots!r}")
+        for name in ("scores_sm90_scan_slots", "scores_sm90_mma_ahead"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"HyTopKOptions.{name} must be True or False, got "
+                                 f"{getattr(self, name)!r}")
+        stages = self.scores_sm90_stages
+        if isinstance(stages, bool) or not (isinstance(stages, int)
+                                            and SCORES_SM90_STAGES[0] <= stages
+                                            <= SCORES_SM90_STAGES[1]):
+            raise ValueError(f"HyTopKOptions.scores_sm90_stages must be an int from "
+                             f"{SCORES_SM90_STAGES[0]} to {SCORES_SM90_STAGES[1]}, got "
+                             f"{stages!r}")
         if self.scores_sm90_sample_pick not in SAMPLE_PICKS:
             raise ValueError(f"HyTopKOptions.scores_sm90_sample_pick must be one of "
                              f"{SAMPLE_PICKS}, got {self.scores_sm90_sample_pick!r}")
