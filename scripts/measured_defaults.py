@@ -95,17 +95,22 @@ def own_times(r: dict, side: str) -> dict[str, float]:
     return times
 
 
-def current_defaults(meta: dict) -> bool:
-    """Whether a bench_selection record's hytopk_default ran today's HyTopKOptions.DEFAULT
-    (records name the defaults they ran since 2026-12-06; older ones are not trusted)."""
-    today = json.loads(json.dumps(dataclasses.asdict(HyTopKOptions.DEFAULT)))
-    return meta.get("hytopk_default_options") == today
-
-
 # HyTopKOptions fields added after records began naming the defaults they ran (2026-12-06), at
 # the value that matches what those records' defaults did.
 ADDED_SELECTION_FIELDS = {"scores_sm90_sample_pick": "topk", "scores_sm90_scan_slots": False,
-                          "scores_sm90_folded_min_keys": None}
+                          "scores_sm90_folded_min_keys": None, "scores_sm90_mma_ahead": False,
+                          "scores_sm90_stages": 4}
+
+
+def current_defaults(meta: dict) -> bool:
+    """Whether a bench_selection record's hytopk_default ran today's HyTopKOptions.DEFAULT
+    (records name the defaults they ran since 2026-12-06; older ones are not trusted; a field
+    added since counts at `ADDED_SELECTION_FIELDS`' value)."""
+    named = meta.get("hytopk_default_options")
+    if not isinstance(named, dict):
+        return False
+    today = json.loads(json.dumps(dataclasses.asdict(HyTopKOptions.DEFAULT)))
+    return {**ADDED_SELECTION_FIELDS, **named} == today
 
 
 def older_default_method(meta: dict, keys: int, relu: bool = True) -> str | None:

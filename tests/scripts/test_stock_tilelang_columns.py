@@ -418,6 +418,13 @@ def test_measured_defaults_trusts_hytopk_default_only_under_todays_defaults(tmp_
         return e["own_ms"], e["own_kernel"]
 
     assert own(today) == (180.0, "hytopk_default")
+    # A record naming the options before fields were added: a missing field ran its added
+    # value (ADDED_SELECTION_FIELDS), so where those are today's defaults it ran today's.
+    newer = ("scores_sm90_mma_ahead", "scores_sm90_stages")
+    unnamed = {k: v for k, v in today["hytopk_default_options"].items() if k not in newer}
+    still_today = all(getattr(default, f) == md.ADDED_SELECTION_FIELDS[f] for f in newer)
+    assert own({"hytopk_default_options": unnamed}) == (
+        (180.0, "hytopk_default") if still_today else (170.0, path_method))
     assert own(same_path) == (180.0, "hytopk_default")  # it ran the path's configuration
     assert own(other_path) == (170.0, path_method)
     assert own(triton) == (170.0, path_method)
