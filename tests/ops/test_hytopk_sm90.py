@@ -481,7 +481,11 @@ def test_folded_query_matches_the_reference(samples):
                                           ("scores_sm90_folded_min_keys", 0),
                                           ("scores_sm90_folded_min_keys", 2.0),
                                           ("scores_sm90_sample_pick", "sort"),
-                                          ("scores_sm90_scan_slots", 1)])
+                                          ("scores_sm90_scan_slots", 1),
+                                          ("scores_sm90_mma_ahead", None),
+                                          ("scores_sm90_stages", 1),
+                                          ("scores_sm90_stages", 9),
+                                          ("scores_sm90_stages", True)])
 def test_bad_gluon_path_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=f"HyTopKOptions.{field}"):
         HyTopKOptions(**{field: value})
