@@ -28,6 +28,11 @@ LN2_JIT = tl.constexpr(LN2)
 INDEXER_LOSS_EPS = 1e-10
 
 
+def on_hopper(t: torch.Tensor) -> bool:
+    """Whether t lies on a Hopper (sm_90) GPU: the Gluon kernels' device."""
+    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
+
+
 def indexer_grad_buffers(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor,
                          fixed_point: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

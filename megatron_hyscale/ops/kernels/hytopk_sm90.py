@@ -36,6 +36,7 @@ import torch
 from megatron_hyscale.ops.checks import KernelVariants
 from megatron_hyscale.ops.kernels import hytopk as hk
 from megatron_hyscale.ops.kernels import row_rank
+from megatron_hyscale.ops.kernels.common import on_hopper
 from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
 # Survivors aimed at, in units of topk: the sample's quantile error must rarely push the count
@@ -88,11 +89,6 @@ def row_chunks(B: int, T: int, topk: int) -> list[tuple[int, int]]:
     """The [t0, t1) row chunks of the survivor buffers (CHUNK_BYTES each)."""
     step = max(1, CHUNK_BYTES // (8 * survivor_cap(topk) * B))
     return [(t0, min(t0 + step, T)) for t0 in range(0, T, step)]
-
-
-def on_hopper(t: torch.Tensor) -> bool:
-    """Whether t lies on a Hopper (sm_90) GPU."""
-    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
 
 
 def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool,

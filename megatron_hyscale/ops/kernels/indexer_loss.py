@@ -54,6 +54,7 @@ from megatron_hyscale.ops.kernels.common import (
     indexer_grad_buffers,
     lockstep_plan,
     lockstep_step,
+    on_hopper,
 )
 from megatron_hyscale.ops.kernels.key_split import auto_key_passes
 from megatron_hyscale.ops.kernels.options import IndexerLossKernelOptions, Tilings
@@ -781,8 +782,8 @@ def indexer_loss_bwd(q_index, weights, k_index, indices, p, lse, psum, grad, coe
     if mode not in (MODE_ATOMIC, MODE_DISCARD) or (deterministic and mode == MODE_DISCARD):
         raise ValueError(f"mode must be MODE_ATOMIC ({MODE_ATOMIC}) or, not deterministic, "
                          f"MODE_DISCARD ({MODE_DISCARD}); got {mode!r}")
-    sm90 = (_hopper_backward_module() if options.bwd_sm90 and q_index.is_cuda
-            and torch.cuda.get_device_capability(q_index.device)[0] == 9 else None)
+    sm90 = (_hopper_backward_module() if options.bwd_sm90 and on_hopper(q_index)
+            else None)
     if sm90 is not None:
         passes = options.bwd_key_passes or auto_key_passes(k_index.shape[1])
         passes = passes if keys_ascending and not options.bwd_lockstep else 1

@@ -528,8 +528,7 @@ def applies(q_index: torch.Tensor, k_index: torch.Tensor, *, deterministic: bool
     return (not deterministic and mode in (MODE_ATOMIC, MODE_DISCARD)
             and q_index.dtype == torch.bfloat16 and k_index.dtype == torch.bfloat16
             and q_index.dim() == 4 and q_index.shape[2] in HEADS
-            and q_index.shape[3] == HEAD_DIM and q_index.is_cuda
-            and torch.cuda.get_device_capability(q_index.device)[0] == 9
+            and q_index.shape[3] == HEAD_DIM and common.on_hopper(q_index)
             and failed not in _disabled)
 
 

@@ -64,6 +64,7 @@ from megatron_hyscale.ops.kernels.common import (
     launch_grid,
     lockstep_plan,
     lockstep_step,
+    on_hopper,
 )
 from megatron_hyscale.ops.kernels.options import AttentionKernelOptions, Tilings
 from megatron_hyscale.ops.kernels.tiling import launch_first_fitting
@@ -950,7 +951,7 @@ def hopper_forward(q, k, v, dv, sink, prefix_lengths, *,
         return None
     sm90, import_error = hopper_forward_module()
     if sm90 is None:
-        if warn and torch.cuda.get_device_capability(q.device)[0] == 9:
+        if warn and on_hopper(q):
             warn_once("sparse-mla-fwd-sm90: import", "HyScale: the Hopper sparse-MLA forward "
                       f"cannot be loaded ({import_error}); using the Triton forward",
                       stacklevel=4)
@@ -1319,7 +1320,7 @@ def _sm90_backward(q, k, v, indices, softmax_scale, out, lse, dout, dlse, dv, si
         return None
     bwd, import_error = hopper_backward_module()
     if bwd is None:
-        if torch.cuda.get_device_capability(q.device)[0] == 9:
+        if on_hopper(q):
             warn_once("sparse-mla-bwd-sm90: import", "HyScale: the Hopper sparse-MLA backward "
                       f"cannot be loaded ({import_error}); using the Triton backward",
                       stacklevel=5)

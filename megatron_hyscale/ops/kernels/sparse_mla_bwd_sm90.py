@@ -35,7 +35,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from megatron_hyscale.ops.checks import KernelVariants
-from megatron_hyscale.ops.kernels.common import LOG2E, LOG2E_JIT, SYNC_SPINS, lockstep_plan
+from megatron_hyscale.ops.kernels.common import (
+    LOG2E,
+    LOG2E_JIT,
+    SYNC_SPINS,
+    lockstep_plan,
+    on_hopper,
+)
 from megatron_hyscale.ops.kernels.gluon_common import (
     gather_rows,
     item_steps,
@@ -517,7 +523,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
     one KV head, V = K's main part of 128 / 256 / 512 channels (v None, dv = that part), a
     tail of 0 or TAIL channels, query heads that fit (`heads_fit`), and the variant not
     disabled by an earlier failure. A sink and a dense prefix (HCA's) are taken."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not on_hopper(q):
         return False
     d = q.shape[-1]
     d_main = 1 << (d.bit_length() - 1)

@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from megatron_hyscale.ops.checks import KernelVariants
-from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E, launch_grid
+from megatron_hyscale.ops.kernels.common import LN2_JIT, LOG2E, launch_grid, on_hopper
 from megatron_hyscale.ops.kernels.gluon_common import kernel_strides, program_coords
 from megatron_hyscale.ops.kernels.options import AttentionKernelOptions
 
@@ -213,7 +213,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, dv: int,
     a sink, a dense prefix (HCA's prefix_lengths) and fewer than BLOCK_H query heads (one
     block padded with zero queries whose rows are not stored: tensor parallelism's share of
     GLM-5.1's 64)."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not on_hopper(q):
         return False
     d = q.shape[-1]
     d_main = 1 << (d.bit_length() - 1)
