@@ -219,14 +219,6 @@ MAX_T = {"naive": 32768, "chunked": 131072, "table": 131072, "scoreonly": 131072
          "scoreonly_sm90": 131072, "scoreonly_sm90_free": 131072,
          "scoreonly_sm90_ahead": 131072,
          "hytopk_default": 1048576, "hytopk_default_key": 1048576,
-         "hytopk_scores_sm90": 1048576, "hytopk_scores_sm90_immediate": 1048576,
-         "hytopk_scores_sm90_gluon_sample": 1048576,
-         "hytopk_scores_sm90_gluon_sample_x4": 1048576,
-         "hytopk_scores_sm90_radix_pick": 1048576,
-         "hytopk_scores_sm90_scan_slots": 1048576,
-         "hytopk_scores_sm90_radix_pick_key": 1048576,
-         "hytopk_scores_sm90_scan_slots_key": 1048576,
-         "hytopk_scores_sm90_ahead_key": 1048576, "hytopk_scores_sm90_ahead6_key": 1048576,
          "hytopk_fp8_scores_sm90": 1048576, "scoreonly_sm90_fp8": 131072,
          # megatron's cudnn selection scores every chunk after the first with per-head fp32
          # torch matmuls (dsa_cudnn_kernels._compute_indexer_scores_chunk_with_global_rows)
@@ -819,6 +811,27 @@ OPTION_METHODS = {
 }
 
 
+# HyTopK's Gluon path (`run_hytopk_scores_sm90`) by its arguments, one entry a method: each is
+# a variant compared with the default's rows (VARIANT_METHODS; in key order those with order
+# "key": KEY_ORDER_METHODS), runs on Gluon kernels (GLUON_METHODS) and at every length.
+_TABLE_RADIX = dict(sample_table=True, sample_pick="radix")
+_SCAN_KEY = dict(_TABLE_RADIX, scan_slots=True, order="key")
+GLUON_SELECTIONS = {
+    "hytopk_scores_sm90": {},
+    "hytopk_scores_sm90_immediate": dict(defer_store=False),
+    "hytopk_scores_sm90_gluon_sample": dict(sample_table=True),
+    "hytopk_scores_sm90_gluon_sample_x4": dict(sample_table=True, samples=8192),
+    "hytopk_scores_sm90_radix_pick": _TABLE_RADIX,
+    "hytopk_scores_sm90_scan_slots": dict(_TABLE_RADIX, scan_slots=True),
+    # In key order, as the layers select: the scan's buffers need no row sort then.
+    "hytopk_scores_sm90_radix_pick_key": dict(_TABLE_RADIX, order="key"),
+    "hytopk_scores_sm90_scan_slots_key": _SCAN_KEY,
+    # That with each product issued before the last one's epilogue, 4 and 6 key tiles in flight.
+    "hytopk_scores_sm90_ahead_key": dict(_SCAN_KEY, mma_ahead=True),
+    "hytopk_scores_sm90_ahead6_key": dict(_SCAN_KEY, mma_ahead=True, stages=6),
+}
+
+
 METHODS = {
     "hytopk": run_hytopk,
     "hytopk_default": run_hytopk_default,
@@ -829,30 +842,8 @@ METHODS = {
     "scoreonly_sm90": run_scoreonly_sm90,
     "scoreonly_sm90_free": functools.partial(run_scoreonly_sm90, pingpong=False),
     "scoreonly_sm90_ahead": functools.partial(run_scoreonly_sm90, mma_ahead=True),
-    "hytopk_scores_sm90": run_hytopk_scores_sm90,
-    "hytopk_scores_sm90_immediate": functools.partial(run_hytopk_scores_sm90,
-                                                      defer_store=False),
-    "hytopk_scores_sm90_gluon_sample": functools.partial(run_hytopk_scores_sm90,
-                                                         sample_table=True),
-    "hytopk_scores_sm90_gluon_sample_x4": functools.partial(run_hytopk_scores_sm90,
-                                                            sample_table=True, samples=8192),
-    "hytopk_scores_sm90_radix_pick": functools.partial(run_hytopk_scores_sm90, sample_table=True,
-                                                       sample_pick="radix"),
-    "hytopk_scores_sm90_scan_slots": functools.partial(run_hytopk_scores_sm90, sample_table=True,
-                                                       sample_pick="radix", scan_slots=True),
-    # In key order, as the layers select: the scan's buffers need no row sort then.
-    "hytopk_scores_sm90_radix_pick_key": functools.partial(
-        run_hytopk_scores_sm90, sample_table=True, sample_pick="radix", order="key"),
-    "hytopk_scores_sm90_scan_slots_key": functools.partial(
-        run_hytopk_scores_sm90, sample_table=True, sample_pick="radix", scan_slots=True,
-        order="key"),
-    # That with each product issued before the last one's epilogue, 4 and 6 key tiles in flight.
-    "hytopk_scores_sm90_ahead_key": functools.partial(
-        run_hytopk_scores_sm90, sample_table=True, sample_pick="radix", scan_slots=True,
-        order="key", mma_ahead=True),
-    "hytopk_scores_sm90_ahead6_key": functools.partial(
-        run_hytopk_scores_sm90, sample_table=True, sample_pick="radix", scan_slots=True,
-        order="key", mma_ahead=True, stages=6),
+    **{name: functools.partial(run_hytopk_scores_sm90, **fields)
+       for name, fields in GLUON_SELECTIONS.items()},
     "hytopk_fp8_scores_sm90": run_hytopk_fp8_scores_sm90,
     "scoreonly_sm90_fp8": run_scoreonly_sm90_fp8,
     **{name: with_options(run, **fields) for name, (run, fields) in OPTION_METHODS.items()},
@@ -882,16 +873,7 @@ WIDE_COMPILED = set()
 VARIANT_METHODS = tuple(SELECT_VARIANTS) + ("hytopk_select_unordered", "hytopk_sort_bitonic",
                                              "hytopk_occ3", "hytopk_occ3_s3",
                                              "hytopk_append_tl", "hytopk_key_tma",
-                                             "hytopk_scores_sm90",
-                                             "hytopk_scores_sm90_immediate",
-                                             "hytopk_scores_sm90_gluon_sample",
-                                             "hytopk_scores_sm90_gluon_sample_x4",
-                                             "hytopk_scores_sm90_radix_pick",
-                                             "hytopk_scores_sm90_scan_slots",
-                                             "hytopk_scores_sm90_radix_pick_key",
-                                             "hytopk_scores_sm90_scan_slots_key",
-                                             "hytopk_scores_sm90_ahead_key",
-                                             "hytopk_scores_sm90_ahead6_key",
+                                             *GLUON_SELECTIONS,
                                              "hytopk_default", "hytopk_default_key")
 # What ops.hytopk runs by default (it switches kernels with the length: a first call at a
 # length may compile, so it is made untimed).
@@ -991,16 +973,8 @@ def bench_one(method, T, cfg, kind, rate, reps):
 # The Gluon scores-only methods, compared with the Triton scores-only kernel's row maxima.
 SM90_SCORE_METHODS = ("scoreonly_sm90", "scoreonly_sm90_free", "scoreonly_sm90_ahead")
 # Methods on Gluon kernels: Hopper only (no interpreter).
-GLUON_METHODS = SM90_SCORE_METHODS + ("hytopk_scores_sm90", "hytopk_scores_sm90_immediate",
-                                      "hytopk_scores_sm90_gluon_sample",
-                                      "hytopk_scores_sm90_gluon_sample_x4",
-                                      "hytopk_scores_sm90_radix_pick",
-                                      "hytopk_scores_sm90_scan_slots",
-                                      "hytopk_scores_sm90_radix_pick_key",
-                                      "hytopk_scores_sm90_scan_slots_key",
-                                      "hytopk_scores_sm90_ahead_key",
-                                      "hytopk_scores_sm90_ahead6_key",
-                                      "hytopk_fp8_scores_sm90", "scoreonly_sm90_fp8")
+GLUON_METHODS = SM90_SCORE_METHODS + (*GLUON_SELECTIONS, "hytopk_fp8_scores_sm90",
+                                      "scoreonly_sm90_fp8")
 # Longest T at which the library paths' selections are compared with HyTopK's, row by row.
 SAME_SET_MAX_T = 131072
 
@@ -1017,9 +991,8 @@ def same_sets_as_hytopk(idx, q, k, w, topk, relu, ref=None):
 # Variants whose rows come in no order (compared as sets), and in key order (compared with
 # the default's rows sorted by index: a broken key order shows).
 SET_COMPARED_METHODS = ("hytopk_select_unordered",)
-KEY_ORDER_METHODS = ("hytopk_scores_sm90_radix_pick_key", "hytopk_scores_sm90_scan_slots_key",
-                     "hytopk_scores_sm90_ahead_key", "hytopk_scores_sm90_ahead6_key",
-                     "hytopk_default_key")
+KEY_ORDER_METHODS = (*(name for name, fields in GLUON_SELECTIONS.items()
+                       if fields.get("order") == "key"), "hytopk_default_key")
 
 
 def agreement_with_hytopk(method, out, q, k, w, topk, relu):

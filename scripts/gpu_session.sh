@@ -159,8 +159,9 @@
 #                                         # tiles in flight): its GPU tests (smoke first),
 #                                         # then timed beside today's default in key order,
 #                                         # GLM-5.1 / V3.2 / the folded query at AHEAD_T
-#                                         # (16K 64K 128K), and the scores alone at 128K
-#                                         #                                         (~7 min)
+#                                         # (16K 64K 128K), the scores alone at 128K, the
+#                                         # op against its path called directly at 16K
+#                                         # (ten repetitions)                       (~8 min)
 #   bash scripts/gpu_session.sh profile-layers  # issues #20 items 4-5: one profiled step
 #                                         # (bench_layer.py --profile-kernels) of the QSA
 #                                         # layer at 512K (PROFILE_QSA_T) and the GLM-5.1 DSA
@@ -902,6 +903,12 @@ case "$stage" in
     timeout 120 python3 scripts/bench_selection.py --T 131072 --configs glm51 norelu --reps 3 \
       --methods scoreonly_sm90 scoreonly_sm90_ahead --tag _scores_ahead --out "$out" 2>&1 \
       | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_scores.log"
+    # At 16K the op (hytopk_default_key) took 1.3-1.9 ms more than the same path called
+    # directly (_scan_slots_key) on 2026-12-07, three repetitions each: ten here.
+    timeout 90 python3 scripts/bench_selection.py --T 16384 --configs glm51 dsv32 --reps 10 \
+      --methods hytopk_default_key hytopk_scores_sm90_scan_slots_key \
+      hytopk_scores_sm90_ahead_key --tag _op_16k --out "$out" 2>&1 | grep -v -i warn \
+      | grep -E "^random|Error|error" | tee "$out/bench_selection_op_16k.log"
     ;;
   key-tma)
     # Issue #21: the key tiles through TMA. The TMA cases of the select-variant tests first

@@ -51,6 +51,23 @@ def test_select_methods_select_as_the_op(sel, monkeypatch):  # noqa: F811
     assert torch.equal(best, want[1][..., 0])
 
 
+def test_gluon_selections_are_declared_once(sel):  # noqa: F811
+    """Each entry of GLUON_SELECTIONS is a method that hands its fields to
+    run_hytopk_scores_sm90 (HyTopKOptions), a variant compared with the default, a Gluon
+    method (not run off Hopper), unlimited in length, and in KEY_ORDER_METHODS exactly when it
+    asks for key order."""
+    assert {"hytopk_scores_sm90_ahead_key", "hytopk_scores_sm90_scan_slots"} <= set(
+        sel.GLUON_SELECTIONS)
+    for name, fields in sel.GLUON_SELECTIONS.items():
+        assert sel.METHODS[name].func is sel.run_hytopk_scores_sm90, name
+        assert sel.METHODS[name].keywords == fields, name
+        assert name in sel.VARIANT_METHODS and name in sel.GLUON_METHODS, name
+        assert name not in sel.MAX_T, name
+        assert (name in sel.KEY_ORDER_METHODS) == (fields.get("order") == "key"), name
+    assert sel.GLUON_SELECTIONS["hytopk_scores_sm90_ahead6_key"] == dict(
+        sel.GLUON_SELECTIONS["hytopk_scores_sm90_ahead_key"], stages=6)
+
+
 def test_a_variant_that_differs_reports_its_share_of_equal_rows(sel, monkeypatch):  # noqa: F811
     """Bitwise equal: no share; a row out of order: not equal, every set equal; one row's
     set changed: that row alone counted out."""
