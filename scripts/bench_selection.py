@@ -81,9 +81,10 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              key tile, no atomics (scores_sm90_scan_slots; the phases' filter_scan times the
              filter alone so); hytopk_scores_sm90_radix_pick_key, _scan_slots_key: the two in
              key order (the layers' order; the scan's key-ordered buffers skip the row sort;
-             compared with the default's rows sorted by key); hytopk_scores_sm90_ahead_key,
-             _ahead6_key: _scan_slots_key with each consumer's next product issued before
-             the last tile's epilogue (scores_sm90_mma_ahead), 4 and 6 key tiles in flight
+             compared with the default's rows sorted by key); hytopk_scores_sm90_ahead:
+             _scan_slots with each consumer's next product issued before the last tile's
+             epilogue (scores_sm90_mma_ahead); _ahead_key, _ahead6_key: that in key order, 4
+             and 6 key tiles in flight
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
   128K; where not, same_rows_as_hytopk: the share of rows whose selected set equals the
   Triton kernel's, as the library methods report it)
@@ -823,6 +824,7 @@ GLUON_SELECTIONS = {
     "hytopk_scores_sm90_gluon_sample_x4": dict(sample_table=True, samples=8192),
     "hytopk_scores_sm90_radix_pick": _TABLE_RADIX,
     "hytopk_scores_sm90_scan_slots": dict(_TABLE_RADIX, scan_slots=True),
+    "hytopk_scores_sm90_ahead": dict(_TABLE_RADIX, scan_slots=True, mma_ahead=True),
     # In key order, as the layers select: the scan's buffers need no row sort then.
     "hytopk_scores_sm90_radix_pick_key": dict(_TABLE_RADIX, order="key"),
     "hytopk_scores_sm90_scan_slots_key": _SCAN_KEY,

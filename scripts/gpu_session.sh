@@ -883,6 +883,7 @@ case "$stage" in
     # tile's epilogue (HyTopKOptions.scores_sm90_mma_ahead, scores_sm90_stages). Its smallest
     # row-max cases first (a fault may hang), then its kernel tests, then the filter's and the
     # op's; then timed beside today's default (key order, the layers') in the same process,
+    # beside the same path without it called the same way (the op adds 1.3-1.9 ms at 16K),
     # cuDNN's where installed, and the scores alone beside the default scores. AHEAD_T,
     # AHEAD_CONFIGS, AHEAD_BENCH_S: the bench's lengths, configs and limit.
     smoke_then_tests tests/ops/test_indexer_scores_sm90.py \
@@ -897,8 +898,9 @@ case "$stage" in
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout "${AHEAD_BENCH_S:-300}" python3 scripts/bench_selection.py \
       --T ${AHEAD_T:-16384 65536 131072} --configs ${AHEAD_CONFIGS:-glm51 dsv32 norelu} \
-      --reps 3 --methods hytopk_default_key hytopk_scores_sm90_ahead_key \
-      hytopk_scores_sm90_ahead6_key "${library[@]}" --tag _mma_ahead --out "$out" 2>&1 \
+      --reps 3 --methods hytopk_default_key hytopk_scores_sm90_scan_slots_key \
+      hytopk_scores_sm90_ahead_key hytopk_scores_sm90_ahead6_key "${library[@]}" \
+      --tag _mma_ahead --out "$out" 2>&1 \
       | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_ahead.log"
     timeout 120 python3 scripts/bench_selection.py --T 131072 --configs glm51 norelu --reps 3 \
       --methods scoreonly_sm90 scoreonly_sm90_ahead --tag _scores_ahead --out "$out" 2>&1 \

@@ -738,6 +738,10 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
         32, scan_slots=True, mma_ahead=True, stages=6),
     "indexer-filter-sm90-folded-scan-ahead": lambda: _indexer_filter_sm90(
         4, relu=False, scan_slots=True, mma_ahead=True),
+    "indexer-filter-sm90-folded-ahead": lambda: _indexer_filter_sm90(4, relu=False,
+                                                                     mma_ahead=True),
+    "indexer-filter-sm90-glm51-scan-ahead8": lambda: _indexer_filter_sm90(
+        32, scan_slots=True, mma_ahead=True, stages=8),
     "indexer-table-sm90-dsv32": lambda: _indexer_table_sm90(64),
     "indexer-table-sm90-glm51": lambda: _indexer_table_sm90(32),
     "indexer-scores-sm90-dsv32-fp8": lambda: _indexer_scores_sm90(64, fp8=True),

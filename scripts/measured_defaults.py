@@ -56,15 +56,24 @@ LIBRARY_SELECTION_METHOD = "cudnn"
 # since 2026-12-07: today's default in key order ranks first among the own methods, against
 # cuDNN's rows in key order.
 KEY_ORDER_PAIR = ("hytopk_default_key", "cudnn_key")
-# bench_selection's Gluon-path methods by HyTopKOptions (scores_sm90_sample_table,
-# scores_sm90_sample_pick, scores_sm90_scan_slots): the sample's table, its threshold pick,
-# the filter's slots. Newest first: where a record lacks the default's method, the nearest
-# one it has stands for it (in key order, the layers', each was timed slower than the next
-# newer one on an H100, same runs; in score order within a few percent of it).
-GLUON_METHODS = {(True, "radix", True): "hytopk_scores_sm90_scan_slots",
-                 (True, "radix", False): "hytopk_scores_sm90_radix_pick",
-                 (True, "topk", False): "hytopk_scores_sm90_gluon_sample",
-                 (False, "topk", False): "hytopk_scores_sm90"}
+# The HyTopKOptions fields that tell bench_selection's Gluon-path methods apart (`gluon_key`):
+# the sample's table, its threshold pick, the filter's slots, its product ahead, its ring.
+GLUON_FIELDS = ("scores_sm90_sample_table", "scores_sm90_sample_pick", "scores_sm90_scan_slots",
+                "scores_sm90_mma_ahead", "scores_sm90_stages")
+# Those methods by GLUON_FIELDS' values. Newest first: where a record lacks the default's
+# method, the nearest one it has stands for it (in key order, the layers', each was timed
+# slower than the next newer one on an H100, same runs; in score order within a few percent
+# of it; the product ahead not yet timed).
+GLUON_METHODS = {(True, "radix", True, True, 4): "hytopk_scores_sm90_ahead",
+                 (True, "radix", True, False, 4): "hytopk_scores_sm90_scan_slots",
+                 (True, "radix", False, False, 4): "hytopk_scores_sm90_radix_pick",
+                 (True, "topk", False, False, 4): "hytopk_scores_sm90_gluon_sample",
+                 (False, "topk", False, False, 4): "hytopk_scores_sm90"}
+
+
+def gluon_key(options: dict) -> tuple:
+    """GLUON_METHODS' key of HyTopKOptions fields given as a dict."""
+    return tuple(options.get(name) for name in GLUON_FIELDS)
 # The attention's own times are those of the kernels the defaults run (a record names the
 # kernel of each time); lib_fwd_ms / lib_bwd_ms are FlashMLA's forward and cuDNN's backward.
 LIBRARY_FORWARD = "flashmla"
@@ -125,8 +134,7 @@ def older_default_method(meta: dict, keys: int, relu: bool = True) -> str | None
     min_keys = opts.get("scores_sm90_min_keys") if relu else opts["scores_sm90_folded_min_keys"]
     if opts.get("scores_sm90") is False or min_keys is None or keys < min_keys:
         return "hytopk"
-    return GLUON_METHODS.get((opts.get("scores_sm90_sample_table"),
-                              opts["scores_sm90_sample_pick"], opts["scores_sm90_scan_slots"]))
+    return GLUON_METHODS.get(gluon_key(opts))
 
 
 def own_selection_methods(keys: int, defaults_current: bool = True,
@@ -167,8 +175,7 @@ def library_method(own_method: str) -> str:
 def gluon_path_methods(options: HyTopKOptions) -> tuple[str, tuple[str, ...]]:
     """The bench_selection method running the Gluon path with options' sample ("" if none
     does), and every Gluon method in `GLUON_METHODS`' order with that one's slot left ""."""
-    key = (options.scores_sm90_sample_table, options.scores_sm90_sample_pick,
-           options.scores_sm90_scan_slots)
+    key = gluon_key(dataclasses.asdict(options))
     return (GLUON_METHODS.get(key, ""),
             tuple("" if k == key else m for k, m in GLUON_METHODS.items()))
 

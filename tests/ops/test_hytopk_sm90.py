@@ -622,11 +622,11 @@ def test_only_the_scan_filters_buffers_skip_the_sort(monkeypatch):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert seen and set(seen) == {scan and not injected}
         assert scans == ([] if injected else [scan] * len(scans)) and (injected or scans)
-    assert tunings == {(False, 4)}
+    assert tunings == {(opts.scores_sm90_mma_ahead, opts.scores_sm90_stages)}
     tunings.clear()
     hytopk_sm90.hytopk_sm90(q, k, w, 6, table_fn=torch_table, options=replace(
-        opts, scores_sm90_mma_ahead=True, scores_sm90_stages=6))
-    assert tunings == {(True, 6)}
+        opts, scores_sm90_mma_ahead=not opts.scores_sm90_mma_ahead, scores_sm90_stages=7))
+    assert tunings == {(not opts.scores_sm90_mma_ahead, 7)}
 
 
 @pytest.mark.parametrize("order", ["score", "key", "any"])

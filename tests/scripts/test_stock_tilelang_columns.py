@@ -410,7 +410,7 @@ def test_measured_defaults_trusts_hytopk_default_only_under_todays_defaults(tmp_
 
     today = named()
     same_path = named(scores_sm90_min_keys=default.scores_sm90_min_keys + 1)
-    other_path = named(scores_sm90_sample_pick=other_key[1], scores_sm90_scan_slots=other_key[2])
+    other_path = named(**dict(zip(md.GLUON_FIELDS, other_key, strict=True)))
     triton = named(scores_sm90=False)
 
     def own(meta):
@@ -439,10 +439,11 @@ def test_measured_defaults_trusts_hytopk_default_only_under_todays_defaults(tmp_
     rows[2]["ms"] = 150.0
     assert own(triton) == (160.0, other_method)
     # A record from before a field existed ran its value of then (ADDED_SELECTION_FIELDS):
-    # options naming neither the pick nor the slots ran torch.topk's pick and the atomics.
+    # options naming neither the pick nor the slots (nor the later fields) ran torch.topk's
+    # pick and the atomics.
     before = {k: v for k, v in named()["hytopk_default_options"].items()
-              if k not in ("scores_sm90_sample_pick", "scores_sm90_scan_slots")}
-    then = md.GLUON_METHODS[(default.scores_sm90_sample_table, "topk", False)]
+              if k not in ("scores_sm90_sample_pick", "scores_sm90_scan_slots", *newer)}
+    then = md.GLUON_METHODS[(default.scores_sm90_sample_table, "topk", False, False, 4)]
     rows[3:] = [dict(pair[0], method=then, ms=160.0)]
     assert own({"hytopk_default_options": before}) == (150.0, "hytopk_default")
     assert own(triton) == (160.0, then)

@@ -53,9 +53,10 @@ PAIRS = 128
 # sum runs along N, inside a thread and its quad (no shared memory), and each consumer keeps its
 # rows' running maxima in registers as [keys x rows] until the end.
 BLOCK_S = 64
-# Key tiles in flight. Each is 16 KiB; with the two consumers' 32 KiB query blocks the program
-# takes 128 KiB of shared memory: one program an SM either way (its 12 warps hold the SM's
-# registers), and 4 tiles ahead are 4 x 2 products (~4K cycles) to hide a load behind.
+# Key tiles in flight (the default; `check_stages` bounds a caller's). Each is 16 KiB; with
+# the two consumers' 32 KiB query blocks the program takes 128 KiB of shared memory: one
+# program an SM either way (its 12 warps hold the SM's registers), and 4 tiles ahead are 4 x 2
+# products (~4K cycles) to hide a load behind.
 NUM_STAGES = 4
 # Warps: the default partition (consumer 0) is the kernel's num_warps; consumer 1 and the
 # producer are workers (9 warps, padded to 3 warpgroups: registers are set by warpgroup). The
@@ -103,7 +104,10 @@ LOW32 = gl.constexpr((1 << 32) - 1)
 #             without it the two can settle in lockstep, both epilogues at once and the tensor
 #             core idle. It orders issue only: no data depends on it.
 # Every partition runs the same n_tiles iterations (a consumer whose rows end a tile earlier
-# multiplies a fully masked tile), so each phase of each barrier gets all its arrivals. No
+# multiplies a fully masked tile), so each phase of each barrier gets all its arrivals.
+# MMA_AHEAD: every partition runs the same n_loads = 2 x ceil(n_tiles / 2) + 1 tiles instead
+# (the pairs, then the chain's last product); the last tile's empty phase never completes, and
+# nothing waits on it. A consumer releases tile j before it waits for tile j + 1, as without. No
 # barrier can complete a phase twice ahead of a waiter (which would flip the parity it waits
 # for): ready[i]'s next phase needs the producer past empty[i], which needs both consumers past
 # ready[i]; empty[i]'s next phase needs the next ready[i]; turn[c]'s next phase needs the other
@@ -620,8 +624,9 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
     `indexer_row_max_sm90`'s. scan_slots: each survivor's slot from its row's count in
     registers and a scan over the key tile, no atomics (the survivors in key order; a consumer
     owns its rows; stored at once, defer_store ignored: nothing returns late); False: a
-    relaxed atomic a survivor. mma_ahead, stages: as `indexer_row_max_sm90`'s. Hopper only:
-    the caller checks the device."""
+    relaxed atomic a survivor. mma_ahead, stages: as `indexer_row_max_sm90`'s (mma_ahead
+    ignored for relu=False with the atomics: its registers would spill, as defer_store's).
+    Hopper only: the caller checks the device."""
     check_inputs(q, k, w, k_scale=k_scale, relu=relu)
     check_stages(stages)
     B, T, H, D = q.shape
@@ -643,8 +648,8 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
         _launch(q, k, w, None, t_lo, t_hi, pingpong=pingpong,
                 survivors=(tau, counts, keys, cap),
                 defer_store=defer_store and relu and not scan_slots,
-                k_scale=k_scale, relu=relu, scan_slots=scan_slots, mma_ahead=mma_ahead,
-                stages=stages)
+                k_scale=k_scale, relu=relu, scan_slots=scan_slots,
+                mma_ahead=mma_ahead and (relu or scan_slots), stages=stages)
     return keys, counts
 
 

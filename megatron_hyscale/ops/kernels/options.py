@@ -17,9 +17,10 @@ from typing import ClassVar
 
 # HyTopKOptions.scores_sm90_sample_pick's values.
 SAMPLE_PICKS = ("radix", "topk")
-# HyTopKOptions.scores_sm90_stages' range (`indexer_scores_sm90`: with the product ahead a
-# consumer holds two key tiles; 8 tiles of 16 KiB beside the query blocks and the folded
-# query's scan scratch stay under the 227 KiB of shared memory a block).
+# HyTopKOptions.scores_sm90_stages' range (`indexer_scores_sm90`: a consumer releases each key
+# tile before it waits for the next, with the product ahead too, so 2 suffice; 8 tiles of 16
+# KiB beside the query blocks and the folded query's scan scratch stay under the 227 KiB of
+# shared memory a block).
 SCORES_SM90_STAGES = (2, 8)
 
 
@@ -279,10 +280,12 @@ class HyTopKOptions:
     # epilogue as well as under the other consumer's (without it a consumer's next product
     # waits for its epilogue: an H100 profile of 2026-12-07, GLM-5.1 at 128K, had the tensor
     # core busy 55% of the filter's time, its epilogue longer than the other consumer's
-    # product). Same survivors. False (default) until timed in the same run.
+    # product). Same survivors. False (default) until timed in the same run. No effect without
+    # ReLU and without the scan slots (its two accumulators and the pending atomics' slots
+    # would spill, compiled for sm_90a), as scores_sm90_defer_store.
     scores_sm90_mma_ahead: bool = False
-    # Key tiles (16 KiB each) the Gluon filter keeps in flight (SCORES_SM90_STAGES: 2 to 8);
-    # with scores_sm90_mma_ahead a consumer holds two.
+    # Key tiles (16 KiB each) the Gluon filter keeps in flight (SCORES_SM90_STAGES: 2 to 8):
+    # how far the producer's loads run ahead of the products.
     scores_sm90_stages: int = 4
 
     def __post_init__(self) -> None:
