@@ -69,11 +69,6 @@ GLUON_METHODS = {(True, "radix", True, True, 4): "hytopk_scores_sm90_ahead",
                  (True, "radix", False, False, 4): "hytopk_scores_sm90_radix_pick",
                  (True, "topk", False, False, 4): "hytopk_scores_sm90_gluon_sample",
                  (False, "topk", False, False, 4): "hytopk_scores_sm90"}
-
-
-def gluon_key(options: dict) -> tuple:
-    """GLUON_METHODS' key of HyTopKOptions fields given as a dict."""
-    return tuple(options.get(name) for name in GLUON_FIELDS)
 # The attention's own times are those of the kernels the defaults run (a record names the
 # kernel of each time); lib_fwd_ms / lib_bwd_ms are FlashMLA's forward and cuDNN's backward.
 LIBRARY_FORWARD = "flashmla"
@@ -111,15 +106,24 @@ ADDED_SELECTION_FIELDS = {"scores_sm90_sample_pick": "topk", "scores_sm90_scan_s
                           "scores_sm90_stages": 4}
 
 
+def gluon_key(options: dict) -> tuple:
+    """GLUON_METHODS' key of HyTopKOptions fields given as a dict."""
+    return tuple(options.get(name) for name in GLUON_FIELDS)
+
+
+def default_options_ran(meta: dict) -> dict | None:
+    """The HyTopKOptions fields a bench_selection record's hytopk_default ran (its meta's
+    hytopk_default_options, named since 2026-12-06; a field added since at
+    `ADDED_SELECTION_FIELDS`' value), or None where the record names none."""
+    named = meta.get("hytopk_default_options")
+    return {**ADDED_SELECTION_FIELDS, **named} if isinstance(named, dict) else None
+
+
 def current_defaults(meta: dict) -> bool:
     """Whether a bench_selection record's hytopk_default ran today's HyTopKOptions.DEFAULT
-    (records name the defaults they ran since 2026-12-06; older ones are not trusted; a field
-    added since counts at `ADDED_SELECTION_FIELDS`' value)."""
-    named = meta.get("hytopk_default_options")
-    if not isinstance(named, dict):
-        return False
+    (`default_options_ran`; records naming none are not trusted)."""
     today = json.loads(json.dumps(dataclasses.asdict(HyTopKOptions.DEFAULT)))
-    return {**ADDED_SELECTION_FIELDS, **named} == today
+    return default_options_ran(meta) == today
 
 
 def older_default_method(meta: dict, keys: int, relu: bool = True) -> str | None:
@@ -127,10 +131,9 @@ def older_default_method(meta: dict, keys: int, relu: bool = True) -> str | None
     (its meta's hytopk_default_options, fields added since at `ADDED_SELECTION_FIELDS`): a
     `GLUON_METHODS` entry, "hytopk" (the Triton kernel), or None (the record names no
     options, or its default's Gluon path has no method)."""
-    named = meta.get("hytopk_default_options")
-    if not isinstance(named, dict):
+    opts = default_options_ran(meta)
+    if opts is None:
         return None
-    opts = {**ADDED_SELECTION_FIELDS, **named}
     min_keys = opts.get("scores_sm90_min_keys") if relu else opts["scores_sm90_folded_min_keys"]
     if opts.get("scores_sm90") is False or min_keys is None or keys < min_keys:
         return "hytopk"
@@ -142,12 +145,11 @@ def own_selection_methods(keys: int, defaults_current: bool = True,
     """The methods whose time stands for HyScale's default selection over `keys` keys, best
     first: where the record ran today's defaults, hytopk_default_key (the layers' order,
     against cuDNN's in key order: `library_method`), then hytopk_default; the method running
-    today's
-    default path (on Hopper from HyTopKOptions.scores_sm90_min_keys keys, without ReLU from
-    scores_sm90_folded_min_keys, None: never, the Gluon path with the sample and slots the
-    default takes, `GLUON_METHODS`; the records that hold it ran on Hopper, else the Triton
-    kernel); on the Gluon path, the other Gluon methods with the
-    default's sample table, newest first (the same path but an older pick or slots: nearer
+    today's default path (on Hopper from HyTopKOptions.scores_sm90_min_keys keys, without ReLU
+    from scores_sm90_folded_min_keys, None: never, the Gluon path with the sample and slots
+    the default takes, `GLUON_METHODS`; the records that hold it ran on Hopper, else the
+    Triton kernel); on the Gluon path, the other Gluon methods with the default's sample
+    table, newest first (the same path but an older pick or slots: nearer
     today's than an older default, which may have run the Triton kernel at that length);
     hytopk_default of older defaults; the Gluon methods with the other sample table; the
     Triton kernel (hytopk). Fixed slots ("" where a record has no such method), so a method

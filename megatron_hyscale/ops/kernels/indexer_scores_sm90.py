@@ -43,7 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megatron_hyscale.ops.checks import check_same_device, check_tensor
 from megatron_hyscale.ops.kernels.common import MAX_TMA_ROWS
-from megatron_hyscale.ops.kernels.options import SCORES_SM90_STAGES
+from megatron_hyscale.ops.kernels.options import check_stages
 
 # Head dimension: the wgmma's K (8 k-steps of 16).
 HEAD_DIM = 128
@@ -578,13 +578,6 @@ def check_keys(k: torch.Tensor, shape: tuple[int, int, int], what: str = "") -> 
         raise ValueError("k must be 16-byte aligned for TMA")
 
 
-def check_stages(stages: int) -> None:
-    """ValueError unless stages (key tiles in flight) is an int in SCORES_SM90_STAGES."""
-    lo, hi = SCORES_SM90_STAGES
-    if isinstance(stages, bool) or not (isinstance(stages, int) and lo <= stages <= hi):
-        raise ValueError(f"stages must be an int from {lo} to {hi}, got {stages!r}")
-
-
 def indexer_row_max_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *,
                          pingpong: bool = True, k_scale: torch.Tensor | None = None,
                          relu: bool = True, mma_ahead: bool = False,
@@ -684,8 +677,7 @@ def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=T
     (tau, counts, keys, cap) the survivors (defer_store: `_consumer`'s DEFER_STORE), or with
     table the scores into out [B, t_hi - t_lo, S] against keys every key_stride-th; k_scale
     with e4m3 q and k; scan_slots, mma_ahead: `_consumer`'s SCAN_SLOTS, MMA_AHEAD; stages: key
-    tiles in flight (`check_stages`)."""
-    check_stages(stages)
+    tiles in flight (checked by the callers: `check_stages`)."""
     B, T, H, D = q.shape
     rows = PAIRS // H
     q_layout, k_layout, red_layout, flt_layout = _shared_layouts(H, q.dtype)

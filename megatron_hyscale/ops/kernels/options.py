@@ -24,6 +24,14 @@ SAMPLE_PICKS = ("radix", "topk")
 SCORES_SM90_STAGES = (2, 8)
 
 
+def check_stages(stages: int, name: str = "stages") -> None:
+    """ValueError naming `name` unless stages (the Gluon scores' key tiles in flight) is an int
+    in SCORES_SM90_STAGES."""
+    lo, hi = SCORES_SM90_STAGES
+    if isinstance(stages, bool) or not (isinstance(stages, int) and lo <= stages <= hi):
+        raise ValueError(f"{name} must be an int from {lo} to {hi}, got {stages!r}")
+
+
 @dataclass(frozen=True)
 class HyTopKOptions:
     """Variants and tunings of the HyTopK kernel (`kernels/hytopk.py`); the outputs are
@@ -296,13 +304,7 @@ class HyTopKOptions:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"HyTopKOptions.{name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
-        stages = self.scores_sm90_stages
-        if isinstance(stages, bool) or not (isinstance(stages, int)
-                                            and SCORES_SM90_STAGES[0] <= stages
-                                            <= SCORES_SM90_STAGES[1]):
-            raise ValueError(f"HyTopKOptions.scores_sm90_stages must be an int from "
-                             f"{SCORES_SM90_STAGES[0]} to {SCORES_SM90_STAGES[1]}, got "
-                             f"{stages!r}")
+        check_stages(self.scores_sm90_stages, "HyTopKOptions.scores_sm90_stages")
         if self.scores_sm90_sample_pick not in SAMPLE_PICKS:
             raise ValueError(f"HyTopKOptions.scores_sm90_sample_pick must be one of "
                              f"{SAMPLE_PICKS}, got {self.scores_sm90_sample_pick!r}")
