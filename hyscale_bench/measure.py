@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -129,8 +131,21 @@ def save_record(script: str, config: str, records: list[dict], *, matmul: float,
         path = os.path.join(folder, f"{date}-{slug}-{script}-{config}-{run}.json")
         run += 1
     with open(path, "w") as f:
-        json.dump({"meta": meta, "records": records}, f, indent=1, default=str)
+        json.dump(_strict({"meta": meta, "records": records}), f, indent=1, default=str,
+                  allow_nan=False)
     return path
+
+
+def _strict(value: Any) -> Any:
+    """`value` with every non-finite float as None: a rate or difference not measured (NaN on
+    the CPU, a broken run) is JSON null, which every JSON reader parses, unlike NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
 
 
 def require_cuda(script_name: str, hint: str = "run it on the GPU machine") -> None:

@@ -63,6 +63,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hyscale_bench.measure import (  # noqa: E402
+    copy_tbps,
     log,
     matmul_tflops,
     parse_tiling,
@@ -492,9 +493,9 @@ def loss_variant_row(x, idx, options, warmup, reps, deterministic, reference=Non
 def loss_variant_sweep(shapes, Ts, names, deterministic, warmup, reps, out_dir):
     """Each of `names` (LOSS_VARIANTS, or "all") beside the default per shape and T; JSON."""
     names = list(LOSS_VARIANTS) if names == ["all"] else names
-    mm = matmul_tflops()
+    mm, bw = matmul_tflops(), copy_tbps()
     meta = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                command=" ".join(sys.argv), torch=torch.__version__, matmul_tflops=mm,
+                command=" ".join(sys.argv), torch=torch.__version__, matmul_tflops=mm, copy_tbps=bw,
                 variants={n: {k: list(v) if isinstance(v, tuple) else v
                               for k, v in LOSS_VARIANTS[n].items()} for n in names},
                 results=[])
@@ -527,7 +528,7 @@ def loss_variant_sweep(shapes, Ts, names, deterministic, warmup, reps, out_dir):
             with open(path, "w") as fh:
                 json.dump(meta, fh, indent=1)
             save_record("bench_indexer_loss_variants", "-".join(shapes), meta["results"],
-                        matmul=mm, copy=float("nan"), extra={"variants": meta["variants"]})
+                        matmul=mm, copy=bw, extra={"variants": meta["variants"]})
             # ref holds the default's gradients at this T: not to be held through the next T.
             del x, idx, ref
             torch.cuda.empty_cache()
@@ -589,9 +590,9 @@ def main():
                            args.reps, args.out)
         return
     json_path = os.path.join(args.out, "bench_indexer_loss.json")
-    mm = matmul_tflops()
+    mm, bw = matmul_tflops(), copy_tbps()
     meta = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                command=" ".join(sys.argv), torch=torch.__version__, matmul_tflops=mm,
+                command=" ".join(sys.argv), torch=torch.__version__, matmul_tflops=mm, copy_tbps=bw,
                 results=[])
     log(f"{meta['device']}  bf16 matmul {mm:.0f} TFLOP/s  ({meta['date']})")
     header = (f"{'shape':6} {'T':>7} {'fwd ms':>8} {'bwd ms':>8} {'fwd TF/s':>9} {'%mm':>5} "
@@ -677,8 +678,7 @@ def main():
             with open(json_path, "w") as fh:
                 json.dump(meta, fh, indent=1)
             save_record("bench_indexer_loss", shape,
-                        [r for r in meta["results"] if r["shape"] == shape], matmul=mm,
-                        copy=float("nan"))
+                        [r for r in meta["results"] if r["shape"] == shape], matmul=mm, copy=bw)
             del x, idx
             torch.cuda.empty_cache()
     log(f"wrote {json_path}")

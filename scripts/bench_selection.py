@@ -59,7 +59,9 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              a zero one, 32 rows a consumer; its folding timed with it); reports
              max_diff_vs_scoreonly (its row maxima against the Triton scores-only kernel's);
              scoreonly_sm90_free: the same without the ping-pong; scoreonly_sm90_ahead: with
-             each product issued before the last one's epilogue (scores_sm90_mma_ahead)
+             each product issued before the last one's epilogue (scores_sm90_mma_ahead);
+             scoreonly_sm90_part_major: the folded parts part-major
+             (scores_sm90_folded_part_major; as scoreonly_sm90 with ReLU)
   hytopk_scores_sm90  HyTopK on those Gluon scores (HyTopKOptions.scores_sm90,
              `kernels/hytopk_sm90.py`): sampled thresholds, the Gluon filter appending each
              row's survivors, HyTopK's select over them, missed rows redone by the Triton
@@ -84,7 +86,9 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              compared with the default's rows sorted by key); hytopk_scores_sm90_ahead:
              _scan_slots with each consumer's next product issued before the last tile's
              epilogue (scores_sm90_mma_ahead); _ahead_key, _ahead6_key: that in key order, 4
-             and 6 key tiles in flight
+             and 6 key tiles in flight; _part_major_key: _scan_slots_key with the folded
+             query's parts part-major (scores_sm90_folded_part_major; the same as
+             _scan_slots_key with ReLU), _part_major_ahead_key: that with the product ahead
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
   128K; where not, same_rows_as_hytopk: the share of rows whose selected set equals the
   Triton kernel's, as the library methods report it)
@@ -481,17 +485,21 @@ def run_scoreonly(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT):
                       mode=hk.MODE_SCORES_ONLY, options=options)
 
 
-def run_scoreonly_sm90(q, k, w, topk, relu, pingpong=True, mma_ahead=False):
+def run_scoreonly_sm90(q, k, w, topk, relu, pingpong=True, mma_ahead=False, part_major=False):
     """The warp-specialized Gluon scores (`kernels/indexer_scores_sm90.py`): each causal row's
     largest score, as `scoreonly` writes; ReLU configs with 32 or 64 heads of 128 dims, or
     without ReLU the folded query's bf16 parts (their folding timed with them). mma_ahead:
-    each product issued before the last one's epilogue (scores_sm90_mma_ahead)."""
+    each product issued before the last one's epilogue (scores_sm90_mma_ahead); part_major:
+    the folded parts stored part-major (scores_sm90_folded_part_major; no effect with
+    ReLU)."""
     from megatron_hyscale.ops.kernels.hytopk_sm90 import folded_parts
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_row_max_sm90
 
+    part_major = part_major and not relu
     if not relu:
-        q, w = folded_parts(q, w)
-    return indexer_row_max_sm90(q, k, w, pingpong=pingpong, relu=relu, mma_ahead=mma_ahead)
+        q, w = folded_parts(q, w, part_major=part_major)
+    return indexer_row_max_sm90(q, k, w, pingpong=pingpong, relu=relu, mma_ahead=mma_ahead,
+                                part_major=part_major)
 
 
 def run_scoreonly_sm90_fp8(q, k, w, topk, relu):
@@ -529,20 +537,22 @@ def run_hytopk_default(q, k, w, topk, relu, order="score"):
 def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, defer_store=True,
                            sample_table=False, samples=HyTopKOptions.DEFAULT.scores_sm90_samples,
                            sample_pick="topk", scan_slots=False, order="score", mma_ahead=False,
-                           stages=HyTopKOptions.DEFAULT.scores_sm90_stages):
+                           stages=HyTopKOptions.DEFAULT.scores_sm90_stages,
+                           folded_part_major=False):
     """HyTopK from the warp-specialized Gluon scores (`kernels/hytopk_sm90.py`,
     HyTopKOptions.scores_sm90): sampled thresholds, the Gluon filter, a select over the
     survivors, the missed rows redone by the Triton kernel. ReLU configs with 32 or 64 heads,
     or without ReLU any head count (the folded query's bf16 parts). defer_store, sample_table,
-    samples, sample_pick, scan_slots, mma_ahead, stages: HyTopKOptions.scores_sm90_defer_store,
-    _sample_table, _samples, _sample_pick, _scan_slots, _mma_ahead, _stages; order: the rows'
-    order ("key": the layers')."""
+    samples, sample_pick, scan_slots, mma_ahead, stages, folded_part_major:
+    HyTopKOptions.scores_sm90_defer_store, _sample_table, _samples, _sample_pick, _scan_slots,
+    _mma_ahead, _stages, _folded_part_major; order: the rows' order ("key": the layers')."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
     opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True, scores_sm90_defer_store=defer_store,
                    scores_sm90_sample_table=sample_table, scores_sm90_samples=samples,
                    scores_sm90_sample_pick=sample_pick, scores_sm90_scan_slots=scan_slots,
-                   scores_sm90_mma_ahead=mma_ahead, scores_sm90_stages=stages)
+                   scores_sm90_mma_ahead=mma_ahead, scores_sm90_stages=stages,
+                   scores_sm90_folded_part_major=folded_part_major)
     return hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, stats=stats, relu=relu,
                                    order=order)
 
@@ -825,12 +835,17 @@ GLUON_SELECTIONS = {
     "hytopk_scores_sm90_radix_pick": _TABLE_RADIX,
     "hytopk_scores_sm90_scan_slots": dict(_TABLE_RADIX, scan_slots=True),
     "hytopk_scores_sm90_ahead": dict(_TABLE_RADIX, scan_slots=True, mma_ahead=True),
+    "hytopk_scores_sm90_part_major": dict(_TABLE_RADIX, scan_slots=True, folded_part_major=True),
     # In key order, as the layers select: the scan's buffers need no row sort then.
     "hytopk_scores_sm90_radix_pick_key": dict(_TABLE_RADIX, order="key"),
     "hytopk_scores_sm90_scan_slots_key": _SCAN_KEY,
     # That with each product issued before the last one's epilogue, 4 and 6 key tiles in flight.
     "hytopk_scores_sm90_ahead_key": dict(_SCAN_KEY, mma_ahead=True),
     "hytopk_scores_sm90_ahead6_key": dict(_SCAN_KEY, mma_ahead=True, stages=6),
+    # The folded query's parts part-major (no effect with ReLU), and that with the product ahead.
+    "hytopk_scores_sm90_part_major_key": dict(_SCAN_KEY, folded_part_major=True),
+    "hytopk_scores_sm90_part_major_ahead_key": dict(_SCAN_KEY, folded_part_major=True,
+                                                    mma_ahead=True),
 }
 
 
@@ -844,6 +859,7 @@ METHODS = {
     "scoreonly_sm90": run_scoreonly_sm90,
     "scoreonly_sm90_free": functools.partial(run_scoreonly_sm90, pingpong=False),
     "scoreonly_sm90_ahead": functools.partial(run_scoreonly_sm90, mma_ahead=True),
+    "scoreonly_sm90_part_major": functools.partial(run_scoreonly_sm90, part_major=True),
     **{name: functools.partial(run_hytopk_scores_sm90, **fields)
        for name, fields in GLUON_SELECTIONS.items()},
     "hytopk_fp8_scores_sm90": run_hytopk_fp8_scores_sm90,

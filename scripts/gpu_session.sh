@@ -153,15 +153,17 @@
 #                                         # the folded query at PICK_T (16K 64K 128K), then the
 #                                         # phases at 128K (sample_pick beside sample_topk,
 #                                         # filter_scan beside filter)                (~6 min)
-#   bash scripts/gpu_session.sh mma-ahead # issue #21 item 1: the Gluon filter's consumers
-#                                         # issuing each product before the last tile's
-#                                         # epilogue (scores_sm90_mma_ahead; 4 and 6 key
-#                                         # tiles in flight): its GPU tests (smoke first),
-#                                         # then timed beside today's default in key order,
+#   bash scripts/gpu_session.sh mma-ahead PART  # issue #21 items 1-2: the Gluon filter's
+#                                         # consumers issuing each product before the last
+#                                         # tile's epilogue (scores_sm90_mma_ahead; 4 and 6
+#                                         # key tiles in flight) and the folded query's parts
+#                                         # part-major (scores_sm90_folded_part_major). PART
+#                                         # tests: their GPU tests, smoke first (~5 min);
+#                                         # bench: timed beside today's default in key order,
 #                                         # GLM-5.1 / V3.2 / the folded query at AHEAD_T
-#                                         # (16K 64K 128K), the scores alone at 128K, the
-#                                         # op against its path called directly at 16K
-#                                         # (ten repetitions)                       (~8 min)
+#                                         # (16K 64K 128K), the folded query part-major, the
+#                                         # scores alone at 128K, the op against its path
+#                                         # called directly at 16K (ten repetitions) (~8 min)
 #   bash scripts/gpu_session.sh profile-layers  # issues #20 items 4-5: one profiled step
 #                                         # (bench_layer.py --profile-kernels) of the QSA
 #                                         # layer at 512K (PROFILE_QSA_T) and the GLM-5.1 DSA
@@ -879,35 +881,54 @@ case "$stage" in
       --methods hytopk_scores_sm90 --tag _pick_phases --out "$out" 2>&1 | grep -v -i warn \
       | grep -E "^random|Error|error|sample" | tee "$out/bench_selection_phases.log" ;;
   mma-ahead)
-    # Issue #21 item 1: each Gluon consumer's next key tile's product issued before its last
-    # tile's epilogue (HyTopKOptions.scores_sm90_mma_ahead, scores_sm90_stages). Its smallest
-    # row-max cases first (a fault may hang), then its kernel tests, then the filter's and the
-    # op's; then timed beside today's default (key order, the layers') in the same process,
-    # beside the same path without it called the same way (the op adds 1.3-1.9 ms at 16K),
+    # Issue #21 items 1-2: each Gluon consumer's next key tile's product issued before its
+    # last tile's epilogue (HyTopKOptions.scores_sm90_mma_ahead, scores_sm90_stages), and the
+    # folded query's parts part-major (scores_sm90_folded_part_major). tests: the smallest
+    # row-max cases first (a fault may hang), then the kernel tests, then the filter's and the
+    # op's. bench: timed beside today's default (key order, the layers') in the same process,
+    # beside the same path without it called the same way (the op added 1.3-1.9 ms at 16K),
     # cuDNN's where installed, and the scores alone beside the default scores. AHEAD_T,
     # AHEAD_CONFIGS, AHEAD_BENCH_S: the bench's lengths, configs and limit.
-    smoke_then_tests tests/ops/test_indexer_scores_sm90.py \
-      "test_products_ahead_exact and 135" "products_ahead or stages" || exit 1
-    timeout "${AHEAD_TESTS_S:-240}" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
-      tests/ops/test_hytopk_sm90.py -k "gluon_filter_matches or real_size or folded_gluon" \
-      > "$out/tests_op.log" 2>&1
-    echo "filter and op tests rc=$?: $(verdict "$out/tests_op.log")" | tee -a "$out/summary.txt"
-    grep -h -E "^(FAILED|ERROR)" "$out/tests_op.log" | cut -c1-300 | head -10
+    case "${1:-}" in
+      tests)
+        smoke_then_tests tests/ops/test_indexer_scores_sm90.py \
+          "test_products_ahead_exact and 135 or test_folded_part_major_exact and 135" \
+          "products_ahead or stages or part_major" || exit 1
+        timeout "${AHEAD_TESTS_S:-240}" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+          tests/ops/test_hytopk_sm90.py -k "gluon_filter_matches or real_size or folded_gluon" \
+          > "$out/tests_op.log" 2>&1
+        echo "filter and op tests rc=$?: $(verdict "$out/tests_op.log")" \
+          | tee -a "$out/summary.txt"
+        grep -h -E "^(FAILED|ERROR)" "$out/tests_op.log" | cut -c1-300 | head -10
+        exit 0 ;;
+      bench) ;;
+      *) echo "usage: bash scripts/gpu_session.sh mma-ahead {tests|bench}" >&2; exit 2 ;;
+    esac
     library=()
     [ -d .carry/site/nvidia_cutlass_dsl ] && library=(cudnn_key)
     # shellcheck disable=SC2086  # lengths split on purpose
-    timeout "${AHEAD_BENCH_S:-300}" python3 scripts/bench_selection.py \
-      --T ${AHEAD_T:-16384 65536 131072} --configs ${AHEAD_CONFIGS:-glm51 dsv32 norelu} \
+    timeout "${AHEAD_BENCH_S:-270}" python3 scripts/bench_selection.py \
+      --T ${AHEAD_T:-16384 65536 131072} --configs ${AHEAD_CONFIGS:-glm51 dsv32} \
       --reps 3 --methods hytopk_default_key hytopk_scores_sm90_scan_slots_key \
       hytopk_scores_sm90_ahead_key hytopk_scores_sm90_ahead6_key "${library[@]}" \
       --tag _mma_ahead --out "$out" 2>&1 \
       | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_ahead.log"
-    timeout 120 python3 scripts/bench_selection.py --T 131072 --configs glm51 norelu --reps 3 \
-      --methods scoreonly_sm90 scoreonly_sm90_ahead --tag _scores_ahead --out "$out" 2>&1 \
+    # The folded query (no cuDNN path without ReLU): the product ahead, the parts part-major,
+    # both.
+    # shellcheck disable=SC2086  # lengths split on purpose
+    timeout 130 python3 scripts/bench_selection.py --T ${AHEAD_T:-16384 65536 131072} \
+      --configs norelu --reps 3 --methods hytopk_default_key hytopk_scores_sm90_scan_slots_key \
+      hytopk_scores_sm90_ahead_key hytopk_scores_sm90_part_major_key \
+      hytopk_scores_sm90_part_major_ahead_key \
+      --tag _part_major --out "$out" 2>&1 | grep -v -i warn \
+      | grep -E "^random|Error|error" | tee "$out/bench_selection_part_major.log"
+    timeout 80 python3 scripts/bench_selection.py --T 131072 --configs glm51 norelu --reps 3 \
+      --methods scoreonly_sm90 scoreonly_sm90_ahead scoreonly_sm90_part_major \
+      --tag _scores_ahead --out "$out" 2>&1 \
       | grep -v -i warn | grep -E "^random|Error|error" | tee "$out/bench_selection_scores.log"
     # At 16K the op (hytopk_default_key) took 1.3-1.9 ms more than the same path called
     # directly (_scan_slots_key) on 2026-12-07, three repetitions each: ten here.
-    timeout 90 python3 scripts/bench_selection.py --T 16384 --configs glm51 dsv32 --reps 10 \
+    timeout 80 python3 scripts/bench_selection.py --T 16384 --configs glm51 dsv32 --reps 10 \
       --methods hytopk_default_key hytopk_scores_sm90_scan_slots_key \
       hytopk_scores_sm90_ahead_key --tag _op_16k --out "$out" 2>&1 | grep -v -i warn \
       | grep -E "^random|Error|error" | tee "$out/bench_selection_op_16k.log"

@@ -398,10 +398,13 @@ def _sparse_mla_bwd_sm90(hq: int, d: int, topk: int, T: int = 256, sink: bool = 
     return calls
 
 
-def _indexer_inputs(h: int, T: int, S: int, fp8: bool) -> tuple:
-    """CPU (q, k, w, k_scale) of the Gluon indexer scores: bf16, or e4m3 with k's scales."""
+def _indexer_inputs(h: int, T: int, S: int, fp8: bool, part_major: bool = False) -> tuple:
+    """CPU (q, k, w, k_scale) of the Gluon indexer scores: bf16, or e4m3 with k's scales;
+    part_major: q stored [B, H, T, D] (the folded parts' `part_major` layout)."""
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    return (torch.zeros(1, T, h, 128, dtype=dtype), torch.zeros(1, S, 128, dtype=dtype),
+    q = (torch.zeros(1, h, T, 128, dtype=dtype).permute(0, 2, 1, 3) if part_major
+         else torch.zeros(1, T, h, 128, dtype=dtype))
+    return (q, torch.zeros(1, S, 128, dtype=dtype),
             torch.zeros(1, T, h, dtype=torch.float32), torch.ones(1, S) if fp8 else None)
 
 
@@ -410,10 +413,11 @@ def _indexer_scores_sm90(h: int, T: int = 4096, fp8: bool = False, relu: bool = 
     """The warp-specialized Gluon indexer scores (Hopper only; `indexer_row_max_sm90`: each
     causal row's largest score, HyTopK's scores-only measurement), h heads of 128 dims; fp8:
     e4m3 q and k (HyTopK's precision="fp8"); relu=False: h the folded query's bf16 parts;
-    ahead: mma_ahead, stages (`HyTopKOptions.scores_sm90_mma_ahead`, `_stages`)."""
+    ahead: mma_ahead, stages, part_major (`HyTopKOptions.scores_sm90_mma_ahead`, `_stages`,
+    `_folded_part_major`)."""
     from megatron_hyscale.ops.kernels import indexer_scores_sm90 as scores
 
-    q, k, w, ks = _indexer_inputs(h, T, T, fp8)
+    q, k, w, ks = _indexer_inputs(h, T, T, fp8, ahead.get("part_major", False))
     with intercept(scores, "_indexer_scores_kernel") as calls:
         scores.indexer_row_max_sm90(q, k, w, k_scale=ks, relu=relu, **ahead)
     return calls
@@ -429,7 +433,7 @@ def _indexer_filter_sm90(h: int, topk: int = 2048, T: int = 4096,
     from megatron_hyscale.ops.kernels import hytopk_sm90
     from megatron_hyscale.ops.kernels import indexer_scores_sm90 as scores
 
-    q, k, w, ks = _indexer_inputs(h, T, T, fp8)
+    q, k, w, ks = _indexer_inputs(h, T, T, fp8, ahead.get("part_major", False))
     tau = torch.zeros(1, T)
     with intercept(scores, "_indexer_scores_kernel") as calls:
         scores.indexer_filter_sm90(q, k, w, tau, 0, T, hytopk_sm90.survivor_cap(topk),
@@ -742,6 +746,14 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
                                                                      mma_ahead=True),
     "indexer-filter-sm90-glm51-scan-ahead8": lambda: _indexer_filter_sm90(
         32, scan_slots=True, mma_ahead=True, stages=8),
+    # The folded query's parts stored part-major: each thread sums its rows' parts in registers
+    # (scores_sm90_folded_part_major).
+    "indexer-scores-sm90-folded-part-major": lambda: _indexer_scores_sm90(4, relu=False,
+                                                                         part_major=True),
+    "indexer-filter-sm90-folded-scan-part-major": lambda: _indexer_filter_sm90(
+        4, relu=False, scan_slots=True, part_major=True),
+    "indexer-filter-sm90-folded-scan-part-major-ahead": lambda: _indexer_filter_sm90(
+        4, relu=False, scan_slots=True, part_major=True, mma_ahead=True),
     "indexer-table-sm90-dsv32": lambda: _indexer_table_sm90(64),
     "indexer-table-sm90-glm51": lambda: _indexer_table_sm90(32),
     "indexer-scores-sm90-dsv32-fp8": lambda: _indexer_scores_sm90(64, fp8=True),

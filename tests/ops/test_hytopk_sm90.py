@@ -483,6 +483,7 @@ def test_folded_query_matches_the_reference(samples):
                                           ("scores_sm90_sample_pick", "sort"),
                                           ("scores_sm90_scan_slots", 1),
                                           ("scores_sm90_mma_ahead", None),
+                                          ("scores_sm90_folded_part_major", 0),
                                           ("scores_sm90_stages", 1),
                                           ("scores_sm90_stages", 9),
                                           ("scores_sm90_stages", True)])
@@ -629,6 +630,39 @@ def test_only_the_scan_filters_buffers_skip_the_sort(monkeypatch):
     assert tunings == {(not opts.scores_sm90_mma_ahead, 7)}
 
 
+def test_folded_part_major_reaches_the_filter_and_table(monkeypatch):
+    """relu=False with scores_sm90_folded_part_major: hytopk_sm90 builds the folded parts
+    part-major and asks the Gluon filter and sample table to read them so; without the
+    option it asks neither, and the parts are (token, head)-major. Rows equal the
+    reference's either way (the torch filter and table stand in for the Gluon ones)."""
+    from megatron_hyscale.ops.kernels import indexer_scores_sm90
+
+    filters, tables = [], []
+
+    def gluon_filter(q, *args, defer_store, scan_slots, mma_ahead, stages, part_major=False,
+                     **kwargs):
+        filters.append((part_major, q.permute(0, 2, 1, 3).is_contiguous()))
+        return torch_filter(q, *args, **kwargs)
+
+    def gluon_table(q, *args, part_major=False, **kwargs):
+        tables.append(part_major)
+        return torch_table(q, *args, **kwargs)
+
+    monkeypatch.setattr(indexer_scores_sm90, "indexer_filter_sm90", gluon_filter)
+    monkeypatch.setattr(indexer_scores_sm90, "indexer_table_sm90", gluon_table)
+    q, k, w = int_inputs(1, 40, 2, 16, seed=3)
+    want = hytopk(q, k, w, 6, relu=False, backend="reference", order="key")
+    opts = HyTopKOptions(scores_sm90=True, interpret_programs=2)
+    for part_major in (True, False):
+        filters.clear(), tables.clear()
+        got = hytopk_sm90.hytopk_sm90(
+            q, k, w, 6, relu=False, order="key", select_fn=torch_select,
+            options=replace(opts, scores_sm90_folded_part_major=part_major))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert filters and set(filters) == {(part_major, part_major)}
+        assert tables and set(tables) == {part_major}
+
+
 @pytest.mark.parametrize("order", ["score", "key", "any"])
 def test_the_op_on_the_select_kernel(order):
     """The op with the select kernel itself (the other CPU tests use the plain-torch select):
@@ -660,16 +694,18 @@ def survivors(keys: torch.Tensor, counts: torch.Tensor, cap: int) -> list[torch.
 
 
 def assert_gluon_filter_matches(filter_fn, q, k, w, scan_slots=False, mma_ahead=False,
-                                **kwargs):
+                                part_major=False, **kwargs):
     """The Gluon filter's counts and survivors (rows 1000 .. 1530, cap 4096, each row's 300th
     best score its threshold) equal the torch filter's on the same inputs (kwargs: k_scale,
-    relu; scan_slots, mma_ahead: the Gluon filter's, the torch filter has no such choice)."""
+    relu; scan_slots, mma_ahead, part_major: the Gluon filter's, the torch filter has no such
+    choice)."""
+    tuning = {"part_major": True} if part_major else {}
     t_lo, t_hi, cap = 1000, 1531, 4096
     keys = scaled_keys(k, kwargs.get("k_scale"))
     scores = exact_scores(q, keys, w, kwargs.get("relu", True))[:, t_lo:t_hi]
     tau = scores.topk(300, dim=-1).values[..., -1].float().contiguous()
     got = filter_fn(q, k, w, tau, t_lo, t_hi, cap, scan_slots=scan_slots,
-                    mma_ahead=mma_ahead, **kwargs)
+                    mma_ahead=mma_ahead, **tuning, **kwargs)
     want = torch_filter(q, k, w, tau, t_lo, t_hi, cap, **kwargs)
     torch.cuda.synchronize()
     assert torch.equal(got[1], want[1])
@@ -809,6 +845,10 @@ def test_folded_gluon_filter_and_op(monkeypatch):
     assert_gluon_filter_matches(indexer_filter_sm90, q4, k, w4, relu=False, scan_slots=True)
     assert_gluon_filter_matches(indexer_filter_sm90, q4, k, w4, relu=False, scan_slots=True,
                                 mma_ahead=True)
+    q4p, w4p = hytopk_sm90.folded_parts(q, w, part_major=True)
+    for ahead in (False, True):  # the parts part-major (scores_sm90_folded_part_major)
+        assert_gluon_filter_matches(indexer_filter_sm90, q4p, k, w4p, relu=False,
+                                    scan_slots=True, mma_ahead=ahead, part_major=True)
     calls = []
 
     def counted(*args, **kwargs):
@@ -821,6 +861,10 @@ def test_folded_gluon_filter_and_op(monkeypatch):
     ref = [t.contiguous() for t in hytopk(q, k, w, 1024, relu=False, backend="reference")]
     assert torch.equal(rows[0], ref[0]) and torch.equal(rows[1], ref[1])
     assert calls and set(calls) == {False}
+    rows = hytopk(q, k, w, 1024, relu=False, order="key",
+                  options=replace(opts, scores_sm90_folded_part_major=True))
+    ref_key = hytopk(q, k, w, 1024, relu=False, backend="reference", order="key")
+    assert torch.equal(rows[0], ref_key[0]) and torch.equal(rows[1], ref_key[1])
     assert ("folded", 1024, "bf16") not in hytopk_sm90.VARIANTS.disabled
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, 8192, 32, 128, device="cuda", generator=g).to(torch.bfloat16)

@@ -125,6 +125,21 @@ def test_the_folded_query_takes_four_bf16_parts():
         sm90.indexer_filter_sm90(q, k[:, :4], w, torch.zeros(1, 8), 0, 8, 16, relu=False)
 
 
+def test_part_major_parts_are_checked():
+    """part_major: q the folded parts stored [B, H, T, D] (a permuted view), relu=False only;
+    a (token, head)-major q is refused naming q, and part_major with ReLU naming it."""
+    q, k, w = _cpu(B=2, H=4)
+    part_major = q.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    sm90.check_inputs(part_major, k, w, relu=False, part_major=True)
+    sm90.check_inputs(part_major[:1], k[:1], w[:1], relu=False, part_major=True)
+    with pytest.raises(ValueError, match=r"^q must be part-major"):
+        sm90.indexer_row_max_sm90(q, k, w, relu=False, part_major=True)
+    with pytest.raises(ValueError, match=r"^q must be readable as \[B \* T \* H, D\]"):
+        sm90.indexer_row_max_sm90(part_major, k, w, relu=False)
+    with pytest.raises(ValueError, match="^part_major takes the folded query's parts"):
+        sm90.check_inputs(*_cpu(H=32), part_major=True)
+
+
 def test_unpacked_batches_are_refused():
     q, k, w = _cpu(B=2)
     k2 = torch.zeros(2, 16, 128, dtype=torch.bfloat16)[:, :8]  # batch stride 16 keys, not 8
@@ -269,6 +284,27 @@ def test_products_ahead_presets_compile_unserialized(tmp_path: Path):
     assert atomics["constexprs"]["SCAN_SLOTS"] is False
 
 
+def test_part_major_presets_sum_parts_in_registers(tmp_path: Path):
+    """part_major (scores_sm90_folded_part_major): the folded query's columns run (part, row),
+    so no shuffle sums a row's parts (the scores-only loop has none; the filter's only the
+    scan's, one row a thread over 4 lanes: 2 steps and the row total's), no weight multiply,
+    no spill, one store a key of each thread's row; fewer instructions a tile than the
+    (row, part) order, with and without the product ahead."""
+    names = ("indexer-scores-sm90-folded-part-major", "indexer-filter-sm90-folded-scan-part-major",
+             "indexer-scores-sm90-folded", "indexer-filter-sm90-folded-scan")
+    scores, filt, old_scores, old_filt = _epilogue_reports(tmp_path, *names)
+    for rep in (scores, filt):
+        assert rep["constexprs"]["PART_MAJOR"] is True and rep["constexprs"]["H"] == 4
+        assert rep["loop_ops"].get("FMUL", 0) == rep["loop_ops"].get("FFMA", 0) == 0
+    assert scores["loop_ops"].get("SHFL", 0) == 0 and filt["loop_ops"]["SHFL"] <= 8
+    assert filt["loop_ops"]["STG"] == 64 // 4 and filt["loop_ops"]["ATOMG"] == 0
+    assert scores["loop_instructions"] < old_scores["loop_instructions"]
+    assert filt["loop_instructions"] < old_filt["loop_instructions"]
+    (ahead,) = _epilogue_reports(tmp_path, "indexer-filter-sm90-folded-scan-part-major-ahead",
+                                 steps=16)
+    assert ahead["constexprs"]["MMA_AHEAD"] is True and ahead["loop_ops"]["WARPGROUP"] == 4
+
+
 def test_fp8_presets_compile_without_spills(tmp_path: Path):
     """e4m3 q and k (HyTopK's precision="fp8"): the same loops on fp8 wgmma (4 QGMMA of K = 32
     a [64 x 128 x 128] product, no HGMMA), the keys' scales loaded under the product (2 LDG a
@@ -375,6 +411,42 @@ def test_products_ahead_exact(T, H, stages):
     torch.cuda.synchronize()
     ref = reference(q, k, w)
     assert torch.equal(out, ref.float()), (out - ref.float()).abs().max()
+
+
+def folded_reference(q, k, w):
+    """fp64 [B, T]: max over s <= t of (sum_h w[t, h] q[t, h]) . k[s] (relu=False)."""
+    folded = (q.double() * w.double()[..., None]).sum(2)
+    scores = torch.einsum("btd,bsd->bts", folded, k.double())
+    T = q.shape[1]
+    visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~visible, float("-inf")).amax(-1)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("mma_ahead", [False, True])
+@pytest.mark.parametrize("T", [128 + 7, 64 * 4 + 1, 2048])
+def test_folded_part_major_exact(T, mma_ahead):
+    """part_major: the folded query's parts stored part-major give the reference's row
+    maxima (integer inputs, a folded query of two bf16 parts, batch 2; rows past T in a
+    block read the next part's tokens, never stored) and the same table as the (token,
+    head)-major parts, every 7th key sampled."""
+    from megatron_hyscale.ops.kernels import hytopk_sm90
+
+    q, k, w = int_inputs(2, T, 32, seed=T + 5)
+    w = w * 101.0
+    rows_q, rows_w = hytopk_sm90.folded_parts(q, w)
+    parts_q, parts_w = hytopk_sm90.folded_parts(q, w, part_major=True)
+    assert (rows_q[..., 1, :] != 0).any() and torch.equal(parts_q, rows_q)
+    got = sm90.indexer_row_max_sm90(parts_q, k, parts_w, relu=False, part_major=True,
+                                    mma_ahead=mma_ahead)
+    old = sm90.indexer_row_max_sm90(rows_q, k, rows_w, relu=False)
+    want = folded_reference(q, k, w).float()
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert torch.equal(old, want)
+    k7 = k[:, ::7].contiguous()
+    table = sm90.indexer_table_sm90(parts_q, k7, parts_w, 7, 3, T, relu=False, part_major=True)
+    assert torch.equal(table, sm90.indexer_table_sm90(rows_q, k7, rows_w, 7, 3, T, relu=False))
 
 
 def fp8_inputs(T, H, seed):

@@ -1021,16 +1021,22 @@ def folded_query(q: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bthd,bth->btd", q.float(), weights.float())
 
 
-def folded_heads(q: torch.Tensor, weights: torch.Tensor, heads: int = FOLDED_PARTS
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def folded_heads(q: torch.Tensor, weights: torch.Tensor, heads: int = FOLDED_PARTS, *,
+                 part_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The folded query (`folded_query`) as bf16 "heads": its FOLDED_PARTS bf16 parts
     (`bf16_parts`, summing to it exactly) of weight 1, then zero heads of weight 0 up to
-    `heads` (the Gluon kernels take 4): bf16 [B, T, heads, D] and fp32 weights [B, T, heads]."""
+    `heads` (the Gluon kernels take 4): bf16 [B, T, heads, D] and fp32 weights [B, T, heads].
+    part_major: the heads stored [B, heads, T, D] (the view returned is permuted to [B, T,
+    heads, D])."""
     parts = bf16_parts(folded_query(q, weights))
     B, T, n, D = parts.shape
-    if heads == n:
+    if heads == n and not part_major:
         return parts, torch.ones((B, T, n), dtype=torch.float32, device=q.device)
-    q_h = torch.zeros((B, T, heads, D), dtype=torch.bfloat16, device=q.device)
+    if part_major:
+        q_h = torch.zeros((B, heads, T, D), dtype=torch.bfloat16,
+                          device=q.device).permute(0, 2, 1, 3)
+    else:
+        q_h = torch.zeros((B, T, heads, D), dtype=torch.bfloat16, device=q.device)
     q_h[:, :, :n] = parts
     w_h = torch.zeros((B, T, heads), dtype=torch.float32, device=q.device)
     w_h[:, :, :n] = 1.0

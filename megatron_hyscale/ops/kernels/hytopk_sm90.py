@@ -151,11 +151,14 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, relu: bool
     return None
 
 
-def folded_parts(q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def folded_parts(q: torch.Tensor, w: torch.Tensor, *, part_major: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """relu=False's operands for the Gluon kernels: sum_h w_h q_h (one fp32 query a row) as
     its three bf16 parts and a zero one, bf16 [B, T, 4, D], with weights fp32 [B, T, 4] of 1,
-    1, 1 and 0 (`hytopk.folded_heads`; the kernels' `FOLDED_HEADS`)."""
-    return hk.folded_heads(q, w, heads=FOLDED_GLUON_HEADS)
+    1, 1 and 0 (`hytopk.folded_heads`; the kernels' `FOLDED_HEADS`). part_major: the same
+    values stored [B, 4, T, D] (a permuted view), as the kernels' `part_major` read them
+    (HyTopKOptions.scores_sm90_folded_part_major)."""
+    return hk.folded_heads(q, w, heads=FOLDED_GLUON_HEADS, part_major=part_major)
 
 
 def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,
@@ -169,14 +172,16 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
     and the Triton one takes over), else HyTopK's Triton score-table kernel. e4m3 q and k
     (k_scale: their keys' scales, w: the head weights times q's scales) take the Gluon table
     always: the Triton table has no scales. relu=False: q the folded query's bf16 parts
-    (`folded_parts`), w their weights."""
+    (`folded_parts`; stored part-major with options.scores_sm90_folded_part_major), w their
+    weights."""
     fp8 = k_scale is not None
     gluon = table_fn is None and (fp8 or (options.scores_sm90_sample_table
                                           and (q.shape[2],) not in TABLE_VARIANTS.disabled))
     if gluon:
         from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_table_sm90
 
-        table_fn = indexer_table_sm90
+        table_fn = partial(indexer_table_sm90,
+                           part_major=not relu and options.scores_sm90_folded_part_major)
     B, T = q.shape[:2]
     stride = max(1, math.ceil(T / samples))
     sampled = torch.arange(0, T, stride, device=q.device)
@@ -251,6 +256,9 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
                             scan_slots=options.scores_sm90_scan_slots,
                             mma_ahead=options.scores_sm90_mma_ahead,
                             stages=options.scores_sm90_stages)
+    part_major = not relu and options.scores_sm90_folded_part_major
+    if part_major:
+        filter_fn = partial(filter_fn, part_major=True)
     B, T = q.shape[:2]
     cap = survivor_cap(topk)
     if B * T == 0:
@@ -266,7 +274,7 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
     w_eff = w if q_scale is None else w.float() * q_scale
     q_in = q
     if not relu:
-        q_in, w_eff = folded_parts(q, w)
+        q_in, w_eff = folded_parts(q, w, part_major=part_major)
     keyed = {"relu": relu} if k_scale is None else {"k_scale": k_scale, "relu": relu}
     tau = sample_thresholds(q_in, k, w_eff, topk, options.scores_sm90_samples, options=options,
                             table_fn=table_fn, k_scale=k_scale, relu=relu)

@@ -115,18 +115,28 @@ LOW32 = gl.constexpr((1 << 32) - 1)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, k_row0, n_tiles,
-              ROWS: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr,
-              NUM_STAGES: gl.constexpr, MMA_AHEAD: gl.constexpr):
+def _producer(q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, q_part_stride, k_row0,
+              n_tiles, ROWS: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr,
+              NUM_STAGES: gl.constexpr, MMA_AHEAD: gl.constexpr, PART_MAJOR: gl.constexpr):
     """Both consumers' query blocks, then key tiles 0 .. n_tiles - 1 through the ring (with
-    MMA_AHEAD the last one again, once or twice: `_consumer`'s padded tile and chain end)."""
+    MMA_AHEAD the last one again, once or twice: `_consumer`'s padded tile and chain end).
+    PART_MAJOR: a consumer's block is its ROWS rows of each part in turn (q_part_stride rows
+    apart in q_desc), so that its columns run (part, row)."""
     q_bar, ready, empty, _ = bars
     for c in gl.static_range(2):
         # A block of rows all past the last token starts at that token instead: its rows are
         # never stored, and no box lies wholly outside the tensor (partly is TMA's zero fill).
-        row = gl.minimum(q_row0 + c * ROWS * H, q_row_cap)
-        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row, 0], q_bar.index(c), q_s.index(c))
+        if PART_MAJOR:
+            row = gl.minimum(q_row0 + c * ROWS, q_row_cap)
+            mbarrier.expect(q_bar.index(c), H * q_desc.block_type.nbytes)
+            for p in gl.static_range(H):
+                tma.async_copy_global_to_shared(q_desc, [row + p * q_part_stride, 0],
+                                                q_bar.index(c),
+                                                q_s.index(c).slice(p * ROWS, ROWS))
+        else:
+            row = gl.minimum(q_row0 + c * ROWS * H, q_row_cap)
+            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [row, 0], q_bar.index(c), q_s.index(c))
     n_loads = n_tiles
     if MMA_AHEAD:  # the consumers' tile pairs (an odd count's last one padded), then one more
         n_loads = (n_tiles + 1) // 2 * 2 + 1
@@ -241,15 +251,20 @@ def _tile_epilogue(acc, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_sl
                    H: gl.constexpr, BLOCK_S: gl.constexpr, red_layout: gl.constexpr,
                    flt_layout: gl.constexpr, FILTER: gl.constexpr, CAP: gl.constexpr,
                    DEFER_STORE: gl.constexpr, TABLE: gl.constexpr, KEY_SCALE: gl.constexpr,
-                   RELU: gl.constexpr, SCAN_SLOTS: gl.constexpr):
+                   RELU: gl.constexpr, SCAN_SLOTS: gl.constexpr, PART_MAJOR: gl.constexpr):
     """Key tile j's completed product acc [keys x (row, head)]: ReLU x w, the head sum, then
-    the epilogue's work (`_consumer`). Returns the state the tiles carry: (the running maxima
-    m, the scan's counts, the survivors pending a deferred store: slots, keys, kept)."""
-    if RELU:
-        x = gl.maximum(acc, 0.0) * w[None, :]
+    the epilogue's work (`_consumer`). PART_MAJOR: acc [keys x (part, row)], the parts summed
+    as they are (weights 1; the zero part's products are zeros) inside each thread. Returns
+    the state the tiles carry: (the running maxima m, the scan's counts, the survivors
+    pending a deferred store: slots, keys, kept)."""
+    if PART_MAJOR:
+        s = gl.sum(gl.reshape(acc, [BLOCK_S, H, ROWS]), axis=1)
     else:
-        x = acc * w[None, :]
-    s = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, H]), axis=2)
+        if RELU:
+            x = gl.maximum(acc, 0.0) * w[None, :]
+        else:
+            x = acc * w[None, :]
+        s = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, H]), axis=2)
     s = gl.convert_layout(s, red_layout, assert_trivial=True)
     if KEY_SCALE:
         s = s * k_scale[:, None]
@@ -282,7 +297,8 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
               red_layout: gl.constexpr, FILTER: gl.constexpr, CAP: gl.constexpr,
               flt_layout: gl.constexpr, DEFER_STORE: gl.constexpr, TABLE: gl.constexpr,
               MMA_K: gl.constexpr, KEY_SCALE: gl.constexpr, RELU: gl.constexpr,
-              SCAN_SLOTS: gl.constexpr, MMA_AHEAD: gl.constexpr):
+              SCAN_SLOTS: gl.constexpr, MMA_AHEAD: gl.constexpr,
+              PART_MAJOR: gl.constexpr):
     """Rows t0 .. t0 + ROWS - 1 (t0 = t_base + c * ROWS): each key tile's scores as
     [keys x (row, head)] = K_tile Q^T on wgmma, then ReLU x w, the head sum (N, in registers),
     the causal mask and a running max per (key slot, row); the max over key slots at the end.
@@ -300,7 +316,8 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
     MMA_AHEAD: tile j + 1's product is issued before tile j's epilogue, so the tensor core
     has this consumer's next product queued while the epilogue runs (two accumulators live;
     the tiles in pairs, an odd count's last one a masked tile past the keys; one more product
-    ends the chain unread)."""
+    ends the chain unread). PART_MAJOR (relu=False): the block's columns run (part, row), w
+    unread (`_tile_epilogue`)."""
     q_bar, ready, empty, turn = bars
     N: gl.constexpr = ROWS * H
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -360,7 +377,7 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
                 acc_a, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off, m,
                 count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS, H, BLOCK_S,
                 red_layout, flt_layout, FILTER, CAP, DEFER_STORE, TABLE, KEY_SCALE, RELU,
-                SCAN_SLOTS)
+                SCAN_SLOTS, PART_MAJOR)
             acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b,))
             mbarrier.arrive(empty.index((j + 1) % NUM_STAGES), count=1)
             acc_a = _issue_product(c, k_s, q_op, acc_a, ready, turn, j + 2, NUM_STAGES,
@@ -373,7 +390,7 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
                 acc_b, j + 1, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off,
                 m, count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS, H, BLOCK_S,
                 red_layout, flt_layout, FILTER, CAP, DEFER_STORE, TABLE, KEY_SCALE, RELU,
-                SCAN_SLOTS)
+                SCAN_SLOTS, PART_MAJOR)
         warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
     else:
         for j in range(n_tiles):
@@ -391,7 +408,7 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
                 acc, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off, m,
                 count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS, H, BLOCK_S,
                 red_layout, flt_layout, FILTER, CAP, DEFER_STORE, TABLE, KEY_SCALE, RELU,
-                SCAN_SLOTS)
+                SCAN_SLOTS, PART_MAJOR)
 
     if FILTER:
         if DEFER_STORE:
@@ -413,7 +430,8 @@ def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
                            flt_layout: gl.constexpr, DEFER_STORE: gl.constexpr,
                            TABLE: gl.constexpr, MMA_K: gl.constexpr, KEY_SCALE: gl.constexpr,
                            RELU: gl.constexpr, SCAN_SLOTS: gl.constexpr,
-                           MMA_AHEAD: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
+                           MMA_AHEAD: gl.constexpr, PART_MAJOR: gl.constexpr,
+                           CONSUMER_WARPS: gl.constexpr,
                            PRODUCER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                            PRODUCER_REGS: gl.constexpr):
     """One program: query rows t_base .. t_base + 2 * ROWS - 1 of batch b, from t_lo, against
@@ -426,11 +444,16 @@ def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
     n_rows = t_hi - t_lo
     last_row = gl.minimum(t_base + 2 * ROWS - 1, T - 1)
     n_tiles = gl.minimum(last_row // key_stride, n_keys - 1) // BLOCK_S + 1
-    q_row0 = (b * T + t_base).to(gl.int32) * H
-    q_row_cap = (B * T - 1) * H
+    if PART_MAJOR:  # q_desc: [B * H * T, D] rows, part p of token t at (b * H + p) * T + t
+        q_row0 = (b * H * T + t_base).to(gl.int32)
+        q_row_cap = (b * H * T + T - 1).to(gl.int32)
+    else:  # q_desc: [B * T * H, D] rows, (token, head) pairs
+        q_row0 = (b * T + t_base).to(gl.int32) * H
+        q_row_cap = (B * T - 1) * H
     k_row0 = (b * n_keys).to(gl.int32)
 
-    q_s = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    q_s = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS * H, q_desc.block_type.shape[1]],
+                                    q_desc.layout)
     k_s = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape,
                                     k_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -453,14 +476,14 @@ def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
                      swb, swt, swh, sob, sot, sok, key_stride, n_keys, ks_ptr, sksb, skss,
                      tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows, ROWS, H, BLOCK_S,
                      NUM_STAGES, PINGPONG, red_layout, FILTER, CAP, flt_layout, DEFER_STORE,
-                     TABLE, MMA_K, KEY_SCALE, RELU, SCAN_SLOTS, MMA_AHEAD)),
+                     TABLE, MMA_K, KEY_SCALE, RELU, SCAN_SLOTS, MMA_AHEAD, PART_MAJOR)),
         (_consumer, (1, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
                      swb, swt, swh, sob, sot, sok, key_stride, n_keys, ks_ptr, sksb, skss,
                      tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows, ROWS, H, BLOCK_S,
                      NUM_STAGES, PINGPONG, red_layout, FILTER, CAP, flt_layout, DEFER_STORE,
-                     TABLE, MMA_K, KEY_SCALE, RELU, SCAN_SLOTS, MMA_AHEAD)),
-        (_producer, (q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, k_row0, n_tiles,
-                     ROWS, H, BLOCK_S, NUM_STAGES, MMA_AHEAD)),
+                     TABLE, MMA_K, KEY_SCALE, RELU, SCAN_SLOTS, MMA_AHEAD, PART_MAJOR)),
+        (_producer, (q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, T, k_row0, n_tiles,
+                     ROWS, H, BLOCK_S, NUM_STAGES, MMA_AHEAD, PART_MAJOR)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -485,6 +508,21 @@ def _reduced_layout(rows: int, heads: int) -> gl.DistributedLinearLayout:
     return gl.DistributedLinearLayout(reg, lane, warp, [], [BLOCK_S, rows])
 
 
+def _part_sum_layout(rows: int, parts: int) -> gl.DistributedLinearLayout:
+    """The parts-summed scores' layout, [BLOCK_S keys x rows], for the accumulator's columns
+    in (part, row) order (PART_MAJOR): the rows on the column bits below the parts (the
+    register pair, the quad's lanes, the low column registers), the column registers above
+    (the parts) removed, so each thread sums its rows' parts alone and holds each score once.
+    Keys as `_reduced_layout`'s."""
+    if rows < 8 or rows * parts != PAIRS:
+        raise ValueError(f"the part-major layout needs 8 rows or more, got {rows} x {parts}")
+    col_regs = [8 << i for i in range((PAIRS // 8).bit_length() - 1)]
+    reg = [[0, 1], [8, 0]] + [[0, col] for col in col_regs if col < rows]
+    lane = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+    warp = [[16, 0], [32, 0]]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [BLOCK_S, rows])
+
+
 def _filter_layout(rows: int) -> gl.BlockedLayout:
     """[BLOCK_S keys x rows] with every element in exactly one of the consumer's 128 threads
     (the survivors' atomics must run once per score): 64 keys over 16 lanes x 4 warps, the rows
@@ -499,6 +537,18 @@ def _scan_layout(rows: int) -> gl.BlockedLayout:
     BLOCK_S / 32 registers), the rows over the warps (fewer rows than warps: repeated, which
     a scan allows), so the scan over keys and the rows' sums need no shared memory."""
     return gl.BlockedLayout([BLOCK_S // 32, max(1, rows // CONSUMER_WARPS)], [32, 1],
+                            [1, CONSUMER_WARPS], [0, 1])
+
+
+def _row_scan_layout(rows: int) -> gl.BlockedLayout:
+    """[BLOCK_S keys x rows] for `_scan_slots` with many rows (PART_MAJOR's 32): one row a
+    thread, its keys over the fewest lanes (32 rows: 16 keys a thread, 4 lanes), so the scan
+    runs mostly inside the thread (two shuffle steps instead of a warp's five a row)."""
+    if rows % CONSUMER_WARPS or 32 % (rows // CONSUMER_WARPS):
+        raise ValueError(f"one row a thread needs rows / {CONSUMER_WARPS} warps dividing 32, "
+                         f"got {rows} rows")
+    lanes_on_keys = 32 // (rows // CONSUMER_WARPS)
+    return gl.BlockedLayout([BLOCK_S // lanes_on_keys, 1], [lanes_on_keys, 32 // lanes_on_keys],
                             [1, CONSUMER_WARPS], [0, 1])
 
 
@@ -517,10 +567,12 @@ def _shared_layouts(heads: int, dtype: torch.dtype) -> tuple:
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: int = 1,
-                 k_scale: torch.Tensor | None = None, relu: bool = True) -> None:
+                 k_scale: torch.Tensor | None = None, relu: bool = True,
+                 part_major: bool = False) -> None:
     """ValueError naming the argument that `indexer_row_max_sm90` cannot take (k: the keys at
     positions 0, key_stride, 2 x key_stride, ... of the T-token sequence; k_scale: fp32 [B, S]
-    with e4m3 q and k, None with bf16; relu=False: FOLDED_HEADS bf16 parts)."""
+    with e4m3 q and k, None with bf16; relu=False: FOLDED_HEADS bf16 parts; part_major: with
+    relu=False, q's parts stored part-major, [B, H, T, D] permuted to [B, T, H, D])."""
     check_tensor("q", q, ndim=4, dtypes=tuple(MMA_K_BY_DTYPE))  # [B, T, H, D]
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,))  # [B, S, D]
     check_tensor("w", w, ndim=3, dtypes=(torch.float32,))  # [B, T, H]
@@ -550,11 +602,20 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: 
             raise ValueError(f"k_scale must be [B, S] = {(B, n_keys)}, got "
                              f"{tuple(k_scale.shape)}")
         check_same_device(q=q, k_scale=k_scale)
-    # TMA reads q as [B * T * H, D] rows and k as [B * S, D] rows: 16-byte rows and row
-    # strides, 16-byte aligned data, the batch / token / head strides packed into one row index.
+    # TMA reads q as [B * T * H, D] rows (part_major: [B * H * T, D]) and k as [B * S, D] rows:
+    # 16-byte rows and row strides, 16-byte aligned data, the batch / token / head strides
+    # packed into one row index.
     row = 16 // q.element_size()  # elements in TMA's 16 bytes (bf16 8, e4m3 16)
     sqb, sqt, sqh, sqd = q.stride()
-    if sqd != 1 or sqh % row or sqt != H * sqh or (B > 1 and sqb != T * sqt):
+    if part_major:
+        if relu:
+            raise ValueError("part_major takes the folded query's parts (relu=False)")
+        if sqd != 1 or sqt % row or sqh != T * sqt or (B > 1 and sqb != H * sqh):
+            raise ValueError(f"q must be part-major, readable as [B * H * T, D] rows (a "
+                             f"[B, H, T, D] tensor permuted to [B, T, H, D], unit-stride "
+                             f"channels, a token stride that is a multiple of {row}); got "
+                             f"strides {q.stride()}")
+    elif sqd != 1 or sqh % row or sqt != H * sqh or (B > 1 and sqb != T * sqt):
         raise ValueError(f"q must be readable as [B * T * H, D] rows (unit-stride channels, a "
                          f"head stride that is a multiple of {row}, packed heads, tokens and "
                          f"batches); got strides {q.stride()}")
@@ -581,22 +642,25 @@ def check_keys(k: torch.Tensor, shape: tuple[int, int, int], what: str = "") -> 
 def indexer_row_max_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *,
                          pingpong: bool = True, k_scale: torch.Tensor | None = None,
                          relu: bool = True, mma_ahead: bool = False,
-                         stages: int = NUM_STAGES) -> torch.Tensor:
+                         stages: int = NUM_STAGES, part_major: bool = False) -> torch.Tensor:
     """out fp32 [B, T]: each causal row's largest indexer score (key s visible to row t iff
     s <= t). Hopper only: the caller checks the device. pingpong: order the two consumers'
     products alternately (the `turn` barriers); False lets them issue freely. e4m3 q and k:
     k_scale fp32 [B, S], w already times q's scales (module doc). relu=False: q the folded
     query's FOLDED_HEADS bf16 parts, w their weights (1, the pad 0). mma_ahead: each
     consumer issues the next key tile's product before the last one's epilogue
-    (`_consumer`'s MMA_AHEAD); stages: key tiles in flight (`check_stages`)."""
-    check_inputs(q, k, w, k_scale=k_scale, relu=relu)
+    (`_consumer`'s MMA_AHEAD); stages: key tiles in flight (`check_stages`). part_major
+    (relu=False): q's parts stored part-major (`hytopk_sm90.folded_parts(part_major=True)`),
+    each thread summing its rows' parts in registers (`_consumer`'s PART_MAJOR; w unread:
+    the parts weigh 1, the zero pad's products are zeros)."""
+    check_inputs(q, k, w, k_scale=k_scale, relu=relu, part_major=part_major)
     check_stages(stages)
     B, T, H, D = q.shape
     out = torch.empty((B, T), device=q.device, dtype=torch.float32)
     if B * T == 0:
         return out
     _launch(q, k, w, out, 0, T, pingpong=pingpong, k_scale=k_scale, relu=relu,
-            mma_ahead=mma_ahead, stages=stages)
+            mma_ahead=mma_ahead, stages=stages, part_major=part_major)
     return out
 
 
@@ -604,8 +668,8 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
                         t_lo: int, t_hi: int, cap: int, *, pingpong: bool = True,
                         defer_store: bool = True, k_scale: torch.Tensor | None = None,
                         relu: bool = True, scan_slots: bool = False,
-                        mma_ahead: bool = False, stages: int = NUM_STAGES
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        mma_ahead: bool = False, stages: int = NUM_STAGES,
+                        part_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The survivors of query rows [t_lo, t_hi): keys int64 [B, t_hi - t_lo, cap] (HyTopK's
     packed keys of the visible scores >= tau of each row, in no order, the first min(count,
     cap) slots written, the rest left as allocated: readers go by the counts) and counts int32
@@ -618,9 +682,9 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
     registers and a scan over the key tile, no atomics (the survivors in key order; a consumer
     owns its rows; stored at once, defer_store ignored: nothing returns late); False: a
     relaxed atomic a survivor. mma_ahead, stages: as `indexer_row_max_sm90`'s (mma_ahead
-    ignored for relu=False with the atomics: its registers would spill, as defer_store's).
-    Hopper only: the caller checks the device."""
-    check_inputs(q, k, w, k_scale=k_scale, relu=relu)
+    ignored for relu=False with the atomics: its registers would spill, as defer_store's),
+    part_major: as `indexer_row_max_sm90`'s. Hopper only: the caller checks the device."""
+    check_inputs(q, k, w, k_scale=k_scale, relu=relu, part_major=part_major)
     check_stages(stages)
     B, T, H, D = q.shape
     n = t_hi - t_lo
@@ -642,22 +706,24 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
                 survivors=(tau, counts, keys, cap),
                 defer_store=defer_store and relu and not scan_slots,
                 k_scale=k_scale, relu=relu, scan_slots=scan_slots,
-                mma_ahead=mma_ahead and (relu or scan_slots), stages=stages)
+                mma_ahead=mma_ahead and (relu or scan_slots), stages=stages,
+                part_major=part_major)
     return keys, counts
 
 
 def indexer_table_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: int,
                        t_lo: int, t_hi: int, *, pingpong: bool = True,
-                       k_scale: torch.Tensor | None = None, relu: bool = True) -> torch.Tensor:
+                       k_scale: torch.Tensor | None = None, relu: bool = True,
+                       part_major: bool = False) -> torch.Tensor:
     """fp32 [B, t_hi - t_lo, S]: the scores of query rows [t_lo, t_hi) against k [B, S, D],
     every key_stride-th key of the T-token sequence (key j at position j x key_stride, S =
     ceil(T / key_stride): `k_full[:, ::key_stride]`), -inf where a row does not see the key
     (j x key_stride > t). HyTopK's sampled thresholds on the Gluon scores (`hytopk_sm90.
-    sample_thresholds`). k_scale: the sampled keys' scales, as `indexer_row_max_sm90`'s; relu:
-    as its. Hopper only: the caller checks the device."""
+    sample_thresholds`). k_scale: the sampled keys' scales, as `indexer_row_max_sm90`'s; relu,
+    part_major: as its. Hopper only: the caller checks the device."""
     if isinstance(key_stride, bool) or not (isinstance(key_stride, int) and key_stride >= 1):
         raise ValueError(f"key_stride must be an int >= 1, got {key_stride!r}")
-    check_inputs(q, k, w, key_stride, k_scale, relu)
+    check_inputs(q, k, w, key_stride, k_scale, relu, part_major)
     B, T = q.shape[:2]
     if not 0 <= t_lo <= t_hi <= T:
         raise ValueError(f"t_lo, t_hi must satisfy 0 <= t_lo <= t_hi <= T = {T}; got "
@@ -666,25 +732,30 @@ def indexer_table_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_st
                        dtype=torch.float32)
     if table.numel():
         _launch(q, k, w, table, t_lo, t_hi, pingpong=pingpong, table=True,
-                key_stride=key_stride, k_scale=k_scale, relu=relu)
+                key_stride=key_stride, k_scale=k_scale, relu=relu, part_major=part_major)
     return table
 
 
 def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=True,
             table=False, key_stride=1, k_scale=None, relu=True, scan_slots=False,
-            mma_ahead=False, stages=NUM_STAGES):
+            mma_ahead=False, stages=NUM_STAGES, part_major=False):
     """One launch over query rows [t_lo, t_hi): the row maxima into out, or with survivors =
     (tau, counts, keys, cap) the survivors (defer_store: `_consumer`'s DEFER_STORE), or with
     table the scores into out [B, t_hi - t_lo, S] against keys every key_stride-th; k_scale
-    with e4m3 q and k; scan_slots, mma_ahead: `_consumer`'s SCAN_SLOTS, MMA_AHEAD; stages: key
-    tiles in flight (checked by the callers: `check_stages`)."""
+    with e4m3 q and k; scan_slots, mma_ahead, part_major: `_consumer`'s SCAN_SLOTS,
+    MMA_AHEAD, PART_MAJOR; stages: key tiles in flight (checked by the callers:
+    `check_stages`)."""
     B, T, H, D = q.shape
     rows = PAIRS // H
     q_layout, k_layout, red_layout, flt_layout = _shared_layouts(H, q.dtype)
     scan_slots = survivors is not None and scan_slots
     if scan_slots:
-        flt_layout = _scan_layout(rows)
-    q_desc = TensorDescriptor(q, [B * T * H, D], [q.stride(2), 1], [PAIRS, D], q_layout)
+        flt_layout = _row_scan_layout(rows) if part_major else _scan_layout(rows)
+    if part_major:  # a box of ROWS tokens a part (`_producer`)
+        red_layout = _part_sum_layout(rows, H)
+        q_desc = TensorDescriptor(q, [B * H * T, D], [q.stride(1), 1], [rows, D], q_layout)
+    else:
+        q_desc = TensorDescriptor(q, [B * T * H, D], [q.stride(2), 1], [PAIRS, D], q_layout)
     n_keys = k.shape[1]
     k_desc = TensorDescriptor(k, [B * n_keys, D], [k.stride(1), 1], [BLOCK_S, D], k_layout)
     n_blocks = -(-(t_hi - t_lo) // (2 * rows))
@@ -704,7 +775,7 @@ def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=T
         red_layout=red_layout, FILTER=survivors is not None, CAP=cap, flt_layout=flt_layout,
         DEFER_STORE=survivors is not None and defer_store, TABLE=table,
         MMA_K=MMA_K_BY_DTYPE[q.dtype], KEY_SCALE=k_scale is not None, RELU=relu,
-        SCAN_SLOTS=scan_slots, MMA_AHEAD=mma_ahead,
+        SCAN_SLOTS=scan_slots, MMA_AHEAD=mma_ahead, PART_MAJOR=part_major,
         CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,

@@ -295,12 +295,21 @@ class HyTopKOptions:
     # Key tiles (16 KiB each) the Gluon filter keeps in flight (SCORES_SM90_STAGES: 2 to 8):
     # how far the producer's loads run ahead of the products.
     scores_sm90_stages: int = 4
+    # The folded query (relu=False) on the Gluon kernels with its bf16 parts stored part-major
+    # ([B, parts, T, D]; `hytopk_sm90.folded_parts`): a consumer's product columns run (part,
+    # row), so each thread sums its rows' parts in registers (no weights, no shuffles), and
+    # the filter's scan holds one row a thread (16 keys) instead of eight rows over a warp's
+    # lanes. Compiled for sm_90a: 575 instructions a key tile against 702 (the filter with
+    # the scan slots). Same survivors; scores equal to fp32 rounding order (the parts summed
+    # in another order). False (default) until timed in the same run. No effect with ReLU.
+    scores_sm90_folded_part_major: bool = False
 
     def __post_init__(self) -> None:
         if not (self.scores_sm90 is None or isinstance(self.scores_sm90, bool)):
             raise ValueError(f"HyTopKOptions.scores_sm90 must be None, True or False, got "
                              f"{self.scores_sm90!r}")
-        for name in ("scores_sm90_scan_slots", "scores_sm90_mma_ahead"):
+        for name in ("scores_sm90_scan_slots", "scores_sm90_mma_ahead",
+                     "scores_sm90_folded_part_major"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"HyTopKOptions.{name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
