@@ -534,25 +534,25 @@ def run_hytopk_default(q, k, w, topk, relu, order="score"):
     return hytopk(q, k, w, topk, relu=relu, backend="triton", check_values=False, order=order)
 
 
-def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, defer_store=True,
-                           sample_table=False, samples=HyTopKOptions.DEFAULT.scores_sm90_samples,
-                           sample_pick="topk", scan_slots=False, order="score", mma_ahead=False,
-                           stages=HyTopKOptions.DEFAULT.scores_sm90_stages,
-                           folded_part_major=False):
+# The Gluon path as first built (2026-12-05: the Triton sample, torch.topk's pick, a slot
+# atomic a survivor): `run_hytopk_scores_sm90`'s base, so that a GLUON_SELECTIONS entry keeps
+# its meaning when HyTopKOptions.DEFAULT changes. The other scores_sm90_* fields: DEFAULT's.
+FIRST_GLUON_PATH = dict(defer_store=True, sample_table=False, sample_pick="topk",
+                        scan_slots=False, mma_ahead=False, folded_part_major=False)
+
+
+def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, order="score", **fields):
     """HyTopK from the warp-specialized Gluon scores (`kernels/hytopk_sm90.py`,
     HyTopKOptions.scores_sm90): sampled thresholds, the Gluon filter, a select over the
     survivors, the missed rows redone by the Triton kernel. ReLU configs with 32 or 64 heads,
-    or without ReLU any head count (the folded query's bf16 parts). defer_store, sample_table,
-    samples, sample_pick, scan_slots, mma_ahead, stages, folded_part_major:
-    HyTopKOptions.scores_sm90_defer_store, _sample_table, _samples, _sample_pick, _scan_slots,
-    _mma_ahead, _stages, _folded_part_major; order: the rows' order ("key": the layers')."""
+    or without ReLU any head count (the folded query's bf16 parts). fields: HyTopKOptions'
+    scores_sm90_<field> values over FIRST_GLUON_PATH's (an unknown one raises); order: the
+    rows' order ("key": the layers')."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
 
-    opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True, scores_sm90_defer_store=defer_store,
-                   scores_sm90_sample_table=sample_table, scores_sm90_samples=samples,
-                   scores_sm90_sample_pick=sample_pick, scores_sm90_scan_slots=scan_slots,
-                   scores_sm90_mma_ahead=mma_ahead, scores_sm90_stages=stages,
-                   scores_sm90_folded_part_major=folded_part_major)
+    opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True,
+                   **{f"scores_sm90_{name}": value
+                      for name, value in {**FIRST_GLUON_PATH, **fields}.items()})
     return hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, stats=stats, relu=relu,
                                    order=order)
 

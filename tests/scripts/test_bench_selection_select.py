@@ -8,6 +8,7 @@ that the bench records says so; the table renders from hand-made records.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_bench_selection_fp8 import cpu_positions, sel  # noqa: F401 (sel: a fixture)
 
@@ -66,6 +67,30 @@ def test_gluon_selections_are_declared_once(sel):  # noqa: F811
         assert (name in sel.KEY_ORDER_METHODS) == (fields.get("order") == "key"), name
     assert sel.GLUON_SELECTIONS["hytopk_scores_sm90_ahead6_key"] == dict(
         sel.GLUON_SELECTIONS["hytopk_scores_sm90_ahead_key"], stages=6)
+
+
+def test_gluon_selection_fields_reach_the_options(sel, monkeypatch):  # noqa: F811
+    """run_hytopk_scores_sm90 hands hytopk_sm90 the first Gluon path's options with the
+    method's fields over them (DEFAULT's for the rest), and refuses a field HyTopKOptions lacks
+    instead of ignoring it."""
+    from megatron_hyscale.ops.kernels import hytopk_sm90
+
+    seen = []
+    monkeypatch.setattr(hytopk_sm90, "hytopk_sm90",
+                        lambda *a, options, **kw: seen.append((options, kw["order"])))
+    sel.METHODS["hytopk_scores_sm90_part_major_ahead_key"](None, None, None, 4, False)
+    (opts, order), = seen
+    assert order == "key" and opts.scores_sm90 is True
+    assert (opts.scores_sm90_folded_part_major, opts.scores_sm90_mma_ahead,
+            opts.scores_sm90_scan_slots, opts.scores_sm90_sample_pick,
+            opts.scores_sm90_defer_store) == (True, True, True, "radix", True)
+    assert opts.scores_sm90_stages == sel.HyTopKOptions.DEFAULT.scores_sm90_stages
+    seen.clear()
+    sel.METHODS["hytopk_scores_sm90"](None, None, None, 4, True)
+    assert (seen[0][0].scores_sm90_sample_table, seen[0][0].scores_sm90_sample_pick,
+            seen[0][0].scores_sm90_scan_slots) == (False, "topk", False)
+    with pytest.raises(TypeError, match="scores_sm90_mma_behind"):
+        sel.run_hytopk_scores_sm90(None, None, None, 4, True, mma_behind=True)
 
 
 def test_a_variant_that_differs_reports_its_share_of_equal_rows(sel, monkeypatch):  # noqa: F811
