@@ -150,20 +150,29 @@ def _producer(q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, q_part_stride, 
 
 @gluon.jit
 def _pack_key(score, index):
-    """HyTopK's int64 key of (score, index); -0.0 packs as +0.0 (-0.0 + 0.0 = +0.0)."""
+    """HyTopK's int64 key of (score, index); -0.0 packs as +0.0 (-0.0 + 0.0 = +0.0). An int32
+    index (>= 0) gives the low word LOW32 - index as ~index zero-extended: no 64-bit
+    arithmetic a key."""
     bits = (score + 0.0).to(gl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (ordered.to(gl.int64) << 32) | (LOW32 - index.to(gl.int64))
+    if index.dtype == gl.int32:
+        low = (~index).to(gl.uint32, bitcast=True).to(gl.int64)
+    else:
+        low = LOW32 - index.to(gl.int64)
+    return (ordered.to(gl.int64) << 32) | low
 
 
 @gluon.jit
-def _survivors(s, j, rows, in_chunk, tau, BLOCK_S: gl.constexpr, flt_layout: gl.constexpr):
+def _survivors(s, j, rows, in_chunk, tau, BLOCK_S: gl.constexpr, flt_layout: gl.constexpr,
+               INDEX32: gl.constexpr = False):
     """Key tile j's scores s [BLOCK_S x ROWS] (rows `rows`) in flt_layout: (the scores, their
-    keys' indices [BLOCK_S x ROWS], which are visible and >= their row's threshold tau)."""
+    keys' indices [BLOCK_S x ROWS], int64 or with INDEX32 int32, which are visible and >= their
+    row's threshold tau)."""
     s = gl.convert_layout(s, flt_layout)
     keys = j * BLOCK_S + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, flt_layout))
     keep = ((keys[:, None] <= rows[None, :]) & in_chunk[None, :]) & (s >= tau[None, :])
-    return s, keys[:, None] + gl.zeros(s.shape, gl.int64, flt_layout), keep
+    index_type: gl.constexpr = gl.int32 if INDEX32 else gl.int64
+    return s, keys[:, None] + gl.zeros(s.shape, index_type, flt_layout), keep
 
 
 @gluon.jit
@@ -186,12 +195,13 @@ def _add(a, b):
 
 @gluon.jit
 def _scan_slots(s, j, rows, in_chunk, tau, count, BLOCK_S: gl.constexpr,
-                flt_layout: gl.constexpr):
+                flt_layout: gl.constexpr, INDEX32: gl.constexpr = False):
     """`_claim_slots` without atomics (SCAN_SLOTS): a consumer owns its rows over every key
     tile, so each survivor's slot is its row's count so far (count [ROWS], in registers) plus
     the survivors before it in the tile (a scan over the tile's keys). flt_layout: the scan's
-    (`_scan_layout`). Returns (slot, packed key, kept, the rows' counts after the tile)."""
-    s, index, keep = _survivors(s, j, rows, in_chunk, tau, BLOCK_S, flt_layout)
+    (`_scan_layout`); INDEX32: `_survivors`'. Returns (slot, packed key, kept, the rows'
+    counts after the tile)."""
+    s, index, keep = _survivors(s, j, rows, in_chunk, tau, BLOCK_S, flt_layout, INDEX32)
     ones = keep.to(gl.int32)
     pos = count[None, :] + gl.associative_scan(ones, 0, _add) - ones
     return pos, _pack_key(s, index), keep, count + gl.sum(ones, axis=0)
@@ -274,7 +284,7 @@ def _tile_epilogue(acc, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_sl
     if FILTER:
         if SCAN_SLOTS:
             pos, key, keep, count = _scan_slots(s, j, f_rows, in_chunk, tau, count, BLOCK_S,
-                                                flt_layout)
+                                                flt_layout, PART_MAJOR)
         else:
             pos, key, keep = _claim_slots(s, j, f_rows, in_chunk, row_slot, tau, cnt_ptr,
                                           BLOCK_S, flt_layout)

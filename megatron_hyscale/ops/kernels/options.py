@@ -299,7 +299,7 @@ class HyTopKOptions:
     # ([B, parts, T, D]; `hytopk_sm90.folded_parts`): a consumer's product columns run (part,
     # row), so each thread sums its rows' parts in registers (no weights, no shuffles), and
     # the filter's scan holds one row a thread (16 keys) instead of eight rows over a warp's
-    # lanes. Compiled for sm_90a: 575 instructions a key tile against 702 (the filter with
+    # lanes. Compiled for sm_90a: 554 instructions a key tile against 702 (the filter with
     # the scan slots). Same survivors; scores equal to fp32 rounding order (the parts summed
     # in another order). False (default) until timed in the same run. No effect with ReLU.
     scores_sm90_folded_part_major: bool = False
