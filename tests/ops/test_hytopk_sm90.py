@@ -694,16 +694,18 @@ def survivors(keys: torch.Tensor, counts: torch.Tensor, cap: int) -> list[torch.
 
 
 def assert_gluon_filter_matches(filter_fn, q, k, w, scan_slots=False, mma_ahead=False,
-                                part_major=False, **kwargs):
+                                part_major=False, open_rows=False, **kwargs):
     """The Gluon filter's counts and survivors (rows 1000 .. 1530, cap 4096, each row's 300th
     best score its threshold) equal the torch filter's on the same inputs (kwargs: k_scale,
     relu; scan_slots, mma_ahead, part_major: the Gluon filter's, the torch filter has no such
-    choice)."""
+    choice). open_rows: rows 1003 and 1100 at -inf (every visible key), 1101 at +inf (none)."""
     tuning = {"part_major": True} if part_major else {}
     t_lo, t_hi, cap = 1000, 1531, 4096
     keys = scaled_keys(k, kwargs.get("k_scale"))
     scores = exact_scores(q, keys, w, kwargs.get("relu", True))[:, t_lo:t_hi]
     tau = scores.topk(300, dim=-1).values[..., -1].float().contiguous()
+    if open_rows:
+        tau[:, [3, 100]], tau[:, 101] = float("-inf"), float("inf")
     got = filter_fn(q, k, w, tau, t_lo, t_hi, cap, scan_slots=scan_slots,
                     mma_ahead=mma_ahead, **tuning, **kwargs)
     want = torch_filter(q, k, w, tau, t_lo, t_hi, cap, **kwargs)
@@ -848,7 +850,8 @@ def test_folded_gluon_filter_and_op(monkeypatch):
     q4p, w4p = hytopk_sm90.folded_parts(q, w, part_major=True)
     for ahead in (False, True):  # the parts part-major (scores_sm90_folded_part_major)
         assert_gluon_filter_matches(indexer_filter_sm90, q4p, k, w4p, relu=False,
-                                    scan_slots=True, mma_ahead=ahead, part_major=True)
+                                    scan_slots=True, mma_ahead=ahead, part_major=True,
+                                    open_rows=True)
     calls = []
 
     def counted(*args, **kwargs):

@@ -289,7 +289,8 @@ def test_part_major_presets_sum_parts_in_registers(tmp_path: Path):
     so no shuffle sums a row's parts (the scores-only loop has none; the filter's only the
     scan's, one row a thread over 4 lanes: 2 steps and the row total's), no weight multiply,
     no spill, one store a key of each thread's row; fewer instructions a tile than the
-    (row, part) order, with and without the product ahead."""
+    (row, part) order (the loop measured: the diagonal tiles', the causal tests in), with and
+    without the product ahead."""
     names = ("indexer-scores-sm90-folded-part-major", "indexer-filter-sm90-folded-scan-part-major",
              "indexer-scores-sm90-folded", "indexer-filter-sm90-folded-scan")
     scores, filt, old_scores, old_filt = _epilogue_reports(tmp_path, *names)

@@ -164,13 +164,17 @@ def _pack_key(score, index):
 
 @gluon.jit
 def _survivors(s, j, rows, in_chunk, tau, BLOCK_S: gl.constexpr, flt_layout: gl.constexpr,
-               INDEX32: gl.constexpr = False):
+               INDEX32: gl.constexpr = False, VISIBLE: gl.constexpr = False):
     """Key tile j's scores s [BLOCK_S x ROWS] (rows `rows`) in flt_layout: (the scores, their
     keys' indices [BLOCK_S x ROWS], int64 or with INDEX32 int32, which are visible and >= their
-    row's threshold tau)."""
+    row's threshold tau). VISIBLE: every row sees the whole tile and tau is NaN for rows
+    outside the chunk (no score passes it), so the threshold alone decides."""
     s = gl.convert_layout(s, flt_layout)
     keys = j * BLOCK_S + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, flt_layout))
-    keep = ((keys[:, None] <= rows[None, :]) & in_chunk[None, :]) & (s >= tau[None, :])
+    if VISIBLE:
+        keep = s >= tau[None, :]
+    else:
+        keep = ((keys[:, None] <= rows[None, :]) & in_chunk[None, :]) & (s >= tau[None, :])
     index_type: gl.constexpr = gl.int32 if INDEX32 else gl.int64
     return s, keys[:, None] + gl.zeros(s.shape, index_type, flt_layout), keep
 
@@ -195,13 +199,15 @@ def _add(a, b):
 
 @gluon.jit
 def _scan_slots(s, j, rows, in_chunk, tau, count, BLOCK_S: gl.constexpr,
-                flt_layout: gl.constexpr, INDEX32: gl.constexpr = False):
+                flt_layout: gl.constexpr, INDEX32: gl.constexpr = False,
+                VISIBLE: gl.constexpr = False):
     """`_claim_slots` without atomics (SCAN_SLOTS): a consumer owns its rows over every key
     tile, so each survivor's slot is its row's count so far (count [ROWS], in registers) plus
     the survivors before it in the tile (a scan over the tile's keys). flt_layout: the scan's
-    (`_scan_layout`); INDEX32: `_survivors`'. Returns (slot, packed key, kept, the rows'
-    counts after the tile)."""
-    s, index, keep = _survivors(s, j, rows, in_chunk, tau, BLOCK_S, flt_layout, INDEX32)
+    (`_scan_layout`); INDEX32, VISIBLE: `_survivors`'. Returns (slot, packed key, kept, the
+    rows' counts after the tile)."""
+    s, index, keep = _survivors(s, j, rows, in_chunk, tau, BLOCK_S, flt_layout, INDEX32,
+                                VISIBLE)
     ones = keep.to(gl.int32)
     pos = count[None, :] + gl.associative_scan(ones, 0, _add) - ones
     return pos, _pack_key(s, index), keep, count + gl.sum(ones, axis=0)
@@ -261,12 +267,14 @@ def _tile_epilogue(acc, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_sl
                    H: gl.constexpr, BLOCK_S: gl.constexpr, red_layout: gl.constexpr,
                    flt_layout: gl.constexpr, FILTER: gl.constexpr, CAP: gl.constexpr,
                    DEFER_STORE: gl.constexpr, TABLE: gl.constexpr, KEY_SCALE: gl.constexpr,
-                   RELU: gl.constexpr, SCAN_SLOTS: gl.constexpr, PART_MAJOR: gl.constexpr):
+                   RELU: gl.constexpr, SCAN_SLOTS: gl.constexpr, PART_MAJOR: gl.constexpr,
+                   VISIBLE: gl.constexpr):
     """Key tile j's completed product acc [keys x (row, head)]: ReLU x w, the head sum, then
     the epilogue's work (`_consumer`). PART_MAJOR: acc [keys x (part, row)], the parts summed
-    as they are (weights 1; the zero part's products are zeros) inside each thread. Returns
-    the state the tiles carry: (the running maxima m, the scan's counts, the survivors
-    pending a deferred store: slots, keys, kept)."""
+    as they are (weights 1; the zero part's products are zeros) inside each thread. VISIBLE:
+    the scan filter's tile seen whole by every row (`_survivors`). Returns the state the tiles
+    carry: (the running maxima m, the scan's counts, the survivors pending a deferred store:
+    slots, keys, kept)."""
     if PART_MAJOR:
         s = gl.sum(gl.reshape(acc, [BLOCK_S, H, ROWS]), axis=1)
     else:
@@ -284,7 +292,7 @@ def _tile_epilogue(acc, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_sl
     if FILTER:
         if SCAN_SLOTS:
             pos, key, keep, count = _scan_slots(s, j, f_rows, in_chunk, tau, count, BLOCK_S,
-                                                flt_layout, PART_MAJOR)
+                                                flt_layout, PART_MAJOR, VISIBLE)
         else:
             pos, key, keep = _claim_slots(s, j, f_rows, in_chunk, row_slot, tau, cnt_ptr,
                                           BLOCK_S, flt_layout)
@@ -354,10 +362,17 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
     pend_pos = gl.zeros([BLOCK_S, ROWS], gl.int32, layout=flt_layout)
     pend_key = gl.zeros([BLOCK_S, ROWS], gl.int64, layout=flt_layout)
     pend_keep = pend_pos != 0
+    # PART_MAJOR's scan filter runs the key tiles that every row of the consumer sees whole
+    # (keys up to t0) in a loop of their own, without the causal and chunk tests (`_survivors`'
+    # VISIBLE: with 32 rows a consumer they are 16 tests a thread a tile, and their predicates
+    # crowd the scan's), then the rest with them. Other variants keep one loop.
+    SPLIT: gl.constexpr = PART_MAJOR and FILTER and SCAN_SLOTS
+    n_seen = gl.minimum((t0 + 1) // BLOCK_S, n_tiles)
     if FILTER:
-        # rows outside the chunk get +inf: no score passes it
+        # rows outside the chunk get +inf (NaN when SPLIT, which >= never passes): no score
+        # passes it
         tau = gl.load(tau_ptr + b * n_rows + (f_rows - t_lo), mask=in_chunk,
-                      other=float("inf"))
+                      other=float("nan") if SPLIT else float("inf"))
         row_slot = ((b * n_rows + (f_rows - t_lo)).to(gl.int64)[None, :]
                     + gl.zeros([BLOCK_S, ROWS], gl.int64, layout=flt_layout))
     if TABLE:
@@ -374,51 +389,59 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
         # and the one carried round the loop reuses its predecessor's registers. The chain ends
         # with one more product, of the last tile again, never read.
         acc_a = _issue_product(c, k_s, q_op, zero, ready, turn, 0, NUM_STAGES, PINGPONG)
-        for j in range(0, n_tiles, 2):
-            acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
-            mbarrier.arrive(empty.index(j % NUM_STAGES), count=1)
-            acc_b = _issue_product(c, k_s, q_op, zero, ready, turn, j + 1, NUM_STAGES,
-                                   PINGPONG)
-            k_scale = _key_scales(j, keys, ks_ptr, b, sksb, skss, n_keys, BLOCK_S,
-                                  KEY_SCALE)
-            if DEFER_STORE:  # the last tile's, under this tile's product
-                _store_survivors(buf_ptr, row_slot, pend_pos, pend_key, pend_keep, CAP)
-            m, count, pend_pos, pend_key, pend_keep = _tile_epilogue(
-                acc_a, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off, m,
-                count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS, H, BLOCK_S,
-                red_layout, flt_layout, FILTER, CAP, DEFER_STORE, TABLE, KEY_SCALE, RELU,
-                SCAN_SLOTS, PART_MAJOR)
-            acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b,))
-            mbarrier.arrive(empty.index((j + 1) % NUM_STAGES), count=1)
-            acc_a = _issue_product(c, k_s, q_op, acc_a, ready, turn, j + 2, NUM_STAGES,
-                                   PINGPONG)
-            k_scale = _key_scales(j + 1, keys, ks_ptr, b, sksb, skss, n_keys, BLOCK_S,
-                                  KEY_SCALE)
-            if DEFER_STORE:
-                _store_survivors(buf_ptr, row_slot, pend_pos, pend_key, pend_keep, CAP)
-            m, count, pend_pos, pend_key, pend_keep = _tile_epilogue(
-                acc_b, j + 1, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off,
-                m, count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS, H, BLOCK_S,
-                red_layout, flt_layout, FILTER, CAP, DEFER_STORE, TABLE, KEY_SCALE, RELU,
-                SCAN_SLOTS, PART_MAJOR)
+        for seg in gl.static_range(2 if SPLIT else 1):  # the tiles seen whole, the rest
+            visible = SPLIT and seg == 0
+            j_lo = n_seen // 2 * 2 if seg == 1 else 0  # pairs: an even boundary
+            j_hi = n_seen // 2 * 2 if visible else n_tiles
+            for j in range(j_lo, j_hi, 2):
+                acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
+                mbarrier.arrive(empty.index(j % NUM_STAGES), count=1)
+                acc_b = _issue_product(c, k_s, q_op, zero, ready, turn, j + 1, NUM_STAGES,
+                                       PINGPONG)
+                k_scale = _key_scales(j, keys, ks_ptr, b, sksb, skss, n_keys, BLOCK_S,
+                                      KEY_SCALE)
+                if DEFER_STORE:  # the last tile's, under this tile's product
+                    _store_survivors(buf_ptr, row_slot, pend_pos, pend_key, pend_keep, CAP)
+                m, count, pend_pos, pend_key, pend_keep = _tile_epilogue(
+                    acc_a, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off, m,
+                    count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS, H, BLOCK_S,
+                    red_layout, flt_layout, FILTER, CAP, DEFER_STORE, TABLE, KEY_SCALE, RELU,
+                    SCAN_SLOTS, PART_MAJOR, visible)
+                acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b,))
+                mbarrier.arrive(empty.index((j + 1) % NUM_STAGES), count=1)
+                acc_a = _issue_product(c, k_s, q_op, acc_a, ready, turn, j + 2, NUM_STAGES,
+                                       PINGPONG)
+                k_scale = _key_scales(j + 1, keys, ks_ptr, b, sksb, skss, n_keys, BLOCK_S,
+                                      KEY_SCALE)
+                if DEFER_STORE:
+                    _store_survivors(buf_ptr, row_slot, pend_pos, pend_key, pend_keep, CAP)
+                m, count, pend_pos, pend_key, pend_keep = _tile_epilogue(
+                    acc_b, j + 1, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off,
+                    m, count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS, H, BLOCK_S,
+                    red_layout, flt_layout, FILTER, CAP, DEFER_STORE, TABLE, KEY_SCALE, RELU,
+                    SCAN_SLOTS, PART_MAJOR, visible)
         warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
     else:
-        for j in range(n_tiles):
-            acc = _issue_product(c, k_s, q_op, zero, ready, turn, j, NUM_STAGES, PINGPONG)
-            k_scale = _key_scales(j, keys, ks_ptr, b, sksb, skss, n_keys, BLOCK_S,
-                                  KEY_SCALE)
-            if DEFER_STORE:  # the last tile's, under this tile's product
-                _store_survivors(buf_ptr, row_slot, pend_pos, pend_key, pend_keep, CAP)
-            # The stage is free once the product that reads it completed; the accumulator is
-            # not touched before this wait (ptxas would serialize every wgmma otherwise:
-            # C7514).
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(j % NUM_STAGES), count=1)
-            m, count, pend_pos, pend_key, pend_keep = _tile_epilogue(
-                acc, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off, m,
-                count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS, H, BLOCK_S,
-                red_layout, flt_layout, FILTER, CAP, DEFER_STORE, TABLE, KEY_SCALE, RELU,
-                SCAN_SLOTS, PART_MAJOR)
+        for seg in gl.static_range(2 if SPLIT else 1):  # the tiles seen whole, the rest
+            visible = SPLIT and seg == 0
+            j_lo = n_seen if seg == 1 else 0
+            j_hi = n_seen if visible else n_tiles
+            for j in range(j_lo, j_hi):
+                acc = _issue_product(c, k_s, q_op, zero, ready, turn, j, NUM_STAGES, PINGPONG)
+                k_scale = _key_scales(j, keys, ks_ptr, b, sksb, skss, n_keys, BLOCK_S,
+                                      KEY_SCALE)
+                if DEFER_STORE:  # the last tile's, under this tile's product
+                    _store_survivors(buf_ptr, row_slot, pend_pos, pend_key, pend_keep, CAP)
+                # The stage is free once the product that reads it completed; the accumulator is
+                # not touched before this wait (ptxas would serialize every wgmma otherwise:
+                # C7514).
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(j % NUM_STAGES), count=1)
+                m, count, pend_pos, pend_key, pend_keep = _tile_epilogue(
+                    acc, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off, m,
+                    count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS, H, BLOCK_S,
+                    red_layout, flt_layout, FILTER, CAP, DEFER_STORE, TABLE, KEY_SCALE, RELU,
+                    SCAN_SLOTS, PART_MAJOR, visible)
 
     if FILTER:
         if DEFER_STORE:

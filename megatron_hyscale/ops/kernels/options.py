@@ -297,11 +297,13 @@ class HyTopKOptions:
     scores_sm90_stages: int = 4
     # The folded query (relu=False) on the Gluon kernels with its bf16 parts stored part-major
     # ([B, parts, T, D]; `hytopk_sm90.folded_parts`): a consumer's product columns run (part,
-    # row), so each thread sums its rows' parts in registers (no weights, no shuffles), and
-    # the filter's scan holds one row a thread (16 keys) instead of eight rows over a warp's
-    # lanes. Compiled for sm_90a: 554 instructions a key tile against 702 (the filter with
-    # the scan slots). Same survivors; scores equal to fp32 rounding order (the parts summed
-    # in another order). False (default) until timed in the same run. No effect with ReLU.
+    # row), so each thread sums its rows' parts in registers (no weights, no shuffles); the
+    # filter's scan holds one row a thread (16 keys) instead of eight rows over a warp's
+    # lanes, and the key tiles every row of a consumer sees whole run without the causal and
+    # chunk tests. Compiled for sm_90a, the filter with the scan slots: 441 instructions a key
+    # tile (486 on the diagonal tiles) against 702. Same survivors; scores equal to fp32
+    # rounding order (the parts summed in another order). False (default) until timed in the
+    # same run. No effect with ReLU.
     scores_sm90_folded_part_major: bool = False
 
     def __post_init__(self) -> None:
