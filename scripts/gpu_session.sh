@@ -894,8 +894,11 @@ case "$stage" in
         smoke_then_tests tests/ops/test_indexer_scores_sm90.py \
           "test_products_ahead_exact and 135 or test_folded_part_major_exact and 135" \
           "products_ahead or stages or part_major" || exit 1
-        timeout "${AHEAD_TESTS_S:-240}" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
-          tests/ops/test_hytopk_sm90.py -k "gluon_filter_matches or real_size or folded_gluon" \
+        # AHEAD_OP_TESTS: the op tests' -k (default: also the real-size ones); the three
+        # steps' limits (120 + 360 + AHEAD_TESTS_S) must fit the caller's.
+        timeout "${AHEAD_TESTS_S:-100}" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+          tests/ops/test_hytopk_sm90.py \
+          -k "${AHEAD_OP_TESTS:-gluon_filter_matches or real_size or folded_gluon}" \
           > "$out/tests_op.log" 2>&1
         echo "filter and op tests rc=$?: $(verdict "$out/tests_op.log")" \
           | tee -a "$out/summary.txt"
