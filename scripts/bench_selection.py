@@ -534,9 +534,10 @@ def run_hytopk_default(q, k, w, topk, relu, order="score"):
     return hytopk(q, k, w, topk, relu=relu, backend="triton", check_values=False, order=order)
 
 
-# The Gluon path as first built (2026-12-05: the Triton sample, torch.topk's pick, a slot
-# atomic a survivor): `run_hytopk_scores_sm90`'s base, so that a GLUON_SELECTIONS entry keeps
-# its meaning when HyTopKOptions.DEFAULT changes. The other scores_sm90_* fields: DEFAULT's.
+# The Gluon path of 2026-12-06 (the Triton sample, torch.topk's pick, a slot atomic a survivor
+# stored under the next product): `run_hytopk_scores_sm90`'s base, so that a GLUON_SELECTIONS
+# entry keeps its meaning when HyTopKOptions.DEFAULT changes. Other scores_sm90_* fields:
+# DEFAULT's.
 FIRST_GLUON_PATH = dict(defer_store=True, sample_table=False, sample_pick="topk",
                         scan_slots=False, mma_ahead=False, folded_part_major=False)
 
@@ -572,7 +573,8 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
 
     # The phases of hytopk_scores_sm90's row (the Triton sample; sample_gluon times the other).
     opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True, scores_sm90_sample_table=False,
-                   scores_sm90_sample_pick="topk", scores_sm90_scan_slots=False)
+                   scores_sm90_sample_pick="topk", scores_sm90_scan_slots=False,
+                   scores_sm90_folded_part_major=False)  # the parts below: (token, part)
     if not relu:
         q, w = hytopk_sm90.folded_parts(q, w)
     B, T = q.shape[:2]

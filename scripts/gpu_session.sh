@@ -326,6 +326,10 @@ case "$stage" in
        "[ARGS...]" >&2
      exit 2 ;;
 esac
+# A stage's PART, checked before any set-up spends device time.
+if [ "$stage" = mma-ahead ] && [[ ! "${1:-}" =~ ^(tests|bench)$ ]]; then
+  echo "usage: bash scripts/gpu_session.sh mma-ahead {tests|bench}" >&2; exit 2
+fi
 out=${OUT:-outputs/gpu_session}/$stage
 mkdir -p "$out"
 # The device's copy of the tree may carry a stale .git: records name the commit measured only
@@ -907,6 +911,14 @@ case "$stage" in
       bench) ;;
       *) echo "usage: bash scripts/gpu_session.sh mma-ahead {tests|bench}" >&2; exit 2 ;;
     esac
+    # A fault may hang: the smallest cases of both first (bench alone, without tests before).
+    timeout 120 python3 -m pytest -x -q -rfE -p no:cacheprovider -m gpu \
+      tests/ops/test_indexer_scores_sm90.py \
+      -k "test_products_ahead_exact and 135 and 4- or test_folded_part_major_exact and 135" \
+      > "$out/smoke.log" 2>&1
+    rc=$?
+    echo "smoke rc=$rc: $(verdict "$out/smoke.log")" | tee "$out/summary.txt"
+    [ $rc -eq 0 ] || { grep -h -E "^(FAILED|ERROR|E   )" "$out/smoke.log" | head -20; exit 1; }
     library=()
     [ -d .carry/site/nvidia_cutlass_dsl ] && library=(cudnn_key)
     # shellcheck disable=SC2086  # lengths split on purpose

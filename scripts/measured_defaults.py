@@ -81,7 +81,8 @@ LOSS_ENTRIES = ("triton_lse", "cudnn")
 def own_times(r: dict, side: str) -> dict[str, float]:
     """{kernel name: ms} of HyScale's kernels a bench_attention row timed for `side` ("fwd" or
     "bwd"): the main one first, then the --fwd-also / --bwd-also ones whose outputs agreed with
-    it (a finite relative difference; a NaN marks a broken run)."""
+    it (a finite relative difference; a NaN, or null since records are strict JSON, marks a
+    broken run)."""
     times = {}
     if isinstance(r.get(f"{side}_ms"), float):  # records before 2026-12-05 name no kernel
         times[r.get(f"{side}_kernel", "unnamed")] = r[f"{side}_ms"]

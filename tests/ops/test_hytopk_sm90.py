@@ -9,6 +9,7 @@ the Gluon filter itself against the same plain-torch filter, and the op at real 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -268,9 +269,16 @@ def test_a_failing_gluon_table_warns_once_and_the_triton_table_runs(monkeypatch)
     with pytest.warns(RuntimeWarning, match="Gluon sample table cannot run.*simulated"):
         got = hytopk_sm90.sample_thresholds(q, k, w, 8, 16, options=gluon)
     assert torch.equal(got, want) and tries == [1]
-    assert hytopk_sm90.TABLE_VARIANTS.disabled == {(2,)}
+    assert hytopk_sm90.TABLE_VARIANTS.disabled == {(2, False)}
     assert torch.equal(hytopk_sm90.sample_thresholds(q, k, w, 8, 16, options=gluon), want)
     assert tries == [1]  # refused afterwards
+    # a variant by head count and layout: the folded parts stored part-major are another
+    parts, parts_w = hytopk_sm90.folded_parts(q, w, part_major=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hytopk_sm90.sample_thresholds(parts, k, parts_w, 8, 16, options=gluon, relu=False)
+    assert tries == [1, 1]
+    assert hytopk_sm90.TABLE_VARIANTS.disabled == {(2, False), (4, True)}
     with pytest.raises(RuntimeError, match="simulated"):
         hytopk_sm90.sample_thresholds(q, k, w, 8, 16, options=opts, table_fn=failing)
 
@@ -429,6 +437,18 @@ def test_the_folded_query_takes_the_gluon_path_from_its_own_length(monkeypatch, 
         got = hytopk(q, k, w, 5, relu=False, backend="triton", options=opts)
         assert taken == runs
         assert torch.equal(got[0], want[0])
+
+
+def test_folded_parts_part_major_hold_the_same_values():
+    """folded_parts(part_major=True): the same parts and weights, stored [B, 4, T, D] (a view
+    permuted to [B, T, 4, D]), as the kernels' part_major reads them."""
+    q, k, w = int_inputs(2, 9, 3, 16, seed=4)
+    rows, rows_w = hytopk_sm90.folded_parts(q, w * 101.0)
+    parts, parts_w = hytopk_sm90.folded_parts(q, w * 101.0, part_major=True)
+    assert torch.equal(parts, rows) and torch.equal(parts_w, rows_w)
+    assert parts.permute(0, 2, 1, 3).is_contiguous()
+    assert not rows.permute(0, 2, 1, 3).is_contiguous()
+    assert (rows[:, :, 1] != 0).any() and not rows[:, :, 3].any()
 
 
 def test_folded_parts_sum_to_the_folded_query():
@@ -606,6 +626,7 @@ def test_only_the_scan_filters_buffers_skip_the_sort(monkeypatch):
         return torch_select(keys, counts, topk, order=order, options=options)
 
     def gluon_filter(*args, defer_store, scan_slots, mma_ahead, stages, **kwargs):
+        assert "part_major" not in kwargs  # relu=True
         scans.append(scan_slots)
         tunings.add((mma_ahead, stages))
         return torch_filter(*args, **kwargs)
@@ -852,10 +873,12 @@ def test_folded_gluon_filter_and_op(monkeypatch):
         assert_gluon_filter_matches(indexer_filter_sm90, q4p, k, w4p, relu=False,
                                     scan_slots=True, mma_ahead=ahead, part_major=True,
                                     open_rows=True)
+    assert_gluon_filter_matches(indexer_filter_sm90, q4p, k, w4p, relu=False, part_major=True,
+                                open_rows=True)  # with the slot atomics
     calls = []
 
     def counted(*args, **kwargs):
-        calls.append(kwargs.get("relu"))
+        calls.append((kwargs.get("relu"), kwargs.get("part_major")))
         return indexer_filter_sm90(*args, **kwargs)
 
     monkeypatch.setattr(indexer_scores_sm90, "indexer_filter_sm90", counted)
@@ -863,11 +886,14 @@ def test_folded_gluon_filter_and_op(monkeypatch):
     rows = hytopk(q, k, w, 1024, relu=False, options=opts)
     ref = [t.contiguous() for t in hytopk(q, k, w, 1024, relu=False, backend="reference")]
     assert torch.equal(rows[0], ref[0]) and torch.equal(rows[1], ref[1])
-    assert calls and set(calls) == {False}
+    assert calls and set(calls) == {(False, None)}
+    calls.clear()
     rows = hytopk(q, k, w, 1024, relu=False, order="key",
                   options=replace(opts, scores_sm90_folded_part_major=True))
     ref_key = hytopk(q, k, w, 1024, relu=False, backend="reference", order="key")
     assert torch.equal(rows[0], ref_key[0]) and torch.equal(rows[1], ref_key[1])
+    assert calls and set(calls) == {(False, True)}
+    assert not hytopk_sm90.TABLE_VARIANTS.disabled  # both layouts' Gluon tables ran
     assert ("folded", 1024, "bf16") not in hytopk_sm90.VARIANTS.disabled
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, 8192, 32, 128, device="cuda", generator=g).to(torch.bfloat16)

@@ -174,3 +174,18 @@ def test_build_flashmla_refuses_without_nvcc(tmp_path: Path) -> None:
     assert lines[0].endswith("; run it on the GPU machine")
     assert proc.stdout == "" and not out.exists()
     assert not list((tmp_path / "cwd").iterdir())
+
+
+@pytest.mark.parametrize("part", [[], ["bench", "extra"], ["test"]])
+def test_gpu_session_refuses_a_missing_part_before_any_setup(tmp_path: Path, part) -> None:
+    """`gpu_session.sh mma-ahead` without a known PART (tests, bench) exits 2 naming the
+    parts, before it installs anything or makes its output folder (device time is spent on
+    set-up)."""
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_session.sh"), "mma-ahead", *part[:1]],
+                          capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
+                          env={**os.environ, "OUT": str(tmp_path / "out")})
+    if part[:1] == ["bench"]:  # a known part passes the check (and stops later, off a GPU)
+        assert "mma-ahead {tests|bench}" not in proc.stderr
+        return
+    assert proc.returncode == 2 and "mma-ahead {tests|bench}" in proc.stderr
+    assert not (tmp_path / "out").exists()

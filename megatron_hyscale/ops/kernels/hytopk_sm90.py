@@ -64,14 +64,16 @@ REDO_ROWS_MULTIPLE = 256
 VARIANTS = KernelVariants("hytopk-scores-sm90", "HyTopK on the Gluon scores (scores_sm90)",
                         "Triton kernel")
 
-# The Gluon sample table's (`scores_sm90_sample_table`) head counts that failed to compile or
-# launch in this process (one warning): their sample runs on the Triton score-table kernel.
+# The Gluon sample table's (`scores_sm90_sample_table`) (head count, part-major) variants that
+# failed to compile or launch in this process (one warning): their sample runs on the Triton
+# score-table kernel.
 TABLE_VARIANTS = KernelVariants("hytopk-sample-table",
                                 "Gluon sample table (scores_sm90_sample_table)",
                                 "Triton score-table kernel")
 
 # (q, k, w, tau, t_lo, t_hi, cap, *, relu[, k_scale]) -> (keys, counts): `indexer_filter_sm90`'s
-# contract.
+# contract. With relu=False, q may be stored part-major (`folded_parts`; the default filter is
+# told so, an injected one reads q's strides).
 FilterFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # (keys, counts, topk, *, order, options) -> (indices, scores): `select_survivors`' contract.
 SelectFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -172,16 +174,20 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
     and the Triton one takes over), else HyTopK's Triton score-table kernel. e4m3 q and k
     (k_scale: their keys' scales, w: the head weights times q's scales) take the Gluon table
     always: the Triton table has no scales. relu=False: q the folded query's bf16 parts
-    (`folded_parts`; stored part-major with options.scores_sm90_folded_part_major), w their
+    (`folded_parts`; the Gluon table reads them part-major where q is stored so), w their
     weights."""
     fp8 = k_scale is not None
+    # the folded parts' layout as q holds it (`folded_parts`), whatever the options say
+    part_major = not relu and q.shape[2] > 1 and q.permute(0, 2, 1, 3).is_contiguous()
+    variant = (q.shape[2], part_major)
     gluon = table_fn is None and (fp8 or (options.scores_sm90_sample_table
-                                          and (q.shape[2],) not in TABLE_VARIANTS.disabled))
+                                          and variant not in TABLE_VARIANTS.disabled))
     if gluon:
         from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_table_sm90
 
-        table_fn = partial(indexer_table_sm90,
-                           part_major=not relu and options.scores_sm90_folded_part_major)
+        # told only when part-major: the (token, head)-major call is the contract's
+        table_fn = partial(indexer_table_sm90, part_major=True) if part_major else (
+            indexer_table_sm90)
     B, T = q.shape[:2]
     stride = max(1, math.ceil(T / samples))
     sampled = torch.arange(0, T, stride, device=q.device)
@@ -211,7 +217,7 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
                 except Exception as exc:
                     if not gluon or fp8:  # the caller's, or no table without the Gluon one
                         raise
-                    TABLE_VARIANTS.disable((q.shape[2],), f"{type(exc).__name__}: {exc}")
+                    TABLE_VARIANTS.disable(variant, f"{type(exc).__name__}: {exc}")
                     table_fn = None
             if table is None:
                 table = torch.empty(t1 - t0, sampled.numel(), device=q.device)
@@ -249,16 +255,17 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
 
     # The scan's slots leave each row's survivors in key order (the default filter's only).
     keys_in_order = filter_fn is None and options.scores_sm90_scan_slots
+    # the folded parts stored part-major: the default filter is told so (an injected one reads
+    # q's strides)
+    part_major = not relu and options.scores_sm90_folded_part_major
     if filter_fn is None:
         from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
         filter_fn = partial(indexer_filter_sm90, defer_store=options.scores_sm90_defer_store,
                             scan_slots=options.scores_sm90_scan_slots,
                             mma_ahead=options.scores_sm90_mma_ahead,
-                            stages=options.scores_sm90_stages)
-    part_major = not relu and options.scores_sm90_folded_part_major
-    if part_major:
-        filter_fn = partial(filter_fn, part_major=True)
+                            stages=options.scores_sm90_stages,
+                            **({"part_major": True} if part_major else {}))
     B, T = q.shape[:2]
     cap = survivor_cap(topk)
     if B * T == 0:

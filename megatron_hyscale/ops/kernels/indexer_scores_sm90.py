@@ -125,7 +125,8 @@ def _producer(q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, q_part_stride, 
     q_bar, ready, empty, _ = bars
     for c in gl.static_range(2):
         # A block of rows all past the last token starts at that token instead: its rows are
-        # never stored, and no box lies wholly outside the tensor (partly is TMA's zero fill).
+        # never stored, and no box lies wholly outside the tensor (partly is TMA's zero fill;
+        # PART_MAJOR's boxes past T read the next part's or batch's tokens, as unused).
         if PART_MAJOR:
             row = gl.minimum(q_row0 + c * ROWS, q_row_cap)
             mbarrier.expect(q_bar.index(c), H * q_desc.block_type.nbytes)
@@ -151,8 +152,8 @@ def _producer(q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, q_part_stride, 
 @gluon.jit
 def _pack_key(score, index):
     """HyTopK's int64 key of (score, index); -0.0 packs as +0.0 (-0.0 + 0.0 = +0.0). An int32
-    index (>= 0) gives the low word LOW32 - index as ~index zero-extended: no 64-bit
-    arithmetic a key."""
+    index (>= 0; `_survivors`' INDEX32) gives the low word LOW32 - index as ~index
+    zero-extended: no 64-bit subtraction a key."""
     bits = (score + 0.0).to(gl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     if index.dtype == gl.int32:
@@ -548,7 +549,8 @@ def _part_sum_layout(rows: int, parts: int) -> gl.DistributedLinearLayout:
     (the parts) removed, so each thread sums its rows' parts alone and holds each score once.
     Keys as `_reduced_layout`'s."""
     if rows < 8 or rows * parts != PAIRS:
-        raise ValueError(f"the part-major layout needs 8 rows or more, got {rows} x {parts}")
+        raise ValueError(f"the part-major layout needs 8 rows or more and rows x parts = "
+                         f"{PAIRS}, got {rows} x {parts}")
     col_regs = [8 << i for i in range((PAIRS // 8).bit_length() - 1)]
     reg = [[0, 1], [8, 0]] + [[0, col] for col in col_regs if col < rows]
     lane = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
