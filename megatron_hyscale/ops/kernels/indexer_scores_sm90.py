@@ -43,7 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megatron_hyscale.ops.checks import check_same_device, check_tensor
 from megatron_hyscale.ops.kernels.common import MAX_TMA_ROWS
-from megatron_hyscale.ops.kernels.options import check_stages
+from megatron_hyscale.ops.kernels.options import HyTopKOptions, check_stages
 
 # Head dimension: the wgmma's K (8 k-steps of 16).
 HEAD_DIM = 128
@@ -53,11 +53,12 @@ PAIRS = 128
 # sum runs along N, inside a thread and its quad (no shared memory), and each consumer keeps its
 # rows' running maxima in registers as [keys x rows] until the end.
 BLOCK_S = 64
-# Key tiles in flight (the default; `check_stages` bounds a caller's). Each is 16 KiB; with
-# the two consumers' 32 KiB query blocks the program takes 128 KiB of shared memory: one
-# program an SM either way (its 12 warps hold the SM's registers), and 4 tiles ahead are 4 x 2
-# products (~4K cycles) to hide a load behind.
-NUM_STAGES = 4
+# Key tiles in flight by default: HyTopKOptions.scores_sm90_stages' default, written once
+# there (`check_stages` bounds a caller's). Each is 16 KiB; with the two consumers' 32 KiB
+# query blocks 4 take the program to 128 KiB of shared memory: one program an SM either way
+# (its 12 warps hold the SM's registers), and 4 tiles ahead are 4 x 2 products (~4K cycles)
+# to hide a load behind.
+NUM_STAGES = HyTopKOptions.scores_sm90_stages
 # Warps: the default partition (consumer 0) is the kernel's num_warps; consumer 1 and the
 # producer are workers (9 warps, padded to 3 warpgroups: registers are set by warpgroup). The
 # producer only issues TMA and waits on barriers: the fewest registers setmaxnreg allows. Each
