@@ -79,15 +79,21 @@ class Report:
     loop_ops: dict[str, int] = field(default_factory=dict)
     # ptxas's "Potential Performance Loss" notes (e.g. C7514: every wgmma serialized).
     perf_warnings: list[str] = field(default_factory=list)
+    # Instructions of every innermost MMA loop, by address (a kernel compiling one loop in two
+    # forms, or one a partition, has several; the hot loop is the last).
+    mma_loop_sizes: list[int] = field(default_factory=list)
     sass: str = ""
 
     def line(self) -> str:
         ops = " ".join(f"{k}={v}" for k, v in self.loop_ops.items() if v)
         notes = "".join(f"\n  ptxas: {w}" for w in self.perf_warnings)
+        loops = (f" (MMA loops {' / '.join(map(str, self.mma_loop_sizes))})"
+                 if len(set(self.mma_loop_sizes)) > 1 else "")
         return (f"{self.name}: {self.instructions} instrs, {self.registers} regs, spills "
                 f"{self.spill_stores}/"
                 f"{self.spill_loads} B st/ld, stack {self.stack_bytes} B, smem "
-                f"{self.shared_bytes} B | hot loop {self.loop_instructions} instrs: {ops}{notes}")
+                f"{self.shared_bytes} B | hot loop {self.loop_instructions} instrs: "
+                f"{ops}{loops}{notes}")
 
 
 class _Recorder:
@@ -151,9 +157,15 @@ def _instructions(sass: str) -> list[tuple[int, str]]:
 
 
 def hot_loop(sass: str) -> list[str]:
-    """Instructions of the hot loop: for each MMA the smallest loop (a backward branch's span)
-    around it; of those, the innermost ones (a loop around a pruning bound's MMA also holds
-    the key-tile loop); of those, the last."""
+    """Instructions of the hot loop: the last of `mma_loops`."""
+    loops = mma_loops(sass)
+    return loops[-1] if loops else []
+
+
+def mma_loops(sass: str) -> list[list[str]]:
+    """Instructions of each MMA loop, by address: for each MMA the smallest loop (a backward
+    branch's span) around it; of those, the innermost ones (a loop around a pruning bound's
+    MMA also holds the key-tile loop)."""
     ins = _instructions(sass)
     # Out-of-line blocks after the kernel's last EXIT (an mbarrier wait's retry: try again,
     # then jump back into the loop) are no loop's back edge.
@@ -169,10 +181,7 @@ def hot_loop(sass: str) -> list[str]:
                 around.add(min(inside, key=lambda sp: sp[1] - sp[0]))
     inner = [sp for sp in around
              if not any(o != sp and sp[0] <= o[0] and o[1] <= sp[1] for o in around)]
-    if not inner:
-        return []
-    lo, hi = max(inner)
-    return [t for a, t in ins if lo <= a <= hi]
+    return [[t for a, t in ins if lo <= a <= hi] for lo, hi in sorted(inner)]
 
 
 def report(name: str, launch: Launch) -> Report:
@@ -184,7 +193,8 @@ def report(name: str, launch: Launch) -> Report:
         m = re.search(pattern, info)
         return int(m.group(1)) if m else 0
 
-    loop = hot_loop(sass)
+    loops = mma_loops(sass)
+    loop = loops[-1] if loops else []
     counts: collections.Counter[str] = collections.Counter()
     for t in loop:
         op = re.sub(r"^@!?U?P[T\d]+\s+", "", t).split()[0].split(".")[0]
@@ -193,7 +203,8 @@ def report(name: str, launch: Launch) -> Report:
                   num(r"(\d+) bytes spill stores"),
                   num(r"(\d+) bytes spill loads"), num(r"(\d+) bytes stack frame"),
                   compiled.metadata.shared, len(loop), {k: counts[k] for k in SHOWN_OPS},
-                  re.findall(r"Potential Performance Loss[^\n]*", info), sass)
+                  re.findall(r"Potential Performance Loss[^\n]*", info),
+                  [len(lp) for lp in loops], sass)
 
 
 # --------------------------------------------------------------------------- presets

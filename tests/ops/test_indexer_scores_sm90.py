@@ -289,8 +289,9 @@ def test_part_major_presets_sum_parts_in_registers(tmp_path: Path):
     so no shuffle sums a row's parts (the scores-only loop has none; the filter's only the
     scan's, one row a thread over 4 lanes: 2 steps and the row total's), no weight multiply,
     no spill, one store a key of each thread's row; fewer instructions a tile than the
-    (row, part) order (the loop measured: the diagonal tiles', the causal tests in), with and
-    without the product ahead."""
+    (row, part) order, under 70% of them in the loop over the tiles seen whole (the diagonal
+    tiles' loop, the causal tests in, is the hot loop measured); with and without the product
+    ahead."""
     names = ("indexer-scores-sm90-folded-part-major", "indexer-filter-sm90-folded-scan-part-major",
              "indexer-scores-sm90-folded", "indexer-filter-sm90-folded-scan")
     scores, filt, old_scores, old_filt = _epilogue_reports(tmp_path, *names)
@@ -301,6 +302,9 @@ def test_part_major_presets_sum_parts_in_registers(tmp_path: Path):
     assert filt["loop_ops"]["STG"] == 64 // 4 and filt["loop_ops"]["ATOMG"] == 0
     assert scores["loop_instructions"] < old_scores["loop_instructions"]
     assert filt["loop_instructions"] < old_filt["loop_instructions"]
+    # two loops a consumer: the tiles seen whole (no causal test), then the diagonal ones
+    assert len(filt["mma_loop_sizes"]) == 2 * len(old_filt["mma_loop_sizes"]) == 4
+    assert min(filt["mma_loop_sizes"]) < 0.7 * old_filt["loop_instructions"]
     (ahead,) = _epilogue_reports(tmp_path, "indexer-filter-sm90-folded-scan-part-major-ahead",
                                  steps=16)
     assert ahead["constexprs"]["MMA_AHEAD"] is True and ahead["loop_ops"]["WARPGROUP"] == 4
