@@ -814,6 +814,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print the presets and exit")
     p.add_argument("--sass-out", default=None, help="also write each kernel's SASS here")
     p.add_argument("--json", default=None, help="also write the reports (without SASS) here")
+    p.add_argument("--record", default=None, metavar="CONFIG",
+                   help="also save the reports as a benchmark record (date, commit, command; "
+                   "hyscale_bench.measure.save_record) named inspect_sm90-CONFIG, the figures "
+                   "BENCHMARKS.md cites from a compile")
     args = p.parse_args(argv)
     if triton_interpret():
         p.error(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')} is set: the kernels "
@@ -842,6 +846,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(reports, f, indent=1)
+    if args.record:
+        from hyscale_bench.measure import save_record
+
+        # a compile measures no rate: both null
+        path = save_record("inspect_sm90", args.record, reports, matmul=float("nan"),
+                           copy=float("nan"), extra={"target": "sm_90a", "triton":
+                                                     triton.__version__})
+        print(f"wrote {path}")
     return 0
 
 

@@ -37,6 +37,22 @@ def test_bad_requests_are_named() -> None:
     assert proc.returncode == 2 and "TRITON_INTERPRET" in proc.stderr
 
 
+def test_record_holds_the_reports_and_the_run(tmp_path: Path, monkeypatch) -> None:
+    """--record CONFIG saves the reports as a benchmark record (strict JSON: the rates not
+    measured are null) with the target and the command."""
+    monkeypatch.setenv("HYSCALE_RESULTS", str(tmp_path))
+    monkeypatch.setenv("HYSCALE_COMMIT", "abc1234")
+    proc = _run("--preset", "row-rank", "--record", "probe")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = tmp_path.glob("*-inspect_sm90-probe.json")
+    data = json.loads(path.read_text(), parse_constant=lambda c: 1 / 0)
+    meta, (rec,) = data["meta"], data["records"]
+    assert meta["target"] == "sm_90a" and meta["commit"] == "abc1234"
+    assert meta["matmul_tflops"] is None and "--record probe" in meta["command"]
+    assert rec["preset"] == "row-rank" and rec["instructions"] > 0
+    assert rec["mma_loop_sizes"] == []  # no MMA in the row rank
+
+
 def test_default_kernels_keep_their_compiled_shape(tmp_path: Path) -> None:
     """Guards on the defaults chosen from compiled code and GPU timings (Triton pinned at 3.6):
     HyTopK's select kernel (keys on M) runs wgmma in its hot loop without touching local
