@@ -340,16 +340,20 @@ mkdir -p "$out"
 # NCCL shutdown warning), else its last line (a run cut off by its timeout)
 verdict() { grep -E "^=* *[0-9]+ (passed|failed|error|skipped|deselected)" "$1" | tail -1 \
   | grep . || tail -1 "$1"; }
-# A warp-specialized kernel's mbarrier fault hangs rather than fails: the cases of FILE
-# matching K_EXPR first under a short timeout (return 1 if they do not pass), then all of FILE's
-# GPU tests (those matching a third argument, if given); verdicts in $out/summary.txt.
-smoke_then_tests() {
+# A warp-specialized kernel's mbarrier fault hangs rather than fails: `smoke FILE K_EXPR` runs
+# the cases of FILE matching K_EXPR under a short timeout (return 1 if they do not pass);
+# `smoke_then_tests FILE K_EXPR [K]` then all of FILE's GPU tests (those matching K, if given);
+# verdicts in $out/summary.txt.
+smoke() {
   timeout 120 python3 -m pytest -x -q -rfE -p no:cacheprovider -m gpu "$1" -k "$2" \
     > "$out/smoke.log" 2>&1
   local rc=$?
   echo "smoke rc=$rc: $(verdict "$out/smoke.log")" | tee "$out/summary.txt"
   [ $rc -eq 0 ] || { grep -h -E "^(FAILED|ERROR|E   )" "$out/smoke.log" | cut -c1-300 \
     | head -20; return 1; }
+}
+smoke_then_tests() {
+  smoke "$1" "$2" || return 1
   local only=()
   [ -n "${3:-}" ] && only=(-k "$3")
   timeout 360 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu "$1" "${only[@]}" \
@@ -912,13 +916,8 @@ case "$stage" in
       *) echo "usage: bash scripts/gpu_session.sh mma-ahead {tests|bench}" >&2; exit 2 ;;
     esac
     # A fault may hang: the smallest cases of both first (bench alone, without tests before).
-    timeout 120 python3 -m pytest -x -q -rfE -p no:cacheprovider -m gpu \
-      tests/ops/test_indexer_scores_sm90.py \
-      -k "test_products_ahead_exact and 135 and 4- or test_folded_part_major_exact and 135" \
-      > "$out/smoke.log" 2>&1
-    rc=$?
-    echo "smoke rc=$rc: $(verdict "$out/smoke.log")" | tee "$out/summary.txt"
-    [ $rc -eq 0 ] || { grep -h -E "^(FAILED|ERROR|E   )" "$out/smoke.log" | head -20; exit 1; }
+    smoke tests/ops/test_indexer_scores_sm90.py \
+      "test_products_ahead_exact and 135 and 4- or test_folded_part_major_exact and 135" || exit 1
     library=()
     [ -d .carry/site/nvidia_cutlass_dsl ] && library=(cudnn_key)
     # shellcheck disable=SC2086  # lengths split on purpose

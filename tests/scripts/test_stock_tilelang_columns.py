@@ -14,6 +14,7 @@ same on a machine that has TileLang. The scripts are imported once a module (~2 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -687,3 +688,9 @@ def test_measured_defaults_names_the_method_of_todays_gluon_path() -> None:
     path, others = md.gluon_path_methods(HyTopKOptions.DEFAULT)
     assert path and path not in others
     assert set(md.GLUON_METHODS.values()) <= set(bench.METHODS)
+    # each key is what its method runs (bench_selection declares the fields once)
+    default = dataclasses.asdict(HyTopKOptions.DEFAULT)
+    for key, name in md.GLUON_METHODS.items():
+        fields = {**bench.FIRST_GLUON_PATH, **bench.GLUON_SELECTIONS[name]}
+        ran = {**default, **{f"scores_sm90_{k}": v for k, v in fields.items()}}
+        assert md.gluon_key(ran) == key, name
