@@ -539,7 +539,8 @@ def run_hytopk_default(q, k, w, topk, relu, order="score"):
 # entry keeps its meaning when HyTopKOptions.DEFAULT changes. Other scores_sm90_* fields:
 # DEFAULT's.
 FIRST_GLUON_PATH = dict(defer_store=True, sample_table=False, sample_pick="topk",
-                        scan_slots=False, mma_ahead=False, folded_part_major=False)
+                        scan_slots=False, mma_ahead=False, folded_part_major=False,
+                        direct_select=False)
 
 
 def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, order="score", **fields):
@@ -563,7 +564,10 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
     the Gluon filter over all row chunks, the select over the survivors (`select_survivors`,
     on a copy of the first chunk's buffer once a chunk, the copy's time taken off, its
     decode and order included), and torch.topk alone over the same buffers (select_torch: the
-    select it replaced, without that path's decode and key-order sort); the rest (redone
+    select it replaced, without that path's decode and key-order sort); select_key: the
+    select in key order over the scan slots' buffers (the layers' case, no row sort),
+    select_key_direct: that written straight to the rows (scores_sm90_direct_select), and
+    select_key_direct_equal whether their rows are equal; the rest (redone
     rows, masks) is the difference. sample_topk: the sample's torch.topk alone, as often as
     the sample runs it, over one chunk's table; sample_pick: `row_rank.rank_values` (the
     radix pick) in its place; filter_scan: the filter with its slots from a scan (no atomics,
@@ -655,6 +659,34 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
     except Exception as exc:  # noqa: BLE001  (reported, not hidden)
         print(f"filter_scan failed: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
         filter_scan = None
+    select_key = select_key_direct = direct_equal = None
+    try:  # the newer kernels: their failure must not cost the other phases' timings
+        # In key order over the scan slots' buffers, as the layers select: the compacting
+        # select (its copy's time taken off) and the direct one (no copy: keys left as they are).
+        scan_keys, scan_counts = indexer_filter_sm90(q, k, w, tau[:, :t1].contiguous(), 0, t1,
+                                                     cap, relu=relu, scan_slots=True)
+        direct = replace(opts, scores_sm90_direct_select=True)
+
+        def select_key_all(options, fresh):
+            for _ in chunks:
+                if fresh:
+                    spare.copy_(scan_keys)
+                hytopk_sm90.select_survivors(spare if fresh else scan_keys, scan_counts, topk,
+                                             order="key", options=options, keys_in_order=True)
+
+        select_key = max(0.0, time_ms(lambda: select_key_all(opts, True), reps=reps,
+                                      warmup=1) - copy)
+        select_key_direct = time_ms(lambda: select_key_all(direct, False), reps=reps, warmup=1)
+        spare.copy_(scan_keys)
+        want = hytopk_sm90.select_survivors(spare, scan_counts, topk, order="key",
+                                            options=opts, keys_in_order=True)
+        got = hytopk_sm90.select_survivors(scan_keys, scan_counts, topk, order="key",
+                                           options=direct, keys_in_order=True)
+        direct_equal = bool(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+        if not direct_equal:
+            print("select_key_direct: rows differ from the compacting select's", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001  (reported, not hidden)
+        print(f"select_key failed: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
     gluon = replace(opts, scores_sm90_sample_table=True)
     try:  # the newer kernel: its failure must not cost the other phases' timings
         sample_gluon = time_ms(lambda: hytopk_sm90.sample_thresholds(
@@ -672,6 +704,9 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
             "filter": time_ms(filter_all, reps=reps, warmup=1),
             "filter_scan": filter_scan,
             "select": max(0.0, time_ms(select_all, reps=reps, warmup=1) - copy),
+            "select_key": select_key,
+            "select_key_direct": select_key_direct,
+            "select_key_direct_equal": direct_equal,
             "select_torch": time_ms(select_torch_all, reps=reps, warmup=1)}
 
 
@@ -848,6 +883,10 @@ GLUON_SELECTIONS = {
     "hytopk_scores_sm90_part_major_key": dict(_SCAN_KEY, folded_part_major=True),
     "hytopk_scores_sm90_part_major_ahead_key": dict(_SCAN_KEY, folded_part_major=True,
                                                     mma_ahead=True),
+    # The survivors' select written straight to the rows (no in-place compaction).
+    "hytopk_scores_sm90_direct_key": dict(_SCAN_KEY, direct_select=True),
+    "hytopk_scores_sm90_part_major_direct_key": dict(_SCAN_KEY, folded_part_major=True,
+                                                     direct_select=True),
 }
 
 
@@ -1442,8 +1481,9 @@ def main():
                         + (f"  sampled rows {rec['sampled_rows_share']:.1%} redone blocks "
                            f"{rec['redone_blocks']}" if "sampled_rows_share" in rec else "")
                         + (f"  redone rows {rec['redone_rows_share']:.2%} phases ms "
-                           + " ".join(f"{n} {v:.1f}" if v is not None else f"{n} -"
-                                        for n, v in rec["phase_ms"].items())
+                           + " ".join(f"{n} {v:.1f}" if isinstance(v, float)
+                                      else f"{n} {'-' if v is None else v}"
+                                      for n, v in rec["phase_ms"].items())
                            if "phase_ms" in rec else ""))
     if "structured" in args.inputs:
         share = check_structured_exact(16384, "dsv32")

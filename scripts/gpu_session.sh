@@ -164,6 +164,12 @@
 #                                         # (16K 64K 128K), the folded query part-major, the
 #                                         # scores alone at 128K, the op against its path
 #                                         # called directly at 16K (ten repetitions) (~8 min)
+#   bash scripts/gpu_session.sh direct-select  # issue #21 item 2: the survivors' select
+#                                         # written straight to the rows
+#                                         # (scores_sm90_direct_select): its GPU tests, then
+#                                         # timed beside the compacting select in key order,
+#                                         # GLM-5.1 and the folded query at DIRECT_T (16K 64K
+#                                         # 128K), and the select phases apart at 128K (~6 min)
 #   bash scripts/gpu_session.sh profile-layers  # issues #20 items 4-5: one profiled step
 #                                         # (bench_layer.py --profile-kernels) of the QSA
 #                                         # layer at 512K (PROFILE_QSA_T) and the GLM-5.1 DSA
@@ -312,7 +318,7 @@ case "$stage" in
   |flashmla-pair|lockstep-triton|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
   |ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection\
   |profile-layers|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse|cudnn-loss\
-  |sample-pick|mma-ahead) ;;
+  |sample-pick|mma-ahead|direct-select) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
@@ -322,7 +328,7 @@ case "$stage" in
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
        "|ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics" \
        "|captured-selection|profile-layers|loss-bwd-probe|mla-projections|norms" \
-       "|loss-bwd-sm90|selection-lse|cudnn-loss|sample-pick|mma-ahead}" \
+       "|loss-bwd-sm90|selection-lse|cudnn-loss|sample-pick|mma-ahead|direct-select}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -377,7 +383,8 @@ fi
 case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|filter-sm90\
   |profile-layers|models|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse\
-  |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton|sample-pick|mma-ahead)
+  |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton|sample-pick|mma-ahead\
+  |direct-select)
     case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -946,6 +953,29 @@ case "$stage" in
       --methods hytopk_default_key hytopk_scores_sm90_scan_slots_key \
       hytopk_scores_sm90_ahead_key --tag _op_16k --out "$out" 2>&1 | grep -v -i warn \
       | grep -E "^random|Error|error" | tee "$out/bench_selection_op_16k.log"
+    ;;
+  direct-select)
+    # Issue #21 item 2: the survivors' select written straight to the rows (no in-place
+    # compaction, HyTopKOptions.scores_sm90_direct_select). Its tests (the kernel against the
+    # compacting select at real sizes, the op against the reference), then timed beside the
+    # compacting select in key order (the layers'), then the phases at 128K (select_key,
+    # select_key_direct: the two selects alone over the same scan-slot buffers).
+    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+      tests/ops/test_survivor_select.py tests/ops/test_hytopk_sm90.py \
+      -k "select_rows or (real_size and True-False-True)" > "$out/tests.log" 2>&1
+    rc=$?
+    echo "tests rc=$rc: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -20
+    [ $rc -eq 0 ] || exit 1
+    # shellcheck disable=SC2086  # lengths split on purpose
+    timeout "${DIRECT_BENCH_S:-240}" python3 scripts/bench_selection.py \
+      --T ${DIRECT_T:-16384 65536 131072} --configs glm51 norelu --reps 3 \
+      --methods hytopk_scores_sm90_scan_slots_key hytopk_scores_sm90_direct_key \
+      --tag _direct_select --out "$out" 2>&1 | grep -v -i warn \
+      | grep -E "^random|Error|error" | tee "$out/bench_selection_direct.log"
+    timeout 150 python3 scripts/bench_selection.py --T 131072 --configs glm51 norelu --reps 2 \
+      --methods hytopk_scores_sm90 --tag _direct_phases --out "$out" 2>&1 | grep -v -i warn \
+      | grep -E "^random|Error|error|select" | tee "$out/bench_selection_direct_phases.log"
     ;;
   key-tma)
     # Issue #21: the key tiles through TMA. The TMA cases of the select-variant tests first

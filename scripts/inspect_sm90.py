@@ -254,6 +254,19 @@ def _write_rows(topk: int, rows: int = 264, select: bool = False, key_order: boo
     return calls
 
 
+def _select_rows(topk: int, rows: int = 264) -> list[Launch]:
+    """The survivors' select written straight to the rows (`survivor_select.select_rows`,
+    HyTopKOptions.scores_sm90_direct_select) over rows of a 2 x topk buffer. No MMA: read the
+    whole kernel's counts."""
+    from megatron_hyscale.ops.kernels import survivor_select
+
+    keys = torch.zeros(rows, 2 * topk, dtype=torch.int64)
+    counts = torch.zeros(rows, dtype=torch.int32)
+    with intercept(survivor_select, "_select_rows_kernel") as calls:
+        survivor_select.select_rows(keys, counts, topk)
+    return calls
+
+
 def _row_rank(columns: int = 2048, rows: int = 8192) -> list[Launch]:
     """The sample's threshold pick (`row_rank.rank_values`, scores_sm90_sample_pick="radix") on
     a sample table's chunk (SAMPLE_CHUNK_ROWS rows of 2048 sampled keys). No MMA: read the
@@ -671,6 +684,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
     "row-rank-widest": lambda: _row_rank(columns=1 << 14, rows=64),
     # The same over the scan slots' key-ordered buffers: order "key" without the row sort.
     "hytopk-select-survivors-in-order": lambda: _write_rows(2048, select=True, ordered=False),
+    # That written straight to the rows (HyTopKOptions.scores_sm90_direct_select).
+    "hytopk-select-rows-direct": lambda: _select_rows(2048),
     "hytopk-norelu-sort-regs": lambda: _hytopk(32, 128, 2048, False, row_sort="bitonic_regs"),
     # A head dim below tl.dot's 16 (tests' tiny geometries): must still compile.
     "hytopk-tiny-head-dim": lambda: _hytopk(4, 8, 16, True, T=256),

@@ -788,20 +788,20 @@ def test_gluon_filter_matches_the_torch_filter(H, defer_store, scan_slots, ahead
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("scan_slots, mma_ahead", [(False, False), (True, False),
-                                                   (True, True)])
+@pytest.mark.parametrize("scan_slots, mma_ahead, direct", [
+    (False, False, False), (True, False, False), (True, True, False), (True, False, True)])
 @pytest.mark.parametrize("H", [64, 32])
-def test_the_op_matches_the_reference_at_real_size(H, scan_slots, mma_ahead):
+def test_the_op_matches_the_reference_at_real_size(H, scan_slots, mma_ahead, direct):
     """hytopk(options.scores_sm90) at T = 4096 + 5, topk 2048, batch 2, integer inputs (ties:
     some rows redone), an all-zero row: the reference's rows bit for bit, in score and in key
     order (scan_slots: the filter's key-ordered buffers, order "key" without the row sort;
-    mma_ahead: scores_sm90_mma_ahead)."""
+    mma_ahead: scores_sm90_mma_ahead; direct: scores_sm90_direct_select)."""
     from megatron_hyscale.ops.key_order import sort_rows_by_key
 
     q, k, w = int_inputs(2, 4101, H, 128, seed=H + 1)
     q[0, 3000] = 0  # every score 0: over the cap, redone
     opts = HyTopKOptions(scores_sm90=True, scores_sm90_scan_slots=scan_slots,
-                         scores_sm90_mma_ahead=mma_ahead)
+                         scores_sm90_mma_ahead=mma_ahead, scores_sm90_direct_select=direct)
     got = hytopk(q, k, w, 2048, options=opts)
     want = [t.contiguous() for t in hytopk(q, k, w, 2048, backend="reference")]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -541,6 +541,23 @@ def test_select_over_key_ordered_buffers_has_no_row_sort(tmp_path: Path) -> None
     assert in_order["spill_stores"] == 0 and in_order["spill_loads"] == 0
 
 
+def test_direct_select_holds_a_fraction_of_the_compacting_selects_registers(tmp_path: Path
+                                                                            ) -> None:
+    """The survivors' select written straight to the rows (scores_sm90_direct_select) holds
+    one half of the keys at a time and decodes them in chunks: under 128 registers a thread
+    (four programs an SM) where the compacting select over the same buffers holds over 200
+    (two), fewer instructions, no spill."""
+    out = tmp_path / "r.json"
+    proc = _run("--preset", "hytopk-select-survivors-in-order", "hytopk-select-rows-direct",
+                "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    compacting, direct = json.loads(out.read_text())
+    assert direct["constexprs"]["CP"] == 4096 and direct["constexprs"]["CHUNK"] == 1024
+    assert direct["registers"] < 128 < 200 < compacting["registers"]
+    assert direct["instructions"] < compacting["instructions"]
+    assert direct["spill_stores"] == 0 and direct["spill_loads"] == 0
+
+
 def test_row_rank_compiles_for_sm90(tmp_path: Path) -> None:
     """The sample's radix pick compiles for sm_90a (the interpreter does not enforce Triton's
     rule that a kernel reads only constexpr globals), at the sample's 2048 columns and the

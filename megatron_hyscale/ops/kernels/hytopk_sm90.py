@@ -35,7 +35,7 @@ import torch
 
 from megatron_hyscale.ops.checks import KernelVariants
 from megatron_hyscale.ops.kernels import hytopk as hk
-from megatron_hyscale.ops.kernels import row_rank
+from megatron_hyscale.ops.kernels import row_rank, survivor_select
 from megatron_hyscale.ops.kernels.common import on_hopper
 from megatron_hyscale.ops.kernels.options import HyTopKOptions
 
@@ -327,9 +327,15 @@ def select_survivors(keys: torch.Tensor, counts: torch.Tensor, topk: int, *, ord
     descending score, ties to the smaller index; "key": increasing index; "any": the set,
     empty slots last). keys_in_order: each row's survivors lie in increasing index (the
     filter's scan slots), which the select's compaction keeps, so order "key" needs no sort.
-    A row with more survivors than cap comes back wrong: the caller redoes it."""
+    Without a sort and with options.scores_sm90_direct_select the rows are written straight
+    from the buffers (`survivor_select.select_rows`, keys left as they are). A row with more
+    survivors than cap comes back wrong: the caller redoes it."""
     B, n, cap = keys.shape
     sort = order == "score" or (order == "key" and not keys_in_order)
+    if options.scores_sm90_direct_select and not sort:
+        idx, val = survivor_select.select_rows(keys.view(B * n, cap), counts.view(B * n), topk,
+                                               num_warps=options.num_warps)
+        return idx.view(B, n, topk), val.view(B, n, topk)
     idx, val = hk.write_rows(keys.view(B * n, cap), counts.view(B * n), topk,
                              ordered=sort, key_order=order == "key", select=True,
                              options=options)

@@ -305,13 +305,23 @@ class HyTopKOptions:
     # rounding order (the parts summed in another order). False (default) until timed in the
     # same run. No effect with ReLU.
     scores_sm90_folded_part_major: bool = False
+    # The survivors' select where no row sort follows (order "key" on the scan slots' buffers,
+    # the layers' case, or order "any") writes each row straight from its buffer
+    # (`survivor_select.select_rows`): the k-th key from the score halves alone, starting below
+    # the bits every survivor's score shares (the index halves only for a tie straddling k),
+    # then each kept key decoded and stored at its rank among them, instead of compacting the
+    # buffer in place and reading it back (`hytopk.write_rows(select=True)`). The row's keys,
+    # their score halves and their index halves are never held at once: compiled for sm_90a,
+    # far fewer registers (the compacting select holds 250, two programs an SM). Same rows.
+    # False (default) until timed in the same run.
+    scores_sm90_direct_select: bool = False
 
     def __post_init__(self) -> None:
         if not (self.scores_sm90 is None or isinstance(self.scores_sm90, bool)):
             raise ValueError(f"HyTopKOptions.scores_sm90 must be None, True or False, got "
                              f"{self.scores_sm90!r}")
         for name in ("scores_sm90_scan_slots", "scores_sm90_mma_ahead",
-                     "scores_sm90_folded_part_major"):
+                     "scores_sm90_folded_part_major", "scores_sm90_direct_select"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"HyTopKOptions.{name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
