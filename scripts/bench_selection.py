@@ -151,6 +151,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -883,6 +884,10 @@ GLUON_SELECTIONS = {
     "hytopk_scores_sm90_part_major_key": dict(_SCAN_KEY, folded_part_major=True),
     "hytopk_scores_sm90_part_major_ahead_key": dict(_SCAN_KEY, folded_part_major=True,
                                                     mma_ahead=True),
+    # Today's default path (2026-12-07): the product ahead, the folded parts part-major, the
+    # survivors' select written straight to the rows (in score order the row sort remains).
+    "hytopk_scores_sm90_current": dict(_SCAN_KEY, order="score", mma_ahead=True,
+                                       folded_part_major=True, direct_select=True),
     # The survivors' select written straight to the rows (no in-place compaction).
     "hytopk_scores_sm90_direct_key": dict(_SCAN_KEY, direct_select=True),
     "hytopk_scores_sm90_part_major_direct_key": dict(_SCAN_KEY, folded_part_major=True,
@@ -949,7 +954,9 @@ FP8_METHODS = ("hytopk_fp8", "hytopk_fp8_promote32", "hytopk_fp8_scores_sm90")
 FP8_GOAL_X_FLOOR = 0.65
 
 
-def bench_one(method, T, cfg, kind, rate, reps):
+def bench_one(method, T, cfg, kind, rate, reps, extras=True):
+    """One method's record at one length; extras=False: its time and memory alone (the
+    later rounds of `--rounds`: the comparisons and phases ran in the first)."""
     H, D, topk, relu = CONFIGS[cfg]
     q, k, w = config_inputs(T, cfg, kind)
     fn = METHODS[method]
@@ -993,6 +1000,9 @@ def bench_one(method, T, cfg, kind, rate, reps):
             n = reps
             ms = time_ms(lambda: fn(q, k, w, topk, relu), reps=n, warmup=1)
         rec.update(ms=ms, mem_gib=mem / GiB, x_floor=ms / floor, reps=n)
+        if not extras:
+            torch.cuda.empty_cache()
+            return rec
         if method == "hytopk_prune":
             share, same = pruned_share(q, k, w, topk, relu)
             rec.update(pruned_share=share, same_as_unpruned=same)
@@ -1027,6 +1037,31 @@ def bench_one(method, T, cfg, kind, rate, reps):
         rec.update(ms=None, mem_gib=None, x_floor=None, status="OOM")
     torch.cuda.empty_cache()
     return rec
+
+
+def round_order(methods: list[str], rounds: int) -> list[str]:
+    """The methods as `--rounds` times them: each round rotated one place, so each method
+    runs first once every len(methods) rounds (the first timed after a length change ran 3-4%
+    slower on an H100, and a machine's clocks drift between rounds)."""
+    n = len(methods)
+    return [methods[(r + i) % n] for r in range(rounds) for i in range(n)]
+
+
+def merge_rounds(recs: list[dict]) -> list[dict]:
+    """One record a method from its rounds (same config, length and inputs), in first-round
+    order: the first round's record (its comparisons and phases), ms the median of the rounds'
+    (ms_rounds: each round's, in order), x_floor from it. A round without a time (OOM) leaves
+    ms_rounds a None and the median to the others."""
+    merged: dict[str, dict] = {}
+    for rec in recs:
+        first = merged.setdefault(rec["method"], {**rec, "ms_rounds": []})
+        first["ms_rounds"].append(rec.get("ms"))
+    for rec in merged.values():
+        times = [t for t in rec["ms_rounds"] if t is not None]
+        if times:
+            rec["ms"] = statistics.median(times)
+            rec["x_floor"] = rec["ms"] / rec["floor_ms"]
+    return list(merged.values())
 
 
 # The Gluon scores-only methods, compared with the Triton scores-only kernel's row maxima.
@@ -1382,6 +1417,10 @@ def main():
                    help="configs other than dsv32 run only up to this T")
     p.add_argument("--reps", type=int, default=5,
                    help="timed calls per method and length (the median is kept)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time the methods this many times at each length, each round's order "
+                        "rotated one place; a record keeps the median of its rounds' times "
+                        "(ms_rounds: each round's) and the first round's comparisons")
     p.add_argument("--quick", action="store_true", help="T in {16K, 32K}, 2 reps")
     p.add_argument("--sweep", action="store_true", help="time kernel variants and exit")
     p.add_argument("--group-sweep", action="store_true",
@@ -1395,6 +1434,8 @@ def main():
                         "outputs); records also go to $HYSCALE_RESULTS (default "
                         "benchmarks/results/)")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     require_cuda("bench_selection.py")
     if args.captured and not os.path.isfile(args.captured):
         p.error(f"--captured {args.captured}: no such file (bash scripts/run.sh demo writes "
@@ -1433,7 +1474,8 @@ def main():
             for T in Ts:
                 if cfg != "dsv32" and T > args.secondary_max_T:
                     continue
-                for method in args.methods:
+                first_rec = len(records)
+                for turn, method in enumerate(round_order(args.methods, args.rounds)):
                     # the limits are for S = T and 64 heads: compare the work, T x S x H
                     work = T * (T // KEY_RATIO.get(cfg, 1)) * CONFIGS[cfg][0]
                     if work > MAX_T.get(method, 1 << 40) ** 2 * 64:
@@ -1462,7 +1504,8 @@ def main():
                         warmed.add((cfg, method))
                     if kind != "random" and method in ("naive", "chunked"):
                         continue  # dense paths: their time does not depend on the inputs
-                    rec = bench_one(method, T, cfg, kind, rate, reps)
+                    rec = bench_one(method, T, cfg, kind, rate, reps,
+                                    extras=turn < len(args.methods))
                     records.append(rec)
                     write_json(records, dev, rate, bw, args.out)
                     log(f"{kind:10s} {cfg:8s} T={T:8d} {method:10s} "
@@ -1485,6 +1528,9 @@ def main():
                                       else f"{n} {'-' if v is None else v}"
                                       for n, v in rec["phase_ms"].items())
                            if "phase_ms" in rec else ""))
+                if args.rounds > 1:
+                    records[first_rec:] = merge_rounds(records[first_rec:])
+                    write_json(records, dev, rate, bw, args.out)
     if "structured" in args.inputs:
         share = check_structured_exact(16384, "dsv32")
         log(f"structured T=16384: share of rows identical to the reference {share:.4f}")

@@ -57,19 +57,24 @@ LIBRARY_SELECTION_METHOD = "cudnn"
 # cuDNN's rows in key order.
 KEY_ORDER_PAIR = ("hytopk_default_key", "cudnn_key")
 # The HyTopKOptions fields that tell bench_selection's Gluon-path methods apart (`gluon_key`):
-# the sample's table, its threshold pick, the filter's slots, its product ahead, its ring.
+# the sample's table, its threshold pick, the filter's slots, its product ahead, its ring, the
+# folded parts' layout, the select without compaction.
 GLUON_FIELDS = ("scores_sm90_sample_table", "scores_sm90_sample_pick", "scores_sm90_scan_slots",
-                "scores_sm90_mma_ahead", "scores_sm90_stages", "scores_sm90_folded_part_major")
+                "scores_sm90_mma_ahead", "scores_sm90_stages", "scores_sm90_folded_part_major",
+                "scores_sm90_direct_select")
 # Those methods by GLUON_FIELDS' values. Newest first: where a record lacks the default's
 # method, the nearest one it has stands for it (in key order, the layers', each was timed
 # slower than the next newer one on an H100, same runs; in score order within a few percent
-# of it; the product ahead and the folded parts part-major not yet timed).
-GLUON_METHODS = {(True, "radix", True, False, 4, True): "hytopk_scores_sm90_part_major",
-                 (True, "radix", True, True, 4, False): "hytopk_scores_sm90_ahead",
-                 (True, "radix", True, False, 4, False): "hytopk_scores_sm90_scan_slots",
-                 (True, "radix", False, False, 4, False): "hytopk_scores_sm90_radix_pick",
-                 (True, "topk", False, False, 4, False): "hytopk_scores_sm90_gluon_sample",
-                 (False, "topk", False, False, 4, False): "hytopk_scores_sm90"}
+# of it; the product ahead, the parts part-major and the direct select timed in key order on
+# 2026-12-07).
+GLUON_METHODS = {(True, "radix", True, True, 4, True, True): "hytopk_scores_sm90_current",
+                 (True, "radix", True, False, 4, True, False): "hytopk_scores_sm90_part_major",
+                 (True, "radix", True, True, 4, False, False): "hytopk_scores_sm90_ahead",
+                 (True, "radix", True, False, 4, False, False): "hytopk_scores_sm90_scan_slots",
+                 (True, "radix", False, False, 4, False, False):
+                     "hytopk_scores_sm90_radix_pick",
+                 (True, "topk", False, False, 4, False, False): "hytopk_scores_sm90_gluon_sample",
+                 (False, "topk", False, False, 4, False, False): "hytopk_scores_sm90"}
 # The attention's own times are those of the kernels the defaults run (a record names the
 # kernel of each time); lib_fwd_ms / lib_bwd_ms are FlashMLA's forward and cuDNN's backward.
 LIBRARY_FORWARD = "flashmla"
@@ -105,7 +110,8 @@ def own_times(r: dict, side: str) -> dict[str, float]:
 # the value that matches what those records' defaults did.
 ADDED_SELECTION_FIELDS = {"scores_sm90_sample_pick": "topk", "scores_sm90_scan_slots": False,
                           "scores_sm90_folded_min_keys": None, "scores_sm90_mma_ahead": False,
-                          "scores_sm90_stages": 4, "scores_sm90_folded_part_major": False}
+                          "scores_sm90_stages": 4, "scores_sm90_folded_part_major": False,
+                          "scores_sm90_direct_select": False}
 
 
 def gluon_key(options: dict) -> tuple:

@@ -525,6 +525,7 @@ def test_bad_sample_count_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="scores_sm90_samples"):
         why(HyTopKOptions(scores_sm90_samples=0))
     wide = HyTopKOptions(scores_sm90_samples=row_rank.MAX_COLUMNS + 1)
+    monkeypatch.setattr(hytopk_sm90, "on_hopper", lambda t: False)  # any machine's tensors
     assert "Hopper" in why(wide)
     monkeypatch.setattr(hytopk_sm90, "on_hopper", lambda t: True)
     with pytest.raises(ValueError, match="scores_sm90_samples = 16385 .*sample_pick='radix'"):
@@ -882,14 +883,14 @@ def test_folded_gluon_filter_and_op(monkeypatch):
         return indexer_filter_sm90(*args, **kwargs)
 
     monkeypatch.setattr(indexer_scores_sm90, "indexer_filter_sm90", counted)
-    opts = HyTopKOptions(scores_sm90=True)
-    rows = hytopk(q, k, w, 1024, relu=False, options=opts)
+    opts = HyTopKOptions(scores_sm90=True)  # the parts part-major by default
+    rows = hytopk(q, k, w, 1024, relu=False,
+                  options=replace(opts, scores_sm90_folded_part_major=False))
     ref = [t.contiguous() for t in hytopk(q, k, w, 1024, relu=False, backend="reference")]
     assert torch.equal(rows[0], ref[0]) and torch.equal(rows[1], ref[1])
     assert calls and set(calls) == {(False, None)}
     calls.clear()
-    rows = hytopk(q, k, w, 1024, relu=False, order="key",
-                  options=replace(opts, scores_sm90_folded_part_major=True))
+    rows = hytopk(q, k, w, 1024, relu=False, order="key", options=opts)
     ref_key = hytopk(q, k, w, 1024, relu=False, backend="reference", order="key")
     assert torch.equal(rows[0], ref_key[0]) and torch.equal(rows[1], ref_key[1])
     assert calls and set(calls) == {(False, True)}

@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_hytopk_sm90 import DEV, LOW32, pack
 
 from megatron_hyscale.ops import HyTopKOptions
 from megatron_hyscale.ops.kernels import hytopk_sm90, survivor_select
 
-INT64_MIN = torch.iinfo(torch.int64).min
+# What a row's slots past its count hold here: the largest key (a select that read past the
+# count would take it).
 INT64_MAX = torch.iinfo(torch.int64).max
-LOW32 = (1 << 32) - 1
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def pack(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    bits = (scores + 0.0).view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return (ordered << 32) | (LOW32 - index.to(torch.int64))
 
 
 def torch_select(keys: torch.Tensor, counts: torch.Tensor, topk: int):
@@ -129,7 +123,7 @@ def test_select_survivors_takes_the_direct_select_only_without_a_sort(order, mon
                          for _ in range(B * n)]).view(B, n, cap)
     counts = torch.tensor([[16, 5, 3, 0], [12, 7, 1, 9]], dtype=torch.int32)
     keys = torch.where(torch.arange(cap) < counts[..., None], pack(scores, index), INT64_MAX)
-    base = HyTopKOptions(interpret_programs=2)
+    base = HyTopKOptions(interpret_programs=2, scores_sm90_direct_select=False)
     direct = HyTopKOptions(interpret_programs=2, scores_sm90_direct_select=True)
     got = hytopk_sm90.select_survivors(keys.clone().to(DEV), counts.to(DEV), topk, order=order,
                                        options=direct, keys_in_order=True)

@@ -421,7 +421,8 @@ def test_measured_defaults_trusts_hytopk_default_only_under_todays_defaults(tmp_
     assert own(today) == (180.0, "hytopk_default")
     # A record naming the options before fields were added: a missing field ran its added
     # value (ADDED_SELECTION_FIELDS), so where those are today's defaults it ran today's.
-    newer = ("scores_sm90_mma_ahead", "scores_sm90_stages", "scores_sm90_folded_part_major")
+    newer = ("scores_sm90_mma_ahead", "scores_sm90_stages", "scores_sm90_folded_part_major",
+             "scores_sm90_direct_select")
     unnamed = {k: v for k, v in today["hytopk_default_options"].items() if k not in newer}
     still_today = all(getattr(default, f) == md.ADDED_SELECTION_FIELDS[f] for f in newer)
     assert own({"hytopk_default_options": unnamed}) == (
@@ -444,7 +445,8 @@ def test_measured_defaults_trusts_hytopk_default_only_under_todays_defaults(tmp_
     # pick and the atomics.
     before = {k: v for k, v in named()["hytopk_default_options"].items()
               if k not in ("scores_sm90_sample_pick", "scores_sm90_scan_slots", *newer)}
-    then = md.GLUON_METHODS[(default.scores_sm90_sample_table, "topk", False, False, 4, False)]
+    then = md.GLUON_METHODS[(default.scores_sm90_sample_table, "topk", False, False, 4, False,
+                             False)]
     rows[3:] = [dict(pair[0], method=then, ms=160.0)]
     assert own({"hytopk_default_options": before}) == (150.0, "hytopk_default")
     assert own(triton) == (160.0, then)

@@ -288,10 +288,14 @@ class HyTopKOptions:
     # epilogue as well as under the other consumer's (without it a consumer's next product
     # waits for its epilogue: an H100 profile of 2026-12-07, GLM-5.1 at 128K, had the tensor
     # core busy 55% of the filter's time, its epilogue longer than the other consumer's
-    # product). Same survivors. False (default) until timed in the same run. No effect without
-    # ReLU and without the scan slots (its two accumulators and the pending atomics' slots
-    # would spill, compiled for sm_90a), as scores_sm90_defer_store.
-    scores_sm90_mma_ahead: bool = False
+    # product). Same survivors. On an H100 (2026-12-07, same runs, key order, rows equal to
+    # the default's): GLM-5.1 at 128K 151.8 against 159.5 ms, V3.2 267.1 against 290.0, V3.2
+    # at 64K 73.0 against 75.7; the scores alone (GLM-5.1, 128K) 101.6 against 111.8. Default
+    # since (records `bench_selection_mma_ahead-*`, `_scores_ahead-*`, `_glm_ab*`; with 6 key
+    # tiles in flight mixed: 148.3 / 278.3 ms). No effect without ReLU and without the scan
+    # slots (its two accumulators and the pending atomics' slots would spill, compiled for
+    # sm_90a), as scores_sm90_defer_store.
+    scores_sm90_mma_ahead: bool = True
     # Key tiles (16 KiB each) the Gluon filter keeps in flight (SCORES_SM90_STAGES: 2 to 8):
     # how far the producer's loads run ahead of the products.
     scores_sm90_stages: int = 4
@@ -302,9 +306,12 @@ class HyTopKOptions:
     # lanes, and the key tiles every row of a consumer sees whole run without the causal and
     # chunk tests. Compiled for sm_90a, the filter with the scan slots: 441 instructions a key
     # tile (486 on the diagonal tiles) against 702. Same survivors; scores equal to fp32
-    # rounding order (the parts summed in another order). False (default) until timed in the
-    # same run. No effect with ReLU.
-    scores_sm90_folded_part_major: bool = False
+    # rounding order (the parts summed in another order). On an H100 (2026-12-07, same runs,
+    # key order, the same sets as the default's on every row): 128K 46.7 against 61.2 ms (with
+    # the product ahead 45.0), 64K 20.4 against 23.4, 32K 9.9 against 10.4-10.6; the scores
+    # alone at 128K 12.5 against 17.5. Default since (records `bench_selection_part_major-*`,
+    # `_folded_short-*`). No effect with ReLU.
+    scores_sm90_folded_part_major: bool = True
     # The survivors' select where no row sort follows (order "key" on the scan slots' buffers,
     # the layers' case, or order "any") writes each row straight from its buffer
     # (`survivor_select.select_rows`): the k-th key from the score halves alone, starting below
@@ -313,8 +320,10 @@ class HyTopKOptions:
     # buffer in place and reading it back (`hytopk.write_rows(select=True)`). The row's keys,
     # their score halves and their index halves are never held at once: compiled for sm_90a,
     # far fewer registers (the compacting select holds 250, two programs an SM). Same rows.
-    # False (default) until timed in the same run.
-    scores_sm90_direct_select: bool = False
+    # On an H100 (2026-12-07, `bench_selection.py` phases over the same 128K scan-slot
+    # buffers, rows equal): 4.3 against 6.4 ms (GLM-5.1), 4.5 against 6.2 (the folded query).
+    # Default since (records `bench_selection_direct_phases-*`, `_direct_select-*`).
+    scores_sm90_direct_select: bool = True
 
     def __post_init__(self) -> None:
         if not (self.scores_sm90 is None or isinstance(self.scores_sm90, bool)):
