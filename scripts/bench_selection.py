@@ -577,9 +577,11 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
     # The phases of hytopk_scores_sm90's row (the Triton sample; sample_gluon times the other).
+    # the compacting select (select_key_direct times the direct one beside it)
     opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True, scores_sm90_sample_table=False,
                    scores_sm90_sample_pick="topk", scores_sm90_scan_slots=False,
-                   scores_sm90_folded_part_major=False)  # the parts below: (token, part)
+                   scores_sm90_folded_part_major=False,  # the parts below: (token, part)
+                   scores_sm90_direct_select=False)
     if not relu:
         q, w = hytopk_sm90.folded_parts(q, w)
     B, T = q.shape[:2]
@@ -1051,11 +1053,16 @@ def merge_rounds(recs: list[dict]) -> list[dict]:
     """One record a method from its rounds (same config, length and inputs), in first-round
     order: the first round's record (its comparisons and phases), ms the median of the rounds'
     (ms_rounds: each round's, in order), x_floor from it. A round without a time (OOM) leaves
-    ms_rounds a None and the median to the others."""
+    ms_rounds a None and the median to the others (memory and status from the first round
+    with a time)."""
     merged: dict[str, dict] = {}
     for rec in recs:
         first = merged.setdefault(rec["method"], {**rec, "ms_rounds": []})
         first["ms_rounds"].append(rec.get("ms"))
+        if first.get("ms") is None and rec.get("ms") is not None:
+            # the first round ran out of memory, this one did not: its memory and status
+            first.update(mem_gib=rec.get("mem_gib"), ms=rec["ms"])
+            first.pop("status", None)
     for rec in merged.values():
         times = [t for t in rec["ms_rounds"] if t is not None]
         if times:

@@ -568,13 +568,15 @@ def test_redone_rows_go_in_fixed_multiples(monkeypatch):
     assert sum(launched) > stats[0] >= sum(launched) - 16 * len(launched)  # padded
 
 
+@pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("order", ["score", "key", "any"])
-def test_select_survivors_takes_each_rows_top_k(order):
+def test_select_survivors_takes_each_rows_top_k(order, direct):
     """The select kernel over survivor buffers (HyTopK's radix select and row sort): rows with
     more survivors than topk (ties in score: the smaller index wins), exactly topk, fewer
     (empty slots last), none, and over the cap (wrong, the caller redoes it, but no fault):
     each row's top-k of its first count keys, in `order`, as the plain-torch select gives
-    them ("any": the same set, empty slots last)."""
+    them ("any": the same set, empty slots last); with and without the direct select
+    (scores_sm90_direct_select: "any" only, "score" sorts)."""
     g = torch.Generator().manual_seed(0)
     B, n, cap, topk = 2, 6, 16, 5
     scores = torch.randint(-4, 5, (B, n, cap), generator=g).float()
@@ -582,7 +584,7 @@ def test_select_survivors_takes_each_rows_top_k(order):
     keys = pack(scores, index.view(B, n, cap))
     counts = torch.tensor([[16, 5, 3, 0, 9, 16], [12, 7, 1, 5, 16, 20]], dtype=torch.int32)
     keys = torch.where(torch.arange(cap) < counts.clamp(max=cap)[..., None], keys, UNWRITTEN)
-    opts = HyTopKOptions(interpret_programs=2)
+    opts = HyTopKOptions(interpret_programs=2, scores_sm90_direct_select=direct)
     idx, val = hytopk_sm90.select_survivors(keys.clone().to(DEV), counts.to(DEV), topk,
                                             order=order, options=opts)
     want_idx, want_val = torch_select(keys, counts, topk, order=order, options=opts)
@@ -594,8 +596,9 @@ def test_select_survivors_takes_each_rows_top_k(order):
     assert torch.equal(idx[ok], want_idx[ok]) and torch.equal(val[ok], want_val[ok])
 
 
+@pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("order", ["score", "key"])
-def test_select_survivors_of_key_ordered_buffers(order):
+def test_select_survivors_of_key_ordered_buffers(order, direct):
     """keys_in_order (the scan slots' buffers: each row's survivors by increasing index): the
     same rows as the plain-torch select in either order, order "key" without the row sort;
     rows with more survivors than topk (ties: the smaller index wins), fewer, none."""
@@ -606,7 +609,7 @@ def test_select_survivors_of_key_ordered_buffers(order):
                          for _ in range(B * n)]).view(B, n, cap)
     counts = torch.tensor([[16, 5, 3, 0, 9], [12, 7, 1, 5, 16]], dtype=torch.int32)
     keys = torch.where(torch.arange(cap) < counts[..., None], pack(scores, index), UNWRITTEN)
-    opts = HyTopKOptions(interpret_programs=2)
+    opts = HyTopKOptions(interpret_programs=2, scores_sm90_direct_select=direct)
     idx, val = hytopk_sm90.select_survivors(keys.clone().to(DEV), counts.to(DEV), topk,
                                             order=order, options=opts, keys_in_order=True)
     want_idx, want_val = torch_select(keys, counts, topk, order=order, options=opts)

@@ -90,6 +90,18 @@ def test_select_rows_leaves_keys_and_takes_one_index_half():
     assert torch.equal(keys, before)
 
 
+def test_select_rows_never_writes_past_its_row():
+    """Keys repeated within a row (outside the contract: the filter's keys are distinct) pass
+    the cut more than topk times: the row still gets exactly its topk slots, and the next
+    row's output is its own."""
+    keys = torch.cat([pack(torch.full((1, 8), 5.0), torch.full((1, 8), 3)),
+                      pack(torch.arange(8.0)[None], torch.arange(8)[None])])
+    counts = torch.tensor([8, 8], dtype=torch.int32)
+    idx, val = survivor_select.select_rows(keys.to(DEV), counts.to(DEV), 3)
+    assert idx.cpu().tolist() == [[3, 3, 3], [5, 6, 7]]
+    assert val.cpu()[1].tolist() == [5.0, 6.0, 7.0]
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(keys=torch.zeros(4, 8, dtype=torch.int32)), "keys must be contiguous int64"),
     (dict(keys=torch.zeros(8, 4, dtype=torch.int64).t()), "keys must be contiguous int64"),

@@ -58,6 +58,12 @@ def test_rounds_rotate_the_order_and_keep_each_methods_median(sel):
     assert a["same_as_hytopk"] is True and "status" not in a
     assert (b["ms_rounds"], b["ms"], b["x_floor"]) == ([30.0, 20.0, 26.0], 26.0, 5.2)
     assert recs[0]["ms"] == 10.0  # the inputs are left as they were
+    # a first round out of memory: the memory and status of the first round with a time
+    (c,) = sel.merge_rounds([dict(method="c", ms=None, mem_gib=None, floor_ms=5.0,
+                                  x_floor=None, status="OOM"),
+                             dict(method="c", ms=8.0, mem_gib=3.0, floor_ms=5.0, x_floor=1.6)])
+    assert (c["ms"], c["mem_gib"], c["ms_rounds"]) == (8.0, 3.0, [None, 8.0])
+    assert "status" not in c
 
 
 def test_rounds_below_one_are_refused(tmp_path):

@@ -289,7 +289,7 @@ class HyTopKOptions:
     # waits for its epilogue: an H100 profile of 2026-12-07, GLM-5.1 at 128K, had the tensor
     # core busy 55% of the filter's time, its epilogue longer than the other consumer's
     # product). Same survivors. On an H100 (2026-12-07, same runs, key order, rows equal to
-    # the default's): GLM-5.1 at 128K 151.8 against 159.5 ms, V3.2 267.1 against 290.0, V3.2
+    # the default's): GLM-5.1 at 128K 151.8 against 160.0 ms, V3.2 267.1 against 290.0, V3.2
     # at 64K 73.0 against 75.7; the scores alone (GLM-5.1, 128K) 101.6 against 111.8. Default
     # since (records `bench_selection_mma_ahead-*`, `_scores_ahead-*`, `_glm_ab*`; with 6 key
     # tiles in flight mixed: 148.3 / 278.3 ms). No effect without ReLU and without the scan

@@ -73,7 +73,7 @@ def _kth_key(row_ptr, offs, valid, k):
     tie = hi == kth_hi
     kth_lo = tl.zeros([], tl.uint32)  # every tied key kept: their index halves are all > 0
     if tl.sum(tie.to(tl.int32), axis=0) > rank:
-        # an index half is 2^32 - 1 - index, never 0 for an index below 2^31 - 1
+        # an index half is 2^32 - 1 - index: never 0 for an int32 index
         lo = (tl.load(row_ptr + offs, mask=valid, other=KEY_MIN, cache_modifier=".cg")
               & LOW_WORD).to(tl.uint32)
         kth_lo = _kth_largest_nonzero(tl.where(tie, lo, 0), rank)
@@ -97,18 +97,22 @@ def _select_rows_kernel(keys_ptr, count_ptr, out_idx_ptr, out_score_ptr, CAP,
         kth = _kth_key(row_ptr, offs, offs < n, TOPK)
     # The kept keys in chunks (a dynamic loop): the whole row's keys, their slots and their
     # 64-bit output addresses at once would take most of the registers (compiled for sm_90a).
-    out = r * TOPK
+    # Stores stay inside the row's TOPK slots whatever the keys (repeated keys would pass the
+    # cut more than TOPK times), and the tail starts after what was stored.
+    row_out = r * TOPK
+    out = row_out
     for c0 in range(0, n, CHUNK):
         offs_c = c0 + tl.arange(0, CHUNK)
         buf = tl.load(row_ptr + offs_c, mask=offs_c < n, other=KEY_MIN)
         keep = (offs_c < n) & (buf >= kth)
         slot = out + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        keep = keep & (slot < row_out + TOPK)
         tl.store(out_idx_ptr + slot, _unpack_index(buf), mask=keep)
         tl.store(out_score_ptr + slot, _unpack_score(buf).to(tl.int32, bitcast=True),
                  mask=keep)
         out += tl.sum(keep.to(tl.int32), axis=0)
     offs_k = tl.arange(0, KP)
-    tail = (offs_k >= tl.minimum(n, TOPK)) & (offs_k < TOPK)
+    tail = (offs_k >= out - row_out) & (offs_k < TOPK)
     tl.store(out_idx_ptr + r * TOPK + offs_k, tl.full([KP], -1, tl.int32), mask=tail)
     tl.store(out_score_ptr + r * TOPK + offs_k, tl.full([KP], NEG_INF_BITS, tl.int32),
              mask=tail)
