@@ -170,6 +170,12 @@
 #                                         # timed beside the compacting select in key order,
 #                                         # GLM-5.1 and the folded query at DIRECT_T (16K 64K
 #                                         # 128K), and the select phases apart at 128K (~6 min)
+#   bash scripts/gpu_session.sh selection-rounds  # today's default selection (key order)
+#                                         # against cuDNN's, GLM-5.1 / V3.2 / the folded
+#                                         # query at ROUNDS_T (16K 64K 128K), ROUNDS rounds
+#                                         # (2) in rotated order: the pairs measured_defaults.py
+#                                         # reads, without the first-after-a-length-change
+#                                         # bias (gpu_cudnn.sh 1 and 2 first)     (~5 min)
 #   bash scripts/gpu_session.sh profile-layers  # issues #20 items 4-5: one profiled step
 #                                         # (bench_layer.py --profile-kernels) of the QSA
 #                                         # layer at 512K (PROFILE_QSA_T) and the GLM-5.1 DSA
@@ -318,7 +324,7 @@ case "$stage" in
   |flashmla-pair|lockstep-triton|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
   |ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection\
   |profile-layers|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse|cudnn-loss\
-  |sample-pick|mma-ahead|direct-select) ;;
+  |sample-pick|mma-ahead|direct-select|selection-rounds) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
@@ -328,7 +334,8 @@ case "$stage" in
        "|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection" \
        "|ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics" \
        "|captured-selection|profile-layers|loss-bwd-probe|mla-projections|norms" \
-       "|loss-bwd-sm90|selection-lse|cudnn-loss|sample-pick|mma-ahead|direct-select}" \
+       "|loss-bwd-sm90|selection-lse|cudnn-loss|sample-pick|mma-ahead|direct-select" \
+       "|selection-rounds}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -384,8 +391,8 @@ case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|filter-sm90\
   |profile-layers|models|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse\
   |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton|sample-pick|mma-ahead\
-  |direct-select)
-    case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair)
+  |direct-select|selection-rounds)
+    case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair|selection-rounds)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
           >&2
@@ -976,6 +983,18 @@ case "$stage" in
     timeout 150 python3 scripts/bench_selection.py --T 131072 --configs glm51 norelu --reps 2 \
       --methods hytopk_scores_sm90 --tag _direct_phases --out "$out" 2>&1 | grep -v -i warn \
       | grep -E "^random|Error|error|select" | tee "$out/bench_selection_direct_phases.log"
+    ;;
+  selection-rounds)
+    # The layers' selection pairs (hytopk_default_key, cudnn_key) timed in ROUNDS rotated
+    # rounds: on 2026-12-07 an H100's times moved 10-20% between processes and the first method
+    # after a length change ran 3-4% slower, which decided V3.2's 64K entry of the measured
+    # table by 0.3%.
+    # shellcheck disable=SC2086  # lengths split on purpose
+    timeout "${ROUNDS_S:-320}" python3 scripts/bench_selection.py \
+      --T ${ROUNDS_T:-16384 65536 131072} --configs glm51 dsv32 norelu --reps 3 \
+      --rounds "${ROUNDS:-2}" --methods hytopk_default_key cudnn_key --tag _rounds \
+      --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
+      | tee "$out/bench_selection_rounds.log"
     ;;
   key-tma)
     # Issue #21: the key tiles through TMA. The TMA cases of the select-variant tests first
