@@ -976,7 +976,7 @@ case "$stage" in
     [ $rc -eq 0 ] || exit 1
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout "${DIRECT_BENCH_S:-240}" python3 scripts/bench_selection.py \
-      --T ${DIRECT_T:-16384 65536 131072} --configs glm51 norelu --reps 3 \
+      --T ${DIRECT_T:-16384 65536 131072} --configs glm51 norelu --reps 3 --rounds 2 \
       --methods hytopk_scores_sm90_scan_slots_key hytopk_scores_sm90_direct_key \
       --tag _direct_select --out "$out" 2>&1 | grep -v -i warn \
       | grep -E "^random|Error|error" | tee "$out/bench_selection_direct.log"
