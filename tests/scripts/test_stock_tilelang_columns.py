@@ -95,28 +95,35 @@ def test_attention_and_loss_accept_no_tilelang(att, loss, monkeypatch) -> None:
 
 # --- bench_selection: the refusal and the run going on ---------------------------------------
 
-def test_selection_run_without_tilelang_says_why_once_a_config_and_goes_on(
-        sel, monkeypatch, capsys, no_tilelang, tmp_path) -> None:
+def fake_selection_run(sel, monkeypatch, bench_one, argv: list[str]) -> list[list[dict]]:
+    """bench_selection.main() on CPU with bench_one in place of the timings (the 4K warm-up
+    calls of hytopk and hytopk_default do nothing): each written record list, in order."""
     written = []
     monkeypatch.setattr(sel, "require_cuda", lambda *a, **k: None)
     monkeypatch.setattr(sel, "matmul_tflops", lambda: 800.0)
     monkeypatch.setattr(sel, "copy_tbps", lambda: 4.0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
     monkeypatch.setattr(sel, "config_inputs", lambda T, cfg, kind: (None, None, None))
-    monkeypatch.setitem(sel.METHODS, "hytopk", lambda *a: None)  # the 4K warm-up call
+    for name in ("hytopk", "hytopk_default"):
+        monkeypatch.setitem(sel.METHODS, name, lambda *a: None)
+    monkeypatch.setattr(sel, "bench_one", bench_one)
+    monkeypatch.setattr(sel, "write_json", lambda records, *a: written.append(list(records)))
+    monkeypatch.setattr(sel, "plot", lambda *a: None)
+    monkeypatch.setattr(sys, "argv", ["bench_selection.py", *argv])
+    sel.main()
+    return written
 
-    def bench_one(method, T, cfg, kind, rate, reps):
+
+def test_selection_run_without_tilelang_says_why_once_a_config_and_goes_on(
+        sel, monkeypatch, capsys, no_tilelang, tmp_path) -> None:
+    def bench_one(method, T, cfg, kind, rate, reps, extras=True):
         assert method == "hytopk", method  # stock_tilelang never reaches a timing
         return {"method": method, "config": cfg, "T": T, "inputs": kind, "floor_ms": 1.0,
                 "ms": 2.0, "mem_gib": 0.5, "x_floor": 2.0}
 
-    monkeypatch.setattr(sel, "bench_one", bench_one)
-    monkeypatch.setattr(sel, "write_json", lambda records, *a: written.append(list(records)))
-    monkeypatch.setattr(sel, "plot", lambda *a: None)
-    monkeypatch.setattr(sys, "argv", ["bench_selection.py", "--methods", "hytopk",
-                                      "stock_tilelang", "--configs", "glm51", "dsv32", "--T",
-                                      "16384", "32768", "--out", str(tmp_path)])
-    sel.main()  # no exit: the run goes on
+    written = fake_selection_run(sel, monkeypatch, bench_one, [
+        "--methods", "hytopk", "stock_tilelang", "--configs", "glm51", "dsv32", "--T", "16384",
+        "32768", "--out", str(tmp_path)])  # no exit: the run goes on
     out = capsys.readouterr().out
     refusals = [line for line in out.splitlines() if "stock_tilelang: not run" in line]
     assert len(refusals) == 2, out  # once a config, not once a length
@@ -696,3 +703,28 @@ def test_measured_defaults_names_the_method_of_todays_gluon_path() -> None:
         fields = {**bench.FIRST_GLUON_PATH, **bench.GLUON_SELECTIONS[name]}
         ran = {**default, **{f"scores_sm90_{k}": v for k, v in fields.items()}}
         assert md.gluon_key(ran) == key, name
+
+
+def test_selection_rounds_rotate_and_merge_in_the_run(sel, monkeypatch, tmp_path) -> None:
+    """bench_selection --rounds 2: at each length the methods run in rotated order (the
+    comparisons and phases in the first round only), and the written records hold one record
+    a method with the median of its rounds."""
+    calls = []
+
+    def bench_one(method, T, cfg, kind, rate, reps, extras=True):
+        calls.append((T, method, extras))
+        ms = 10.0 + len(calls)
+        return {"method": method, "config": cfg, "T": T, "inputs": kind, "floor_ms": 1.0,
+                "ms": ms, "mem_gib": 0.5, "x_floor": ms}
+
+    written = fake_selection_run(sel, monkeypatch, bench_one, [
+        "--methods", "hytopk", "hytopk_default", "--configs", "glm51", "--T", "16384", "32768",
+        "--rounds", "2", "--out", str(tmp_path)])
+    assert calls == [(16384, "hytopk", True), (16384, "hytopk_default", True),
+                     (16384, "hytopk_default", False), (16384, "hytopk", False),
+                     (32768, "hytopk", True), (32768, "hytopk_default", True),
+                     (32768, "hytopk_default", False), (32768, "hytopk", False)]
+    records = written[-1]
+    assert [(r["T"], r["method"], r["ms_rounds"], r["ms"]) for r in records] == [
+        (16384, "hytopk", [11.0, 14.0], 12.5), (16384, "hytopk_default", [12.0, 13.0], 12.5),
+        (32768, "hytopk", [15.0, 18.0], 16.5), (32768, "hytopk_default", [16.0, 17.0], 16.5)]
