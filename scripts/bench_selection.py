@@ -888,7 +888,7 @@ GLUON_SELECTIONS = {
                                                     mma_ahead=True),
     # Today's default path (2026-12-07): the product ahead, the folded parts part-major, the
     # survivors' select written straight to the rows (in score order the row sort remains).
-    "hytopk_scores_sm90_current": dict(_SCAN_KEY, order="score", mma_ahead=True,
+    "hytopk_scores_sm90_current": dict(_TABLE_RADIX, scan_slots=True, mma_ahead=True,
                                        folded_part_major=True, direct_select=True),
     # The survivors' select written straight to the rows (no in-place compaction).
     "hytopk_scores_sm90_direct_key": dict(_SCAN_KEY, direct_select=True),

@@ -258,15 +258,25 @@ def _kth_largest(buf, k):
 
 
 @triton.jit
+def _radix_select(x, k, p, start):
+    """The k-th largest of the uint32 x (counted at or above each trial), its bits from 31 -
+    start down given the bits above (p: what every candidate shares): one count reduction a
+    bit."""
+    one = tl.full([], 1, tl.uint32)
+    for i in range(start, 32):
+        trial = p | (one << (p * 0 + (31 - i)))
+        if tl.sum((x >= trial).to(tl.int32), axis=0) >= k:
+            p = trial
+    return p
+
+
+@triton.jit
 def _kth_of_halves(hi, lo, k, p_hi, hi_from, p_lo, lo_from):
     """_kth_largest on the unsigned halves of the keys (unsigned order), the select of each
     half starting at bit 31 - *_from with the bits above it given (p_hi, p_lo: what every
     candidate shares); returns the key in unsigned order."""
     one = tl.full([], 1, tl.uint32)
-    for i in range(hi_from, 32):
-        trial = p_hi | (one << (p_hi * 0 + (31 - i)))
-        if tl.sum((hi >= trial).to(tl.int32), axis=0) >= k:
-            p_hi = trial
+    p_hi = _radix_select(hi, k, p_hi, hi_from)
     # p_hi is the k-th largest score half; the answer is the (k - n_gt)-th largest index half
     # among the keys whose score half equals it.
     tie = hi == p_hi

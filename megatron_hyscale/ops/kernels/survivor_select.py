@@ -21,6 +21,8 @@ from megatron_hyscale.ops.kernels.common import fix_interpreter
 from megatron_hyscale.ops.kernels.hytopk import (
     _bit_length,
     _high_bits,
+    _low32_mask,
+    _radix_select,
     _unpack_index,
     _unpack_score,
 )
@@ -30,7 +32,6 @@ fix_interpreter()
 KEY_MIN = tl.constexpr(-(2**63))
 # -inf's fp32 bits as int32 (the scores are stored as their bits).
 NEG_INF_BITS = tl.constexpr(-8388608)
-LOW_WORD = tl.constexpr(2**32 - 1)
 # Keys a program decodes and stores at a time (8 a thread with 4 warps).
 OUT_CHUNK_KEYS = 1024
 
@@ -44,13 +45,7 @@ def _kth_largest_nonzero(x, k):
     top = tl.max(x, axis=0)
     bottom = tl.min(tl.where(x != 0, x, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=0)
     free = _bit_length(top ^ bottom)
-    p = _high_bits(top, free)
-    one = tl.full([], 1, tl.uint32)
-    for i in range(32 - free, 32):
-        trial = p | (one << (p * 0 + (31 - i)))
-        if tl.sum((x >= trial).to(tl.int32), axis=0) >= k:
-            p = trial
-    return p
+    return _radix_select(x, k, _high_bits(top, free), 32 - free)
 
 
 @triton.jit
@@ -75,7 +70,7 @@ def _kth_key(row_ptr, offs, valid, k):
     if tl.sum(tie.to(tl.int32), axis=0) > rank:
         # an index half is 2^32 - 1 - index: never 0 for an int32 index
         lo = (tl.load(row_ptr + offs, mask=valid, other=KEY_MIN, cache_modifier=".cg")
-              & LOW_WORD).to(tl.uint32)
+              & _low32_mask()).to(tl.uint32)
         kth_lo = _kth_largest_nonzero(tl.where(tie, lo, 0), rank)
     kth = (kth_hi.to(tl.uint64) << 32) | kth_lo.to(tl.uint64)
     return kth.to(tl.int64, bitcast=True) ^ sign
