@@ -88,7 +88,10 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              epilogue (scores_sm90_mma_ahead); _ahead_key, _ahead6_key: that in key order, 4
              and 6 key tiles in flight; _part_major_key: _scan_slots_key with the folded
              query's parts part-major (scores_sm90_folded_part_major; the same as
-             _scan_slots_key with ReLU), _part_major_ahead_key: that with the product ahead
+             _scan_slots_key with ReLU), _part_major_ahead_key: that with the product ahead;
+             hytopk_scores_sm90_current: today's default path, reporting path_ms (its steps
+             as the op runs them, timed apart: fold, sample, filter, select, redo, total;
+             `default_path_phases`)
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
   128K; where not, same_rows_as_hytopk: the share of rows whose selected set equals the
   Triton kernel's, as the library methods report it)
@@ -713,6 +716,79 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
             "select_torch": time_ms(select_torch_all, reps=reps, warmup=1)}
 
 
+def default_path_phases(q, k, w, topk, reps, relu=True, order="key"):
+    """The steps of `hytopk_sm90` as HyTopKOptions.DEFAULT runs them (the layers' order "key"),
+    timed apart on the same inputs (ms): fold (relu=False: the folded query's parts), sample
+    (the thresholds), filter (every row chunk's survivors, the buffers kept), select (every
+    chunk's select over those buffers; a compacting select on copies, their time taken off),
+    redo (the Triton kernel over the rows this call redoes, redone_rows their count) and
+    total (the op in one call: its sum with what lies between them, the masks and output
+    writes)."""
+    from megatron_hyscale.ops.kernels import hytopk_sm90
+
+    opts = replace(HyTopKOptions.DEFAULT, scores_sm90=True)
+    part_major = not relu and opts.scores_sm90_folded_part_major
+
+    def fold():
+        return (q, w) if relu else hytopk_sm90.folded_parts(q, w, part_major=part_major)
+
+    q_in, w_in = fold()
+    B, T = q.shape[:2]
+    cap = hytopk_sm90.survivor_cap(topk)
+    filter_fn = hytopk_sm90.default_filter(opts, relu)
+
+    def sample():
+        return hytopk_sm90.sample_thresholds(q_in, k, w_in, topk, opts.scores_sm90_samples,
+                                             options=opts, relu=relu)
+
+    tau = sample()
+    chunks = hytopk_sm90.row_chunks(B, T, topk)
+    buffers = []
+
+    def filter_all():
+        buffers.clear()
+        for t0, t1 in chunks:
+            buffers.append(filter_fn(q_in, k, w_in, tau[:, t0:t1].contiguous(), t0, t1, cap,
+                                     relu=relu))
+
+    filter_ms = time_ms(filter_all, reps=reps, warmup=1)
+    in_place = not (opts.scores_sm90_direct_select and opts.scores_sm90_scan_slots
+                    and order == "key")  # the compacting select rewrites its buffer
+    spare = torch.empty_like(buffers[0][0]) if in_place else None
+
+    def copy_all():
+        for keys, _ in buffers:
+            spare[:, :keys.shape[1]].copy_(keys)
+
+    def select_all():
+        for keys, counts in buffers:
+            if in_place:
+                spare[:, :keys.shape[1]].copy_(keys)
+                keys = spare[:, :keys.shape[1]]
+            hytopk_sm90.select_survivors(keys, counts, topk, order=order, options=opts,
+                                         keys_in_order=opts.scores_sm90_scan_slots)
+
+    select_ms = time_ms(select_all, reps=reps, warmup=1)
+    if in_place:
+        select_ms = max(0.0, select_ms - time_ms(copy_all, reps=reps, warmup=1))
+    need = torch.clamp(torch.arange(1, T + 1, device=q.device), max=topk)
+    redo = torch.cat([(counts < need[t0:t1]) | (counts > cap)
+                      for (t0, t1), (_, counts) in zip(chunks, buffers)], dim=1)
+    buffers.clear()
+    indices = torch.empty(B, T, topk, dtype=torch.int32, device=q.device)
+    scores = torch.empty(B, T, topk, dtype=torch.float32, device=q.device)
+    n_redo = int(redo.sum())
+    redo_ms = time_ms(lambda: hytopk_sm90.redo_rows(
+        q, k, w, topk, redo, indices, scores, order=order, options=opts, relu=relu),
+        reps=reps, warmup=1) if n_redo else 0.0
+    return {"fold": 0.0 if relu else time_ms(fold, reps=reps, warmup=1),
+            "sample": time_ms(sample, reps=reps, warmup=1),
+            "filter": filter_ms, "select": select_ms, "redo": redo_ms, "redone_rows": n_redo,
+            "total": time_ms(lambda: hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts,
+                                                             relu=relu, order=order),
+                             reps=reps, warmup=1)}
+
+
 def max_diff_vs_scoreonly(out, q, k, w, relu):
     """Largest |difference| between a scores-only method's row maxima and the Triton
     scores-only kernel's (fp32 rounding order differs), over rows with a visible key."""
@@ -1029,6 +1105,8 @@ def bench_one(method, T, cfg, kind, rate, reps, extras=True):
             rec.update(redone_rows_share=stats[0].item() / stats[1].item())
             if method == "hytopk_scores_sm90":
                 rec.update(phase_ms=scores_sm90_phases(q, k, w, topk, n, relu))
+            if method == "hytopk_scores_sm90_current":
+                rec.update(path_ms=default_path_phases(q, k, w, topk, n, relu))
         if method in SM90_SCORE_METHODS:
             rec.update(max_diff_vs_scoreonly=max_diff_vs_scoreonly(
                 fn(q, k, w, topk, relu), q, k, w, relu))

@@ -255,17 +255,8 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
 
     # The scan's slots leave each row's survivors in key order (the default filter's only).
     keys_in_order = filter_fn is None and options.scores_sm90_scan_slots
-    # the folded parts stored part-major: the default filter is told so (an injected one reads
-    # q's strides)
     part_major = not relu and options.scores_sm90_folded_part_major
-    if filter_fn is None:
-        from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
-
-        filter_fn = partial(indexer_filter_sm90, defer_store=options.scores_sm90_defer_store,
-                            scan_slots=options.scores_sm90_scan_slots,
-                            mma_ahead=options.scores_sm90_mma_ahead,
-                            stages=options.scores_sm90_stages,
-                            **({"part_major": True} if part_major else {}))
+    filter_fn = filter_fn or default_filter(options, relu)
     B, T = q.shape[:2]
     cap = survivor_cap(topk)
     if B * T == 0:
@@ -301,21 +292,44 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
     if stats is not None:
         stats.copy_(torch.tensor([n_redo, B * T]))
     if n_redo:
-        kpos = torch.arange(T, device=q.device)[None]
-        for b in range(B):
-            rows = redo[b].nonzero()[:, 0]
-            n = rows.numel()
-            if n:
-                pad = -n % REDO_ROWS_MULTIPLE
-                rows_in = torch.cat([rows, rows[-1:].expand(pad)])
-                scales = {} if q_scale is None else dict(
-                    q_scale=q_scale[b:b + 1, rows_in], k_scale=k_scale[b:b + 1])
-                idx, val = hk.hytopk_triton(
-                    q[b:b + 1, rows_in], k[b:b + 1], w[b:b + 1, rows_in], topk, relu=relu,
-                    q_positions=rows_in[None], k_positions=kpos, causal=True, options=options,
-                    ordered=order != "any", key_order=order == "key", **scales)
-                indices[b, rows], scores[b, rows] = idx[0, :n], val[0, :n]
+        redo_rows(q, k, w, topk, redo, indices, scores, order=order, options=options,
+                  q_scale=q_scale, k_scale=k_scale, relu=relu)
     return indices, scores
+
+
+def default_filter(options: HyTopKOptions, relu: bool = True) -> FilterFn:
+    """`indexer_filter_sm90` as `hytopk_sm90` calls it under `options` (the folded parts
+    part-major told so; an injected filter reads q's strides)."""
+    from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
+
+    part_major = not relu and options.scores_sm90_folded_part_major
+    return partial(indexer_filter_sm90, defer_store=options.scores_sm90_defer_store,
+                   scan_slots=options.scores_sm90_scan_slots,
+                   mma_ahead=options.scores_sm90_mma_ahead, stages=options.scores_sm90_stages,
+                   **({"part_major": True} if part_major else {}))
+
+
+def redo_rows(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,
+              redo: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor, *, order: str,
+              options: HyTopKOptions, q_scale: torch.Tensor | None = None,
+              k_scale: torch.Tensor | None = None, relu: bool = True) -> None:
+    """The rows marked in redo (bool [B, T]) selected again by the Triton kernel over all
+    their visible keys, written into indices and scores in place (`hytopk_sm90`'s inputs, q
+    and w before folding). A host sync a batch (which rows)."""
+    kpos = torch.arange(q.shape[1], device=q.device)[None]
+    for b in range(q.shape[0]):
+        rows = redo[b].nonzero()[:, 0]
+        n = rows.numel()
+        if n:
+            pad = -n % REDO_ROWS_MULTIPLE
+            rows_in = torch.cat([rows, rows[-1:].expand(pad)])
+            scales = {} if q_scale is None else dict(
+                q_scale=q_scale[b:b + 1, rows_in], k_scale=k_scale[b:b + 1])
+            idx, val = hk.hytopk_triton(
+                q[b:b + 1, rows_in], k[b:b + 1], w[b:b + 1, rows_in], topk, relu=relu,
+                q_positions=rows_in[None], k_positions=kpos, causal=True, options=options,
+                ordered=order != "any", key_order=order == "key", **scales)
+            indices[b, rows], scores[b, rows] = idx[0, :n], val[0, :n]
 
 
 def select_survivors(keys: torch.Tensor, counts: torch.Tensor, topk: int, *, order: str,
