@@ -1612,7 +1612,10 @@ def main():
                            + " ".join(f"{n} {v:.1f}" if isinstance(v, float)
                                       else f"{n} {'-' if v is None else v}"
                                       for n, v in rec["phase_ms"].items())
-                           if "phase_ms" in rec else ""))
+                           if "phase_ms" in rec else "")
+                        + ("  path ms " + " ".join(
+                            f"{n} {v:.1f}" if isinstance(v, float) else f"{n} {v}"
+                            for n, v in rec["path_ms"].items()) if "path_ms" in rec else ""))
                 if args.rounds > 1:
                     records[first_rec:] = merge_rounds(records[first_rec:])
                     write_json(records, dev, rate, bw, args.out)

@@ -176,6 +176,10 @@
 #                                         # (2) in rotated order: the pairs measured_defaults.py
 #                                         # reads, without the first-after-a-length-change
 #                                         # bias (gpu_cudnn.sh 1 and 2 first)     (~5 min)
+#   bash scripts/gpu_session.sh path-phases  # the default path's steps timed apart
+#                                         # (path_ms: fold, sample, filter, select, redo,
+#                                         # total) at PATH_T (16K 128K), warnings shown;
+#                                         # then the folded phases at 128K        (~5 min)
 #   bash scripts/gpu_session.sh profile-layers  # issues #20 items 4-5: one profiled step
 #                                         # (bench_layer.py --profile-kernels) of the QSA
 #                                         # layer at 512K (PROFILE_QSA_T) and the GLM-5.1 DSA
@@ -324,7 +328,7 @@ case "$stage" in
   |flashmla-pair|lockstep-triton|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
   |ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection\
   |profile-layers|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse|cudnn-loss\
-  |sample-pick|mma-ahead|direct-select|selection-rounds) ;;
+  |sample-pick|mma-ahead|direct-select|selection-rounds|path-phases) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
@@ -335,7 +339,7 @@ case "$stage" in
        "|ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics" \
        "|captured-selection|profile-layers|loss-bwd-probe|mla-projections|norms" \
        "|loss-bwd-sm90|selection-lse|cudnn-loss|sample-pick|mma-ahead|direct-select" \
-       "|selection-rounds}" \
+       "|selection-rounds|path-phases}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -391,7 +395,7 @@ case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|filter-sm90\
   |profile-layers|models|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse\
   |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton|sample-pick|mma-ahead\
-  |direct-select|selection-rounds)
+  |direct-select|selection-rounds|path-phases)
     case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair|selection-rounds)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -995,6 +999,21 @@ case "$stage" in
       --rounds "${ROUNDS:-2}" --methods hytopk_default_key cudnn_key --tag _rounds \
       --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
       | tee "$out/bench_selection_rounds.log"
+    ;;
+  path-phases)
+    # Issue #21: the default path's steps timed apart (hytopk_scores_sm90_current's path_ms:
+    # fold, sample, filter, select, redo, total), warnings kept so that a kernel falling back
+    # to another shows; then the folded phases (their sample_gluon took 36 ms on 2026-12-07
+    # against 9.4 before: a Gluon table's fallback?), warnings kept.
+    # shellcheck disable=SC2086  # lengths split on purpose
+    timeout "${PATH_S:-300}" python3 scripts/bench_selection.py --T ${PATH_T:-16384 131072} \
+      --configs glm51 dsv32 norelu --reps 3 --methods hytopk_scores_sm90_current \
+      --tag _path --out "$out" 2>&1 | tee "$out/bench_selection_path.log" \
+      | grep -E "^random|Error|error|[Ww]arn|fell|instead" | cut -c1-600
+    timeout 150 python3 scripts/bench_selection.py --T 131072 --configs norelu --reps 2 \
+      --methods hytopk_scores_sm90 --tag _folded_phases --out "$out" 2>&1 \
+      | tee "$out/bench_selection_folded_phases.log" \
+      | grep -E "^random|Error|error|[Ww]arn|fell|instead|sample" | cut -c1-600
     ;;
   key-tma)
     # Issue #21: the key tiles through TMA. The TMA cases of the select-variant tests first
