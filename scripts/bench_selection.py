@@ -61,7 +61,9 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              scoreonly_sm90_free: the same without the ping-pong; scoreonly_sm90_ahead: with
              each product issued before the last one's epilogue (scores_sm90_mma_ahead);
              scoreonly_sm90_part_major: the folded parts part-major
-             (scores_sm90_folded_part_major; as scoreonly_sm90 with ReLU)
+             (scores_sm90_folded_part_major; as scoreonly_sm90 with ReLU);
+             scoreonly_sm90_transpose: _ahead with the head sum's quad step as a layout
+             change (scores_sm90_head_sum_transpose; as _ahead without ReLU)
   hytopk_scores_sm90  HyTopK on those Gluon scores (HyTopKOptions.scores_sm90,
              `kernels/hytopk_sm90.py`): sampled thresholds, the Gluon filter appending each
              row's survivors, HyTopK's select over them, missed rows redone by the Triton
@@ -89,6 +91,8 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              and 6 key tiles in flight; _part_major_key: _scan_slots_key with the folded
              query's parts part-major (scores_sm90_folded_part_major; the same as
              _scan_slots_key with ReLU), _part_major_ahead_key: that with the product ahead;
+             hytopk_scores_sm90_transpose_key: today's default path in key order with the
+             head sum's quad step as a layout change (scores_sm90_head_sum_transpose);
              hytopk_scores_sm90_current: today's default path, reporting path_ms (its steps
              as the op runs them, timed apart: fold, sample, filter, select, redo, total;
              `default_path_phases`)
@@ -489,13 +493,15 @@ def run_scoreonly(q, k, w, topk, relu, options=HyTopKOptions.DEFAULT):
                       mode=hk.MODE_SCORES_ONLY, options=options)
 
 
-def run_scoreonly_sm90(q, k, w, topk, relu, pingpong=True, mma_ahead=False, part_major=False):
+def run_scoreonly_sm90(q, k, w, topk, relu, pingpong=True, mma_ahead=False, part_major=False,
+                       head_sum_transpose=False):
     """The warp-specialized Gluon scores (`kernels/indexer_scores_sm90.py`): each causal row's
     largest score, as `scoreonly` writes; ReLU configs with 32 or 64 heads of 128 dims, or
     without ReLU the folded query's bf16 parts (their folding timed with them). mma_ahead:
     each product issued before the last one's epilogue (scores_sm90_mma_ahead); part_major:
     the folded parts stored part-major (scores_sm90_folded_part_major; no effect with
-    ReLU)."""
+    ReLU); head_sum_transpose: the head sum's quad step as a layout change
+    (scores_sm90_head_sum_transpose; ReLU only, no effect without)."""
     from megatron_hyscale.ops.kernels.hytopk_sm90 import folded_parts
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_row_max_sm90
 
@@ -503,7 +509,8 @@ def run_scoreonly_sm90(q, k, w, topk, relu, pingpong=True, mma_ahead=False, part
     if not relu:
         q, w = folded_parts(q, w, part_major=part_major)
     return indexer_row_max_sm90(q, k, w, pingpong=pingpong, relu=relu, mma_ahead=mma_ahead,
-                                part_major=part_major)
+                                part_major=part_major,
+                                head_sum_transpose=head_sum_transpose and relu)
 
 
 def run_scoreonly_sm90_fp8(q, k, w, topk, relu):
@@ -970,6 +977,9 @@ GLUON_SELECTIONS = {
     "hytopk_scores_sm90_direct_key": dict(_SCAN_KEY, direct_select=True),
     "hytopk_scores_sm90_part_major_direct_key": dict(_SCAN_KEY, folded_part_major=True,
                                                      direct_select=True),
+    # Today's default path in key order with the head sum's quad step as a layout change.
+    "hytopk_scores_sm90_transpose_key": dict(_SCAN_KEY, mma_ahead=True, folded_part_major=True,
+                                             direct_select=True, head_sum_transpose=True),
 }
 
 
@@ -984,6 +994,8 @@ METHODS = {
     "scoreonly_sm90_free": functools.partial(run_scoreonly_sm90, pingpong=False),
     "scoreonly_sm90_ahead": functools.partial(run_scoreonly_sm90, mma_ahead=True),
     "scoreonly_sm90_part_major": functools.partial(run_scoreonly_sm90, part_major=True),
+    "scoreonly_sm90_transpose": functools.partial(run_scoreonly_sm90, mma_ahead=True,
+                                                  head_sum_transpose=True),
     **{name: functools.partial(run_hytopk_scores_sm90, **fields)
        for name, fields in GLUON_SELECTIONS.items()},
     "hytopk_fp8_scores_sm90": run_hytopk_fp8_scores_sm90,
@@ -1150,7 +1162,8 @@ def merge_rounds(recs: list[dict]) -> list[dict]:
 
 
 # The Gluon scores-only methods, compared with the Triton scores-only kernel's row maxima.
-SM90_SCORE_METHODS = ("scoreonly_sm90", "scoreonly_sm90_free", "scoreonly_sm90_ahead")
+SM90_SCORE_METHODS = ("scoreonly_sm90", "scoreonly_sm90_free", "scoreonly_sm90_ahead",
+                      "scoreonly_sm90_transpose")
 # Methods on Gluon kernels: Hopper only (no interpreter).
 GLUON_METHODS = SM90_SCORE_METHODS + (*GLUON_SELECTIONS, "hytopk_fp8_scores_sm90",
                                       "scoreonly_sm90_fp8")

@@ -176,6 +176,10 @@
 #                                         # (2) in rotated order: the pairs measured_defaults.py
 #                                         # reads, without the first-after-a-length-change
 #                                         # bias (gpu_cudnn.sh 1 and 2 first)     (~5 min)
+#   bash scripts/gpu_session.sh head-sum-transpose  # the transposed head sum's tests, then
+#                                         # timed beside today's default (key order) and the
+#                                         # scores alone, GLM-5.1 and V3.2 at TRANSPOSE_T (16K
+#                                         # 128K), 2 rotated rounds                (~6 min)
 #   bash scripts/gpu_session.sh path-phases  # the default path's steps timed apart
 #                                         # (path_ms: fold, sample, filter, select, redo,
 #                                         # total) at PATH_T (16K 128K), warnings shown;
@@ -328,7 +332,7 @@ case "$stage" in
   |flashmla-pair|lockstep-triton|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
   |ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection\
   |profile-layers|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse|cudnn-loss\
-  |sample-pick|mma-ahead|direct-select|selection-rounds|path-phases) ;;
+  |sample-pick|mma-ahead|direct-select|selection-rounds|path-phases|head-sum-transpose) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
@@ -339,7 +343,7 @@ case "$stage" in
        "|ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics" \
        "|captured-selection|profile-layers|loss-bwd-probe|mla-projections|norms" \
        "|loss-bwd-sm90|selection-lse|cudnn-loss|sample-pick|mma-ahead|direct-select" \
-       "|selection-rounds|path-phases}" \
+       "|selection-rounds|path-phases|head-sum-transpose}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -395,7 +399,7 @@ case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|filter-sm90\
   |profile-layers|models|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse\
   |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton|sample-pick|mma-ahead\
-  |direct-select|selection-rounds|path-phases)
+  |direct-select|selection-rounds|path-phases|head-sum-transpose)
     case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair|selection-rounds)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
@@ -999,6 +1003,26 @@ case "$stage" in
       --rounds "${ROUNDS:-2}" --methods hytopk_default_key cudnn_key --tag _rounds \
       --out "$out" 2>&1 | grep -v -i warn | grep -E "^random|Error|error" \
       | tee "$out/bench_selection_rounds.log"
+    ;;
+  head-sum-transpose)
+    # Issue #21 item 1: the head sum's quad step as a layout change
+    # (HyTopKOptions.scores_sm90_head_sum_transpose). Its tests (bitwise the plain kernels'
+    # scores, table and survivors on random inputs; the op against the reference), then timed
+    # beside today's default in key order, and the scores alone, in rotated rounds.
+    timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+      tests/ops/test_indexer_scores_sm90.py tests/ops/test_hytopk_sm90.py \
+      -k "head_sum_transpose or (real_size and True-True-True-True)" > "$out/tests.log" 2>&1
+    rc=$?
+    echo "tests rc=$rc: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+    grep -h -E "^(FAILED|ERROR)|^E  " "$out/tests.log" | cut -c1-300 | head -20
+    [ $rc -eq 0 ] || exit 1
+    # shellcheck disable=SC2086  # lengths split on purpose
+    timeout "${TRANSPOSE_BENCH_S:-300}" python3 scripts/bench_selection.py \
+      --T ${TRANSPOSE_T:-16384 131072} --configs glm51 dsv32 --reps 3 --rounds 2 \
+      --methods hytopk_scores_sm90_current hytopk_scores_sm90_transpose_key \
+      scoreonly_sm90_ahead scoreonly_sm90_transpose --tag _transpose --out "$out" 2>&1 \
+      | grep -v -i warn | grep -E "^random|Error|error" | cut -c1-400 \
+      | tee "$out/bench_selection_transpose.log"
     ;;
   path-phases)
     # Issue #21: the default path's steps timed apart (hytopk_scores_sm90_current's path_ms:

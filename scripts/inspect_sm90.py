@@ -437,8 +437,8 @@ def _indexer_scores_sm90(h: int, T: int = 4096, fp8: bool = False, relu: bool = 
     """The warp-specialized Gluon indexer scores (Hopper only; `indexer_row_max_sm90`: each
     causal row's largest score, HyTopK's scores-only measurement), h heads of 128 dims; fp8:
     e4m3 q and k (HyTopK's precision="fp8"); relu=False: h the folded query's bf16 parts;
-    ahead: mma_ahead, stages, part_major (`HyTopKOptions.scores_sm90_mma_ahead`, `_stages`,
-    `_folded_part_major`)."""
+    ahead: mma_ahead, stages, part_major, head_sum_transpose (`HyTopKOptions.
+    scores_sm90_mma_ahead`, `_stages`, `_folded_part_major`, `_head_sum_transpose`)."""
     from megatron_hyscale.ops.kernels import indexer_scores_sm90 as scores
 
     q, k, w, ks = _indexer_inputs(h, T, T, fp8, ahead.get("part_major", False))
@@ -467,10 +467,11 @@ def _indexer_filter_sm90(h: int, topk: int = 2048, T: int = 4096,
 
 
 def _indexer_table_sm90(h: int, T: int = 131072, samples: int = 2048,
-                        fp8: bool = False, relu: bool = True) -> list[Launch]:
+                        fp8: bool = False, relu: bool = True, **variant: Any) -> list[Launch]:
     """The same kernel's TABLE epilogue (`indexer_table_sm90`: every row's scores against every
     (T / samples)-th key, HyTopK on the Gluon scores' sampled thresholds), on a chunk of
-    `hytopk_sm90.SAMPLE_CHUNK_ROWS` rows; relu as `_indexer_scores_sm90`'s."""
+    `hytopk_sm90.SAMPLE_CHUNK_ROWS` rows; relu as `_indexer_scores_sm90`'s; variant:
+    head_sum_transpose."""
     from megatron_hyscale.ops.kernels import hytopk_sm90
     from megatron_hyscale.ops.kernels import indexer_scores_sm90 as scores
 
@@ -478,7 +479,8 @@ def _indexer_table_sm90(h: int, T: int = 131072, samples: int = 2048,
     rows = hytopk_sm90.SAMPLE_CHUNK_ROWS
     q, k, w, ks = _indexer_inputs(h, T, -(-T // stride), fp8)
     with intercept(scores, "_indexer_scores_kernel") as calls:
-        scores.indexer_table_sm90(q, k, w, stride, T - rows, T, k_scale=ks, relu=relu)
+        scores.indexer_table_sm90(q, k, w, stride, T - rows, T, k_scale=ks, relu=relu,
+                                  **variant)
     return calls
 
 
@@ -780,6 +782,18 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
         4, relu=False, scan_slots=True, part_major=True),
     "indexer-filter-sm90-folded-scan-part-major-ahead": lambda: _indexer_filter_sm90(
         4, relu=False, scan_slots=True, part_major=True, mma_ahead=True),
+    # The head sum's quad step as a layout change, each score in one thread
+    # (scores_sm90_head_sum_transpose), on today's default filter, scores and table.
+    "indexer-filter-sm90-glm51-transpose": lambda: _indexer_filter_sm90(
+        32, scan_slots=True, mma_ahead=True, head_sum_transpose=True),
+    "indexer-filter-sm90-dsv32-transpose": lambda: _indexer_filter_sm90(
+        64, scan_slots=True, mma_ahead=True, head_sum_transpose=True),
+    "indexer-filter-sm90-dsv32-fp8-transpose": lambda: _indexer_filter_sm90(
+        64, fp8=True, scan_slots=True, mma_ahead=True, head_sum_transpose=True),
+    "indexer-scores-sm90-glm51-transpose": lambda: _indexer_scores_sm90(
+        32, mma_ahead=True, head_sum_transpose=True),
+    "indexer-table-sm90-glm51-transpose": lambda: _indexer_table_sm90(
+        32, head_sum_transpose=True),
     "indexer-table-sm90-dsv32": lambda: _indexer_table_sm90(64),
     "indexer-table-sm90-glm51": lambda: _indexer_table_sm90(32),
     "indexer-scores-sm90-dsv32-fp8": lambda: _indexer_scores_sm90(64, fp8=True),

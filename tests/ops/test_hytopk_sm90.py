@@ -246,19 +246,21 @@ def test_thresholds_from_a_table_function_equal_the_triton_tables(monkeypatch, s
 
 
 def test_a_failing_gluon_table_warns_once_and_the_triton_table_runs(monkeypatch):
-    """The Gluon sample table failing (simulated) is said once, its head count refused
-    afterwards, and the thresholds are the Triton table's; an injected table's failure is
-    the caller's and propagates."""
+    """The Gluon sample table failing (simulated) is said once, its variant (head count,
+    part-major, transposed head sum) refused afterwards, and the thresholds are the Triton
+    table's; an injected table's failure is the caller's and propagates."""
     from megatron_hyscale.ops import checks
     from megatron_hyscale.ops.kernels import indexer_scores_sm90
 
     monkeypatch.setattr(checks, "_warned", set())
     monkeypatch.setattr(hytopk_sm90, "TABLE_VARIANTS", hytopk_sm90.KernelVariants(
         "hytopk-sample-table", "Gluon sample table", "Triton score-table kernel"))
-    tries = []
+    tries, variants = [], []
 
     def failing(*args, **kwargs):
         tries.append(1)
+        variants.append({name: kwargs[name] for name in ("part_major", "head_sum_transpose")
+                         if name in kwargs})
         raise RuntimeError("simulated launch failure")
 
     monkeypatch.setattr(indexer_scores_sm90, "indexer_table_sm90", failing)
@@ -268,8 +270,8 @@ def test_a_failing_gluon_table_warns_once_and_the_triton_table_runs(monkeypatch)
     gluon = replace(opts, scores_sm90_sample_table=True)
     with pytest.warns(RuntimeWarning, match="Gluon sample table cannot run.*simulated"):
         got = hytopk_sm90.sample_thresholds(q, k, w, 8, 16, options=gluon)
-    assert torch.equal(got, want) and tries == [1]
-    assert hytopk_sm90.TABLE_VARIANTS.disabled == {(2, False)}
+    assert torch.equal(got, want) and tries == [1] and variants == [{}]
+    assert hytopk_sm90.TABLE_VARIANTS.disabled == {(2, False, False)}
     assert torch.equal(hytopk_sm90.sample_thresholds(q, k, w, 8, 16, options=gluon), want)
     assert tries == [1]  # refused afterwards
     # a variant by head count and layout: the folded parts stored part-major are another
@@ -277,8 +279,18 @@ def test_a_failing_gluon_table_warns_once_and_the_triton_table_runs(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hytopk_sm90.sample_thresholds(parts, k, parts_w, 8, 16, options=gluon, relu=False)
-    assert tries == [1, 1]
-    assert hytopk_sm90.TABLE_VARIANTS.disabled == {(2, False), (4, True)}
+    assert tries == [1, 1] and variants[-1] == {"part_major": True}
+    assert hytopk_sm90.TABLE_VARIANTS.disabled == {(2, False, False), (4, True, False)}
+    # the transposed head sum (ReLU) is another, told to the kernel; not the folded parts'
+    transposed = replace(gluon, scores_sm90_head_sum_transpose=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(hytopk_sm90.sample_thresholds(q, k, w, 8, 16, options=transposed),
+                           want)
+        hytopk_sm90.sample_thresholds(parts, k, parts_w, 8, 16, options=transposed, relu=False)
+    assert tries == [1, 1, 1] and variants[-1] == {"head_sum_transpose": True}
+    assert hytopk_sm90.TABLE_VARIANTS.disabled == {(2, False, False), (4, True, False),
+                                                   (2, False, True)}
     with pytest.raises(RuntimeError, match="simulated"):
         hytopk_sm90.sample_thresholds(q, k, w, 8, 16, options=opts, table_fn=failing)
 
@@ -688,6 +700,39 @@ def test_folded_part_major_reaches_the_filter_and_table(monkeypatch):
         assert tables and set(tables) == {part_major}
 
 
+def test_head_sum_transpose_reaches_the_filter_and_table(monkeypatch):
+    """scores_sm90_head_sum_transpose: with ReLU hytopk_sm90 asks the Gluon filter and sample
+    table for the transposed head sum; without the option, and without ReLU (the folded
+    parts) whatever the option, it asks neither. Rows equal the reference's (the torch
+    filter and table stand in for the Gluon ones)."""
+    from megatron_hyscale.ops.kernels import indexer_scores_sm90
+
+    asked = []
+
+    def gluon_filter(*args, defer_store, scan_slots, mma_ahead, stages, part_major=False,
+                     head_sum_transpose=False, **kwargs):
+        asked.append(("filter", head_sum_transpose))
+        return torch_filter(*args, **kwargs)
+
+    def gluon_table(*args, part_major=False, head_sum_transpose=False, **kwargs):
+        asked.append(("table", head_sum_transpose))
+        return torch_table(*args, **kwargs)
+
+    monkeypatch.setattr(indexer_scores_sm90, "indexer_filter_sm90", gluon_filter)
+    monkeypatch.setattr(indexer_scores_sm90, "indexer_table_sm90", gluon_table)
+    q, k, w = int_inputs(1, 40, 2, 16, seed=4)
+    opts = HyTopKOptions(scores_sm90=True, interpret_programs=2)
+    for relu, transpose in ((True, True), (True, False), (False, True)):
+        asked.clear()
+        want = hytopk(q, k, w, 6, relu=relu, backend="reference", order="key")
+        got = hytopk_sm90.hytopk_sm90(
+            q, k, w, 6, relu=relu, order="key", select_fn=torch_select,
+            options=replace(opts, scores_sm90_head_sum_transpose=transpose))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert {what for what, _ in asked} == {"filter", "table"}
+        assert {told for _, told in asked} == {relu and transpose}
+
+
 @pytest.mark.parametrize("order", ["score", "key", "any"])
 def test_the_op_on_the_select_kernel(order):
     """The op with the select kernel itself (the other CPU tests use the plain-torch select):
@@ -792,20 +837,24 @@ def test_gluon_filter_matches_the_torch_filter(H, defer_store, scan_slots, ahead
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("scan_slots, mma_ahead, direct", [
-    (False, False, False), (True, False, False), (True, True, False), (True, False, True)])
+@pytest.mark.parametrize("scan_slots, mma_ahead, direct, transpose", [
+    (False, False, False, False), (True, False, False, False), (True, True, False, False),
+    (True, False, True, False), (True, True, True, True)])
 @pytest.mark.parametrize("H", [64, 32])
-def test_the_op_matches_the_reference_at_real_size(H, scan_slots, mma_ahead, direct):
+def test_the_op_matches_the_reference_at_real_size(H, scan_slots, mma_ahead, direct,
+                                                   transpose):
     """hytopk(options.scores_sm90) at T = 4096 + 5, topk 2048, batch 2, integer inputs (ties:
     some rows redone), an all-zero row: the reference's rows bit for bit, in score and in key
     order (scan_slots: the filter's key-ordered buffers, order "key" without the row sort;
-    mma_ahead: scores_sm90_mma_ahead; direct: scores_sm90_direct_select)."""
+    mma_ahead: scores_sm90_mma_ahead; direct: scores_sm90_direct_select; transpose:
+    scores_sm90_head_sum_transpose, in the filter and the sample table)."""
     from megatron_hyscale.ops.key_order import sort_rows_by_key
 
     q, k, w = int_inputs(2, 4101, H, 128, seed=H + 1)
     q[0, 3000] = 0  # every score 0: over the cap, redone
     opts = HyTopKOptions(scores_sm90=True, scores_sm90_scan_slots=scan_slots,
-                         scores_sm90_mma_ahead=mma_ahead, scores_sm90_direct_select=direct)
+                         scores_sm90_mma_ahead=mma_ahead, scores_sm90_direct_select=direct,
+                         scores_sm90_head_sum_transpose=transpose)
     got = hytopk(q, k, w, 2048, options=opts)
     want = [t.contiguous() for t in hytopk(q, k, w, 2048, backend="reference")]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -815,8 +864,9 @@ def test_the_op_matches_the_reference_at_real_size(H, scan_slots, mma_ahead, dir
     key = hytopk(q, k, w, 2048, options=opts, order="key")
     sort_rows_by_key(*want)
     assert torch.equal(key[0], want[0]) and torch.equal(key[1], want[1])
-    # the Gluon path ran (the op falls back to the Triton kernel after a failure)
+    # the Gluon path ran (the op falls back to the Triton kernel after a failure), its table too
     assert (H, 2048, "bf16") not in hytopk_sm90.VARIANTS.disabled
+    assert (H, False, transpose) not in hytopk_sm90.TABLE_VARIANTS.disabled
 
 
 @pytest.mark.gpu

@@ -140,6 +140,21 @@ def test_part_major_parts_are_checked():
         sm90.check_inputs(*_cpu(H=32), part_major=True)
 
 
+def test_head_sum_transpose_takes_relu_heads():
+    """head_sum_transpose: ReLU's 32 or 64 heads (bf16 or e4m3); the folded parts (4 heads,
+    relu=False) are refused naming it, before any launch."""
+    sm90.check_inputs(*_cpu(H=32), head_sum_transpose=True)
+    sm90.check_inputs(*_cpu(H=64), head_sum_transpose=True)
+    q, k, w = _cpu(H=4)
+    for call in (lambda: sm90.indexer_row_max_sm90(q, k, w, relu=False, head_sum_transpose=True),
+                 lambda: sm90.indexer_filter_sm90(q, k, w, torch.zeros(1, 8), 0, 8, 16,
+                                                  relu=False, head_sum_transpose=True),
+                 lambda: sm90.indexer_table_sm90(q, k, w, 1, 0, 8, relu=False,
+                                                 head_sum_transpose=True)):
+        with pytest.raises(ValueError, match="^head_sum_transpose takes ReLU's heads"):
+            call()
+
+
 def test_unpacked_batches_are_refused():
     q, k, w = _cpu(B=2)
     k2 = torch.zeros(2, 16, 128, dtype=torch.bfloat16)[:, :8]  # batch stride 16 keys, not 8
@@ -310,6 +325,34 @@ def test_part_major_presets_sum_parts_in_registers(tmp_path: Path):
     assert ahead["constexprs"]["MMA_AHEAD"] is True and ahead["loop_ops"]["WARPGROUP"] == 4
 
 
+def test_head_sum_transpose_presets_hold_each_score_once(tmp_path: Path):
+    """head_sum_transpose (scores_sm90_head_sum_transpose): the quad's partial head sums
+    change hands through shared memory instead of butterfly shuffles, so the scores alone
+    shuffle nothing, the filter only for its scan (GLM-5.1 and V3.2, the default filter's
+    options, fp8 too) and reaches the scan layout with half the stores at most; fewer loop
+    instructions than the same kernels without it, no spill, no serialized wgmma."""
+    pairs = {"indexer-filter-sm90-glm51-transpose": "indexer-filter-sm90-glm51-scan-ahead",
+             "indexer-filter-sm90-dsv32-transpose": "indexer-filter-sm90-dsv32-scan-ahead",
+             "indexer-scores-sm90-glm51-transpose": "indexer-scores-sm90-glm51-ahead"}
+    reports = _epilogue_reports(tmp_path, *pairs, *pairs.values(), steps=16)
+    by_name = {rep["preset"]: rep for rep in reports}
+    for new, old in pairs.items():
+        new_r, old_r = by_name[new], by_name[old]
+        assert new_r["constexprs"]["HEAD_SUM_TRANSPOSE"] is True, new
+        assert old_r["constexprs"]["HEAD_SUM_TRANSPOSE"] is False, old
+        assert new_r["loop_instructions"] < old_r["loop_instructions"], new
+        assert new_r["loop_ops"]["SHFL"] < old_r["loop_ops"]["SHFL"], new
+        assert new_r["loop_ops"]["STS"] <= max(4, old_r["loop_ops"]["STS"] // 2), new
+    assert by_name["indexer-scores-sm90-glm51-transpose"]["loop_ops"]["SHFL"] == 0
+    for name in ("indexer-filter-sm90-glm51-transpose", "indexer-filter-sm90-dsv32-transpose"):
+        assert by_name[name]["loop_ops"]["SHFL"] <= 12, name  # the scan's: 6 a tile
+    for rep in _epilogue_reports(tmp_path, "indexer-filter-sm90-dsv32-fp8-transpose",
+                                 gemm="QGMMA", steps=8) + _epilogue_reports(
+            tmp_path, "indexer-table-sm90-glm51-transpose"):
+        assert rep["constexprs"]["HEAD_SUM_TRANSPOSE"] is True
+        assert rep["loop_ops"]["SHFL"] <= 12, rep["preset"]
+
+
 def test_fp8_presets_compile_without_spills(tmp_path: Path):
     """e4m3 q and k (HyTopK's precision="fp8"): the same loops on fp8 wgmma (4 QGMMA of K = 32
     a [64 x 128 x 128] product, no HGMMA), the keys' scales loaded under the product (2 LDG a
@@ -452,6 +495,44 @@ def test_folded_part_major_exact(T, mma_ahead):
     k7 = k[:, ::7].contiguous()
     table = sm90.indexer_table_sm90(parts_q, k7, parts_w, 7, 3, T, relu=False, part_major=True)
     assert torch.equal(table, sm90.indexer_table_sm90(rows_q, k7, rows_w, 7, 3, T, relu=False))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("mma_ahead", [False, True])
+@pytest.mark.parametrize("H", [64, 32])
+@pytest.mark.parametrize("T", [128 + 7, 64 * 4 + 1, 4096])
+def test_head_sum_transpose_bitwise(T, H, mma_ahead):
+    """head_sum_transpose: the same fp32 sums in the same order, so on random bf16 inputs
+    (where another order would round otherwise) the row maxima, the table and the scan
+    filter's survivors (keys and counts, batch 2, a chunk of rows) are bitwise those without
+    it; the filter also with e4m3 inputs."""
+    from megatron_hyscale.ops import fp8_quant
+
+    g = torch.Generator(device="cuda").manual_seed(T + H)
+    q = torch.randn(2, T, H, 128, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(2, T, 128, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(2, T, H, device="cuda", generator=g)
+    for kwargs in ({}, {"mma_ahead": mma_ahead}):
+        want = sm90.indexer_row_max_sm90(q, k, w, **kwargs)
+        got = sm90.indexer_row_max_sm90(q, k, w, head_sum_transpose=True, **kwargs)
+        assert torch.equal(got, want), (got - want).abs().max()
+    k7 = k[:, ::7].contiguous()
+    assert torch.equal(sm90.indexer_table_sm90(q, k7, w, 7, 3, T, head_sum_transpose=True),
+                       sm90.indexer_table_sm90(q, k7, w, 7, 3, T))
+    # each row's best key passes, and those within half its magnitude below it
+    tau = (want - 0.5 * want.abs())[:, T // 3:].contiguous()
+    q8, q_scale, k8, k_scale = fp8_quant.quantize_indexer(q, k)
+    for inputs in ((q, k, w), (q8, k8, w * q_scale)):
+        ks = {} if inputs[0] is q else {"k_scale": k_scale}
+        args = (*inputs, tau, T // 3, T, 4096)
+        keys, counts = sm90.indexer_filter_sm90(*args, scan_slots=True, mma_ahead=mma_ahead,
+                                                head_sum_transpose=True, **ks)
+        keys0, counts0 = sm90.indexer_filter_sm90(*args, scan_slots=True, mma_ahead=mma_ahead,
+                                                  **ks)
+        assert torch.equal(counts, counts0) and (counts > 0).all()
+        written = torch.arange(4096, device="cuda") < counts[..., None]
+        assert torch.equal(keys[written], keys0[written])
 
 
 def fp8_inputs(T, H, seed):

@@ -64,9 +64,9 @@ REDO_ROWS_MULTIPLE = 256
 VARIANTS = KernelVariants("hytopk-scores-sm90", "HyTopK on the Gluon scores (scores_sm90)",
                         "Triton kernel")
 
-# The Gluon sample table's (`scores_sm90_sample_table`) (head count, part-major) variants that
-# failed to compile or launch in this process (one warning): their sample runs on the Triton
-# score-table kernel.
+# The Gluon sample table's (`scores_sm90_sample_table`) (head count, part-major, transposed head
+# sum) variants that failed to compile or launch in this process (one warning): their sample
+# runs on the Triton score-table kernel.
 TABLE_VARIANTS = KernelVariants("hytopk-sample-table",
                                 "Gluon sample table (scores_sm90_sample_table)",
                                 "Triton score-table kernel")
@@ -179,15 +179,16 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
     fp8 = k_scale is not None
     # the folded parts' layout as q holds it (`folded_parts`), whatever the options say
     part_major = not relu and q.shape[2] > 1 and q.permute(0, 2, 1, 3).is_contiguous()
-    variant = (q.shape[2], part_major)
+    transpose = relu and options.scores_sm90_head_sum_transpose
+    variant = (q.shape[2], part_major, transpose)
     gluon = table_fn is None and (fp8 or (options.scores_sm90_sample_table
                                           and variant not in TABLE_VARIANTS.disabled))
     if gluon:
         from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_table_sm90
 
-        # told only when part-major: the (token, head)-major call is the contract's
-        table_fn = partial(indexer_table_sm90, part_major=True) if part_major else (
-            indexer_table_sm90)
+        # variants told only when on: the plain call is the contract's
+        table_fn = partial(indexer_table_sm90, **({"part_major": True} if part_major else {}),
+                           **({"head_sum_transpose": True} if transpose else {}))
     B, T = q.shape[:2]
     stride = max(1, math.ceil(T / samples))
     sampled = torch.arange(0, T, stride, device=q.device)
@@ -299,14 +300,21 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
 
 def default_filter(options: HyTopKOptions, relu: bool = True) -> FilterFn:
     """`indexer_filter_sm90` as `hytopk_sm90` calls it under `options` (the folded parts
-    part-major told so; an injected filter reads q's strides)."""
+    part-major told so, an injected filter reads q's strides; the transposed head sum)."""
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_filter_sm90
 
-    part_major = not relu and options.scores_sm90_folded_part_major
     return partial(indexer_filter_sm90, defer_store=options.scores_sm90_defer_store,
                    scan_slots=options.scores_sm90_scan_slots,
                    mma_ahead=options.scores_sm90_mma_ahead, stages=options.scores_sm90_stages,
-                   **({"part_major": True} if part_major else {}))
+                   **_variant_kwargs(options, relu))
+
+
+def _variant_kwargs(options: HyTopKOptions, relu: bool) -> dict[str, bool]:
+    """The Gluon kernels' variant arguments under `options`, those on only: the folded parts
+    part-major (relu=False), the transposed head sum (ReLU)."""
+    if not relu:
+        return {"part_major": True} if options.scores_sm90_folded_part_major else {}
+    return {"head_sum_transpose": True} if options.scores_sm90_head_sum_transpose else {}
 
 
 def redo_rows(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,

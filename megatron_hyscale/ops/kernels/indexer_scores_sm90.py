@@ -264,16 +264,32 @@ def _key_scales(j, keys, ks_ptr, b, sksb, skss, n_keys, BLOCK_S: gl.constexpr,
 
 
 @gluon.jit
+def _head_sum_transposed(x, ROWS: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr):
+    """x [BLOCK_S keys x (row, head)] in the accumulator's layout (a head's column bits: 1 the
+    register pair, 2 and 4 the quad's lanes, 8 and up column registers) summed over its heads
+    into `_transposed_sum_layout`, each score in one thread: each thread's heads first (as
+    the plain sum), then its quad's four partial sums brought into one thread by a layout
+    change (rows, then the +8 key bit, onto the quad's lanes) and added there in the plain
+    sum's butterfly order ((lanes 0 + 2) + (1 + 3)), so the scores are bitwise the same."""
+    x = gl.permute(gl.reshape(x, [BLOCK_S, ROWS, H // 8, 4, 2]), [0, 1, 3, 2, 4])
+    x = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, 4, H // 4]), axis=3)  # [keys, rows, quad lane]
+    x = gl.convert_layout(x, _quad_layout(ROWS))
+    x = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, 2, 2]), axis=2)  # lane bit 1 (xor 2) first
+    return gl.sum(x, axis=2)
+
+
+@gluon.jit
 def _tile_epilogue(acc, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off, m,
                    count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS: gl.constexpr,
                    H: gl.constexpr, BLOCK_S: gl.constexpr, red_layout: gl.constexpr,
                    flt_layout: gl.constexpr, FILTER: gl.constexpr, CAP: gl.constexpr,
                    DEFER_STORE: gl.constexpr, TABLE: gl.constexpr, KEY_SCALE: gl.constexpr,
                    RELU: gl.constexpr, SCAN_SLOTS: gl.constexpr, PART_MAJOR: gl.constexpr,
-                   VISIBLE: gl.constexpr):
+                   VISIBLE: gl.constexpr, HEAD_SUM_TRANSPOSE: gl.constexpr):
     """Key tile j's completed product acc [keys x (row, head)]: ReLU x w, the head sum, then
     the epilogue's work (`_consumer`). PART_MAJOR: acc [keys x (part, row)], the parts summed
-    as they are (weights 1; the zero part's products are zeros) inside each thread. VISIBLE:
+    as they are (weights 1; the zero part's products are zeros) inside each thread.
+    HEAD_SUM_TRANSPOSE: the head sum's quad step by `_head_sum_transposed`. VISIBLE:
     the scan filter's tile seen whole by every row (`_survivors`). Returns the state the tiles
     carry: (the running maxima m, the scan's counts, the survivors pending a deferred store:
     slots, keys, kept)."""
@@ -284,7 +300,10 @@ def _tile_epilogue(acc, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_sl
             x = gl.maximum(acc, 0.0) * w[None, :]
         else:
             x = acc * w[None, :]
-        s = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, H]), axis=2)
+        if HEAD_SUM_TRANSPOSE:
+            s = _head_sum_transposed(x, ROWS, H, BLOCK_S)
+        else:
+            s = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, H]), axis=2)
     s = gl.convert_layout(s, red_layout, assert_trivial=True)
     if KEY_SCALE:
         s = s * k_scale[:, None]
@@ -318,7 +337,7 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
               flt_layout: gl.constexpr, DEFER_STORE: gl.constexpr, TABLE: gl.constexpr,
               MMA_K: gl.constexpr, KEY_SCALE: gl.constexpr, RELU: gl.constexpr,
               SCAN_SLOTS: gl.constexpr, MMA_AHEAD: gl.constexpr,
-              PART_MAJOR: gl.constexpr):
+              PART_MAJOR: gl.constexpr, HEAD_SUM_TRANSPOSE: gl.constexpr):
     """Rows t0 .. t0 + ROWS - 1 (t0 = t_base + c * ROWS): each key tile's scores as
     [keys x (row, head)] = K_tile Q^T on wgmma, then ReLU x w, the head sum (N, in registers),
     the causal mask and a running max per (key slot, row); the max over key slots at the end.
@@ -337,7 +356,8 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
     has this consumer's next product queued while the epilogue runs (two accumulators live;
     the tiles in pairs, an odd count's last one a masked tile past the keys; one more product
     ends the chain unread). PART_MAJOR (relu=False): the block's columns run (part, row), w
-    unread (`_tile_epilogue`)."""
+    unread (`_tile_epilogue`). HEAD_SUM_TRANSPOSE: the head sum's quad step as a layout change
+    (`_head_sum_transposed`)."""
     q_bar, ready, empty, turn = bars
     N: gl.constexpr = ROWS * H
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -408,7 +428,7 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
                     acc_a, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off, m,
                     count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS, H, BLOCK_S,
                     red_layout, flt_layout, FILTER, CAP, DEFER_STORE, TABLE, KEY_SCALE, RELU,
-                    SCAN_SLOTS, PART_MAJOR, visible)
+                    SCAN_SLOTS, PART_MAJOR, visible, HEAD_SUM_TRANSPOSE)
                 acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b,))
                 mbarrier.arrive(empty.index((j + 1) % NUM_STAGES), count=1)
                 acc_a = _issue_product(c, k_s, q_op, acc_a, ready, turn, j + 2, NUM_STAGES,
@@ -421,7 +441,7 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
                     acc_b, j + 1, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off,
                     m, count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS, H, BLOCK_S,
                     red_layout, flt_layout, FILTER, CAP, DEFER_STORE, TABLE, KEY_SCALE, RELU,
-                    SCAN_SLOTS, PART_MAJOR, visible)
+                    SCAN_SLOTS, PART_MAJOR, visible, HEAD_SUM_TRANSPOSE)
         warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
     else:
         for seg in gl.static_range(2 if SPLIT else 1):  # the tiles seen whole, the rest
@@ -443,7 +463,7 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
                     acc, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_slot, row_off, m,
                     count, cnt_ptr, buf_ptr, out_ptr, sok, key_stride, ROWS, H, BLOCK_S,
                     red_layout, flt_layout, FILTER, CAP, DEFER_STORE, TABLE, KEY_SCALE, RELU,
-                    SCAN_SLOTS, PART_MAJOR, visible)
+                    SCAN_SLOTS, PART_MAJOR, visible, HEAD_SUM_TRANSPOSE)
 
     if FILTER:
         if DEFER_STORE:
@@ -466,7 +486,7 @@ def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
                            TABLE: gl.constexpr, MMA_K: gl.constexpr, KEY_SCALE: gl.constexpr,
                            RELU: gl.constexpr, SCAN_SLOTS: gl.constexpr,
                            MMA_AHEAD: gl.constexpr, PART_MAJOR: gl.constexpr,
-                           CONSUMER_WARPS: gl.constexpr,
+                           HEAD_SUM_TRANSPOSE: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
                            PRODUCER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                            PRODUCER_REGS: gl.constexpr):
     """One program: query rows t_base .. t_base + 2 * ROWS - 1 of batch b, from t_lo, against
@@ -511,12 +531,14 @@ def _indexer_scores_kernel(q_desc, k_desc, w_ptr, out_ptr, B, T, n_blocks,
                      swb, swt, swh, sob, sot, sok, key_stride, n_keys, ks_ptr, sksb, skss,
                      tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows, ROWS, H, BLOCK_S,
                      NUM_STAGES, PINGPONG, red_layout, FILTER, CAP, flt_layout, DEFER_STORE,
-                     TABLE, MMA_K, KEY_SCALE, RELU, SCAN_SLOTS, MMA_AHEAD, PART_MAJOR)),
+                     TABLE, MMA_K, KEY_SCALE, RELU, SCAN_SLOTS, MMA_AHEAD, PART_MAJOR,
+                     HEAD_SUM_TRANSPOSE)),
         (_consumer, (1, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_tiles,
                      swb, swt, swh, sob, sot, sok, key_stride, n_keys, ks_ptr, sksb, skss,
                      tau_ptr, cnt_ptr, buf_ptr, t_lo, t_hi, n_rows, ROWS, H, BLOCK_S,
                      NUM_STAGES, PINGPONG, red_layout, FILTER, CAP, flt_layout, DEFER_STORE,
-                     TABLE, MMA_K, KEY_SCALE, RELU, SCAN_SLOTS, MMA_AHEAD, PART_MAJOR)),
+                     TABLE, MMA_K, KEY_SCALE, RELU, SCAN_SLOTS, MMA_AHEAD, PART_MAJOR,
+                     HEAD_SUM_TRANSPOSE)),
         (_producer, (q_desc, k_desc, q_s, k_s, bars, q_row0, q_row_cap, T, k_row0, n_tiles,
                      ROWS, H, BLOCK_S, NUM_STAGES, MMA_AHEAD, PART_MAJOR)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -541,6 +563,35 @@ def _reduced_layout(rows: int, heads: int) -> gl.DistributedLinearLayout:
     lane = quad + [[1, 0], [2, 0], [4, 0]]
     warp = [[16, 0], [32, 0]]
     return gl.DistributedLinearLayout(reg, lane, warp, [], [BLOCK_S, rows])
+
+
+@gluon.constexpr_function
+def _quad_bases(rows: int) -> tuple[list, list]:
+    """`_transposed_sum_layout`'s register and lane bases over (key, row): the quad's two lane
+    bits take the row bits (2 or 1: GLM-5.1's 4 rows, V3.2's 2), then the +8 key bit; what is
+    left of (+8 key, rows) stays in registers."""
+    if rows not in (2, 4):
+        raise ValueError(f"the transposed head sum takes 2 or 4 rows, got {rows}")
+    bits = [[0, 1 << i] for i in range(rows.bit_length() - 1)] + [[8, 0]]
+    return bits[2:], bits[:2] + [[1, 0], [2, 0], [4, 0]]
+
+
+@gluon.constexpr_function
+def _quad_layout(rows):
+    """[BLOCK_S keys x rows x 4]: each thread's partial head sums of its quad's four lanes in
+    its registers (the last axis), the rows (then the +8 key bit) on the quad's lanes."""
+    reg, lane = _quad_bases(int(rows))
+    return gl.DistributedLinearLayout([b + [0] for b in reg] + [[0, 0, 1], [0, 0, 2]],
+                                      [b + [0] for b in lane], [[16, 0, 0], [32, 0, 0]], [],
+                                      [BLOCK_S, int(rows), 4])
+
+
+def _transposed_sum_layout(rows: int) -> gl.DistributedLinearLayout:
+    """The head-summed scores' layout, [BLOCK_S keys x rows], with HEAD_SUM_TRANSPOSE: each
+    score in one thread (`_quad_layout` summed over its last axis). Keys as
+    `_reduced_layout`'s."""
+    reg, lane = _quad_bases(rows)
+    return gl.DistributedLinearLayout(reg, lane, [[16, 0], [32, 0]], [], [BLOCK_S, rows])
 
 
 def _part_sum_layout(rows: int, parts: int) -> gl.DistributedLinearLayout:
@@ -592,23 +643,29 @@ _layouts: dict[tuple, tuple] = {}
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
 
 
-def _shared_layouts(heads: int, dtype: torch.dtype) -> tuple:
-    if (heads, dtype) not in _layouts:
+def _shared_layouts(heads: int, dtype: torch.dtype, transpose: bool = False) -> tuple:
+    """(q's and k's shared-memory layouts, the head-summed scores' layout (transpose:
+    HEAD_SUM_TRANSPOSE's), the survivors' atomic layout)."""
+    key = heads, dtype, transpose
+    if key not in _layouts:
         nv = gl.NVMMASharedLayout.get_default_for
-        _layouts[heads, dtype] = (nv([PAIRS, HEAD_DIM], _GL_DTYPES[dtype]),
-                                  nv([BLOCK_S, HEAD_DIM], _GL_DTYPES[dtype]),
-                                  _reduced_layout(PAIRS // heads, heads),
-                                  _filter_layout(PAIRS // heads))
-    return _layouts[heads, dtype]
+        rows = PAIRS // heads
+        _layouts[key] = (nv([PAIRS, HEAD_DIM], _GL_DTYPES[dtype]),
+                         nv([BLOCK_S, HEAD_DIM], _GL_DTYPES[dtype]),
+                         _transposed_sum_layout(rows) if transpose else
+                         _reduced_layout(rows, heads),
+                         _filter_layout(rows))
+    return _layouts[key]
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: int = 1,
                  k_scale: torch.Tensor | None = None, relu: bool = True,
-                 part_major: bool = False) -> None:
+                 part_major: bool = False, head_sum_transpose: bool = False) -> None:
     """ValueError naming the argument that `indexer_row_max_sm90` cannot take (k: the keys at
     positions 0, key_stride, 2 x key_stride, ... of the T-token sequence; k_scale: fp32 [B, S]
     with e4m3 q and k, None with bf16; relu=False: FOLDED_HEADS bf16 parts; part_major: with
-    relu=False, q's parts stored part-major, [B, H, T, D] permuted to [B, T, H, D])."""
+    relu=False, q's parts stored part-major, [B, H, T, D] permuted to [B, T, H, D];
+    head_sum_transpose: ReLU's heads, HEADS)."""
     check_tensor("q", q, ndim=4, dtypes=tuple(MMA_K_BY_DTYPE))  # [B, T, H, D]
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,))  # [B, S, D]
     check_tensor("w", w, ndim=3, dtypes=(torch.float32,))  # [B, T, H]
@@ -620,6 +677,9 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: 
     if H not in heads:
         what = "" if relu else " without ReLU (the folded query's bf16 parts)"
         raise ValueError(f"q: heads must be one of {heads}{what}, got {H}")
+    if head_sum_transpose and (not relu or H not in HEADS):
+        raise ValueError(f"head_sum_transpose takes ReLU's heads {HEADS}, got {H} heads with "
+                         f"relu={relu}")
     if not relu and q.dtype != torch.bfloat16:
         raise ValueError(f"q: without ReLU the folded query's parts are bf16, got {q.dtype}")
     n_keys = -(-T // key_stride)
@@ -678,7 +738,8 @@ def check_keys(k: torch.Tensor, shape: tuple[int, int, int], what: str = "") -> 
 def indexer_row_max_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *,
                          pingpong: bool = True, k_scale: torch.Tensor | None = None,
                          relu: bool = True, mma_ahead: bool = False,
-                         stages: int = NUM_STAGES, part_major: bool = False) -> torch.Tensor:
+                         stages: int = NUM_STAGES, part_major: bool = False,
+                         head_sum_transpose: bool = False) -> torch.Tensor:
     """out fp32 [B, T]: each causal row's largest indexer score (key s visible to row t iff
     s <= t). Hopper only: the caller checks the device. pingpong: order the two consumers'
     products alternately (the `turn` barriers); False lets them issue freely. e4m3 q and k:
@@ -688,15 +749,19 @@ def indexer_row_max_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *,
     (`_consumer`'s MMA_AHEAD); stages: key tiles in flight (`check_stages`). part_major
     (relu=False): q's parts stored part-major (`hytopk_sm90.folded_parts(part_major=True)`),
     each thread summing its rows' parts in registers (`_consumer`'s PART_MAJOR; w unread:
-    the parts weigh 1, the zero pad's products are zeros)."""
-    check_inputs(q, k, w, k_scale=k_scale, relu=relu, part_major=part_major)
+    the parts weigh 1, the zero pad's products are zeros). head_sum_transpose (ReLU's 32 or
+    64 heads): the head sum's last two steps as a layout change inside each quad of lanes,
+    each score then in one thread (`_head_sum_transposed`; bitwise the same scores)."""
+    check_inputs(q, k, w, k_scale=k_scale, relu=relu, part_major=part_major,
+                 head_sum_transpose=head_sum_transpose)
     check_stages(stages)
     B, T, H, D = q.shape
     out = torch.empty((B, T), device=q.device, dtype=torch.float32)
     if B * T == 0:
         return out
     _launch(q, k, w, out, 0, T, pingpong=pingpong, k_scale=k_scale, relu=relu,
-            mma_ahead=mma_ahead, stages=stages, part_major=part_major)
+            mma_ahead=mma_ahead, stages=stages, part_major=part_major,
+            head_sum_transpose=head_sum_transpose)
     return out
 
 
@@ -705,7 +770,8 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
                         defer_store: bool = True, k_scale: torch.Tensor | None = None,
                         relu: bool = True, scan_slots: bool = False,
                         mma_ahead: bool = False, stages: int = NUM_STAGES,
-                        part_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        part_major: bool = False,
+                        head_sum_transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The survivors of query rows [t_lo, t_hi): keys int64 [B, t_hi - t_lo, cap] (HyTopK's
     packed keys of the visible scores >= tau of each row, in no order, the first min(count,
     cap) slots written, the rest left as allocated: readers go by the counts) and counts int32
@@ -719,8 +785,10 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
     owns its rows; stored at once, defer_store ignored: nothing returns late); False: a
     relaxed atomic a survivor. mma_ahead, stages: as `indexer_row_max_sm90`'s (mma_ahead
     ignored for relu=False with the atomics: its registers would spill, as defer_store's),
-    part_major: as `indexer_row_max_sm90`'s. Hopper only: the caller checks the device."""
-    check_inputs(q, k, w, k_scale=k_scale, relu=relu, part_major=part_major)
+    part_major, head_sum_transpose: as `indexer_row_max_sm90`'s. Hopper only: the caller
+    checks the device."""
+    check_inputs(q, k, w, k_scale=k_scale, relu=relu, part_major=part_major,
+                 head_sum_transpose=head_sum_transpose)
     check_stages(stages)
     B, T, H, D = q.shape
     n = t_hi - t_lo
@@ -743,23 +811,24 @@ def indexer_filter_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, tau: 
                 defer_store=defer_store and relu and not scan_slots,
                 k_scale=k_scale, relu=relu, scan_slots=scan_slots,
                 mma_ahead=mma_ahead and (relu or scan_slots), stages=stages,
-                part_major=part_major)
+                part_major=part_major, head_sum_transpose=head_sum_transpose)
     return keys, counts
 
 
 def indexer_table_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_stride: int,
                        t_lo: int, t_hi: int, *, pingpong: bool = True,
                        k_scale: torch.Tensor | None = None, relu: bool = True,
-                       part_major: bool = False) -> torch.Tensor:
+                       part_major: bool = False, head_sum_transpose: bool = False
+                       ) -> torch.Tensor:
     """fp32 [B, t_hi - t_lo, S]: the scores of query rows [t_lo, t_hi) against k [B, S, D],
     every key_stride-th key of the T-token sequence (key j at position j x key_stride, S =
     ceil(T / key_stride): `k_full[:, ::key_stride]`), -inf where a row does not see the key
     (j x key_stride > t). HyTopK's sampled thresholds on the Gluon scores (`hytopk_sm90.
     sample_thresholds`). k_scale: the sampled keys' scales, as `indexer_row_max_sm90`'s; relu,
-    part_major: as its. Hopper only: the caller checks the device."""
+    part_major, head_sum_transpose: as its. Hopper only: the caller checks the device."""
     if isinstance(key_stride, bool) or not (isinstance(key_stride, int) and key_stride >= 1):
         raise ValueError(f"key_stride must be an int >= 1, got {key_stride!r}")
-    check_inputs(q, k, w, key_stride, k_scale, relu, part_major)
+    check_inputs(q, k, w, key_stride, k_scale, relu, part_major, head_sum_transpose)
     B, T = q.shape[:2]
     if not 0 <= t_lo <= t_hi <= T:
         raise ValueError(f"t_lo, t_hi must satisfy 0 <= t_lo <= t_hi <= T = {T}; got "
@@ -768,22 +837,24 @@ def indexer_table_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, key_st
                        dtype=torch.float32)
     if table.numel():
         _launch(q, k, w, table, t_lo, t_hi, pingpong=pingpong, table=True,
-                key_stride=key_stride, k_scale=k_scale, relu=relu, part_major=part_major)
+                key_stride=key_stride, k_scale=k_scale, relu=relu, part_major=part_major,
+                head_sum_transpose=head_sum_transpose)
     return table
 
 
 def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=True,
             table=False, key_stride=1, k_scale=None, relu=True, scan_slots=False,
-            mma_ahead=False, stages=NUM_STAGES, part_major=False):
+            mma_ahead=False, stages=NUM_STAGES, part_major=False, head_sum_transpose=False):
     """One launch over query rows [t_lo, t_hi): the row maxima into out, or with survivors =
     (tau, counts, keys, cap) the survivors (defer_store: `_consumer`'s DEFER_STORE), or with
     table the scores into out [B, t_hi - t_lo, S] against keys every key_stride-th; k_scale
-    with e4m3 q and k; scan_slots, mma_ahead, part_major: `_consumer`'s SCAN_SLOTS,
-    MMA_AHEAD, PART_MAJOR; stages: key tiles in flight (checked by the callers:
-    `check_stages`)."""
+    with e4m3 q and k; scan_slots, mma_ahead, part_major, head_sum_transpose: `_consumer`'s
+    SCAN_SLOTS, MMA_AHEAD, PART_MAJOR, HEAD_SUM_TRANSPOSE (ReLU's 32 or 64 heads, or bf16 /
+    e4m3 with them; not the folded parts); stages: key tiles in flight (checked by the
+    callers: `check_stages`)."""
     B, T, H, D = q.shape
     rows = PAIRS // H
-    q_layout, k_layout, red_layout, flt_layout = _shared_layouts(H, q.dtype)
+    q_layout, k_layout, red_layout, flt_layout = _shared_layouts(H, q.dtype, head_sum_transpose)
     scan_slots = survivors is not None and scan_slots
     if scan_slots:
         flt_layout = _row_scan_layout(rows) if part_major else _scan_layout(rows)
@@ -812,6 +883,7 @@ def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=T
         DEFER_STORE=survivors is not None and defer_store, TABLE=table,
         MMA_K=MMA_K_BY_DTYPE[q.dtype], KEY_SCALE=k_scale is not None, RELU=relu,
         SCAN_SLOTS=scan_slots, MMA_AHEAD=mma_ahead, PART_MAJOR=part_major,
+        HEAD_SUM_TRANSPOSE=head_sum_transpose,
         CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,

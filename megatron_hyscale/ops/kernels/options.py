@@ -324,13 +324,25 @@ class HyTopKOptions:
     # buffers, rows equal): 4.3 against 6.4 ms (GLM-5.1), 4.5 against 6.2 (the folded query).
     # Default since (records `bench_selection_direct_phases-*`, `_direct_select-*`).
     scores_sm90_direct_select: bool = True
+    # With ReLU (32 or 64 heads, bf16 or e4m3), the head sum's last two steps (over the four
+    # lanes of a quad, which the wgmma accumulator spreads a row's heads over) as a layout
+    # change inside the quad instead of two butterfly shuffles: each thread adds the partial
+    # sums of its quad in registers, in the butterfly's order (bitwise the same scores), and
+    # each score is then held by one thread instead of four, so the filter's scan layout is
+    # reached with a quarter of the shared-memory stores. Compiled for sm_90a (`inspect_sm90.py
+    # --preset indexer-filter-sm90-glm51-transpose`, two key tiles a loop): the GLM-5.1 filter
+    # 518 instructions against 564 (SHFL 12 against 44), V3.2 506 against 529, the GLM-5.1
+    # scores alone 386 against 458; one more partition barrier a tile (the exchange goes
+    # through shared memory, STS.128 and LDSM). Off until timed on a Hopper GPU.
+    scores_sm90_head_sum_transpose: bool = False
 
     def __post_init__(self) -> None:
         if not (self.scores_sm90 is None or isinstance(self.scores_sm90, bool)):
             raise ValueError(f"HyTopKOptions.scores_sm90 must be None, True or False, got "
                              f"{self.scores_sm90!r}")
         for name in ("scores_sm90_scan_slots", "scores_sm90_mma_ahead",
-                     "scores_sm90_folded_part_major", "scores_sm90_direct_select"):
+                     "scores_sm90_folded_part_major", "scores_sm90_direct_select",
+                     "scores_sm90_head_sum_transpose"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"HyTopKOptions.{name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
