@@ -357,7 +357,8 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
     the tiles in pairs, an odd count's last one a masked tile past the keys; one more product
     ends the chain unread). PART_MAJOR (relu=False): the block's columns run (part, row), w
     unread (`_tile_epilogue`). HEAD_SUM_TRANSPOSE: the head sum's quad step as a layout change
-    (`_head_sum_transposed`)."""
+    (`_head_sum_transposed`); with SCAN_SLOTS, the tiles seen whole in a loop of their own
+    (as PART_MAJOR's)."""
     q_bar, ready, empty, turn = bars
     N: gl.constexpr = ROWS * H
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -384,11 +385,12 @@ def _consumer(c: gl.constexpr, q_s, k_s, bars, w_ptr, out_ptr, b, t_base, T, n_t
     pend_pos = gl.zeros([BLOCK_S, ROWS], gl.int32, layout=flt_layout)
     pend_key = gl.zeros([BLOCK_S, ROWS], gl.int64, layout=flt_layout)
     pend_keep = pend_pos != 0
-    # PART_MAJOR's scan filter runs the key tiles that every row of the consumer sees whole
-    # (keys up to t0) in a loop of their own, without the causal and chunk tests (`_survivors`'
-    # VISIBLE: with 32 rows a consumer they are 16 tests a thread a tile, and their predicates
-    # crowd the scan's), then the rest with them. Other variants keep one loop.
-    SPLIT: gl.constexpr = PART_MAJOR and FILTER and SCAN_SLOTS
+    # PART_MAJOR's and HEAD_SUM_TRANSPOSE's scan filter runs the key tiles that every row of
+    # the consumer sees whole (keys up to t0) in a loop of their own, without the causal and
+    # chunk tests (`_survivors`' VISIBLE: with 32 rows a consumer they are 16 tests a thread a
+    # tile, and their predicates crowd the scan's), then the rest with them. Other variants
+    # keep one loop.
+    SPLIT: gl.constexpr = FILTER and SCAN_SLOTS and (PART_MAJOR or HEAD_SUM_TRANSPOSE)
     n_seen = gl.minimum((t0 + 1) // BLOCK_S, n_tiles)
     if FILTER:
         # rows outside the chunk get +inf (NaN when SPLIT, which >= never passes): no score
