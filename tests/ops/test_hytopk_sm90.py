@@ -733,6 +733,53 @@ def test_head_sum_transpose_reaches_the_filter_and_table(monkeypatch):
         assert {told for _, told in asked} == {relu and transpose}
 
 
+def test_bench_path_phases_time_the_ops_own_steps(monkeypatch):
+    """scripts/bench_selection.py's `default_path_phases` runs the op's own steps (the torch
+    filter, table and select standing in for the Gluon ones, three row chunks, each step
+    timed by a counting stand-in): every step reported, the filter once a chunk, the rows it
+    redoes those the op redoes (an all-zero row over the cap among them)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_selection.py"
+    spec = importlib.util.spec_from_file_location("_bench_selection_path", path)
+    sel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sel)
+    filtered = []
+
+    def gluon_filter(*args, **kwargs):
+        filtered.append(args[4:6])
+        return torch_filter(*args, **kwargs)
+
+    sample = hytopk_sm90.sample_thresholds
+    monkeypatch.setattr(hytopk_sm90, "default_filter", lambda options, relu=True: gluon_filter)
+    monkeypatch.setattr(hytopk_sm90, "sample_thresholds",
+                        lambda *a, **kw: sample(*a, **{**kw, "table_fn": torch_table}))
+    monkeypatch.setattr(hytopk_sm90, "select_survivors",
+                        lambda keys, counts, topk, *, order, options, keys_in_order=False:
+                        torch_select(keys, counts, topk, order=order, options=options))
+    monkeypatch.setattr(hytopk_sm90, "CHUNK_BYTES", 8 * hytopk_sm90.survivor_cap(6) * 16)
+    monkeypatch.setattr(HyTopKOptions, "DEFAULT", replace(
+        HyTopKOptions.DEFAULT, scores_sm90_samples=4, interpret_programs=2))
+    timed = []
+    monkeypatch.setattr(sel, "time_ms", lambda fn, reps, warmup: timed.append(fn()) or 1.0)
+    q, k, w = int_inputs(1, 40, 2, 16, seed=6)
+    q[0, 30] = 0  # every score 0: over the cap, redone
+    phases = sel.default_path_phases(q, k, w, 6, 1)
+    assert set(phases) == {"fold", "sample", "filter", "select", "redo", "redone_rows", "total"}
+    chunks = hytopk_sm90.row_chunks(1, 40, 6)
+    assert len(chunks) == 3 and filtered[:3] == chunks
+    stats = torch.zeros(2, dtype=torch.int64)
+    hytopk_sm90.hytopk_sm90(q, k, w, 6, options=HyTopKOptions.DEFAULT, order="key",
+                            stats=stats)
+    assert phases["redone_rows"] == int(stats[0]) > 0
+    assert phases["redo"] == phases["filter"] == phases["total"] == 1.0
+    # the op's own result among the timed calls: the reference's rows in key order
+    want = hytopk(q, k, w, 6, backend="reference", order="key")
+    idx, val = timed[-1]
+    assert torch.equal(idx, want[0]) and torch.equal(val, want[1])
+
+
 @pytest.mark.parametrize("order", ["score", "key", "any"])
 def test_the_op_on_the_select_kernel(order):
     """The op with the select kernel itself (the other CPU tests use the plain-torch select):
