@@ -264,16 +264,18 @@ def _key_scales(j, keys, ks_ptr, b, sksb, skss, n_keys, BLOCK_S: gl.constexpr,
 
 
 @gluon.jit
-def _head_sum_transposed(x, ROWS: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr):
+def _head_sum_transposed(x, ROWS: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr,
+                         red_layout: gl.constexpr):
     """x [BLOCK_S keys x (row, head)] in the accumulator's layout (a head's column bits: 1 the
     register pair, 2 and 4 the quad's lanes, 8 and up column registers) summed over its heads
-    into `_transposed_sum_layout`, each score in one thread: each thread's heads first (as
-    the plain sum), then its quad's four partial sums brought into one thread by a layout
-    change (rows, then the +8 key bit, onto the quad's lanes) and added there in the plain
-    sum's butterfly order ((lanes 0 + 2) + (1 + 3)), so the scores are bitwise the same."""
+    into red_layout, each score in one thread: each thread's heads first (as the plain sum),
+    then its quad's four partial sums brought into one thread by a layout change
+    (`_partials_layout`: inside the quad, or for the scan filter straight into the scan's
+    layout) and added there in the plain sum's butterfly order ((lanes 0 + 2) + (1 + 3)), so
+    the scores are bitwise the same."""
     x = gl.permute(gl.reshape(x, [BLOCK_S, ROWS, H // 8, 4, 2]), [0, 1, 3, 2, 4])
     x = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, 4, H // 4]), axis=3)  # [keys, rows, quad lane]
-    x = gl.convert_layout(x, _quad_layout(ROWS))
+    x = gl.convert_layout(x, _partials_layout(red_layout, ROWS))
     x = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, 2, 2]), axis=2)  # lane bit 1 (xor 2) first
     return gl.sum(x, axis=2)
 
@@ -301,7 +303,7 @@ def _tile_epilogue(acc, j, w, k_scale, keys, rows, f_rows, in_chunk, tau, row_sl
         else:
             x = acc * w[None, :]
         if HEAD_SUM_TRANSPOSE:
-            s = _head_sum_transposed(x, ROWS, H, BLOCK_S)
+            s = _head_sum_transposed(x, ROWS, H, BLOCK_S, red_layout)
         else:
             s = gl.sum(gl.reshape(x, [BLOCK_S, ROWS, H]), axis=2)
     s = gl.convert_layout(s, red_layout, assert_trivial=True)
@@ -588,6 +590,20 @@ def _quad_layout(rows):
                                       [BLOCK_S, int(rows), 4])
 
 
+@gluon.constexpr_function
+def _partials_layout(red_layout, rows):
+    """The quad's partial sums' layout, [BLOCK_S keys x rows x 4], for the scores' layout
+    red_layout: a blocked one (the scan filter's) with the four partials in each thread's
+    registers, so one layout change takes them from the accumulator to the scan; else
+    `_quad_layout`."""
+    if isinstance(red_layout, gl.BlockedLayout):
+        return gl.BlockedLayout(list(red_layout.size_per_thread) + [4],
+                                list(red_layout.threads_per_warp) + [1],
+                                list(red_layout.warps_per_cta) + [1],
+                                [2] + list(red_layout.order))
+    return _quad_layout(rows)
+
+
 def _transposed_sum_layout(rows: int) -> gl.DistributedLinearLayout:
     """The head-summed scores' layout, [BLOCK_S keys x rows], with HEAD_SUM_TRANSPOSE: each
     score in one thread (`_quad_layout` summed over its last axis). Keys as
@@ -860,6 +876,8 @@ def _launch(q, k, w, out, t_lo, t_hi, *, pingpong, survivors=None, defer_store=T
     scan_slots = survivors is not None and scan_slots
     if scan_slots:
         flt_layout = _row_scan_layout(rows) if part_major else _scan_layout(rows)
+        if head_sum_transpose:  # the partial sums straight into the scan's layout
+            red_layout = flt_layout
     if part_major:  # a box of ROWS tokens a part (`_producer`)
         red_layout = _part_sum_layout(rows, H)
         q_desc = TensorDescriptor(q, [B * H * T, D], [q.stride(1), 1], [rows, D], q_layout)

@@ -326,17 +326,16 @@ class HyTopKOptions:
     scores_sm90_direct_select: bool = True
     # With ReLU (32 or 64 heads, bf16 or e4m3), the head sum's last two steps (over the four
     # lanes of a quad, which the wgmma accumulator spreads a row's heads over) as a layout
-    # change inside the quad instead of two butterfly shuffles: each thread adds the partial
-    # sums of its quad in registers, in the butterfly's order (bitwise the same scores), and
-    # each score is then held by one thread instead of four, so the filter's scan layout is
-    # reached with a quarter of the shared-memory stores; and the scan filter runs the key
-    # tiles its rows see whole without the causal and chunk tests (as the folded parts'
-    # part-major filter). Compiled for sm_90a (`inspect_sm90.py --preset
-    # indexer-filter-sm90-glm51-transpose`, two key tiles a loop): the GLM-5.1 filter 505
-    # instructions on the tiles seen whole (523 on the diagonal ones) against 564 (SHFL 12
-    # against 44), V3.2 494 / 509 against 529, the GLM-5.1 scores alone 386 against 458; one
-    # more partition barrier a tile (the exchange goes through shared memory, STS.128 and
-    # LDSM). Off until timed on a Hopper GPU.
+    # change instead of two butterfly shuffles: each thread adds four partial sums in
+    # registers, in the butterfly's order (bitwise the same scores), and each score is then
+    # held by one thread instead of four. In the scan filter the partials go straight into
+    # the scan's layout (one change, where the default stores each score four times), and the
+    # key tiles its rows see whole run without the causal and chunk tests (as the folded
+    # parts' part-major filter). Compiled for sm_90a (`inspect_sm90.py --preset
+    # indexer-filter-sm90-glm51-transpose`, two key tiles a loop): the GLM-5.1 filter 487
+    # instructions on the tiles seen whole (505 on the diagonal ones) against 564 (SHFL 12
+    # against 44, the same 10 partition barriers), V3.2 492 / 505 against 529, the GLM-5.1
+    # scores alone 386 against 458 (one more barrier). Off until timed on a Hopper GPU.
     scores_sm90_head_sum_transpose: bool = False
 
     def __post_init__(self) -> None:
