@@ -373,6 +373,18 @@ smoke() {
   [ $rc -eq 0 ] || { grep -h -E "^(FAILED|ERROR|E   )" "$out/smoke.log" | cut -c1-300 \
     | head -20; return 1; }
 }
+# `stage_tests SECONDS K_EXPR FILE...`: the GPU tests of the files matching K_EXPR under a
+# timeout, the verdict in $out/summary.txt and the call's output; returns pytest's status.
+stage_tests() {
+  local limit=$1 expr=$2
+  shift 2
+  timeout "$limit" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu "$@" -k "$expr" \
+    > "$out/tests.log" 2>&1
+  local rc=$?
+  echo "tests rc=$rc: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
+  grep -h -E "^(FAILED|ERROR)|^E  " "$out/tests.log" | cut -c1-300 | head -20
+  return $rc
+}
 smoke_then_tests() {
   smoke "$1" "$2" || return 1
   local only=()
@@ -975,13 +987,8 @@ case "$stage" in
     # compacting select at real sizes, the op against the reference), then timed beside the
     # compacting select in key order (the layers'), then the phases at 128K (select_key,
     # select_key_direct: the two selects alone over the same scan-slot buffers).
-    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
-      tests/ops/test_survivor_select.py tests/ops/test_hytopk_sm90.py \
-      -k "select_rows or (real_size and True-False-True)" > "$out/tests.log" 2>&1
-    rc=$?
-    echo "tests rc=$rc: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
-    grep -h -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-300 | head -20
-    [ $rc -eq 0 ] || exit 1
+    stage_tests 150 "select_rows or (real_size and True-False-True)" \
+      tests/ops/test_survivor_select.py tests/ops/test_hytopk_sm90.py || exit 1
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout "${DIRECT_BENCH_S:-240}" python3 scripts/bench_selection.py \
       --T ${DIRECT_T:-16384 65536 131072} --configs glm51 norelu --reps 3 --rounds 2 \
@@ -1009,13 +1016,8 @@ case "$stage" in
     # (HyTopKOptions.scores_sm90_head_sum_transpose). Its tests (bitwise the plain kernels'
     # scores, table and survivors on random inputs; the op against the reference), then timed
     # beside today's default in key order, and the scores alone, in rotated rounds.
-    timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
-      tests/ops/test_indexer_scores_sm90.py tests/ops/test_hytopk_sm90.py \
-      -k "head_sum_transpose or (real_size and True-True-True-True)" > "$out/tests.log" 2>&1
-    rc=$?
-    echo "tests rc=$rc: $(verdict "$out/tests.log")" | tee "$out/summary.txt"
-    grep -h -E "^(FAILED|ERROR)|^E  " "$out/tests.log" | cut -c1-300 | head -20
-    [ $rc -eq 0 ] || exit 1
+    stage_tests 240 "head_sum_transpose or (real_size and True-True-True-True)" \
+      tests/ops/test_indexer_scores_sm90.py tests/ops/test_hytopk_sm90.py || exit 1
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout "${TRANSPOSE_BENCH_S:-300}" python3 scripts/bench_selection.py \
       --T ${TRANSPOSE_T:-16384 131072} --configs glm51 dsv32 --reps 3 --rounds 2 \
