@@ -93,9 +93,10 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              _scan_slots_key with ReLU), _part_major_ahead_key: that with the product ahead;
              hytopk_scores_sm90_transpose_key: today's default path in key order with the
              head sum's quad step as a layout change (scores_sm90_head_sum_transpose);
-             hytopk_scores_sm90_current: today's default path, reporting path_ms (its steps
-             as the op runs them, timed apart: fold, sample, filter, select, redo, total;
-             `default_path_phases`)
+             hytopk_scores_sm90_current: today's default path (score order);
+             hytopk_scores_sm90_current_key: that in key order (the layers'), reporting
+             path_ms (its steps as the op runs them, timed apart: fold, sample, filter,
+             select, redo, total; `default_path_phases`)
   (each variant reports same_as_hytopk: its outputs equal HyTopK's default bit for bit, to
   128K; where not, same_rows_as_hytopk: the share of rows whose selected set equals the
   Triton kernel's, as the library methods report it)
@@ -973,6 +974,8 @@ GLUON_SELECTIONS = {
     # survivors' select written straight to the rows (in score order the row sort remains).
     "hytopk_scores_sm90_current": dict(_TABLE_RADIX, scan_slots=True, mma_ahead=True,
                                        folded_part_major=True, direct_select=True),
+    "hytopk_scores_sm90_current_key": dict(_SCAN_KEY, mma_ahead=True, folded_part_major=True,
+                                           direct_select=True),
     # The survivors' select written straight to the rows (no in-place compaction).
     "hytopk_scores_sm90_direct_key": dict(_SCAN_KEY, direct_select=True),
     "hytopk_scores_sm90_part_major_direct_key": dict(_SCAN_KEY, folded_part_major=True,
@@ -1117,7 +1120,7 @@ def bench_one(method, T, cfg, kind, rate, reps, extras=True):
             rec.update(redone_rows_share=stats[0].item() / stats[1].item())
             if method == "hytopk_scores_sm90":
                 rec.update(phase_ms=scores_sm90_phases(q, k, w, topk, n, relu))
-            if method == "hytopk_scores_sm90_current":
+            if method == "hytopk_scores_sm90_current_key":
                 rec.update(path_ms=default_path_phases(q, k, w, topk, n, relu))
         if method in SM90_SCORE_METHODS:
             rec.update(max_diff_vs_scoreonly=max_diff_vs_scoreonly(

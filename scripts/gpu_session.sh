@@ -1016,24 +1016,25 @@ case "$stage" in
     # (HyTopKOptions.scores_sm90_head_sum_transpose). Its tests (bitwise the plain kernels'
     # scores, table and survivors on random inputs; the op against the reference), then timed
     # beside today's default in key order, and the scores alone, in rotated rounds.
-    stage_tests 240 "head_sum_transpose or (real_size and True-True-True-True)" \
+    stage_tests "${TRANSPOSE_TESTS_S:-420}" \
+      "head_sum_transpose or (real_size and True-True-True-True)" \
       tests/ops/test_indexer_scores_sm90.py tests/ops/test_hytopk_sm90.py || exit 1
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout "${TRANSPOSE_BENCH_S:-300}" python3 scripts/bench_selection.py \
       --T ${TRANSPOSE_T:-16384 131072} --configs glm51 dsv32 --reps 3 --rounds 2 \
-      --methods hytopk_scores_sm90_current hytopk_scores_sm90_transpose_key \
+      --methods hytopk_scores_sm90_current_key hytopk_scores_sm90_transpose_key \
       scoreonly_sm90_ahead scoreonly_sm90_transpose --tag _transpose --out "$out" 2>&1 \
       | grep -v -i warn | grep -E "^random|Error|error" | cut -c1-400 \
       | tee "$out/bench_selection_transpose.log"
     ;;
   path-phases)
-    # Issue #21: the default path's steps timed apart (hytopk_scores_sm90_current's path_ms:
+    # Issue #21: the default path's steps timed apart (hytopk_scores_sm90_current_key's path_ms:
     # fold, sample, filter, select, redo, total), warnings kept so that a kernel falling back
     # to another shows; then the folded phases (their sample_gluon took 36 ms on 2026-12-07
     # against 9.4 before: a Gluon table's fallback?), warnings kept.
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout "${PATH_S:-300}" python3 scripts/bench_selection.py --T ${PATH_T:-16384 131072} \
-      --configs glm51 dsv32 norelu --reps 3 --methods hytopk_scores_sm90_current \
+      --configs glm51 dsv32 norelu --reps 3 --methods hytopk_scores_sm90_current_key \
       --tag _path --out "$out" 2>&1 | tee "$out/bench_selection_path.log" \
       | grep -E "^random|Error|error|[Ww]arn|fell|instead" | cut -c1-600
     timeout 150 python3 scripts/bench_selection.py --T 131072 --configs norelu --reps 2 \

@@ -794,6 +794,8 @@ PRESETS: dict[str, Callable[[], list[Launch]]] = {
         32, mma_ahead=True, head_sum_transpose=True),
     "indexer-table-sm90-glm51-transpose": lambda: _indexer_table_sm90(
         32, head_sum_transpose=True),
+    "indexer-table-sm90-dsv32-fp8-transpose": lambda: _indexer_table_sm90(
+        64, fp8=True, head_sum_transpose=True),
     "indexer-table-sm90-dsv32": lambda: _indexer_table_sm90(64),
     "indexer-table-sm90-glm51": lambda: _indexer_table_sm90(32),
     "indexer-scores-sm90-dsv32-fp8": lambda: _indexer_scores_sm90(64, fp8=True),

@@ -232,8 +232,10 @@ def _from_sm90_scores(q, k, weights, topk, *, relu, causal, default_positions, p
         if asked:
             hytopk_sm90.VARIANTS.warn_cannot_run(reason)
         return None
-    # relu=False runs one kernel variant whatever the head count (the folded query's parts)
-    variant = (q.shape[2] if relu else "folded", topk, precision)
+    # relu=False runs one kernel variant whatever the head count (the folded query's parts);
+    # the transposed head sum (ReLU only) is a variant of its own
+    variant = (q.shape[2] if relu else "folded", topk, precision,
+               relu and options.scores_sm90_head_sum_transpose)
     if variant in hytopk_sm90.VARIANTS.disabled:
         return None
     try:

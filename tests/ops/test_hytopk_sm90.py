@@ -912,7 +912,7 @@ def test_the_op_matches_the_reference_at_real_size(H, scan_slots, mma_ahead, dir
     sort_rows_by_key(*want)
     assert torch.equal(key[0], want[0]) and torch.equal(key[1], want[1])
     # the Gluon path ran (the op falls back to the Triton kernel after a failure), its table too
-    assert (H, 2048, "bf16") not in hytopk_sm90.VARIANTS.disabled
+    assert (H, 2048, "bf16", transpose) not in hytopk_sm90.VARIANTS.disabled
     assert (H, False, transpose) not in hytopk_sm90.TABLE_VARIANTS.disabled
 
 
@@ -944,7 +944,7 @@ def test_fp8_gluon_filter_and_op(H, monkeypatch):
     rows = hytopk(q, k, w, 1024, options=HyTopKOptions(scores_sm90=True), precision="fp8")
     ref = [t.contiguous() for t in hytopk(q, k, w, 1024, precision="fp8", backend="reference")]
     assert torch.equal(rows[0], ref[0]) and torch.equal(rows[1], ref[1])
-    assert calls and (H, 1024, "fp8") not in hytopk_sm90.VARIANTS.disabled
+    assert calls and (H, 1024, "fp8", False) not in hytopk_sm90.VARIANTS.disabled
     stats = torch.zeros(2, dtype=torch.int64, device=DEV)
     hytopk_sm90.hytopk_sm90(q8, k8, w, 1024, options=HyTopKOptions(scores_sm90=True),
                             stats=stats, q_scale=q_scale, k_scale=k_scale)
@@ -995,7 +995,7 @@ def test_folded_gluon_filter_and_op(monkeypatch):
     assert torch.equal(rows[0], ref_key[0]) and torch.equal(rows[1], ref_key[1])
     assert calls and set(calls) == {(False, True)}
     assert not hytopk_sm90.TABLE_VARIANTS.disabled  # both layouts' Gluon tables ran
-    assert ("folded", 1024, "bf16") not in hytopk_sm90.VARIANTS.disabled
+    assert ("folded", 1024, "bf16", False) not in hytopk_sm90.VARIANTS.disabled
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, 8192, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
     k = torch.randn(1, 8192, 128, device="cuda", generator=g).to(torch.bfloat16)
@@ -1049,7 +1049,9 @@ def test_random_bf16_rows_equal_the_triton_kernels():
 
 def test_a_failing_kernel_warns_once_and_runs_triton(monkeypatch):
     """A compile or launch failure of the Gluon path (simulated) is said once, its (heads,
-    topk) variant refused afterwards, and the Triton kernel's rows come back each time."""
+    topk, precision, transposed head sum) variant refused afterwards, and the Triton kernel's
+    rows come back each time; the transposed head sum's failure leaves the plain variant
+    running."""
     from megatron_hyscale.ops import checks
 
     monkeypatch.setattr(checks, "_warned", set())
@@ -1071,3 +1073,11 @@ def test_a_failing_kernel_warns_once_and_runs_triton(monkeypatch):
     again = hytopk(q, k, w, 6, backend="triton", options=opts)
     assert tries == [1]
     assert torch.equal(got[0], want[0]) and torch.equal(again[0], want[0])
+    assert hytopk_sm90.VARIANTS.disabled == {(2, 6, "bf16", False)}
+    transposed = replace(opts, scores_sm90_head_sum_transpose=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(hytopk(q, k, w, 6, backend="triton", options=transposed)[0],
+                           want[0])
+    assert tries == [1, 1]
+    assert hytopk_sm90.VARIANTS.disabled == {(2, 6, "bf16", False), (2, 6, "bf16", True)}

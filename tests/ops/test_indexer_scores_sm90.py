@@ -356,7 +356,8 @@ def test_head_sum_transpose_presets_hold_each_score_once(tmp_path: Path):
         assert by_name[name]["loop_ops"]["SHFL"] <= 12, name  # the scan's: 6 a tile
     for rep in _epilogue_reports(tmp_path, "indexer-filter-sm90-dsv32-fp8-transpose",
                                  gemm="QGMMA", steps=8) + _epilogue_reports(
-            tmp_path, "indexer-table-sm90-glm51-transpose"):
+            tmp_path, "indexer-table-sm90-dsv32-fp8-transpose", gemm="QGMMA",
+            steps=4) + _epilogue_reports(tmp_path, "indexer-table-sm90-glm51-transpose"):
         assert rep["constexprs"]["HEAD_SUM_TRANSPOSE"] is True
         assert rep["loop_ops"]["SHFL"] <= 12, rep["preset"]
 
@@ -511,36 +512,43 @@ def test_folded_part_major_exact(T, mma_ahead):
 @pytest.mark.parametrize("H", [64, 32])
 @pytest.mark.parametrize("T", [128 + 7, 64 * 4 + 1, 4096])
 def test_head_sum_transpose_bitwise(T, H, mma_ahead):
-    """head_sum_transpose: the same fp32 sums in the same order, so on random bf16 inputs
-    (where another order would round otherwise) the row maxima, the table and the scan
-    filter's survivors (keys and counts, batch 2, a chunk of rows) are bitwise those without
-    it; the filter also with e4m3 inputs."""
+    """head_sum_transpose: the same fp32 sums in the same order, so on random inputs (where
+    another order would round otherwise), bf16 and e4m3, the row maxima, the table and the
+    filter's survivors (scan slots: keys and counts; atomic slots: counts and each row's set;
+    batch 2; a chunk of rows starting off a program's block and ending before T, so that the
+    scan's tiles seen whole hold rows outside it) are bitwise those without it."""
     from megatron_hyscale.ops import fp8_quant
 
     g = torch.Generator(device="cuda").manual_seed(T + H)
     q = torch.randn(2, T, H, 128, device="cuda", generator=g).to(torch.bfloat16)
     k = torch.randn(2, T, 128, device="cuda", generator=g).to(torch.bfloat16)
     w = torch.randn(2, T, H, device="cuda", generator=g)
-    for kwargs in ({}, {"mma_ahead": mma_ahead}):
-        want = sm90.indexer_row_max_sm90(q, k, w, **kwargs)
-        got = sm90.indexer_row_max_sm90(q, k, w, head_sum_transpose=True, **kwargs)
-        assert torch.equal(got, want), (got - want).abs().max()
-    k7 = k[:, ::7].contiguous()
-    assert torch.equal(sm90.indexer_table_sm90(q, k7, w, 7, 3, T, head_sum_transpose=True),
-                       sm90.indexer_table_sm90(q, k7, w, 7, 3, T))
-    # each row's best key passes, and those within half its magnitude below it
-    tau = (want - 0.5 * want.abs())[:, T // 3:].contiguous()
     q8, q_scale, k8, k_scale = fp8_quant.quantize_indexer(q, k)
-    for inputs in ((q, k, w), (q8, k8, w * q_scale)):
-        ks = {} if inputs[0] is q else {"k_scale": k_scale}
-        args = (*inputs, tau, T // 3, T, 4096)
-        keys, counts = sm90.indexer_filter_sm90(*args, scan_slots=True, mma_ahead=mma_ahead,
-                                                head_sum_transpose=True, **ks)
-        keys0, counts0 = sm90.indexer_filter_sm90(*args, scan_slots=True, mma_ahead=mma_ahead,
-                                                  **ks)
-        assert torch.equal(counts, counts0) and (counts > 0).all()
-        written = torch.arange(4096, device="cuda") < counts[..., None]
-        assert torch.equal(keys[written], keys0[written])
+    t_lo, t_hi = T // 3 | 1, T - 37
+    for inputs, ks in (((q, k, w), {}), ((q8, k8, w * q_scale), {"k_scale": k_scale})):
+        for kwargs in ({}, {"mma_ahead": mma_ahead}):
+            want = sm90.indexer_row_max_sm90(*inputs, **ks, **kwargs)
+            got = sm90.indexer_row_max_sm90(*inputs, head_sum_transpose=True, **ks, **kwargs)
+            assert torch.equal(got, want), (got - want).abs().max()
+        k7 = inputs[1][:, ::7].contiguous()
+        k7s = {} if not ks else {"k_scale": k_scale[:, ::7].contiguous()}
+        table = sm90.indexer_table_sm90(inputs[0], k7, inputs[2], 7, 3, T, **k7s)
+        assert torch.equal(sm90.indexer_table_sm90(inputs[0], k7, inputs[2], 7, 3, T,
+                                                   head_sum_transpose=True, **k7s), table)
+        # each row's best key passes, and those within half its magnitude below it
+        tau = (want - 0.5 * want.abs())[:, t_lo:t_hi].contiguous()
+        args = (*inputs, tau, t_lo, t_hi, 4096)
+        for scan in (True, False):
+            tuning = dict(scan_slots=scan, mma_ahead=mma_ahead, **ks)
+            keys, counts = sm90.indexer_filter_sm90(*args, head_sum_transpose=True, **tuning)
+            keys0, counts0 = sm90.indexer_filter_sm90(*args, **tuning)
+            assert torch.equal(counts, counts0) and (counts > 0).all(), scan
+            written = torch.arange(4096, device="cuda") < counts[..., None]
+            if not scan:  # the atomics' order varies from run to run: each row's set
+                unset = torch.iinfo(torch.int64).min
+                keys, keys0 = (torch.where(written, t, unset).sort(-1, descending=True)[0]
+                               for t in (keys, keys0))
+            assert torch.equal(keys[written], keys0[written]), scan
 
 
 def fp8_inputs(T, H, seed):

@@ -334,7 +334,7 @@ class HyTopKOptions:
     # parts' part-major filter). Compiled for sm_90a (`inspect_sm90.py --preset
     # indexer-filter-sm90-glm51-transpose`, two key tiles a loop): the GLM-5.1 filter 487
     # instructions on the tiles seen whole (505 on the diagonal ones) against 564 (SHFL 12
-    # against 44, the same 10 partition barriers), V3.2 492 / 505 against 529, the GLM-5.1
+    # against 44, the same 10 partition barriers), V3.2 488 / 501 against 529, the GLM-5.1
     # scores alone 386 against 458 (one more barrier). Off until timed on a Hopper GPU.
     scores_sm90_head_sum_transpose: bool = False
 
