@@ -779,9 +779,8 @@ def default_path_phases(q, k, w, topk, reps, relu=True, order="key"):
     select_ms = time_ms(select_all, reps=reps, warmup=1)
     if in_place:
         select_ms = max(0.0, select_ms - time_ms(copy_all, reps=reps, warmup=1))
-    need = torch.clamp(torch.arange(1, T + 1, device=q.device), max=topk)
-    redo = torch.cat([(counts < need[t0:t1]) | (counts > cap)
-                      for (t0, t1), (_, counts) in zip(chunks, buffers)], dim=1)
+    redo = torch.cat([hytopk_sm90.missed_rows(counts, t0, topk)
+                      for (t0, _), (_, counts) in zip(chunks, buffers)], dim=1)
     buffers.clear()
     indices = torch.empty(B, T, topk, dtype=torch.int32, device=q.device)
     scores = torch.empty(B, T, topk, dtype=torch.float32, device=q.device)

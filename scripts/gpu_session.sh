@@ -177,13 +177,15 @@
 #                                         # reads, without the first-after-a-length-change
 #                                         # bias (gpu_cudnn.sh 1 and 2 first)     (~5 min)
 #   bash scripts/gpu_session.sh head-sum-transpose  # the transposed head sum's tests, then
-#                                         # timed beside today's default (key order) and the
-#                                         # scores alone, GLM-5.1 and V3.2 at TRANSPOSE_T (16K
-#                                         # 128K), 2 rotated rounds                (~6 min)
+#                                         # timed beside today's default and cuDNN (key order)
+#                                         # and the scores alone, GLM-5.1 and V3.2 at
+#                                         # TRANSPOSE_T (16K 128K), 2 rotated rounds (~7 min;
+#                                         # gpu_cudnn.sh 1 and 2 first)
 #   bash scripts/gpu_session.sh path-phases  # the default path's steps timed apart
 #                                         # (path_ms: fold, sample, filter, select, redo,
-#                                         # total) at PATH_T (16K 128K), warnings shown;
-#                                         # then the folded phases at 128K        (~5 min)
+#                                         # total) beside cuDNN at PATH_T (16K 128K),
+#                                         # warnings shown; then the folded phases at 128K
+#                                         # (~5 min; gpu_cudnn.sh 1 and 2 first)
 #   bash scripts/gpu_session.sh profile-layers  # issues #20 items 4-5: one profiled step
 #                                         # (bench_layer.py --profile-kernels) of the QSA
 #                                         # layer at 512K (PROFILE_QSA_T) and the GLM-5.1 DSA
@@ -412,7 +414,8 @@ case "$stage" in
   |profile-layers|models|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse\
   |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton|sample-pick|mma-ahead\
   |direct-select|selection-rounds|path-phases|head-sum-transpose)
-    case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair|selection-rounds)
+    case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair|selection-rounds|path-phases\
+      |head-sum-transpose)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
           >&2
@@ -1015,26 +1018,27 @@ case "$stage" in
     # Issue #21 item 1: the head sum's quad step as a layout change
     # (HyTopKOptions.scores_sm90_head_sum_transpose). Its tests (bitwise the plain kernels'
     # scores, table and survivors on random inputs; the op against the reference), then timed
-    # beside today's default in key order, and the scores alone, in rotated rounds.
+    # beside today's default and cuDNN's selection (the strongest stock path on Hopper) in key
+    # order, and the scores alone, in rotated rounds.
     stage_tests "${TRANSPOSE_TESTS_S:-420}" \
       "head_sum_transpose or (real_size and True-True-True-True)" \
       tests/ops/test_indexer_scores_sm90.py tests/ops/test_hytopk_sm90.py || exit 1
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout "${TRANSPOSE_BENCH_S:-300}" python3 scripts/bench_selection.py \
       --T ${TRANSPOSE_T:-16384 131072} --configs glm51 dsv32 --reps 3 --rounds 2 \
-      --methods hytopk_scores_sm90_current_key hytopk_scores_sm90_transpose_key \
+      --methods hytopk_scores_sm90_current_key hytopk_scores_sm90_transpose_key cudnn_key \
       scoreonly_sm90_ahead scoreonly_sm90_transpose --tag _transpose --out "$out" 2>&1 \
       | grep -v -i warn | grep -E "^random|Error|error" | cut -c1-400 \
       | tee "$out/bench_selection_transpose.log"
     ;;
   path-phases)
     # Issue #21: the default path's steps timed apart (hytopk_scores_sm90_current_key's path_ms:
-    # fold, sample, filter, select, redo, total), warnings kept so that a kernel falling back
-    # to another shows; then the folded phases (their sample_gluon took 36 ms on 2026-12-07
+    # fold, sample, filter, select, redo, total) beside cuDNN's selection in key order, warnings
+    # kept so that a kernel falling back to another shows; then the folded phases (their sample_gluon took 36 ms on 2026-12-07
     # against 9.4 before: a Gluon table's fallback?), warnings kept.
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout "${PATH_S:-300}" python3 scripts/bench_selection.py --T ${PATH_T:-16384 131072} \
-      --configs glm51 dsv32 norelu --reps 3 --methods hytopk_scores_sm90_current_key \
+      --configs glm51 dsv32 norelu --reps 3 --methods hytopk_scores_sm90_current_key cudnn_key \
       --tag _path --out "$out" 2>&1 | tee "$out/bench_selection_path.log" \
       | grep -E "^random|Error|error|[Ww]arn|fell|instead" | cut -c1-600
     timeout 150 python3 scripts/bench_selection.py --T 131072 --configs norelu --reps 2 \

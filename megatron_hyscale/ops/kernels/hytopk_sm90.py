@@ -279,7 +279,6 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
                             table_fn=table_fn, k_scale=k_scale, relu=relu)
     indices = torch.empty(B, T, topk, dtype=torch.int32, device=q.device)
     scores = torch.empty(B, T, topk, dtype=torch.float32, device=q.device)
-    need = torch.clamp(torch.arange(1, T + 1, device=q.device), max=topk)
     select = select_fn or partial(select_survivors, keys_in_order=keys_in_order)
     redo = torch.zeros(B, T, dtype=torch.bool, device=q.device)
     for t0, t1 in row_chunks(B, T, topk):
@@ -287,7 +286,7 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
                                  **keyed)
         indices[:, t0:t1], scores[:, t0:t1] = select(keys, counts, topk, order=order,
                                                      options=options)
-        redo[:, t0:t1] = (counts < need[t0:t1]) | (counts > cap)
+        redo[:, t0:t1] = missed_rows(counts, t0, topk)
         del keys, counts
     n_redo = int(redo.sum())  # a host sync: whether any row is redone
     if stats is not None:
@@ -296,6 +295,14 @@ def hytopk_sm90(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
         redo_rows(q, k, w, topk, redo, indices, scores, order=order, options=options,
                   q_scale=q_scale, k_scale=k_scale, relu=relu)
     return indices, scores
+
+
+def missed_rows(counts: torch.Tensor, t0: int, topk: int) -> torch.Tensor:
+    """bool [B, n]: the rows t0 .. t0 + n - 1 whose survivor counts (int32 [B, n]) fall short
+    of min(topk, visible keys) or overflow the cap, which `redo_rows` selects again."""
+    n = counts.shape[1]
+    need = torch.clamp(torch.arange(t0 + 1, t0 + n + 1, device=counts.device), max=topk)
+    return (counts < need) | (counts > survivor_cap(topk))
 
 
 def default_filter(options: HyTopKOptions, relu: bool = True) -> FilterFn:
