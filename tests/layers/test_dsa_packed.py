@@ -102,7 +102,11 @@ def test_packed_thd_matches_stock(sparse, recompute):
         torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-6,
                                    msg=lambda m, n=name: f"{n}: {m}")
     assert want[3].abs().sum() > 0
-    torch.testing.assert_close(got[3], want[3], rtol=1e-4, atol=0.0)
+    # The KL (~1e-5 here) is a difference of near-equal O(1) terms: on the GPU HyScale's
+    # kernels sum them in another order than stock's torch, and fp32 rounding shows at ~1e-4
+    # relative (the dense loss: 2.2e-4 on an H100, 2026-12-07); on the CPU the references'
+    # sums agree to 1e-4.
+    torch.testing.assert_close(got[3], want[3], rtol=1e-3 if got[3].is_cuda else 1e-4, atol=0.0)
 
 
 def test_packed_documents_select_only_their_own_keys():
@@ -264,13 +268,15 @@ def test_documents_are_read_once_and_again_after_an_in_place_change():
         packed_documents(params, 81, layer="L")
 
 
-@pytest.mark.parametrize("sparse", [False, True])
-def test_row_parts_of_packed_documents_add_up_to_the_whole(sparse):
+@pytest.mark.parametrize("sparse,target", [(False, "auto"), (True, "separate"),
+                                           (True, "attention_backward")])
+def test_row_parts_of_packed_documents_add_up_to_the_whole(sparse, target):
     """The core attention's row parts (`prepare` once, `attend_rows` per part, as the
     row-chunked MLA layer runs them) on packed documents with padded rows masked out of the
     loss: parts that cut documents give the whole's output, indexer loss and gradients (the
     dense loss per document per part, at the part's positions in the document)."""
     _, hyscale = build_pair(dsa_indexer_use_sparse_loss=sparse)
+    hyscale.config.hyscale_indexer_target = target  # "auto" takes the backward's on CUDA
     core = hyscale.core_attention
     core.train()
     padded = torch.tensor([0, 16, 56, 80], dtype=torch.int32, device=DEVICE)
@@ -285,6 +291,7 @@ def test_row_parts_of_packed_documents_add_up_to_the_whole(sparse):
 
     def run(bounds):
         core.zero_grad(set_to_none=True)
+        DSAIndexerLossLoggingHelper.clean_loss_in_tracker()
         state = core.prepare(key, None, x, qr, sq=80, b=1, packed_seq_params=params)
         outs, losses = [], []
         for r0, r1 in zip(bounds, bounds[1:]):
@@ -293,7 +300,15 @@ def test_row_parts_of_packed_documents_add_up_to_the_whole(sparse):
             losses.append(loss)
         torch.cat(outs).pow(2).mean().backward()
         grads = {n: p.grad.clone() for n, p in core.named_parameters() if p.grad is not None}
-        return torch.cat(outs).detach(), sum(losses), grads
+        if target == "attention_backward":
+            # The target comes from the attention backward: each part returns None and logs
+            # its share from the backward (the tracker adds them).
+            assert losses == [None] * len(losses)
+            total = DSAIndexerLossLoggingHelper.tracker["values"].sum()
+        else:
+            total = sum(losses)
+        DSAIndexerLossLoggingHelper.clean_loss_in_tracker()
+        return torch.cat(outs).detach(), total, grads
 
     whole = run([0, 80])
     parts = run([0, 10, 30, 61, 80])  # cutting the first and the second document
