@@ -93,6 +93,10 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              _scan_slots_key with ReLU), _part_major_ahead_key: that with the product ahead;
              hytopk_scores_sm90_transpose_key: today's default path in key order with the
              head sum's quad step as a layout change (scores_sm90_head_sum_transpose);
+             hytopk_scores_sm90_fixed_sample_key: today's default path in key order with
+             the sample fixed at scores_sm90_samples keys (scores_sm90_sample_min_rank=None:
+             as before it, past 128K keys at top-2048 fewer samples a row's threshold ranks
+             among, more rows redone);
              hytopk_scores_sm90_current: today's default path (score order);
              hytopk_scores_sm90_current_key: that in key order (the layers'), reporting
              path_ms (its steps as the op runs them, timed apart: fold, sample, filter,
@@ -634,10 +638,12 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
     # (every row seeing keys), as often as the sample has chunks.
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_table_sm90
 
-    stride = max(1, math.ceil(T / opts.scores_sm90_samples))
-    s0 = max(0, T - hytopk_sm90.SAMPLE_CHUNK_ROWS)
-    sample_chunks = sum(1 for c0 in range(0, T, hytopk_sm90.SAMPLE_CHUNK_ROWS)
-                        if min(c0 + hytopk_sm90.SAMPLE_CHUNK_ROWS, T) > topk)
+    samples = hytopk_sm90.sample_count(T, topk, opts.scores_sm90_samples, opts)
+    stride = max(1, math.ceil(T / samples))
+    chunk_rows = hytopk_sm90.sample_chunk_rows(math.ceil(T / stride))
+    s0 = max(0, T - chunk_rows)
+    sample_chunks = sum(1 for c0 in range(0, T, chunk_rows)
+                        if min(c0 + chunk_rows, T) > min(cap, T))
     try:
         table = indexer_table_sm90(q[:1], k[:1, ::stride].contiguous(), w[:1], stride, s0, T,
                                    relu=relu)[0]
@@ -979,6 +985,11 @@ GLUON_SELECTIONS = {
     "hytopk_scores_sm90_direct_key": dict(_SCAN_KEY, direct_select=True),
     "hytopk_scores_sm90_part_major_direct_key": dict(_SCAN_KEY, folded_part_major=True,
                                                      direct_select=True),
+    # Today's default path in key order with the sample fixed at scores_sm90_samples keys
+    # (as before scores_sm90_sample_min_rank: the same below 128K keys at top-2048).
+    "hytopk_scores_sm90_fixed_sample_key": dict(_SCAN_KEY, mma_ahead=True,
+                                                folded_part_major=True, direct_select=True,
+                                                sample_min_rank=None),
     # Today's default path in key order with the head sum's quad step as a layout change.
     "hytopk_scores_sm90_transpose_key": dict(_SCAN_KEY, mma_ahead=True, folded_part_major=True,
                                              direct_select=True, head_sum_transpose=True),
@@ -1623,11 +1634,12 @@ def main():
                            if "max_diff_vs_scoreonly" in rec else "")
                         + (f"  sampled rows {rec['sampled_rows_share']:.1%} redone blocks "
                            f"{rec['redone_blocks']}" if "sampled_rows_share" in rec else "")
-                        + (f"  redone rows {rec['redone_rows_share']:.2%} phases ms "
-                           + " ".join(f"{n} {v:.1f}" if isinstance(v, float)
-                                      else f"{n} {'-' if v is None else v}"
-                                      for n, v in rec["phase_ms"].items())
-                           if "phase_ms" in rec else "")
+                        + (f"  redone rows {rec['redone_rows_share']:.2%}"
+                           if "redone_rows_share" in rec else "")
+                        + ("  phases ms " + " ".join(
+                            f"{n} {v:.1f}" if isinstance(v, float)
+                            else f"{n} {'-' if v is None else v}"
+                            for n, v in rec["phase_ms"].items()) if "phase_ms" in rec else "")
                         + ("  path ms " + " ".join(
                             f"{n} {v:.1f}" if isinstance(v, float) else f"{n} {v}"
                             for n, v in rec["path_ms"].items()) if "path_ms" in rec else ""))

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One lent-GPU session in a few full calls (each under the device tool's 10-minute limit), run
 # from the repository root on the H200 with `carry: [".whl"]`:
-#   bash scripts/gpu_session.sh verify    # GPU op tests (HyTopK, sparse attention, indexer
-#                                         # loss) + the layer tests on CUDA            (~4 min)
+#   bash scripts/gpu_session.sh verify [ops|layers]  # GPU op tests (HyTopK, sparse
+#                                         # attention, indexer loss) + the layer tests on CUDA
+#                                         # (~4 min warm; on a fresh machine ~11 min: run
+#                                         # `verify ops` and `verify layers` as two calls)
 #   bash scripts/gpu_session.sh tests PATH...  # the named test files or nodes on CUDA in one
 #                                         # pytest (GPU-marked ones included), each failure's
 #                                         # traceback to failures.log as it happens; the limit
@@ -186,6 +188,11 @@
 #                                         # total) beside cuDNN at PATH_T (16K 128K),
 #                                         # warnings shown; then the folded phases at 128K
 #                                         # (~5 min; gpu_cudnn.sh 1 and 2 first)
+#   bash scripts/gpu_session.sh sample-growth  # the sample grown past 128K keys
+#                                         # (scores_sm90_sample_min_rank) against the fixed
+#                                         # 2048-key one and cuDNN, key order, GLM-5.1 and V3.2
+#                                         # at GROWTH_T (16K 128K 256K), redone rows shown,
+#                                         # 2 rounds (~5 min; gpu_cudnn.sh 1 and 2 first)
 #   bash scripts/gpu_session.sh profile-layers  # issues #20 items 4-5: one profiled step
 #                                         # (bench_layer.py --profile-kernels) of the QSA
 #                                         # layer at 512K (PROFILE_QSA_T) and the GLM-5.1 DSA
@@ -334,7 +341,8 @@ case "$stage" in
   |flashmla-pair|lockstep-triton|accuracy-64k|side1-long|evaluate|pp2|indexer-target|loss-variants|ncu-selection\
   |ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics|captured-selection\
   |profile-layers|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse|cudnn-loss\
-  |sample-pick|mma-ahead|direct-select|selection-rounds|path-phases|head-sum-transpose) ;;
+  |sample-pick|mma-ahead|direct-select|selection-rounds|path-phases|head-sum-transpose\
+  |sample-growth) ;;
   *) echo "usage: bash scripts/gpu_session.sh {verify|tests|kernels|attention|attention-table" \
        "|fwd-split|layer|layer-packed|accuracy" \
        "|models|memory|qsa-selection|selection|soak|cp2|cp2-1m|side1|side2|pair|cudnn-verify" \
@@ -345,7 +353,7 @@ case "$stage" in
        "|ncu-attention|scores-sm90|filter-sm90|fwd-ws|key-tma|bwd-sm90|bwd-atomics" \
        "|captured-selection|profile-layers|loss-bwd-probe|mla-projections|norms" \
        "|loss-bwd-sm90|selection-lse|cudnn-loss|sample-pick|mma-ahead|direct-select" \
-       "|selection-rounds|path-phases|head-sum-transpose}" \
+       "|selection-rounds|path-phases|head-sum-transpose|sample-growth}" \
        "[ARGS...]" >&2
      exit 2 ;;
 esac
@@ -439,8 +447,15 @@ case "$stage" in
     : > "$out/tests.log"; : > "$out/summary.txt"; : > "$out/failures.log"
     # tests/conftest.py appends each failure's traceback here as it happens.
     HYSCALE_FAILURE_LOG=$(cd "$out" && pwd)/failures.log; export HYSCALE_FAILURE_LOG
+    # `verify ops` or `verify layers` runs one half: on a fresh machine (2026-12-07, H100, cold
+    # Triton cache) the ops files took ~60 + 175 + 80 + 357 s and the layers ~300 s, more than
+    # one call's 600 s together.
+    part=${1:-all}
+    case "$part" in all|ops|layers) ;; *) echo "gpu_session.sh verify: [ops|layers]" >&2; exit 2;; esac
+    specs="indexer_loss:100 sparse_attention:240 sparse_mla_fwd_sm90:120 hytopk:420"
+    [ "$part" = layers ] && specs=""
     fail=0
-    for spec in indexer_loss:100 sparse_attention:170 sparse_mla_fwd_sm90:60 hytopk:300; do
+    for spec in $specs; do
       f=tests/ops/test_${spec%%:*}_gpu.py name=test_${spec%%:*}_gpu
       echo "=== $name" >> "$out/tests.log"
       timeout ${spec##*:} python3 -m pytest -q -rfE -m gpu "$f" -p no:cacheprovider \
@@ -450,6 +465,11 @@ case "$stage" in
       cat "$out/current.log" >> "$out/tests.log"
       echo "$name rc=$rc: $(verdict "$out/current.log")" | tee -a "$out/summary.txt"
     done
+    if [ "$part" = ops ]; then
+      rm -f "$out/current.log"
+      grep -h -E "^(FAILED|E  )|^[^ ]*\.py:[0-9]+: " "$out/failures.log" | cut -c1-400 | head -40 || true
+      exit $fail
+    fi
     echo "=== layers" >> "$out/tests.log"
     # About 300 s for the 235 tests on a fresh machine (2026-12-03: 177 in 230 s); a failure's
     # traceback reaches failures.log when it happens, even if the call runs out of time later.
@@ -1030,6 +1050,19 @@ case "$stage" in
       scoreonly_sm90_ahead scoreonly_sm90_transpose --tag _transpose --out "$out" 2>&1 \
       | grep -v -i warn | grep -E "^random|Error|error" | cut -c1-400 \
       | tee "$out/bench_selection_transpose.log"
+    ;;
+  sample-growth)
+    # Issue #21: the thresholds' sample grown past 128K keys (scores_sm90_sample_min_rank, a
+    # row's threshold at about its 48th best sampled key) against the fixed 2048-key sample
+    # (hytopk_scores_sm90_fixed_sample_key), beside cuDNN's selection in key order, with the
+    # redone rows' share and the default path's steps (path_ms: rows 2048 .. 4095 no longer
+    # redone at 16K). 256K: ~0.6 s (GLM-5.1) to 1.2 s (V3.2) a call on an H100.
+    # shellcheck disable=SC2086  # lengths split on purpose
+    timeout "${GROWTH_S:-420}" python3 scripts/bench_selection.py \
+      --T ${GROWTH_T:-16384 131072 262144} --configs glm51 dsv32 --reps 2 --rounds 2 \
+      --methods hytopk_scores_sm90_current_key hytopk_scores_sm90_fixed_sample_key cudnn_key \
+      --tag _sample_growth --out "$out" 2>&1 | grep -v -i warn \
+      | grep -E "^random|Error|error" | cut -c1-400 | tee "$out/bench_selection_sample_growth.log"
     ;;
   path-phases)
     # Issue #21: the default path's steps timed apart (hytopk_scores_sm90_current_key's path_ms:

@@ -107,8 +107,10 @@ def own_times(r: dict, side: str) -> dict[str, float]:
 
 
 # HyTopKOptions fields added after records began naming the defaults they ran (2026-12-06), at
-# the value that matches what those records' defaults did.
-ADDED_SELECTION_FIELDS = {"scores_sm90_sample_pick": "topk", "scores_sm90_scan_slots": False,
+# the value that matches what those records' defaults did. scores_sm90_sample_min_rank's 48
+# grows the sample only past 128K keys at top-2048, longer than every such record's rows.
+ADDED_SELECTION_FIELDS = {"scores_sm90_sample_min_rank": 48,
+                          "scores_sm90_sample_pick": "topk", "scores_sm90_scan_slots": False,
                           "scores_sm90_folded_min_keys": None, "scores_sm90_mma_ahead": False,
                           "scores_sm90_stages": 4, "scores_sm90_folded_part_major": False,
                           "scores_sm90_direct_select": False}

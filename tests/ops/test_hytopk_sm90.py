@@ -117,6 +117,7 @@ def run(q, k, w, topk, samples, filter_fn=torch_filter, order="score", select_fn
     """The op with plain-torch filter and select (the interpreter runs the sample's table and
     the redo); select_fn=None: the select kernel."""
     opts = HyTopKOptions(scores_sm90=True, scores_sm90_samples=samples,
+                         scores_sm90_sample_min_rank=None,  # the sample as given
                          scores_sm90_sample_table=False, interpret_programs=2)
     stats = torch.zeros(2, dtype=torch.int64, device=DEV)
     got = hytopk_sm90.hytopk_sm90(q, k, w, topk, options=opts, order=order,
@@ -220,7 +221,8 @@ def test_thresholds_from_a_table_function_equal_the_triton_tables(monkeypatch, s
     place)."""
     monkeypatch.setattr(hytopk_sm90, "SAMPLE_CHUNK_ROWS", 64)
     q, k, w = int_inputs(2, 150, 2, 16, seed=samples)
-    opts = HyTopKOptions(scores_sm90=True, scores_sm90_sample_table=False, interpret_programs=2)
+    opts = HyTopKOptions(scores_sm90=True, scores_sm90_sample_min_rank=None,
+                         scores_sm90_sample_table=False, interpret_programs=2)
     want = hytopk_sm90.sample_thresholds(q, k, w, 8, samples, options=opts)
     calls = []
 
@@ -265,7 +267,8 @@ def test_a_failing_gluon_table_warns_once_and_the_triton_table_runs(monkeypatch)
 
     monkeypatch.setattr(indexer_scores_sm90, "indexer_table_sm90", failing)
     q, k, w = int_inputs(1, 90, 2, 16, seed=3)
-    opts = HyTopKOptions(scores_sm90=True, scores_sm90_sample_table=False, interpret_programs=2)
+    opts = HyTopKOptions(scores_sm90=True, scores_sm90_sample_min_rank=None,
+                         scores_sm90_sample_table=False, interpret_programs=2)
     want = hytopk_sm90.sample_thresholds(q, k, w, 8, 16, options=opts)
     gluon = replace(opts, scores_sm90_sample_table=True)
     with pytest.warns(RuntimeWarning, match="Gluon sample table cannot run.*simulated"):
@@ -321,7 +324,8 @@ def test_fp8_matches_the_reference_on_the_same_quantized_inputs(order):
     assert not torch.equal(k_scale[0], k_scale[1]) and not torch.equal(q_scale[0], q_scale[1])
     assert k_scale.unique().numel() > 1 and q_scale.unique().numel() > 1
     want = hytopk(q, k, w, 12, precision="fp8", backend="reference", order=order)
-    opts = HyTopKOptions(scores_sm90=True, scores_sm90_samples=16, interpret_programs=2)
+    opts = HyTopKOptions(scores_sm90=True, scores_sm90_samples=16,
+                         scores_sm90_sample_min_rank=None, interpret_programs=2)
     stats = torch.zeros(2, dtype=torch.int64, device=DEV)
     got = hytopk_sm90.hytopk_sm90(q8, k8, w, 12, options=opts, order=order,
                                   filter_fn=torch_filter, select_fn=torch_select,
@@ -491,6 +495,7 @@ def test_folded_query_matches_the_reference(samples):
     w = w * 101.0
     want = hytopk(q, k, w, 12, relu=False, backend="reference")
     opts = HyTopKOptions(scores_sm90=True, scores_sm90_samples=samples,
+                         scores_sm90_sample_min_rank=None,  # the sample as given
                          scores_sm90_sample_table=False, interpret_programs=2)
     stats = torch.zeros(2, dtype=torch.int64, device=DEV)
     seen = []
@@ -512,6 +517,8 @@ def test_folded_query_matches_the_reference(samples):
                                           ("scores_sm90_min_keys", True),
                                           ("scores_sm90_folded_min_keys", 0),
                                           ("scores_sm90_folded_min_keys", 2.0),
+                                          ("scores_sm90_sample_min_rank", 0),
+                                          ("scores_sm90_sample_min_rank", True),
                                           ("scores_sm90_sample_pick", "sort"),
                                           ("scores_sm90_scan_slots", 1),
                                           ("scores_sm90_mma_ahead", None),
@@ -543,6 +550,55 @@ def test_bad_sample_count_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="scores_sm90_samples = 16385 .*sample_pick='radix'"):
         why(wide)
     why(replace(wide, scores_sm90_sample_pick="topk"))  # past the pick's check: no raise
+
+
+def test_the_sample_grows_past_128k_keys_at_top_2048():
+    """scores_sm90_sample_min_rank: 2048 sampled keys up to 128K keys at top-2048 (stride 64: a
+    row's threshold about its 48th best sample), then stride 64 (4096 at 256K, 16384 at 1M), at
+    most what the radix pick holds (not with the torch.topk pick), never below the option's
+    count nor past the keys; None: the option's count. Wide samples take fewer table rows a
+    chunk (whole quanta, at least one)."""
+    count, opts = hytopk_sm90.sample_count, HyTopKOptions.DEFAULT
+    assert opts.scores_sm90_sample_min_rank == 48 and opts.scores_sm90_sample_pick == "radix"
+    assert [count(T, 2048, 2048, opts) for T in (16384, 131072, 131073, 262144, 1 << 20)] == [
+        2048, 2048, 2049, 4096, 16384]
+    assert count(1 << 21, 2048, 2048, opts) == row_rank.MAX_COLUMNS
+    topk_pick = replace(opts, scores_sm90_sample_pick="topk")
+    assert count(1 << 21, 2048, 2048, topk_pick) == 32768
+    assert count(131072, 512, 2048, opts) == 8192  # stride 16 at top-512
+    assert count(1 << 20, 2048, 32768, topk_pick) == 32768  # the option's count at least
+    assert count(150, 8, 16, opts) == 150  # stride 1: every key
+    fixed = replace(opts, scores_sm90_sample_min_rank=None)
+    assert count(1 << 20, 2048, 2048, fixed) == 2048
+    assert [hytopk_sm90.sample_chunk_rows(n) for n in (16, 2048, 16384, 32768, 1 << 20)] == [
+        8192, 8192, 8192, 4096, hytopk_sm90.SAMPLE_ROW_QUANTUM]
+
+
+def test_rows_seeing_at_most_the_cap_keep_every_key(monkeypatch):
+    """A row seeing at most survivor_cap(topk) keys gets no threshold (-inf): all its keys
+    survive and it is never redone, where a threshold from a one-key sample misses most rows
+    past topk; the later rows are redone and the output is the reference's."""
+    q, k, w = int_inputs(2, 96, 2, 16, seed=5)
+    cap = hytopk_sm90.survivor_cap(12)
+    redone = []
+    redo = hytopk_sm90.redo_rows
+
+    def spy(*args, **kwargs):
+        redone.append(args[4].clone())
+        return redo(*args, **kwargs)
+
+    monkeypatch.setattr(hytopk_sm90, "redo_rows", spy)
+    opts = HyTopKOptions(scores_sm90=True, scores_sm90_samples=1,
+                         scores_sm90_sample_min_rank=None, scores_sm90_sample_table=False,
+                         interpret_programs=2)
+    tau = hytopk_sm90.sample_thresholds(q, k, w, 12, 1, options=opts)
+    assert bool(torch.isinf(tau[:, :cap]).all()) and bool(torch.isfinite(tau[:, cap:]).all())
+    want = hytopk(q, k, w, 12, backend="reference")
+    (idx, val), stats = run(q, k, w, 12, 1)
+    assert torch.equal(idx, want[0]) and torch.equal(val, want[1])
+    (mask,) = redone
+    assert not mask[:, :cap].any() and mask[:, cap:].any()
+    assert stats[0] == mask.sum()
 
 
 def test_the_folded_query_on_the_fp32_triton_variant_is_not_taken(monkeypatch):

@@ -14,7 +14,9 @@ the visible keys and last.
 Algorithm: (1) every `stride`-th key is scored for every row (HyTopK's score-table kernel over
 those keys, or the Gluon kernel's table epilogue: `scores_sm90_sample_table`): a row's
 threshold is the sample score ranked where SURVIVOR_MARGIN x topk of its visible keys would
-rank (picked as `scores_sm90_sample_pick` says); (2) `indexer_filter_sm90` appends each row's
+rank (picked as `scores_sm90_sample_pick` says; the stride shrinks with S so that this rank
+stays near `scores_sm90_sample_min_rank`, and a row seeing at most the cap's keys keeps them
+all); (2) `indexer_filter_sm90` appends each row's
 scores at or above its threshold as packed int64 keys (score, then the smaller index), at most
 `survivor_cap(topk)` a row; (3) each row's top-k of its survivors (`select_survivors`: HyTopK's
 radix select and row sort on the packed keys, in the caller's order). A row with fewer
@@ -49,8 +51,12 @@ FOLDED_GLUON_HEADS = 4
 CAP_FACTOR = 2
 # Bytes of the survivor buffer a chunk of rows (plus torch.topk's temporaries of that size).
 CHUNK_BYTES = 512 << 20
-# Rows a chunk of the sample's score table (fp32 [rows, samples]).
+# Rows a chunk of the sample's score table (fp32 [rows, samples]), at most; fewer where the
+# sample is wide (`scores_sm90_sample_min_rank` at long S), so a chunk stays within
+# SAMPLE_CHUNK_BYTES, in multiples of SAMPLE_ROW_QUANTUM (whole row tiles of both tables).
 SAMPLE_CHUNK_ROWS = 8192
+SAMPLE_CHUNK_BYTES = 512 << 20
+SAMPLE_ROW_QUANTUM = 1024
 # The rows redone by the Triton kernel go in multiples of this (the last one repeated): its
 # launch takes the row count and the row blocks as integer arguments, which Triton
 # specializes (== 1, divisible by 16), so a count that changes every call would compile
@@ -163,17 +169,38 @@ def folded_parts(q: torch.Tensor, w: torch.Tensor, *, part_major: bool = False
     return hk.folded_heads(q, w, heads=FOLDED_GLUON_HEADS, part_major=part_major)
 
 
+def sample_count(T: int, topk: int, samples: int, options: HyTopKOptions) -> int:
+    """Keys the thresholds' sample scores over T keys: at least `samples`, more where
+    options.scores_sm90_sample_min_rank asks (stride <= SURVIVOR_MARGIN x topk / min rank), at
+    most row_rank.MAX_COLUMNS with the radix pick (never below `samples`)."""
+    min_rank = options.scores_sm90_sample_min_rank
+    if min_rank is None:
+        return samples
+    stride = max(1, math.floor(SURVIVOR_MARGIN * topk / min_rank))
+    wanted = max(samples, math.ceil(T / stride))
+    if options.scores_sm90_sample_pick == "radix":
+        wanted = min(wanted, max(samples, row_rank.MAX_COLUMNS))
+    return min(wanted, T)
+
+
+def sample_chunk_rows(samples: int) -> int:
+    """Rows a chunk of the sample's table: SAMPLE_CHUNK_ROWS, fewer for a wide sample."""
+    fit = SAMPLE_CHUNK_BYTES // (4 * samples) // SAMPLE_ROW_QUANTUM * SAMPLE_ROW_QUANTUM
+    return min(SAMPLE_CHUNK_ROWS, max(SAMPLE_ROW_QUANTUM, fit))
+
+
 def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,
                       samples: int, *, options: HyTopKOptions,
                       table_fn: TableFn | None = None,
                       k_scale: torch.Tensor | None = None, relu: bool = True) -> torch.Tensor:
     """fp32 [B, T]: each row's threshold, the score of its r-th best visible sampled key, r =
-    ceil(SURVIVOR_MARGIN x topk x visible samples / visible keys); -inf where a row sees at most
-    topk keys (it takes them all). The sample's scores from table_fn (tests pass a plain-torch
-    one), else the Gluon table (`options.scores_sm90_sample_table`; a failure of it warns once
-    and the Triton one takes over), else HyTopK's Triton score-table kernel. e4m3 q and k
-    (k_scale: their keys' scales, w: the head weights times q's scales) take the Gluon table
-    always: the Triton table has no scales. relu=False: q the folded query's bf16 parts
+    ceil(SURVIVOR_MARGIN x topk x visible samples / visible keys), over `sample_count` keys
+    (`samples` at least); -inf where a row sees at most survivor_cap(topk) keys (all of them
+    survive: such a row is never redone). The sample's scores from table_fn (tests pass a
+    plain-torch one), else the Gluon table (`options.scores_sm90_sample_table`; a failure of it
+    warns once and the Triton one takes over), else HyTopK's Triton score-table kernel. e4m3 q
+    and k (k_scale: their keys' scales, w: the head weights times q's scales) take the Gluon
+    table always: the Triton table has no scales. relu=False: q the folded query's bf16 parts
     (`folded_parts`; the Gluon table reads them part-major where q is stored so), w their
     weights."""
     fp8 = k_scale is not None
@@ -190,7 +217,8 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
         table_fn = partial(indexer_table_sm90, **({"part_major": True} if part_major else {}),
                            **({"head_sum_transpose": True} if transpose else {}))
     B, T = q.shape[:2]
-    stride = max(1, math.ceil(T / samples))
+    stride = max(1, math.ceil(T / sample_count(T, topk, samples, options)))
+    all_survive = min(survivor_cap(topk), T)  # rows 0 .. this - 1 keep every visible key
     sampled = torch.arange(0, T, stride, device=q.device)
     rows = torch.arange(T, device=q.device)
     # Ranks on the host (they depend on T, stride and topk only): no sync for their maxima.
@@ -201,12 +229,13 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
     rank = rank_host.to(q.device)
     tau = torch.full((B, T), float("-inf"), device=q.device)
     # Row blocks of the score-table kernel must start on its row tiles: chunks of whole blocks.
+    chunk_rows = sample_chunk_rows(sampled.numel())
     for b in range(B):
         k_s = k[b:b + 1, sampled].contiguous()
         keyed = {} if not fp8 else {"k_scale": k_scale[b:b + 1, sampled].contiguous()}
-        for t0 in range(0, T, SAMPLE_CHUNK_ROWS):
-            t1 = min(t0 + SAMPLE_CHUNK_ROWS, T)
-            if t1 <= topk:  # rows seeing at most topk keys keep -inf
+        for t0 in range(0, T, chunk_rows):
+            t1 = min(t0 + chunk_rows, T)
+            if t1 <= all_survive:  # rows keeping every visible key keep -inf
                 continue
             table = None
             if table_fn is not None:
@@ -231,7 +260,9 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
             else:
                 tau[b, t0:t1] = row_rank.rank_values_reference(
                     table, r, max_rank=int(rank_host[t0:t1].max()))
-    tau[:, :topk] = float("-inf")  # rows 0 .. topk - 1 see at most topk keys
+    # A row seeing at most the cap's keys keeps them all: it cannot miss (counts == visible
+    # keys), where a threshold from few visible samples (rows just past topk) often would.
+    tau[:, :all_survive] = float("-inf")
     return tau
 
 

@@ -246,8 +246,18 @@ class HyTopKOptions:
     # in key order (the layers'), against 8.46 / 13.14 / 31.60 / 80.1-80.6; shorter ranges
     # were not timed. (With the Triton sample, 2026-12-06: 95.9 against 81.2 ms at 128K.)
     scores_sm90_folded_min_keys: int | None = 16384
-    # Keys scored for the thresholds (every max(1, ceil(S / this))-th key, for every row).
+    # Keys scored for the thresholds (every max(1, ceil(S / this))-th key, for every row), at
+    # least; more at long S by scores_sm90_sample_min_rank.
     scores_sm90_samples: int = 2048
+    # The sample grows with S so that a row's threshold is about its r-th best sampled key,
+    # r >= this (stride <= SURVIVOR_MARGIN x topk / this): the survivor count's relative error
+    # goes as 1 / sqrt(r), and a row off by more than the margin is redone by the Triton kernel
+    # (one row scan over all its keys). With a fixed 2048 keys r falls as 1 / S: 48 at 128K and
+    # top-2048, where 1.6-1.7% of rows were redone (H100, 2026-12-07, random inputs), 6 at 1M,
+    # where a model of the sampled quantile gives ~40%. 48 keeps 128K's sample (2048 keys at
+    # top-2048) and grows it beyond (4096 keys at 256K, 16384 at 1M; at most
+    # `row_rank.MAX_COLUMNS` with sample_pick "radix"). None: exactly scores_sm90_samples.
+    scores_sm90_sample_min_rank: int | None = 48
     # With the slot atomics (scores_sm90_scan_slots=False) and ReLU: the Gluon filter stores a
     # key tile's survivors while the next tile's product runs, not right after their slot
     # atomics return (which stalls the consumer on an L2 round trip most tiles); False: stored
@@ -352,13 +362,15 @@ class HyTopKOptions:
         if self.scores_sm90_sample_pick not in SAMPLE_PICKS:
             raise ValueError(f"HyTopKOptions.scores_sm90_sample_pick must be one of "
                              f"{SAMPLE_PICKS}, got {self.scores_sm90_sample_pick!r}")
-        for name in ("scores_sm90_min_keys", "scores_sm90_folded_min_keys"):
+        for name in ("scores_sm90_min_keys", "scores_sm90_folded_min_keys",
+                     "scores_sm90_sample_min_rank"):
             value = getattr(self, name)
-            if value is None and name == "scores_sm90_folded_min_keys":
+            if value is None and name != "scores_sm90_min_keys":
                 continue
             if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"HyTopKOptions.{name} must be an int >= 1"
-                                 f"{' or None' if 'folded' in name else ''}, got {value!r}")
+                                 f"{'' if name == 'scores_sm90_min_keys' else ' or None'}, "
+                                 f"got {value!r}")
 
     DEFAULT: ClassVar[HyTopKOptions]
 
