@@ -96,7 +96,8 @@ For each config and sequence length T (B = 1, S = T, causal; config qsa: S = T /
              hytopk_scores_sm90_fixed_sample_key: today's default path in key order with
              the sample fixed at scores_sm90_samples keys (scores_sm90_sample_min_rank=None:
              as before it, past 128K keys at top-2048 fewer samples a row's threshold ranks
-             among, more rows redone);
+             among, more rows redone); hytopk_scores_sm90_rank96_key: that with
+             scores_sm90_sample_min_rank=96 (twice the sample from 64K keys at top-2048);
              hytopk_scores_sm90_current: today's default path (score order);
              hytopk_scores_sm90_current_key: that in key order (the layers'), reporting
              path_ms (its steps as the op runs them, timed apart: fold, sample, filter,
@@ -990,6 +991,10 @@ GLUON_SELECTIONS = {
     "hytopk_scores_sm90_fixed_sample_key": dict(_SCAN_KEY, mma_ahead=True,
                                                 folded_part_major=True, direct_select=True,
                                                 sample_min_rank=None),
+    # That with twice the sample (a row's threshold near its 96th best sampled key: from 64K
+    # keys at top-2048), fewer rows redone for a sample table twice as wide.
+    "hytopk_scores_sm90_rank96_key": dict(_SCAN_KEY, mma_ahead=True, folded_part_major=True,
+                                          direct_select=True, sample_min_rank=96),
     # Today's default path in key order with the head sum's quad step as a layout change.
     "hytopk_scores_sm90_transpose_key": dict(_SCAN_KEY, mma_ahead=True, folded_part_major=True,
                                              direct_select=True, head_sum_transpose=True),

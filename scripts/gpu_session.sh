@@ -1054,13 +1054,15 @@ case "$stage" in
   sample-growth)
     # Issue #21: the thresholds' sample grown past 128K keys (scores_sm90_sample_min_rank, a
     # row's threshold at about its 48th best sampled key) against the fixed 2048-key sample
-    # (hytopk_scores_sm90_fixed_sample_key), beside cuDNN's selection in key order, with the
+    # (hytopk_scores_sm90_fixed_sample_key) and a sample twice as wide from 64K keys
+    # (hytopk_scores_sm90_rank96_key), beside cuDNN's selection in key order, with the
     # redone rows' share and the default path's steps (path_ms: rows 2048 .. 4095 no longer
     # redone at 16K). 256K: ~0.6 s (GLM-5.1) to 1.2 s (V3.2) a call on an H100.
     # shellcheck disable=SC2086  # lengths split on purpose
     timeout "${GROWTH_S:-420}" python3 scripts/bench_selection.py \
       --T ${GROWTH_T:-16384 131072 262144} --configs glm51 dsv32 --reps 2 --rounds 2 \
-      --methods hytopk_scores_sm90_current_key hytopk_scores_sm90_fixed_sample_key cudnn_key \
+      --methods hytopk_scores_sm90_current_key hytopk_scores_sm90_fixed_sample_key \
+      hytopk_scores_sm90_rank96_key cudnn_key \
       --tag _sample_growth --out "$out" 2>&1 | grep -v -i warn \
       | grep -E "^random|Error|error" | cut -c1-400 | tee "$out/bench_selection_sample_growth.log"
     ;;

@@ -574,6 +574,29 @@ def test_the_sample_grows_past_128k_keys_at_top_2048():
         8192, 8192, 8192, 4096, hytopk_sm90.SAMPLE_ROW_QUANTUM]
 
 
+def test_the_thresholds_take_the_grown_sample():
+    """sample_thresholds scores every floor(SURVIVOR_MARGIN x topk / min rank)-th key where the
+    option's sample is sparser (min rank 3 at top-8: every 4th key, not every 10th), the same
+    thresholds as a sample of that many keys given outright."""
+    q, k, w = int_inputs(2, 150, 2, 16, seed=9)
+    strides = []
+
+    def table(*args, **kwargs):
+        strides.append(args[3])
+        return torch_table(*args, **kwargs)
+
+    opts = HyTopKOptions(scores_sm90=True, scores_sm90_sample_min_rank=3,
+                         scores_sm90_sample_table=False, interpret_programs=2)
+    grown = hytopk_sm90.sample_thresholds(q, k, w, 8, 15, options=opts, table_fn=table)
+    assert set(strides) == {4}
+    fixed = replace(opts, scores_sm90_sample_min_rank=None)
+    assert torch.equal(grown, hytopk_sm90.sample_thresholds(q, k, w, 8, 38, options=fixed,
+                                                            table_fn=table))
+    assert set(strides) == {4}
+    hytopk_sm90.sample_thresholds(q, k, w, 8, 15, options=fixed, table_fn=table)
+    assert strides[-1] == 10
+
+
 def test_rows_seeing_at_most_the_cap_keep_every_key(monkeypatch):
     """A row seeing at most survivor_cap(topk) keys gets no threshold (-inf): all its keys
     survive and it is never redone, where a threshold from a one-key sample misses most rows
