@@ -557,7 +557,7 @@ def run_hytopk_default(q, k, w, topk, relu, order="score"):
 # DEFAULT's.
 FIRST_GLUON_PATH = dict(defer_store=True, sample_table=False, sample_pick="topk",
                         scan_slots=False, mma_ahead=False, folded_part_major=False,
-                        direct_select=False)
+                        direct_select=False, sample_min_rank=None)
 
 
 def run_hytopk_scores_sm90(q, k, w, topk, relu, stats=None, order="score", **fields):
@@ -979,9 +979,10 @@ GLUON_SELECTIONS = {
     # Today's default path (2026-12-07): the product ahead, the folded parts part-major, the
     # survivors' select written straight to the rows (in score order the row sort remains).
     "hytopk_scores_sm90_current": dict(_TABLE_RADIX, scan_slots=True, mma_ahead=True,
-                                       folded_part_major=True, direct_select=True),
+                                       folded_part_major=True, direct_select=True,
+                                       sample_min_rank=48),
     "hytopk_scores_sm90_current_key": dict(_SCAN_KEY, mma_ahead=True, folded_part_major=True,
-                                           direct_select=True),
+                                           direct_select=True, sample_min_rank=48),
     # The survivors' select written straight to the rows (no in-place compaction).
     "hytopk_scores_sm90_direct_key": dict(_SCAN_KEY, direct_select=True),
     "hytopk_scores_sm90_part_major_direct_key": dict(_SCAN_KEY, folded_part_major=True,
@@ -997,7 +998,8 @@ GLUON_SELECTIONS = {
                                           direct_select=True, sample_min_rank=96),
     # Today's default path in key order with the head sum's quad step as a layout change.
     "hytopk_scores_sm90_transpose_key": dict(_SCAN_KEY, mma_ahead=True, folded_part_major=True,
-                                             direct_select=True, head_sum_transpose=True),
+                                             direct_select=True, head_sum_transpose=True,
+                                             sample_min_rank=48),
 }
 
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One lent-GPU session in a few full calls (each under the device tool's 10-minute limit), run
 # from the repository root on the H200 with `carry: [".whl"]`:
-#   bash scripts/gpu_session.sh verify [ops|layers]  # GPU op tests (HyTopK, sparse
+#   bash scripts/gpu_session.sh verify [ops|hytopk|layers]  # GPU op tests (HyTopK, sparse
 #                                         # attention, indexer loss) + the layer tests on CUDA
-#                                         # (~4 min warm; on a fresh machine ~11 min: run
-#                                         # `verify ops` and `verify layers` as two calls)
+#                                         # (~4 min warm; on a fresh machine ~16 min: run
+#                                         # `verify ops`, `verify hytopk`, `verify layers` as
+#                                         # three calls)
 #   bash scripts/gpu_session.sh tests PATH...  # the named test files or nodes on CUDA in one
 #                                         # pytest (GPU-marked ones included), each failure's
 #                                         # traceback to failures.log as it happens; the limit
@@ -447,13 +448,18 @@ case "$stage" in
     : > "$out/tests.log"; : > "$out/summary.txt"; : > "$out/failures.log"
     # tests/conftest.py appends each failure's traceback here as it happens.
     HYSCALE_FAILURE_LOG=$(cd "$out" && pwd)/failures.log; export HYSCALE_FAILURE_LOG
-    # `verify ops` or `verify layers` runs one half: on a fresh machine (2026-12-07, H100, cold
-    # Triton cache) the ops files took ~60 + 175 + 80 + 357 s and the layers ~300 s, more than
-    # one call's 600 s together.
+    # `verify ops`, `verify hytopk` or `verify layers` runs one part: on a fresh machine
+    # (2026-12-07, H100, cold Triton cache) the indexer-loss, sparse-attention and forward
+    # files took ~60 + 175 + 80 s, HyTopK's 357 s and the layers ~300 s, more than one call's
+    # 600 s together; warm, `verify` alone fits one call (~4 min).
     part=${1:-all}
-    case "$part" in all|ops|layers) ;; *) echo "gpu_session.sh verify: [ops|layers]" >&2; exit 2;; esac
-    specs="indexer_loss:100 sparse_attention:240 sparse_mla_fwd_sm90:120 hytopk:420"
-    [ "$part" = layers ] && specs=""
+    case "$part" in
+      all) specs="indexer_loss:100 sparse_attention:240 sparse_mla_fwd_sm90:120 hytopk:420" ;;
+      ops) specs="indexer_loss:100 sparse_attention:240 sparse_mla_fwd_sm90:120" ;;
+      hytopk) specs="hytopk:420" ;;
+      layers) specs="" ;;
+      *) echo "gpu_session.sh verify: [ops|hytopk|layers]" >&2; exit 2 ;;
+    esac
     fail=0
     for spec in $specs; do
       f=tests/ops/test_${spec%%:*}_gpu.py name=test_${spec%%:*}_gpu
@@ -465,7 +471,7 @@ case "$stage" in
       cat "$out/current.log" >> "$out/tests.log"
       echo "$name rc=$rc: $(verdict "$out/current.log")" | tee -a "$out/summary.txt"
     done
-    if [ "$part" = ops ]; then
+    if [ "$part" = ops ] || [ "$part" = hytopk ]; then
       rm -f "$out/current.log"
       grep -h -E "^(FAILED|E  )|^[^ ]*\.py:[0-9]+: " "$out/failures.log" | cut -c1-400 | head -40 || true
       exit $fail

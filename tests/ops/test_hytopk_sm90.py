@@ -839,7 +839,8 @@ def test_bench_path_phases_time_the_ops_own_steps(monkeypatch):
                         torch_select(keys, counts, topk, order=order, options=options))
     monkeypatch.setattr(hytopk_sm90, "CHUNK_BYTES", 8 * hytopk_sm90.survivor_cap(6) * 16)
     monkeypatch.setattr(HyTopKOptions, "DEFAULT", replace(
-        HyTopKOptions.DEFAULT, scores_sm90_samples=4, interpret_programs=2))
+        HyTopKOptions.DEFAULT, scores_sm90_samples=4, scores_sm90_sample_min_rank=None,
+        interpret_programs=2))
     timed = []
     monkeypatch.setattr(sel, "time_ms", lambda fn, reps, warmup: timed.append(fn()) or 1.0)
     q, k, w = int_inputs(1, 40, 2, 16, seed=6)
@@ -969,15 +970,16 @@ def test_gluon_filter_matches_the_torch_filter(H, defer_store, scan_slots, ahead
 @pytest.mark.parametrize("H", [64, 32])
 def test_the_op_matches_the_reference_at_real_size(H, scan_slots, mma_ahead, direct,
                                                    transpose):
-    """hytopk(options.scores_sm90) at T = 4096 + 5, topk 2048, batch 2, integer inputs (ties:
-    some rows redone), an all-zero row: the reference's rows bit for bit, in score and in key
+    """hytopk(options.scores_sm90) at T = 8192 + 5, topk 2048, batch 2, integer inputs (ties;
+    rows past the cap's 4096 keys on a sampled threshold), an all-zero row past the cap
+    (redone): the reference's rows bit for bit, in score and in key
     order (scan_slots: the filter's key-ordered buffers, order "key" without the row sort;
     mma_ahead: scores_sm90_mma_ahead; direct: scores_sm90_direct_select; transpose:
     scores_sm90_head_sum_transpose, in the filter and the sample table)."""
     from megatron_hyscale.ops.key_order import sort_rows_by_key
 
-    q, k, w = int_inputs(2, 4101, H, 128, seed=H + 1)
-    q[0, 3000] = 0  # every score 0: over the cap, redone
+    q, k, w = int_inputs(2, 8197, H, 128, seed=H + 1)
+    q[0, 6000] = 0  # every score 0, 6001 keys: all tie at the threshold, over the cap, redone
     opts = HyTopKOptions(scores_sm90=True, scores_sm90_scan_slots=scan_slots,
                          scores_sm90_mma_ahead=mma_ahead, scores_sm90_direct_select=direct,
                          scores_sm90_head_sum_transpose=transpose)
@@ -1002,13 +1004,13 @@ def test_fp8_gluon_filter_and_op(H, monkeypatch):
     """e4m3 q and k (integer-valued, scales varying by key, token and batch): the Gluon
     filter's counts and survivors equal the plain-torch filter's on the same quantized
     inputs, and ops.hytopk(precision="fp8", options.scores_sm90: fp8 products, the sample on
-    the Gluon table) runs the Gluon filter and gives the reference's rows at T = 2053, batch
-    2."""
+    the Gluon table) runs the Gluon filter and gives the reference's rows at T = 4101, batch
+    2 (rows past the cap's 2048 keys on a sampled threshold)."""
     from megatron_hyscale.ops import fp8_quant
     from megatron_hyscale.ops.kernels import indexer_scores_sm90
 
     indexer_filter_sm90 = indexer_scores_sm90.indexer_filter_sm90
-    q, k, w = int_inputs(2, 2053, H, 128, seed=H + 7)
+    q, k, w = int_inputs(2, 4101, H, 128, seed=H + 7)
     q, k = two_scales(q, k)
     q8, q_scale, k8, k_scale = fp8_quant.quantize_indexer(q, k)
     w_eff = w * q_scale
@@ -1036,12 +1038,13 @@ def test_folded_gluon_filter_and_op(monkeypatch):
     """relu=False (the folded query's bf16 parts, 4 "heads", 32 rows a consumer): the Gluon
     filter's counts and survivors equal the torch filter's on the same parts, and
     ops.hytopk(relu=False, options.scores_sm90=True) runs it and gives the reference's rows at
-    T = 2053, batch 2 (integer inputs, a folded query of two bf16 parts); random bf16 at 8K:
+    T = 4101, batch 2 (integer inputs, a folded query of two bf16 parts; rows past the cap's
+    2048 keys on a sampled threshold); random bf16 at 8K:
     the Triton kernel's rows on nearly every row."""
     from megatron_hyscale.ops.kernels import indexer_scores_sm90
 
     indexer_filter_sm90 = indexer_scores_sm90.indexer_filter_sm90
-    q, k, w = int_inputs(2, 2053, 32, 128, seed=9)
+    q, k, w = int_inputs(2, 4101, 32, 128, seed=9)
     w = w * 101.0
     q4, w4 = hytopk_sm90.folded_parts(q, w)
     assert_gluon_filter_matches(indexer_filter_sm90, q4, k, w4, relu=False)
@@ -1093,9 +1096,9 @@ def test_folded_gluon_filter_and_op(monkeypatch):
 @pytest.mark.parametrize("H", [64, 32])
 def test_gluon_sample_table_gives_the_same_thresholds_and_rows(H):
     """scores_sm90_sample_table: the thresholds from the Gluon table equal the Triton table's
-    on integer inputs (T = 4101, batch 2), by either scores_sm90_sample_pick, and the op's
-    rows are the reference's."""
-    q, k, w = int_inputs(2, 4101, H, 128, seed=H + 3)
+    on integer inputs (T = 8197, batch 2: rows past the cap's 4096 keys take them), by either
+    scores_sm90_sample_pick, and the op's rows are the reference's."""
+    q, k, w = int_inputs(2, 8197, H, 128, seed=H + 3)
     opts = HyTopKOptions(scores_sm90=True, scores_sm90_sample_table=False)
     gluon = replace(opts, scores_sm90_sample_table=True)
     want = hytopk_sm90.sample_thresholds(q, k, w, 2048, 512, options=opts)

@@ -180,7 +180,7 @@ def sample_count(T: int, topk: int, samples: int, options: HyTopKOptions) -> int
     wanted = max(samples, math.ceil(T / stride))
     if options.scores_sm90_sample_pick == "radix":
         wanted = min(wanted, max(samples, row_rank.MAX_COLUMNS))
-    return min(wanted, T)
+    return max(1, min(wanted, T))
 
 
 def sample_chunk_rows(samples: int) -> int:

@@ -211,7 +211,8 @@ class HyTopKOptions:
     maxnreg: int | None = None
     # The selection from the warp-specialized Gluon indexer scores (`kernels/hytopk_sm90.py`;
     # the scores alone ran at 1.15-1.24x the GEMM floor on an H100): a threshold per row from
-    # every (T / scores_sm90_samples)-th key's score, the Gluon kernel appending each row's
+    # every (T / scores_sm90_samples)-th key's score (more keys at long T:
+    # scores_sm90_sample_min_rank), the Gluon kernel appending each row's
     # scores at or above it, the exact top-k of those survivors; rows whose threshold missed
     # (too few or too many survivors) are redone by the Triton kernel, so the outputs are
     # exact whatever the sample, for the scores each row was selected on (the Gluon kernel's
@@ -256,7 +257,9 @@ class HyTopKOptions:
     # top-2048, where 1.6-1.7% of rows were redone (H100, 2026-12-07, random inputs), 6 at 1M,
     # where a model of the sampled quantile gives ~40%. 48 keeps 128K's sample (2048 keys at
     # top-2048) and grows it beyond (4096 keys at 256K, 16384 at 1M; at most
-    # `row_rank.MAX_COLUMNS` with sample_pick "radix"). None: exactly scores_sm90_samples.
+    # `row_rank.MAX_COLUMNS` with sample_pick "radix"). A smaller topk grows it from shorter
+    # S (top-1024 from 64K, top-512 from 32K: 4x the sample at 128K), untimed so far.
+    # None: exactly scores_sm90_samples.
     scores_sm90_sample_min_rank: int | None = 48
     # With the slot atomics (scores_sm90_scan_slots=False) and ReLU: the Gluon filter stores a
     # key tile's survivors while the next tile's product runs, not right after their slot
