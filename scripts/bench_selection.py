@@ -639,12 +639,10 @@ def scores_sm90_phases(q, k, w, topk, reps, relu=True):
     # (every row seeing keys), as often as the sample has chunks.
     from megatron_hyscale.ops.kernels.indexer_scores_sm90 import indexer_table_sm90
 
-    samples = hytopk_sm90.sample_count(T, topk, opts.scores_sm90_samples, opts)
-    stride = max(1, math.ceil(T / samples))
-    chunk_rows = hytopk_sm90.sample_chunk_rows(math.ceil(T / stride))
-    s0 = max(0, T - chunk_rows)
-    sample_chunks = sum(1 for c0 in range(0, T, chunk_rows)
-                        if min(c0 + chunk_rows, T) > min(cap, T))
+    plan = hytopk_sm90.sample_plan(T, topk, opts.scores_sm90_samples, opts)
+    stride = plan.stride
+    s0 = max(0, T - plan.chunk_rows)
+    sample_chunks = len(plan.chunks)
     try:
         table = indexer_table_sm90(q[:1], k[:1, ::stride].contiguous(), w[:1], stride, s0, T,
                                    relu=relu)[0]

@@ -422,9 +422,9 @@ case "$stage" in
   cudnn-*|tilelang-kernels|loss-variants|ncu-selection|ncu-attention|scores-sm90|filter-sm90\
   |profile-layers|models|loss-bwd-probe|mla-projections|norms|loss-bwd-sm90|selection-lse\
   |fwd-ws|key-tma|bwd-sm90|bwd-atomics|flashmla-pair|lockstep-triton|sample-pick|mma-ahead\
-  |direct-select|selection-rounds|path-phases|head-sum-transpose)
+  |direct-select|selection-rounds|path-phases|head-sum-transpose|sample-growth)
     case "$stage" in cudnn-*|tilelang-kernels|flashmla-pair|selection-rounds|path-phases\
-      |head-sum-transpose)
+      |head-sum-transpose|sample-growth)
       [ -d .carry/site/nvidia_cutlass_dsl ] || {
         echo "gpu_session.sh $stage: run scripts/gpu_cudnn.sh 1 and 2 first (same warm machine)" \
           >&2

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -189,6 +190,27 @@ def sample_chunk_rows(samples: int) -> int:
     return min(SAMPLE_CHUNK_ROWS, max(SAMPLE_ROW_QUANTUM, fit))
 
 
+class SamplePlan(NamedTuple):
+    """How `sample_thresholds` samples T keys: every `stride`-th key; rows 0 .. first_row - 1
+    keep every visible key (at most the cap's: no threshold); the [t0, t1) row chunks of
+    chunk_rows rows a table is scored for (those with a row from first_row on)."""
+
+    stride: int
+    first_row: int
+    chunk_rows: int
+    chunks: tuple[tuple[int, int], ...]
+
+
+def sample_plan(T: int, topk: int, samples: int, options: HyTopKOptions) -> SamplePlan:
+    """`sample_thresholds`' plan over T keys (`sample_count` keys, `sample_chunk_rows`)."""
+    stride = max(1, math.ceil(T / sample_count(T, topk, samples, options)))
+    first_row = min(survivor_cap(topk), T)
+    rows = sample_chunk_rows(math.ceil(T / stride))
+    chunks = tuple((t0, min(t0 + rows, T)) for t0 in range(0, T, rows)
+                   if min(t0 + rows, T) > first_row)
+    return SamplePlan(stride, first_row, rows, chunks)
+
+
 def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,
                       samples: int, *, options: HyTopKOptions,
                       table_fn: TableFn | None = None,
@@ -217,8 +239,8 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
         table_fn = partial(indexer_table_sm90, **({"part_major": True} if part_major else {}),
                            **({"head_sum_transpose": True} if transpose else {}))
     B, T = q.shape[:2]
-    stride = max(1, math.ceil(T / sample_count(T, topk, samples, options)))
-    all_survive = min(survivor_cap(topk), T)  # rows 0 .. this - 1 keep every visible key
+    plan = sample_plan(T, topk, samples, options)
+    stride = plan.stride
     sampled = torch.arange(0, T, stride, device=q.device)
     rows = torch.arange(T, device=q.device)
     # Ranks on the host (they depend on T, stride and topk only): no sync for their maxima.
@@ -229,14 +251,10 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
     rank = rank_host.to(q.device)
     tau = torch.full((B, T), float("-inf"), device=q.device)
     # Row blocks of the score-table kernel must start on its row tiles: chunks of whole blocks.
-    chunk_rows = sample_chunk_rows(sampled.numel())
     for b in range(B):
         k_s = k[b:b + 1, sampled].contiguous()
         keyed = {} if not fp8 else {"k_scale": k_scale[b:b + 1, sampled].contiguous()}
-        for t0 in range(0, T, chunk_rows):
-            t1 = min(t0 + chunk_rows, T)
-            if t1 <= all_survive:  # rows keeping every visible key keep -inf
-                continue
+        for t0, t1 in plan.chunks:
             table = None
             if table_fn is not None:
                 try:
@@ -262,7 +280,7 @@ def sample_thresholds(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: i
                     table, r, max_rank=int(rank_host[t0:t1].max()))
     # A row seeing at most the cap's keys keeps them all: it cannot miss (counts == visible
     # keys), where a threshold from few visible samples (rows just past topk) often would.
-    tau[:, :all_survive] = float("-inf")
+    tau[:, :plan.first_row] = float("-inf")
     return tau
 
 
